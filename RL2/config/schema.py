@@ -1,0 +1,94 @@
+"""Typed config schemas shared by every trainer.
+
+The YAML files in `RL2/trainer/config/` choose values per trainer; these dataclasses fix the key
+names, types and help texts. `RL2.config.cli.parse_config` merges schema <- YAML <- command line,
+so an unknown key or a value of the wrong type fails at start with the key's full name.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with a default and a one-line help text (shown by `--help`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    if isinstance(default, type):  # a nested config: build a fresh instance each time
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class SplitConfig:
+    path: str | None = opt(None, "JSON/JSONL/CSV/Parquet/Arrow file, save_to_disk folder or hub name; 'split@path' picks a split")
+    max_length: int = opt(2048, "sequences longer than this many tokens are truncated")
+    batch_size: int = opt(32, "examples (prompts for RL, pairs for DPO/RM) per optimizer step, over all ranks")
+    prompt_key: str = opt("prompt", "column holding the prompt (text, or a list of chat messages)")
+    response_key: str = opt("response", "column holding the response text (SFT)")
+    messages_key: str = opt("messages", "column holding a multi-turn conversation; loss only on assistant turns")
+    chosen_key: str = opt("chosen", "column holding the preferred response (DPO, RM)")
+    rejected_key: str = opt("rejected", "column holding the dispreferred response (DPO, RM)")
+    apply_chat_template: bool = opt(True, "format prompts with the tokenizer's chat template")
+
+
+@dataclass
+class DataConfig:
+    train: SplitConfig = opt(SplitConfig, "training split")
+    test: SplitConfig = opt(SplitConfig, "test split; when its path is empty, test_ratio of train is held out")
+    test_ratio: float = opt(0.0, "fraction of the training set held out as the test split when data.test.path is unset")
+    skip_bad_rows: bool = opt(False, "skip (and count) malformed rows instead of stopping with an error")
+    shuffle: bool = opt(True, "shuffle the training set every epoch (seeded by trainer.seed)")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(1e-5, "peak learning rate of AdamW")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = opt("constant", "learning-rate schedule after warmup: constant | cosine")
+    warmup_ratio: float = opt(0.0, "fraction of total steps spent warming up linearly from 0")
+    min_lr: float = opt(0.0, "floor of the cosine schedule (absolute learning rate)")
+
+
+@dataclass
+class ModelConfig:
+    model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the embedded default")
+    tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
+    dtype: str = opt("bfloat16", "compute dtype: bfloat16 | float16 | float32 (master weights stay float32)")
+    max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
+    enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
+    offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
+    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sequence first)")
+    tp_size: int = opt(1, "tensor-parallel degree")
+    cp_size: int = opt(1, "context-parallel degree")
+    ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")
+    optimizer: OptimizerConfig = opt(OptimizerConfig, "optimizer")
+    scheduler: SchedulerConfig = opt(SchedulerConfig, "learning-rate scheduler")
+
+
+@dataclass
+class TrainerConfig:
+    project: str = opt("RL2", "project name (wandb project)")
+    experiment_name: str = opt("run", "run name; default save_dir is ckpts/<experiment_name>")
+    n_epochs: int = opt(1, "passes over the training set")
+    total_steps: int | None = opt(None, "stop after this many optimizer steps (default: n_epochs worth)")
+    save_dir: str = opt("ckpts/${trainer.experiment_name}", "folder for checkpoints, metrics.jsonl and final models")
+    save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps")
+    load_ckpt_from: str | None = opt(None, "resume from 'latest' (in save_dir) or a step<N> folder")
+    use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
+    seed: int = opt(42, "seed for data order, initialisation and sampling")
+    test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end)")
+    device: str = opt("auto", "auto | cpu | cuda")
+
+
+@dataclass
+class SFTConfig:
+    data: DataConfig = opt(DataConfig, "data")
+    actor: ModelConfig = opt(ModelConfig, "the model being trained")
+    trainer: TrainerConfig = opt(TrainerConfig, "run control")

@@ -1,0 +1,65 @@
+"""Read a table of examples from wherever the user keeps it.
+
+`path` may be a local JSON/JSONL/CSV/Parquet/Arrow file, a folder written by `Dataset.save_to_disk`,
+or a Hugging Face dataset name (served from the local cache; nothing is downloaded when offline).
+`split@path` picks a split, e.g. `test@my_org/my_data` or `validation@data/folder`.
+"""
+
+from pathlib import Path
+
+import datasets
+
+FILE_FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+
+
+class DataError(ValueError):
+    """Bad data: the message names the file, the row and the key."""
+
+
+def split_path(spec: str) -> tuple[str | None, str]:
+    """'test@data.jsonl' -> ('test', 'data.jsonl'); 'data.jsonl' -> (None, 'data.jsonl')."""
+    if "@" in spec and not Path(spec).exists():
+        split, path = spec.split("@", 1)
+        return split, path
+    return None, spec
+
+
+def load_table(spec: str) -> datasets.Dataset:
+    """Load the examples named by `spec` as a `datasets.Dataset`."""
+    split, path = split_path(spec)
+    local = Path(path).expanduser()
+    if local.is_file():
+        fmt = FILE_FORMATS.get(local.suffix.lower())
+        if fmt is None:
+            raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
+        table = datasets.load_dataset(fmt, data_files=str(local), split=split or "train")
+    elif local.is_dir():
+        table = datasets.load_from_disk(str(local))
+        if isinstance(table, datasets.DatasetDict):
+            table = _pick_split(table, split, str(local))
+    else:
+        try:
+            table = datasets.load_dataset(path, split=split or "train")
+        except Exception as e:  # offline hub lookups raise many different types
+            raise DataError(
+                f"could not load '{path}': it is not a local file or folder, and loading it as a Hugging Face "
+                f"dataset failed ({type(e).__name__}: {e}). Give a local path, or make the dataset available "
+                f"in the local cache."
+            ) from e
+    if len(table) == 0:
+        raise DataError(f"{spec}: no rows")
+    return table
+
+
+def _pick_split(table: datasets.DatasetDict, split: str | None, where: str) -> datasets.Dataset:
+    if split is None:
+        split = "train" if "train" in table else next(iter(table))
+    if split not in table:
+        raise DataError(f"{where}: no split '{split}'; it has {', '.join(table)}")
+    return table[split]

@@ -1,0 +1,72 @@
+"""Train/test splits and the order in which the training set is visited."""
+
+from collections.abc import Callable
+
+import torch
+
+from RL2.datasets.loading import load_table
+from RL2.datasets.tokenize import tokenize_rows
+from RL2.utils.logging import log_rank0
+
+
+def load_splits(data_cfg, make_tokenize_row: Callable, seed: int) -> tuple[list, list]:
+    """Tokenized train and test examples.
+
+    Args:
+        data_cfg: the `data` config.
+        make_tokenize_row: split config -> function turning one row into one example.
+        seed: holds out the same `test_ratio` rows on every rank and every run.
+    """
+    train_rows = load_table(data_cfg.train.path)
+    test_rows = None
+    if data_cfg.test.path:
+        test_rows = load_table(data_cfg.test.path)
+    elif data_cfg.test_ratio > 0:
+        parts = train_rows.train_test_split(test_size=data_cfg.test_ratio, seed=seed)
+        train_rows, test_rows = parts["train"], parts["test"]
+    train, skipped = tokenize_rows(
+        train_rows, make_tokenize_row(data_cfg.train), data_cfg.train.path, data_cfg.skip_bad_rows
+    )
+    test = []
+    if test_rows is not None:
+        source = data_cfg.test.path or f"{data_cfg.train.path} (held-out {data_cfg.test_ratio:.0%})"
+        test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(data_cfg.test), source, data_cfg.skip_bad_rows)
+        skipped += test_skipped
+    if skipped:
+        log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
+    log_rank0(f"data: {len(train)} train examples, {len(test)} test examples")
+    return train, test
+
+
+class EpochSampler:
+    """Which examples make up optimizer step `step`: a pure function of (seed, step).
+
+    Because the order depends on nothing but the step, resuming needs only the step number, and every
+    rank computes the same global batch (each then keeps its own share after packing).
+    """
+
+    def __init__(self, n_examples: int, batch_size: int, shuffle: bool, seed: int):
+        if n_examples < batch_size:
+            raise ValueError(
+                f"the training set has {n_examples} examples, fewer than data.train.batch_size={batch_size}; "
+                f"lower the batch size"
+            )
+        self.n_examples, self.batch_size = n_examples, batch_size
+        self.shuffle, self.seed = shuffle, seed
+        self.steps_per_epoch = n_examples // batch_size  # the incomplete last batch is dropped
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n_examples))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n_examples, generator=generator).tolist()
+
+    def batch(self, step: int) -> list[int]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return self.order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+
+
+def batches(examples: list, batch_size: int):
+    """Consecutive batches of a list (the last may be smaller): for evaluation."""
+    for start in range(0, len(examples), batch_size):
+        yield examples[start : start + batch_size]

@@ -1,0 +1,57 @@
+"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen".
+
+A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
+down to every attention layer by transformers) marks where each starts. No token attends across a
+boundary. On CUDA this is flash-attn's varlen kernel; elsewhere an exact torch equivalent: causal
+SDPA on each sequence in turn, which costs sum(L_i^2) rather than T^2 for a block-diagonal mask.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "rl2_varlen"
+
+
+def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
+    from flash_attn import flash_attn_varlen_func
+
+    # flash-attn takes (tokens, heads, head_dim) and handles grouped-query heads itself.
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+    out = flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
+    )
+    return out.unsqueeze(0)
+
+
+def _torch_varlen(query, key, value, cu_seqlens, scaling):
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface: query `[1, H, T, D]`, key/value `[1, H_kv, T, D]` -> `[1, T, H, D]`."""
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(f"{ATTN_NAME} is for packed training and scoring; generate with attn_implementation='sdpa'")
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:  # one sequence: the whole row
+        cu_seqlens = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
+    if query.is_cuda:
+        max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling), None
+    return _torch_varlen(query, key, value, cu_seqlens, scaling), None
+
+
+AttentionInterface.register(ATTN_NAME, varlen_attention)

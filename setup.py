@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="RL2",
+    version="0.1.0",
+    description="Ray Less Reinforcement Learning: SFT, DPO, reward modelling and RL for language models under torchrun",
+    packages=find_packages(include=["RL2", "RL2.*"]),
+    package_data={"RL2": ["trainer/config/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # Pinned: this release is what CPU machines have on disk; a bare `torch` pulls a CUDA build.
+        "torch==2.13.0",
+        "transformers>=5.0,<6",
+        "datasets>=3.0",
+        "omegaconf>=2.3",
+        "safetensors",
+        "tqdm",
+        "numpy",
+        "wandb",
+        # Loading the embedded model's GGUF file.
+        "gguf",
+        "accelerate",
+    ],
+    extras_require={
+        "gpu": ["sglang", "flash-attn", "ring-flash-attn", "liger-kernel"],
+        "gem": ["gem-llm"],
+        "math": ["math-verify"],
+        "test": ["pytest", "matplotlib"],
+    },
+)

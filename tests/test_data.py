@@ -1,0 +1,139 @@
+"""Loading every supported source, the SFT formats, loss masks, truncation and bad rows."""
+
+import json
+
+import datasets
+import pytest
+from omegaconf import OmegaConf
+
+from RL2.config.schema import DataConfig
+from RL2.datasets.loading import DataError, load_table
+from RL2.datasets.sft import sft_row_tokenizer
+from RL2.datasets.splits import EpochSampler, load_splits
+from RL2.datasets.tokenize import tokenize_rows
+
+ROWS = [
+    {"prompt": "What is 2+2?", "response": "4"},
+    {"prompt": "Name a colour.", "response": "Blue"},
+    {"prompt": "Say hi.", "response": "Hi!"},
+]
+
+
+def write_all_formats(folder):
+    table = datasets.Dataset.from_list(ROWS)
+    paths = {}
+    for suffix, writer in {
+        "json": lambda p: p.write_text(json.dumps(ROWS)),
+        "jsonl": lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in ROWS)),
+        "csv": lambda p: table.to_csv(str(p), index=False),
+        "parquet": lambda p: table.to_parquet(str(p)),
+    }.items():
+        paths[suffix] = folder / f"data.{suffix}"
+        writer(paths[suffix])
+    table.save_to_disk(str(folder / "saved"))
+    paths["save_to_disk"] = folder / "saved"
+    paths["arrow"] = next((folder / "saved").glob("*.arrow"))
+    datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(str(folder / "dict"))
+    return paths
+
+
+def test_every_source_loads_the_same_rows(tmp_path):
+    for kind, path in write_all_formats(tmp_path).items():
+        table = load_table(str(path))
+        assert [dict(r) for r in table] == ROWS, kind
+    assert len(load_table(f"test@{tmp_path / 'dict'}")) == 1
+    assert len(load_table(f"train@{tmp_path / 'data.jsonl'}")) == 3
+
+
+def test_missing_source_and_split_errors(tmp_path):
+    with pytest.raises(DataError, match="not a local file or folder"):
+        load_table(str(tmp_path / "nope.jsonl"))
+    write_all_formats(tmp_path)
+    with pytest.raises(DataError, match="no split 'validation'; it has train, test"):
+        load_table(f"validation@{tmp_path / 'dict'}")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(DataError, match=r"unknown file type '\.txt'"):
+        load_table(str(tmp_path / "x.txt"))
+
+
+def split_cfg(**overrides):
+    return OmegaConf.merge(OmegaConf.structured(DataConfig).train, overrides)
+
+
+def trained_text(tok, example):
+    ids = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+    return tok.decode(ids)
+
+
+def test_prompt_response_with_chat_template(tok):
+    example = sft_row_tokenizer(tok)(split_cfg())(ROWS[0])
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False
+    )
+    assert tok.decode(example["input_ids"]) == full
+    assert trained_text(tok, example) == "4<|im_end|>\n"
+
+
+def test_prompt_response_raw_text(tok):
+    example = sft_row_tokenizer(tok)(split_cfg(apply_chat_template=False))(ROWS[0])
+    assert tok.decode(example["input_ids"]) == "What is 2+2?4" + tok.eos_token
+    assert trained_text(tok, example) == "4" + tok.eos_token
+
+
+def test_messages_train_only_assistant_turns(tok):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "goodbye"},
+    ]
+    example = sft_row_tokenizer(tok)(split_cfg())({"messages": messages})
+    assert tok.decode(example["input_ids"]) == tok.apply_chat_template(messages, tokenize=False)
+    assert trained_text(tok, example) == "hello<|im_end|>\ngoodbye<|im_end|>\n"
+
+
+def test_truncation(tok):
+    example = sft_row_tokenizer(tok)(split_cfg(max_length=50))({"prompt": "a", "response": "word " * 50})
+    assert len(example["input_ids"]) == 50 and len(example["loss_mask"]) == 50
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"response": "x"}, "missing key 'prompt'"),
+        ({"prompt": 3, "response": "x"}, "key 'prompt' should be a string, got int"),
+        ({"prompt": "q", "response": "  "}, "key 'response' is empty"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+        ({"messages": "hello"}, "non-empty list"),
+        ({"prompt": "word " * 100, "response": "x"}, "no trainable tokens within max_length=60"),
+    ],
+)
+def test_bad_row_names_file_row_and_key(tok, row, message):
+    rows = [ROWS[0], row]
+    tokenize_row = sft_row_tokenizer(tok)(split_cfg(max_length=60))
+    with pytest.raises(DataError, match=rf"data\.jsonl row 1: .*{message}.*skip_bad_rows"):
+        tokenize_rows(rows, tokenize_row, "data.jsonl", skip_bad_rows=False)
+    examples, skipped = tokenize_rows(rows, tokenize_row, "data.jsonl", skip_bad_rows=True)
+    assert len(examples) == 1 and skipped == 1
+
+
+def test_test_ratio_holds_out_rows(tok, tmp_path):
+    rows = [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.25})
+    train, test = load_splits(cfg, sft_row_tokenizer(tok), seed=1)
+    assert (len(train), len(test)) == (15, 5)
+    decoded = {tok.decode(ex["input_ids"]) for ex in train} & {tok.decode(ex["input_ids"]) for ex in test}
+    assert not decoded  # disjoint
+
+
+def test_sampler_visits_every_example_once_per_epoch():
+    sampler = EpochSampler(10, 3, shuffle=True, seed=0)
+    assert sampler.steps_per_epoch == 3
+    epoch0 = [i for step in range(3) for i in sampler.batch(step)]
+    assert len(set(epoch0)) == 9
+    assert sampler.batch(3) != sampler.batch(0)  # a new order next epoch
+    assert sampler.batch(4) == EpochSampler(10, 3, shuffle=True, seed=0).batch(4)  # a pure function of the step
+    with pytest.raises(ValueError, match="fewer than data.train.batch_size=20"):
+        EpochSampler(10, 20, shuffle=True, seed=0)
