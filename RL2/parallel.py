@@ -1,0 +1,135 @@
+"""Process-group setup and the one object that holds the parallel layout.
+
+Every rank runs the same program (SPMD). The world is a 4-D grid `(ddp, fsdp, cp, tp)`:
+- `ddp`  replicas for hybrid sharding (parameters replicated across, sharded within);
+- `fsdp` ranks that shard parameters and see different data;
+- `cp`   ranks that split one packed sequence (context parallelism);
+- `tp`   ranks that split each matrix (tensor parallelism).
+Data parallelism is `dp = ddp * fsdp`: ranks with different data. Ranks that differ only in cp or tp
+see the same data.
+"""
+
+import datetime
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """cuda when asked for or available (auto), else cpu. The backend follows: nccl on cuda, gloo on cpu."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
+    """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group.
+
+    Keeping a process group at world size 1 lets the same code (FSDP2, DCP checkpoints) run everywhere.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m RL2.trainer.X`
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # A dead peer makes collectives fail after this timeout instead of hanging forever.
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each kind of parallelism, checked once, with the device meshes built from them.
+
+    Args:
+        world_size: number of ranks.
+        tp: tensor-parallel degree.
+        cp: context-parallel degree.
+        ddp: replicas for hybrid sharding.
+        device_type: "cpu" or "cuda".
+    """
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    ddp: int = 1
+    device_type: str = "cpu"
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "ddp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} degree must be >= 1, got {getattr(self, name)}")
+        model_parallel = self.tp * self.cp * self.ddp
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by ddp * cp * tp = "
+                f"{self.ddp} * {self.cp} * {self.tp}; set actor.ddp_size, actor.cp_size and "
+                f"actor.tp_size so that their product divides the number of ranks"
+            )
+        self.fsdp = self.world_size // model_parallel
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.ddp * self.fsdp
+
+    def build_mesh(self) -> DeviceMesh:
+        """The 4-D mesh ("ddp", "fsdp", "cp", "tp") plus flattened views used by FSDP and the data."""
+        if self.mesh is None:
+            mesh = init_device_mesh(
+                self.device_type, (self.ddp, self.fsdp, self.cp, self.tp), mesh_dim_names=("ddp", "fsdp", "cp", "tp")
+            )
+            self.dp_mesh = mesh[("ddp", "fsdp")]._flatten("dp")
+            # Parameters are sharded over fsdp and cp together (torchtitan does the same):
+            # cp ranks hold the same parameters, so they can share the shards.
+            self.shard_mesh = mesh[("fsdp", "cp")]._flatten("fsdp_cp")
+            self.mesh = mesh
+        return self.mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Mesh for `fully_shard`: 2-D (replicate, shard) when ddp > 1, else 1-D."""
+        mesh = self.build_mesh()
+        if self.ddp > 1:
+            with warnings.catch_warnings():  # torch has no other way yet to pair a flattened dim with another
+                warnings.simplefilter("ignore")
+                return mesh["ddp", "fsdp_cp"]
+        return self.shard_mesh
+
+    @property
+    def dp_rank(self) -> int:
+        self.build_mesh()
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def grad_divide_factor(self) -> int:
+        """FSDP averages gradients over ddp * fsdp * cp ranks; losses are pre-normalised over the global
+        batch, so the trainer multiplies them by this factor to turn the average back into a sum."""
+        return self.ddp * self.fsdp * self.cp
+
+    @classmethod
+    def from_config(cls, model_cfg, device: torch.device) -> "ParallelDims":
+        return cls(
+            world_size=dist.get_world_size(),
+            tp=model_cfg.tp_size,
+            cp=model_cfg.cp_size,
+            ddp=model_cfg.ddp_size,
+            device_type=device.type,
+        )

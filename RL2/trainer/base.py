@@ -1,0 +1,129 @@
+"""What every trainer shares: process group, parallel layout, seeding, metrics, checkpoints, the step loop."""
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from RL2.config import ConfigError, parse_config
+from RL2.datasets.loading import DataError
+from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
+
+
+class Trainer:
+    """Base class. Subclasses build their workers, then implement `train_step(step)` and `evaluate()`.
+
+    Args:
+        cfg: the merged, typed config.
+        model_cfg: the config of the model whose parallel layout is used (actor or critic).
+    """
+
+    def __init__(self, cfg, model_cfg):
+        self.cfg = cfg
+        quiet_third_party_progress()
+        self.device = pick_device(cfg.trainer.device)
+        init_distributed(self.device)
+        torch.manual_seed(cfg.trainer.seed)
+        self.dims = ParallelDims.from_config(model_cfg, self.device)
+        self.dims.build_mesh()
+        self.sink = MetricsSink(
+            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg
+        )
+        log_rank0(
+            f"world size {dist.get_world_size()} on {self.device.type}: "
+            f"dp={self.dims.dp} (ddp={self.dims.ddp} x fsdp={self.dims.fsdp}), cp={self.dims.cp}, tp={self.dims.tp}"
+        )
+
+    # --- to implement -------------------------------------------------------------------------
+    def workers(self) -> dict:
+        """Name -> Stateful worker: what checkpoints hold."""
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step (1-based `step`); returns metrics."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def save_final(self) -> None:
+        """Export Hugging Face folders under `<save_dir>/final/`."""
+
+    def trainer_state(self) -> dict:
+        """Extra state to carry across a resume (beyond the step and the workers)."""
+        return {}
+
+    def load_trainer_state(self, state: dict) -> None:
+        pass
+
+    # --- shared loop ---------------------------------------------------------------------------
+    def total_steps(self, steps_per_epoch: int) -> int:
+        trainer = self.cfg.trainer
+        return trainer.total_steps or trainer.n_epochs * steps_per_epoch
+
+    def resume(self) -> int:
+        """Restore the checkpoint named by trainer.load_ckpt_from; returns the step to continue after."""
+        source = self.cfg.trainer.load_ckpt_from
+        if not source:
+            return 0
+        path = resolve_checkpoint(source, self.cfg.trainer.save_dir)
+        state = load_checkpoint(path, self.workers())
+        self.load_trainer_state(state)
+        self.sink.truncate_after(state["step"])
+        log_rank0(f"resumed from {path} at step {state['step']}")
+        return state["step"]
+
+    def run(self, n_steps: int) -> None:
+        """The loop: train, log, evaluate, save; then export the final models."""
+        trainer = self.cfg.trainer
+        start = self.resume()
+        progress = tqdm(range(start + 1, n_steps + 1), initial=start, total=n_steps, disable=not is_rank0())
+        for step in progress:
+            began = time.perf_counter()
+            metrics = self.train_step(step)
+            metrics["perf/step_s"] = time.perf_counter() - began
+            if trainer.test_freq and step % trainer.test_freq == 0:
+                metrics.update(self.evaluate())
+            self.sink.log(metrics, step)
+            progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k.endswith("loss")})
+            if trainer.save_freq and step % trainer.save_freq == 0:
+                save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state())
+        if trainer.test_freq and n_steps % trainer.test_freq:
+            self.sink.log(self.evaluate(), n_steps)
+        self.save_final()
+        self.sink.close()
+
+    def sum_over_data(self, value: float) -> float:
+        """Sum a per-rank partial (e.g. a loss already normalised over the global batch) over all ranks.
+
+        Ranks that differ only in tp hold the same value, so the sum is divided by the tp degree.
+        """
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.item() / self.dims.tp
+
+
+def quiet_third_party_progress() -> None:
+    """Our own tqdm shows progress; silence the per-file bars of datasets and transformers."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | None = None) -> None:
+    """Entry point of `python -m RL2.trainer.<name>`: config and data errors end with a message, not a traceback."""
+    try:
+        cfg = parse_config(schema, name, argv)
+        trainer_cls(cfg).train()
+    except (ConfigError, DataError) as e:
+        sys.exit(f"RL2 {name}: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,83 @@
+"""Supervised fine-tuning: `torchrun --nproc_per_node=N -m RL2.trainer.sft data.train.path=... key=value ...`"""
+
+import time
+
+import torch
+
+from RL2.config.schema import SFTConfig
+from RL2.datasets.packing import pack_examples
+from RL2.datasets.sft import sft_row_tokenizer
+from RL2.datasets.splits import EpochSampler, batches, load_splits
+from RL2.models.logps import packed_logps
+from RL2.trainer.base import Trainer, launch
+from RL2.workers.fsdp import FSDPWorker, load_tokenizer
+
+
+class SFTTrainer(Trainer):
+    def __init__(self, cfg):
+        super().__init__(cfg, cfg.actor)
+        self.tokenizer = load_tokenizer(cfg.actor)
+        self.train_data, self.test_data = load_splits(cfg.data, sft_row_tokenizer(self.tokenizer), cfg.trainer.seed)
+        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        self.actor = FSDPWorker(cfg.actor, self.dims, self.device, self.n_steps)
+
+    def workers(self) -> dict:
+        return {"actor": self.actor}
+
+    def train(self) -> None:
+        self.run(self.n_steps)
+
+    def nll(self, examples: list[dict], train: bool) -> tuple[float, int]:
+        """Negative log-likelihood averaged as actor.avg_level says, over all ranks; backward when training."""
+        micro_batches = pack_examples(
+            examples, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device, self.cfg.actor.avg_level
+        )
+        loss_sum, n_tokens = 0.0, 0
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with torch.set_grad_enabled(train):
+                loss = -(packed_logps(self.actor.model, mb) * mb.loss_weights).sum()
+            if train:
+                # FSDP averages gradients over data ranks; the loss is already a global-batch average.
+                (loss * self.dims.grad_divide_factor).backward()
+            loss_sum += loss.item()
+            n_tokens += mb.input_ids.numel()
+        return self.sum_over_data(loss_sum), int(self.sum_over_data(n_tokens))
+
+    def train_step(self, step: int) -> dict[str, float]:
+        began = time.perf_counter()
+        batch = [self.train_data[i] for i in self.sampler.batch(step - 1)]
+        loss, n_tokens = self.nll(batch, train=True)
+        stats = self.actor.optimizer_step()
+        elapsed = time.perf_counter() - began
+        return {
+            "train/loss": loss,
+            "train/grad_norm": stats["grad_norm"],
+            "train/lr": stats["lr"],
+            "train/tokens": n_tokens,
+            "perf/tokens_per_s": n_tokens / elapsed,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.test_data:
+            return {}
+        self.actor.model.eval()
+        batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
+        losses = [
+            (self.nll(batch, train=False)[0], len(batch)) for batch in batches(self.test_data, batch_size)
+        ]
+        self.actor.model.train()
+        return {"test/loss": sum(loss * n for loss, n in losses) / len(self.test_data)}
+
+    def save_final(self) -> None:
+        self.actor.save_hf(f"{self.cfg.trainer.save_dir}/final/actor", self.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    launch(SFTTrainer, SFTConfig, "sft", argv)
+
+
+if __name__ == "__main__":
+    main()

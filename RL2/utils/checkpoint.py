@@ -1,0 +1,104 @@
+"""Resumable checkpoints, written atomically.
+
+`<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG
+state and `trainer_state.json` (step and anything else the trainer needs to continue). Everything
+is written to a hidden temporary folder first and renamed into place at the end, so a crash
+mid-save leaves the last complete checkpoint as it was.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+STEP_DIR = re.compile(r"^step(\d+)$")
+COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
+
+
+@contextmanager
+def atomic_dir(path: str | Path):
+    """Yield a temporary folder that replaces `path` only if the block finishes (single process)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict) -> Path:
+    """Collective: every rank writes its shards. Returns the final folder."""
+    final = Path(save_dir) / f"step{step}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(dict(workers), checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(save_dir: str) -> Path | None:
+    """The complete step<N> folder with the largest N, if any."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return None
+    steps = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()
+    ]
+    return max(steps)[1] if steps else None
+
+
+def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
+    """'latest' -> newest checkpoint in save_dir; otherwise a step<N> folder, checked to be complete."""
+    path = latest_checkpoint(save_dir) if load_ckpt_from == "latest" else Path(load_ckpt_from)
+    if path is None:
+        raise FileNotFoundError(f"trainer.load_ckpt_from=latest but {save_dir} holds no complete checkpoint")
+    if not (path / COMPLETE).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE}); pick another step folder")
+    return path
+
+
+def load_checkpoint(path: Path, workers: dict) -> dict:
+    """Collective: restore every worker and this rank's RNG. Returns the trainer state."""
+    dcp.load(dict(workers), checkpoint_id=str(path))
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.exists():  # absent when resuming on a different number of ranks
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((path / COMPLETE).read_text())

@@ -1,0 +1,161 @@
+"""A model trained with FSDP2: loading, sharding, mixed precision, optimizer, scheduler, clipping.
+
+Parallelism is applied in one place and in a fixed order (as torchtitan does): activation
+checkpointing, then `fully_shard` on every decoder layer, then on the root (which holds the
+embeddings and LM head, so tied weights stay one parameter).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import RL2.models.attention  # noqa: F401  (registers the varlen attention)
+from RL2.models.attention import ATTN_NAME
+from RL2.models.embedded import resolve_model_path
+from RL2.parallel import ParallelDims
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_tokenizer(model_cfg):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_cfg.tokenizer_name or model_cfg.model_name))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, found by the class names HF lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+def lr_lambda(step: int, total_steps: int, warmup_ratio: float, name: str, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate: linear warmup, then constant or cosine down to a floor."""
+    warmup = int(total_steps * warmup_ratio)
+    if step < warmup:
+        return (step + 1) / warmup
+    if name == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class FSDPWorker(Stateful):
+    """One sharded model with its optimizer and schedule.
+
+    Args:
+        model_cfg: the `actor` (or `critic`) config.
+        dims: the parallel layout.
+        device: where computation runs.
+        total_steps: optimizer steps of the run (for the schedule); 0 for a frozen model.
+        model_cls: the transformers auto class to load with.
+        train: False for a frozen model (reference, teacher): no optimizer.
+    """
+
+    def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
+                 model_cls=AutoModelForCausalLM, train: bool = True, **model_kwargs):
+        self.cfg, self.dims, self.device = model_cfg, dims, device
+        self.model = self._build_model(model_cls, train, **model_kwargs)
+        self.optimizer = self._build_optimizer() if train else None
+        self.scheduler = self._build_scheduler(total_steps) if train else None
+
+    def _build_model(self, model_cls, train: bool, **model_kwargs) -> torch.nn.Module:
+        path = resolve_model_path(self.cfg.model_name)
+        # Master weights in float32; compute runs in cfg.dtype through FSDP's mixed precision.
+        model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_NAME, **model_kwargs)
+        model.config.use_cache = False
+        if train and self.cfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        compute_dtype = DTYPES[self.cfg.dtype]
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        mesh = self.dims.fsdp_mesh
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.train(train)
+        if not train:
+            model.requires_grad_(False)
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.cfg.optimizer
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+
+    def _build_scheduler(self, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        sched = self.cfg.scheduler
+        min_ratio = sched.min_lr / self.cfg.optimizer.lr if self.cfg.optimizer.lr > 0 else 0.0
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_lambda(step, total_steps, sched.warmup_ratio, sched.name, min_ratio)
+        )
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`."""
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        if self.cfg.offload_optimizer and self.device.type == "cuda":
+            move_optimizer_state(self.optimizer, self.device)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.cfg.offload_optimizer and self.device.type == "cuda":
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
+        return {"grad_norm": grad_norm.item(), "lr": lr}
+
+    # Stateful: what torch.distributed.checkpoint saves and restores (each rank its shards).
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded float32 weights on CPU, on rank 0 only (empty elsewhere)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def save_hf(self, path: str, tokenizer=None) -> None:
+        """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective."""
+        from RL2.utils.checkpoint import atomic_dir
+
+        state = self.full_state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            # Gathered shards no longer share storage; drop the tied copies so the folder has one.
+            for tied_key in getattr(self.model, "_tied_weights_keys", None) or []:
+                state.pop(tied_key, None)
+        if dist.get_rank() == 0:
+            with atomic_dir(path) as tmp:
+                self.model.save_pretrained(tmp, state_dict=state)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+        dist.barrier()
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Offload optimizer moments between steps (upstream RL2's offload_optimizer)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
