@@ -1,0 +1,320 @@
+"""Advantage estimators as pure tensor functions, registered by name in `ADVANTAGE_ESTIMATORS`.
+
+Layout convention (shared by every module in `RL2.algs`):
+- token-level tensors are padded 2-D `[batch, seq_len]` float tensors, paired with a `mask` of the
+  same shape that is 1.0 on the response (action) tokens that count and 0.0 elsewhere (prompt,
+  padding, and, in multi-turn dialogues, the environment's tokens between two turns);
+- token t's logprob/value/reward belongs to the action token at position t;
+- trajectory-level tensors (one number per sample, e.g. a verifier score) are 1-D `[batch]`;
+- GRPO-like estimators take `group_ids [batch]`, a LongTensor where samples of the same prompt share
+  an id. Ids need not be contiguous or sorted, and groups may have different sizes.
+
+Each estimator takes its own keyword arguments (see its docstring); `compute_advantages(name, ...)`
+dispatches by name. `gae` returns `(advantages, returns)`, every other estimator one tensor.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# Standard deviations of group scores follow GRPO as implemented in TRL's GRPOTrainer and in
+# upstream RL2 (`torch.std`, i.e. Bessel-corrected, unbiased=True), with this epsilon added.
+GROUP_STD_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
+    """Right-to-left discounted sum over the masked tokens of each row.
+
+    out_t = x_t + discount * out_{t'}, where t' is the next position after t with mask 1. Tokens
+    with mask 0 neither contribute nor cost a discount step: the recursion jumps over them.
+
+    Args:
+        x: `[B, T]` values to accumulate; entries where `mask` is 0 are ignored.
+        mask: `[B, T]` 1.0 on action tokens.
+        discount: factor applied per action-token step.
+
+    Returns:
+        `[B, T]` discounted sums, 0 where `mask` is 0.
+    """
+    out = torch.zeros_like(x)
+    running = torch.zeros_like(x[:, 0])
+    for t in reversed(range(x.shape[1])):
+        m = mask[:, t]
+        running = torch.where(m > 0, x[:, t] + discount * running, running)
+        out[:, t] = running * m
+    return out
+
+
+def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
+    """For each action token, the value of the next action token of the same row (0 after the last).
+
+    Args:
+        values: `[B, T]` value estimates.
+        mask: `[B, T]` 1.0 on action tokens.
+
+    Returns:
+        `[B, T]` next values, 0 where `mask` is 0.
+    """
+    out = torch.zeros_like(values)
+    upcoming = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
+        out[:, t] = upcoming * m
+        upcoming = torch.where(m > 0, values[:, t], upcoming)
+    return out
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch; 0 where `mask` is 0.
+
+    Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++.
+
+    Args:
+        x: `[B, T]` values.
+        mask: `[B, T]` 1.0 on the entries to normalise over.
+        eps: added to the standard deviation.
+    """
+    count = mask.sum().clamp(min=1.0)
+    mean = (x * mask).sum() / count
+    var = ((x - mean).pow(2) * mask).sum() / count
+    return (x - mean) / (var.sqrt() + eps) * mask
+
+
+def outcome_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """Place each trajectory's score on the last action token of its row.
+
+    Args:
+        scores: `[B]` outcome rewards.
+        mask: `[B, T]` 1.0 on action tokens. Rows without action tokens get no reward.
+
+    Returns:
+        `[B, T]` token rewards, zero except at each row's last action token.
+    """
+    seq_len = mask.shape[1]
+    last = seq_len - 1 - mask.flip(-1).argmax(-1)
+    has_action = (mask.sum(-1) > 0).to(scores.dtype)
+    rewards = torch.zeros_like(mask, dtype=scores.dtype)
+    return rewards.scatter(1, last[:, None], (scores * has_action)[:, None])
+
+
+def expand_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Give every action token of a row its trajectory's advantage.
+
+    Args:
+        advantages: `[B]` trajectory-level advantages.
+        mask: `[B, T]` 1.0 on action tokens.
+
+    Returns:
+        `[B, T]` token-level advantages, 0 where `mask` is 0.
+    """
+    return advantages[:, None] * mask
+
+
+def broadcast_turns_to_tokens(turn_values: Tensor, turn_ids: Tensor) -> Tensor:
+    """Give every action token of turn k the value of turn k (e.g. the output of `mc`).
+
+    Args:
+        turn_values: `[B, K]` one value per turn.
+        turn_ids: `[B, T]` LongTensor, the turn index (0..K-1) of each action token and -1 for
+            tokens that are not actions (prompt, environment observations, padding).
+
+    Returns:
+        `[B, T]` token values, 0 where `turn_ids` is -1.
+    """
+    is_action = turn_ids >= 0
+    gathered = turn_values.gather(1, turn_ids.clamp(min=0))
+    return torch.where(is_action, gathered, torch.zeros_like(gathered))
+
+
+# ---------------------------------------------------------------------------------------------
+# Group statistics (GRPO-like estimators)
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_sum(x: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sample sum and size of the sample's group, both `[B]`."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+    counts = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(
+        0, inverse, torch.ones_like(x)
+    )
+    return sums[inverse], counts[inverse]
+
+
+def _group_mean_std(x: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample group mean, unbiased group std (0 for groups of size 1) and group size."""
+    sums, counts = _group_sum(x, group_ids)
+    mean = sums / counts
+    sq_dev, _ = _group_sum((x - mean).pow(2), group_ids)
+    std = (sq_dev / (counts - 1).clamp(min=1.0)).sqrt()
+    return mean, std, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438).
+
+    delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lamda * A_{t'}, where t' is the
+    next action token of the same row (V = 0 after the last one). Tokens with mask 0 inside a
+    sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
+    steps of the MDP: the recursion jumps from one action token to the next, so neither their
+    rewards nor their values are used. Put rewards on action tokens.
+
+    Args:
+        rewards: `[B, T]` per-token rewards (e.g. outcome reward on the last action token minus a
+            per-token KL penalty).
+        values: `[B, T]` critic values of the action tokens.
+        mask: `[B, T]` 1.0 on action tokens.
+        gamma: discount factor.
+        lamda: GAE lambda.
+
+    Returns:
+        `(advantages, returns)`, both `[B, T]` and 0 where `mask` is 0;
+        returns = advantages + values.
+    """
+    deltas = rewards + gamma * next_action_values(values, mask) - values
+    advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def reinforce(scores: Tensor, group_ids: Tensor, norm_var: bool, global_norm: bool) -> Tensor:
+    """Group-mean baseline of GRPO (arXiv 2402.03300) and Dr. GRPO (arXiv 2503.20783).
+
+    A_i = s_i - mean_{group(i)} s. With `norm_var` (GRPO) A_i is divided by the group's unbiased
+    std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right or
+    all wrong. A sample alone in its group gets advantage 0.
+
+    Args:
+        scores: `[B]` trajectory scores.
+        group_ids: `[B]` LongTensor, samples of the same prompt share an id.
+        norm_var: divide by the group std.
+        global_norm: afterwards divide the advantages by their std over the whole batch (unbiased,
+            + 1e-6). They already have zero mean, since each group's advantages sum to zero.
+
+    Returns:
+        `[B]` advantages; use `expand_to_tokens` for token level.
+    """
+    mean, std, _ = _group_mean_std(scores, group_ids)
+    advantages = scores - mean
+    if norm_var:
+        advantages = advantages / (std + GROUP_STD_EPS)
+    if global_norm and advantages.numel() > 1:
+        advantages = advantages / (advantages.std() + GROUP_STD_EPS)
+    return advantages
+
+
+def rloo(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
+
+    The baseline of sample i is the mean score of the other samples of its group:
+    A_i = s_i - (sum_group - s_i) / (n - 1). A sample alone in its group gets advantage 0.
+
+    Args:
+        scores: `[B]` trajectory scores.
+        group_ids: `[B]` LongTensor, samples of the same prompt share an id.
+
+    Returns:
+        `[B]` advantages.
+    """
+    sums, counts = _group_sum(scores, group_ids)
+    baseline = (sums - scores) / (counts - 1).clamp(min=1.0)
+    return torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
+
+
+def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): token return-to-go, whitened over the batch.
+
+    G_t = sum_{k >= 0} gamma^k r_{t_k}, over the action tokens t = t_0 < t_1 < ... of the row
+    (tokens with mask 0 are skipped, as in `gae`), then normalised with the mean and std of G over
+    all masked tokens of the batch (no critic, no per-prompt baseline).
+
+    Args:
+        rewards: `[B, T]` token rewards: the outcome score on the last action token
+            (`outcome_to_token_rewards`) plus an optional per-token KL penalty `-beta * kl`.
+        mask: `[B, T]` 1.0 on action tokens.
+        gamma: discount factor.
+
+    Returns:
+        `[B, T]` advantages, 0 where `mask` is 0.
+    """
+    returns = masked_discounted_cumsum(rewards, mask, gamma)
+    return masked_whiten(returns, mask)
+
+
+def raw(scores: Tensor) -> Tensor:
+    """Use the scores themselves as advantages (no baseline).
+
+    Args:
+        scores: `[B]` trajectory scores.
+    """
+    return scores
+
+
+def mc(
+    turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: int | None = None
+) -> Tensor:
+    """Monte-Carlo returns per turn of a multi-turn trajectory (VinePPO style, arXiv 2410.01679).
+
+    R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
+    mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
+    unbounded. Map the per-turn returns to tokens with `broadcast_turns_to_tokens`: every action
+    token of turn k gets R_k.
+
+    Args:
+        turn_rewards: `[B, K]` reward received at the end of each turn.
+        turn_mask: `[B, K]` 1.0 on real turns, 0.0 on padding turns.
+        gamma: discount per turn.
+        truncation: number of turns summed into each return, or None for the full return.
+
+    Returns:
+        `[B, K]` per-turn returns, 0 where `turn_mask` is 0.
+    """
+    if truncation is not None and truncation < 1:
+        raise ValueError(f"truncation must be a positive number of turns or None, got {truncation}")
+    # Position of each turn among the row's valid turns; weights[b, k, j] = gamma^(p_j - p_k) for
+    # valid turns j at or after k within the truncation window. K is small, so K x K is cheap.
+    pos = turn_mask.cumsum(-1) - 1
+    steps = pos[:, None, :] - pos[:, :, None]
+    valid = (turn_mask[:, None, :] > 0) & (turn_mask[:, :, None] > 0) & (steps >= 0)
+    if truncation is not None:
+        valid &= steps < truncation
+    weights = gamma ** steps.clamp(min=0).to(turn_rewards.dtype) * valid
+    return torch.einsum("bkj,bj->bk", weights, turn_rewards)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "gae": gae,
+    "reinforce": reinforce,
+    "rloo": rloo,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "raw": raw,
+    "mc": mc,
+}
+
+
+def compute_advantages(name: str, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+    """Run the advantage estimator registered under `name` with its keyword arguments.
+
+    Args:
+        name: a key of `ADVANTAGE_ESTIMATORS`.
+        **kwargs: the estimator's own arguments (see its docstring).
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"Unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}."
+        )
+    return ADVANTAGE_ESTIMATORS[name](**kwargs)

@@ -1,0 +1,70 @@
+"""Per-token estimators of KL(p || q) from samples of p, registered by name in `KL_ESTIMATORS`.
+
+Layout convention: token-level tensors are `[batch, seq_len]`; token t's logprob is the logprob of
+the action token at t, which was sampled from p. Entries outside the action mask are meaningless and
+should be masked by the caller (`RL2.algs.policy_loss.aggregate`).
+
+With log r = logp - ref_logp = log p(x) - log q(x) and x ~ p (J. Schulman, "Approximating KL
+Divergence", http://joschu.net/blog/kl-approx.html):
+- k1 = log r: unbiased, high variance, can be negative;
+- k2 = 0.5 (log r)^2: biased, low variance; used as a loss on samples of p, its gradient
+  (log r) * grad log p equals grad KL(p || q) in expectation;
+- k3 = (q/p - 1) - log(q/p) = exp(-log r) - 1 + log r: unbiased and always >= 0, low variance.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def k1(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k1 = log p(x) - log q(x).
+
+    Args:
+        logps: logprobs under p, the sampling policy.
+        ref_logps: logprobs under q, the reference.
+    """
+    return logps - ref_logps
+
+
+def k2(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k2 = 0.5 (log p(x) - log q(x))^2.
+
+    Args:
+        logps: logprobs under p, the sampling policy.
+        ref_logps: logprobs under q, the reference.
+    """
+    return 0.5 * (logps - ref_logps).pow(2)
+
+
+def k3(logps: Tensor, ref_logps: Tensor, log_ratio_clamp: float | None = None) -> Tensor:
+    """k3 = exp(-log r) - 1 + log r with log r = log p(x) - log q(x).
+
+    Args:
+        logps: logprobs under p, the sampling policy.
+        ref_logps: logprobs under q, the reference.
+        log_ratio_clamp: if set, clamp log r to [-c, c] first. exp(-log r) overflows float32 once
+            -log r exceeds ~88, which happens when p has drifted far from q on a rare token.
+    """
+    log_ratio = logps - ref_logps
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.exp(-log_ratio) - 1 + log_ratio
+
+
+KL_ESTIMATORS: dict[str, Callable[..., Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+
+
+def compute_kl(name: str, logps: Tensor, ref_logps: Tensor, **kwargs) -> Tensor:
+    """Run the KL estimator registered under `name`.
+
+    Args:
+        name: a key of `KL_ESTIMATORS`.
+        logps: logprobs under p, the sampling policy.
+        ref_logps: logprobs under q, the reference.
+        **kwargs: extra arguments of the estimator (`log_ratio_clamp` for k3).
+    """
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"Unknown KL estimator {name!r}; valid names: {sorted(KL_ESTIMATORS)}.")
+    return KL_ESTIMATORS[name](logps, ref_logps, **kwargs)

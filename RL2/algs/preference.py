@@ -1,0 +1,155 @@
+"""Pairwise preference losses on sequence-level tensors: one number per (chosen, rejected) pair.
+
+Layout convention: every input is 1-D `[batch]` with one entry per pair. Log-probabilities are
+those of the response tokens only (prompt excluded), summed over the response unless a loss says
+it wants per-token averages. Losses are returned per pair; the caller averages them (over the
+global batch when pairs are split across ranks). Metrics are detached per-pair tensors.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _sigmoid_dpo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), conservative when label_smoothing > 0.
+
+    Conservative DPO (Mitchell 2023, https://ericmitchell.ai/cdpo.pdf, eq. 3) assumes each label
+    is flipped with probability `label_smoothing`, mixing the losses of both orderings.
+    """
+    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(
+        -beta * logits
+    )
+
+
+def _ipo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17): (h - 1 / (2 tau))^2 with tau = beta.
+
+    The squared loss regresses the log-ratio margin to a finite target instead of pushing it to
+    infinity, so it does not overfit deterministic preferences.
+    """
+    if label_smoothing != 0.0:
+        raise ValueError("label_smoothing applies to loss_type='sigmoid'; set it to 0 for ipo.")
+    return (logits - 1 / (2 * beta)).pow(2)
+
+
+DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
+    "sigmoid": _sigmoid_dpo,
+    "ipo": _ipo,
+}
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair.
+
+    For loss_type="sigmoid" pass summed response logps. For loss_type="ipo" pass length-normalised
+    logps, i.e. each sequence's summed logp divided by its number of response tokens, for the
+    policy and the reference alike: TRL's DPOTrainer divides by the loss-mask token count when
+    loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths.
+
+    Args:
+        chosen_logps: `[B]` policy logps of the chosen responses.
+        rejected_logps: `[B]` policy logps of the rejected responses.
+        ref_chosen_logps: `[B]` reference logps of the chosen responses.
+        ref_rejected_logps: `[B]` reference logps of the rejected responses.
+        beta: KL strength (tau in IPO).
+        loss_type: a key of `DPO_LOSSES`.
+        label_smoothing: label-flip probability in [0, 0.5) for conservative DPO.
+
+    Returns:
+        `(loss [B], metrics)` with `rewards_chosen` and `rewards_rejected` (beta times the policy /
+        reference log-ratio of each response), `margin` (their difference) and `accuracy`.
+    """
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}.")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}.")
+    chosen_logratio = chosen_logps - ref_chosen_logps
+    rejected_logratio = rejected_logps - ref_rejected_logps
+    loss = DPO_LOSSES[loss_type](chosen_logratio - rejected_logratio, beta, label_smoothing)
+
+    rewards_chosen = (beta * chosen_logratio).detach()
+    rewards_rejected = (beta * rejected_logratio).detach()
+    margin = rewards_chosen - rewards_rejected
+    metrics = {
+        "rewards_chosen": rewards_chosen,
+        "rewards_rejected": rewards_rejected,
+        "margin": margin,
+        "accuracy": (margin > 0).float(),
+    }
+    return loss, metrics
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate for x near 0 and for very negative x.
+
+    Maechler 2012, "Accurately Computing log(1 - exp(-|a|))": use log(-expm1(x)) above -log 2,
+    where 1 - exp(x) cancels, and log1p(-exp(x)) below it.
+
+    Args:
+        x: tensor of negative numbers, e.g. average per-token logps.
+    """
+    near_zero = x > -0.6931471805599453
+    # Evaluate each branch on inputs valid for it so the unused branch cannot produce nan grads.
+    safe_near = torch.where(near_zero, x, torch.full_like(x, -1.0))
+    safe_far = torch.where(near_zero, torch.full_like(x, -1.0), x)
+    near = torch.log(-torch.expm1(safe_near))
+    far = torch.log1p(-torch.exp(safe_far))
+    return torch.where(near_zero, near, far)
+
+
+def orpo_loss(
+    chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair.
+
+    odds(y) = P / (1 - P) with P = exp(average per-token logp), so
+    log odds = logp - log(1 - exp(logp)), and the term is
+    -beta * logsigmoid(log odds_chosen - log odds_rejected).
+    Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda.
+
+    Args:
+        chosen_avg_logps: `[B]` mean per-token logps of the chosen responses (< 0).
+        rejected_avg_logps: `[B]` mean per-token logps of the rejected responses (< 0).
+        beta: weight of the odds-ratio term.
+
+    Returns:
+        `(loss [B], metrics)` with `log_odds` (chosen minus rejected), `log_odds_ratio`
+        (logsigmoid of it), `rewards_chosen` / `rewards_rejected` (beta times the average logps, as
+        TRL logs them) and `accuracy`.
+    """
+    log_odds = (chosen_avg_logps - log1mexp(chosen_avg_logps)) - (
+        rejected_avg_logps - log1mexp(rejected_avg_logps)
+    )
+    log_odds_ratio = F.logsigmoid(log_odds)
+    metrics = {
+        "log_odds": log_odds.detach(),
+        "log_odds_ratio": log_odds_ratio.detach(),
+        "rewards_chosen": (beta * chosen_avg_logps).detach(),
+        "rewards_rejected": (beta * rejected_avg_logps).detach(),
+        "accuracy": (chosen_avg_logps > rejected_avg_logps).float(),
+    }
+    return -beta * log_odds_ratio, metrics
+
+
+def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:
+    """Reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022).
+
+    Args:
+        chosen_rewards: `[B]` scalar rewards of the chosen responses.
+        rejected_rewards: `[B]` scalar rewards of the rejected responses.
+
+    Returns:
+        `[B]` per-pair losses.
+    """
+    return -F.logsigmoid(chosen_rewards - rejected_rewards)
