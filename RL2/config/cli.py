@@ -12,10 +12,12 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
 # Values a field may take, checked once at start: the error names the key and the choices.
 CHOICES = {
-    "dtype": ("bfloat16", "float16", "float32"),
+    "dtype": ("auto", "bfloat16", "float16", "float32"),
     "avg_level": ("token", "sequence", "constant"),
     "scheduler.name": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "loss_type": ("sigmoid", "ipo"),
+    "kl": ("forward", "reverse"),
 }
 
 

@@ -59,7 +59,7 @@ class SchedulerConfig:
 class ModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the embedded default")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("bfloat16", "compute dtype: bfloat16 | float16 | float32 (master weights stay float32)")
+    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 | float32; master weights stay float32")
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
@@ -91,4 +91,46 @@ class TrainerConfig:
 class SFTConfig:
     data: DataConfig = opt(DataConfig, "data")
     actor: ModelConfig = opt(ModelConfig, "the model being trained")
+    trainer: TrainerConfig = opt(TrainerConfig, "run control")
+
+
+@dataclass
+class PreferenceModelConfig(ModelConfig):
+    beta: float = opt(0.1, "DPO: strength of the implicit KL to the reference; ORPO: weight of the odds-ratio term")
+    loss_type: str = opt("sigmoid", "DPO loss: sigmoid (DPO) | ipo")
+    label_smoothing: float = opt(0.0, "conservative DPO: assumed probability that a preference label is flipped")
+
+
+@dataclass
+class DPOConfig:
+    data: DataConfig = opt(DataConfig, "data: prompt/chosen/rejected rows")
+    actor: PreferenceModelConfig = opt(PreferenceModelConfig, "the policy; its initial weights are the frozen reference")
+    trainer: TrainerConfig = opt(TrainerConfig, "run control")
+
+
+@dataclass
+class ORPOConfig:
+    data: DataConfig = opt(DataConfig, "data: prompt/chosen/rejected rows")
+    actor: PreferenceModelConfig = opt(PreferenceModelConfig, "the policy (no reference model)")
+    trainer: TrainerConfig = opt(TrainerConfig, "run control")
+
+
+@dataclass
+class RMConfig:
+    data: DataConfig = opt(DataConfig, "data: prompt/chosen/rejected rows")
+    critic: ModelConfig = opt(ModelConfig, "the reward model: a causal LM with a scalar head on every token")
+    trainer: TrainerConfig = opt(TrainerConfig, "run control")
+
+
+@dataclass
+class DistillModelConfig(ModelConfig):
+    teacher_name: str = opt("smollm2-135m-instruct", "the frozen teacher (HF folder or name; same tokenizer as the student)")
+    kl: str = opt("forward", "forward KL(teacher || student) (mode covering) | reverse KL(student || teacher) (mode seeking)")
+    temperature: float = opt(1.0, "softens both distributions before the KL")
+
+
+@dataclass
+class DistillConfig:
+    data: DataConfig = opt(DataConfig, "data: SFT rows; the teacher scores the same tokens")
+    actor: DistillModelConfig = opt(DistillModelConfig, "the student")
     trainer: TrainerConfig = opt(TrainerConfig, "run control")

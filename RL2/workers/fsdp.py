@@ -13,18 +13,40 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.models.attention import ATTN_NAME
 from RL2.models.embedded import resolve_model_path
 from RL2.parallel import ParallelDims
+from RL2.utils.logging import log_rank0
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run in hardware: on CUDA, or on CPUs with AVX512-BF16 / AMX.
+
+    Without it torch emulates bf16 on the CPU, some 100x slower than float32.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`actor.dtype` -> torch dtype; `auto` is bf16 where the hardware has it, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name == "bfloat16" and not native_bf16(device):
+        log_rank0("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
+                  "far slower than float32. Set actor.dtype=auto or float32.")
+    return DTYPES[name]
 
 
 def load_tokenizer(model_cfg):
@@ -64,33 +86,62 @@ class FSDPWorker(Stateful):
         total_steps: optimizer steps of the run (for the schedule); 0 for a frozen model.
         model_cls: the transformers auto class to load with.
         train: False for a frozen model (reference, teacher): no optimizer.
+        model_name: load these weights instead of `model_cfg.model_name` (e.g. a teacher).
+        config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
     """
 
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
-                 model_cls=AutoModelForCausalLM, train: bool = True, **model_kwargs):
+                 model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
+                 **config_overrides):
         self.cfg, self.dims, self.device = model_cfg, dims, device
-        self.model = self._build_model(model_cls, train, **model_kwargs)
+        self.model_name = model_name or model_cfg.model_name
+        self.model = self._build_model(model_cls, train, **config_overrides)
         self.optimizer = self._build_optimizer() if train else None
         self.scheduler = self._build_scheduler(total_steps) if train else None
 
-    def _build_model(self, model_cls, train: bool, **model_kwargs) -> torch.nn.Module:
-        path = resolve_model_path(self.cfg.model_name)
+    def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
+        """Load, shard and (on ranks other than 0) fill from rank 0.
+
+        Only rank 0 reads the checkpoint; the other ranks build the model on the meta device (no
+        memory), shard it, and receive their shards from rank 0. A 70B model thus needs one CPU copy
+        per node rather than one per rank. Tied embeddings stay one parameter: both the embedding and
+        the LM head live in the root FSDP group.
+        """
+        path = resolve_model_path(self.model_name)
         # Master weights in float32; compute runs in cfg.dtype through FSDP's mixed precision.
-        model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_NAME, **model_kwargs)
+        kwargs = dict(dtype=torch.float32, attn_implementation=ATTN_NAME)
+        from_rank0 = dist.get_world_size() > 1
+        full_state = None
+        if dist.get_rank() == 0:
+            model = model_cls.from_pretrained(path, **kwargs, **config_overrides).to(self.device)
+            full_state = model.state_dict() if from_rank0 else None
+        else:
+            with torch.device("meta"):
+                model = model_cls.from_config(AutoConfig.from_pretrained(path, **config_overrides), **kwargs)
         model.config.use_cache = False
         if train and self.cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
-        compute_dtype = DTYPES[self.cfg.dtype]
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        self.dtype = compute_dtype(self.cfg.dtype, self.device)
+        policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         mesh = self.dims.fsdp_mesh
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if from_rank0:
+            self._fill_from_rank0(model, full_state)
         model.train(train)
         if not train:
             model.requires_grad_(False)
         return model
+
+    def _fill_from_rank0(self, model: torch.nn.Module, full_state: dict | None) -> None:
+        if dist.get_rank() != 0:
+            model.to_empty(device=self.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_state or {}, options=options)
+        # Buffers that are not in the state dict (rotary frequencies) come from rank 0 too.
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.cfg.optimizer
