@@ -1,0 +1,119 @@
+"""SFT step throughput of the embedded model on CPU, against the machine's matmul peak measured in the same run.
+
+    python benchmarks/bench_sft.py [--steps 3] [--seqs 8] [--seq-len 256]
+
+For fp32 and bf16, at 1 and 2 ranks: tokens/s, seconds per step, achieved FLOP/s of the training step
+(6 x matmul parameters x tokens + causal attention), that as a fraction of the matmul peak of the same
+dtype, and peak resident memory per rank.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a square matmul with every core (what a training step could hope for)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    began = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - began)
+
+
+def step_flops(config, n_matmul_params: int, seq_lens: list[int]) -> float:
+    """Training FLOPs: 3 x forward; forward = 2 per matmul parameter per token + causal attention scores."""
+    tokens = sum(seq_lens)
+    attention = sum(4 * config.num_hidden_layers * config.hidden_size * n * n / 2 for n in seq_lens)
+    return 3 * (2 * n_matmul_params * tokens + attention)
+
+
+def worker(args) -> None:
+    """Runs under torchrun: time SFT steps of the embedded model on synthetic packed data."""
+    from omegaconf import OmegaConf
+
+    from RL2.config.schema import ModelConfig
+    from RL2.datasets.packing import pack_examples
+    from RL2.models.logps import packed_logps
+    from RL2.parallel import ParallelDims, init_distributed, pick_device
+    from RL2.workers.fsdp import FSDPWorker
+    import torch.distributed as dist
+
+    device = pick_device("cpu")
+    init_distributed(device)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"dtype": args.dtype, "max_length_per_device": 8192})
+    dims = ParallelDims.from_config(cfg, device)
+    model = FSDPWorker(cfg, dims, device, total_steps=100)
+    generator = torch.Generator().manual_seed(0)
+    examples = [
+        {"input_ids": torch.randint(0, 49152, (args.seq_len + 1,), generator=generator).tolist(),
+         "loss_mask": [1] * (args.seq_len + 1)}
+        for _ in range(args.seqs)
+    ]
+    micro_batches = pack_examples(examples, dims.dp_rank, dims.dp, cfg.max_length_per_device)
+    times = []
+    for step in range(args.steps + 1):  # the first step warms up
+        began = time.perf_counter()
+        for mb in micro_batches:
+            (-(packed_logps(model.model, mb) * mb.loss_weights).sum() * dims.grad_divide_factor).backward()
+        model.optimizer_step()
+        dist.barrier()
+        times.append(time.perf_counter() - began)
+    hf_config = model.model.config
+    n_params = sum(p.numel() for p in model.model.parameters())
+    # The input embedding is a lookup, not a matmul; with tied weights it is also the LM head (a matmul).
+    n_matmul = n_params - (0 if hf_config.tie_word_embeddings else hf_config.vocab_size * hf_config.hidden_size)
+    step_s = sorted(times[1:])[len(times[1:]) // 2]
+    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
+    dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        flops = step_flops(hf_config, n_matmul, [args.seq_len] * args.seqs)
+        print(json.dumps({"step_s": step_s, "tokens_per_s": args.seqs * args.seq_len / step_s,
+                          "flops_per_s": flops / step_s, "peak_rss_mb": peak_rss.item()}))
+    dist.destroy_process_group()
+
+
+def run(nproc: int, dtype: str, args) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           __file__, "--worker", f"--dtype={dtype}", f"--steps={args.steps}", f"--seqs={args.seqs}",
+           f"--seq-len={args.seq_len}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    peaks = {name: matmul_peak(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    print(f"matmul peak: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s")
+    print(f"workload: SmolLM2-135M, {args.seqs} x {args.seq_len} tokens per step, median of {args.steps} steps")
+    header = f"{'dtype':<9} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'peak RSS/rank MB':>17}"
+    print(header + "\n" + "-" * len(header))
+    for dtype in ("float32", "bfloat16"):
+        for nproc in (1, 2):
+            r = run(nproc, dtype, args)
+            print(f"{dtype:<9} {nproc:>5} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} {r['flops_per_s'] / 1e9:>8.1f} "
+                  f"{100 * r['flops_per_s'] / peaks[dtype]:>6.1f}% {r['peak_rss_mb']:>17.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
