@@ -82,6 +82,8 @@ class Trainer:
         """The loop: train, log, evaluate, save; then export the final models."""
         trainer = self.cfg.trainer
         start = self.resume()
+        if trainer.test_freq and start == 0:
+            self.sink.log(self.evaluate(), 0)  # the "before" figure
         progress = tqdm(range(start + 1, n_steps + 1), initial=start, total=n_steps, disable=not is_rank0())
         for step in progress:
             began = time.perf_counter()

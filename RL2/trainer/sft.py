@@ -28,8 +28,12 @@ class SFTTrainer(Trainer):
     def train(self) -> None:
         self.run(self.n_steps)
 
+    def token_losses(self, mb) -> torch.Tensor:
+        """Per-token loss `[1, T]`: the negative log-likelihood of each label."""
+        return -packed_logps(self.actor.model, mb)
+
     def nll(self, examples: list[dict], train: bool) -> tuple[float, int]:
-        """Negative log-likelihood averaged as actor.avg_level says, over all ranks; backward when training."""
+        """`token_losses` averaged as actor.avg_level says, over all ranks; backward when training."""
         micro_batches = pack_examples(
             examples, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device, self.cfg.actor.avg_level
         )
@@ -37,7 +41,7 @@ class SFTTrainer(Trainer):
         for mb in micro_batches:
             mb = mb.to(self.device)
             with torch.set_grad_enabled(train):
-                loss = -(packed_logps(self.actor.model, mb) * mb.loss_weights).sum()
+                loss = (self.token_losses(mb) * mb.loss_weights).sum()
             if train:
                 # FSDP averages gradients over data ranks; the loss is already a global-batch average.
                 (loss * self.dims.grad_divide_factor).backward()

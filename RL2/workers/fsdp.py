@@ -112,12 +112,15 @@ class FSDPWorker(Stateful):
         kwargs = dict(dtype=torch.float32, attn_implementation=ATTN_NAME)
         from_rank0 = dist.get_world_size() > 1
         full_state = None
+        config = AutoConfig.from_pretrained(path)
+        for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
+            setattr(config, key, value)
         if dist.get_rank() == 0:
-            model = model_cls.from_pretrained(path, **kwargs, **config_overrides).to(self.device)
+            model = model_cls.from_pretrained(path, config=config, **kwargs).to(self.device)
             full_state = model.state_dict() if from_rank0 else None
         else:
             with torch.device("meta"):
-                model = model_cls.from_config(AutoConfig.from_pretrained(path, **config_overrides), **kwargs)
+                model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
         if train and self.cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,35 @@
+"""Odds-ratio preference optimisation (Hong et al. 2024): SFT on the chosen response plus an
+odds-ratio term that favours it over the rejected one; no reference model.
+
+`torchrun -m RL2.trainer.orpo data.train.path=pairs.jsonl actor.beta=0.1`
+"""
+
+from RL2.algs.preference import orpo_loss
+from RL2.config.schema import ORPOConfig
+from RL2.models.logps import packed_logps
+from RL2.trainer.base import launch
+from RL2.trainer.pairwise import PairwiseTrainer, per_sequence_sum
+
+
+class ORPOTrainer(PairwiseTrainer):
+    def sequence_scores(self, mb):
+        logps = packed_logps(self.model.model, mb)
+        n_tokens = per_sequence_sum(mb.loss_mask, mb)
+        return {"avg_logps": per_sequence_sum(logps * mb.loss_mask, mb) / n_tokens.clamp(min=1)}
+
+    def pair_losses(self, chosen, rejected):
+        odds_ratio, metrics = orpo_loss(chosen["avg_logps"], rejected["avg_logps"], self.cfg.actor.beta)
+        nll = -chosen["avg_logps"]  # the SFT term: mean per-token NLL of the chosen response
+        metrics["nll"] = nll.detach()
+        return nll + odds_ratio, metrics
+
+    def save_final(self) -> None:
+        self.model.save_hf(f"{self.cfg.trainer.save_dir}/final/actor", self.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    launch(ORPOTrainer, ORPOConfig, "orpo", argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Shared loop of the preference trainers (DPO, ORPO, reward model).
+
+Each pair's chosen and rejected sequences are packed into the same micro-batch, so a subclass only
+says what number it reads off each sequence (`sequence_scores`) and how a pair of them becomes a
+loss (`pair_losses`). Losses are averaged over every pair of the global batch.
+"""
+
+from collections import defaultdict
+
+import torch
+
+from RL2.datasets.packing import MicroBatch, pack_examples
+from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
+from RL2.datasets.splits import EpochSampler, batches, load_splits
+from RL2.trainer.base import Trainer
+from RL2.workers.fsdp import FSDPWorker, load_tokenizer
+
+
+def per_sequence_sum(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """`[1, T]` per-token values -> `[n_sequences]` sums, differentiable."""
+    return torch.stack([chunk.sum() for chunk in mb.unpack(values)])
+
+
+def last_token(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """`[1, T]` per-token values -> `[n_sequences]` value at each sequence's last position."""
+    return values.squeeze(0)[mb.cu_seqlens[1:].long() - 1]
+
+
+class PairwiseTrainer(Trainer):
+    model_key = "actor"  # which config section holds the trained model
+
+    def __init__(self, cfg):
+        model_cfg = cfg[self.model_key]
+        super().__init__(cfg, model_cfg)
+        self.tokenizer = load_tokenizer(model_cfg)
+        self.train_data, self.test_data = load_splits(cfg.data, pair_row_tokenizer(self.tokenizer), cfg.trainer.seed)
+        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        self.model = self.build_model(model_cfg)
+
+    # --- what a preference trainer defines ------------------------------------------------------
+    def build_model(self, model_cfg) -> FSDPWorker:
+        return FSDPWorker(model_cfg, self.dims, self.device, self.n_steps)
+
+    def sequence_scores(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """Per-sequence tensors `[n_sequences]` in packing order (chosen, rejected, chosen, ...)."""
+        raise NotImplementedError
+
+    def pair_losses(self, chosen: dict, rejected: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss per pair, metrics per pair) from the two sides' `sequence_scores`."""
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------------------
+    def workers(self) -> dict:
+        return {self.model_key: self.model}
+
+    def train(self) -> None:
+        self.run(self.n_steps)
+
+    def pairs_pass(self, pairs: list[dict], train: bool) -> dict[str, float]:
+        """Loss (and backward when training) over a global batch of pairs; metrics averaged over pairs."""
+        examples, units = flatten_pairs(pairs)
+        micro_batches = pack_examples(
+            examples, self.dims.dp_rank, self.dims.dp, self.cfg[self.model_key].max_length_per_device, units=units
+        )
+        totals = defaultdict(float)
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with torch.set_grad_enabled(train):
+                scores = self.sequence_scores(mb)
+                if mb.example_ids:
+                    chosen = {k: v[0::2] for k, v in scores.items()}
+                    rejected = {k: v[1::2] for k, v in scores.items()}
+                    losses, metrics = self.pair_losses(chosen, rejected)
+                    loss = losses.sum() / len(pairs)
+                else:  # a padding micro-batch: no pairs, but backward must still run on every rank
+                    loss, metrics = sum(v.sum() for v in scores.values()) * 0.0, {}
+            if train:
+                (loss * self.dims.grad_divide_factor).backward()
+            totals["loss"] += loss.item() * len(pairs)
+            for key, value in metrics.items():
+                totals[key] += value.sum().item()
+        return {key: self.sum_over_data(value) / len(pairs) for key, value in sorted(totals.items())}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        pairs = [self.train_data[i] for i in self.sampler.batch(step - 1)]
+        metrics = {f"train/{k}": v for k, v in self.pairs_pass(pairs, train=True).items()}
+        stats = self.model.optimizer_step()
+        return {**metrics, "train/grad_norm": stats["grad_norm"], "train/lr": stats["lr"]}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.test_data:
+            return {}
+        self.model.model.eval()
+        totals = defaultdict(float)
+        for pairs in batches(self.test_data, max(self.cfg.data.test.batch_size, self.dims.dp)):
+            for key, value in self.pairs_pass(pairs, train=False).items():
+                totals[key] += value * len(pairs)
+        self.model.model.train()
+        return {f"test/{k}": v / len(self.test_data) for k, v in totals.items()}

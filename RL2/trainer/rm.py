@@ -1,0 +1,60 @@
+"""Bradley-Terry reward model: `torchrun -m RL2.trainer.rm data.train.path=pairs.jsonl critic.model_name=...`
+
+The model is the causal LM with a scalar head on every token (`AutoModelForTokenClassification`,
+one label), the same shape as PPO's critic. A sequence's reward is the head's output at its last
+position. The export at `<save_dir>/final/critic` loads with
+`AutoModelForTokenClassification.from_pretrained(path)`; score a text by taking `logits[0, -1, 0]`.
+"""
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from RL2.algs.preference import bradley_terry_loss
+from RL2.config.schema import RMConfig
+from RL2.datasets.packing import MicroBatch
+from RL2.models.logps import forward_packed
+from RL2.trainer.base import launch
+from RL2.trainer.pairwise import PairwiseTrainer, last_token
+from RL2.workers.fsdp import FSDPWorker
+
+
+def sequence_rewards(model, mb: MicroBatch):
+    """Reward of every packed sequence: the scalar head at its last position."""
+    return last_token(forward_packed(model, mb).logits.squeeze(-1).float(), mb)
+
+
+class RMTrainer(PairwiseTrainer):
+    model_key = "critic"
+
+    def build_model(self, model_cfg) -> FSDPWorker:
+        # No dropout before the head: the reward must be a deterministic function of the text.
+        worker = FSDPWorker(model_cfg, self.dims, self.device, self.n_steps,
+                            model_cls=AutoModelForTokenClassification, num_labels=1, classifier_dropout=0.0)
+        # The Bradley-Terry loss does not change when every reward shifts by a constant, so the head's
+        # bias gets only round-off gradients, which Adam would amplify into a random walk. Pin it at 0.
+        bias = worker.model.score.bias
+        if bias is not None:
+            with torch.no_grad():
+                bias.zero_()
+            bias.requires_grad_(False)
+        return worker
+
+    def sequence_scores(self, mb):
+        return {"rewards": sequence_rewards(self.model.model, mb)}
+
+    def pair_losses(self, chosen, rejected):
+        margin = (chosen["rewards"] - rejected["rewards"]).detach()
+        metrics = {"accuracy": (margin > 0).float(), "margin": margin,
+                   "chosen_rewards": chosen["rewards"].detach(), "rejected_rewards": rejected["rewards"].detach()}
+        return bradley_terry_loss(chosen["rewards"], rejected["rewards"]), metrics
+
+    def save_final(self) -> None:
+        self.model.save_hf(f"{self.cfg.trainer.save_dir}/final/critic", self.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    launch(RMTrainer, RMConfig, "rm", argv)
+
+
+if __name__ == "__main__":
+    main()
