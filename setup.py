@@ -25,6 +25,7 @@ setup(
         "gpu": ["sglang", "flash-attn", "ring-flash-attn", "liger-kernel"],
         "gem": ["gem-llm"],
         "math": ["math-verify"],
-        "test": ["pytest", "matplotlib"],
+        # The test run covers the GEM adapter and math-verify answers too.
+        "test": ["pytest", "matplotlib", "gem-llm", "math-verify"],
     },
 )

@@ -1,0 +1,92 @@
+"""Clients of an inference engine that speaks SGLang's native `/generate` protocol.
+
+A rollout only needs `await engine.generate(payload) -> response`, with the request and response
+JSON of SGLang's `POST /generate`. `EmbeddedEngine` (in-process, CPU) serves it directly;
+`HTTPEngineClient` sends it to one or more SGLang servers.
+"""
+
+import asyncio
+from typing import Protocol, runtime_checkable
+
+import httpx
+
+# Seconds to open a connection: a server that does not accept within this is taken as down.
+CONNECT_TIMEOUT = 10.0
+
+
+class EngineError(RuntimeError):
+    """The inference engine failed or could not be reached; the rollout cannot go on."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Anything that serves SGLang `/generate` payloads (`EmbeddedEngine`, `HTTPEngineClient`)."""
+
+    async def generate(self, payload: dict) -> dict:
+        """Serve one request.
+
+        Args:
+            payload: {"input_ids": [...], "sampling_params": {...}, "return_logprob": True}.
+
+        Returns:
+            {"text", "output_ids", "meta_info": {"output_token_logprobs", "finish_reason", ...}}.
+        """
+        ...
+
+
+class HTTPEngineClient:
+    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight.
+
+    Args:
+        urls: server base URLs, e.g. ["http://10.0.0.1:30000"].
+        timeout: seconds to wait for one response (generation included) before failing.
+    """
+
+    def __init__(self, urls: list[str], timeout: float = 600.0):
+        if not urls:
+            raise ValueError("HTTPEngineClient needs at least one server URL")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.timeout = timeout
+        self._inflight = dict.fromkeys(self.urls, 0)
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def generate(self, payload: dict) -> dict:
+        """POST `payload` to `{url}/generate` on the least busy server; raises `EngineError`."""
+        url = min(self.urls, key=self._inflight.__getitem__)
+        self._inflight[url] += 1
+        try:
+            return await self._post(f"{url}/generate", payload)
+        finally:
+            self._inflight[url] -= 1
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _post(self, endpoint: str, payload: dict) -> dict:
+        try:
+            response = await self._http().post(endpoint, json=payload)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"{endpoint}: no answer within {self.timeout} s ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise EngineError(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
+        if response.status_code != 200:
+            raise EngineError(f"{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
+        try:
+            return response.json()
+        except ValueError as e:
+            raise EngineError(f"{endpoint} returned a body that is not JSON: {response.text[:200]!r}") from e
+
+    def _http(self) -> httpx.AsyncClient:
+        # An httpx client's connections belong to the event loop that opened them; trainers that call
+        # `asyncio.run` once per rollout get a fresh client for each loop.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout), pool=None)
+            # No cap on connections: every trajectory of a batch keeps one request open at a time.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            self._loop = loop
+        return self._client

@@ -1,0 +1,342 @@
+"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate`.
+
+On GPU, RL2's rollouts talk to SGLang over HTTP. On CPU there is no SGLang worth starting, so
+this engine serves the same protocol as an async Python API: `generate` takes and returns the
+exact JSON shapes of SGLang's native `/generate`, so one rollout client works with both.
+
+How it works:
+- Continuous batching. Every `generate` call queues a request; one scheduler task per event
+  loop admits waiting requests (one batched prefill), then decodes all running requests one
+  token per step. Requests join and leave between steps (see `model_runner.py` for the cache).
+- The forwards run in a one-thread executor, not on the event loop: torch releases the GIL
+  inside its kernels, so the loop keeps serving other coroutines (environments, rewards, new
+  requests) while a step runs. All request state is touched either by that thread during a
+  step or by the loop between steps, never both at once.
+- Sampling and stop rules are SGLang's; see `sampling.py` (including which log-probabilities
+  are returned).
+"""
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from RL2.rollout.model_runner import ModelRunner
+from RL2.rollout.sampling import (
+    SamplingParams,
+    finish_reason,
+    output_text,
+    sample_next_tokens,
+    stop_tokens_to_ban,
+)
+
+# Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
+MAX_PREFILL_TOKENS = 8192
+
+
+@dataclass(eq=False)
+class _Request:
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    future: asyncio.Future
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: dict | None = None
+    row: int = -1  # KV cache row while running
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose keys are in the cache; the newest sampled token is not yet."""
+        return len(self.input_ids) + len(self.output_ids) - 1
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.input_ids) + self.params.max_new_tokens
+
+
+class EmbeddedEngine:
+    """In-process continuous-batching engine with SGLang's `/generate` request/response shapes.
+
+    Args:
+        model: an HF `AutoModelForCausalLM` in eval mode on its device, any dtype. The engine
+            keeps this reference and runs it as is; change its weights through `update_weights`.
+            Attention must be plain causal (Llama, Qwen2/3, Mistral...): sliding windows are not
+            applied.
+        tokenizer: the model's tokenizer (decodes `text`, finds stop strings).
+        max_running_requests: the most requests decoded together.
+        max_total_tokens: if set, the running requests' prompt + max_new_tokens must fit in it;
+            the rest wait. None: no limit beyond max_running_requests.
+        seed: seeds the sampling of requests without their own `sampling_seed`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        seed: int | None = None,
+    ):
+        self.runner = ModelRunner(model, max_running_requests)
+        self.tokenizer = tokenizer
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.eos_ids = _eos_token_ids(model, tokenizer)
+        self.weight_version = "default"
+        self._generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # running[i] owns cache row i
+        self._paused = False
+        self._error: RuntimeError | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-engine")
+        self._step_lock = threading.Lock()  # update_weights must not run during a step
+        self._inflight: Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduler: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    async def generate(self, payload: dict) -> dict:
+        """Serve one SGLang `/generate` payload with `input_ids`.
+
+        Args:
+            payload: {"input_ids": [...], "sampling_params": {...}, "return_logprob": bool}.
+
+        Returns:
+            {"text", "output_ids", "meta_info": {"finish_reason", "prompt_tokens",
+            "completion_tokens", "weight_version", "output_token_logprobs" (if asked)}}.
+        """
+        if self._error is not None:
+            raise self._error
+        request = self._new_request(payload)
+        if request.params.max_new_tokens == 0:
+            self._resolve(request, {"type": "length", "length": 0})
+            return request.future.result()
+        self._ensure_scheduler()
+        self._waiting.append(request)
+        self._wakeup.set()
+        return await request.future
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop decoding until `continue_generation`; new requests wait meanwhile.
+
+        Args:
+            mode: "abort" returns every queued and running request at once with finish_reason
+                abort and its partial output; "retract" frees their cache and re-prefills them
+                (prompt + output so far) after continue; "in_place" just holds them.
+        """
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
+        self._paused = True
+        await self._wait_for_step()
+        if mode == "abort":
+            for request in [*self._running, *self._waiting]:
+                self._resolve(request, {"type": "abort", "message": "aborted by pause_generation"})
+            self._running, self._waiting = [], deque()
+        elif mode == "retract":
+            self._waiting.extendleft(reversed(self._running))
+            self._running = []
+
+    async def continue_generation(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> None:
+        """Copy full tensors into the engine's model in place (names as in `model.state_dict()`).
+
+        Call it while paused: it waits for the current step, but requests still running would
+        continue on the new weights with keys and values computed by the old ones.
+        """
+        with self._step_lock:
+            self.runner.load_weights(named_tensors)
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    async def flush_cache(self) -> None:
+        """Free the KV cache memory when nothing runs (there is no prefix cache to flush)."""
+        await self._wait_for_step()
+        if not self._running:
+            self.runner.cache.clear()
+
+    def shutdown(self) -> None:
+        """Fail whatever is still queued and stop the worker thread."""
+        self._fail(RuntimeError("EmbeddedEngine was shut down"))
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+        self._executor.shutdown(wait=True)
+        self.runner.cache.clear()
+
+    # ---- scheduling (event loop thread) ----
+
+    def _new_request(self, payload: dict) -> _Request:
+        if "input_ids" not in payload:
+            raise ValueError("the embedded engine needs token ids: pass payload['input_ids']")
+        params = SamplingParams.from_dict(payload.get("sampling_params"), self.tokenizer)
+        request = _Request(
+            input_ids=list(payload["input_ids"]),
+            params=params,
+            return_logprob=bool(payload.get("return_logprob", False)),
+            future=asyncio.get_running_loop().create_future(),
+        )
+        if not request.input_ids:
+            raise ValueError("input_ids is empty")
+        if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds max_total_tokens={self.max_total_tokens}"
+            )
+        if params.sampling_seed is not None:
+            request.generator = torch.Generator().manual_seed(params.sampling_seed)
+        return request
+
+    def _ensure_scheduler(self) -> None:
+        """Start the scheduler on the running loop (again, after an earlier loop has ended).
+
+        One event loop at a time: callers of `asyncio.run` per rollout get a fresh scheduler
+        each time, and requests left behind by a finished loop are dropped.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._scheduler is not None and not self._scheduler.done():
+            return
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        self._scheduler = loop.create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        try:
+            await self._wait_for_step()  # a step started by an earlier event loop may still run
+            while True:
+                self._drop_abandoned()
+                if self._paused or not (self._waiting or self._running):
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._inflight = self._executor.submit(self._step, self._admit())
+                for request in await asyncio.wrap_future(self._inflight):
+                    self._resolve(request, request.reason)
+        except Exception as exc:
+            self._fail(RuntimeError(f"EmbeddedEngine decode loop failed: {exc!r}"), exc)
+
+    async def _wait_for_step(self) -> None:
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait([asyncio.wrap_future(self._inflight)])
+
+    def _admit(self) -> list[_Request]:
+        """Move waiting requests into the batch while rows, token budget and prefill size allow."""
+        admitted: list[_Request] = []
+        reserved = sum(r.reserved_tokens for r in self._running)
+        width = 0
+        while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
+            request = self._waiting[0]
+            if self.max_total_tokens is not None:
+                if reserved + request.reserved_tokens > self.max_total_tokens:
+                    break
+            new_width = max(width, len(request.input_ids) + len(request.output_ids))
+            if admitted and new_width * (len(admitted) + 1) > MAX_PREFILL_TOKENS:
+                break
+            admitted.append(self._waiting.popleft())
+            reserved += request.reserved_tokens
+            width = new_width
+        return admitted
+
+    def _drop_abandoned(self) -> None:
+        """Forget requests whose caller went away (cancelled task, finished event loop)."""
+
+        def abandoned(request: _Request) -> bool:
+            return request.future.done() or request.future.get_loop() is not self._loop
+
+        self._waiting = deque(r for r in self._waiting if not abandoned(r))
+        if any(abandoned(r) for r in self._running):
+            for request in self._running:
+                if abandoned(request):
+                    request.reason = {"type": "abort", "message": "abandoned by the caller"}
+            self._compact()
+
+    def _resolve(self, request: _Request, reason: dict) -> None:
+        if request.future.done() or request.future.get_loop().is_closed():
+            return
+        meta = {
+            "finish_reason": reason,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(request.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = [
+                [logprob, token, None] for logprob, token in zip(request.logprobs, request.output_ids)
+            ]
+        text = output_text(request.output_ids, reason, request.params, self.tokenizer)
+        request.future.set_result({"text": text, "output_ids": list(request.output_ids), "meta_info": meta})
+
+    def _fail(self, error: RuntimeError, cause: BaseException | None = None) -> None:
+        """Fail every pending request now and every future one with `error`."""
+        error.__cause__ = cause
+        self._error = error
+        for request in [*self._running, *self._waiting]:
+            if not request.future.done() and not request.future.get_loop().is_closed():
+                request.future.set_exception(error)
+        self._running, self._waiting = [], deque()
+
+    # ---- one step (worker thread) ----
+
+    def _step(self, admitted: list[_Request]) -> list[_Request]:
+        """Prefill the admitted requests, or else decode every running one; returns the finished."""
+        with self._step_lock:
+            if admitted:
+                first_row = len(self._running)
+                for i, request in enumerate(admitted):
+                    request.row = first_row + i
+                self._running.extend(admitted)
+                logits = self.runner.prefill(first_row, [r.input_ids + r.output_ids for r in admitted])
+                batch = admitted
+            else:
+                batch = self._running
+                logits = self.runner.decode(
+                    [r.output_ids[-1] for r in batch], [r.cached_len for r in batch]
+                )
+            self._sample_into(batch, logits)
+            finished = [r for r in batch if r.reason is not None]
+            if finished:
+                self._compact()
+            return finished
+
+    def _sample_into(self, batch: list[_Request], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_next_tokens(
+            logits,
+            [r.params for r in batch],
+            [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch],
+            [r.generator for r in batch],
+            self._generator,
+        )
+        for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.reason = finish_reason(request.output_ids, request.params, self.eos_ids, self.tokenizer)
+
+    def _compact(self) -> None:
+        """Drop finished requests and move the last rows into the holes they leave."""
+        alive = [r for r in self._running if r.reason is None]
+        holes = sorted(r.row for r in self._running if r.reason is not None and r.row < len(alive))
+        movers = [r for r in alive if r.row >= len(alive)]
+        for request, row in zip(movers, holes):
+            self.runner.cache.move_row(request.row, row, request.cached_len)
+            request.row = row
+        self._running = sorted(alive, key=lambda r: r.row)
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    """The tokenizer's eos plus the model's generation_config eos ids (an int or a list)."""
+    ids = {tokenizer.eos_token_id}
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}

@@ -1,0 +1,121 @@
+"""Environment scripts: one Python file that turns the policy's actions into rewards.
+
+The file defines
+
+    async def step(state: str, action: str, extra_info: dict) -> dict
+        # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
+
+and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a
+prompt row has no prompt. `state` is the text the policy saw, `action` the text it wrote, and
+`extra_info` the row's `extra_info` (answers, ids), carried from step to step. `reward` trains;
+`score` is what evaluation reports (e.g. correctness without format bonuses; default: reward).
+
+A state (`next_state`, or what `reset` returns) may also be a list of chat messages, which the
+rollout renders with the tokenizer's chat template. See `envs/` for examples.
+"""
+
+import importlib.util
+import inspect
+import math
+import numbers
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+State = str | list[dict]
+
+
+class EnvError(ValueError):
+    """The environment script cannot be used (missing file, no async `step`, ...)."""
+
+
+class EnvFault(Exception):
+    """A `step` result that breaks the contract; it ends one trajectory, not the run."""
+
+
+@dataclass
+class StepResult:
+    next_state: State | None
+    reward: float
+    score: float
+    done: bool
+    extra_info: dict
+
+
+@dataclass
+class Env:
+    """A loaded environment script.
+
+    Attributes:
+        path: the script.
+        step_fn: its `step` coroutine function.
+        reset_fn: its `reset` coroutine function, if any.
+    """
+
+    path: str
+    step_fn: Callable[[str, str, dict], Awaitable[dict]]
+    reset_fn: Callable[[dict], Awaitable[State]] | None = None
+
+    async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
+        """Run the script's `step`; raises `EnvFault` when its result is malformed."""
+        return parse_step_result(await self.step_fn(state, action, extra_info), extra_info)
+
+    async def reset(self, extra_info: dict) -> State:
+        if self.reset_fn is None:
+            raise EnvError(f"{self.path} defines no `reset`, so every prompt row needs a prompt")
+        state = await self.reset_fn(extra_info)
+        if not _is_state(state):
+            raise EnvError(f"{self.path}: reset returned {type(state).__name__}, not a str or a list of messages")
+        return state
+
+
+def load_env(path: str) -> Env:
+    """Import an environment script.
+
+    Args:
+        path: the Python file defining `async def step(...)` (and optionally `async def reset(...)`).
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EnvError(
+            f"environment script {file} does not exist; point to a Python file such as envs/countdown.py"
+        )
+    spec = importlib.util.spec_from_file_location(f"rl2_env_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    step = getattr(module, "step", None)
+    if step is None:
+        raise EnvError(
+            f"{file} defines no `step`; add `async def step(state: str, action: str, extra_info: dict) -> dict`"
+        )
+    reset = getattr(module, "reset", None)
+    for name, fn in (("step", step), ("reset", reset)):
+        if fn is not None and not inspect.iscoroutinefunction(fn):
+            raise EnvError(f"{file}: `{name}` must be async (`async def {name}`) so that trajectories run concurrently")
+    return Env(path=str(file), step_fn=step, reset_fn=reset)
+
+
+def parse_step_result(result: object, extra_info: dict) -> StepResult:
+    """Check a `step` result; `score` defaults to `reward` and `extra_info` to the one passed in."""
+    if not isinstance(result, dict):
+        raise EnvFault(f"step returned {type(result).__name__}, not a dict")
+    missing = [key for key in ("reward", "done") if key not in result]
+    if missing:
+        raise EnvFault(f"step result has no {missing}; it has {sorted(result)}")
+    reward, score = result["reward"], result.get("score", result["reward"])
+    for key, value in (("reward", reward), ("score", score)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise EnvFault(f"step result {key}={value!r} is not a finite number")
+    if not isinstance(result["done"], bool):
+        raise EnvFault(f"step result done={result['done']!r} is not a bool")
+    next_state = result.get("next_state")
+    if not result["done"] and not _is_state(next_state):
+        raise EnvFault(f"step result next_state={next_state!r:.80} is not a str or a list of messages (done is False)")
+    new_info = result.get("extra_info", extra_info)
+    if not isinstance(new_info, dict):
+        raise EnvFault(f"step result extra_info is {type(new_info).__name__}, not a dict")
+    return StepResult(next_state, float(reward), float(score), result["done"], new_info)
+
+
+def _is_state(state: object) -> bool:
+    return isinstance(state, str) or (isinstance(state, list) and all(isinstance(m, dict) for m in state))

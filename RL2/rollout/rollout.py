@@ -1,0 +1,315 @@
+"""The multi-turn rollout loop, the batch driver, dynamic filtering, metrics and sample dumps.
+
+A trajectory alternates the policy and the environment: the engine samples an action after the
+current token ids, the environment's `step` answers with a reward and the next state, and so on
+until `done`, `max_turns` or the token budget. When the next state extends `state + action` as
+text (upstream RL2's rule), only the new text is tokenised and appended, so the sampled tokens are
+kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
+
+Faults of the environment (an exception, a timeout, a malformed result) end one trajectory with
+reward 0 and are counted; engine errors propagate and stop the rollout.
+"""
+
+import asyncio
+import copy
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from RL2.rollout.client import EngineClient, EngineError
+from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
+from RL2.rollout.trajectory import Trajectory, Turn
+
+# SGLang's default when a request gives no max_new_tokens.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+async def run_trajectory(
+    engine: EngineClient,
+    env: Env,
+    tokenizer,
+    state: State | None,
+    extra_info: dict,
+    sampling_params: dict,
+    max_turns: int = 1,
+    max_total_tokens: int | None = None,
+    env_timeout: float | None = None,
+    prompt_ids: list[int] | None = None,
+) -> Trajectory:
+    """Roll out one trajectory.
+
+    Args:
+        engine: serves SGLang `/generate` payloads.
+        env: the environment script.
+        tokenizer: the policy's tokenizer (decodes actions, tokenises observations).
+        state: the prompt text or chat messages; None asks the environment's `reset`.
+        extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
+        sampling_params: SGLang sampling params of every request.
+        max_turns: the most actions.
+        max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
+            each request's max_new_tokens is cut to what is left. None: no limit.
+        env_timeout: seconds one `step` (or `reset`) may take. None: no limit.
+        prompt_ids: the prompt already tokenised (else `state` is tokenised).
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+    if state is None:
+        state = await _reset(env, extra_info, env_timeout)
+    state = render_state(state, tokenizer)
+    ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
+    if not _fits(len(ids), max_total_tokens):
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
+            f"{max_total_tokens}; raise it or shorten the prompts"
+        )
+    trajectory = Trajectory(extra_info=extra_info)
+    trajectory.start_sequence(state, ids)
+    for turn_index in range(max_turns):
+        room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
+        turn = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        trajectory.add_turn(turn)
+        if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward
+            trajectory.stop_reason = "abort"
+            return trajectory
+        result = await _step(env, state, turn.action_text, extra_info, env_timeout)
+        if isinstance(result, str):
+            trajectory.fail(result)
+            return trajectory
+        turn.reward, turn.score, extra_info = result.reward, result.score, result.extra_info
+        if result.done:
+            trajectory.stop_reason = "done"
+            return trajectory
+        if turn_index + 1 == max_turns:
+            break
+        next_state = render_state(result.next_state, tokenizer)
+        if not _observe(trajectory, tokenizer, state, turn, next_state, max_total_tokens):
+            trajectory.stop_reason = "budget"
+            return trajectory
+        state = next_state
+    trajectory.stop_reason = "max_turns"
+    return trajectory
+
+
+async def rollout_batch(
+    engine: EngineClient,
+    env: Env,
+    tokenizer,
+    prompts: list[dict],
+    responses_per_prompt: int,
+    sampling_params: dict,
+    max_turns: int = 1,
+    max_total_tokens: int | None = None,
+    env_timeout: float | None = None,
+) -> list[list[Trajectory]]:
+    """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
+
+    Args:
+        prompts: rows with `prompt` (text or chat messages; leave it out to call the env's
+            `reset`), optionally `prompt_ids` (the prompt tokenised) and `extra_info`.
+        responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
+            the row's `extra_info`.
+        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout:
+            as in `run_trajectory`.
+
+    Returns:
+        One group of trajectories per prompt, in order.
+    """
+
+    def trajectory(row: dict):
+        return run_trajectory(
+            engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
+            sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
+        )
+
+    tasks = [[asyncio.create_task(trajectory(row)) for _ in range(responses_per_prompt)] for row in prompts]
+    await _gather_or_cancel([task for group in tasks for task in group])
+    return [[task.result() for task in group] for group in tasks]
+
+
+def filter_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """Drop groups whose rewards are all equal (DAPO's dynamic sampling): their group-normalised
+    advantages are all 0, so they cost compute and teach nothing. Keep sampling to refill."""
+    return [group for group in groups if len({t.reward for t in group}) > 1]
+
+
+def rollout_metrics(
+    groups: list[list[Trajectory]], per_source: bool = False, k: int | None = None, pass_threshold: float = 1.0
+) -> dict[str, float]:
+    """Means over trajectories, namespaced `rollout/...`; with `per_source`, test metrics too.
+
+    Args:
+        groups: trajectories grouped by prompt.
+        per_source: add `test/{data_source}/score` (mean) and `test/{data_source}/pass@{k}`,
+            with `data_source` from each prompt's `extra_info` ("default" when absent).
+        k: for pass@k; default the group size. Unbiased estimator of Chen et al. (2021).
+        pass_threshold: a trajectory passes when its score is at least this.
+    """
+    trajectories = [t for group in groups for t in group]
+    if not trajectories:
+        return {}
+    metrics = {
+        "rollout/reward": _mean(t.reward for t in trajectories),
+        "rollout/score": _mean(t.score for t in trajectories),
+        "rollout/response_length": _mean(t.response_length for t in trajectories),
+        "rollout/clip_ratio": _mean(t.finish_reason == "length" for t in trajectories),
+        "rollout/n_turns": _mean(t.n_turns for t in trajectories),
+        "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
+    }
+    if per_source:
+        metrics |= _source_metrics(groups, k, pass_threshold)
+    return metrics
+
+
+def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) -> None:
+    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for group_index, group in enumerate(groups):
+            for t in group:
+                record = {
+                    "step": step,
+                    "group": group_index,
+                    "prompt": t.prompt_text,
+                    "response": t.response_text,
+                    "reward": t.reward,
+                    "score": t.score,
+                    "n_turns": t.n_turns,
+                    "finish_reason": t.finish_reason,
+                    "stop_reason": t.stop_reason,
+                    "fault": t.fault,
+                }
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def render_state(state: State, tokenizer) -> str:
+    """A state as text: chat messages go through the tokenizer's chat template."""
+    if isinstance(state, str):
+        return state
+    return tokenizer.apply_chat_template(state, add_generation_prompt=True, tokenize=False)
+
+
+def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
+    """The text `next_state` adds after `state + action`, or None when it does not extend them.
+
+    Args:
+        end_text: the text of the special token that ended the action, if any. `action` skips
+            special tokens, so a chat template re-rendering the conversation writes the end-of-turn
+            token the policy already sampled; it is dropped here rather than appended twice.
+    """
+    prefix = state + action
+    if not next_state.startswith(prefix):
+        return None
+    added = next_state[len(prefix) :]
+    if end_text and added.startswith(end_text):
+        added = added[len(end_text) :]
+    return added
+
+
+# ---- one trajectory ----
+
+
+async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
+    try:
+        return await asyncio.wait_for(env.reset(extra_info), timeout)
+    except TimeoutError as e:
+        raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
+
+
+async def _act(engine: EngineClient, tokenizer, input_ids: list[int], sampling_params: dict, room: int | None) -> Turn:
+    """Sample one action after `input_ids`, with at most `room` new tokens."""
+    params = dict(sampling_params)
+    if room is not None:
+        requested = params.get("max_new_tokens")
+        params["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS if requested is None else requested, room)
+    response = await engine.generate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+    meta = response["meta_info"]
+    if "output_token_logprobs" not in meta:
+        raise EngineError("the engine's response has no meta_info.output_token_logprobs; it must honour return_logprob")
+    ids = [int(token) for _, token, _ in meta["output_token_logprobs"]]
+    logps = [float(logp) for logp, _, _ in meta["output_token_logprobs"]]
+    # Every sampled token is in the text (stop strings too), so the text matches the tokens trained on.
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return Turn(ids, logps, text, meta["finish_reason"]["type"])
+
+
+async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None) -> StepResult | str:
+    """The environment's answer to `action`, or a description of its fault."""
+    try:
+        return await asyncio.wait_for(env.step(state, action, extra_info), timeout)
+    except TimeoutError:
+        return f"step timed out after {timeout} s"
+    except EnvFault as e:
+        return f"malformed step result: {e}"
+    except Exception as e:  # the script runs on untrusted model output: whatever it raises ends this trajectory only
+        return f"step raised {type(e).__name__}: {e}"
+
+
+def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_state: str, budget: int | None) -> bool:
+    """Add the next state to the trajectory; False when it leaves no room for another action."""
+    last = turn.action_ids[-1:]
+    end_text = tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
+    added = continuation(state, turn.action_text, next_state, end_text)
+    if added is not None:
+        env_ids = _encode(tokenizer, added)
+        if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
+            return False
+        trajectory.continue_sequence(added, env_ids)
+    else:
+        ids = _encode(tokenizer, next_state)
+        if not _fits(len(ids), budget):
+            return False
+        trajectory.start_sequence(next_state, ids)
+    return True
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # Chat templates write their special tokens (and BOS, if any) into the text itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _fits(n_tokens: int, budget: int | None) -> bool:
+    """Whether a sequence of `n_tokens` still leaves room for at least one sampled token."""
+    return budget is None or n_tokens < budget
+
+
+async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
+    """Wait for every task; on the first error cancel the rest and raise that error."""
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+# ---- metrics ----
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values)
+
+
+def _source_metrics(groups: list[list[Trajectory]], k: int | None, pass_threshold: float) -> dict[str, float]:
+    by_source = defaultdict(list)
+    for group in groups:
+        if group:
+            by_source[group[0].extra_info.get("data_source", "default")].append(group)
+    metrics = {}
+    for source, source_groups in by_source.items():
+        size = min(len(g) for g in source_groups)
+        group_k = k or size
+        if group_k > size:
+            raise ValueError(f"pass@{group_k} needs at least {group_k} responses per prompt; {source} has {size}")
+        passes = [pass_at_k(len(g), sum(t.score >= pass_threshold for t in g), group_k) for g in source_groups]
+        metrics[f"test/{source}/score"] = _mean(t.score for g in source_groups for t in g)
+        metrics[f"test/{source}/pass@{group_k}"] = _mean(passes)
+    return metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k of the n samples (c of them correct) is correct."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -1,0 +1,205 @@
+"""Sampling parameters, batched next-token sampling and stop rules of the embedded engine.
+
+Everything here follows SGLang's `/generate` semantics so that one rollout client works with both
+engines: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`,
+the finish rules of `Req.check_finished` (schedule_batch.py) and the text trimming of
+`DetokenizerManager.trim_matched_stop`.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Keys SGLang accepts that change nothing here as long as they keep their default value.
+_NEUTRAL_DEFAULTS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+}
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling parameters, with SGLang's names and defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+    # Longest stop string in tokens: how many trailing tokens to decode when looking for one.
+    stop_max_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, params: dict | None, tokenizer) -> "SamplingParams":
+        """Validate a `sampling_params` dict of a `/generate` payload.
+
+        Args:
+            params: the payload's `sampling_params` (None means all defaults).
+            tokenizer: used to measure stop strings in tokens.
+        """
+        params = dict(params or {})
+        for key, default in _NEUTRAL_DEFAULTS.items():
+            value = params.pop(key, default)
+            if value != default:
+                raise ValueError(
+                    f"sampling param {key}={value!r} is not supported by the embedded engine; "
+                    f"drop it or run SGLang"
+                )
+        known = set(cls.__dataclass_fields__) - {"stop_max_tokens"}
+        unknown = set(params) - known
+        if unknown:
+            raise ValueError(f"unknown sampling params {sorted(unknown)}; known: {sorted(known)}")
+        stop = params.pop("stop", None) or []
+        sp = cls(**{k: v for k, v in params.items() if v is not None})
+        sp.stop = [stop] if isinstance(stop, str) else list(stop)
+        sp.stop_token_ids = list(sp.stop_token_ids or [])
+        sp.top_k = sp.top_k if sp.top_k > 0 else -1
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 0:
+            raise ValueError(f"invalid sampling params: {sp}")
+        sp.stop_max_tokens = max(
+            (len(tokenizer.encode(s, add_special_tokens=False)) for s in sp.stop), default=0
+        )
+        return sp
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    banned: list[list[int]],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row, all rows at once.
+
+    The returned log-probability is the log-softmax of the raw logits (temperature 1, no
+    top-k/top-p/min-p filtering, no bans) at the sampled token, i.e. the policy's own probability,
+    which is what the trainer recomputes. SGLang by default returns the log-probability after
+    temperature scaling (still before top-k/top-p); it returns the raw one, like here, only when
+    started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`. The two agree at temperature 1.
+
+    Args:
+        logits: [rows, vocab] next-token logits, any float dtype (sampling runs in float32).
+        params: each row's sampling parameters.
+        banned: per row, token ids that must not be sampled (stop tokens before min_new_tokens).
+        generators: per row, its own generator (requests with a sampling_seed) or None.
+        default_generator: generator for the rows without their own (None: torch's global one).
+
+    Returns:
+        (tokens, logprobs), both of shape [rows].
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if any(banned):
+        rows = [r for r, ids in enumerate(banned) for _ in ids]
+        cols = [t for ids in banned for t in ids]
+        logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)), torch.tensor(float("-inf")))
+    tokens = logits.argmax(dim=-1)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled)
+        probs = _filtered_probs(logits[rows], [params[r] for r in sampled])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Unlike multinomial it
+        # lets each seeded request draw its noise from its own generator inside one batch.
+        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        for i, r in enumerate(sampled):
+            if generators[r] is not None:
+                noise[i].exponential_(generator=generators[r])
+        tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, in SGLang's order; returns unnormalised probs."""
+    logits = logits / torch.tensor([p.temperature for p in params])[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
+    if top_k.any():
+        k_max = min(int(top_k.max()), logits.shape[-1])
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+        kth[top_k == 0] = float("-inf")
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params])
+    if (top_p < 1).any():
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens before it already cover top_p; the first always stays.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
+        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    min_p = torch.tensor([p.min_p for p in params])
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def finish_reason(
+    output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer
+) -> dict | None:
+    """Why a request stops after its newest token, or None to go on.
+
+    Same order as SGLang: length first, then stop tokens, then stop strings. As in SGLang,
+    `ignore_eos` also switches off `stop_token_ids`.
+
+    Args:
+        output_ids: the tokens generated so far, newest last.
+        params: the request's sampling parameters.
+        eos_ids: the model's end-of-sequence token ids.
+        tokenizer: decodes the tail of the output to look for stop strings.
+    """
+    if len(output_ids) >= params.max_new_tokens:
+        return {"type": "length", "length": params.max_new_tokens}
+    last = output_ids[-1]
+    if not params.ignore_eos and (last in eos_ids or last in params.stop_token_ids):
+        return {"type": "stop", "matched": last}
+    if params.stop:
+        # A stop string that appears now ends in the newest token, so the tail decode is enough.
+        tail = tokenizer.decode(output_ids[-(params.stop_max_tokens + 1) :])
+        for stop in params.stop:
+            if stop in tail:
+                return {"type": "stop", "matched": stop}
+    return None
+
+
+def stop_tokens_to_ban(
+    num_output: int, params: SamplingParams, eos_ids: set[int]
+) -> list[int]:
+    """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's
+    MinNewTokensPenalizer)."""
+    if num_output >= params.min_new_tokens:
+        return []
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids))
+
+
+def output_text(output_ids: list[int], reason: dict | None, params: SamplingParams, tokenizer) -> str:
+    """Decode the output the way SGLang's detokenizer does, trimming the matched stop.
+
+    A matched stop token is left out of the text and a matched stop string cut with everything
+    after it; with no_stop_trim the stop stays in. `output_ids` always keep every sampled token.
+    """
+    matched = (reason or {}).get("matched")
+    ids = output_ids
+    if isinstance(matched, int) and not params.no_stop_trim:
+        ids = output_ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+        text = text[: pos + len(matched)] if params.no_stop_trim else text[:pos]
+    return text

@@ -1,0 +1,16 @@
+"""Test env that misbehaves as extra_info["fault"] says, after extra_info["after"] good steps."""
+
+import asyncio
+
+
+async def step(state: str, action: str, extra_info: dict) -> dict:
+    extra_info["seen"] = extra_info.get("seen", 0) + 1
+    if extra_info["seen"] <= extra_info.get("after", 0):
+        return {"next_state": state + action, "reward": 1.0, "done": False, "extra_info": extra_info}
+    if extra_info["fault"] == "raise":
+        raise KeyError("broken env")
+    if extra_info["fault"] == "sleep":
+        await asyncio.sleep(30)
+    if extra_info["fault"] == "malformed":
+        return {"reward": "high", "done": True}
+    return {"next_state": state + action, "reward": 1.0, "done": True}
