@@ -78,9 +78,23 @@ def test_packed_tensors_and_empty_bins():
     assert empty.example_ids == [] and empty.loss_weights.sum() == 0
 
 
-def test_packed_logits_equal_per_sequence_logits(tiny_model_path):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="rl2_varlen")
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="eager")
+@pytest.fixture(scope="module")
+def tiny_qwen2_path(tmp_path_factory, tok):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_logits_equal_per_sequence_logits(family, tiny_model_path, tiny_qwen2_path):
+    path = tiny_model_path if family == "llama" else tiny_qwen2_path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="rl2_varlen")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     examples = random_examples(6, seed=3)
     (mb,) = pack_examples(examples, 0, 1, max_tokens=1000)
     with torch.no_grad():

@@ -52,7 +52,9 @@ class Trainer:
         return {}
 
     def save_final(self) -> None:
-        """Export Hugging Face folders under `<save_dir>/final/`."""
+        """Export every trained worker as a Hugging Face folder `<save_dir>/final/<name>`."""
+        for name, worker in self.workers().items():
+            worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", getattr(self, "tokenizer", None))
 
     def trainer_state(self) -> dict:
         """Extra state to carry across a resume (beyond the step and the workers)."""

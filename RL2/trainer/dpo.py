@@ -43,9 +43,6 @@ class DPOTrainer(PairwiseTrainer):
         metrics["rejected_logps"] = rejected["logps"].detach()
         return losses, metrics
 
-    def save_final(self) -> None:
-        self.model.save_hf(f"{self.cfg.trainer.save_dir}/final/actor", self.tokenizer)
-
 
 def main(argv: list[str] | None = None) -> None:
     launch(DPOTrainer, DPOConfig, "dpo", argv)

@@ -23,9 +23,6 @@ class ORPOTrainer(PairwiseTrainer):
         metrics["nll"] = nll.detach()
         return nll + odds_ratio, metrics
 
-    def save_final(self) -> None:
-        self.model.save_hf(f"{self.cfg.trainer.save_dir}/final/actor", self.tokenizer)
-
 
 def main(argv: list[str] | None = None) -> None:
     launch(ORPOTrainer, ORPOConfig, "orpo", argv)

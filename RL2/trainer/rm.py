@@ -48,9 +48,6 @@ class RMTrainer(PairwiseTrainer):
                    "chosen_rewards": chosen["rewards"].detach(), "rejected_rewards": rejected["rewards"].detach()}
         return bradley_terry_loss(chosen["rewards"], rejected["rewards"]), metrics
 
-    def save_final(self) -> None:
-        self.model.save_hf(f"{self.cfg.trainer.save_dir}/final/critic", self.tokenizer)
-
 
 def main(argv: list[str] | None = None) -> None:
     launch(RMTrainer, RMConfig, "rm", argv)

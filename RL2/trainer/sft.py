@@ -75,9 +75,6 @@ class SFTTrainer(Trainer):
         self.actor.model.train()
         return {"test/loss": sum(loss * n for loss, n in losses) / len(self.test_data)}
 
-    def save_final(self) -> None:
-        self.actor.save_hf(f"{self.cfg.trainer.save_dir}/final/actor", self.tokenizer)
-
 
 def main(argv: list[str] | None = None) -> None:
     launch(SFTTrainer, SFTConfig, "sft", argv)

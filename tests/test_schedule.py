@@ -1,0 +1,21 @@
+import math
+
+import pytest
+
+from RL2.workers.fsdp import lr_lambda
+
+
+def test_warmup_then_constant():
+    # 10 steps, 20% warmup = 2 steps: 1/2, 2/2, then flat
+    assert [lr_lambda(s, 10, 0.2, "constant", 0.0) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_cosine_reaches_the_floor():
+    total, warmup_ratio, floor = 12, 0.25, 0.1  # 3 warmup steps, then 9 cosine steps
+    values = [lr_lambda(s, total, warmup_ratio, "cosine", floor) for s in range(total + 1)]
+    assert values[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    # halfway through the decay: floor + (1 - floor) * 0.5 * (1 + cos(pi / 2))
+    assert lr_lambda(3 + 4.5, total, warmup_ratio, "cosine", floor) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert values[-1] == pytest.approx(floor)
+    assert values[5] == pytest.approx(floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * 2 / 9)))
+    assert all(a >= b for a, b in zip(values[2:], values[3:]))  # never rises after warmup
