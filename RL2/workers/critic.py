@@ -1,0 +1,65 @@
+"""The value model of PPO: a causal LM with a scalar head on every token, loaded like the reward model.
+
+`values[t]` (aligned with the packed labels) is the value of the state before action token t, i.e.
+the head's output at the position that predicts it.
+"""
+
+from collections import defaultdict
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from RL2.algs.policy_loss import value_loss
+from RL2.datasets.packing import MicroBatch, pack_examples
+from RL2.models.logps import forward_packed
+from RL2.parallel import ParallelDims
+from RL2.workers.actor import extra, mini_batches, per_token_pass, weighted_means
+from RL2.workers.fsdp import FSDPWorker
+
+
+class Critic:
+    """Args as `RL2.workers.actor.Actor`; `cfg` is the `critic` config."""
+
+    def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int,
+                 constant: int | None = None):
+        self.cfg, self.dims, self.device, self.constant = cfg, dims, device, constant
+        # No dropout before the head, as for the reward model: values must be deterministic.
+        self.worker = FSDPWorker(cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
+                                 num_labels=1, classifier_dropout=0.0)
+        self.model = self.worker.model
+        # A random head would start GAE from noisy values (large when the hidden states are); from
+        # zero, the first advantages are the plain returns and the head learns from there.
+        with torch.no_grad():
+            for param in self.model.score.parameters():
+                param.zero_()
+
+    def forward_values(self, mb: MicroBatch) -> torch.Tensor:
+        return forward_packed(self.model, mb).logits.squeeze(-1).float()
+
+    @torch.no_grad()
+    def values(self, examples: list[dict]) -> list[list[float]]:
+        return per_token_pass(self.dims, examples, self.cfg.max_length_per_device, self.device, self.forward_values)
+
+    def update(self, examples: list[dict], n_prompts: int) -> dict[str, float]:
+        """Regress `values` towards `returns` (both per token in the examples), clipped around the old values."""
+        steps = []
+        for _ in range(self.cfg.update_per_rollout):
+            for batch in mini_batches(examples, n_prompts, self.cfg.mini_batch_size):
+                steps.append(self._step(batch))
+        return {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+    def _step(self, batch: list[dict]) -> dict[str, float]:
+        totals = defaultdict(float)
+        for mb in pack_examples(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device,
+                                self.cfg.avg_level, constant=self.constant):
+            mb = mb.to(self.device)
+            values = self.forward_values(mb)
+            losses = value_loss(values, extra(mb, "values"), extra(mb, "returns"), mb.loss_weights,
+                                clip=self.cfg.value_clip)
+            loss = (losses * mb.loss_weights).sum()
+            (loss * self.dims.grad_divide_factor).backward()
+            totals["loss"] += loss.item()
+            totals["value_mean"] += (values.detach() * mb.loss_weights).sum().item()
+            totals["weight"] += mb.loss_weights.sum().item()
+        stats = self.worker.optimizer_step()
+        return weighted_means(totals, self.dims, self.device) | {"grad_norm": stats["grad_norm"]}

@@ -1,0 +1,86 @@
+"""Each rank's inference engine: rollouts of its share of the prompts, and weight syncs from the actor.
+
+Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine`, rolls
+out `prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with
+the whole rollout in prompt order (the packing of the update needs the global batch everywhere).
+"""
+
+import asyncio
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from RL2.models.embedded import resolve_model_path
+from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.rollout.env import load_env
+from RL2.rollout.rollout import rollout_batch
+from RL2.rollout.trajectory import Trajectory
+from RL2.workers.fsdp import compute_dtype
+
+
+def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter of an FSDP2 model, one at a time. Collective.
+
+    Each DTensor is all-gathered on its own, so no rank holds more than one full tensor beyond its
+    shards. FSDP2 keeps the HF parameter names, so they match the engine model's state_dict.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, tensor.detach().to(dtype)
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+class RolloutWorker:
+    """Args:
+        rollout_cfg: the `rollout` config.
+        model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
+        tokenizer: the policy's tokenizer.
+        device: where the engine runs.
+    """
+
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device):
+        self.cfg, self.tokenizer, self.device = rollout_cfg, tokenizer, device
+        self.dtype = compute_dtype(model_cfg.dtype, device)
+        # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
+        self.model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(model_cfg.model_name), dtype=self.dtype, attn_implementation="sdpa"
+        ).to(device).eval()
+        self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
+        self.env = load_env(rollout_cfg.env_path)
+
+    def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
+        """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
+
+        Args:
+            prompts: the global batch of rows (`prompt`, `prompt_ids`, `extra_info`), the same on every rank.
+            sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens).
+            responses_per_prompt: trajectories per prompt.
+            seed: seeds this rank's sampling (see `rollout_seed`).
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = list(range(rank, len(prompts), world))
+        params = dict(sampling_params)
+        # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            groups = asyncio.run(rollout_batch(
+                self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt, params,
+                self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+            )) if mine else []
+        gathered = [None] * world
+        dist.all_gather_object(gathered, list(zip(mine, groups)))
+        ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+        return [group for _, group in ordered]
+
+    @torch.no_grad()
+    def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
+        """Copy the actor's current weights into the engine, parameter by parameter. Collective."""
+        self.engine.update_weights(full_tensors(fsdp_model, self.dtype), weight_version=version)
