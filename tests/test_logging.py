@@ -1,0 +1,30 @@
+import json
+
+from RL2.utils.logging import MetricsSink
+
+
+def test_jsonl_records_and_resume_truncation(tmp_path):
+    sink = MetricsSink(str(tmp_path))
+    for step in (1, 2, 3):
+        sink.log({"train/loss": 1.0 / step}, step)
+    sink.truncate_after(2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "train/loss": 1.0}, {"step": 2, "train/loss": 0.5}]
+
+
+def test_wandb_without_login_runs_offline(tmp_path, monkeypatch):
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    sink = MetricsSink(str(tmp_path), use_wandb=True, project="p", name="n")
+    sink.log({"train/loss": 1.5}, 1)
+    sink.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))  # logged offline instead of prompting
+
+
+def test_wandb_disabled_by_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    sink = MetricsSink(str(tmp_path), use_wandb=True)
+    assert sink.wandb is None
+    sink.log({"a": 1}, 1)
+    assert (tmp_path / "metrics.jsonl").exists()
