@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from launch import read_metrics, run_ranks
+from tiny import make_tiny_model
 
 ENV = Path(__file__).parent / "envs" / "emit_token.py"
 STEPS = 8
@@ -169,3 +170,41 @@ def test_advantages_written_per_token():
 def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
     with pytest.raises(AssertionError, match="config key 'adv.estimator' is 'grpo'; choose one of gae, reinforce"):
         run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=grpo"))
+
+
+def test_distillation_penalty_and_reward_model_scores_in_rewards():
+    """Hand-made rollout: the teacher's reverse KL is subtracted per token, scores move with it."""
+    from omegaconf import OmegaConf
+
+    from RL2.trainer.ppo import add_reward_model_scores, rollout_tensors
+
+    examples = [
+        {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "reward": 1.0, "turn_rewards": [1.0],
+         "turn_ids": [-1, -1, 0, 0], "old_logps": [0.0, 0.0, -1.0, -2.0], "teacher_logps": [0.0, 0.0, -1.5, -1.0],
+         "group": 0},
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "reward": 0.0, "turn_rewards": [0.0],
+         "turn_ids": [-1, 0, 0], "old_logps": [0.0, -0.5, -0.5], "teacher_logps": [0.0, -0.5, -2.5], "group": 0},
+    ]
+    metrics = add_reward_model_scores(examples, [0.25, -0.75])
+    assert metrics["rollout/reward_model_score"] == pytest.approx(-0.25)
+    kl_off = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
+    tensors = rollout_tensors(examples, kl_off, teacher_coef=0.5)
+    # Row 0: penalties 0.5 * (old - teacher) = 0.5 * [0.5, -1.0] = [0.25, -0.5]; reward 1.25 on the last token.
+    # Row 1: 0.5 * [0.0, 2.0] = [0.0, 1.0]; reward -0.75 on the last token; padded to width 3.
+    torch.testing.assert_close(tensors.token_rewards, torch.tensor([[0.0, -0.25, 1.75], [0.0, -1.75, 0.0]]))
+    torch.testing.assert_close(tensors.scores, torch.tensor([1.25 - (-0.25), -0.75 - 1.0]))
+
+
+def test_reward_model_and_teacher_run_in_a_step(tiny_model_path, rl_data, tmp_path):
+    reward_model = tmp_path / "rm"
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # a head that gives different scores
+    model.save_pretrained(reward_model)
+    teacher = make_tiny_model(tmp_path / "teacher", seed=3)
+    result = run_ranks(1, ["tests/scripts/ppo_reward_model_teacher.py",
+                           *ppo_args(tiny_model_path, rl_data, tmp_path / "run", f"rollout.reward_model={reward_model}",
+                                     f"actor.teacher.model_name={teacher}", "critic.dtype=float32")[2:]])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["packed"] == pytest.approx(report["direct"], abs=1e-4)
+    assert len(set(round(x, 4) for x in report["direct"])) == 3
+    assert {"rollout/reward_model_score", "actor/teacher_kl"} <= set(report["metrics"])

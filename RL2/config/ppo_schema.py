@@ -35,6 +35,7 @@ class RolloutConfig:
     max_running_requests: int = opt(64, "requests the embedded engine decodes together on one rank")
     train_sampling_params: SamplingConfig = opt(SamplingConfig, "sampling of training rollouts")
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
+    reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
 
 
@@ -43,6 +44,12 @@ class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
     type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)")
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
+
+
+@dataclass
+class TeacherConfig:
+    model_name: str | None = opt(None, "on-policy distillation: a frozen teacher whose per-token reverse KL to the actor's samples is a penalty on the reward")
+    coef: float = opt(1.0, "weight of the teacher's per-token reverse KL in the reward")
 
 
 @dataclass
@@ -61,6 +68,7 @@ class ActorConfig(ModelConfig):
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
     kl: KLConfig = opt(KLConfig, "KL to the reference")
     entropy: EntropyConfig = opt(EntropyConfig, "entropy bonus")
+    teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation")
 
 
 @dataclass

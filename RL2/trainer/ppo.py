@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForTokenClassification
 
 from RL2.algs.advantages import compute_advantages, expand_to_tokens, outcome_to_token_rewards
 from RL2.algs.kl import compute_kl
@@ -24,9 +25,10 @@ from RL2.rollout.rollout import filter_groups, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.logging import is_rank0
-from RL2.workers.actor import Actor, n_mini_batches
+from RL2.models.logps import forward_packed
+from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
-from RL2.workers.fsdp import load_tokenizer
+from RL2.workers.fsdp import FSDPWorker, load_tokenizer
 from RL2.workers.rollout_worker import RolloutWorker, rollout_seed
 
 
@@ -45,6 +47,10 @@ class PPOTrainer(Trainer):
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
         self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), constant=budget)
         self.ref = Actor(cfg.actor, *args, train=False) if cfg.actor.kl.coef > 0 else None
+        teacher = cfg.actor.teacher.model_name
+        self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
+        self.reward_model = FSDPWorker(cfg.critic, *args, model_cls=AutoModelForTokenClassification, train=False,
+                                       model_name=cfg.rollout.reward_model) if cfg.rollout.reward_model else None
         self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), constant=budget) if (
             cfg.adv.estimator == "gae") else None
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device)
@@ -74,13 +80,17 @@ class PPOTrainer(Trainer):
         with timed(metrics, "perf/update_s"):
             if groups:  # dynamic filtering may leave nothing to learn from
                 examples = to_examples(groups)
+                if self.reward_model:
+                    metrics |= add_reward_model_scores(examples, self.reward_model_scores(examples))
+                if self.teacher:
+                    set_per_token(examples, "teacher_logps", self.teacher.logps(examples))
                 if self.ref:
                     set_per_token(examples, "ref_logps", self.ref.logps(examples))
                 if self.critic:
                     set_per_token(examples, "values", self.critic.values(examples))
                 if self.needs_old_logps():
                     set_per_token(examples, "old_logps", self.actor.logps(examples))
-                metrics |= add_advantages(examples, cfg.adv, cfg.actor.kl)
+                metrics |= add_advantages(examples, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
                 metrics |= self.actor.update(examples, len(groups))
                 if self.critic:
                     metrics |= self.critic.update(examples, len(groups))
@@ -92,7 +102,14 @@ class PPOTrainer(Trainer):
         """Old log-probs equal the current ones (detached) when one optimizer step covers the rollout."""
         actor = self.cfg.actor
         steps = actor.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, actor.mini_batch_size)
-        return steps > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward")
+        return steps > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward") or self.teacher is not None
+
+    @torch.no_grad()
+    def reward_model_scores(self, examples: list[dict]) -> list[float]:
+        """The reward model's score of every example: its scalar head at the last position, as it was trained."""
+        per_token = per_token_pass(self.dims, examples, self.cfg.critic.max_length_per_device, self.device,
+                                   lambda mb: forward_packed(self.reward_model.model, mb).logits.squeeze(-1).float())
+        return [values[-1] for values in per_token]
 
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
@@ -158,12 +175,25 @@ class RolloutTensors:
     values: torch.Tensor | None
 
 
-def rollout_tensors(examples: list[dict], kl_cfg) -> RolloutTensors:
+def add_reward_model_scores(examples: list[dict], scores: list[float]) -> dict[str, float]:
+    """Add each example's reward-model score to its reward and to its last turn's reward."""
+    for example, score in zip(examples, scores):
+        example["reward"] += score
+        example["turn_rewards"][-1] += score
+    return {"rollout/reward_model_score": sum(scores) / len(scores)}
+
+
+def rollout_tensors(examples: list[dict], kl_cfg, teacher_coef: float = 0.0) -> RolloutTensors:
+    """Args: kl_cfg: `actor.kl`; teacher_coef: weight of the teacher's reverse KL when `teacher_logps` are given."""
     mask = padded(examples, "loss_mask")
     scores = torch.tensor([float(ex["reward"]) for ex in examples])
     kl = torch.zeros_like(mask)
     if kl_cfg.coef > 0 and kl_cfg.type == "reward":
         kl = kl_cfg.coef * compute_kl(kl_cfg.estimator, padded(examples, "old_logps"), padded(examples, "ref_logps")) * mask
+    if "teacher_logps" in examples[0]:
+        # On-policy distillation: log p_actor - log p_teacher at each sampled token is a one-sample
+        # estimate of the reverse KL(actor || teacher); as a penalty it pulls the actor to the teacher.
+        kl = kl + teacher_coef * compute_kl("k1", padded(examples, "old_logps"), padded(examples, "teacher_logps")) * mask
     return RolloutTensors(
         mask=mask,
         scores=scores - kl.sum(-1),
@@ -201,9 +231,9 @@ ADVANTAGES: dict[str, Callable] = {
 }
 
 
-def add_advantages(examples: list[dict], adv_cfg, kl_cfg) -> dict[str, float]:
+def add_advantages(examples: list[dict], adv_cfg, kl_cfg, teacher_coef: float = 0.0) -> dict[str, float]:
     """Write per-token `advantages` (and `returns` for gae) into the examples; returns adv/* metrics."""
-    tensors = rollout_tensors(examples, kl_cfg)
+    tensors = rollout_tensors(examples, kl_cfg, teacher_coef)
     advantages, returns = ADVANTAGES[adv_cfg.estimator](adv_cfg, tensors)
     for i, example in enumerate(examples):
         n = len(example["input_ids"]) - 1
@@ -212,7 +242,11 @@ def add_advantages(examples: list[dict], adv_cfg, kl_cfg) -> dict[str, float]:
             example["returns"] = [0.0] + returns[i, :n].tolist()
     mask = tensors.mask
     values = advantages[mask > 0]
-    return {"adv/mean": values.mean().item(), "adv/std": values.std().item() if values.numel() > 1 else 0.0}
+    metrics = {"adv/mean": values.mean().item(), "adv/std": values.std().item() if values.numel() > 1 else 0.0}
+    if "teacher_logps" in examples[0]:
+        reverse_kl = padded(examples, "old_logps") - padded(examples, "teacher_logps")
+        metrics["actor/teacher_kl"] = reverse_kl[mask > 0].mean().item()
+    return metrics
 
 
 @contextmanager

@@ -82,12 +82,13 @@ class Actor:
         total_steps: optimizer steps of the run (for the learning-rate schedule).
         constant: normaliser of avg_level=constant (the generation budget).
         train: False for the reference: no optimizer.
+        model_name: other weights than `cfg.model_name` (the on-policy distillation teacher).
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
-                 constant: int | None = None, train: bool = True):
+                 constant: int | None = None, train: bool = True, model_name: str | None = None):
         self.cfg, self.dims, self.device, self.constant = cfg, dims, device, constant
-        self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train)
+        self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name)
         self.model = self.worker.model
 
     @torch.no_grad()
