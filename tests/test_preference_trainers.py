@@ -85,12 +85,14 @@ def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_dat
         assert after["test/loss"] < before["test/loss"] and after["test/accuracy"] == 1.0
 
 
-@pytest.mark.parametrize("kind", ["dpo", "rm"])
-def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, tmp_path):
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "rm", "distill"])
+def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
+    data = sft_like_data if kind == "distill" else pair_data
+    extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_ranks(2, args(kind, tiny_model_path, pair_data, straight, "trainer.save_freq=2"))
+    run_ranks(2, args(kind, tiny_model_path, data, straight, "trainer.save_freq=2", *extra))
     shutil.copytree(straight / "step2", resumed / "step2")
-    run_ranks(2, args(kind, tiny_model_path, pair_data, resumed, "trainer.load_ckpt_from=latest"))
+    run_ranks(2, args(kind, tiny_model_path, data, resumed, "trainer.load_ckpt_from=latest", *extra))
     for key, value in final(straight, kind).items():
         torch.testing.assert_close(final(resumed, kind)[key], value, atol=1e-6, rtol=1e-5)
 
