@@ -154,7 +154,7 @@ def test_stop_token_ids_and_eos(model, tokenizer, engine):
     assert ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_top_k_sampling(engine, model):
+def test_top_k_and_top_p_sampling(engine, model):
     prompt = PROMPTS[0]
     greedy = generate(engine, payload(prompt, max_new_tokens=16))[0]["output_ids"]
     top1 = generate(engine, payload(prompt, max_new_tokens=16, temperature=1.0, top_k=1))[0]
@@ -165,6 +165,13 @@ def test_top_k_sampling(engine, model):
         top3 = full_logits(model, prompt, sample["output_ids"]).topk(3, dim=-1).indices
         assert (top3 == torch.tensor(sample["output_ids"])[:, None]).any(dim=-1).all()
     assert len({tuple(s["output_ids"]) for s in samples}) > 1  # it did sample
+
+    nucleus = generate(engine, *(payload(prompt, max_new_tokens=16, temperature=0.5, top_p=0.2) for _ in range(4)))
+    for sample in nucleus:
+        probs = torch.softmax(full_logits(model, prompt, sample["output_ids"]) / 0.5, dim=-1)
+        chosen = probs.gather(1, torch.tensor(sample["output_ids"])[:, None])
+        mass_before = (probs * (probs > chosen)).sum(dim=-1)  # of the tokens likelier than the chosen one
+        assert (mass_before <= 0.2 + 1e-4).all()
 
 
 def test_sampling_seed_is_independent_of_the_batch(engine):
@@ -229,6 +236,20 @@ def test_update_weights_switches_the_model(tokenizer, model):
     assert before["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
     assert [r["output_ids"] for r in after] == [hf_greedy(other, p, 12) for p in PROMPTS]
     assert after[0]["meta_info"]["weight_version"] == "v1"
+
+
+def test_weights_changed_in_place_are_not_served_stale(tokenizer, model):
+    other = tiny_llama(len(tokenizer), seed=2)
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)
+    try:
+        generate(engine, payload(PROMPTS[0]))
+        with torch.no_grad():  # behind the engine's back: any packed copy of a weight is now stale
+            for mine, theirs in zip(engine.runner.model.parameters(), other.parameters()):
+                mine.copy_(theirs)
+        after = generate(engine, payload(PROMPTS[0]))[0]
+    finally:
+        engine.shutdown()
+    assert after["output_ids"] == hf_greedy(other, PROMPTS[0], 12)
 
 
 def test_a_failing_forward_fails_every_request(tokenizer, model):

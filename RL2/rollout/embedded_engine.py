@@ -67,7 +67,7 @@ class EmbeddedEngine:
         model: an HF `AutoModelForCausalLM` in eval mode on its device, any dtype. The engine
             keeps this reference and runs it as is; change its weights through `update_weights`.
             Attention must be plain causal (Llama, Qwen2/3, Mistral...): sliding windows are not
-            applied.
+            applied. The KV cache holds rows x longest sequence; `flush_cache` frees it.
         tokenizer: the model's tokenizer (decodes `text`, finds stop strings).
         max_running_requests: the most requests decoded together.
         max_total_tokens: if set, the running requests' prompt + max_new_tokens must fit in it;
@@ -169,7 +169,7 @@ class EmbeddedEngine:
     def shutdown(self) -> None:
         """Fail whatever is still queued and stop the worker thread."""
         self._fail(RuntimeError("EmbeddedEngine was shut down"))
-        if self._scheduler is not None:
+        if self._scheduler is not None and not self._scheduler.get_loop().is_closed():
             self._scheduler.cancel()
         self._executor.shutdown(wait=True)
         self.runner.cache.clear()

@@ -81,14 +81,15 @@ class SlotKVCache:
 class PackedLinears(TorchFunctionMode):
     """Run the model's `F.linear` calls through oneDNN with weights pre-packed for it.
 
-    On CPU this is the largest single win for decoding: with a few dozen rows per step the
-    default GEMM path re-reads and re-blocks every weight matrix on every call, while a packed
-    weight is laid out once for the kernel (2-3x faster per call measured here on a 2-core x86
-    CPU, most of it on the large vocab projection). This is what torch.compile's CPU freezing
-    pass does too (`torch.ops.mkldnn._linear_pointwise`). Packing costs a second copy of the
-    linear weights. Each packed weight remembers the weight's in-place version counter and is
-    re-packed when the weight changed, so weight updates can never leave a stale copy behind.
-    Calls on weights that could not be packed (e.g. bf16 without CPU support) go to `F.linear`.
+    With a few dozen rows per decode step, the default CPU GEMM path spends most of its time
+    re-blocking each weight matrix on every call; a packed weight is laid out once for the kernel.
+    Measured on a 2-core x86 CPU with SmolLM2-135M at 32 rows, 2 threads: the 576x49152 vocab
+    projection takes 16 ms instead of 42 ms, a 576x1536 MLP projection 0.5 ms instead of 1.6 ms.
+    torch.compile's CPU freezing pass uses the same oneDNN ops. Packing costs a second copy of the
+    linear weights. Each packed copy remembers its weight's version counter, which every in-place
+    op on the parameter bumps: a changed weight goes through `F.linear` until `refresh` re-packs
+    it. (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
+    Weights that cannot be packed (e.g. bf16 without CPU support) always go through `F.linear`.
     """
 
     def __init__(self, model: torch.nn.Module):

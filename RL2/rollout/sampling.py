@@ -108,25 +108,27 @@ def sample_next_tokens(
     Returns:
         (tokens, logprobs), both of shape [rows].
     """
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    raw = logits = logits.float()
     if any(banned):
         rows = [r for r, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
         logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)), torch.tensor(float("-inf")))
-    tokens = logits.argmax(dim=-1)
     sampled = [r for r, p in enumerate(params) if not p.greedy]
+    tokens = logits.argmax(dim=-1) if len(sampled) < len(params) else torch.empty(len(params), dtype=torch.long)
     if sampled:
         rows = torch.tensor(sampled)
-        probs = _filtered_probs(logits[rows], [params[r] for r in sampled])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Unlike multinomial it
-        # lets each seeded request draw its noise from its own generator inside one batch.
-        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        probs = _filtered_probs(logits if len(sampled) == len(params) else logits[rows], [params[r] for r in sampled])
+        # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
+        # own generator inside any batch, and no per-token noise is needed (50k random numbers
+        # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
+        cdf = probs.cumsum(dim=-1)
+        uniform = torch.rand(len(sampled), generator=default_generator)
         for i, r in enumerate(sampled):
             if generators[r] is not None:
-                noise[i].exponential_(generator=generators[r])
-        tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+                uniform[i] = torch.rand(1, generator=generators[r])
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        tokens[rows] = picked[:, 0].clamp_max(logits.shape[-1] - 1)
+    return tokens, raw.gather(1, tokens[:, None])[:, 0] - raw.logsumexp(dim=-1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
