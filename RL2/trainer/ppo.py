@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForTokenClassification
 
 from RL2.algs.advantages import compute_advantages, expand_to_tokens, outcome_to_token_rewards
 from RL2.algs.kl import compute_kl
@@ -28,7 +27,7 @@ from RL2.utils.logging import is_rank0
 from RL2.models.logps import forward_packed
 from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
-from RL2.workers.fsdp import FSDPWorker, load_tokenizer
+from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
 from RL2.workers.rollout_worker import RolloutWorker, rollout_seed
 
 
@@ -49,8 +48,8 @@ class PPOTrainer(Trainer):
         self.ref = Actor(cfg.actor, *args, train=False) if cfg.actor.kl.coef > 0 else None
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
-        self.reward_model = FSDPWorker(cfg.critic, *args, model_cls=AutoModelForTokenClassification, train=False,
-                                       model_name=cfg.rollout.reward_model) if cfg.rollout.reward_model else None
+        self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (
+            cfg.rollout.reward_model) else None
         self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), constant=budget) if (
             cfg.adv.estimator == "gae") else None
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device)

@@ -7,7 +7,6 @@ position. The export at `<save_dir>/final/critic` loads with
 """
 
 import torch
-from transformers import AutoModelForTokenClassification
 
 from RL2.algs.preference import bradley_terry_loss
 from RL2.config.schema import RMConfig
@@ -15,7 +14,7 @@ from RL2.datasets.packing import MicroBatch
 from RL2.models.logps import forward_packed
 from RL2.trainer.base import launch
 from RL2.trainer.pairwise import PairwiseTrainer, last_token
-from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.fsdp import FSDPWorker, scalar_head_worker
 
 
 def sequence_rewards(model, mb: MicroBatch):
@@ -27,9 +26,7 @@ class RMTrainer(PairwiseTrainer):
     model_key = "critic"
 
     def build_model(self, model_cfg) -> FSDPWorker:
-        # No dropout before the head: the reward must be a deterministic function of the text.
-        worker = FSDPWorker(model_cfg, self.dims, self.device, self.n_steps,
-                            model_cls=AutoModelForTokenClassification, num_labels=1, classifier_dropout=0.0)
+        worker = scalar_head_worker(model_cfg, self.dims, self.device, self.n_steps)
         # The Bradley-Terry loss does not change when every reward shifts by a constant, so the head's
         # bias gets only round-off gradients, which Adam would amplify into a random walk. Pin it at 0.
         bias = worker.model.score.bias

@@ -7,14 +7,13 @@ the head's output at the position that predicts it.
 from collections import defaultdict
 
 import torch
-from transformers import AutoModelForTokenClassification
 
 from RL2.algs.policy_loss import value_loss
 from RL2.datasets.packing import MicroBatch, pack_examples
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import extra, mini_batches, per_token_pass, weighted_means
-from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.fsdp import scalar_head_worker
 
 
 class Critic:
@@ -23,9 +22,7 @@ class Critic:
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int,
                  constant: int | None = None):
         self.cfg, self.dims, self.device, self.constant = cfg, dims, device, constant
-        # No dropout before the head, as for the reward model: values must be deterministic.
-        self.worker = FSDPWorker(cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
-                                 num_labels=1, classifier_dropout=0.0)
+        self.worker = scalar_head_worker(cfg, dims, device, total_steps)
         self.model = self.worker.model
         # A random head would start GAE from noisy values (large when the hidden states are); from
         # zero, the first advantages are the plain returns and the head learns from there.

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.models.attention import ATTN_NAME
@@ -205,6 +205,16 @@ class FSDPWorker(Stateful):
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
         dist.barrier()
+
+
+def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
+                       train: bool = True, model_name: str | None = None) -> FSDPWorker:
+    """A causal LM with a scalar head on every token: the reward model and PPO's critic.
+
+    No dropout before the head: rewards and values must be deterministic functions of the text.
+    """
+    return FSDPWorker(model_cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
+                      train=train, model_name=model_name, num_labels=1, classifier_dropout=0.0)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
