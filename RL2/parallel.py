@@ -79,9 +79,11 @@ class ParallelDims:
         model_parallel = self.tp * self.cp * self.ddp
         if self.world_size % model_parallel:
             raise ValueError(
-                f"world size {self.world_size} is not divisible by ddp * cp * tp = "
-                f"{self.ddp} * {self.cp} * {self.tp}; set actor.ddp_size, actor.cp_size and "
-                f"actor.tp_size so that their product divides the number of ranks"
+                f"cannot lay out {self.world_size} ranks as ddp x fsdp x cp x tp: ddp_size={self.ddp} x "
+                f"cp_size={self.cp} x tp_size={self.tp} = {model_parallel} does not divide the world size "
+                f"(fsdp, the sharded data-parallel degree, takes the rest: world size = ddp * fsdp * cp * tp). "
+                f"Set actor.ddp_size, actor.cp_size and actor.tp_size (critic.* likewise) so that their "
+                f"product divides the number of ranks"
             )
         self.fsdp = self.world_size // model_parallel
 
@@ -112,6 +114,26 @@ class ParallelDims:
                 warnings.simplefilter("ignore")
                 return mesh["ddp", "fsdp_cp"]
         return self.shard_mesh
+
+    def describe(self) -> str:
+        return (f"world size {self.world_size} = ddp {self.ddp} x fsdp {self.fsdp} x cp {self.cp} x tp {self.tp} "
+                f"(dp={self.dp})")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.build_mesh()["tp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.build_mesh()["cp"]
+
+    @property
+    def seq_parallel(self) -> int:
+        """How many ranks share one micro-batch: cp ranks split its tokens, tp ranks its matrices.
+
+        A micro-batch may therefore hold `cp * tp * max_length_per_device` tokens (as upstream RL2).
+        """
+        return self.cp * self.tp
 
     @property
     def dp_rank(self) -> int:

@@ -86,18 +86,23 @@ def balanced_partition(sizes: list[int], n_parts: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
-    """Assign units to ranks, then to micro-batches of at most `max_tokens`, the same count on every rank.
+def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int,
+                       seq_parallel: int = 1) -> list[list[list[int]]]:
+    """Assign units to ranks, then to micro-batches of at most `max_tokens * seq_parallel`, the same count
+    on every rank.
 
     Returns:
         plan[rank][micro_batch] = unit indices.
     """
-    too_long = [s for s in unit_sizes if s > max_tokens]
+    budget = max_tokens * seq_parallel
+    too_long = [s for s in unit_sizes if s > budget]
     if too_long:
+        shared = f" x cp_size * tp_size={seq_parallel}" if seq_parallel > 1 else ""
         raise ValueError(
-            f"a sequence of {max(too_long)} tokens does not fit in actor.max_length_per_device={max_tokens}; "
-            f"raise actor.max_length_per_device or lower data.*.max_length"
+            f"a sequence of {max(too_long)} tokens does not fit in actor.max_length_per_device={max_tokens}{shared}; "
+            f"raise actor.max_length_per_device (or cp_size) or lower data.*.max_length"
         )
+    max_tokens = budget
     ranks = balanced_partition(unit_sizes, dp_size)
     n_micro = max(1, math.ceil(max(sum(unit_sizes[i] for i in r) for r in ranks) / max_tokens))
     while True:
@@ -118,23 +123,27 @@ def pack_examples(
     avg_level: str = "token",
     units: list[list[int]] | None = None,
     constant: int | None = None,
+    seq_parallel: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches for one global batch.
 
     Args:
         examples: the global batch; each has `input_ids` and `loss_mask`, and may have more per-token
             lists of the same length (they become `extras`, shifted like `loss_mask`).
-        dp_rank, dp_size: this rank's position among the ranks that see different data.
-        max_tokens: token budget of one micro-batch.
+        dp_rank, dp_size: this rank's position among the ranks that see different data (the cp and tp
+            ranks of one data-parallel group get the same micro-batches and split each one).
+        max_tokens: token budget of one micro-batch on one rank (`max_length_per_device`).
         avg_level: how losses are averaged over the global batch (see `sequence_weights`).
         units: groups of examples that must share a micro-batch (e.g. a DPO pair); default one each.
         constant: normaliser for avg_level=constant.
+        seq_parallel: ranks that share each micro-batch (`cp * tp`, `ParallelDims.seq_parallel`); a
+            micro-batch holds up to `max_tokens * seq_parallel` tokens.
     """
     if units is None:
         units = [[i] for i in range(len(examples))]
     weights = sequence_weights(examples, avg_level, constant)
     unit_sizes = [sum(len(examples[i]["input_ids"]) - 1 for i in unit) for unit in units]
-    plan = plan_micro_batches(unit_sizes, dp_size, max_tokens)
+    plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel)
     micro_batches = []
     for unit_ids in plan[dp_rank]:
         example_ids = [i for u in unit_ids for i in units[u]]

@@ -4,6 +4,10 @@ A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's for
 down to every attention layer by transformers) marks where each starts. No token attends across a
 boundary. On CUDA this is flash-attn's varlen kernel; elsewhere an exact torch equivalent: causal
 SDPA on each sequence in turn, which costs sum(L_i^2) rather than T^2 for a block-diagonal mask.
+
+Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
+model's forward like `cu_seq_lens_q`) says how; attention then goes through
+`RL2.models.context_parallel`.
 """
 
 import torch
@@ -43,6 +47,9 @@ def _torch_varlen(query, key, value, cu_seqlens, scaling):
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: query `[1, H, T, D]`, key/value `[1, H_kv, T, D]` -> `[1, T, H, D]`."""
+    context_shard = kwargs.get("context_shard")
+    if context_shard is not None:
+        return context_shard.attention(query, key, value, scaling), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{ATTN_NAME} is for packed training and scoring; generate with attn_implementation='sdpa'")
     cu_seqlens = kwargs.get("cu_seq_lens_q")

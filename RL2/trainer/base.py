@@ -105,11 +105,12 @@ class Trainer:
     def sum_over_data(self, value: float) -> float:
         """Sum a per-rank partial (e.g. a loss already normalised over the global batch) over all ranks.
 
-        Ranks that differ only in tp hold the same value, so the sum is divided by the tp degree.
+        Ranks that differ only in cp or tp hold the same value, so the sum runs over the data-parallel
+        group alone.
         """
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.item() / self.dims.tp
+        dist.all_reduce(tensor, group=self.dims.dp_mesh.get_group())
+        return tensor.item()
 
 
 def quiet_third_party_progress() -> None:

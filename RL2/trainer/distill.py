@@ -12,20 +12,24 @@ import torch
 
 from RL2.config.schema import DistillConfig
 from RL2.models.logps import forward_packed
+from RL2.models.vocab_parallel import VocabShard
 from RL2.trainer.base import launch
 from RL2.trainer.sft import SFTTrainer
 from RL2.workers.fsdp import FSDPWorker
 
 
-def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str, temperature: float):
+def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str, temperature: float,
+             vocab: VocabShard | None = None):
     """Per-token KL between the two distributions over the vocabulary, `[..., V] -> [...]`.
 
     Scaled by temperature^2 so that gradient sizes do not shrink as the temperature grows (Hinton et al. 2015).
+    `vocab` says which slice of the vocabulary the logits cover under tensor parallelism.
     """
-    student = (student_logits.float() / temperature).log_softmax(-1)
-    teacher = (teacher_logits.float() / temperature).log_softmax(-1)
+    vocab = vocab or VocabShard()
+    student = vocab.log_softmax(student_logits.float() / temperature)
+    teacher = vocab.log_softmax(teacher_logits.float() / temperature)
     log_p, log_q = (teacher, student) if direction == "forward" else (student, teacher)
-    return (log_p.exp() * (log_p - log_q)).sum(-1) * temperature**2
+    return vocab.sum(log_p.exp() * (log_p - log_q)) * temperature**2
 
 
 class DistillTrainer(SFTTrainer):
@@ -35,9 +39,12 @@ class DistillTrainer(SFTTrainer):
 
     def token_losses(self, mb) -> torch.Tensor:
         with torch.no_grad():
-            teacher_logits = forward_packed(self.teacher.model, mb).logits
-        student_logits = forward_packed(self.actor.model, mb).logits
-        return token_kl(student_logits, teacher_logits, self.cfg.actor.kl, self.cfg.actor.temperature)
+            teacher = forward_packed(self.teacher.model, mb)
+        student = forward_packed(self.actor.model, mb)
+        # Both are split alike (one layout per run): reduce the local slices, then gather the tokens.
+        kl = token_kl(student.local_logits, teacher.local_logits, self.cfg.actor.kl, self.cfg.actor.temperature,
+                      student.vocab)
+        return student.gather(kl)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,7 +61,8 @@ class PairwiseTrainer(Trainer):
         """Loss (and backward when training) over a global batch of pairs; metrics averaged over pairs."""
         examples, units = flatten_pairs(pairs)
         micro_batches = pack_examples(
-            examples, self.dims.dp_rank, self.dims.dp, self.cfg[self.model_key].max_length_per_device, units=units
+            examples, self.dims.dp_rank, self.dims.dp, self.cfg[self.model_key].max_length_per_device, units=units,
+            seq_parallel=self.dims.seq_parallel,
         )
         totals = defaultdict(float)
         for mb in micro_batches:

@@ -107,7 +107,7 @@ class PPOTrainer(Trainer):
     def reward_model_scores(self, examples: list[dict]) -> list[float]:
         """The reward model's score of every example: its scalar head at the last position, as it was trained."""
         per_token = per_token_pass(self.dims, examples, self.cfg.critic.max_length_per_device, self.device,
-                                   lambda mb: forward_packed(self.reward_model.model, mb).logits.squeeze(-1).float())
+                                   lambda mb: forward_packed(self.reward_model.model, mb).values())
         return [values[-1] for values in per_token]
 
     def evaluate(self) -> dict[str, float]:

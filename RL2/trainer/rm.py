@@ -19,7 +19,7 @@ from RL2.workers.fsdp import FSDPWorker, scalar_head_worker
 
 def sequence_rewards(model, mb: MicroBatch):
     """Reward of every packed sequence: the scalar head at its last position."""
-    return last_token(forward_packed(model, mb).logits.squeeze(-1).float(), mb)
+    return last_token(forward_packed(model, mb).values(), mb)
 
 
 class RMTrainer(PairwiseTrainer):

@@ -35,7 +35,8 @@ class SFTTrainer(Trainer):
     def nll(self, examples: list[dict], train: bool) -> tuple[float, int]:
         """`token_losses` averaged as actor.avg_level says, over all ranks; backward when training."""
         micro_batches = pack_examples(
-            examples, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device, self.cfg.actor.avg_level
+            examples, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device, self.cfg.actor.avg_level,
+            seq_parallel=self.dims.seq_parallel,
         )
         loss_sum, n_tokens = 0.0, 0
         for mb in micro_batches:

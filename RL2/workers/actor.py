@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from RL2.algs.kl import compute_kl
-from RL2.algs.policy_loss import entropy_from_logits, policy_loss
+from RL2.algs.policy_loss import policy_loss
 from RL2.datasets.packing import MicroBatch, pack_examples
-from RL2.models.logps import forward_packed, token_logps
+from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
@@ -50,7 +50,7 @@ def per_token_pass(
         One list per example, as long as its `input_ids`, with 0.0 at index 0.
     """
     local = {}
-    for mb in pack_examples(examples, dims.dp_rank, dims.dp, max_tokens):
+    for mb in pack_examples(examples, dims.dp_rank, dims.dp, max_tokens, seq_parallel=dims.seq_parallel):
         values = fn(mb.to(device)).detach().float().cpu()
         for index, chunk in zip(mb.example_ids, mb.unpack(values)):
             local[index] = [0.0] + chunk.tolist()
@@ -67,8 +67,8 @@ def weighted_means(totals: dict[str, float], dims: ParallelDims, device: torch.d
     1 except for avg_level=constant.
     """
     summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    summed = dict(zip(totals, (summed / dims.tp).tolist()))  # ranks differing only in tp saw the same data
+    dist.all_reduce(summed, group=dims.dp_mesh.get_group())  # cp and tp ranks of a dp group hold the same sums
+    summed = dict(zip(totals, summed.tolist()))
     weight = max(summed.pop("weight"), 1e-12)
     return {k: v if k.startswith("loss") else v / weight for k, v in summed.items()}
 
@@ -95,7 +95,7 @@ class Actor:
     def logps(self, examples: list[dict]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token of every example."""
         return per_token_pass(self.dims, examples, self.cfg.max_length_per_device, self.device,
-                              lambda mb: token_logps(forward_packed(self.model, mb).logits, mb.labels))
+                              lambda mb: forward_packed(self.model, mb).logps())
 
     def update(self, examples: list[dict], n_prompts: int) -> dict[str, float]:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch.
@@ -112,7 +112,7 @@ class Actor:
     def _step(self, batch: list[dict]) -> dict[str, float]:
         totals = defaultdict(float)
         micro = pack_examples(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device,
-                              self.cfg.avg_level, constant=self.constant)
+                              self.cfg.avg_level, constant=self.constant, seq_parallel=self.dims.seq_parallel)
         for mb in micro:
             mb = mb.to(self.device)
             loss, metrics = self._micro_batch_loss(mb)
@@ -127,8 +127,8 @@ class Actor:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""
         cfg = self.cfg
         weights = mb.loss_weights  # sum to 1 over the (mini-)batch on all ranks
-        logits = forward_packed(self.model, mb).logits
-        logps = token_logps(logits, mb.labels)
+        output = forward_packed(self.model, mb)
+        logps = output.logps()
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = extra(mb, "engine_logps")
         losses, metrics = policy_loss(
@@ -147,7 +147,7 @@ class Actor:
             losses = losses + cfg.kl.coef * kl
             metrics["kl"] = (kl.detach() * weights).sum()
         with torch.set_grad_enabled(cfg.entropy.coef > 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits.float())
+            entropy = output.entropy()
         if cfg.entropy.coef > 0:
             losses = losses - cfg.entropy.coef * entropy
         metrics["entropy"] = (entropy.detach() * weights).sum()

@@ -31,7 +31,7 @@ class Critic:
                 param.zero_()
 
     def forward_values(self, mb: MicroBatch) -> torch.Tensor:
-        return forward_packed(self.model, mb).logits.squeeze(-1).float()
+        return forward_packed(self.model, mb).values()
 
     @torch.no_grad()
     def values(self, examples: list[dict]) -> list[list[float]]:
@@ -48,7 +48,7 @@ class Critic:
     def _step(self, batch: list[dict]) -> dict[str, float]:
         totals = defaultdict(float)
         for mb in pack_examples(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device,
-                                self.cfg.avg_level, constant=self.constant):
+                                self.cfg.avg_level, constant=self.constant, seq_parallel=self.dims.seq_parallel):
             mb = mb.to(self.device)
             values = self.forward_values(mb)
             losses = value_loss(values, extra(mb, "values"), extra(mb, "returns"), mb.loss_weights,

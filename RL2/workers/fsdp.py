@@ -1,8 +1,8 @@
 """A model trained with FSDP2: loading, sharding, mixed precision, optimizer, scheduler, clipping.
 
-Parallelism is applied in one place and in a fixed order (as torchtitan does): activation
-checkpointing, then `fully_shard` on every decoder layer, then on the root (which holds the
-embeddings and LM head, so tied weights stay one parameter).
+Parallelism is applied in one place and in a fixed order (as torchtitan does): tensor parallelism,
+then activation checkpointing, then `fully_shard` on every decoder layer, then on the root (which
+holds the embeddings and LM head, so tied weights stay one parameter).
 """
 
 import math
@@ -23,6 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.models.attention import ATTN_NAME
 from RL2.models.embedded import resolve_model_path
+from RL2.models.logps import ModelLayout
+from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
+from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
 
@@ -115,6 +118,7 @@ class FSDPWorker(Stateful):
         config = AutoConfig.from_pretrained(path)
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
             setattr(config, key, value)
+        self._check_layout(config)
         if dist.get_rank() == 0:
             model = model_cls.from_pretrained(path, config=config, **kwargs).to(self.device)
             full_state = model.state_dict() if from_rank0 else None
@@ -122,20 +126,48 @@ class FSDPWorker(Stateful):
             with torch.device("meta"):
                 model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
-        if train and self.cfg.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
-        policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        mesh = self.dims.fsdp_mesh
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.parallel_layout = self._parallelize(model, train)
         if from_rank0:
             self._fill_from_rank0(model, full_state)
         model.train(train)
         if not train:
             model.requires_grad_(False)
         return model
+
+    def _check_layout(self, config) -> None:
+        degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}
+        differ = {k: getattr(self.cfg, k) for k, v in degrees.items() if getattr(self.cfg, k) != v}
+        if differ:
+            raise ValueError(
+                f"every model of a run shares one parallel layout ({self.dims.describe()}), but this model's config "
+                f"sets {', '.join(f'{k}={v}' for k, v in differ.items())}; set the same tp_size, cp_size and ddp_size "
+                f"in every model section (e.g. actor.* and critic.*)"
+            )
+        if self.dims.tp > 1:
+            check_tp_degree(config, self.dims.tp)
+
+    def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
+        """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root."""
+        layers = decoder_layers(model)
+        layout = ModelLayout()
+        if self.dims.tp > 1:
+            tp_mesh = self.dims.tp_mesh
+            if apply_tensor_parallel(model, layers, tp_mesh):
+                vocab_size = model.get_output_embeddings().weight.shape[0]
+                # DTensor splits like torch.chunk: every slice but the last holds ceil(V / tp) ids.
+                offset = tp_mesh.get_local_rank() * -(-vocab_size // self.dims.tp)
+                layout.vocab = VocabShard(tp_mesh.get_group(), offset)
+        if self.dims.cp > 1:
+            layout.cp_group = self.dims.cp_mesh.get_group()
+        if train and self.cfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        mesh = self.dims.fsdp_mesh
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return layout
 
     def _fill_from_rank0(self, model: torch.nn.Module, full_state: dict | None) -> None:
         if dist.get_rank() != 0:
@@ -162,9 +194,7 @@ class FSDPWorker(Stateful):
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.cfg.offload_optimizer and self.device.type == "cuda":
             move_optimizer_state(self.optimizer, self.device)
@@ -215,6 +245,27 @@ def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, tota
     """
     return FSDPWorker(model_cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
                       train=train, model_name=model_name, num_labels=1, classifier_dropout=0.0)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Clip gradients by their global L2 norm; returns the norm before clipping.
+
+    With tensor parallelism some gradients live on the (fsdp, tp) mesh and the replicated ones (norms)
+    on the fsdp mesh alone; torch's `clip_grad_norm_` cannot stack norms of different meshes, so each
+    mesh's norm is completed (`full_tensor`) before they are combined.
+    """
+    by_mesh: dict = {}  # torch's foreach kernels cannot mix DTensors of different meshes either
+    for param in params:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -1,0 +1,215 @@
+"""Context parallelism for packed variable-length sequences: cp ranks split the tokens of one row.
+
+Sharding (zigzag, as in ring-flash-attention): every sequence of the row is padded to a multiple of
+`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask
+a late chunk costs more than an early one, so pairing them gives every rank the same number of tokens
+and the same attention work. Padding sits at the end of its sequence, where causality hides it from
+every real token, and its outputs are dropped.
+
+Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks.
+- On CUDA, ring-flash-attention's `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring,
+  overlapping communication with flash-attn's varlen kernel.
+- Elsewhere, an exact torch version of the same computation on the same shards: one all-gather of
+  K/V (the llama3 scheme), then causal attention of each local chunk against its whole sequence.
+  The all-gather's backward sums every rank's K/V gradients and keeps this rank's part (a
+  reduce-scatter), so gradients are those of unsharded attention.
+
+Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
+callers see whole `[1, T]` tensors, the same on every cp rank.
+"""
+
+import importlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _AllGatherSharded(torch.autograd.Function):
+    """Concatenate every rank's tensor along dim 0. Backward: sum the gradients over ranks, keep ours.
+
+    For K/V: every rank's attention reads every rank's K/V, so each rank's K/V gradient is the sum of
+    the contributions computed on all ranks.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        if grad.is_cuda:
+            out = torch.empty_like(grad.chunk(size)[rank])
+            dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+            return out, None
+        grad = grad.contiguous().clone()  # gloo has no reduce-scatter: all-reduce, then keep our part
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(size)[rank].clone(), None
+
+
+class _AllGatherReplicated(torch.autograd.Function):
+    """Concatenate every rank's tensor along dim 0. Backward: keep our part of the gradient.
+
+    For per-token outputs that feed a loss every cp rank computes identically from the gathered row:
+    the gradient of that one loss with respect to our part is already in our copy.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(size)[rank].contiguous(), None
+
+
+@dataclass
+class ContextShard:
+    """How one packed row is split over the cp ranks, from this rank's point of view.
+
+    Attributes:
+        group, rank, size: the cp process group and this rank's place in it.
+        rows: `[size, t]` position in the packed row of each rank's local token, -1 for padding.
+        positions: `[t]` position within its sequence of each local token (padding continues past the end).
+        cu_seqlens: int32 local cumulative lengths: sequence i holds its two chunks, `2 * chunk_i` tokens.
+        chunks: chunk length of each sequence.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    rows: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    chunks: list[int]
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> "ContextShard":
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        rows, positions, chunks = zigzag_layout(cu_seqlens.tolist(), size)
+        device = cu_seqlens.device
+        local_lens = torch.tensor([2 * c for c in chunks], dtype=torch.int32, device=device)
+        return cls(
+            group=group, rank=rank, size=size,
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            positions=torch.tensor(positions[rank], dtype=torch.long, device=device),
+            cu_seqlens=F.pad(local_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+            chunks=chunks,
+        )
+
+    @property
+    def local_rows(self) -> torch.Tensor:
+        return self.rows[self.rank]
+
+    def shard(self, row: torch.Tensor, fill=0) -> torch.Tensor:
+        """This rank's tokens of a `[1, T]` row (padding slots get `fill`)."""
+        index = self.local_rows
+        local = row[:, index.clamp(min=0)]
+        return local.masked_fill((index < 0).unsqueeze(0), fill)
+
+    def gather(self, local: torch.Tensor, total: int) -> torch.Tensor:
+        """Per-token `[1, t]` values of every rank -> the `[1, T]` packed row (padding dropped)."""
+        gathered = _AllGatherReplicated.apply(local.squeeze(0), self.group)  # [size * t]
+        rows = self.rows.flatten()
+        keep = rows >= 0
+        out = gathered.new_zeros(total)
+        return out.index_copy(0, rows[keep], gathered[keep]).unsqueeze(0)
+
+    def attention(self, query, key, value, scaling):
+        """Causal attention of the local queries over whole sequences. `[1, H, t, D]` -> `[1, t, H, D]`."""
+        if query.is_cuda:
+            return _ring_flash(query, key, value, self, scaling)
+        return _gathered_kv_attention(query, key, value, self, scaling)
+
+
+def zigzag_layout(bounds: list[int], size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Split the sequences of a packed row (cumulative lengths `bounds`) over `size` ranks, zigzag.
+
+    Returns:
+        rows[r][k]: position in the row of rank r's k-th local token, -1 for padding;
+        positions[r][k]: its position within its sequence;
+        chunks[i]: the chunk length of sequence i (each rank holds 2 chunks of every sequence).
+    """
+    rows, positions, chunks = [[] for _ in range(size)], [[] for _ in range(size)], []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        chunk = -(-length // (2 * size))
+        chunks.append(chunk)
+        for r in range(size):
+            for c in (r, 2 * size - 1 - r):
+                for p in range(c * chunk, (c + 1) * chunk):
+                    rows[r].append(start + p if p < length else -1)
+                    positions[r].append(p)
+    return rows, positions, chunks
+
+
+def _gathered_kv_attention(query, key, value, shard: ContextShard, scaling):
+    """Exact torch path: all-gather K/V, then each local chunk pair attends to its whole sequence."""
+    t = query.shape[2]
+    # [1, Hkv, t, D] -> [size * t, Hkv, D]: every rank's local tokens, rank after rank.
+    kv = [_AllGatherSharded.apply(x.squeeze(0).transpose(0, 1), shard.group) for x in (key, value)]
+    outputs = []
+    local_bounds = shard.cu_seqlens.tolist()
+    for i, chunk in enumerate(shard.chunks):
+        start, end = local_bounds[i], local_bounds[i + 1]
+        # The padded sequence in order: chunk c sits on rank min(c, 2*size-1-c), first or second of its pair.
+        order = []
+        for c in range(2 * shard.size):
+            owner = min(c, 2 * shard.size - 1 - c)
+            offset = owner * t + start + (0 if c == owner else chunk)
+            order.extend(range(offset, offset + chunk))
+        order = torch.tensor(order, device=query.device)
+        k, v = (x[order].transpose(0, 1).unsqueeze(0) for x in kv)  # [1, Hkv, P, D]
+        q_pos = shard.positions[start:end]
+        mask = torch.arange(k.shape[2], device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start:end], k, v, attn_mask=mask, scale=scaling,
+            enable_gqa=query.shape[1] != k.shape[1],
+        ))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def _ring_flash(query, key, value, shard: ContextShard, scaling):
+    ring = _ring_flash_attn_module()
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # (tokens, heads, head_dim)
+    max_seqlen = 2 * max(shard.chunks)
+    out = ring.zigzag_ring_flash_attn_varlen_func(
+        q, k, v, shard.cu_seqlens, max_seqlen, softmax_scale=scaling, causal=True, group=shard.group
+    )
+    return out.unsqueeze(0)
+
+
+def _ring_flash_attn_module():
+    """`ring_flash_attn.zigzag_ring_flash_attn_varlen` without running the package's `__init__`.
+
+    The package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x; only the
+    varlen kernels are needed. An empty package object pointing at the same folder lets the submodule
+    and its relative imports load on their own.
+    """
+    name = "ring_flash_attn.zigzag_ring_flash_attn_varlen"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        if spec is None:
+            raise ImportError("context parallelism on CUDA needs ring-flash-attn: pip install ring-flash-attn") from None
+        for key in [k for k in sys.modules if k == "ring_flash_attn" or k.startswith("ring_flash_attn.")]:
+            del sys.modules[key]
+        package = types.ModuleType("ring_flash_attn")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["ring_flash_attn"] = package
+        return importlib.import_module(name)

@@ -1,0 +1,100 @@
+"""Tensor parallelism: DTensor plans, one per model family, applied before FSDP.
+
+A plan maps a module path to a style (Megatron-LM's layout):
+- attention: q/k/v column-wise (each tp rank computes a slice of the heads), o row-wise (the partial
+  outputs are summed by an all-reduce);
+- MLP: gate/up column-wise, down row-wise;
+- embeddings row-wise over the vocabulary (each rank looks up the ids in its slice, an all-reduce
+  completes the rows);
+- LM head column-wise over the vocabulary, output left split: each rank keeps `[..., V / tp]` logits
+  and the losses reduce over the vocabulary with `RL2.models.vocab_parallel`.
+Norms of the hidden state stay replicated. A scalar head (critic, reward model) stays replicated too.
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+# style name -> a fresh ParallelStyle.
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+    # A norm over each head's features, fed `[B, T, heads / tp, head_dim]`: its replicated weight sees a
+    # slice of the heads on each rank, so its gradient must be summed over tp, which DTensor does when
+    # the input is marked as split on the heads dimension.
+    "per_head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+}
+
+# Inside one decoder layer. Llama, Mistral and Qwen2 (q/k/v biases are split with their weights) share
+# the layout; Qwen3 adds norms on each head of q and k.
+DENSE_LAYER_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+QK_NORM_LAYER_PLAN = DENSE_LAYER_PLAN | {
+    "self_attn.q_norm": "per_head_norm",
+    "self_attn.k_norm": "per_head_norm",
+}
+
+# Outside the decoder layers, from the root of a ...ForCausalLM / ...ForTokenClassification model.
+DENSE_ROOT_PLAN = {
+    "model.embed_tokens": "vocab_embedding",
+    "lm_head": "vocab_head",
+}
+
+# HF `config.model_type` -> (decoder-layer plan, root plan).
+TP_PLANS = {
+    "llama": (DENSE_LAYER_PLAN, DENSE_ROOT_PLAN),
+    "mistral": (DENSE_LAYER_PLAN, DENSE_ROOT_PLAN),
+    "qwen2": (DENSE_LAYER_PLAN, DENSE_ROOT_PLAN),
+    "qwen3": (QK_NORM_LAYER_PLAN, DENSE_ROOT_PLAN),
+}
+
+
+def check_tp_degree(config, tp: int) -> None:
+    """Fail early, naming the key, when the model cannot be split `tp` ways."""
+    if config.model_type not in TP_PLANS:
+        raise ValueError(
+            f"tp_size={tp}: no tensor-parallel plan for model type '{config.model_type}' (known: "
+            f"{', '.join(sorted(TP_PLANS))}); add one to TP_PLANS in RL2/models/tensor_parallel.py or set tp_size=1"
+        )
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": config.intermediate_size}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(f"tp_size={tp} must divide the model's {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                         f"choose a tp_size that divides them")
+
+
+def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> bool:
+    """Split `model` over `tp_mesh` in place. Returns whether the logits come out split over the vocabulary.
+
+    Weights are split where they are (no communication): the caller loads the real values afterwards.
+    """
+    layer_plan, root_plan = TP_PLANS[model.config.model_type]
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, {k: STYLES[v]() for k, v in layer_plan.items()}, src_data_rank=None)
+    present = {path: style for path, style in root_plan.items() if _has_module(model, path)}
+    parallelize_module(model, tp_mesh, {k: STYLES[v]() for k, v in present.items()}, src_data_rank=None)
+    if "lm_head" in present and getattr(model.config, "tie_word_embeddings", False):
+        # Both were split by vocabulary row (Shard(0)) on the same mesh: one parameter serves both again.
+        model.lm_head.weight = model.get_input_embeddings().weight
+    return "lm_head" in present
+
+
+def _has_module(model: torch.nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

@@ -1,0 +1,92 @@
+"""Softmax statistics over a vocabulary split across tensor-parallel ranks.
+
+With tensor parallelism the LM head is column-parallel: each tp rank holds the logits of one slice of
+the vocabulary, `[..., V / tp]`. Log-probabilities, entropies and KLs need sums and maxima over the
+whole vocabulary; here each rank reduces its slice and one all-reduce of a `[...]` tensor combines
+them, so the full `[..., V]` logits never exist on any rank (Megatron-LM's vocab-parallel
+cross-entropy does the same).
+
+Every tp rank then holds the same per-token values and computes the same loss from them. The
+all-reduce's backward is therefore the identity: the gradient reaching each rank's partial sum is the
+gradient of that one loss (Megatron's "g" operator).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce sum forward; identity backward (the result feeds a loss every rank computes alike)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass
+class VocabShard:
+    """The slice of the vocabulary whose logits this rank holds.
+
+    Args:
+        group: the tp process group; None when one rank holds the whole vocabulary.
+        offset: the first token id of the slice.
+    """
+
+    group: dist.ProcessGroup | None = None
+    offset: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.group is not None
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the last (vocabulary) dimension, over the whole vocabulary."""
+        total = values.sum(-1)
+        return _SumOverRanks.apply(total, self.group) if self.split else total
+
+    def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return torch.logsumexp(logits, -1)
+        # The max only keeps exp() in range; it cancels out of the result, so it needs no gradient.
+        peak = logits.detach().max(-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+        return peak + self.sum((logits - peak.unsqueeze(-1)).exp()).log()
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """This slice of the log-softmax over the whole vocabulary."""
+        if not self.split:
+            return F.log_softmax(logits, -1)
+        return logits - self.logsumexp(logits).unsqueeze(-1)
+
+    def pick(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`logits[..., labels]`, read on the rank whose slice holds each label."""
+        local = labels - self.offset
+        inside = (local >= 0) & (local < logits.shape[-1])
+        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked * inside
+        return _SumOverRanks.apply(picked, self.group) if self.split else picked
+
+    def token_logps(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(labels) in float32."""
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        if not self.split:  # cross-entropy keeps a single [T, V] float32 copy
+            return -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+        return self.pick(logits, labels) - self.logsumexp(logits)
+
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of the softmax, `lse - sum_v p_v z_v`, in float32."""
+        logits = logits.float()
+        lse = self.logsumexp(logits)
+        probs = (logits - lse.unsqueeze(-1)).exp()
+        return lse - self.sum(probs * logits)
