@@ -33,3 +33,20 @@ def make_tiny_model(folder: Path, seed: int = 0, layers: int = 2) -> str:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def make_tiny_qwen(folder: Path, family: str = "qwen3", seed: int = 0) -> str:
+    """A tiny Qwen2 (q/k/v biases) or Qwen3 (per-head q/k norms) with untied embeddings; 4 query and
+    4 key/value heads, so that tensor parallelism can split them 2 or 4 ways."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    tok = tokenizer()
+    config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=2048,
+                        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model_cls(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -1,0 +1,179 @@
+"""Parallel layouts (data, tensor, context, hybrid sharding) against one plain process.
+
+The reference is a Hugging Face model run sequence by sequence in this process, with no packing and
+no RL2 code on the path: the loss, per-token log-probs, entropies, gradients and the weights after
+one AdamW step of every layout must equal it. The weights compared are those the embedded engine
+receives (`full_tensors`) and those the export writes.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from launch import read_metrics, run_ranks
+from tiny import make_tiny_qwen, tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from parallel_equivalence import ENTROPY_COEF, EPS, LENGTHS, LR, examples  # noqa: E402
+
+SCRIPT = "tests/scripts/parallel_equivalence.py"
+
+
+@pytest.fixture(scope="module")
+def qwen_paths(tmp_path_factory) -> dict[str, str]:
+    return {family: make_tiny_qwen(tmp_path_factory.mktemp(family), family) for family in ("qwen2", "qwen3")}
+
+
+def reference(path: str) -> dict:
+    """The same step on one process: per-sequence forward with sdpa, clip to norm 1, AdamW."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    batch = examples()
+    n_trained = sum(sum(ex["loss_mask"][1:]) for ex in batch)
+    loss_sum, logps, entropies = 0.0, [], []
+    for ex in batch:
+        ids = torch.tensor([ex["input_ids"]])
+        logits = model(input_ids=ids[:, :-1]).logits.float()
+        log_probs = torch.log_softmax(logits, -1)
+        token_logps = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        weights = torch.tensor([ex["loss_mask"][1:]], dtype=torch.float32) / n_trained
+        loss = ((-token_logps - ENTROPY_COEF * entropy) * weights).sum()
+        loss.backward()
+        loss_sum += loss.item()
+        logps.append(token_logps[0].detach())
+        entropies.append(entropy[0].detach())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0).step()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"loss": loss_sum, "grad_norm": grad_norm, "logps": logps, "entropy": entropies, "grads": grads,
+            "params": params}
+
+
+def assert_equal_to_reference(result: dict, ref: dict) -> None:
+    assert result["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for ours, theirs in zip(result["logps"], ref["logps"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(result["entropy"], ref["entropy"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+    assert set(result["grads"]) == set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        # fp32 sums in another order: errors ~1e-5 of the tensor's largest entry.
+        torch.testing.assert_close(result["grads"][name], grad, atol=2e-4 * grad.abs().max().item(), rtol=1e-3,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+    for source in ("synced", "exported"):
+        for name, param in ref["params"].items():
+            torch.testing.assert_close(result[source][name], param, atol=1e-6, rtol=1e-5,
+                                       msg=lambda m: f"{source} {name} after one step: {m}")
+
+
+def run_layouts(tmp_path, nproc: int, specs: list[str]) -> dict:
+    out = tmp_path / "layouts.pt"
+    run_ranks(nproc, [SCRIPT, str(out), *specs], timeout=600)
+    return torch.load(out)
+
+
+def test_two_rank_layouts_equal_one_process(tiny_model_path, tmp_path):
+    """dp=2 (fsdp), tp=2 and cp=2 on the tied-embedding Llama; cp=2 trains a sequence longer than one rank's budget."""
+    specs = [f"{tiny_model_path}@tp=1", f"{tiny_model_path}@tp=2", f"{tiny_model_path}@cp=2"]
+    results = run_layouts(tmp_path, 2, specs)
+    ref = reference(tiny_model_path)
+    for spec in specs:
+        assert_equal_to_reference(results[spec], ref)
+    assert max(LENGTHS) - 1 > results[specs[2]]["max_length_per_device"]
+
+
+def test_hybrid_sharding_and_tp_with_cp_four_ranks(tiny_model_path, qwen_paths, tmp_path):
+    """ddp=2 x fsdp=2 (replicate x shard) and tp=2 x cp=2 on Qwen3 (per-head q/k norms, untied head)."""
+    specs = [f"{tiny_model_path}@ddp=2", f"{qwen_paths['qwen3']}@tp=2,cp=2"]
+    results = run_layouts(tmp_path, 4, specs)
+    assert results[specs[0]]["fsdp"] == 2
+    assert_equal_to_reference(results[specs[0]], reference(tiny_model_path))
+    assert_equal_to_reference(results[specs[1]], reference(qwen_paths["qwen3"]))
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_four_ranks(tiny_model_path, qwen_paths, tmp_path):
+    """dp=2 x tp=2 on Qwen2 (q/k/v biases) and Qwen3, and tp=2 x cp=2 on the tied Llama."""
+    specs = [f"{qwen_paths['qwen2']}@tp=2", f"{qwen_paths['qwen3']}@tp=2", f"{tiny_model_path}@tp=2,cp=2"]
+    results = run_layouts(tmp_path, 4, specs)
+    for spec, path in zip(specs, (qwen_paths["qwen2"], qwen_paths["qwen3"], tiny_model_path)):
+        assert results[spec]["fsdp"] == (2 if "cp" not in spec else 1)
+        assert_equal_to_reference(results[spec], reference(path))
+
+
+# ---- end to end: the trainers under tp=2 and cp=2 ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_sft_data(tmp_path_factory):
+    """Responses up to ~110 tokens: longer than the 64-token budget of one rank used below."""
+    path = tmp_path_factory.mktemp("sft_long") / "train.jsonl"
+    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}." + " Indeed." * (4 * a)}
+            for a in range(6) for b in range(2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_args(model, data, save_dir, *extra):
+    return ["-m", "RL2.trainer.sft", f"data.train.path={data}", "data.train.batch_size=6",
+            f"actor.model_name={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+            f"trainer.save_dir={save_dir}", "trainer.total_steps=3", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["actor.tp_size=2", "actor.cp_size=2"])
+def test_sft_tp_or_cp_equals_one_rank(tiny_model_path, long_sft_data, tmp_path, layout):
+    from safetensors.torch import load_file
+
+    longest = max(len(tokenizer().apply_chat_template(
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]))
+        for r in map(json.loads, long_sft_data.read_text().splitlines()))
+    assert longest > 64
+    run_ranks(1, sft_args(tiny_model_path, long_sft_data, tmp_path / "one", "actor.max_length_per_device=128"))
+    run_ranks(2, sft_args(tiny_model_path, long_sft_data, tmp_path / "two", "actor.max_length_per_device=64", layout))
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [m["train/loss"] for m in two] == pytest.approx([m["train/loss"] for m in one], rel=1e-5)
+    assert [m["train/tokens"] for m in two] == [m["train/tokens"] for m in one]
+    expected = load_file(str(tmp_path / "one" / "final" / "actor" / "model.safetensors"))
+    for key, value in load_file(str(tmp_path / "two" / "final" / "actor" / "model.safetensors")).items():
+        torch.testing.assert_close(value, expected[key], atol=2e-6, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def repeat_model(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model made to repeat the prompt's last token often: emit_token.py's reward varies."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("repeat_model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp_size=2", "cp_size=2"])
+def test_ppo_steps_with_tp_or_cp(repeat_model, tmp_path, layout):
+    """Two GRPO steps with a critic-free actor under tp=2 or cp=2: the trainer's log-probs of the sampled
+    tokens equal the engine's before and after a weight sync from the split parameters."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {k}", "extra_info": {}}) + "\n" for k in range(8)))
+    env = Path(__file__).parent / "envs" / "emit_token.py"
+    run_ranks(2, ["-m", "RL2.trainer.ppo", f"data.train.path={data}", "data.train.batch_size=4",
+                  f"rollout.env_path={env}", "rollout.responses_per_prompt=4",
+                  "rollout.train_sampling_params.max_new_tokens=4", f"actor.model_name={repeat_model}",
+                  "actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_length_per_device=32",
+                  "actor.kl.coef=0.01", f"actor.{layout}", f"trainer.save_dir={tmp_path / 'run'}",
+                  "trainer.total_steps=2"])
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics)
+    assert metrics[0]["actor/grad_norm"] > 0  # the first update moved the weights the second step samples from
