@@ -131,9 +131,10 @@ def sft_args(model, data, save_dir, *extra):
 def test_sft_tp_or_cp_equals_one_rank(tiny_model_path, long_sft_data, tmp_path, layout):
     from safetensors.torch import load_file
 
-    longest = max(len(tokenizer().apply_chat_template(
-        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]))
-        for r in map(json.loads, long_sft_data.read_text().splitlines()))
+    tok = tokenizer()
+    longest = max(len(tok.apply_chat_template(
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}],
+        return_dict=True)["input_ids"]) for r in map(json.loads, long_sft_data.read_text().splitlines()))
     assert longest > 64
     run_ranks(1, sft_args(tiny_model_path, long_sft_data, tmp_path / "one", "actor.max_length_per_device=128"))
     run_ranks(2, sft_args(tiny_model_path, long_sft_data, tmp_path / "two", "actor.max_length_per_device=64", layout))
@@ -177,3 +178,75 @@ def test_ppo_steps_with_tp_or_cp(repeat_model, tmp_path, layout):
     assert len(metrics) == 2
     assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics)
     assert metrics[0]["actor/grad_norm"] > 0  # the first update moved the weights the second step samples from
+
+
+# ---- pieces, in this process ------------------------------------------------------------------------
+
+
+def test_zigzag_layout_covers_every_token_once_and_balances_work():
+    from RL2.models.context_parallel import zigzag_layout
+
+    bounds = [0, 70, 82, 83, 116]  # lengths 70, 12, 1, 33
+    for size in (2, 4):
+        rows, positions, chunks = zigzag_layout(bounds, size)
+        real = sorted(r for rank in rows for r in rank if r >= 0)
+        assert real == list(range(bounds[-1]))
+        assert len({len(rank) for rank in rows}) == 1  # the same number of tokens on every rank
+        # Causal attention work of a token ~ its position + 1: equal on every rank after padding.
+        work = [sum(p + 1 for p in rank) for rank in positions]
+        assert len(set(work)) == 1
+        for rank_rows, rank_positions in zip(rows, positions):
+            for row, position in zip(rank_rows, rank_positions):
+                if row >= 0:
+                    start = max(b for b in bounds if b <= row)
+                    assert position == row - start
+        assert chunks == [-(-n // (2 * size)) for n in (70, 12, 1, 33)]
+
+
+def test_layout_errors_name_every_degree():
+    from RL2.models.tensor_parallel import check_tp_degree
+    from RL2.parallel import ParallelDims
+
+    with pytest.raises(ValueError, match=r"6 ranks .* ddp_size=1 x cp_size=2 x tp_size=4 = 8 .*actor.tp_size"):
+        ParallelDims(world_size=6, tp=4, cp=2)
+    dims = ParallelDims(world_size=8, tp=2, cp=2)
+    assert (dims.ddp, dims.fsdp, dims.dp, dims.seq_parallel) == (1, 2, 2, 4)
+    assert dims.describe() == "world size 8 = ddp 1 x fsdp 2 x cp 2 x tp 2 (dp=2)"
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(ValueError, match="tp_size=4 must divide the model's num_key_value_heads=2"):
+        check_tp_degree(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128), 4)
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model type 'gpt2'"):
+        check_tp_degree(GPT2Config(), 2)
+
+
+def test_micro_batch_budget_grows_with_cp_and_tp():
+    from RL2.datasets.packing import pack_examples
+
+    examples = [{"input_ids": list(range(71)), "loss_mask": [1] * 71}, {"input_ids": list(range(9)), "loss_mask": [1] * 9}]
+    with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=40;"):
+        pack_examples(examples, 0, 1, 40)
+    with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=30 x cp_size \* tp_size=2"):
+        pack_examples(examples, 0, 1, 30, seq_parallel=2)
+    micro = pack_examples(examples, 0, 1, 40, seq_parallel=2)  # cp and tp ranks share one 80-token micro-batch
+    assert [mb.input_ids.shape[1] for mb in micro] == [78]
+
+
+def test_vocab_shard_on_one_rank_matches_torch():
+    from RL2.models.vocab_parallel import VocabShard
+
+    logits = torch.randn(1, 5, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (1, 5))
+    vocab = VocabShard()
+    log_probs = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(vocab.token_logps(logits, labels).double(),
+                               log_probs.gather(-1, labels[..., None]).squeeze(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(vocab.entropy(logits).double(), -(log_probs.exp() * log_probs).sum(-1),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="ring-flash-attn needs CUDA")
+def test_ring_flash_attn_loads_without_its_package_init():
+    from RL2.models.context_parallel import _ring_flash_attn_module
+
+    assert callable(_ring_flash_attn_module().zigzag_ring_flash_attn_varlen_func)
