@@ -17,7 +17,9 @@ from RL2.algs.kl import k3
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    # The mask may hold fractional token weights that sum to less than 1 (a micro-batch's share of the
+    # global batch): only an all-zero mask must be kept from dividing by zero.
+    return (x * mask).sum() / mask.sum().clamp(min=torch.finfo(mask.dtype).tiny)
 
 
 def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
