@@ -5,6 +5,7 @@ Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at s
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 from RL2.config.cli import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
@@ -42,6 +43,16 @@ class RolloutConfig:
 @dataclass
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
+    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded")
+    server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
+    server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
+    server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
+    server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
+    server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
+    server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC) | disk (HF folder) | none | auto: tensor for launched CUDA servers with sglang in the trainer's env, else disk")
+    weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
+    weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
     type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)")
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
 
@@ -92,6 +103,8 @@ class PPOConfig:
     data: DataConfig = opt(DataConfig, "data: prompt rows with extra_info for the environment")
     rollout: RolloutConfig = opt(RolloutConfig, "how trajectories are sampled")
     actor: ActorConfig = opt(ActorConfig, "the policy")
+    "rollout.engine": ("auto", "embedded", "sglang"),
+    "rollout.weight_sync": ("auto", "tensor", "disk", "none"),
     critic: CriticConfig = opt(CriticConfig, "the value model (trained only when adv.estimator=gae)")
     adv: AdvConfig = opt(AdvConfig, "advantage estimation")
     trainer: TrainerConfig = opt(TrainerConfig, "run control")

@@ -60,6 +60,14 @@ class HTTPEngineClient:
         finally:
             self._inflight[url] -= 1
 
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Pause every server (SGLang `/pause_generation`). With "abort", in-flight requests return at
+        once with finish_reason abort and their partial output; "retract" and "in_place" hold them."""
+        await asyncio.gather(*(self._post(f"{url}/pause_generation", {"mode": mode}) for url in self.urls))
+
+    async def continue_generation(self) -> None:
+        await asyncio.gather(*(self._post(f"{url}/continue_generation", {}) for url in self.urls))
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
@@ -74,6 +82,8 @@ class HTTPEngineClient:
             raise EngineError(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
         if response.status_code != 200:
             raise EngineError(f"{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
+        if not response.content:  # control endpoints may answer with an empty body
+            return {}
         try:
             return response.json()
         except ValueError as e:

@@ -3,6 +3,8 @@
 Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine`, rolls
 out `prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with
 the whole rollout in prompt order (the packing of the update needs the global batch everywhere).
+With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
+`RL2/rollout/sglang_engine.py`): every rank still rolls out its share, over HTTP.
 """
 
 import asyncio
@@ -14,9 +16,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from RL2.models.embedded import resolve_model_path
+from RL2.rollout.client import EngineError
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rollout.env import load_env
 from RL2.rollout.rollout import rollout_batch
+from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
 from RL2.rollout.trajectory import Trajectory
 from RL2.workers.fsdp import compute_dtype
 
@@ -48,11 +52,17 @@ class RolloutWorker:
     def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device):
         self.cfg, self.tokenizer, self.device = rollout_cfg, tokenizer, device
         self.dtype = compute_dtype(model_cfg.dtype, device)
-        # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(model_cfg.model_name), dtype=self.dtype, attn_implementation="sdpa"
-        ).to(device).eval()
-        self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
+        model_path = resolve_model_path(model_cfg.model_name)
+        self.sglang = resolve_engine(rollout_cfg, device) == "sglang"
+        if self.sglang:
+            self.engine = SGLangEngine.connect(rollout_cfg, model_path) if rollout_cfg.server_url else (
+                SGLangEngine.launch(rollout_cfg, model_path, self.dtype, device, seed=0))
+        else:
+            # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=self.dtype, attn_implementation="sdpa"
+            ).to(device).eval()
+            self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
         self.env = load_env(rollout_cfg.env_path)
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
@@ -67,17 +77,28 @@ class RolloutWorker:
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         params = dict(sampling_params)
+        if self.sglang:
+            self.engine.resume_memory()
         # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
         devices = [self.device] if self.device.type == "cuda" else []
+        groups, error = [], None
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            groups = asyncio.run(rollout_batch(
-                self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt, params,
-                self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
-            )) if mine else []
+            try:
+                groups = asyncio.run(rollout_batch(
+                    self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt, params,
+                    self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+                )) if mine else []
+            except EngineError as e:  # reported on every rank below, rather than leaving the others waiting
+                error = f"rank {rank}: {e}"
         gathered = [None] * world
-        dist.all_gather_object(gathered, list(zip(mine, groups)))
-        ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+        dist.all_gather_object(gathered, (error, list(zip(mine, groups))))
+        errors = [part_error for part_error, _ in gathered if part_error]
+        if errors:
+            raise EngineError("the rollout engine failed:\n" + "\n".join(errors))
+        if self.sglang:
+            self.engine.release_memory()  # GPU servers give their memory to training until the next sync
+        ordered = sorted((pair for _, part in gathered for pair in part), key=lambda pair: pair[0])
         return [group for _, group in ordered]
 
     @torch.no_grad()

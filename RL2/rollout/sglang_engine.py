@@ -1,0 +1,396 @@
+"""SGLang servers as the rollout engine of every rank: launched by the trainer or already running.
+
+Launched (`rollout.engine=sglang`): the ranks form groups of `rollout.server_args.tp_size`
+consecutive ranks; the first rank of each group starts one server on the group's GPUs (or on the
+CPU), so the world holds `world_size / tp_size` servers. Every rank learns every server's URL and
+sends its requests to the least busy one.
+
+External (`rollout.server_url`): servers the user runs; nothing is launched and rank 0 alone sends
+them control requests (weight updates from disk, or none with `rollout.weight_sync=none`).
+
+Weight sync after each update (`rollout.weight_sync`):
+- tensor: CUDA IPC through `/update_weights_from_tensor`, bucket by bucket, each tensor-parallel
+  rank handing its own GPU's copy to its server rank (launched servers on CUDA only).
+- disk: the lowest rank of each host writes a Hugging Face folder that the servers of that host
+  read with `/update_weights_from_disk`.
+- none: the servers keep their weights (e.g. a frozen policy or an evaluation).
+
+Memory: launched GPU servers share the GPUs with training, so after each rollout they release their
+weights and KV cache (`/release_memory_occupation`) and take them back before the next weight sync
+or rollout. On CPU those endpoints crash the server (they call torch.cuda), so they are skipped.
+
+Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
+`EngineError` on every rank instead of leaving the others waiting in a collective.
+"""
+
+import atexit
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from RL2.config.cli import ConfigError
+from RL2.rollout.client import EngineError, HTTPEngineClient
+from RL2.rollout.sglang_server import SGLangServer, check_server_args
+from RL2.rollout.weight_transfer import (
+    buckets,
+    patch_cuda_ipc_for_sglang,
+    serialize_cuda_bucket,
+    write_hf_folder,
+)
+
+# KV cache tokens of a CPU server unless server_args say otherwise: SGLang's default reserves ~9 GB.
+CPU_MAX_TOTAL_TOKENS = 16384
+# Fraction of GPU memory a colocated server takes for weights and KV cache (training needs the rest).
+GPU_MEM_FRACTION = 0.5
+# GPU memory a colocated server gives back during training (SGLang's tags of memory regions).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# Seconds one control request (weight update, memory release) may take.
+CONTROL_TIMEOUT = 600.0
+
+
+def resolve_engine(cfg, device: torch.device) -> str:
+    """`rollout.engine` made concrete: "embedded" or "sglang".
+
+    auto: SGLang when `rollout.server_url` is set, or on CUDA when the server Python can import
+    sglang; the embedded engine otherwise (always on CPU).
+    """
+    if cfg.engine not in ("auto", "embedded", "sglang"):
+        raise ConfigError(f"config key 'rollout.engine' is {cfg.engine!r}; choose one of auto, embedded, sglang")
+    if server_urls(cfg.server_url):
+        if cfg.engine == "embedded":
+            raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")
+        return "sglang"
+    if cfg.engine != "auto":
+        return cfg.engine
+    return "sglang" if device.type == "cuda" and python_has_sglang(server_python(cfg)) else "embedded"
+
+
+def server_urls(value) -> list[str]:
+    """`rollout.server_url` as a list: one URL, a comma-separated string or a list."""
+    if value is None:
+        return []
+    urls = value.split(",") if isinstance(value, str) else list(value)
+    urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"config key 'rollout.server_url' has {url!r}; give URLs like http://host:30000")
+    return urls
+
+
+def server_python(cfg) -> str:
+    return cfg.server_python or sys.executable
+
+
+def python_has_sglang(python: str) -> bool:
+    if python == sys.executable:
+        return importlib.util.find_spec("sglang") is not None
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        return subprocess.run([python, "-c", check], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"config key 'rollout.server_python' ({python}) cannot be run: {e}") from None
+
+
+class SGLangEngine:
+    """The rollout engine of one rank when generation runs on SGLang servers. Build it with
+    `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
+
+    Args:
+        urls: every server's URL (generation goes to all of them).
+        controlled: the URLs this rank sends control requests to.
+        weight_sync: "tensor", "disk" or "none".
+        bucket_bytes: bytes of full tensors gathered before they are sent or written.
+        model_path: the served model's folder (its config files go with disk updates).
+        weights_dir: where this rank writes disk updates, or None if it does not write.
+        weights_dirs: for each URL in `controlled`, the folder its server reads disk updates from.
+        server: the server this rank launched, if any.
+        colocated: the servers share GPUs with training: release their memory while it trains.
+        tp_group: the ranks of this rank's server (tensor weight sync), or None.
+    """
+
+    def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
+                 weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,
+                 server: SGLangServer | None = None, colocated: bool = False, tp_group=None):
+        self.urls, self.controlled, self.weight_sync = urls, controlled, weight_sync
+        self.bucket_bytes, self.model_path = bucket_bytes, model_path
+        self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
+        self.server, self.colocated, self.tp_group = server, colocated, tp_group
+        self.client = HTTPEngineClient(urls)
+        self._released: set[str] = set()
+        self._folder: Path | None = None  # the newest weights folder written by this rank
+        atexit.register(self.shutdown)
+
+    # ---- construction (collective) ----
+
+    @classmethod
+    def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
+        """Start one server per group of `tp_size` ranks and connect every rank to all of them.
+
+        Args:
+            cfg: the `rollout` config.
+            model_path: the actor's initial weights (a Hugging Face folder).
+            dtype: the servers' dtype (the actor's compute dtype).
+            device: this rank's device; servers run on the same kind.
+            seed: the run's seed (each server adds its index).
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        args = check_server_args(cfg.server_args)
+        tp = int(args.get("tp_size", 1))
+        if tp < 1 or world % tp:
+            raise ConfigError(f"rollout.server_args.tp_size={tp} must divide the number of ranks ({world}): "
+                              f"each server runs on tp_size ranks' devices")
+        weight_sync = _launched_weight_sync(cfg.weight_sync, device)
+        places = _all_gather((socket.gethostname(), _physical_gpu(device)))
+        leader = rank - rank % tp
+        if any(len({host for host, _ in places[start:start + tp]}) > 1 for start in range(0, world, tp)):
+            raise ConfigError(f"rollout.server_args.tp_size={tp} spans hosts; a server's ranks must share one host")
+        one_host = len({host for host, _ in places}) == 1
+        server, url, error = None, None, None
+        if rank == leader:
+            defaults = _server_defaults(device, dtype, seed + rank // tp, tp, one_host)
+            env = dict(cfg.server_env or {})
+            if device.type == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in places[leader:leader + tp])
+            server = SGLangServer(server_python(cfg), model_path, defaults | args, env, cfg.server_log_dir)
+            try:
+                server.start().wait_ready(cfg.server_timeout)
+                url = server.url
+            except (EngineError, OSError) as e:
+                error = f"rank {rank}: {e}"
+        urls = _all_gather((url, error))
+        _raise_any([err for _, err in urls], cleanup=server)
+        urls = [u for u, _ in urls if u is not None]
+        tp_group = _tp_groups(world, tp) if weight_sync == "tensor" else None
+        if weight_sync == "tensor":
+            patch_cuda_ipc_for_sglang()
+        writes, dirs = _disk_roles(cfg, weight_sync, [host for host, _ in places], leader_ranks=range(0, world, tp))
+        engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
+                     server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver", True)),
+                     tp_group=tp_group)
+        if dist.get_rank() == 0:
+            print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
+                  + (f"; logs in {server.log_path.parent}" if server else ""), flush=True)
+        return engine
+
+    @classmethod
+    def connect(cls, cfg, model_path: str) -> "SGLangEngine":
+        """Use the servers of `rollout.server_url`; rank 0 checks they answer and controls them."""
+        urls = server_urls(cfg.server_url)
+        weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"
+        if weight_sync == "tensor":
+            raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
+                              "use disk (the servers must read this machine's files) or none")
+        error = None
+        if dist.get_rank() == 0:
+            for url in urls:
+                try:
+                    _control(url, "/health", timeout=30.0)
+                except EngineError as e:
+                    error = f"rollout.server_url: {e}"
+        _raise_any(_all_gather(error))
+        writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
+        controlled = urls if dist.get_rank() == 0 else []
+        return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled))
+
+    # ---- generation ----
+
+    async def generate(self, payload: dict) -> dict:
+        return await self.client.generate(payload)
+
+    # ---- control (collective: every rank calls these together) ----
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        """Push the actor's full tensors to every server. Collective, like the iteration of
+        `named_tensors` itself (each full tensor is all-gathered from the FSDP shards)."""
+        if self.weight_sync == "none":
+            return
+        # Weights first: the KV cache comes back only after the full tensors are freed (verl does the same).
+        self.resume_memory(("weights",))
+        if self.weight_sync == "tensor":
+            self._push_tensors(named_tensors, weight_version)
+        else:
+            self._push_folder(named_tensors, weight_version)
+        self.resume_memory()
+
+    def release_memory(self) -> None:
+        """Free the servers' GPU memory while the trainer trains (colocated GPU servers only)."""
+        if self.colocated and not self._released:
+            self._control_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+            self._released = set(MEMORY_TAGS)
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Take back the released memory of `tags` (SGLang fails on a tag that is not released)."""
+        tags = [tag for tag in tags if tag in self._released]
+        if tags:
+            self._control_all("/resume_memory_occupation", {"tags": tags})
+            self._released -= set(tags)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+        if self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    def _push_folder(self, named_tensors, version: str) -> None:
+        error = None
+        folder = self.weights_dir / version if self.weights_dir is not None else None
+        try:
+            if folder is not None:
+                write_hf_folder(buckets(named_tensors, self.bucket_bytes), folder, self.model_path)
+            else:
+                for _ in named_tensors:  # the all-gathers of the full tensors involve every rank
+                    pass
+        except OSError as e:
+            error = f"rank {dist.get_rank()} could not write the weights to {folder}: {e}"
+        _raise_any(_all_gather(error))
+        self._control_all("/update_weights_from_disk", lambda i: {
+            "model_path": str(self.weights_dirs[i] / version), "flush_cache": True, "weight_version": version})
+        if folder is not None:
+            if self._folder is not None and self._folder != folder:
+                shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = folder
+
+    def _push_tensors(self, named_tensors, version: str) -> None:
+        tp = dist.get_world_size(self.tp_group)
+        for bucket in buckets(named_tensors, self.bucket_bytes):
+            serialized = serialize_cuda_bucket(bucket)
+            # Server rank i maps the copy of tensor-parallel rank i, which lives on its own GPU.
+            per_rank = [None] * tp
+            dist.all_gather_object(per_rank, serialized, group=self.tp_group)
+            # The all-gather below also keeps every rank's bucket alive until its server has it.
+            self._control_all("/update_weights_from_tensor", {
+                "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
+                "flush_cache": False, "weight_version": version})
+        self._control_all("/flush_cache", None)
+
+    def _control_all(self, endpoint: str, payload) -> None:
+        """POST to every server this rank controls, then agree with all ranks that it worked."""
+        error = None
+        for i, url in enumerate(self.controlled):
+            body = payload(i) if callable(payload) else payload
+            try:
+                _control(url, endpoint, body)
+            except EngineError as e:
+                error = f"rank {dist.get_rank()}: {e}" + (f"\n{self.server.describe()}" if self.server else "")
+                break
+        _raise_any(_all_gather(error))
+
+
+# ---- helpers ----
+
+
+def _control(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT) -> dict:
+    """One control request (GET without a payload, else POST); EngineError if the server does not
+    answer 200 or reports a failure."""
+    try:
+        if payload is None:
+            response = httpx.get(f"{url}{endpoint}", timeout=timeout)
+        else:
+            response = httpx.post(f"{url}{endpoint}", json=payload, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
+    if response.status_code != 200:
+        raise EngineError(f"{url}{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    # Weight updates answer 200 with {"success": false, "message": ...} when the weights do not fit.
+    if isinstance(body, dict) and body.get("success") is False:
+        raise EngineError(f"{url}{endpoint} failed: {body.get('message', body)}")
+    return body if isinstance(body, dict) else {}
+
+
+def _launched_weight_sync(requested: str, device: torch.device) -> str:
+    if requested not in ("auto", "tensor", "disk", "none"):
+        raise ConfigError(f"config key 'rollout.weight_sync' is {requested!r}; choose one of auto, tensor, disk, none")
+    if requested == "tensor" and device.type != "cuda":
+        raise ConfigError("rollout.weight_sync=tensor passes CUDA IPC handles and needs CUDA; use disk on CPU")
+    if requested == "tensor" and importlib.util.find_spec("sglang") is None:
+        raise ConfigError("rollout.weight_sync=tensor needs sglang installed in the trainer's environment "
+                          "(pip install sglang); or use rollout.weight_sync=disk")
+    if requested != "auto":
+        return requested
+    return "tensor" if device.type == "cuda" and importlib.util.find_spec("sglang") is not None else "disk"
+
+
+def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: int, one_host: bool) -> dict:
+    """What RL2 passes to every launched server unless `rollout.server_args` says otherwise."""
+    defaults = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "tp_size": tp, "random_seed": seed,
+                # Ranks on other hosts must reach the server; on one host it stays private.
+                "host": "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname()),
+                # An idle scheduler otherwise polls at full speed, taking a core from training.
+                "sleep_on_idle": True}
+    if device.type == "cuda":
+        defaults |= {"enable_memory_saver": True, "mem_fraction_static": GPU_MEM_FRACTION}
+    else:
+        defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
+    return defaults
+
+
+def _disk_roles(cfg, weight_sync: str, hosts: list[str], leader_ranks) -> tuple[Path | None, list[Path]]:
+    """(folder this rank writes or None, folder each of its servers reads): the lowest rank of each
+    host writes, and every server reads its own host's copy."""
+    if weight_sync != "disk":
+        return None, []
+    rank = dist.get_rank()
+    writer = hosts.index(hosts[rank])
+    mine = _new_weights_dir(cfg) if rank == writer else None
+    dirs = _all_gather(mine)
+    return mine, [dirs[hosts.index(hosts[rank])]] if rank in leader_ranks else []
+
+
+def _new_weights_dir(cfg) -> Path:
+    root = cfg.weights_dir or tempfile.gettempdir()
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="rl2-weights-", dir=root))
+
+
+def _tp_groups(world: int, tp: int):
+    """This rank's group among consecutive blocks of `tp` ranks (every rank creates every group)."""
+    mine = None
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= dist.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
+def _physical_gpu(device: torch.device) -> str:
+    """The GPU's id as the whole machine numbers it (what a server's CUDA_VISIBLE_DEVICES needs)."""
+    if device.type != "cuda":
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    index = device.index or 0
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
+def _bucket_bytes(cfg) -> int:
+    if cfg.weight_bucket_mb <= 0:
+        raise ConfigError(f"config key 'rollout.weight_bucket_mb' must be positive, got {cfg.weight_bucket_mb}")
+    return int(cfg.weight_bucket_mb * 2**20)
+
+
+def _all_gather(value) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_any(errors: list, cleanup: SGLangServer | None = None) -> None:
+    errors = [e for e in errors if e]
+    if errors:
+        if cleanup is not None:
+            cleanup.shutdown()
+        raise EngineError("\n".join(errors))

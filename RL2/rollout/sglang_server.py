@@ -1,0 +1,198 @@
+"""One SGLang server process: its command line, launch, readiness, log and shutdown.
+
+The server runs as `python -m sglang.launch_server ...` in a child process. The Python that runs it
+may be another virtual environment than the trainer's (SGLang pins its own torch): the trainer only
+talks to it over HTTP. Its output goes to a log file whose tail is quoted when it fails.
+"""
+
+import atexit
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from omegaconf import OmegaConf
+
+from RL2.config.cli import ConfigError
+from RL2.rollout.client import EngineError
+
+# Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
+RESERVED_ARGS = ("model_path", "port")
+
+# Environment variables of torchrun that would make the server think it is a rank of the trainer.
+TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_FLAG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def check_server_args(server_args: dict) -> dict:
+    """`rollout.server_args` with keys in SGLang's snake_case, or a ConfigError naming the bad key.
+
+    Values are scalars (a bool is a switch: true passes `--key`, false leaves it out) or lists of
+    scalars (`--key v1 v2`). Whether SGLang knows a flag is its own business: an unknown one makes
+    the server exit at once, and its log is quoted in the error.
+    """
+    if OmegaConf.is_config(server_args):
+        server_args = OmegaConf.to_container(server_args)
+    checked = {}
+    for key, value in dict(server_args).items():
+        name = str(key).replace("-", "_")
+        where = f"rollout.server_args.{key}"
+        if not _FLAG.match(str(key)):
+            raise ConfigError(f"config key '{where}' is not a flag name of sglang.launch_server")
+        if name in RESERVED_ARGS:
+            raise ConfigError(f"config key '{where}' is set by RL2 (the actor's weights, a free port); remove it")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if value is None or not all(isinstance(v, (str, int, float, bool)) for v in values):
+            raise ConfigError(f"config key '{where}' must be a string, number, bool or list of them, got {value!r}")
+        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in values):
+            raise ConfigError(f"config key '{where}' is a list of bools; SGLang switches take one true/false")
+        checked[name] = list(value) if isinstance(value, (list, tuple)) else value
+    return checked
+
+
+def server_command(python: str, model_path: str, port: int, server_args: dict) -> list[str]:
+    """The command line of one server: `python -m sglang.launch_server --model-path ... --port ...`."""
+    command = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--port", str(port)]
+    for name, value in server_args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value is False:
+            continue
+        elif isinstance(value, list):
+            command += [flag, *map(str, value)]
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (another process could still take it before the server does)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SGLangServer:
+    """A launched `sglang.launch_server` process.
+
+    Args:
+        python: the interpreter that runs SGLang (its own virtual environment if need be).
+        model_path: HF folder of the weights to serve.
+        server_args: checked `rollout.server_args` plus RL2's defaults (see `check_server_args`).
+        env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
+        log_dir: where the server's output goes; a temporary folder when None.
+    """
+
+    def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
+                 log_dir: str | None = None):
+        host = str(server_args.get("host", "127.0.0.1"))
+        self.port = free_port(host if host != "0.0.0.0" else "127.0.0.1")
+        connect_host = "127.0.0.1" if host == "0.0.0.0" else host
+        self.url = f"http://{connect_host}:{self.port}"
+        self.command = server_command(python, model_path, self.port, {"host": host} | server_args)
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rl2-sglang-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"sglang-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+        self._env = _server_env(env or {})
+
+    def start(self) -> "SGLangServer":
+        with open(self.log_path, "w") as log:
+            log.write(" ".join(self.command) + "\n")
+            log.flush()
+            # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer
+            # processes too; and it dies with this process even when this one is killed.
+            self.process = subprocess.Popen(
+                [self.command[0], "-c", _EXEC_DYING_WITH_PARENT, *self.command], stdout=log,
+                stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
+            )
+        atexit.register(self.shutdown)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll `/health` until the server answers 200; EngineError with its log tail if it exits first
+        or is not ready within `timeout` seconds (then it is shut down)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineError(f"the SGLang server exited with code {self.process.returncode} before it was "
+                                  f"ready.\n{self.describe()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(1.0)
+        self.shutdown()
+        raise EngineError(f"the SGLang server was not ready within {timeout:.0f} s (rollout.server_timeout).\n"
+                          f"{self.describe()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def describe(self) -> str:
+        """The command and the last lines of the log, for error messages."""
+        return f"command: {' '.join(self.command)}\nlog {self.log_path} ends with:\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
+        if self.process is None or self.process.poll() is not None and not _group_alive(self.process.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(self.process.pid):
+                break
+
+
+def _server_env(extra: dict) -> dict:
+    env = {key: value for key, value in os.environ.items()
+           if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
+    env["RL2_TRAINER_PID"] = str(os.getpid())
+    return env | {str(key): str(value) for key, value in extra.items()}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# Run as `python -c` before the server: Linux SIGTERMs the process when its parent (the trainer) dies,
+# even by SIGKILL, and the setting survives exec. Done in the child's own Python rather than in a
+# preexec_fn, which is unsafe in a multithreaded parent. A parent already gone by then means exit.
+_EXEC_DYING_WITH_PARENT = """
+import ctypes, os, signal, sys
+parent = int(os.environ["RL2_TRAINER_PID"])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass  # not Linux: the trainer's shutdown at exit still stops the server
+if os.getppid() != parent:
+    sys.exit("the trainer process is gone")
+os.execv(sys.argv[1], sys.argv[1:])
+"""

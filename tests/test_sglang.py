@@ -1,0 +1,316 @@
+"""SGLang as the rollout engine: config checks, the weight folder writer, and a real SGLang server on CPU.
+
+SGLang pins its own torch, so it lives in its own virtual environment: RL2_SGLANG_PYTHON names that
+environment's python (.ci/run builds one). Servers run from it; these tests stay in RL2's environment
+and talk HTTP, as the trainer does. SGLang's CPU path imports one vLLM op it never calls; the stub in
+tests/sglang_stub is put on the servers' PYTHONPATH.
+
+Expectations come from the Hugging Face model itself in float32 (its greedy tokens and its
+log-softmax), which SGLang in float32 on CPU reproduces.
+"""
+
+import asyncio
+import copy
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from launch import read_metrics, run_ranks
+from RL2.config.cli import ConfigError
+from RL2.rollout.client import EngineError, HTTPEngineClient
+from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine, server_urls
+from RL2.rollout.sglang_server import SGLangServer, check_server_args, free_port, server_command
+from RL2.rollout.weight_transfer import buckets, write_hf_folder
+
+SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
+STUB = Path(__file__).resolve().parent / "sglang_stub"
+SERVER_ENV = {"PYTHONPATH": str(STUB)}
+CPU_ARGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True}
+needs_sglang = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not SGLANG_PYTHON, reason=os.environ.get("RL2_SGLANG_SKIP_REASON") or (
+        "RL2_SGLANG_PYTHON is not set: point it at the python of a virtual environment with sglang installed "
+        "(.ci/run builds ~/.cache/rl2/sglang-venv)")),
+]
+
+# ---- without a server --------------------------------------------------------------------------
+
+
+def test_server_args_become_flags():
+    args = check_server_args({"tp-size": 2, "enable_memory_saver": True, "disable_radix_cache": False,
+                              "cuda_graph_bs": [1, 2], "host": "0.0.0.0"})
+    assert args == {"tp_size": 2, "enable_memory_saver": True, "disable_radix_cache": False,
+                    "cuda_graph_bs": [1, 2], "host": "0.0.0.0"}
+    command = server_command("py", "/m", 1234, args)
+    assert command == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "1234", "--tp-size", "2",
+                       "--enable-memory-saver", "--cuda-graph-bs", "1", "2", "--host", "0.0.0.0"]
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"port": 1}, "rollout.server_args.port"),
+    ({"model-path": "x"}, "set by RL2"),
+    ({"--tp": 1}, "not a flag name"),
+    ({"tp_size": None}, "must be a string"),
+    ({"x": {"a": 1}}, "must be a string"),
+])
+def test_bad_server_args_name_the_key(bad, words):
+    with pytest.raises(ConfigError, match=words):
+        check_server_args(bad)
+
+
+def test_engine_choice():
+    cpu, cfg = torch.device("cpu"), lambda **kw: SimpleNamespace(**({"engine": "auto", "server_url": None,
+                                                                      "server_python": None} | kw))
+    assert resolve_engine(cfg(), cpu) == "embedded"
+    assert resolve_engine(cfg(engine="sglang"), cpu) == "sglang"
+    assert resolve_engine(cfg(server_url="http://h:1"), cpu) == "sglang"
+    with pytest.raises(ConfigError, match="rollout.engine=embedded"):
+        resolve_engine(cfg(engine="embedded", server_url="http://h:1"), cpu)
+    assert server_urls("http://a:1/, http://b:2") == ["http://a:1", "http://b:2"]
+    assert server_urls(["http://a:1"]) == ["http://a:1"]
+    with pytest.raises(ConfigError, match="rollout.server_url"):
+        server_urls("a:1")
+
+
+def test_weight_folder_round_trip(tiny_model_path, tmp_path):
+    """Buckets of 64 kB become several shards of a folder that transformers loads with the same weights."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    named = list(model.named_parameters())
+    parts = list(buckets(named, 2**16))
+    assert len(parts) > 2 and [name for part in parts for name, _ in part] == [name for name, _ in named]
+    assert all(sum(t.numel() * 4 for _, t in part) <= 2**16 or len(part) == 1 for part in parts)
+    folder = write_hf_folder(parts, tmp_path / "step1", tiny_model_path)
+    assert not (tmp_path / "step1.tmp").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for (name, expected), (_, got) in zip(named, loaded.named_parameters()):
+        assert torch.equal(expected, got), name
+    assert len(list(folder.glob("*.safetensors"))) == len(parts)
+    assert set(load_file(folder / "model-00001.safetensors")) == {name for name, _ in parts[0]}
+
+
+# ---- a real SGLang server on CPU ---------------------------------------------------------------
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens (EOS ignored) and their log-probabilities, one full forward per token."""
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            ids.append(token)
+            logps.append(float(logp[token]))
+    return ids[len(prompt):], logps
+
+
+def model_logps(model, prompt: list[int], output: list[int]) -> list[float]:
+    """The model's log-probability of each output token after the prompt and the tokens before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return logp.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def generate(url: str, prompts: list[list[int]], **sampling) -> list[dict]:
+    client = HTTPEngineClient([url])
+
+    async def main():
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True} | sampling
+        return await asyncio.gather(*(client.generate({"input_ids": p, "sampling_params": params,
+                                                       "return_logprob": True}) for p in prompts))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def prompts(tok) -> list[list[int]]:
+    texts = ["What is 12 + 7?", "Name a colour.", "Once upon a time", "def f(x):"]
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    return [tok.encode(chat, add_special_tokens=False) for chat in chats]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    """One server for the module (~45 s to start on CPU)."""
+    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS, SERVER_ENV).start()
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.shutdown()
+    assert not server.alive()
+
+
+def sglang_test(fn):
+    for mark in needs_sglang:
+        fn = mark(fn)
+    return fn
+
+
+@sglang_test
+def test_greedy_equals_hf_greedy(server, hf_model, prompts):
+    responses = generate(server.url, prompts)
+    for prompt, response in zip(prompts, responses):
+        expected_ids, expected_logps = hf_greedy(hf_model, prompt, 16)
+        meta = response["meta_info"]
+        assert response["output_ids"] == expected_ids
+        assert [token for _, token, _ in meta["output_token_logprobs"]] == expected_ids
+        assert [logp for logp, _, _ in meta["output_token_logprobs"]] == pytest.approx(expected_logps, abs=1e-4)
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["completion_tokens"] == 16 and meta["prompt_tokens"] == len(prompt)
+
+
+@sglang_test
+def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts):
+    responses = generate(server.url, prompts * 2, temperature=1.0, max_new_tokens=24)
+    outputs = [r["output_ids"] for r in responses]
+    assert len({tuple(o) for o in outputs}) > 1  # really sampled
+    for prompt, response in zip(prompts * 2, responses):
+        tokens = [token for _, token, _ in response["meta_info"]["output_token_logprobs"]]
+        logps = [logp for logp, _, _ in response["meta_info"]["output_token_logprobs"]]
+        assert tokens == response["output_ids"]
+        assert logps == pytest.approx(model_logps(hf_model, prompt, tokens), abs=1e-3)
+
+
+@sglang_test
+def test_pause_abort_returns_partial_output(server, hf_model, prompts):
+    client = HTTPEngineClient([server.url])
+
+    async def main():
+        long = {"input_ids": prompts[0], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}}
+        task = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(3.0)
+        await client.pause_generation("abort")
+        aborted = await asyncio.wait_for(task, 60)
+        await client.continue_generation()
+        return aborted
+
+    aborted = asyncio.run(main())
+    meta = aborted["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    n = len(aborted["output_ids"])
+    assert 0 < n < 1500 and meta["completion_tokens"] == n
+    check = min(n, 24)
+    assert aborted["output_ids"][:check] == hf_greedy(hf_model, prompts[0], check)[0]
+    # After continue_generation the server serves new requests to the end.
+    assert generate(server.url, prompts[:1], max_new_tokens=4)[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank process group: SGLangEngine's control steps are collectives, at world size 1 too."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@sglang_test
+def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
+    """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
+    cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path))
+    engine = SGLangEngine.connect(cfg, tiny_model_path)
+    new_model = copy.deepcopy(hf_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    before = [r["output_ids"] for r in generate(server.url, prompts)]
+    engine.update_weights(new_model.named_parameters(), weight_version="step1")
+    after = generate(server.url, prompts)
+    for prompt, response in zip(prompts, after):
+        assert response["output_ids"] == hf_greedy(new_model, prompt, 16)[0]
+        assert response["meta_info"]["weight_version"] == "step1"
+    assert [r["output_ids"] for r in after] != before
+    # Back to the original weights (the next update replaces the previous folder).
+    engine.update_weights(hf_model.named_parameters(), weight_version="step2")
+    assert [r["output_ids"] for r in generate(server.url, prompts)] == before
+    assert [p.name for p in engine.weights_dir.iterdir()] == ["step2"]
+    engine.shutdown()
+    assert not engine.weights_dir.exists() and server.alive()
+
+
+def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
+    """A server that exits before it is ready: the error quotes its log (here RL2's own Python, which has
+    no sglang; a bad flag in rollout.server_args ends the same way)."""
+    server = SGLangServer(sys.executable, tiny_model_path, CPU_ARGS, log_dir=str(tmp_path)).start()
+    with pytest.raises(EngineError, match="(?s)exited with code 1.*No module named 'sglang'"):
+        server.wait_ready(timeout=60)
+    assert not server.alive()
+
+
+# ---- the PPO trainer with SGLang as its engine ------------------------------------------------
+
+# Rewards that differ within most groups of a random model's answers, so that GRPO updates the weights.
+PARITY_ENV = """
+async def step(state, action, extra_info):
+    reward = float(sum(map(ord, action)) % 2)
+    return {"next_state": None, "reward": reward, "score": reward, "done": True, "extra_info": extra_info}
+"""
+
+
+def ppo_args(model: str, tmp_path: Path, *extra: str) -> list[str]:
+    rows = "".join(f'{{"prompt": "question {k}", "extra_info": {{}}}}\n' for k in range(8))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "parity.py").write_text(PARITY_ENV)
+    return ["-m", "RL2.trainer.ppo", f"data.train.path={tmp_path / 'train.jsonl'}", "data.train.batch_size=4",
+            f"rollout.env_path={tmp_path / 'parity.py'}", "rollout.responses_per_prompt=4",
+            "rollout.train_sampling_params.max_new_tokens=8", f"actor.model_name={model}", "actor.dtype=float32",
+            "actor.optimizer.lr=1e-2", "actor.max_length_per_device=512", f"trainer.save_dir={tmp_path / 'run'}",
+            "trainer.total_steps=2", "rollout.weight_bucket_mb=0.25", *extra]
+
+
+def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
+    """Both steps ran, and at step 2 the engine's log-probabilities are the updated actor's: the weight
+    sync after step 1 reached the server (without it the gap is ~0.1 nats per token at this lr)."""
+    metrics = [m for m in read_metrics(run) if "actor/engine_mismatch" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["actor/engine_mismatch"] < 1e-3 for m in metrics), metrics
+    initial = load_file(f"{initial_model}/model.safetensors")
+    final = load_file(f"{run}/final/actor/model.safetensors")
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
+
+
+@sglang_test
+def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
+    """rollout.server_url: the trainer launches nothing, samples from the module's server and updates
+    its weights from disk after each step. (Runs last: it leaves the trained weights in the server.)"""
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}"), timeout=600)
+    assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+
+
+@sglang_test
+@pytest.mark.slow
+def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
+    """rollout.engine=sglang: the trainer launches a server from the SGLang environment, pushes the
+    weights in buckets through a folder after each update, and stops the server at exit."""
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
+                          f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",
+                          "rollout.server_args.max_total_tokens=4096", f"rollout.server_log_dir={tmp_path / 'logs'}"),
+              timeout=900)
+    assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+    log_path = next((tmp_path / "logs").glob("sglang-*.log"))
+    assert "--device cpu" in log_path.read_text() and "--dtype float32" in log_path.read_text()
+    port = log_path.stem.removeprefix("sglang-")
+    with pytest.raises(httpx.TransportError):  # stopped when the trainer exited
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
