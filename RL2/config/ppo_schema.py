@@ -103,8 +103,6 @@ class PPOConfig:
     data: DataConfig = opt(DataConfig, "data: prompt rows with extra_info for the environment")
     rollout: RolloutConfig = opt(RolloutConfig, "how trajectories are sampled")
     actor: ActorConfig = opt(ActorConfig, "the policy")
-    "rollout.engine": ("auto", "embedded", "sglang"),
-    "rollout.weight_sync": ("auto", "tensor", "disk", "none"),
     critic: CriticConfig = opt(CriticConfig, "the value model (trained only when adv.estimator=gae)")
     adv: AdvConfig = opt(AdvConfig, "advantage estimation")
     trainer: TrainerConfig = opt(TrainerConfig, "run control")
@@ -115,6 +113,8 @@ PPO_CHOICES = {
     "actor.kl.type": ("loss", "reward"),
     "actor.kl.estimator": ("k1", "k2", "k3"),
     "adv.estimator": ("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw"),
+    "rollout.engine": ("auto", "embedded", "sglang"),
+    "rollout.weight_sync": ("auto", "tensor", "disk", "none"),
 }
 
 
