@@ -330,3 +330,58 @@ def test_http_client_errors_name_the_server(engine):
             await HTTPEngineClient([f"http://127.0.0.1:{port}"]).generate({"input_ids": [1]})
 
     asyncio.run(main())
+
+
+# ---- partial rollout ----
+
+
+def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
+    """Trajectories cut by the pause and resumed (after a JSON round trip, as a checkpoint keeps them)
+    end with the tokens, masks and log-probabilities of an uninterrupted greedy rollout."""
+    from RL2.rollout.rollout import partial_rollout_batch
+
+    env = load_env(ENVS / "echo.py")
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 3}} for i in range(4)]
+    engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
+    try:
+        finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
+        assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
+        assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
+        rounds = 0
+        while carried:
+            carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
+            more, carried = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
+            finished += more
+            rounds += 1
+        assert rounds >= 1 and len(finished) == len(rows)
+    finally:
+        engine.shutdown()
+    for group in finished:
+        [trajectory] = group
+        assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
+        expected = roll_fresh(model, tok, env, trajectory.prompt_text, params)
+        [got], [want] = trajectory.to_examples(), expected.to_examples()
+        assert got["input_ids"] == want["input_ids"]
+        assert got["loss_mask"] == want["loss_mask"] and got["turn_ids"] == want["turn_ids"]
+        reference = token_logps(model, got["input_ids"])
+        for logp, ref, mask in zip(got["engine_logps"], reference, got["loss_mask"]):
+            assert logp == (pytest.approx(ref, abs=1e-4) if mask else 0.0)
+
+
+def roll_fresh(model, tok, env, prompt: str, params: dict) -> Trajectory:
+    engine = EmbeddedEngine(model, tok, max_running_requests=1)
+    try:
+        return asyncio.run(run_trajectory(engine, env, tok, prompt, {"turns": 3}, params, max_turns=3))
+    finally:
+        engine.shutdown()
+
+
+def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
+    from RL2.rollout.rollout import partial_rollout_batch
+
+    env = load_env(ENVS / "echo.py")
+    rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
+    finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
+    assert carried == [] and [len(g) for g in finished] == [2, 2]
+    assert all(t.stop_reason == "done" and t.n_turns == 2 for g in finished for t in g)

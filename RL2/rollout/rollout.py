@@ -36,8 +36,10 @@ async def run_trajectory(
     max_total_tokens: int | None = None,
     env_timeout: float | None = None,
     prompt_ids: list[int] | None = None,
+    resume: Trajectory | None = None,
+    stop: asyncio.Event | None = None,
 ) -> Trajectory:
-    """Roll out one trajectory.
+    """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
     Args:
         engine: serves SGLang `/generate` payloads.
@@ -51,44 +53,43 @@ async def run_trajectory(
             each request's max_new_tokens is cut to what is left. None: no limit.
         env_timeout: seconds one `step` (or `reset`) may take. None: no limit.
         prompt_ids: the prompt already tokenised (else `state` is tokenised).
+        resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
+            from where it stopped (the tokens it already has keep their log-probabilities), then
+            the rollout goes on as usual. `state`, `extra_info` and `prompt_ids` are ignored.
+        stop: once set, no new action is requested: the trajectory ends "abort" with an empty
+            action, to be resumed later (partial rollout pauses the engine after setting it).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be at least 1, got {max_turns}")
-    if state is None:
-        state = await _reset(env, extra_info, env_timeout)
-    state = render_state(state, tokenizer)
-    ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
-    if not _fits(len(ids), max_total_tokens):
-        raise ValueError(
-            f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
-            f"{max_total_tokens}; raise it or shorten the prompts"
-        )
-    trajectory = Trajectory(extra_info=extra_info)
-    trajectory.start_sequence(state, ids)
-    for turn_index in range(max_turns):
-        room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
-        turn = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
-        trajectory.add_turn(turn)
-        if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward
+    if resume is None:
+        trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout)
+    else:
+        trajectory = resume
+    while True:
+        if stop is not None and stop.is_set() and not trajectory.unfinished:
+            trajectory.add_turn(Turn([], [], "", "abort"))
             trajectory.stop_reason = "abort"
             return trajectory
-        result = await _step(env, state, turn.action_text, extra_info, env_timeout)
+        turn = await _next_action(engine, tokenizer, trajectory, sampling_params, max_total_tokens)
+        if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
+            trajectory.stop_reason = "abort"
+            return trajectory
+        result = await _step(env, trajectory.state, turn.action_text, trajectory.env_info, env_timeout)
         if isinstance(result, str):
             trajectory.fail(result)
             return trajectory
-        turn.reward, turn.score, extra_info = result.reward, result.score, result.extra_info
+        turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
         if result.done:
             trajectory.stop_reason = "done"
             return trajectory
-        if turn_index + 1 == max_turns:
-            break
+        if trajectory.n_turns == max_turns:
+            trajectory.stop_reason = "max_turns"
+            return trajectory
         next_state = render_state(result.next_state, tokenizer)
-        if not _observe(trajectory, tokenizer, state, turn, next_state, max_total_tokens):
+        if not _observe(trajectory, tokenizer, trajectory.state, turn, next_state, max_total_tokens):
             trajectory.stop_reason = "budget"
             return trajectory
-        state = next_state
-    trajectory.stop_reason = "max_turns"
-    return trajectory
+        trajectory.state = next_state
 
 
 async def rollout_batch(
@@ -125,6 +126,80 @@ async def rollout_batch(
     tasks = [[asyncio.create_task(trajectory(row)) for _ in range(responses_per_prompt)] for row in prompts]
     await _gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
+
+
+async def partial_rollout_batch(
+    engine: EngineClient,
+    env: Env,
+    tokenizer,
+    carried: list[list[Trajectory]],
+    prompts: list[dict],
+    n_needed: int,
+    responses_per_prompt: int,
+    sampling_params: dict,
+    max_turns: int = 1,
+    max_total_tokens: int | None = None,
+    env_timeout: float | None = None,
+) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
+
+    The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
+    go first, then one new group per prompt. Once `n_needed` groups have every trajectory finished,
+    no new action is requested and the engine is paused with abort, which returns the in-flight
+    requests with what they sampled so far. Long responses thus no longer hold up a whole step.
+    The carried tokens keep the log-probabilities of the weights that sampled them (off-policy by
+    a step or more; `actor.tis_coef` corrects for it).
+
+    Returns:
+        (finished groups, unfinished groups), carried ones first, then in prompt order.
+    """
+    stop = asyncio.Event()
+    done_groups = asyncio.Event()
+    finished_count = 0
+
+    async def trajectory(row: dict | None, resume: Trajectory | None) -> Trajectory:
+        result = resume
+        while result is None or (result.unfinished and not stop.is_set()):
+            # Another client of a shared server may pause it: resume at once unless this batch is full.
+            row = row or {}
+            result = await run_trajectory(
+                engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
+                sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
+                resume=result, stop=stop,
+            )
+        return result
+
+    async def group(members: list) -> list[Trajectory]:
+        nonlocal finished_count
+        results = list(await asyncio.gather(*members))
+        if not any(t.unfinished for t in results):
+            finished_count += 1
+            if finished_count >= n_needed:
+                done_groups.set()
+        return results
+
+    tasks = [asyncio.create_task(group([trajectory(None, t) if t.unfinished else _ready(t) for t in g])) for g in carried]
+    tasks += [asyncio.create_task(group([trajectory(row, None) for _ in range(responses_per_prompt)])) for row in prompts]
+    all_done = asyncio.ensure_future(_gather_or_cancel(tasks))
+    enough = asyncio.create_task(done_groups.wait())
+    await asyncio.wait([all_done, enough], return_when=asyncio.FIRST_COMPLETED)
+    enough.cancel()
+    if not all_done.done():
+        stop.set()
+        # Pause until every in-flight request has come back aborted (a request may reach an HTTP
+        # server just after a pause; the stop flag keeps new ones from being sent).
+        while not all_done.done():
+            await engine.pause_generation("abort")
+            await asyncio.wait([all_done], timeout=1.0)
+        await engine.continue_generation()
+    await all_done  # raises the first error of any trajectory
+    groups = [task.result() for task in tasks]
+    finished = [g for g in groups if not any(t.unfinished for t in g)]
+    return finished, [g for g in groups if any(t.unfinished for t in g)]
+
+
+async def _ready(trajectory: Trajectory) -> Trajectory:
+    return trajectory
 
 
 def filter_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
@@ -208,6 +283,44 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 
 
 # ---- one trajectory ----
+
+
+async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, prompt_ids: list[int] | None,
+                 max_total_tokens: int | None, env_timeout: float | None) -> Trajectory:
+    """A new trajectory holding just its prompt (from the row, or from the environment's `reset`)."""
+    if state is None:
+        state = await _reset(env, extra_info, env_timeout)
+    state = render_state(state, tokenizer)
+    ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
+    if not _fits(len(ids), max_total_tokens):
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
+            f"{max_total_tokens}; raise it or shorten the prompts"
+        )
+    trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info)
+    trajectory.start_sequence(state, ids)
+    return trajectory
+
+
+async def _next_action(engine: EngineClient, tokenizer, trajectory: Trajectory, sampling_params: dict,
+                       max_total_tokens: int | None) -> Turn:
+    """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
+    room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
+    if not trajectory.unfinished:
+        turn = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        trajectory.add_turn(turn)
+        return turn
+    partial = trajectory.turns[-1]
+    params = dict(sampling_params)
+    requested = params.get("max_new_tokens")
+    params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(partial.action_ids)
+    if params["max_new_tokens"] < 1 or (room is not None and room < 1):  # it was cut at its very last token
+        partial.finish_reason = "length"
+        return partial
+    # current_ids already end with the partial action, so the engine samples on after it.
+    rest = await _act(engine, tokenizer, trajectory.current_ids, params, room)
+    trajectory.extend_last_action(rest, tokenizer.decode(partial.action_ids + rest.action_ids, skip_special_tokens=True))
+    return partial
 
 
 async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:

@@ -9,7 +9,7 @@ trainer would then compute log-probabilities, ratios and KL for tokens the polic
 environment's text is tokenised here, and it is masked out of the loss.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -62,12 +62,28 @@ class Trajectory:
         sequences: the sequences, in order; the turns of all of them form the trajectory.
         stop_reason: "done", "max_turns", "budget" (token budget), "fault" or "abort".
         fault: why the environment failed (exception, timeout, malformed result), or None.
+        state: the environment's current state text, kept for resuming an aborted trajectory.
+        env_info: the `extra_info` the environment returned last (what its next `step` gets).
     """
 
     extra_info: dict
     sequences: list[TokenSequence] = field(default_factory=list)
     stop_reason: str = ""
     fault: str | None = None
+    state: str = ""
+    env_info: dict | None = None
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trajectory":
+        sequences = [
+            TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
+            for seq in data["sequences"]
+        ]
+        return cls(**(data | {"sequences": sequences}))
 
     # ---- building ----
 
@@ -81,6 +97,18 @@ class Trajectory:
         """Append the environment's observation to the current sequence, after the last action."""
         last = self.sequences[-1].turns[-1]
         last.env_text, last.env_ids = env_text, list(env_ids)
+
+    def extend_last_action(self, turn: "Turn", text: str) -> None:
+        """Append the rest of an aborted action (sampled after a pause) to the last turn."""
+        last = self.sequences[-1].turns[-1]
+        last.action_ids += turn.action_ids
+        last.action_logps += turn.action_logps
+        last.action_text, last.finish_reason = text, turn.finish_reason
+
+    @property
+    def unfinished(self) -> bool:
+        """Stopped by an engine pause in the middle of an action (partial rollout carries it on)."""
+        return self.stop_reason == "abort"
 
     def fail(self, fault: str) -> None:
         """End on an environment fault: every reward and score becomes 0."""
