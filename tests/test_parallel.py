@@ -79,8 +79,9 @@ def run_layouts(tmp_path, nproc: int, specs: list[str]) -> dict:
 
 
 def test_two_rank_layouts_equal_one_process(tiny_model_path, tmp_path):
-    """dp=2 (fsdp), tp=2 and cp=2 on the tied-embedding Llama; cp=2 trains a sequence longer than one rank's budget."""
-    specs = [f"{tiny_model_path}@tp=1", f"{tiny_model_path}@tp=2", f"{tiny_model_path}@cp=2"]
+    """dp=2 (fsdp), tp=2 and cp=2 on the tied-embedding Llama; cp=2 trains a sequence longer than one rank's
+    budget, recomputing activations in backward (the K/V all-gathers run again)."""
+    specs = [f"{tiny_model_path}@tp=1", f"{tiny_model_path}@tp=2", f"{tiny_model_path}@cp=2,ac=1"]
     results = run_layouts(tmp_path, 2, specs)
     ref = reference(tiny_model_path)
     for spec in specs:
@@ -99,11 +100,13 @@ def test_hybrid_sharding_and_tp_with_cp_four_ranks(tiny_model_path, qwen_paths, 
 
 @pytest.mark.slow
 def test_data_and_tensor_parallel_four_ranks(tiny_model_path, qwen_paths, tmp_path):
-    """dp=2 x tp=2 on Qwen2 (q/k/v biases) and Qwen3, and tp=2 x cp=2 on the tied Llama."""
-    specs = [f"{qwen_paths['qwen2']}@tp=2", f"{qwen_paths['qwen3']}@tp=2", f"{tiny_model_path}@tp=2,cp=2"]
+    """dp=2 x tp=2 on Qwen2 (q/k/v biases) and Qwen3, tp=2 x cp=2 on the tied Llama, and ddp=2 x tp=2."""
+    specs = [f"{qwen_paths['qwen2']}@tp=2", f"{qwen_paths['qwen3']}@tp=2", f"{tiny_model_path}@tp=2,cp=2",
+             f"{tiny_model_path}@ddp=2,tp=2"]
     results = run_layouts(tmp_path, 4, specs)
-    for spec, path in zip(specs, (qwen_paths["qwen2"], qwen_paths["qwen3"], tiny_model_path)):
-        assert results[spec]["fsdp"] == (2 if "cp" not in spec else 1)
+    for spec, path, fsdp in zip(specs, (qwen_paths["qwen2"], qwen_paths["qwen3"], tiny_model_path, tiny_model_path),
+                                (2, 2, 1, 1)):
+        assert results[spec]["fsdp"] == fsdp
         assert_equal_to_reference(results[spec], reference(path))
 
 

@@ -1,6 +1,6 @@
 """One training step of a tiny model under several parallel layouts, in one torchrun launch.
 
-    torchrun --nproc_per_node=N tests/scripts/parallel_equivalence.py OUT.pt MODEL@tp=2,cp=1,ddp=1 ...
+    torchrun --nproc_per_node=N tests/scripts/parallel_equivalence.py OUT.pt MODEL@tp=2,cp=1,ddp=1,ac=0 ...
 
 For each layout: pack the fixed examples of `examples()`, compute per-token log-probs and entropies,
 backward an SFT loss plus an entropy bonus (token average over the global batch), record the full
@@ -51,9 +51,11 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
     path, degrees = spec.split("@")
     degrees = {k: int(v) for k, v in (item.split("=") for item in degrees.split(","))}
     tp, cp, ddp = degrees.get("tp", 1), degrees.get("cp", 1), degrees.get("ddp", 1)
+    checkpointing = bool(degrees.get("ac", 0))  # ac=1: recompute activations in backward
     dims = ParallelDims(dist.get_world_size(), tp=tp, cp=cp, ddp=ddp, device_type=device.type)
     dims.build_mesh()
     cfg = model_config(path, tp, cp, ddp)
+    cfg.enable_gradient_checkpointing = checkpointing
     worker = FSDPWorker(cfg, dims, device, total_steps=10)
     batch = examples()
     micro = pack_examples(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, "token",

@@ -1,0 +1,119 @@
+"""Memory per rank under FSDP and tensor parallelism, and context-parallel throughput on long sequences.
+
+    python benchmarks/bench_parallel_memory.py [--mem-seq-len 64] [--cp-seq-len 1024] [--steps 1]
+
+Memory: the embedded model (135 M parameters, float32 master weights) at 1, 2 and 4 ranks of FSDP and
+at tp=3 (its 9 query and 3 key/value heads split 3 ways, not 2): bytes each rank holds of parameters, gradients and AdamW state (its shards, counted from the
+tensors after one training step), and its peak resident memory.
+Throughput: one sequence of `--cp-seq-len` tokens trained on 1 rank (cp=1) and split over 2 ranks
+(cp=2): seconds per step, tokens/s and peak resident memory per rank. On this 2-core CPU the ranks
+share the cores (threads per rank = cores / ranks), so cp=2 shows the memory split more than a speed-up.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of the given (possibly distributed) tensors."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def worker(args) -> None:
+    """Runs under torchrun: one layout, `args.steps` training steps on synthetic tokens."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from RL2.config.schema import ModelConfig
+    from RL2.datasets.packing import pack_examples
+    from RL2.models.logps import packed_logps
+    from RL2.parallel import ParallelDims, init_distributed, pick_device
+    from RL2.workers.fsdp import FSDPWorker
+
+    device = pick_device("cpu")
+    init_distributed(device)
+    seq_parallel = args.tp * args.cp
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "dtype": "float32", "tp_size": args.tp, "cp_size": args.cp,
+        "max_length_per_device": -(-args.seq_len // seq_parallel)})
+    dims = ParallelDims.from_config(cfg, device)
+    dims.build_mesh()
+    model = FSDPWorker(cfg, dims, device, total_steps=100)
+    generator = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 49152, (args.seq_len + 1,), generator=generator).tolist(),
+                 "loss_mask": [1] * (args.seq_len + 1)} for _ in range(args.seqs)]
+    micro = pack_examples(examples, dims.dp_rank, dims.dp, cfg.max_length_per_device, seq_parallel=seq_parallel)
+    times, grad_bytes = [], 0
+    for _ in range(args.steps + 1):  # the first step warms up
+        dist.barrier()
+        began = time.perf_counter()
+        for mb in micro:
+            (-(packed_logps(model.model, mb) * mb.loss_weights).sum() * dims.grad_divide_factor).backward()
+        grad_bytes = local_bytes(p.grad for p in model.model.parameters() if p.grad is not None)
+        model.optimizer_step()
+        dist.barrier()
+        times.append(time.perf_counter() - began)
+    state = [v for s in model.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    figures = torch.tensor([local_bytes(model.model.parameters()), grad_bytes, local_bytes(state),
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the most loaded rank
+    step_s = sorted(times[1:])[len(times[1:]) // 2]
+    if dist.get_rank() == 0:
+        mb = [x / 2**20 for x in figures.tolist()]
+        print(json.dumps({"params_mb": mb[0], "grads_mb": mb[1], "optim_mb": mb[2], "peak_rss_mb": mb[3],
+                          "step_s": step_s, "tokens_per_s": args.seqs * args.seq_len / step_s}))
+    dist.destroy_process_group()
+
+
+def run(nproc: int, tp: int, cp: int, seq_len: int, seqs: int, steps: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+           "--worker", f"--tp={tp}", f"--cp={cp}", f"--seq-len={seq_len}", f"--seqs={seqs}", f"--steps={steps}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--seqs", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--mem-seq-len", type=int, default=64, help="tokens per sequence of the memory runs (4 sequences)")
+    parser.add_argument("--cp-seq-len", type=int, default=1024, help="tokens of the one long sequence of the cp runs")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print("| layout | ranks | params MB/rank | grads MB/rank | AdamW state MB/rank | peak RSS MB/rank |")
+    print("|---|---|---|---|---|---|")
+    for name, nproc, tp in (("fsdp=1", 1, 1), ("fsdp=2", 2, 1), ("fsdp=4", 4, 1), ("tp=3", 3, 3)):
+        r = run(nproc, tp, 1, args.mem_seq_len, 4, args.steps)
+        print(f"| {name} | {nproc} | {r['params_mb']:.0f} | {r['grads_mb']:.0f} | {r['optim_mb']:.0f} | "
+              f"{r['peak_rss_mb']:.0f} |", flush=True)
+    print()
+    print(f"| context parallel, 1 sequence of {args.cp_seq_len} tokens | ranks | s/step | tokens/s | peak RSS MB/rank |")
+    print("|---|---|---|---|---|")
+    for cp in (1, 2):
+        r = run(cp, 1, cp, args.cp_seq_len, 1, args.steps)
+        print(f"| cp={cp} | {cp} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
