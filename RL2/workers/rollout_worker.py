@@ -19,7 +19,7 @@ from RL2.models.embedded import resolve_model_path
 from RL2.rollout.client import EngineError
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rollout.env import load_env
-from RL2.rollout.rollout import rollout_batch
+from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
 from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
 from RL2.rollout.trajectory import Trajectory
 from RL2.workers.fsdp import compute_dtype
@@ -76,32 +76,62 @@ class RolloutWorker:
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
-        params = dict(sampling_params)
+        groups = self._on_this_rank(seed, lambda: rollout_batch(
+            self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt,
+            dict(sampling_params), self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+        ) if mine else _nothing([]))
+        ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
+        return [group for _, group in ordered]
+
+    def partial_rollout(
+        self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int,
+    ) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+        """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
+        `prompts`, stopping once it has finished as many groups as it got new prompts.
+
+        Returns:
+            (finished, unfinished) groups of every rank, the same on every rank.
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        my_carried, my_prompts = carried[rank::world], prompts[rank::world]
+        n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
+        finished, unfinished = self._on_this_rank(seed, lambda: partial_rollout_batch(
+            self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
+            dict(sampling_params), self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+        ) if n_needed else _nothing(([], [])))
+        parts = self._gather((finished, unfinished))
+        return [g for part, _ in parts for g in part], [g for _, part in parts for g in part]
+
+    def _on_this_rank(self, seed: int, make_coroutine):
+        """Run one rollout coroutine on this rank's engine, seeded; engine errors are raised on every rank."""
         if self.sglang:
             self.engine.resume_memory()
         # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
         devices = [self.device] if self.device.type == "cuda" else []
-        groups, error = [], None
+        result, error = None, None
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             try:
-                groups = asyncio.run(rollout_batch(
-                    self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt, params,
-                    self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
-                )) if mine else []
+                result = asyncio.run(make_coroutine())
             except EngineError as e:  # reported on every rank below, rather than leaving the others waiting
-                error = f"rank {rank}: {e}"
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (error, list(zip(mine, groups))))
-        errors = [part_error for part_error, _ in gathered if part_error]
+                error = f"rank {dist.get_rank()}: {e}"
+        errors = [e for e in self._gather(error) if e]
         if errors:
             raise EngineError("the rollout engine failed:\n" + "\n".join(errors))
         if self.sglang:
             self.engine.release_memory()  # GPU servers give their memory to training until the next sync
-        ordered = sorted((pair for _, part in gathered for pair in part), key=lambda pair: pair[0])
-        return [group for _, group in ordered]
+        return result
+
+    def _gather(self, obj) -> list:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     @torch.no_grad()
     def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
         """Copy the actor's current weights into the engine, parameter by parameter. Collective."""
         self.engine.update_weights(full_tensors(fsdp_model, self.dtype), weight_version=version)
+
+
+async def _nothing(value):
+    return value
