@@ -20,12 +20,14 @@ setup(
         # Loading the embedded model's GGUF file.
         "gguf",
         "accelerate",
+        # The learning-curve PNG of RL runs.
+        "matplotlib",
     ],
     extras_require={
         "gpu": ["sglang", "flash-attn", "ring-flash-attn", "liger-kernel"],
         "gem": ["gem-llm"],
         "math": ["math-verify"],
         # The test run covers the GEM adapter and math-verify answers too.
-        "test": ["pytest", "matplotlib", "gem-llm", "math-verify"],
+        "test": ["pytest", "gem-llm", "math-verify"],
     },
 )

@@ -77,7 +77,9 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
     metrics = read_metrics(grpo_run)
     step = next(m for m in metrics if m["step"] == 1)
     for key in ("actor/loss", "actor/clip_frac_low", "actor/clip_frac_high", "actor/approx_kl", "actor/entropy",
-                "actor/grad_norm", "adv/mean", "adv/std", "perf/rollout_s", "perf/update_s", "perf/sync_s"):
+                "actor/grad_norm", "adv/mean", "adv/std", "perf/rollout_s", "perf/actor_update_s", "perf/sync_s",
+                "perf/rollout_tokens_per_s", "perf/actor_update_tokens_per_s", "perf/step_s", "rollout/clip_ratio",
+                "rollout/response_length", "actor/engine_kl"):
         assert key in step, key
     # The trainer recomputes the engine's log-probabilities of the sampled tokens (both float32): at
     # every step, so the weights synced into the engines after each update are the actor's.
@@ -85,6 +87,7 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
     tests = [m for m in metrics if "test/emit/score" in m]
     assert [m["step"] for m in tests] == [0, 4, 8]  # before training, at test_freq and at the end
     assert tests[-1]["test/emit/score"] >= tests[0]["test/emit/score"]
+    assert (grpo_run / "learning_curve.png").stat().st_size > 0
 
 
 def test_resume_equals_uninterrupted(grpo_run, repeat_model, rl_data, tmp_path):
@@ -208,3 +211,85 @@ def test_reward_model_and_teacher_run_in_a_step(tiny_model_path, rl_data, tmp_pa
     assert report["packed"] == pytest.approx(report["direct"], abs=1e-4)
     assert len(set(round(x, 4) for x in report["direct"])) == 3
     assert {"rollout/reward_model_score", "actor/teacher_kl"} <= set(report["metrics"])
+
+
+def test_monte_carlo_returns_per_turn():
+    """adv.estimator=mc: every action token of turn k gets sum_j gamma^j r_{k+j} (hand-computed)."""
+    from omegaconf import OmegaConf
+
+    from RL2.trainer.ppo import add_advantages
+
+    kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
+    adv = OmegaConf.create({"estimator": "mc", "gamma": 0.5, "truncation": None, "global_norm": False})
+
+    def two_turns():
+        return [{"input_ids": list(range(6)), "loss_mask": [0, 1, 1, 0, 1, 1], "turn_ids": [-1, 0, 0, -1, 1, 1],
+                 "turn_rewards": [1.0, 2.0], "reward": 3.0, "group": 0},
+                {"input_ids": list(range(3)), "loss_mask": [0, 1, 1], "turn_ids": [-1, 0, 0],
+                 "turn_rewards": [4.0], "reward": 4.0, "group": 0}]
+
+    examples = two_turns()
+    add_advantages(examples, adv, kl)
+    assert examples[0]["advantages"] == pytest.approx([0, 2, 2, 0, 2, 2])  # 1 + 0.5 * 2 = 2, then 2
+    assert examples[1]["advantages"] == pytest.approx([0, 4, 4])
+    examples = two_turns()
+    add_advantages(examples, OmegaConf.merge(adv, {"truncation": 1}), kl)
+    assert examples[0]["advantages"] == pytest.approx([0, 1, 1, 0, 2, 2])
+
+
+def test_overlong_and_length_shaping():
+    from omegaconf import OmegaConf
+
+    from RL2.trainer.ppo import shape_rewards
+
+    cfg = OmegaConf.create({"train_sampling_params": {"max_new_tokens": 8}, "overlong_buffer_len": 4,
+                            "overlong_penalty_factor": 1.0, "length_penalty_coef": 0.8})
+    examples = [{"response_length": n, "reward": 1.0, "turn_rewards": [0.0, 1.0]} for n in (3, 6, 8)]
+    metrics = shape_rewards(examples, cfg)
+    # Overlong: no penalty up to 8 - 4 = 4 tokens, then -(n - 4) / 4; length: -0.8 * n / 8.
+    expected = [1.0 + 0.0 - 0.3, 1.0 - 0.5 - 0.6, 1.0 - 1.0 - 0.8]
+    assert [ex["reward"] for ex in examples] == pytest.approx(expected)
+    assert [ex["turn_rewards"][-1] for ex in examples] == pytest.approx(expected)
+    assert metrics["rollout/overlong_penalty"] == pytest.approx(-0.5)
+
+
+def test_reference_reset_copies_the_actor(repeat_model, rl_data, tmp_path):
+    """With a reset after every step, the reference of step 2 is the actor that sampled it: KL ~ 0.
+    Without the reset it is the initial model, which the actor has left by then."""
+    kl = ["actor.kl.coef=0.01", "actor.kl.estimator=k1", "trainer.total_steps=2"]
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path / "reset", *kl, "actor.kl.reset_every=1"))
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path / "plain", *kl))
+    reset, plain = read_metrics(tmp_path / "reset"), read_metrics(tmp_path / "plain")
+    assert [m["actor/ref_reset"] for m in reset] == [1.0, 1.0]
+    assert abs(reset[1]["actor/ref_kl"]) < 1e-4 and abs(plain[1]["actor/ref_kl"]) > 1e-3
+    assert not (tmp_path / "reset" / "final" / "ref").exists()
+
+
+def test_eval_only_evaluates_and_stops(repeat_model, rl_data, tmp_path):
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "trainer.eval_only=true"))
+    [metrics] = read_metrics(tmp_path)
+    assert metrics["step"] == 0 and "test/emit/score" in metrics and "rollout/reward" not in metrics
+    assert not (tmp_path / "final").exists()
+
+
+def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_data, tmp_path):
+    """Partial rollout carries unfinished groups across steps and dynamic filtering draws extra prompts;
+    both are rollout state that a checkpoint keeps: a resumed run ends where an uninterrupted one does."""
+    args = ["rollout.partial_rollout=true", "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=2",
+            "rollout.max_running_requests=4", "rollout.train_sampling_params.max_new_tokens=6",
+            "trainer.total_steps=4", "trainer.save_freq=2", "rollout.save_samples=true"]
+    straight = tmp_path / "straight"
+    run_ranks(2, ppo_args(repeat_model, rl_data, straight, *args))
+    metrics = read_metrics(straight)
+    assert any(m["rollout/carried_groups"] > 0 for m in metrics), "some groups should be cut by the pause"
+    for m in metrics:
+        assert m["rollout/kept_groups"] <= 4 and (m["rollout/kept_groups"] == 4 or m["rollout/sampling_rounds"] == 2)
+    state = json.loads((straight / "step2" / "trainer_state.json").read_text())
+    assert state["cursor"] == sum(m["rollout/sampling_rounds"] for m in metrics[:2])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "step2", resumed / "step2")
+    run_ranks(2, ppo_args(repeat_model, rl_data, resumed, *args, "trainer.load_ckpt_from=latest"))
+    assert rewards(resumed) == rewards(straight)
+    expected = load_file(f"{straight}/final/actor/model.safetensors")
+    for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
+        torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)

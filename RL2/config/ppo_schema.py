@@ -32,17 +32,17 @@ class RolloutConfig:
     max_turns: int = opt(1, "the most actions of one trajectory")
     max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations)")
     env_timeout: float | None = opt(None, "seconds one environment step may take before the trajectory fails")
-    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal (DAPO's dynamic sampling)")
+    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO's dynamic sampling)")
+    max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step may use to fill its batch")
+    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the unfinished ones carry on in the next step")
+    overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before max_new_tokens (None: off)")
+    overlong_penalty_factor: float = opt(1.0, "the overlong penalty at max_new_tokens, in units of reward")
+    length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens from the reward")
     max_running_requests: int = opt(64, "requests the embedded engine decodes together on one rank")
     train_sampling_params: SamplingConfig = opt(SamplingConfig, "sampling of training rollouts")
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
     reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
-
-
-@dataclass
-class KLConfig:
-    coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
     engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded")
     server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
     server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
@@ -53,8 +53,16 @@ class KLConfig:
     weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC) | disk (HF folder) | none | auto: tensor for launched CUDA servers with sglang in the trainer's env, else disk")
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
     weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
+
+
+@dataclass
+class KLConfig:
+    coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
     type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)")
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
+    reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
+    reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
+    reset_alpha: float = opt(1.0, "a reset sets reference = alpha * actor + (1 - alpha) * reference (1: copy)")
 
 
 @dataclass
@@ -91,11 +99,12 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw")
+    estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)")
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus)")
     lamda: float = opt(1.0, "GAE lambda")
     norm_var: bool = opt(True, "reinforce: divide by the group std (GRPO); false is Dr. GRPO")
-    global_norm: bool = opt(False, "reinforce: divide the advantages by their std over the batch")
+    global_norm: bool = opt(False, "reinforce, mc: divide the advantages by their std over the batch")
+    truncation: int | None = opt(None, "mc: turns summed into each return (None: to the end of the trajectory)")
 
 
 @dataclass
@@ -112,7 +121,7 @@ class PPOConfig:
 PPO_CHOICES = {
     "actor.kl.type": ("loss", "reward"),
     "actor.kl.estimator": ("k1", "k2", "k3"),
-    "adv.estimator": ("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw"),
+    "adv.estimator": ("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw", "mc"),
     "rollout.engine": ("auto", "embedded", "sglang"),
     "rollout.weight_sync": ("auto", "tensor", "disk", "none"),
 }
@@ -129,6 +138,19 @@ def check_ppo_choices(cfg) -> None:
             raise ConfigError(f"config key '{key}' is {value!r}; choose one of {', '.join(choices)}")
     if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1:
         raise ConfigError("rollout.responses_per_prompt and actor.update_per_rollout must be at least 1")
+    kl, rollout = cfg.actor.kl, cfg.rollout
+    if (kl.reset_every or kl.reset_target is not None) and kl.coef <= 0:
+        raise ConfigError("actor.kl.reset_every / actor.kl.reset_target reset the reference, which exists only "
+                          "with actor.kl.coef > 0; set it or drop the reset")
+    if not 0 < kl.reset_alpha <= 1:
+        raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
+    if cfg.adv.estimator == "mc" and kl.coef > 0 and kl.type == "reward":
+        raise ConfigError("adv.estimator=mc sums the environment's turn rewards only; use actor.kl.type=loss with it")
+    if rollout.overlong_buffer_len is not None and not 0 < rollout.overlong_buffer_len <= rollout.train_sampling_params.max_new_tokens:
+        raise ConfigError(f"rollout.overlong_buffer_len={rollout.overlong_buffer_len} must be in (0, "
+                          f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
+    if rollout.max_sampling_rounds < 1:
+        raise ConfigError("rollout.max_sampling_rounds must be at least 1")
     if cfg.adv.estimator in ("reinforce", "rloo") and cfg.rollout.responses_per_prompt < 2:
         raise ConfigError(
             f"adv.estimator={cfg.adv.estimator} compares responses to the same prompt; "

@@ -84,6 +84,7 @@ class TrainerConfig:
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
     seed: int = opt(42, "seed for data order, initialisation and sampling")
     test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end)")
+    eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")
     device: str = opt("auto", "auto | cpu | cuda")
 
 

@@ -165,12 +165,14 @@ class Trajectory:
         Per token (same length as `input_ids`): `loss_mask` 1 exactly on sampled tokens,
         `engine_logps` the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn
         index of each sampled token in the whole trajectory (-1 elsewhere). Per trajectory:
-        `reward`, `score`, `n_turns`, `turn_rewards` (one per turn, for multi-turn returns).
+        `reward`, `score`, `n_turns`, `response_length` (sampled tokens of the whole trajectory),
+        `turn_rewards` (one per turn, for multi-turn returns).
         """
         per_trajectory = {
             "reward": self.reward,
             "score": self.score,
             "n_turns": self.n_turns,
+            "response_length": self.response_length,
             "turn_rewards": [turn.reward for turn in self.turns],
         }
         examples, turn_index = [], 0

@@ -84,6 +84,14 @@ class Trainer:
         """The loop: train, log, evaluate, save; then export the final models."""
         trainer = self.cfg.trainer
         start = self.resume()
+        if trainer.eval_only:
+            metrics = self.evaluate()
+            if not metrics:
+                log_rank0("trainer.eval_only: nothing to evaluate; give a test split (data.test.path)")
+            self.sink.log(metrics, start)
+            log_rank0(f"evaluation at step {start}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+            self.sink.close()
+            return
         if trainer.test_freq and start == 0:
             self.sink.log(self.evaluate(), 0)  # the "before" figure
         progress = tqdm(range(start + 1, n_steps + 1), initial=start, total=n_steps, disable=not is_rank0())

@@ -15,15 +15,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from RL2.algs.advantages import compute_advantages, expand_to_tokens, outcome_to_token_rewards
+from RL2.algs.advantages import (
+    broadcast_turns_to_tokens,
+    compute_advantages,
+    expand_to_tokens,
+    masked_whiten,
+    outcome_to_token_rewards,
+)
 from RL2.algs.kl import compute_kl
+from RL2.algs.reward_shaping import length_penalty, overlong_penalty
 from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.datasets.tokenize import BadRow, prompt_messages, require_text
 from RL2.rollout.rollout import filter_groups, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.base import Trainer, launch
-from RL2.utils.logging import is_rank0
+from RL2.utils.logging import is_rank0, log_rank0
+from RL2.utils.plot import plot_learning_curve
 from RL2.models.logps import forward_packed
 from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
@@ -39,6 +47,10 @@ class PPOTrainer(Trainer):
         self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer), cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        # Rollout state that a resume restores: prompt batches drawn so far (dynamic filtering may
+        # draw several per step) and the groups a partial rollout left unfinished.
+        self.cursor = 0
+        self.carried: list[list[Trajectory]] = []
         self._build_workers()
 
     def _build_workers(self) -> None:
@@ -59,7 +71,20 @@ class PPOTrainer(Trainer):
         return self.n_steps * per_rollout
 
     def workers(self) -> dict:
-        return {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
+        workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
+        if self.ref and self.resets_reference():  # no longer the initial weights: checkpoint it
+            workers["ref"] = self.ref.worker
+        return workers
+
+    def save_final(self) -> None:
+        for name, worker in self.workers().items():
+            if name != "ref":
+                worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
+        if is_rank0():
+            plot_learning_curve(self.cfg.trainer.save_dir)
+
+    def trainer_state(self) -> dict:
+        return {"cursor": self.cursor, "carried": [[t.to_dict() for t in group] for group in self.carried]}
 
     def train(self) -> None:
         self.run(self.n_steps)
@@ -67,35 +92,96 @@ class PPOTrainer(Trainer):
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
         with timed(metrics, "perf/rollout_s"):
-            prompts = [self.train_data[i] for i in self.sampler.batch(step - 1)]
-            groups = self.rollout.rollout(prompts, cfg.rollout.train_sampling_params, cfg.rollout.responses_per_prompt,
-                                          rollout_seed(cfg.trainer.seed, step, dist.get_rank()))
-        metrics |= rollout_metrics(groups)
+            groups, rolled_out = self.collect_groups(step, metrics)
+        metrics |= rollout_metrics(rolled_out)
+        metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
         if cfg.rollout.save_samples and is_rank0():
-            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", groups, step)
-        if cfg.rollout.dynamic_filtering:
-            groups = filter_groups(groups)
-            metrics["rollout/kept_groups"] = len(groups)
-        with timed(metrics, "perf/update_s"):
-            if groups:  # dynamic filtering may leave nothing to learn from
-                examples = to_examples(groups)
-                if self.reward_model:
-                    metrics |= add_reward_model_scores(examples, self.reward_model_scores(examples))
-                if self.teacher:
-                    set_per_token(examples, "teacher_logps", self.teacher.logps(examples))
-                if self.ref:
-                    set_per_token(examples, "ref_logps", self.ref.logps(examples))
-                if self.critic:
-                    set_per_token(examples, "values", self.critic.values(examples))
-                if self.needs_old_logps():
-                    set_per_token(examples, "old_logps", self.actor.logps(examples))
-                metrics |= add_advantages(examples, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
-                metrics |= self.actor.update(examples, len(groups))
-                if self.critic:
-                    metrics |= self.critic.update(examples, len(groups))
+            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
+        if groups:  # dynamic filtering may leave nothing to learn from
+            metrics |= self.learn(to_examples(groups), len(groups))
         with timed(metrics, "perf/sync_s"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
+        if self.ref and self.resets_reference():
+            metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl")))
         return metrics
+
+    def learn(self, examples: list[dict], n_groups: int) -> dict[str, float]:
+        """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates."""
+        cfg, metrics = self.cfg, {}
+        metrics |= shape_rewards(examples, cfg.rollout)
+        if self.reward_model:
+            with timed(metrics, "perf/reward_model_s"):
+                metrics |= add_reward_model_scores(examples, self.reward_model_scores(examples))
+        if self.teacher:
+            with timed(metrics, "perf/teacher_s"):
+                set_per_token(examples, "teacher_logps", self.teacher.logps(examples))
+        if self.ref:
+            with timed(metrics, "perf/ref_s"):
+                set_per_token(examples, "ref_logps", self.ref.logps(examples))
+        if self.critic:
+            with timed(metrics, "perf/values_s"):
+                set_per_token(examples, "values", self.critic.values(examples))
+        if self.needs_old_logps():
+            with timed(metrics, "perf/old_logps_s"):
+                set_per_token(examples, "old_logps", self.actor.logps(examples))
+        metrics |= add_advantages(examples, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
+        n_tokens = sum(len(ex["input_ids"]) for ex in examples)
+        with timed(metrics, "perf/actor_update_s"):
+            metrics |= self.actor.update(examples, n_groups)
+        metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
+        if self.critic:
+            with timed(metrics, "perf/critic_update_s"):
+                metrics |= self.critic.update(examples, n_groups)
+        return metrics
+
+    def collect_groups(self, step: int, metrics: dict) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+        """The step's training groups, and every group rolled out for it (for metrics and samples).
+
+        Draws `data.train.batch_size` prompts at a time. With dynamic filtering, groups whose rewards
+        are all equal are dropped and more prompts are drawn until the batch is full again or
+        `rollout.max_sampling_rounds` is reached (DAPO); with partial rollout, the groups left
+        unfinished are carried into the next step.
+        """
+        rollout, batch_size = self.cfg.rollout, self.cfg.data.train.batch_size
+        kept, rolled_out, rounds = [], [], 0
+        while len(kept) < batch_size and rounds < (rollout.max_sampling_rounds if rollout.dynamic_filtering else 1):
+            prompts = [self.train_data[i] for i in self.sampler.batch(self.cursor)]
+            seed = rollout_seed(self.cfg.trainer.seed, self.cursor + 1, dist.get_rank())
+            self.cursor += 1
+            rounds += 1
+            params, n = rollout.train_sampling_params, rollout.responses_per_prompt
+            if rollout.partial_rollout:
+                groups, self.carried = self.rollout.partial_rollout(self.carried, prompts, params, n, seed)
+            else:
+                groups = self.rollout.rollout(prompts, params, n, seed)
+            rolled_out += groups
+            kept += filter_groups(groups) if rollout.dynamic_filtering else groups
+        if rollout.partial_rollout:  # finished beyond the batch: keep them for the next step
+            self.carried = kept[batch_size:] + self.carried
+            metrics["rollout/carried_groups"] = len(self.carried)
+        if rollout.dynamic_filtering:
+            metrics |= {"rollout/kept_groups": min(len(kept), batch_size), "rollout/sampling_rounds": rounds}
+        return kept[:batch_size], rolled_out
+
+    def resets_reference(self) -> bool:
+        kl = self.cfg.actor.kl
+        return bool(kl.reset_every or kl.reset_target is not None)
+
+    @torch.no_grad()
+    def maybe_reset_reference(self, step: int, ref_kl: float | None) -> bool:
+        """ProRL's reference reset (arXiv 2505.24864): every `reset_every` steps or once the KL to the
+        reference passes `reset_target`, move the reference to the actor: reference = alpha * actor +
+        (1 - alpha) * reference. Both are sharded alike, so each rank mixes its own shards."""
+        kl = self.cfg.actor.kl
+        due = (kl.reset_every and step % kl.reset_every == 0) or (
+            kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target)
+        if not due:
+            return False
+        for ref_param, actor_param in zip(self.ref.model.parameters(), self.actor.model.parameters()):
+            local = getattr(ref_param, "_local_tensor", ref_param)
+            local.lerp_(getattr(actor_param, "_local_tensor", actor_param).to(local.dtype), kl.reset_alpha)
+        log_rank0(f"step {step}: reference reset (alpha={kl.reset_alpha}, KL to it was {ref_kl})")
+        return True
 
     def needs_old_logps(self) -> bool:
         """Old log-probs equal the current ones (detached) when one optimizer step covers the rollout."""
@@ -120,6 +206,8 @@ class PPOTrainer(Trainer):
         return {key.replace("rollout/", "test/", 1): value for key, value in metrics.items()}
 
     def load_trainer_state(self, state: dict) -> None:
+        self.cursor = state.get("cursor", state["step"])
+        self.carried = [[Trajectory.from_dict(t) for t in group] for group in state.get("carried", [])]
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.sync_weights(self.actor.model, f"step{state['step']}")
 
@@ -172,6 +260,34 @@ class RolloutTensors:
     token_rewards: torch.Tensor  # each turn's reward on its last action token, minus the per-token KL
     group_ids: torch.Tensor
     values: torch.Tensor | None
+    turn_rewards: torch.Tensor  # [B, K] each turn's reward (0 on padding turns)
+    turn_mask: torch.Tensor  # [B, K] 1.0 on real turns
+    turn_ids: torch.Tensor  # [B, T] the turn of each action token, -1 elsewhere
+
+
+def sum_lengths(groups: list[list[Trajectory]]) -> int:
+    return sum(t.response_length for group in groups for t in group)
+
+
+def shape_rewards(examples: list[dict], rollout_cfg) -> dict[str, float]:
+    """Add DAPO's overlong penalty and the length penalty (when on) to each example's reward and to
+    its last turn's reward; both read the trajectory's sampled tokens against `max_new_tokens`."""
+    budget = rollout_cfg.train_sampling_params.max_new_tokens
+    lengths = torch.tensor([ex["response_length"] for ex in examples])
+    shaping, metrics = torch.zeros(len(examples)), {}
+    if rollout_cfg.overlong_buffer_len:
+        penalty = overlong_penalty(lengths, budget, rollout_cfg.overlong_buffer_len, rollout_cfg.overlong_penalty_factor)
+        shaping += penalty
+        metrics["rollout/overlong_penalty"] = penalty.mean().item()
+    if rollout_cfg.length_penalty_coef:
+        penalty = length_penalty(lengths, rollout_cfg.length_penalty_coef, budget)
+        shaping += penalty
+        metrics["rollout/length_penalty"] = penalty.mean().item()
+    if metrics:
+        for example, extra in zip(examples, shaping.tolist()):
+            example["reward"] += extra
+            example["turn_rewards"][-1] += extra
+    return metrics
 
 
 def add_reward_model_scores(examples: list[dict], scores: list[float]) -> dict[str, float]:
@@ -199,7 +315,29 @@ def rollout_tensors(examples: list[dict], kl_cfg, teacher_coef: float = 0.0) -> 
         token_rewards=turn_end_rewards(examples, mask) - kl,
         group_ids=torch.tensor([ex["group"] for ex in examples]),
         values=padded(examples, "values") if "values" in examples[0] else None,
+        **turn_tensors(examples, mask),
     )
+
+
+def turn_tensors(examples: list[dict], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-turn rewards `[B, K]`, their mask and each action token's turn `[B, T]`, for `mc`."""
+    per_turn = [ex.get("turn_rewards", [float(ex["reward"])]) for ex in examples]  # one turn when not recorded
+    n_turns = max(len(rewards) for rewards in per_turn)
+    turn_rewards, turn_mask = torch.zeros(len(examples), n_turns), torch.zeros(len(examples), n_turns)
+    turn_ids = torch.full(mask.shape, -1, dtype=torch.long)
+    for i, (example, rewards) in enumerate(zip(examples, per_turn)):
+        turn_rewards[i, : len(rewards)], turn_mask[i, : len(rewards)] = torch.tensor(rewards, dtype=torch.float32), 1.0
+        ids = example.get("turn_ids") or [-1] + [0 if m else -1 for m in example["loss_mask"][1:]]
+        turn_ids[i, : len(ids) - 1] = torch.tensor(ids[1:])
+    return {"turn_rewards": turn_rewards, "turn_mask": turn_mask, "turn_ids": turn_ids}
+
+
+def monte_carlo_advantages(adv_cfg, t: RolloutTensors) -> torch.Tensor:
+    """`mc`: each action token gets the (truncated, discounted) return from its turn on."""
+    returns = compute_advantages("mc", turn_rewards=t.turn_rewards, turn_mask=t.turn_mask,
+                                 gamma=adv_cfg.gamma, truncation=adv_cfg.truncation)
+    advantages = broadcast_turns_to_tokens(returns, t.turn_ids) * t.mask
+    return masked_whiten(advantages, t.mask) * t.mask if adv_cfg.global_norm else advantages
 
 
 def turn_end_rewards(examples: list[dict], mask: torch.Tensor) -> torch.Tensor:
@@ -227,6 +365,7 @@ ADVANTAGES: dict[str, Callable] = {
     "reinforce_plus_plus": lambda a, t: (compute_advantages(
         "reinforce_plus_plus", rewards=t.token_rewards, mask=t.mask, gamma=a.gamma), None),
     "raw": lambda a, t: (expand_to_tokens(compute_advantages("raw", scores=t.scores), t.mask), None),
+    "mc": lambda a, t: (monte_carlo_advantages(a, t), None),
 }
 
 
@@ -245,6 +384,9 @@ def add_advantages(examples: list[dict], adv_cfg, kl_cfg, teacher_coef: float = 
     if "teacher_logps" in examples[0]:
         reverse_kl = padded(examples, "old_logps") - padded(examples, "teacher_logps")
         metrics["actor/teacher_kl"] = reverse_kl[mask > 0].mean().item()
+    if "ref_logps" in examples[0]:  # the KL to the reference of the policy that sampled (engine log-probs)
+        ref_kl = compute_kl(kl_cfg.estimator, padded(examples, "engine_logps"), padded(examples, "ref_logps"))
+        metrics["actor/ref_kl"] = ref_kl[mask > 0].mean().item()
     return metrics
 
 

@@ -208,10 +208,15 @@ class FSDPWorker(Stateful):
 
     # Stateful: what torch.distributed.checkpoint saves and restores (each rank its shards).
     def state_dict(self) -> dict:
+        if self.optimizer is None:  # a frozen model that still changes (PPO's reference after a reset)
+            return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+            return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
