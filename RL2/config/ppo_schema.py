@@ -17,6 +17,7 @@ class SamplingConfig:
     top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens covering this probability")
     top_k: int = opt(-1, "keep the k most likely tokens (-1: all)")
     max_new_tokens: int = opt(256, "the most tokens of one action")
+    ignore_eos: bool = opt(False, "keep sampling past end-of-sequence tokens (fixed-length benchmarks)")
 
 
 @dataclass

@@ -4,7 +4,10 @@
 
 - `sft_{train,test}.jsonl`: chat `messages` whose assistant turn works the sum out and ends with
   `<answer>N</answer>`;
-- `rl_{train,test}.jsonl`: `prompt` plus `extra_info.answer` for the reward of envs/arithmetic.py;
+- `rl_{train,test}.jsonl`: `prompt` (a system message asking for the answer in tags, then the
+  question) plus `extra_info.answer` for the reward of envs/arithmetic.py. SmolLM2-135M-Instruct
+  rarely follows that format at first and gets about a third of the sums right when it does: RL has
+  both to learn;
 - `dpo_{train,test}.jsonl`: `prompt`, `chosen` (correct, well formatted), `rejected` (wrong answer).
 """
 
@@ -14,6 +17,8 @@ import random
 from pathlib import Path
 
 INSTRUCTION = "Put the final answer in <answer></answer> tags."
+SYSTEM = ("You are a helpful assistant. You answer math questions and always end with the final answer "
+          "in tags, like <answer>56</answer>.")
 
 
 def problem(rng: random.Random) -> tuple[str, int]:
@@ -54,7 +59,8 @@ def main() -> None:
             good = worked_answer(question, answer)
             wrong = answer + rng.choice([-10, -1, 1, 10])
             sft.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": good}]})
-            rl.append({"prompt": question, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}})
+            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            rl.append({"prompt": prompt, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}})
             dpo.append({"prompt": question, "chosen": good, "rejected": worked_answer(question, wrong)})
         write(out / f"sft_{split}.jsonl", sft)
         write(out / f"rl_{split}.jsonl", rl)
