@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from RL2.models.embedded import resolve_model_path
 from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.rollout.sampling import SamplingParams, sample_next_tokens
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [520, 9531], [4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 42, 77], [3365]]
 
@@ -105,6 +106,39 @@ def test_concurrent_requests_match_one_at_a_time(engine):
     assert [len(ids) for ids in together] == [4 + 3 * i for i in range(10)]
 
 
+def test_requests_beyond_capacity_join_the_running_batch_later(engine, model, tokenizer):
+    payloads = [payload(PROMPTS[i % 4] + [200 + i], max_new_tokens=3 + 2 * i) for i in range(8)]
+    alone = [generate(engine, p)[0]["output_ids"] for p in payloads]
+    # 3 rows and a 40-token budget: most requests wait and are prefilled while others decode.
+    small = EmbeddedEngine(model, tokenizer, max_running_requests=3, max_total_tokens=40)
+    try:
+        together = [r["output_ids"] for r in generate(small, *payloads)]
+        with pytest.raises(ValueError, match="max_total_tokens"):
+            generate(small, payload(PROMPTS[0], max_new_tokens=100))
+    finally:
+        small.shutdown()
+    assert together == alone
+
+
+def test_shared_prompt_prefix_is_exact(engine, model):
+    # 20 shared tokens: the engine forwards them once and copies their keys/values to every row.
+    prefix = PROMPTS[0] + PROMPTS[2] + [5356, 5646, 11173]
+    prompts = [prefix + [198, 1, 4093 + i] * (1 + i % 3) for i in range(5)] + [prefix + [7]] * 2
+    results = generate(engine, *(payload(p, max_new_tokens=8) for p in prompts))
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, p, 8) for p in prompts]
+
+
+def test_identical_prompts_in_one_batch_equal_a_lone_request(engine, model):
+    # Forwarded once per distinct prompt, rows copied: the same tokens and log-probabilities.
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    together = generate(engine, *(payload(p) for p in prompts))
+    alone = {tuple(p): generate(engine, payload(p))[0] for p in PROMPTS[:3]}
+    for prompt, result in zip(prompts, together):
+        assert result["output_ids"] == hf_greedy(model, prompt, 12)
+        expected = alone[tuple(prompt)]["meta_info"]["output_token_logprobs"]
+        torch.testing.assert_close(result["meta_info"]["output_token_logprobs"], expected, atol=1e-5, rtol=0)
+
+
 def test_stop_string_trims_text_but_keeps_tokens(engine, tokenizer):
     full = generate(engine, payload(PROMPTS[0], max_new_tokens=20))[0]
     stop = tokenizer.decode(full["output_ids"][6:8])
@@ -132,7 +166,8 @@ def test_stop_token_ids_and_eos(model, tokenizer, engine):
     assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
     assert result["text"] == tokenizer.decode(full[: n - 1], skip_special_tokens=True)
     # min_new_tokens forbids the stop token until enough tokens exist.
-    later = generate(engine, payload(PROMPTS[1], max_new_tokens=20, ignore_eos=False, stop_token_ids=[stop_token], min_new_tokens=n + 1))[0]
+    later = payload(PROMPTS[1], max_new_tokens=20, ignore_eos=False, stop_token_ids=[stop_token], min_new_tokens=n + 1)
+    later = generate(engine, later)[0]
     assert len(later["output_ids"]) > n and stop_token not in later["output_ids"][:n]
 
     # An eos id from the model's generation_config stops unless ignore_eos (which, as in SGLang,
@@ -172,6 +207,23 @@ def test_top_k_and_top_p_sampling(engine, model):
         chosen = probs.gather(1, torch.tensor(sample["output_ids"])[:, None])
         mass_before = (probs * (probs > chosen)).sum(dim=-1)  # of the tokens likelier than the chosen one
         assert (mass_before <= 0.2 + 1e-4).all()
+
+
+def test_sampler_draws_from_the_requested_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    rows = 20000
+    generator = torch.Generator().manual_seed(0)
+    for params, expected in [
+        (SamplingParams(temperature=1.0), torch.softmax(logits, -1)),
+        (SamplingParams(temperature=0.5), torch.softmax(logits / 0.5, -1)),
+        (SamplingParams(temperature=1.0, top_k=2), torch.softmax(torch.tensor([2.0, 1.0, -1e9, -1e9, -1e9]), -1)),
+        (SamplingParams(temperature=1.0, top_p=0.85), torch.softmax(torch.tensor([2.0, 1.0, 0.5, -1e9, -1e9]), -1)),
+    ]:
+        batch = logits.expand(rows, -1)
+        tokens, logprobs = sample_next_tokens(batch, [params] * rows, [[]] * rows, [None] * rows, generator)
+        frequencies = torch.bincount(tokens, minlength=5) / rows
+        torch.testing.assert_close(frequencies, expected, atol=0.015, rtol=0)
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
 
 
 def test_sampling_seed_is_independent_of_the_batch(engine):

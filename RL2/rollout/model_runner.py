@@ -2,17 +2,21 @@
 
 The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at
 positions 0..n-1 of its row, so requests of any length share a batch without left padding and a
-finished request frees its row without touching the others. The model itself is the unmodified
-HF module: it only sees a cache object with HF's `update` method, per-row `position_ids` and a
-ready-made 4D boolean attention mask, which HF passes through untouched.
+finished request frees its row without touching the others. A prompt prefix shared by a whole
+prefill batch is forwarded once and copied. The model's decoder is the unmodified HF module: it
+only sees a cache object with HF's `update` method, per-row `position_ids` and a ready-made 4D
+boolean attention mask, which HF passes through untouched; the logits of the positions that are
+sampled go through a packed copy of the output projection (see `PackedHead`).
 """
 
 from collections.abc import Iterable
-from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+
+# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
+# of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
+# the extra forward.
+MIN_SHARED_PREFIX = 16
 
 
 class SlotKVCache:
@@ -28,41 +32,52 @@ class SlotKVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._rows = slice(0, 0)
+        self._start = 0
+        self._prefix_row: int | None = None
         self._positions: torch.Tensor | None = None
+        self._row_index: torch.Tensor | None = None
         self._length = 0
 
-    def bind_prefill(self, rows: slice, length: int) -> None:
-        """The next forward writes positions 0..length-1 of `rows`."""
-        self._rows, self._positions, self._length = rows, None, length
+    def bind_prefill(self, rows: slice, start: int, width: int, prefix_row: int | None = None) -> None:
+        """The next forward writes positions start..start+width-1 of `rows` and reads from 0.
+
+        With `prefix_row`, each layer first copies positions 0..start-1 from that row into all of
+        `rows`: a prompt prefix they share, computed once.
+        """
+        self._rows, self._start, self._prefix_row = rows, start, prefix_row
+        self._positions, self._length = None, start + width
 
     def bind_decode(self, positions: torch.Tensor, length: int) -> None:
         """The next forward writes one token per row 0..n-1 at `positions` and reads `length`."""
         self._rows, self._positions, self._length = slice(0, len(positions)), positions, length
+        self._row_index = torch.arange(len(positions), device=positions.device)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """HF cache API: store this layer's new keys/values, return the ones to attend over."""
         if layer_idx == len(self.keys):
             self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3]))
             self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3]))
-        keys = self._reserve(self.keys, layer_idx)
-        values = self._reserve(self.values, layer_idx)
-        rows = self._rows
+        keys = self._reserve(self.keys, layer_idx, self._rows.stop, self._length)
+        values = self._reserve(self.values, layer_idx, self._rows.stop, self._length)
+        rows, start = self._rows, self._start
         if self._positions is None:
-            keys[rows, :, : key.shape[2]] = key
-            values[rows, :, : value.shape[2]] = value
+            if self._prefix_row is not None:
+                keys[rows, :, :start] = keys[self._prefix_row, :, :start]
+                values[rows, :, :start] = values[self._prefix_row, :, :start]
+            keys[rows, :, start : start + key.shape[2]] = key
+            values[rows, :, start : start + value.shape[2]] = value
         else:
-            index = torch.arange(rows.stop)
-            keys[index, :, self._positions] = key[:, :, 0]
-            values[index, :, self._positions] = value[:, :, 0]
+            keys[self._row_index, :, self._positions] = key[:, :, 0]
+            values[self._row_index, :, self._positions] = value[:, :, 0]
         return keys[rows, :, : self._length], values[rows, :, : self._length]
 
-    def _reserve(self, buffers: list[torch.Tensor], layer_idx: int) -> torch.Tensor:
+    def _reserve(self, buffers: list[torch.Tensor], layer_idx: int, min_rows: int, min_length: int) -> torch.Tensor:
         old = buffers[layer_idx]
         rows, length = old.shape[0], old.shape[2]
-        if self._rows.stop <= rows and self._length <= length:
+        if min_rows <= rows and min_length <= length:
             return old
-        new_rows = min(self.max_rows, max(self._rows.stop, 2 * rows))
-        new_length = max(self._length, 2 * length, 128)
+        new_rows = min(self.max_rows, max(min_rows, 2 * rows))
+        new_length = max(min_length, 2 * length, 128)
         new = old.new_zeros(new_rows, old.shape[1], new_length, old.shape[3])
         new[:rows, :, :length] = old
         buffers[layer_idx] = new
@@ -74,65 +89,77 @@ class SlotKVCache:
         for buffer in (*self.keys, *self.values):
             buffer[dst, :, :length] = buffer[src, :, :length]
 
+    @torch.inference_mode()
+    def copy_rows(self, sources: torch.Tensor, first_row: int, length: int) -> None:
+        """Fill rows first_row.. with the first `length` positions of rows `sources` (all layers)."""
+        for buffers in (self.keys, self.values):
+            for layer_idx in range(len(buffers)):
+                buffer = self._reserve(buffers, layer_idx, first_row + len(sources), length)
+                buffer[first_row : first_row + len(sources), :, :length] = buffer[sources, :, :length]
+
     def clear(self) -> None:
         self.keys, self.values = [], []
 
 
-class PackedLinears(TorchFunctionMode):
-    """Run the model's `F.linear` calls through oneDNN with weights pre-packed for it.
+class PackedHead:
+    """The output projection (hidden states -> vocabulary logits) through oneDNN, weight pre-packed.
 
-    With a few dozen rows per decode step, the default CPU GEMM path spends most of its time
-    re-blocking each weight matrix on every call; a packed weight is laid out once for the kernel.
-    Measured on a 2-core x86 CPU with SmolLM2-135M at 32 rows, 2 threads: the 576x49152 vocab
-    projection takes 16 ms instead of 42 ms, a 576x1536 MLP projection 0.5 ms instead of 1.6 ms.
-    torch.compile's CPU freezing pass uses the same oneDNN ops. Packing costs a second copy of the
-    linear weights. Each packed copy remembers its weight's version counter, which every in-place
-    op on the parameter bumps: a changed weight goes through `F.linear` until `refresh` re-packs
-    it. (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
-    Weights that cannot be packed (e.g. bf16 without CPU support) always go through `F.linear`.
+    With a few dozen rows per decode step, the default CPU GEMM (MKL) re-blocks the whole weight
+    on every call; for the vocabulary projection, far larger than the CPU caches, that costs as
+    much as the product itself. A weight laid out once for oneDNN's kernel does not. Measured on a
+    2-core AVX2 CPU, SmolLM2-135M, 32 rows, 1 thread (medians): the 576x49152 projection takes
+    56-65 ms packed instead of 117-121 ms, about a fifth of a decode step. The per-layer matrices
+    (a few MB, cache-sized) gained under 10% and are not packed: each packed copy costs memory and
+    time at every weight update. torch.compile's CPU freezing pass uses the same oneDNN ops.
+
+    The packed copy remembers its weight's version counter, which every in-place op on the
+    parameter bumps: a weight changed behind the engine's back is re-packed before it is used.
+    (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
     """
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self.enabled = _onednn_packing_works(model)
-        if self.enabled:
-            self.refresh(m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+        self.enabled = _onednn_packing_works(head)
+        self._packed: torch.Tensor | None = None
+        self._version = -1
+        self.refresh()
 
-    def refresh(self, weights: Iterable[torch.Tensor]) -> None:
-        """(Re-)pack these weights if they are new or changed since they were packed."""
-        with torch.no_grad():
-            for weight in weights:
-                entry = self._packed.get(id(weight))
-                if entry is None or entry[1] != weight._version:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-                    self._packed[id(weight)] = (weight, weight._version, packed)
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-pack the weight if it changed since it was packed."""
+        weight = self.head.weight
+        if self.enabled and self._version != weight._version:
+            self._packed = None  # free the stale copy first: peak memory stays one copy
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._version = weight._version
 
-    def refresh_all(self) -> None:
-        self.refresh([weight for weight, _, _ in self._packed.values()])
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            entry = self._packed.get(id(weight))
-            if entry is not None and entry[1] == weight._version and x.dtype == weight.dtype:
-                return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
-        return func(*args, **kwargs)
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or hidden.dtype != self.head.weight.dtype:
+            return self.head(hidden)
+        self.refresh()
+        return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self.head.bias, "none", [], "")
 
 
-def _onednn_packing_works(model: torch.nn.Module) -> bool:
+def _onednn_packing_works(linear: torch.nn.Module) -> bool:
     """Packed oneDNN linears exist for CPU only, and bf16 needs CPU support (avx512/avx_ne_convert)."""
-    linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
-    if linear is None or linear.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         with torch.no_grad():
-            torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight[:8].detach())
     except (RuntimeError, AttributeError):
         return False
     return True
+
+
+def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
+    """Whether logits = output projection of the decoder's last hidden states (not so with
+    Gemma's softcapping, Cohere's logit scale or Granite's logits scaling)."""
+    config = model.config
+    scales = [getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")]
+    return all(s in (None, 1.0) for s in scales) and model.get_output_embeddings() is not None
 
 
 class ModelRunner:
@@ -147,32 +174,52 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = SlotKVCache(max_rows)
-        self.linears = PackedLinears(model)
+        # The decoder runs as is; the logits of the kept positions go through the packed head.
+        self.head = PackedHead(model.get_output_embeddings()) if _logits_are_the_head_of_the_decoder(model) else None
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
         """Forward whole prompts into rows first_row.. and return each one's last logits [n, vocab].
 
-        Prompts are right-padded: a padded query position still sees its row's real tokens, so
+        Identical prompts (a GRPO group's) are forwarded once and their rows copied, which gives
+        exactly the keys, values and logits of a forward of that prompt alone. Then a prefix that
+        all distinct prompts share (at least MIN_SHARED_PREFIX tokens: a system prompt) is
+        forwarded once, into the first row, and its keys and values copied to the other rows.
+        """
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        if len(distinct) < len(prompts):
+            which = {prompt: i for i, prompt in enumerate(distinct)}
+            index = torch.tensor([which[tuple(p)] for p in prompts], device=self.device)
+            logits = self.prefill(first_row, [list(p) for p in distinct])
+            self.cache.copy_rows(first_row + index, first_row, max(len(p) for p in distinct))
+            return logits[index]
+        rows = slice(first_row, first_row + len(prompts))
+        shared = min(_common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
+        if len(prompts) == 1 or shared < MIN_SHARED_PREFIX:
+            return self._extend(rows, prompts, start=0)
+        self._extend(slice(first_row, first_row + 1), [prompts[0][:shared]], start=0, logits=False)
+        return self._extend(rows, [p[shared:] for p in prompts], start=shared, prefix_row=first_row)
+
+    def _extend(
+        self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None, logits: bool = True
+    ) -> torch.Tensor | None:
+        """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
+
+        Chunks are right-padded: a padded query position still sees its row's real tokens, so
         no attention row is fully masked, and its keys lie past the row's length where later
         tokens overwrite them before anything reads them.
         """
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         width = int(lengths.max())
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, : len(prompt)] = torch.tensor(prompt)
-        positions = torch.arange(width, device=self.device)
-        causal = positions[None, :, None] >= positions[None, None, :]
-        mask = causal & (positions[None, None, :] < lengths[:, None, None])
-        self.cache.bind_prefill(slice(first_row, first_row + len(prompts)), width)
-        logits = self._forward(
-            input_ids,
-            positions.expand(len(prompts), width),
-            mask[:, None],
-            logits_to_keep=(lengths - 1)[:, None],
-        )
-        return logits[:, 0]
+        input_ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)
+        for i, chunk in enumerate(chunks):
+            input_ids[i, : len(chunk)] = torch.tensor(chunk)
+        query = torch.arange(width, device=self.device)[None, :, None]
+        key = torch.arange(start + width, device=self.device)[None, None, :] - start
+        mask = (key < 0) | ((key <= query) & (key < lengths[:, None, None]))
+        self.cache.bind_prefill(rows, start, width, prefix_row)
+        positions = (start + query[:, :, 0]).expand(len(chunks), width)
+        return self._forward(input_ids, positions, mask[:, None], (lengths - 1)[:, None] if logits else None)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -182,19 +229,18 @@ class ModelRunner:
         self.cache.bind_decode(positions, length)
         mask = torch.arange(length, device=self.device)[None, :] <= positions[:, None]
         input_ids = torch.tensor(tokens, device=self.device)[:, None]
-        return self._forward(input_ids, positions[:, None], mask[:, None, None])[:, -1]
+        return self._forward(input_ids, positions[:, None], mask[:, None, None], torch.zeros_like(positions)[:, None])
 
-    def _forward(self, input_ids, position_ids, mask, logits_to_keep=1) -> torch.Tensor:
-        with self.linears if self.linears.enabled else nullcontext():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
-        return out.logits
+    def _forward(self, input_ids, position_ids, mask, keep: torch.Tensor | None) -> torch.Tensor | None:
+        """Logits [rows, vocab] at position `keep[row, 0]` of each row's chunk (None: no logits)."""
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        if self.head is None:
+            logits = self.model(**inputs, logits_to_keep=1 if keep is None else keep).logits
+            return None if keep is None else logits[:, 0]
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
+        if keep is None:
+            return None
+        return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -210,6 +256,13 @@ class ModelRunner:
                     f"the engine model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-        if self.linears.enabled:
-            self.linears.refresh_all()
+        if self.head is not None:
+            self.head.refresh()
 
+
+def _common_prefix_length(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    length = min(len(p) for p in prompts)
+    for other in prompts[1:]:
+        length = next((i for i in range(length) if other[i] != first[i]), length)
+    return length

@@ -108,49 +108,77 @@ def sample_next_tokens(
     Returns:
         (tokens, logprobs), both of shape [rows].
     """
-    raw = logits = logits.float()
+    device = logits.device
+    raw = logits.float()
+    raw = raw - raw.amax(dim=-1, keepdim=True)  # max 0: exp never overflows
+    unit = raw.exp()  # raw probabilities up to a factor per row, reused when temperature is 1
+    log_normalizer = unit.sum(dim=-1).log()
+    shifted = raw
     if any(banned):
-        rows = [r for r, ids in enumerate(banned) for _ in ids]
-        cols = [t for ids in banned for t in ids]
-        logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)), torch.tensor(float("-inf")))
+        index = (
+            torch.tensor([r for r, ids in enumerate(banned) for _ in ids], device=device),
+            torch.tensor([t for ids in banned for t in ids], device=device),
+        )
+        shifted = shifted.index_put(index, torch.tensor(float("-inf"), device=device))
+        unit = unit.index_put(index, torch.tensor(0.0, device=device))
     sampled = [r for r, p in enumerate(params) if not p.greedy]
-    tokens = logits.argmax(dim=-1) if len(sampled) < len(params) else torch.empty(len(params), dtype=torch.long)
+    if len(sampled) < len(params):
+        tokens = shifted.argmax(dim=-1)
+    else:
+        tokens = torch.empty(len(params), dtype=torch.long, device=device)
     if sampled:
-        rows = torch.tensor(sampled)
-        probs = _filtered_probs(logits if len(sampled) == len(params) else logits[rows], [params[r] for r in sampled])
+        rows = torch.tensor(sampled, device=device)
+        everything = len(sampled) == len(params)
+        weights = _sampling_weights(
+            shifted if everything else shifted[rows],
+            unit if everything else unit[rows],
+            [params[r] for r in sampled],
+        )
         # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
         # own generator inside any batch, and no per-token noise is needed (50k random numbers
         # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
-        cdf = probs.cumsum(dim=-1)
+        cdf = weights.cumsum(dim=-1)
         uniform = torch.rand(len(sampled), generator=default_generator)
         for i, r in enumerate(sampled):
             if generators[r] is not None:
                 uniform[i] = torch.rand(1, generator=generators[r])
-        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        picked = torch.searchsorted(cdf, (uniform.to(device) * cdf[:, -1])[:, None], right=True)
         tokens[rows] = picked[:, 0].clamp_max(logits.shape[-1] - 1)
-    return tokens, raw.gather(1, tokens[:, None])[:, 0] - raw.logsumexp(dim=-1)
+    return tokens, raw.gather(1, tokens[:, None])[:, 0] - log_normalizer
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, in SGLang's order; returns unnormalised probs."""
-    logits = logits / torch.tensor([p.temperature for p in params])[:, None]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
-    if top_k.any():
-        k_max = min(int(top_k.max()), logits.shape[-1])
-        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
-        kth[top_k == 0] = float("-inf")
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params])
+def _sampling_weights(shifted: torch.Tensor, unit: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Unnormalised sampling probabilities: temperature, then top-k, top-p, min-p (SGLang's order).
+
+    Args:
+        shifted: logits minus their row maximum.
+        unit: exp(shifted), the probabilities at temperature 1 up to a factor per row.
+        params: each row's sampling parameters.
+    """
+    device = shifted.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
+    if (temperature == 1).all() and not top_k.any():
+        weights = unit
+    else:
+        scaled = shifted / temperature[:, None]
+        if top_k.any():
+            k_max = min(int(top_k.max()), scaled.shape[-1])
+            kth = scaled.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+            kth[top_k == 0] = float("-inf")
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        weights = scaled.exp_()
+    top_p = torch.tensor([p.top_p for p in params], device=device)
     if (top_p < 1).any():
+        probs = weights / weights.sum(dim=-1, keepdim=True)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
-        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
-    min_p = torch.tensor([p.min_p for p in params])
+        weights = weights.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs
+        weights = weights.masked_fill(weights < min_p[:, None] * weights.amax(dim=-1, keepdim=True), 0.0)
+    return weights
 
 
 def finish_reason(

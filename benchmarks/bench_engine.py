@@ -1,0 +1,138 @@
+"""Generation throughput of the embedded engine against Hugging Face `generate`, in one process.
+
+    python benchmarks/bench_engine.py [--repeats 3] [--requests 32] [--new-tokens 64] [--dtype float32] [--threads N]
+
+Workload (issue #3's benchmark): the embedded SmolLM2-135M-Instruct, 32 chat-formatted prompts,
+exactly 64 new tokens each, sampled at temperature 1. The engine gets 32 concurrent `generate`
+calls (ignore_eos, with log-probabilities, as RL rollouts ask for them); HF `generate` gets the same
+token ids as one left-padded batch (do_sample, no top-k, min_new_tokens = max_new_tokens, no
+log-probabilities). Both run back to back in every repeat and the table shows medians, so a
+machine shared with other processes slows both alike. HF `generate` runs in a worker thread, as the
+engine's forwards do: libgomp spin-waits between parallel regions only while a process has no more
+OpenMP threads than cores, which is 5-10x slower on cores shared with other busy processes and
+faster on idle ones; in a worker thread both run under the same rule. Also timed: one `update_weights` with every
+parameter of the model as fresh tensors, as the trainer sends them after an update.
+Peak RSS is per phase (the kernel's high-water mark is reset before each phase where Linux allows).
+"""
+
+import argparse
+import asyncio
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from RL2.models.embedded import resolve_model_path
+from RL2.rollout.embedded_engine import EmbeddedEngine
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    questions = [f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})." for i in range(n)]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"] for c in chats]
+
+
+def hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> int:
+    """Sample `new_tokens` for every prompt with HF `generate`; returns the tokens generated."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(
+            **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+        )
+    return (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+
+
+def engine_generate(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int) -> int:
+    """The same requests, concurrently, through the engine; returns the tokens generated."""
+    params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    async def main():
+        payloads = [{"input_ids": p, "sampling_params": params, "return_logprob": True} for p in prompts]
+        return await asyncio.gather(*(engine.generate(p) for p in payloads))
+
+    results = asyncio.run(main())
+    assert all(len(r["meta_info"]["output_token_logprobs"]) == new_tokens for r in results)
+    return sum(r["meta_info"]["completion_tokens"] for r in results)
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of this process's RSS (Linux >= 4.0; else a no-op)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """(tokens/s, peak RSS in MB) of one call of fn, which returns a token count."""
+    reset_peak_rss()
+    start = time.perf_counter()
+    tokens = fn(*args)
+    return tokens / (time.perf_counter() - start), peak_rss_mb()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="float32 (CPUs without native bf16) or bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = resolve_model_path("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    prompts = chat_prompts(tokenizer, args.requests)
+    engine = EmbeddedEngine(model, tokenizer, max_running_requests=max(64, args.requests))
+    hf_thread = ThreadPoolExecutor(max_workers=1)
+    hf_thread.submit(hf_generate, model, tokenizer, prompts[:4], 2).result()  # warm-up: lazy init
+    engine_generate(engine, prompts[:4], 2)
+
+    hf, ours = [], []
+    for i in range(args.repeats):
+        hf.append(hf_thread.submit(timed, hf_generate, model, tokenizer, prompts, args.new_tokens).result())
+        ours.append(timed(engine_generate, engine, prompts, args.new_tokens))
+        print(f"repeat {i + 1}: HF {hf[-1][0]:.1f} tok/s, engine {ours[-1][0]:.1f} tok/s", flush=True)
+
+    # What the trainer sends after an update: every parameter (tied ones once) as new tensors.
+    fresh = [(name, p.detach().clone()) for name, p in model.named_parameters()]
+    syncs = []
+    for version in range(max(3, args.repeats)):
+        start = time.perf_counter()
+        engine.update_weights(fresh, weight_version=str(version))
+        syncs.append(time.perf_counter() - start)
+    engine.shutdown()
+
+    hf_tps, our_tps = statistics.median(t for t, _ in hf), statistics.median(t for t, _ in ours)
+    ratio = statistics.median(o[0] / h[0] for o, h in zip(ours, hf))
+    print(
+        f"\n{args.requests} requests x {args.new_tokens} new tokens, SmolLM2-135M-Instruct {args.dtype}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    rows = [
+        ("HF generate tokens/s", f"{hf_tps:.1f}"),
+        ("embedded engine tokens/s", f"{our_tps:.1f}"),
+        ("ratio engine / HF", f"{ratio:.2f}x"),
+        ("weight sync s (median; first)", f"{statistics.median(syncs):.3f}; {syncs[0]:.3f}"),
+        ("peak RSS MB (HF phase; engine phase)", f"{max(r for _, r in hf):.0f}; {max(r for _, r in ours):.0f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}} | {value}")
+
+
+if __name__ == "__main__":
+    main()
