@@ -250,6 +250,35 @@ def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompt
     assert not engine.weights_dir.exists() and server.alive()
 
 
+@sglang_test
+def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
+    """SGLangEngine.pause_generation("abort") (partial rollouts) stops this rank's requests with their
+    partial output, while another client's request on the same server runs to its end; requests
+    made while paused wait for continue_generation."""
+    engine = SGLangEngine.connect(SimpleNamespace(server_url=server.url, weight_sync="none", weight_bucket_mb=1.0,
+                                                  weights_dir=None), "unused")
+    other = HTTPEngineClient([server.url])
+    params = {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True}
+
+    async def main():
+        mine = asyncio.create_task(engine.generate({"input_ids": prompts[0], "sampling_params": params}))
+        theirs = asyncio.create_task(other.generate({"input_ids": prompts[1], "sampling_params": params}))
+        await asyncio.sleep(3.0)
+        await engine.pause_generation("abort")
+        aborted = await asyncio.wait_for(mine, 60)
+        held = asyncio.create_task(engine.generate({"input_ids": prompts[2], "sampling_params": params | {
+            "max_new_tokens": 2}}))
+        await asyncio.sleep(0.5)
+        assert not held.done()
+        await engine.continue_generation()
+        return aborted, await theirs, await held
+
+    aborted, finished, held = asyncio.run(main())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(aborted["output_ids"]) < 300
+    assert finished["meta_info"]["finish_reason"]["type"] == "length" and len(finished["output_ids"]) == 300
+    assert held["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
     """A server that exits before it is ready: the error quotes its log (here RL2's own Python, which has
     no sglang; a bad flag in rollout.server_args ends the same way)."""

@@ -6,6 +6,7 @@ JSON of SGLang's `POST /generate`. `EmbeddedEngine` (in-process, CPU) serves it 
 """
 
 import asyncio
+import uuid
 from typing import Protocol, runtime_checkable
 
 import httpx
@@ -48,17 +49,27 @@ class HTTPEngineClient:
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout = timeout
         self._inflight = dict.fromkeys(self.urls, 0)
+        self._own: dict[str, str] = {}  # request id -> server, of this client's requests in flight
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, payload: dict) -> dict:
         """POST `payload` to `{url}/generate` on the least busy server; raises `EngineError`."""
         url = min(self.urls, key=self._inflight.__getitem__)
+        # A request id of our own, so that `abort_own` can stop this client's requests and no others.
+        payload = {"rid": uuid.uuid4().hex} | payload
         self._inflight[url] += 1
+        self._own[payload["rid"]] = url
         try:
             return await self._post(f"{url}/generate", payload)
         finally:
             self._inflight[url] -= 1
+            self._own.pop(payload["rid"], None)
+
+    async def abort_own(self) -> None:
+        """Abort this client's requests in flight (SGLang `/abort_request` by id): they return at once
+        with finish_reason abort and their partial output. Other clients' requests go on."""
+        await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in list(self._own.items())))
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pause every server (SGLang `/pause_generation`). With "abort", in-flight requests return at

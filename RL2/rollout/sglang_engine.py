@@ -23,6 +23,7 @@ Every control step ends with all ranks agreeing that it worked: one rank's failu
 `EngineError` on every rank instead of leaving the others waiting in a collective.
 """
 
+import asyncio
 import atexit
 import importlib.util
 import os
@@ -127,6 +128,7 @@ class SGLangEngine:
         self.server, self.colocated, self.tp_group = server, colocated, tp_group
         self.client = HTTPEngineClient(urls)
         self._released: set[str] = set()
+        self._resumed: asyncio.Event | None = None  # while paused: set by continue_generation
         self._folder: Path | None = None  # the newest weights folder written by this rank
         atexit.register(self.shutdown)
 
@@ -194,7 +196,7 @@ class SGLangEngine:
         if dist.get_rank() == 0:
             for url in urls:
                 try:
-                    _control(url, "/health", timeout=30.0)
+                    control_request(url, "/health", timeout=30.0)
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
         _raise_any(_all_gather(error))
@@ -205,7 +207,26 @@ class SGLangEngine:
     # ---- generation ----
 
     async def generate(self, payload: dict) -> dict:
+        if self._resumed is not None:
+            await self._resumed.wait()
         return await self.client.generate(payload)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop this rank's generation until `continue_generation`, as `EmbeddedEngine` does. The
+        servers are shared by every rank, so they are not paused: with "abort" this rank's requests
+        in flight return at once with finish_reason abort and their partial output; with "retract"
+        or "in_place" they run to their end. New requests of this rank wait meanwhile."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
+        if self._resumed is None:  # pausing again keeps the requests already waiting
+            self._resumed = asyncio.Event()
+        if mode == "abort":
+            await self.client.abort_own()
+
+    async def continue_generation(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
 
     # ---- control (collective: every rank calls these together) ----
 
@@ -280,7 +301,7 @@ class SGLangEngine:
         for i, url in enumerate(self.controlled):
             body = payload(i) if callable(payload) else payload
             try:
-                _control(url, endpoint, body)
+                control_request(url, endpoint, body)
             except EngineError as e:
                 error = f"rank {dist.get_rank()}: {e}" + (f"\n{self.server.describe()}" if self.server else "")
                 break
@@ -290,7 +311,7 @@ class SGLangEngine:
 # ---- helpers ----
 
 
-def _control(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT) -> dict:
+def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT) -> dict:
     """One control request (GET without a payload, else POST); EngineError if the server does not
     answer 200 or reports a failure."""
     try:

@@ -1,0 +1,96 @@
+"""Generation throughput of SGLang on CPU for the embedded model, through RL2's HTTP client.
+
+    RL2_SGLANG_PYTHON=~/.cache/rl2/sglang-venv/bin/python python benchmarks/bench_sglang_cpu.py [--repeats 3]
+
+The same workload as benchmarks/bench_engine.py (issue #3's benchmark): SmolLM2-135M-Instruct, 32
+chat-formatted prompts sent concurrently, exactly 64 new tokens each (ignore_eos) at temperature 1,
+with log-probabilities, as RL rollouts ask for them. The server runs from the SGLang environment
+(RL2_SGLANG_PYTHON) on CPU, with the stub of tests/sglang_stub on its path (see FACTS of the
+project), and its own thread count (`--threads`, default: every core). Also timed: one weight
+update from disk (the trainer's disk weight sync: writing the folder and the server loading it).
+"""
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from RL2.models.embedded import resolve_model_path
+from RL2.rollout.client import HTTPEngineClient
+from RL2.rollout.sglang_engine import control_request
+from RL2.rollout.sglang_server import SGLangServer
+from RL2.rollout.weight_transfer import buckets, write_hf_folder
+
+STUB = Path(__file__).resolve().parent.parent / "tests" / "sglang_stub"
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    questions = [f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})."
+                 for i in range(n)]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def generate(client: HTTPEngineClient, prompts: list[list[int]], new_tokens: int) -> int:
+    params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    async def main():
+        payloads = [{"input_ids": p, "sampling_params": params, "return_logprob": True} for p in prompts]
+        return await asyncio.gather(*(client.generate(p) for p in payloads))
+
+    results = asyncio.run(main())
+    assert all(len(r["meta_info"]["output_token_logprobs"]) == new_tokens for r in results)
+    return sum(r["meta_info"]["completion_tokens"] for r in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    python = os.environ.get("RL2_SGLANG_PYTHON")
+    if not python:
+        sys.exit("set RL2_SGLANG_PYTHON to the python of a virtual environment with sglang (see .ci/run)")
+    model_path = resolve_model_path("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = chat_prompts(tokenizer, args.requests)
+    server_args = {"device": "cpu", "dtype": "float32", "max_total_tokens": 16384, "sleep_on_idle": True}
+    env = {"PYTHONPATH": str(STUB), "OMP_NUM_THREADS": str(args.threads)}
+    began = time.perf_counter()
+    server = SGLangServer(python, model_path, server_args, env).start()
+    try:
+        server.wait_ready(timeout=900)
+        print(f"server ready in {time.perf_counter() - began:.0f} s ({server.url}, log {server.log_path})")
+        client = HTTPEngineClient([server.url], timeout=1800.0)
+        generate(client, prompts[:2], 4)  # warm-up
+        rates = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            tokens = generate(client, prompts, args.new_tokens)
+            rates.append(tokens / (time.perf_counter() - start))
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        with tempfile.TemporaryDirectory() as folder:
+            start = time.perf_counter()
+            write_hf_folder(buckets(model.named_parameters(), 512 * 2**20), Path(folder) / "w", model_path)
+            control_request(server.url, "/update_weights_from_disk", {"model_path": f"{folder}/w", "flush_cache": True})
+            sync_s = time.perf_counter() - start
+    finally:
+        server.shutdown()
+    print(f"| engine | requests x new tokens | tokens/s (median of {args.repeats}) | all runs |")
+    print("|---|---|---|---|")
+    print(f"| SGLang {args.threads} threads, float32, CPU | {args.requests} x {args.new_tokens} | "
+          f"{statistics.median(rates):.0f} | {', '.join(f'{r:.0f}' for r in rates)} |")
+    print(f"weight update from disk (write folder + server load): {sync_s:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
