@@ -29,7 +29,9 @@ from RL2.rollout.embedded_engine import EmbeddedEngine
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    questions = [f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})." for i in range(n)]
+    questions = [
+        f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})." for i in range(n)
+    ]
     chats = [[{"role": "user", "content": q}] for q in questions]
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"] for c in chats]
 

@@ -175,7 +175,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.cache = SlotKVCache(max_rows)
         # The decoder runs as is; the logits of the kept positions go through the packed head.
-        self.head = PackedHead(model.get_output_embeddings()) if _logits_are_the_head_of_the_decoder(model) else None
+        self.head = None
+        if _logits_are_the_head_of_the_decoder(model):
+            self.head = PackedHead(model.get_output_embeddings())
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
@@ -233,7 +235,9 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, mask, keep: torch.Tensor | None) -> torch.Tensor | None:
         """Logits [rows, vocab] at position `keep[row, 0]` of each row's chunk (None: no logits)."""
-        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        inputs = dict(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache, use_cache=True
+        )
         if self.head is None:
             logits = self.model(**inputs, logits_to_keep=1 if keep is None else keep).logits
             return None if keep is None else logits[:, 0]
