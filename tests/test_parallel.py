@@ -23,9 +23,28 @@ from parallel_equivalence import ENTROPY_COEF, EPS, LENGTHS, LR, examples  # noq
 SCRIPT = "tests/scripts/parallel_equivalence.py"
 
 
+def sharpen(path: str, folder: Path) -> str:
+    """The model with its final norm scaled up: peaked next-token distributions, whose softmax terms
+    (entropy gradients) do not nearly cancel as they do for a random model's near-zero logits."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_path, tmp_path_factory) -> str:
+    return sharpen(tiny_model_path, tmp_path_factory.mktemp("sharp_llama"))
+
+
 @pytest.fixture(scope="module")
 def qwen_paths(tmp_path_factory) -> dict[str, str]:
-    return {family: make_tiny_qwen(tmp_path_factory.mktemp(family), family) for family in ("qwen2", "qwen3")}
+    return {family: sharpen(make_tiny_qwen(tmp_path_factory.mktemp(family), family),
+                            tmp_path_factory.mktemp(f"sharp_{family}")) for family in ("qwen2", "qwen3")}
 
 
 def reference(path: str) -> dict:
@@ -78,33 +97,33 @@ def run_layouts(tmp_path, nproc: int, specs: list[str]) -> dict:
     return torch.load(out)
 
 
-def test_two_rank_layouts_equal_one_process(tiny_model_path, tmp_path):
+def test_two_rank_layouts_equal_one_process(llama_path, tmp_path):
     """dp=2 (fsdp), tp=2 and cp=2 on the tied-embedding Llama; cp=2 trains a sequence longer than one rank's
     budget, recomputing activations in backward (the K/V all-gathers run again)."""
-    specs = [f"{tiny_model_path}@tp=1", f"{tiny_model_path}@tp=2", f"{tiny_model_path}@cp=2,ac=1"]
+    specs = [f"{llama_path}@tp=1", f"{llama_path}@tp=2", f"{llama_path}@cp=2,ac=1"]
     results = run_layouts(tmp_path, 2, specs)
-    ref = reference(tiny_model_path)
+    ref = reference(llama_path)
     for spec in specs:
         assert_equal_to_reference(results[spec], ref)
     assert max(LENGTHS) - 1 > results[specs[2]]["max_length_per_device"]
 
 
-def test_hybrid_sharding_and_tp_with_cp_four_ranks(tiny_model_path, qwen_paths, tmp_path):
+def test_hybrid_sharding_and_tp_with_cp_four_ranks(llama_path, qwen_paths, tmp_path):
     """ddp=2 x fsdp=2 (replicate x shard) and tp=2 x cp=2 on Qwen3 (per-head q/k norms, untied head)."""
-    specs = [f"{tiny_model_path}@ddp=2", f"{qwen_paths['qwen3']}@tp=2,cp=2"]
+    specs = [f"{llama_path}@ddp=2", f"{qwen_paths['qwen3']}@tp=2,cp=2"]
     results = run_layouts(tmp_path, 4, specs)
     assert results[specs[0]]["fsdp"] == 2
-    assert_equal_to_reference(results[specs[0]], reference(tiny_model_path))
+    assert_equal_to_reference(results[specs[0]], reference(llama_path))
     assert_equal_to_reference(results[specs[1]], reference(qwen_paths["qwen3"]))
 
 
 @pytest.mark.slow
-def test_data_and_tensor_parallel_four_ranks(tiny_model_path, qwen_paths, tmp_path):
+def test_data_and_tensor_parallel_four_ranks(llama_path, qwen_paths, tmp_path):
     """dp=2 x tp=2 on Qwen2 (q/k/v biases) and Qwen3, tp=2 x cp=2 on the tied Llama, and ddp=2 x tp=2."""
-    specs = [f"{qwen_paths['qwen2']}@tp=2", f"{qwen_paths['qwen3']}@tp=2", f"{tiny_model_path}@tp=2,cp=2",
-             f"{tiny_model_path}@ddp=2,tp=2"]
+    specs = [f"{qwen_paths['qwen2']}@tp=2", f"{qwen_paths['qwen3']}@tp=2", f"{llama_path}@tp=2,cp=2",
+             f"{llama_path}@ddp=2,tp=2"]
     results = run_layouts(tmp_path, 4, specs)
-    for spec, path, fsdp in zip(specs, (qwen_paths["qwen2"], qwen_paths["qwen3"], tiny_model_path, tiny_model_path),
+    for spec, path, fsdp in zip(specs, (qwen_paths["qwen2"], qwen_paths["qwen3"], llama_path, llama_path),
                                 (2, 2, 1, 1)):
         assert results[spec]["fsdp"] == fsdp
         assert_equal_to_reference(results[spec], reference(path))
@@ -286,3 +305,19 @@ def test_ring_flash_attn_loads_without_its_package_init():
     from RL2.models.context_parallel import _ring_flash_attn_module
 
     assert callable(_ring_flash_attn_module().zigzag_ring_flash_attn_varlen_func)
+
+
+@pytest.mark.slow
+def test_distillation_with_tp_equals_one_rank(llama_path, long_sft_data, tmp_path):
+    """The full-vocabulary KL to a teacher, reduced over the vocabulary slices of tp=2."""
+    from tiny import make_tiny_model
+
+    teacher = make_tiny_model(tmp_path / "teacher", seed=3)
+    args = ["-m", "RL2.trainer.distill", f"data.train.path={long_sft_data}", "data.train.batch_size=6",
+            f"actor.model_name={llama_path}", f"actor.teacher_name={teacher}", "actor.dtype=float32",
+            "actor.optimizer.lr=1e-3", "actor.max_length_per_device=160", "trainer.total_steps=2"]
+    run_ranks(1, [*args, f"trainer.save_dir={tmp_path / 'one'}"])
+    run_ranks(2, [*args, "actor.tp_size=2", f"trainer.save_dir={tmp_path / 'two'}"])
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for key in ("train/loss", "train/grad_norm"):
+        assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4)

@@ -8,7 +8,9 @@ cross-entropy does the same).
 
 Every tp rank then holds the same per-token values and computes the same loss from them. The
 all-reduce's backward is therefore the identity: the gradient reaching each rank's partial sum is the
-gradient of that one loss (Megatron's "g" operator).
+gradient of that one loss (Megatron's "g" operator). A replicated value that goes back into a
+partial sum (the log-sum-exp inside a log-softmax) gets the opposite pair: identity forward, summed
+gradients backward.
 """
 
 from dataclasses import dataclass
@@ -29,6 +31,26 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, None
+
+
+class _ReplicatedToLocal(torch.autograd.Function):
+    """Identity forward; all-reduce sum backward.
+
+    For a replicated value (the log-sum-exp) used inside this rank's partial sum over its vocabulary
+    slice: every rank's partial depends on it, so its gradient is the sum of the ranks' gradients
+    (Megatron's "f" operator).
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -65,7 +87,7 @@ class VocabShard:
         """This slice of the log-softmax over the whole vocabulary."""
         if not self.split:
             return F.log_softmax(logits, -1)
-        return logits - self.logsumexp(logits).unsqueeze(-1)
+        return logits - self._to_local(self.logsumexp(logits)).unsqueeze(-1)
 
     def pick(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`logits[..., labels]`, read on the rank whose slice holds each label."""
@@ -88,5 +110,8 @@ class VocabShard:
         """Entropy of the softmax, `lse - sum_v p_v z_v`, in float32."""
         logits = logits.float()
         lse = self.logsumexp(logits)
-        probs = (logits - lse.unsqueeze(-1)).exp()
+        probs = (logits - self._to_local(lse).unsqueeze(-1)).exp()
         return lse - self.sum(probs * logits)
+
+    def _to_local(self, replicated: torch.Tensor) -> torch.Tensor:
+        return _ReplicatedToLocal.apply(replicated, self.group) if self.split else replicated
