@@ -53,7 +53,8 @@ def test_countdown_never_evaluates_model_text(tmp_path):
         ("12 + 30 = 42 <answer>42</answer>", 1.0, 1.0),
         ("<answer> 42.0 </answer>", 1.0, 1.0),
         ("<answer>41</answer>", 0.1, 0.0),
-        ("<answer>forty-two</answer>", 0.1, 0.0),
+        ("<answer>forty-two</answer>", 0.0, 0.0),  # the format reward needs a number
+        ("Put it in <answer></answer> tags.", 0.0, 0.0),
         ("<answer>42</answer> no, <answer>41</answer>", 0.1, 0.0),
         ("42", 0.0, 0.0),
     ],

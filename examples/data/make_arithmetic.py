@@ -4,10 +4,10 @@
 
 - `sft_{train,test}.jsonl`: chat `messages` whose assistant turn works the sum out and ends with
   `<answer>N</answer>`;
-- `rl_{train,test}.jsonl`: `prompt` (a system message asking for the answer in tags, then the
-  question) plus `extra_info.answer` for the reward of envs/arithmetic.py. SmolLM2-135M-Instruct
-  rarely follows that format at first and gets about a third of the sums right when it does: RL has
-  both to learn;
+- `rl_{train,test}.jsonl`: `prompt` (a system message asking for the answer in tags, then a
+  question on numbers below 20) plus `extra_info.answer` for the reward of envs/arithmetic.py.
+  SmolLM2-135M-Instruct writes the right number about half the time but almost never in the
+  required tags (0% greedy, ~6% sampled): RL has to learn the format, then keep the answers right;
 - `dpo_{train,test}.jsonl`: `prompt`, `chosen` (correct, well formatted), `rejected` (wrong answer).
 """
 
@@ -17,8 +17,8 @@ import random
 from pathlib import Path
 
 INSTRUCTION = "Put the final answer in <answer></answer> tags."
-SYSTEM = ("You are a helpful assistant. You answer math questions and always end with the final answer "
-          "in tags, like <answer>56</answer>.")
+# No example answer in the prompt: the model copies its number.
+SYSTEM = "You are a helpful assistant. Solve the math question, then give the final answer in <answer></answer> tags."
 
 
 def problem(rng: random.Random) -> tuple[str, int]:
@@ -27,6 +27,23 @@ def problem(rng: random.Random) -> tuple[str, int]:
         return f"What is {a} + {b}? {INSTRUCTION}", a + b
     a, b = max(a, b), min(a, b)
     return f"What is {a} - {b}? {INSTRUCTION}", a - b
+
+
+def small_problems(rng: random.Random) -> list[tuple[str, int]]:
+    """Every sum and difference of a number in 2..19 and a digit (non-negative results), shuffled."""
+    problems = set()
+    for a in range(2, 20):
+        for b in range(1, 10):
+            problems.add((f"What is {a} + {b}? {INSTRUCTION}", a + b))
+            problems.add((f"What is {max(a, b)} - {min(a, b)}? {INSTRUCTION}", max(a, b) - min(a, b)))
+    problems = sorted(problems)
+    rng.shuffle(problems)
+    return problems
+
+
+def rl_row(question: str, answer: int) -> dict:
+    prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"prompt": prompt, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}}
 
 
 def worked_answer(question: str, answer: int) -> str:
@@ -43,6 +60,7 @@ def main() -> None:
     parser.add_argument("--out", default="data/arith", help="output folder")
     parser.add_argument("--n-train", type=int, default=1024)
     parser.add_argument("--n-test", type=int, default=128)
+    parser.add_argument("--n-rl-test", type=int, default=64, help="held-out RL prompts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
@@ -50,8 +68,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     seen = set()
     for split, n in (("train", args.n_train), ("test", args.n_test)):
-        sft, rl, dpo = [], [], []
-        while len(rl) < n:
+        sft, dpo = [], []
+        while len(sft) < n:
             question, answer = problem(rng)
             if question in seen:  # keep test questions out of the training set
                 continue
@@ -59,13 +77,14 @@ def main() -> None:
             good = worked_answer(question, answer)
             wrong = answer + rng.choice([-10, -1, 1, 10])
             sft.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": good}]})
-            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-            rl.append({"prompt": prompt, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}})
             dpo.append({"prompt": question, "chosen": good, "rejected": worked_answer(question, wrong)})
         write(out / f"sft_{split}.jsonl", sft)
-        write(out / f"rl_{split}.jsonl", rl)
         write(out / f"dpo_{split}.jsonl", dpo)
-    print(f"wrote {args.n_train} train and {args.n_test} test rows of each kind to {out}")
+    small = small_problems(rng)
+    write(out / "rl_test.jsonl", [rl_row(*p) for p in small[: args.n_rl_test]])
+    write(out / "rl_train.jsonl", [rl_row(*p) for p in small[args.n_rl_test :]])
+    print(f"wrote {args.n_train} train and {args.n_test} test rows of SFT and DPO data, and "
+          f"{len(small) - args.n_rl_test} train and {args.n_rl_test} test RL prompts to {out}")
 
 
 if __name__ == "__main__":
