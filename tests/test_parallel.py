@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from launch import read_metrics, run_ranks
-from tiny import make_tiny_qwen, tokenizer
+from tiny import make_tiny_qwen, sharpened_copy, tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from parallel_equivalence import ENTROPY_COEF, EPS, LENGTHS, LR, examples  # noqa: E402
@@ -23,27 +23,14 @@ from parallel_equivalence import ENTROPY_COEF, EPS, LENGTHS, LR, examples  # noq
 SCRIPT = "tests/scripts/parallel_equivalence.py"
 
 
-def sharpen(path: str, folder: Path) -> str:
-    """The model with its final norm scaled up: peaked next-token distributions, whose softmax terms
-    (entropy gradients) do not nearly cancel as they do for a random model's near-zero logits."""
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(10.0)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def llama_path(tiny_model_path, tmp_path_factory) -> str:
-    return sharpen(tiny_model_path, tmp_path_factory.mktemp("sharp_llama"))
+    return sharpened_copy(tiny_model_path, tmp_path_factory.mktemp("sharp_llama"))
 
 
 @pytest.fixture(scope="module")
 def qwen_paths(tmp_path_factory) -> dict[str, str]:
-    return {family: sharpen(make_tiny_qwen(tmp_path_factory.mktemp(family), family),
+    return {family: sharpened_copy(make_tiny_qwen(tmp_path_factory.mktemp(family), family),
                             tmp_path_factory.mktemp(f"sharp_{family}")) for family in ("qwen2", "qwen3")}
 
 
@@ -170,16 +157,7 @@ def test_sft_tp_or_cp_equals_one_rank(tiny_model_path, long_sft_data, tmp_path, 
 
 @pytest.fixture(scope="module")
 def repeat_model(tiny_model_path, tmp_path_factory) -> str:
-    """The tiny model made to repeat the prompt's last token often: emit_token.py's reward varies."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("repeat_model")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(10.0)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(folder)
-    return str(folder)
+    return sharpened_copy(tiny_model_path, tmp_path_factory.mktemp("repeat_model"))
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoModelForTokenClassification
 
 from launch import read_metrics, run_ranks
-from tiny import make_tiny_model
+from tiny import make_tiny_model, sharpened_copy
 
 ENV = Path(__file__).parent / "envs" / "emit_token.py"
 STEPS = 8
@@ -20,15 +20,9 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def repeat_model(tiny_model_path, tmp_path_factory) -> str:
-    """The tiny model with its final norm scaled up, so it repeats the prompt's last token ("\\n" after
-    the chat template's "assistant\\n") about a third of the time: emit_token.py's reward starts near 0.3."""
-    folder = tmp_path_factory.mktemp("repeat_model")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(10.0)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(folder)
-    return str(folder)
+    """The tiny model sharpened, so it repeats the prompt's last token ("\\n" after the chat template's
+    "assistant\\n") about a third of the time: emit_token.py's reward starts near 0.3."""
+    return sharpened_copy(tiny_model_path, tmp_path_factory.mktemp("repeat_model"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from RL2.models.embedded import resolve_model_path
 
@@ -49,4 +49,16 @@ def make_tiny_qwen(folder: Path, family: str = "qwen3", seed: int = 0) -> str:
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(folder)
     tok.save_pretrained(folder)
+    return str(folder)
+
+
+def sharpened_copy(path: str, folder: Path) -> str:
+    """The model at `path` with its final norm scaled 10x, saved to `folder`: peaked next-token
+    distributions. A random tiny model's near-zero logits make softmax terms (entropy gradients)
+    nearly cancel; sharpened, it also repeats the prompt's last token about a third of the time."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
     return str(folder)
