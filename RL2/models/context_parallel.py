@@ -29,6 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def _gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's tensor of the group, concatenated along dim 0 in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 class _AllGatherSharded(torch.autograd.Function):
     """Concatenate every rank's tensor along dim 0. Backward: sum the gradients over ranks, keep ours.
 
@@ -39,9 +46,7 @@ class _AllGatherSharded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts)
+        return _gather_cat(tensor, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,9 +70,7 @@ class _AllGatherReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts)
+        return _gather_cat(tensor, group)
 
     @staticmethod
     def backward(ctx, grad):
