@@ -12,16 +12,15 @@ share the cores (threads per rank = cores / ranks), so cp=2 shows the memory spl
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_worker  # noqa: E402
 
 
 def local_bytes(tensors) -> int:
@@ -80,11 +79,8 @@ def worker(args) -> None:
 
 
 def run(nproc: int, tp: int, cp: int, seq_len: int, seqs: int, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           "--worker", f"--tp={tp}", f"--cp={cp}", f"--seq-len={seq_len}", f"--seqs={seqs}", f"--steps={steps}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_worker(__file__, nproc, [f"--tp={tp}", f"--cp={cp}", f"--seq-len={seq_len}", f"--seqs={seqs}",
+                                        f"--steps={steps}"])
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_sft import matmul_peak  # noqa: E402
+from common import matmul_peak  # noqa: E402
 
 N_PROMPTS, N_RESPONSES, NEW_TOKENS = 8, 4, 64
 PHASES = ("perf/rollout_s", "perf/old_logps_s", "perf/actor_update_s", "perf/sync_s")

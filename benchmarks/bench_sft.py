@@ -9,27 +9,15 @@ dtype, and peak resident memory per rank.
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a square matmul with every core (what a training step could hope for)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    began = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / (time.perf_counter() - began)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import matmul_peak, run_worker  # noqa: E402
 
 
 def step_flops(config, n_matmul_params: int, seq_lens: list[int]) -> float:
@@ -85,12 +73,8 @@ def worker(args) -> None:
 
 
 def run(nproc: int, dtype: str, args) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, "--worker", f"--dtype={dtype}", f"--steps={args.steps}", f"--seqs={args.seqs}",
-           f"--seq-len={args.seq_len}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_worker(__file__, nproc, [f"--dtype={dtype}", f"--steps={args.steps}", f"--seqs={args.seqs}",
+                                        f"--seq-len={args.seq_len}"])
 
 
 def main() -> None:
