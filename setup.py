@@ -24,7 +24,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": ["sglang", "flash-attn", "ring-flash-attn", "liger-kernel"],
+        # SGLang pins its own torch (sglang 0.5.23: torch 2.14.1); it runs from its own environment
+        # (rollout.server_python), see the README.
+        "gpu": ["flash-attn", "ring-flash-attn", "liger-kernel"],
         "gem": ["gem-llm"],
         "math": ["math-verify"],
         # The test run covers the GEM adapter and math-verify answers too.
