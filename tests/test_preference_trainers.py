@@ -85,7 +85,9 @@ def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_dat
         assert after["test/loss"] < before["test/loss"] and after["test/accuracy"] == 1.0
 
 
-@pytest.mark.parametrize("kind", ["dpo", "orpo", "rm", "distill"])
+# ORPO and distillation resume through the same Trainer code as DPO: in the slow run only.
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("orpo", marks=pytest.mark.slow), "rm",
+                                  pytest.param("distill", marks=pytest.mark.slow)])
 def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
     data = sft_like_data if kind == "distill" else pair_data
     extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []

@@ -4,10 +4,10 @@
 
 - `sft_{train,test}.jsonl`: chat `messages` whose assistant turn works the sum out and ends with
   `<answer>N</answer>`;
-- `rl_{train,test}.jsonl`: `prompt` (a system message asking for the answer in tags, then a
-  question on numbers below 20) plus `extra_info.answer` for the reward of envs/arithmetic.py.
-  SmolLM2-135M-Instruct writes the right number about half the time but almost never in the
-  required tags (0% greedy, ~6% sampled): RL has to learn the format, then keep the answers right;
+- `rl_{train,test}.jsonl`: `prompt` (one worked example of the answer format as a previous chat
+  turn, then a question on numbers below 20) plus `extra_info.answer` for the reward of
+  envs/arithmetic.py. SmolLM2-135M-Instruct follows the format but often gets the number wrong
+  (e.g. "59 + 5 = 12"): RL has room to raise the accuracy;
 - `dpo_{train,test}.jsonl`: `prompt`, `chosen` (correct, well formatted), `rejected` (wrong answer).
 """
 
@@ -17,8 +17,10 @@ import random
 from pathlib import Path
 
 INSTRUCTION = "Put the final answer in <answer></answer> tags."
-# No example answer in the prompt: the model copies its number.
-SYSTEM = "You are a helpful assistant. Solve the math question, then give the final answer in <answer></answer> tags."
+# The answer format, shown once. (Asked for in words only, the model almost never uses the tags, and
+# an example inside a system message gets its number copied.)
+EXAMPLE = [{"role": "user", "content": f"What is 7 + 5? {INSTRUCTION}"},
+           {"role": "assistant", "content": "7 + 5 = 12. <answer>12</answer>"}]
 
 
 def problem(rng: random.Random) -> tuple[str, int]:
@@ -42,7 +44,7 @@ def small_problems(rng: random.Random) -> list[tuple[str, int]]:
 
 
 def rl_row(question: str, answer: int) -> dict:
-    prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    prompt = [*EXAMPLE, {"role": "user", "content": question}]
     return {"prompt": prompt, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}}
 
 
