@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from RL2.algs.advantages import (
     broadcast_turns_to_tokens,
@@ -178,8 +179,8 @@ class PPOTrainer(Trainer):
         if not due:
             return False
         for ref_param, actor_param in zip(self.ref.model.parameters(), self.actor.model.parameters()):
-            local = getattr(ref_param, "_local_tensor", ref_param)
-            local.lerp_(getattr(actor_param, "_local_tensor", actor_param).to(local.dtype), kl.reset_alpha)
+            local = shard_of(ref_param)
+            local.lerp_(shard_of(actor_param).to(local.dtype), kl.reset_alpha)
         log_rank0(f"step {step}: reference reset (alpha={kl.reset_alpha}, KL to it was {ref_kl})")
         return True
 
@@ -263,6 +264,11 @@ class RolloutTensors:
     turn_rewards: torch.Tensor  # [B, K] each turn's reward (0 on padding turns)
     turn_mask: torch.Tensor  # [B, K] 1.0 on real turns
     turn_ids: torch.Tensor  # [B, T] the turn of each action token, -1 elsewhere
+
+
+def shard_of(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) parameter, sharing its storage."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def sum_lengths(groups: list[list[Trajectory]]) -> int:
