@@ -20,6 +20,7 @@ from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.rollout import (
     continuation,
     filter_groups,
+    partial_rollout_batch,
     pass_at_k,
     rollout_batch,
     rollout_metrics,
@@ -338,8 +339,6 @@ def test_http_client_errors_name_the_server(engine):
 def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     """Trajectories cut by the pause and resumed (after a JSON round trip, as a checkpoint keeps them)
     end with the tokens, masks and log-probabilities of an uninterrupted greedy rollout."""
-    from RL2.rollout.rollout import partial_rollout_batch
-
     env = load_env(ENVS / "echo.py")
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 3}} for i in range(4)]
@@ -378,8 +377,6 @@ def roll_fresh(model, tok, env, prompt: str, params: dict) -> Trajectory:
 
 
 def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
-    from RL2.rollout.rollout import partial_rollout_batch
-
     env = load_env(ENVS / "echo.py")
     rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
     finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
