@@ -60,13 +60,15 @@ def reference(path: str) -> dict:
             "params": params}
 
 
-def assert_equal_to_reference(result: dict, ref: dict) -> None:
+def assert_equal_to_reference(result: dict, ref: dict, trained_only: bool = False) -> None:
+    """`trained_only`: the layout computed logits at trained tokens only; the others must read 0."""
     assert result["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-    for ours, theirs in zip(result["logps"], ref["logps"]):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    for ours, theirs in zip(result["entropy"], ref["entropy"]):
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+    masks = [torch.tensor(ex["loss_mask"][1:], dtype=torch.float32) if trained_only else 1.0 for ex in examples()]
+    for ours, theirs, mask in zip(result["logps"], ref["logps"], masks):
+        torch.testing.assert_close(ours, theirs * mask, atol=1e-5, rtol=1e-5)
+    for ours, theirs, mask in zip(result["entropy"], ref["entropy"], masks):
+        torch.testing.assert_close(ours, theirs * mask, atol=1e-4, rtol=1e-5)
     assert set(result["grads"]) == set(ref["grads"])
     for name, grad in ref["grads"].items():
         # fp32 sums in another order: errors ~1e-5 of the tensor's largest entry.
@@ -86,22 +88,24 @@ def run_layouts(tmp_path, nproc: int, specs: list[str]) -> dict:
 
 def test_two_rank_layouts_equal_one_process(llama_path, tmp_path):
     """dp=2 (fsdp), tp=2 and cp=2 on the tied-embedding Llama; cp=2 trains a sequence longer than one rank's
-    budget, recomputing activations in backward (the K/V all-gathers run again)."""
-    specs = [f"{llama_path}@tp=1", f"{llama_path}@tp=2", f"{llama_path}@cp=2,ac=1"]
+    budget, recomputing activations in backward (the K/V all-gathers run again). tp=2 and cp=2 compute
+    logits at trained tokens only, as the trainers do."""
+    specs = [f"{llama_path}@tp=1", f"{llama_path}@tp=2,trained=1", f"{llama_path}@cp=2,ac=1,trained=1"]
     results = run_layouts(tmp_path, 2, specs)
     ref = reference(llama_path)
     for spec in specs:
-        assert_equal_to_reference(results[spec], ref)
+        assert_equal_to_reference(results[spec], ref, trained_only="trained=1" in spec)
     assert max(LENGTHS) - 1 > results[specs[2]]["max_length_per_device"]
 
 
 def test_hybrid_sharding_and_tp_with_cp_four_ranks(llama_path, qwen_paths, tmp_path):
-    """ddp=2 x fsdp=2 (replicate x shard) and tp=2 x cp=2 on Qwen3 (per-head q/k norms, untied head)."""
-    specs = [f"{llama_path}@ddp=2", f"{qwen_paths['qwen3']}@tp=2,cp=2"]
+    """ddp=2 x fsdp=2 (replicate x shard) and tp=2 x cp=2 on Qwen3 (per-head q/k norms, untied head),
+    the latter with logits at trained tokens only."""
+    specs = [f"{llama_path}@ddp=2", f"{qwen_paths['qwen3']}@tp=2,cp=2,trained=1"]
     results = run_layouts(tmp_path, 4, specs)
     assert results[specs[0]]["fsdp"] == 2
     assert_equal_to_reference(results[specs[0]], reference(llama_path))
-    assert_equal_to_reference(results[specs[1]], reference(qwen_paths["qwen3"]))
+    assert_equal_to_reference(results[specs[1]], reference(qwen_paths["qwen3"]), trained_only=True)
 
 
 @pytest.mark.slow

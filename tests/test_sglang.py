@@ -13,6 +13,7 @@ import asyncio
 import copy
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -258,12 +259,18 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
     engine = SGLangEngine.connect(SimpleNamespace(server_url=server.url, weight_sync="none", weight_bucket_mb=1.0,
                                                   weights_dir=None), "unused")
     other = HTTPEngineClient([server.url])
-    params = {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True}
+    # Long enough to be still running when the pause comes, however fast this machine decodes: about
+    # 10 s of decoding, paused after a fifth of it.
+    started = time.perf_counter()
+    generate(server.url, prompts[:1], max_new_tokens=64, ignore_eos=True)
+    tokens_per_s = 64 / (time.perf_counter() - started)
+    n_tokens = int(min(max(10 * tokens_per_s, 100), 1900))  # the tiny model holds 2048 tokens
+    params = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
 
     async def main():
         mine = asyncio.create_task(engine.generate({"input_ids": prompts[0], "sampling_params": params}))
         theirs = asyncio.create_task(other.generate({"input_ids": prompts[1], "sampling_params": params}))
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(0.2 * n_tokens / tokens_per_s)
         await engine.pause_generation("abort")
         aborted = await asyncio.wait_for(mine, 60)
         held = asyncio.create_task(engine.generate({"input_ids": prompts[2], "sampling_params": params | {
@@ -274,8 +281,8 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
         return aborted, await theirs, await held
 
     aborted, finished, held = asyncio.run(main())
-    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(aborted["output_ids"]) < 300
-    assert finished["meta_info"]["finish_reason"]["type"] == "length" and len(finished["output_ids"]) == 300
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(aborted["output_ids"]) < n_tokens
+    assert finished["meta_info"]["finish_reason"]["type"] == "length" and len(finished["output_ids"]) == n_tokens
     assert held["meta_info"]["finish_reason"]["type"] == "length"
 
 

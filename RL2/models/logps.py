@@ -35,11 +35,14 @@ class PackedForward:
     """A model's output on one packed row, as this rank holds it.
 
     Attributes:
-        local_logits: `[1, t, V_local]`: this rank's tokens (all T without cp), its vocabulary slice.
-        local_labels: `[1, t]` the labels of those tokens.
+        local_logits: `[1, k, V_local]`: this rank's tokens (all T without cp), or only the `kept` ones
+            of them, and its vocabulary slice.
+        local_labels: `[1, k]` the labels of those tokens.
         vocab: reductions over the (possibly split) vocabulary.
         context: how the row is split over cp ranks, None without context parallelism.
         length: T, the tokens of the whole row.
+        kept: which of this rank's t tokens have logits (`forward_packed(trained_only=True)`), None: all.
+        local_length: t.
     """
 
     local_logits: torch.Tensor
@@ -47,17 +50,23 @@ class PackedForward:
     vocab: VocabShard
     context: ContextShard | None
     length: int
+    kept: torch.Tensor | None = None
+    local_length: int = 0
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Per-token values of this rank's tokens `[1, t]` -> the whole row `[1, T]`, differentiably."""
+        """Per-token values of the tokens with logits `[1, k]` -> the whole row `[1, T]` (0.0 at tokens
+        without logits), differentiably."""
+        if self.kept is not None:
+            local = local.new_zeros(1, self.local_length).index_copy(1, self.kept, local)
         return local if self.context is None else self.context.gather(local, self.length)
 
     @property
     def logits(self) -> torch.Tensor:
         """Full `[1, T, V]` logits; only when neither the tokens nor the vocabulary are split."""
-        if self.context is not None or self.vocab.split:
-            raise RuntimeError("logits are split over cp/tp ranks; use PackedForward.logps(), entropy(), values() "
-                               "or reduce local_logits with PackedForward.vocab and gather()")
+        if self.context is not None or self.vocab.split or self.kept is not None:
+            raise RuntimeError("logits are split over cp/tp ranks or kept at trained tokens only; use "
+                               "PackedForward.logps(), entropy(), values() or reduce local_logits with "
+                               "PackedForward.vocab and gather()")
         return self.local_logits
 
     def logps(self, temperature: float = 1.0) -> torch.Tensor:
@@ -75,12 +84,19 @@ class PackedForward:
         return self.gather(self.local_logits.squeeze(-1).float())
 
 
-def forward_packed(model: torch.nn.Module, mb: MicroBatch) -> PackedForward:
-    """Run the model on one packed row; attention stays within each sequence (see RL2.models.attention)."""
+def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = False) -> PackedForward:
+    """Run the model on one packed row; attention stays within each sequence (see RL2.models.attention).
+
+    With `trained_only`, the output projection runs only at the tokens whose label is trained
+    (`mb.loss_mask`): a prompt's logits are never used by a loss, and with a vocabulary of ~50k-150k
+    the projection (and the float32 log-softmax after it) is a fifth or more of a small model's work
+    per token. Per-token results then read 0.0 at the other tokens.
+    """
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
     length = mb.input_ids.shape[1]
     if layout.cp_group is None:
         max_len = max(mb.seq_lens)
+        kept = mb.loss_mask[0].nonzero()[:, 0] if trained_only else None
         out = model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
@@ -89,16 +105,30 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch) -> PackedForward:
             max_length_q=max_len,
             max_length_k=max_len,
             use_cache=False,
+            **_keep(kept),
         )
-        return PackedForward(out.logits, mb.labels, layout.vocab, None, length)
+        return PackedForward(out.logits, _pick(mb.labels, kept), layout.vocab, None, length, kept, length)
     shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)
+    local_mask = shard.shard(mb.loss_mask)
+    kept = local_mask[0].nonzero()[:, 0] if trained_only else None
     out = model(
         input_ids=shard.shard(mb.input_ids),
         position_ids=shard.positions.unsqueeze(0),
         context_shard=shard,
         use_cache=False,
+        **_keep(kept),
     )
-    return PackedForward(out.logits, shard.shard(mb.labels), layout.vocab, shard, length)
+    labels = shard.shard(mb.labels)
+    return PackedForward(out.logits, _pick(labels, kept), layout.vocab, shard, length, kept, labels.shape[1])
+
+
+def _keep(kept: torch.Tensor | None) -> dict:
+    """HF's `logits_to_keep` as a 1-D tensor of positions: the output projection runs on those only."""
+    return {} if kept is None else {"logits_to_keep": kept}
+
+
+def _pick(row: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    return row if kept is None else row[:, kept]
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -107,4 +137,5 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
 
 
 def packed_logps(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
-    return forward_packed(model, mb).logps(temperature)
+    """log p of the trained labels of one packed row, `[1, T]` (0.0 where `loss_mask` is 0)."""
+    return forward_packed(model, mb, trained_only=True).logps(temperature)

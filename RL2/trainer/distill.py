@@ -39,8 +39,8 @@ class DistillTrainer(SFTTrainer):
 
     def token_losses(self, mb) -> torch.Tensor:
         with torch.no_grad():
-            teacher = forward_packed(self.teacher.model, mb)
-        student = forward_packed(self.actor.model, mb)
+            teacher = forward_packed(self.teacher.model, mb, trained_only=True)
+        student = forward_packed(self.actor.model, mb, trained_only=True)
         # Both are split alike (one layout per run): reduce the local slices, then gather the tokens.
         kl = token_kl(student.local_logits, teacher.local_logits, self.cfg.actor.kl, self.cfg.actor.temperature,
                       student.vocab)

@@ -93,9 +93,9 @@ class Actor:
 
     @torch.no_grad()
     def logps(self, examples: list[dict]) -> list[list[float]]:
-        """log p(token t | tokens < t) of every token of every example."""
+        """log p(token t | tokens < t) of every trained token of every example (0.0 at the others)."""
         return per_token_pass(self.dims, examples, self.cfg.max_length_per_device, self.device,
-                              lambda mb: forward_packed(self.model, mb).logps())
+                              lambda mb: forward_packed(self.model, mb, trained_only=True).logps())
 
     def update(self, examples: list[dict], n_prompts: int) -> dict[str, float]:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch.
@@ -127,7 +127,7 @@ class Actor:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""
         cfg = self.cfg
         weights = mb.loss_weights  # sum to 1 over the (mini-)batch on all ranks
-        output = forward_packed(self.model, mb)
+        output = forward_packed(self.model, mb, trained_only=True)
         logps = output.logps()
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = extra(mb, "engine_logps")

@@ -52,6 +52,7 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
     degrees = {k: int(v) for k, v in (item.split("=") for item in degrees.split(","))}
     tp, cp, ddp = degrees.get("tp", 1), degrees.get("cp", 1), degrees.get("ddp", 1)
     checkpointing = bool(degrees.get("ac", 0))  # ac=1: recompute activations in backward
+    trained_only = bool(degrees.get("trained", 0))  # trained=1: logits at trained tokens only
     dims = ParallelDims(dist.get_world_size(), tp=tp, cp=cp, ddp=ddp, device_type=device.type)
     dims.build_mesh()
     cfg = model_config(path, tp, cp, ddp)
@@ -63,7 +64,7 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
     local, loss_sum = {}, 0.0
     for mb in micro:
         mb = mb.to(device)
-        out = forward_packed(worker.model, mb)
+        out = forward_packed(worker.model, mb, trained_only=trained_only)
         logps, entropy = out.logps(), out.entropy()
         loss = ((-logps - ENTROPY_COEF * entropy) * mb.loss_weights).sum()
         (loss * dims.grad_divide_factor).backward()
