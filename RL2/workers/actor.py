@@ -128,7 +128,7 @@ class Actor:
         cfg = self.cfg
         weights = mb.loss_weights  # sum to 1 over the (mini-)batch on all ranks
         output = forward_packed(self.model, mb, trained_only=True)
-        logps = output.logps()
+        logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0)
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = extra(mb, "engine_logps")
         losses, metrics = policy_loss(
@@ -146,8 +146,6 @@ class Actor:
             kl = compute_kl(cfg.kl.estimator, logps, extra(mb, "ref_logps"))
             losses = losses + cfg.kl.coef * kl
             metrics["kl"] = (kl.detach() * weights).sum()
-        with torch.set_grad_enabled(cfg.entropy.coef > 0 and torch.is_grad_enabled()):
-            entropy = output.entropy()
         if cfg.entropy.coef > 0:
             losses = losses - cfg.entropy.coef * entropy
         metrics["entropy"] = (entropy.detach() * weights).sum()

@@ -65,7 +65,7 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
     for mb in micro:
         mb = mb.to(device)
         out = forward_packed(worker.model, mb, trained_only=trained_only)
-        logps, entropy = out.logps(), out.entropy()
+        logps, entropy = out.logps_and_entropy(entropy_grad=True)
         loss = ((-logps - ENTROPY_COEF * entropy) * mb.loss_weights).sum()
         (loss * dims.grad_divide_factor).backward()
         loss_sum += loss.item()
