@@ -29,11 +29,12 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
     """(name, full tensor) of every parameter of an FSDP2 model, one at a time. Collective.
 
     Each DTensor is all-gathered on its own, so no rank holds more than one full tensor beyond its
-    shards. FSDP2 keeps the HF parameter names, so they match the engine model's state_dict.
+    shards. Shards are cast before the gather, so a bf16 engine moves half the bytes of the float32
+    master weights. FSDP2 keeps the HF parameter names, so they match the engine model's state_dict.
     """
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, tensor.detach().to(dtype)
+        tensor = param.detach().to(dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
