@@ -9,9 +9,12 @@ boolean attention mask, which HF passes through untouched; the logits of the pos
 sampled go through a packed copy of the output projection (see `PackedHead`).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
 # of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
@@ -19,11 +22,56 @@ import torch
 MIN_SHARED_PREFIX = 16
 
 
+DECODE_ATTN = "rl2_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one new token per row over its cached keys; longer queries (prefill) go to SDPA.
+
+    query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]`, attention_mask boolean `[rows, 1, 1, L]`.
+    With a single query, torch's CPU SDPA kernel spends most of its time on blocking and masking
+    (measured: 2.8 ms per layer for 32 rows in bf16, against 0.4 ms here). Scores and softmax run in
+    float32, as SDPA's kernels accumulate them, so a bf16 engine samples from the same distribution.
+    """
+    if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        key, value = key.to(query.dtype), value.to(query.dtype)  # the cache holds float32
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    grouped = query.view(rows, kv_heads, heads // kv_heads, dim).float()  # query heads sharing a kv head
+    key, value = key.float(), value.float()  # no-ops: the cache holds float32
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
+    scores = scores.masked_fill(~attention_mask.view(rows, 1, 1, length), float("-inf"))
+    out = torch.matmul(scores.softmax(-1), value).to(query.dtype)
+    return out.view(rows, 1, heads, dim), None  # [rows, q=1, H, D], as HF's attention functions return
+
+
+AttentionInterface.register(DECODE_ATTN, decode_attention)
+
+
+@contextmanager
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run the model's attention layers with `name` for the duration (HF reads it at every forward).
+
+    Scoped rather than set once: the engine may be handed a model its caller also uses.
+    """
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 class SlotKVCache:
     """Keys and values of all running requests, one pre-allocated row per request.
 
     Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold
-    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN.
+    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. They hold
+    float32 whatever the model's dtype: decode attention reads every cached key at every step, and
+    upcasting bf16 keys there cost more than the attention itself (the values are the same).
     HF attention layers call `update` once per layer and attend over what it returns.
     """
 
@@ -55,11 +103,12 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """HF cache API: store this layer's new keys/values, return the ones to attend over."""
         if layer_idx == len(self.keys):
-            self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3]))
-            self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3]))
+            self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3], dtype=torch.float32))
+            self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3], dtype=torch.float32))
         keys = self._reserve(self.keys, layer_idx, self._rows.stop, self._length)
         values = self._reserve(self.values, layer_idx, self._rows.stop, self._length)
         rows, start = self._rows, self._start
+        key, value = key.to(keys.dtype), value.to(values.dtype)
         if self._positions is None:
             if self._prefix_row is not None:
                 keys[rows, :, :start] = keys[self._prefix_row, :, :start]
@@ -239,9 +288,11 @@ class ModelRunner:
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache, use_cache=True
         )
         if self.head is None:
-            logits = self.model(**inputs, logits_to_keep=1 if keep is None else keep).logits
+            with attention_implementation(self.model, DECODE_ATTN):
+                logits = self.model(**inputs, logits_to_keep=1 if keep is None else keep).logits
             return None if keep is None else logits[:, 0]
-        hidden = self.model.get_decoder()(**inputs).last_hidden_state
+        with attention_implementation(self.model, DECODE_ATTN):
+            hidden = self.model.get_decoder()(**inputs).last_hidden_state
         if keep is None:
             return None
         return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
