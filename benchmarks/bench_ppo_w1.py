@@ -3,10 +3,12 @@
     python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl]
 
 W1: the embedded SmolLM2-135M-Instruct, 8 prompts x 4 responses, exactly 64 new tokens each
-(`ignore_eos`), no KL, one optimizer step per rollout, float32 (bfloat16 only where the CPU has it
-natively; elsewhere it is emulated and far slower, for TRL too). Prints seconds per step split by
-phase (medians over the steps after the first), the update phase's achieved FLOP/s against the
-float32 matmul peak measured in the same run, the ratio to TRL, and peak resident memory.
+(`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is bfloat16 where
+the CPU has it natively and float32 elsewhere (emulated bf16 is far slower, for TRL too); TRL runs in
+the same dtype (`bf16=True` is its faster mode where bf16 is native). Prints seconds per step split
+by phase (medians over the steps after the first), the update phase's achieved FLOP/s against the
+matmul peak of that dtype measured in the same run (model FLOPs, 6 x parameters x tokens, as MFU counts
+them), the ratio to TRL, and peak resident memory.
 TRL is not a dependency of RL2: `pip install trl` to include it.
 """
 
@@ -102,11 +104,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2, help="RL2 ranks")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--skip-trl", action="store_true")
     args = parser.parse_args()
+    from RL2.workers.fsdp import compute_dtype
+
+    dtype = compute_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = str(dtype).removeprefix("torch.")
     torch.set_num_threads(os.cpu_count() or 1)
-    peak = matmul_peak(torch.float32)
+    peak = matmul_peak(dtype)
     from RL2.models.embedded import resolve_model_path
 
     n_params = matmul_params(resolve_model_path("smollm2-135m-instruct"))
@@ -116,7 +122,7 @@ def main() -> None:
         trl = None if args.skip_trl else run_trl(args, Path(tmp))
     update_flops = 6 * n_params * rl2["update_tokens"] / rl2["perf/actor_update_s"]
     print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}); "
-          f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s, median of steps 2..{args.steps}\n")
+          f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, median of steps 2..{args.steps}\n")
     print("| system | s/step | rollout s | old logps s | update s | sync s | update GFLOP/s | % of peak | peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| RL2, {args.nproc} ranks | {rl2['perf/step_s']:.1f} | {rl2['perf/rollout_s']:.1f} | "
@@ -124,7 +130,7 @@ def main() -> None:
           f"{update_flops / 1e9:.1f} | {100 * update_flops / peak:.0f}% | {rl2_rss:.1f} GB/rank |")
     if trl:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-        print(f"| TRL GRPOTrainer, 1 process | {trl['perf/step_s']:.1f} | | | | | | | {rss:.1f} GB |")
+        print(f"| TRL GRPOTrainer ({args.dtype}), 1 process | {trl['perf/step_s']:.1f} | | | | | | | {rss:.1f} GB |")
         print(f"\nRL2 is {trl['perf/step_s'] / rl2['perf/step_s']:.2f}x faster per step than TRL in this run.")
 
 

@@ -85,6 +85,16 @@ def test_greedy_matches_hf_generate(engine, model):
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
 
 
+def test_the_callers_model_keeps_its_own_kernels(engine, model):
+    """The engine's decode attention and packed linears apply to its own forwards only: the model it
+    was handed (here also the tests' reference) runs HF's kernels outside them."""
+    implementation = model.config._attn_implementation
+    generate(engine, payload(PROMPTS[0]))
+    assert model.config._attn_implementation == implementation
+    assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert engine.runner.packed, "the engine packs its linear layers on a CPU with oneDNN"
+
+
 def test_logprobs_are_raw_model_logprobs(engine, model):
     prompt = PROMPTS[2]
     for temperature in (1.0, 0.7):
