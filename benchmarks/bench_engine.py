@@ -1,6 +1,6 @@
 """Generation throughput of the embedded engine against Hugging Face `generate`, in one process.
 
-    python benchmarks/bench_engine.py [--repeats 3] [--requests 32] [--new-tokens 64] [--dtype float32] [--threads N]
+    python benchmarks/bench_engine.py [--repeats 3] [--requests 32] [--new-tokens 64] [--dtype auto] [--threads N]
 
 Workload (issue #3's benchmark): the embedded SmolLM2-135M-Instruct, 32 chat-formatted prompts,
 exactly 64 new tokens each, sampled at temperature 1. The engine gets 32 concurrent `generate`
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from RL2.models.embedded import resolve_model_path
 from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.workers.fsdp import compute_dtype
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", help="float32 (CPUs without native bf16) or bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -96,7 +97,9 @@ def main() -> None:
 
     path = resolve_model_path("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    dtype = compute_dtype(args.dtype, torch.device("cpu"))  # what the trainer's engine would run in
+    args.dtype = str(dtype).removeprefix("torch.")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     prompts = chat_prompts(tokenizer, args.requests)
     engine = EmbeddedEngine(model, tokenizer, max_running_requests=max(64, args.requests))
     hf_thread = ThreadPoolExecutor(max_workers=1)
