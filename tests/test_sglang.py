@@ -190,15 +190,26 @@ def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts):
         assert logps == pytest.approx(model_logps(hf_model, prompt, tokens), abs=1e-3)
 
 
+def still_running_when_paused(url: str, prompt: list[int]) -> tuple[int, float]:
+    """(max_new_tokens, seconds to wait before pausing) for a request still decoding at the pause,
+    however fast this machine is: about 10 s of decoding, paused after a fifth of it."""
+    started = time.perf_counter()
+    generate(url, [prompt], max_new_tokens=64)
+    tokens_per_s = 64 / (time.perf_counter() - started)
+    n_tokens = int(min(max(10 * tokens_per_s, 100), 1900))  # the tiny model holds 2048 tokens
+    return n_tokens, 0.2 * n_tokens / tokens_per_s
+
+
 @sglang_test
 def test_pause_abort_returns_partial_output(server, hf_model, prompts):
     client = HTTPEngineClient([server.url])
+    n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
 
     async def main():
         long = {"input_ids": prompts[0], "return_logprob": True,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}}
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}}
         task = asyncio.create_task(client.generate(long))
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(pause_after)
         await client.pause_generation("abort")
         aborted = await asyncio.wait_for(task, 60)
         await client.continue_generation()
@@ -208,7 +219,7 @@ def test_pause_abort_returns_partial_output(server, hf_model, prompts):
     meta = aborted["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     n = len(aborted["output_ids"])
-    assert 0 < n < 1500 and meta["completion_tokens"] == n
+    assert 0 < n < n_tokens and meta["completion_tokens"] == n
     check = min(n, 24)
     assert aborted["output_ids"][:check] == hf_greedy(hf_model, prompts[0], check)[0]
     # After continue_generation the server serves new requests to the end.
@@ -259,18 +270,13 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
     engine = SGLangEngine.connect(SimpleNamespace(server_url=server.url, weight_sync="none", weight_bucket_mb=1.0,
                                                   weights_dir=None), "unused")
     other = HTTPEngineClient([server.url])
-    # Long enough to be still running when the pause comes, however fast this machine decodes: about
-    # 10 s of decoding, paused after a fifth of it.
-    started = time.perf_counter()
-    generate(server.url, prompts[:1], max_new_tokens=64, ignore_eos=True)
-    tokens_per_s = 64 / (time.perf_counter() - started)
-    n_tokens = int(min(max(10 * tokens_per_s, 100), 1900))  # the tiny model holds 2048 tokens
+    n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
     params = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
 
     async def main():
         mine = asyncio.create_task(engine.generate({"input_ids": prompts[0], "sampling_params": params}))
         theirs = asyncio.create_task(other.generate({"input_ids": prompts[1], "sampling_params": params}))
-        await asyncio.sleep(0.2 * n_tokens / tokens_per_s)
+        await asyncio.sleep(pause_after)
         await engine.pause_generation("abort")
         aborted = await asyncio.wait_for(mine, 60)
         held = asyncio.create_task(engine.generate({"input_ids": prompts[2], "sampling_params": params | {
