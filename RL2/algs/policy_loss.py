@@ -147,13 +147,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     Returns:
         `[...]` entropies.
     """
-    return entropy_from_log_probs(F.log_softmax(logits, dim=-1))
-
-
-def entropy_from_log_probs(log_probs: Tensor) -> Tensor:
-    """`entropy_from_logits` from a ready log-softmax `[..., V]` (one pass over the vocabulary less)."""
-    log_probs = log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
-    return -(log_probs.exp() * log_probs).sum(-1)
+    logp = F.log_softmax(logits, dim=-1)
+    logp = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from RL2.algs.policy_loss import entropy_from_log_probs, entropy_from_logits
+from RL2.algs.policy_loss import entropy_from_logits
 from RL2.datasets.packing import MicroBatch
+from RL2.models.chunked_logps import logps_and_entropy as chunked_logps_and_entropy
 from RL2.models.context_parallel import ContextShard
 from RL2.models.vocab_parallel import VocabShard
 
@@ -81,22 +81,19 @@ class PackedForward:
         return self.gather(entropy_from_logits(self.local_logits.float()))
 
     def logps_and_entropy(self, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logps()` and `entropy()` (temperature 1) from one float32 log-softmax.
+        """`logps()` and `entropy()` (temperature 1) in one pass over the logits.
 
         The `[tokens, vocabulary]` float32 passes are the largest memory traffic of a small model's
-        step; sharing the log-softmax saves two of them. The entropy carries a gradient only with
-        `entropy_grad` (an entropy bonus); otherwise it is a metric.
+        step: without tensor parallelism both come from `RL2.models.chunked_logps`, a few tokens at a
+        time. The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise
+        it is a metric.
         """
-        with_grad = entropy_grad and torch.is_grad_enabled()
         if self.vocab.split:
-            with torch.set_grad_enabled(with_grad):
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self.entropy()
             return self.logps(), entropy
-        log_probs = F.log_softmax(self.local_logits.float(), -1)
-        logps = log_probs.gather(-1, self.local_labels.unsqueeze(-1)).squeeze(-1)
-        with torch.set_grad_enabled(with_grad):
-            entropy = entropy_from_log_probs(log_probs)
-        return self.gather(logps), self.gather(entropy)
+        logps, entropy = chunked_logps_and_entropy(self.local_logits, self.local_labels)
+        return self.gather(logps), self.gather(entropy if entropy_grad else entropy.detach())
 
     def values(self) -> torch.Tensor:
         """A scalar head's output at every position (critic, reward model), float32 `[1, T]`."""

@@ -1,0 +1,62 @@
+"""Log-probabilities of the labels and entropies from logits, a few tokens at a time.
+
+A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a small model's step
+(1k tokens x a 49k vocabulary is 200 MB), and every elementwise pass over it (the cast, the
+log-softmax, exp, the product of the entropy, and each of their backward passes) streams it
+through memory. Here each chunk of rows is cast, reduced and, in backward, turned into its
+gradient while it sits in the CPU's cache; only the log-sum-exp and entropy of each token are kept
+between forward and backward. Logits of -inf (masked vocabulary entries) count as probability 0.
+"""
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 20  # float32 elements per chunk: 4 MB, within a core's share of the cache
+
+
+class LogpsAndEntropy(torch.autograd.Function):
+    """`(log p(labels), entropy)` of `softmax(logits)`, float32, for logits `[N, V]` of any float dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
+        logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
+        entropy, lse = torch.empty_like(logps), torch.empty_like(logps)
+        for rows in _chunks(logits):
+            z = logits[rows].to(torch.float32, copy=True)  # a copy: it is changed in place
+            lse[rows] = torch.logsumexp(z, -1)
+            log_probs = _log_probs(z, lse[rows])
+            logps[rows] = log_probs.gather(-1, labels[rows, None])[:, 0]
+            entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        """d log p_y / dz_j = [j = y] - p_j;  d H / dz_j = -p_j (log p_j + H)."""
+        logits, labels, lse, entropy = ctx.saved_tensors
+        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
+        grad = torch.empty_like(logits)
+        for rows in _chunks(logits):
+            log_probs = _log_probs(logits[rows].to(torch.float32, copy=True), lse[rows])
+            scale = grad_logps[rows, None]
+            if grad_entropy is not None:
+                scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
+            chunk = log_probs.exp_().mul_(scale).neg_()
+            chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
+            grad[rows] = chunk
+        return grad, None
+
+
+def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`."""
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return logps.view(labels.shape), entropy.view(labels.shape)
+
+
+def _chunks(logits: torch.Tensor):
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    return (slice(start, start + step) for start in range(0, logits.shape[0], step))
+
+
+def _log_probs(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    # -inf logits give the most negative finite log-probability: p log p is then 0, not nan.
+    return z.sub_(lse[:, None]).clamp_(min=torch.finfo(z.dtype).min)

@@ -1,0 +1,46 @@
+"""Chunked log-probs and entropies against a float64 log-softmax, values and gradients."""
+
+import pytest
+import torch
+
+from RL2.models import chunked_logps
+from RL2.models.chunked_logps import logps_and_entropy
+
+
+def reference(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = torch.log_softmax(logits.double(), -1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs.nan_to_num(neginf=0.0)).sum(-1)
+    return log_probs.gather(-1, labels[..., None])[..., 0], entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logps_and_entropy_equal_log_softmax(monkeypatch, dtype):
+    """Chunks of 3 rows over 10 tokens (the last one short); one masked (-inf) vocabulary entry."""
+    monkeypatch.setattr(chunked_logps, "CHUNK_ELEMENTS", 3 * 50)
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 50, generator=generator)).to(dtype)
+    logits[0, 1, 7] = float("-inf")
+    logits.requires_grad_()
+    labels = torch.randint(0, 50, (2, 5), generator=generator)
+    labels[0, 1] = 3
+    before = logits.detach().clone()
+
+    logps, entropy = logps_and_entropy(logits, labels)
+    expected_logps, expected_entropy = reference(logits.detach(), labels)
+    torch.testing.assert_close(logps.double(), expected_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits.detach(), before)  # the input is not changed in place
+
+    weights = torch.randn(2, 2, 5, generator=generator)
+    (grad,) = torch.autograd.grad((logps * weights[0] + entropy * weights[1]).sum(), logits)
+    leaf = logits.detach().double().requires_grad_()
+    ref_logps, ref_entropy = reference(leaf, labels)
+    (expected,) = torch.autograd.grad((ref_logps * weights[0] + ref_entropy * weights[1]).sum(), leaf)
+    expected = expected.nan_to_num(nan=0.0)  # d/dz at a -inf logit: p = 0, no gradient
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient is returned in the logits' dtype
+    torch.testing.assert_close(grad.double(), expected, atol=tolerance, rtol=tolerance)
+
+    (only_logps,) = torch.autograd.grad(logps_and_entropy(logits, labels)[0].sum(), logits)
+    (expected,) = torch.autograd.grad(reference(leaf, labels)[0].sum(), leaf)
+    torch.testing.assert_close(only_logps.double(), expected.nan_to_num(nan=0.0), atol=tolerance, rtol=tolerance)
