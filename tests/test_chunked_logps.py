@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from RL2.models import chunked_logps
-from RL2.models.chunked_logps import logps_and_entropy
+from RL2.models.chunked_logps import logps_and_entropy, token_logps
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,8 @@ def test_chunked_logps_and_entropy_equal_log_softmax(monkeypatch, dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient is returned in the logits' dtype
     torch.testing.assert_close(grad.double(), expected, atol=tolerance, rtol=tolerance)
 
-    (only_logps,) = torch.autograd.grad(logps_and_entropy(logits, labels)[0].sum(), logits)
     (expected,) = torch.autograd.grad(reference(leaf, labels)[0].sum(), leaf)
-    torch.testing.assert_close(only_logps.double(), expected.nan_to_num(nan=0.0), atol=tolerance, rtol=tolerance)
+    for logps in (logps_and_entropy(logits, labels)[0], token_logps(logits, labels)):  # entropy unused / not made
+        torch.testing.assert_close(logps.double(), expected_logps, atol=1e-5, rtol=1e-5)
+        (grad,) = torch.autograd.grad(logps.sum(), logits)
+        torch.testing.assert_close(grad.double(), expected.nan_to_num(nan=0.0), atol=tolerance, rtol=tolerance)

@@ -17,15 +17,17 @@ class LogpsAndEntropy(torch.autograd.Function):
     """`(log p(labels), entropy)` of `softmax(logits)`, float32, for logits `[N, V]` of any float dtype."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
         logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
-        entropy, lse = torch.empty_like(logps), torch.empty_like(logps)
+        entropy, lse = torch.zeros_like(logps), torch.empty_like(logps)
         for rows in _chunks(logits):
-            z = logits[rows].to(torch.float32, copy=True)  # a copy: it is changed in place
-            lse[rows] = torch.logsumexp(z, -1)
-            log_probs = _log_probs(z, lse[rows])
-            logps[rows] = log_probs.gather(-1, labels[rows, None])[:, 0]
-            entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+            chunk = logits[rows].float()
+            lse[rows] = torch.logsumexp(chunk, -1)
+            logps[rows] = chunk.gather(-1, labels[rows, None])[:, 0] - lse[rows]
+            if with_entropy:
+                log_probs = _log_probs(chunk, lse[rows])
+                entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.with_entropy = with_entropy
         ctx.save_for_backward(logits, labels, lse, entropy)
         return logps, entropy
 
@@ -36,20 +38,26 @@ class LogpsAndEntropy(torch.autograd.Function):
         grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
         grad = torch.empty_like(logits)
         for rows in _chunks(logits):
-            log_probs = _log_probs(logits[rows].to(torch.float32, copy=True), lse[rows])
+            log_probs = _log_probs(logits[rows].float(), lse[rows])
             scale = grad_logps[rows, None]
-            if grad_entropy is not None:
+            if grad_entropy is not None and ctx.with_entropy:
                 scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
             chunk = log_probs.exp_().mul_(scale).neg_()
             chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
             grad[rows] = chunk
-        return grad, None
+        return grad, None, None
 
 
 def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`."""
-    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True)
     return logps.view(labels.shape), entropy.view(labels.shape)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels), float32 `[...]`, for logits `[..., V]` (no entropy computed)."""
+    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False)
+    return logps.view(labels.shape)
 
 
 def _chunks(logits: torch.Tensor):
@@ -59,4 +67,4 @@ def _chunks(logits: torch.Tensor):
 
 def _log_probs(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     # -inf logits give the most negative finite log-probability: p log p is then 0, not nan.
-    return z.sub_(lse[:, None]).clamp_(min=torch.finfo(z.dtype).min)
+    return (z - lse[:, None]).clamp_(min=torch.finfo(z.dtype).min)

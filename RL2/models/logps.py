@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from RL2.algs.policy_loss import entropy_from_logits
 from RL2.datasets.packing import MicroBatch
-from RL2.models.chunked_logps import logps_and_entropy as chunked_logps_and_entropy
+from RL2.models import chunked_logps
 from RL2.models.context_parallel import ContextShard
 from RL2.models.vocab_parallel import VocabShard
 
@@ -72,7 +72,10 @@ class PackedForward:
 
     def logps(self, temperature: float = 1.0) -> torch.Tensor:
         """log p(labels[t] | prefix), float32 `[1, T]`."""
-        return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
+        if self.vocab.split:
+            return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
+        logits = self.local_logits if temperature == 1.0 else self.local_logits / temperature
+        return self.gather(chunked_logps.token_logps(logits, self.local_labels))
 
     def entropy(self) -> torch.Tensor:
         """Entropy of each next-token distribution, float32 `[1, T]`."""
@@ -92,7 +95,7 @@ class PackedForward:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self.entropy()
             return self.logps(), entropy
-        logps, entropy = chunked_logps_and_entropy(self.local_logits, self.local_labels)
+        logps, entropy = chunked_logps.logps_and_entropy(self.local_logits, self.local_labels)
         return self.gather(logps), self.gather(entropy if entropy_grad else entropy.detach())
 
     def values(self) -> torch.Tensor:
