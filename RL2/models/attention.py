@@ -29,19 +29,21 @@ def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 
 def _torch_varlen(query, key, value, cu_seqlens, scaling):
+    # torch's CPU SDPA kernel runs forward and backward ~1.7x faster in float32 than in bf16 (measured:
+    # 16 sequences of 116 tokens, 29 ms against 50 ms per layer) and accumulates in float32 either way,
+    # so bf16 and fp16 inputs are upcast, one sequence at a time while it is in cache.
     outputs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start:end],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                is_causal=True,
-                scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
+        out = F.scaled_dot_product_attention(
+            query[:, :, start:end].float(),
+            key[:, :, start:end].float(),
+            value[:, :, start:end].float(),
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
         )
+        outputs.append(out.to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
