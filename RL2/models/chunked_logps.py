@@ -10,7 +10,9 @@ between forward and backward. Logits of -inf (masked vocabulary entries) count a
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 20  # float32 elements per chunk: 4 MB, within a core's share of the cache
+CHUNK_ELEMENTS = 1 << 20  # float32 elements per chunk on CPU: 4 MB, within a core's share of the cache
+# On a GPU the gain is memory (no float32 copy of all logits), and small chunks would cost kernel launches.
+CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
 class LogpsAndEntropy(torch.autograd.Function):
@@ -61,7 +63,8 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(logits: torch.Tensor):
-    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    elements = CUDA_CHUNK_ELEMENTS if logits.is_cuda else CHUNK_ELEMENTS
+    step = max(1, elements // logits.shape[-1])
     return (slice(start, start + step) for start in range(0, logits.shape[0], step))
 
 
