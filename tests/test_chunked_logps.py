@@ -46,3 +46,17 @@ def test_chunked_logps_and_entropy_equal_log_softmax(monkeypatch, dtype):
         torch.testing.assert_close(logps.double(), expected_logps, atol=1e-5, rtol=1e-5)
         (grad,) = torch.autograd.grad(logps.sum(), logits)
         torch.testing.assert_close(grad.double(), expected.nan_to_num(nan=0.0), atol=tolerance, rtol=tolerance)
+
+
+def test_chunked_logps_at_a_temperature(monkeypatch):
+    monkeypatch.setattr(chunked_logps, "CHUNK_ELEMENTS", 4 * 30)
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 30, generator=generator, dtype=torch.float64).float().requires_grad_()
+    labels = torch.randint(0, 30, (9,), generator=generator)
+    logps = token_logps(logits, labels, temperature=0.7)
+    leaf = logits.detach().double().requires_grad_()
+    expected = torch.log_softmax(leaf / 0.7, -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(logps.double(), expected, atol=1e-6, rtol=1e-6)
+    (grad,) = torch.autograd.grad(logps.sum(), logits)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), leaf)
+    torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-6)

@@ -16,20 +16,21 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
 class LogpsAndEntropy(torch.autograd.Function):
-    """`(log p(labels), entropy)` of `softmax(logits)`, float32, for logits `[N, V]` of any float dtype."""
+    """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
+    float dtype; the entropy is zeros unless `with_entropy`."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
         logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
         entropy, lse = torch.zeros_like(logps), torch.empty_like(logps)
         for rows in _chunks(logits):
-            chunk = logits[rows].float()
+            chunk = _scaled(logits[rows], temperature)
             lse[rows] = torch.logsumexp(chunk, -1)
             logps[rows] = chunk.gather(-1, labels[rows, None])[:, 0] - lse[rows]
             if with_entropy:
                 log_probs = _log_probs(chunk, lse[rows])
                 entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
-        ctx.with_entropy = with_entropy
+        ctx.with_entropy, ctx.temperature = with_entropy, temperature
         ctx.save_for_backward(logits, labels, lse, entropy)
         return logps, entropy
 
@@ -40,26 +41,31 @@ class LogpsAndEntropy(torch.autograd.Function):
         grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
         grad = torch.empty_like(logits)
         for rows in _chunks(logits):
-            log_probs = _log_probs(logits[rows].float(), lse[rows])
+            log_probs = _log_probs(_scaled(logits[rows], ctx.temperature), lse[rows])
             scale = grad_logps[rows, None]
             if grad_entropy is not None and ctx.with_entropy:
                 scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
             chunk = log_probs.exp_().mul_(scale).neg_()
             chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
-            grad[rows] = chunk
-        return grad, None, None
+            grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
+        return grad, None, None, None
 
 
 def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`."""
-    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True)
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True, 1.0)
     return logps.view(labels.shape), entropy.view(labels.shape)
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels), float32 `[...]`, for logits `[..., V]` (no entropy computed)."""
-    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False)
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`."""
+    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False, temperature)
     return logps.view(labels.shape)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    chunk = logits.float()
+    return chunk / temperature if temperature != 1.0 else chunk
 
 
 def _chunks(logits: torch.Tensor):

@@ -74,8 +74,7 @@ class PackedForward:
         """log p(labels[t] | prefix), float32 `[1, T]`."""
         if self.vocab.split:
             return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
-        logits = self.local_logits if temperature == 1.0 else self.local_logits / temperature
-        return self.gather(chunked_logps.token_logps(logits, self.local_labels))
+        return self.gather(chunked_logps.token_logps(self.local_logits, self.local_labels, temperature))
 
     def entropy(self) -> torch.Tensor:
         """Entropy of each next-token distribution, float32 `[1, T]`."""
