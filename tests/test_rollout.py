@@ -17,16 +17,8 @@ from transformers import AutoModelForCausalLM
 from RL2.rollout.client import EngineClient, EngineError, HTTPEngineClient
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
-from RL2.rollout.rollout import (
-    continuation,
-    filter_groups,
-    partial_rollout_batch,
-    pass_at_k,
-    rollout_batch,
-    rollout_metrics,
-    run_trajectory,
-    save_samples,
-)
+from RL2.rollout.metrics import pass_at_k, rollout_metrics, save_samples
+from RL2.rollout.rollout import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
 from RL2.rollout.trajectory import Trajectory, Turn
 
 ENVS = Path(__file__).parent / "envs"

@@ -28,7 +28,8 @@ from RL2.algs.reward_shaping import length_penalty, overlong_penalty
 from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.datasets.tokenize import BadRow, prompt_messages, require_text
-from RL2.rollout.rollout import filter_groups, rollout_metrics, save_samples
+from RL2.rollout.metrics import rollout_metrics, save_samples
+from RL2.rollout.rollout import filter_groups
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.logging import is_rank0, log_rank0
