@@ -5,8 +5,9 @@ positions 0..n-1 of its row, so requests of any length share a batch without lef
 finished request frees its row without touching the others. A prompt prefix shared by a whole
 prefill batch is forwarded once and copied. The model's decoder is the unmodified HF module: it
 only sees a cache object with HF's `update` method, per-row `position_ids` and a ready-made 4D
-boolean attention mask, which HF passes through untouched; the logits of the positions that are
-sampled go through the output projection; linear layers run packed for oneDNN (see `PackedLinear`).
+boolean attention mask, which HF passes through untouched; only the positions that are sampled go
+through the output projection. For the duration of the engine's own forwards, one-token attention
+runs as `decode_attention` and linear layers with weights packed for oneDNN (`PackedLinear`).
 """
 
 from collections.abc import Iterable, Iterator
