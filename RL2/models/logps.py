@@ -72,9 +72,7 @@ class PackedForward:
 
     def logps(self, temperature: float = 1.0) -> torch.Tensor:
         """log p(labels[t] | prefix), float32 `[1, T]`."""
-        if self.vocab.split:
-            return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
-        return self.gather(chunked_logps.token_logps(self.local_logits, self.local_labels, temperature))
+        return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
 
     def entropy(self) -> torch.Tensor:
         """Entropy of each next-token distribution, float32 `[1, T]`."""

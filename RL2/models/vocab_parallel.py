@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from RL2.models import chunked_logps
+
 
 class _SumOverRanks(torch.autograd.Function):
     """All-reduce sum forward; identity backward (the result feeds a loss every rank computes alike)."""
@@ -99,11 +101,11 @@ class VocabShard:
 
     def token_logps(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """log p(labels) in float32."""
+        if not self.split:  # a few tokens at a time: no [T, V] float32 copy (RL2.models.chunked_logps)
+            return chunked_logps.token_logps(logits, labels, temperature)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
-        if not self.split:  # cross-entropy keeps a single [T, V] float32 copy
-            return -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
         return self.pick(logits, labels) - self.logsumexp(logits)
 
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
