@@ -226,6 +226,8 @@ def test_sampler_draws_from_the_requested_distribution():
     for params, expected in [
         (SamplingParams(temperature=1.0), torch.softmax(logits, -1)),
         (SamplingParams(temperature=0.5), torch.softmax(logits / 0.5, -1)),
+        (SamplingParams(temperature=2.0), torch.softmax(logits / 2.0, -1)),
+        (SamplingParams(temperature=2.0, min_p=0.3), torch.softmax(torch.tensor([1.0, 0.5, 0.25, -1e9, -1e9]), -1)),
         (SamplingParams(temperature=1.0, top_k=2), torch.softmax(torch.tensor([2.0, 1.0, -1e9, -1e9, -1e9]), -1)),
         (SamplingParams(temperature=1.0, top_p=0.85), torch.softmax(torch.tensor([2.0, 1.0, 0.5, -1e9, -1e9]), -1)),
     ]:

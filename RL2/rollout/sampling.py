@@ -109,31 +109,25 @@ def sample_next_tokens(
         (tokens, logprobs), both of shape [rows].
     """
     device = logits.device
-    raw = logits.float()
-    raw = raw - raw.amax(dim=-1, keepdim=True)  # max 0: exp never overflows
-    unit = raw.exp()  # raw probabilities up to a factor per row, reused when temperature is 1
-    log_normalizer = unit.sum(dim=-1).log()
-    shifted = raw
+    # The policy's own probabilities, in one fused pass; every filter below works on them (a
+    # temperature as a power, top-k/top-p/min-p on their order and size).
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    allowed = probs
     if any(banned):
         index = (
             torch.tensor([r for r, ids in enumerate(banned) for _ in ids], device=device),
             torch.tensor([t for ids in banned for t in ids], device=device),
         )
-        shifted = shifted.index_put(index, torch.tensor(float("-inf"), device=device))
-        unit = unit.index_put(index, torch.tensor(0.0, device=device))
+        allowed = probs.index_put(index, torch.tensor(0.0, device=device))
     sampled = [r for r, p in enumerate(params) if not p.greedy]
     if len(sampled) < len(params):
-        tokens = shifted.argmax(dim=-1)
+        tokens = allowed.argmax(dim=-1)
     else:
         tokens = torch.empty(len(params), dtype=torch.long, device=device)
     if sampled:
         rows = torch.tensor(sampled, device=device)
         everything = len(sampled) == len(params)
-        weights = _sampling_weights(
-            shifted if everything else shifted[rows],
-            unit if everything else unit[rows],
-            [params[r] for r in sampled],
-        )
+        weights = _sampling_weights(allowed if everything else allowed[rows], [params[r] for r in sampled])
         # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
         # own generator inside any batch, and no per-token noise is needed (50k random numbers
         # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
@@ -144,34 +138,32 @@ def sample_next_tokens(
                 uniform[i] = torch.rand(1, generator=generators[r])
         picked = torch.searchsorted(cdf, (uniform.to(device) * cdf[:, -1])[:, None], right=True)
         tokens[rows] = picked[:, 0].clamp_max(logits.shape[-1] - 1)
-    return tokens, raw.gather(1, tokens[:, None])[:, 0] - log_normalizer
+    return tokens, probs.gather(1, tokens[:, None])[:, 0].log()
 
 
-def _sampling_weights(shifted: torch.Tensor, unit: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _sampling_weights(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalised sampling probabilities: temperature, then top-k, top-p, min-p (SGLang's order).
 
     Args:
-        shifted: logits minus their row maximum.
-        unit: exp(shifted), the probabilities at temperature 1 up to a factor per row.
+        probs: the probabilities at temperature 1 (banned tokens at 0).
         params: each row's sampling parameters.
     """
-    device = shifted.device
+    device = probs.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
-    if (temperature == 1).all() and not top_k.any():
-        weights = unit
-    else:
-        scaled = shifted / temperature[:, None]
-        if top_k.any():
-            k_max = min(int(top_k.max()), scaled.shape[-1])
-            kth = scaled.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
-            kth[top_k == 0] = float("-inf")
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        weights = scaled.exp_()
+    weights = probs
+    if not (temperature == 1).all():
+        # softmax(logits / T) is proportional to softmax(logits) ** (1 / T).
+        weights = probs.pow((1 / temperature)[:, None])
+    if top_k.any():
+        k_max = min(int(top_k.max()), weights.shape[-1])
+        kth = weights.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+        kth[top_k == 0] = 0.0
+        weights = weights.masked_fill(weights < kth, 0.0)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if (top_p < 1).any():
-        probs = weights / weights.sum(dim=-1, keepdim=True)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        normalized = weights / weights.sum(dim=-1, keepdim=True)
+        sorted_probs, order = normalized.sort(dim=-1, descending=True)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
         weights = weights.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
