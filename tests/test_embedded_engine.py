@@ -6,12 +6,14 @@ prompt + output, or the same engine serving one request at a time.
 
 import asyncio
 import copy
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from RL2.models.embedded import resolve_model_path
+from RL2.rollout import embedded_engine, model_runner
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rollout.sampling import SamplingParams, sample_next_tokens
 
@@ -85,11 +87,19 @@ def test_greedy_matches_hf_generate(engine, model):
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
 
 
-def test_the_callers_model_keeps_its_own_kernels(engine, model):
-    """The engine's decode attention and packed linears apply to its own forwards only: the model it
-    was handed (here also the tests' reference) runs HF's kernels outside them."""
-    implementation = model.config._attn_implementation
-    generate(engine, payload(PROMPTS[0]))
+def test_the_callers_model_keeps_its_own_kernels(monkeypatch, model, tokenizer):
+    """On the path through HF's modules (models outside the Llama families), the engine's decode
+    attention and packed linears apply to its own forwards only: the model it was handed (here also
+    the tests' reference) runs HF's kernels outside them."""
+    monkeypatch.setattr(model_runner, "llama_forward_supported", lambda model: False)
+    engine = EmbeddedEngine(model, tokenizer, max_running_requests=4)
+    try:
+        assert engine.runner.llama is None
+        implementation = model.config._attn_implementation
+        result = generate(engine, payload(PROMPTS[0]))[0]
+    finally:
+        engine.shutdown()
+    assert result["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
     assert model.config._attn_implementation == implementation
     assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert engine.runner.packed, "the engine packs its linear layers on a CPU with oneDNN"
@@ -322,7 +332,7 @@ def test_a_failing_forward_fails_every_request(tokenizer, model):
     def explode(*args, **kwargs):
         raise ValueError("boom")
 
-    broken.model.norm.forward = explode
+    broken.model.embed_tokens.forward = explode
     engine = EmbeddedEngine(broken, tokenizer)
     try:
         with pytest.raises(RuntimeError, match="boom"):

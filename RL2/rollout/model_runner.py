@@ -3,11 +3,14 @@
 The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at
 positions 0..n-1 of its row, so requests of any length share a batch without left padding and a
 finished request frees its row without touching the others. A prompt prefix shared by a whole
-prefill batch is forwarded once and copied. The model's decoder is the unmodified HF module: it
-only sees a cache object with HF's `update` method, per-row `position_ids` and a ready-made 4D
-boolean attention mask, which HF passes through untouched; only the positions that are sampled go
-through the output projection. For the duration of the engine's own forwards, one-token attention
-runs as `decode_attention` and linear layers with weights packed for oneDNN (`PackedLinear`).
+prefill batch is forwarded once and copied. Only the positions that are sampled go through the
+output projection.
+
+Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF
+modules' weights. Any other model runs through its unmodified HF decoder, which only sees a cache
+object with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask
+(HF passes it through untouched); for the duration of those forwards, one-token attention runs as
+`decode_attention` and linear layers with weights packed for oneDNN (`PackedLinear`).
 """
 
 from collections.abc import Iterable, Iterator
@@ -16,6 +19,9 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from RL2.rollout.llama_forward import LlamaForward, attend_one_token, attention_bias, llama_forward_supported
+from RL2.rollout.packed_linear import ConcatLinear, PackedLinear, onednn_packing_works
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
 # of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
@@ -29,23 +35,17 @@ DECODE_ATTN = "rl2_decode"
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention of one new token per row over its cached keys; longer queries (prefill) go to SDPA.
 
-    query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]`, attention_mask boolean `[rows, 1, 1, L]`.
-    With a single query, torch's CPU SDPA kernel spends most of its time on blocking and masking
-    (measured: 2.8 ms per layer for 32 rows in bf16, against 0.4 ms here). Scores and softmax run in
-    float32, as SDPA's kernels accumulate them, so a bf16 engine samples from the same distribution.
+    query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
+    `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
     """
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        key, value = key.to(query.dtype), value.to(query.dtype)  # the cache holds float32
+        key = key.to(query.dtype)  # the cache holds keys in float32
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, _, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    grouped = query.view(rows, kv_heads, heads // kv_heads, dim).float()  # query heads sharing a kv head
-    key, value = key.float(), value.float()  # no-ops: the cache holds float32
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
-    scores = scores.masked_fill(~attention_mask.view(rows, 1, 1, length), float("-inf"))
-    out = torch.matmul(scores.softmax(-1), value).to(query.dtype)
-    return out.view(rows, 1, heads, dim), None  # [rows, q=1, H, D], as HF's attention functions return
+    scale = scaling if scaling is not None else dim**-0.5
+    out = attend_one_token(query[:, :, 0], key, value, attention_bias(attention_mask.view(rows, -1)), scale)
+    return out[:, None], None  # [rows, q=1, H, D], as HF's attention functions return
 
 
 AttentionInterface.register(DECODE_ATTN, decode_attention)
@@ -70,9 +70,11 @@ class SlotKVCache:
     """Keys and values of all running requests, one pre-allocated row per request.
 
     Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold
-    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. They hold
-    float32 whatever the model's dtype: decode attention reads every cached key at every step, and
-    upcasting bf16 keys there cost more than the attention itself (the values are the same).
+    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. Keys are
+    float32 whatever the model's dtype: decode attention reads every cached key at every step and
+    scores them in float32, and upcasting bf16 keys there cost more than the attention itself.
+    Values stay in the model's dtype, as SDPA's kernels multiply them with the probabilities
+    (reading half the bytes took a bf16 decode step from 39.8 to 34.4 ms for SmolLM2-135M, 32 rows).
     HF attention layers call `update` once per layer and attend over what it returns.
     """
 
@@ -105,7 +107,7 @@ class SlotKVCache:
         """HF cache API: store this layer's new keys/values, return the ones to attend over."""
         if layer_idx == len(self.keys):
             self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3], dtype=torch.float32))
-            self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3], dtype=torch.float32))
+            self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3], dtype=value.dtype))
         keys = self._reserve(self.keys, layer_idx, self._rows.stop, self._length)
         values = self._reserve(self.values, layer_idx, self._rows.stop, self._length)
         rows, start = self._rows, self._start
@@ -151,57 +153,6 @@ class SlotKVCache:
         self.keys, self.values = [], []
 
 
-class PackedLinear:
-    """A linear layer through oneDNN with its weight laid out once for that kernel.
-
-    With a few dozen rows per decode step, the default CPU GEMM re-blocks the whole weight on
-    every call, which costs as much as the product for the vocabulary projection. Measured with
-    32 rows at 1 thread on an AVX512 CPU: packed float32 linears of SmolLM2-135M run 2.1-3.0x faster
-    (the 576x49152 projection 10.4 ms instead of 31.5 ms), bf16 ones 1.2-1.3x; a whole float32
-    decode step gains ~1.6x. The price is a second copy of the weights. torch.compile's CPU
-    freezing pass uses the same oneDNN ops.
-
-    The packed copy remembers its weight's version counter, which every in-place op on the
-    parameter bumps: a weight changed behind the engine's back is re-packed before it is used.
-    (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
-    """
-
-    def __init__(self, linear: torch.nn.Linear):
-        self.linear = linear
-        self._packed: torch.Tensor | None = None
-        self._version = -1
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Re-pack the weight if it changed since it was packed."""
-        weight = self.linear.weight
-        if self._version != weight._version:
-            self._packed = None  # free the stale copy first: peak memory stays one copy
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self._version = weight._version
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
-        if hidden.dtype != weight.dtype:
-            return torch.nn.functional.linear(hidden, weight, bias)
-        self.refresh()
-        return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, bias, "none", [], "")
-
-
-def _onednn_packing_works(linear: torch.nn.Module) -> bool:
-    """Packed oneDNN linears exist for CPU only, and bf16 needs CPU support (avx512/avx_ne_convert)."""
-    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        with torch.no_grad():
-            torch.ops.mkldnn._reorder_linear_weight(linear.weight[:8].detach())
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
 def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
     """Whether logits = output projection of the decoder's last hidden states (not so with
     Gemma's softcapping, Cohere's logit scale or Granite's logits scaling)."""
@@ -223,13 +174,26 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.cache = SlotKVCache(max_rows)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        packable = bool(linears) and _onednn_packing_works(linears[0])
-        self.packed = {m: PackedLinear(m) for m in linears} if packable else {}
+        self.packable = bool(linears) and onednn_packing_works(linears[0])
+        self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
+        self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
+        self.llama: LlamaForward | None = None
         # The logits of the kept positions only go through the output projection.
         self.head = None
-        if _logits_are_the_head_of_the_decoder(model):
-            output = model.get_output_embeddings()
-            self.head = self.packed.get(output) or output
+        head_is_output = _logits_are_the_head_of_the_decoder(model)
+        if head_is_output and llama_forward_supported(model):  # the engine's own forward; HF's modules are not run
+            self.llama = LlamaForward(model, self._kernel)
+            self.head = self._kernel([model.get_output_embeddings()])
+        else:
+            self.packed = {m: self._kernel([m]) for m in linears} if self.packable else {}
+            if head_is_output:
+                output = model.get_output_embeddings()
+                self.head = self.packed.get(output) or output
+
+    def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
+        kernel = PackedLinear(linears) if self.packable else ConcatLinear(linears)
+        self.kernels.append(kernel)
+        return kernel
 
     @contextmanager
     def _engine_kernels(self) -> Iterator[None]:
@@ -292,7 +256,11 @@ class ModelRunner:
         mask = (key < 0) | ((key <= query) & (key < lengths[:, None, None]))
         self.cache.bind_prefill(rows, start, width, prefix_row)
         positions = (start + query[:, :, 0]).expand(len(chunks), width)
-        return self._forward(input_ids, positions, mask[:, None], (lengths - 1)[:, None] if logits else None)
+        keep = (lengths - 1)[:, None] if logits else None
+        if self.llama is not None:
+            hidden = self.llama.extend(input_ids, positions, self.cache, mask[:, None], keep)
+            return None if hidden is None else self.head(hidden)
+        return self._forward(input_ids, positions, mask[:, None], keep)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -301,6 +269,8 @@ class ModelRunner:
         length = int(positions.max()) + 1
         self.cache.bind_decode(positions, length)
         mask = torch.arange(length, device=self.device)[None, :] <= positions[:, None]
+        if self.llama is not None:
+            return self.head(self.llama.decode(torch.tensor(tokens, device=self.device), positions, self.cache, mask))
         input_ids = torch.tensor(tokens, device=self.device)[:, None]
         return self._forward(input_ids, positions[:, None], mask[:, None, None], torch.zeros_like(positions)[:, None])
 
@@ -333,8 +303,8 @@ class ModelRunner:
                     f"the engine model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-        for packed in self.packed.values():
-            packed.refresh()
+        for kernel in self.kernels:
+            kernel.refresh()
 
 
 def _common_prefix_length(prompts: list[list[int]]) -> int:

@@ -1,0 +1,80 @@
+"""Linear layers for the embedded engine: weights laid out once for oneDNN, several layers as one.
+
+With a few dozen rows per decode step, the default CPU GEMM re-blocks the whole weight on every
+call, which costs as much as the product for the vocabulary projection. Measured with 32 rows at 1
+thread on an AVX512 CPU: packed float32 linears of SmolLM2-135M run 2.1-3.0x faster (the 576x49152
+projection 10.4 ms instead of 31.5 ms), bf16 ones 1.2-1.3x. Layers that read the same input (q, k, v;
+gate, up) go through one product: at 32 rows in bf16, q+k+v took 54 us instead of 84 and gate+up
+151 us instead of 172. torch.compile's CPU freezing pass uses the same oneDNN ops.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+class PackedLinear:
+    """`linears` (sharing an input) as one oneDNN product; outputs concatenated in their order.
+
+    The packed copy remembers the version counters of the weights and biases, which every in-place
+    op on a parameter bumps: a weight changed behind the engine's back is re-packed before it is
+    used. (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
+    The price is a second copy of the weights.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears = linears
+        self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        self._versions: tuple[int, ...] = ()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-pack if any weight or bias changed since it was packed."""
+        versions = tuple(p._version for linear in self.linears for p in linear.parameters())
+        if versions == self._versions:
+            return
+        self._packed = None  # free the stale copy first: peak memory stays one copy
+        weight = torch.cat([linear.weight for linear in self.linears]) if len(self.linears) > 1 else self.linears[0].weight
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self._bias = None
+        if any(linear.bias is not None for linear in self.linears):
+            self._bias = torch.cat([
+                linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                for linear in self.linears
+            ]).detach()
+        self._versions = versions
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype != self.linears[0].weight.dtype:  # e.g. under autocast: the plain products
+            return torch.cat([F.linear(hidden, linear.weight, linear.bias) for linear in self.linears], dim=-1)
+        self.refresh()
+        return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self._bias, "none", [], "")
+
+
+class ConcatLinear:
+    """The same interface without oneDNN (GPU, or CPUs without its bf16 kernels): one product per layer."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears = linears
+
+    def refresh(self) -> None:
+        pass
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if len(self.linears) == 1:
+            return self.linears[0](hidden)
+        return torch.cat([linear(hidden) for linear in self.linears], dim=-1)
+
+
+def onednn_packing_works(linear: torch.nn.Module) -> bool:
+    """Packed oneDNN linears exist for CPU only, and bf16 needs CPU support (avx512/avx_ne_convert)."""
+    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight[:8].detach())
+    except (RuntimeError, AttributeError):
+        return False
+    return True
