@@ -2,16 +2,16 @@
 
     python benchmarks/bench_engine.py [--repeats 3] [--requests 32] [--new-tokens 64] [--dtype auto] [--threads N]
 
-Workload (issue #3's benchmark): the embedded SmolLM2-135M-Instruct, 32 chat-formatted prompts,
-exactly 64 new tokens each, sampled at temperature 1. The engine gets 32 concurrent `generate`
+Workload: the embedded SmolLM2-135M-Instruct, 32 chat-formatted prompts, exactly 64 new tokens
+each, sampled at temperature 1. The engine gets 32 concurrent `generate`
 calls (ignore_eos, with log-probabilities, as RL rollouts ask for them); HF `generate` gets the same
 token ids as one left-padded batch (do_sample, no top-k, min_new_tokens = max_new_tokens, no
 log-probabilities). Both run back to back in every repeat and the table shows medians, so a
-machine shared with other processes slows both alike. HF `generate` runs in a worker thread, as the
-engine's forwards do: libgomp spin-waits between parallel regions only while a process has no more
-OpenMP threads than cores, which is 5-10x slower on cores shared with other busy processes and
-faster on idle ones; in a worker thread both run under the same rule. Also timed: one `update_weights` with every
-parameter of the model as fresh tensors, as the trainer sends them after an update.
+machine shared with other processes slows both alike. HF `generate` runs on the thread the engine's
+forwards run on (the event loop's, or a worker thread where torch's threads outnumber the cores; see
+`embedded_engine.py`): libgomp's OpenMP pools then wait between parallel regions the same way for
+both. Also timed: one `update_weights` with every parameter of the model as fresh tensors, as the
+trainer sends them after an update.
 Peak RSS is per phase (the kernel's high-water mark is reset before each phase where Linux allows).
 """
 
@@ -103,12 +103,16 @@ def main() -> None:
     prompts = chat_prompts(tokenizer, args.requests)
     engine = EmbeddedEngine(model, tokenizer, max_running_requests=max(64, args.requests))
     hf_thread = ThreadPoolExecutor(max_workers=1)
-    hf_thread.submit(hf_generate, model, tokenizer, prompts[:4], 2).result()  # warm-up: lazy init
+
+    def on_engine_thread(fn, *args):
+        return fn(*args) if engine.steps_on_loop else hf_thread.submit(fn, *args).result()
+
+    on_engine_thread(hf_generate, model, tokenizer, prompts[:4], 2)  # warm-up: lazy init
     engine_generate(engine, prompts[:4], 2)
 
     hf, ours = [], []
     for i in range(args.repeats):
-        hf.append(hf_thread.submit(timed, hf_generate, model, tokenizer, prompts, args.new_tokens).result())
+        hf.append(on_engine_thread(timed, hf_generate, model, tokenizer, prompts, args.new_tokens))
         ours.append(timed(engine_generate, engine, prompts, args.new_tokens))
         print(f"repeat {i + 1}: HF {hf[-1][0]:.1f} tok/s, engine {ours[-1][0]:.1f} tok/s", flush=True)
 
@@ -125,7 +129,8 @@ def main() -> None:
     ratio = statistics.median(o[0] / h[0] for o, h in zip(ours, hf))
     print(
         f"\n{args.requests} requests x {args.new_tokens} new tokens, SmolLM2-135M-Instruct {args.dtype}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"{torch.get_num_threads()} threads, forwards on {'the event loop' if engine.steps_on_loop else 'a worker thread'}, "
+        f"median of {args.repeats}"
     )
     rows = [
         ("HF generate tokens/s", f"{hf_tps:.1f}"),

@@ -44,11 +44,23 @@ def model(tokenizer):
     return tiny_llama(len(tokenizer), seed=0)
 
 
-@pytest.fixture(scope="module")
-def engine(model, tokenizer):
-    engine = EmbeddedEngine(model, tokenizer, max_running_requests=16)
+@pytest.fixture(scope="module", params=[True, False], ids=["forwards-on-the-loop", "forwards-in-a-worker-thread"])
+def engine(request, model, tokenizer):
+    with pytest.MonkeyPatch.context() as patch:  # where the forwards run follows the cores: try both
+        patch.setattr(embedded_engine, "_threads_fit_in_cores", lambda: request.param)
+        engine = EmbeddedEngine(model, tokenizer, max_running_requests=16)
+    assert engine.steps_on_loop == request.param
     yield engine
     engine.shutdown()
+
+
+def test_forwards_leave_the_loop_when_threads_outnumber_the_cores(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert embedded_engine._threads_fit_in_cores()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not embedded_engine._threads_fit_in_cores()
 
 
 def payload(prompt, **sampling) -> dict:
