@@ -139,7 +139,7 @@ def test_advantages_written_per_token():
     """GRPO and GAE advantages land on the action tokens of each example (index t = token t)."""
     from omegaconf import OmegaConf
 
-    from RL2.trainer.ppo import add_advantages
+    from RL2.trainer.ppo_advantages import add_advantages
 
     def example(group, reward, mask, values):
         return {"input_ids": list(range(len(mask))), "loss_mask": mask, "reward": reward, "group": group,
@@ -175,7 +175,7 @@ def test_distillation_penalty_and_reward_model_scores_in_rewards():
     """Hand-made rollout: the teacher's reverse KL is subtracted per token, scores move with it."""
     from omegaconf import OmegaConf
 
-    from RL2.trainer.ppo import add_reward_model_scores, rollout_tensors
+    from RL2.trainer.ppo_advantages import add_reward_model_scores, rollout_tensors
 
     examples = [
         {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "reward": 1.0, "turn_rewards": [1.0],
@@ -213,7 +213,7 @@ def test_monte_carlo_returns_per_turn():
     """adv.estimator=mc: every action token of turn k gets sum_j gamma^j r_{k+j} (hand-computed)."""
     from omegaconf import OmegaConf
 
-    from RL2.trainer.ppo import add_advantages
+    from RL2.trainer.ppo_advantages import add_advantages
 
     kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
     adv = OmegaConf.create({"estimator": "mc", "gamma": 0.5, "truncation": None, "global_norm": False})
@@ -236,7 +236,7 @@ def test_monte_carlo_returns_per_turn():
 def test_overlong_and_length_shaping():
     from omegaconf import OmegaConf
 
-    from RL2.trainer.ppo import shape_rewards
+    from RL2.trainer.ppo_advantages import shape_rewards
 
     cfg = OmegaConf.create({"train_sampling_params": {"max_new_tokens": 8}, "overlong_buffer_len": 4,
                             "overlong_penalty_factor": 1.0, "length_penalty_coef": 0.8})

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from RL2.config.cli import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.parallel import ParallelDims, init_distributed, pick_device
-from RL2.trainer.ppo import add_advantages, set_per_token
+from RL2.trainer.ppo import set_per_token
+from RL2.trainer.ppo_advantages import add_advantages
 from RL2.workers.actor import Actor
 from RL2.workers.critic import Critic
 
