@@ -2,8 +2,9 @@
 
 Measured in fresh processes (the setting is process-wide), by the kernel's minor page fault count
 per sampling step. Where glibc's defaults put a block (heap or mmap, trimmed or not) depends on
-what else the process allocated, so with them the count varies from run to run: some steps fault
-on a few MB of fresh pages, others on none. With the blocks kept, only the first steps fault.
+what else the process allocated, so with them the count varies from run to run: measured over 20
+fresh processes, 99-100 of 100 steps faulted on a block of fresh pages in most, 20-26 in others.
+With the blocks kept, 0-2 of 100 did (a rare step still lands on new heap).
 """
 
 import os
@@ -50,7 +51,7 @@ def count_faulting_steps(keep: str) -> tuple[str, int]:
 def test_sampling_reuses_freed_blocks_without_page_faults():
     applied, faulted = count_faulting_steps("1")
     assert applied == "True"
-    assert faulted <= STEPS // 10, f"{faulted} of {STEPS} steps faulted on fresh pages"
+    assert faulted <= STEPS // 20, f"{faulted} of {STEPS} steps faulted on fresh pages"
     applied, faulted = count_faulting_steps("0")  # glibc's defaults: steps fault again and again
     assert applied == "False"
-    assert faulted >= STEPS // 3, f"only {faulted} of {STEPS} steps faulted: the measurement sees no churn"
+    assert faulted >= STEPS // 10, f"only {faulted} of {STEPS} steps faulted: the measurement sees no churn"
