@@ -30,7 +30,8 @@ class PackedLinear:
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-pack if any weight or bias changed since it was packed."""
-        versions = tuple(p._version for linear in self.linears for p in linear.parameters())
+        # Checked on every call: read the two attributes, not `parameters()`, which costs more.
+        versions = tuple(p._version for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
         if versions == self._versions:
             return
         self._packed = None  # free the stale copy first: peak memory stays one copy
@@ -45,7 +46,9 @@ class PackedLinear:
         self._versions = versions
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype != self.linears[0].weight.dtype:  # e.g. under autocast: the plain products
+        # e.g. under autocast: the plain products. F.linear, not the modules: on the HF-module path
+        # their forward is this very object (ModelRunner._engine_kernels).
+        if hidden.dtype != self.linears[0].weight.dtype:
             return torch.cat([F.linear(hidden, linear.weight, linear.bias) for linear in self.linears], dim=-1)
         self.refresh()
         return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self._bias, "none", [], "")
