@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Ray Less Reinforcement Learning: SFT, DPO, reward modelling and RL for language models under torchrun",
     packages=find_packages(include=["RL2", "RL2.*"]),
-    package_data={"RL2": ["trainer/config/*.yaml"]},
+    package_data={"RL2": ["trainer/config/*.yaml", "rollout/*.c"]},
     python_requires=">=3.10",
     install_requires=[
         # Pinned: this release is what CPU machines have on disk; a bare `torch` pulls a CUDA build.

@@ -1,6 +1,7 @@
 """The engine's forwards against the model's own forward: its own for the Llama families, HF's modules for others.
 
-Each model is tiny and random; the runner prefills a batch of prompts of different lengths (two of
+Each model is tiny and random (float32 and bf16; float32 Llama families decode both through the C
+kernels of `decode_kernels.c` and through the torch ops that stand in for them); the runner prefills a batch of prompts of different lengths (two of
 them sharing a long prefix, which is computed once), then decodes several tokens per row (rows at
 different positions). The prefill's logits and every decode step's must equal the logits of one
 plain forward over the whole sequence so far.
@@ -42,16 +43,30 @@ def random_model(config, dtype) -> torch.nn.Module:
 
 # float32 with large weights: sharp attention, so positions and norms change the logits a lot;
 # bf16 with HF's small initial weights, where its own rounding (~0.005 here) stays far below 0.02.
-@pytest.mark.parametrize(
-    "dtype,init,tolerance", [(torch.float32, 0.2, 1e-3), (torch.bfloat16, 0.02, 0.02)], ids=["fp32", "bf16"]
-)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_and_decode_match_the_models_forward(family, dtype, init, tolerance):
+DTYPES = {"fp32": (torch.float32, 0.2, 1e-3), "bf16": (torch.bfloat16, 0.02, 0.02)}
+# How decode steps run: the C kernels serve float32 Llama families; torch ops everything (and stand
+# in for the kernels where no C compiler is found).
+CASES = [
+    (family, dtype, decode)
+    for family in FAMILIES
+    for dtype in DTYPES
+    for decode in ("c-kernels", "torch-ops")
+    if decode == "torch-ops" or (dtype == "fp32" and family != "gemma")
+]
+
+
+@pytest.mark.parametrize("family,dtype,decode", CASES)
+def test_prefill_and_decode_match_the_models_forward(family, dtype, decode):
+    dtype, init, tolerance = DTYPES[dtype]
     config = FAMILIES[family]()
     config.initializer_range = init
     model = random_model(config, dtype)
     runner = ModelRunner(model, max_rows=8)
     assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
+    if decode == "c-kernels":
+        assert runner.llama.decode_kernels is not None, "the C decode kernels were not built: see the warning"
+    elif runner.llama is not None:
+        runner.llama.decode_kernels = None
     generator = torch.Generator().manual_seed(1)
 
     def random_tokens(n: int) -> list[int]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from RL2.rollout.decode_kernels import DecodeKernels, load_decode_kernels
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Applies the given linear layers, which share an input, and concatenates their outputs.
@@ -84,6 +86,9 @@ class LlamaForward:
         model: an HF causal LM of a family in FAMILIES (see `llama_forward_supported`).
         kernel: maps a list of `nn.Linear` sharing an input to the callable that applies them all
             (the engine's packed ones).
+
+    A float32 model on CPU decodes through the C kernels of `decode_kernels.c` where they can be
+    built; everything else (bf16, GPU, prefill) through the torch ops below, which compute the same.
     """
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
@@ -92,6 +97,9 @@ class LlamaForward:
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        weight = self.embed.weight
+        on_cpu_in_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.decode_kernels: DecodeKernels | None = load_decode_kernels() if on_cpu_in_float32 else None
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -111,12 +119,38 @@ class LlamaForward:
         """One token per row: input_ids, positions `[rows]`; `cache` bound by `bind_decode`; visible
         boolean `[rows, L]`. Returns the final hidden states `[rows, hidden]`."""
 
+        if self.decode_kernels is not None:
+            return self._decode_with_kernels(input_ids, positions, cache)
         bias = attention_bias(visible)
 
         def attend(q, keys, values, scale):
             return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]
 
         return _rms_norm(self._layers(input_ids[:, None], positions[:, None], cache, attend)[:, 0], self.norm)
+
+    def _decode_with_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """`decode` with the matmuls here and the rest of each layer in four C calls."""
+        kernels, rows = self.decode_kernels, len(input_ids)
+        hidden = self.embed(input_ids)  # a fresh tensor: the residual adds go into it in place
+        cos, sin = (t[:, 0].contiguous() for t in self.rotary(hidden, positions[:, None]))
+        normed, q = torch.empty_like(hidden), hidden.new_empty(rows, self.heads, self.head_dim)
+        attended, activated = hidden.new_empty(rows, self.heads * self.head_dim), None
+        new_layer = hidden.new_empty(0, self.kv_heads, 1, self.head_dim)  # what a new layer's cache holds
+        delta = None  # what the last sublayer adds to the residual stream
+        for index, layer in enumerate(self.layers):
+            kernels.add_rms_norm(hidden, delta, layer.input_norm.weight, layer.input_norm.variance_epsilon, normed)
+            keys, values = cache.buffers(index, new_layer, new_layer)
+            q_norm, k_norm, eps = None, None, 0.0
+            if layer.q_norm is not None:  # Qwen3
+                q_norm, k_norm, eps = layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
+            kernels.rope_and_store(layer.qkv(normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
+            delta = layer.o(kernels.decode_attention(q, keys, values, positions, layer.scale, attended))
+            kernels.add_rms_norm(hidden, delta, layer.post_norm.weight, layer.post_norm.variance_epsilon, normed)
+            gate_up = layer.gate_up(normed)
+            if activated is None:
+                activated = gate_up.new_empty(rows, gate_up.shape[1] // 2)
+            delta = layer.down(kernels.silu_mul(gate_up, activated))
+        return kernels.add_rms_norm(hidden, delta, self.norm.weight, self.norm.variance_epsilon, normed)
 
     @torch.inference_mode()
     def extend(

@@ -103,13 +103,18 @@ class SlotKVCache:
         self._rows, self._positions, self._length = slice(0, len(positions)), positions, length
         self._row_index = torch.arange(len(positions), device=positions.device)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """HF cache API: store this layer's new keys/values, return the ones to attend over."""
+    def buffers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's whole key and value buffers `[rows, H_kv, L, D]`, with room for the bound
+        forward; `key` and `value` (`[rows, H_kv, T, D]`) give a new layer's head count, dim, dtypes."""
         if layer_idx == len(self.keys):
             self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3], dtype=torch.float32))
             self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3], dtype=value.dtype))
         keys = self._reserve(self.keys, layer_idx, self._rows.stop, self._length)
-        values = self._reserve(self.values, layer_idx, self._rows.stop, self._length)
+        return keys, self._reserve(self.values, layer_idx, self._rows.stop, self._length)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF cache API: store this layer's new keys/values, return the ones to attend over."""
+        keys, values = self.buffers(layer_idx, key, value)
         rows, start = self._rows, self._start
         key, value = key.to(keys.dtype), value.to(values.dtype)
         if self._positions is None:

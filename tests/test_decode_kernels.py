@@ -1,0 +1,100 @@
+"""The C decode kernels, each against the torch computation it replaces (in float64 where that is the
+independent reference), on shapes that reach their edge cases: rows at different positions in a
+larger cache, sharp attention, silu far into both tails, and enough rows for the threaded branch."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from RL2.rollout.decode_kernels import load_decode_kernels
+
+KERNELS = load_decode_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the C decode kernels could not be built: no C compiler")
+
+
+def randn(*shape, scale=1.0, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # 200 x 576 takes the OpenMP branch
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_is_the_residual_add_then_hf_rmsnorm(rows, with_delta):
+    dim = 576
+    hidden, delta = randn(rows, dim, scale=3.0), randn(rows, dim, seed=1)
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(randn(dim, seed=2))
+    expected_hidden = hidden + delta if with_delta else hidden.clone()
+    expected = norm(expected_hidden)
+    out = torch.empty_like(hidden)
+    KERNELS.add_rms_norm(hidden, delta if with_delta else None, norm.weight.detach(), 1e-5, out)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [4, 64])  # 64 x 1536 takes the OpenMP branch
+def test_silu_mul_matches_float64_over_both_tails(rows):
+    width = 1536
+    gate_up = randn(rows, 2 * width, scale=4.0)
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 200.0])
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = torch.empty(rows, width)
+    KERNELS.silu_mul(gate_up, out)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3-norms"])
+def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms):
+    rows, heads, kv_heads, head_dim, cache_rows, cache_len = 3, 6, 2, 16, 5, 20
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.tensor([0, 7, 19])
+    angles = positions[:, None].double() * (10000.0 ** (-torch.arange(0, head_dim, 2).double() / head_dim))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=3), randn(cache_rows, kv_heads, cache_len, head_dim, seed=4)
+    expected_keys, expected_values = keys.clone(), values.clone()
+
+    q, k, v = qkv.view(rows, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    q_norm = k_norm = None
+    if norms:
+        q_norm, k_norm = LlamaRMSNorm(head_dim, eps=1e-6), LlamaRMSNorm(head_dim, eps=1e-6)
+        with torch.no_grad():
+            q_norm.weight.copy_(randn(head_dim, seed=5))
+            k_norm.weight.copy_(randn(head_dim, seed=6))
+            q, k = q_norm(q), k_norm(k)
+    # HF's rotation: [batch, heads, seq, dim] with cos/sin [batch, seq, dim]
+    expected_q, rotated_k = apply_rotary_pos_emb(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
+    for row, position in enumerate(positions):
+        expected_keys[row, :, position] = rotated_k[row, :, 0]
+        expected_values[row, :, position] = v[row]
+
+    q_out = torch.empty(rows, heads, head_dim)
+    KERNELS.rope_and_store(
+        qkv, cos, sin, positions, q_norm and q_norm.weight.detach(), k_norm and k_norm.weight.detach(), 1e-6,
+        q_out, keys, values,
+    )
+    torch.testing.assert_close(q_out, expected_q[:, :, 0].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, expected_keys.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("score_scale", [1.0, 30.0], ids=["soft", "sharp"])
+def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_scale):
+    rows, heads, kv_heads, head_dim, cache_rows, cache_len = 7, 9, 3, 64, 9, 130
+    positions = torch.tensor([0, 1, 5, 63, 64, 100, 129])
+    q = randn(rows, heads, head_dim, scale=score_scale)
+    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)
+    scale = 1 / math.sqrt(head_dim)
+    expected = torch.empty(rows, heads, head_dim, dtype=torch.float64)
+    for row, position in enumerate(positions.tolist()):
+        k = keys[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
+        v = values[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
+        scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
+        expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
+    out = torch.empty(rows, heads * head_dim)
+    KERNELS.decode_attention(q, keys, values, positions, scale, out)
+    torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
