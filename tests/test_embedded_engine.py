@@ -338,6 +338,28 @@ def test_weights_changed_in_place_are_not_served_stale(tokenizer, model):
     assert after["output_ids"] == hf_greedy(other, PROMPTS[0], 12)
 
 
+def test_parameters_mapped_from_the_checkpoint_file_are_copied_once(tmp_path, tokenizer, model):
+    """`from_pretrained` maps safetensors files privately; the engine copies those parameters into
+    its own memory, so that weight updates do not copy-on-write them page by page."""
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+
+    def in_a_file_mapping(param):
+        return any(start <= param.data_ptr() < end for start, end in model_runner._file_mappings())
+
+    if not any(in_a_file_mapping(p) for p in loaded.parameters()):
+        pytest.skip("this transformers/safetensors build does not map checkpoint files")
+    engine = EmbeddedEngine(loaded, tokenizer)
+    try:
+        assert not any(in_a_file_mapping(p) for p in loaded.parameters())
+        output = generate(engine, payload(PROMPTS[0]))[0]["output_ids"]
+    finally:
+        engine.shutdown()
+    for mine, original in zip(loaded.parameters(), model.parameters()):
+        torch.testing.assert_close(mine, original, rtol=0, atol=0)
+    assert output == hf_greedy(model, PROMPTS[0], 12)
+
+
 def test_a_failing_forward_fails_every_request(tokenizer, model):
     broken = copy.deepcopy(model)
 

@@ -158,6 +158,41 @@ class SlotKVCache:
         self.keys, self.values = [], []
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@torch.no_grad()
+def own_parameter_memory(model: torch.nn.Module) -> int:
+    """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors
+    files) into the process's own memory; returns how many were copied.
+
+    Weight updates write into the parameters in place, and the first write to a privately mapped
+    file page copies it page by page: the first weight sync into SmolLM2-135M (float32) took 2.2 s
+    of page faults against 0.04 s for the copy itself. Copying here costs ~0.3 s once.
+    """
+    mappings = _file_mappings()
+    copied = 0
+    for param in model.parameters():
+        address = param.data_ptr()
+        if param.device.type == "cpu" and any(start <= address < end for start, end in mappings):
+            param.data = param.data.clone()
+            copied += 1
+    return copied
+
+
 def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
     """Whether logits = output projection of the decoder's last hidden states (not so with
     Gemma's softcapping, Cohere's logit scale or Granite's logits scaling)."""
@@ -177,6 +212,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, max_rows: int):
         self.model = model
         self.device = next(model.parameters()).device
+        own_parameter_memory(model)
         self.cache = SlotKVCache(max_rows)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.packable = bool(linears) and onednn_packing_works(linears[0])
