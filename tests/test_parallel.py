@@ -303,3 +303,9 @@ def test_distillation_with_tp_equals_one_rank(llama_path, long_sft_data, tmp_pat
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for key in ("train/loss", "train/grad_norm"):
         assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4)
+
+
+def test_shared_memory_gather_equals_gloo_all_gather():
+    """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
+    result = run_ranks(2, ["tests/scripts/shared_gather.py"])
+    assert "shared gather OK" in result.stdout

@@ -23,6 +23,7 @@ from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
 from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
 from RL2.rollout.trajectory import Trajectory
 from RL2.workers.fsdp import compute_dtype
+from RL2.workers.shared_memory_gather import SharedMemoryGather
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,6 +53,7 @@ class RolloutWorker:
 
     def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device):
         self.cfg, self.tokenizer, self.device = rollout_cfg, tokenizer, device
+        self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
         model_path = resolve_model_path(model_cfg.model_name)
         self.sglang = resolve_engine(rollout_cfg, device) == "sglang"
@@ -130,8 +132,15 @@ class RolloutWorker:
 
     @torch.no_grad()
     def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
-        """Copy the actor's current weights into the engine, parameter by parameter. Collective."""
-        self.engine.update_weights(full_tensors(fsdp_model, self.dtype), weight_version=version)
+        """Copy the actor's current weights into the engine, parameter by parameter. Collective.
+
+        Ranks on one CPU host exchange their shards through shared memory (set up at the first sync);
+        otherwise each parameter is all-gathered on its own.
+        """
+        if self._shared_gather is None:
+            self._shared_gather = SharedMemoryGather.build(fsdp_model, self.dtype) or False
+        tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(fsdp_model, self.dtype)
+        self.engine.update_weights(tensors, weight_version=version)
 
 
 async def _nothing(value):
