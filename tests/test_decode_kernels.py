@@ -47,11 +47,13 @@ def test_silu_mul_matches_float64_over_both_tails(rows):
     torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("rows", [3, 60])  # 60 x 160 takes the OpenMP branch
 @pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3-norms"])
-def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms):
-    rows, heads, kv_heads, head_dim, cache_rows, cache_len = 3, 6, 2, 16, 5, 20
+def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms, rows):
+    heads, kv_heads, head_dim, cache_rows, cache_len = 6, 2, 16, 64, 20
     qkv = randn(rows, (heads + 2 * kv_heads) * head_dim)
-    positions = torch.tensor([0, 7, 19])
+    positions = torch.randint(0, cache_len, (rows,), generator=torch.Generator().manual_seed(7))
+    positions[:2] = torch.tensor([0, cache_len - 1])
     angles = positions[:, None].double() * (10000.0 ** (-torch.arange(0, head_dim, 2).double() / head_dim))
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().float(), angles.sin().float()

@@ -21,6 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Elements from which the row loops run on all threads (torch's pool, already spinning between the
+ * step's ops); below it, waking them costs more than it saves. */
+#define PARALLEL_FROM 8192
+
 /* expf(x) for -87 <= x <= 88, within 1 ulp (0.89 at worst against exp in double); x is clamped to that
  * range (exp(-87) ~ 1.6e-38 stands in for smaller results, exp(88) ~ 1.7e38 for larger ones).
  * Branch-free, so that the compiler vectorises loops calling it; glibc's expf is a scalar call. */
@@ -53,7 +57,7 @@ static void rms_norm_row(float *out, const float *x, const float *weight, int64_
 /* hidden += delta (when delta is not NULL), then out = RMSNorm(hidden) * weight, as HF's RMSNorm. */
 void add_rms_norm(float *hidden, const float *delta, const float *weight, float *out, int64_t rows, int64_t dim,
                   float eps) {
-#pragma omp parallel for if (rows * dim >= 65536)
+#pragma omp parallel for if (rows * dim >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         float *h = hidden + r * dim;
         if (delta) {
@@ -74,7 +78,7 @@ static void silu_mul_row(const float *restrict gate, const float *restrict up, f
 
 /* out = silu(gate) * up, where gate_up is [rows, 2 * width] with gate first; out is [rows, width]. */
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= 65536)
+#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * width, gate_up + (r * 2 + 1) * width, out + r * width, width);
 }
 
@@ -95,6 +99,7 @@ void rope_and_store(const float *qkv, const float *cos, const float *sin, const 
                     const float *q_norm, const float *k_norm, float eps, float *q_out, float *keys, float *values,
                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len) {
     int64_t width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
         float normed[head_dim];
