@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from RL2.rollout.decode_kernels import load_decode_kernels
 from RL2.rollout.model_runner import MIN_SHARED_PREFIX, ModelRunner
 
 SIZES = dict(
@@ -64,7 +65,9 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode):
     runner = ModelRunner(model, max_rows=8)
     assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
     if decode == "c-kernels":
-        assert runner.llama.decode_kernels is not None, "the C decode kernels were not built: see the warning"
+        if load_decode_kernels() is None:
+            pytest.skip("the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)")
+        assert runner.llama.decode_kernels is not None
     elif runner.llama is not None:
         runner.llama.decode_kernels = None
     generator = torch.Generator().manual_seed(1)
