@@ -12,7 +12,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from RL2.rollout.decode_kernels import load_decode_kernels
 
 KERNELS = load_decode_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)")
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason="the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)"
+)
 
 
 def randn(*shape, scale=1.0, seed=0):
