@@ -2,11 +2,11 @@
 
     RL2_SGLANG_PYTHON=~/.cache/rl2/sglang-venv/bin/python python benchmarks/bench_sglang_cpu.py [--repeats 3]
 
-The same workload as benchmarks/bench_engine.py (issue #3's benchmark): SmolLM2-135M-Instruct, 32
-chat-formatted prompts sent concurrently, exactly 64 new tokens each (ignore_eos) at temperature 1,
-with log-probabilities, as RL rollouts ask for them. The server runs from the SGLang environment
-(RL2_SGLANG_PYTHON) on CPU, with the stub of tests/sglang_stub on its path (see FACTS of the
-project), and its own thread count (`--threads`, default: every core). Also timed: one weight
+The same workload as benchmarks/bench_engine.py: SmolLM2-135M-Instruct, 32 chat-formatted prompts
+sent concurrently, exactly 64 new tokens each (ignore_eos) at temperature 1, with log-probabilities,
+as RL rollouts ask for them. The server runs from the SGLang environment (RL2_SGLANG_PYTHON) on CPU,
+with tests/sglang_stub on its path (SGLang's CPU path imports one vLLM op it never calls), and its
+own thread count (`--threads`, default: every core). Also timed: one weight
 update from disk (the trainer's disk weight sync: writing the folder and the server loading it).
 """
 
