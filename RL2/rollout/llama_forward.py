@@ -115,13 +115,14 @@ class LlamaForward:
             ))
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, visible: torch.Tensor) -> torch.Tensor:
-        """One token per row: input_ids, positions `[rows]`; `cache` bound by `bind_decode`; visible
-        boolean `[rows, L]`. Returns the final hidden states `[rows, hidden]`."""
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """One token per row: input_ids, positions `[rows]` (row r sees positions 0..positions[r]);
+        `cache` bound by `bind_decode`. Returns the final hidden states `[rows, hidden]`."""
 
         if self.decode_kernels is not None:
             return self._decode_with_kernels(input_ids, positions, cache)
-        bias = attention_bias(visible)
+        length = int(positions.max()) + 1
+        bias = attention_bias(torch.arange(length, device=positions.device)[None, :] <= positions[:, None])
 
         def attend(q, keys, values, scale):
             return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]

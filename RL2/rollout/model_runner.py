@@ -309,9 +309,9 @@ class ModelRunner:
         positions = torch.tensor(positions, device=self.device)
         length = int(positions.max()) + 1
         self.cache.bind_decode(positions, length)
-        mask = torch.arange(length, device=self.device)[None, :] <= positions[:, None]
         if self.llama is not None:
-            return self.head(self.llama.decode(torch.tensor(tokens, device=self.device), positions, self.cache, mask))
+            return self.head(self.llama.decode(torch.tensor(tokens, device=self.device), positions, self.cache))
+        mask = torch.arange(length, device=self.device)[None, :] <= positions[:, None]
         input_ids = torch.tensor(tokens, device=self.device)[:, None]
         return self._forward(input_ids, positions[:, None], mask[:, None, None], torch.zeros_like(positions)[:, None])
 
