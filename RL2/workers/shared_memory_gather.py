@@ -48,7 +48,6 @@ def _sharded_mesh_dim(param: torch.Tensor) -> int | None:
 class _Entry:
     name: str
     param: DTensor
-    shape: torch.Size
     offsets: list[int]  # byte offset of each group rank's shard in that rank's segment
     rows: list[int]  # rows of dim 0 in each group rank's shard
 
@@ -91,7 +90,7 @@ class SharedMemoryGather:
                 sizes[r] += -(-rows[r] * per_row * element // _ALIGN) * _ALIGN
             if param.to_local().shape[0] != rows[rank]:  # not FSDP2's chunking after all
                 usable = False
-            entries.append(_Entry(name, param, param.shape, offsets, rows))
+            entries.append(_Entry(name, param, offsets, rows))
 
         # Which host, and the names of the group's segments (from the group's first rank).
         info = [None] * ranks
@@ -138,7 +137,7 @@ class SharedMemoryGather:
 
     def _view(self, segment: torch.Tensor, entry: _Entry, rank: int) -> torch.Tensor:
         """Group rank `rank`'s shard of `entry` in `segment`, as a tensor of its shape."""
-        shape = (entry.rows[rank], *entry.shape[1:])
+        shape = (entry.rows[rank], *entry.param.shape[1:])
         nbytes = math.prod(shape) * self.dtype.itemsize
         start = entry.offsets[rank]
         return segment[start : start + nbytes].view(self.dtype).view(shape)
