@@ -38,7 +38,8 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
 
     from RL2.config.schema import ModelConfig
-    from RL2.datasets.packing import pack_examples
+    from RL2.batch import SequenceBatch
+    from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.parallel import ParallelDims, init_distributed, pick_device
     from RL2.workers.fsdp import FSDPWorker
@@ -55,7 +56,9 @@ def worker(args) -> None:
     generator = torch.Generator().manual_seed(0)
     examples = [{"input_ids": torch.randint(0, 49152, (args.seq_len + 1,), generator=generator).tolist(),
                  "loss_mask": [1] * (args.seq_len + 1)} for _ in range(args.seqs)]
-    micro = pack_examples(examples, dims.dp_rank, dims.dp, cfg.max_length_per_device, seq_parallel=seq_parallel)
+    batch = SequenceBatch.from_examples(examples)
+    micro = pack(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, train_weights(batch, "token"),
+                 seq_parallel=seq_parallel)
     times, grad_bytes = [], 0
     for _ in range(args.steps + 1):  # the first step warms up
         dist.barrier()

@@ -32,7 +32,8 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
 
     from RL2.config.schema import ModelConfig
-    from RL2.datasets.packing import pack_examples
+    from RL2.batch import SequenceBatch
+    from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.parallel import ParallelDims, init_distributed, pick_device
     from RL2.workers.fsdp import FSDPWorker
@@ -49,7 +50,8 @@ def worker(args) -> None:
          "loss_mask": [1] * (args.seq_len + 1)}
         for _ in range(args.seqs)
     ]
-    micro_batches = pack_examples(examples, dims.dp_rank, dims.dp, cfg.max_length_per_device)
+    batch = SequenceBatch.from_examples(examples)
+    micro_batches = pack(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, train_weights(batch, "token"))
     times = []
     for step in range(args.steps + 1):  # the first step warms up
         began = time.perf_counter()

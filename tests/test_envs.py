@@ -151,6 +151,6 @@ def test_gem_on_the_tiny_engine(tiny_model_path, tok):
     )
     engine.shutdown()
     assert trajectory.stop_reason == "done" and trajectory.fault is None
-    [example] = trajectory.to_examples()
+    [example] = trajectory.token_sequences()
     assert tok.decode(example["input_ids"]).startswith("<|im_start|>system")  # rendered with the chat template
     assert sum(example["loss_mask"]) == 4

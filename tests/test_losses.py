@@ -1,4 +1,4 @@
-"""KL estimators, the PPO policy/value losses, aggregation and entropy on hand-made tensors."""
+"""KL estimators, the PPO policy/value losses, loss averaging and entropy on hand-made tensors."""
 
 import math
 
@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from RL2.algs.kl import KL_ESTIMATORS, compute_kl, k1, k2, k3
+from RL2.algs.averaging import AVERAGING_LEVELS, loss_weights
 from RL2.algs.policy_loss import (
-    AGGREGATIONS,
-    aggregate,
     entropy_from_logits,
     policy_loss,
     truncated_is_weights,
@@ -125,53 +124,60 @@ def test_policy_loss_gradients_follow_mask():
     adv = torch.randn(3, 5, generator=g).sign()
     mask = _t([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]])
     loss, _ = policy_loss(logps, old, adv, mask)
-    aggregate(loss, mask, "token").backward()
+    (loss * mask / mask.sum()).sum().backward()
     # d/dlogp of -A * exp(logp - old) at ratio 1 is -A / n_tokens.
     torch.testing.assert_close(logps.grad, -adv * mask / mask.sum())
     assert (logps.grad[mask == 1] != 0).all() and (logps.grad[mask == 0] == 0).all()
 
 
-# ------------------------------------------------------------------------------------ aggregation
+# -------------------------------------------------------------------------------------- averaging
 
-PER_TOKEN = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
-AGG_MASK = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+# Three samples: sample 0 spans two sequences (labels 0-1 and 2), sample 1 has label 3 only, and
+# sample 2 has no trained label (it still counts as a sample).
+PER_TOKEN = [1.0, 2.0, 3.0, 4.0, 5.0]
+AVG_MASK = [1.0, 1.0, 1.0, 1.0, 0.0]
+SAMPLE_OF_LABEL = [0, 0, 0, 1, 2]
 
 
 @pytest.mark.parametrize(
-    "level,kwargs,expected",
+    "level,constant,expected",
     [
-        ("token", {}, (1 + 2 + 4) / 3),
-        ("sequence", {}, ((1 + 2) / 2 + 4 / 1) / 2),
-        ("constant", {"constant": 4}, (1 + 2 + 4) / (4 * 2)),
-        ("token", {"total_tokens": 7}, (1 + 2 + 4) / 7),
-        ("sequence", {"total_seqs": 4}, ((1 + 2) / 2 + 4) / 4),
-        ("constant", {"constant": 4, "total_seqs": 4}, (1 + 2 + 4) / (4 * 4)),
+        ("token", None, (1 + 2 + 3 + 4) / 4),
+        ("sequence", None, ((1 + 2 + 3) / 3 + 4 / 1 + 0) / 3),
+        ("constant", 4, (1 + 2 + 3 + 4) / (4 * 3)),
     ],
 )
-def test_aggregate_levels(level, kwargs, expected):
-    out = aggregate(_t(PER_TOKEN), _t(AGG_MASK), level, **kwargs)
-    assert out.item() == pytest.approx(expected)
+def test_loss_weights_levels(level, constant, expected):
+    weights = loss_weights(_t(AVG_MASK), torch.tensor(SAMPLE_OF_LABEL), 3, level, constant)
+    assert (weights * _t(PER_TOKEN)).sum().item() == pytest.approx(expected)
+    assert ((weights > 0) == (_t(AVG_MASK) > 0)).all()
 
 
-@pytest.mark.parametrize("level", sorted(AGGREGATIONS))
-def test_aggregate_micro_batches_sum_to_full_batch(level):
+@pytest.mark.parametrize("level", AVERAGING_LEVELS)
+def test_loss_weights_of_a_batch_split_anyhow_sum_to_its_average(level):
     g = torch.Generator().manual_seed(1)
-    per_token = torch.randn(6, 4, generator=g)
-    mask = (torch.rand(6, 4, generator=g) > 0.4).float()
-    mask[:, 0] = 1.0
-    totals = {"constant": 4, "total_tokens": mask.sum(), "total_seqs": 6}
-    full = aggregate(per_token, mask, level, **totals)
-    parts = sum(
-        aggregate(per_token[i : i + 2], mask[i : i + 2], level, **totals) for i in range(0, 6, 2)
-    )
-    torch.testing.assert_close(parts, full)
+    per_token = torch.randn(40, generator=g)
+    mask = (torch.rand(40, generator=g) > 0.4).float()
+    samples = torch.sort(torch.randint(0, 7, (40,), generator=g)).values
+    weights = loss_weights(mask, samples, 7, level, constant=4)
+    parts = sum((per_token[i : i + 9] * weights[i : i + 9]).sum() for i in range(0, 40, 9))
+    # The average computed sample by sample, by hand.
+    means = []
+    for k in range(7):
+        tokens = [float(per_token[i]) for i in range(40) if samples[i] == k and mask[i] > 0]
+        means.append(tokens)
+    everything = [v for tokens in means for v in tokens]
+    expected = {"token": sum(everything) / len(everything),
+                "sequence": sum(sum(t) / len(t) for t in means if t) / 7,
+                "constant": sum(everything) / (4 * 7)}[level]
+    assert parts.item() == pytest.approx(expected, rel=1e-5)
 
 
-def test_aggregate_errors():
+def test_loss_weights_errors():
     with pytest.raises(ValueError, match="constant"):
-        aggregate(_t(PER_TOKEN), _t(AGG_MASK), "constant")
-    with pytest.raises(ValueError, match="valid.*'sequence'"):
-        aggregate(_t(PER_TOKEN), _t(AGG_MASK), "batch")
+        loss_weights(_t(AVG_MASK), torch.tensor(SAMPLE_OF_LABEL), 3, "constant")
+    with pytest.raises(ValueError, match="choose one of token, sequence, constant"):
+        loss_weights(_t(AVG_MASK), torch.tensor(SAMPLE_OF_LABEL), 3, "batch")
 
 
 # ---------------------------------------------------------------------------- value loss, entropy
@@ -215,11 +221,9 @@ def test_entropy_is_stable_for_extreme_and_masked_logits():
     assert torch.isfinite(logits.grad).all()
 
 
-def test_token_weights_are_applied_once_by_aggregate():
+def test_policy_loss_is_not_weighted_yet():
     # ratio 1, A = [1, 5, -1] -> per-token loss [-1, 0 (weight 0), 1], not yet weighted.
     logps = torch.zeros(1, 3, requires_grad=True)
     weights = _t([[2.0, 0.0, 1.0]])
     loss, _ = policy_loss(logps, torch.zeros(1, 3), _t([[1.0, 5.0, -1.0]]), weights)
     torch.testing.assert_close(loss, _t([[-1.0, 0.0, 1.0]]))
-    # Weighted token mean: (2 * -1 + 1 * 1) / (2 + 1).
-    assert aggregate(loss, weights, "token").item() == pytest.approx(-1 / 3)

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import RL2.models.attention  # noqa: F401
-from RL2.datasets.packing import balanced_partition, pack_examples, plan_micro_batches, sequence_weights
+from RL2.batch import SequenceBatch
+from RL2.datasets.packing import balanced_partition, pack, plan_micro_batches, train_weights
 from RL2.models.logps import forward_packed, token_logps
 
 
@@ -50,32 +51,40 @@ def test_too_long_sequence_is_a_clear_error():
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_weights_sum_to_one_over_all_ranks(level):
-    examples = random_examples(11)
-    total = 0.0
+    batch = SequenceBatch.from_examples(random_examples(11))
+    weights = train_weights(batch, level)
+    total, seen = 0.0, []
     for rank in range(2):
-        for mb in pack_examples(examples, rank, 2, max_tokens=64, avg_level=level):
+        for mb in pack(batch, rank, 2, max_tokens=64, weights=weights):
             total += mb.loss_weights.sum().item()
             assert torch.all((mb.loss_weights > 0) == (mb.loss_mask > 0))
-    assert total == pytest.approx(1.0)
-    # sequence level: each sequence's weights sum to 1/n
-    per_seq = [sum(w) for w in sequence_weights(examples, level)]
-    if level == "sequence":
-        assert per_seq == pytest.approx([1 / 11] * 11)
+            seen += mb.sequence_ids
+    assert total == pytest.approx(1.0) and sorted(seen) == list(range(11))
+    if level == "sequence":  # each sequence's weights sum to 1/n
+        assert [batch.sequence("loss_mask", i) @ weights[batch.offsets[i] : batch.offsets[i + 1]]
+                for i in range(11)] == pytest.approx([1 / 11] * 11)
 
 
 def test_packed_tensors_and_empty_bins():
-    examples = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "adv": [0.0, 0.5, 0.7]},
-                {"input_ids": [4, 5], "loss_mask": [0, 1], "adv": [0.0, 0.9]}]
-    (mb,) = pack_examples(examples, 0, 1, max_tokens=8)
+    batch = SequenceBatch(input_ids=[[1, 2, 3], [4, 5]],
+                          tokens={"loss_mask": torch.tensor([1.0, 1.0, 1.0]), "adv": torch.tensor([0.5, 0.7, 0.9])})
+    (mb,) = pack(batch, 0, 1, max_tokens=8)
     assert mb.input_ids.tolist() == [[1, 2, 4]]
     assert mb.labels.tolist() == [[2, 3, 5]]
     assert mb.position_ids.tolist() == [[0, 1, 0]]
     assert mb.cu_seqlens.tolist() == [0, 2, 3]
     torch.testing.assert_close(mb.extras["adv"], torch.tensor([[0.5, 0.7, 0.9]]))
     assert [t.tolist() for t in mb.unpack(mb.labels)] == [[2, 3], [5]]
-    # 2 examples on 3 ranks: the third rank gets a dummy micro-batch with zero weight
-    (empty,) = pack_examples(examples, 2, 3, max_tokens=8)
-    assert empty.example_ids == [] and empty.loss_weights.sum() == 0
+    # 2 sequences on 3 ranks: the third rank gets a dummy micro-batch with zero weight
+    (empty,) = pack(batch, 2, 3, max_tokens=8)
+    assert empty.sequence_ids == [] and empty.loss_weights.sum() == 0
+
+
+def test_examples_become_label_aligned_sequences():
+    batch = SequenceBatch.from_examples([{"input_ids": [7, 8, 9], "loss_mask": [0, 0, 1]},
+                                         {"input_ids": [5, 6], "loss_mask": [1, 1]}])
+    assert batch.tokens["loss_mask"].tolist() == [0.0, 1.0, 1.0]  # token 0 is never a label
+    assert batch.offsets.tolist() == [0, 2, 3] and batch.n_samples == 2
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +105,7 @@ def test_packed_logits_equal_per_sequence_logits(family, tiny_model_path, tiny_q
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="rl2_varlen")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     examples = random_examples(6, seed=3)
-    (mb,) = pack_examples(examples, 0, 1, max_tokens=1000)
+    (mb,) = pack(SequenceBatch.from_examples(examples), 0, 1, max_tokens=1000)
     with torch.no_grad():
         packed = forward_packed(model, mb).logits
         for example, logits in zip(examples, mb.unpack(packed)):

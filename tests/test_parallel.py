@@ -258,14 +258,16 @@ def test_layout_errors_name_every_degree():
 
 
 def test_micro_batch_budget_grows_with_cp_and_tp():
-    from RL2.datasets.packing import pack_examples
+    from RL2.batch import SequenceBatch
+    from RL2.datasets.packing import pack
 
-    examples = [{"input_ids": list(range(71)), "loss_mask": [1] * 71}, {"input_ids": list(range(9)), "loss_mask": [1] * 9}]
+    batch = SequenceBatch.from_examples([{"input_ids": list(range(71)), "loss_mask": [1] * 71},
+                                         {"input_ids": list(range(9)), "loss_mask": [1] * 9}])
     with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=40;"):
-        pack_examples(examples, 0, 1, 40)
+        pack(batch, 0, 1, 40)
     with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=30 x cp_size \* tp_size=2"):
-        pack_examples(examples, 0, 1, 30, seq_parallel=2)
-    micro = pack_examples(examples, 0, 1, 40, seq_parallel=2)  # cp and tp ranks share one 80-token micro-batch
+        pack(batch, 0, 1, 30, seq_parallel=2)
+    micro = pack(batch, 0, 1, 40, seq_parallel=2)  # cp and tp ranks share one 80-token micro-batch
     assert [mb.input_ids.shape[1] for mb in micro] == [78]
 
 

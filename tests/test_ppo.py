@@ -135,63 +135,9 @@ def test_update_two_ranks_equal_one_rank(tiny_model_path, tmp_path):
     assert weights1["critic"]["score.weight"].abs().sum() > 0  # the zero-initialised head learnt
 
 
-def test_advantages_written_per_token():
-    """GRPO and GAE advantages land on the action tokens of each example (index t = token t)."""
-    from omegaconf import OmegaConf
-
-    from RL2.trainer.ppo_advantages import add_advantages
-
-    def example(group, reward, mask, values):
-        return {"input_ids": list(range(len(mask))), "loss_mask": mask, "reward": reward, "group": group,
-                "values": values}
-
-    examples = [example(0, 1.0, [0, 0, 1, 1], [0.0, 0.0, 0.5, 0.25]), example(0, 0.0, [0, 1], [0.0, 0.0]),
-                example(1, 1.0, [0, 0, 0, 1], [0.0, 0.0, 0.0, 0.0]), example(1, 1.0, [0, 1, 1], [0.0, 0.0, 0.0])]
-    kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
-    adv = OmegaConf.create({"estimator": "reinforce", "gamma": 1.0, "lamda": 1.0, "norm_var": True, "global_norm": False})
-    add_advantages(examples, adv, kl)
-    a = 0.5 / (0.5**0.5 + 1e-6)  # group 0: rewards 1 and 0, unbiased std sqrt(0.5)
-    assert examples[0]["advantages"] == pytest.approx([0, 0, a, a])
-    assert examples[1]["advantages"] == pytest.approx([0, -a])
-    assert examples[2]["advantages"] == [0.0] * 4 and examples[3]["advantages"] == [0.0] * 3  # equal rewards
-    # GAE with gamma = lamda = 1: the return is the outcome reward, the advantage that minus the value.
-    add_advantages(examples, OmegaConf.merge(adv, {"estimator": "gae"}), kl)
-    assert examples[0]["advantages"] == pytest.approx([0, 0, 0.5, 0.75])
-    assert examples[0]["returns"] == pytest.approx([0, 0, 1, 1])
-    assert examples[1]["returns"] == pytest.approx([0, 0])
-    # Two turns in one sequence with rewards 1 and 2: each reward arrives at the end of its turn.
-    turns = [{"input_ids": list(range(6)), "loss_mask": [0, 1, 1, 0, 1, 1], "turn_ids": [-1, 0, 0, -1, 1, 1],
-              "turn_rewards": [1.0, 2.0], "reward": 3.0, "group": 0, "values": [0.0] * 6}]
-    add_advantages(turns, OmegaConf.merge(adv, {"estimator": "gae"}), kl)
-    assert turns[0]["advantages"] == pytest.approx([0, 3, 3, 0, 2, 2])
-
-
 def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
     with pytest.raises(AssertionError, match="config key 'adv.estimator' is 'grpo'; choose one of gae, reinforce"):
         run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=grpo"))
-
-
-def test_distillation_penalty_and_reward_model_scores_in_rewards():
-    """Hand-made rollout: the teacher's reverse KL is subtracted per token, scores move with it."""
-    from omegaconf import OmegaConf
-
-    from RL2.trainer.ppo_advantages import add_reward_model_scores, rollout_tensors
-
-    examples = [
-        {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "reward": 1.0, "turn_rewards": [1.0],
-         "turn_ids": [-1, -1, 0, 0], "old_logps": [0.0, 0.0, -1.0, -2.0], "teacher_logps": [0.0, 0.0, -1.5, -1.0],
-         "group": 0},
-        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "reward": 0.0, "turn_rewards": [0.0],
-         "turn_ids": [-1, 0, 0], "old_logps": [0.0, -0.5, -0.5], "teacher_logps": [0.0, -0.5, -2.5], "group": 0},
-    ]
-    metrics = add_reward_model_scores(examples, [0.25, -0.75])
-    assert metrics["rollout/reward_model_score"] == pytest.approx(-0.25)
-    kl_off = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
-    tensors = rollout_tensors(examples, kl_off, teacher_coef=0.5)
-    # Row 0: penalties 0.5 * (old - teacher) = 0.5 * [0.5, -1.0] = [0.25, -0.5]; reward 1.25 on the last token.
-    # Row 1: 0.5 * [0.0, 2.0] = [0.0, 1.0]; reward -0.75 on the last token; padded to width 3.
-    torch.testing.assert_close(tensors.token_rewards, torch.tensor([[0.0, -0.25, 1.75], [0.0, -1.75, 0.0]]))
-    torch.testing.assert_close(tensors.scores, torch.tensor([1.25 - (-0.25), -0.75 - 1.0]))
 
 
 def test_reward_model_and_teacher_run_in_a_step(tiny_model_path, rl_data, tmp_path):
@@ -209,50 +155,10 @@ def test_reward_model_and_teacher_run_in_a_step(tiny_model_path, rl_data, tmp_pa
     assert {"rollout/reward_model_score", "actor/teacher_kl"} <= set(report["metrics"])
 
 
-def test_monte_carlo_returns_per_turn():
-    """adv.estimator=mc: every action token of turn k gets sum_j gamma^j r_{k+j} (hand-computed)."""
-    from omegaconf import OmegaConf
-
-    from RL2.trainer.ppo_advantages import add_advantages
-
-    kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
-    adv = OmegaConf.create({"estimator": "mc", "gamma": 0.5, "truncation": None, "global_norm": False})
-
-    def two_turns():
-        return [{"input_ids": list(range(6)), "loss_mask": [0, 1, 1, 0, 1, 1], "turn_ids": [-1, 0, 0, -1, 1, 1],
-                 "turn_rewards": [1.0, 2.0], "reward": 3.0, "group": 0},
-                {"input_ids": list(range(3)), "loss_mask": [0, 1, 1], "turn_ids": [-1, 0, 0],
-                 "turn_rewards": [4.0], "reward": 4.0, "group": 0}]
-
-    examples = two_turns()
-    add_advantages(examples, adv, kl)
-    assert examples[0]["advantages"] == pytest.approx([0, 2, 2, 0, 2, 2])  # 1 + 0.5 * 2 = 2, then 2
-    assert examples[1]["advantages"] == pytest.approx([0, 4, 4])
-    examples = two_turns()
-    add_advantages(examples, OmegaConf.merge(adv, {"truncation": 1}), kl)
-    assert examples[0]["advantages"] == pytest.approx([0, 1, 1, 0, 2, 2])
-
-
-def test_overlong_and_length_shaping():
-    from omegaconf import OmegaConf
-
-    from RL2.trainer.ppo_advantages import shape_rewards
-
-    cfg = OmegaConf.create({"train_sampling_params": {"max_new_tokens": 8}, "overlong_buffer_len": 4,
-                            "overlong_penalty_factor": 1.0, "length_penalty_coef": 0.8})
-    examples = [{"response_length": n, "reward": 1.0, "turn_rewards": [0.0, 1.0]} for n in (3, 6, 8)]
-    metrics = shape_rewards(examples, cfg)
-    # Overlong: no penalty up to 8 - 4 = 4 tokens, then -(n - 4) / 4; length: -0.8 * n / 8.
-    expected = [1.0 + 0.0 - 0.3, 1.0 - 0.5 - 0.6, 1.0 - 1.0 - 0.8]
-    assert [ex["reward"] for ex in examples] == pytest.approx(expected)
-    assert [ex["turn_rewards"][-1] for ex in examples] == pytest.approx(expected)
-    assert metrics["rollout/overlong_penalty"] == pytest.approx(-0.5)
-
-
 def test_reference_reset_copies_the_actor(repeat_model, rl_data, tmp_path):
     """With a reset after every step, the reference of step 2 is the actor that sampled it: KL ~ 0.
     Without the reset it is the initial model, which the actor has left by then."""
-    kl = ["actor.kl.coef=0.01", "actor.kl.estimator=k1", "trainer.total_steps=2"]
+    kl = ["actor.kl.coef=0.01", "actor.kl.type=reward", "actor.kl.estimator=k1", "trainer.total_steps=2"]
     run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path / "reset", *kl, "actor.kl.reset_every=1"))
     run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path / "plain", *kl))
     reset, plain = read_metrics(tmp_path / "reset"), read_metrics(tmp_path / "plain")

@@ -74,7 +74,7 @@ def encode(tok, text: str) -> list[int]:
 def test_turns_that_extend_the_text_form_one_example(engine, model, tok, prompt):
     trajectory = roll(engine, tok, "echo", prompt, {"turns": 3})
     assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
-    [example] = trajectory.to_examples()
+    [example] = trajectory.token_sequences()
 
     expected = encode(tok, prompt)
     turn_ids = [-1] * len(expected)
@@ -92,25 +92,29 @@ def test_turns_that_extend_the_text_form_one_example(engine, model, tok, prompt)
     reference = token_logps(model, expected)
     for i, logp in enumerate(example["engine_logps"]):
         assert logp == pytest.approx(reference[i], abs=1e-4) if i in action_positions else logp == 0.0
-    assert example["turn_rewards"] == [1.0, 1.0, 1.0] and example["n_turns"] == 3
+    assert [turn.reward for turn in trajectory.turns] == [1.0, 1.0, 1.0]
     assert all(len(example[k]) == len(expected) for k in ("loss_mask", "engine_logps", "turn_ids"))
 
 
 def test_fresh_states_start_new_sequences(engine, model, tok, prompt):
     trajectory = roll(engine, tok, "restart", prompt, {"turns": 3})
-    examples = trajectory.to_examples()
+    examples = trajectory.token_sequences()
     assert len(examples) == 3 and trajectory.n_turns == 3
+    rewards = []
     for turn, (example, state) in enumerate(zip(examples, [prompt, "Question 1: go on.", "Question 2: go on."])):
         ids = encode(tok, state)
-        assert example["input_ids"] == ids + greedy(model, ids, 4)
+        action = greedy(model, ids, 4)
+        assert example["input_ids"] == ids + action
         assert example["loss_mask"] == [0] * len(ids) + [1] * 4
         assert example["turn_ids"] == [-1] * len(ids) + [turn] * 4
-        assert (example["reward"], example["score"], example["turn_rewards"]) == (1.5, 3.0, [0.5, 0.5, 0.5])
+        rewards.append(float(len(tok.decode(action, skip_special_tokens=True)) % 2))  # restart.py's reward
+    assert [turn.reward for turn in trajectory.turns] == rewards
+    assert (trajectory.reward, trajectory.score) == (sum(rewards), 3.0)
 
 
 def test_chat_messages_continue_one_sequence(engine, model, tok):
     trajectory = roll(engine, tok, "chat", None, {"question": "Hi", "turns": 2})
-    [example] = trajectory.to_examples()
+    [example] = trajectory.token_sequences()
     state = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     first = greedy(model, encode(tok, state), 4)
     assert first[-1] not in tok.all_special_ids  # the observation then starts with the end of the turn
@@ -143,7 +147,7 @@ def test_max_turns_and_token_budget_stop(engine, model, tok, prompt):
     assert trajectory.stop_reason == "budget" and trajectory.n_turns == 2
     assert [len(t.action_ids) for t in trajectory.turns] == [4, 2]
     assert trajectory.turns[-1].finish_reason == "length"
-    assert len(trajectory.to_examples()[0]["input_ids"]) == budget
+    assert len(trajectory.token_sequences()[0]["input_ids"]) == budget
     with pytest.raises(ValueError, match="leaves no room"):
         roll(engine, tok, "echo", prompt, {}, max_total_tokens=prompt_len)
 
@@ -355,7 +359,7 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         [trajectory] = group
         assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
         expected = roll_fresh(model, tok, env, trajectory.prompt_text, params)
-        [got], [want] = trajectory.to_examples(), expected.to_examples()
+        [got], [want] = trajectory.token_sequences(), expected.token_sequences()
         assert got["input_ids"] == want["input_ids"]
         assert got["loss_mask"] == want["loss_mask"] and got["turn_ids"] == want["turn_ids"]
         reference = token_logps(model, got["input_ids"])

@@ -1,4 +1,4 @@
-"""Advantage estimators as pure tensor functions, registered by name in `ADVANTAGE_ESTIMATORS`.
+"""Advantage estimators as pure tensor functions.
 
 Layout convention (shared by every module in `RL2.algs`):
 - token-level tensors are padded 2-D `[batch, seq_len]` float tensors, paired with a `mask` of the
@@ -9,11 +9,9 @@ Layout convention (shared by every module in `RL2.algs`):
 - GRPO-like estimators take `group_ids [batch]`, a LongTensor where samples of the same prompt share
   an id. Ids need not be contiguous or sorted, and groups may have different sizes.
 
-Each estimator takes its own keyword arguments (see its docstring); `compute_advantages(name, ...)`
-dispatches by name. `gae` returns `(advantages, returns)`, every other estimator one tensor.
+`gae` returns `(advantages, returns)`, every other estimator one tensor. `adv.estimator` names
+them in `RL2.trainer.ppo_advantages`, which feeds each one a rollout's trajectories.
 """
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -71,65 +69,19 @@ def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole batch; 0 where `mask` is 0.
+    """(x - mean) / (std + eps) over the masked entries of the whole tensor (any shape); 0 where `mask` is 0.
 
     Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++.
 
     Args:
-        x: `[B, T]` values.
-        mask: `[B, T]` 1.0 on the entries to normalise over.
+        x: values.
+        mask: 1.0 on the entries to normalise over, same shape.
         eps: added to the standard deviation.
     """
     count = mask.sum().clamp(min=1.0)
     mean = (x * mask).sum() / count
     var = ((x - mean).pow(2) * mask).sum() / count
     return (x - mean) / (var.sqrt() + eps) * mask
-
-
-def outcome_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
-    """Place each trajectory's score on the last action token of its row.
-
-    Args:
-        scores: `[B]` outcome rewards.
-        mask: `[B, T]` 1.0 on action tokens. Rows without action tokens get no reward.
-
-    Returns:
-        `[B, T]` token rewards, zero except at each row's last action token.
-    """
-    seq_len = mask.shape[1]
-    last = seq_len - 1 - mask.flip(-1).argmax(-1)
-    has_action = (mask.sum(-1) > 0).to(scores.dtype)
-    rewards = torch.zeros_like(mask, dtype=scores.dtype)
-    return rewards.scatter(1, last[:, None], (scores * has_action)[:, None])
-
-
-def expand_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
-    """Give every action token of a row its trajectory's advantage.
-
-    Args:
-        advantages: `[B]` trajectory-level advantages.
-        mask: `[B, T]` 1.0 on action tokens.
-
-    Returns:
-        `[B, T]` token-level advantages, 0 where `mask` is 0.
-    """
-    return advantages[:, None] * mask
-
-
-def broadcast_turns_to_tokens(turn_values: Tensor, turn_ids: Tensor) -> Tensor:
-    """Give every action token of turn k the value of turn k (e.g. the output of `mc`).
-
-    Args:
-        turn_values: `[B, K]` one value per turn.
-        turn_ids: `[B, T]` LongTensor, the turn index (0..K-1) of each action token and -1 for
-            tokens that are not actions (prompt, environment observations, padding).
-
-    Returns:
-        `[B, T]` token values, 0 where `turn_ids` is -1.
-    """
-    is_action = turn_ids >= 0
-    gathered = turn_values.gather(1, turn_ids.clamp(min=0))
-    return torch.where(is_action, gathered, torch.zeros_like(gathered))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +143,7 @@ def gae(
     return advantages, returns
 
 
-def reinforce(scores: Tensor, group_ids: Tensor, norm_var: bool, global_norm: bool) -> Tensor:
+def reinforce(scores: Tensor, group_ids: Tensor, norm_var: bool) -> Tensor:
     """Group-mean baseline of GRPO (arXiv 2402.03300) and Dr. GRPO (arXiv 2503.20783).
 
     A_i = s_i - mean_{group(i)} s. With `norm_var` (GRPO) A_i is divided by the group's unbiased
@@ -202,18 +154,14 @@ def reinforce(scores: Tensor, group_ids: Tensor, norm_var: bool, global_norm: bo
         scores: `[B]` trajectory scores.
         group_ids: `[B]` LongTensor, samples of the same prompt share an id.
         norm_var: divide by the group std.
-        global_norm: afterwards divide the advantages by their std over the whole batch (unbiased,
-            + 1e-6). They already have zero mean, since each group's advantages sum to zero.
 
     Returns:
-        `[B]` advantages; use `expand_to_tokens` for token level.
+        `[B]` advantages.
     """
     mean, std, _ = _group_mean_std(scores, group_ids)
     advantages = scores - mean
     if norm_var:
         advantages = advantages / (std + GROUP_STD_EPS)
-    if global_norm and advantages.numel() > 1:
-        advantages = advantages / (advantages.std() + GROUP_STD_EPS)
     return advantages
 
 
@@ -255,15 +203,6 @@ def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Te
     return masked_whiten(returns, mask)
 
 
-def raw(scores: Tensor) -> Tensor:
-    """Use the scores themselves as advantages (no baseline).
-
-    Args:
-        scores: `[B]` trajectory scores.
-    """
-    return scores
-
-
 def mc(
     turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: int | None = None
 ) -> Tensor:
@@ -271,8 +210,7 @@ def mc(
 
     R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
     mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
-    unbounded. Map the per-turn returns to tokens with `broadcast_turns_to_tokens`: every action
-    token of turn k gets R_k.
+    unbounded. Every action token of turn k then gets R_k.
 
     Args:
         turn_rewards: `[B, K]` reward received at the end of each turn.
@@ -294,27 +232,3 @@ def mc(
         valid &= steps < truncation
     weights = gamma ** steps.clamp(min=0).to(turn_rewards.dtype) * valid
     return torch.einsum("bkj,bj->bk", weights, turn_rewards)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
-    "gae": gae,
-    "reinforce": reinforce,
-    "rloo": rloo,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "raw": raw,
-    "mc": mc,
-}
-
-
-def compute_advantages(name: str, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
-    """Run the advantage estimator registered under `name` with its keyword arguments.
-
-    Args:
-        name: a key of `ADVANTAGE_ESTIMATORS`.
-        **kwargs: the estimator's own arguments (see its docstring).
-    """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}."
-        )
-    return ADVANTAGE_ESTIMATORS[name](**kwargs)

@@ -2,7 +2,7 @@
 
 Layout convention: token-level tensors are `[batch, seq_len]`; token t's logprob is the logprob of
 the action token at t, which was sampled from p. Entries outside the action mask are meaningless and
-should be masked by the caller (`RL2.algs.policy_loss.aggregate`).
+should be masked by the caller.
 
 With log r = logp - ref_logp = log p(x) - log q(x) and x ~ p (J. Schulman, "Approximating KL
 Divergence", http://joschu.net/blog/kl-approx.html):

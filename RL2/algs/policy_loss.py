@@ -1,13 +1,11 @@
-"""Actor and critic losses as pure tensor functions, and their aggregation.
+"""Actor and critic losses as pure tensor functions.
 
-Layout convention: token-level tensors are padded `[batch, seq_len]` float tensors with a `mask`
-(1.0 on the action tokens that count, 0.0 elsewhere; non-negative token weights also work); token
-t's logprob is the logprob of the action token at t. Loss functions return per-token losses, zeroed
-where `mask` is 0 but not yet weighted; `aggregate` applies the mask (weights) once and reduces to a
-scalar with the normalisation registered under a name in `AGGREGATIONS`.
+Layout convention: token-level tensors are `[..., T]` float tensors (padded rows, or packed labels)
+with a `mask` (1.0 on the action tokens that count, 0.0 elsewhere; non-negative token weights also
+work); token t's logprob is the logprob of the action token at t. Loss functions return per-token
+losses, zeroed where `mask` is 0 but not yet weighted: the caller weights them once with the
+averaging weights of `RL2.algs.averaging`.
 """
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +61,7 @@ def policy_loss(
         old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
         advantages: `[B, T]` token advantages.
         mask: `[B, T]` 1.0 on action tokens, or non-negative token weights (metrics are
-            weighted means; the loss is only zeroed where the mask is 0, `aggregate` weights it).
+            weighted means; the loss is only zeroed where the mask is 0, the caller weights it).
         clip_low: lower clip range, the ratio is clipped at 1 - clip_low.
         clip_high: upper clip range, the ratio is clipped at 1 + clip_high.
         dual_clip: the dual-clip constant c (> 1), or None.
@@ -150,76 +148,3 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     logp = F.log_softmax(logits, dim=-1)
     logp = logp.clamp(min=torch.finfo(logp.dtype).min)
     return -(logp.exp() * logp).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Aggregation. To normalise over a global batch split across data-parallel ranks and
-# micro-batches, pass the global totals (`total_tokens`, `total_seqs`) so that summing the
-# returned values over all micro-batches and ranks gives the global-batch loss. FSDP averages
-# gradients over data-parallel ranks, so the caller multiplies the result by the data-parallel
-# size to undo that average. Without the totals, the local micro-batch is the whole batch.
-# ---------------------------------------------------------------------------------------------
-
-
-def _token_level(
-    per_token: Tensor, mask: Tensor, constant: int | None, total_tokens: float | None,
-    total_seqs: float | None,
-) -> Tensor:
-    """Sum over masked tokens / number of masked tokens (long answers weigh more)."""
-    denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1.0)
-    return (per_token * mask).sum() / denom
-
-
-def _sequence_level(
-    per_token: Tensor, mask: Tensor, constant: int | None, total_tokens: float | None,
-    total_seqs: float | None,
-) -> Tensor:
-    """Mean over sequences of each sequence's token mean (the original GRPO objective)."""
-    seq_means = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    denom = total_seqs if total_seqs is not None else per_token.shape[0]
-    return seq_means.sum() / denom
-
-
-def _constant_level(
-    per_token: Tensor, mask: Tensor, constant: int | None, total_tokens: float | None,
-    total_seqs: float | None,
-) -> Tensor:
-    """Sum over masked tokens / (constant * number of sequences).
-
-    Dr. GRPO (arXiv 2503.20783) divides by a constant such as the generation budget instead of
-    each answer's length, which removes the bias towards long wrong answers.
-    """
-    if constant is None:
-        raise ValueError("level='constant' needs `constant`, e.g. the max_new_tokens of rollout.")
-    n_seqs = total_seqs if total_seqs is not None else per_token.shape[0]
-    return (per_token * mask).sum() / (constant * n_seqs)
-
-
-AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    "token": _token_level,
-    "sequence": _sequence_level,
-    "constant": _constant_level,
-}
-
-
-def aggregate(
-    per_token: Tensor,
-    mask: Tensor,
-    level: str = "token",
-    constant: int | None = None,
-    total_tokens: float | None = None,
-    total_seqs: float | None = None,
-) -> Tensor:
-    """Reduce per-token losses to a scalar.
-
-    Args:
-        per_token: `[B, T]` per-token losses.
-        mask: `[B, T]` 1.0 on the tokens that count.
-        level: a key of `AGGREGATIONS`: "token", "sequence" or "constant".
-        constant: the per-sequence token budget for "constant".
-        total_tokens: masked-token count of the global batch ("token"); default: `mask.sum()`.
-        total_seqs: sequence count of the global batch ("sequence", "constant"); default: B.
-    """
-    if level not in AGGREGATIONS:
-        raise ValueError(f"Unknown aggregation level {level!r}; valid: {sorted(AGGREGATIONS)}.")
-    return AGGREGATIONS[level](per_token, mask, constant, total_tokens, total_seqs)

@@ -101,11 +101,11 @@ class CriticConfig(ModelConfig):
 @dataclass
 class AdvConfig:
     estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)")
-    gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus)")
-    lamda: float = opt(1.0, "GAE lambda")
-    norm_var: bool = opt(True, "reinforce: divide by the group std (GRPO); false is Dr. GRPO")
-    global_norm: bool = opt(False, "reinforce, mc: divide the advantages by their std over the batch")
-    truncation: int | None = opt(None, "mc: turns summed into each return (None: to the end of the trajectory)")
+    gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
+    lamda: float = opt(1.0, "GAE lambda (gae only)")
+    norm_var: bool = opt(False, "reinforce only: divide by the group std (GRPO); false is Dr. GRPO")
+    global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
+    truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 
 
 @dataclass
@@ -145,8 +145,7 @@ def check_ppo_choices(cfg) -> None:
                           "with actor.kl.coef > 0; set it or drop the reset")
     if not 0 < kl.reset_alpha <= 1:
         raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
-    if cfg.adv.estimator == "mc" and kl.coef > 0 and kl.type == "reward":
-        raise ConfigError("adv.estimator=mc sums the environment's turn rewards only; use actor.kl.type=loss with it")
+    check_algorithm(cfg.adv, kl)
     if rollout.overlong_buffer_len is not None and not 0 < rollout.overlong_buffer_len <= rollout.train_sampling_params.max_new_tokens:
         raise ConfigError(f"rollout.overlong_buffer_len={rollout.overlong_buffer_len} must be in (0, "
                           f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
@@ -157,3 +156,30 @@ def check_ppo_choices(cfg) -> None:
             f"adv.estimator={cfg.adv.estimator} compares responses to the same prompt; "
             f"set rollout.responses_per_prompt >= 2"
         )
+
+
+def check_algorithm(adv, kl) -> None:
+    """Fail on a combination that cannot do what it says, saying why."""
+    estimator = adv.estimator
+    if adv.norm_var and estimator != "reinforce":
+        raise ConfigError(f"adv.norm_var divides GRPO's group baseline by the group std; it means nothing for "
+                          f"adv.estimator={estimator}. Drop it, or use adv.estimator=reinforce")
+    if adv.global_norm and estimator == "reinforce_plus_plus":
+        raise ConfigError("adv.estimator=reinforce_plus_plus already whitens its returns over the batch; "
+                          "leave adv.global_norm=false")
+    if adv.lamda != 1.0 and estimator != "gae":
+        raise ConfigError(f"adv.lamda is GAE's lambda; adv.estimator={estimator} has no critic to use it")
+    if adv.gamma != 1.0 and estimator not in ("gae", "reinforce_plus_plus", "mc"):
+        raise ConfigError(f"adv.estimator={estimator} scores a whole trajectory at once, so there is nothing to "
+                          f"discount; adv.gamma applies to gae, reinforce_plus_plus and mc")
+    if adv.truncation is not None and estimator != "mc":
+        raise ConfigError("adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
+    if kl.coef > 0 and kl.type == "reward" and kl.estimator != "k1":
+        # A penalty in the reward is multiplied by grad log p: only k1 then gives grad KL in
+        # expectation (E[k3 grad log p] != grad KL), as REINFORCE++ and OpenAI's PPO use it.
+        raise ConfigError(f"actor.kl.type=reward with actor.kl.estimator={kl.estimator} gives a biased KL gradient; "
+                          f"use actor.kl.estimator=k1 in the reward, or actor.kl.type=loss with k2/k3")
+    if kl.coef > 0 and kl.type == "loss" and kl.estimator == "k1":
+        # d/dtheta of mean(log p - log q) over samples of p is mean(grad log p), zero in expectation.
+        raise ConfigError("actor.kl.estimator=k1 as a loss has a zero gradient in expectation; use k2 or k3 as a "
+                          "loss (actor.kl.type=loss), or put k1 in the reward (actor.kl.type=reward)")

@@ -64,7 +64,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
     offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
-    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sequence first)")
+    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, Dr. GRPO)")
     tp_size: int = opt(1, "tensor-parallel degree")
     cp_size: int = opt(1, "context-parallel degree")
     ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")

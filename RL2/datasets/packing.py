@@ -1,4 +1,4 @@
-"""Pack variable-length examples into padding-free micro-batches, balanced across ranks.
+"""Pack variable-length sequences into padding-free micro-batches, balanced across ranks.
 
 Every rank holds the same global batch and runs the same deterministic partition, then keeps its
 own share, so no communication is needed and every rank gets the same number of micro-batches
@@ -11,68 +11,11 @@ never crosses a sequence boundary: `cu_seqlens` marks the boundaries for the var
 
 import heapq
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class MicroBatch:
-    """Sequences packed into one row. Token tensors are `[1, T]`; token t predicts `labels[t]`.
-
-    Attributes:
-        input_ids: the states (tokens 0..L-2 of each sequence).
-        labels: the actions (tokens 1..L-1), i.e. the next token at each position.
-        position_ids: position within each sequence.
-        cu_seqlens: int32 `[n + 1]` cumulative sequence lengths.
-        loss_mask: 1.0 where `labels` is trained on.
-        loss_weights: `loss_mask` scaled so that summing `loss * loss_weights` over every micro-batch
-            of every rank gives the configured average over the global batch.
-        example_ids: positions in the global batch of the packed sequences, in order.
-        extras: more per-token `[1, T]` tensors aligned with `labels` (advantages, old logps, ...).
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    loss_mask: torch.Tensor
-    loss_weights: torch.Tensor
-    example_ids: list[int]
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def to(self, device: torch.device) -> "MicroBatch":
-        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        extras = {k: v.to(device) for k, v in self.extras.items()}
-        return MicroBatch(**moved, example_ids=self.example_ids, extras=extras)
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-
-    def unpack(self, per_token: torch.Tensor) -> list[torch.Tensor]:
-        """Split a `[1, T]` tensor back into one tensor per packed sequence."""
-        return list(per_token.squeeze(0).split(self.seq_lens))
-
-
-def sequence_weights(examples: list[dict], avg_level: str, constant: int | None = None) -> list[list[float]]:
-    """Per-token loss weights over the whole global batch (aligned with `loss_mask[1:]`).
-
-    token:    every trained token of the batch counts the same (sum / number of trained tokens);
-    sequence: every sequence counts the same (mean within a sequence, then mean over sequences);
-    constant: sum / (constant * number of sequences), Dr. GRPO's length-independent normaliser.
-    """
-    masks = [ex["loss_mask"][1:] for ex in examples]
-    if avg_level == "token":
-        total = max(sum(sum(m) for m in masks), 1)
-        return [[v / total for v in m] for m in masks]
-    if avg_level == "sequence":
-        return [[v / (max(sum(m), 1) * len(masks)) for v in m] for m in masks]
-    if avg_level == "constant":
-        if not constant:
-            raise ValueError("avg_level=constant needs a positive normaliser (the maximum response length)")
-        return [[v / (constant * len(masks)) for v in m] for m in masks]
-    raise ValueError(f"unknown avg_level '{avg_level}'; choose token, sequence or constant")
+from RL2.algs.averaging import loss_weights
+from RL2.batch import MicroBatch, SequenceBatch
 
 
 def balanced_partition(sizes: list[int], n_parts: int) -> list[list[int]]:
@@ -115,68 +58,64 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int,
         n_micro += 1
 
 
-def pack_examples(
-    examples: list[dict],
+def pack(
+    batch: SequenceBatch,
     dp_rank: int,
     dp_size: int,
     max_tokens: int,
-    avg_level: str = "token",
+    weights: torch.Tensor | None = None,
     units: list[list[int]] | None = None,
-    constant: int | None = None,
     seq_parallel: int = 1,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches for one global batch.
+    """This rank's micro-batches of one global batch.
 
     Args:
-        examples: the global batch; each has `input_ids` and `loss_mask`, and may have more per-token
-            lists of the same length (they become `extras`, shifted like `loss_mask`).
+        batch: the global batch; its per-token tensors other than `loss_mask` become `extras`.
         dp_rank, dp_size: this rank's position among the ranks that see different data (the cp and tp
             ranks of one data-parallel group get the same micro-batches and split each one).
         max_tokens: token budget of one micro-batch on one rank (`max_length_per_device`).
-        avg_level: how losses are averaged over the global batch (see `sequence_weights`).
-        units: groups of examples that must share a micro-batch (e.g. a DPO pair); default one each.
-        constant: normaliser for avg_level=constant.
+        weights: `[n_labels]` loss weights (`RL2.algs.averaging.loss_weights`); None: zeros (a
+            pass that computes no averaged loss).
+        units: groups of sequences that must share a micro-batch (e.g. a DPO pair); default one each.
         seq_parallel: ranks that share each micro-batch (`cp * tp`, `ParallelDims.seq_parallel`); a
             micro-batch holds up to `max_tokens * seq_parallel` tokens.
     """
     if units is None:
-        units = [[i] for i in range(len(examples))]
-    weights = sequence_weights(examples, avg_level, constant)
-    unit_sizes = [sum(len(examples[i]["input_ids"]) - 1 for i in unit) for unit in units]
+        units = [[i] for i in range(len(batch.input_ids))]
+    if weights is None:
+        weights = torch.zeros(batch.n_labels)
+    unit_sizes = [sum(batch.label_counts[i] for i in unit) for unit in units]
     plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel)
-    micro_batches = []
-    for unit_ids in plan[dp_rank]:
-        example_ids = [i for u in unit_ids for i in units[u]]
-        micro_batches.append(_pack(examples, weights, example_ids))
-    return micro_batches
+    return [_pack(batch, weights, [i for u in unit_ids for i in units[u]]) for unit_ids in plan[dp_rank]]
 
 
-def _pack(examples: list[dict], weights: list[list[float]], example_ids: list[int]) -> MicroBatch:
-    if not example_ids:
+def train_weights(batch: SequenceBatch, avg_level: str, response_budget: int | None = None) -> torch.Tensor:
+    """The batch's loss weights at `avg_level` (`RL2.algs.averaging`), counting its samples (sequences, or
+    RL trajectories); `response_budget` is the normaliser of avg_level=constant."""
+    return loss_weights(batch.tokens["loss_mask"], batch.sample_of_label, batch.n_samples, avg_level, response_budget)
+
+
+def _pack(batch: SequenceBatch, weights: torch.Tensor, sequence_ids: list[int]) -> MicroBatch:
+    if not sequence_ids:
         # An empty bin still runs forward/backward so that every rank joins the same collectives:
         # one dummy token with zero weight.
-        dummy = _pack([{"input_ids": [0, 0], "loss_mask": [0, 0]}], [[0.0]], [0])
-        dummy.example_ids = []
+        dummy = _pack(SequenceBatch(input_ids=[[0, 0]], tokens={"loss_mask": torch.zeros(1)}), torch.zeros(1), [0])
+        dummy.sequence_ids = []
         return dummy
-    seqs = [examples[i] for i in example_ids]
-    extra_keys = [k for k, v in seqs[0].items() if k not in ("input_ids", "loss_mask") and _is_per_token(v, seqs[0])]
-    lens = [len(s["input_ids"]) - 1 for s in seqs]
+    seqs = [batch.input_ids[i] for i in sequence_ids]
+    lens = [len(ids) - 1 for ids in seqs]
+    labels = torch.cat([torch.arange(int(batch.offsets[i]), int(batch.offsets[i + 1])) for i in sequence_ids])
 
-    def cat(lists: list[list], dtype) -> torch.Tensor:
-        return torch.tensor([v for values in lists for v in values], dtype=dtype).unsqueeze(0)
+    def row(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).unsqueeze(0)
 
     return MicroBatch(
-        input_ids=cat([s["input_ids"][:-1] for s in seqs], torch.long),
-        labels=cat([s["input_ids"][1:] for s in seqs], torch.long),
-        position_ids=cat([range(n) for n in lens], torch.long),
+        input_ids=row([t for ids in seqs for t in ids[:-1]]),
+        labels=row([t for ids in seqs for t in ids[1:]]),
+        position_ids=row([p for n in lens for p in range(n)]),
         cu_seqlens=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-        loss_mask=cat([s["loss_mask"][1:] for s in seqs], torch.float32),
-        loss_weights=cat([weights[i] for i in example_ids], torch.float32),
-        example_ids=list(example_ids),
-        extras={k: cat([s[k][1:] for s in seqs], torch.float32) for k in extra_keys},
+        loss_mask=batch.tokens["loss_mask"][labels].float().unsqueeze(0),
+        loss_weights=weights[labels].float().unsqueeze(0),
+        sequence_ids=list(sequence_ids),
+        extras={name: values[labels].unsqueeze(0) for name, values in batch.tokens.items() if name != "loss_mask"},
     )
-
-
-def _is_per_token(value, example: dict) -> bool:
-    return isinstance(value, list) and len(value) == len(example["input_ids"])
-

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.algs.policy_loss import entropy_from_logits
-from RL2.datasets.packing import MicroBatch
+from RL2.batch import MicroBatch
 from RL2.models import chunked_logps
 from RL2.models.context_parallel import ContextShard
 from RL2.models.vocab_parallel import VocabShard

@@ -1,4 +1,4 @@
-"""What one rollout produced, token by token, and its conversion to training examples.
+"""What one rollout produced, token by token, and its conversion to the training batch.
 
 Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the
 log-probabilities the engine returned for them, never on a re-tokenisation of the decoded text.
@@ -10,6 +10,10 @@ environment's text is tokenised here, and it is masked out of the loss.
 """
 
 from dataclasses import asdict, dataclass, field
+
+import torch
+
+from RL2.batch import RolloutBatch
 
 
 @dataclass
@@ -39,7 +43,7 @@ class Turn:
 
 @dataclass
 class TokenSequence:
-    """A prompt followed by turns that each extend it; becomes one training example."""
+    """A prompt followed by turns that each extend it; becomes one training sequence."""
 
     prompt_ids: list[int]
     prompt_text: str
@@ -159,36 +163,66 @@ class Trajectory:
         """Actions and the observations merged between them, for inspection."""
         return "".join(turn.action_text + turn.env_text for turn in self.turns)
 
-    def to_examples(self) -> list[dict]:
-        """One training example per sequence, in the packing format (`RL2.datasets.packing`).
+    def token_sequences(self) -> list[dict]:
+        """Each sequence's tokens as the rollout produced them, one dict per sequence.
 
-        Per token (same length as `input_ids`): `loss_mask` 1 exactly on sampled tokens,
-        `engine_logps` the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn
-        index of each sampled token in the whole trajectory (-1 elsewhere). Per trajectory:
-        `reward`, `score`, `n_turns`, `response_length` (sampled tokens of the whole trajectory),
-        `turn_rewards` (one per turn, for multi-turn returns).
+        Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps`
+        the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole
+        trajectory each sampled token belongs to (-1 elsewhere).
         """
-        per_trajectory = {
-            "reward": self.reward,
-            "score": self.score,
-            "n_turns": self.n_turns,
-            "response_length": self.response_length,
-            "turn_rewards": [turn.reward for turn in self.turns],
-        }
-        examples, turn_index = [], 0
+        sequences, turn_index = [], 0
         for seq in self.sequences:
-            example = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": []}
-            _extend(example, seq.prompt_ids, 0, [0.0] * len(seq.prompt_ids), -1)
+            record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": []}
+            _extend(record, seq.prompt_ids, 0, [0.0] * len(seq.prompt_ids), -1)
             for turn in seq.turns:
-                _extend(example, turn.action_ids, 1, turn.action_logps, turn_index)
-                _extend(example, turn.env_ids, 0, [0.0] * len(turn.env_ids), -1)
+                _extend(record, turn.action_ids, 1, turn.action_logps, turn_index)
+                _extend(record, turn.env_ids, 0, [0.0] * len(turn.env_ids), -1)
                 turn_index += 1
-            examples.append(example | per_trajectory)
-        return examples
+            sequences.append(record)
+        return sequences
 
 
-def _extend(example: dict, ids: list[int], mask: int, logps: list[float], turn_id: int) -> None:
-    example["input_ids"] += ids
-    example["loss_mask"] += [mask] * len(ids)
-    example["engine_logps"] += list(logps)
-    example["turn_ids"] += [turn_id] * len(ids)
+def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id: int) -> None:
+    record["input_ids"] += ids
+    record["loss_mask"] += [mask] * len(ids)
+    record["engine_logps"] += list(logps)
+    record["turn_ids"] += [turn_id] * len(ids)
+
+
+def training_batch(groups: list[list[Trajectory]]) -> RolloutBatch:
+    """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
+
+    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too
+    short to have a label (a lone prompt) is left out, while its trajectory still counts.
+    """
+    input_ids, sample_ids, per_token = [], [], {"loss_mask": [], "engine_logps": [], "turn_ids": []}
+    trajectories = [t for group in groups for t in group]
+    for sample, trajectory in enumerate(trajectories):
+        for record in trajectory.token_sequences():
+            if len(record["input_ids"]) < 2:
+                continue
+            input_ids.append(record["input_ids"])
+            sample_ids.append(sample)
+            for name, values in per_token.items():
+                values += record[name][1:]
+    n_turns = max((t.n_turns for t in trajectories), default=0)
+    turn_rewards = torch.zeros(len(trajectories), n_turns)
+    turn_mask = torch.zeros(len(trajectories), n_turns)
+    for sample, trajectory in enumerate(trajectories):
+        turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
+        turn_mask[sample, : trajectory.n_turns] = 1.0
+    return RolloutBatch(
+        input_ids=input_ids,
+        tokens={
+            "loss_mask": torch.tensor(per_token["loss_mask"], dtype=torch.float32),
+            "engine_logps": torch.tensor(per_token["engine_logps"], dtype=torch.float32),
+            "turn_ids": torch.tensor(per_token["turn_ids"], dtype=torch.long),
+        },
+        sample_ids=torch.tensor(sample_ids, dtype=torch.long),
+        n_samples=len(trajectories),
+        group_ids=torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long),
+        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        turn_rewards=turn_rewards,
+        turn_mask=turn_mask,
+        response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.float32),
+    )

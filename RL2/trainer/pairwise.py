@@ -9,7 +9,8 @@ from collections import defaultdict
 
 import torch
 
-from RL2.datasets.packing import MicroBatch, pack_examples
+from RL2.batch import MicroBatch, SequenceBatch
+from RL2.datasets.packing import pack
 from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
 from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.trainer.base import Trainer
@@ -60,16 +61,15 @@ class PairwiseTrainer(Trainer):
     def pairs_pass(self, pairs: list[dict], train: bool) -> dict[str, float]:
         """Loss (and backward when training) over a global batch of pairs; metrics averaged over pairs."""
         examples, units = flatten_pairs(pairs)
-        micro_batches = pack_examples(
-            examples, self.dims.dp_rank, self.dims.dp, self.cfg[self.model_key].max_length_per_device, units=units,
-            seq_parallel=self.dims.seq_parallel,
-        )
+        micro_batches = pack(SequenceBatch.from_examples(examples), self.dims.dp_rank, self.dims.dp,
+                             self.cfg[self.model_key].max_length_per_device, units=units,
+                             seq_parallel=self.dims.seq_parallel)
         totals = defaultdict(float)
         for mb in micro_batches:
             mb = mb.to(self.device)
             with torch.set_grad_enabled(train):
                 scores = self.sequence_scores(mb)
-                if mb.example_ids:
+                if mb.sequence_ids:
                     chosen = {k: v[0::2] for k, v in scores.items()}
                     rejected = {k: v[1::2] for k, v in scores.items()}
                     losses, metrics = self.pair_losses(chosen, rejected)

@@ -18,10 +18,11 @@ from torch.distributed.tensor import DTensor
 from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.datasets.tokenize import BadRow, prompt_messages, require_text
+from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.models.logps import forward_packed
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import filter_groups
-from RL2.rollout.trajectory import Trajectory
+from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0
@@ -49,13 +50,13 @@ class PPOTrainer(Trainer):
     def _build_workers(self) -> None:
         cfg, args = self.cfg, (self.dims, self.device)
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
-        self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), constant=budget)
+        self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), response_budget=budget)
         self.ref = Actor(cfg.actor, *args, train=False) if cfg.actor.kl.coef > 0 else None
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (
             cfg.rollout.reward_model) else None
-        self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), constant=budget) if (
+        self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), response_budget=budget) if (
             cfg.adv.estimator == "gae") else None
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device)
 
@@ -91,40 +92,40 @@ class PPOTrainer(Trainer):
         if cfg.rollout.save_samples and is_rank0():
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
         if groups:  # dynamic filtering may leave nothing to learn from
-            metrics |= self.learn(to_examples(groups), len(groups))
+            metrics |= self.learn(training_batch(groups))
         with timed(metrics, "perf/sync_s"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         if self.ref and self.resets_reference():
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl")))
         return metrics
 
-    def learn(self, examples: list[dict], n_groups: int) -> dict[str, float]:
+    def learn(self, batch: RolloutBatch) -> dict[str, float]:
         """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates."""
         cfg, metrics = self.cfg, {}
-        metrics |= shape_rewards(examples, cfg.rollout)
+        metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
             with timed(metrics, "perf/reward_model_s"):
-                metrics |= add_reward_model_scores(examples, self.reward_model_scores(examples))
+                metrics |= add_reward_model_scores(batch, self.reward_model_scores(batch))
         if self.teacher:
             with timed(metrics, "perf/teacher_s"):
-                set_per_token(examples, "teacher_logps", self.teacher.logps(examples))
+                batch.tokens["teacher_logps"] = self.teacher.logps(batch)
         if self.ref:
             with timed(metrics, "perf/ref_s"):
-                set_per_token(examples, "ref_logps", self.ref.logps(examples))
+                batch.tokens["ref_logps"] = self.ref.logps(batch)
         if self.critic:
             with timed(metrics, "perf/values_s"):
-                set_per_token(examples, "values", self.critic.values(examples))
+                batch.tokens["values"] = self.critic.values(batch)
         if self.needs_old_logps():
             with timed(metrics, "perf/old_logps_s"):
-                set_per_token(examples, "old_logps", self.actor.logps(examples))
-        metrics |= add_advantages(examples, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
-        n_tokens = sum(len(ex["input_ids"]) for ex in examples)
+                batch.tokens["old_logps"] = self.actor.logps(batch)
+        metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
+        n_tokens = sum(len(ids) for ids in batch.input_ids)
         with timed(metrics, "perf/actor_update_s"):
-            metrics |= self.actor.update(examples, n_groups)
+            metrics |= self.actor.update(batch)
         metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
         if self.critic:
             with timed(metrics, "perf/critic_update_s"):
-                metrics |= self.critic.update(examples, n_groups)
+                metrics |= self.critic.update(batch)
         return metrics
 
     def collect_groups(self, step: int, metrics: dict) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
@@ -183,11 +184,14 @@ class PPOTrainer(Trainer):
         return steps > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward") or self.teacher is not None
 
     @torch.no_grad()
-    def reward_model_scores(self, examples: list[dict]) -> list[float]:
-        """The reward model's score of every example: its scalar head at the last position, as it was trained."""
-        per_token = per_token_pass(self.dims, examples, self.cfg.critic.max_length_per_device, self.device,
+    def reward_model_scores(self, batch: SequenceBatch) -> torch.Tensor:
+        """`[n_samples]` the reward model's score of every trajectory: its scalar head at the last position
+        of the trajectory's last sequence (the final state), as it was trained."""
+        per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device,
                                    lambda mb: forward_packed(self.reward_model.model, mb).values())
-        return [values[-1] for values in per_token]
+        last = batch.sample_offsets[1:] - 1
+        has_tokens = batch.sample_offsets.diff() > 0
+        return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)
 
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
@@ -205,7 +209,7 @@ class PPOTrainer(Trainer):
         self.rollout.sync_weights(self.actor.model, f"step{state['step']}")
 
 
-# ---- rows, examples and padded tensors ------------------------------------------------------------
+# ---- helpers --------------------------------------------------------------------------------------
 
 
 def prompt_row_tokenizer(tokenizer) -> Callable:
@@ -226,16 +230,6 @@ def prompt_row_tokenizer(tokenizer) -> Callable:
         return tokenize_row
 
     return make
-
-
-def to_examples(groups: list[list[Trajectory]]) -> list[dict]:
-    """Training examples of every trajectory, each tagged with the index of its prompt (`group`)."""
-    return [example | {"group": g} for g, group in enumerate(groups) for t in group for example in t.to_examples()]
-
-
-def set_per_token(examples: list[dict], key: str, values: list[list[float]]) -> None:
-    for example, value in zip(examples, values):
-        example[key] = value
 
 
 def shard_of(param: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ import time
 
 import torch
 
+from RL2.batch import SequenceBatch
+from RL2.config import ConfigError
 from RL2.config.schema import SFTConfig
-from RL2.datasets.packing import pack_examples
+from RL2.datasets.packing import pack, train_weights
 from RL2.datasets.sft import sft_row_tokenizer
 from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.models.logps import packed_logps
@@ -15,6 +17,9 @@ from RL2.workers.fsdp import FSDPWorker, load_tokenizer
 
 class SFTTrainer(Trainer):
     def __init__(self, cfg):
+        if cfg.actor.avg_level == "constant":
+            raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "
+                              "use token or sequence")
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor)
         self.train_data, self.test_data = load_splits(cfg.data, sft_row_tokenizer(self.tokenizer), cfg.trainer.seed)
@@ -34,10 +39,9 @@ class SFTTrainer(Trainer):
 
     def nll(self, examples: list[dict], train: bool) -> tuple[float, int]:
         """`token_losses` averaged as actor.avg_level says, over all ranks; backward when training."""
-        micro_batches = pack_examples(
-            examples, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device, self.cfg.actor.avg_level,
-            seq_parallel=self.dims.seq_parallel,
-        )
+        batch = SequenceBatch.from_examples(examples)
+        micro_batches = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device,
+                             train_weights(batch, self.cfg.actor.avg_level), seq_parallel=self.dims.seq_parallel)
         loss_sum, n_tokens = 0.0, 0
         for mb in micro_batches:
             mb = mb.to(self.device)

@@ -9,10 +9,11 @@ from collections import defaultdict
 import torch
 
 from RL2.algs.policy_loss import value_loss
-from RL2.datasets.packing import MicroBatch, pack_examples
+from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
+from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
-from RL2.workers.actor import extra, mini_batches, per_token_pass, weighted_means
+from RL2.workers.actor import per_token_pass, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
 
 
@@ -20,8 +21,8 @@ class Critic:
     """Args as `RL2.workers.actor.Actor`; `cfg` is the `critic` config."""
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int,
-                 constant: int | None = None):
-        self.cfg, self.dims, self.device, self.constant = cfg, dims, device, constant
+                 response_budget: int | None = None):
+        self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
         self.worker = scalar_head_worker(cfg, dims, device, total_steps)
         self.model = self.worker.model
         # A random head would start GAE from noisy values (large when the hidden states are); from
@@ -34,24 +35,26 @@ class Critic:
         return forward_packed(self.model, mb).values()
 
     @torch.no_grad()
-    def values(self, examples: list[dict]) -> list[list[float]]:
-        return per_token_pass(self.dims, examples, self.cfg.max_length_per_device, self.device, self.forward_values)
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        """`[n_labels]` the value of the state before each label."""
+        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.forward_values)
 
-    def update(self, examples: list[dict], n_prompts: int) -> dict[str, float]:
-        """Regress `values` towards `returns` (both per token in the examples), clipped around the old values."""
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Regress `values` towards `returns` (both per token in the batch), clipped around the old values."""
         steps = []
         for _ in range(self.cfg.update_per_rollout):
-            for batch in mini_batches(examples, n_prompts, self.cfg.mini_batch_size):
-                steps.append(self._step(batch))
+            for mini_batch in batch.mini_batches(self.cfg.mini_batch_size):
+                steps.append(self._step(mini_batch))
         return {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
-    def _step(self, batch: list[dict]) -> dict[str, float]:
+    def _step(self, batch: RolloutBatch) -> dict[str, float]:
         totals = defaultdict(float)
-        for mb in pack_examples(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device,
-                                self.cfg.avg_level, constant=self.constant, seq_parallel=self.dims.seq_parallel):
+        weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
+        for mb in pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
+                       seq_parallel=self.dims.seq_parallel):
             mb = mb.to(self.device)
             values = self.forward_values(mb)
-            losses = value_loss(values, extra(mb, "values"), extra(mb, "returns"), mb.loss_weights,
+            losses = value_loss(values, mb.extra("values"), mb.extra("returns"), mb.loss_weights,
                                 clip=self.cfg.value_clip)
             loss = (losses * mb.loss_weights).sum()
             (loss * self.dims.grad_divide_factor).backward()

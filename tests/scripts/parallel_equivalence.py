@@ -16,7 +16,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack_examples
+from RL2.batch import SequenceBatch
+from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims, init_distributed, pick_device
 from RL2.workers.fsdp import FSDPWorker
@@ -58,9 +59,9 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
     cfg = model_config(path, tp, cp, ddp)
     cfg.enable_gradient_checkpointing = checkpointing
     worker = FSDPWorker(cfg, dims, device, total_steps=10)
-    batch = examples()
-    micro = pack_examples(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, "token",
-                          seq_parallel=dims.seq_parallel)
+    batch = SequenceBatch.from_examples(examples())
+    micro = pack(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, train_weights(batch, "token"),
+                 seq_parallel=dims.seq_parallel)
     local, loss_sum = {}, 0.0
     for mb in micro:
         mb = mb.to(device)
@@ -69,7 +70,7 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
         loss = ((-logps - ENTROPY_COEF * entropy) * mb.loss_weights).sum()
         (loss * dims.grad_divide_factor).backward()
         loss_sum += loss.item()
-        for index, lp, ent in zip(mb.example_ids, mb.unpack(logps.detach()), mb.unpack(entropy.detach())):
+        for index, lp, ent in zip(mb.sequence_ids, mb.unpack(logps.detach()), mb.unpack(entropy.detach())):
             local[index] = (lp, ent)
     parts = [None] * dims.dp
     dist.all_gather_object(parts, local, group=dims.dp_mesh.get_group())

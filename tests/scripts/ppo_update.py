@@ -12,10 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from RL2.batch import RolloutBatch
 from RL2.config.cli import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.parallel import ParallelDims, init_distributed, pick_device
-from RL2.trainer.ppo import set_per_token
 from RL2.trainer.ppo_advantages import add_advantages
 from RL2.workers.actor import Actor
 from RL2.workers.critic import Critic
@@ -23,22 +23,27 @@ from RL2.workers.critic import Critic
 N_PROMPTS, RESPONSES = 6, 2
 
 
-def fixed_examples(vocab: int) -> list[dict]:
+def fixed_rollout(vocab: int) -> RolloutBatch:
     """Prompts and responses of varied lengths, the same on every rank; rewards 0/1 per response."""
     generator = torch.Generator().manual_seed(0)
-    examples = []
-    for group in range(N_PROMPTS):
+    input_ids, masks, rewards = [], [], []
+    for _ in range(N_PROMPTS):
         prompt = torch.randint(0, vocab, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
         for _ in range(RESPONSES):
             n = int(torch.randint(1, 7, (1,), generator=generator))
             response = torch.randint(0, vocab, (n,), generator=generator)
-            examples.append({
-                "input_ids": prompt.tolist() + response.tolist(),
-                "loss_mask": [0] * len(prompt) + [1] * n,
-                "reward": float(torch.rand(1, generator=generator) < 0.5),
-                "group": group,
-            })
-    return examples
+            input_ids.append(prompt.tolist() + response.tolist())
+            masks.append(torch.tensor([0.0] * (len(prompt) - 1) + [1.0] * n))
+            rewards.append(float(torch.rand(1, generator=generator) < 0.5))
+    loss_mask = torch.cat(masks)
+    n = len(input_ids)
+    return RolloutBatch(
+        input_ids=input_ids,
+        tokens={"loss_mask": loss_mask, "turn_ids": torch.where(loss_mask > 0, 0, -1)},
+        group_ids=torch.arange(N_PROMPTS).repeat_interleave(RESPONSES),
+        rewards=torch.tensor(rewards), turn_rewards=torch.tensor(rewards)[:, None], turn_mask=torch.ones(n, 1),
+        response_lengths=torch.tensor([float(m.sum()) for m in masks]),
+    )
 
 
 def main() -> None:
@@ -49,24 +54,22 @@ def main() -> None:
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg.actor, device)
     dims.build_mesh()
-    actor = Actor(cfg.actor, dims, device, total_steps=10, constant=8)
+    actor = Actor(cfg.actor, dims, device, total_steps=10, response_budget=8)
     ref = Actor(cfg.actor, dims, device, train=False)
-    critic = Critic(cfg.critic, dims, device, total_steps=10, constant=8) if cfg.adv.estimator == "gae" else None
-    examples = fixed_examples(1000)
+    critic = Critic(cfg.critic, dims, device, total_steps=10, response_budget=8) if cfg.adv.estimator == "gae" else None
+    batch = fixed_rollout(1000)
     if critic:
-        set_per_token(examples, "values", critic.values(examples))
-    set_per_token(examples, "old_logps", actor.logps(examples))
-    set_per_token(examples, "ref_logps", ref.logps(examples))
+        batch.tokens["values"] = critic.values(batch)
+    batch.tokens["old_logps"] = actor.logps(batch)
+    batch.tokens["ref_logps"] = ref.logps(batch)
     # The engine's log-probs differ a little from the trainer's (bf16, other kernels): perturb them.
-    noise = torch.Generator().manual_seed(1)
-    for ex in examples:
-        ex["engine_logps"] = [v + 0.05 * float(torch.randn(1, generator=noise)) * m
-                              for v, m in zip(ex["old_logps"], ex["loss_mask"])]
-    metrics = add_advantages(examples, cfg.adv, cfg.actor.kl)
-    metrics |= actor.update(examples, N_PROMPTS)
+    noise = torch.randn(batch.n_labels, generator=torch.Generator().manual_seed(1))
+    batch.tokens["engine_logps"] = (batch.tokens["old_logps"] + 0.05 * noise) * batch.tokens["loss_mask"]
+    metrics = add_advantages(batch, cfg.adv, cfg.actor.kl)
+    metrics |= actor.update(batch)
     state = {"actor": actor.worker.full_state_dict()}
     if critic:
-        metrics |= critic.update(examples, N_PROMPTS)
+        metrics |= critic.update(batch)
         state["critic"] = critic.worker.full_state_dict()
     if dist.get_rank() == 0:
         torch.save(state, out)

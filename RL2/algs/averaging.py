@@ -1,0 +1,45 @@
+"""How per-token losses are averaged over a global batch: one weight per label.
+
+The loss of a batch is `sum(per_token_loss * weights)`. Every micro-batch and every rank adds its own
+labels' share, so the sum over all of them is the configured average whatever the split (the
+weights are computed once, on the whole batch, before packing).
+
+Levels (`avg_level`), over the samples of the batch (sequences, or RL trajectories however many
+sequences each spans):
+- token: every trained token counts the same (DAPO's token-level loss; RL2's default);
+- sequence: every sample counts the same: the mean over its tokens, then over samples (GRPO);
+- constant: the token sum divided by `constant * n_samples`, Dr. GRPO's length-independent
+  normaliser (arXiv 2503.20783) with the generation budget as the constant.
+"""
+
+import torch
+from torch import Tensor
+
+AVERAGING_LEVELS = ("token", "sequence", "constant")
+
+
+def loss_weights(loss_mask: Tensor, sample_of_label: Tensor, n_samples: int, level: str,
+                 constant: int | None = None) -> Tensor:
+    """Per-label weights of the loss over a whole batch.
+
+    Args:
+        loss_mask: `[n_labels]` 1.0 on the trained labels.
+        sample_of_label: `[n_labels]` long, the sample of each label.
+        n_samples: the samples of the batch (one without trained labels still counts).
+        level: "token", "sequence" or "constant".
+        constant: the normaliser of "constant" (the generation budget).
+
+    Returns:
+        `[n_labels]` weights, 0 where `loss_mask` is 0, summing to 1 ("constant": to the trained
+        tokens over `constant * n_samples`).
+    """
+    if level == "token":
+        return loss_mask / loss_mask.sum().clamp(min=1.0)
+    if level == "sequence":
+        per_sample = torch.zeros(n_samples, dtype=loss_mask.dtype).index_add_(0, sample_of_label, loss_mask)
+        return loss_mask / (per_sample[sample_of_label].clamp(min=1.0) * n_samples)
+    if level == "constant":
+        if not constant or constant <= 0:
+            raise ValueError("avg_level=constant needs a positive normaliser (the generation budget)")
+        return loss_mask / (constant * n_samples)
+    raise ValueError(f"unknown avg_level {level!r}; choose one of {', '.join(AVERAGING_LEVELS)}")

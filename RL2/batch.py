@@ -1,0 +1,230 @@
+"""The batch types the packer, the models, the workers and the RL estimators share.
+
+A `SequenceBatch` is a list of token sequences with per-token values aligned with their labels:
+sequence i has tokens `input_ids[i]` (L_i of them); position t predicts token t + 1, so the
+sequence has L_i - 1 labels, and every per-token tensor holds the labels of all sequences back to
+back (`tokens[name][offsets[i]:offsets[i + 1]]` is sequence i's). Nothing is padded and nothing
+sits at an unused index 0.
+
+A *sample* is what averages and baselines count as one: a sequence for SFT and preference data; a
+trajectory under RL, whose sequences are consecutive. A multi-turn trajectory whose environment
+rewrites its prompt spans several sequences but stays one sample (`RolloutBatch`), so its returns
+flow across them and a group baseline counts it once.
+
+`MicroBatch` is what one forward pass sees: some sequences of a batch packed into one row.
+"""
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+@dataclass(kw_only=True)
+class SequenceBatch:
+    """Sequences with per-label values, grouped into samples.
+
+    Attributes:
+        input_ids: each sequence's tokens, at least 2 of them.
+        tokens: name -> `[n_labels]` tensor, every sequence's labels back to back; `loss_mask` (1.0 on
+            the labels a loss trains on) is always there.
+        sample_ids: `[S]` long, the sample of each sequence, non-decreasing (a sample's sequences are
+            consecutive); default: every sequence is its own sample.
+        n_samples: the number of samples; a sample may have no sequence (nothing to train on) and
+            still count. Default: one more than the last sample id.
+    """
+
+    input_ids: list[list[int]]
+    tokens: dict[str, Tensor]
+    sample_ids: Tensor | None = None
+    n_samples: int | None = None
+
+    def __post_init__(self):
+        if self.sample_ids is None:
+            self.sample_ids = torch.arange(len(self.input_ids))
+        if self.n_samples is None:
+            self.n_samples = int(self.sample_ids[-1]) + 1 if len(self.sample_ids) else 0
+        if any(len(ids) < 2 for ids in self.input_ids):
+            raise ValueError("every sequence needs at least 2 tokens (one label)")
+        for name, values in self.tokens.items():
+            if values.shape != (self.n_labels,):
+                raise ValueError(f"tokens[{name!r}] has shape {tuple(values.shape)}; expected ({self.n_labels},)")
+
+    @classmethod
+    def from_examples(cls, examples: list[dict]) -> "SequenceBatch":
+        """Tokenized examples `{"input_ids", "loss_mask"}` (the mask over `input_ids`), one sample each."""
+        masks = [torch.tensor(ex["loss_mask"][1:], dtype=torch.float32) for ex in examples]
+        return cls(input_ids=[list(ex["input_ids"]) for ex in examples], tokens={"loss_mask": torch.cat(masks)})
+
+    # ---- layout ----
+
+    @cached_property
+    def label_counts(self) -> list[int]:
+        return [len(ids) - 1 for ids in self.input_ids]
+
+    @property
+    def n_labels(self) -> int:
+        return sum(self.label_counts)
+
+    @cached_property
+    def offsets(self) -> Tensor:
+        """`[S + 1]`: sequence i's labels are `[offsets[i], offsets[i + 1])`."""
+        return torch.tensor([0] + self.label_counts).cumsum(0)
+
+    @cached_property
+    def sample_offsets(self) -> Tensor:
+        """`[n_samples + 1]`: sample k's labels (all its sequences') are `[sample_offsets[k], sample_offsets[k + 1])`."""
+        per_sample = torch.zeros(self.n_samples, dtype=torch.long).index_add_(
+            0, self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
+        return torch.cat([torch.zeros(1, dtype=torch.long), per_sample.cumsum(0)])
+
+    @cached_property
+    def sample_of_label(self) -> Tensor:
+        """`[n_labels]` long: the sample each label belongs to."""
+        return torch.repeat_interleave(self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
+
+    def sequence(self, name: str, i: int) -> Tensor:
+        """Sequence i's labels of `tokens[name]`."""
+        return self.tokens[name][self.offsets[i] : self.offsets[i + 1]]
+
+    # ---- per-sample views (what the estimators read) ----
+
+    def sample_sums(self, values: Tensor) -> Tensor:
+        """`[n_labels]` -> `[n_samples]`: the sum over each sample's labels."""
+        return torch.zeros(self.n_samples, dtype=values.dtype).index_add_(0, self.sample_of_label, values)
+
+    def sample_rows(self, values: Tensor) -> Tensor:
+        """`[n_labels]` -> `[n_samples, longest sample]`: each sample's labels in one row (its sequences
+        one after the other), 0 after its end."""
+        lengths = self.sample_offsets.diff()
+        rows = values.new_zeros(self.n_samples, int(lengths.max()) if self.n_samples else 0)
+        rows[self._row_index()] = values
+        return rows
+
+    def from_sample_rows(self, rows: Tensor) -> Tensor:
+        """The inverse of `sample_rows`: `[n_samples, T]` -> `[n_labels]`."""
+        return rows[self._row_index()]
+
+    def _row_index(self) -> tuple[Tensor, Tensor]:
+        samples = self.sample_of_label
+        return samples, torch.arange(self.n_labels) - self.sample_offsets[samples]
+
+    # ---- subsets ----
+
+    def select_samples(self, samples: list[int]) -> "SequenceBatch":
+        """The batch of these samples only (in their order), renumbered from 0."""
+        new_id = {old: new for new, old in enumerate(samples)}
+        keep = [i for i, s in enumerate(self.sample_ids.tolist()) if s in new_id]
+        keep.sort(key=lambda i: new_id[int(self.sample_ids[i])])
+        labels = torch.cat([torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in keep]) if keep else (
+            torch.zeros(0, dtype=torch.long))
+        return replace(
+            self,
+            input_ids=[self.input_ids[i] for i in keep],
+            tokens={name: values[labels] for name, values in self.tokens.items()},
+            sample_ids=torch.tensor([new_id[int(self.sample_ids[i])] for i in keep], dtype=torch.long),
+            n_samples=len(samples),
+            **self._select_per_sample(torch.tensor(samples, dtype=torch.long)),
+        )
+
+    def _select_per_sample(self, samples: Tensor) -> dict:
+        """Per-sample fields of a subclass, indexed by `samples`."""
+        return {}
+
+
+@dataclass(kw_only=True)
+class RolloutBatch(SequenceBatch):
+    """A rollout: groups (one prompt each) of trajectories (the samples) of sequences.
+
+    Tokens: `loss_mask` (1.0 on sampled tokens), `engine_logps` (the engine's log-probability of each
+    sampled token), `turn_ids` (long: the turn of the trajectory each sampled token belongs to, -1
+    elsewhere); the trainer adds `old_logps`, `ref_logps`, `values`, `advantages`, `returns`, ...
+
+    Attributes:
+        group_ids: `[n_samples]` long, each trajectory's group, non-decreasing from 0.
+        rewards: `[n_samples]` each trajectory's reward (the sum of its turn rewards).
+        turn_rewards: `[n_samples, K]` each turn's reward, 0 on padding turns.
+        turn_mask: `[n_samples, K]` 1.0 on real turns.
+        response_lengths: `[n_samples]` sampled tokens of each trajectory.
+    """
+
+    group_ids: Tensor
+    rewards: Tensor
+    turn_rewards: Tensor
+    turn_mask: Tensor
+    response_lengths: Tensor
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.group_ids[-1]) + 1 if len(self.group_ids) else 0
+
+    def add_rewards(self, extra: Tensor) -> None:
+        """Add `[n_samples]` to each trajectory's reward, once: to its total and to its last turn."""
+        self.rewards = self.rewards + extra
+        last_turn = (self.turn_mask.sum(1).long() - 1).clamp(min=0)
+        self.turn_rewards = self.turn_rewards.index_put(
+            (torch.arange(self.n_samples), last_turn), extra, accumulate=True)
+
+    def mini_batches(self, groups_per_batch: int | None) -> list["RolloutBatch"]:
+        """Split into batches of `groups_per_batch` whole groups, in order (None: one batch)."""
+        if not groups_per_batch or groups_per_batch >= self.n_groups:
+            return [self]
+        batches = []
+        for first in range(0, self.n_groups, groups_per_batch):
+            in_batch = (self.group_ids >= first) & (self.group_ids < first + groups_per_batch)
+            batches.append(self.select_samples(in_batch.nonzero()[:, 0].tolist()))
+        return batches
+
+    def _select_per_sample(self, samples: Tensor) -> dict:
+        groups = self.group_ids[samples]
+        return {
+            "group_ids": groups - groups.min() if len(groups) else groups,
+            "rewards": self.rewards[samples],
+            "turn_rewards": self.turn_rewards[samples],
+            "turn_mask": self.turn_mask[samples],
+            "response_lengths": self.response_lengths[samples],
+        }
+
+
+@dataclass
+class MicroBatch:
+    """Sequences packed into one row. Token tensors are `[1, T]`; token t predicts `labels[t]`.
+
+    Attributes:
+        input_ids: the states (tokens 0..L-2 of each sequence).
+        labels: the actions (tokens 1..L-1), i.e. the next token at each position.
+        position_ids: position within each sequence.
+        cu_seqlens: int32 `[n + 1]` cumulative sequence lengths.
+        loss_mask: 1.0 where `labels` is trained on.
+        loss_weights: each label's weight in the loss, such that summing `loss * loss_weights` over
+            every micro-batch of every rank gives the configured average over the global batch.
+        sequence_ids: the positions in their `SequenceBatch` of the packed sequences, in order.
+        extras: the batch's other per-token tensors, `[1, T]` like `labels`.
+    """
+
+    input_ids: Tensor
+    labels: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    loss_mask: Tensor
+    loss_weights: Tensor
+    sequence_ids: list[int]
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
+        extras = {k: v.to(device) for k, v in self.extras.items()}
+        return MicroBatch(**moved, sequence_ids=self.sequence_ids, extras=extras)
+
+    def extra(self, name: str) -> Tensor:
+        """A per-token extra; zeros for the padding micro-batch, which has none."""
+        return self.extras.get(name, torch.zeros_like(self.loss_mask))
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def unpack(self, per_token: Tensor) -> list[Tensor]:
+        """Split a `[1, T]` tensor back into one tensor per packed sequence."""
+        return list(per_token.squeeze(0).split(self.seq_lens))
