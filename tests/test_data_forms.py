@@ -95,7 +95,8 @@ def test_original_sft_rows(tok, tmp_path, kind, chat):
     text, conversation = ORIGINAL_SFT
     [example] = load(tok, kind, write_json(tmp_path, text), apply_chat_template=chat)
     if chat:
-        assert example == expected_chat_example(tok, [{"role": "user", "content": "The capital of China is"}], "Beijing.")
+        user = [{"role": "user", "content": "The capital of China is"}]
+        assert example == expected_chat_example(tok, user, "Beijing.")
     else:  # RL2's original reading of prompt/response rows: the texts concatenated, EOS appended
         assert example == expected_raw_example(tok, "The capital of China is", "Beijing.")
     [example] = load(tok, kind, write_json(tmp_path, conversation), apply_chat_template=chat)
@@ -228,7 +229,8 @@ def test_numbers_in_typed_text_columns_are_their_text(tok, tmp_path):
         ("dpo", {"messages": CHINA, "chosen": "Beijing."}, "missing key 'rejected'"),
         ("dpo", {"chosen": "Beijing.", "rejected": "Shanghai."}, "missing key 'prompt' (or 'messages'"),
         ("rm", {"chosen": CHINA, "rejected": CHINA}, "key 'chosen' has no assistant message"),
-        ("rm", {"messages": CHINA, "chosen": "Beijing.", "rejected": "Beijing."}, "'chosen' and 'rejected' are identical"),
+        ("rm", {"messages": CHINA, "chosen": "Beijing.", "rejected": "Beijing."},
+         "'chosen' and 'rejected' are identical"),
         ("sft", {"messages": CHINA}, "key 'messages' has no assistant message"),
         ("sft", {"prompt": {"text": "q"}, "response": "a"}, "key 'prompt' should be a string, got dict"),
     ],

@@ -103,7 +103,7 @@ class AdvConfig:
     estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)")
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus)")
     lamda: float = opt(1.0, "GAE lambda")
-    norm_var: bool = opt(True, "reinforce: divide by the group std (GRPO); false is Dr. GRPO")
+    norm_var: bool = opt(False, "reinforce: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
     global_norm: bool = opt(False, "reinforce, mc: divide the advantages by their std over the batch")
     truncation: int | None = opt(None, "mc: turns summed into each return (None: to the end of the trajectory)")
 

@@ -56,7 +56,8 @@ def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[d
             raise BadRow(f"key '{key}' message {i} should be a dict with a 'role' string")
         if is_missing(message.get("content")):
             raise BadRow(f"key '{key}' message {i} has no 'content'")
-        checked.append({"role": message["role"], "content": as_text(message["content"], f"key '{key}' message {i} content")})
+        content = as_text(message["content"], f"key '{key}' message {i} content")
+        checked.append({"role": message["role"], "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise BadRow(f"key '{key}' has no assistant message to train on")
     return checked
