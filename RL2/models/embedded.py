@@ -149,7 +149,7 @@ def _convert_gguf(name: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
-    print(f"[RL2] converting embedded model {gguf.name} into the RL2 cache (once)", flush=True)
+    print(f"[RL2] converting embedded model {gguf.name} into {folder.parent} (once)", flush=True)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = quantized.config
