@@ -7,6 +7,7 @@ The ORIGINAL_* rows are the examples of RL2's original README, verbatim (JSON ar
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -244,3 +245,26 @@ def test_bad_rows_name_file_row_and_key(tok, kind, row, message):
     examples, skipped = tokenize_rows([good, row], tokenize_row, "data.jsonl", skip_bad_rows=True)
     assert len(examples) == 1 and skipped == 1
 
+
+
+# ---- the README's own examples ---------------------------------------------------------------------
+
+
+def readme_examples() -> list[tuple[str, list[dict]]]:
+    """(trainers, rows) of every JSON example in the README's Data section."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Data\n", 1)[1].split("\n## ", 1)[0]
+    examples = []
+    for part in section.split("**")[1::2]:  # each bold header names the trainers of the blocks after it
+        block = section.split(f"**{part}**", 1)[1].split("**", 1)[0]
+        kinds = re.findall(r"RL2\.trainer\.(\w+)", block.split("```", 1)[0])
+        examples += [(kind, json.loads(rows)) for rows in re.findall(r"```json\n(.*?)```", block, re.S) for kind in kinds]
+    return examples
+
+
+def test_every_readme_example_loads_in_its_trainers(tok, tmp_path):
+    examples = readme_examples()
+    assert {kind for kind, _ in examples} == {"sft", "distill", "dpo", "orpo", "rm", "ppo"}
+    for kind, rows in examples:
+        loaded = load(tok, kind, write_json(tmp_path, rows))
+        assert len(loaded) == len(rows), kind
