@@ -46,7 +46,8 @@ def _avg_level(mode: Any) -> Any:
 
 
 def _tis_coef(coef: Any) -> Any:
-    return None if coef == 0 else coef  # the original's 0 meant off; RL2's off is null
+    # The original applied truncated importance sampling only when tis_coef > 0; RL2's off is null.
+    return None if isinstance(coef, (int, float)) and coef <= 0 else coef
 
 
 def _negate(flag: Any) -> Any:
