@@ -127,7 +127,7 @@ def resolve(key: str, keys: SchemaKeys):
         section_exists |= bool(rest) and all(keys.has_section(new) for new in entry.new)
         if entry.new == (entry.old,):  # a value alias of a current key: nothing further to follow
             break
-    if value_map is None and current == (key,) or not (section_exists or all(k in keys for k in current)):
+    if (value_map is None and current == (key,)) or not (section_exists or all(k in keys for k in current)):
         return None
     return current, value_map
 
