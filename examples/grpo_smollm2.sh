@@ -4,8 +4,9 @@
 # for a wrong number in tags, 0 without them (see examples/data/make_arithmetic.py). Each rank rolls out its share of the prompts on its own
 # embedded engine. Held-out accuracy (4 samples per test prompt at temperature 1, the policy RL trains) is tested every 4 steps; the run folder
 # (ckpts/grpo_smollm2) gets metrics.jsonl and learning_curve.png. Extra key=value arguments override
-# the config, e.g. `bash examples/grpo_smollm2.sh trainer.total_steps=3`; add `adv.estimator=gae`
-# for PPO with a critic.
+# the config, e.g. `bash examples/grpo_smollm2.sh trainer.total_steps=3`; add `adv.estimator=gae adv.norm_var=false`
+# for PPO with a critic. GRPO divides advantages by the group std (adv.norm_var=true); RL2's default is
+# Dr. GRPO, which does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python examples/data/make_arithmetic.py --out data/arith
@@ -26,6 +27,7 @@ python -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-2}" -m R
     actor.optimizer.lr=5e-6 \
     actor.max_grad_norm=1.0 \
     adv.estimator=reinforce \
+    adv.norm_var=true \
     trainer.experiment_name=grpo_smollm2 \
     trainer.total_steps=24 \
     trainer.test_freq=4 \

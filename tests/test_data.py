@@ -102,7 +102,7 @@ def test_truncation(tok):
     "row, message",
     [
         ({"response": "x"}, "missing key 'prompt'"),
-        ({"prompt": 3, "response": "x"}, "key 'prompt' should be a string, got int"),
+        ({"prompt": {"text": "q"}, "response": "x"}, "key 'prompt' should be a string, got dict"),
         ({"prompt": "q", "response": "  "}, "key 'response' is empty"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
         ({"messages": "hello"}, "non-empty list"),

@@ -79,8 +79,8 @@ def test_export_reloads_with_same_logits(tiny_model_path, sft_data, tmp_path):
 
 
 def test_bad_config_and_data_exit_with_message(tiny_model_path, sft_data, tmp_path):
-    with pytest.raises(AssertionError, match="unknown config key 'actor.lr'"):
-        run_ranks(1, sft_args(tiny_model_path, sft_data, tmp_path, "actor.lr=1"))
+    with pytest.raises(AssertionError, match="unknown config key 'actor.learning_rate'"):
+        run_ranks(1, sft_args(tiny_model_path, sft_data, tmp_path, "actor.learning_rate=1"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a"}\n')
     with pytest.raises(AssertionError, match=r"bad.jsonl row 1: missing key 'response'"):

@@ -2,11 +2,15 @@
 
 import dataclasses
 import difflib
+import os
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
+
+from RL2.config.aliases import SchemaKeys, apply_kl_estimators, describe_aliases, translate
+from RL2.config.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
@@ -21,17 +25,15 @@ CHOICES = {
 }
 
 
-class ConfigError(ValueError):
-    """A bad config value; the message names the key and says what to do."""
-
-
 def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> DictConfig:
     """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` and `key=value` arguments.
 
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
         trainer: name of the YAML file holding the trainer's defaults.
-        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key.
+        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
+            original key names are accepted (`RL2.config.aliases`); each one used is printed with
+            its current key.
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -40,8 +42,9 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     bad = [arg for arg in argv if "=" not in arg]
     if bad:
         raise ConfigError(f"arguments must look like key=value, got {bad}; see --help for the keys")
+    translation = translate(argv, schema_keys(schema))
     base = OmegaConf.structured(schema)
-    layers = [OmegaConf.load(CONFIG_DIR / f"{trainer}.yaml"), OmegaConf.from_dotlist(argv)]
+    layers = [OmegaConf.load(CONFIG_DIR / f"{trainer}.yaml"), OmegaConf.from_dotlist(translation.argv)]
     for layer, source in zip(layers, (f"{trainer}.yaml", "the command line")):
         try:
             base = OmegaConf.merge(base, layer)
@@ -50,8 +53,12 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
         except ValidationError as e:
             reason = str(e.msg).splitlines()[0]
             raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
+    apply_kl_estimators(base, translation)
     OmegaConf.resolve(base)
     check_choices(base)
+    if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
+        for line in translation.lines:
+            print(f"[RL2] {line}", flush=True)
     return base
 
 
@@ -79,10 +86,17 @@ def all_keys(schema: type, prefix: str = "") -> list[tuple[str, object, str]]:
     return rows
 
 
+def schema_keys(schema: type) -> SchemaKeys:
+    """Every key of a config dataclass; any key under a dict-valued field (`rollout.server_args`) too."""
+    rows = all_keys(schema)
+    return SchemaKeys(frozenset(key for key, _, _ in rows),
+                      frozenset(key for key, default, _ in rows if isinstance(default, dict)))
+
+
 def describe(schema: type) -> str:
     width = max(len(key) for key, _, _ in all_keys(schema))
     lines = [f"{key:<{width}}  {help_text} (default: {default})" for key, default, help_text in all_keys(schema)]
-    return "Config keys (set as key=value):\n" + "\n".join(lines)
+    return "Config keys (set as key=value):\n" + "\n".join(lines) + "\n\n" + describe_aliases(schema_keys(schema))
 
 
 def _unknown_key_message(error: ConfigKeyError, schema: type, source: str) -> str:

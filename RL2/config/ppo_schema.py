@@ -103,7 +103,7 @@ class AdvConfig:
     estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)")
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
-    norm_var: bool = opt(False, "reinforce only: divide by the group std (GRPO); false is Dr. GRPO")
+    norm_var: bool = opt(False, "reinforce only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
     global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
     truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 

@@ -3,8 +3,12 @@
 `path` may be a local JSON/JSONL/CSV/Parquet/Arrow file, a folder written by `Dataset.save_to_disk`,
 or a Hugging Face dataset name (served from the local cache; nothing is downloaded when offline).
 `split@path` picks a split, e.g. `test@my_org/my_data` or `validation@data/folder`.
+
+CSV has no types, so every CSV column is read as text (`46` stays "46", not the number 46); only an
+empty cell is a missing value.
 """
 
+import csv
 from pathlib import Path
 
 import datasets
@@ -38,7 +42,8 @@ def load_table(spec: str) -> datasets.Dataset:
         fmt = FILE_FORMATS.get(local.suffix.lower())
         if fmt is None:
             raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
-        table = datasets.load_dataset(fmt, data_files=str(local), split=split or "train")
+        options = _csv_as_text(local) if fmt == "csv" else {}
+        table = datasets.load_dataset(fmt, data_files=str(local), split=split or "train", **options)
     elif local.is_dir():
         table = datasets.load_from_disk(str(local))
         if isinstance(table, datasets.DatasetDict):
@@ -55,6 +60,20 @@ def load_table(spec: str) -> datasets.Dataset:
     if len(table) == 0:
         raise DataError(f"{spec}: no rows")
     return table
+
+
+def _csv_as_text(path: Path) -> dict:
+    """`load_dataset` options that read every column of a CSV file as a string.
+
+    Without them pandas guesses a type per column (and per 10k-row chunk): a response column of
+    numbers turns into floats, and "NA", "null" or "None" into missing values.
+    """
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), None)
+    if not header:
+        raise DataError(f"{path}: no header row; a CSV file needs column names in its first line")
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 def _pick_split(table: datasets.DatasetDict, split: str | None, where: str) -> datasets.Dataset:

@@ -1,14 +1,16 @@
 """Preference rows for DPO, ORPO and reward models.
 
-A row is `prompt` + `chosen` + `rejected` texts, or `chosen` and `rejected` as whole `messages`
-conversations (the last assistant turn is what differs). Each row becomes a pair of examples
+`chosen` and `rejected` are either response texts, after the row's `prompt` (text or chat messages)
+or `messages` (the conversation so far), or chat messages: whole conversations, or the assistant
+turns that follow the `prompt`/`messages` when the row has one. Each row becomes a pair of examples
 `{"chosen": example, "rejected": example}`, with the loss mask on the response tokens; the pair is
 packed into one micro-batch so that its two sequences meet in the loss.
 """
 
 from RL2.datasets.tokenize import (
     BadRow,
-    prompt_messages,
+    context_of,
+    is_missing,
     require_messages,
     require_text,
     tokenize_messages,
@@ -17,24 +19,31 @@ from RL2.datasets.tokenize import (
 )
 
 
+def has_context(row: dict, split_cfg) -> bool:
+    return not (is_missing(row.get(split_cfg.messages_key)) and is_missing(row.get(split_cfg.prompt_key)))
+
+
+def tokenize_side(tokenizer, row: dict, key: str, split_cfg) -> dict:
+    """One side of a pair (`key` is the chosen or the rejected column) as an example."""
+    if not isinstance(row.get(key), list):
+        return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key))
+    turns = require_messages(row, key)
+    if not has_context(row, split_cfg):
+        return tokenize_messages(tokenizer, turns)  # a whole conversation: every assistant turn is trained
+    # Chat messages always go through the chat template, so a text prompt before them is a user turn.
+    context = context_of(row, split_cfg)
+    context = context if isinstance(context, list) else [{"role": "user", "content": context}]
+    return tokenize_messages(tokenizer, context + turns, train_from=len(context))
+
+
 def pair_row_tokenizer(tokenizer):
     """Split config -> function(row) -> {"chosen": example, "rejected": example}."""
 
     def for_split(split_cfg):
-        chat = split_cfg.apply_chat_template
-
-        def tokenize_side(row: dict, key: str) -> dict:
-            if isinstance(row.get(key), list):
-                example = tokenize_messages(tokenizer, require_messages(row, key))
-            else:
-                prompt = prompt_messages(row, split_cfg.prompt_key) if chat else require_text(row, split_cfg.prompt_key)
-                example = tokenize_prompt_response(tokenizer, prompt, require_text(row, key), chat)
-            return truncate(example, split_cfg.max_length)
-
         def tokenize_row(row: dict) -> dict:
             pair = {
-                "chosen": tokenize_side(row, split_cfg.chosen_key),
-                "rejected": tokenize_side(row, split_cfg.rejected_key),
+                side: truncate(tokenize_side(tokenizer, row, key, split_cfg), split_cfg.max_length)
+                for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))
             }
             if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
                 raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical")

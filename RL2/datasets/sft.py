@@ -1,7 +1,9 @@
-"""SFT rows: `messages` conversations, or `prompt` + `response` pairs."""
+"""SFT rows: a `messages` conversation (loss on every assistant turn), or a `response` text after a
+`prompt` (text or chat messages) or after `messages` (the conversation so far)."""
 
 from RL2.datasets.tokenize import (
-    prompt_messages,
+    context_of,
+    is_missing,
     require_messages,
     require_text,
     tokenize_messages,
@@ -14,16 +16,13 @@ def sft_row_tokenizer(tokenizer):
     """Split config -> function(row) -> {"input_ids", "loss_mask"}."""
 
     def for_split(split_cfg):
-        chat = split_cfg.apply_chat_template
-
         def tokenize_row(row: dict) -> dict:
-            if row.get(split_cfg.messages_key) is not None:
-                # A conversation has roles, so it always goes through the chat template.
+            if is_missing(row.get(split_cfg.response_key)) and not is_missing(row.get(split_cfg.messages_key)):
+                # A whole conversation has roles, so it always goes through the chat template.
                 example = tokenize_messages(tokenizer, require_messages(row, split_cfg.messages_key))
             else:
-                prompt = prompt_messages(row, split_cfg.prompt_key) if chat else require_text(row, split_cfg.prompt_key)
-                response = require_text(row, split_cfg.response_key)
-                example = tokenize_prompt_response(tokenizer, prompt, response, chat)
+                context = context_of(row, split_cfg)
+                example = tokenize_prompt_response(tokenizer, context, require_text(row, split_cfg.response_key))
             return truncate(example, split_cfg.max_length)
 
         return tokenize_row

@@ -4,6 +4,7 @@ A tokenized example is `{"input_ids": list[int], "loss_mask": list[int]}`: `loss
 token i is one the model is trained to produce (the response, or the assistant turns).
 """
 
+import math
 from collections.abc import Callable, Iterable
 
 from RL2.datasets.loading import DataError
@@ -13,46 +14,86 @@ class BadRow(DataError):
     """One malformed row. Raised by validators; the caller adds the file and row number."""
 
 
-def require_text(row: dict, key: str) -> str:
-    if key not in row or row[key] is None:
-        raise BadRow(f"missing key '{key}'")
-    value = row[key]
+def is_missing(value: object) -> bool:
+    """None, or the NaN that typed columns (pandas, parquet floats) use for an empty cell."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def as_text(value: object, where: str) -> str:
+    """A text cell as a string. A number written where text belongs (`"response": 46` in JSON) is
+    that text; anything else that is not a string is a bad row.
+
+    A whole float is written as an integer: a JSON column holding 46 and 4.5 is loaded as floats, and
+    its 46 should read "46", not "46.0".
+    """
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
     if not isinstance(value, str):
-        raise BadRow(f"key '{key}' should be a string, got {type(value).__name__}")
+        raise BadRow(f"{where} should be a string, got {type(value).__name__}")
     if not value.strip():
-        raise BadRow(f"key '{key}' is empty")
+        raise BadRow(f"{where} is empty")
     return value
 
 
+def require_text(row: dict, key: str) -> str:
+    if is_missing(row.get(key)):
+        raise BadRow(f"missing key '{key}'")
+    return as_text(row[key], f"key '{key}'")
+
+
 def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[dict]:
-    if key not in row or row[key] is None:
+    """The `{role, content}` chat messages of `row[key]`, validated."""
+    if is_missing(row.get(key)):
         raise BadRow(f"missing key '{key}'")
     messages = row[key]
     if not isinstance(messages, list) or not messages:
         raise BadRow(f"key '{key}' should be a non-empty list of {{role, content}} messages")
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRow(f"key '{key}' message {i} should be a dict with a 'role' string")
-        if not isinstance(message.get("content"), str) or not message["content"].strip():
-            raise BadRow(f"key '{key}' message {i} has empty or non-string 'content'")
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        if is_missing(message.get("content")):
+            raise BadRow(f"key '{key}' message {i} has no 'content'")
+        content = as_text(message["content"], f"key '{key}' message {i} content")
+        checked.append({"role": message["role"], "content": content})
+    if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise BadRow(f"key '{key}' has no assistant message to train on")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return checked
 
 
-def prompt_messages(row: dict, key: str) -> list[dict]:
-    """A prompt may be plain text (one user turn) or already a list of chat messages."""
-    if isinstance(row.get(key), list):
-        return require_messages(row, key, need_assistant=False)
-    return [{"role": "user", "content": require_text(row, key)}]
+def context_of(row: dict, split_cfg) -> list[dict] | str:
+    """What comes before the model's turn: the `messages_key` column (chat messages), else the
+    `prompt_key` column (text, or chat messages).
+
+    Returns:
+        chat messages, which always go through the chat template (a text prompt becomes one user
+        turn when `apply_chat_template` is on), or the raw prompt text when it is off.
+    """
+    messages_key, prompt_key = split_cfg.messages_key, split_cfg.prompt_key
+    if not is_missing(row.get(messages_key)):
+        return require_messages(row, messages_key, need_assistant=False)
+    if isinstance(row.get(prompt_key), list):
+        return require_messages(row, prompt_key, need_assistant=False)
+    if is_missing(row.get(prompt_key)):
+        raise BadRow(f"missing key '{prompt_key}' (or '{messages_key}' with the conversation so far)")
+    text = require_text(row, prompt_key)
+    return [{"role": "user", "content": text}] if split_cfg.apply_chat_template else text
 
 
-def tokenize_messages(tokenizer, messages: list[dict]) -> dict:
+def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0) -> dict:
     """Apply the chat template turn by turn; only assistant turns are in the loss.
 
     Each turn's tokens are the text the template adds for that turn, so the concatenation equals the
     template applied to the whole conversation, and the assistant header (`<|im_start|>assistant\\n`)
     belongs to the preceding prompt part, not to the loss.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        messages: `{role, content}` chat messages.
+        train_from: index of the first message that may be trained on; the assistant turns before
+            it are context (the conversation so far before a response).
     """
     input_ids, loss_mask = [], []
     previous = ""
@@ -66,30 +107,29 @@ def tokenize_messages(tokenizer, messages: list[dict]) -> dict:
             raise BadRow("the chat template does not render this conversation turn by turn; use raw text instead")
         ids = tokenizer.encode(text[len(previous) :], add_special_tokens=False)
         input_ids += ids
-        loss_mask += [int(is_assistant)] * len(ids)
+        loss_mask += [int(is_assistant and i >= train_from)] * len(ids)
         previous = text
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def tokenize_prompt_response(tokenizer, prompt: list[dict] | str, response: str, chat: bool) -> dict:
-    """Prompt + response as one example, loss on the response (and its end-of-turn token)."""
-    if chat:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return tokenize_messages(tokenizer, messages + [{"role": "assistant", "content": response}])
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str) -> dict:
+    """Context + response as one example, loss on the response (and its end-of-turn tokens).
+
+    Chat messages get the response as an assistant turn through the chat template; raw text is
+    followed by the response text and an EOS token.
+    """
+    if isinstance(context, list):
+        return tokenize_messages(tokenizer, context + [{"role": "assistant", "content": response}], len(context))
+    prompt_ids = tokenizer.encode(context, add_special_tokens=False)
     response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
     return {"input_ids": prompt_ids + response_ids, "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
 
 
-def tokenize_prompt(tokenizer, prompt: list[dict] | str, chat: bool) -> list[int]:
-    """Prompt ids for generation (RL) or for scoring a pair (DPO/RM)."""
-    if chat:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return tokenizer.encode(
-            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-    return tokenizer.encode(prompt, add_special_tokens=False)
+def render_prompt(tokenizer, context: list[dict] | str) -> str:
+    """The text a policy continues: chat messages through the template with the assistant header."""
+    if isinstance(context, list):
+        return tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+    return context
 
 
 def truncate(example: dict, max_length: int) -> dict:

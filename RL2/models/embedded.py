@@ -4,12 +4,22 @@ The package carries only a Q4_1 GGUF file. Transformers can load (and dequantize
 GGUF-loaded model refuses `save_pretrained`, and dequantizing takes ~30 s. So the first use converts
 it once into a plain Hugging Face folder under the RL2 cache; every later use, by any rank or
 process, loads that folder like any other checkpoint. Nothing here talks to a model hub.
+
+The conversion is atomic: it is written into a temporary folder and renamed into place, by one
+process at a time (an exclusive file lock; the others wait and find it done). A folder left
+half-written (an interrupted copy, a full disk, a killed writer) is recognised by its missing or
+truncated files and converted again; temporary folders of killed conversions are removed.
 """
 
 import fcntl
+import functools
 import importlib.util
+import json
 import os
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 EMBEDDED_MODELS = {
@@ -40,15 +50,84 @@ def resolve_model_path(name: str) -> str:
     if not is_embedded(name):
         return name
     target = cache_root() / "models" / name.lower()
-    if (target / "config.json").exists():
-        return str(target)
+    return str(ensure_converted(target, functools.partial(_convert_gguf, name.lower())))
+
+
+def ensure_converted(target: Path, convert: Callable[[Path], None]) -> Path:
+    """`target`, written by `convert(folder)` first unless a complete one is already there.
+
+    Safe when several ranks or processes start at once: one converts, the others wait for its lock
+    and then find the folder complete. A half-written `target` and the temporary folders of killed
+    conversions are removed before converting.
+
+    Args:
+        target: the folder that should hold a Hugging Face model.
+        convert: writes the model into the (empty, temporary) folder it is given.
+    """
+    if is_complete(target):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Several ranks (or test processes) may start at once: one converts, the others wait.
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if is_complete(target):  # converted by the process that held the lock before us
+            return target
+        _remove_leftovers(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            convert(tmp)
+            if not is_complete(tmp):
+                raise RuntimeError(f"converting into {tmp} left an incomplete model folder")
+            _move_aside(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
+    return target
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` holds a whole model: a readable config, a tokenizer config and safetensors
+    weights of their full length."""
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    weights = list(folder.glob("*.safetensors"))
+    return (folder / "tokenizer_config.json").is_file() and bool(weights) and all(map(_safetensors_complete, weights))
+
+
+def _safetensors_complete(path: Path) -> bool:
+    # A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte range
+    # in the data that follows, then the data: a truncated file ends before the last range does.
+    try:
+        with open(path, "rb") as f:
+            header_length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_length))
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        return path.stat().st_size >= 8 + header_length + data_end
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    # flock is released by the kernel when its holder dies, so a killed conversion never blocks the next.
+    with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            _convert_gguf(name.lower(), target)
-    return str(target)
+        yield
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Temporary folders of earlier conversions: only the lock holder converts, so they are dead."""
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*", f"{target.name}.tmp*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _move_aside(target: Path) -> None:
+    """Remove an incomplete `target`; renamed away first so that the name is free at once."""
+    if target.exists() or target.is_symlink():
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+        os.replace(target, stale / "old")
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _gguf_file(name: str) -> Path:
@@ -65,12 +144,12 @@ def _gguf_file(name: str) -> Path:
     return path
 
 
-def _convert_gguf(name: str, target: Path) -> None:
-    """Dequantize the GGUF into an fp32 safetensors folder, written atomically."""
+def _convert_gguf(name: str, folder: Path) -> None:
+    """Dequantize the embedded GGUF into an fp32 safetensors folder (`ensure_converted` makes it atomic)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
-    print(f"[RL2] converting embedded model {gguf.name} to {target} (once)", flush=True)
+    print(f"[RL2] converting embedded model {gguf.name} into {folder.parent} (once)", flush=True)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = quantized.config
@@ -79,8 +158,5 @@ def _convert_gguf(name: str, target: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict())
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -8,17 +8,16 @@ and copy the new weights into the engines.
 """
 
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
-from RL2.datasets.splits import EpochSampler, load_splits
-from RL2.datasets.tokenize import BadRow, prompt_messages, require_text
 from RL2.batch import RolloutBatch, SequenceBatch
+from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
+from RL2.datasets.prompts import prompt_row_tokenizer
+from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import filter_groups
@@ -212,24 +211,6 @@ class PPOTrainer(Trainer):
 # ---- helpers --------------------------------------------------------------------------------------
 
 
-def prompt_row_tokenizer(tokenizer) -> Callable:
-    """split config -> (row -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}) for `load_splits`."""
-
-    def make(split_cfg):
-        def tokenize_row(row: dict) -> dict:
-            if split_cfg.apply_chat_template:
-                messages = prompt_messages(row, split_cfg.prompt_key)
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                text = require_text(row, split_cfg.prompt_key)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) > split_cfg.max_length:
-                raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
-            return {"prompt": text, "prompt_ids": ids, "extra_info": dict(row.get("extra_info") or {})}
-
-        return tokenize_row
-
-    return make
 
 
 def shard_of(param: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""RL2's original config keys, accepted as aliases of the current ones.
+
+Command lines written for RL2's original releases keep working: each original key given on the
+command line is rewritten to its current key (one printed line per alias, naming the current key),
+an original key for something RL2 does not have fails with what to use instead, and any other
+unknown key still fails with a suggestion (`RL2.config.cli`). The keys are in the table of
+`RL2.config.original_keys`.
+
+The original README's switches parse as written, e.g. "To use OpenAI PPO, set `kl.type=reward`,
+`kl.reward_estimator=k1`, and `adv.estimator=gae`": the original had one KL estimator per place
+(`reward_estimator` for `kl.type=reward`, `loss_estimator` for `kl.type=loss`); RL2 has one
+`actor.kl.estimator`, which takes the estimator of the place `actor.kl.type` puts the KL in.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from RL2.config.errors import ConfigError
+from RL2.config.original_keys import ALIASES, Dropped, KLEstimator
+
+
+@dataclass(frozen=True)
+class SchemaKeys:
+    """The keys of a trainer's config: `leaves`, plus any key under a dict-valued field (`open`,
+    e.g. `rollout.server_args`)."""
+
+    leaves: frozenset[str]
+    open: frozenset[str] = frozenset()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.leaves or any(key.startswith(prefix + ".") for prefix in self.open)
+
+    def has_section(self, prefix: str) -> bool:
+        """Whether any key starts with `prefix` (which ends in ".")."""
+        return any(k.startswith(prefix) for k in self.leaves) or any((k + ".").startswith(prefix) for k in self.open)
+
+
+@dataclass
+class Translation:
+    """A command line with RL2's original keys replaced by the current ones.
+
+    Attributes:
+        argv: `key=value` arguments with current keys only.
+        lines: one line per alias used, naming the current key (printed on rank 0).
+        kl_estimators: place ("reward" | "loss") -> (original key, estimator) from the command line;
+            `apply_kl_estimators` takes the one of the place `actor.kl.type` chooses.
+        explicit: current keys given on the command line under their current name.
+    """
+
+    argv: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
+    explicit: set[str] = field(default_factory=set)
+
+
+def translate(argv: list[str], keys: SchemaKeys) -> Translation:
+    """Rewrite the original keys of `key=value` arguments to current keys.
+
+    Args:
+        argv: `key=value` arguments.
+        keys: the trainer's config keys; an alias applies only when its current keys exist there
+            (otherwise the original key is left to fail as unknown, with a suggestion).
+    """
+    result, origin = Translation(), {}  # origin: current key -> (the argument that set it, through an alias)
+    for arg in argv:
+        key, raw = arg.split("=", 1)
+        found = resolve(key, keys)
+        if found is None:
+            _claim(origin, key, arg, alias=False)
+            result.explicit.add(key)
+            result.argv.append(arg)
+        elif isinstance(found, Dropped):
+            raise ConfigError(f"config key '{key}' is from RL2's original releases and has no counterpart here: "
+                              f"{found.instead}")
+        elif isinstance(found, KLEstimator):
+            _claim(origin, f"actor.kl.{found.place}_estimator", arg, alias=True)
+            result.kl_estimators[found.place] = (key, raw)
+        else:
+            new_keys, value_map = found
+            new_raw = raw if value_map is None else _mapped(value_map, raw, key)
+            for new_key in new_keys:
+                _claim(origin, new_key, arg, alias=True)
+                result.argv.append(f"{new_key}={new_raw}")
+            if new_keys != (key,) or new_raw != raw:
+                result.lines.append(_alias_line(key, raw, new_keys, new_raw))
+    return result
+
+
+def apply_kl_estimators(cfg: DictConfig, translation: Translation) -> None:
+    """Set `actor.kl.estimator` to the original estimator of the place `actor.kl.type` puts the KL in."""
+    place = cfg.actor.kl.type if translation.kl_estimators else None
+    for other, (key, value) in translation.kl_estimators.items():
+        if other != place:
+            translation.lines.append(
+                f"config key '{key}={value}' (RL2's original name) is not used: actor.kl.type={place} puts the KL "
+                f"in the {place}, whose estimator is actor.kl.estimator")
+    if place not in translation.kl_estimators:
+        return
+    key, value = translation.kl_estimators[place]
+    estimator = _parse(value, key)
+    if "actor.kl.estimator" in translation.explicit and cfg.actor.kl.estimator != estimator:
+        raise ConfigError(f"config keys '{key}={value}' and 'actor.kl.estimator={cfg.actor.kl.estimator}' disagree; "
+                          f"keep actor.kl.estimator")
+    cfg.actor.kl.estimator = estimator
+    translation.lines.append(f"config key '{key}={value}' (RL2's original name) is now 'actor.kl.estimator={value}': "
+                             f"actor.kl.type={place} puts the KL in the {place}")
+
+
+def resolve(key: str, keys: SchemaKeys):
+    """What an original key means here: `(current keys, value map or None)`, a `Dropped`, a
+    `KLEstimator`, or None when `key` is no original key (or its current keys are not in `keys`)."""
+    current, value_map, section_exists = (key,), None, False
+    for _ in range(4):  # a prefix rename may lead to another alias (`kl.x` -> `actor.kl.x` -> ...)
+        entry, rest = _lookup(current[0]) if len(current) == 1 else (None, "")
+        if entry is None:
+            break
+        if isinstance(entry, Dropped):
+            return entry
+        if isinstance(entry, KLEstimator):
+            return entry if "actor.kl.estimator" in keys else None
+        current, value_map = tuple(new + rest for new in entry.new), entry.value or value_map
+        # A section renamed as a whole: an unknown key under it is reported under its current name,
+        # with the suggestions of that section (`kl.coeff` -> did you mean actor.kl.coef?).
+        section_exists |= bool(rest) and all(keys.has_section(new) for new in entry.new)
+        if entry.new == (entry.old,):  # a value alias of a current key: nothing further to follow
+            break
+    if (value_map is None and current == (key,)) or not (section_exists or all(k in keys for k in current)):
+        return None
+    return current, value_map
+
+
+def _lookup(key: str):
+    """The table entry for `key`: an exact match, else the longest prefix entry; and the rest of the key."""
+    best = None
+    for entry in ALIASES:
+        if entry.old == key:
+            return entry, ""
+        if entry.old.endswith(".") and key.startswith(entry.old) and (best is None or len(entry.old) > len(best.old)):
+            best = entry
+    return (best, key[len(best.old):]) if best else (None, "")
+
+
+def _alias_line(key: str, raw: str, new_keys: tuple[str, ...], new_raw: str) -> str:
+    def shown(k: str, v: str) -> str:
+        return f"'{k}={v}'" if new_raw != raw else f"'{k}'"
+
+    return (f"config key {shown(key, raw)} (RL2's original name) is now "
+            + " and ".join(shown(k, new_raw) for k in new_keys))
+
+
+def _claim(origin: dict, key: str, arg: str, alias: bool) -> None:
+    """Refuse two arguments for one current key when one of them is an original name."""
+    if key in origin and (alias or origin[key][1]):
+        raise ConfigError(f"'{origin[key][0]}' and '{arg}' both set config key '{key}' (one under RL2's original "
+                          f"name); keep one")
+    origin[key] = (arg, alias)
+
+
+def _mapped(value_map: Callable[[Any], Any], raw: str, key: str) -> str:
+    """The current value, as command-line text, of the original value `raw` of `key`."""
+    try:
+        return _dump(value_map(_parse(raw, key)))
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
+
+
+def _parse(raw: str, key: str) -> Any:
+    try:
+        return OmegaConf.from_dotlist([f"value={raw}"]).value
+    except Exception as e:  # OmegaConf's grammar errors come in several types
+        raise ConfigError(f"config key '{key}': cannot read the value {raw!r} ({e})") from None
+
+
+def _dump(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def describe_aliases(keys: SchemaKeys) -> str:
+    """The `--help` section: the original keys this trainer accepts, and those that fail."""
+    renamed, dropped = [], []
+    for entry in ALIASES:
+        star = "*" if entry.old.endswith(".") else ""
+        if isinstance(entry, Dropped):
+            dropped.append(entry.old + star)
+        elif isinstance(entry, KLEstimator):
+            if "actor.kl.estimator" in keys:
+                renamed.append(f"  {entry.old} -> actor.kl.estimator, when actor.kl.type={entry.place}")
+        elif entry.new != (entry.old,) and all(keys.has_section(n) if star else n in keys for n in entry.new):
+            renamed.append(f"  {entry.old}{star} -> {', '.join(n + star for n in entry.new)}")
+    return ("RL2's original key names (accepted; each one used is printed with its current key):\n"
+            + "\n".join(renamed)
+            + "\nOriginal keys with no counterpart here (they fail at start, saying what to use instead):\n  "
+            + ", ".join(dropped))

@@ -1,0 +1,42 @@
+"""Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far),
+and what the environment gets as `extra_info`.
+
+`extra_info` is the row's `extra_info` dict together with the row's other columns (the dict wins
+where both name a key), so `{"prompt": ..., "answer": 46}` and a CSV with an `answer` column reach
+the environment as `extra_info["answer"]` just as `{"prompt": ..., "extra_info": {"answer": 46}}`
+does.
+"""
+
+from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt
+
+EXTRA_INFO_KEY = "extra_info"
+
+
+def extra_info_of(row: dict, used_keys: set[str]) -> dict:
+    """The environment's `extra_info`: the row's columns other than `used_keys`, then its `extra_info`."""
+    extra_info = row.get(EXTRA_INFO_KEY)
+    if is_missing(extra_info):
+        extra_info = {}
+    if not isinstance(extra_info, dict):
+        raise BadRow(f"key '{EXTRA_INFO_KEY}' should be a dict of values for the environment, "
+                     f"got {type(extra_info).__name__}")
+    columns = {key: value for key, value in row.items()
+               if key not in used_keys and key != EXTRA_INFO_KEY and not is_missing(value)}
+    return columns | extra_info
+
+
+def prompt_row_tokenizer(tokenizer):
+    """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`."""
+
+    def for_split(split_cfg):
+        def tokenize_row(row: dict) -> dict:
+            text = render_prompt(tokenizer, context_of(row, split_cfg))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) > split_cfg.max_length:
+                raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
+            used = {split_cfg.prompt_key, split_cfg.messages_key}
+            return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)}
+
+        return tokenize_row
+
+    return for_split
