@@ -164,6 +164,16 @@ def test_ppo_extra_info_dict_wins_over_a_column_of_the_same_name(tok, tmp_path):
     assert row["extra_info"] == {"answer": "dict", "data_source": "s"}
 
 
+def test_ppo_rows_without_a_prompt_when_the_environment_resets(tok, tmp_path):
+    from RL2.datasets.prompts import prompt_row_tokenizer
+
+    path = write_json(tmp_path, [{"extra_info": {"env_id": "game:Sudoku-v0-easy", "seed": 3}}])
+    [row], _ = load_splits(data_cfg(path), prompt_row_tokenizer(tok, env_resets=True), seed=0)
+    assert row == {"prompt": None, "prompt_ids": None, "extra_info": {"env_id": "game:Sudoku-v0-easy", "seed": 3}}
+    with pytest.raises(DataError, match=r"row 0: missing key 'prompt' \(or 'messages'"):
+        load_splits(data_cfg(path), prompt_row_tokenizer(tok), seed=0)
+
+
 # ---- CSV and typed sources: text columns stay text ------------------------------------------------
 
 

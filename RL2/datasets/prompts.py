@@ -25,16 +25,25 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
     return columns | extra_info
 
 
-def prompt_row_tokenizer(tokenizer):
-    """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`."""
+def prompt_row_tokenizer(tokenizer, env_resets: bool = False):
+    """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        env_resets: the environment defines `reset`: a row with neither a prompt nor messages gets
+            `prompt` None, and `reset(extra_info)` makes its first state at rollout time.
+    """
 
     def for_split(split_cfg):
+        used = {split_cfg.prompt_key, split_cfg.messages_key}
+
         def tokenize_row(row: dict) -> dict:
+            if env_resets and all(is_missing(row.get(key)) for key in used):
+                return {"prompt": None, "prompt_ids": None, "extra_info": extra_info_of(row, used)}
             text = render_prompt(tokenizer, context_of(row, split_cfg))
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > split_cfg.max_length:
                 raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
-            used = {split_cfg.prompt_key, split_cfg.messages_key}
             return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)}
 
         return tokenize_row

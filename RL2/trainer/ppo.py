@@ -19,6 +19,7 @@ from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
+from RL2.rollout.env import load_env
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import filter_groups
 from RL2.rollout.trajectory import Trajectory, training_batch
@@ -37,7 +38,9 @@ class PPOTrainer(Trainer):
         check_ppo_choices(cfg)
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor)
-        self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer), cfg.trainer.seed)
+        env_resets = load_env(cfg.rollout.env_path).reset_fn is not None  # rows may then leave the prompt out
+        self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer, env_resets),
+                                                      cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
         # Rollout state that a resume restores: prompt batches drawn so far (dynamic filtering may
