@@ -286,3 +286,11 @@ def test_reward_parts_become_metrics(tmp_path):
     assert not any(key.startswith("rollout/reward/") for key in rollout_metrics([[_trajectory([{}])]]))
     save_samples(tmp_path / "samples.jsonl", groups[:1], step=1)
     assert '"reward_parts": {"format": 0.5, "correct": 1.0}' in (tmp_path / "samples.jsonl").read_text()
+
+
+def test_reward_parts_survive_a_checkpoint():
+    trajectory = _trajectory([{"format": 0.5}])
+    assert Trajectory.from_dict(trajectory.to_dict()).turns[0].reward_parts == {"format": 0.5}
+    older = trajectory.to_dict()
+    del older["sequences"][0]["turns"][0]["reward_parts"]  # written before reward parts existed
+    assert Trajectory.from_dict(older).turns[0].reward_parts == {}
