@@ -5,19 +5,20 @@
 It uses the standard library only, so that it runs before anything else is imported. In order:
 
 1. Read the spec (the solution, one test, the limits) and delete its file, so the solution cannot.
-2. Enter new network, mount and PID namespaces (and a user namespace when not root): the solution
-   sees no network interface but a down loopback, and its processes end with this sandbox.
+2. Enter new network, mount and PID namespaces (inside a user namespace of its own unless root of
+   the machine): the solution sees no network but a loopback that is down, and its processes end
+   with this sandbox.
 3. Fork the namespace's first process, which makes the whole file system read-only except the
-   working directory, mounts a /proc showing only the sandbox's processes, sets the resource limits,
-   gives up every capability and (as root) takes a real user id of its own so that RLIMIT_NPROC
-   counts the sandbox's processes alone (Linux exempts real uid 0 from that limit).
+   working directory, mounts a /proc showing only the sandbox's processes (where allowed), sets the
+   resource limits, gives up every capability and (as root) takes a real user id of its own so that
+   RLIMIT_NPROC counts the sandbox's processes alone (Linux exempts real uid 0 from that limit).
 4. Fork the solution's process. Its exit status becomes this program's.
 
 When namespaces are unavailable (a container that forbids `unshare`), step 2 is skipped and an audit
-hook in the solution's process refuses sockets, new processes, signals and writes outside the working
-directory instead: a guard against accidents, not a security boundary (ctypes can go around it,
-which is why loading C libraries is refused too). The first line written to the result pipe says
-which isolation was in effect.
+hook in the solution's process refuses sockets, new processes, signals, C libraries and writes
+outside the working directory instead: a guard against accidents, not a security boundary (code that
+reaches C can go around it). The first line written to the result pipe says which isolation was in
+effect.
 """
 
 import builtins
@@ -32,7 +33,7 @@ import traceback
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x20000000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
-SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and aarch64 (Linux >= 5.12)
+SYS_MOUNT_SETATTR = 442  # Linux >= 5.12; the same number on every architecture but alpha
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 # SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS_LOCKED and the locks of the first two:
 # executing a program as uid 0 gives no capabilities back, and nobody can undo it.
@@ -225,10 +226,10 @@ def main() -> None:
         exit_like(wait_for(first))
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed on timeout: all go
-        read_only = False
+        read_only = own_proc = False
         if namespaces:
             try:
-                read_only_view(spec["workdir"])
+                own_proc = read_only_view(spec["workdir"])
                 read_only = True
             except OSError as e:
                 why = f"no read-only view ({e})"
@@ -244,7 +245,8 @@ def main() -> None:
         os.write(result_fd, (json.dumps({"setup_failed": str(e)}) + "\n").encode())
         os._exit(EXIT_SETUP_FAILED)
     guard = not (namespaces and read_only)
-    report = {"isolation": "guard" if guard else "namespaces", "why": why, "process_limit": own_uid or namespaces}
+    report = {"isolation": "guard" if guard else "namespaces", "why": why, "own_proc": own_proc,
+              "process_limit": own_uid or namespaces}
     os.write(result_fd, (json.dumps(report) + "\n").encode())  # first, before the solution can write
     try:
         solution = os.fork()
