@@ -159,14 +159,22 @@ class Sandbox:
                 why = report["setup_failed"] if report else f"status {process.returncode}: {stderr.strip()[-500:]}"
                 raise SandboxError(f"the code sandbox could not start the solution ({why})")
             report = None
-        isolation = report["isolation"] if report else "unknown"
-        if isolation == "guard" and not self._warned:
+        if report and not self._warned:
+            self._warn_about(report)
+        if status is None:
+            status = _verdict(test, stdout, process.returncode, token_seen)
+        return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown")
+
+    def _warn_about(self, report: dict) -> None:
+        """Say once what this system does not isolate."""
+        if report["isolation"] == "guard":
             self._warned = True
             log.warning("code sandbox without Linux namespaces (%s): solutions run with an in-process guard only, "
                         "which is not a security boundary", report.get("why"))
-        if status is None:
-            status = _verdict(test, stdout, process.returncode, token_seen)
-        return TestResult(status, seconds, stdout, stderr, isolation)
+        elif not report.get("process_limit"):  # (the guard refuses new processes)
+            self._warned = True
+            log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
+                        "namespace): a solution's processes are bounded by its time limit only")
 
     def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, token: str) -> dict:
         limits = self.limits
