@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from RL2.rewards import CodeLimits, CodeTest, Sandbox, code_reward, parse_tests
-from RL2.rewards.sandbox import normalise_output
+from RL2.rewards.sandbox import default_concurrency, normalise_output
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -253,6 +253,14 @@ def test_output_flood_is_cut(sandbox):
 
 
 # ---- async use ----
+
+
+def test_default_concurrency_shares_the_cores_among_local_ranks(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_concurrency() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert default_concurrency() == 1
 
 
 def test_runs_off_the_event_loop_within_the_concurrency_bound(sandbox, monkeypatch):

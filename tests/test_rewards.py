@@ -4,6 +4,7 @@ and reward parts as metrics. The code sandbox has its own file (test_code_reward
 import asyncio
 import functools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from RL2.rewards import (
     composite, extract_code, last_boxed, last_match, last_tag, load_reward_env, load_reward_fn, math_reward,
-    normalise_answer, regex_reward, reward_env, reward_step, tags_reward,
+    normalise_answer, regex_reward, require_math_verify, reward_env, reward_step, tags_reward,
 )
 from RL2.rewards.math_reward import answers_equal
-from RL2.rollout.env import EnvError, EnvFault, parse_step_result
+from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import run_trajectory
 from RL2.rollout.trajectory import Trajectory, Turn
@@ -118,6 +119,14 @@ def test_math_reward_whole_response():
 )
 def test_normalise_answer(text, normal):
     assert normalise_answer(text) == normal
+
+
+def test_require_math_verify_names_the_package(no_math_verify):
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        require_math_verify()
+    env = load_env(Path(__file__).resolve().parents[1] / "envs" / "math_verify.py")
+    with pytest.raises(ImportError, match="math-verify"):  # the env needs math-verify's own extraction
+        asyncio.run(env.step("", "\\boxed{1}", {"answer": "1"}))
 
 
 def test_answers_equal_uses_math_verify_when_installed():
