@@ -5,21 +5,20 @@ tags (the format is learnt first), 0 otherwise. The score counts correct answers
 The format reward needs a number in the tags: an empty `<answer></answer>`, which the instruction
 itself spells out, would otherwise be an easy 0.1 that the policy learns to copy."""
 
-import re
+from RL2.rewards import last_tag
 
 FORMAT_REWARD = 0.1
 
 
-def as_number(written: str) -> float | None:
+def as_number(written: str | None) -> float | None:
     try:
-        return float(written.strip())
-    except ValueError:  # the model wrote something that is not a number
+        return float(written)
+    except (TypeError, ValueError):  # no answer, or the model wrote something that is not a number
         return None
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:
-    answers = re.findall(r"<answer>(.*?)</answer>", action, re.DOTALL)
-    number = as_number(answers[-1]) if answers else None
+    number = as_number(last_tag(action, "answer"))
     correct = number is not None and number == float(extra_info["answer"])
     reward = 1.0 if correct else FORMAT_REWARD if number is not None else 0.0
     return {"next_state": state + action, "reward": reward, "score": float(correct), "done": True,

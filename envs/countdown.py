@@ -3,7 +3,8 @@ reach `extra_info["target"]`; the equation goes in <answer></answer>. Reward 1 i
 
 import ast
 import operator
-import re
+
+from RL2.rewards import last_tag
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EQUATION_CHARS = 200  # keeps parsing cheap whatever the model writes
@@ -31,7 +32,7 @@ def is_correct(equation: str, numbers: list[int], target: int) -> bool:
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:
-    answers = re.findall(r"<answer>(.*?)</answer>", action, re.DOTALL)
-    correct = bool(answers) and is_correct(answers[-1].strip(), extra_info["numbers"], extra_info["target"])
+    answer = last_tag(action, "answer")
+    correct = answer is not None and is_correct(answer, extra_info["numbers"], extra_info["target"])
     reward = float(correct)
     return {"next_state": state + action, "reward": reward, "score": reward, "done": True, "extra_info": extra_info}

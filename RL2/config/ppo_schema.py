@@ -28,6 +28,7 @@ class TestSamplingConfig(SamplingConfig):
 @dataclass
 class RolloutConfig:
     env_path: str = opt("envs/arithmetic.py", "environment script defining `async def step(state, action, extra_info)`")
+    reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` (sync or async) instead of rollout.env_path: 'path/to/file.py:name' or 'package.module:name', e.g. RL2.rewards:math_reward")
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
     max_turns: int = opt(1, "the most actions of one trajectory")

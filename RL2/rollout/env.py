@@ -9,6 +9,8 @@ and optionally `async def reset(extra_info: dict) -> str`, which makes the first
 prompt row has no prompt. `state` is the text the policy saw, `action` the text it wrote, and
 `extra_info` the row's `extra_info` (answers, ids), carried from step to step. `reward` trains;
 `score` is what evaluation reports (e.g. correctness without format bonuses; default: reward).
+An optional `reward_parts` dict (name -> number) is logged as `rollout/reward/<name>`, e.g. the
+parts of a weighted sum of rewards (`RL2.rewards.composite`).
 
 A state (`next_state`, or what `reset` returns) may also be a list of chat messages, which the
 rollout renders with the tokenizer's chat template. See `envs/` for examples.
@@ -19,7 +21,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 State = str | list[dict]
@@ -40,6 +42,7 @@ class StepResult:
     score: float
     done: bool
     extra_info: dict
+    reward_parts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,7 +106,10 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
     if missing:
         raise EnvFault(f"step result has no {missing}; it has {sorted(result)}")
     reward, score = result["reward"], result.get("score", result["reward"])
-    for key, value in (("reward", reward), ("score", score)):
+    parts = result.get("reward_parts") or {}
+    if not isinstance(parts, dict):
+        raise EnvFault(f"step result reward_parts is {type(parts).__name__}, not a dict of name -> number")
+    for key, value in (("reward", reward), ("score", score), *((f"reward_parts[{n!r}]", v) for n, v in parts.items())):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise EnvFault(f"step result {key}={value!r} is not a finite number")
     if not isinstance(result["done"], bool):
@@ -114,7 +120,8 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
     new_info = result.get("extra_info", extra_info)
     if not isinstance(new_info, dict):
         raise EnvFault(f"step result extra_info is {type(new_info).__name__}, not a dict")
-    return StepResult(next_state, float(reward), float(score), result["done"], new_info)
+    parts = {str(name): float(value) for name, value in parts.items()}
+    return StepResult(next_state, float(reward), float(score), result["done"], new_info, parts)
 
 
 def _is_state(state: object) -> bool:

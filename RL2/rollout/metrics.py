@@ -14,6 +14,10 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """Means over trajectories, namespaced `rollout/...`; with `per_source`, test metrics too.
 
+    The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
+    turns (like its reward), averaged over every trajectory, those without the part counting 0, so
+    that a weighted sum of parts averages to the weighted sum of their metrics.
+
     Args:
         groups: trajectories grouped by prompt.
         per_source: add `test/{data_source}/score` (mean) and `test/{data_source}/pass@{k}`,
@@ -32,6 +36,7 @@ def rollout_metrics(
         "rollout/n_turns": _mean(t.n_turns for t in trajectories),
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
     }
+    metrics |= _reward_part_metrics(trajectories)
     if per_source:
         metrics |= _source_metrics(groups, k, pass_threshold)
     return metrics
@@ -56,7 +61,25 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) ->
                     "stop_reason": t.stop_reason,
                     "fault": t.fault,
                 }
+                parts = reward_parts(t)
+                if parts:
+                    record["reward_parts"] = parts
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def reward_parts(trajectory: Trajectory) -> dict[str, float]:
+    """A trajectory's reward parts, each summed over its turns."""
+    parts: dict[str, float] = {}
+    for turn in trajectory.turns:
+        for name, value in turn.reward_parts.items():
+            parts[name] = parts.get(name, 0.0) + value
+    return parts
+
+
+def _reward_part_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    per_trajectory = [reward_parts(t) for t in trajectories]
+    names = sorted({name for parts in per_trajectory for name in parts})
+    return {f"rollout/reward/{name}": _mean(parts.get(name, 0.0) for parts in per_trajectory) for name in names}
 
 
 def _mean(values) -> float:

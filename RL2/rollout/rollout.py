@@ -75,6 +75,7 @@ async def run_trajectory(
             trajectory.fail(result)
             return trajectory
         turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
+        turn.reward_parts = result.reward_parts
         if result.done:
             trajectory.stop_reason = "done"
             return trajectory

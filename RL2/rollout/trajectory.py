@@ -26,6 +26,7 @@ class Turn:
         action_text: the decoded action, as given to the environment.
         finish_reason: the engine's: "stop", "length" or "abort".
         reward, score: what the environment's `step` returned for this action.
+        reward_parts: the step's named reward parts (logged as `rollout/reward/<name>`).
         env_ids: observation tokens appended after the action when the next turn continues the
             same sequence (empty when the trajectory ends here or starts a new sequence).
         env_text: the text `env_ids` were tokenised from.
@@ -39,6 +40,7 @@ class Turn:
     score: float = 0.0
     env_ids: list[int] = field(default_factory=list)
     env_text: str = ""
+    reward_parts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Trajectory:
         self.fault, self.stop_reason = fault, "fault"
         for turn in self.turns:
             turn.reward = turn.score = 0.0
+            turn.reward_parts = {}
 
     # ---- reading ----
 

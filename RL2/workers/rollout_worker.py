@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from RL2.models.embedded import resolve_model_path
 from RL2.rollout.client import EngineError
 from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.rewards.reward_fn import load_reward_env
 from RL2.rollout.env import load_env
 from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
 from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
@@ -66,7 +67,7 @@ class RolloutWorker:
                 model_path, dtype=self.dtype, attn_implementation="sdpa"
             ).to(device).eval()
             self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
-        self.env = load_env(rollout_cfg.env_path)
+        self.env = load_reward_env(rollout_cfg.reward_fn) if rollout_cfg.reward_fn else load_env(rollout_cfg.env_path)
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.

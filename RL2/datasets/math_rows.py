@@ -1,0 +1,172 @@
+"""Math data as people have it, turned into PPO prompt rows that `RL2.rewards.math_reward` checks.
+
+    python -m RL2.datasets.math_rows SOURCE OUT.jsonl [--format auto|gsm8k|math] [--prompt TEMPLATE]
+
+SOURCE is anything `data.train.path` takes (a local JSON/JSONL/CSV/Parquet/Arrow file, a
+`save_to_disk` folder, a dataset in the local Hugging Face cache, `split@...`); `--subset` names a
+configuration of a cached hub dataset (`--subset main` for openai/gsm8k). Two schemas are read:
+
+- GSM8K: `question`, and `answer` ending in `#### N` (N, without thousands separators, is the answer);
+- MATH: `problem`, and `answer`, or else `solution` whose last \\boxed{...} is the answer.
+
+Each row becomes `{"prompt": TEMPLATE with {question} replaced, "extra_info": {"answer": ...,
+"data_source": ..., "index": ...}}` (MATH's `level`, `type`, `subject` and `unique_id` are kept in
+extra_info too). Train on it with `rollout.reward_fn=RL2.rewards:math_reward`.
+"""
+
+import argparse
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from RL2.datasets.loading import DataError, load_table, split_path
+from RL2.rewards.extract import last_boxed
+
+DEFAULT_PROMPT = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+FORMATS = ("auto", "gsm8k", "math")
+MATH_METADATA = ("level", "type", "subject", "unique_id")
+
+
+def detect_format(columns: Iterable[str]) -> str:
+    """"gsm8k" or "math" from a table's column names.
+
+    Args:
+        columns: the column names.
+    """
+    columns = set(columns)
+    if {"question", "answer"} <= columns:
+        return "gsm8k"
+    if "problem" in columns and ({"solution", "answer"} & columns):
+        return "math"
+    raise DataError(f"cannot tell the format from the columns {sorted(columns)}: GSM8K rows have 'question' and "
+                    f"'answer', MATH rows 'problem' and 'solution' (or 'answer'); pass --format and check the file")
+
+
+def gsm8k_answer(answer: str) -> str:
+    """The final answer of a GSM8K `answer` text: what follows its last `####`, without thousands separators.
+
+    Args:
+        answer: the worked solution ending in `#### N`.
+    """
+    if "####" not in answer:
+        raise ValueError("'answer' has no '#### N' final answer")
+    final = answer.rsplit("####", 1)[1].strip()
+    final = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", final)
+    if not final:
+        raise ValueError("'answer' has nothing after '####'")
+    return final
+
+
+def math_answer(row: dict) -> str:
+    """A MATH row's final answer: its `answer` column, else the last \\boxed{...} of its `solution`.
+
+    Args:
+        row: the row.
+    """
+    if isinstance(row.get("answer"), str) and row["answer"].strip():
+        return row["answer"].strip()
+    solution = row.get("solution")
+    if not isinstance(solution, str):
+        raise ValueError("no 'answer' and no 'solution' text")
+    answer = last_boxed(solution)
+    if not answer:
+        raise ValueError("'solution' has no complete \\boxed{...} answer")
+    return answer
+
+
+def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT, data_source: str | None = None) -> dict:
+    """One PPO prompt row from a GSM8K or MATH row.
+
+    Args:
+        row: the source row.
+        fmt: "gsm8k" or "math".
+        index: the row's number in its source (kept in extra_info).
+        prompt: the template; `{question}` is replaced by the question (other braces are left alone).
+        data_source: extra_info["data_source"] (default: the format's name), which names test metrics.
+    """
+    question_key = "question" if fmt == "gsm8k" else "problem"
+    question = row.get(question_key)
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"missing or empty '{question_key}'")
+    if fmt == "gsm8k":
+        if not isinstance(row.get("answer"), str):
+            raise ValueError("missing 'answer' text")
+        answer, metadata = gsm8k_answer(row["answer"]), {}
+    else:
+        answer = math_answer(row)
+        metadata = {key: row[key] for key in MATH_METADATA if row.get(key) is not None}
+    extra_info = {"answer": answer, "data_source": data_source or fmt, "index": index} | metadata
+    return {"prompt": prompt.replace("{question}", question.strip()), "extra_info": extra_info}
+
+
+def math_rows(rows: Iterable[dict], fmt: str = "auto", prompt: str = DEFAULT_PROMPT, data_source: str | None = None,
+              skip_bad_rows: bool = False, source: str = "rows") -> tuple[list[dict], int]:
+    """PPO prompt rows from GSM8K or MATH rows; returns (rows, number skipped).
+
+    Args:
+        rows: the source rows (dicts), e.g. a `datasets.Dataset`.
+        fmt: "gsm8k", "math" or "auto" (from the first row's keys).
+        prompt, data_source: as in `to_prompt_row`.
+        skip_bad_rows: skip and count rows without a usable question or answer instead of failing.
+        source: the name of the rows in error messages (a file).
+    """
+    if "{question}" not in prompt:
+        raise ValueError(f"the prompt template needs a {{question}} placeholder: {prompt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    converted, skipped = [], 0
+    for index, row in enumerate(rows):
+        if fmt == "auto":
+            fmt = detect_format(row)
+        try:
+            converted.append(to_prompt_row(row, fmt, index, prompt, data_source))
+        except ValueError as e:
+            if not skip_bad_rows:
+                raise DataError(f"{source} row {index}: {e} ({fmt} format); fix it or pass --skip-bad-rows") from e
+            skipped += 1
+    if not converted:
+        raise DataError(f"{source}: no usable rows")
+    return converted, skipped
+
+
+def load_rows(source: str, subset: str | None = None):
+    """The rows of `source` (see the module docstring); `subset` picks a hub dataset's configuration."""
+    if subset is None:
+        return load_table(source)
+    import datasets
+
+    split, path = split_path(source)
+    try:
+        return datasets.load_dataset(path, subset, split=split or "train")
+    except Exception as e:  # offline hub lookups raise many different types
+        raise DataError(f"could not load '{path}' (subset '{subset}') from the local Hugging Face cache "
+                        f"({type(e).__name__}: {e})") from e
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m RL2.datasets.math_rows", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="GSM8K or MATH rows: a file, a save_to_disk folder or a cached dataset name")
+    parser.add_argument("out", help="the PPO prompt rows, as JSONL")
+    parser.add_argument("--format", default="auto", choices=FORMATS, help="the source's schema (default: from its columns)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt template; {question} is replaced")
+    parser.add_argument("--data-source", default=None, help="extra_info.data_source (default: the format)")
+    parser.add_argument("--subset", default=None, help="configuration of a cached hub dataset (e.g. main)")
+    parser.add_argument("--skip-bad-rows", action="store_true", help="skip rows without a question or answer")
+    args = parser.parse_args(argv)
+    rows, skipped = math_rows(load_rows(args.source, args.subset), args.format, args.prompt, args.data_source,
+                              args.skip_bad_rows, source=args.source)
+    write_jsonl(rows, args.out)
+    print(f"wrote {len(rows)} rows to {args.out}" + (f" (skipped {skipped} bad rows)" if skipped else ""))
+
+
+if __name__ == "__main__":
+    main()

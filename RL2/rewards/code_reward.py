@@ -1,0 +1,81 @@
+"""Code rewards: the response's Python solution run against the row's tests in a sandbox.
+
+`extra_info["tests"]` holds the tests, as a list of dicts (or a JSON string of one):
+
+    {"input": "1 2\\n", "output": "3\\n"}        # standard input -> expected standard output
+    {"assert": "assert add(1, 2) == 3"}         # run after the solution's code; passes if it ends
+
+or in the APPS / verl style, `{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}`. Outputs are
+compared line by line, ignoring trailing spaces and blank lines at either end.
+"""
+
+import json
+
+from RL2.rewards.extract import extract_code
+from RL2.rewards.sandbox import CodeTest, Sandbox
+
+_default_sandbox: Sandbox | None = None
+
+
+def default_sandbox() -> Sandbox:
+    """The sandbox `code_reward` uses unless given one: default limits, shared by all calls of this process."""
+    global _default_sandbox
+    if _default_sandbox is None:
+        _default_sandbox = Sandbox()
+    return _default_sandbox
+
+
+async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool = False, tests_key: str = "tests",
+                      sandbox: Sandbox | None = None) -> float:
+    """The fraction of the row's tests the response's code passes (or 1.0/0.0 with `all_or_nothing`).
+
+    Args:
+        response: the policy's text; its code is the last ```python fence, else the whole text.
+        extra_info: the row's extra_info, holding the tests (see the module docstring).
+        all_or_nothing: 1.0 only when every test passes (stops at the first failure), else 0.0.
+        tests_key: where the tests are in `extra_info`.
+        sandbox: limits and concurrency (default: `default_sandbox()`).
+    """
+    tests = parse_tests(extra_info.get(tests_key), tests_key)
+    sandbox = sandbox or default_sandbox()
+    results = await sandbox.run_tests(extract_code(response), tests, stop_at_failure=all_or_nothing)
+    passed = sum(result.passed for result in results)
+    if all_or_nothing:
+        return float(passed == len(tests))
+    return passed / len(tests)
+
+
+def parse_tests(value: object, key: str = "tests") -> list[CodeTest]:
+    """The tests of a row, checked.
+
+    Args:
+        value: a list of {"input", "output"} / {"assert"} dicts, a dict {"inputs": [...],
+            "outputs": [...]}, or either as a JSON string.
+        key: the extra_info key it came from (for error messages).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"extra_info['{key}'] is a string but not JSON: {e}") from e
+    if isinstance(value, dict) and "inputs" in value:
+        if "fn_name" in value:
+            raise ValueError(f"extra_info['{key}'] has fn_name (call-based tests): write them as "
+                             f"{{'assert': 'assert f(...) == ...'}} tests instead")
+        inputs, outputs = value["inputs"], value.get("outputs")
+        if not isinstance(outputs, list) or len(outputs) != len(inputs):
+            raise ValueError(f"extra_info['{key}'] needs as many 'outputs' as 'inputs'")
+        value = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"extra_info['{key}'] should be a non-empty list of tests "
+                         f"({{'input': ..., 'output': ...}} or {{'assert': ...}}), got {type(value).__name__}")
+    return [_parse_test(test, key, i) for i, test in enumerate(value)]
+
+
+def _parse_test(test: object, key: str, index: int) -> CodeTest:
+    where = f"extra_info['{key}'][{index}]"
+    if isinstance(test, dict) and isinstance(test.get("assert"), str):
+        return CodeTest(assert_code=test["assert"])
+    if isinstance(test, dict) and isinstance(test.get("output"), str) and isinstance(test.get("input", ""), str):
+        return CodeTest(input=test.get("input", ""), output=test["output"])
+    raise ValueError(f"{where} should be {{'input': str, 'output': str}} or {{'assert': str}}, got {test!r:.100}")

@@ -1,0 +1,45 @@
+"""Format rewards: a regular expression, or a structure of tags with partial credit."""
+
+import re
+
+THINK_ANSWER = ("think", "answer")
+
+
+def tags_reward(response: str, extra_info: dict | None = None, *, tags: tuple[str, ...] = THINK_ANSWER) -> float:
+    """How well the response follows `<t1>...</t1> <t2>...</t2> ...` (default: think, then answer).
+
+    Half the credit is shared by the tags: `0.5 / len(tags)` for each tag that appears as exactly one
+    `<t>` followed later by exactly one `</t>`. The other half is for the whole structure: the tags
+    in this order and nothing but whitespace around and between them. So `<think>a</think>
+    <answer>b</answer>` gives 1.0, the same with text before it 0.5, and a lone
+    `<think>a</think>` 0.25.
+
+    Args:
+        response: the policy's text.
+        extra_info: unused (the signature of a reward function).
+        tags: the tag names, in order.
+    """
+    if not tags:
+        raise ValueError("tags_reward needs at least one tag")
+    well_formed = sum(_once_in_order(response, f"<{tag}>", f"</{tag}>") for tag in tags)
+    structure = r"\s*".join(f"<{re.escape(tag)}>.*?</{re.escape(tag)}>" for tag in tags)
+    if well_formed == len(tags) and re.fullmatch(rf"\s*{structure}\s*", response, re.DOTALL):
+        return 1.0
+    return 0.5 * well_formed / len(tags)
+
+
+def _once_in_order(text: str, opening: str, closing: str) -> bool:
+    return text.count(opening) == 1 and text.count(closing) == 1 and text.index(opening) < text.index(closing)
+
+
+def regex_reward(response: str, extra_info: dict | None = None, *, pattern: str, fullmatch: bool = False) -> float:
+    """1.0 when the response matches `pattern` (`.` matches newlines), else 0.0.
+
+    Args:
+        response: the policy's text.
+        extra_info: unused (the signature of a reward function).
+        pattern: a regular expression.
+        fullmatch: the whole response must match, not just a part of it.
+    """
+    match = re.fullmatch if fullmatch else re.search
+    return float(match(pattern, response, re.DOTALL) is not None)

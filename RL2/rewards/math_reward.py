@@ -1,0 +1,107 @@
+"""Math answers: the response's final answer against `extra_info["answer"]`.
+
+The answer is the last `\\boxed{...}` (or the last match of a pattern) and is compared with
+Hugging Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'), which parses both sides as
+LaTeX or expressions and compares them symbolically (1/2 = 0.5 = \\frac{1}{2}, {1,2} = {2,1}).
+Without it, both sides are normalised (spaces, $, \\left/\\right, \\text{}, thousands separators,
+numbers and simple fractions by value) and compared as strings.
+"""
+
+import re
+import threading
+from fractions import Fraction
+
+from RL2.rewards.extract import last_boxed, last_match
+
+BOXED = "boxed"  # `pattern` value: the last \boxed{...}
+
+
+def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED, answer_key: str = "answer") -> float:
+    """1.0 when the response's final answer equals `extra_info[answer_key]`, else 0.0.
+
+    Args:
+        response: the policy's text.
+        extra_info: the row's extra_info, holding the reference answer.
+        pattern: `BOXED` (default): the last \\boxed{...}; a regular expression: its last match
+            (first group if any); None: the whole response, from which math-verify picks the answer
+            itself (its last \\boxed, else the last expression).
+        answer_key: where the reference answer is in `extra_info`.
+    """
+    if answer_key not in extra_info:
+        raise KeyError(f"extra_info has no '{answer_key}' (the reference answer); it has {sorted(extra_info)}")
+    gold = str(extra_info[answer_key])
+    if pattern is None:
+        return float(_equal_texts(response, gold))
+    answer = last_boxed(response) if pattern == BOXED else last_match(response, pattern)
+    return float(answer is not None and answers_equal(answer, gold))
+
+
+def answers_equal(answer: str, gold: str) -> bool:
+    """Whether two final answers are the same: math-verify when installed, else normalised strings.
+
+    Args:
+        answer: the extracted answer (no \\boxed around it).
+        gold: the reference answer.
+    """
+    math_verify = _math_verify()
+    if math_verify is None:
+        return normalise_answer(answer) == normalise_answer(gold)
+    return _verify(math_verify, f"\\boxed{{{gold}}}", f"\\boxed{{{answer}}}")
+
+
+def has_math_verify() -> bool:
+    return _math_verify() is not None
+
+
+def require_math_verify() -> None:
+    """Raise a clear ImportError when math-verify is missing (for scripts that need its extraction)."""
+    if _math_verify() is None:
+        raise ImportError("this needs the math-verify package: pip install math-verify (or 'RL2[math]')")
+
+
+def normalise_answer(text: str) -> str:
+    """A canonical string of an answer, for comparing without math-verify.
+
+    Drops spaces, `$`, `\\left`/`\\right`, thin spaces, `\\text{...}` markers, degree and percent
+    signs, a trailing period and thousands separators; `\\dfrac`/`\\tfrac` become `\\frac`; a number or
+    a fraction of integers becomes its value (`0.50`, `1/2` and `\\frac{1}{2}` all become `0.5`).
+
+    Args:
+        text: the answer.
+    """
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
+    for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "\\%", "%", "\\$", "$"):
+        s = s.replace(noise, "")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
+    s = re.sub(r"^\\frac\{?(-?\d+)\}?\{?(\d+)\}?$", r"\1/\2", s)  # \frac{1}{2}, \frac12
+    try:
+        value = Fraction(s)
+    except (ValueError, ZeroDivisionError):  # not a plain number: compare the text
+        return s
+    return str(int(value)) if value.denominator == 1 else repr(float(value))
+
+
+def _equal_texts(response: str, gold: str) -> bool:
+    math_verify = _math_verify()
+    if math_verify is None:
+        return normalise_answer(response) == normalise_answer(gold)
+    return _verify(math_verify, f"${gold}$", response)
+
+
+def _verify(math_verify, gold_text: str, answer_text: str) -> bool:
+    # math-verify bounds its time with SIGALRM, which Python allows only in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = math_verify.parse(gold_text, parsing_timeout=timeout)
+    answer = math_verify.parse(answer_text, parsing_timeout=timeout)
+    # Unparsable text is no match, not an error.
+    return bool(math_verify.verify(gold, answer, timeout_seconds=timeout))
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        return None
+    return math_verify

@@ -1,0 +1,91 @@
+"""Training on a plain reward function, and the step result of a reward.
+
+`rollout.reward_fn=path/to/file.py:name` (or `package.module:name`; the name defaults to `reward`)
+trains single-turn on
+
+    def reward(response: str, extra_info: dict) -> float      # or async def; or -> dict
+
+without an environment script: `reward_env` wraps it as one whose `step` scores the response and
+ends the trajectory. A dict result holds the trained total under "reward", optionally "score", and
+any other numbers as parts, logged as `rollout/reward/<name>`. A reward function that raises ends
+that trajectory with reward 0, counted in `rollout/faults`, like a failing environment.
+"""
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+from RL2.rewards.composite import call_reward
+from RL2.rollout.env import Env, EnvError
+
+
+def reward_step(result: float | dict, extra_info: dict) -> dict:
+    """The `step` result that ends a trajectory with a reward function's result.
+
+    Args:
+        result: a number, or a dict with "reward", optionally "score", and parts (name -> number).
+        extra_info: what the step got (returned unchanged).
+    """
+    if isinstance(result, dict):
+        if "reward" not in result:
+            raise ValueError(f"a reward dict needs a 'reward' entry (the trained total); it has {sorted(result)}")
+        parts = {name: value for name, value in result.items() if name not in ("reward", "score")}
+        reward, score = result["reward"], result.get("score", result["reward"])
+    else:
+        reward, score, parts = result, result, {}
+    return {"next_state": None, "reward": reward, "score": score, "done": True, "extra_info": extra_info,
+            "reward_parts": parts}
+
+
+def reward_env(function: Callable, name: str = "reward function") -> Env:
+    """An environment whose single `step` scores the action with `function(action, extra_info)`.
+
+    Args:
+        function: `(response, extra_info) -> float | dict`, sync or async.
+        name: what errors call it.
+    """
+
+    async def step(state: str, action: str, extra_info: dict) -> dict:
+        return reward_step(await call_reward(function, action, extra_info), extra_info)
+
+    return Env(path=name, step_fn=step)
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """The function named by `path/to/file.py:name` or `package.module:name` (name: default `reward`).
+
+    Args:
+        spec: where the function is.
+    """
+    where, name = spec.rsplit(":", 1) if ":" in spec else (spec, "reward")
+    name = name or "reward"
+    if where.endswith(".py") or "/" in where:
+        file = Path(where).expanduser()
+        if not file.is_file():
+            raise EnvError(f"rollout.reward_fn: {file} does not exist; give 'path/to/file.py:function_name'")
+        module_spec = importlib.util.spec_from_file_location(f"rl2_reward_{file.stem}", file)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise EnvError(f"rollout.reward_fn: cannot import module '{where}' ({e}); give "
+                           f"'path/to/file.py:function_name' or 'package.module:function_name'") from e
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise EnvError(f"rollout.reward_fn: {where} has no function '{name}'")
+    try:
+        inspect.signature(function).bind("response", {})
+    except ValueError:  # no signature to check (some builtins)
+        pass
+    except TypeError as e:
+        raise EnvError(f"rollout.reward_fn: {where}:{name} must accept (response: str, extra_info: dict): {e}") from e
+    return function
+
+
+def load_reward_env(spec: str) -> Env:
+    """`reward_env` of the function named by `spec` (see `load_reward_fn`)."""
+    return reward_env(load_reward_fn(spec), name=spec)

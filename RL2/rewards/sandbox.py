@@ -1,0 +1,343 @@
+"""Run a policy's Python code against one test in a separate, isolated, limited process.
+
+Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation): new network,
+mount and PID namespaces, the whole file system read-only except a temporary working directory that
+is removed afterwards, limits on address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes
+(RLIMIT_NPROC) and CPU time, no capabilities, an environment without the trainer's variables. The
+wall-clock limit is enforced from here: on timeout the process group is killed, and with it the PID
+namespace (every process the solution started, even one that left the group).
+
+The waiting happens in a thread pool of `max_concurrency` threads, so an event loop stays free
+(`await sandbox.run(...)`) and at most that many solutions run at once. A solution that hangs,
+crashes, floods its output or exhausts its limits fails its test; only a sandbox that cannot start
+at all raises `SandboxError`.
+"""
+
+import asyncio
+import json
+import logging
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+CHILD = Path(__file__).with_name("sandbox_child.py")
+STDERR_TAIL = 4096
+READ_CHUNK = 65536
+
+log = logging.getLogger(__name__)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the solution): it could not start or isolate the process."""
+
+
+@dataclass
+class CodeLimits:
+    """Limits of one test run.
+
+    Attributes:
+        timeout_s: wall-clock seconds, Python's start included.
+        memory_mb: address space (RLIMIT_AS); a bigger allocation raises MemoryError.
+        max_processes: processes and threads of the solution, itself included (RLIMIT_NPROC).
+        max_file_mb: the largest file it may write (RLIMIT_FSIZE).
+        max_output_kb: standard output kept; more fails the test.
+    """
+
+    timeout_s: float = 5.0
+    memory_mb: int = 1024
+    max_processes: int = 16
+    max_file_mb: int = 16
+    max_output_kb: int = 1024
+
+
+@dataclass
+class CodeTest:
+    """One test: standard input and the expected standard output, or assert code run after the solution.
+
+    With `assert_code`, the solution runs as a module named "solution" (its `if __name__ ==
+    "__main__":` block is skipped) and the test passes when the assert code runs to its end.
+    """
+
+    input: str = ""
+    output: str | None = None
+    assert_code: str | None = None
+
+    def __post_init__(self):
+        if (self.output is None) == (self.assert_code is None):
+            raise ValueError("a code test has either an expected output or assert code, not both or neither")
+
+
+@dataclass
+class TestResult:
+    """Attributes:
+        status: passed | wrong_answer (ran, printed something else) | error (an exception, a failed
+            assert, a non-zero exit, a limit hit) | timeout | output_limit.
+        seconds: wall-clock time of the run.
+        stdout: what the solution printed (at most max_output_kb).
+        stderr: the end of its standard error (tracebacks).
+        isolation: "namespaces", or "guard" when only the in-process guard was available.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    status: str
+    seconds: float
+    stdout: str
+    stderr: str
+    isolation: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def default_concurrency() -> int:
+    """The CPU cores of this host divided among the ranks that share it (torchrun's LOCAL_WORLD_SIZE)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+class Sandbox:
+    """Runs code against tests, at most `max_concurrency` at a time.
+
+    Args:
+        limits: the limits of each test run.
+        max_concurrency: test runs at once (default: `default_concurrency()`).
+        namespaces: isolate with Linux namespaces when the system allows it; False runs with the
+            in-process guard only (for systems where `unshare` is refused, and to test that guard).
+    """
+
+    def __init__(self, limits: CodeLimits | None = None, max_concurrency: int | None = None, namespaces: bool = True):
+        self.limits = limits or CodeLimits()
+        self.namespaces = namespaces
+        self.max_concurrency = max_concurrency or default_concurrency()
+        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rl2-sandbox")
+        self._warned = False
+
+    async def run(self, code: str, test: CodeTest) -> TestResult:
+        """Run `code` against `test` without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_blocking, code, test)
+
+    async def run_tests(self, code: str, tests: list[CodeTest], stop_at_failure: bool = False) -> list[TestResult]:
+        """Run the tests one after another; with `stop_at_failure`, stop at the first that fails."""
+        results = []
+        for test in tests:
+            results.append(await self.run(code, test))
+            if stop_at_failure and not results[-1].passed:
+                break
+        return results
+
+    def run_blocking(self, code: str, test: CodeTest) -> TestResult:
+        """Run `code` against `test` in this thread."""
+        workdir = tempfile.mkdtemp(prefix="rl2-sandbox-")
+        read_end, write_end = os.pipe()  # the child's report, and the assert test's token
+        token = os.urandom(16).hex()
+        try:
+            try:
+                spec_path = Path(workdir) / ".spec.json"
+                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, token)))
+                began = time.monotonic()
+                process = self._start(spec_path, test, workdir, write_end)
+            finally:
+                os.close(write_end)  # the child has its copy
+            stdout, stderr, status = self._wait(process, test, began)
+            seconds = time.monotonic() - began
+            report, token_seen = _read_report(read_end, token)
+        finally:
+            os.close(read_end)
+            _remove(workdir)
+        if report is None or "setup_failed" in report:
+            if status is None:  # not cut short by a limit: it ended before the solution could start
+                why = report["setup_failed"] if report else f"status {process.returncode}: {stderr.strip()[-500:]}"
+                raise SandboxError(f"the code sandbox could not start the solution ({why})")
+            report = None
+        if report and not self._warned:
+            self._warn_about(report)
+        if status is None:
+            status = _verdict(test, stdout, process.returncode, token_seen)
+        return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown")
+
+    def _warn_about(self, report: dict) -> None:
+        """Say once what this system does not isolate."""
+        if report["isolation"] == "guard":
+            self._warned = True
+            log.warning("code sandbox without Linux namespaces (%s): solutions run with an in-process guard only, "
+                        "which is not a security boundary", report.get("why"))
+        elif not report.get("process_limit"):  # (the guard refuses new processes)
+            self._warned = True
+            log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
+                        "namespace): a solution's processes are bounded by its time limit only")
+
+    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, token: str) -> dict:
+        limits = self.limits
+        return {
+            "code": code,
+            "kind": "assert" if test.assert_code is not None else "stdio",
+            "test": test.assert_code,
+            "workdir": workdir,
+            "result_fd": result_fd,
+            "token": token,
+            "namespaces": self.namespaces,
+            "limits": {
+                "memory_bytes": limits.memory_mb * 2**20,
+                "file_bytes": limits.max_file_mb * 2**20,
+                "processes": limits.max_processes,
+                # A backstop only: the wall-clock limit below comes first.
+                "cpu_seconds": math.ceil(limits.timeout_s) + 1,
+            },
+        }
+
+    def _start(self, spec_path: Path, test: CodeTest, workdir: str, result_fd: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-I", str(CHILD), str(spec_path)],
+            stdin=subprocess.PIPE if test.assert_code is None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=_child_env(workdir),
+            start_new_session=True, pass_fds=(result_fd,),
+        )
+
+    def _wait(self, process: subprocess.Popen, test: CodeTest, began: float) -> tuple[str, str, str | None]:
+        """Feed and read the child until it ends or the deadline, then kill its process group.
+
+        Returns (stdout, stderr, status): status "timeout" or "output_limit", or None when it ended by itself.
+        """
+        deadline = began + self.limits.timeout_s
+        try:
+            stdout, stderr, status = _communicate(process, test.input.encode(), deadline, self.limits.max_output_kb * 1024)
+            if status is None:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    status = "timeout"
+        finally:
+            _kill_group(process.pid)  # also whatever it left behind
+            process.wait()
+            for stream in (process.stdin, process.stdout, process.stderr):
+                if stream is not None:
+                    stream.close()
+        return stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), status
+
+
+def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_output: int):
+    """Write `data` to stdin while reading stdout (at most `max_output` bytes) and stderr's tail.
+
+    Returns (stdout, stderr, status): status is "timeout" or "output_limit" when one of them cut the
+    run short, else None (both streams closed).
+    """
+    out, err = bytearray(), bytearray()
+    with selectors.DefaultSelector() as selector:
+        if process.stdin is not None:
+            if data:
+                os.set_blocking(process.stdin.fileno(), False)
+                selector.register(process.stdin, selectors.EVENT_WRITE)
+            else:
+                process.stdin.close()
+        selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(process.stderr, selectors.EVENT_READ)
+        written = 0
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return out, err, "timeout"
+            for key, _ in selector.select(left):
+                if key.fileobj is process.stdin:
+                    try:
+                        written += os.write(key.fd, data[written : written + READ_CHUNK])
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # the solution stopped reading its input
+                        written = len(data)
+                    if written >= len(data):
+                        selector.unregister(process.stdin)
+                        process.stdin.close()
+                    continue
+                chunk = os.read(key.fd, READ_CHUNK)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                elif key.fileobj is process.stdout:
+                    out += chunk
+                    if len(out) > max_output:
+                        return out[:max_output], err, "output_limit"
+                else:
+                    err = (err + chunk)[-STDERR_TAIL:]
+    return out, err, None
+
+
+def _verdict(test: CodeTest, stdout: str, returncode: int, token_seen: bool) -> str:
+    if test.assert_code is not None:
+        return "passed" if returncode == 0 and token_seen else "error"
+    if returncode != 0:
+        return "error"
+    return "passed" if normalise_output(stdout) == normalise_output(test.output) else "wrong_answer"
+
+
+def normalise_output(text: str) -> str:
+    """Output as judges compare it: trailing spaces of each line and blank lines at either end ignored."""
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def _read_report(read_end: int, token: str) -> tuple[dict | None, bool]:
+    """The child's report and whether the assert test's token came back.
+
+    The report is the first line: the isolation in effect, or {"setup_failed": why}; a second report
+    line can only be a failure to start the solution (written before anything of it runs).
+    """
+    os.set_blocking(read_end, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(read_end, READ_CHUNK)
+        except BlockingIOError:  # a leftover process still holds the pipe: what is there is enough
+            break
+        if not chunk:
+            break
+        data += chunk
+    lines = data.decode("utf-8", "replace").splitlines()
+    report = _json_dict(lines[0]) if lines else None
+    second = _json_dict(lines[1]) if len(lines) > 1 else None
+    if second and "setup_failed" in second:
+        report = second
+    return report, token in lines[1:]
+
+
+def _json_dict(line: str) -> dict | None:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:  # the token, or whatever the solution wrote
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _child_env(workdir: str) -> dict[str, str]:
+    """A bare environment: none of the trainer's variables (tokens, keys) reach the solution."""
+    single_thread = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", **single_thread}
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass
+
+
+def _remove(workdir: str) -> None:
+    """Remove the working directory, even where the solution took away permissions."""
+
+    def allow_and_retry(function, path, _):
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+        function(path)
+
+    try:
+        shutil.rmtree(workdir, onerror=allow_and_retry)
+    except OSError as e:  # never fail a run over a temporary folder
+        log.warning("code sandbox: could not remove %s: %s", workdir, e)

@@ -1,0 +1,288 @@
+"""The process a code reward's solution runs in. Started by `RL2.rewards.sandbox`, never imported:
+
+    python -I sandbox_child.py SPEC_JSON
+
+It uses the standard library only, so that it runs before anything else is imported. In order:
+
+1. Read the spec (the solution, one test, the limits) and delete its file, so the solution cannot.
+2. Enter new network, mount and PID namespaces (inside a user namespace of its own unless root of
+   the machine): the solution sees no network but a loopback that is down, and its processes end
+   with this sandbox.
+3. Fork the namespace's first process, which makes the whole file system read-only except the
+   working directory, mounts a /proc showing only the sandbox's processes (where allowed), sets the
+   resource limits, gives up every capability and (as root) takes a real user id of its own so that
+   RLIMIT_NPROC counts the sandbox's processes alone (Linux exempts real uid 0 from that limit).
+4. Fork the solution's process. Its exit status becomes this program's.
+
+When namespaces are unavailable (a container that forbids `unshare`), step 2 is skipped and an audit
+hook in the solution's process refuses sockets, new processes, signals, C libraries and writes
+outside the working directory instead: a guard against accidents, not a security boundary (code that
+reaches C can go around it). The first line written to the result pipe says which isolation was in
+effect.
+"""
+
+import builtins
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+import traceback
+
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x20000000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
+SYS_MOUNT_SETATTR = 442  # Linux >= 5.12; the same number on every architecture but alpha
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+# SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS_LOCKED and the locks of the first two:
+# executing a program as uid 0 gives no capabilities back, and nobody can undo it.
+SECURE_BITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
+CAPABILITY_VERSION_3 = 0x20080522
+# Root's sandboxes run with real uid OWN_UID_BASE + the launcher's pid: unused ids, one per sandbox.
+OWN_UID_BASE = 2_000_000_000
+EXIT_SETUP_FAILED = 121
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def read_spec(path: str) -> dict:
+    with open(path) as f:
+        spec = json.load(f)
+    os.unlink(path)
+    return spec
+
+
+# ---- launcher: namespaces ----
+
+
+def enter_namespaces() -> None:
+    """Unshare network, mount and PID namespaces; unless root of the machine, inside a user namespace of
+    our own (which also makes RLIMIT_NPROC count this sandbox's processes only)."""
+    uid, gid = os.getuid(), os.getgid()
+    if uid == 0 and in_initial_user_namespace():
+        check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID), "unshare")
+        return
+    check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID), "unshare")
+    # Root inside maps to our own user outside: enough to mount, nothing more.
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+# ---- the namespace's first process: view, limits, privileges ----
+
+
+def read_only_view(workdir: str) -> bool:
+    """Everything read-only but `workdir`; a /proc of this PID namespace. Returns whether /proc was mounted."""
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
+    check(libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None), "bind the working directory")
+    try:  # hides the host's processes; a container that masks parts of /proc refuses it to a user namespace
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        own_proc = True
+    except OSError:
+        own_proc = False
+    set_mount_attr(b"/", AT_RECURSIVE, MountAttr(attr_set=MOUNT_ATTR_RDONLY))
+    set_mount_attr(workdir.encode(), 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
+    return own_proc
+
+
+def set_mount_attr(path: bytes, flags: int, attr: MountAttr) -> None:
+    check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, flags, ctypes.byref(attr), ctypes.sizeof(attr)),
+          f"mount_setattr {path.decode()}")
+
+
+def set_limits(limits: dict, counted_before: int | None) -> None:
+    """Memory, file size, a CPU-time backstop, no core files, and the number of processes.
+
+    Args:
+        counted_before: processes RLIMIT_NPROC already counts for this sandbox (this one, and the
+            launcher inside a user namespace); None when the count would include every process of
+            the user, which makes the limit meaningless (the guard refuses new processes then).
+    """
+    for name, value in (("RLIMIT_AS", limits["memory_bytes"]), ("RLIMIT_FSIZE", limits["file_bytes"]),
+                        ("RLIMIT_CPU", limits["cpu_seconds"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if counted_before is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"] + counted_before,) * 2)
+
+
+def take_own_uid(launcher_pid: int) -> None:
+    """Root: a real uid of our own (effective uid stays 0 to read root's files, without capabilities)."""
+    check(libc.setresuid(OWN_UID_BASE + launcher_pid, 0, 0), "setresuid")
+
+
+def drop_capabilities() -> None:
+    """Give up every capability for good, also across exec of a program as uid 0."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    for cap in range(last_cap + 1):
+        check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+    check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "set securebits")
+    check(libc.capset(ctypes.byref(CapHeader(CAPABILITY_VERSION_3, 0)), (CapData * 2)()), "capset")
+
+
+def in_initial_user_namespace() -> bool:
+    with open("/proc/self/uid_map") as f:
+        return f.read().split() == ["0", "0", "4294967295"]
+
+
+def maps_to_root_outside() -> bool:
+    """Whether our uid is uid 0 one user namespace up (root in a namespace that maps it to real root:
+    Linux then exempts it, and the user namespaces under it, from RLIMIT_NPROC)."""
+    uid = os.getuid()
+    with open("/proc/self/uid_map") as f:
+        for line in f:
+            inside, outside, count = map(int, line.split())
+            if inside <= uid < inside + count:
+                return outside + uid - inside == 0
+    return False
+
+
+# ---- the solution's process ----
+
+
+def install_guard(workdir: str) -> None:
+    """Refuse what the namespaces would have prevented, from inside Python (bypassable; see the docstring)."""
+    workdir = os.path.realpath(workdir)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    refused = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "os.fork", "os.forkpty",
+               "os.posix_spawn", "os.spawn", "os.system", "os.exec", "subprocess.Popen", "os.kill", "os.killpg",
+               "ctypes.dlopen", "ctypes.dlsym", "sys.addaudithook"}
+    path_events = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
+                   "os.link", "os.truncate", "os.utime", "shutil.rmtree"}
+
+    def outside(path) -> bool:
+        if isinstance(path, int):  # an already open file descriptor
+            return False
+        full = os.path.realpath(os.fsdecode(path))
+        return full != workdir and not full.startswith(workdir + os.sep) and full != os.devnull
+
+    def hook(event: str, args: tuple) -> None:
+        if event in refused:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open" and len(args) >= 3:
+            path, mode, flags = args[0], args[1], args[2] or 0
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or flags & write_flags
+            if writes and path is not None and outside(path):
+                raise PermissionError(f"sandbox: writing {path} outside the working directory is not allowed")
+        elif event in path_events and args and outside(args[0]):
+            raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
+
+    sys.addaudithook(hook)
+
+
+def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
+    """Run the solution (and an assert test after it) in this process; never returns."""
+    if guard:
+        install_guard(spec["workdir"])
+    is_assert = spec["kind"] == "assert"
+    namespace = {"__name__": "solution" if is_assert else "__main__", "__builtins__": builtins}
+    status = 0
+    try:
+        exec(compile(spec["code"], "solution.py", "exec"), namespace)
+        if is_assert:
+            exec(compile(spec["test"], "test.py", "exec"), namespace)
+            sys.stdout.flush()
+            # Written only once the test ran to its end: exiting early (sys.exit(0)) does not pass.
+            os.write(result_fd, (spec["token"] + "\n").encode())
+    except SystemExit as e:
+        status = 1 if is_assert or e.code not in (None, 0) else 0
+        if is_assert:
+            print("sandbox: the solution exited before its test ran to the end", file=sys.stderr)
+    except BaseException:  # whatever the solution raises is its own failure
+        traceback.print_exc()
+        status = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # the solution closed or broke its own streams
+        status = status or 1
+    os._exit(status)
+
+
+# ---- the three processes ----
+
+
+def main() -> None:
+    spec = read_spec(sys.argv[1])
+    launcher_pid, result_fd = os.getpid(), spec["result_fd"]
+    namespaces = bool(spec["namespaces"])
+    why = None if namespaces else "switched off"
+    root_outside = maps_to_root_outside() and not in_initial_user_namespace()
+    if namespaces:
+        try:
+            enter_namespaces()
+        except OSError as e:
+            namespaces, why = False, f"no namespaces ({e})"
+    first = os.fork()  # with namespaces: process 1 of the new PID namespace
+    if first:
+        exit_like(wait_for(first))
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed on timeout: all go
+        read_only = own_proc = False
+        if namespaces:
+            try:
+                own_proc = read_only_view(spec["workdir"])
+                read_only = True
+            except OSError as e:
+                why = f"no read-only view ({e})"
+        os.chdir(spec["workdir"])  # the writable mount on top, not the directory under it
+        own_uid = os.getuid() == 0 and in_initial_user_namespace()
+        if own_uid:
+            take_own_uid(launcher_pid)
+        set_limits(spec["limits"], 1 if own_uid else 2 if namespaces else None)
+        if own_uid or namespaces:
+            drop_capabilities()
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
+    except OSError as e:
+        os.write(result_fd, (json.dumps({"setup_failed": str(e)}) + "\n").encode())
+        os._exit(EXIT_SETUP_FAILED)
+    guard = not (namespaces and read_only)
+    report = {"isolation": "guard" if guard else "namespaces", "why": why, "own_proc": own_proc,
+              "process_limit": own_uid or (namespaces and not root_outside)}
+    os.write(result_fd, (json.dumps(report) + "\n").encode())  # first, before the solution can write
+    try:
+        solution = os.fork()
+    except OSError as e:
+        os.write(result_fd, (json.dumps({"setup_failed": f"fork: {e}"}) + "\n").encode())
+        os._exit(EXIT_SETUP_FAILED)
+    if solution == 0:
+        run_solution(spec, result_fd, guard)
+    exit_like(wait_for(solution))
+
+
+def wait_for(pid: int) -> int:
+    while True:
+        try:
+            return os.waitpid(pid, 0)[1]
+        except InterruptedError:
+            continue
+
+
+def exit_like(status: int) -> None:
+    """Exit as the waited-for process did (a signal becomes 128 + its number, as in a shell)."""
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+if __name__ == "__main__":
+    main()

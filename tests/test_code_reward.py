@@ -1,0 +1,302 @@
+"""Code rewards and their sandbox: right and wrong solutions, and solutions that hang, fork, write
+outside their folder, allocate too much, open sockets, flood their output or signal the trainer.
+Each hostile case is checked from outside (files, processes, a listening socket, a signal handler),
+with the namespaces and with the in-process guard that stands in for them where `unshare` is refused."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+
+import pytest
+
+from RL2.rewards import CodeLimits, CodeTest, Sandbox, code_reward, parse_tests
+from RL2.rewards.sandbox import default_concurrency, normalise_output
+
+LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    sandbox = Sandbox(LIMITS, max_concurrency=2)
+    probe = sandbox.run_blocking("print('hi')", CodeTest(output="hi"))
+    if probe.isolation != "namespaces":
+        pytest.skip(f"this system refuses Linux namespaces (isolation: {probe.isolation}); the guard tests still run")
+    return sandbox
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Sandbox:
+    return Sandbox(LIMITS, max_concurrency=2, namespaces=False)
+
+
+def run(sandbox: Sandbox, code: str, test: CodeTest | None = None):
+    return sandbox.run_blocking(code, test or CodeTest(output=""))
+
+
+def sandbox_processes(marker: str) -> list[int]:
+    """Live processes whose command line mentions `marker` (a sandbox's working directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+# ---- right and wrong ----
+
+
+def test_right_wrong_and_partly_right_solutions(sandbox):
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4", "output": "6"}, {"input": "2 2", "output": "5"}]
+    extra_info = {"tests": tests}
+    right = f"Here:\n```python\n{ADD}```"
+    assert asyncio.run(code_reward(right, extra_info)) == pytest.approx(2 / 3)  # the third test is wrong on purpose
+    assert asyncio.run(code_reward(right, extra_info, all_or_nothing=True)) == 0.0
+    assert asyncio.run(code_reward(right, {"tests": tests[:2]}, all_or_nothing=True)) == 1.0
+    wrong = "a, b = map(int, input().split())\nprint(a - b)\n"
+    assert asyncio.run(code_reward(wrong, extra_info)) == 0.0
+    [result] = asyncio.run(sandbox.run_tests(wrong, parse_tests(tests[:1])))
+    assert (result.status, result.stdout, result.isolation) == ("wrong_answer", "-1\n", "namespaces")
+
+
+def test_assert_tests(sandbox):
+    code = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    print(add(int(input()), 1))\n"
+    tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add('a', 'b') == 'ab'"},
+             {"assert": "assert add(1, 1) == 3"}]
+    assert asyncio.run(code_reward(code, {"tests": tests})) == pytest.approx(2 / 3)
+    failed = run(sandbox, code, CodeTest(assert_code="assert add(1, 1) == 3"))
+    assert failed.status == "error" and "AssertionError" in failed.stderr
+    # Exiting before the test's end does not pass it, even with status 0.
+    for cheat in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n"):
+        assert run(sandbox, cheat, CodeTest(assert_code="assert False")).status == "error"
+
+
+def test_exceptions_and_exit_codes(sandbox):
+    assert run(sandbox, "print(1)\nraise ValueError('no')", CodeTest(output="1")).status == "error"
+    assert run(sandbox, "print(1)\nimport sys\nsys.exit(0)", CodeTest(output="1")).status == "passed"
+    assert run(sandbox, "print(1)\nimport sys\nsys.exit(3)", CodeTest(output="1")).status == "error"
+    assert run(sandbox, "print(", CodeTest(output="")).status == "error"  # a syntax error
+    big_input = "".join(f"{i}\n" for i in range(200_000))  # more than a pipe holds
+    code = "import sys\nprint(sum(int(x) for x in sys.stdin))"
+    assert run(sandbox, code, CodeTest(big_input, str(sum(range(200_000))))).status == "passed"
+
+
+def test_parse_tests_schemas():
+    stdio = parse_tests({"inputs": ["1\n", "2\n"], "outputs": ["a", "b"]})
+    assert [(t.input, t.output) for t in stdio] == [("1\n", "a"), ("2\n", "b")]
+    as_json = parse_tests(json.dumps([{"output": "x"}, {"assert": "assert True"}]))
+    assert (as_json[0].input, as_json[0].output, as_json[1].assert_code) == ("", "x", "assert True")
+    for bad, message in (([], "non-empty list"), ({"inputs": ["1"], "outputs": []}, "as many"),
+                         ({"inputs": [[1]], "outputs": [2], "fn_name": "f"}, "fn_name"),
+                         ([{"input": "1"}], r"tests'\]\[0\]"), ("{not json", "not JSON"), (None, "NoneType")):
+        with pytest.raises(ValueError, match=message):
+            parse_tests(bad)
+    with pytest.raises(ValueError, match="extra_info\\['cases'\\]"):
+        asyncio.run(code_reward("print(1)", {"tests": []}, tests_key="cases"))
+
+
+def test_normalise_output():
+    assert normalise_output("\n1 2  \n3\n\n") == "1 2\n3"
+    assert normalise_output("1 2") != normalise_output("1  2")  # spaces inside a line count
+
+
+# ---- hostile solutions ----
+
+
+def test_infinite_loops_cost_their_own_reward(sandbox):
+    for code in ("while True:\n    pass\n", "import time\ntime.sleep(60)\n"):
+        result = run(sandbox, code)
+        assert result.status == "timeout"
+        assert result.seconds < LIMITS.timeout_s + 2  # killed at the limit, not waited for
+
+
+def test_fork_bomb_is_bounded_and_cleaned_up(sandbox):
+    # Children sleep in sessions of their own (out of the process group); the parent reports its forks.
+    code = (
+        "import os, time\nprint(os.getcwd(), flush=True)\nforks = 0\n"
+        "try:\n"
+        "    for _ in range(100):\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        "            time.sleep(60)\n"
+        "            os._exit(0)\n"
+        "        forks += 1\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(forks)\n"
+    )
+    result = run(sandbox, code)
+    workdir, forks = result.stdout.split()
+    assert int(forks) == LIMITS.max_processes - 1  # the solution's own process counts too
+    assert sandbox_processes(os.path.basename(workdir)) == []  # none of them outlived the run
+
+
+def test_fork_tree_is_bounded(sandbox):
+    # Every process forks again: 2**6 processes without a limit. Each leaves a file named by its pid.
+    code = (
+        "import os, time\n"
+        "for _ in range(6):\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "open(f'p{os.getpid()}', 'w').close()\n"
+        "time.sleep(0.5)\n"
+        "if os.getpid() == 2:\n"  # the solution's first process (2: after the namespace's first process)
+        "    print(len([f for f in os.listdir('.') if f.startswith('p')]), os.getcwd(), flush=True)\n"
+        "    os._exit(0)\n"
+        "time.sleep(60)\n"
+    )
+    result = run(sandbox, code)
+    count, workdir = result.stdout.split()
+    assert int(count) == LIMITS.max_processes
+    assert sandbox_processes(os.path.basename(workdir)) == []
+
+
+@pytest.mark.parametrize("which", ["namespaces", "guard"])
+def test_writes_outside_the_working_directory_do_not_land(sandbox, guarded, tmp_path, which):
+    box = sandbox if which == "namespaces" else guarded
+    targets = [tmp_path / "escape.txt", tmp_path / "made_dir"]
+    code = (
+        "import os\n"
+        "open('inside.txt', 'w').write('x')\n"
+        "print(os.getcwd(), open('inside.txt').read())\n"
+        f"for attempt in (lambda: open({str(targets[0])!r}, 'w').write('x'), lambda: os.mkdir({str(targets[1])!r}),\n"
+        f"                lambda: open('../escape_{tmp_path.name}.txt', 'w')):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "        print('escaped')\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    result = run(box, code)
+    workdir, inside = result.stdout.split()
+    assert inside == "x" and "escaped" not in result.stdout, result.stderr
+    assert not any(target.exists() for target in targets)
+    assert not os.path.exists(os.path.join(os.path.dirname(workdir), f"escape_{tmp_path.name}.txt"))
+    assert not os.path.exists(workdir)  # the working directory was removed afterwards
+
+
+def test_files_larger_than_the_limit_fail(sandbox):
+    code = "with open('big', 'wb') as f:\n    f.write(b'x' * (2 * 2**20))\nprint('wrote')"
+    result = run(sandbox, code, CodeTest(output="wrote"))
+    assert result.status == "error" and "wrote" not in result.stdout
+
+
+def test_huge_allocation_fails_the_solution_only(sandbox):
+    result = run(sandbox, "x = bytearray(64 * 2**30)\nprint('allocated')", CodeTest(output="allocated"))
+    assert result.status == "error" and "MemoryError" in result.stderr
+    fits = run(sandbox, "x = bytearray(100 * 2**20)\nprint(len(x))", CodeTest(output=str(100 * 2**20)))
+    assert fits.status == "passed"  # the limit is not below what a solution needs
+
+
+@pytest.mark.parametrize("which", ["namespaces", "guard"])
+def test_no_network(sandbox, guarded, which):
+    box = sandbox if which == "namespaces" else guarded
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except TimeoutError:
+            pass
+
+    code = (
+        "import socket\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    print('connected')\n"
+        "except OSError as e:\n"
+        "    print('refused', type(e).__name__)\n"
+    )
+    try:
+        result = run(box, code)
+        accept()
+    finally:
+        server.close()
+    assert result.stdout.startswith("refused") and not accepted, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("which", ["namespaces", "guard"])
+def test_cannot_signal_the_trainer(sandbox, guarded, which):
+    box = sandbox if which == "namespaces" else guarded
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: received.append(True))
+    code = f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGUSR1)\nexcept OSError:\n    pass\n"
+    try:
+        run(box, code)
+        signal.sigtimedwait([], 0.2) if hasattr(signal, "sigtimedwait") else None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == []
+
+
+def test_trainer_environment_does_not_leak(sandbox, monkeypatch):
+    monkeypatch.setenv("RL2_TEST_SECRET", "hunter2")
+    result = run(sandbox, "import os\nprint(os.environ.get('RL2_TEST_SECRET'))", CodeTest(output="None"))
+    assert result.status == "passed", result.stdout
+
+
+def test_output_flood_is_cut(sandbox):
+    result = run(sandbox, "while True:\n    print('x' * 1000)\n")
+    assert result.status == "output_limit" and len(result.stdout) == LIMITS.max_output_kb * 1024
+
+
+# ---- async use ----
+
+
+def test_default_concurrency_shares_the_cores_among_local_ranks(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_concurrency() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert default_concurrency() == 1
+
+
+def test_runs_off_the_event_loop_within_the_concurrency_bound(sandbox, monkeypatch):
+    running, most = 0, 0
+    lock = threading.Lock()
+    real = Sandbox.run_blocking
+
+    def counting(self, code, test):  # a recording wrapper around the real run
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            return real(self, code, test)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(Sandbox, "run_blocking", counting)
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        results = await asyncio.gather(*(sandbox.run("import time\ntime.sleep(0.5)\nprint('ok')", CodeTest(output="ok"))
+                                         for _ in range(5)))
+        ticker.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    assert all(r.passed for r in results)
+    assert most == sandbox.max_concurrency == 2
+    assert ticks > 10  # the loop kept running while solutions slept
