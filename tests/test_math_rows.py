@@ -110,10 +110,11 @@ def test_a_cached_dataset_configuration(tmp_path, monkeypatch):
 def test_rows_feed_the_ppo_row_tokeniser(tok):
     from omegaconf import OmegaConf
 
-    from RL2.trainer.ppo import prompt_row_tokenizer
+    from RL2.datasets.prompts import prompt_row_tokenizer
 
     [row], _ = math_rows(GSM8K[:1])
-    split_cfg = OmegaConf.create({"apply_chat_template": True, "prompt_key": "prompt", "max_length": 1024})
+    split_cfg = OmegaConf.create({"apply_chat_template": True, "prompt_key": "prompt", "messages_key": "messages",
+                                  "max_length": 1024})
     example = prompt_row_tokenizer(tok)(split_cfg)(row)
     assert example["extra_info"]["answer"] == "72"
     assert example["prompt"].endswith("<|im_start|>assistant\n") and DEFAULT_PROMPT.split("\n")[-1] in example["prompt"]

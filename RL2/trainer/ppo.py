@@ -19,7 +19,6 @@ from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
-from RL2.rollout.env import load_env
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import filter_groups
 from RL2.rollout.trajectory import Trajectory, training_batch
@@ -30,7 +29,7 @@ from RL2.utils.plot import plot_learning_curve
 from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
 from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
-from RL2.workers.rollout_worker import RolloutWorker, rollout_seed
+from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_seed
 
 
 class PPOTrainer(Trainer):
@@ -38,7 +37,7 @@ class PPOTrainer(Trainer):
         check_ppo_choices(cfg)
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor)
-        env_resets = load_env(cfg.rollout.env_path).reset_fn is not None  # rows may then leave the prompt out
+        env_resets = load_rollout_env(cfg.rollout).reset_fn is not None  # rows may then leave the prompt out
         self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer, env_resets),
                                                       cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)

@@ -19,7 +19,7 @@ from RL2.models.embedded import resolve_model_path
 from RL2.rollout.client import EngineError
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rewards.reward_fn import load_reward_env
-from RL2.rollout.env import load_env
+from RL2.rollout.env import Env, load_env
 from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
 from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
 from RL2.rollout.trajectory import Trajectory
@@ -37,6 +37,12 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def load_rollout_env(rollout_cfg) -> Env:
+    """The environment of a run: `rollout.reward_fn` wrapped as a one-turn environment, else the
+    script at `rollout.env_path`."""
+    return load_reward_env(rollout_cfg.reward_fn) if rollout_cfg.reward_fn else load_env(rollout_cfg.env_path)
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -67,7 +73,7 @@ class RolloutWorker:
                 model_path, dtype=self.dtype, attn_implementation="sdpa"
             ).to(device).eval()
             self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
-        self.env = load_reward_env(rollout_cfg.reward_fn) if rollout_cfg.reward_fn else load_env(rollout_cfg.env_path)
+        self.env = load_rollout_env(rollout_cfg)
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
