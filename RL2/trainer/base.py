@@ -35,7 +35,8 @@ class Trainer:
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
         self.sink = MetricsSink(
-            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg
+            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg,
+            use_tensorboard=cfg.trainer.use_tensorboard,
         )
         log_rank0(
             f"world size {dist.get_world_size()} on {self.device.type}: "
