@@ -20,7 +20,7 @@ setup(
         # Loading the embedded model's GGUF file.
         "gguf",
         "accelerate",
-        # The learning-curve PNG of RL runs.
+        # The learning-curve PNG of every run.
         "matplotlib",
     ],
     extras_require={
