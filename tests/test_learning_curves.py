@@ -26,7 +26,8 @@ EXPECTED_PANELS = {
     "rm": [["train/loss", "test/loss"], ["train/accuracy", "test/accuracy"], ["train/margin", "test/margin"]],
     "orpo": [["train/loss", "test/loss", "train/nll", "test/nll"], ["train/accuracy", "test/accuracy"],
              ["train/log_odds", "test/log_odds"]],
-    "ppo": [["rollout/reward", "rollout/score", "test/emit/score"], ["rollout/response_length", "test/response_length"]],
+    "ppo": [["rollout/reward", "rollout/score", "test/emit/score"],
+            ["rollout/response_length", "test/response_length"]],
 }
 # The most colours one panel uses: ORPO's loss and nll, PPO's reward, score and per-source test score.
 EXPECTED_COLOURS = {"sft": 1, "distill": 1, "dpo": 1, "rm": 1, "orpo": 2, "ppo": 3}
@@ -76,7 +77,8 @@ def test_png_holds_every_line(tmp_path):
         (CurvePanel("loss", ("train/loss", "test/loss", "train/nll")),
          {"train/loss": ([1, 2, 3, 4], [2.0, 1.5, 1.2, 1.0]), "test/loss": ([0, 2, 4], [2.1, 1.6, 1.1]),
           "train/nll": ([1, 2, 3, 4], [1.8, 1.4, 1.1, 0.9])}),
-        (CurvePanel("accuracy", ("train/accuracy",), ylim=(0, 1)), {"train/accuracy": ([1, 2, 3, 4], [0.5, 0.6, 0.8, 0.9])}),
+        (CurvePanel("accuracy", ("train/accuracy",), ylim=(0, 1)),
+         {"train/accuracy": ([1, 2, 3, 4], [0.5, 0.6, 0.8, 0.9])}),
     ]
     path = tmp_path / "curve.png"
     draw_learning_curve(panels, path, "demo")

@@ -150,7 +150,8 @@ def test_missing_tensorboard_stops_the_trainer_at_start(tmp_path):
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tb_sft") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."} for a in range(6) for b in range(3)]
+    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
+            for a in range(6) for b in range(3)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -176,8 +177,8 @@ def test_ppo_run_writes_metrics_jsonl(tiny_model_path, tmp_path, tmp_path_factor
     data = {}
     for split, n in (("train", 8), ("test", 4)):
         data[split] = tmp_path / f"{split}.jsonl"
-        data[split].write_text("".join(json.dumps({"prompt": f"{split} question {k}", "extra_info": {"data_source": "emit"}})
-                                       + "\n" for k in range(n)))
+        rows = [{"prompt": f"{split} question {k}", "extra_info": {"data_source": "emit"}} for k in range(n)]
+        data[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
     run_ranks(1, ["-m", "RL2.trainer.ppo", f"data.train.path={data['train']}", f"data.test.path={data['test']}",
                   "data.train.batch_size=4", f"rollout.env_path={EMIT_ENV}", "rollout.responses_per_prompt=4",
                   "rollout.train_sampling_params.max_new_tokens=4", "rollout.test_sampling_params.max_new_tokens=4",

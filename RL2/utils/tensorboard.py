@@ -41,6 +41,7 @@ class TensorBoardLog:
         self.writer = None
 
     def log(self, metrics: dict, step: int) -> None:
+        """Write every numeric value of `metrics` as a scalar at `step`, then flush."""
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
