@@ -20,7 +20,7 @@ setup(
         # Loading the embedded model's GGUF file.
         "gguf",
         "accelerate",
-        # The learning-curve PNG of RL runs.
+        # The learning-curve PNG of every run.
         "matplotlib",
     ],
     extras_require={
@@ -29,7 +29,9 @@ setup(
         "gpu": ["flash-attn", "ring-flash-attn", "liger-kernel"],
         "gem": ["gem-llm"],
         "math": ["math-verify"],
-        # The test run covers the GEM adapter and math-verify answers too.
-        "test": ["pytest", "gem-llm", "math-verify"],
+        # trainer.use_tensorboard=true: TensorBoard event files next to metrics.jsonl.
+        "tensorboard": ["tensorboard"],
+        # The test run covers the GEM adapter, math-verify answers and TensorBoard files too.
+        "test": ["pytest", "gem-llm", "math-verify", "tensorboard"],
     },
 )

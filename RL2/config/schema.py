@@ -82,6 +82,7 @@ class TrainerConfig:
     save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps")
     load_ckpt_from: str | None = opt(None, "resume from 'latest' (in save_dir) or a step<N> folder")
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
+    use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard (pip install tensorboard)")
     seed: int = opt(42, "seed for data order, initialisation and sampling")
     test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end)")
     eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")

@@ -14,6 +14,7 @@ from RL2.parallel import ParallelDims, init_distributed, pick_device
 from RL2.utils.allocator import keep_freed_memory
 from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
+from RL2.utils.plot import CurvePanel, plot_learning_curve
 
 
 class Trainer:
@@ -23,6 +24,9 @@ class Trainer:
         cfg: the merged, typed config.
         model_cfg: the config of the model whose parallel layout is used (actor or critic).
     """
+
+    # The metrics of `<save_dir>/learning_curve.png`, one panel each; subclasses choose their own.
+    learning_curve: tuple[CurvePanel, ...] = (CurvePanel("loss", ("train/loss", "test/loss")),)
 
     def __init__(self, cfg, model_cfg):
         self.cfg = cfg
@@ -35,7 +39,8 @@ class Trainer:
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
         self.sink = MetricsSink(
-            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg
+            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg,
+            use_tensorboard=cfg.trainer.use_tensorboard,
         )
         log_rank0(
             f"world size {dist.get_world_size()} on {self.device.type}: "
@@ -58,6 +63,13 @@ class Trainer:
         """Export every trained worker as a Hugging Face folder `<save_dir>/final/<name>`."""
         for name, worker in self.workers().items():
             worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", getattr(self, "tokenizer", None))
+
+    def save_learning_curve(self) -> None:
+        """Plot `learning_curve`'s metrics from metrics.jsonl into `<save_dir>/learning_curve.png` (rank 0)."""
+        if is_rank0():
+            name = type(self).__name__.removesuffix("Trainer")
+            plot_learning_curve(self.cfg.trainer.save_dir, self.learning_curve,
+                                title=f"{name}: {self.cfg.trainer.experiment_name}")
 
     def trainer_state(self) -> dict:
         """Extra state to carry across a resume (beyond the step and the workers)."""
@@ -108,9 +120,11 @@ class Trainer:
             progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k.endswith("loss")})
             if trainer.save_freq and step % trainer.save_freq == 0:
                 save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state())
+                self.save_learning_curve()  # a long run shows its curve so far
         if trainer.test_freq and n_steps % trainer.test_freq:
             self.sink.log(self.evaluate(), n_steps)
         self.save_final()
+        self.save_learning_curve()
         self.sink.close()
 
     def sum_over_data(self, value: float) -> float:

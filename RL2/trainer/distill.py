@@ -15,6 +15,7 @@ from RL2.models.logps import forward_packed
 from RL2.models.vocab_parallel import VocabShard
 from RL2.trainer.base import launch
 from RL2.trainer.sft import SFTTrainer
+from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker
 
 
@@ -33,6 +34,8 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, directi
 
 
 class DistillTrainer(SFTTrainer):
+    learning_curve = (CurvePanel("loss", ("train/loss", "test/loss"), ylabel="KL to the teacher per token"),)
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.teacher = FSDPWorker(cfg.actor, self.dims, self.device, train=False, model_name=cfg.actor.teacher_name)

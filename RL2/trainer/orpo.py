@@ -9,9 +9,16 @@ from RL2.config.schema import ORPOConfig
 from RL2.models.logps import packed_logps
 from RL2.trainer.base import launch
 from RL2.trainer.pairwise import PairwiseTrainer, per_sequence_sum
+from RL2.utils.plot import CurvePanel
 
 
 class ORPOTrainer(PairwiseTrainer):
+    learning_curve = (
+        CurvePanel("loss and its SFT term (nll)", ("train/loss", "test/loss", "train/nll", "test/nll"), ylabel="loss"),
+        CurvePanel("preference accuracy", ("train/accuracy", "test/accuracy"), ylim=(-0.02, 1.02)),
+        CurvePanel("log odds ratio", ("train/log_odds", "test/log_odds"), ylabel="chosen - rejected log odds"),
+    )
+
     def sequence_scores(self, mb):
         logps = packed_logps(self.model.model, mb)
         n_tokens = per_sequence_sum(mb.loss_mask, mb)

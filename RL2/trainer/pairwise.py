@@ -14,6 +14,7 @@ from RL2.datasets.packing import pack
 from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
 from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.trainer.base import Trainer
+from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
 
 
@@ -29,6 +30,11 @@ def last_token(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 
 class PairwiseTrainer(Trainer):
     model_key = "actor"  # which config section holds the trained model
+    learning_curve = (
+        CurvePanel("loss", ("train/loss", "test/loss")),
+        CurvePanel("preference accuracy", ("train/accuracy", "test/accuracy"), ylim=(-0.02, 1.02)),
+        CurvePanel("reward margin", ("train/margin", "test/margin"), ylabel="chosen - rejected reward"),
+    )
 
     def __init__(self, cfg):
         model_cfg = cfg[self.model_key]

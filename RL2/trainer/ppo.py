@@ -25,7 +25,7 @@ from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0
-from RL2.utils.plot import plot_learning_curve
+from RL2.utils.plot import CurvePanel
 from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
 from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
@@ -33,6 +33,11 @@ from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_
 
 
 class PPOTrainer(Trainer):
+    learning_curve = (
+        CurvePanel("reward and score", ("rollout/reward", "rollout/score", "test/*/score")),
+        CurvePanel("response length", ("rollout/response_length", "test/response_length"), ylabel="tokens"),
+    )
+
     def __init__(self, cfg):
         check_ppo_choices(cfg)
         super().__init__(cfg, cfg.actor)
@@ -75,8 +80,6 @@ class PPOTrainer(Trainer):
         for name, worker in self.workers().items():
             if name != "ref":
                 worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
-        if is_rank0():
-            plot_learning_curve(self.cfg.trainer.save_dir)
 
     def trainer_state(self) -> dict:
         return {"cursor": self.cursor, "carried": [[t.to_dict() for t in group] for group in self.carried]}

@@ -12,10 +12,13 @@ from RL2.datasets.sft import sft_row_tokenizer
 from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.models.logps import packed_logps
 from RL2.trainer.base import Trainer, launch
+from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
 
 
 class SFTTrainer(Trainer):
+    learning_curve = (CurvePanel("loss", ("train/loss", "test/loss"), ylabel="negative log-likelihood"),)
+
     def __init__(self, cfg):
         if cfg.actor.avg_level == "constant":
             raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "

@@ -1,0 +1,100 @@
+"""TensorBoard event files for the metrics sink: every numeric metric of a step as a scalar.
+
+TensorBoard stores scalars as float32 (its data server reads no other scalar type), so a value
+reads back as `float32(value)` of the same record in metrics.jsonl.
+"""
+
+import os
+import time
+from numbers import Real
+from pathlib import Path
+
+from RL2.config.errors import ConfigError
+
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def require_tensorboard() -> None:
+    """Fail at start, with what to install, when `trainer.use_tensorboard=true` cannot be honoured."""
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"trainer.use_tensorboard=true needs the tensorboard package ({e}): run `pip install tensorboard` "
+            "(or `pip install -e '.[tensorboard]'`), or set trainer.use_tensorboard=false"
+        ) from e
+
+
+class TensorBoardLog:
+    """Event files in `folder`, written by `torch.utils.tensorboard.SummaryWriter`.
+
+    The writer opens at the first record, so a resume truncates the earlier files before the new
+    one starts; each step is flushed to disk as soon as it is logged.
+
+    Args:
+        folder: where the event files go (`<save_dir>/tensorboard`).
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.writer = None
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Write every numeric value of `metrics` as a scalar at `step`, then flush."""
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        walltime = time.time()  # one time for the whole step, as in metrics.jsonl's one record
+        for key, value in metrics.items():
+            if isinstance(value, Real):
+                self.writer.add_scalar(key, value, step, walltime=walltime)
+        self.writer.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop every event of a later step from the existing files.
+
+        TensorBoard's own answer, a writer opened with `purge_step`, only asks readers to hide
+        those events; rewriting the files keeps them out of every reader (and of `wandb sync`).
+        """
+        for path in event_files(self.folder):
+            records = list(read_records(path))
+            kept = [raw for raw, event in records if event.step <= step]
+            if len(kept) < len(records):
+                write_records(path, kept)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def event_files(folder: Path) -> list[Path]:
+    """The event files of a TensorBoard run folder, oldest first (their names start with the time)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX) and p.suffix != ".tmp")
+
+
+def read_records(path: Path):
+    """Yield `(raw bytes, Event)` for every complete record of an event file."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for raw in RawEventFileLoader(str(path)).Load():
+        yield raw, Event.FromString(raw)
+
+
+def write_records(path: Path, records: list[bytes]) -> None:
+    """Replace `path` with an event file of `records`, atomically."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        writer = RecordWriter(f)
+        for raw in records:
+            writer.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
