@@ -28,3 +28,20 @@ def test_wandb_disabled_by_environment(tmp_path, monkeypatch):
     assert sink.wandb is None
     sink.log({"a": 1}, 1)
     assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_checkpoint_named_by_folder_or_path(tmp_path, monkeypatch):
+    import pytest
+
+    from RL2.utils.checkpoint import COMPLETE, resolve_checkpoint
+
+    for step in (2, 4):
+        (tmp_path / f"step{step}").mkdir()
+        (tmp_path / f"step{step}" / COMPLETE).write_text("{}")
+    (tmp_path / "step6").mkdir()  # a save that did not finish
+    monkeypatch.chdir(tmp_path.parent)  # the folder name alone is not a path from here
+    assert resolve_checkpoint("latest", str(tmp_path)) == tmp_path / "step4"
+    assert resolve_checkpoint("step2", str(tmp_path)) == tmp_path / "step2"
+    assert resolve_checkpoint(str(tmp_path / "step2"), "elsewhere") == tmp_path / "step2"
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        resolve_checkpoint("step6", str(tmp_path))

@@ -86,10 +86,16 @@ def latest_checkpoint(save_dir: str) -> Path | None:
 
 
 def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
-    """'latest' -> newest checkpoint in save_dir; otherwise a step<N> folder, checked to be complete."""
-    path = latest_checkpoint(save_dir) if load_ckpt_from == "latest" else Path(load_ckpt_from)
-    if path is None:
-        raise FileNotFoundError(f"trainer.load_ckpt_from=latest but {save_dir} holds no complete checkpoint")
+    """'latest' -> newest checkpoint in save_dir; otherwise a step<N> folder (a path, or a folder name
+    inside save_dir), checked to be complete."""
+    if load_ckpt_from == "latest":
+        path = latest_checkpoint(save_dir)
+        if path is None:
+            raise FileNotFoundError(f"trainer.load_ckpt_from=latest but {save_dir} holds no complete checkpoint")
+    else:
+        path = Path(load_ckpt_from)
+        if not path.exists() and (Path(save_dir) / load_ckpt_from).exists():
+            path = Path(save_dir) / load_ckpt_from
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE}); pick another step folder")
     return path
