@@ -195,3 +195,52 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
     expected = load_file(f"{straight}/final/actor/model.safetensors")
     for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
         torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)
+
+
+# ---- policy losses: GSPO and CISPO ----
+
+
+@pytest.mark.parametrize("loss,extra", [
+    ("gspo", ["actor.avg_level=sequence", "adv.norm_var=true"]),
+    ("cispo", ["adv.norm_var=true"]),
+])
+def test_gspo_and_cispo_raise_reward(repeat_model, rl_data, tmp_path, loss, extra):
+    """Two mini-batches per rollout, so the second update is off-policy and the ratios leave 1."""
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, f"actor.policy_loss={loss}", "actor.mini_batch_size=2",
+                          *extra))
+    assert_learned(tmp_path, repeat_model)
+    metrics = [m for m in read_metrics(tmp_path) if "actor/loss" in m]
+    ratio = {"gspo": "actor/seq_ratio", "cispo": "actor/is_weight"}[loss]
+    assert all({"actor/clip_frac_low", "actor/clip_frac_high", ratio} <= set(m) for m in metrics)
+    assert any(abs(m[ratio] - 1) > 1e-3 for m in metrics)
+    if loss == "gspo":  # the paper's ranges (3e-4, 4e-4) clip a large share of off-policy trajectories
+        assert any(m["actor/clip_frac_low"] + m["actor/clip_frac_high"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize("loss,nproc", [("gspo", 1), ("gspo", 2), ("gspo_token", 1)])
+def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path, tmp_path, loss, nproc):
+    """One ratio per trajectory of up to three sequences, packed 16 tokens per micro-batch: the actor's
+    loss and gradient equal the paper's objective computed with the HF model one sequence at a time."""
+    out = tmp_path / "gspo.pt"
+    run_ranks(nproc, ["tests/scripts/gspo_trajectories.py", str(out), f"actor.model_name={tiny_model_path}",
+                      "actor.dtype=float32", "actor.max_length_per_device=16", f"actor.policy_loss={loss}",
+                      "actor.avg_level=sequence", "actor.gspo.clip_low=0.02", "actor.gspo.clip_high=0.02"])
+    report = torch.load(out)
+    assert max(report["sequences_per_trajectory"]) == 3
+    metrics = report["metrics"]
+    assert 0 < metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"] < 1  # some clipped, some not
+    assert metrics["actor/loss"] == pytest.approx(report["expected_loss"], rel=1e-4, abs=1e-7)
+    for name, expected in report["expected_grads"].items():
+        torch.testing.assert_close(report["grads"][name], expected, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_trajectory_level_losses_keep_a_trajectory_in_one_micro_batch():
+    from RL2.batch import SequenceBatch
+    from RL2.workers.actor import trajectory_units
+
+    batch = SequenceBatch(input_ids=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [1, 2]], tokens={"loss_mask": torch.ones(7)},
+                          sample_ids=torch.tensor([0, 0, 2, 2]), n_samples=3)
+    assert trajectory_units(batch, budget=5, loss="gspo") == [[0, 1], [2, 3]]  # sample 1 has no sequence
+    with pytest.raises(ValueError, match="actor.policy_loss=gspo .* a trajectory has 4 tokens, more than .* = 3"):
+        trajectory_units(batch, budget=3, loss="gspo")
+
