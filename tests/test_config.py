@@ -39,7 +39,7 @@ def test_help_lists_every_key(capsys):
         assert key in text
 
 
-# ---- the RL trainer's policy losses: settings that cannot apply fail at start ----
+# ---- the RL trainer's policy losses and reference resets: settings that cannot apply fail at start ----
 
 GSPO_RECIPE = ["actor.policy_loss=gspo", "adv.norm_var=true", "actor.avg_level=sequence", "actor.mini_batch_size=2"]
 CISPO_RECIPE = ["actor.policy_loss=cispo", "adv.norm_var=true", "actor.avg_level=token", "actor.cispo.clip_high=2"]
@@ -61,6 +61,8 @@ def ppo_config(argv):
     (["actor.policy_loss=gspo", "actor.cispo.clip_high=1"], "actor.cispo.clip_high=1.0 belongs to actor.policy_loss=cispo"),
     (["actor.policy_loss=gspo", "actor.gspo.clip_low=1.5"], "actor.gspo.clip_low=1.5 must be in"),
     (["actor.policy_loss=cispo", "actor.cispo.clip_low=2"], "in \\[0, 1\\] or null"),
+    (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
+    (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
 ])
 def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -68,7 +70,8 @@ def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
 
 
 @pytest.mark.parametrize("argv", [GSPO_RECIPE, CISPO_RECIPE, ["actor.policy_loss=gspo_token", "actor.gspo.clip_high=0.001"],
-                                  ["actor.clip_high=0.28", "actor.dual_clip=3"]])
+                                  ["actor.clip_high=0.28", "actor.dual_clip=3"],
+                                  ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"]])
 def test_policy_loss_recipes_pass(argv):
     ppo_config(argv)
 

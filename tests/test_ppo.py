@@ -244,3 +244,51 @@ def test_trajectory_level_losses_keep_a_trajectory_in_one_micro_batch():
     with pytest.raises(ValueError, match="actor.policy_loss=gspo .* a trajectory has 4 tokens, more than .* = 3"):
         trajectory_units(batch, budget=3, loss="gspo")
 
+
+# ---- the entropy floor of ProRL's reference reset ----
+
+FLOOR = 3.0
+
+
+def floor_args(model, data, save_dir, *extra):
+    return ppo_args(model, data, save_dir, "actor.kl.coef=0.01", "actor.kl.type=reward", "actor.kl.estimator=k1",
+                    f"actor.kl.reset_entropy_floor={FLOOR}", "trainer.save_freq=4", *extra)
+
+
+@pytest.fixture(scope="module")
+def floor_run(repeat_model, rl_data, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("entropy_floor")
+    run_ranks(2, floor_args(repeat_model, rl_data, save_dir))
+    return save_dir
+
+
+def test_entropy_floor_resets_the_reference_after_steps_below_it(floor_run):
+    """The policy's entropy falls as it learns: steps above the floor keep the initial reference, steps
+    below it copy the actor into the reference, so the next step's KL to it is ~0 (also across the
+    step-4 checkpoint)."""
+    metrics = read_metrics(floor_run)
+    resets = [m["actor/ref_reset"] for m in metrics]
+    assert resets == [float(m["actor/entropy"] < FLOOR) for m in metrics]
+    assert 0.0 in resets and 1.0 in resets, [m["actor/entropy"] for m in metrics]
+    for before, after in zip(metrics, metrics[1:]):
+        if before["actor/ref_reset"]:
+            assert abs(after["actor/ref_kl"]) < 1e-4, after
+        elif not any(m["actor/ref_reset"] for m in metrics if m["step"] <= before["step"]):
+            assert abs(after["actor/ref_kl"]) > 1e-3, after  # still the initial model, which the actor has left
+
+
+def test_entropy_floor_run_resumes_exactly(floor_run, repeat_model, rl_data, tmp_path):
+    # A run killed after step 5: only the step-4 checkpoint survives, with the reference as reset then.
+    assert (floor_run / "step4" / "trainer_state.json").exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(floor_run / "step4", resumed / "step4")
+    (resumed / "metrics.jsonl").write_text(
+        "".join(json.dumps(m) + "\n" for m in read_metrics(floor_run) if m["step"] <= 5))
+    run_ranks(2, floor_args(repeat_model, rl_data, resumed, "trainer.load_ckpt_from=latest"))
+    straight, again = read_metrics(floor_run), read_metrics(resumed)
+    assert rewards(resumed) == rewards(floor_run)
+    for key in ("actor/ref_reset", "actor/loss", "actor/ref_kl"):
+        assert [m[key] for m in again] == pytest.approx([m[key] for m in straight], abs=1e-6), key
+    expected = load_file(f"{floor_run}/final/actor/model.safetensors")
+    for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
+        torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)

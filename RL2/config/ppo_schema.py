@@ -65,6 +65,7 @@ class KLConfig:
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
     reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
     reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
+    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy (actor/entropy) fell below this (None: never)")
     reset_alpha: float = opt(1.0, "a reset sets reference = alpha * actor + (1 - alpha) * reference (1: copy)")
 
 
@@ -158,9 +159,12 @@ def check_ppo_choices(cfg) -> None:
     if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1:
         raise ConfigError("rollout.responses_per_prompt and actor.update_per_rollout must be at least 1")
     kl, rollout = cfg.actor.kl, cfg.rollout
-    if (kl.reset_every or kl.reset_target is not None) and kl.coef <= 0:
-        raise ConfigError("actor.kl.reset_every / actor.kl.reset_target reset the reference, which exists only "
-                          "with actor.kl.coef > 0; set it or drop the reset")
+    if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
+        raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
+                          "exists only with actor.kl.coef > 0; set it or drop the reset")
+    if kl.reset_entropy_floor is not None and kl.reset_entropy_floor <= 0:
+        raise ConfigError(f"actor.kl.reset_entropy_floor is {kl.reset_entropy_floor}; an entropy is never below "
+                          f"0, so set a positive floor (in nats per token) or leave it null")
     if not 0 < kl.reset_alpha <= 1:
         raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
     check_algorithm(cfg.adv, kl)
