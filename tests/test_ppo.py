@@ -219,7 +219,9 @@ def test_gspo_and_cispo_raise_reward(repeat_model, rl_data, tmp_path, loss, extr
         assert any(m["actor/clip_frac_low"] + m["actor/clip_frac_high"] > 0 for m in metrics)
 
 
-@pytest.mark.parametrize("loss,nproc", [("gspo", 1), ("gspo", 2), pytest.param("gspo_token", 1, marks=pytest.mark.slow)])
+# Each run is compared with one process of the HF model: the 2-rank run alone shows 2 ranks = 1 rank.
+@pytest.mark.parametrize("loss,nproc", [pytest.param("gspo", 1, marks=pytest.mark.slow), ("gspo", 2),
+                                        pytest.param("gspo_token", 1, marks=pytest.mark.slow)])
 def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path, tmp_path, loss, nproc):
     """One ratio per trajectory of up to three sequences, packed 16 tokens per micro-batch: the actor's
     loss and gradient equal the paper's objective computed with the HF model one sequence at a time."""

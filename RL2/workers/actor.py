@@ -66,7 +66,7 @@ def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[
     for sequence, sample in enumerate(batch.sample_ids.tolist()):
         units[sample].append(sequence)
     units = [unit for unit in units if unit]
-    longest = max(sum(batch.label_counts[i] for i in unit) for unit in units)
+    longest = max((sum(batch.label_counts[i] for i in unit) for unit in units), default=0)
     if longest > budget:
         raise ValueError(
             f"actor.policy_loss={loss} computes one ratio over each trajectory, so all its sequences go into one "
