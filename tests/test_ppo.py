@@ -220,15 +220,20 @@ def test_gspo_and_cispo_raise_reward(repeat_model, rl_data, tmp_path, loss, extr
 
 
 # Each run is compared with one process of the HF model: the 2-rank run alone shows 2 ranks = 1 rank.
-@pytest.mark.parametrize("loss,nproc", [pytest.param("gspo", 1, marks=pytest.mark.slow), ("gspo", 2),
-                                        pytest.param("gspo_token", 1, marks=pytest.mark.slow)])
-def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path, tmp_path, loss, nproc):
+@pytest.mark.parametrize("loss,nproc,layout", [
+    ("gspo", 2, "actor.cp_size=1"),
+    pytest.param("gspo", 1, "actor.cp_size=1", marks=pytest.mark.slow),
+    pytest.param("gspo_token", 1, "actor.cp_size=1", marks=pytest.mark.slow),
+    pytest.param("gspo", 2, "actor.cp_size=2", marks=pytest.mark.slow),
+    pytest.param("gspo", 2, "actor.tp_size=2", marks=pytest.mark.slow),
+])
+def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path, tmp_path, loss, nproc, layout):
     """One ratio per trajectory of up to three sequences, packed 16 tokens per micro-batch: the actor's
     loss and gradient equal the paper's objective computed with the HF model one sequence at a time."""
     out = tmp_path / "gspo.pt"
     run_ranks(nproc, ["tests/scripts/gspo_trajectories.py", str(out), f"actor.model_name={tiny_model_path}",
                       "actor.dtype=float32", "actor.max_length_per_device=16", f"actor.policy_loss={loss}",
-                      "actor.avg_level=sequence", "actor.gspo.clip_low=0.02", "actor.gspo.clip_high=0.02"])
+                      "actor.avg_level=sequence", "actor.gspo.clip_low=0.02", "actor.gspo.clip_high=0.02", layout])
     report = torch.load(out)
     assert max(report["sequences_per_trajectory"]) == 3
     metrics = report["metrics"]
