@@ -37,3 +37,46 @@ def test_help_lists_every_key(capsys):
     text = capsys.readouterr().out
     for key in ("data.train.path", "actor.optimizer.lr", "actor.scheduler.min_lr", "trainer.load_ckpt_from"):
         assert key in text
+
+
+# ---- the RL trainer's policy losses and reference resets: settings that cannot apply fail at start ----
+
+GSPO_RECIPE = ["actor.policy_loss=gspo", "adv.norm_var=true", "actor.avg_level=sequence", "actor.mini_batch_size=2"]
+CISPO_RECIPE = ["actor.policy_loss=cispo", "adv.norm_var=true", "actor.avg_level=token", "actor.cispo.clip_high=2"]
+
+
+def ppo_config(argv):
+    from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
+
+    cfg = parse_config(PPOConfig, "ppo", argv)
+    check_ppo_choices(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["actor.policy_loss=grpo"], "'actor.policy_loss' is 'grpo'; choose one of ppo, gspo, gspo_token, cispo"),
+    (["actor.policy_loss=gspo", "actor.clip_high=0.28"], "actor.clip_high=0.28 belongs to actor.policy_loss=ppo"),
+    (["actor.policy_loss=cispo", "actor.dual_clip=3"], "actor.dual_clip=3.0 belongs to actor.policy_loss=ppo"),
+    (["actor.gspo.clip_low=0.001"], r"actor.gspo.clip_low=0.001 belongs to actor.policy_loss=gspo \(or gspo_token\)"),
+    (["actor.policy_loss=gspo", "actor.cispo.clip_high=1"], "actor.cispo.clip_high=1.0 belongs to actor.policy_loss=cispo"),
+    (["actor.policy_loss=gspo", "actor.gspo.clip_low=1.5"], "actor.gspo.clip_low=1.5 must be in"),
+    (["actor.policy_loss=cispo", "actor.cispo.clip_low=2"], "in \\[0, 1\\] or null"),
+    (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
+    (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
+])
+def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        ppo_config(argv)
+
+
+@pytest.mark.parametrize("argv", [GSPO_RECIPE, CISPO_RECIPE, ["actor.policy_loss=gspo_token", "actor.gspo.clip_high=0.001"],
+                                  ["actor.clip_high=0.28", "actor.dual_clip=3"],
+                                  ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"]])
+def test_policy_loss_recipes_pass(argv):
+    ppo_config(argv)
+
+
+def test_gspo_and_cispo_defaults_are_the_papers():
+    cfg = ppo_config(["actor.policy_loss=gspo"])
+    assert (cfg.actor.gspo.clip_low, cfg.actor.gspo.clip_high) == (3e-4, 4e-4)  # GSPO sec. 5.1
+    assert cfg.actor.cispo.clip_low is None  # MiniMax-M1 bounds the weight from above only

@@ -1,6 +1,7 @@
-"""RL trainer end to end on a tiny random Llama: GRPO and PPO (critic) raise the reward of a task
-learnable in seconds, the update is the same on 1 and 2 ranks, and a resumed run ends where an
-uninterrupted one ends."""
+"""RL trainer end to end on a tiny random Llama: GRPO, PPO (critic), GSPO and CISPO raise the reward of
+a task learnable in seconds, the update is the same on 1 and 2 ranks, GSPO's trajectory-level ratio
+matches the model's own forward, the entropy floor resets the reference, and a resumed run ends where
+an uninterrupted one ends."""
 
 import json
 import shutil
@@ -193,5 +194,110 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
     run_ranks(2, ppo_args(repeat_model, rl_data, resumed, *args, "trainer.load_ckpt_from=latest"))
     assert rewards(resumed) == rewards(straight)[2:]
     expected = load_file(f"{straight}/final/actor/model.safetensors")
+    for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
+        torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)
+
+
+# ---- policy losses: GSPO and CISPO ----
+
+
+@pytest.mark.parametrize("loss,extra", [
+    # GSPO's loss and gradient are checked against the model itself below; its learning run is slow.
+    pytest.param("gspo", ["actor.avg_level=sequence", "adv.norm_var=true"], marks=pytest.mark.slow),
+    ("cispo", ["adv.norm_var=true"]),
+])
+def test_gspo_and_cispo_raise_reward(repeat_model, rl_data, tmp_path, loss, extra):
+    """Two mini-batches per rollout, so the second update is off-policy and the ratios leave 1."""
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, f"actor.policy_loss={loss}", "actor.mini_batch_size=2",
+                          *extra))
+    assert_learned(tmp_path, repeat_model)
+    metrics = [m for m in read_metrics(tmp_path) if "actor/loss" in m]
+    ratio = {"gspo": "actor/seq_ratio", "cispo": "actor/is_weight"}[loss]
+    assert all({"actor/clip_frac_low", "actor/clip_frac_high", ratio} <= set(m) for m in metrics)
+    assert any(abs(m[ratio] - 1) > 1e-3 for m in metrics)
+    if loss == "gspo":  # the paper's ranges (3e-4, 4e-4) clip a large share of off-policy trajectories
+        assert any(m["actor/clip_frac_low"] + m["actor/clip_frac_high"] > 0 for m in metrics)
+
+
+# Each run is compared with one process of the HF model: the 2-rank run alone shows 2 ranks = 1 rank.
+@pytest.mark.parametrize("loss,nproc,layout", [
+    ("gspo", 2, "actor.cp_size=1"),
+    pytest.param("gspo", 1, "actor.cp_size=1", marks=pytest.mark.slow),
+    pytest.param("gspo_token", 1, "actor.cp_size=1", marks=pytest.mark.slow),
+    pytest.param("gspo", 2, "actor.cp_size=2", marks=pytest.mark.slow),
+    pytest.param("gspo", 2, "actor.tp_size=2", marks=pytest.mark.slow),
+])
+def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path, tmp_path, loss, nproc, layout):
+    """One ratio per trajectory of up to three sequences, packed 16 tokens per micro-batch: the actor's
+    loss and gradient equal the paper's objective computed with the HF model one sequence at a time."""
+    out = tmp_path / "gspo.pt"
+    run_ranks(nproc, ["tests/scripts/gspo_trajectories.py", str(out), f"actor.model_name={tiny_model_path}",
+                      "actor.dtype=float32", "actor.max_length_per_device=16", f"actor.policy_loss={loss}",
+                      "actor.avg_level=sequence", "actor.gspo.clip_low=0.02", "actor.gspo.clip_high=0.02", layout])
+    report = torch.load(out)
+    assert max(report["sequences_per_trajectory"]) == 3
+    metrics = report["metrics"]
+    assert 0 < metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"] < 1  # some clipped, some not
+    assert metrics["actor/loss"] == pytest.approx(report["expected_loss"], rel=1e-4, abs=1e-7)
+    for name, expected in report["expected_grads"].items():
+        torch.testing.assert_close(report["grads"][name], expected, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_trajectory_level_losses_keep_a_trajectory_in_one_micro_batch():
+    from RL2.batch import SequenceBatch
+    from RL2.workers.actor import trajectory_units
+
+    batch = SequenceBatch(input_ids=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [1, 2]], tokens={"loss_mask": torch.ones(7)},
+                          sample_ids=torch.tensor([0, 0, 2, 2]), n_samples=3)
+    assert trajectory_units(batch, budget=5, loss="gspo") == [[0, 1], [2, 3]]  # sample 1 has no sequence
+    with pytest.raises(ValueError, match="actor.policy_loss=gspo .* a trajectory has 4 tokens, more than .* = 3"):
+        trajectory_units(batch, budget=3, loss="gspo")
+
+
+# ---- the entropy floor of ProRL's reference reset ----
+
+FLOOR = 3.0
+
+
+def floor_args(model, data, save_dir, *extra):
+    return ppo_args(model, data, save_dir, "actor.kl.coef=0.01", "actor.kl.type=reward", "actor.kl.estimator=k1",
+                    f"actor.kl.reset_entropy_floor={FLOOR}", "trainer.save_freq=4", *extra)
+
+
+@pytest.fixture(scope="module")
+def floor_run(repeat_model, rl_data, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("entropy_floor")
+    run_ranks(2, floor_args(repeat_model, rl_data, save_dir))
+    return save_dir
+
+
+def test_entropy_floor_resets_the_reference_after_steps_below_it(floor_run):
+    """The policy's entropy falls as it learns: steps above the floor keep the initial reference, steps
+    below it copy the actor into the reference, so the next step's KL to it is ~0 (also across the
+    step-4 checkpoint)."""
+    metrics = read_metrics(floor_run)
+    resets = [m["actor/ref_reset"] for m in metrics]
+    assert resets == [float(m["actor/entropy"] < FLOOR) for m in metrics]
+    assert 0.0 in resets and 1.0 in resets, [m["actor/entropy"] for m in metrics]
+    for before, after in zip(metrics, metrics[1:]):
+        if before["actor/ref_reset"]:
+            assert abs(after["actor/ref_kl"]) < 1e-4, after
+        elif not any(m["actor/ref_reset"] for m in metrics if m["step"] <= before["step"]):
+            assert abs(after["actor/ref_kl"]) > 1e-3, after  # still the initial model, which the actor has left
+
+
+def test_entropy_floor_run_resumes_exactly(floor_run, repeat_model, rl_data, tmp_path):
+    # A run killed after step 5: only the step-4 checkpoint survives, with the reference as reset then.
+    assert (floor_run / "step4" / "trainer_state.json").exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(floor_run / "step4", resumed / "step4")
+    (resumed / "metrics.jsonl").write_text(
+        "".join(json.dumps(m) + "\n" for m in read_metrics(floor_run) if m["step"] <= 5))
+    run_ranks(2, floor_args(repeat_model, rl_data, resumed, "trainer.load_ckpt_from=latest"))
+    straight, again = read_metrics(floor_run), read_metrics(resumed)
+    assert rewards(resumed) == rewards(floor_run)
+    for key in ("actor/ref_reset", "actor/loss", "actor/ref_kl"):
+        assert [m[key] for m in again] == pytest.approx([m[key] for m in straight], abs=1e-6), key
+    expected = load_file(f"{floor_run}/final/actor/model.safetensors")
     for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
         torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)

@@ -5,6 +5,11 @@ with a `mask` (1.0 on the action tokens that count, 0.0 elsewhere; non-negative 
 work); token t's logprob is the logprob of the action token at t. Loss functions return per-token
 losses, zeroed where `mask` is 0 but not yet weighted: the caller weights them once with the
 averaging weights of `RL2.algs.averaging`.
+
+Policy losses (`actor.policy_loss`): `ppo_loss` (the clipped surrogate on per-token ratios, with
+dual clip and clip-higher), `gspo_loss` (one clipped ratio per sample) and `cispo_loss` (a
+clipped, detached weight on each token's log-prob). All three take the same truncated importance
+sampling correction between the rollout engine and the trainer.
 """
 
 import torch
@@ -36,7 +41,21 @@ def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: floa
     return torch.exp(old_logps - engine_logps).clamp(max=tis_coef).detach()
 
 
-def policy_loss(
+def _engine_correction(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tensor,
+                       engine_logps: Tensor | None, tis_coef: float | None) -> Tensor:
+    """Every policy loss's last step: log KL(engine || old) and apply truncated importance sampling."""
+    if tis_coef is not None and engine_logps is None:
+        raise ValueError("tis_coef is set but engine_logps is None: pass the rollout logprobs.")
+    if engine_logps is not None:
+        metrics["engine_kl"] = k3(engine_logps, old_logps)
+    if tis_coef is not None:
+        weights = truncated_is_weights(old_logps, engine_logps, tis_coef)
+        metrics["tis_weight"] = weights
+        loss = loss * weights
+    return loss
+
+
+def ppo_loss(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
@@ -70,19 +89,16 @@ def policy_loss(
 
     Returns:
         `(per_token_loss [B, T], metrics)`. Metrics are detached scalars averaged over the masked
-        tokens: `clip_frac_low`, `clip_frac_high`, `dual_clip_frac`, `approx_kl` (k3 estimate of
-        KL(old || current)) and, when `engine_logps` is given, `engine_kl` (k3 estimate of
-        KL(engine || old)) and, with TIS, `tis_weight`.
+        tokens: `clip_frac_low` (A < 0 and the ratio below 1 - clip_low: no gradient),
+        `clip_frac_high` (A > 0 and the ratio above 1 + clip_high: no gradient), `dual_clip_frac`,
+        `approx_kl` (k3 estimate of KL(old || current)) and, when `engine_logps` is given,
+        `engine_kl` (k3 estimate of KL(engine || old)) and, with TIS, `tis_weight`.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is a common choice), got {dual_clip}.")
-    if tis_coef is not None and engine_logps is None:
-        raise ValueError("tis_coef is set but engine_logps is None: pass the rollout logprobs.")
 
     ratio = torch.exp(logps - old_logps)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
+    loss, metrics = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
 
     negative = advantages < 0
     dual_clipped = torch.zeros_like(negative)
@@ -91,18 +107,143 @@ def policy_loss(
         dual_clipped = negative & (loss > bound)
         loss = torch.where(negative, torch.minimum(loss, bound), loss)
 
+    metrics |= {"dual_clip_frac": dual_clipped.float(), "approx_kl": k3(old_logps, logps)}
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
+    metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
+    return loss * (mask > 0), metrics
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
+                       clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(ratio A, clip(ratio) A) per token, and where each side of the clip took the gradient away."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    value = ratio.detach()
+    return torch.maximum(unclipped, clipped), {
+        "clip_frac_low": ((value < 1.0 - clip_low) & (advantages < 0)).float(),
+        "clip_frac_high": ((value > 1.0 + clip_high) & (advantages > 0)).float(),
+    }
+
+
+def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
+    """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any).
+
+    Differentiable in `values`; a sample's tokens may sit anywhere in the tensor (e.g. a trajectory's
+    sequences packed apart in one row).
+
+    Args:
+        values: `[B, T]` per-token values.
+        mask: `[B, T]`; tokens with mask > 0 count, each once.
+        sample_ids: `[B, T]` long, the sample of each token (any integers).
+    """
+    _, index = torch.unique(sample_ids.flatten(), return_inverse=True)
+    n_samples = int(index.max()) + 1 if index.numel() else 0
+    counted = (mask > 0).flatten().to(values.dtype)
+    sums = values.new_zeros(n_samples).index_add(0, index, values.flatten() * counted)
+    counts = counted.new_zeros(n_samples).index_add(0, index, counted)
+    return (sums / counts.clamp(min=1.0))[index].view_as(values)
+
+
+def gspo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    sample_ids: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    token_level: bool = False,
+    engine_logps: Tensor | None = None,
+    tis_coef: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), per token.
+
+    One importance ratio per sample, the geometric mean of its tokens' ratios:
+        s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|) = exp(mean_t (logp_t - old_logp_t)),
+    clipped like PPO's but at the sequence level, with the paper's much narrower ranges (3e-4 and
+    4e-4, sec. 5.1): loss_t = -min(s_i A_t, clip(s_i, 1 - clip_low, 1 + clip_high) A_t) for every
+    token t of sample i. Averaged over each sample's tokens (`avg_level=sequence`) and with one
+    advantage per sample, this is the paper's objective: sum_t grad s_i / |y_i| = grad s_i.
+    A sample is a whole trajectory, so `sample_ids` must give every token of a multi-sequence
+    trajectory the same id and the caller must keep all of them in one call.
+
+    With `token_level`, GSPO-token: s_i,t = sg[s_i] * pi_t / sg[pi_t], the same value and clip as
+    s_i, but token t's gradient is A_t s_i grad log pi_t: each token keeps its own advantage. With
+    the same advantage on every token of a sample, both give the same loss and gradient.
+
+    Args:
+        logps: `[B, T]` current logprobs (with grad).
+        old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
+        advantages: `[B, T]` token advantages.
+        mask: `[B, T]` 1.0 on action tokens, or non-negative token weights: tokens with mask > 0
+            make up |y_i|, metrics are weighted means, the loss is zeroed where the mask is 0.
+        sample_ids: `[B, T]` long, the sample (trajectory) of each token.
+        clip_low, clip_high: the sequence ratio is clipped to [1 - clip_low, 1 + clip_high].
+        token_level: GSPO-token instead of GSPO.
+        engine_logps, tis_coef: truncated importance sampling, as in `ppo_loss`.
+
+    Returns:
+        `(per_token_loss [B, T], metrics)`: `clip_frac_low` and `clip_frac_high` (the tokens of
+        samples whose ratio was clipped on that side against their advantage's sign: no gradient),
+        `seq_ratio` (s_i, averaged over tokens), `approx_kl`, and `engine_kl`/`tis_weight` as in `ppo_loss`.
+    """
+    sequence_log_ratio = sample_mean(logps - old_logps, mask, sample_ids)
+    if token_level:
+        # Adding the constant last keeps the value exactly s_i (the difference of logps is 0).
+        log_ratio = logps - logps.detach() + sequence_log_ratio.detach()
+    else:
+        log_ratio = sequence_log_ratio
+    ratio = torch.exp(log_ratio)
+    loss, metrics = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    metrics |= {"seq_ratio": ratio.detach(), "approx_kl": k3(old_logps, logps)}
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
+    metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
+    return loss * (mask > 0), metrics
+
+
+def cispo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float | None = None,
+    clip_high: float = 3.0,
+    engine_logps: Tensor | None = None,
+    tis_coef: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): a clipped, detached importance weight times the log-prob.
+
+    loss_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] A_t log pi_t, with r_t = exp(logp_t - old_logp_t).
+    PPO's clip drops the gradient of a token whose ratio left the range (often the rare tokens
+    that open a new line of reasoning); CISPO only bounds the token's weight, so every token keeps
+    a gradient A_t w_t grad log pi_t. The paper sets no lower bound (`clip_low=None`) and tunes
+    only the upper one; it averages over tokens (`avg_level=token`).
+
+    Args:
+        logps: `[B, T]` current logprobs (with grad).
+        old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
+        advantages: `[B, T]` token advantages.
+        mask: `[B, T]` 1.0 on action tokens, or non-negative token weights.
+        clip_low: the weight is at least 1 - clip_low; None: no lower bound.
+        clip_high: the weight is at most 1 + clip_high.
+        engine_logps, tis_coef: truncated importance sampling, as in `ppo_loss`.
+
+    Returns:
+        `(per_token_loss [B, T], metrics)`: `clip_frac_low`/`clip_frac_high` (tokens whose weight was
+        raised to 1 - clip_low or cut to 1 + clip_high; their gradient stays), `is_weight` (the
+        clipped weight), `approx_kl`, and `engine_kl`/`tis_weight` as in `ppo_loss`.
+    """
+    ratio = torch.exp(logps - old_logps).detach()
+    low = None if clip_low is None else 1.0 - clip_low
+    weight = ratio.clamp(min=low, max=1.0 + clip_high)
+    loss = -weight * advantages * logps
     metrics = {
-        "clip_frac_low": ((ratio < 1.0 - clip_low) & negative).float(),
-        "clip_frac_high": ((ratio > 1.0 + clip_high) & (advantages > 0)).float(),
-        "dual_clip_frac": dual_clipped.float(),
+        "clip_frac_low": (ratio < low).float() if low is not None else torch.zeros_like(ratio),
+        "clip_frac_high": (ratio > 1.0 + clip_high).float(),
+        "is_weight": weight,
         "approx_kl": k3(old_logps, logps),
     }
-    if engine_logps is not None:
-        metrics["engine_kl"] = k3(engine_logps, old_logps)
-    if tis_coef is not None:
-        weights = truncated_is_weights(old_logps, engine_logps, tis_coef)
-        loss = loss * weights
-        metrics["tis_weight"] = weights
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
     metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
     return loss * (mask > 0), metrics
 

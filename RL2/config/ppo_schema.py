@@ -4,8 +4,10 @@ Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at s
 (`check_ppo_choices`), naming the key.
 """
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from RL2.config.cli import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
@@ -64,6 +66,7 @@ class KLConfig:
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
     reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
     reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
+    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy (actor/entropy) fell below this (None: never)")
     reset_alpha: float = opt(1.0, "a reset sets reference = alpha * actor + (1 - alpha) * reference (1: copy)")
 
 
@@ -79,11 +82,26 @@ class EntropyConfig:
 
 
 @dataclass
+class GSPOConfig:
+    clip_low: float = opt(3e-4, "GSPO: the sequence ratio is clipped at 1 - clip_low (the paper's 3e-4)")
+    clip_high: float = opt(4e-4, "GSPO: the sequence ratio is clipped at 1 + clip_high (the paper's 4e-4)")
+
+
+@dataclass
+class CISPOConfig:
+    clip_low: float | None = opt(None, "CISPO: the importance weight is at least 1 - clip_low (None: no lower bound, as the paper)")
+    clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this bound)")
+
+
+@dataclass
 class ActorConfig(ModelConfig):
-    clip: float = opt(0.2, "PPO clip range of the ratio (both sides unless clip_low/clip_high are set)")
-    clip_low: float | None = opt(None, "lower clip range (default: clip)")
-    clip_high: float | None = opt(None, "upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
-    dual_clip: float | None = opt(None, "dual-clip constant c > 1 bounding the loss of negative-advantage tokens")
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)")
+    clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
+    clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
+    clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
+    dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of negative-advantage tokens")
+    gspo: GSPOConfig = opt(GSPOConfig, "GSPO's clip ranges (policy_loss=gspo or gspo_token)")
+    cispo: CISPOConfig = opt(CISPOConfig, "CISPO's weight bounds (policy_loss=cispo)")
     tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off)")
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
@@ -121,6 +139,7 @@ class PPOConfig:
 
 # Not in RL2.config.cli.CHOICES: those are matched by key suffix, and `type`/`estimator` are too generic.
 PPO_CHOICES = {
+    "actor.policy_loss": ("ppo", "gspo", "gspo_token", "cispo"),
     "actor.kl.type": ("loss", "reward"),
     "actor.kl.estimator": ("k1", "k2", "k3"),
     "adv.estimator": ("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw", "mc"),
@@ -141,12 +160,16 @@ def check_ppo_choices(cfg) -> None:
     if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1:
         raise ConfigError("rollout.responses_per_prompt and actor.update_per_rollout must be at least 1")
     kl, rollout = cfg.actor.kl, cfg.rollout
-    if (kl.reset_every or kl.reset_target is not None) and kl.coef <= 0:
-        raise ConfigError("actor.kl.reset_every / actor.kl.reset_target reset the reference, which exists only "
-                          "with actor.kl.coef > 0; set it or drop the reset")
+    if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
+        raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
+                          "exists only with actor.kl.coef > 0; set it or drop the reset")
+    if kl.reset_entropy_floor is not None and kl.reset_entropy_floor <= 0:
+        raise ConfigError(f"actor.kl.reset_entropy_floor is {kl.reset_entropy_floor}; an entropy is never below "
+                          f"0, so set a positive floor (in nats per token) or leave it null")
     if not 0 < kl.reset_alpha <= 1:
         raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
     check_algorithm(cfg.adv, kl)
+    check_policy_loss(cfg.actor)
     if rollout.overlong_buffer_len is not None and not 0 < rollout.overlong_buffer_len <= rollout.train_sampling_params.max_new_tokens:
         raise ConfigError(f"rollout.overlong_buffer_len={rollout.overlong_buffer_len} must be in (0, "
                           f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
@@ -184,3 +207,30 @@ def check_algorithm(adv, kl) -> None:
         # d/dtheta of mean(log p - log q) over samples of p is mean(grad log p), zero in expectation.
         raise ConfigError("actor.kl.estimator=k1 as a loss has a zero gradient in expectation; use k2 or k3 as a "
                           "loss (actor.kl.type=loss), or put k1 in the reward (actor.kl.type=reward)")
+
+
+# actor.policy_loss -> the actor keys only that loss reads (PPO's are top-level for RL2's original names).
+POLICY_LOSS_KEYS = {
+    "ppo": {"clip": 0.2, "clip_low": None, "clip_high": None, "dual_clip": None},
+    "gspo": {f"gspo.{k}": v for k, v in asdict(GSPOConfig()).items()},
+    "cispo": {f"cispo.{k}": v for k, v in asdict(CISPOConfig()).items()},
+}
+
+
+def check_policy_loss(actor) -> None:
+    """Fail on a key of one policy loss set while another is selected, and on bounds that clip nothing sensible."""
+    selected = "gspo" if actor.policy_loss == "gspo_token" else actor.policy_loss
+    for loss, keys in POLICY_LOSS_KEYS.items():
+        for key, default in keys.items():
+            value = OmegaConf.select(actor, key)
+            if loss != selected and value != default:
+                owner = "gspo (or gspo_token)" if loss == "gspo" else loss
+                raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
+                                  f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
+    gspo, cispo = actor.gspo, actor.cispo
+    if not (0 <= gspo.clip_low < 1 and gspo.clip_high >= 0):
+        raise ConfigError(f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) and actor.gspo.clip_high="
+                          f"{gspo.clip_high} at least 0 (the paper: 3e-4 and 4e-4)")
+    if cispo.clip_high < 0 or (cispo.clip_low is not None and not 0 <= cispo.clip_low <= 1):
+        raise ConfigError(f"actor.cispo.clip_high={cispo.clip_high} must be at least 0 and actor.cispo.clip_low="
+                          f"{cispo.clip_low} in [0, 1] or null (no lower bound, as the paper)")

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from RL2.batch import RolloutBatch, SequenceBatch
@@ -100,7 +101,8 @@ class PPOTrainer(Trainer):
         with timed(metrics, "perf/sync_s"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         if self.ref and self.resets_reference():
-            metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl")))
+            metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
+                                                                          metrics.get("actor/entropy")))
         return metrics
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
@@ -163,22 +165,27 @@ class PPOTrainer(Trainer):
 
     def resets_reference(self) -> bool:
         kl = self.cfg.actor.kl
-        return bool(kl.reset_every or kl.reset_target is not None)
+        return bool(kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None)
 
     @torch.no_grad()
-    def maybe_reset_reference(self, step: int, ref_kl: float | None) -> bool:
-        """ProRL's reference reset (arXiv 2505.24864): every `reset_every` steps or once the KL to the
-        reference passes `reset_target`, move the reference to the actor: reference = alpha * actor +
-        (1 - alpha) * reference. Both are sharded alike, so each rank mixes its own shards."""
+    def maybe_reset_reference(self, step: int, ref_kl: float | None, entropy: float | None = None) -> bool:
+        """ProRL's reference reset (arXiv 2505.24864): every `reset_every` steps, once the KL to the
+        reference passes `reset_target`, or once the policy's mean entropy over the step's update
+        (`actor/entropy`) falls below `reset_entropy_floor`, move the reference to the actor:
+        reference = alpha * actor + (1 - alpha) * reference. Both are sharded alike, so each rank mixes
+        its own shards."""
         kl = self.cfg.actor.kl
         due = (kl.reset_every and step % kl.reset_every == 0) or (
-            kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target)
+            kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target) or (
+            kl.reset_entropy_floor is not None and entropy is not None and entropy < kl.reset_entropy_floor)
         if not due:
             return False
+        for model in (self.ref.model, self.actor.model):
+            reshard(model)
         for ref_param, actor_param in zip(self.ref.model.parameters(), self.actor.model.parameters()):
             local = shard_of(ref_param)
             local.lerp_(shard_of(actor_param).to(local.dtype), kl.reset_alpha)
-        log_rank0(f"step {step}: reference reset (alpha={kl.reset_alpha}, KL to it was {ref_kl})")
+        log_rank0(f"step {step}: reference reset (alpha={kl.reset_alpha}, KL to it was {ref_kl}, entropy {entropy})")
         return True
 
     def needs_old_logps(self) -> bool:
@@ -216,6 +223,15 @@ class PPOTrainer(Trainer):
 # ---- helpers --------------------------------------------------------------------------------------
 
 
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP module's sharded parameters back in place. After a forward FSDP may keep a module's
+    gathered copies registered instead (the root's, always); writes to those would be lost at the next
+    reshard (e.g. a checkpoint's state dict), while the shards are what every later forward gathers."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def shard_of(param: torch.Tensor) -> torch.Tensor:

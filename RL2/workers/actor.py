@@ -1,24 +1,78 @@
-"""The policy: log-probabilities of packed rollouts and the clipped policy update over mini-batches.
+"""The policy: log-probabilities of packed rollouts and the policy update over mini-batches.
 
 A rollout is a `RolloutBatch` (`RL2.batch`): per-token tensors aligned with the labels, grouped into
 trajectories and prompt groups. Every rank holds the whole rollout; each packs and processes its own
 share (`pack`), and per-token results are summed over the data-parallel ranks so that every rank can
-compute advantages on the whole batch, with the pure functions of `RL2.algs`.
+compute advantages on the whole batch, with the pure functions of `RL2.algs`. The update's loss is
+the one `actor.policy_loss` names (`POLICY_LOSSES`).
 """
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from RL2.algs.kl import compute_kl
-from RL2.algs.policy_loss import policy_loss
+from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
+
+
+# ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the choices
+# are declared in RL2/config/ppo_schema.py). Each reads its own config keys.
+
+
+def _ppo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
+    return ppo_loss(logps, old_logps, advantages, weights,
+                    clip_low=cfg.clip if cfg.clip_low is None else cfg.clip_low,
+                    clip_high=cfg.clip if cfg.clip_high is None else cfg.clip_high,
+                    dual_clip=cfg.dual_clip, **engine)
+
+
+def _gspo(cfg, logps, old_logps, advantages, weights, sample_ids, token_level=False, **engine):
+    return gspo_loss(logps, old_logps, advantages, weights, sample_ids, cfg.gspo.clip_low, cfg.gspo.clip_high,
+                     token_level=token_level, **engine)
+
+
+def _cispo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
+    return cispo_loss(logps, old_logps, advantages, weights, cfg.cispo.clip_low, cfg.cispo.clip_high, **engine)
+
+
+POLICY_LOSSES: dict[str, Callable] = {
+    "ppo": _ppo,
+    "gspo": _gspo,
+    "gspo_token": partial(_gspo, token_level=True),
+    "cispo": _cispo,
+}
+# One importance ratio per trajectory: all of a trajectory's sequences must be in the same micro-batch.
+TRAJECTORY_LEVEL_LOSSES = ("gspo", "gspo_token")
+
+
+def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[int]]:
+    """Packing units (`pack(units=...)`) that keep each trajectory's sequences together.
+
+    Args:
+        batch: the (mini-)batch to pack.
+        budget: the most labels of one micro-batch (`max_length_per_device * cp_size * tp_size`).
+        loss: the policy loss's name, for the error message.
+    """
+    units: list[list[int]] = [[] for _ in range(batch.n_samples)]
+    for sequence, sample in enumerate(batch.sample_ids.tolist()):
+        units[sample].append(sequence)
+    units = [unit for unit in units if unit]
+    longest = max((sum(batch.label_counts[i] for i in unit) for unit in units), default=0)
+    if longest > budget:
+        raise ValueError(
+            f"actor.policy_loss={loss} computes one ratio over each trajectory, so all its sequences go into one "
+            f"micro-batch, but a trajectory has {longest} tokens, more than actor.max_length_per_device x cp_size x "
+            f"tp_size = {budget}; raise actor.max_length_per_device (or cp_size), or use actor.policy_loss=ppo")
+    return units
 
 
 def n_mini_batches(n_prompts: int, mini_batch_size: int | None) -> int:
@@ -94,9 +148,13 @@ class Actor:
         return {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
-        totals = defaultdict(float)
-        weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
-        micro = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
+        cfg, totals = self.cfg, defaultdict(float)
+        weights = train_weights(batch, cfg.avg_level, self.response_budget)
+        units = trajectory_units(batch, cfg.max_length_per_device * self.dims.seq_parallel, cfg.policy_loss) if (
+            cfg.policy_loss in TRAJECTORY_LEVEL_LOSSES) else None
+        # Each token's trajectory travels with it into the micro-batches (a trajectory-level loss reads it).
+        batch = replace(batch, tokens=batch.tokens | {"sample_of_label": batch.sample_of_label})
+        micro = pack(batch, self.dims.dp_rank, self.dims.dp, cfg.max_length_per_device, weights, units=units,
                      seq_parallel=self.dims.seq_parallel)
         for mb in micro:
             mb = mb.to(self.device)
@@ -116,13 +174,10 @@ class Actor:
         logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0)
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = mb.extra("engine_logps")
-        losses, metrics = policy_loss(
-            logps, old_logps, mb.extra("advantages"), weights,
-            clip_low=cfg.clip if cfg.clip_low is None else cfg.clip_low,
-            clip_high=cfg.clip if cfg.clip_high is None else cfg.clip_high,
-            dual_clip=cfg.dual_clip, engine_logps=engine_logps, tis_coef=cfg.tis_coef,
-        )
-        # policy_loss gives means over this micro-batch under `weights`; times the weight sum they add up
+        losses, metrics = POLICY_LOSSES[cfg.policy_loss](
+            cfg, logps, old_logps, mb.extra("advantages"), weights, mb.extra("sample_of_label").long(),
+            engine_logps=engine_logps, tis_coef=cfg.tis_coef)
+        # The loss gives means over this micro-batch under `weights`; times the weight sum they add up
         # over micro-batches and ranks (see `weighted_means`).
         metrics = {k: v * weights.sum() for k, v in metrics.items()}
         metrics["loss_pg"] = (losses * weights).sum().detach()
