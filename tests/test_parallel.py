@@ -309,3 +309,16 @@ def test_shared_memory_gather_equals_gloo_all_gather():
     """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
     result = run_ranks(2, ["tests/scripts/shared_gather.py"])
     assert "shared gather OK" in result.stdout
+
+
+def test_more_ranks_than_gpus_fails_naming_both(monkeypatch):
+    """LOCAL_RANK 3 on a node where this process sees 2 GPUs: a clear error instead of an invalid device."""
+    from RL2.parallel import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 but this process sees 2 GPU\(s\).*--nproc_per_node=2"):
+        pick_device("auto")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("cuda") == torch.device("cuda", 1)
