@@ -95,8 +95,11 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
         mem_fraction: the servers' `mem_fraction_static`.
     """
     p = model.n_params
-    per_trained = (4 + 4 + (0 if offload_optimizer else 8)) * p // n_ranks
-    train = per_trained + (2 * p // n_ranks if reference else 0) + (per_trained if critic else 0)
+    n_trained = 2 if critic else 1
+    # float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with offload_optimizer the
+    # moments of one model at a time come to the GPU for its optimizer step.
+    moments = 8 * p // n_ranks * (1 if offload_optimizer else n_trained)
+    train = n_trained * 8 * p // n_ranks + moments + (2 * p // n_ranks if reference else 0)
     served = 2 * p // server_tp
     bucket = max(bucket_bytes, 2 * model.largest)
     sync = 4 * p // n_ranks + served + 2 * bucket
@@ -123,24 +126,23 @@ def qwen25(size: str) -> ModelShape:
     return ModelShape.from_config(config, f"Qwen2.5-{size}")
 
 
-# The README's rows: (model size, server tp, reference, critic, offload_optimizer).
-README_ROWS = [("7B", 1, False, False, False), ("7B", 1, True, False, False), ("7B", 1, True, True, False),
-               ("32B", 2, False, False, False), ("32B", 2, True, False, False), ("32B", 2, True, True, False),
-               ("32B", 2, True, True, True)]
+# The README's rows: (model size, GPUs, server tp, reference, critic).
+README_ROWS = [("7B", 8, 1, False, False), ("7B", 8, 1, True, False), ("7B", 8, 1, True, True),
+               ("32B", 8, 2, False, False), ("32B", 8, 2, True, False), ("32B", 8, 2, True, True),
+               ("32B", 16, 2, True, True)]
 
 
-def readme_table(gpu_gb: int = 80, n_gpus: int = 8) -> str:
-    """The table of GPU memory per rank on `n_gpus` GPUs of `gpu_gb` GB, one trainer rank per GPU."""
-    lines = ["| model | server tp | trainer models | train | sync | rollout: weights + KV cache | KV cache tokens / server |",
-             "|---|---|---|---|---|---|---|"]
+def readme_table(gpu_gb: int = 80) -> str:
+    """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU."""
+    lines = ["| model | GPUs | server tp | trainer models | train | sync | rollout: weights + KV cache | "
+             "KV cache tokens / server |", "|---|---|---|---|---|---|---|---|"]
     shapes = {size: qwen25(size) for size in ("7B", "32B")}
-    for size, tp, reference, critic, offload in README_ROWS:
+    for size, n_gpus, tp, reference, critic in README_ROWS:
         model = shapes[size]
-        plan = colocated_memory(model, gpu_gb * 10**9, n_gpus, tp, reference, critic, offload_optimizer=offload)
-        models = "actor" + (" + ref" if reference else "") + (" + critic" if critic else "") + (
-            " (offload_optimizer)" if offload else "")
-        train = f"{plan.train / GIB:.1f} GiB" + (" (does not fit)" if plan.train > gpu_gb * 10**9 else "")
-        lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {tp} | {models} | {train} | "
+        plan = colocated_memory(model, gpu_gb * GIB, n_gpus, tp, reference, critic)
+        models = "actor" + (" + ref" if reference else "") + (" + critic" if critic else "")
+        train = f"{plan.train / GIB:.1f} GiB" + (" (does not fit)" if plan.train > gpu_gb * GIB - CONTEXT_BYTES else "")
+        lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | {train} | "
                      f"{plan.sync / GIB:.1f} GiB | {plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | "
                      f"{kv_cache_tokens(model, plan.kv_cache, tp) / 1e3:.0f}k |")
     return "\n".join(lines)

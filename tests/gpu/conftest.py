@@ -1,0 +1,31 @@
+"""Fixtures of the CUDA tests (helpers in `cuda_models.py`)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_models import llama_config, tokenizer_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tokenizer_path())
+
+
+@pytest.fixture(scope="session")
+def model_path(tokenizer, tmp_path_factory) -> str:
+    """Random weights with the final norm scaled up: peaked next-token distributions, so that greedy
+    choices do not hinge on round-off."""
+    folder = tmp_path_factory.mktemp("cuda_llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(tokenizer))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
