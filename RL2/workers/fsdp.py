@@ -3,6 +3,11 @@
 Parallelism is applied in one place and in a fixed order (as torchtitan does): tensor parallelism,
 then activation checkpointing, then `fully_shard` on every decoder layer, then on the root (which
 holds the embeddings and LM head, so tied weights stay one parameter).
+
+Rank 0 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time.
+float16 compute trains through a gradient scaler (`FSDPWorker.backward`). While a colocated rollout
+engine samples, `offload` moves parameters, gradients and optimizer state to the CPU and `onload`
+brings them back (`RL2.rollout.engine_state` calls both).
 """
 
 import math
