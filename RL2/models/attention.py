@@ -86,7 +86,7 @@ def log_backend_once(kind: str, backend: str, device: torch.device, dtype: torch
 
 def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     # flash-attn takes (tokens, heads, head_dim) and handles grouped-query heads itself.
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))
     out = flash_attn_varlen()(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
     )
@@ -103,7 +103,7 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
         kwargs["is_causal"] = True
     if query.shape[1] != key.shape[1]:
         kwargs["enable_gqa"] = True
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, dim)
     cu_seqlens = cu_seqlens.to(torch.int32)
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
     return out.unsqueeze(0)

@@ -203,7 +203,7 @@ def _ring_flash(query, key, value, shard: ContextShard, scaling):
     ring = _ring_flash_attn_module()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # (tokens, heads, head_dim)
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, head_dim)
     max_seqlen = 2 * max(shard.chunks)
     out = ring.zigzag_ring_flash_attn_varlen_func(
         q, k, v, shard.cu_seqlens, max_seqlen, softmax_scale=scaling, causal=True, group=shard.group
