@@ -51,7 +51,7 @@ class RolloutConfig:
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
-    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC) | disk (HF folder) | none | auto: tensor for launched CUDA servers with sglang in the trainer's env, else disk")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk")
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
     weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
 
