@@ -408,7 +408,10 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
     """
     from transformers import AutoConfig
 
-    model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
+    try:
+        model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
+    except ValueError:  # a model class transformers does not know: SGLang alone sizes it
+        return
     free, total = torch.cuda.mem_get_info(device)
     weights = model.n_params * dtype.itemsize // tp
     kv_cache = int(fraction * free) - weights
