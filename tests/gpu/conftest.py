@@ -1,4 +1,4 @@
-"""Fixtures of the CUDA tests (helpers in `cuda_models.py`)."""
+"""Fixtures of the CUDA tests (models and configs are built by `cuda_models.py`)."""
 
 import sys
 from pathlib import Path
