@@ -8,8 +8,10 @@ setup(
     package_data={"RL2": ["trainer/config/*.yaml", "rollout/*.c"]},
     python_requires=">=3.10",
     install_requires=[
-        # Pinned: this release is what CPU machines have on disk; a bare `torch` pulls a CUDA build.
-        "torch==2.13.0",
+        # A range, so that `pip install -e .` keeps the torch a machine has (a CUDA build on GPUs; SGLang
+        # 0.5.23 pins 2.14.1, so both share one environment). The CPU quick start installs torch==2.13.0
+        # explicitly: without a torch, pip would pull the newest CUDA build in the range.
+        "torch>=2.11,<2.15",
         "transformers>=5.0,<6",
         "datasets>=3.0",
         "omegaconf>=2.3",
@@ -24,9 +26,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        # SGLang pins its own torch (sglang 0.5.23: torch 2.14.1); it runs from its own environment
-        # (rollout.server_python), see the README.
-        "gpu": ["flash-attn", "ring-flash-attn", "liger-kernel"],
+        # Optional kernels: without them attention runs torch's own varlen kernel or exact SDPA.
+        "gpu": ["flash-attn", "ring-flash-attn"],
         "gem": ["gem-llm"],
         "math": ["math-verify"],
         # trainer.use_tensorboard=true: TensorBoard event files next to metrics.jsonl.

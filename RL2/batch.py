@@ -53,9 +53,13 @@ class SequenceBatch:
 
     @classmethod
     def from_examples(cls, examples: list[dict]) -> "SequenceBatch":
-        """Tokenized examples `{"input_ids", "loss_mask"}` (the mask over `input_ids`), one sample each."""
-        masks = [torch.tensor(ex["loss_mask"][1:], dtype=torch.float32) for ex in examples]
-        return cls(input_ids=[list(ex["input_ids"]) for ex in examples], tokens={"loss_mask": torch.cat(masks)})
+        """Tokenized examples, one sample each: `input_ids`, `loss_mask` and any other per-token list of
+        the same length (`x[t]` about token t, so `x[0]` is dropped), e.g. as the datasets write them."""
+        names = [k for k, v in examples[0].items() if k != "input_ids" and isinstance(v, list)
+                 and len(v) == len(examples[0]["input_ids"])]
+        tokens = {name: torch.tensor([v for ex in examples for v in ex[name][1:]], dtype=torch.float32)
+                  for name in names}
+        return cls(input_ids=[list(ex["input_ids"]) for ex in examples], tokens=tokens)
 
     # ---- layout ----
 
@@ -154,6 +158,18 @@ class RolloutBatch(SequenceBatch):
     turn_rewards: Tensor
     turn_mask: Tensor
     response_lengths: Tensor
+
+    @classmethod
+    def single_turn(cls, examples: list[dict], group_ids: list[int], rewards: list[float] | None = None) -> "RolloutBatch":
+        """One-turn trajectories written as tokenized examples (see `SequenceBatch.from_examples`), e.g.
+        for benchmarks and tests of the update; `group_ids` non-decreasing from 0."""
+        n = len(examples)
+        rewards = torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32)
+        batch = SequenceBatch.from_examples(examples)
+        tokens = batch.tokens | {"turn_ids": torch.where(batch.tokens["loss_mask"] > 0, 0, -1)}
+        return cls(input_ids=batch.input_ids, tokens=tokens, group_ids=torch.tensor(group_ids, dtype=torch.long),
+                   rewards=rewards, turn_rewards=rewards[:, None].clone(), turn_mask=torch.ones(n, 1),
+                   response_lengths=batch.sample_sums(batch.tokens["loss_mask"]))
 
     @property
     def n_groups(self) -> int:

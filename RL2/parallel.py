@@ -24,7 +24,16 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each rank of a node "
+                f"needs a GPU of its own. Start at most {visible} ranks per node (torchrun --nproc_per_node={visible}) "
+                f"or make more GPUs visible"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

@@ -39,3 +39,81 @@ def test_varlen_attention_equals_attention_per_sequence(lengths):
     theirs = torch.autograd.grad((expected * weights.double()).sum(), (query, key, value))
     for name, a, b in zip(("query", "key", "value"), ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_per_sequence_path_is_exact_in_float64():
+    """The path CUDA takes without a flash kernel (SDPA per sequence in the input's own dtype), here in float64."""
+    lengths = [13, 1, 40, 7]
+    generator = torch.Generator().manual_seed(1)
+    total = sum(lengths)
+    query = torch.randn(1, HEADS, total, DIM, generator=generator, dtype=torch.float64)
+    key = torch.randn(1, KV_HEADS, total, DIM, generator=generator, dtype=torch.float64)
+    value = torch.randn(1, KV_HEADS, total, DIM, generator=generator, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = varlen_attention(None, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu_seqlens)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, reference(query, key, value, lengths, 0.25), atol=1e-12, rtol=1e-12)
+
+
+class _VarlenWithGQA:
+    """Stands in for torch's `varlen_attn` in the choice tests (only its signature is read)."""
+
+    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+        raise AssertionError("not called by the choice")
+
+
+def _varlen_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+    raise AssertionError("not called by the choice")
+
+
+@pytest.mark.parametrize("flash, varlen, capability, dtype, gqa, expected", [
+    (True, _VarlenWithGQA(), (9, 0), torch.bfloat16, True, "flash_attn"),
+    (True, _VarlenWithGQA(), (9, 0), torch.float32, False, "sdpa"),  # flash kernels take fp16/bf16 only
+    (False, _VarlenWithGQA(), (9, 0), torch.float16, True, "torch_varlen"),
+    (False, _VarlenWithGQA(), (7, 5), torch.bfloat16, False, "sdpa"),  # torch's flash kernel needs Ampere
+    (False, _varlen_without_gqa, (8, 0), torch.bfloat16, False, "torch_varlen"),
+    (False, _varlen_without_gqa, (8, 0), torch.bfloat16, True, "sdpa"),  # no enable_gqa in this torch
+    (False, None, (9, 0), torch.bfloat16, False, "sdpa"),
+])
+def test_cuda_backend_choice(monkeypatch, flash, varlen, capability, dtype, gqa, expected):
+    """Which kernel a CUDA forward would take, from what is installed (the CUDA checks run in tests/gpu)."""
+    from RL2.models import attention
+
+    monkeypatch.setattr(attention, "flash_attn_varlen", lambda: object() if flash else None)
+    monkeypatch.setattr(attention, "torch_varlen_attention", lambda: varlen)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert attention.varlen_backend(torch.device("cuda", 0), dtype, grouped_query=gqa) == expected
+
+
+def test_cpu_always_takes_the_exact_path():
+    from RL2.models.attention import varlen_backend
+    from RL2.models.context_parallel import context_parallel_backend
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert varlen_backend(torch.device("cpu"), dtype) == "sdpa"
+        assert context_parallel_backend(torch.device("cpu"), dtype) == "all_gather_kv"
+
+
+def test_context_parallel_falls_back_without_ring_flash_attn(monkeypatch):
+    from RL2.models import context_parallel
+
+    monkeypatch.setattr(context_parallel, "flash_attn_varlen", lambda: object())
+    monkeypatch.setattr(context_parallel, "_ring_flash_attn_module", lambda: None)
+    assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
+    monkeypatch.setattr(context_parallel, "_ring_flash_attn_module", lambda: object())
+    assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "ring_flash_attn"
+    assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.float32) == "all_gather_kv"
+    monkeypatch.setattr(context_parallel, "flash_attn_varlen", lambda: None)
+    assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
+
+
+def test_the_choice_is_logged_once(capsys):
+    from RL2.models import attention
+
+    attention._LOGGED.clear()
+    query = torch.randn(1, HEADS, 6, DIM)
+    key = value = torch.randn(1, KV_HEADS, 6, DIM)
+    for _ in range(3):
+        varlen_attention(None, query, key, value, None)
+    assert capsys.readouterr().out.count("packed attention: sdpa (cpu, float32)") == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from RL2.config.cli import ConfigError
+from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import check_algorithm
 from RL2.datasets.packing import train_weights
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch

@@ -6,6 +6,7 @@ one AdamW step of every layout must equal it. The weights compared are those the
 receives (`full_tensors`) and those the export writes.
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -284,7 +285,8 @@ def test_vocab_shard_on_one_rank_matches_torch():
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="ring-flash-attn needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("ring_flash_attn") is None,
+                    reason="needs CUDA and ring-flash-attn")
 def test_ring_flash_attn_loads_without_its_package_init():
     from RL2.models.context_parallel import _ring_flash_attn_module
 
@@ -311,3 +313,16 @@ def test_shared_memory_gather_equals_gloo_all_gather():
     """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
     result = run_ranks(2, ["tests/scripts/shared_gather.py"])
     assert "shared gather OK" in result.stdout
+
+
+def test_more_ranks_than_gpus_fails_naming_both(monkeypatch):
+    """LOCAL_RANK 3 on a node where this process sees 2 GPUs: a clear error instead of an invalid device."""
+    from RL2.parallel import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 but this process sees 2 GPU\(s\).*--nproc_per_node=2"):
+        pick_device("auto")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("cuda") == torch.device("cuda", 1)

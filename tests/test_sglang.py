@@ -12,6 +12,7 @@ log-softmax), which SGLang in float32 on CPU reproduces.
 import asyncio
 import copy
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,15 +26,29 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from launch import read_metrics, run_ranks
-from RL2.config.cli import ConfigError
+from RL2.config.errors import ConfigError
 from RL2.rollout.client import EngineError, HTTPEngineClient
-from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine, server_urls
+from RL2.rollout.sglang_engine import (
+    SGLangEngine,
+    _launched_weight_sync,
+    resolve_engine,
+    returns_original_logprobs,
+    server_urls,
+    server_version,
+)
 from RL2.rollout.sglang_server import SGLangServer, check_server_args, free_port, server_command
-from RL2.rollout.weight_transfer import buckets, write_hf_folder
+from RL2.rollout.weight_transfer import (
+    FLATTENED_BUCKET_VERSIONS,
+    buckets,
+    flatten_bucket,
+    serialize_flat_bucket,
+    write_hf_folder,
+)
 
 SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
 STUB = Path(__file__).resolve().parent / "sglang_stub"
-SERVER_ENV = {"PYTHONPATH": str(STUB)}
+# As RL2 launches its servers: log-probabilities of the untempered distribution.
+SERVER_ENV = {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 CPU_ARGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True}
 needs_sglang = [
     pytest.mark.sglang,
@@ -79,6 +94,46 @@ def test_engine_choice():
     assert server_urls(["http://a:1"]) == ["http://a:1"]
     with pytest.raises(ConfigError, match="rollout.server_url"):
         server_urls("a:1")
+
+
+def test_tensor_sync_needs_a_server_version_whose_format_rl2_writes():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    supported = set(FLATTENED_BUCKET_VERSIONS)
+    assert _launched_weight_sync("auto", cuda, supported) == "tensor"
+    assert _launched_weight_sync("auto", cuda, {"0.4.0"}) == "disk"
+    assert _launched_weight_sync("auto", cpu, supported) == "disk"
+    assert _launched_weight_sync("tensor", cpu, supported) == "tensor"  # by value: SGLang on CPU
+    with pytest.raises(ConfigError, match=r"run version 0\.4\.0.*rollout\.weight_sync=disk"):
+        _launched_weight_sync("tensor", cuda, {"0.4.0"})
+    with pytest.raises(ConfigError, match="unknown"):
+        _launched_weight_sync("tensor", cuda, set())
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="RL2_SGLANG_PYTHON is not set")
+def test_bucket_payload_is_read_by_sglangs_own_classes(tmp_path):
+    """A bucket of mixed dtypes, serialized by RL2 without sglang, deserialized in the SGLang environment
+    by its `MultiprocessingSerializer` (whose unpickler admits only listed globals) and rebuilt with
+    `FlattenedTensorBucket` exactly as `/update_weights_from_tensor` does."""
+    tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7, dtype=torch.bfloat16)),
+               ("c.index", torch.arange(5)), ("d.weight", torch.randn(2, 2, 2, dtype=torch.float16))]
+    (tmp_path / "payload.txt").write_text(serialize_flat_bucket(*flatten_bucket(tensors)))
+    reader = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+data = MultiprocessingSerializer.deserialize(open(sys.argv[1]).read())
+metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata)
+torch.save({name: t.clone() for name, t in bucket.reconstruct_tensors()}, sys.argv[2])  # views of one buffer
+"""
+    subprocess.run([SGLANG_PYTHON, "-c", reader, str(tmp_path / "payload.txt"), str(tmp_path / "rebuilt.pt")],
+                   check=True, capture_output=True, timeout=300)
+    rebuilt = torch.load(tmp_path / "rebuilt.pt")
+    assert list(rebuilt) == [name for name, _ in tensors]
+    for name, tensor in tensors:
+        assert rebuilt[name].dtype == tensor.dtype and torch.equal(rebuilt[name], tensor), name
 
 
 def test_weight_folder_round_trip(tiny_model_path, tmp_path):
@@ -179,8 +234,11 @@ def test_greedy_equals_hf_greedy(server, hf_model, prompts):
 
 
 @sglang_test
-def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts):
-    responses = generate(server.url, prompts * 2, temperature=1.0, max_new_tokens=24)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, temperature):
+    """The policy's own log-probabilities (temperature 1) at any sampling temperature, as the trainer
+    and the embedded engine compute them: launched with SGLANG_RETURN_ORIGINAL_LOGPROB=1."""
+    responses = generate(server.url, prompts * 2, temperature=temperature, max_new_tokens=24)
     outputs = [r["output_ids"] for r in responses]
     assert len({tuple(o) for o in outputs}) > 1  # really sampled
     for prompt, response in zip(prompts * 2, responses):
@@ -263,6 +321,51 @@ def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompt
 
 
 @sglang_test
+def test_probe_sees_untempered_logprobs(server):
+    assert returns_original_logprobs(server.url, 0.7) is True
+
+
+@sglang_test
+@pytest.mark.slow
+def test_probe_sees_tempered_logprobs_of_a_default_server(tiny_model_path, hf_model, prompts, tmp_path):
+    """Without SGLANG_RETURN_ORIGINAL_LOGPROB, SGLang returns log-probabilities of softmax(logits / T):
+    the probe says so (the trainer then warns that engine_mismatch and tis are biased)."""
+    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS, {"PYTHONPATH": str(STUB)}).start()
+    try:
+        server.wait_ready(timeout=600)
+        assert returns_original_logprobs(server.url, 0.7) is False
+        response = generate(server.url, prompts[:1], temperature=0.7, max_new_tokens=8)[0]
+        tokens = response["output_ids"]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1:-1].float()
+        tempered = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(tempered, abs=1e-3)
+    finally:
+        server.shutdown()
+
+
+@sglang_test
+def test_weight_update_from_tensor_buckets_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank):
+    """rollout.weight_sync=tensor through the real server: a weight-update session, 64 kB buckets in RL2's
+    payload (by value on CPU; CUDA buckets carry IPC handles instead), the version the server reports."""
+    assert server_version(server.url) in FLATTENED_BUCKET_VERSIONS
+    engine = SGLangEngine([server.url], [server.url], "tensor", 2**16, tiny_model_path)
+    new_model = copy.deepcopy(hf_model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    before = [r["output_ids"] for r in generate(server.url, prompts)]
+    engine.update_weights(new_model.named_parameters(), weight_version="tensor1")
+    after = generate(server.url, prompts)
+    for prompt, response in zip(prompts, after):
+        assert response["output_ids"] == hf_greedy(new_model, prompt, 16)[0]
+        assert response["meta_info"]["weight_version"] == "tensor1"
+    engine.update_weights(hf_model.named_parameters(), weight_version="tensor2")
+    assert [r["output_ids"] for r in generate(server.url, prompts)] == before
+
+
+@sglang_test
 def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
     """SGLangEngine.pause_generation("abort") (partial rollouts) stops this rank's requests with their
     partial output, while another client's request on the same server runs to its end; requests
@@ -335,20 +438,25 @@ def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
 
 @sglang_test
 def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
-    """rollout.server_url: the trainer launches nothing, samples from the module's server and updates
-    its weights from disk after each step. (Runs last: it leaves the trained weights in the server.)"""
-    run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}"), timeout=600)
+    """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
+    0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
+    trainer's (engine_mismatch near 0), as with the embedded engine. (Runs last: it leaves the trained
+    weights in the server.)"""
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}",
+                          "rollout.train_sampling_params.temperature=0.7"), timeout=600)
     assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
 
 
 @sglang_test
 @pytest.mark.slow
 def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
-    """rollout.engine=sglang: the trainer launches a server from the SGLang environment, pushes the
-    weights in buckets through a folder after each update, and stops the server at exit."""
+    """rollout.engine=sglang: the trainer launches a server from the SGLang environment (with untempered
+    log-probabilities: engine_mismatch near 0 at temperature 0.7), pushes the weights in buckets through
+    a folder after each update, and stops the server at exit."""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
                           f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",
-                          "rollout.server_args.max_total_tokens=4096", f"rollout.server_log_dir={tmp_path / 'logs'}"),
+                          "rollout.server_args.max_total_tokens=4096", f"rollout.server_log_dir={tmp_path / 'logs'}",
+                          "rollout.train_sampling_params.temperature=0.7"),
               timeout=900)
     assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
     log_path = next((tmp_path / "logs").glob("sglang-*.log"))

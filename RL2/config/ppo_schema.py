@@ -4,12 +4,11 @@ Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at s
 (`check_ppo_choices`), naming the key.
 """
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from RL2.config.cli import ConfigError
+from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 
 
@@ -54,7 +53,7 @@ class RolloutConfig:
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
-    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC) | disk (HF folder) | none | auto: tensor for launched CUDA servers with sglang in the trainer's env, else disk")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk")
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
     weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
 
@@ -222,7 +221,7 @@ def check_policy_loss(actor) -> None:
     selected = "gspo" if actor.policy_loss == "gspo_token" else actor.policy_loss
     for loss, keys in POLICY_LOSS_KEYS.items():
         for key, default in keys.items():
-            value = OmegaConf.select(actor, key)
+            value = functools.reduce(getattr, key.split("."), actor)
             if loss != selected and value != default:
                 owner = "gspo (or gspo_token)" if loss == "gspo" else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="

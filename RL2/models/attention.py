@@ -2,46 +2,127 @@
 
 A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
 down to every attention layer by transformers) marks where each starts. No token attends across a
-boundary. On CUDA this is flash-attn's varlen kernel; elsewhere an exact torch equivalent: causal
-SDPA on each sequence in turn, which costs sum(L_i^2) rather than T^2 for a block-diagonal mask.
+boundary. Three kernels compute it, picked per call by `varlen_backend` (the choice is logged once):
+- "flash_attn": flash-attn's varlen kernel, on CUDA in fp16/bf16 when `flash_attn` imports;
+- "torch_varlen": torch's own varlen kernel (`torch.nn.attention.varlen`, flash-attention built into
+  torch), on CUDA in fp16/bf16 on Ampere or newer when this torch has it;
+- "sdpa": causal SDPA on each sequence in turn, exact in any dtype on any device; it costs
+  sum(L_i^2) rather than T^2 for a block-diagonal mask, but one kernel launch per sequence.
 
 Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
 model's forward like `cu_seq_lens_q`) says how; attention then goes through
 `RL2.models.context_parallel`.
 """
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from RL2.utils.logging import log_rank0
+
 ATTN_NAME = "rl2_varlen"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def flash_attn_varlen():
+    """flash-attn's `flash_attn_varlen_func`, or None when flash-attn is not installed or does not load."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except (ImportError, OSError):  # OSError: a build that does not match this torch or CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def torch_varlen_attention():
+    """torch's `varlen_attn` when this torch has one we can call causally with a scale, else None.
+
+    Its keywords changed between releases (`is_causal` became `window_size=(-1, 0)`; `enable_gqa` came
+    later), so they are read off its signature; without `enable_gqa` it serves only equal head counts.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params or not ({"window_size", "is_causal"} & set(params)):
+        return None
+    return varlen_attn
+
+
+def varlen_backend(device: torch.device, dtype: torch.dtype, grouped_query: bool = False) -> str:
+    """Which kernel packed attention runs here: "flash_attn", "torch_varlen" or "sdpa".
+
+    Args:
+        device: where the query lives.
+        dtype: the query's dtype (the flash kernels take only fp16 and bf16).
+        grouped_query: fewer key/value heads than query heads.
+    """
+    if device.type != "cuda" or dtype not in HALF_DTYPES:
+        return "sdpa"
+    if flash_attn_varlen() is not None:
+        return "flash_attn"
+    varlen_attn = torch_varlen_attention()
+    if varlen_attn is not None and torch.cuda.get_device_capability(device)[0] >= 8 and (
+            not grouped_query or "enable_gqa" in inspect.signature(varlen_attn).parameters):
+        return "torch_varlen"
+    return "sdpa"
+
+
+_LOGGED: set[tuple] = set()
+
+
+def log_backend_once(kind: str, backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Say which attention kernel runs, the first time each (kind, kernel, device, dtype) is used."""
+    key = (kind, backend, device.type, dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log_rank0(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
 
 
 def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
-    from flash_attn import flash_attn_varlen_func
-
     # flash-attn takes (tokens, heads, head_dim) and handles grouped-query heads itself.
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
-    out = flash_attn_varlen_func(
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))
+    out = flash_attn_varlen()(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
     )
     return out.unsqueeze(0)
 
 
-def _torch_varlen(query, key, value, cu_seqlens, scaling):
-    # torch's CPU SDPA kernel runs forward and backward ~1.7x faster in float32 than in bf16 (measured:
-    # 16 sequences of 116 tokens, 29 ms against 50 ms per layer) and accumulates in float32 either way,
-    # so bf16 and fp16 inputs are upcast, one sequence at a time while it is in cache.
+def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
+    varlen_attn = torch_varlen_attention()
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scaling}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal: no key after the query
+    else:
+        kwargs["is_causal"] = True
+    if query.shape[1] != key.shape[1]:
+        kwargs["enable_gqa"] = True
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, dim)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return out.unsqueeze(0)
+
+
+def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
+    # On CPU, bf16 and fp16 inputs are upcast one sequence at a time while it is in cache: torch's CPU
+    # SDPA kernel runs forward and backward ~1.7x faster in float32 than in bf16 (measured: 16
+    # sequences of 116 tokens, 29 ms against 50 ms per layer) and accumulates in float32 either way.
+    # On CUDA the native dtype goes to SDPA's own kernels, which accumulate in float32 as well.
+    upcast = not query.is_cuda and query.dtype in HALF_DTYPES
     outputs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (x[:, :, start:end] for x in (query, key, value))
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()
         out = F.scaled_dot_product_attention(
-            query[:, :, start:end].float(),
-            key[:, :, start:end].float(),
-            value[:, :, start:end].float(),
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         )
         outputs.append(out.to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2)
@@ -57,10 +138,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:  # one sequence: the whole row
         cu_seqlens = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
-    if query.is_cuda:
-        max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling), None
-    return _torch_varlen(query, key, value, cu_seqlens, scaling), None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    backend = varlen_backend(query.device, query.dtype, grouped_query=query.shape[1] != key.shape[1])
+    log_backend_once("packed", backend, query.device, query.dtype)
+    if backend == "sdpa":
+        return _sdpa_per_sequence(query, key, value, cu_seqlens, scaling), None
+    max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    kernel = _flash_varlen if backend == "flash_attn" else _torch_varlen
+    return kernel(query, key, value, cu_seqlens, max_seqlen, scaling), None
 
 
 AttentionInterface.register(ATTN_NAME, varlen_attention)

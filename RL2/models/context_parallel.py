@@ -7,17 +7,21 @@ and the same attention work. Padding sits at the end of its sequence, where caus
 every real token, and its outputs are dropped.
 
 Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks.
-- On CUDA, ring-flash-attention's `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring,
-  overlapping communication with flash-attn's varlen kernel.
-- Elsewhere, an exact torch version of the same computation on the same shards: one all-gather of
-  K/V (the llama3 scheme), then causal attention of each local chunk against its whole sequence.
-  The all-gather's backward sums every rank's K/V gradients and keeps this rank's part (a
-  reduce-scatter), so gradients are those of unsharded attention.
+- On CUDA in fp16/bf16 with ring-flash-attn and flash-attn installed, ring-flash-attention's
+  `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring, overlapping communication with
+  flash-attn's varlen kernel.
+- Otherwise (CPU, float32, or either package missing), an exact torch version of the same
+  computation on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of
+  each local chunk against its whole sequence. The all-gather's backward sums every rank's K/V
+  gradients and keeps this rank's part (a reduce-scatter), so gradients are those of unsharded
+  attention.
+Which of the two runs is logged once.
 
 Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
 callers see whole `[1, T]` tensors, the same on every cp rank.
 """
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from RL2.models.attention import HALF_DTYPES, flash_attn_varlen, log_backend_once
 
 
 def _gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -132,9 +138,18 @@ class ContextShard:
 
     def attention(self, query, key, value, scaling):
         """Causal attention of the local queries over whole sequences. `[1, H, t, D]` -> `[1, t, H, D]`."""
-        if query.is_cuda:
+        backend = context_parallel_backend(query.device, query.dtype)
+        log_backend_once("context-parallel", backend, query.device, query.dtype)
+        if backend == "ring_flash_attn":
             return _ring_flash(query, key, value, self, scaling)
         return _gathered_kv_attention(query, key, value, self, scaling)
+
+
+def context_parallel_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """"ring_flash_attn" on CUDA in fp16/bf16 when ring-flash-attn and flash-attn load, else "all_gather_kv"."""
+    if device.type == "cuda" and dtype in HALF_DTYPES and flash_attn_varlen() is not None and _ring_flash_attn_module():
+        return "ring_flash_attn"
+    return "all_gather_kv"
 
 
 def zigzag_layout(bounds: list[int], size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -186,7 +201,9 @@ def _gathered_kv_attention(query, key, value, shard: ContextShard, scaling):
 
 def _ring_flash(query, key, value, shard: ContextShard, scaling):
     ring = _ring_flash_attn_module()
-    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # (tokens, heads, head_dim)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, head_dim)
     max_seqlen = 2 * max(shard.chunks)
     out = ring.zigzag_ring_flash_attn_varlen_func(
         q, k, v, shard.cu_seqlens, max_seqlen, softmax_scale=scaling, causal=True, group=shard.group
@@ -194,8 +211,10 @@ def _ring_flash(query, key, value, shard: ContextShard, scaling):
     return out.unsqueeze(0)
 
 
+@functools.cache
 def _ring_flash_attn_module():
-    """`ring_flash_attn.zigzag_ring_flash_attn_varlen` without running the package's `__init__`.
+    """`ring_flash_attn.zigzag_ring_flash_attn_varlen` without running the package's `__init__`, or None
+    when ring-flash-attn is not installed or does not load.
 
     The package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x; only the
     varlen kernels are needed. An empty package object pointing at the same folder lets the submodule
@@ -209,10 +228,13 @@ def _ring_flash_attn_module():
     except ImportError:
         spec = importlib.util.find_spec("ring_flash_attn")
         if spec is None:
-            raise ImportError("context parallelism on CUDA needs ring-flash-attn: pip install ring-flash-attn") from None
+            return None
         for key in [k for k in sys.modules if k == "ring_flash_attn" or k.startswith("ring_flash_attn.")]:
             del sys.modules[key]
         package = types.ModuleType("ring_flash_attn")
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["ring_flash_attn"] = package
-        return importlib.import_module(name)
+        try:
+            return importlib.import_module(name)
+        except (ImportError, OSError):  # e.g. its flash-attn import fails
+            return None

@@ -9,15 +9,24 @@ External (`rollout.server_url`): servers the user runs; nothing is launched and 
 them control requests (weight updates from disk, or none with `rollout.weight_sync=none`).
 
 Weight sync after each update (`rollout.weight_sync`):
-- tensor: CUDA IPC through `/update_weights_from_tensor`, bucket by bucket, each tensor-parallel
-  rank handing its own GPU's copy to its server rank (launched servers on CUDA only).
+- tensor: `/update_weights_from_tensor`, bucket by bucket, each tensor-parallel rank handing its own
+  GPU's copy to its server rank as a CUDA IPC handle (launched servers; by value on CPU). The payload
+  is written by `RL2.rollout.weight_transfer` without importing sglang, in the format of the server
+  versions it lists; a launched server's version is checked at start.
 - disk: the lowest rank of each host writes a Hugging Face folder that the servers of that host
   read with `/update_weights_from_disk`.
 - none: the servers keep their weights (e.g. a frozen policy or an evaluation).
 
-Memory: launched GPU servers share the GPUs with training, so after each rollout they release their
-weights and KV cache (`/release_memory_occupation`) and take them back before the next weight sync
-or rollout. On CPU those endpoints crash the server (they call torch.cuda), so they are skipped.
+Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
+trainer's state is off the GPU and take `mem_fraction_static` of the free memory for weights and KV
+cache (`RL2.rollout.memory_plan`); `RL2.rollout.engine_state` then releases and resumes their memory
+(`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
+endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
+
+Log-probabilities: SGLang returns those of the temperature-scaled distribution unless its servers
+run with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`; the trainer and the embedded engine use the policy's
+own (temperature 1). Launched servers get the variable; servers of `rollout.server_url` are probed
+at start when the training temperature is not 0 or 1, with a warning if they scale.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -39,24 +48,27 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from RL2.config.cli import ConfigError
+from RL2.config.errors import ConfigError
 from RL2.rollout.client import EngineError, HTTPEngineClient
+from RL2.rollout.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
 from RL2.rollout.sglang_server import SGLangServer, check_server_args
 from RL2.rollout.weight_transfer import (
+    FLATTENED_BUCKET_VERSIONS,
     buckets,
-    patch_cuda_ipc_for_sglang,
-    serialize_cuda_bucket,
+    flatten_bucket,
+    serialize_flat_bucket,
     write_hf_folder,
 )
+from RL2.utils.logging import log_rank0
 
 # KV cache tokens of a CPU server unless server_args say otherwise: SGLang's default reserves ~9 GB.
 CPU_MAX_TOTAL_TOKENS = 16384
-# Fraction of GPU memory a colocated server takes for weights and KV cache (training needs the rest).
-GPU_MEM_FRACTION = 0.5
-# GPU memory a colocated server gives back during training (SGLang's tags of memory regions).
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # Seconds one control request (weight update, memory release) may take.
 CONTROL_TIMEOUT = 600.0
+# SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# The least KV cache (bytes per GPU) a launched server may be left with before the run stops at start.
+MIN_KV_CACHE_BYTES = GIB
 
 
 def resolve_engine(cfg, device: torch.device) -> str:
@@ -115,7 +127,7 @@ class SGLangEngine:
         weights_dir: where this rank writes disk updates, or None if it does not write.
         weights_dirs: for each URL in `controlled`, the folder its server reads disk updates from.
         server: the server this rank launched, if any.
-        colocated: the servers share GPUs with training: release their memory while it trains.
+        colocated: the servers share GPUs with training and release their memory while it trains.
         tp_group: the ranks of this rank's server (tensor weight sync), or None.
     """
 
@@ -127,7 +139,6 @@ class SGLangEngine:
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
         self.server, self.colocated, self.tp_group = server, colocated, tp_group
         self.client = HTTPEngineClient(urls)
-        self._released: set[str] = set()
         self._resumed: asyncio.Event | None = None  # while paused: set by continue_generation
         self._folder: Path | None = None  # the newest weights folder written by this rank
         atexit.register(self.shutdown)
@@ -137,6 +148,9 @@ class SGLangEngine:
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
         """Start one server per group of `tp_size` ranks and connect every rank to all of them.
+
+        On GPU, call it while the trainer's state is off the GPU: a server sizes its KV cache from the
+        memory free at its start (see `RL2.rollout.memory_plan`).
 
         Args:
             cfg: the `rollout` config.
@@ -151,33 +165,35 @@ class SGLangEngine:
         if tp < 1 or world % tp:
             raise ConfigError(f"rollout.server_args.tp_size={tp} must divide the number of ranks ({world}): "
                               f"each server runs on tp_size ranks' devices")
-        weight_sync = _launched_weight_sync(cfg.weight_sync, device)
+        _check_weight_sync(cfg.weight_sync)
         places = _all_gather((socket.gethostname(), _physical_gpu(device)))
         leader = rank - rank % tp
         if any(len({host for host, _ in places[start:start + tp]}) > 1 for start in range(0, world, tp)):
             raise ConfigError(f"rollout.server_args.tp_size={tp} spans hosts; a server's ranks must share one host")
         one_host = len({host for host, _ in places}) == 1
-        server, url, error = None, None, None
+        args = _server_defaults(device, dtype, seed + rank // tp, tp, one_host) | args
+        server, url, version, error = None, None, None, None
         if rank == leader:
-            defaults = _server_defaults(device, dtype, seed + rank // tp, tp, one_host)
-            env = dict(cfg.server_env or {})
+            env = {ORIGINAL_LOGPROB_ENV: "1"} | dict(cfg.server_env or {})
             if device.type == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in places[leader:leader + tp])
-            server = SGLangServer(server_python(cfg), model_path, defaults | args, env, cfg.server_log_dir)
+            server = SGLangServer(server_python(cfg), model_path, args, env, cfg.server_log_dir)
             try:
+                if device.type == "cuda":
+                    _check_kv_cache_room(model_path, dtype, device, tp, float(args["mem_fraction_static"]))
                 server.start().wait_ready(cfg.server_timeout)
                 url = server.url
-            except (EngineError, OSError) as e:
+                version = server_version(url)
+            except (EngineError, ConfigError, OSError) as e:
                 error = f"rank {rank}: {e}"
-        urls = _all_gather((url, error))
-        _raise_any([err for _, err in urls], cleanup=server)
-        urls = [u for u, _ in urls if u is not None]
+        gathered = _all_gather((url, version, error))
+        _raise_any([err for _, _, err in gathered], cleanup=server)
+        urls = [u for u, _, _ in gathered if u is not None]
+        weight_sync = _launched_weight_sync(cfg.weight_sync, device, {v for _, v, _ in gathered if v is not None})
         tp_group = _tp_groups(world, tp) if weight_sync == "tensor" else None
-        if weight_sync == "tensor":
-            patch_cuda_ipc_for_sglang()
         writes, dirs = _disk_roles(cfg, weight_sync, [host for host, _ in places], leader_ranks=range(0, world, tp))
         engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
-                     server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver", True)),
+                     server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
                      tp_group=tp_group)
         if dist.get_rank() == 0:
             print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
@@ -188,6 +204,7 @@ class SGLangEngine:
     def connect(cls, cfg, model_path: str) -> "SGLangEngine":
         """Use the servers of `rollout.server_url`; rank 0 checks they answer and controls them."""
         urls = server_urls(cfg.server_url)
+        _check_weight_sync(cfg.weight_sync)
         weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"
         if weight_sync == "tensor":
             raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
@@ -197,6 +214,7 @@ class SGLangEngine:
             for url in urls:
                 try:
                     control_request(url, "/health", timeout=30.0)
+                    _warn_if_logprobs_scaled(url, _train_temperature(cfg))
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
         _raise_any(_all_gather(error))
@@ -232,30 +250,22 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Push the actor's full tensors to every server. Collective, like the iteration of
-        `named_tensors` itself (each full tensor is all-gathered from the FSDP shards)."""
-        if self.weight_sync == "none":
-            return
-        # Weights first: the KV cache comes back only after the full tensors are freed (verl does the same).
-        self.resume_memory(("weights",))
+        """Push the actor's full tensors to every server (whose weight memory must be resident).
+        Collective, like the iteration of `named_tensors` itself (each full tensor is all-gathered
+        from the FSDP shards)."""
         if self.weight_sync == "tensor":
             self._push_tensors(named_tensors, weight_version)
-        else:
+        elif self.weight_sync == "disk":
             self._push_folder(named_tensors, weight_version)
-        self.resume_memory()
 
-    def release_memory(self) -> None:
-        """Free the servers' GPU memory while the trainer trains (colocated GPU servers only)."""
-        if self.colocated and not self._released:
-            self._control_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
-            self._released = set(MEMORY_TAGS)
+    def release_memory(self, tags: Iterable[str]) -> None:
+        """Free the servers' GPU memory of `tags` (SGLang's "weights", "kv_cache", "cuda_graph"); the
+        content of released weights is lost. Only for colocated servers, when no request runs."""
+        self._control_all("/release_memory_occupation", {"tags": list(tags)})
 
-    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+    def resume_memory(self, tags: Iterable[str]) -> None:
         """Take back the released memory of `tags` (SGLang fails on a tag that is not released)."""
-        tags = [tag for tag in tags if tag in self._released]
-        if tags:
-            self._control_all("/resume_memory_occupation", {"tags": tags})
-            self._released -= set(tags)
+        self._control_all("/resume_memory_occupation", {"tags": list(tags)})
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -283,16 +293,23 @@ class SGLangEngine:
             self._folder = folder
 
     def _push_tensors(self, named_tensors, version: str) -> None:
-        tp = dist.get_world_size(self.tp_group)
+        """Bucket by bucket through `/update_weights_from_tensor`, inside one weight-update session."""
+        self._control_all("/begin_weight_update", {})
         for bucket in buckets(named_tensors, self.bucket_bytes):
-            serialized = serialize_cuda_bucket(bucket)
-            # Server rank i maps the copy of tensor-parallel rank i, which lives on its own GPU.
-            per_rank = [None] * tp
-            dist.all_gather_object(per_rank, serialized, group=self.tp_group)
-            # The all-gather below also keeps every rank's bucket alive until its server has it.
+            flat, metadata = flatten_bucket(bucket)
+            del bucket  # the flat copy is what the server reads; the gathered full tensors can go
+            payload = serialize_flat_bucket(flat, metadata)
+            per_rank = [payload]
+            if self.tp_group is not None:  # server rank i maps the copy of tensor-parallel rank i (its own GPU)
+                per_rank = [None] * dist.get_world_size(self.tp_group)
+                dist.all_gather_object(per_rank, payload, group=self.tp_group)
             self._control_all("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
                 "flush_cache": False, "weight_version": version})
+            # Only now: every server has answered (`_control_all` ends with all ranks agreeing), and a
+            # CUDA payload held a handle to this memory, not its bytes.
+            del flat
+        self._control_all("/end_weight_update", {})
         self._control_all("/flush_cache", None)
 
     def _control_all(self, endpoint: str, payload) -> None:
@@ -333,17 +350,41 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
     return body if isinstance(body, dict) else {}
 
 
-def _launched_weight_sync(requested: str, device: torch.device) -> str:
+def server_version(url: str) -> str | None:
+    """The SGLang version a server reports (`/server_info`, `/get_server_info` before it), or None."""
+    for endpoint in ("/server_info", "/get_server_info"):
+        try:
+            version = control_request(url, endpoint, timeout=30.0).get("version")
+        except EngineError:
+            continue
+        if version:
+            return str(version)
+    return None
+
+
+def _check_weight_sync(requested: str) -> None:
     if requested not in ("auto", "tensor", "disk", "none"):
         raise ConfigError(f"config key 'rollout.weight_sync' is {requested!r}; choose one of auto, tensor, disk, none")
-    if requested == "tensor" and device.type != "cuda":
-        raise ConfigError("rollout.weight_sync=tensor passes CUDA IPC handles and needs CUDA; use disk on CPU")
-    if requested == "tensor" and importlib.util.find_spec("sglang") is None:
-        raise ConfigError("rollout.weight_sync=tensor needs sglang installed in the trainer's environment "
-                          "(pip install sglang); or use rollout.weight_sync=disk")
+
+
+def _launched_weight_sync(requested: str, device: torch.device, versions: set[str]) -> str:
+    """`rollout.weight_sync` for launched servers: tensor needs a server version whose payload format
+    `RL2.rollout.weight_transfer` writes; auto is tensor on GPU when the servers have one, else disk."""
+    unsupported = sorted(v for v in versions if v not in FLATTENED_BUCKET_VERSIONS) or ([] if versions else ["unknown"])
+    if requested == "tensor" and unsupported:
+        raise ConfigError(
+            f"rollout.weight_sync=tensor: the SGLang servers run version {', '.join(unsupported)}, but RL2 writes the "
+            f"tensor-bucket format of sglang {', '.join(FLATTENED_BUCKET_VERSIONS)}; install one of those in the "
+            f"servers' environment (rollout.server_python) or use rollout.weight_sync=disk")
     if requested != "auto":
         return requested
-    return "tensor" if device.type == "cuda" and importlib.util.find_spec("sglang") is not None else "disk"
+    if device.type == "cuda" and not unsupported:
+        return "tensor"
+    if device.type == "cuda":
+        log_rank0(f"rollout.weight_sync=auto: RL2 writes the tensor-bucket format of sglang "
+                  f"{', '.join(FLATTENED_BUCKET_VERSIONS)}, the servers run {', '.join(unsupported)}: "
+                  f"syncing weights through disk")
+    return "disk"
 
 
 def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: int, one_host: bool) -> dict:
@@ -354,10 +395,71 @@ def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: in
                 # An idle scheduler otherwise polls at full speed, taking a core from training.
                 "sleep_on_idle": True}
     if device.type == "cuda":
-        defaults |= {"enable_memory_saver": True, "mem_fraction_static": GPU_MEM_FRACTION}
+        defaults |= {"enable_memory_saver": True, "mem_fraction_static": COLOCATED_MEM_FRACTION}
     else:
         defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
     return defaults
+
+
+def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
+    """Fail at start, with the figures, when a server's share of this GPU cannot hold its weights and a KV cache.
+
+    SGLang gives weights plus KV cache `mem_fraction_static` of the memory free at its start.
+    """
+    from transformers import AutoConfig
+
+    try:
+        model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
+    except ValueError:  # a model class transformers does not know: SGLang alone sizes it
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    weights = model.n_params * dtype.itemsize // tp
+    kv_cache = int(fraction * free) - weights
+    if kv_cache < MIN_KV_CACHE_BYTES:
+        raise ConfigError(
+            f"the SGLang server on {device} would get {fraction:.2f} x {free / GIB:.1f} GiB free "
+            f"(of {total / GIB:.1f} GiB) for its weights ({weights / GIB:.1f} GiB per GPU at tp_size={tp}) and KV "
+            f"cache, leaving {kv_cache / GIB:.1f} GiB for the KV cache; raise rollout.server_args.tp_size or "
+            f"rollout.server_args.mem_fraction_static, or free the GPU (see the memory plan in the README)")
+
+
+def _train_temperature(cfg) -> float:
+    sampling = getattr(cfg, "train_sampling_params", None)
+    return float(getattr(sampling, "temperature", 1.0)) if sampling is not None else 1.0
+
+
+def returns_original_logprobs(url: str, temperature: float) -> bool | None:
+    """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True),
+    of the tempered one (False), or cannot be told apart on this probe (None).
+
+    One-token requests at temperature 1 and at `temperature` read the gap between the two most likely
+    tokens: tempered log-probabilities stretch it by 1 / temperature, untempered ones leave it.
+    """
+    gaps = []
+    for t in (1.0, temperature):
+        body = control_request(url, "/generate", {
+            "input_ids": list(range(1, 17)), "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 1, "temperature": t}}, timeout=60.0)
+        first, second = body["meta_info"]["output_top_logprobs"][0][:2]
+        gaps.append(first[0] - second[0])
+    if gaps[0] < 1e-4:
+        return None
+    ratio = gaps[1] / gaps[0]
+    return abs(ratio - 1) < abs(ratio - 1 / temperature)
+
+
+def _warn_if_logprobs_scaled(url: str, temperature: float) -> None:
+    if temperature in (0.0, 1.0):
+        return
+    original = returns_original_logprobs(url, temperature)
+    if original is False:
+        log_rank0(f"WARNING: {url} returns log-probabilities of the distribution at temperature {temperature}, the "
+                  f"trainer those of the policy itself (temperature 1): actor/engine_mismatch and actor.tis_coef are "
+                  f"biased. Restart the server with {ORIGINAL_LOGPROB_ENV}=1 in its environment.")
+    elif original is None:
+        log_rank0(f"WARNING: could not tell whether {url} returns tempered log-probabilities; unless it runs with "
+                  f"{ORIGINAL_LOGPROB_ENV}=1, actor/engine_mismatch and actor.tis_coef are biased at temperature "
+                  f"{temperature}")
 
 
 def _disk_roles(cfg, weight_sync: str, hosts: list[str], leader_ranks) -> tuple[Path | None, list[Path]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 from omegaconf import OmegaConf
 
-from RL2.config.cli import ConfigError
+from RL2.config.errors import ConfigError
 from RL2.rollout.client import EngineError
 
 # Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.

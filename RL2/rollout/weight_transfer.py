@@ -3,19 +3,37 @@
 - Disk: the buckets become the safetensors shards of a Hugging Face folder, written under a
   temporary name and renamed into place, which the servers read with `/update_weights_from_disk`.
   Works wherever the servers can read the trainer's files (CPU included).
-- Tensor (CUDA only): each bucket is flattened into one tensor with SGLang's `FlattenedTensorBucket`
-  and pickled with SGLang's `MultiprocessingSerializer`, which sends CUDA IPC handles, not the
-  bytes; `/update_weights_from_tensor` maps them in the server (`load_format="flattened_bucket"`).
-  This needs `sglang` importable in the trainer's environment.
+- Tensor: each bucket is flattened into one uint8 tensor and sent to `/update_weights_from_tensor`
+  with `load_format="flattened_bucket"`, in the payload format of SGLang's `FlattenedTensorBucket`
+  and `MultiprocessingSerializer`, written here so that the trainer needs no `sglang` (which pins
+  its own torch). A CUDA bucket travels as a CUDA IPC handle, not its bytes: the server maps the
+  trainer's memory, so the bucket must stay alive until the server has answered. A CPU bucket
+  travels by value (SGLang on CPU; tests).
 """
 
+import base64
+import io
 import json
+import pickle
 import shutil
 from collections.abc import Iterable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
+from torch.multiprocessing import reductions
+
+# SGLang versions whose `/update_weights_from_tensor` reads the payload of `serialize_flat_bucket`: its
+# `SafeUnpickler` admits a dict, `types.SimpleNamespace` metadata (read by attribute), torch dtypes
+# and sizes, and `torch.multiprocessing.reductions.rebuild_cuda_tensor` (which the server patches to
+# take a device UUID); and tensor updates run between `/begin_weight_update` and `/end_weight_update`.
+FLATTENED_BUCKET_VERSIONS = ("0.5.23",)
+# Byte alignment of each tensor in a flat bucket (a multiple of every dtype's size).
+FLAT_ALIGNMENT = 16
+# Position of the device index among the arguments `reduce_tensor` gives `rebuild_cuda_tensor`.
+_CUDA_DEVICE_ARG = 6
 
 # The parts of a Hugging Face folder besides the weights that describe the model.
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -73,23 +91,54 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
     return folder
 
 
-def serialize_cuda_bucket(bucket: list[tuple[str, torch.Tensor]]) -> str:
-    """One bucket of CUDA tensors as `/update_weights_from_tensor` expects one tensor-parallel rank's
-    entry of `serialized_named_tensors` with `load_format="flattened_bucket"`.
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+    """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's
+    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets (here each aligned to
+    `FLAT_ALIGNMENT` bytes, so that mixed dtypes view correctly).
 
-    The tensors must stay alive until the server has loaded them: the payload holds IPC handles.
+    Returns:
+        (flat, metadata): metadata entries have `name`, `shape`, `dtype`, `start_idx`, `end_idx`
+        (byte offsets into flat) and `numel` (their difference).
     """
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    parts, metadata, offset = [], [], 0
+    for name, tensor in bucket:
+        part = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        gap = -offset % FLAT_ALIGNMENT  # the server views each slice as its dtype: start at an aligned byte
+        if gap:
+            parts.append(part.new_zeros(gap))
+            offset += gap
+        metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                                        end_idx=offset + part.numel(), numel=part.numel()))
+        parts.append(part)
+        offset += part.numel()
+    return torch.cat(parts), metadata
 
-    flat = FlattenedTensorBucket(named_tensors=bucket)
-    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+def serialize_flat_bucket(flat: torch.Tensor, metadata: list[SimpleNamespace]) -> str:
+    """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for
+    `/update_weights_from_tensor` with `load_format="flattened_bucket"`.
+
+    A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a server sees other
+    CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
+    alive until the server has answered. A CPU `flat` is pickled by value.
+    """
+    buffer = io.BytesIO()
+    payload = {"flattened_tensor": flat, "metadata": metadata}
+    if flat.is_cuda:
+        pickler = ForkingPickler(buffer)
+        pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor_by_uuid
+    else:
+        pickler = pickle.Pickler(buffer)
+    pickler.dump(payload)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def patch_cuda_ipc_for_sglang() -> None:
-    """Make torch pickle CUDA tensors by device UUID, as SGLang's servers expect: a server sees other
-    CUDA_VISIBLE_DEVICES than the trainer, so plain device indices would point at the wrong GPU."""
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()
+def _reduce_cuda_tensor_by_uuid(tensor: torch.Tensor):
+    """torch's CUDA IPC reduction with the device index replaced by the GPU's UUID (what SGLang's
+    servers expect since they patch `rebuild_cuda_tensor` to look the UUID up)."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    device = args[_CUDA_DEVICE_ARG]
+    if rebuild is not reductions.rebuild_cuda_tensor or not isinstance(device, int):
+        raise RuntimeError("this torch's CUDA IPC reduction changed its layout; use rollout.weight_sync=disk")
+    args = (*args[:_CUDA_DEVICE_ARG], str(torch.cuda.get_device_properties(device).uuid), *args[_CUDA_DEVICE_ARG + 1:])
+    return rebuild, args

@@ -83,7 +83,7 @@ class PairwiseTrainer(Trainer):
                 else:  # a padding micro-batch: no pairs, but backward must still run on every rank
                     loss, metrics = sum(v.sum() for v in scores.values()) * 0.0, {}
             if train:
-                (loss * self.dims.grad_divide_factor).backward()
+                self.model.backward(loss * self.dims.grad_divide_factor)
             totals["loss"] += loss.item() * len(pairs)
             for key, value in metrics.items():
                 totals[key] += value.sum().item()

@@ -65,7 +65,10 @@ class PPOTrainer(Trainer):
             cfg.rollout.reward_model) else None
         self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), response_budget=budget) if (
             cfg.adv.estimator == "gae") else None
-        self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device)
+        on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
+            [self.reward_model] if self.reward_model else [])
+        self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
+                                     colocated=on_gpu)
 
     def optimizer_steps(self, model_cfg) -> int:
         per_rollout = model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)

@@ -52,7 +52,7 @@ class SFTTrainer(Trainer):
                 loss = (self.token_losses(mb) * mb.loss_weights).sum()
             if train:
                 # FSDP averages gradients over data ranks; the loss is already a global-batch average.
-                (loss * self.dims.grad_divide_factor).backward()
+                self.actor.backward(loss * self.dims.grad_divide_factor)
             loss_sum += loss.item()
             n_tokens += mb.input_ids.numel()
         return self.sum_over_data(loss_sum), int(self.sum_over_data(n_tokens))

@@ -159,7 +159,7 @@ class Actor:
         for mb in micro:
             mb = mb.to(self.device)
             loss, metrics = self._micro_batch_loss(mb)
-            (loss * self.dims.grad_divide_factor).backward()
+            self.worker.backward(loss * self.dims.grad_divide_factor)
             for key, value in metrics.items():
                 totals[key] += float(value)
             totals["weight"] += mb.loss_weights.sum().item()

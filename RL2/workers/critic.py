@@ -57,7 +57,7 @@ class Critic:
             losses = value_loss(values, mb.extra("values"), mb.extra("returns"), mb.loss_weights,
                                 clip=self.cfg.value_clip)
             loss = (losses * mb.loss_weights).sum()
-            (loss * self.dims.grad_divide_factor).backward()
+            self.worker.backward(loss * self.dims.grad_divide_factor)
             totals["loss"] += loss.item()
             totals["value_mean"] += (values.detach() * mb.loss_weights).sum().item()
             totals["weight"] += mb.loss_weights.sum().item()

@@ -3,6 +3,11 @@
 Parallelism is applied in one place and in a fixed order (as torchtitan does): tensor parallelism,
 then activation checkpointing, then `fully_shard` on every decoder layer, then on the root (which
 holds the embeddings and LM head, so tied weights stay one parameter).
+
+Rank 0 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time.
+float16 compute trains through a gradient scaler (`FSDPWorker.backward`). While a colocated rollout
+engine samples, `offload` moves parameters, gradients and optimizer state to the CPU and `onload`
+brings them back (`RL2.rollout.engine_state` calls both).
 """
 
 import math
@@ -18,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
@@ -98,38 +104,41 @@ class FSDPWorker(Stateful):
                  **config_overrides):
         self.cfg, self.dims, self.device = model_cfg, dims, device
         self.model_name = model_name or model_cfg.model_name
+        self.dtype = compute_dtype(self.cfg.dtype, self.device)
         self.model = self._build_model(model_cls, train, **config_overrides)
         self.optimizer = self._build_optimizer() if train else None
         self.scheduler = self._build_scheduler(total_steps) if train else None
+        # float16's narrow range underflows small gradients: scale the loss up, the gradients back down.
+        self.scaler = torch.amp.GradScaler(device.type) if train and self.dtype == torch.float16 else None
+        self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
+        self.offloaded = False
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
-        """Load, shard and (on ranks other than 0) fill from rank 0.
+        """Load on rank 0's CPU, build sharded on every rank, and fill the shards from rank 0.
 
-        Only rank 0 reads the checkpoint; the other ranks build the model on the meta device (no
-        memory), shard it, and receive their shards from rank 0. A 70B model thus needs one CPU copy
-        per node rather than one per rank. Tied embeddings stay one parameter: both the embedding and
-        the LM head live in the root FSDP group.
+        Only rank 0 reads the checkpoint, into CPU memory; every rank builds the model on the meta device
+        (no memory), shards it, allocates its shards on the device and receives them from rank 0 one
+        full tensor at a time. So no device ever holds more than one full tensor beyond its shards, and
+        a 70B model needs one CPU copy per node rather than one per rank. Tied embeddings stay one
+        parameter: both the embedding and the LM head live in the root FSDP group.
         """
         path = resolve_model_path(self.model_name)
-        # Master weights in float32; compute runs in cfg.dtype through FSDP's mixed precision.
-        kwargs = dict(dtype=torch.float32, attn_implementation=ATTN_NAME)
-        from_rank0 = dist.get_world_size() > 1
-        full_state = None
+        # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
+        # precision; frozen ones (reference, teacher, reward model) are stored in the compute dtype: the
+        # values mixed precision would compute with anyway, in half the memory of a float32 copy.
+        self.param_dtype = torch.float32 if train else self.dtype
+        kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         config = AutoConfig.from_pretrained(path)
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
             setattr(config, key, value)
         self._check_layout(config)
-        if dist.get_rank() == 0:
-            model = model_cls.from_pretrained(path, config=config, **kwargs).to(self.device)
-            full_state = model.state_dict() if from_rank0 else None
-        else:
-            with torch.device("meta"):
-                model = model_cls.from_config(config, **kwargs)
+        loaded = model_cls.from_pretrained(path, config=config, **kwargs) if dist.get_rank() == 0 else None
+        with torch.device("meta"):
+            model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
-        self.dtype = compute_dtype(self.cfg.dtype, self.device)
         model.parallel_layout = self._parallelize(model, train)
-        if from_rank0:
-            self._fill_from_rank0(model, full_state)
+        self._fill_from_rank0(model, loaded)
+        del loaded
         model.train(train)
         if not train:
             model.requires_grad_(False)
@@ -169,21 +178,32 @@ class FSDPWorker(Stateful):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return layout
 
-    def _fill_from_rank0(self, model: torch.nn.Module, full_state: dict | None) -> None:
-        if dist.get_rank() != 0:
-            model.to_empty(device=self.device)
+    def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
+        """Allocate the shards on the device and copy rank 0's CPU weights into them, one tensor at a time.
+
+        torch's `broadcast_from_rank0` moves each full tensor of rank 0's state dict to the device,
+        broadcasts it and keeps every rank's shard of it before the next one.
+        """
+        model.to_empty(device=self.device)
+        full_state = loaded.state_dict() if loaded is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, full_state or {}, options=options)
+        set_model_state_dict(model, full_state, options=options)
         # Buffers that are not in the state dict (rotary frequencies) come from rank 0 too.
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+        rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in rank0_buffers:
+                    buffer.copy_(rank0_buffers[name])
+                dist.broadcast(buffer, src=0)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.cfg.optimizer
-        # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops.
+        # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. With the
+        # float16 gradient scaler the plain loop steps instead: the scaler hands a fused step its
+        # found-inf flag as a plain tensor, which does not mix with the sharded (DTensor) parameters.
         return torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-            fused=True,
+            fused=self.dtype != torch.float16,
         )
 
     def _build_scheduler(self, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -193,34 +213,101 @@ class FSDPWorker(Stateful):
             self.optimizer, lambda step: lr_lambda(step, total_steps, sched.warmup_ratio, sched.name, min_ratio)
         )
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, through the gradient scaler when computing in float16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`."""
+        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`.
+
+        A step whose gradients are not finite is skipped (in float16 the gradient scaler then lowers
+        its scale).
+        """
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.cfg.offload_optimizer and self.device.type == "cuda":
             move_optimizer_state(self.optimizer, self.device)
-        if torch.isfinite(grad_norm):
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the step when unscale_ found an inf or nan
+            self.scaler.update()
+        elif torch.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.updates += 1
         if self.cfg.offload_optimizer and self.device.type == "cuda":
             move_optimizer_state(self.optimizer, torch.device("cpu"))
         return {"grad_norm": grad_norm.item(), "lr": lr}
+
+    # ---- colocation: the device's memory goes to the rollout engine while it samples ----
+
+    def offload(self, keep_params: bool = False) -> None:
+        """Move parameters, gradients and optimizer state to the CPU and return the freed GPU memory to
+        the driver, so that a colocated engine can take it. No-op on CPU.
+
+        Args:
+            keep_params: move only the optimizer state (the parameters are about to be read, e.g. by a
+                weight sync).
+        """
+        if self.device.type == "cpu" or self.offloaded:
+            return
+        self.move_state(torch.device("cpu"), params=not keep_params)
+        self.offloaded = not keep_params
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back what `offload` moved: parameters and gradients, and the optimizer state unless
+        `offload_optimizer` keeps it on the CPU between steps."""
+        if self.device.type == "cpu":
+            return
+        self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
+        self.offloaded = False
+
+    @torch.no_grad()
+    def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters with their gradients and/or the optimizer state to `device`.
+
+        FSDP2 supports `module.to`: its `_apply` re-points each sharded parameter's padded storage at the
+        moved tensor, and parameters keep their identity (the optimizer's references stay valid).
+        """
+        if params:
+            self.model.to(device)
+        if optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, device, non_blocking=False)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state, by the device type holding them."""
+        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        totals: dict[str, int] = {}
+        for tensor in tensors:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            totals[local.device.type] = totals.get(local.device.type, 0) + local.numel() * local.element_size()
+        return totals
 
     # Stateful: what torch.distributed.checkpoint saves and restores (each rank its shards).
     def state_dict(self) -> dict:
         if self.optimizer is None:  # a frozen model that still changes (PPO's reference after a reset)
             return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.updates += 1
         if self.optimizer is None:
             set_model_state_dict(self.model, state["model"])
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded float32 weights on CPU, on rank 0 only (empty elsewhere)."""
@@ -275,9 +362,9 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Offload optimizer moments between steps (upstream RL2's offload_optimizer)."""
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, non_blocking: bool = True) -> None:
+    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between steps)."""
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
+                state[key] = value.to(device, non_blocking=non_blocking)

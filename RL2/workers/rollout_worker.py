@@ -5,10 +5,14 @@ out `prompts[rank::world_size]`, and all-gathers the trajectories, so that every
 the whole rollout in prompt order (the packing of the update needs the global batch everywhere).
 With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
 `RL2/rollout/sglang_engine.py`): every rank still rolls out its share, over HTTP.
+
+Every rollout goes through `RL2.rollout.engine_state.EngineState.sampling`, which makes sure the engine
+samples the policy's current weights and, with SGLang servers on the trainer's GPUs, hands the GPU
+memory back and forth between them and the trainer's models.
 """
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,11 +23,12 @@ from RL2.models.embedded import resolve_model_path
 from RL2.rollout.client import EngineError
 from RL2.rollout.embedded_engine import EmbeddedEngine
 from RL2.rewards.reward_fn import load_reward_env
+from RL2.rollout.engine_state import EngineState
 from RL2.rollout.env import Env, load_env
 from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
 from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
 from RL2.rollout.trajectory import Trajectory
-from RL2.workers.fsdp import compute_dtype
+from RL2.workers.fsdp import FSDPWorker, compute_dtype
 from RL2.workers.shared_memory_gather import SharedMemoryGather
 
 
@@ -56,24 +61,48 @@ class RolloutWorker:
         model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
         tokenizer: the policy's tokenizer.
         device: where the engine runs.
+        policy: the trained actor whose weights the engine samples from.
+        colocated: every model of the trainer on this rank's GPU (the policy included): they move to the
+            CPU while SGLang servers launched on the same GPUs sample.
     """
 
-    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device):
-        self.cfg, self.tokenizer, self.device = rollout_cfg, tokenizer, device
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy: FSDPWorker,
+                 colocated: Sequence[FSDPWorker] = ()):
+        self.cfg, self.tokenizer, self.device, self.policy = rollout_cfg, tokenizer, device, policy
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
         model_path = resolve_model_path(model_cfg.model_name)
         self.sglang = resolve_engine(rollout_cfg, device) == "sglang"
         if self.sglang:
-            self.engine = SGLangEngine.connect(rollout_cfg, model_path) if rollout_cfg.server_url else (
-                SGLangEngine.launch(rollout_cfg, model_path, self.dtype, device, seed=0))
+            self.engine = self._start_sglang(rollout_cfg, model_path, list(colocated))
+            colocated = colocated if self.engine.colocated else []
         else:
             # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=self.dtype, attn_implementation="sdpa"
             ).to(device).eval()
             self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
+            colocated = []
+        self.state = EngineState(
+            self.engine, policy, self._push_weights, colocated,
+            releases_memory=self.sglang and self.engine.colocated,
+            follows_policy=not (self.sglang and self.engine.weight_sync == "none"),
+        )
+        self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = load_rollout_env(rollout_cfg)
+
+    def _start_sglang(self, cfg, model_path: str, colocated: list[FSDPWorker]):
+        if cfg.server_url:
+            return SGLangEngine.connect(cfg, model_path)
+        # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
+        # trainer's models wait on the CPU meanwhile (EngineState.to_trainer brings them back).
+        for worker in colocated:
+            worker.offload()
+        engine = SGLangEngine.launch(cfg, model_path, self.dtype, self.device, seed=0)
+        if not engine.colocated:
+            for worker in colocated:
+                worker.onload()
+        return engine
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
@@ -114,22 +143,19 @@ class RolloutWorker:
 
     def _on_this_rank(self, seed: int, make_coroutine):
         """Run one rollout coroutine on this rank's engine, seeded; engine errors are raised on every rank."""
-        if self.sglang:
-            self.engine.resume_memory()
-        # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
-        devices = [self.device] if self.device.type == "cuda" else []
-        result, error = None, None
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            try:
-                result = asyncio.run(make_coroutine())
-            except EngineError as e:  # reported on every rank below, rather than leaving the others waiting
-                error = f"rank {dist.get_rank()}: {e}"
-        errors = [e for e in self._gather(error) if e]
-        if errors:
-            raise EngineError("the rollout engine failed:\n" + "\n".join(errors))
-        if self.sglang:
-            self.engine.release_memory()  # GPU servers give their memory to training until the next sync
+        with self.state.sampling():
+            # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
+            devices = [self.device] if self.device.type == "cuda" else []
+            result, error = None, None
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                try:
+                    result = asyncio.run(make_coroutine())
+                except EngineError as e:  # reported on every rank below, rather than leaving the others waiting
+                    error = f"rank {dist.get_rank()}: {e}"
+            errors = [e for e in self._gather(error) if e]
+            if errors:
+                raise EngineError("the rollout engine failed:\n" + "\n".join(errors))
         return result
 
     def _gather(self, obj) -> list:
@@ -137,16 +163,29 @@ class RolloutWorker:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    @torch.no_grad()
     def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
-        """Copy the actor's current weights into the engine, parameter by parameter. Collective.
+        """The policy was updated: the engine gets its weights, now or at the start of the next rollout
+        (see `EngineState.synced`). Collective.
+
+        Args:
+            fsdp_model: the policy's model (the one given at construction).
+            version: the name of these weights (the engine reports it as `weight_version`).
+        """
+        if fsdp_model is not self.policy.model:
+            raise ValueError("RolloutWorker.sync_weights takes the policy it was built with")
+        self.state.synced(version)
+
+    @torch.no_grad()
+    def _push_weights(self, version: str) -> None:
+        """Copy the policy's current weights into the engine, parameter by parameter. Collective.
 
         Ranks on one CPU host exchange their shards through shared memory (set up at the first sync);
         otherwise each parameter is all-gathered on its own.
         """
+        model = self.policy.model
         if self._shared_gather is None:
-            self._shared_gather = SharedMemoryGather.build(fsdp_model, self.dtype) or False
-        tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(fsdp_model, self.dtype)
+            self._shared_gather = SharedMemoryGather.build(model, self.dtype) or False
+        tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(model, self.dtype)
         self.engine.update_weights(tensors, weight_version=version)
 
 

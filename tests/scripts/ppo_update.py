@@ -26,24 +26,15 @@ N_PROMPTS, RESPONSES = 6, 2
 def fixed_rollout(vocab: int) -> RolloutBatch:
     """Prompts and responses of varied lengths, the same on every rank; rewards 0/1 per response."""
     generator = torch.Generator().manual_seed(0)
-    input_ids, masks, rewards = [], [], []
+    examples, rewards = [], []
     for _ in range(N_PROMPTS):
         prompt = torch.randint(0, vocab, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
         for _ in range(RESPONSES):
             n = int(torch.randint(1, 7, (1,), generator=generator))
             response = torch.randint(0, vocab, (n,), generator=generator)
-            input_ids.append(prompt.tolist() + response.tolist())
-            masks.append(torch.tensor([0.0] * (len(prompt) - 1) + [1.0] * n))
+            examples.append({"input_ids": prompt.tolist() + response.tolist(), "loss_mask": [0] * len(prompt) + [1] * n})
             rewards.append(float(torch.rand(1, generator=generator) < 0.5))
-    loss_mask = torch.cat(masks)
-    n = len(input_ids)
-    return RolloutBatch(
-        input_ids=input_ids,
-        tokens={"loss_mask": loss_mask, "turn_ids": torch.where(loss_mask > 0, 0, -1)},
-        group_ids=torch.arange(N_PROMPTS).repeat_interleave(RESPONSES),
-        rewards=torch.tensor(rewards), turn_rewards=torch.tensor(rewards)[:, None], turn_mask=torch.ones(n, 1),
-        response_lengths=torch.tensor([float(m.sum()) for m in masks]),
-    )
+    return RolloutBatch.single_turn(examples, [g for g in range(N_PROMPTS) for _ in range(RESPONSES)], rewards)
 
 
 def main() -> None:

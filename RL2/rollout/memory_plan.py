@@ -1,0 +1,152 @@
+"""GPU memory of one rank when the trainer and colocated SGLang servers share the GPUs, and the servers' sizing.
+
+A PPO step on shared GPUs goes through three phases (`RL2.rollout.engine_state` drives them):
+- train: the trainer's models are on the GPU; the servers have released their weights, KV cache and
+  CUDA graphs (SGLang's `--enable-memory-saver`).
+- sync: the servers' weights come back and the policy's parameters are gathered into them, bucket by
+  bucket; the rest of the trainer's state (optimizer, frozen models, critic) waits on the CPU.
+- rollout: the trainer's state is all on the CPU; the servers hold their weights and KV cache.
+
+Per rank, for a model of P parameters whose trainer copies are sharded over N ranks and whose served
+copy is split over a server's S GPUs (bf16 serving, float32 master weights):
+    train    actor 16P/N (weights 4, gradients 4, Adam moments 8 bytes a parameter)
+             + reference 2P/N (stored in bf16) + critic 16P/N, each when the run has one
+    sync     actor weights 4P/N + served weights 2P/S + two buckets (gathered tensors and their flat copy)
+    rollout  served weights 2P/S + KV cache
+Activations of a micro-batch (bounded by `max_length_per_device`) come on top of the train phase.
+
+Servers are launched once the trainer's state is on the CPU, and SGLang gives weights plus KV cache
+`mem_fraction_static` of the memory free at its start; RL2 sets it to `COLOCATED_MEM_FRACTION`,
+leaving the rest to SGLang's activations, CUDA graphs and sampling buffers (SGLang's own default
+sets aside at least 10 GB on GPUs over 60 GB).
+
+`python -m RL2.rollout.memory_plan` prints the README's table.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+COLOCATED_MEM_FRACTION = 0.85
+# Memory a GPU loses to CUDA contexts and communication buffers of the trainer and the server (for the table).
+CONTEXT_BYTES = 2 * GIB
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs to know of a model.
+
+    Attributes:
+        name: for the table.
+        n_params: parameters (embeddings and LM head included, tied ones once).
+        largest: elements of the largest parameter (the embedding): a bucket holds at least it.
+        kv_bytes_per_token: bytes of one token's keys and values over all layers, in bf16.
+        kv_heads: key/value heads (tensor parallelism splits them).
+    """
+
+    name: str
+    n_params: int
+    largest: int
+    kv_bytes_per_token: int
+    kv_heads: int
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> "ModelShape":
+        """Count parameters by building the model on the meta device (no memory)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = list(model.parameters())  # tied weights appear once
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return cls(name or getattr(config, "model_type", "model"), sum(p.numel() for p in params),
+                   max(p.numel() for p in params), 2 * config.num_hidden_layers * kv_heads * head_dim * 2, kv_heads)
+
+
+@dataclass
+class PhaseMemory:
+    """Bytes on one GPU at each phase of a colocated step (see the module docstring)."""
+
+    train: int
+    sync: int
+    served_weights: int
+    kv_cache: int
+
+    @property
+    def rollout(self) -> int:
+        return self.served_weights + self.kv_cache
+
+
+def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp: int, reference: bool, critic: bool,
+                     bucket_bytes: int = 512 * 2**20, offload_optimizer: bool = False,
+                     mem_fraction: float = COLOCATED_MEM_FRACTION) -> PhaseMemory:
+    """The memory of one rank at each phase.
+
+    Args:
+        model: the policy (the critic and reference are the same size).
+        gpu_bytes: one GPU's memory.
+        n_ranks: ranks that shard the trainer's models (the fsdp degree times cp).
+        server_tp: GPUs of one server.
+        reference, critic: whether the run has them.
+        bucket_bytes: `rollout.weight_bucket_mb` in bytes.
+        offload_optimizer: Adam moments live on the CPU between steps.
+        mem_fraction: the servers' `mem_fraction_static`.
+    """
+    p = model.n_params
+    n_trained = 2 if critic else 1
+    # float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with offload_optimizer the
+    # moments of one model at a time come to the GPU for its optimizer step.
+    moments = 8 * p // n_ranks * (1 if offload_optimizer else n_trained)
+    train = n_trained * 8 * p // n_ranks + moments + (2 * p // n_ranks if reference else 0)
+    served = 2 * p // server_tp
+    bucket = max(bucket_bytes, 2 * model.largest)
+    sync = 4 * p // n_ranks + served + 2 * bucket
+    free_at_launch = gpu_bytes - CONTEXT_BYTES
+    return PhaseMemory(train=train, sync=sync, served_weights=served,
+                       kv_cache=int(mem_fraction * free_at_launch) - served)
+
+
+def kv_cache_tokens(model: ModelShape, kv_cache_bytes: int, server_tp: int) -> int:
+    """Tokens one server's KV cache holds: each GPU keeps its share of the key/value heads."""
+    per_gpu = model.kv_bytes_per_token // min(server_tp, model.kv_heads)
+    return max(kv_cache_bytes, 0) // per_gpu
+
+
+def qwen25(size: str) -> ModelShape:
+    """Qwen2.5-7B and -32B, from their published configs (no download)."""
+    from transformers import Qwen2Config
+
+    shapes = {"7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4),
+              "32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                          num_key_value_heads=8)}
+    config = Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **shapes[size])
+    return ModelShape.from_config(config, f"Qwen2.5-{size}")
+
+
+# The README's rows: (model size, GPUs, server tp, reference, critic).
+README_ROWS = [("7B", 8, 1, False, False), ("7B", 8, 1, True, False), ("7B", 8, 1, True, True),
+               ("32B", 8, 2, False, False), ("32B", 8, 2, True, False), ("32B", 8, 2, True, True),
+               ("32B", 16, 2, True, True)]
+
+
+def readme_table(gpu_gb: int = 80) -> str:
+    """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU."""
+    lines = ["| model | GPUs | server tp | trainer models | train | sync | rollout: weights + KV cache | "
+             "KV cache tokens / server |", "|---|---|---|---|---|---|---|---|"]
+    shapes = {size: qwen25(size) for size in ("7B", "32B")}
+    for size, n_gpus, tp, reference, critic in README_ROWS:
+        model = shapes[size]
+        plan = colocated_memory(model, gpu_gb * GIB, n_gpus, tp, reference, critic)
+        models = "actor" + (" + ref" if reference else "") + (" + critic" if critic else "")
+        train = f"{plan.train / GIB:.1f} GiB" + (" (does not fit)" if plan.train > gpu_gb * GIB - CONTEXT_BYTES else "")
+        lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | {train} | "
+                     f"{plan.sync / GIB:.1f} GiB | {plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | "
+                     f"{kv_cache_tokens(model, plan.kv_cache, tp) / 1e3:.0f}k |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(readme_table())

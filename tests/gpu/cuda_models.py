@@ -1,0 +1,38 @@
+"""Random-weight models built from a config, the embedded model's tokenizer, and a worker config, for the CUDA tests.
+
+Nothing here downloads anything: the tokenizer comes from `RL2_TEST_TOKENIZER` (a folder saved with
+`save_pretrained`, small enough to carry to a GPU machine) or else from the embedded SmolLM2
+package, as in the CPU tests. RL2's config package needs omegaconf, which a bare GPU machine may
+lack, so `model_config` builds the few fields the workers read.
+"""
+
+import os
+from types import SimpleNamespace
+
+from transformers import LlamaConfig
+
+
+def tokenizer_path() -> str:
+    if os.environ.get("RL2_TEST_TOKENIZER"):
+        return os.environ["RL2_TEST_TOKENIZER"]
+    from RL2.models.embedded import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+def llama_config(tokenizer, hidden: int = 256, layers: int = 4) -> LlamaConfig:
+    """A small Llama with grouped-query attention and tied embeddings, on the tokenizer's vocabulary."""
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                       max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def model_config(path: str, dtype: str, **overrides) -> SimpleNamespace:
+    """The `actor` fields FSDPWorker reads, with the schema's defaults (RL2/config/schema.py)."""
+    fields = dict(model_name=path, tokenizer_name=None, dtype=dtype, max_length_per_device=4096,
+                  enable_gradient_checkpointing=False, max_grad_norm=1.0, offload_optimizer=False, avg_level="token",
+                  tp_size=1, cp_size=1, ddp_size=1,
+                  optimizer=SimpleNamespace(lr=1e-3, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8),
+                  scheduler=SimpleNamespace(name="constant", warmup_ratio=0.0, min_lr=0.0))
+    return SimpleNamespace(**(fields | overrides))
