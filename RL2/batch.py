@@ -63,6 +63,10 @@ class SequenceBatch:
 
     # ---- layout ----
 
+    def __len__(self) -> int:
+        """The number of sequences."""
+        return len(self.input_ids)
+
     @cached_property
     def label_counts(self) -> list[int]:
         return [len(ids) - 1 for ids in self.input_ids]

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack_examples
+from RL2.batch import SequenceBatch
+from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims
 from RL2.rollout.sglang_server import free_port
@@ -37,7 +38,8 @@ def examples() -> list[dict]:
 
 
 def backward_nll(w: FSDPWorker, scale: float = 1.0) -> None:
-    for mb in pack_examples(examples(), 0, 1, 4096):
+    batch = SequenceBatch.from_examples(examples())
+    for mb in pack(batch, 0, 1, 4096, train_weights(batch, "token")):
         w.backward(-(packed_logps(w.model, mb) * mb.loss_weights).sum() * scale)
 
 

@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from cuda_models import model_config
-from RL2.datasets.packing import pack_examples
+from RL2.batch import SequenceBatch
+from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
@@ -58,11 +59,12 @@ def local(tensor):
 def rl2_step(w: FSDPWorker, batch: list[dict]) -> tuple[list[torch.Tensor], float]:
     """Per-sequence log-probs of a packed pass, backward of the token-mean NLL, one optimizer step."""
     logps = {}
-    for mb in pack_examples(batch, 0, 1, 4096):
+    sequences = SequenceBatch.from_examples(batch)
+    for mb in pack(sequences, 0, 1, 4096, train_weights(sequences, "token")):
         mb = mb.to(DEVICE)
         values = packed_logps(w.model, mb)
         w.backward(-(values * mb.loss_weights).sum())
-        for index, chunk in zip(mb.example_ids, mb.unpack(values.detach())):
+        for index, chunk in zip(mb.sequence_ids, mb.unpack(values.detach())):
             logps[index] = chunk.float()
     grad_norm = w.optimizer_step()["grad_norm"]
     return [logps[i] for i in range(len(batch))], grad_norm
