@@ -56,9 +56,10 @@ class RolloutWorker:
         model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
         tokenizer: the policy's tokenizer.
         device: where the engine runs.
+        env: the environment; default: `load_rollout_env(rollout_cfg)` (the Python API passes one).
     """
 
-    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device):
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, env: Env | None = None):
         self.cfg, self.tokenizer, self.device = rollout_cfg, tokenizer, device
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
@@ -73,7 +74,7 @@ class RolloutWorker:
                 model_path, dtype=self.dtype, attn_implementation="sdpa"
             ).to(device).eval()
             self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
-        self.env = load_rollout_env(rollout_cfg)
+        self.env = env if env is not None else load_rollout_env(rollout_cfg)
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
