@@ -14,13 +14,12 @@ import torch.distributed as dist
 from RL2.config.cli import ConfigError, parse_config
 from RL2.config.eval_schema import EvalConfig
 from RL2.datasets.loading import DataError
+from RL2.evaluation.evaluator import Evaluator
 from RL2.rollout.env import EnvError
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: config, data and environment errors end with a message, not a traceback."""
-    from RL2.evaluation.evaluator import Evaluator
-
     try:
         Evaluator(parse_config(EvalConfig, "eval", argv)).run()
     except (ConfigError, DataError, EnvError) as e:

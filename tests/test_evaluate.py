@@ -5,6 +5,7 @@ zero, a worse model shows negative differences of the right size, and 2 ranks sa
 
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,8 @@ from tiny import sharpened_copy
 
 ENV = Path(__file__).parent / "envs" / "emit_token.py"
 API_SCRIPT = Path(__file__).parent / "scripts" / "evaluate_api.py"
+SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
+SGLANG_STUB = Path(__file__).parent / "sglang_stub"  # see tests/test_sglang.py
 SAMPLES, NEW_TOKENS, KS = 4, 4, [1, 2, 4]
 PREFIX = {"a": "\n", "b": "\n\n"}  # emit_token.py rewards a response starting with its row's prefix
 
@@ -212,6 +215,25 @@ def test_a_worse_model_shows_negative_differences(tiny_model_path, test_data, tm
         for key in ("accuracy", "score", "pass@1", "pass@4"):
             expected = model["by_source"][source][key] - compare["by_source"][source][key]
             assert report["difference"]["by_source"][source][key] == pytest.approx(expected) and expected < 0
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.skipif(not SGLANG_PYTHON, reason=os.environ.get("RL2_SGLANG_SKIP_REASON") or (
+    "RL2_SGLANG_PYTHON is not set: point it at the python of a virtual environment with sglang installed"))
+def test_sglang_samples_what_the_embedded_engine_samples(sharp_model, test_data, tmp_path):
+    """Greedy in float32: a launched SGLang server writes the embedded engine's responses."""
+    greedy = ["rollout.sampling_params.temperature=0", "rollout.sampling_params.max_new_tokens=8"]
+    run_ranks(1, ["-m", "RL2.evaluate", *eval_args(sharp_model, test_data, tmp_path / "embedded", *greedy)])
+    run_ranks(1, ["-m", "RL2.evaluate", *eval_args(sharp_model, test_data, tmp_path / "sglang", *greedy),
+                  "rollout.engine=sglang", f"rollout.server_python={SGLANG_PYTHON}",
+                  f"rollout.server_env.PYTHONPATH={SGLANG_STUB}", "rollout.server_args.max_total_tokens=4096",
+                  f"rollout.server_log_dir={tmp_path / 'logs'}"], timeout=900)
+    assert "--device cpu" in next((tmp_path / "logs").glob("sglang-*.log")).read_text()
+    embedded, sglang = read_samples(tmp_path / "embedded"), read_samples(tmp_path / "sglang")
+    assert [s["response"] for s in sglang] == [s["response"] for s in embedded]
+    assert any(s["response"] for s in embedded)
+    assert (tmp_path / "sglang" / "metrics.json").read_text() == (tmp_path / "embedded" / "metrics.json").read_text()
 
 
 # ---- config ---------------------------------------------------------------------------------------

@@ -57,24 +57,21 @@ def format_table(columns: dict[str, dict], difference: dict | None = None) -> st
         columns: column title -> metrics in the layout of `evaluation_metrics`.
         difference: `metrics_difference` of the two columns, if two.
     """
-    titles = list(columns) + ([f"{' - '.join(columns)}"] if difference is not None else [])
-    first = next(iter(columns.values()))
-    sections = [(source, [m["by_source"].get(source, {}) for m in columns.values()],
-                 difference["by_source"].get(source, {}) if difference else None) for source in first["by_source"]]
-    sections.append(("overall", [m["overall"] for m in columns.values()], difference["overall"] if difference else None))
+    titles = [*columns, *([" - ".join(columns)] if difference else [])]
+    tables = [*columns.values(), *([difference] if difference else [])]
     rows = []
-    for source, metrics, diff in sections:
-        names = list(dict.fromkeys(name for m in metrics for name in m))
-        for i, name in enumerate(names):
-            cells = [_number(name, m.get(name)) for m in metrics]
-            if diff is not None:
-                cells.append(_number(name, diff.get(name), signed=True))
+    for source in [*next(iter(columns.values()))["by_source"], "overall"]:
+        per_column = [t["overall"] if source == "overall" else t["by_source"].get(source, {}) for t in tables]
+        for i, name in enumerate(dict.fromkeys(name for metrics in per_column for name in metrics)):
+            cells = [_number(name, m.get(name), signed=c == len(columns)) for c, m in enumerate(per_column)]
             rows.append([source if i == 0 else "", name, *cells])
     header = ["data_source", "metric", *titles]
-    widths = [max(len(str(row[c])) for row in [header, *rows]) for c in range(len(header))]
-    lines = ["  ".join(f"{cell:<{w}}" if c < 2 else f"{cell:>{w}}" for c, (cell, w) in enumerate(zip(row, widths)))
-             for row in [header, *rows]]
-    return "\n".join(lines)
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+
+    def line(row: list[str]) -> str:  # names to the left, numbers to the right
+        return "  ".join(cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+
+    return "\n".join(line(row).rstrip() for row in [header, *rows])
 
 
 def _number(name: str, value, signed: bool = False) -> str:
