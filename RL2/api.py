@@ -7,11 +7,12 @@ command line's own parser, so validation, errors, RL2's original key names and `
 interpolations are the command line's. A Python reward function `(response, extra_info) -> float |
 dict`, sync or async, may be passed instead of `rollout.reward_fn`.
 
-At world size 1 a plain Python process gets a process group of its own for the call. Under torchrun
-every rank calls the function with the same arguments. A process group made by a call is destroyed
-when the call returns (as after `python -m RL2.trainer.X`), so calls can follow one another.
+At world size 1 a plain Python process gets a process group of its own for each call, destroyed when
+the call returns. Under torchrun every rank calls the function with the same arguments; the process
+group of the first call serves the next ones.
 """
 
+import atexit
 import dataclasses
 import importlib
 import json
@@ -213,9 +214,14 @@ def _reward_env(reward: RewardFn | None, cfg: DictConfig):
 
 @contextmanager
 def _process_group():
-    """Inside torchrun's process group, or in a 1-rank group made for the call. A group made here
-    is destroyed afterwards and the variables that described it are removed, so that a next call
-    makes a fresh one (on a new port)."""
+    """Run the call in a process group.
+
+    A plain Python process (no RANK in the environment) gets a one-rank group for the call, destroyed
+    when it returns together with the variables that described it, so that a next call makes a fresh
+    one on a new port. Under torchrun the group the first call makes stays for the next calls and is
+    destroyed at exit: torchrun's store keeps the keys of a destroyed group, which a new group (whose
+    keys restart from the same names) would read, joining peers that are gone.
+    """
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {name: os.environ.get(name) for name in names}
     made_here = not dist.is_initialized()
@@ -223,12 +229,18 @@ def _process_group():
         yield
     finally:
         if made_here and dist.is_initialized():
-            dist.destroy_process_group()
+            if before["RANK"] is None:
+                dist.destroy_process_group()
+            else:
+                atexit.register(_destroy_process_group)
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _from_rank0(read: Callable[[], Any]) -> Any:

@@ -15,13 +15,14 @@ import pytest
 from omegaconf import OmegaConf
 
 import RL2
-from launch import REPO, read_metrics
+from launch import REPO, read_metrics, run_ranks
 from RL2.api import build_config, override_args
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import SFTConfig
 from RL2.rollout.env import EnvError
 
+SCRIPTS = Path(__file__).parent / "scripts"
 README_MODEL_LINE = 'MODEL = "smollm2-135m-instruct"  # the embedded default; any Hugging Face folder works'
 
 
@@ -140,6 +141,33 @@ def test_train_in_this_process_with_an_async_reward(tiny_model_path, tmp_path):
     assert run.model_path == tmp_path / "run" / "final" / "actor" and (run.model_path / "model.safetensors").exists()
     assert run.models == {"actor": run.model_path} and run.config.trainer.total_steps == 2
     assert os.environ.get("RANK") == rank_before  # the call's one-rank group is gone with its variables
+
+
+def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path):
+    """Every rank calls RL2.train, then RL2.evaluate on the model it exported; both ranks get the
+    same results, and the reward each rank's function returned is what the run logged."""
+    rows = [{"prompt": f"question {k}"} for k in range(8)]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = {"data.train": {"path": str(tmp_path / "rl.jsonl"), "batch_size": 4},
+             "actor": {"model_name": tiny_model_path, "dtype": "float32", "max_length_per_device": 512},
+             "rollout": {"responses_per_prompt": 2, "train_sampling_params.max_new_tokens": 4},
+             "trainer": {"total_steps": 2, "save_dir": str(tmp_path / "run")}}
+    evaluate = {"data.path": str(tmp_path / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
+                "eval.save_dir": str(tmp_path / "eval")}
+    run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
+    got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for key in ("metrics", "history", "model_path", "eval"):
+        assert got[0][key] == got[1][key], key
+    assert got[0]["history"] == read_metrics(tmp_path / "run")
+    assert got[0]["model_path"] == str(tmp_path / "run" / "final" / "actor")
+    report = json.loads((tmp_path / "eval" / "metrics.json").read_text())["model"]
+    assert got[0]["eval"] == {"overall": report["overall"], "by_source": report["by_source"]}
+    # Each rank scored its share: 2 steps of 4 prompts x 2 responses, then 8 test prompts x 1 sample.
+    assert [len(g["returned"]) for g in got] == [8 + 4, 8 + 4]
+    last_step = [value for g in got for value in g["returned"][4:8]]
+    assert got[0]["metrics"]["rollout/reward"] == pytest.approx(sum(last_step) / 8)
+    evaluation = [value for g in got for value in g["returned"][8:]]
+    assert got[0]["eval"]["overall"]["accuracy"] == pytest.approx(sum(evaluation) / 8)
 
 
 def readme_example() -> str:
