@@ -110,7 +110,7 @@ def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> 
 
     Args:
         overrides: config keys and values (see the module docstring), e.g. `model.model_name`,
-            `data.path`, `rollout.responses_per_prompt`, `compare.model_name`.
+            `data.test.path`, `rollout.responses_per_prompt`, `compare.model_name`.
         reward: a `(response, extra_info) -> float | dict` function (sync or async) that scores each
             response, used as `rollout.reward_fn` would be (which must then be unset).
 

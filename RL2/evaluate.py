@@ -1,4 +1,4 @@
-"""Evaluate a model on test prompts: `python -m RL2.evaluate model.model_name=... data.path=... rollout.reward_fn=...`
+"""Evaluate a model on test prompts: `python -m RL2.evaluate model.model_name=... data.test.path=... rollout.reward_fn=...`
 
 Under torchrun every rank samples its share of the prompts. Reports accuracy, mean score, pass@k and
 response length per data source, optionally against a second model (`compare.model_name`); writes

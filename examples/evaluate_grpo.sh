@@ -10,7 +10,7 @@ python examples/data/make_arithmetic.py --out data/arith
 python -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-2}" -m RL2.evaluate \
     model.model_name="${MODEL:-ckpts/grpo_smollm2/final/actor}" \
     compare.model_name=smollm2-135m-instruct \
-    data.path=data/arith/rl_test.jsonl \
+    data.test.path=data/arith/rl_test.jsonl \
     rollout.env_path=envs/arithmetic.py \
     rollout.responses_per_prompt=4 \
     rollout.sampling_params.temperature=1.0 \

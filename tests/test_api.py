@@ -99,7 +99,7 @@ def test_reward_function_errors_come_before_anything_runs():
     with pytest.raises(ConfigError, match="only the ppo trainer"):
         RL2.train("sft", {"data.train.path": "x.jsonl"}, reward=lambda response, extra_info: 1.0)
     with pytest.raises(ConfigError, match="both give the reward"):
-        RL2.evaluate({"data.path": "x.jsonl", "rollout.reward_fn": "RL2.rewards:math_reward"},
+        RL2.evaluate({"data.test.path": "x.jsonl", "rollout.reward_fn": "RL2.rewards:math_reward"},
                      reward=lambda response, extra_info: 1.0)
     with pytest.raises(ConfigError, match="must be a function"):
         RL2.train("ppo", {"data.train.path": "x.jsonl"}, reward="my_reward.py:reward")
@@ -110,7 +110,7 @@ def test_reward_function_errors_come_before_anything_runs():
 def test_importing_the_command_module_keeps_RL2_evaluate_a_function():
     import RL2.evaluate  # noqa: F401  (makes the attribute RL2.evaluate the module)
 
-    with pytest.raises(ConfigError, match="data.path is not set"):
+    with pytest.raises(ConfigError, match="data.test.path is not set"):
         RL2.evaluate({})
 
 
@@ -152,7 +152,7 @@ def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path):
              "actor": {"model_name": tiny_model_path, "dtype": "float32", "max_length_per_device": 512},
              "rollout": {"responses_per_prompt": 2, "train_sampling_params.max_new_tokens": 4},
              "trainer": {"total_steps": 2, "save_dir": str(tmp_path / "run")}}
-    evaluate = {"data.path": str(tmp_path / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
+    evaluate = {"data.test.path": str(tmp_path / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
                 "eval.save_dir": str(tmp_path / "eval")}
     run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -66,7 +66,7 @@ def test_data(tmp_path_factory) -> Path:
 
 
 def eval_args(model: str, data: Path, save_dir: Path, *extra: str) -> list[str]:
-    return [f"model.model_name={model}", "model.dtype=float32", f"data.path={data}", f"rollout.env_path={ENV}",
+    return [f"model.model_name={model}", "model.dtype=float32", f"data.test.path={data}", f"rollout.env_path={ENV}",
             f"rollout.responses_per_prompt={SAMPLES}", "rollout.sampling_params.temperature=1.0",
             f"rollout.sampling_params.max_new_tokens={NEW_TOKENS}", f"eval.k=[{','.join(map(str, KS))}]",
             f"eval.save_dir={save_dir}", *extra]
@@ -188,7 +188,7 @@ def test_two_ranks_through_the_python_api_equal_one_rank(same_model_run, sharp_m
     """torchrun, every rank calling RL2.evaluate with an async Python reward (the env script's rule)."""
     one_rank, _ = same_model_run
     overrides = {"model": {"model_name": sharp_model, "dtype": "float32"}, "compare.model_name": sharp_model,
-                 "data.path": test_data, "rollout": {"responses_per_prompt": SAMPLES, "sampling_params": {
+                 "data.test.path": test_data, "rollout": {"responses_per_prompt": SAMPLES, "sampling_params": {
                      "temperature": 1.0, "max_new_tokens": NEW_TOKENS}},
                  "eval": {"k": KS, "save_dir": str(tmp_path / "two")}}
     run_ranks(2, [str(API_SCRIPT), json.dumps(overrides, default=str), str(tmp_path)])
@@ -244,18 +244,18 @@ def test_help_lists_the_keys(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out.split("RL2's original key names")[0]  # the keys, not the alias table
-    for key in ("model.model_name", "compare.model_name", "data.path", "rollout.reward_fn", "rollout.engine",
+    for key in ("model.model_name", "compare.model_name", "data.test.path", "rollout.reward_fn", "rollout.engine",
                 "rollout.sampling_params.temperature", "eval.k", "eval.threshold"):
         assert key in out
     assert "rollout.train_sampling_params" not in out and "rollout.dynamic_filtering" not in out
 
 
 @pytest.mark.parametrize("args, words", [
-    (["data.path=x.jsonl", "rollout.test_sampling_params.temperature=1"],
+    (["data.test.path=x.jsonl", "rollout.test_sampling_params.temperature=1"],
      "unknown config key 'rollout.test_sampling_params'.*did you mean rollout.sampling_params"),
-    (["rollout.responses_per_prompt=2"], "data.path is not set"),
-    (["data.path=x.jsonl", "rollout.responses_per_prompt=2", "eval.k=[1,4]"], r"eval.k has \[4\]"),
-    (["data.path=does/not/exist.jsonl", "rollout.reward_fn=RL2.rewards:math_reward"], "does/not/exist.jsonl"),
+    (["rollout.responses_per_prompt=2"], "data.test.path is not set"),
+    (["data.test.path=x.jsonl", "rollout.responses_per_prompt=2", "eval.k=[1,4]"], r"eval.k has \[4\]"),
+    (["data.test.path=does/not/exist.jsonl", "rollout.reward_fn=RL2.rewards:math_reward"], "does/not/exist.jsonl"),
 ])
 def test_bad_config_fails_at_start_naming_the_key(args, words):
     with pytest.raises(SystemExit) as exit_info:

@@ -47,12 +47,17 @@ class CompareConfig:
 
 
 @dataclass
-class EvalDataConfig:
+class EvalSplitConfig:
     path: str | None = opt(None, "test prompts (RL rows: prompt or messages, extra_info): JSON/JSONL/CSV/Parquet/Arrow file, save_to_disk folder or hub name in the local cache; 'split@path' picks a split")
     max_length: int = opt(1024, "prompts longer than this many tokens are bad rows")
     prompt_key: str = opt("prompt", "column holding the prompt (text, or a list of chat messages)")
     messages_key: str = opt("messages", "column holding the conversation so far")
     apply_chat_template: bool = opt(True, "format text prompts with the tokenizer's chat template")
+
+
+@dataclass
+class EvalDataConfig:
+    test: EvalSplitConfig = opt(EvalSplitConfig, "the test split, under the RL trainer's key names")
     max_prompts: int | None = opt(None, "evaluate only the first this many rows (None: all)")
     skip_bad_rows: bool = opt(False, "skip (and count) malformed rows instead of stopping with an error")
 
@@ -77,8 +82,8 @@ class EvalConfig:
 
 def check_eval_config(cfg) -> None:
     """Fail at start on a value the evaluator cannot use, naming the key."""
-    if not cfg.data.path:
-        raise ConfigError("data.path is not set; give the test prompts, e.g. data.path=test.jsonl")
+    if not cfg.data.test.path:
+        raise ConfigError("data.test.path is not set; give the test prompts, e.g. data.test.path=test.jsonl")
     n = cfg.rollout.responses_per_prompt
     if n < 1:
         raise ConfigError(f"rollout.responses_per_prompt is {n}; it must be at least 1")

@@ -70,7 +70,7 @@ class Evaluator:
         self.cfg = cfg
         # Bad input fails before any process group or engine is started.
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
-        self.rows = load_table(cfg.data.path)
+        self.rows = load_table(cfg.data.test.path)
         if cfg.data.max_prompts is not None:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
         self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
@@ -90,7 +90,7 @@ class Evaluator:
             if first_prompts is not None and [p["extra_info"] for p in prompts] != first_prompts:
                 raise ConfigError("model.model_name and compare.model_name keep different test rows (their tokenizers "
                                   "tokenize the prompts differently and data.skip_bad_rows drops different rows); "
-                                  "compare models with one tokenizer, or raise data.max_length")
+                                  "compare models with one tokenizer, or raise data.test.max_length")
             first_prompts = [p["extra_info"] for p in prompts]
             sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
             metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold)
@@ -120,7 +120,7 @@ class Evaluator:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
         make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None)
-        prompts, skipped = tokenize_rows(self.rows, make_row(data), data.path, data.skip_bad_rows)
+        prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
         for index, row in enumerate(prompts):
@@ -132,7 +132,7 @@ class Evaluator:
         write_jsonl(result.samples_path, records)
         write_json(result.metrics_path, {
             "settings": {"samples_per_prompt": cfg.rollout.responses_per_prompt, "k": self.ks,
-                         "threshold": cfg.eval.threshold, "seed": cfg.eval.seed, "data": cfg.data.path,
+                         "threshold": cfg.eval.threshold, "seed": cfg.eval.seed, "data": cfg.data.test.path,
                          "sampling_params": OmegaConf.to_container(cfg.rollout.sampling_params)},
             "model": {"name": cfg.model.model_name, **result.metrics},
             "compare": {"name": cfg.compare.model_name, **result.compare} if result.compare else None,
