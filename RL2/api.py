@@ -29,20 +29,25 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.cli import ConfigError, parse_config
-from RL2.evaluation.evaluator import EvalResult
+from RL2.config.eval_schema import EvalConfig
+from RL2.config.ppo_schema import PPOConfig
+from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
+from RL2.evaluation.evaluator import EvalResult, Evaluator
+from RL2.rewards.reward_fn import check_reward_signature, reward_env
 
-# Trainer name -> (module, trainer class, config schema module, schema class).
+# Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
 TRAINERS = {
-    "sft": ("RL2.trainer.sft", "SFTTrainer", "RL2.config.schema", "SFTConfig"),
-    "dpo": ("RL2.trainer.dpo", "DPOTrainer", "RL2.config.schema", "DPOConfig"),
-    "orpo": ("RL2.trainer.orpo", "ORPOTrainer", "RL2.config.schema", "ORPOConfig"),
-    "rm": ("RL2.trainer.rm", "RMTrainer", "RL2.config.schema", "RMConfig"),
-    "distill": ("RL2.trainer.distill", "DistillTrainer", "RL2.config.schema", "DistillConfig"),
-    "ppo": ("RL2.trainer.ppo", "PPOTrainer", "RL2.config.ppo_schema", "PPOConfig"),
+    "sft": ("RL2.trainer.sft", "SFTTrainer"),
+    "dpo": ("RL2.trainer.dpo", "DPOTrainer"),
+    "orpo": ("RL2.trainer.orpo", "ORPOTrainer"),
+    "rm": ("RL2.trainer.rm", "RMTrainer"),
+    "distill": ("RL2.trainer.distill", "DistillTrainer"),
+    "ppo": ("RL2.trainer.ppo", "PPOTrainer"),
 }
-EVALUATE = ("RL2.evaluation.evaluator", "Evaluator", "RL2.config.eval_schema", "EvalConfig")
+SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
+           "ppo": PPOConfig, "eval": EvalConfig}
 
-Overrides = Mapping[str, Any] | DictConfig | Any | None
+Overrides = Any  # a dict (nested and/or dotted keys), a DictConfig or a dataclass instance; None: no overrides
 RewardFn = Callable[[str, dict], Any]
 
 
@@ -80,7 +85,6 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     """
     if trainer not in TRAINERS:
         raise ConfigError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
-    module, class_name, _, _ = TRAINERS[trainer]
     cfg = build_config(trainer, overrides)
     if reward is not None and trainer != "ppo":
         raise ConfigError(f"reward= scores rollouts, which only the ppo trainer makes; drop it for {trainer}")
@@ -90,6 +94,7 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     # A resumed run rewrites metrics.jsonl up to its checkpoint; a new one appends to what is there.
     start = 0 if cfg.trainer.load_ckpt_from or not metrics_file.exists() else metrics_file.stat().st_size
     with _process_group():
+        module, class_name = TRAINERS[trainer]
         trainer_cls = getattr(importlib.import_module(module), class_name)
         run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
         try:
@@ -117,8 +122,6 @@ def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> 
     Returns:
         metrics per data source and overall (and the compared model's and the difference).
     """
-    from RL2.evaluation.evaluator import Evaluator
-
     cfg = build_config("eval", overrides)
     env = _reward_env(reward, cfg)
     with _process_group():
@@ -132,11 +135,9 @@ def build_config(name: str, overrides: Overrides = None) -> DictConfig:
         name: a trainer's name, or "eval".
         overrides: as for `train`.
     """
-    if name != "eval" and name not in TRAINERS:
-        raise ConfigError(f"unknown trainer {name!r}; choose one of {', '.join(TRAINERS)}")
-    _, _, schema_module, schema_name = EVALUATE if name == "eval" else TRAINERS[name]
-    schema = getattr(importlib.import_module(schema_module), schema_name)
-    return parse_config(schema, name, override_args(overrides))
+    if name not in SCHEMAS:
+        raise ConfigError(f"unknown trainer {name!r}; choose one of {', '.join(SCHEMAS)}")
+    return parse_config(SCHEMAS[name], name, override_args(overrides))
 
 
 def override_args(overrides: Overrides) -> list[str]:
@@ -198,8 +199,6 @@ def _yaml(value: Any, key: str) -> str:
 
 def _reward_env(reward: RewardFn | None, cfg: DictConfig):
     """The environment scoring responses with `reward`, or None (the config's own environment)."""
-    from RL2.rewards.reward_fn import check_reward_signature, reward_env
-
     if reward is None:
         return None
     if not callable(reward):
