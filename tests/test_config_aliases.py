@@ -11,11 +11,12 @@ from omegaconf import OmegaConf
 from RL2.config import ConfigError, parse_config
 from RL2.config.cli import all_keys, schema_keys
 from RL2.config.original_keys import ALIASES, Dropped, KLEstimator, Renamed
+from RL2.config.eval_schema import EvalConfig
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
-           "ppo": PPOConfig}
+           "ppo": PPOConfig, "eval": EvalConfig}
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # The original README's two switch lines, verbatim.
@@ -263,11 +264,12 @@ def test_default_algorithm_is_dr_grpo():
 
 
 def example_argv(script: Path) -> tuple[str, list[str]]:
-    """The trainer and key=value arguments of an examples/*.sh script."""
+    """The trainer ("eval" for the evaluator) and key=value arguments of an examples/*.sh script."""
     text = script.read_text().replace("\\\n", " ")
-    command = next(line for line in text.splitlines() if "-m RL2.trainer." in line)
+    command = next(line for line in text.splitlines() if "-m RL2.trainer." in line or "-m RL2.evaluate" in line)
     words = shlex.split(command)
-    trainer = next(w for w in words if w.startswith("RL2.trainer.")).rsplit(".", 1)[1]
+    module = next(w for w in words if w.startswith(("RL2.trainer.", "RL2.evaluate")))
+    trainer = "eval" if module == "RL2.evaluate" else module.rsplit(".", 1)[1]
     return trainer, [w for w in words if "=" in w and not w.startswith("--") and "$" not in w]
 
 

@@ -77,13 +77,23 @@ def load_reward_fn(spec: str) -> Callable:
     function = getattr(module, name, None)
     if not callable(function):
         raise EnvError(f"rollout.reward_fn: {where} has no function '{name}'")
+    check_reward_signature(function, f"rollout.reward_fn: {where}:{name}")
+    return function
+
+
+def check_reward_signature(function: Callable, what: str) -> None:
+    """Fail at start, rather than on every response, when `function` cannot take (response, extra_info).
+
+    Args:
+        function: the reward function.
+        what: how the error names it.
+    """
     try:
         inspect.signature(function).bind("response", {})
     except ValueError:  # no signature to check (some builtins)
         pass
     except TypeError as e:
-        raise EnvError(f"rollout.reward_fn: {where}:{name} must accept (response: str, extra_info: dict): {e}") from e
-    return function
+        raise EnvError(f"{what} must accept (response: str, extra_info: dict): {e}") from e
 
 
 def load_reward_env(spec: str) -> Env:

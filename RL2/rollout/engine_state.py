@@ -35,6 +35,7 @@ class EngineState:
         engine: the rollout engine; with `releases_memory` it has `release_memory(tags)` and
             `resume_memory(tags)`.
         policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
+            None with `follows_policy=False`: the engine samples the weights it loaded.
         push: `push(label)` sends the policy's current weights to the engine (collective).
         colocated: the trainer's models that leave the GPU while the engine samples (empty: none do).
         releases_memory: the engine gives its GPU memory to the trainer between rollouts.
@@ -46,7 +47,7 @@ class EngineState:
         self.engine, self.policy, self.push = engine, policy, push
         self.colocated, self.releases_memory, self.follows_policy = list(colocated), releases_memory, follows_policy
         self.weights_resident = self.cache_resident = True
-        self.version: int | None = policy.updates  # the engine starts from the policy's initial weights
+        self.version: int | None = policy.updates if policy else None  # it starts from the policy's initial weights
         self.label = "step0"  # weight_version of the newest push
 
     @property

@@ -66,7 +66,8 @@ async def run_trajectory(
             trajectory.add_turn(Turn([], [], "", "abort"))
             trajectory.stop_reason = "abort"
             return trajectory
-        turn = await _next_action(engine, tokenizer, trajectory, sampling_params, max_total_tokens)
+        turn = await _next_action(engine, tokenizer, trajectory, _turn_params(sampling_params, trajectory.n_turns),
+                                  max_total_tokens)
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
@@ -104,7 +105,10 @@ async def rollout_batch(
 
     Args:
         prompts: rows with `prompt` (text or chat messages; leave it out to call the env's
-            `reset`), optionally `prompt_ids` (the prompt tokenised) and `extra_info`.
+            `reset`), optionally `prompt_ids` (the prompt tokenised), `extra_info` and
+            `sampling_seed`: trajectory j of a row with a seed samples with its own seed
+            `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
+            neither on the ranks nor on the other requests of the batch (evaluation sets it).
         responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
             the row's `extra_info`.
         engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout:
@@ -114,13 +118,16 @@ async def rollout_batch(
         One group of trajectories per prompt, in order.
     """
 
-    def trajectory(row: dict):
+    def trajectory(row: dict, index: int):
+        params = sampling_params
+        if row.get("sampling_seed") is not None:
+            params = {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
         return run_trajectory(
             engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
-            sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
+            params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
         )
 
-    tasks = [[asyncio.create_task(trajectory(row)) for _ in range(responses_per_prompt)] for row in prompts]
+    tasks = [[asyncio.create_task(trajectory(row, j)) for j in range(responses_per_prompt)] for row in prompts]
     await _gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
@@ -203,6 +210,18 @@ def filter_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
     """Drop groups whose rewards are all equal (DAPO's dynamic sampling): their group-normalised
     advantages are all 0, so they cost compute and teach nothing. Keep sampling to refill."""
     return [group for group in groups if len({t.reward for t in group}) > 1]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of item `index` (a trajectory of a prompt, a turn of a trajectory) under `seed`."""
+    return (seed * 1_000_003 + index) % 2**63
+
+
+def _turn_params(sampling_params: dict, turn: int) -> dict:
+    """A seeded trajectory's sampling params for one turn: every turn draws from a seed of its own."""
+    if sampling_params.get("sampling_seed") is None:
+        return sampling_params
+    return {**sampling_params, "sampling_seed": sample_seed(sampling_params["sampling_seed"], turn)}
 
 
 def render_state(state: State, tokenizer) -> str:

@@ -20,6 +20,7 @@ from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
+from RL2.rollout.env import Env
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.rollout import filter_groups
 from RL2.rollout.trajectory import Trajectory, training_batch
@@ -34,16 +35,22 @@ from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_
 
 
 class PPOTrainer(Trainer):
+    """Args:
+        cfg: the merged, typed config (`PPOConfig`).
+        env: the environment; default: `load_rollout_env(cfg.rollout)` (`RL2.train` passes a Python reward).
+    """
+
     learning_curve = (
         CurvePanel("reward and score", ("rollout/reward", "rollout/score", "test/*/score")),
         CurvePanel("response length", ("rollout/response_length", "test/response_length"), ylabel="tokens"),
     )
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, env: Env | None = None):
         check_ppo_choices(cfg)
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor)
-        env_resets = load_rollout_env(cfg.rollout).reset_fn is not None  # rows may then leave the prompt out
+        self.env = env if env is not None else load_rollout_env(cfg.rollout)
+        env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
         self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer, env_resets),
                                                       cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
@@ -68,7 +75,7 @@ class PPOTrainer(Trainer):
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
             [self.reward_model] if self.reward_model else [])
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
-                                     colocated=on_gpu)
+                                     colocated=on_gpu, env=self.env)
 
     def optimizer_steps(self, model_cfg) -> int:
         per_rollout = model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)

@@ -61,13 +61,15 @@ class RolloutWorker:
         model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
         tokenizer: the policy's tokenizer.
         device: where the engine runs.
-        policy: the trained actor whose weights the engine samples from.
+        policy: the trained actor whose weights the engine samples from; None: the engine keeps the
+            weights it loaded (an evaluation of a fixed model).
         colocated: every model of the trainer on this rank's GPU (the policy included): they move to the
             CPU while SGLang servers launched on the same GPUs sample.
+        env: the environment; default: `load_rollout_env(rollout_cfg)` (the Python API passes one).
     """
 
-    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy: FSDPWorker,
-                 colocated: Sequence[FSDPWorker] = ()):
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy: FSDPWorker | None = None,
+                 colocated: Sequence[FSDPWorker] = (), env: Env | None = None):
         self.cfg, self.tokenizer, self.device, self.policy = rollout_cfg, tokenizer, device, policy
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
@@ -86,10 +88,10 @@ class RolloutWorker:
         self.state = EngineState(
             self.engine, policy, self._push_weights, colocated,
             releases_memory=self.sglang and self.engine.colocated,
-            follows_policy=not (self.sglang and self.engine.weight_sync == "none"),
+            follows_policy=policy is not None and not (self.sglang and self.engine.weight_sync == "none"),
         )
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
-        self.env = load_rollout_env(rollout_cfg)
+        self.env = env if env is not None else load_rollout_env(rollout_cfg)
 
     def _start_sglang(self, cfg, model_path: str, colocated: list[FSDPWorker]):
         if cfg.server_url:

@@ -1,0 +1,258 @@
+"""Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`.
+
+Overrides are the command line's `key=value` pairs as a dict, with nested dicts and dotted keys
+alike (`{"actor": {"optimizer": {"lr": 1e-6}}}` is `{"actor.optimizer.lr": 1e-6}`), or a dataclass
+(nested dataclasses are sections). They are written as `key=value` arguments and parsed by the
+command line's own parser, so validation, errors, RL2's original key names and `${...}`
+interpolations are the command line's. A Python reward function `(response, extra_info) -> float |
+dict`, sync or async, may be passed instead of `rollout.reward_fn`.
+
+At world size 1 a plain Python process gets a process group of its own for each call, destroyed when
+the call returns. Under torchrun every rank calls the function with the same arguments; the process
+group of the first call serves the next ones.
+"""
+
+import atexit
+import dataclasses
+import importlib
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from RL2.config.cli import ConfigError, parse_config
+from RL2.config.eval_schema import EvalConfig
+from RL2.config.ppo_schema import PPOConfig
+from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
+from RL2.evaluation.evaluator import EvalResult, Evaluator
+from RL2.rewards.reward_fn import check_reward_signature, reward_env
+
+# Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
+TRAINERS = {
+    "sft": ("RL2.trainer.sft", "SFTTrainer"),
+    "dpo": ("RL2.trainer.dpo", "DPOTrainer"),
+    "orpo": ("RL2.trainer.orpo", "ORPOTrainer"),
+    "rm": ("RL2.trainer.rm", "RMTrainer"),
+    "distill": ("RL2.trainer.distill", "DistillTrainer"),
+    "ppo": ("RL2.trainer.ppo", "PPOTrainer"),
+}
+SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
+           "ppo": PPOConfig, "eval": EvalConfig}
+
+Overrides = Any  # a dict (nested and/or dotted keys), a DictConfig or a dataclass instance; None: no overrides
+RewardFn = Callable[[str, dict], Any]
+
+
+@dataclass
+class TrainResult:
+    """What `RL2.train` returns (the same on every rank).
+
+    Attributes:
+        save_dir: the run folder (`trainer.save_dir`): checkpoints, metrics.jsonl, final models.
+        model_path: the exported model a next step loads (`final/actor`; `final/critic` for a reward
+            model), or None when nothing was exported (`trainer.eval_only`).
+        models: every exported model: name -> Hugging Face folder.
+        metrics: the latest value of every metric the run logged (`train/loss`, `test/score`, ...).
+        history: every record the run wrote to metrics.jsonl (`{"step": N, metric: value, ...}`).
+        config: the config the run used.
+    """
+
+    save_dir: Path
+    model_path: Path | None
+    models: dict[str, Path]
+    metrics: dict[str, float]
+    history: list[dict]
+    config: DictConfig
+
+
+def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None = None) -> TrainResult:
+    """Run a trainer as `python -m RL2.trainer.<trainer> key=value ...` would.
+
+    Args:
+        trainer: sft, dpo, orpo, rm, distill or ppo.
+        overrides: config keys and values (see the module docstring); `--help` of the trainer's
+            command line lists every key.
+        reward: ppo only: a `(response, extra_info) -> float | dict` function (sync or async) that
+            scores each response, used as `rollout.reward_fn` would be (which must then be unset).
+    """
+    if trainer not in TRAINERS:
+        raise ConfigError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
+    cfg = build_config(trainer, overrides)
+    if reward is not None and trainer != "ppo":
+        raise ConfigError(f"reward= scores rollouts, which only the ppo trainer makes; drop it for {trainer}")
+    env = _reward_env(reward, cfg)
+    save_dir = Path(cfg.trainer.save_dir)
+    metrics_file = save_dir / "metrics.jsonl"
+    # A resumed run rewrites metrics.jsonl up to its checkpoint; a new one appends to what is there.
+    start = 0 if cfg.trainer.load_ckpt_from or not metrics_file.exists() else metrics_file.stat().st_size
+    with _process_group():
+        module, class_name = TRAINERS[trainer]
+        trainer_cls = getattr(importlib.import_module(module), class_name)
+        run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
+        try:
+            run.train()
+        finally:
+            rollout = getattr(run, "rollout", None)
+            if rollout is not None:  # launched SGLang servers stop now, not when Python exits
+                rollout.engine.shutdown()
+        history = _from_rank0(lambda: _records(metrics_file, start))
+        exported = [] if cfg.trainer.eval_only else [name for name in run.workers() if name != "ref"]
+    models = {name: save_dir / "final" / name for name in exported}
+    latest = {key: value for record in history for key, value in record.items() if key != "step"}
+    return TrainResult(save_dir, models.get("actor", models.get("critic")), models, latest, history, cfg)
+
+
+def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> EvalResult:
+    """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0).
+
+    Args:
+        overrides: config keys and values (see the module docstring), e.g. `model.model_name`,
+            `data.test.path`, `rollout.responses_per_prompt`, `compare.model_name`.
+        reward: a `(response, extra_info) -> float | dict` function (sync or async) that scores each
+            response, used as `rollout.reward_fn` would be (which must then be unset).
+
+    Returns:
+        metrics per data source and overall (and the compared model's and the difference).
+    """
+    cfg = build_config("eval", overrides)
+    env = _reward_env(reward, cfg)
+    with _process_group():
+        return Evaluator(cfg, env=env).run()
+
+
+def build_config(name: str, overrides: Overrides = None) -> DictConfig:
+    """The config `train(name, overrides)` (or `evaluate(overrides)` for name "eval") runs with.
+
+    Args:
+        name: a trainer's name, or "eval".
+        overrides: as for `train`.
+    """
+    if name not in SCHEMAS:
+        raise ConfigError(f"unknown trainer {name!r}; choose one of {', '.join(SCHEMAS)}")
+    return parse_config(SCHEMAS[name], name, override_args(overrides))
+
+
+def override_args(overrides: Overrides) -> list[str]:
+    """`key=value` command-line arguments saying what `overrides` says.
+
+    Each value is written as YAML, which the command line's parser reads back as the same value
+    (a string stays a string even when it looks like a number, `null` or `true`).
+    """
+    if overrides is None:
+        return []
+    if dataclasses.is_dataclass(overrides) and not isinstance(overrides, type):
+        overrides = dataclasses.asdict(overrides)
+    elif isinstance(overrides, DictConfig):
+        overrides = OmegaConf.to_container(overrides)
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a dict of config keys (or a dataclass), not {type(overrides).__name__}")
+    args, seen = [], set()
+    for key, value in _leaves(overrides):
+        if key in seen:
+            raise ConfigError(f"config key '{key}' is given twice in the overrides (nested and dotted); keep one")
+        seen.add(key)
+        args.append(f"{key}={_yaml(value, key)}")
+    return args
+
+
+def _leaves(overrides: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf; a nested dict or dataclass is a section."""
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config keys are strings; got {key!r} under '{prefix or '(top)'}'")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def _yaml(value: Any, key: str) -> str:
+    """`value` as YAML flow text (JSON is YAML, but for the floats JSON has no words for)."""
+    if value is None or isinstance(value, (bool, str)):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, os.PathLike):
+        return json.dumps(os.fspath(value), ensure_ascii=False)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if math.isnan(value):
+            return ".nan"
+        return repr(value) if math.isfinite(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml(item, key) for item in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_yaml(v, key)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"config key '{key}': cannot pass a {type(value).__name__} ({value!r}); give a number, "
+                      f"string, bool, None, or a list or dict of those")
+
+
+def _reward_env(reward: RewardFn | None, cfg: DictConfig):
+    """The environment scoring responses with `reward`, or None (the config's own environment)."""
+    if reward is None:
+        return None
+    if not callable(reward):
+        raise ConfigError(f"reward= must be a function (response, extra_info) -> float | dict, not a "
+                          f"{type(reward).__name__}; a file goes in rollout.reward_fn")
+    if cfg.rollout.reward_fn:
+        raise ConfigError(f"reward= and rollout.reward_fn={cfg.rollout.reward_fn} both give the reward; keep one")
+    name = f"reward={getattr(reward, '__qualname__', type(reward).__name__)}"
+    check_reward_signature(reward, name)
+    return reward_env(reward, name=name)
+
+
+@contextmanager
+def _process_group():
+    """Run the call in a process group.
+
+    A plain Python process (no RANK in the environment) gets a one-rank group for the call, destroyed
+    when it returns together with the variables that described it, so that a next call makes a fresh
+    one on a new port. Under torchrun the group the first call makes stays for the next calls and is
+    destroyed at exit: torchrun's store keeps the keys of a destroyed group, which a new group (whose
+    keys restart from the same names) would read, joining peers that are gone.
+    """
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in names}
+    made_here = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if made_here and dist.is_initialized():
+            if before["RANK"] is None:
+                dist.destroy_process_group()
+            else:
+                atexit.register(_destroy_process_group)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _from_rank0(read: Callable[[], Any]) -> Any:
+    """`read()` on rank 0 (which alone writes metrics.jsonl), sent to every rank."""
+    box = [read() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _records(path: Path, start: int) -> list[dict]:
+    """The JSON lines of `path` from byte `start` on."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(start)
+        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]

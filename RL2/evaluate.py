@@ -1,0 +1,45 @@
+"""Evaluate a model on test prompts: `python -m RL2.evaluate model.model_name=... data.test.path=... rollout.reward_fn=...`
+
+Under torchrun every rank samples its share of the prompts. Reports accuracy, mean score, pass@k and
+response length per data source, optionally against a second model (`compare.model_name`); writes
+every sample to `<eval.save_dir>/samples.jsonl` and the metrics to `metrics.json`. Every key:
+`python -m RL2.evaluate --help`. The evaluator itself is `RL2/evaluation/`.
+"""
+
+import sys
+import types
+
+import torch.distributed as dist
+
+from RL2.config.cli import ConfigError, parse_config
+from RL2.config.eval_schema import EvalConfig
+from RL2.datasets.loading import DataError
+from RL2.evaluation.evaluator import Evaluator
+from RL2.rollout.env import EnvError
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: config, data and environment errors end with a message, not a traceback."""
+    try:
+        Evaluator(parse_config(EvalConfig, "eval", argv)).run()
+    except (ConfigError, DataError, EnvError) as e:
+        sys.exit(f"RL2 evaluate: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _CallableModule(types.ModuleType):
+    """`RL2.evaluate` is also the Python API's function, and importing this module makes the name
+    `RL2.evaluate` this module: calling it calls the function, so the import takes nothing away."""
+
+    def __call__(self, *args, **kwargs):
+        from RL2.api import evaluate
+
+        return evaluate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The evaluator: sample every test prompt with a model (and with a second one to compare) on the
+rollout engine of the RL trainer (`RolloutWorker`: embedded or SGLang, each rank its share of the
+prompts), score the samples with the environment or reward function, and report.
+
+Sample j of prompt i is drawn with its own seed (`rollout.sampling_seed` of the prompt row, see
+`RL2.rollout.rollout.rollout_batch`), so the samples do not depend on the number of ranks or on the
+batching, and the two models of a comparison draw from the same random numbers.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from RL2.config.eval_schema import TRAINING_ONLY, check_eval_config
+from RL2.config.errors import ConfigError
+from RL2.config.ppo_schema import RolloutConfig
+from RL2.datasets.loading import load_table
+from RL2.datasets.prompts import prompt_row_tokenizer
+from RL2.datasets.tokenize import tokenize_rows
+from RL2.evaluation.metrics import evaluation_metrics, metrics_difference
+from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
+from RL2.parallel import init_distributed, pick_device
+from RL2.rollout.env import Env
+from RL2.rollout.rollout import sample_seed
+from RL2.rollout.trajectory import Trajectory
+from RL2.trainer.base import quiet_third_party_progress
+from RL2.utils.logging import is_rank0, log_rank0
+from RL2.workers.fsdp import load_tokenizer
+from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_seed
+
+
+@dataclass
+class EvalResult:
+    """What an evaluation found (the same on every rank).
+
+    Attributes:
+        metrics: the model's `{"overall": {...}, "by_source": {data_source: {...}}}` (see
+            `RL2.evaluation.metrics`: accuracy, score, reward, pass@k, response_length, ...).
+        compare: the same for `compare.model_name`, or None.
+        difference: `metrics - compare` per data source and metric, or None.
+        save_dir: where `samples.jsonl` (every sample) and `metrics.json` are.
+    """
+
+    metrics: dict
+    compare: dict | None
+    difference: dict | None
+    save_dir: Path
+
+    @property
+    def samples_path(self) -> Path:
+        return self.save_dir / "samples.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.save_dir / "metrics.json"
+
+
+class Evaluator:
+    """Args:
+        cfg: the merged, typed config (`EvalConfig`).
+        env: the environment; default: `load_rollout_env(cfg.rollout)` (`RL2.evaluate` passes a Python reward).
+    """
+
+    def __init__(self, cfg: DictConfig, env: Env | None = None):
+        check_eval_config(cfg)
+        quiet_third_party_progress()
+        self.cfg = cfg
+        # Bad input fails before any process group or engine is started.
+        self.env = env if env is not None else load_rollout_env(cfg.rollout)
+        self.rows = load_table(cfg.data.test.path)
+        if cfg.data.max_prompts is not None:
+            self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
+        self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
+        self.device = pick_device(cfg.eval.device)
+        init_distributed(self.device)
+
+    def run(self) -> EvalResult:
+        """Evaluate the model (and the one to compare with); write the samples and metrics; print a table."""
+        cfg, began = self.cfg, time.perf_counter()
+        models = {"model": cfg.model}
+        if cfg.compare.model_name:
+            models["compare"] = OmegaConf.merge(cfg.model, {"model_name": cfg.compare.model_name,
+                                                            "tokenizer_name": cfg.compare.tokenizer_name})
+        metrics, records, first_prompts = {}, [], None
+        for role, model_cfg in models.items():
+            prompts, groups = self.sample(model_cfg)
+            if first_prompts is not None and [p["extra_info"] for p in prompts] != first_prompts:
+                raise ConfigError("model.model_name and compare.model_name keep different test rows (their tokenizers "
+                                  "tokenize the prompts differently and data.skip_bad_rows drops different rows); "
+                                  "compare models with one tokenizer, or raise data.test.max_length")
+            first_prompts = [p["extra_info"] for p in prompts]
+            sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
+            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold)
+            records += sample_records(groups, prompts, sources, role, model_cfg.model_name, cfg.eval.threshold)
+        difference = metrics_difference(metrics["model"], metrics["compare"]) if "compare" in metrics else None
+        result = EvalResult(metrics["model"], metrics.get("compare"), difference, Path(cfg.eval.save_dir))
+        if is_rank0():
+            self.save(result, records)
+            print(self.describe(len(first_prompts), time.perf_counter() - began), flush=True)
+            print(format_table(metrics, difference), flush=True)
+        return result
+
+    def sample(self, model_cfg) -> tuple[list[dict], list[list[Trajectory]]]:
+        """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
+        tokenizer = load_tokenizer(model_cfg)
+        prompts = self.prompts(tokenizer)
+        worker = RolloutWorker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, env=self.env)
+        try:
+            seed = rollout_seed(self.cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
+            groups = worker.rollout(prompts, self.cfg.rollout.sampling_params, self.cfg.rollout.responses_per_prompt,
+                                    seed)
+        finally:
+            worker.engine.shutdown()  # the second model's engine must not share the device with this one
+        return prompts, groups
+
+    def prompts(self, tokenizer) -> list[dict]:
+        """Tokenized prompt rows, each with the sampling seed of its position."""
+        data = self.cfg.data
+        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None)
+        prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
+        if skipped:
+            log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
+        for index, row in enumerate(prompts):
+            row["sampling_seed"] = sample_seed(self.cfg.eval.seed, index)
+        return prompts
+
+    def save(self, result: EvalResult, records: list[dict]) -> None:
+        cfg = self.cfg
+        write_jsonl(result.samples_path, records)
+        write_json(result.metrics_path, {
+            "settings": {"samples_per_prompt": cfg.rollout.responses_per_prompt, "k": self.ks,
+                         "threshold": cfg.eval.threshold, "seed": cfg.eval.seed, "data": cfg.data.test.path,
+                         "sampling_params": OmegaConf.to_container(cfg.rollout.sampling_params)},
+            "model": {"name": cfg.model.model_name, **result.metrics},
+            "compare": {"name": cfg.compare.model_name, **result.compare} if result.compare else None,
+            "difference": result.difference,
+        })
+
+    def describe(self, n_prompts: int, seconds: float) -> str:
+        cfg, params = self.cfg, self.cfg.rollout.sampling_params
+        lines = [f"[RL2] evaluated {n_prompts} prompts x {cfg.rollout.responses_per_prompt} samples "
+                 f"(temperature {params.temperature}, max_new_tokens {params.max_new_tokens}) in {seconds:.1f} s; "
+                 f"a sample passes when its score >= {cfg.eval.threshold}",
+                 f"[RL2] model: {cfg.model.model_name}"]
+        if cfg.compare.model_name:
+            lines.append(f"[RL2] compare: {cfg.compare.model_name}")
+        lines.append(f"[RL2] samples and metrics in {cfg.eval.save_dir}")
+        return "\n".join(lines)
+
+
+def engine_config(rollout_cfg: DictConfig) -> DictConfig:
+    """The RL trainer's rollout config that `RolloutWorker` reads: the evaluator's engine and
+    environment keys over training's defaults, and no weight sync (the weights never change)."""
+    shared = {key: value for key, value in rollout_cfg.items() if key in RolloutConfig.__dataclass_fields__
+              and key not in TRAINING_ONLY}
+    return OmegaConf.merge(OmegaConf.structured(RolloutConfig), shared, {"weight_sync": "none"})

@@ -1,0 +1,82 @@
+"""What an evaluation leaves behind: every sample as a JSON line, the metrics as JSON, and a table."""
+
+import json
+import os
+from pathlib import Path
+
+from RL2.evaluation.metrics import COUNTS
+from RL2.rollout.metrics import reward_parts
+from RL2.rollout.trajectory import Trajectory
+
+
+def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
+                   threshold: float) -> list[dict]:
+    """One JSON-able record per sample.
+
+    Args:
+        groups: the samples of each prompt.
+        prompts: the prompt rows, in the order of `groups`.
+        sources: each prompt's `data_source`.
+        role: "model" or "compare".
+        model: the model's name or folder.
+        threshold: a sample passes when its score is at least this.
+    """
+    records = []
+    for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
+        for sample, t in enumerate(group):
+            records.append({
+                "model": model, "role": role, "data_source": source, "prompt_index": index, "sample_index": sample,
+                "prompt": t.prompt_text, "response": t.response_text, "reward": t.reward, "score": t.score,
+                "passed": t.score >= threshold, "parts": reward_parts(t), "response_length": t.response_length,
+                "finish_reason": t.finish_reason, "n_turns": t.n_turns, "fault": t.fault,
+                "extra_info": row["extra_info"],
+            })
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Write `records` one per line, atomically (a crash leaves the previous file or none)."""
+    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+
+
+def write_json(path: Path, value: dict) -> None:
+    _write_atomic(path, json.dumps(value, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def format_table(columns: dict[str, dict], difference: dict | None = None) -> str:
+    """A table with one row per (data source, metric), one column per model, and `first - second`.
+
+    Args:
+        columns: column title -> metrics in the layout of `evaluation_metrics`.
+        difference: `metrics_difference` of the two columns, if two.
+    """
+    titles = [*columns, *([" - ".join(columns)] if difference else [])]
+    tables = [*columns.values(), *([difference] if difference else [])]
+    rows = []
+    for source in [*next(iter(columns.values()))["by_source"], "overall"]:
+        per_column = [t["overall"] if source == "overall" else t["by_source"].get(source, {}) for t in tables]
+        for i, name in enumerate(dict.fromkeys(name for metrics in per_column for name in metrics)):
+            cells = [_number(name, m.get(name), signed=c == len(columns)) for c, m in enumerate(per_column)]
+            rows.append([source if i == 0 else "", name, *cells])
+    header = ["data_source", "metric", *titles]
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+
+    def line(row: list[str]) -> str:  # names to the left, numbers to the right
+        return "  ".join(cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+
+    return "\n".join(line(row).rstrip() for row in [header, *rows])
+
+
+def _number(name: str, value, signed: bool = False) -> str:
+    if value is None:
+        return ""
+    if name in (*COUNTS, "faults"):
+        return f"{int(value):+d}" if signed else str(int(value))
+    return f"{value:+.4f}" if signed else f"{value:.4f}"
