@@ -33,7 +33,7 @@ from RL2.config.eval_schema import EvalConfig
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 from RL2.evaluation.evaluator import EvalResult, Evaluator
-from RL2.rewards.reward_fn import check_reward_signature, reward_env
+from RL2.rollout.reward_env import check_reward_signature, reward_env
 
 # Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
 TRAINERS = {

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from RL2.models.embedded import resolve_model_path
-from RL2.rollout.embedded_engine import EmbeddedEngine
-from RL2.workers.fsdp import compute_dtype
+from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.models.default_model import resolve_model_path
+from RL2.models.precision import compute_dtype
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:

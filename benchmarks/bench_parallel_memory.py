@@ -37,8 +37,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from RL2.config.schema import ModelConfig
     from RL2.batch import SequenceBatch
+    from RL2.config.schema import ModelConfig
     from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.parallel import ParallelDims, init_distributed, pick_device

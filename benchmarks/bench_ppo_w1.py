@@ -72,7 +72,7 @@ def run_trl(args, data_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from RL2.models.embedded import resolve_model_path
+    from RL2.models.default_model import resolve_model_path
 
     path = resolve_model_path("smollm2-135m-instruct")
     step_ends = []
@@ -107,13 +107,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--skip-trl", action="store_true")
     args = parser.parse_args()
-    from RL2.workers.fsdp import compute_dtype
+    from RL2.models.precision import compute_dtype
 
     dtype = compute_dtype(args.dtype, torch.device("cpu"))
     args.dtype = str(dtype).removeprefix("torch.")
     torch.set_num_threads(os.cpu_count() or 1)
     peak = matmul_peak(dtype)
-    from RL2.models.embedded import resolve_model_path
+    from RL2.models.default_model import resolve_model_path
 
     n_params = matmul_params(resolve_model_path("smollm2-135m-instruct"))
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,15 +29,15 @@ def step_flops(config, n_matmul_params: int, seq_lens: list[int]) -> float:
 
 def worker(args) -> None:
     """Runs under torchrun: time SFT steps of the embedded model on synthetic packed data."""
+    import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from RL2.config.schema import ModelConfig
     from RL2.batch import SequenceBatch
+    from RL2.config.schema import ModelConfig
     from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.parallel import ParallelDims, init_distributed, pick_device
     from RL2.workers.fsdp import FSDPWorker
-    import torch.distributed as dist
 
     device = pick_device("cpu")
     init_distributed(device)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from RL2.models.embedded import resolve_model_path
-from RL2.rollout.client import HTTPEngineClient
-from RL2.rollout.sglang_engine import control_request
-from RL2.rollout.sglang_server import SGLangServer
-from RL2.rollout.weight_transfer import buckets, write_hf_folder
+from RL2.engine.sglang.engine import control_request
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.server import SGLangServer
+from RL2.engine.sglang.weight_transfer import buckets, write_hf_folder
+from RL2.models.default_model import resolve_model_path
 
 STUB = Path(__file__).resolve().parent.parent / "tests" / "sglang_stub"
 

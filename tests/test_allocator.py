@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 SAMPLE = """
 import resource, torch
-from RL2.rollout.sampling import SamplingParams, sample_next_tokens
-from RL2.utils.allocator import keep_freed_memory
+from RL2.engine.embedded.sampling import SamplingParams, sample_next_tokens
+from RL2.engine.embedded.allocator import keep_freed_memory
 print(keep_freed_memory())
 logits = torch.randn(32, 49152, dtype=torch.bfloat16)  # a decode step's logits
 params = [SamplingParams(temperature=1.0)] * 32

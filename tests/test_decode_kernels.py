@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from RL2.rollout.decode_kernels import load_decode_kernels
+from RL2.engine.embedded.decode_kernels import load_decode_kernels
 
 KERNELS = load_decode_kernels()
 pytestmark = pytest.mark.skipif(

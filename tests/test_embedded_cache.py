@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from RL2.models.embedded import ensure_converted, is_complete, resolve_model_path
+from RL2.models.default_model import ensure_converted, is_complete, resolve_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ STAND_IN = textwrap.dedent("""
     from pathlib import Path
     import torch
     from safetensors.torch import save_file
-    from RL2.models.embedded import ensure_converted
+    from RL2.models.default_model import ensure_converted
 
     target, log, pause, wait_for = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 
@@ -172,7 +172,7 @@ def test_real_conversion_recovers_from_a_half_written_folder(tmp_path, monkeypat
     weights as the GGUF loaded by transformers itself."""
     from transformers import AutoModelForCausalLM
 
-    from RL2.models.embedded import _gguf_file
+    from RL2.models.default_model import _gguf_file
 
     monkeypatch.setenv("RL2_CACHE", str(tmp_path))
     target = tmp_path / "models" / "smollm2-135m-instruct"

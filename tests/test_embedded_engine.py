@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from RL2.models.embedded import resolve_model_path
-from RL2.rollout import embedded_engine, model_runner
-from RL2.rollout.embedded_engine import EmbeddedEngine
-from RL2.rollout.sampling import SamplingParams, sample_next_tokens
+from RL2.models.default_model import resolve_model_path
+from RL2.engine.embedded import engine as embedded_engine
+from RL2.engine.embedded import model_runner
+from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.engine.embedded.sampling import SamplingParams, sample_next_tokens
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [520, 9531], [4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 42, 77], [3365]]
 
@@ -47,7 +48,7 @@ def model(tokenizer):
 @pytest.fixture(scope="module", params=[True, False], ids=["forwards-on-the-loop", "forwards-in-a-worker-thread"])
 def engine(request, model, tokenizer):
     with pytest.MonkeyPatch.context() as patch:  # where the forwards run follows the cores: try both
-        patch.setattr(embedded_engine, "_threads_fit_in_cores", lambda: request.param)
+        patch.setattr(embedded_engine, "threads_fit_in_cores", lambda: request.param)
         engine = EmbeddedEngine(model, tokenizer, max_running_requests=16)
     assert engine.steps_on_loop == request.param
     yield engine
@@ -58,9 +59,9 @@ def test_forwards_leave_the_loop_when_threads_outnumber_the_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
-    assert embedded_engine._threads_fit_in_cores()
+    assert embedded_engine.threads_fit_in_cores()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert not embedded_engine._threads_fit_in_cores()
+    assert not embedded_engine.threads_fit_in_cores()
 
 
 def payload(prompt, **sampling) -> dict:
@@ -273,7 +274,7 @@ def test_pause_abort_and_continue(engine):
 
     async def main():
         running = [asyncio.create_task(engine.generate(p)) for p in long]
-        while not engine._running or len(engine._running[0].output_ids) < 3:
+        while max(engine.running_lengths, default=0) < 3:
             await asyncio.sleep(0.01)
         await engine.pause_generation(mode="abort")
         aborted = await asyncio.gather(*running)
@@ -299,7 +300,7 @@ def test_pause_retract_resumes_the_same_output(engine):
 
     async def main():
         task = asyncio.create_task(engine.generate(request))
-        while not engine._running or len(engine._running[0].output_ids) < 5:
+        while max(engine.running_lengths, default=0) < 5:
             await asyncio.sleep(0.005)
         await engine.pause_generation(mode="retract")
         await asyncio.sleep(0.05)
@@ -344,8 +345,13 @@ def test_parameters_mapped_from_the_checkpoint_file_are_copied_once(tmp_path, to
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
 
+    def file_mappings() -> list[tuple[int, int]]:  # address ranges mapped from files, as the kernel lists them
+        with open("/proc/self/maps") as maps:
+            fields = [line.split() for line in maps.read().splitlines()]
+        return [tuple(int(a, 16) for a in f[0].split("-")) for f in fields if len(f) >= 6 and f[5].startswith("/")]
+
     def in_a_file_mapping(param):
-        return any(start <= param.data_ptr() < end for start, end in model_runner._file_mappings())
+        return any(start <= param.data_ptr() < end for start, end in file_mappings())
 
     if not any(in_a_file_mapping(p) for p in loaded.parameters()):
         pytest.skip("this transformers/safetensors build does not map checkpoint files")

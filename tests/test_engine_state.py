@@ -23,8 +23,8 @@ RELEASE_CACHE = "release kv_cache,cuda_graph"
 class RecordingEngine:
     """Records engine calls in order; released weights lose their content, as SGLang's memory saver's do."""
 
-    def __init__(self, log: list[str]):
-        self.log = log
+    def __init__(self, log: list[str], releases_memory: bool, follows_policy: bool):
+        self.log, self.releases_memory, self.follows_policy = log, releases_memory, follows_policy
         self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
         self.content = "initial"
 
@@ -70,15 +70,15 @@ class RecordingModel:
 
 
 def build(log, releases_memory=True, follows_policy=True):
-    engine, policy, ref = RecordingEngine(log), RecordingModel("actor", log), RecordingModel("ref", log)
+    engine, policy, ref = RecordingEngine(log, releases_memory, follows_policy), RecordingModel("actor", log), (
+        RecordingModel("ref", log))
 
     def push(label):
         # The push reads the policy's parameters while the rest of the trainer is off the GPU.
         assert policy.params_on_gpu and not (releases_memory and ref.optimizer_on_gpu)
         engine.push(f"{label}@{policy.updates}")
 
-    state = EngineState(engine, policy, push, [policy, ref] if releases_memory else [], releases_memory,
-                        follows_policy)
+    state = EngineState(engine, policy, push, [policy, ref] if releases_memory else [])
     state.to_trainer()
     return state, engine, policy, ref
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.rollout.env import load_env
-from RL2.rollout.rollout import run_trajectory
+from RL2.rollout.loop import run_trajectory
 
 ENVS = Path(__file__).resolve().parents[1] / "envs"
 
@@ -140,7 +140,7 @@ def test_gem_missing_download_and_env_id_are_explained(monkeypatch):
 
 def test_gem_on_the_tiny_engine(tiny_model_path, tok):
     pytest.importorskip("gem", reason="GEM is not installed (pip install 'RL2[gem]')")
-    from RL2.rollout.embedded_engine import EmbeddedEngine
+    from RL2.engine.embedded.engine import EmbeddedEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     engine = EmbeddedEngine(model, tok)

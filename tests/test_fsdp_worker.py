@@ -11,7 +11,7 @@ from RL2.batch import SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims
-from RL2.rollout.sglang_server import free_port
+from RL2.engine.sglang.server import free_port
 from RL2.workers.fsdp import FSDPWorker
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from RL2.rollout.decode_kernels import load_decode_kernels
-from RL2.rollout.model_runner import MIN_SHARED_PREFIX, ModelRunner
+from RL2.engine.embedded.decode_kernels import load_decode_kernels
+from RL2.engine.embedded.model_runner import MIN_SHARED_PREFIX, ModelRunner
 
 SIZES = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

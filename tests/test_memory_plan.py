@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from RL2.rollout.memory_plan import GIB, colocated_memory, kv_cache_tokens, qwen25, readme_table
+from RL2.engine.memory_plan import GIB, colocated_memory, kv_cache_tokens, qwen25, readme_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

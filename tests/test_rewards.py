@@ -11,13 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.rewards import (
-    composite, extract_code, last_boxed, last_match, last_tag, load_reward_env, load_reward_fn, math_reward,
-    normalise_answer, regex_reward, require_math_verify, reward_env, reward_step, tags_reward,
+    composite, extract_code, last_boxed, last_match, last_tag, math_reward, normalise_answer, regex_reward,
+    require_math_verify, reward_step, tags_reward,
 )
 from RL2.rewards.math_reward import answers_equal
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
+from RL2.rollout.reward_env import load_reward_env, load_reward_fn, reward_env
 from RL2.rollout.metrics import rollout_metrics, save_samples
-from RL2.rollout.rollout import run_trajectory
+from RL2.rollout.loop import run_trajectory
 from RL2.rollout.trajectory import Trajectory, Turn
 
 
@@ -241,7 +242,7 @@ def test_load_reward_fn(tmp_path):
 
 def test_reward_fn_on_the_tiny_engine(tiny_model_path, tok, tmp_path):
     """The function sees exactly the decoded action; one that raises ends its trajectory with reward 0."""
-    from RL2.rollout.embedded_engine import EmbeddedEngine
+    from RL2.engine.embedded.engine import EmbeddedEngine
 
     file = tmp_path / "seen.py"
     file.write_text(

@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from RL2.rollout.client import EngineClient, EngineError, HTTPEngineClient
-from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.metrics import pass_at_k, rollout_metrics, save_samples
-from RL2.rollout.rollout import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
+from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
 from RL2.rollout.trajectory import Trajectory, Turn
 
 ENVS = Path(__file__).parent / "envs"
@@ -304,7 +305,6 @@ def test_http_client_balances_and_matches_the_engine(engine, tok, prompt):
     async def main():
         async with GenerateServer(engine) as a, GenerateServer(engine) as b:
             client = HTTPEngineClient([a.url, b.url + "/"], timeout=30)
-            assert isinstance(client, EngineClient)
             results = await asyncio.gather(*(client.generate(payload) for _ in range(4)))
             await client.aclose()
             return results, (a.hits, b.hits), await engine.generate(payload)

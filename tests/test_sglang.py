@@ -27,8 +27,9 @@ from transformers import AutoModelForCausalLM
 
 from launch import read_metrics, run_ranks
 from RL2.config.errors import ConfigError
-from RL2.rollout.client import EngineError, HTTPEngineClient
-from RL2.rollout.sglang_engine import (
+from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.engine import (
     SGLangEngine,
     _launched_weight_sync,
     resolve_engine,
@@ -36,8 +37,8 @@ from RL2.rollout.sglang_engine import (
     server_urls,
     server_version,
 )
-from RL2.rollout.sglang_server import SGLangServer, check_server_args, free_port, server_command
-from RL2.rollout.weight_transfer import (
+from RL2.engine.sglang.server import SGLangServer, check_server_args, free_port, server_command
+from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,
     flatten_bucket,

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from RL2.models.embedded import resolve_model_path
+from RL2.models.default_model import resolve_model_path
 
 
 def tokenizer():

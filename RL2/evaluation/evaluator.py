@@ -3,7 +3,7 @@ rollout engine of the RL trainer (`RolloutWorker`: embedded or SGLang, each rank
 prompts), score the samples with the environment or reward function, and report.
 
 Sample j of prompt i is drawn with its own seed (`rollout.sampling_seed` of the prompt row, see
-`RL2.rollout.rollout.rollout_batch`), so the samples do not depend on the number of ranks or on the
+`RL2.rollout.loop.rollout_batch`), so the samples do not depend on the number of ranks or on the
 batching, and the two models of a comparison draw from the same random numbers.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from RL2.config.eval_schema import TRAINING_ONLY, check_eval_config
 from RL2.config.errors import ConfigError
+from RL2.config.eval_schema import TRAINING_ONLY, check_eval_config
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.prompts import prompt_row_tokenizer
@@ -24,12 +24,12 @@ from RL2.evaluation.metrics import evaluation_metrics, metrics_difference
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
 from RL2.parallel import init_distributed, pick_device
 from RL2.rollout.env import Env
-from RL2.rollout.rollout import sample_seed
+from RL2.rollout.loop import sample_seed
 from RL2.rollout.trajectory import Trajectory
+from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import quiet_third_party_progress
 from RL2.utils.logging import is_rank0, log_rank0
 from RL2.workers.fsdp import load_tokenizer
-from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_seed
 
 
 @dataclass

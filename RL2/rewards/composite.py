@@ -1,4 +1,5 @@
-"""A weighted sum of rewards, each part kept so that it is logged as its own metric."""
+"""A weighted sum of rewards, each part kept so that it is logged as its own metric, and the `step`
+result that ends a trajectory with a reward."""
 
 import inspect
 from collections.abc import Awaitable, Callable
@@ -42,3 +43,21 @@ async def call_reward(function: RewardFn, response: str, extra_info: dict) -> fl
     """Call a sync or async reward function."""
     result = function(response, extra_info)
     return await result if inspect.isawaitable(result) else result
+
+
+def reward_step(result: float | dict, extra_info: dict) -> dict:
+    """The `step` result that ends a trajectory with a reward function's result.
+
+    Args:
+        result: a number, or a dict with "reward", optionally "score", and parts (name -> number).
+        extra_info: what the step got (returned unchanged).
+    """
+    if isinstance(result, dict):
+        if "reward" not in result:
+            raise ValueError(f"a reward dict needs a 'reward' entry (the trained total); it has {sorted(result)}")
+        parts = {name: value for name, value in result.items() if name not in ("reward", "score")}
+        reward, score = result["reward"], result.get("score", result["reward"])
+    else:
+        reward, score, parts = result, result, {}
+    return {"next_state": None, "reward": reward, "score": score, "done": True, "extra_info": extra_info,
+            "reward_parts": parts}

@@ -19,7 +19,7 @@ policy updates do not reach it.
 `synced(label)` is called after each update: it pushes at once when the engine's weights are resident
 (embedded engine, external servers), else at the start of the next rollout, when the optimizer state
 and the frozen models have left the GPU to make room for the servers' weights (see
-`RL2.rollout.memory_plan` for the memory of each phase).
+`RL2.engine.memory_plan` for the memory of each phase).
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -32,20 +32,18 @@ CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 class EngineState:
     """Args:
-        engine: the rollout engine; with `releases_memory` it has `release_memory(tags)` and
-            `resume_memory(tags)`.
+        engine: the rollout engine (`RL2.engine.protocol.Engine`): whether it `releases_memory` and
+            `follows_policy` is its own to say.
         policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
-            None with `follows_policy=False`: the engine samples the weights it loaded.
+            None: the engine samples the weights it loaded (an evaluation of a fixed model).
         push: `push(label)` sends the policy's current weights to the engine (collective).
         colocated: the trainer's models that leave the GPU while the engine samples (empty: none do).
-        releases_memory: the engine gives its GPU memory to the trainer between rollouts.
-        follows_policy: the engine takes the policy's weights after updates (False for `weight_sync=none`).
     """
 
-    def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = (),
-                 releases_memory: bool = False, follows_policy: bool = True):
-        self.engine, self.policy, self.push = engine, policy, push
-        self.colocated, self.releases_memory, self.follows_policy = list(colocated), releases_memory, follows_policy
+    def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
+        self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)
+        self.releases_memory = engine.releases_memory
+        self.follows_policy = policy is not None and engine.follows_policy
         self.weights_resident = self.cache_resident = True
         self.version: int | None = policy.updates if policy else None  # it starts from the policy's initial weights
         self.label = "step0"  # weight_version of the newest push

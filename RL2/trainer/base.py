@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
+from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.parallel import ParallelDims, init_distributed, pick_device
-from RL2.utils.allocator import keep_freed_memory
 from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve

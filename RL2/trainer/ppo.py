@@ -21,9 +21,10 @@ from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
 from RL2.rollout.env import Env
+from RL2.rollout.loop import filter_groups
 from RL2.rollout.metrics import rollout_metrics, save_samples
-from RL2.rollout.rollout import filter_groups
 from RL2.rollout.trajectory import Trajectory, training_batch
+from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0
@@ -31,7 +32,6 @@ from RL2.utils.plot import CurvePanel
 from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
 from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
-from RL2.workers.rollout_worker import RolloutWorker, load_rollout_env, rollout_seed
 
 
 class PPOTrainer(Trainer):

@@ -9,8 +9,8 @@ position. The export at `<save_dir>/final/critic` loads with
 import torch
 
 from RL2.algs.preference import bradley_terry_loss
-from RL2.config.schema import RMConfig
 from RL2.batch import MicroBatch
+from RL2.config.schema import RMConfig
 from RL2.models.logps import forward_packed
 from RL2.trainer.base import launch
 from RL2.trainer.pairwise import PairwiseTrainer, last_token

@@ -23,7 +23,6 @@ from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
-
 # ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the choices
 # are declared in RL2/config/ppo_schema.py). Each reads its own config keys.
 

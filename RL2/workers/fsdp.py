@@ -28,34 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.models.attention import ATTN_NAME
-from RL2.models.embedded import resolve_model_path
+from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
+from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
-from RL2.utils.logging import log_rank0
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run in hardware: on CUDA, or on CPUs with AVX512-BF16 / AMX.
-
-    Without it torch emulates bf16 on the CPU, some 100x slower than float32.
-    """
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`actor.dtype` -> torch dtype; `auto` is bf16 where the hardware has it, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    if name == "bfloat16" and not native_bf16(device):
-        log_rank0("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
-                  "far slower than float32. Set actor.dtype=auto or float32.")
-    return DTYPES[name]
 
 
 def load_tokenizer(model_cfg):

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 def tokenizer_path() -> str:
     if os.environ.get("RL2_TEST_TOKENIZER"):
         return os.environ["RL2_TEST_TOKENIZER"]
-    from RL2.models.embedded import resolve_model_path
+    from RL2.models.default_model import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from RL2.rollout.embedded_engine import EmbeddedEngine
+from RL2.engine.embedded.engine import EmbeddedEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from RL2.rollout.weight_transfer import flatten_bucket, serialize_flat_bucket
+from RL2.engine.sglang.weight_transfer import flatten_bucket, serialize_flat_bucket
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -23,7 +23,7 @@ from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.rollout.engine_state import EngineState
 from RL2.trainer.ppo import PPOTrainer
-from RL2.workers.rollout_worker import full_tensors
+from RL2.rollout.worker import full_tensors
 
 ENV = Path(__file__).resolve().parent.parent / "envs" / "emit_token.py"
 
@@ -31,8 +31,10 @@ ENV = Path(__file__).resolve().parent.parent / "envs" / "emit_token.py"
 class RecordingEngine:
     """A recording test double around the real embedded engine (see the module docstring)."""
 
-    def __init__(self, inner, engine_model, expected_weights, colocated):
-        self.inner, self.engine_model = inner, engine_model
+    releases_memory = True  # as colocated SGLang servers do
+
+    def __init__(self, inner, engine_model, expected_weights, colocated, follows_policy: bool):
+        self.inner, self.engine_model, self.follows_policy = inner, engine_model, follows_policy
         self.expected_weights, self.colocated = expected_weights, colocated
         self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
         self.content = "initial"
@@ -138,10 +140,9 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
         return full_tensors(trainer.actor.model, rollout.dtype) if follows else initial.items()
 
     colocated = [RecordingModel(trainer.actor.worker)]
-    double = RecordingEngine(rollout.engine, rollout.model, expected_weights, colocated)
+    double = RecordingEngine(rollout.engine, rollout.engine.runner.model, expected_weights, colocated, follows)
     rollout.engine = double
-    rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker],
-                                releases_memory=True, follows_policy=follows)
+    rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker])
     rollout.state.to_trainer()
     trainer.train()
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims, init_distributed, pick_device
 from RL2.workers.fsdp import FSDPWorker
-from RL2.workers.rollout_worker import full_tensors
+from RL2.rollout.worker import full_tensors
 
 LENGTHS = (70, 12, 25, 33, 8, 19)  # the 70-token example exceeds one rank's budget under cp=2
 BUDGET = 80  # tokens of one micro-batch, whatever the layout: max_length_per_device = BUDGET // (cp * tp)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from RL2.workers import shared_memory_gather
-from RL2.workers.shared_memory_gather import SharedMemoryGather
+from RL2.engine import shared_memory_gather
+from RL2.engine.shared_memory_gather import SharedMemoryGather
 
 
 def expect_full_tensors(gather: SharedMemoryGather, model: torch.nn.Module, dtype: torch.dtype) -> None:

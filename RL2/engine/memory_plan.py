@@ -20,7 +20,7 @@ Servers are launched once the trainer's state is on the CPU, and SGLang gives we
 leaving the rest to SGLang's activations, CUDA graphs and sampling buffers (SGLang's own default
 sets aside at least 10 GB on GPUs over 60 GB).
 
-`python -m RL2.rollout.memory_plan` prints the README's table.
+`python -m RL2.engine.memory_plan` prints the README's table.
 """
 
 from dataclasses import dataclass

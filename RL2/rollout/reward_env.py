@@ -1,4 +1,4 @@
-"""Training on a plain reward function, and the step result of a reward.
+"""Training on a plain reward function: the function as a one-turn environment.
 
 `rollout.reward_fn=path/to/file.py:name` (or `package.module:name`; the name defaults to `reward`)
 trains single-turn on
@@ -17,26 +17,8 @@ import inspect
 from collections.abc import Callable
 from pathlib import Path
 
-from RL2.rewards.composite import call_reward
+from RL2.rewards.composite import call_reward, reward_step
 from RL2.rollout.env import Env, EnvError
-
-
-def reward_step(result: float | dict, extra_info: dict) -> dict:
-    """The `step` result that ends a trajectory with a reward function's result.
-
-    Args:
-        result: a number, or a dict with "reward", optionally "score", and parts (name -> number).
-        extra_info: what the step got (returned unchanged).
-    """
-    if isinstance(result, dict):
-        if "reward" not in result:
-            raise ValueError(f"a reward dict needs a 'reward' entry (the trained total); it has {sorted(result)}")
-        parts = {name: value for name, value in result.items() if name not in ("reward", "score")}
-        reward, score = result["reward"], result.get("score", result["reward"])
-    else:
-        reward, score, parts = result, result, {}
-    return {"next_state": None, "reward": reward, "score": score, "done": True, "extra_info": extra_info,
-            "reward_parts": parts}
 
 
 def reward_env(function: Callable, name: str = "reward function") -> Env:

@@ -13,7 +13,7 @@ reward 0 and are counted; engine errors propagate and stop the rollout.
 import asyncio
 import copy
 
-from RL2.rollout.client import EngineClient, EngineError
+from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
 from RL2.rollout.trajectory import Trajectory, Turn
 
@@ -22,7 +22,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 async def run_trajectory(
-    engine: EngineClient,
+    engine: Engine,
     env: Env,
     tokenizer,
     state: State | None,
@@ -91,7 +91,7 @@ async def run_trajectory(
 
 
 async def rollout_batch(
-    engine: EngineClient,
+    engine: Engine,
     env: Env,
     tokenizer,
     prompts: list[dict],
@@ -133,7 +133,7 @@ async def rollout_batch(
 
 
 async def partial_rollout_batch(
-    engine: EngineClient,
+    engine: Engine,
     env: Env,
     tokenizer,
     carried: list[list[Trajectory]],
@@ -268,7 +268,7 @@ async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, pro
     return trajectory
 
 
-async def _next_action(engine: EngineClient, tokenizer, trajectory: Trajectory, sampling_params: dict,
+async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampling_params: dict,
                        max_total_tokens: int | None) -> Turn:
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
@@ -296,7 +296,7 @@ async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
 
 
-async def _act(engine: EngineClient, tokenizer, input_ids: list[int], sampling_params: dict, room: int | None) -> Turn:
+async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict, room: int | None) -> Turn:
     """Sample one action after `input_ids`, with at most `room` new tokens."""
     params = dict(sampling_params)
     if room is not None:

@@ -4,7 +4,7 @@ Every rank keeps a plain (unsharded) copy of the policy for generation in an `Em
 out `prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with
 the whole rollout in prompt order (the packing of the update needs the global batch everywhere).
 With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
-`RL2/rollout/sglang_engine.py`): every rank still rolls out its share, over HTTP.
+`RL2/engine/sglang/engine.py`): every rank still rolls out its share, over HTTP.
 
 Every rollout goes through `RL2.rollout.engine_state.EngineState.sampling`, which makes sure the engine
 samples the policy's current weights and, with SGLang servers on the trainer's GPUs, hands the GPU
@@ -17,19 +17,18 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
-from RL2.models.embedded import resolve_model_path
-from RL2.rollout.client import EngineError
-from RL2.rollout.embedded_engine import EmbeddedEngine
-from RL2.rewards.reward_fn import load_reward_env
+from RL2.engine import start_engine
+from RL2.engine.protocol import EngineError
+from RL2.engine.shared_memory_gather import SharedMemoryGather
+from RL2.models.default_model import resolve_model_path
+from RL2.models.precision import compute_dtype
 from RL2.rollout.engine_state import EngineState
 from RL2.rollout.env import Env, load_env
-from RL2.rollout.rollout import partial_rollout_batch, rollout_batch
-from RL2.rollout.sglang_engine import SGLangEngine, resolve_engine
+from RL2.rollout.loop import partial_rollout_batch, rollout_batch
+from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory
-from RL2.workers.fsdp import FSDPWorker, compute_dtype
-from RL2.workers.shared_memory_gather import SharedMemoryGather
+from RL2.workers.fsdp import FSDPWorker
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,38 +72,12 @@ class RolloutWorker:
         self.cfg, self.tokenizer, self.device, self.policy = rollout_cfg, tokenizer, device, policy
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
-        model_path = resolve_model_path(model_cfg.model_name)
-        self.sglang = resolve_engine(rollout_cfg, device) == "sglang"
-        if self.sglang:
-            self.engine = self._start_sglang(rollout_cfg, model_path, list(colocated))
-            colocated = colocated if self.engine.colocated else []
-        else:
-            # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=self.dtype, attn_implementation="sdpa"
-            ).to(device).eval()
-            self.engine = EmbeddedEngine(self.model, tokenizer, max_running_requests=rollout_cfg.max_running_requests)
-            colocated = []
-        self.state = EngineState(
-            self.engine, policy, self._push_weights, colocated,
-            releases_memory=self.sglang and self.engine.colocated,
-            follows_policy=policy is not None and not (self.sglang and self.engine.weight_sync == "none"),
-        )
+        self.engine = start_engine(rollout_cfg, resolve_model_path(model_cfg.model_name), self.dtype, device,
+                                   tokenizer, colocated)
+        self.state = EngineState(self.engine, policy, self._push_weights,
+                                 colocated if self.engine.releases_memory else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
-
-    def _start_sglang(self, cfg, model_path: str, colocated: list[FSDPWorker]):
-        if cfg.server_url:
-            return SGLangEngine.connect(cfg, model_path)
-        # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
-        # trainer's models wait on the CPU meanwhile (EngineState.to_trainer brings them back).
-        for worker in colocated:
-            worker.offload()
-        engine = SGLangEngine.launch(cfg, model_path, self.dtype, self.device, seed=0)
-        if not engine.colocated:
-            for worker in colocated:
-                worker.onload()
-        return engine
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from RL2.models.embedded import cache_root
+from RL2.models.default_model import cache_root
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 # Not -ffast-math: results must stay IEEE. Without trapping math and errno, gcc may vectorise the

@@ -1,38 +1,17 @@
-"""Clients of an inference engine that speaks SGLang's native `/generate` protocol.
+"""The HTTP client of SGLang servers: `/generate` requests go to the least busy server.
 
-A rollout only needs `await engine.generate(payload) -> response`, with the request and response
-JSON of SGLang's `POST /generate`. `EmbeddedEngine` (in-process, CPU) serves it directly;
-`HTTPEngineClient` sends it to one or more SGLang servers.
+Requests and responses are SGLang's `POST /generate` JSON (`RL2.engine.protocol`).
 """
 
 import asyncio
 import uuid
-from typing import Protocol, runtime_checkable
 
 import httpx
 
+from RL2.engine.protocol import EngineError
+
 # Seconds to open a connection: a server that does not accept within this is taken as down.
 CONNECT_TIMEOUT = 10.0
-
-
-class EngineError(RuntimeError):
-    """The inference engine failed or could not be reached; the rollout cannot go on."""
-
-
-@runtime_checkable
-class EngineClient(Protocol):
-    """Anything that serves SGLang `/generate` payloads (`EmbeddedEngine`, `HTTPEngineClient`)."""
-
-    async def generate(self, payload: dict) -> dict:
-        """Serve one request.
-
-        Args:
-            payload: {"input_ids": [...], "sampling_params": {...}, "return_logprob": True}.
-
-        Returns:
-            {"text", "output_ids", "meta_info": {"output_token_logprobs", "finish_reason", ...}}.
-        """
-        ...
 
 
 class HTTPEngineClient:

@@ -20,8 +20,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from RL2.rollout.llama_forward import LlamaForward, attend_one_token, attention_bias, llama_forward_supported
-from RL2.rollout.packed_linear import ConcatLinear, PackedLinear, onednn_packing_works
+from RL2.engine.embedded.llama_forward import LlamaForward, attend_one_token, attention_bias, llama_forward_supported
+from RL2.engine.embedded.packed_linear import ConcatLinear, PackedLinear, onednn_packing_works
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
 # of a GRPO group) is computed once when it is at least this long; shorter ones cost less than

@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from RL2.rollout.model_runner import ModelRunner
-from RL2.rollout.sampling import (
+from RL2.engine.embedded.allocator import keep_freed_memory
+from RL2.engine.embedded.model_runner import ModelRunner
+from RL2.engine.embedded.sampling import (
     SamplingParams,
     finish_reason,
     output_text,
     sample_next_tokens,
     stop_tokens_to_ban,
 )
-from RL2.utils.allocator import keep_freed_memory
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192
@@ -107,13 +107,28 @@ class EmbeddedEngine:
         self._paused = False
         self._error: RuntimeError | None = None
         self._executor = (
-            None if _threads_fit_in_cores() else ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-engine")
+            None if threads_fit_in_cores() else ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-engine")
         )
         self._step_lock = threading.Lock()  # update_weights must not run during a step
         self._inflight: Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduler: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+
+    # The engine's memory is the process's own: nothing to give to the trainer, weights always current.
+    releases_memory = False
+    follows_policy = True
+
+    def release_memory(self, tags: Iterable[str]) -> None:
+        """No GPU memory to share with the trainer (see `RL2.engine.protocol.Engine`)."""
+
+    def resume_memory(self, tags: Iterable[str]) -> None:
+        """Nothing was released."""
+
+    @property
+    def running_lengths(self) -> list[int]:
+        """Tokens generated so far by each running request (for monitoring)."""
+        return [len(request.output_ids) for request in self._running]
 
     @property
     def steps_on_loop(self) -> bool:
@@ -359,7 +374,7 @@ class EmbeddedEngine:
         self._running = sorted(alive, key=lambda r: r.row)
 
 
-def _threads_fit_in_cores() -> bool:
+def threads_fit_in_cores() -> bool:
     """Whether every torch thread of every rank on this machine has a core of its own."""
     try:
         cores = len(os.sched_getaffinity(0))

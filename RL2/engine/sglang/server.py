@@ -19,7 +19,7 @@ import httpx
 from omegaconf import OmegaConf
 
 from RL2.config.errors import ConfigError
-from RL2.rollout.client import EngineError
+from RL2.engine.protocol import EngineError
 
 # Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
 RESERVED_ARGS = ("model_path", "port")

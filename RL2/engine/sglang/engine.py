@@ -11,7 +11,7 @@ them control requests (weight updates from disk, or none with `rollout.weight_sy
 Weight sync after each update (`rollout.weight_sync`):
 - tensor: `/update_weights_from_tensor`, bucket by bucket, each tensor-parallel rank handing its own
   GPU's copy to its server rank as a CUDA IPC handle (launched servers; by value on CPU). The payload
-  is written by `RL2.rollout.weight_transfer` without importing sglang, in the format of the server
+  is written by `RL2.engine.sglang.weight_transfer` without importing sglang, in the format of the server
   versions it lists; a launched server's version is checked at start.
 - disk: the lowest rank of each host writes a Hugging Face folder that the servers of that host
   read with `/update_weights_from_disk`.
@@ -19,7 +19,7 @@ Weight sync after each update (`rollout.weight_sync`):
 
 Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
 trainer's state is off the GPU and take `mem_fraction_static` of the free memory for weights and KV
-cache (`RL2.rollout.memory_plan`); `RL2.rollout.engine_state` then releases and resumes their memory
+cache (`RL2.engine.memory_plan`); `RL2.rollout.engine_state` then releases and resumes their memory
 (`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
 endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
@@ -49,10 +49,11 @@ import torch
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
-from RL2.rollout.client import EngineError, HTTPEngineClient
-from RL2.rollout.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
-from RL2.rollout.sglang_server import SGLangServer, check_server_args
-from RL2.rollout.weight_transfer import (
+from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
+from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.server import SGLangServer, check_server_args
+from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,
     flatten_bucket,
@@ -143,6 +144,16 @@ class SGLangEngine:
         self._folder: Path | None = None  # the newest weights folder written by this rank
         atexit.register(self.shutdown)
 
+    @property
+    def releases_memory(self) -> bool:
+        """Servers on the trainer's GPUs give their memory to training between rollouts."""
+        return self.colocated
+
+    @property
+    def follows_policy(self) -> bool:
+        """With `rollout.weight_sync=none` the servers keep the weights they started with."""
+        return self.weight_sync != "none"
+
     # ---- construction (collective) ----
 
     @classmethod
@@ -150,7 +161,7 @@ class SGLangEngine:
         """Start one server per group of `tp_size` ranks and connect every rank to all of them.
 
         On GPU, call it while the trainer's state is off the GPU: a server sizes its KV cache from the
-        memory free at its start (see `RL2.rollout.memory_plan`).
+        memory free at its start (see `RL2.engine.memory_plan`).
 
         Args:
             cfg: the `rollout` config.
@@ -369,7 +380,7 @@ def _check_weight_sync(requested: str) -> None:
 
 def _launched_weight_sync(requested: str, device: torch.device, versions: set[str]) -> str:
     """`rollout.weight_sync` for launched servers: tensor needs a server version whose payload format
-    `RL2.rollout.weight_transfer` writes; auto is tensor on GPU when the servers have one, else disk."""
+    `RL2.engine.sglang.weight_transfer` writes; auto is tensor on GPU when the servers have one, else disk."""
     unsupported = sorted(v for v in versions if v not in FLATTENED_BUCKET_VERSIONS) or ([] if versions else ["unknown"])
     if requested == "tensor" and unsupported:
         raise ConfigError(

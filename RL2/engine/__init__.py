@@ -1,0 +1,53 @@
+"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`):
+
+- `embedded/`: the in-process engine (continuous batching over the model's own forward, C kernels
+  for float32 decode steps on CPU, a sampler and stop rules that follow SGLang's);
+- `sglang/`: SGLang servers, launched on the trainer's GPUs or already running, with their weight
+  transfer;
+- `shared_memory_gather.py`: how ranks on one CPU host exchange their FSDP shards for a weight sync;
+- `memory_plan.py`: the GPU memory of training colocated with SGLang servers, phase by phase.
+
+`start_engine` picks and builds one; everything after that goes through the protocol.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from RL2.engine.protocol import Engine
+
+
+def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
+                 colocated: Sequence = ()) -> Engine:
+    """This rank's engine, as `rollout.engine` says (collective for SGLang).
+
+    Args:
+        rollout_cfg: the `rollout` config.
+        model_path: the policy's initial weights (a Hugging Face folder).
+        dtype: the engine's compute dtype.
+        device: this rank's device.
+        tokenizer: the policy's tokenizer (the embedded engine decodes with it).
+        colocated: the trainer's models on this rank's GPU (with `offload()` and `onload()`): they wait
+            on the CPU while SGLang servers launched on the same GPUs size their memory.
+    """
+    from RL2.engine.sglang.engine import SGLangEngine, resolve_engine
+
+    if resolve_engine(rollout_cfg, device) == "embedded":
+        from transformers import AutoModelForCausalLM
+
+        from RL2.engine.embedded.engine import EmbeddedEngine
+
+        # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        return EmbeddedEngine(model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests)
+    if rollout_cfg.server_url:
+        return SGLangEngine.connect(rollout_cfg, model_path)
+    # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
+    # trainer's models wait on the CPU meanwhile (`EngineState.to_trainer` brings them back).
+    for worker in colocated:
+        worker.offload()
+    engine = SGLangEngine.launch(rollout_cfg, model_path, dtype, device, seed=0)
+    if not engine.releases_memory:
+        for worker in colocated:
+            worker.onload()
+    return engine
