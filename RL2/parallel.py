@@ -149,12 +149,6 @@ class ParallelDims:
         self.build_mesh()
         return self.dp_mesh.get_local_rank()
 
-    @property
-    def grad_divide_factor(self) -> int:
-        """FSDP averages gradients over ddp * fsdp * cp ranks; losses are pre-normalised over the global
-        batch, so the trainer multiplies them by this factor to turn the average back into a sum."""
-        return self.ddp * self.fsdp * self.cp
-
     @classmethod
     def from_config(cls, model_cfg, device: torch.device) -> "ParallelDims":
         return cls(

@@ -64,7 +64,7 @@ def worker(args) -> None:
         dist.barrier()
         began = time.perf_counter()
         for mb in micro:
-            (-(packed_logps(model.model, mb) * mb.loss_weights).sum() * dims.grad_divide_factor).backward()
+            model.backward(-(packed_logps(model.model, mb) * mb.loss_weights).sum())
         grad_bytes = local_bytes(p.grad for p in model.model.parameters() if p.grad is not None)
         model.optimizer_step()
         dist.barrier()

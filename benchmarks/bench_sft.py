@@ -56,7 +56,7 @@ def worker(args) -> None:
     for step in range(args.steps + 1):  # the first step warms up
         began = time.perf_counter()
         for mb in micro_batches:
-            (-(packed_logps(model.model, mb) * mb.loss_weights).sum() * dims.grad_divide_factor).backward()
+            model.backward(-(packed_logps(model.model, mb) * mb.loss_weights).sum())
         model.optimizer_step()
         dist.barrier()
         times.append(time.perf_counter() - began)

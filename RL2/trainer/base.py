@@ -127,15 +127,6 @@ class Trainer:
         self.save_learning_curve()
         self.sink.close()
 
-    def sum_over_data(self, value: float) -> float:
-        """Sum a per-rank partial (e.g. a loss already normalised over the global batch) over all ranks.
-
-        Ranks that differ only in cp or tp hold the same value, so the sum runs over the data-parallel
-        group alone.
-        """
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, group=self.dims.dp_mesh.get_group())
-        return tensor.item()
 
 
 def quiet_third_party_progress() -> None:

@@ -22,7 +22,7 @@ class DPOTrainer(PairwiseTrainer):
     def sequence_scores(self, mb):
         with torch.no_grad():
             ref_logps = packed_logps(self.ref.model, mb)
-        logps = packed_logps(self.model.model, mb)
+        logps = packed_logps(self.worker.model, mb)
         return {
             "logps": per_sequence_sum(logps * mb.loss_mask, mb),
             "ref_logps": per_sequence_sum(ref_logps * mb.loss_mask, mb),

@@ -20,7 +20,7 @@ class ORPOTrainer(PairwiseTrainer):
     )
 
     def sequence_scores(self, mb):
-        logps = packed_logps(self.model.model, mb)
+        logps = packed_logps(self.worker.model, mb)
         n_tokens = per_sequence_sum(mb.loss_mask, mb)
         return {"avg_logps": per_sequence_sum(logps * mb.loss_mask, mb) / n_tokens.clamp(min=1)}
 

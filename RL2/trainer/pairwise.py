@@ -16,6 +16,7 @@ from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.trainer.base import Trainer
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
+from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 def per_sequence_sum(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -43,10 +44,10 @@ class PairwiseTrainer(Trainer):
         self.train_data, self.test_data = load_splits(cfg.data, pair_row_tokenizer(self.tokenizer), cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
-        self.model = self.build_model(model_cfg)
+        self.worker = self.build_worker(model_cfg)
 
     # --- what a preference trainer defines ------------------------------------------------------
-    def build_model(self, model_cfg) -> FSDPWorker:
+    def build_worker(self, model_cfg) -> FSDPWorker:
         return FSDPWorker(model_cfg, self.dims, self.device, self.n_steps)
 
     def sequence_scores(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ class PairwiseTrainer(Trainer):
 
     # --- shared ---------------------------------------------------------------------------------
     def workers(self) -> dict:
-        return {self.model_key: self.model}
+        return {self.model_key: self.worker}
 
     def train(self) -> None:
         self.run(self.n_steps)
@@ -70,39 +71,33 @@ class PairwiseTrainer(Trainer):
         micro_batches = pack(SequenceBatch.from_examples(examples), self.dims.dp_rank, self.dims.dp,
                              self.cfg[self.model_key].max_length_per_device, units=units,
                              seq_parallel=self.dims.seq_parallel)
-        totals = defaultdict(float)
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            with torch.set_grad_enabled(train):
-                scores = self.sequence_scores(mb)
-                if mb.sequence_ids:
-                    chosen = {k: v[0::2] for k, v in scores.items()}
-                    rejected = {k: v[1::2] for k, v in scores.items()}
-                    losses, metrics = self.pair_losses(chosen, rejected)
-                    loss = losses.sum() / len(pairs)
-                else:  # a padding micro-batch: no pairs, but backward must still run on every rank
-                    loss, metrics = sum(v.sum() for v in scores.values()) * 0.0, {}
-            if train:
-                self.model.backward(loss * self.dims.grad_divide_factor)
-            totals["loss"] += loss.item() * len(pairs)
-            for key, value in metrics.items():
-                totals[key] += value.sum().item()
-        return {key: self.sum_over_data(value) / len(pairs) for key, value in sorted(totals.items())}
+
+        def loss_fn(mb):
+            scores = self.sequence_scores(mb)
+            if not mb.sequence_ids:  # a padding micro-batch: no pairs, but backward must still run on every rank
+                return sum(v.sum() for v in scores.values()) * 0.0, {}
+            losses, metrics = self.pair_losses({k: v[0::2] for k, v in scores.items()},
+                                               {k: v[1::2] for k, v in scores.items()})
+            return losses.sum() / len(pairs), {"loss": losses.sum().detach()} | {k: v.sum() for k, v in metrics.items()}
+
+        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro_batches, loss_fn, train), self.dims,
+                                     self.device)
+        return {key: value / len(pairs) for key, value in sorted(totals.items())}
 
     def train_step(self, step: int) -> dict[str, float]:
         pairs = [self.train_data[i] for i in self.sampler.batch(step - 1)]
         metrics = {f"train/{k}": v for k, v in self.pairs_pass(pairs, train=True).items()}
-        stats = self.model.optimizer_step()
+        stats = self.worker.optimizer_step()
         return {**metrics, "train/grad_norm": stats["grad_norm"], "train/lr": stats["lr"]}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
             return {}
-        self.model.model.eval()
+        self.worker.model.eval()
         totals = defaultdict(float)
         for pairs in batches(self.test_data, max(self.cfg.data.test.batch_size, self.dims.dp)):
             for key, value in self.pairs_pass(pairs, train=False).items():
                 totals[key] += value * len(pairs)
-        self.model.model.train()
+        self.worker.model.train()
         return {f"test/{k}": v / len(self.test_data) for k, v in totals.items()}

@@ -25,7 +25,7 @@ def sequence_rewards(model, mb: MicroBatch):
 class RMTrainer(PairwiseTrainer):
     model_key = "critic"
 
-    def build_model(self, model_cfg) -> FSDPWorker:
+    def build_worker(self, model_cfg) -> FSDPWorker:
         worker = scalar_head_worker(model_cfg, self.dims, self.device, self.n_steps)
         # The Bradley-Terry loss does not change when every reward shifts by a constant, so the head's
         # bias gets only round-off gradients, which Adam would amplify into a random walk. Pin it at 0.
@@ -37,7 +37,7 @@ class RMTrainer(PairwiseTrainer):
         return worker
 
     def sequence_scores(self, mb):
-        return {"rewards": sequence_rewards(self.model.model, mb)}
+        return {"rewards": sequence_rewards(self.worker.model, mb)}
 
     def pair_losses(self, chosen, rejected):
         margin = (chosen["rewards"] - rejected["rewards"]).detach()

@@ -14,6 +14,7 @@ from RL2.models.logps import packed_logps
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
+from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 class SFTTrainer(Trainer):
@@ -40,27 +41,28 @@ class SFTTrainer(Trainer):
         """Per-token loss `[1, T]`: the negative log-likelihood of each label."""
         return -packed_logps(self.actor.model, mb)
 
-    def nll(self, examples: list[dict], train: bool) -> tuple[float, int]:
-        """`token_losses` averaged as actor.avg_level says, over all ranks; backward when training."""
+    def batch_loss(self, examples: list[dict], train: bool) -> tuple[float, int]:
+        """`token_losses` averaged over the global batch as actor.avg_level says; backward when training.
+
+        Returns:
+            (the loss, the tokens of the batch).
+        """
         batch = SequenceBatch.from_examples(examples)
         micro_batches = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device,
                              train_weights(batch, self.cfg.actor.avg_level), seq_parallel=self.dims.seq_parallel)
-        loss_sum, n_tokens = 0.0, 0
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            with torch.set_grad_enabled(train):
-                loss = (self.token_losses(mb) * mb.loss_weights).sum()
-            if train:
-                # FSDP averages gradients over data ranks; the loss is already a global-batch average.
-                self.actor.backward(loss * self.dims.grad_divide_factor)
-            loss_sum += loss.item()
-            n_tokens += mb.input_ids.numel()
-        return self.sum_over_data(loss_sum), int(self.sum_over_data(n_tokens))
+
+        def loss_fn(mb):
+            loss = (self.token_losses(mb) * mb.loss_weights).sum()
+            return loss, {"loss": loss.detach(), "tokens": mb.input_ids.numel()}
+
+        totals = sum_over_data_ranks(run_micro_batches(self.actor, micro_batches, loss_fn, train), self.dims,
+                                     self.device)
+        return totals["loss"], int(totals["tokens"])
 
     def train_step(self, step: int) -> dict[str, float]:
         began = time.perf_counter()
         batch = [self.train_data[i] for i in self.sampler.batch(step - 1)]
-        loss, n_tokens = self.nll(batch, train=True)
+        loss, n_tokens = self.batch_loss(batch, train=True)
         stats = self.actor.optimizer_step()
         elapsed = time.perf_counter() - began
         return {
@@ -78,7 +80,7 @@ class SFTTrainer(Trainer):
         self.actor.model.eval()
         batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
         losses = [
-            (self.nll(batch, train=False)[0], len(batch)) for batch in batches(self.test_data, batch_size)
+            (self.batch_loss(batch, train=False)[0], len(batch)) for batch in batches(self.test_data, batch_size)
         ]
         self.actor.model.train()
         return {"test/loss": sum(loss * n for loss, n in losses) / len(self.test_data)}

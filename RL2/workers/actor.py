@@ -7,7 +7,6 @@ compute advantages on the whole batch, with the pure functions of `RL2.algs`. Th
 the one `actor.policy_loss` names (`POLICY_LOSSES`).
 """
 
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -22,6 +21,7 @@ from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 # ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the choices
 # are declared in RL2/config/ppo_schema.py). Each reads its own config keys.
@@ -97,15 +97,12 @@ def per_token_pass(
     return values.cpu()
 
 
-def weighted_means(totals: dict[str, float], dims: ParallelDims, device: torch.device) -> dict[str, float]:
-    """Sums over micro-batches and ranks of loss-weighted figures -> their weighted means over the batch.
+def weighted_means(summed: dict[str, float]) -> dict[str, float]:
+    """Sums over the batch of loss-weighted figures -> their weighted means over the batch.
 
     Losses stay as they are (the objective); other metrics are divided by the total weight, which is
     1 except for avg_level=constant.
     """
-    summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(summed, group=dims.dp_mesh.get_group())  # cp and tp ranks of a dp group hold the same sums
-    summed = dict(zip(totals, summed.tolist()))
     weight = max(summed.pop("weight"), 1e-12)
     return {k: v if k.startswith("loss") else v / weight for k, v in summed.items()}
 
@@ -147,7 +144,7 @@ class Actor:
         return {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
-        cfg, totals = self.cfg, defaultdict(float)
+        cfg = self.cfg
         weights = train_weights(batch, cfg.avg_level, self.response_budget)
         units = trajectory_units(batch, cfg.max_length_per_device * self.dims.seq_parallel, cfg.policy_loss) if (
             cfg.policy_loss in TRAJECTORY_LEVEL_LOSSES) else None
@@ -155,15 +152,10 @@ class Actor:
         batch = replace(batch, tokens=batch.tokens | {"sample_of_label": batch.sample_of_label})
         micro = pack(batch, self.dims.dp_rank, self.dims.dp, cfg.max_length_per_device, weights, units=units,
                      seq_parallel=self.dims.seq_parallel)
-        for mb in micro:
-            mb = mb.to(self.device)
-            loss, metrics = self._micro_batch_loss(mb)
-            self.worker.backward(loss * self.dims.grad_divide_factor)
-            for key, value in metrics.items():
-                totals[key] += float(value)
-            totals["weight"] += mb.loss_weights.sum().item()
+        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro, self._micro_batch_loss), self.dims,
+                                     self.device)
         stats = self.worker.optimizer_step()
-        return weighted_means(totals, self.dims, self.device) | {"grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return weighted_means(totals) | {"grad_norm": stats["grad_norm"], "lr": stats["lr"]}
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""
@@ -190,4 +182,5 @@ class Actor:
         metrics["entropy"] = (entropy.detach() * weights).sum()
         loss = (losses * weights).sum()
         metrics["loss"] = loss.detach()
+        metrics["weight"] = weights.sum()
         return loss, metrics

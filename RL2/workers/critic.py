@@ -4,8 +4,6 @@
 the head's output at the position that predicts it.
 """
 
-from collections import defaultdict
-
 import torch
 
 from RL2.algs.policy_loss import value_loss
@@ -15,6 +13,7 @@ from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import per_token_pass, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
+from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 class Critic:
@@ -48,18 +47,17 @@ class Critic:
         return {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
-        totals = defaultdict(float)
         weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
-        for mb in pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
-                       seq_parallel=self.dims.seq_parallel):
-            mb = mb.to(self.device)
-            values = self.forward_values(mb)
-            losses = value_loss(values, mb.extra("values"), mb.extra("returns"), mb.loss_weights,
-                                clip=self.cfg.value_clip)
-            loss = (losses * mb.loss_weights).sum()
-            self.worker.backward(loss * self.dims.grad_divide_factor)
-            totals["loss"] += loss.item()
-            totals["value_mean"] += (values.detach() * mb.loss_weights).sum().item()
-            totals["weight"] += mb.loss_weights.sum().item()
+        micro = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
+                     seq_parallel=self.dims.seq_parallel)
+        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro, self._micro_batch_loss), self.dims,
+                                     self.device)
         stats = self.worker.optimizer_step()
-        return weighted_means(totals, self.dims, self.device) | {"grad_norm": stats["grad_norm"]}
+        return weighted_means(totals) | {"grad_norm": stats["grad_norm"]}
+
+    def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = self.forward_values(mb)
+        losses = value_loss(values, mb.extra("values"), mb.extra("returns"), mb.loss_weights, clip=self.cfg.value_clip)
+        loss = (losses * mb.loss_weights).sum()
+        return loss, {"loss": loss.detach(), "value_mean": (values.detach() * mb.loss_weights).sum(),
+                      "weight": mb.loss_weights.sum()}

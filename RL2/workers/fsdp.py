@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -154,6 +154,7 @@ class FSDPWorker(Stateful):
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        sum_gradients_over_ranks(model)
         return layout
 
     def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
@@ -307,6 +308,19 @@ class FSDPWorker(Stateful):
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
         dist.barrier()
+
+
+def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
+    """Make FSDP sum the ranks' gradients instead of averaging them.
+
+    Every loss is already weighted for the whole global batch (`RL2.algs.averaging`), so the sum of
+    the ranks' gradients is the batch's gradient; FSDP's default average would divide it by the number
+    of ranks that shard the model. Sums only: gloo has no pre-scaled reduction.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,

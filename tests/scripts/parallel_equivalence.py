@@ -68,7 +68,7 @@ def run_layout(spec: str, device: torch.device) -> dict | None:
         out = forward_packed(worker.model, mb, trained_only=trained_only)
         logps, entropy = out.logps_and_entropy(entropy_grad=True)
         loss = ((-logps - ENTROPY_COEF * entropy) * mb.loss_weights).sum()
-        (loss * dims.grad_divide_factor).backward()
+        loss.backward()
         loss_sum += loss.item()
         for index, lp, ent in zip(mb.sequence_ids, mb.unpack(logps.detach()), mb.unpack(entropy.detach())):
             local[index] = (lp, ent)

@@ -22,7 +22,7 @@ pairs = trainer.train_data[:5]
 packed = trainer.pairs_pass(pairs, train=False)
 
 trained = AutoModelForCausalLM.from_pretrained(cfg.actor.model_name, attn_implementation="eager", dtype=torch.float64)
-trained.load_state_dict({k: v.double() for k, v in trainer.model.full_state_dict().items()}, strict=False)
+trained.load_state_dict({k: v.double() for k, v in trainer.worker.full_state_dict().items()}, strict=False)
 initial = AutoModelForCausalLM.from_pretrained(cfg.actor.model_name, attn_implementation="eager", dtype=torch.float64)
 
 
