@@ -179,6 +179,15 @@ class RolloutBatch(SequenceBatch):
     def n_groups(self) -> int:
         return int(self.group_ids[-1]) + 1 if len(self.group_ids) else 0
 
+    @property
+    def group_size(self) -> int:
+        """Trajectories per prompt group: the same for every group of a rollout."""
+        sizes = torch.bincount(self.group_ids)
+        if len(sizes) and not (sizes == sizes[0]).all():
+            raise ValueError(f"the groups of a rollout hold {sorted(set(sizes.tolist()))} trajectories; they must "
+                             f"all hold rollout.responses_per_prompt")
+        return int(sizes[0]) if len(sizes) else 0
+
     def add_rewards(self, extra: Tensor) -> None:
         """Add `[n_samples]` to each trajectory's reward, once: to its total and to its last turn."""
         self.rewards = self.rewards + extra

@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from RL2.algs.advantages import gae, masked_whiten, mc, reinforce, reinforce_plus_plus, rloo
+from RL2.algs.advantages import gae, grpo, masked_whiten, mc, reinforce_plus_plus, rloo
 from RL2.algs.reward_shaping import length_penalty, overlong_penalty
 
 
@@ -77,38 +77,31 @@ def test_gae_matches_reference_loop(seed, gamma, lamda):
 
 # ------------------------------------------------------------------------ GRPO / Dr. GRPO / RLOO
 
-# Groups are interleaved and of different sizes; group 1 is a singleton.
-SCORES = [1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 5.0]
-GROUPS = [3, 7, 3, 3, 7, 3, 1]
-# Group 3 (indices 0, 2, 3, 5): scores 1, 0, 1, 1, mean 0.75, unbiased std sqrt(0.75 / 3) = 0.5.
-# Group 7 (indices 1, 4): scores 0, 2, mean 1, unbiased std sqrt(2 / 1) = sqrt(2).
-DR_GRPO = [0.25, -1.0, -0.75, 0.25, 1.0, 0.25, 0.0]
-GRPO = [
-    0.25 / (0.5 + 1e-6),
-    -1.0 / (math.sqrt(2) + 1e-6),
-    -0.75 / (0.5 + 1e-6),
-    0.25 / (0.5 + 1e-6),
-    1.0 / (math.sqrt(2) + 1e-6),
-    0.25 / (0.5 + 1e-6),
-    0.0,
-]
+# Two prompts with four samples each.
+SCORES = [[1.0, 0.0, 1.0, 1.0], [0.0, 2.0, 2.0, 0.0]]
+# Prompt 0: mean 0.75, unbiased std sqrt(0.75 / 3) = 0.5. Prompt 1: mean 1, unbiased std sqrt(4 / 3).
+DR_GRPO = [[0.25, -0.75, 0.25, 0.25], [-1.0, 1.0, 1.0, -1.0]]
+GRPO = [[a / (0.5 + 1e-6) for a in DR_GRPO[0]], [a / (math.sqrt(4 / 3) + 1e-6) for a in DR_GRPO[1]]]
 
 
-def test_reinforce_dr_grpo_group_mean_baseline():
-    adv = reinforce(_t(SCORES), torch.tensor(GROUPS), norm_var=False)
-    torch.testing.assert_close(adv, _t(DR_GRPO))
+def test_dr_grpo_group_mean_baseline():
+    torch.testing.assert_close(grpo(_t(SCORES), norm_var=False), _t(DR_GRPO))
 
 
-def test_reinforce_grpo_divides_by_unbiased_group_std():
-    adv = reinforce(_t(SCORES), torch.tensor(GROUPS), norm_var=True)
-    torch.testing.assert_close(adv, _t(GRPO))
+def test_grpo_divides_by_unbiased_group_std():
+    torch.testing.assert_close(grpo(_t(SCORES), norm_var=True), _t(GRPO))
 
 
 def test_rloo_leave_one_out_baseline():
-    # Group 3: index 0 -> 1 - (0 + 1 + 1) / 3 = 1/3; index 2 -> 0 - 1 = -1; indices 3, 5 -> 1/3.
-    # Group 7: index 1 -> 0 - 2 = -2; index 4 -> 2 - 0 = 2. Singleton group 1 -> 0.
-    adv = rloo(_t(SCORES), torch.tensor(GROUPS))
-    torch.testing.assert_close(adv, _t([1 / 3, -2.0, -1.0, 1 / 3, 2.0, 1 / 3, 0.0]))
+    # Prompt 0: 1 - (0 + 1 + 1) / 3 = 1/3; 0 - 1 = -1. Prompt 1: 0 - 4/3; 2 - 2/3 = 4/3.
+    expected = [[1 / 3, -1.0, 1 / 3, 1 / 3], [-4 / 3, 4 / 3, 4 / 3, -4 / 3]]
+    torch.testing.assert_close(rloo(_t(SCORES)), _t(expected))
+
+
+def test_a_group_of_one_sample_gets_no_advantage():
+    one = _t([[3.0], [1.0]])
+    for advantages in (grpo(one, norm_var=False), grpo(one, norm_var=True), rloo(one)):
+        torch.testing.assert_close(advantages, torch.zeros(2, 1))
 
 
 # ------------------------------------------------------------------------------------ REINFORCE++

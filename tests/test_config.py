@@ -46,10 +46,10 @@ CISPO_RECIPE = ["actor.policy_loss=cispo", "adv.norm_var=true", "actor.avg_level
 
 
 def ppo_config(argv):
-    from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
+    from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 
     cfg = parse_config(PPOConfig, "ppo", argv)
-    check_ppo_choices(cfg)
+    check_ppo_config(cfg)
     return cfg
 
 
@@ -80,3 +80,17 @@ def test_gspo_and_cispo_defaults_are_the_papers():
     cfg = ppo_config(["actor.policy_loss=gspo"])
     assert (cfg.actor.gspo.clip_low, cfg.actor.gspo.clip_high) == (3e-4, 4e-4)  # GSPO sec. 5.1
     assert cfg.actor.cispo.clip_low is None  # MiniMax-M1 bounds the weight from above only
+
+
+def test_every_registry_serves_exactly_the_choices_its_key_declares():
+    """Where a config string meets code, the registry and the schema's choices name the same things."""
+    from RL2.algs.kl import KL_ESTIMATORS
+    from RL2.config.cli import all_keys
+    from RL2.config.ppo_schema import PPOConfig
+    from RL2.trainer.ppo_advantages import ESTIMATORS
+    from RL2.workers.actor import POLICY_LOSSES
+
+    choices = {key.name: set(key.choices) for key in all_keys(PPOConfig) if key.choices}
+    assert choices["adv.estimator"] == set(ESTIMATORS)
+    assert choices["actor.policy_loss"] == set(POLICY_LOSSES)
+    assert choices["actor.kl.estimator"] == set(KL_ESTIMATORS)

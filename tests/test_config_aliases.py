@@ -259,7 +259,7 @@ def test_default_algorithm_is_dr_grpo():
     """Dr. GRPO (arXiv 2503.20783): group-mean baseline, no division by the group std, token-level average."""
     for cfg in (OmegaConf.structured(PPOConfig), parse_config(PPOConfig, "ppo", [])):
         assert (cfg.adv.estimator, cfg.adv.norm_var, cfg.actor.avg_level) == ("reinforce", False, "token")
-    help_text = dict((key, text) for key, _, text in all_keys(PPOConfig))["adv.norm_var"]
+    help_text = {key.name: key.help for key in all_keys(PPOConfig)}["adv.norm_var"]
     assert "Dr. GRPO" in help_text
 
 

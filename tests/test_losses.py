@@ -8,14 +8,9 @@ import torch
 
 from RL2.algs.kl import KL_ESTIMATORS, compute_kl, k1, k2, k3
 from RL2.algs.averaging import AVERAGING_LEVELS, loss_weights
-from RL2.algs.policy_loss import (
-    cispo_loss,
-    entropy_from_logits,
-    gspo_loss,
-    ppo_loss,
-    truncated_is_weights,
-    value_loss,
-)
+from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss, truncated_is_weights
+from RL2.algs.value_loss import value_loss
+from RL2.models.chunked_logps import entropy
 
 
 def _t(x):
@@ -330,12 +325,12 @@ def test_entropy_matches_direct_sum():
             z = sum(math.exp(v) for v in vec)
             p = [math.exp(v) / z for v in vec]
             expected[-1].append(-sum(pi * math.log(pi) for pi in p))
-    torch.testing.assert_close(entropy_from_logits(logits), _t(expected))
+    torch.testing.assert_close(entropy(logits), _t(expected))
 
 
 def test_entropy_is_stable_for_extreme_and_masked_logits():
     logits = _t([[0.0, 0.0, float("-inf")], [1000.0, 0.0, -1000.0]]).requires_grad_()
-    ent = entropy_from_logits(logits)
+    ent = entropy(logits)
     torch.testing.assert_close(ent, _t([math.log(2.0), 0.0]))
     ent.sum().backward()
     assert torch.isfinite(logits.grad).all()

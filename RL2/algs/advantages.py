@@ -6,8 +6,7 @@ Layout convention (shared by every module in `RL2.algs`):
   padding, and, in multi-turn dialogues, the environment's tokens between two turns);
 - token t's logprob/value/reward belongs to the action token at position t;
 - trajectory-level tensors (one number per sample, e.g. a verifier score) are 1-D `[batch]`;
-- GRPO-like estimators take `group_ids [batch]`, a LongTensor where samples of the same prompt share
-  an id. Ids need not be contiguous or sorted, and groups may have different sizes.
+- GRPO-like estimators take the scores of the samples of each prompt as one row, `[G, n]`.
 
 `gae` returns `(advantages, returns)`, every other estimator one tensor. `adv.estimator` names
 them in `RL2.trainer.ppo_advantages`, which feeds each one a rollout's trajectories.
@@ -85,31 +84,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Group statistics (GRPO-like estimators)
-# ---------------------------------------------------------------------------------------------
-
-
-def _group_sum(x: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sample sum and size of the sample's group, both `[B]`."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    sums = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
-    counts = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(
-        0, inverse, torch.ones_like(x)
-    )
-    return sums[inverse], counts[inverse]
-
-
-def _group_mean_std(x: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample group mean, unbiased group std (0 for groups of size 1) and group size."""
-    sums, counts = _group_sum(x, group_ids)
-    mean = sums / counts
-    sq_dev, _ = _group_sum((x - mean).pow(2), group_ids)
-    std = (sq_dev / (counts - 1).clamp(min=1.0)).sqrt()
-    return mean, std, counts
-
-
-# ---------------------------------------------------------------------------------------------
 # Estimators
 # ---------------------------------------------------------------------------------------------
 
@@ -143,44 +117,42 @@ def gae(
     return advantages, returns
 
 
-def reinforce(scores: Tensor, group_ids: Tensor, norm_var: bool) -> Tensor:
-    """Group-mean baseline of GRPO (arXiv 2402.03300) and Dr. GRPO (arXiv 2503.20783).
+def grpo(scores: Tensor, norm_var: bool) -> Tensor:
+    """Group-relative advantages of GRPO (arXiv 2402.03300) and Dr. GRPO (arXiv 2503.20783).
 
-    A_i = s_i - mean_{group(i)} s. With `norm_var` (GRPO) A_i is divided by the group's unbiased
-    std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right or
-    all wrong. A sample alone in its group gets advantage 0.
+    A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
+    unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
+    or all wrong. A group of one sample gets advantage 0.
 
     Args:
-        scores: `[B]` trajectory scores.
-        group_ids: `[B]` LongTensor, samples of the same prompt share an id.
+        scores: `[G, n]` the scores of the n samples of each of G prompts.
         norm_var: divide by the group std.
 
     Returns:
-        `[B]` advantages.
+        `[G, n]` advantages.
     """
-    mean, std, _ = _group_mean_std(scores, group_ids)
-    advantages = scores - mean
-    if norm_var:
-        advantages = advantages / (std + GROUP_STD_EPS)
+    advantages = scores - scores.mean(-1, keepdim=True)
+    if norm_var and scores.shape[-1] > 1:
+        advantages = advantages / (scores.std(-1, keepdim=True) + GROUP_STD_EPS)
     return advantages
 
 
-def rloo(scores: Tensor, group_ids: Tensor) -> Tensor:
+def rloo(scores: Tensor) -> Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
 
     The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1). A sample alone in its group gets advantage 0.
+    A_i = s_i - (sum_group - s_i) / (n - 1). A group of one sample gets advantage 0.
 
     Args:
-        scores: `[B]` trajectory scores.
-        group_ids: `[B]` LongTensor, samples of the same prompt share an id.
+        scores: `[G, n]` the scores of the n samples of each of G prompts.
 
     Returns:
-        `[B]` advantages.
+        `[G, n]` advantages.
     """
-    sums, counts = _group_sum(scores, group_ids)
-    baseline = (sums - scores) / (counts - 1).clamp(min=1.0)
-    return torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
+    n = scores.shape[-1]
+    if n < 2:
+        return torch.zeros_like(scores)
+    return scores - (scores.sum(-1, keepdim=True) - scores) / (n - 1)
 
 
 def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:

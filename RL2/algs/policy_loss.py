@@ -1,4 +1,4 @@
-"""Actor and critic losses as pure tensor functions.
+"""Policy losses as pure tensor functions.
 
 Layout convention: token-level tensors are `[..., T]` float tensors (padded rows, or packed labels)
 with a `mask` (1.0 on the action tokens that count, 0.0 elsewhere; non-negative token weights also
@@ -13,7 +13,6 @@ sampling correction between the rollout engine and the trainer.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from RL2.algs.kl import k3
@@ -246,46 +245,3 @@ def cispo_loss(
     loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
     metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
     return loss * (mask > 0), metrics
-
-
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = None
-) -> Tensor:
-    """PPO critic loss 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), per token.
-
-    Value clipping as in the PPO reference implementation (OpenAI baselines ppo2): the new value may
-    not move more than `clip` from the old one to reduce the loss.
-
-    Args:
-        values: `[B, T]` current value predictions (with grad).
-        old_values: `[B, T]` values at rollout time.
-        returns: `[B, T]` regression targets (e.g. the returns of `gae`).
-        mask: `[B, T]` 1.0 on action tokens.
-        clip: clip range, or None for a plain squared error.
-
-    Returns:
-        `[B, T]` losses, 0 where `mask` is 0.
-    """
-    loss = (values - returns).pow(2)
-    if clip is not None:
-        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
-        loss = torch.maximum(loss, (clipped_values - returns).pow(2))
-    return 0.5 * loss * (mask > 0)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy -sum_v p_v log p_v of the softmax over the last dimension.
-
-    Computed from `log_softmax`, which never forms exp of a large logit; logits of -inf (masked
-    vocabulary entries) contribute 0 instead of 0 * -inf = nan.
-
-    Args:
-        logits: `[..., V]` unnormalised logits. Cast to float32 first if they are bf16: the sum
-            over a large vocabulary loses precision otherwise.
-
-    Returns:
-        `[...]` entropies.
-    """
-    logp = F.log_softmax(logits, dim=-1)
-    logp = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return -(logp.exp() * logp).sum(-1)

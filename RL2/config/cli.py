@@ -5,6 +5,7 @@ import difflib
 import os
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -13,17 +14,6 @@ from RL2.config.aliases import SchemaKeys, apply_kl_estimators, describe_aliases
 from RL2.config.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
-
-# Values a field may take, checked once at start: the error names the key and the choices.
-CHOICES = {
-    "dtype": ("auto", "bfloat16", "float16", "float32"),
-    "avg_level": ("token", "sequence", "constant"),
-    "scheduler.name": ("constant", "cosine"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "loss_type": ("sigmoid", "ipo"),
-    "kl": ("forward", "reverse"),
-}
-
 
 def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> DictConfig:
     """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` and `key=value` arguments.
@@ -55,53 +45,57 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
             raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
     apply_kl_estimators(base, translation)
     OmegaConf.resolve(base)
-    check_choices(base)
+    check_choices(base, schema)
     if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)
     return base
 
 
-def check_choices(cfg: DictConfig, prefix: str = "") -> None:
-    """Fail on values outside CHOICES, naming the full key."""
-    for key, value in cfg.items():
-        full = f"{prefix}{key}"
-        if isinstance(value, DictConfig):
-            check_choices(value, full + ".")
-            continue
-        for suffix, choices in CHOICES.items():
-            if (full == suffix or full.endswith("." + suffix)) and value not in choices:
-                raise ConfigError(f"config key '{full}' is {value!r}; choose one of {', '.join(choices)}")
+def check_choices(cfg: DictConfig, schema: type) -> None:
+    """Fail on a value outside its field's `choices` (declared with `opt`), naming the full key."""
+    for key in all_keys(schema):
+        if key.choices and (value := OmegaConf.select(cfg, key.name)) not in key.choices:
+            raise ConfigError(f"config key '{key.name}' is {value!r}; choose one of {', '.join(key.choices)}")
 
 
-def all_keys(schema: type, prefix: str = "") -> list[tuple[str, object, str]]:
-    """(full key, default, help) for every leaf of a config dataclass."""
+class Key(NamedTuple):
+    """One leaf of a config dataclass."""
+
+    name: str  # the full dotted key
+    default: Any
+    help: str
+    choices: tuple | None
+
+
+def all_keys(schema: type, prefix: str = "") -> list[Key]:
+    """Every leaf of a config dataclass, with its default, help text and choices."""
     rows = []
     for f in dataclasses.fields(schema):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             rows += all_keys(type(default), f"{prefix}{f.name}.")
         else:
-            rows.append((prefix + f.name, default, f.metadata.get("help", "")))
+            rows.append(Key(prefix + f.name, default, f.metadata.get("help", ""), f.metadata.get("choices")))
     return rows
 
 
 def schema_keys(schema: type) -> SchemaKeys:
     """Every key of a config dataclass; any key under a dict-valued field (`rollout.server_args`) too."""
     rows = all_keys(schema)
-    return SchemaKeys(frozenset(key for key, _, _ in rows),
-                      frozenset(key for key, default, _ in rows if isinstance(default, dict)))
+    return SchemaKeys(frozenset(key.name for key in rows), frozenset(key.name for key in rows if isinstance(key.default, dict)))
 
 
 def describe(schema: type) -> str:
-    width = max(len(key) for key, _, _ in all_keys(schema))
-    lines = [f"{key:<{width}}  {help_text} (default: {default})" for key, default, help_text in all_keys(schema)]
+    keys = all_keys(schema)
+    width = max(len(key.name) for key in keys)
+    lines = [f"{key.name:<{width}}  {key.help} (default: {key.default})" for key in keys]
     return "Config keys (set as key=value):\n" + "\n".join(lines) + "\n\n" + describe_aliases(schema_keys(schema))
 
 
 def _unknown_key_message(error: ConfigKeyError, schema: type, source: str) -> str:
     key = error.full_key
-    known = [k for k, _, _ in all_keys(schema)]
+    known = [k.name for k in all_keys(schema)]
     close = difflib.get_close_matches(key, known, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help to list the keys"
     return f"unknown config key '{key}' from {source}{hint}"

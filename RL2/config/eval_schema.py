@@ -37,7 +37,7 @@ EvalRolloutConfig = dataclasses.make_dataclass("EvalRolloutConfig", [
 class EvalModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "the model: HF folder (e.g. a trainer's <save_dir>/final/actor) or name in the local cache; 'smollm2-135m-instruct' is the embedded default")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype of the engine: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 | float32")
+    dtype: str = opt("auto", "compute dtype of the engine: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 | float32", choices=("auto", "bfloat16", "float16", "float32"))
 
 
 @dataclass
@@ -68,7 +68,7 @@ class EvalSettings:
     threshold: float = opt(1.0, "a sample passes when its score is at least this: accuracy is the share of samples that pass")
     save_dir: str = opt("evals/run", "folder of samples.jsonl (every sample) and metrics.json")
     seed: int = opt(42, "seed of the sampling: sample j of prompt i draws from its own seed, the same for both models and on any number of ranks")
-    device: str = opt("auto", "auto | cpu | cuda")
+    device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 
 
 @dataclass
@@ -91,7 +91,5 @@ def check_eval_config(cfg) -> None:
     if bad:
         raise ConfigError(f"eval.k has {bad}: pass@k needs 1 <= k <= rollout.responses_per_prompt={n}; "
                           f"raise rollout.responses_per_prompt or lower k")
-    if cfg.eval.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"config key 'eval.device' is {cfg.eval.device!r}; choose one of auto, cpu, cuda")
     if cfg.data.max_prompts is not None and cfg.data.max_prompts < 1:
         raise ConfigError(f"data.max_prompts is {cfg.data.max_prompts}; it must be at least 1 (or null: all rows)")

@@ -1,7 +1,7 @@
 """Typed config of the RL trainer (`RL2.trainer.ppo`): PPO with a critic, GRPO and relatives.
 
-Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at start
-(`check_ppo_choices`), naming the key.
+Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at start (the `choices`
+of each field), and so do combinations that cannot do what they say (`check_ppo_config`), naming the key.
 """
 
 import functools
@@ -46,14 +46,14 @@ class RolloutConfig:
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
     reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
-    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded")
+    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded", choices=("auto", "embedded", "sglang"))
     server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
     server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
     server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
-    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
     weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
 
@@ -61,8 +61,8 @@ class RolloutConfig:
 @dataclass
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
-    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)")
-    estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3")
+    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)", choices=("loss", "reward"))
+    estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3", choices=("k1", "k2", "k3"))
     reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
     reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
     reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy (actor/entropy) fell below this (None: never)")
@@ -94,7 +94,7 @@ class CISPOConfig:
 
 @dataclass
 class ActorConfig(ModelConfig):
-    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)")
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=("ppo", "gspo", "gspo_token", "cispo"))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
     clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
     clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
@@ -118,7 +118,7 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)")
+    estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)", choices=("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw", "mc"))
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
     norm_var: bool = opt(False, "reinforce only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
@@ -136,26 +136,9 @@ class PPOConfig:
     trainer: TrainerConfig = opt(TrainerConfig, "run control")
 
 
-# Not in RL2.config.cli.CHOICES: those are matched by key suffix, and `type`/`estimator` are too generic.
-PPO_CHOICES = {
-    "actor.policy_loss": ("ppo", "gspo", "gspo_token", "cispo"),
-    "actor.kl.type": ("loss", "reward"),
-    "actor.kl.estimator": ("k1", "k2", "k3"),
-    "adv.estimator": ("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw", "mc"),
-    "rollout.engine": ("auto", "embedded", "sglang"),
-    "rollout.weight_sync": ("auto", "tensor", "disk", "none"),
-}
-
-
-def check_ppo_choices(cfg) -> None:
-    """Fail on a value outside PPO_CHOICES or an inconsistent combination, naming the key."""
-    for key, choices in PPO_CHOICES.items():
-        section, *rest = key.split(".")
-        value = cfg[section]
-        for part in rest:
-            value = value[part]
-        if value not in choices:
-            raise ConfigError(f"config key '{key}' is {value!r}; choose one of {', '.join(choices)}")
+def check_ppo_config(cfg) -> None:
+    """Fail on an inconsistent combination, naming the keys (single values are checked against their
+    choices when the command line is parsed)."""
     if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1:
         raise ConfigError("rollout.responses_per_prompt and actor.update_per_rollout must be at least 1")
     kl, rollout = cfg.actor.kl, cfg.rollout

@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field with a default and a one-line help text (shown by `--help`)."""
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field with a default, a one-line help text (shown by `--help`) and, for a field that
+    names one of a few things, its `choices` (the command line rejects any other value at start)."""
+    metadata = {"help": help} | ({"choices": tuple(choices)} if choices else {})
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if isinstance(default, type):  # a nested config: build a fresh instance each time
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -50,7 +52,7 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = opt("constant", "learning-rate schedule after warmup: constant | cosine")
+    name: str = opt("constant", "learning-rate schedule after warmup: constant | cosine", choices=("constant", "cosine"))
     warmup_ratio: float = opt(0.0, "fraction of total steps spent warming up linearly from 0")
     min_lr: float = opt(0.0, "floor of the cosine schedule (absolute learning rate)")
 
@@ -59,12 +61,12 @@ class SchedulerConfig:
 class ModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the embedded default")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it")
+    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
     offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
-    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, Dr. GRPO)")
+    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, Dr. GRPO)", choices=("token", "sequence", "constant"))
     tp_size: int = opt(1, "tensor-parallel degree")
     cp_size: int = opt(1, "context-parallel degree")
     ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")
@@ -86,7 +88,7 @@ class TrainerConfig:
     seed: int = opt(42, "seed for data order, initialisation and sampling")
     test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end)")
     eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")
-    device: str = opt("auto", "auto | cpu | cuda")
+    device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 
 
 @dataclass
@@ -99,7 +101,7 @@ class SFTConfig:
 @dataclass
 class PreferenceModelConfig(ModelConfig):
     beta: float = opt(0.1, "DPO: strength of the implicit KL to the reference; ORPO: weight of the odds-ratio term")
-    loss_type: str = opt("sigmoid", "DPO loss: sigmoid (DPO) | ipo")
+    loss_type: str = opt("sigmoid", "DPO loss: sigmoid (DPO) | ipo", choices=("sigmoid", "ipo"))
     label_smoothing: float = opt(0.0, "conservative DPO: assumed probability that a preference label is flipped")
 
 
@@ -127,7 +129,7 @@ class RMConfig:
 @dataclass
 class DistillModelConfig(ModelConfig):
     teacher_name: str = opt("smollm2-135m-instruct", "the frozen teacher (HF folder or name; same tokenizer as the student)")
-    kl: str = opt("forward", "forward KL(teacher || student) (mode covering) | reverse KL(student || teacher) (mode seeking)")
+    kl: str = opt("forward", "forward KL(teacher || student) (mode covering) | reverse KL(student || teacher) (mode seeking)", choices=("forward", "reverse"))
     temperature: float = opt(1.0, "softens both distributions before the KL")
 
 

@@ -57,6 +57,12 @@ def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return logps.view(labels.shape), entropy.view(labels.shape)
 
 
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of softmax(logits), float32 `[...]`, for logits `[..., V]`."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)  # any label: only the entropy is read
+    return logps_and_entropy(logits, labels)[1]
+
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`."""
     logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False, temperature)

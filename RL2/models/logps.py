@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from RL2.algs.policy_loss import entropy_from_logits
 from RL2.batch import MicroBatch
 from RL2.models import chunked_logps
 from RL2.models.context_parallel import ContextShard
@@ -78,7 +77,7 @@ class PackedForward:
         """Entropy of each next-token distribution, float32 `[1, T]`."""
         if self.vocab.split:
             return self.gather(self.vocab.entropy(self.local_logits))
-        return self.gather(entropy_from_logits(self.local_logits.float()))
+        return self.gather(chunked_logps.entropy(self.local_logits))
 
     def logps_and_entropy(self, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`logps()` and `entropy()` (temperature 1) in one pass over the logits.

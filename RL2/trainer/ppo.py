@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from RL2.batch import RolloutBatch, SequenceBatch
-from RL2.config.ppo_schema import PPOConfig, check_ppo_choices
+from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
@@ -46,7 +46,7 @@ class PPOTrainer(Trainer):
     )
 
     def __init__(self, cfg, env: Env | None = None):
-        check_ppo_choices(cfg)
+        check_ppo_config(cfg)
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor)
         self.env = env if env is not None else load_rollout_env(cfg.rollout)

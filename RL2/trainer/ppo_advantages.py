@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from RL2.algs.advantages import gae, masked_whiten, mc, reinforce, reinforce_plus_plus, rloo
+from RL2.algs.advantages import gae, grpo, masked_whiten, mc, reinforce_plus_plus, rloo
 from RL2.algs.kl import compute_kl
 from RL2.algs.reward_shaping import length_penalty, overlong_penalty
 from RL2.batch import RolloutBatch
@@ -101,12 +101,18 @@ def _scores(batch: RolloutBatch, penalties: Tensor) -> Tensor:
     return batch.rewards - batch.sample_sums(penalties)
 
 
+def _by_group(batch: RolloutBatch, scores: Tensor) -> Tensor:
+    """`[n_samples]` -> `[n_groups, group_size]`: each prompt's trajectories in one row."""
+    return scores.view(batch.n_groups, batch.group_size)
+
+
 def grpo_advantages(batch, adv_cfg, penalties):
-    return _trajectory_level(batch, reinforce(_scores(batch, penalties), batch.group_ids, adv_cfg.norm_var)), None
+    advantages = grpo(_by_group(batch, _scores(batch, penalties)), adv_cfg.norm_var)
+    return _trajectory_level(batch, advantages.flatten()), None
 
 
 def rloo_advantages(batch, adv_cfg, penalties):
-    return _trajectory_level(batch, rloo(_scores(batch, penalties), batch.group_ids)), None
+    return _trajectory_level(batch, rloo(_by_group(batch, _scores(batch, penalties))).flatten()), None
 
 
 def raw_advantages(batch, adv_cfg, penalties):

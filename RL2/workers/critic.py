@@ -6,7 +6,7 @@ the head's output at the position that predicts it.
 
 import torch
 
-from RL2.algs.policy_loss import value_loss
+from RL2.algs.value_loss import value_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
