@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Evaluate the model of examples/grpo_smollm2.sh against the embedded model it started from, on the
+# Evaluate the model of examples/grpo_smollm2.sh against the default model it started from, on the
 # held-out sums and differences: 4 samples per prompt at temperature 1 (as the run's own tests), pass@1
 # and pass@4, a sample passing when its answer is right (envs/arithmetic.py's score 1). Prints both
 # models side by side with the difference; evals/grpo_smollm2 gets samples.jsonl and metrics.json.

@@ -1,11 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny import make_tiny_model  # noqa: E402
+from tests.helpers.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +10,6 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tok():
-    from tiny import tokenizer
+    from tests.helpers.tiny import tokenizer
 
     return tokenizer()

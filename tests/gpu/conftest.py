@@ -1,15 +1,10 @@
 """Fixtures of the CUDA tests (models and configs are built by `cuda_models.py`)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cuda_models import llama_config, tokenizer_path  # noqa: E402
+from tests.gpu.cuda_models import llama_config, tokenizer_path
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from cuda_models import model_config
 from RL2.batch import SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
+from tests.gpu.cuda_models import model_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,11 +1,10 @@
 /* The embedded engine's float32 decode step between the matmuls, for Llama-family layers on CPU.
  *
  * A decode step has one new token per running request, so everything between the four matmuls of a
- * layer works on a few dozen rows. As torch ops that is ~25 small kernels per layer, each costing
- * 10-100 us of dispatch and threading overhead for microseconds of arithmetic, and attention over the
- * cache runs as thousands of tiny batched GEMMs. Here the same arithmetic is four calls per layer.
- * Measured on 2 AVX2 cores for SmolLM2-135M in float32, 32 rows: a decode step took 114-120 ms against
- * 128-144 ms with the torch ops, of which the matmuls are ~90 ms either way.
+ * layer works on a few dozen rows. As torch ops that is some 25 small kernels per layer, each costing
+ * more in dispatch and threading overhead than in arithmetic, and attention over the cache runs as
+ * thousands of tiny batched GEMMs. Here the same arithmetic is four calls per layer (the gain is in
+ * the README's table of `benchmarks/bench_engine.py`).
  * Built and loaded by decode_kernels.py; the torch code in llama_forward.py computes the same values
  * and is what runs when this library cannot be built.
  *

@@ -13,10 +13,8 @@ How it works:
   threads than cores libgomp stops spin-waiting between parallel regions. So when this process's
   torch threads, times the ranks on this machine, fit in the cores it may use, the forwards run
   on the event loop between its other work (environments, rewards, new requests wait at most one
-  step), and the pool stays hot: measured on 2 idle cores, 32-row bf16 decoding of SmolLM2-135M ran
-  690 tokens/s on the loop against 460 in a worker thread (and HF `generate` ran 420 instead of 340
-  while the worker's pool existed). With more threads than cores, spinning threads fight each
-  other: two such processes decoded 155 tokens/s each on the loop and 356 in a worker thread. So
+  step), and the pool stays hot, which decodes markedly faster than a worker thread. With more
+  threads than cores, spinning threads fight each other and the loop becomes the slower place, so
   then the forwards run in a one-thread executor, where torch releases the GIL inside its kernels
   and the loop keeps serving coroutines while a step runs. Either way, request state is touched by
   one step or by the loop between steps, never both at once.

@@ -1,11 +1,10 @@
 """Linear layers for the embedded engine: weights laid out once for oneDNN, several layers as one.
 
 With a few dozen rows per decode step, the default CPU GEMM re-blocks the whole weight on every
-call, which costs as much as the product for the vocabulary projection. Measured with 32 rows at 1
-thread on an AVX512 CPU: packed float32 linears of SmolLM2-135M run 2.1-3.0x faster (the 576x49152
-projection 10.4 ms instead of 31.5 ms), bf16 ones 1.2-1.3x. Layers that read the same input (q, k, v;
-gate, up) go through one product: at 32 rows in bf16, q+k+v took 54 us instead of 84 and gate+up
-151 us instead of 172. torch.compile's CPU freezing pass uses the same oneDNN ops.
+call, which costs as much as the product for the vocabulary projection; a weight packed once for
+oneDNN skips that. Layers that read the same input (q, k, v; gate, up) go through one product, one
+pass over the input instead of two or three. torch.compile's CPU freezing pass uses the same oneDNN
+ops.
 """
 
 import torch

@@ -1,0 +1,107 @@
+"""DPO, ORPO, reward model and distillation end to end on tiny models."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.launch import read_metrics, run_ranks
+from tests.helpers.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory):
+    """Learnable preferences: the chosen answer ends in 'good', the rejected one in 'bad'."""
+    rng = random.Random(0)
+    words = ["apple", "river", "stone", "cloud", "green", "seven", "table", "light"]
+    rows = []
+    for i in range(40):
+        body = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+        rows.append({"prompt": f"Question {i}: {body}?", "chosen": f"{body} good", "rejected": f"{body} bad"})
+    folder = tmp_path_factory.mktemp("pairs")
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:32]))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[32:]))
+    return folder
+
+
+SECTION = {"dpo": "actor", "orpo": "actor", "rm": "critic", "distill": "actor"}
+
+
+def args(kind, model, data, save_dir, *extra):
+    section = SECTION[kind]
+    train, test = (f"{data}/train.jsonl", f"{data}/test.jsonl")
+    return ["-m", f"RL2.trainer.{kind}", f"data.train.path={train}", f"data.test.path={test}",
+            "data.train.batch_size=8", f"{section}.model_name={model}", f"{section}.dtype=float32",
+            f"{section}.optimizer.lr=1e-3", f"{section}.max_length_per_device=256",
+            f"trainer.save_dir={save_dir}", "trainer.total_steps=4", "trainer.test_freq=4", *extra]
+
+
+def final(save_dir, kind):
+    return load_file(str(save_dir / "final" / ("critic" if kind == "rm" else "actor") / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def sft_like_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distill")
+    rows = [{"prompt": f"Count to {n}.", "response": " ".join(str(i) for i in range(1, n + 1))} for n in range(1, 21)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[16:]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("teacher"), seed=1)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "rm", "distill"])
+def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
+    data = sft_like_data if kind == "distill" else pair_data
+    extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []
+    runs = {}
+    for nproc in (1, 2):
+        save_dir = tmp_path / f"ranks{nproc}"
+        run_ranks(nproc, args(kind, tiny_model_path, data, save_dir, *extra))
+        runs[nproc] = (read_metrics(save_dir), final(save_dir, kind))
+    (metrics1, weights1), (metrics2, weights2) = runs[1], runs[2]
+    for m1, m2 in zip(metrics1, metrics2):
+        assert m1.keys() == m2.keys()
+        for key in m1:
+            if not key.startswith("perf/"):
+                # gradient norms of small losses carry more round-off than the losses themselves
+                rel = 1e-3 if key.endswith("grad_norm") else 1e-4
+                assert m1[key] == pytest.approx(m2[key], rel=rel, abs=1e-6), key
+    for key, value in weights1.items():
+        torch.testing.assert_close(weights2[key], value, atol=2e-6, rtol=1e-4)
+    before, after = metrics1[0], metrics1[-1]
+    if kind == "rm":  # learnable preferences: accuracy on held-out pairs rises above chance
+        assert before["test/accuracy"] <= 0.75 and after["test/accuracy"] == 1.0
+    elif kind == "distill":  # the student moves toward the teacher
+        assert after["test/loss"] < 0.8 * before["test/loss"]
+    else:
+        assert after["test/loss"] < before["test/loss"] and after["test/accuracy"] == 1.0
+
+
+# ORPO and distillation resume through the same Trainer code as DPO: in the slow run only.
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("orpo", marks=pytest.mark.slow), "rm",
+                                  pytest.param("distill", marks=pytest.mark.slow)])
+def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
+    data = sft_like_data if kind == "distill" else pair_data
+    extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_ranks(2, args(kind, tiny_model_path, data, straight, "trainer.save_freq=2", *extra))
+    shutil.copytree(straight / "step2", resumed / "step2")
+    run_ranks(2, args(kind, tiny_model_path, data, resumed, "trainer.load_ckpt_from=latest", *extra))
+    for key, value in final(straight, kind).items():
+        torch.testing.assert_close(final(resumed, kind)[key], value, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_packed_loss_equals_formula_on_separate_forwards(kind, tiny_model_path, pair_data, tmp_path):
+    result = run_ranks(1, ["tests/e2e/scripts/preference_formulas.py", kind,
+                           *args(kind, tiny_model_path, pair_data, tmp_path, "actor.beta=0.5")[2:]])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["packed"] == pytest.approx(report["direct"], rel=1e-4)

@@ -1,0 +1,97 @@
+"""SFT end to end: 1 rank vs 2 ranks, exact resume, HF export."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.launch import read_metrics, run_ranks
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft") / "train.jsonl"
+    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}." + " Indeed." * (a % 5)}
+            for a in range(6) for b in range(3)]
+    rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                              {"role": "user", "content": "bye"}, {"role": "assistant", "content": "goodbye"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_args(model, data, save_dir, *extra):
+    return ["-m", "RL2.trainer.sft", f"data.train.path={data}", "data.train.batch_size=6",
+            f"actor.model_name={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+            "actor.max_length_per_device=160", "actor.scheduler.name=cosine", "actor.scheduler.warmup_ratio=0.25",
+            f"trainer.save_dir={save_dir}", "trainer.total_steps=4", *extra]
+
+
+def final_weights(save_dir):
+    return load_file(str(save_dir / "final" / "actor" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("avg_level", ["token", "sequence"])
+def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level):
+    runs = {}
+    for nproc in (1, 2):
+        save_dir = tmp_path / f"ranks{nproc}"
+        # The 1-rank sequence-level run also recomputes activations: that must not change the result.
+        checkpointing = nproc == 1 and avg_level == "sequence"
+        run_ranks(nproc, sft_args(tiny_model_path, sft_data, save_dir, f"actor.avg_level={avg_level}",
+                                  f"actor.enable_gradient_checkpointing={checkpointing}"))
+        runs[nproc] = (read_metrics(save_dir), final_weights(save_dir))
+    (metrics1, weights1), (metrics2, weights2) = runs[1], runs[2]
+    losses1 = [m["train/loss"] for m in metrics1]
+    assert losses1 == pytest.approx([m["train/loss"] for m in metrics2], rel=1e-5)
+    assert losses1[-1] < losses1[0]
+    initial = load_file(f"{tiny_model_path}/model.safetensors")
+    for key, value in weights1.items():
+        torch.testing.assert_close(weights2[key], value, atol=2e-6, rtol=1e-4)
+    assert any(not torch.equal(initial[k], weights1[k]) for k in initial)  # training changed the weights
+
+
+def test_resume_equals_uninterrupted(tiny_model_path, sft_data, tmp_path):
+    straight = tmp_path / "straight"
+    run_ranks(2, sft_args(tiny_model_path, sft_data, straight, "trainer.save_freq=2"))
+    assert (straight / "step2" / "trainer_state.json").exists()
+    # Simulate a run killed after step 3: only the step-2 checkpoint survives, plus a half-written save.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "step2", resumed / "step2")
+    (resumed / ".step4.tmp").mkdir()
+    (resumed / "metrics.jsonl").write_text("".join(
+        json.dumps(m) + "\n" for m in read_metrics(straight)[:3]))
+    run_ranks(2, sft_args(tiny_model_path, sft_data, resumed, "trainer.save_freq=2", "trainer.load_ckpt_from=latest"))
+    for key, value in final_weights(straight).items():
+        torch.testing.assert_close(final_weights(resumed)[key], value, atol=1e-6, rtol=1e-5)
+    assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
+    assert [m["train/loss"] for m in read_metrics(resumed)] == pytest.approx(
+        [m["train/loss"] for m in read_metrics(straight)], rel=1e-5)
+
+
+def test_export_reloads_with_same_logits(tiny_model_path, sft_data, tmp_path):
+    result = run_ranks(1, ["tests/e2e/scripts/export_roundtrip.py", *sft_args(tiny_model_path, sft_data, tmp_path)[2:]])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["changed"] > 0
+    assert report["max_logit_diff"] < 1e-4
+
+
+def test_bad_config_and_data_exit_with_message(tiny_model_path, sft_data, tmp_path):
+    with pytest.raises(AssertionError, match="unknown config key 'actor.learning_rate'"):
+        run_ranks(1, sft_args(tiny_model_path, sft_data, tmp_path, "actor.learning_rate=1"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a"}\n')
+    with pytest.raises(AssertionError, match=r"bad.jsonl row 1: missing key 'response'"):
+        run_ranks(1, sft_args(tiny_model_path, bad, tmp_path))
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tiny_model_path, sft_data, tmp_path):
+    args = [a for a in sft_args(tiny_model_path, sft_data, tmp_path, "trainer.total_steps=3") if "dtype" not in a]
+    run_ranks(1, args + ["actor.dtype=bfloat16"])
+    losses = [m["train/loss"] for m in read_metrics(tmp_path)]
+    # A freshly initialised model predicts nearly uniformly over the 49152-token vocabulary.
+    assert losses[0] == pytest.approx(math.log(49152), abs=0.1)
+    assert losses[-1] < losses[0]
+    assert all(w.dtype == torch.float32 for w in final_weights(tmp_path).values())

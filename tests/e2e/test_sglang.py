@@ -1,0 +1,468 @@
+"""SGLang as the rollout engine: config checks, the weight folder writer, and a real SGLang server on CPU.
+
+SGLang pins its own torch, so it lives in its own virtual environment: RL2_SGLANG_PYTHON names that
+environment's python (.ci/run builds one). Servers run from it; these tests stay in RL2's environment
+and talk HTTP, as the trainer does. SGLang's CPU path imports one vLLM op it never calls; the stub in
+tests/sglang_stub is put on the servers' PYTHONPATH.
+
+Expectations come from the Hugging Face model itself in float32 (its greedy tokens and its
+log-softmax), which SGLang in float32 on CPU reproduces.
+"""
+
+import asyncio
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from RL2.config.errors import ConfigError
+from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.engine import (
+    SGLangEngine,
+    _launched_weight_sync,
+    resolve_engine,
+    returns_original_logprobs,
+    server_urls,
+    server_version,
+)
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.server import SGLangServer, check_server_args, free_port, server_command
+from RL2.engine.sglang.weight_transfer import (
+    FLATTENED_BUCKET_VERSIONS,
+    buckets,
+    flatten_bucket,
+    serialize_flat_bucket,
+    write_hf_folder,
+)
+from tests.helpers import SGLANG_STUB
+from tests.helpers.launch import read_metrics, run_ranks
+
+SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
+STUB = SGLANG_STUB
+# As RL2 launches its servers: log-probabilities of the untempered distribution.
+SERVER_ENV = {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+CPU_ARGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True}
+needs_sglang = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not SGLANG_PYTHON, reason=os.environ.get("RL2_SGLANG_SKIP_REASON") or (
+        "RL2_SGLANG_PYTHON is not set: point it at the python of a virtual environment with sglang installed "
+        "(.ci/run builds ~/.cache/rl2/sglang-venv)")),
+]
+
+# ---- without a server --------------------------------------------------------------------------
+
+
+def test_server_args_become_flags():
+    args = check_server_args({"tp-size": 2, "enable_memory_saver": True, "disable_radix_cache": False,
+                              "cuda_graph_bs": [1, 2], "host": "0.0.0.0"})
+    assert args == {"tp_size": 2, "enable_memory_saver": True, "disable_radix_cache": False,
+                    "cuda_graph_bs": [1, 2], "host": "0.0.0.0"}
+    command = server_command("py", "/m", 1234, args)
+    assert command == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "1234", "--tp-size", "2",
+                       "--enable-memory-saver", "--cuda-graph-bs", "1", "2", "--host", "0.0.0.0"]
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"port": 1}, "rollout.server_args.port"),
+    ({"model-path": "x"}, "set by RL2"),
+    ({"--tp": 1}, "not a flag name"),
+    ({"tp_size": None}, "must be a string"),
+    ({"x": {"a": 1}}, "must be a string"),
+])
+def test_bad_server_args_name_the_key(bad, words):
+    with pytest.raises(ConfigError, match=words):
+        check_server_args(bad)
+
+
+def test_engine_choice():
+    cpu, cfg = torch.device("cpu"), lambda **kw: SimpleNamespace(**({"engine": "auto", "server_url": None,
+                                                                      "server_python": None} | kw))
+    assert resolve_engine(cfg(), cpu) == "embedded"
+    assert resolve_engine(cfg(engine="sglang"), cpu) == "sglang"
+    assert resolve_engine(cfg(server_url="http://h:1"), cpu) == "sglang"
+    with pytest.raises(ConfigError, match="rollout.engine=embedded"):
+        resolve_engine(cfg(engine="embedded", server_url="http://h:1"), cpu)
+    assert server_urls("http://a:1/, http://b:2") == ["http://a:1", "http://b:2"]
+    assert server_urls(["http://a:1"]) == ["http://a:1"]
+    with pytest.raises(ConfigError, match="rollout.server_url"):
+        server_urls("a:1")
+
+
+def test_tensor_sync_needs_a_server_version_whose_format_rl2_writes():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    supported = set(FLATTENED_BUCKET_VERSIONS)
+    assert _launched_weight_sync("auto", cuda, supported) == "tensor"
+    assert _launched_weight_sync("auto", cuda, {"0.4.0"}) == "disk"
+    assert _launched_weight_sync("auto", cpu, supported) == "disk"
+    assert _launched_weight_sync("tensor", cpu, supported) == "tensor"  # by value: SGLang on CPU
+    with pytest.raises(ConfigError, match=r"run version 0\.4\.0.*rollout\.weight_sync=disk"):
+        _launched_weight_sync("tensor", cuda, {"0.4.0"})
+    with pytest.raises(ConfigError, match="unknown"):
+        _launched_weight_sync("tensor", cuda, set())
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="RL2_SGLANG_PYTHON is not set")
+def test_bucket_payload_is_read_by_sglangs_own_classes(tmp_path):
+    """A bucket of mixed dtypes, serialized by RL2 without sglang, deserialized in the SGLang environment
+    by its `MultiprocessingSerializer` (whose unpickler admits only listed globals) and rebuilt with
+    `FlattenedTensorBucket` exactly as `/update_weights_from_tensor` does."""
+    tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7, dtype=torch.bfloat16)),
+               ("c.index", torch.arange(5)), ("d.weight", torch.randn(2, 2, 2, dtype=torch.float16))]
+    (tmp_path / "payload.txt").write_text(serialize_flat_bucket(*flatten_bucket(tensors)))
+    reader = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+data = MultiprocessingSerializer.deserialize(open(sys.argv[1]).read())
+metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata)
+torch.save({name: t.clone() for name, t in bucket.reconstruct_tensors()}, sys.argv[2])  # views of one buffer
+"""
+    subprocess.run([SGLANG_PYTHON, "-c", reader, str(tmp_path / "payload.txt"), str(tmp_path / "rebuilt.pt")],
+                   check=True, capture_output=True, timeout=300)
+    rebuilt = torch.load(tmp_path / "rebuilt.pt")
+    assert list(rebuilt) == [name for name, _ in tensors]
+    for name, tensor in tensors:
+        assert rebuilt[name].dtype == tensor.dtype and torch.equal(rebuilt[name], tensor), name
+
+
+def test_weight_folder_round_trip(tiny_model_path, tmp_path):
+    """Buckets of 64 kB become several shards of a folder that transformers loads with the same weights."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    named = list(model.named_parameters())
+    parts = list(buckets(named, 2**16))
+    assert len(parts) > 2 and [name for part in parts for name, _ in part] == [name for name, _ in named]
+    assert all(sum(t.numel() * 4 for _, t in part) <= 2**16 or len(part) == 1 for part in parts)
+    folder = write_hf_folder(parts, tmp_path / "step1", tiny_model_path)
+    assert not (tmp_path / "step1.tmp").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for (name, expected), (_, got) in zip(named, loaded.named_parameters()):
+        assert torch.equal(expected, got), name
+    assert len(list(folder.glob("*.safetensors"))) == len(parts)
+    assert set(load_file(folder / "model-00001.safetensors")) == {name for name, _ in parts[0]}
+
+
+# ---- a real SGLang server on CPU ---------------------------------------------------------------
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens (EOS ignored) and their log-probabilities, one full forward per token."""
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            ids.append(token)
+            logps.append(float(logp[token]))
+    return ids[len(prompt):], logps
+
+
+def model_logps(model, prompt: list[int], output: list[int]) -> list[float]:
+    """The model's log-probability of each output token after the prompt and the tokens before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return logp.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def generate(url: str, prompts: list[list[int]], **sampling) -> list[dict]:
+    client = HTTPEngineClient([url])
+
+    async def main():
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True} | sampling
+        return await asyncio.gather(*(client.generate({"input_ids": p, "sampling_params": params,
+                                                       "return_logprob": True}) for p in prompts))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def prompts(tok) -> list[list[int]]:
+    texts = ["What is 12 + 7?", "Name a colour.", "Once upon a time", "def f(x):"]
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    return [tok.encode(chat, add_special_tokens=False) for chat in chats]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    """One server for the module (~45 s to start on CPU)."""
+    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS, SERVER_ENV).start()
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.shutdown()
+    assert not server.alive()
+
+
+def sglang_test(fn):
+    for mark in needs_sglang:
+        fn = mark(fn)
+    return fn
+
+
+@sglang_test
+def test_greedy_equals_hf_greedy(server, hf_model, prompts):
+    responses = generate(server.url, prompts)
+    for prompt, response in zip(prompts, responses):
+        expected_ids, expected_logps = hf_greedy(hf_model, prompt, 16)
+        meta = response["meta_info"]
+        assert response["output_ids"] == expected_ids
+        assert [token for _, token, _ in meta["output_token_logprobs"]] == expected_ids
+        assert [logp for logp, _, _ in meta["output_token_logprobs"]] == pytest.approx(expected_logps, abs=1e-4)
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["completion_tokens"] == 16 and meta["prompt_tokens"] == len(prompt)
+
+
+@sglang_test
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, temperature):
+    """The policy's own log-probabilities (temperature 1) at any sampling temperature, as the trainer
+    and the embedded engine compute them: launched with SGLANG_RETURN_ORIGINAL_LOGPROB=1."""
+    responses = generate(server.url, prompts * 2, temperature=temperature, max_new_tokens=24)
+    outputs = [r["output_ids"] for r in responses]
+    assert len({tuple(o) for o in outputs}) > 1  # really sampled
+    for prompt, response in zip(prompts * 2, responses):
+        tokens = [token for _, token, _ in response["meta_info"]["output_token_logprobs"]]
+        logps = [logp for logp, _, _ in response["meta_info"]["output_token_logprobs"]]
+        assert tokens == response["output_ids"]
+        assert logps == pytest.approx(model_logps(hf_model, prompt, tokens), abs=1e-3)
+
+
+def still_running_when_paused(url: str, prompt: list[int]) -> tuple[int, float]:
+    """(max_new_tokens, seconds to wait before pausing) for a request still decoding at the pause,
+    however fast this machine is: about 10 s of decoding, paused after a fifth of it."""
+    started = time.perf_counter()
+    generate(url, [prompt], max_new_tokens=64)
+    tokens_per_s = 64 / (time.perf_counter() - started)
+    n_tokens = int(min(max(10 * tokens_per_s, 100), 1900))  # the tiny model holds 2048 tokens
+    return n_tokens, 0.2 * n_tokens / tokens_per_s
+
+
+@sglang_test
+def test_pause_abort_returns_partial_output(server, hf_model, prompts):
+    client = HTTPEngineClient([server.url])
+    n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
+
+    async def main():
+        long = {"input_ids": prompts[0], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}}
+        task = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(pause_after)
+        await client.pause_generation("abort")
+        aborted = await asyncio.wait_for(task, 60)
+        await client.continue_generation()
+        return aborted
+
+    aborted = asyncio.run(main())
+    meta = aborted["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    n = len(aborted["output_ids"])
+    assert 0 < n < n_tokens and meta["completion_tokens"] == n
+    check = min(n, 24)
+    assert aborted["output_ids"][:check] == hf_greedy(hf_model, prompts[0], check)[0]
+    # After continue_generation the server serves new requests to the end.
+    assert generate(server.url, prompts[:1], max_new_tokens=4)[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank process group: SGLangEngine's control steps are collectives, at world size 1 too."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@sglang_test
+def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
+    """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
+    cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path))
+    engine = SGLangEngine.connect(cfg, tiny_model_path)
+    new_model = copy.deepcopy(hf_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    before = [r["output_ids"] for r in generate(server.url, prompts)]
+    engine.update_weights(new_model.named_parameters(), weight_version="step1")
+    after = generate(server.url, prompts)
+    for prompt, response in zip(prompts, after):
+        assert response["output_ids"] == hf_greedy(new_model, prompt, 16)[0]
+        assert response["meta_info"]["weight_version"] == "step1"
+    assert [r["output_ids"] for r in after] != before
+    # Back to the original weights (the next update replaces the previous folder).
+    engine.update_weights(hf_model.named_parameters(), weight_version="step2")
+    assert [r["output_ids"] for r in generate(server.url, prompts)] == before
+    assert [p.name for p in engine.weights_dir.iterdir()] == ["step2"]
+    engine.shutdown()
+    assert not engine.weights_dir.exists() and server.alive()
+
+
+@sglang_test
+def test_probe_sees_untempered_logprobs(server):
+    assert returns_original_logprobs(server.url, 0.7) is True
+
+
+@sglang_test
+@pytest.mark.slow
+def test_probe_sees_tempered_logprobs_of_a_default_server(tiny_model_path, hf_model, prompts, tmp_path):
+    """Without SGLANG_RETURN_ORIGINAL_LOGPROB, SGLang returns log-probabilities of softmax(logits / T):
+    the probe says so (the trainer then warns that engine_mismatch and tis are biased)."""
+    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS, {"PYTHONPATH": str(STUB)}).start()
+    try:
+        server.wait_ready(timeout=600)
+        assert returns_original_logprobs(server.url, 0.7) is False
+        response = generate(server.url, prompts[:1], temperature=0.7, max_new_tokens=8)[0]
+        tokens = response["output_ids"]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1:-1].float()
+        tempered = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(tempered, abs=1e-3)
+    finally:
+        server.shutdown()
+
+
+@sglang_test
+def test_weight_update_from_tensor_buckets_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank):
+    """rollout.weight_sync=tensor through the real server: a weight-update session, 64 kB buckets in RL2's
+    payload (by value on CPU; CUDA buckets carry IPC handles instead), the version the server reports."""
+    assert server_version(server.url) in FLATTENED_BUCKET_VERSIONS
+    engine = SGLangEngine([server.url], [server.url], "tensor", 2**16, tiny_model_path)
+    new_model = copy.deepcopy(hf_model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    before = [r["output_ids"] for r in generate(server.url, prompts)]
+    engine.update_weights(new_model.named_parameters(), weight_version="tensor1")
+    after = generate(server.url, prompts)
+    for prompt, response in zip(prompts, after):
+        assert response["output_ids"] == hf_greedy(new_model, prompt, 16)[0]
+        assert response["meta_info"]["weight_version"] == "tensor1"
+    engine.update_weights(hf_model.named_parameters(), weight_version="tensor2")
+    assert [r["output_ids"] for r in generate(server.url, prompts)] == before
+
+
+@sglang_test
+def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
+    """SGLangEngine.pause_generation("abort") (partial rollouts) stops this rank's requests with their
+    partial output, while another client's request on the same server runs to its end; requests
+    made while paused wait for continue_generation."""
+    engine = SGLangEngine.connect(SimpleNamespace(server_url=server.url, weight_sync="none", weight_bucket_mb=1.0,
+                                                  weights_dir=None), "unused")
+    other = HTTPEngineClient([server.url])
+    n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
+    params = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
+
+    async def main():
+        mine = asyncio.create_task(engine.generate({"input_ids": prompts[0], "sampling_params": params}))
+        theirs = asyncio.create_task(other.generate({"input_ids": prompts[1], "sampling_params": params}))
+        await asyncio.sleep(pause_after)
+        await engine.pause_generation("abort")
+        aborted = await asyncio.wait_for(mine, 60)
+        held = asyncio.create_task(engine.generate({"input_ids": prompts[2], "sampling_params": params | {
+            "max_new_tokens": 2}}))
+        await asyncio.sleep(0.5)
+        assert not held.done()
+        await engine.continue_generation()
+        return aborted, await theirs, await held
+
+    aborted, finished, held = asyncio.run(main())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(aborted["output_ids"]) < n_tokens
+    assert finished["meta_info"]["finish_reason"]["type"] == "length" and len(finished["output_ids"]) == n_tokens
+    assert held["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
+    """A server that exits before it is ready: the error quotes its log (here RL2's own Python, which has
+    no sglang; a bad flag in rollout.server_args ends the same way)."""
+    server = SGLangServer(sys.executable, tiny_model_path, CPU_ARGS, log_dir=str(tmp_path)).start()
+    with pytest.raises(EngineError, match="(?s)exited with code 1.*No module named 'sglang'"):
+        server.wait_ready(timeout=60)
+    assert not server.alive()
+
+
+# ---- the PPO trainer with SGLang as its engine ------------------------------------------------
+
+# Rewards that differ within most groups of a random model's answers, so that GRPO updates the weights.
+PARITY_ENV = """
+async def step(state, action, extra_info):
+    reward = float(sum(map(ord, action)) % 2)
+    return {"next_state": None, "reward": reward, "score": reward, "done": True, "extra_info": extra_info}
+"""
+
+
+def ppo_args(model: str, tmp_path: Path, *extra: str) -> list[str]:
+    rows = "".join(f'{{"prompt": "question {k}", "extra_info": {{}}}}\n' for k in range(8))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "parity.py").write_text(PARITY_ENV)
+    return ["-m", "RL2.trainer.ppo", f"data.train.path={tmp_path / 'train.jsonl'}", "data.train.batch_size=4",
+            f"rollout.env_path={tmp_path / 'parity.py'}", "rollout.responses_per_prompt=4",
+            "rollout.train_sampling_params.max_new_tokens=8", f"actor.model_name={model}", "actor.dtype=float32",
+            "actor.optimizer.lr=1e-2", "actor.max_length_per_device=512", f"trainer.save_dir={tmp_path / 'run'}",
+            "trainer.total_steps=2", "rollout.weight_bucket_mb=0.25", *extra]
+
+
+def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
+    """Both steps ran, and at step 2 the engine's log-probabilities are the updated actor's: the weight
+    sync after step 1 reached the server (without it the gap is ~0.1 nats per token at this lr)."""
+    metrics = [m for m in read_metrics(run) if "actor/engine_mismatch" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["actor/engine_mismatch"] < 1e-3 for m in metrics), metrics
+    initial = load_file(f"{initial_model}/model.safetensors")
+    final = load_file(f"{run}/final/actor/model.safetensors")
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
+
+
+@sglang_test
+def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
+    """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
+    0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
+    trainer's (engine_mismatch near 0), as with the embedded engine. (Runs last: it leaves the trained
+    weights in the server.)"""
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}",
+                          "rollout.train_sampling_params.temperature=0.7"), timeout=600)
+    assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+
+
+@sglang_test
+@pytest.mark.slow
+def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
+    """rollout.engine=sglang: the trainer launches a server from the SGLang environment (with untempered
+    log-probabilities: engine_mismatch near 0 at temperature 0.7), pushes the weights in buckets through
+    a folder after each update, and stops the server at exit."""
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
+                          f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",
+                          "rollout.server_args.max_total_tokens=4096", f"rollout.server_log_dir={tmp_path / 'logs'}",
+                          "rollout.train_sampling_params.temperature=0.7"),
+              timeout=900)
+    assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+    log_path = next((tmp_path / "logs").glob("sglang-*.log"))
+    assert "--device cpu" in log_path.read_text() and "--dtype float32" in log_path.read_text()
+    port = log_path.stem.removeprefix("sglang-")
+    with pytest.raises(httpx.TransportError):  # stopped when the trainer exited
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

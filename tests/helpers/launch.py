@@ -1,0 +1,27 @@
+"""Run RL2 trainers (or test scripts) in fresh processes, under torchrun when more than one rank."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO
+
+
+def run_ranks(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """`target` is `["-m", "RL2.trainer.sft", ...]` or `[script.py, ...]`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    if nproc == 1:
+        cmd = [sys.executable, *target]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--standalone", *target]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_metrics(save_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(save_dir) / "metrics.jsonl").read_text().splitlines()]

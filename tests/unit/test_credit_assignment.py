@@ -1,0 +1,257 @@
+"""Multi-turn credit assignment: a trajectory is one sample, however many sequences it spans.
+
+Trajectories are built by hand (`Trajectory`/`Turn`, no engine) and turned into the training batch
+the trainer uses; advantages are compared with hand-computed numbers and with plain-Python loops
+over each trajectory's turns and tokens.
+"""
+
+import statistics
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from RL2.config.errors import ConfigError
+from RL2.config.ppo_schema import check_algorithm
+from RL2.datasets.packing import train_weights
+from RL2.rollout.trajectory import Trajectory, Turn, training_batch
+from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
+
+KL_OFF = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
+PROMPT, OBSERVATION = [1, 2, 3], [7, 7]
+
+
+def adv_cfg(estimator: str, **overrides):
+    defaults = {"estimator": estimator, "gamma": 1.0, "lamda": 1.0, "norm_var": False, "global_norm": False,
+                "truncation": None}
+    return OmegaConf.create(defaults | overrides)
+
+
+def trajectory(*sequences: list[int], rewards: list[float]) -> Trajectory:
+    """`sequences`: for each sequence, the sampled tokens of each of its turns (an observation of 2
+    tokens follows every turn but a sequence's last); `rewards`: one per turn, in order."""
+    t = Trajectory(extra_info={}, stop_reason="done")
+    turn = 0
+    for lengths in sequences:
+        t.start_sequence("prompt", PROMPT)
+        for i, n in enumerate(lengths):
+            t.add_turn(Turn([20 + turn] * n, [-0.5] * n, f"action {turn}", "stop", reward=rewards[turn]))
+            if i + 1 < len(lengths):
+                t.continue_sequence("observation", OBSERVATION)
+            turn += 1
+    return t
+
+
+def sampled(batch, name: str = "advantages") -> list[list[float]]:
+    """Per sequence, `name` at its sampled tokens."""
+    return [batch.sequence(name, i)[batch.sequence("loss_mask", i) > 0].tolist() for i in range(len(batch.input_ids))]
+
+
+def issue_example():
+    """Trajectory A spans two sequences (turn rewards 0 then 1); B is one sequence with reward 0."""
+    return [[trajectory([2], [2], rewards=[0.0, 1.0]), trajectory([2], rewards=[0.0])]]
+
+
+def with_zero_values(batch):
+    batch.tokens["values"] = torch.zeros(batch.n_labels)
+    return batch
+
+
+def test_a_trajectory_of_two_sequences_is_one_sample():
+    batch = training_batch([[trajectory([2, 1], [3], rewards=[1.0, 2.0, 4.0])], [trajectory([1], rewards=[0.5])]])
+    assert batch.input_ids == [PROMPT + [20, 20] + OBSERVATION + [21], PROMPT + [22, 22, 22], PROMPT + [20]]
+    # Labels: token t of a sequence is label t - 1, so the first prompt token is never one.
+    assert batch.sequence("loss_mask", 0).tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert batch.sequence("turn_ids", 0).tolist() == [-1, -1, 0, 0, -1, -1, 1]
+    assert batch.sequence("turn_ids", 1).tolist() == [-1, -1, 2, 2, 2]
+    assert batch.sequence("engine_logps", 1).tolist() == [0.0, 0.0, -0.5, -0.5, -0.5]
+    assert batch.sample_ids.tolist() == [0, 0, 1] and batch.n_samples == 2
+    assert batch.group_ids.tolist() == [0, 1]
+    assert batch.rewards.tolist() == [7.0, 0.5] and batch.response_lengths.tolist() == [6.0, 1.0]
+    assert batch.turn_rewards.tolist() == [[1.0, 2.0, 4.0], [0.5, 0.0, 0.0]]
+    assert batch.turn_mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+
+
+WHITE_HIGH, WHITE_LOW = (1 - 2 / 3) / (2 / 9) ** 0.5, (0 - 2 / 3) / (2 / 9) ** 0.5
+
+
+@pytest.mark.parametrize("estimator,overrides,expected", [
+    # Dr. GRPO: A is one of the group's G = 2 outputs: 1 - 0.5 and 0 - 0.5.
+    ("reinforce", {}, [0.5, 0.5, -0.5]),
+    # GRPO: divided by the group's unbiased std sqrt(0.5).
+    ("reinforce", {"norm_var": True}, [0.5 / (0.5**0.5 + 1e-6)] * 2 + [-0.5 / (0.5**0.5 + 1e-6)]),
+    # RLOO: the baseline of A leaves out all of A's sequences: 1 - 0 and 0 - 1.
+    ("rloo", {}, [1.0, 1.0, -1.0]),
+    ("raw", {}, [1.0, 1.0, 0.0]),
+    # GAE with gamma = lamda = 1 and V = 0: the return runs over the whole episode.
+    ("gae", {}, [1.0, 1.0, 0.0]),
+    # REINFORCE++: returns 1, 1 | 1, 1 | 0, 0 whitened over the batch's tokens (mean 2/3, std sqrt(2/9)).
+    ("reinforce_plus_plus", {}, [WHITE_HIGH, WHITE_HIGH, WHITE_LOW]),
+    ("mc", {}, [1.0, 1.0, 0.0]),
+])
+def test_every_estimator_treats_a_trajectory_as_one_sample(estimator, overrides, expected):
+    batch = with_zero_values(training_batch(issue_example()))
+    add_advantages(batch, adv_cfg(estimator, **overrides), KL_OFF)
+    assert sampled(batch) == [pytest.approx([v, v], rel=1e-5) for v in expected]
+
+
+def test_gae_bootstraps_a_sequence_from_the_next_one():
+    # gamma = 0.5, lamda = 1, V = 0 on A: the reward 1 at A's last token is discounted back over
+    # A's second sequence and on into its first (the observation between them is no step).
+    batch = with_zero_values(training_batch(issue_example()))
+    add_advantages(batch, adv_cfg("gae", gamma=0.5), KL_OFF)
+    assert sampled(batch) == [pytest.approx([0.125, 0.25]), pytest.approx([0.5, 1.0]), [0.0, 0.0]]
+    assert sampled(batch, "returns") == sampled(batch)
+
+
+def _per_trajectory_gae(trajectory_tokens, gamma, lamda):
+    """Plain-Python GAE over one trajectory's sampled tokens, all sequences in order:
+    [(reward, value)] -> [(advantage, return)]."""
+    out, running, next_value = [], 0.0, 0.0
+    for reward, value in reversed(trajectory_tokens):
+        delta = reward + gamma * next_value - value
+        running = delta + gamma * lamda * running
+        out.append((running, running + value))
+        next_value = value
+    return out[::-1]
+
+
+@pytest.mark.parametrize("gamma,lamda", [(1.0, 1.0), (0.9, 0.8)])
+def test_gae_over_random_multi_sequence_trajectories_matches_a_per_trajectory_loop(gamma, lamda):
+    g = torch.Generator().manual_seed(0)
+    groups = [[trajectory([2, 3], [1], [2, 2], rewards=[0.3, -1.0, 0.5, 2.0, 1.0]), trajectory([4], rewards=[1.5])],
+              [trajectory([1], [1], rewards=[0.0, 1.0]), trajectory([3, 1], rewards=[2.0, -0.5])]]
+    batch = training_batch(groups)
+    batch.tokens["values"] = torch.randn(batch.n_labels, generator=g) * batch.tokens["loss_mask"]
+    add_advantages(batch, adv_cfg("gae", gamma=gamma, lamda=lamda), KL_OFF)
+    for sample, t in enumerate(t for group in groups for t in group):
+        sequences = [i for i in range(len(batch.input_ids)) if batch.sample_ids[i] == sample]
+        values = [v for i in sequences for v in batch.sequence("values", i)[batch.sequence("loss_mask", i) > 0].tolist()]
+        rewards = [0.0] * len(values)
+        ends = [sum(len(turn.action_ids) for turn in t.turns[: k + 1]) - 1 for k in range(t.n_turns)]
+        for turn, end in zip(t.turns, ends):
+            rewards[end] = turn.reward  # each turn's reward on its last sampled token
+        expected = _per_trajectory_gae(list(zip(rewards, values)), gamma, lamda)
+        got = [v for i in sequences for v in sampled(batch)[i]]
+        got_returns = [v for i in sequences for v in sampled(batch, "returns")[i]]
+        assert got == pytest.approx([a for a, _ in expected], abs=1e-5)
+        assert got_returns == pytest.approx([r for _, r in expected], abs=1e-5)
+
+
+def test_turns_in_one_sequence_get_their_rewards_at_their_ends():
+    # Two turns in one sequence, rewards 1 and 2: each reward arrives at the end of its turn.
+    batch = with_zero_values(training_batch([[trajectory([2, 2], rewards=[1.0, 2.0])]]))
+    add_advantages(batch, adv_cfg("gae"), KL_OFF)
+    assert sampled(batch) == [pytest.approx([3.0, 3.0, 2.0, 2.0])]
+
+
+def test_monte_carlo_returns_per_turn_across_sequences():
+    # gamma = 0.5, turns 1 | 2 in two sequences, then B with 4: R0 = 1 + 0.5 * 2 = 2, R1 = 2.
+    groups = [[trajectory([2], [1], rewards=[1.0, 2.0]), trajectory([2], rewards=[4.0])]]
+    batch = training_batch(groups)
+    add_advantages(batch, adv_cfg("mc", gamma=0.5), KL_OFF)
+    assert sampled(batch) == [[2.0, 2.0], [2.0], [4.0, 4.0]]
+    batch = training_batch(groups)
+    add_advantages(batch, adv_cfg("mc", gamma=0.5, truncation=1), KL_OFF)
+    assert sampled(batch) == [[1.0, 1.0], [2.0], [4.0, 4.0]]
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "rloo", "raw", "gae", "mc"])
+def test_global_norm_whitens_every_estimator_over_the_sampled_tokens(estimator):
+    plain, normed = (with_zero_values(training_batch(issue_example())) for _ in range(2))
+    add_advantages(plain, adv_cfg(estimator), KL_OFF)
+    add_advantages(normed, adv_cfg(estimator, global_norm=True), KL_OFF)
+    tokens = [v for seq in sampled(plain) for v in seq]
+    mean, std = statistics.fmean(tokens), statistics.pstdev(tokens)
+    expected = [[(v - mean) / (std + 1e-8) for v in seq] for seq in sampled(plain)]
+    assert sampled(normed) == [pytest.approx(seq, abs=1e-5) for seq in expected]
+
+
+def test_shaping_is_added_once_per_trajectory():
+    cfg = OmegaConf.create({"train_sampling_params": {"max_new_tokens": 4}, "overlong_buffer_len": 2,
+                            "overlong_penalty_factor": 1.0, "length_penalty_coef": 0.8})
+    batch = training_batch(issue_example())  # A samples 4 tokens over its two sequences, B 2
+    metrics = shape_rewards(batch, cfg)
+    # Overlong: none up to 4 - 2 = 2 tokens, then -(n - 2) / 2; length: -0.8 * n / 4.
+    penalty_a, penalty_b = -1.0 - 0.8, 0.0 - 0.4
+    assert batch.rewards.tolist() == pytest.approx([1.0 + penalty_a, penalty_b])
+    torch.testing.assert_close(batch.turn_rewards, torch.tensor([[0.0, 1.0 + penalty_a], [penalty_b, 0.0]]))
+    assert metrics["rollout/overlong_penalty"] == pytest.approx(-0.5)
+    # The token-level estimators see the penalty once too: A's return is 1 + penalty_a.
+    with_zero_values(batch)
+    add_advantages(batch, adv_cfg("gae"), KL_OFF)
+    assert sampled(batch) == [pytest.approx([1.0 + penalty_a] * 2)] * 2 + [pytest.approx([penalty_b] * 2)]
+
+
+def test_reward_model_scores_are_added_once_per_trajectory():
+    batch = training_batch(issue_example())
+    metrics = add_reward_model_scores(batch, torch.tensor([0.25, -0.75]))
+    assert metrics["rollout/reward_model_score"] == pytest.approx(-0.25)
+    assert batch.rewards.tolist() == [1.25, -0.75]
+    add_advantages(batch, adv_cfg("mc"), KL_OFF)
+    assert sampled(batch) == [[1.25, 1.25], [1.25, 1.25], [-0.75, -0.75]]
+
+
+def test_kl_and_teacher_penalties_in_the_reward():
+    """Per-token penalties: the KL (k1, in the reward) and the teacher's reverse KL, summed per
+    trajectory for reinforce and per turn for mc."""
+    batch = training_batch([[trajectory([2], [1], rewards=[0.0, 1.0]), trajectory([1], rewards=[0.0])]])
+    mask = batch.tokens["loss_mask"]
+    positions = mask.nonzero()[:, 0]  # sampled tokens: A's 2 + 1, then B's 1
+    old = torch.zeros(batch.n_labels).index_put((positions,), torch.tensor([-1.0, -2.0, -1.0, -0.5]))
+    batch.tokens["old_logps"] = old
+    batch.tokens["ref_logps"] = old.index_put((positions,), torch.tensor([-1.5, -1.0, -1.0, -0.5]))
+    batch.tokens["teacher_logps"] = old.index_put((positions,), torch.tensor([-1.0, -2.0, -2.0, -1.5]))
+    kl = OmegaConf.create({"coef": 0.5, "type": "reward", "estimator": "k1"})
+    # Penalties 0.5 * (old - ref) + 1.0 * (old - teacher) = [0.25, -0.5, 1.0, 1.0] on A's then B's tokens.
+    add_advantages(batch, adv_cfg("raw"), kl, teacher_coef=1.0)
+    assert sampled(batch) == [pytest.approx([1 - 0.75] * 2), pytest.approx([1 - 0.75]), pytest.approx([-1.0])]
+    # mc: A's turn 0 pays -0.25, turn 1 pays 1.0: R1 = 1 - 1 = 0, R0 = 0.25 + 0 ... (gamma = 1).
+    add_advantages(batch, adv_cfg("mc"), kl, teacher_coef=1.0)
+    assert sampled(batch) == [pytest.approx([0.25, 0.25]), pytest.approx([0.0]), pytest.approx([-1.0])]
+
+
+def test_sequence_and_constant_averages_count_trajectories():
+    batch = training_batch(issue_example())  # A: 2 + 2 tokens in two sequences; B: 2 tokens
+    by_sequence = [w[m > 0].tolist() for w, m in ((train_weights(batch, "sequence")[batch.offsets[i]:batch.offsets[i + 1]],
+                                                    batch.sequence("loss_mask", i)) for i in range(3))]
+    assert by_sequence == [pytest.approx([1 / 8] * 2)] * 2 + [pytest.approx([1 / 4] * 2)]
+    constant = train_weights(batch, "constant", response_budget=10)
+    assert constant[batch.tokens["loss_mask"] > 0].tolist() == pytest.approx([1 / 20] * 6)
+
+
+def test_mini_batches_keep_whole_groups():
+    groups = [[trajectory([1], [1], rewards=[0.0, 1.0]), trajectory([1], rewards=[1.0])],
+              [trajectory([2], rewards=[0.0]), trajectory([1], [1], [1], rewards=[0.0, 0.0, 3.0])]]
+    batch = training_batch(groups)
+    first, second = batch.mini_batches(1)
+    assert (first.n_samples, second.n_samples) == (2, 2)
+    assert first.input_ids == batch.input_ids[:3] and second.input_ids == batch.input_ids[3:]
+    assert second.sample_ids.tolist() == [0, 1, 1, 1] and second.group_ids.tolist() == [0, 0]
+    assert second.rewards.tolist() == [0.0, 3.0] and second.turn_rewards[1].tolist() == [0.0, 0.0, 3.0]
+    torch.testing.assert_close(second.tokens["loss_mask"], batch.tokens["loss_mask"][int(batch.offsets[3]):])
+
+
+@pytest.mark.parametrize("adv,kl,message", [
+    ({"estimator": "rloo", "norm_var": True}, {}, "adv.norm_var divides GRPO's group baseline"),
+    ({"estimator": "reinforce_plus_plus", "global_norm": True}, {}, "already whitens"),
+    ({"estimator": "reinforce", "lamda": 0.95}, {}, "adv.lamda is GAE's lambda"),
+    ({"estimator": "rloo", "gamma": 0.9}, {}, "nothing to discount"),
+    ({"estimator": "gae", "truncation": 2}, {}, "adv.truncation"),
+    ({"estimator": "reinforce_plus_plus"}, {"coef": 0.01, "type": "reward", "estimator": "k3"}, "biased KL gradient"),
+    ({"estimator": "reinforce"}, {"coef": 0.01, "type": "loss", "estimator": "k1"}, "zero gradient in expectation"),
+])
+def test_contradictory_settings_fail_with_the_reason(adv, kl, message):
+    kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"} | kl)
+    with pytest.raises(ConfigError, match=message):
+        check_algorithm(adv_cfg(**adv), kl)
+
+
+@pytest.mark.parametrize("adv,kl", [
+    ({"estimator": "gae", "lamda": 0.95, "global_norm": True}, {"coef": 0.05, "type": "reward", "estimator": "k1"}),
+    ({"estimator": "reinforce", "norm_var": True}, {"coef": 0.04, "type": "loss", "estimator": "k3"}),
+    ({"estimator": "reinforce_plus_plus", "gamma": 0.99}, {"coef": 0.01, "type": "reward", "estimator": "k1"}),
+    ({"estimator": "mc", "gamma": 0.9, "truncation": 2}, {"coef": 0.01, "type": "reward", "estimator": "k1"}),
+])
+def test_the_recipes_pass(adv, kl):
+    check_algorithm(adv_cfg(**adv), OmegaConf.create(kl))

@@ -1,0 +1,392 @@
+"""Tests of the embedded inference engine on a tiny random Llama with the real SmolLM2 tokenizer.
+
+Every expectation comes from an independent computation: `model.generate`, a full forward over
+prompt + output, or the same engine serving one request at a time.
+"""
+
+import asyncio
+import copy
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from RL2.engine.embedded import engine as embedded_engine
+from RL2.engine.embedded import model_runner
+from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.engine.embedded.sampling import SamplingParams, sample_next_tokens
+from RL2.models.default_model import resolve_model_path
+
+PROMPTS = [[1, 9690, 198, 2683, 359, 253], [520, 9531], [4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 42, 77], [3365]]
+
+
+def tiny_llama(vocab_size: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer), seed=0)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["forwards-on-the-loop", "forwards-in-a-worker-thread"])
+def engine(request, model, tokenizer):
+    with pytest.MonkeyPatch.context() as patch:  # where the forwards run follows the cores: try both
+        patch.setattr(embedded_engine, "threads_fit_in_cores", lambda: request.param)
+        engine = EmbeddedEngine(model, tokenizer, max_running_requests=16)
+    assert engine.steps_on_loop == request.param
+    yield engine
+    engine.shutdown()
+
+
+def test_forwards_leave_the_loop_when_threads_outnumber_the_cores(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert embedded_engine.threads_fit_in_cores()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not embedded_engine.threads_fit_in_cores()
+
+
+def payload(prompt, **sampling) -> dict:
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True} | sampling
+    return {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+
+
+def generate(engine, *payloads) -> list[dict]:
+    async def main():
+        return await asyncio.gather(*(engine.generate(p) for p in payloads))
+
+    return asyncio.run(main())
+
+
+def hf_greedy(model, prompt, n) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def full_logits(model, prompt, output) -> torch.Tensor:
+    """Logits predicting each output token, from one forward over prompt + output."""
+    logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) + len(output) - 1]
+
+
+def test_greedy_matches_hf_generate(engine, model):
+    results = generate(engine, *(payload(p) for p in PROMPTS))
+    for prompt, result in zip(PROMPTS, results):
+        assert result["output_ids"] == hf_greedy(model, prompt, 12)
+        meta = result["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 12}
+        assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
+
+
+def test_the_callers_model_keeps_its_own_kernels(monkeypatch, model, tokenizer):
+    """On the path through HF's modules (models outside the Llama families), the engine's decode
+    attention and packed linears apply to its own forwards only: the model it was handed (here also
+    the tests' reference) runs HF's kernels outside them."""
+    monkeypatch.setattr(model_runner, "llama_forward_supported", lambda model: False)
+    engine = EmbeddedEngine(model, tokenizer, max_running_requests=4)
+    try:
+        assert engine.runner.llama is None
+        implementation = model.config._attn_implementation
+        result = generate(engine, payload(PROMPTS[0]))[0]
+    finally:
+        engine.shutdown()
+    assert result["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
+    assert model.config._attn_implementation == implementation
+    assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert engine.runner.packed, "the engine packs its linear layers on a CPU with oneDNN"
+
+
+def test_logprobs_are_raw_model_logprobs(engine, model):
+    prompt = PROMPTS[2]
+    for temperature in (1.0, 0.7):
+        result = generate(engine, payload(prompt, temperature=temperature, max_new_tokens=16))[0]
+        logprobs = result["meta_info"]["output_token_logprobs"]
+        assert [token for _, token, _ in logprobs] == result["output_ids"]
+        expected = torch.log_softmax(full_logits(model, prompt, result["output_ids"]), dim=-1)
+        expected = expected.gather(1, torch.tensor(result["output_ids"])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in logprobs]), expected, atol=1e-4, rtol=0)
+
+
+def test_concurrent_requests_match_one_at_a_time(engine):
+    payloads = [
+        payload(PROMPTS[i % 4] + [100 + i] * (i % 3), max_new_tokens=4 + 3 * i) for i in range(10)
+    ]
+    alone = [generate(engine, p)[0]["output_ids"] for p in payloads]
+    together = [r["output_ids"] for r in generate(engine, *payloads)]
+    assert together == alone
+    assert [len(ids) for ids in together] == [4 + 3 * i for i in range(10)]
+
+
+def test_requests_beyond_capacity_join_the_running_batch_later(engine, model, tokenizer):
+    payloads = [payload(PROMPTS[i % 4] + [200 + i], max_new_tokens=3 + 2 * i) for i in range(8)]
+    alone = [generate(engine, p)[0]["output_ids"] for p in payloads]
+    # 3 rows and a 40-token budget: most requests wait and are prefilled while others decode.
+    small = EmbeddedEngine(model, tokenizer, max_running_requests=3, max_total_tokens=40)
+    try:
+        together = [r["output_ids"] for r in generate(small, *payloads)]
+        with pytest.raises(ValueError, match="max_total_tokens"):
+            generate(small, payload(PROMPTS[0], max_new_tokens=100))
+    finally:
+        small.shutdown()
+    assert together == alone
+
+
+def test_shared_prompt_prefix_is_exact(engine, model):
+    # 20 shared tokens: the engine forwards them once and copies their keys/values to every row.
+    prefix = PROMPTS[0] + PROMPTS[2] + [5356, 5646, 11173]
+    prompts = [prefix + [198, 1, 4093 + i] * (1 + i % 3) for i in range(5)] + [prefix + [7]] * 2
+    results = generate(engine, *(payload(p, max_new_tokens=8) for p in prompts))
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, p, 8) for p in prompts]
+
+
+def test_identical_prompts_in_one_batch_equal_a_lone_request(engine, model):
+    # Forwarded once per distinct prompt, rows copied: the same tokens and log-probabilities.
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    together = generate(engine, *(payload(p) for p in prompts))
+    alone = {tuple(p): generate(engine, payload(p))[0] for p in PROMPTS[:3]}
+    for prompt, result in zip(prompts, together):
+        assert result["output_ids"] == hf_greedy(model, prompt, 12)
+        expected = alone[tuple(prompt)]["meta_info"]["output_token_logprobs"]
+        torch.testing.assert_close(result["meta_info"]["output_token_logprobs"], expected, atol=1e-5, rtol=0)
+
+
+def test_stop_string_trims_text_but_keeps_tokens(engine, tokenizer):
+    full = generate(engine, payload(PROMPTS[0], max_new_tokens=20))[0]
+    stop = tokenizer.decode(full["output_ids"][6:8])
+    cut = full["text"].find(stop)
+    assert stop.strip() and cut >= 0
+
+    result = generate(engine, payload(PROMPTS[0], max_new_tokens=20, stop=[stop]))[0]
+    assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert result["text"] == full["text"][:cut]
+    n = len(result["output_ids"])
+    assert n <= 8 and result["output_ids"] == full["output_ids"][:n]
+    assert stop in tokenizer.decode(result["output_ids"])
+
+    kept = generate(engine, payload(PROMPTS[0], max_new_tokens=20, stop=stop, no_stop_trim=True))[0]
+    assert kept["text"] == full["text"][: cut + len(stop)]
+
+
+def test_stop_token_ids_and_eos(model, tokenizer, engine):
+    full = generate(engine, payload(PROMPTS[1], max_new_tokens=20))[0]["output_ids"]
+    stop_token = full[5]
+    n = full.index(stop_token) + 1
+
+    result = generate(engine, payload(PROMPTS[1], max_new_tokens=20, ignore_eos=False, stop_token_ids=[stop_token]))[0]
+    assert result["output_ids"] == full[:n]
+    assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    assert result["text"] == tokenizer.decode(full[: n - 1], skip_special_tokens=True)
+    # min_new_tokens forbids the stop token until enough tokens exist.
+    later = payload(PROMPTS[1], max_new_tokens=20, ignore_eos=False, stop_token_ids=[stop_token], min_new_tokens=n + 1)
+    later = generate(engine, later)[0]
+    assert len(later["output_ids"]) > n and stop_token not in later["output_ids"][:n]
+
+    # An eos id from the model's generation_config stops unless ignore_eos (which, as in SGLang,
+    # also switches off stop_token_ids).
+    eos_model = copy.deepcopy(model)
+    eos_model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
+    eos_engine = EmbeddedEngine(eos_model, tokenizer)
+    try:
+        stopped, ignored = generate(
+            eos_engine,
+            payload(PROMPTS[1], max_new_tokens=20, ignore_eos=False),
+            payload(PROMPTS[1], max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]),
+        )
+    finally:
+        eos_engine.shutdown()
+    assert stopped["output_ids"] == full[:n]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    assert ignored["output_ids"] == full
+    assert ignored["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_top_k_and_top_p_sampling(engine, model):
+    prompt = PROMPTS[0]
+    greedy = generate(engine, payload(prompt, max_new_tokens=16))[0]["output_ids"]
+    top1 = generate(engine, payload(prompt, max_new_tokens=16, temperature=1.0, top_k=1))[0]
+    assert top1["output_ids"] == greedy
+
+    samples = generate(engine, *(payload(prompt, max_new_tokens=16, temperature=1.5, top_k=3) for _ in range(4)))
+    for sample in samples:
+        top3 = full_logits(model, prompt, sample["output_ids"]).topk(3, dim=-1).indices
+        assert (top3 == torch.tensor(sample["output_ids"])[:, None]).any(dim=-1).all()
+    assert len({tuple(s["output_ids"]) for s in samples}) > 1  # it did sample
+
+    nucleus = generate(engine, *(payload(prompt, max_new_tokens=16, temperature=0.5, top_p=0.2) for _ in range(4)))
+    for sample in nucleus:
+        probs = torch.softmax(full_logits(model, prompt, sample["output_ids"]) / 0.5, dim=-1)
+        chosen = probs.gather(1, torch.tensor(sample["output_ids"])[:, None])
+        mass_before = (probs * (probs > chosen)).sum(dim=-1)  # of the tokens likelier than the chosen one
+        assert (mass_before <= 0.2 + 1e-4).all()
+
+
+def test_sampler_draws_from_the_requested_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    rows = 20000
+    generator = torch.Generator().manual_seed(0)
+    for params, expected in [
+        (SamplingParams(temperature=1.0), torch.softmax(logits, -1)),
+        (SamplingParams(temperature=0.5), torch.softmax(logits / 0.5, -1)),
+        (SamplingParams(temperature=2.0), torch.softmax(logits / 2.0, -1)),
+        (SamplingParams(temperature=2.0, min_p=0.3), torch.softmax(torch.tensor([1.0, 0.5, 0.25, -1e9, -1e9]), -1)),
+        (SamplingParams(temperature=1.0, top_k=2), torch.softmax(torch.tensor([2.0, 1.0, -1e9, -1e9, -1e9]), -1)),
+        (SamplingParams(temperature=1.0, top_p=0.85), torch.softmax(torch.tensor([2.0, 1.0, 0.5, -1e9, -1e9]), -1)),
+    ]:
+        batch = logits.expand(rows, -1)
+        tokens, logprobs = sample_next_tokens(batch, [params] * rows, [[]] * rows, [None] * rows, generator)
+        frequencies = torch.bincount(tokens, minlength=5) / rows
+        torch.testing.assert_close(frequencies, expected, atol=0.015, rtol=0)
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
+
+
+def test_sampling_seed_is_independent_of_the_batch(engine):
+    seeded = payload(PROMPTS[2], temperature=1.0, max_new_tokens=10, sampling_seed=7)
+    alone = generate(engine, seeded)[0]["output_ids"]
+    others = [payload(p, temperature=1.0, max_new_tokens=10) for p in PROMPTS]
+    batched = generate(engine, *others, seeded)[-1]["output_ids"]
+    assert batched == alone
+
+
+def test_pause_abort_and_continue(engine):
+    long = [payload(p, max_new_tokens=300) for p in PROMPTS]
+
+    async def main():
+        running = [asyncio.create_task(engine.generate(p)) for p in long]
+        while max(engine.running_lengths, default=0) < 3:
+            await asyncio.sleep(0.01)
+        await engine.pause_generation(mode="abort")
+        aborted = await asyncio.gather(*running)
+
+        queued = [asyncio.create_task(engine.generate(payload(p, max_new_tokens=5))) for p in PROMPTS[:2]]
+        await asyncio.sleep(0.2)
+        assert not any(task.done() for task in queued)
+        await engine.continue_generation()
+        return aborted, await asyncio.gather(*queued)
+
+    aborted, resumed = asyncio.run(main())
+    for result in aborted:
+        assert result["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(result["output_ids"]) < 300
+        assert len(result["meta_info"]["output_token_logprobs"]) == len(result["output_ids"])
+    assert any(result["output_ids"] for result in aborted)
+    assert [r["meta_info"]["finish_reason"]["type"] for r in resumed] == ["length", "length"]
+
+
+def test_pause_retract_resumes_the_same_output(engine):
+    request = payload(PROMPTS[2], max_new_tokens=40)
+    uninterrupted = generate(engine, request)[0]["output_ids"]
+
+    async def main():
+        task = asyncio.create_task(engine.generate(request))
+        while max(engine.running_lengths, default=0) < 5:
+            await asyncio.sleep(0.005)
+        await engine.pause_generation(mode="retract")
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        await engine.continue_generation()
+        return await task
+
+    assert asyncio.run(main())["output_ids"] == uninterrupted
+
+
+def test_update_weights_switches_the_model(tokenizer, model):
+    other = tiny_llama(len(tokenizer), seed=1)
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)
+    try:
+        before = generate(engine, payload(PROMPTS[0]))[0]
+        engine.update_weights(other.state_dict().items(), weight_version="v1")
+        after = generate(engine, *(payload(p) for p in PROMPTS))
+    finally:
+        engine.shutdown()
+    assert before["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
+    assert [r["output_ids"] for r in after] == [hf_greedy(other, p, 12) for p in PROMPTS]
+    assert after[0]["meta_info"]["weight_version"] == "v1"
+
+
+def test_weights_changed_in_place_are_not_served_stale(tokenizer, model):
+    other = tiny_llama(len(tokenizer), seed=2)
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)
+    try:
+        generate(engine, payload(PROMPTS[0]))
+        with torch.no_grad():  # behind the engine's back: any packed copy of a weight is now stale
+            for mine, theirs in zip(engine.runner.model.parameters(), other.parameters()):
+                mine.copy_(theirs)
+        after = generate(engine, payload(PROMPTS[0]))[0]
+    finally:
+        engine.shutdown()
+    assert after["output_ids"] == hf_greedy(other, PROMPTS[0], 12)
+
+
+def test_parameters_mapped_from_the_checkpoint_file_are_copied_once(tmp_path, tokenizer, model):
+    """`from_pretrained` maps safetensors files privately; the engine copies those parameters into
+    its own memory, so that weight updates do not copy-on-write them page by page."""
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+
+    def file_mappings() -> list[tuple[int, int]]:  # address ranges mapped from files, as the kernel lists them
+        with open("/proc/self/maps") as maps:
+            fields = [line.split() for line in maps.read().splitlines()]
+        return [tuple(int(a, 16) for a in f[0].split("-")) for f in fields if len(f) >= 6 and f[5].startswith("/")]
+
+    def in_a_file_mapping(param):
+        return any(start <= param.data_ptr() < end for start, end in file_mappings())
+
+    if not any(in_a_file_mapping(p) for p in loaded.parameters()):
+        pytest.skip("this transformers/safetensors build does not map checkpoint files")
+    engine = EmbeddedEngine(loaded, tokenizer)
+    try:
+        assert not any(in_a_file_mapping(p) for p in loaded.parameters())
+        output = generate(engine, payload(PROMPTS[0]))[0]["output_ids"]
+    finally:
+        engine.shutdown()
+    for mine, original in zip(loaded.parameters(), model.parameters()):
+        torch.testing.assert_close(mine, original, rtol=0, atol=0)
+    assert output == hf_greedy(model, PROMPTS[0], 12)
+
+
+def test_a_failing_forward_fails_every_request(tokenizer, model):
+    broken = copy.deepcopy(model)
+
+    def explode(*args, **kwargs):
+        raise ValueError("boom")
+
+    broken.model.embed_tokens.forward = explode
+    engine = EmbeddedEngine(broken, tokenizer)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            generate(engine, *(payload(p) for p in PROMPTS))
+        with pytest.raises(RuntimeError, match="boom"):
+            generate(engine, payload(PROMPTS[0]))
+    finally:
+        engine.shutdown()
+
+
+def test_invalid_requests_are_rejected(engine):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate(engine, payload(PROMPTS[0], repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="unknown"):
+        generate(engine, payload(PROMPTS[0], tempreature=1.0))
+    empty = generate(engine, payload(PROMPTS[0], max_new_tokens=0))[0]
+    assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,0 +1,144 @@
+"""The engine state machine: no rollout samples released or stale weights, whatever the sequence of
+rollouts, updates and evaluations.
+
+Unit tests drive `EngineState` with recording test doubles of an engine (it records the order of the
+calls it gets and, like a colocated SGLang server, loses its weights' content when they are released)
+and of the trainer's models (they record moves on and off the GPU). The end-to-end tests run the PPO
+trainer with the real embedded engine wrapped by such a recording double
+(`tests/e2e/scripts/engine_call_order.py`), which checks at every request that the weights the engine
+holds equal the actor's current ones.
+"""
+
+
+import pytest
+
+from RL2.rollout.engine_state import EngineState
+
+RELEASE_ALL = "release weights,kv_cache,cuda_graph"
+RELEASE_CACHE = "release kv_cache,cuda_graph"
+
+
+class RecordingEngine:
+    """Records engine calls in order; released weights lose their content, as SGLang's memory saver's do."""
+
+    def __init__(self, log: list[str], releases_memory: bool, follows_policy: bool):
+        self.log, self.releases_memory, self.follows_policy = log, releases_memory, follows_policy
+        self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
+        self.content = "initial"
+
+    def release_memory(self, tags):
+        self.log.append("release " + ",".join(tags))
+        for tag in tags:
+            assert self.resident[tag], f"{tag} released twice"
+            self.resident[tag] = False
+        if "weights" in tags:
+            self.content = None
+
+    def resume_memory(self, tags):
+        self.log.append("resume " + ",".join(tags))
+        for tag in tags:
+            assert not self.resident[tag], f"{tag} resumed but not released (SGLang fails on it)"
+            self.resident[tag] = True
+
+    def push(self, content: str):
+        assert self.resident["weights"], "weights pushed into released memory"
+        self.log.append(f"push {content}")
+        self.content = content
+
+    def generate(self) -> str:
+        assert all(self.resident.values()), f"sampling with released memory: {self.resident}"
+        assert self.content is not None, "sampling released weights"
+        self.log.append(f"generate on {self.content}")
+        return self.content
+
+
+class RecordingModel:
+    """Stands in for an FSDPWorker: counts its updates, records where its state is."""
+
+    def __init__(self, name: str, log: list[str]):
+        self.name, self.log, self.updates = name, log, 0
+        self.params_on_gpu = self.optimizer_on_gpu = True
+
+    def offload(self, keep_params: bool = False):
+        self.optimizer_on_gpu = False
+        self.params_on_gpu = self.params_on_gpu and keep_params
+
+    def onload(self):
+        self.params_on_gpu = self.optimizer_on_gpu = True
+
+
+def build(log, releases_memory=True, follows_policy=True):
+    engine, policy, ref = RecordingEngine(log, releases_memory, follows_policy), RecordingModel("actor", log), (
+        RecordingModel("ref", log))
+
+    def push(label):
+        # The push reads the policy's parameters while the rest of the trainer is off the GPU.
+        assert policy.params_on_gpu and not (releases_memory and ref.optimizer_on_gpu)
+        engine.push(f"{label}@{policy.updates}")
+
+    state = EngineState(engine, policy, push, [policy, ref] if releases_memory else [])
+    state.to_trainer()
+    return state, engine, policy, ref
+
+
+def rollout(state, engine, policy, ref) -> str:
+    with state.sampling():
+        if state.releases_memory:
+            assert not policy.params_on_gpu and not ref.params_on_gpu, "the trainer stayed on the GPU"
+        sampled = engine.generate()
+    assert policy.params_on_gpu and ref.params_on_gpu
+    return sampled
+
+
+def update(state, policy, label):
+    policy.updates += 1
+    state.synced(label)
+
+
+def test_colocated_engine_gets_the_current_weights_back_before_every_rollout():
+    """Evaluation, train rollout, update, evaluation, two dynamic-filtering rounds: each rollout finds
+    the weights released by the previous one and pushes the policy's current weights first."""
+    log = []
+    state, engine, policy, ref = build(log)
+    assert rollout(state, engine, policy, ref) == "step0@0"  # evaluation before training
+    assert rollout(state, engine, policy, ref) == "step0@0"  # step 1's rollout
+    update(state, policy, "step1")  # weights released: the push waits for the next rollout
+    assert rollout(state, engine, policy, ref) == "step1@1"  # evaluation after step 1
+    assert rollout(state, engine, policy, ref) == "step1@1"  # step 2, first dynamic-filtering round
+    assert rollout(state, engine, policy, ref) == "step1@1"  # second round
+    expected = [RELEASE_ALL]
+    for content in ("step0@0", "step0@0", "step1@1", "step1@1", "step1@1"):
+        expected += ["resume weights", f"push {content}", "resume kv_cache,cuda_graph", f"generate on {content}",
+                     RELEASE_ALL]
+    assert log == expected
+
+
+def test_an_update_without_a_sync_is_pushed_at_the_next_rollout():
+    """A stale engine (the policy moved and nobody synced) pushes before sampling, resident or not."""
+    log = []
+    state, engine, policy, ref = build(log, releases_memory=False)
+    assert rollout(state, engine, policy, ref) == "initial"  # the engine starts from the policy's weights
+    policy.updates += 1
+    assert rollout(state, engine, policy, ref) == "step0@1"
+    update(state, policy, "step2")  # resident weights: pushed at once
+    assert log == ["generate on initial", "push step0@1", "generate on step0@1", "push step2@2"]
+    assert rollout(state, engine, policy, ref) == "step2@2"
+
+
+def test_weight_sync_none_keeps_the_engines_weights():
+    """weight_sync=none: weights are never released nor replaced; the cache still goes back and forth."""
+    log = []
+    state, engine, policy, ref = build(log, follows_policy=False)
+    for step in range(2):
+        assert rollout(state, engine, policy, ref) == "initial"
+        update(state, policy, f"step{step + 1}")
+    assert log == [RELEASE_CACHE] + 2 * ["resume kv_cache,cuda_graph", "generate on initial", RELEASE_CACHE]
+
+
+def test_a_failing_rollout_leaves_the_trainer_on_the_gpu():
+    log = []
+    state, engine, policy, ref = build(log)
+    with pytest.raises(RuntimeError, match="engine died"):
+        with state.sampling():
+            raise RuntimeError("engine died")
+    assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu

@@ -1,0 +1,95 @@
+"""FSDPWorker on one CPU rank: what colocation moves off the device, and float16 training with a gradient scaler."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+
+from RL2.batch import SequenceBatch
+from RL2.config.schema import ModelConfig
+from RL2.datasets.packing import pack, train_weights
+from RL2.engine.sglang.server import free_port
+from RL2.models.logps import packed_logps
+from RL2.parallel import ParallelDims
+from RL2.workers.fsdp import FSDPWorker
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def worker(path: str, dtype: str = "float32", **overrides) -> FSDPWorker:
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"model_name": path, "dtype": dtype,
+                                                               "optimizer": {"lr": 1e-3}} | overrides)
+    return FSDPWorker(cfg, ParallelDims(1), torch.device("cpu"), total_steps=10)
+
+
+def examples() -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+            for n in (20, 33, 9)]
+
+
+def backward_nll(w: FSDPWorker, scale: float = 1.0) -> None:
+    batch = SequenceBatch.from_examples(examples())
+    for mb in pack(batch, 0, 1, 4096, train_weights(batch, "token")):
+        w.backward(-(packed_logps(w.model, mb) * mb.loss_weights).sum() * scale)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def test_move_state_covers_parameters_gradients_and_optimizer_state(tiny_model_path, one_rank):
+    """Every tensor colocation must take off the GPU moves: here to the meta device, which keeps none."""
+    w = worker(tiny_model_path)
+    backward_nll(w)
+    w.optimizer_step()
+    backward_nll(w)  # gradients present as well as Adam's moments and step counts
+    tensors = lambda: ([local(p) for p in w.model.parameters()] + [local(p.grad) for p in w.model.parameters()]
+                       + [local(v) for s in w.optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+    n = len(tensors())
+    assert n == 2 * len(list(w.model.parameters())) + 3 * len(w.optimizer.state)
+    assert {t.device.type for t in tensors()} == {"cpu"}
+    w.move_state(torch.device("meta"))
+    assert {t.device.type for t in tensors()} == {"meta"}
+    assert w.resident_bytes().keys() == {"meta"}
+
+
+def test_offload_is_a_no_op_on_cpu(tiny_model_path, one_rank):
+    w = worker(tiny_model_path)
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    w.offload()
+    w.onload()
+    assert all(torch.equal(before[k], v) for k, v in w.model.state_dict().items())
+    assert not w.offloaded
+
+
+def test_float16_trains_through_the_gradient_scaler(tiny_model_path, one_rank):
+    """float16 compute: the loss is scaled up for backward and the gradients scaled back before clipping,
+    so the gradient norm is float32's; a step with an infinite gradient is skipped and the scale lowered."""
+    reference, half = worker(tiny_model_path, "float32"), worker(tiny_model_path, "float16")
+    assert reference.scaler is None and half.scaler is not None
+    backward_nll(reference)
+    backward_nll(half)
+    scale = half.scaler.get_scale()
+    assert scale > 1.0
+    for (name, p), q in zip(reference.model.named_parameters(), half.model.parameters()):
+        # The scaled gradients: float32's times the scale, up to float16 round-off.
+        error = (local(q.grad) / scale - local(p.grad)).norm() / local(p.grad).norm()
+        assert error < 0.05, name
+    norms = reference.optimizer_step()["grad_norm"], half.optimizer_step()["grad_norm"]
+    assert norms[1] == pytest.approx(norms[0], rel=0.02)  # unscaled before clipping
+    before = [local(p).clone() for p in half.model.parameters()]
+    backward_nll(half, scale=float("inf"))
+    half.optimizer_step()
+    assert all(torch.equal(b, local(p)) for b, p in zip(before, half.model.parameters()))
+    assert half.scaler.get_scale() == scale / 2
+    assert "grad_scaler" in half.state_dict()

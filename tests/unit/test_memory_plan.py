@@ -1,0 +1,46 @@
+"""The memory plan of colocated training and SGLang servers: parameter counts, the phases' bytes, the README's table."""
+
+
+import pytest
+
+from RL2.engine.memory_plan import GIB, colocated_memory, kv_cache_tokens, qwen25, readme_table
+from tests.helpers import REPO
+
+README = REPO / "README.md"
+
+
+def qwen2_parameters(vocab, hidden, inter, layers, heads, kv_heads) -> int:
+    """Qwen2's parameters written out: embeddings and an untied head, q/k/v with biases, o, the gated MLP, norms."""
+    head_dim = hidden // heads
+    attention = hidden * hidden + hidden + 2 * (hidden * kv_heads * head_dim + kv_heads * head_dim) + hidden * hidden
+    mlp = 3 * hidden * inter
+    return 2 * vocab * hidden + layers * (attention + mlp + 2 * hidden) + hidden
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return {size: qwen25(size) for size in ("7B", "32B")}
+
+
+def test_parameter_counts_of_the_table_models(shapes):
+    assert shapes["7B"].n_params == qwen2_parameters(152064, 3584, 18944, 28, 28, 4) == 7_615_616_512
+    assert shapes["32B"].n_params == qwen2_parameters(152064, 5120, 27648, 64, 40, 8)
+    assert shapes["7B"].largest == 152064 * 3584
+    assert shapes["7B"].kv_bytes_per_token == 2 * 28 * 4 * 128 * 2  # k and v, layers, heads, dim, bf16
+
+
+def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
+    p = shapes["7B"].n_params
+    plan = colocated_memory(shapes["7B"], 80 * GIB, n_ranks=8, server_tp=1, reference=True, critic=True)
+    # fp32 weights + gradients + Adam moments for actor and critic, bf16 reference, each an eighth.
+    assert plan.train == 2 * (16 * p // 8) + 2 * p // 8
+    assert plan.sync == 4 * p // 8 + 2 * p + 2 * (2 * 152064 * 3584)  # the embedding outweighs a 512 MB bucket
+    assert plan.served_weights == 2 * p
+    assert plan.kv_cache == int(0.85 * 78 * GIB) - 2 * p
+    assert kv_cache_tokens(shapes["7B"], plan.kv_cache, 1) == plan.kv_cache // (2 * 28 * 4 * 128 * 2)
+    offloaded = colocated_memory(shapes["7B"], 80 * GIB, 8, 1, True, True, offload_optimizer=True)
+    assert plan.train - offloaded.train == 8 * p // 8  # one model's moments on the GPU at a time
+
+
+def test_readme_has_the_plans_table():
+    assert readme_table() in README.read_text()

@@ -1,0 +1,382 @@
+"""Rollout layer on the real embedded engine serving a tiny random Llama (greedy decoding).
+
+Expected token ids come from an independent greedy loop over full forwards of the same model, and
+expected log-probabilities from one full forward over the finished sequence.
+"""
+
+import asyncio
+import json
+import re
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
+from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
+from RL2.rollout.metrics import pass_at_k, rollout_metrics, save_samples
+from RL2.rollout.trajectory import Trajectory, Turn
+from tests.helpers import ENVS
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tok):
+    engine = EmbeddedEngine(model, tok, max_running_requests=16)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt(tok) -> str:
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+@torch.no_grad()
+def token_logps(model, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1 (0.0 at t = 0), from one full forward."""
+    logps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [0.0] + logps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def roll(engine, tok, env_name, state, extra_info, **kwargs) -> Trajectory:
+    kwargs = {"sampling_params": GREEDY, "max_turns": 8} | kwargs
+    env = load_env(ENVS / f"{env_name}.py")
+    return asyncio.run(run_trajectory(engine, env, tok, state, extra_info, **kwargs))
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ---- token layout ----
+
+
+def test_turns_that_extend_the_text_form_one_example(engine, model, tok, prompt):
+    trajectory = roll(engine, tok, "echo", prompt, {"turns": 3})
+    assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
+    [example] = trajectory.token_sequences()
+
+    expected = encode(tok, prompt)
+    turn_ids = [-1] * len(expected)
+    for turn in range(3):
+        expected += greedy(model, expected, 4)
+        turn_ids += [turn] * 4
+        if turn < 2:
+            observation = encode(tok, f"\nobservation {turn + 1}\n")
+            expected += observation
+            turn_ids += [-1] * len(observation)
+    action_positions = [i for i, t in enumerate(turn_ids) if t >= 0]
+    assert example["input_ids"] == expected
+    assert example["turn_ids"] == turn_ids
+    assert [i for i, m in enumerate(example["loss_mask"]) if m] == action_positions
+    reference = token_logps(model, expected)
+    for i, logp in enumerate(example["engine_logps"]):
+        assert logp == pytest.approx(reference[i], abs=1e-4) if i in action_positions else logp == 0.0
+    assert [turn.reward for turn in trajectory.turns] == [1.0, 1.0, 1.0]
+    assert all(len(example[k]) == len(expected) for k in ("loss_mask", "engine_logps", "turn_ids"))
+
+
+def test_fresh_states_start_new_sequences(engine, model, tok, prompt):
+    trajectory = roll(engine, tok, "restart", prompt, {"turns": 3})
+    examples = trajectory.token_sequences()
+    assert len(examples) == 3 and trajectory.n_turns == 3
+    rewards = []
+    for turn, (example, state) in enumerate(zip(examples, [prompt, "Question 1: go on.", "Question 2: go on."])):
+        ids = encode(tok, state)
+        action = greedy(model, ids, 4)
+        assert example["input_ids"] == ids + action
+        assert example["loss_mask"] == [0] * len(ids) + [1] * 4
+        assert example["turn_ids"] == [-1] * len(ids) + [turn] * 4
+        rewards.append(float(len(tok.decode(action, skip_special_tokens=True)) % 2))  # restart.py's reward
+    assert [turn.reward for turn in trajectory.turns] == rewards
+    assert (trajectory.reward, trajectory.score) == (sum(rewards), 3.0)
+
+
+def test_chat_messages_continue_one_sequence(engine, model, tok):
+    trajectory = roll(engine, tok, "chat", None, {"question": "Hi", "turns": 2})
+    [example] = trajectory.token_sequences()
+    state = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    first = greedy(model, encode(tok, state), 4)
+    assert first[-1] not in tok.all_special_ids  # the observation then starts with the end of the turn
+    observation = "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+    ids = encode(tok, state) + first + encode(tok, observation)
+    assert example["input_ids"] == ids + greedy(model, ids, 4)
+
+
+def test_continuation_does_not_repeat_the_sampled_end_of_turn(tok):
+    messages = [{"role": "user", "content": "Hi"}]
+    state = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    later = messages + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More."}]
+    next_state = tok.apply_chat_template(later, add_generation_prompt=True, tokenize=False)
+    added = continuation(state, "Hello!", next_state, end_text="<|im_end|>")
+    assert added == "\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n"
+    # Sampled ids (ending in <|im_end|>) plus the added text tokenise exactly as the whole conversation.
+    sampled = encode(tok, "Hello!") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert encode(tok, state) + sampled + encode(tok, added) == encode(tok, next_state)
+    assert continuation(state, "Hello!", "something else") is None
+
+
+# ---- stopping and faults ----
+
+
+def test_max_turns_and_token_budget_stop(engine, model, tok, prompt):
+    assert roll(engine, tok, "echo", prompt, {}, max_turns=3).stop_reason == "max_turns"
+    prompt_len, observation_len = len(encode(tok, prompt)), len(encode(tok, "\nobservation 1\n"))
+    budget = prompt_len + 4 + observation_len + 2
+    trajectory = roll(engine, tok, "echo", prompt, {}, max_total_tokens=budget)
+    assert trajectory.stop_reason == "budget" and trajectory.n_turns == 2
+    assert [len(t.action_ids) for t in trajectory.turns] == [4, 2]
+    assert trajectory.turns[-1].finish_reason == "length"
+    assert len(trajectory.token_sequences()[0]["input_ids"]) == budget
+    with pytest.raises(ValueError, match="leaves no room"):
+        roll(engine, tok, "echo", prompt, {}, max_total_tokens=prompt_len)
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("raise", "step raised KeyError: 'broken env'"),
+        ("sleep", "timed out after 0.05 s"),
+        ("malformed", "reward='high'"),
+    ],
+)
+def test_env_faults_end_one_trajectory_with_reward_0(engine, tok, prompt, fault, message):
+    trajectory = roll(engine, tok, "faulty", prompt, {"fault": fault, "after": 1}, env_timeout=0.05)
+    assert trajectory.stop_reason == "fault" and message in trajectory.fault
+    assert trajectory.n_turns == 2 and trajectory.reward == 0.0  # the first turn's reward 1 is dropped too
+    assert [t.reward for t in trajectory.turns] == [0.0, 0.0]
+    assert rollout_metrics([[trajectory]])["rollout/faults"] == 1.0
+
+
+def test_step_result_validation():
+    parsed = parse_step_result({"next_state": "s", "reward": 1, "done": False}, {"a": 1})
+    assert (parsed.score, parsed.extra_info) == (1.0, {"a": 1})
+    for bad in [None, {"reward": 1.0}, {"reward": float("nan"), "done": True}, {"reward": 1.0, "done": "yes"},
+                {"reward": 1.0, "done": False}, {"reward": 1.0, "done": True, "extra_info": []}]:
+        with pytest.raises(EnvFault):
+            parse_step_result(bad, {})
+
+
+def test_load_env_errors(tmp_path):
+    with pytest.raises(EnvError, match="does not exist"):
+        load_env(tmp_path / "missing.py")
+    (tmp_path / "no_step.py").write_text("async def reset(extra_info):\n    return 'hi'\n")
+    with pytest.raises(EnvError, match="defines no `step`"):
+        load_env(tmp_path / "no_step.py")
+    (tmp_path / "sync_step.py").write_text("def step(state, action, extra_info):\n    return {}\n")
+    with pytest.raises(EnvError, match="must be async"):
+        load_env(tmp_path / "sync_step.py")
+    with pytest.raises(EnvError, match="defines no `reset`"):
+        asyncio.run(load_env(ENVS / "echo.py").reset({}))
+
+
+# ---- batches, filtering, metrics, samples ----
+
+
+def test_rollout_batch_groups_with_own_extra_info(engine, tok, prompt):
+    prompts = [{"prompt": prompt, "extra_info": {"turns": 2}}, {"prompt": "Count: 1 2 3", "extra_info": {"turns": 1}}]
+    sampling = {"temperature": 1.0, "max_new_tokens": 3}
+    env = load_env(ENVS / "echo.py")
+    groups = asyncio.run(rollout_batch(engine, env, tok, prompts, 3, sampling, max_turns=4))
+    assert [[t.n_turns for t in group] for group in groups] == [[2, 2, 2], [1, 1, 1]]
+    assert [t.extra_info["seen"] for group in groups for t in group] == [2, 2, 2, 1, 1, 1]
+    assert prompts[0]["extra_info"] == {"turns": 2}  # the rows themselves are untouched
+
+
+def test_engine_errors_stop_the_batch(engine, tok, prompt):
+    env = load_env(ENVS / "echo.py")
+    with pytest.raises(ValueError, match="unknown sampling params"):
+        asyncio.run(rollout_batch(engine, env, tok, [{"prompt": prompt}], 2, {"bogus": 1}))
+    dead = HTTPEngineClient([f"http://127.0.0.1:{free_port()}"], timeout=5)
+    with pytest.raises(EngineError, match="unreachable"):
+        asyncio.run(rollout_batch(dead, env, tok, [{"prompt": prompt}], 2, GREEDY))
+
+
+def made(rewards: list[float], scores: list[float] | None = None, source: str = "math") -> list[Trajectory]:
+    """A group of one-turn trajectories built by hand."""
+    group = []
+    for i, reward in enumerate(rewards):
+        t = Trajectory(extra_info={"data_source": source})
+        t.start_sequence("p", [1, 2])
+        finish = "length" if i == 0 else "stop"
+        t.add_turn(Turn([3] * (i + 1), [-0.5] * (i + 1), "a", finish, reward, (scores or rewards)[i]))
+        t.stop_reason = "done"
+        group.append(t)
+    return group
+
+
+def test_filter_groups_drops_groups_with_equal_rewards():
+    groups = [made([1.0, 1.0]), made([0.0, 1.0]), made([0.0, 0.0]), made([0.1, 0.0])]
+    assert filter_groups(groups) == [groups[1], groups[3]]
+
+
+def test_metrics_by_hand():
+    groups = [made([1.0, 0.0, 0.0, 0.0]), made([0.1, 0.1, 0.1, 0.1], [0.0] * 4), made([1.0] * 4, source="code")]
+    metrics = rollout_metrics(groups, per_source=True)
+    assert metrics["rollout/reward"] == pytest.approx((1.0 + 0.4 + 4.0) / 12)
+    assert metrics["rollout/score"] == pytest.approx(5 / 12)
+    assert metrics["rollout/response_length"] == pytest.approx(2.5)
+    assert metrics["rollout/clip_ratio"] == pytest.approx(3 / 12)
+    assert (metrics["rollout/n_turns"], metrics["rollout/faults"]) == (1.0, 0.0)
+    assert metrics["test/math/score"] == pytest.approx(1 / 8)
+    assert metrics["test/math/pass@4"] == pytest.approx(0.5)  # one group of two passes
+    assert metrics["test/code/pass@4"] == 1.0
+    # pass@2 of a group with 1 correct of 4: 1 - C(3,2)/C(4,2) = 1/2.
+    assert rollout_metrics(groups[:1], per_source=True, k=2)["test/math/pass@2"] == pytest.approx(0.5)
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+
+
+def test_save_samples_appends_jsonl(tmp_path):
+    path = tmp_path / "samples" / "rollout.jsonl"
+    save_samples(path, [made([1.0, 0.0])], step=1)
+    save_samples(path, [made([0.5])], step=2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["group"], r["reward"]) for r in records] == [(1, 0, 1.0), (1, 0, 0.0), (2, 0, 0.5)]
+    assert {"prompt", "response", "score", "finish_reason", "fault"} <= set(records[0])
+
+
+# ---- HTTP client against a real HTTP server speaking /generate ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GenerateServer:
+    """A minimal HTTP/1.1 server that answers `POST /generate` with the embedded engine."""
+
+    def __init__(self, engine, delay: float = 0.0):
+        self.engine, self.delay, self.hits = engine, delay, 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def handle(self, reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        payload = json.loads(await reader.readexactly(length))
+        self.hits += 1
+        await asyncio.sleep(self.delay)
+        try:
+            status, reply = 200, await self.engine.generate(payload)
+        except ValueError as e:  # SGLang answers a bad request with 400 and a message
+            status, reply = 400, {"error": {"message": str(e)}}
+        body = json.dumps(reply).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n".encode() + body
+        )
+        await writer.drain()
+        writer.close()
+
+
+def test_http_client_balances_and_matches_the_engine(engine, tok, prompt):
+    ids = encode(tok, prompt)
+    payload = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
+
+    async def main():
+        async with GenerateServer(engine) as a, GenerateServer(engine) as b:
+            client = HTTPEngineClient([a.url, b.url + "/"], timeout=30)
+            results = await asyncio.gather(*(client.generate(payload) for _ in range(4)))
+            await client.aclose()
+            return results, (a.hits, b.hits), await engine.generate(payload)
+
+    results, hits, direct = asyncio.run(main())
+    assert hits == (2, 2)
+    assert all(r["output_ids"] == direct["output_ids"] for r in results)
+    # The four ran as one batch, the direct one alone: their logprobs agree to round-off.
+    for logprob, expected in zip(results[0]["meta_info"]["output_token_logprobs"],
+                                 direct["meta_info"]["output_token_logprobs"], strict=True):
+        assert logprob[1:] == expected[1:] and logprob[0] == pytest.approx(expected[0], abs=1e-5)
+
+
+def test_http_client_errors_name_the_server(engine):
+    async def main():
+        async with GenerateServer(engine) as ok, GenerateServer(engine, delay=10) as slow:
+            with pytest.raises(EngineError, match=rf"{ok.url}/generate returned HTTP 400: .*input_ids is empty"):
+                await HTTPEngineClient([ok.url]).generate({"input_ids": [], "sampling_params": GREEDY})
+            with pytest.raises(EngineError, match=rf"{slow.url}/generate: no answer within 0.2 s"):
+                await HTTPEngineClient([slow.url], timeout=0.2).generate({"input_ids": [1]})
+        port = free_port()
+        with pytest.raises(EngineError, match=rf"127.0.0.1:{port}/generate is unreachable"):
+            await HTTPEngineClient([f"http://127.0.0.1:{port}"]).generate({"input_ids": [1]})
+
+    asyncio.run(main())
+
+
+# ---- partial rollout ----
+
+
+def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
+    """Trajectories cut by the pause and resumed (after a JSON round trip, as a checkpoint keeps them)
+    end with the tokens, masks and log-probabilities of an uninterrupted greedy rollout."""
+    env = load_env(ENVS / "echo.py")
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 3}} for i in range(4)]
+    engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
+    try:
+        finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
+        assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
+        assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
+        rounds = 0
+        while carried:
+            carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
+            more, carried = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
+            finished += more
+            rounds += 1
+        assert rounds >= 1 and len(finished) == len(rows)
+    finally:
+        engine.shutdown()
+    for group in finished:
+        [trajectory] = group
+        assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
+        expected = roll_fresh(model, tok, env, trajectory.prompt_text, params)
+        [got], [want] = trajectory.token_sequences(), expected.token_sequences()
+        assert got["input_ids"] == want["input_ids"]
+        assert got["loss_mask"] == want["loss_mask"] and got["turn_ids"] == want["turn_ids"]
+        reference = token_logps(model, got["input_ids"])
+        for logp, ref, mask in zip(got["engine_logps"], reference, got["loss_mask"]):
+            assert logp == (pytest.approx(ref, abs=1e-4) if mask else 0.0)
+
+
+def roll_fresh(model, tok, env, prompt: str, params: dict) -> Trajectory:
+    engine = EmbeddedEngine(model, tok, max_running_requests=1)
+    try:
+        return asyncio.run(run_trajectory(engine, env, tok, prompt, {"turns": 3}, params, max_turns=3))
+    finally:
+        engine.shutdown()
+
+
+def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
+    env = load_env(ENVS / "echo.py")
+    rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
+    finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
+    assert carried == [] and [len(g) for g in finished] == [2, 2]
+    assert all(t.stop_reason == "done" and t.n_turns == 2 for g in finished for t in g)
