@@ -1,0 +1,1 @@
+"""Logging (metrics.jsonl, wandb, TensorBoard), checkpoints and learning curves."""

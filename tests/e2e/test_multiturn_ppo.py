@@ -1,24 +1,17 @@
-"""Multi-turn credit assignment: a trajectory is one sample, however many sequences it spans.
+"""Multi-turn credit assignment end to end: one PPO step on an environment whose every turn starts a
+new sequence (tests/envs/restart.py); the trainer's advantages equal a computation per trajectory
+from its turn rewards alone."""
 
-Trajectories are built by hand (`Trajectory`/`Turn`, no engine) and turned into the training batch
-the trainer uses; advantages are compared with hand-computed numbers and with plain-Python loops
-over each trajectory's turns and tokens.
-"""
-
+import json
 
 import pytest
-from omegaconf import OmegaConf
 
 from tests.helpers import ENVS
-
-KL_OFF = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"})
-PROMPT, OBSERVATION = [1, 2, 3], [7, 7]
+from tests.helpers.launch import run_ranks
 
 
 @pytest.fixture(scope="module")
 def restart_data(tmp_path_factory):
-    import json
-
     path = tmp_path_factory.mktemp("restart") / "train.jsonl"
     rows = [{"prompt": f"Start {k}.", "extra_info": {"turns": 3}} for k in range(4)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -26,10 +19,6 @@ def restart_data(tmp_path_factory):
 
 
 def run_multiturn_step(nproc, model, data, save_dir, *extra) -> list[list[dict]]:
-    import json
-
-    from launch import run_ranks
-
     env = ENVS / "restart.py"
     args = [f"data.train.path={data}", "data.train.batch_size=2", f"rollout.env_path={env}", "rollout.max_turns=3",
             "rollout.responses_per_prompt=4", "rollout.train_sampling_params.max_new_tokens=3",
