@@ -149,6 +149,18 @@ class ParallelDims:
         self.build_mesh()
         return self.dp_mesh.get_local_rank()
 
+    def sum_over_data(self, totals: dict[str, float], device: torch.device) -> dict[str, float]:
+        """Per-rank sums -> sums over the whole global batch. Ranks that differ only in cp or tp hold the
+        same sums, so they are added over the data-parallel group alone. Collective."""
+        group = self.dp_mesh.get_group()
+        # A rank whose share was only padding has no metrics of its own: agree on the keys first.
+        names = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names, sorted(totals), group=group)
+        keys = sorted(set().union(*names))
+        summed = torch.tensor([totals.get(key, 0.0) for key in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=group)
+        return dict(zip(keys, summed.tolist()))
+
     @classmethod
     def from_config(cls, model_cfg, device: torch.device) -> "ParallelDims":
         return cls(

@@ -1,6 +1,6 @@
 """GPU memory of one rank when the trainer and colocated SGLang servers share the GPUs, and the servers' sizing.
 
-A PPO step on shared GPUs goes through three phases (`RL2.rollout.engine_state` drives them):
+A PPO step on shared GPUs goes through three phases (`RL2.rollout.worker` drives them):
 - train: the trainer's models are on the GPU; the servers have released their weights, KV cache and
   CUDA graphs (SGLang's `--enable-memory-saver`).
 - sync: the servers' weights come back and the policy's parameters are gathered into them, bucket by

@@ -6,13 +6,31 @@ the whole rollout in prompt order (the packing of the update needs the global ba
 With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
 `RL2/engine/sglang/engine.py`): every rank still rolls out its share, over HTTP.
 
-Every rollout goes through `RL2.rollout.engine_state.EngineState.sampling`, which makes sure the engine
-samples the policy's current weights and, with SGLang servers on the trainer's GPUs, hands the GPU
-memory back and forth between them and the trainer's models.
+Whether the engine may sample is decided in one place, `EngineState`, from three things:
+- the engine's memory: resident, or released to the trainer (colocated SGLang servers release their
+  weights, KV cache and CUDA graphs while the trainer computes, and released weights lose their
+  content: SGLang's memory saver keeps no copy);
+- the version of its weights: which update of the policy they hold (`FSDPWorker.updates`, which every
+  optimizer step and checkpoint load advances);
+- the trainer's models: on the GPU, or moved to the CPU while a colocated engine samples.
+
+`sampling()` is the only way to a rollout (training rollouts, evaluations, every dynamic-filtering
+round, partial rollouts all go through it): it first brings the engine's weights to the policy's
+current version, pushing them again when they were released or are stale, then moves the trainer's
+models off the GPU and resumes the engine's cache; afterwards the engine releases its memory and the
+trainer's models come back. A rollout on stale or released weights therefore cannot happen. With
+`rollout.weight_sync=none` the engine keeps the weights it has (they are never released) and
+policy updates do not reach it.
+
+`synced(label)` is called after each update: it pushes at once when the engine's weights are resident
+(embedded engine, external servers), else at the start of the next rollout, when the optimizer state
+and the frozen models have left the GPU to make room for the servers' weights (see
+`RL2.engine.memory_plan` for the memory of each phase).
 """
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -23,7 +41,6 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.shared_memory_gather import SharedMemoryGather
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
-from RL2.rollout.engine_state import EngineState
 from RL2.rollout.env import Env, load_env
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
@@ -51,6 +68,91 @@ def load_rollout_env(rollout_cfg) -> Env:
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
     return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+# SGLang's tags of the memory regions a colocated server releases.
+WEIGHT_TAGS = ("weights",)
+CACHE_TAGS = ("kv_cache", "cuda_graph")
+
+
+class EngineState:
+    """Args:
+        engine: the rollout engine (`RL2.engine.protocol.Engine`): whether it `releases_memory` and
+            `follows_policy` is its own to say.
+        policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
+            None: the engine samples the weights it loaded (an evaluation of a fixed model).
+        push: `push(label)` sends the policy's current weights to the engine (collective).
+        colocated: the trainer's models that leave the GPU while the engine samples (empty: none do).
+    """
+
+    def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
+        self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)
+        self.releases_memory = engine.releases_memory
+        self.follows_policy = policy is not None and engine.follows_policy
+        self.weights_resident = self.cache_resident = True
+        self.version: int | None = policy.updates if policy else None  # it starts from the policy's initial weights
+        self.label = "step0"  # weight_version of the newest push
+
+    @property
+    def current(self) -> bool:
+        """The engine's weights are resident and are the policy's (or stay the engine's own under `none`)."""
+        return self.weights_resident and (not self.follows_policy or self.version == self.policy.updates)
+
+    def synced(self, label: str) -> None:
+        """The policy was updated (`label` names its weights): push now if the engine's weights are
+        resident, else at the next rollout."""
+        self.label = label
+        if self.follows_policy and self.weights_resident and not self.current:
+            self._push()
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The engine is ready to sample the policy's current weights inside; the trainer's afterwards."""
+        self._make_current()
+        for worker in self.colocated:
+            worker.offload()
+        if self.releases_memory and not self.cache_resident:
+            self.engine.resume_memory(CACHE_TAGS)
+            self.cache_resident = True
+        try:
+            yield
+        except BaseException:
+            self._onload_trainer()  # the run is failing: the trainer's state must still be reachable
+            raise
+        self.to_trainer()
+
+    def to_trainer(self) -> None:
+        """Give the GPU to the trainer: the engine releases its memory (its weights too, unless they are
+        its own under `none`) and the trainer's models come back."""
+        if self.releases_memory:
+            tags = (WEIGHT_TAGS if self.follows_policy and self.weights_resident else ()) + (
+                CACHE_TAGS if self.cache_resident else ())
+            if tags:
+                self.engine.release_memory(tags)
+            if "weights" in tags:
+                self.weights_resident, self.version = False, None
+            self.cache_resident = False
+        self._onload_trainer()
+
+    def _make_current(self) -> None:
+        if self.current:
+            return
+        # Room for the servers' weights next to the policy's parameters, which the push reads.
+        for worker in self.colocated:
+            worker.offload(keep_params=worker is self.policy)
+        if not self.weights_resident:
+            self.engine.resume_memory(WEIGHT_TAGS)
+            self.weights_resident = True
+        if self.follows_policy:
+            self._push()
+
+    def _push(self) -> None:
+        self.push(self.label)
+        self.version = self.policy.updates
+
+    def _onload_trainer(self) -> None:
+        for worker in self.colocated:
+            worker.onload()
 
 
 class RolloutWorker:

@@ -16,7 +16,6 @@ from RL2.datasets.splits import EpochSampler, batches, load_splits
 from RL2.trainer.base import Trainer
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
-from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 def per_sequence_sum(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -80,8 +79,7 @@ class PairwiseTrainer(Trainer):
                                                {k: v[1::2] for k, v in scores.items()})
             return losses.sum() / len(pairs), {"loss": losses.sum().detach()} | {k: v.sum() for k, v in metrics.items()}
 
-        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro_batches, loss_fn, train), self.dims,
-                                     self.device)
+        totals = self.worker.run_micro_batches(micro_batches, loss_fn, train)
         return {key: value / len(pairs) for key, value in sorted(totals.items())}
 
     def train_step(self, step: int) -> dict[str, float]:

@@ -14,7 +14,6 @@ from RL2.models.logps import packed_logps
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
-from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 class SFTTrainer(Trainer):
@@ -55,8 +54,7 @@ class SFTTrainer(Trainer):
             loss = (self.token_losses(mb) * mb.loss_weights).sum()
             return loss, {"loss": loss.detach(), "tokens": mb.input_ids.numel()}
 
-        totals = sum_over_data_ranks(run_micro_batches(self.actor, micro_batches, loss_fn, train), self.dims,
-                                     self.device)
+        totals = self.actor.run_micro_batches(micro_batches, loss_fn, train)
         return totals["loss"], int(totals["tokens"])
 
     def train_step(self, step: int) -> dict[str, float]:

@@ -21,7 +21,6 @@ from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
-from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 # ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the choices
 # are declared in RL2/config/ppo_schema.py). Each reads its own config keys.
@@ -152,8 +151,7 @@ class Actor:
         batch = replace(batch, tokens=batch.tokens | {"sample_of_label": batch.sample_of_label})
         micro = pack(batch, self.dims.dp_rank, self.dims.dp, cfg.max_length_per_device, weights, units=units,
                      seq_parallel=self.dims.seq_parallel)
-        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro, self._micro_batch_loss), self.dims,
-                                     self.device)
+        totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
         stats = self.worker.optimizer_step()
         return weighted_means(totals) | {"grad_norm": stats["grad_norm"], "lr": stats["lr"]}
 

@@ -13,7 +13,6 @@ from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import per_token_pass, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
-from RL2.workers.micro_batches import run_micro_batches, sum_over_data_ranks
 
 
 class Critic:
@@ -50,8 +49,7 @@ class Critic:
         weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
         micro = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
                      seq_parallel=self.dims.seq_parallel)
-        totals = sum_over_data_ranks(run_micro_batches(self.worker, micro, self._micro_batch_loss), self.dims,
-                                     self.device)
+        totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
         stats = self.worker.optimizer_step()
         return weighted_means(totals) | {"grad_norm": stats["grad_norm"]}
 

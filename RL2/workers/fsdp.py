@@ -7,10 +7,12 @@ holds the embeddings and LM head, so tied weights stay one parameter).
 Rank 0 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time.
 float16 compute trains through a gradient scaler (`FSDPWorker.backward`). While a colocated rollout
 engine samples, `offload` moves parameters, gradients and optimizer state to the CPU and `onload`
-brings them back (`RL2.rollout.engine_state` calls both).
+brings them back (`RL2.rollout.worker` calls both).
 """
 
 import math
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
+from RL2.batch import MicroBatch
 from RL2.models.attention import ATTN_NAME
 from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
@@ -35,6 +38,8 @@ from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 
+# (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
+LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 def load_tokenizer(model_cfg):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_cfg.tokenizer_name or model_cfg.model_name))
@@ -195,6 +200,30 @@ class FSDPWorker(Stateful):
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, through the gradient scaler when computing in float16."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn, train: bool = True) -> dict[str, float]:
+        """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
+        every micro-batch of this rank, then sum each metric over the whole global batch. Collective.
+
+        Every micro-batch's loss is already weighted for the global batch (`RL2.algs.averaging`), so the
+        losses of all micro-batches of all ranks add up to the batch's loss and their gradients to its
+        gradient: FSDP sums the ranks' gradients (`sum_gradients_over_ranks`) and no loss is rescaled.
+
+        Args:
+            micro_batches: this rank's share of the global batch (`RL2.datasets.packing.pack`).
+            loss_fn: the loss and metric partial sums of one micro-batch.
+            train: backward each loss; False runs without autograd.
+        """
+        totals = defaultdict(float)
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with torch.set_grad_enabled(train):
+                loss, metrics = loss_fn(mb)
+            if train:
+                self.backward(loss)
+            for key, value in metrics.items():
+                totals[key] += float(value)
+        return self.dims.sum_over_data(totals, self.device)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`.

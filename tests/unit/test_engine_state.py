@@ -12,7 +12,7 @@ holds equal the actor's current ones.
 
 import pytest
 
-from RL2.rollout.engine_state import EngineState
+from RL2.rollout.worker import EngineState
 
 RELEASE_ALL = "release weights,kv_cache,cuda_graph"
 RELEASE_CACHE = "release kv_cache,cuda_graph"

@@ -19,7 +19,7 @@ Weight sync after each update (`rollout.weight_sync`):
 
 Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
 trainer's state is off the GPU and take `mem_fraction_static` of the free memory for weights and KV
-cache (`RL2.engine.memory_plan`); `RL2.rollout.engine_state` then releases and resumes their memory
+cache (`RL2.engine.memory_plan`); `RL2.rollout.worker` then releases and resumes their memory
 (`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
 endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
