@@ -94,9 +94,10 @@ class EngineState:
     def _make_current(self) -> None:
         if self.current:
             return
-        # Room for the servers' weights next to the policy's parameters, which the push reads.
+        # Room for the servers' weights next to the policy's parameters, which the push reads. A LoRA
+        # policy's frozen base is read from the CPU instead, one tensor at a time (`full_tensors`).
         for worker in self.colocated:
-            worker.offload(keep_params=worker is self.policy)
+            worker.offload(keep_params=worker is self.policy and getattr(worker, "lora", None) is None)
         if not self.weights_resident:
             self.engine.resume_memory(WEIGHT_TAGS)
             self.weights_resident = True
