@@ -218,7 +218,7 @@ def test_peft_loads_the_adapter_folder(sft_run, qwen_path):
     assert (adapted - base_logits).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("layout", ["actor.tp_size=1", "actor.tp_size=2"])
+@pytest.mark.parametrize("layout", ["actor.tp_size=1", pytest.param("actor.tp_size=2", marks=pytest.mark.slow)])
 def test_sft_two_ranks_equal_one_rank(sft_run, qwen_path, sft_data, tmp_path, layout):
     """FSDP over 2 ranks, or tensor parallelism (adapters split with their layer), against the 1-rank run."""
     run_ranks(2, sft_args(qwen_path, sft_data, tmp_path, layout))
@@ -262,18 +262,27 @@ def pair_args(kind, model, data, save_dir, *extra):
             f"{section}.lora.rank={RANK}", f"{section}.lora.alpha={ALPHA}", *extra]
 
 
-def test_dpo_reference_is_the_base_and_two_ranks_equal_one_rank(qwen_path, pair_data, tmp_path):
-    runs = {}
-    for nproc in (1, 2):
-        run_ranks(nproc, pair_args("dpo", qwen_path, pair_data, tmp_path / f"ranks{nproc}"))
-        runs[nproc] = read_metrics(tmp_path / f"ranks{nproc}")
-    first, later = runs[1][0], runs[1][1:]
+@pytest.fixture(scope="module")
+def dpo_run(qwen_path, pair_data, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("lora_dpo")
+    run_ranks(2, pair_args("dpo", qwen_path, pair_data, save_dir))
+    return save_dir
+
+
+def test_dpo_reference_is_the_base(dpo_run, qwen_path):
+    first, *later = read_metrics(dpo_run)
     # Policy and reference agree at the start (B = 0): every pair's implicit reward margin is 0.
     assert first["train/loss"] == pytest.approx(0.6931472, abs=1e-6) and first["train/margin"] == 0
     assert all(abs(m["train/margin"]) > 1e-4 for m in later)  # the adapters moved away from the base
+    assert_merged_export(dpo_run / "final" / "actor", qwen_path)
+
+
+@pytest.mark.slow
+def test_dpo_two_ranks_equal_one_rank(dpo_run, qwen_path, pair_data, tmp_path):
+    run_ranks(1, pair_args("dpo", qwen_path, pair_data, tmp_path))
+    one, two = read_metrics(tmp_path), read_metrics(dpo_run)
     for key in ("train/loss", "train/margin", "train/chosen_logps"):
-        assert [m[key] for m in runs[2]] == pytest.approx([m[key] for m in runs[1]], rel=1e-5, abs=1e-7), key
-    assert_merged_export(tmp_path / "ranks2" / "final" / "actor", qwen_path)
+        assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-5, abs=1e-7), key
 
 
 def test_reward_model_trains_adapters_and_its_head(qwen_path, pair_data, tmp_path):
@@ -347,8 +356,10 @@ def test_ppo_engine_samples_merged_weights_and_resets_move_the_base(ppo_run):
     assert not (ppo_run / "final" / "ref").exists()
 
 
+@pytest.mark.slow
 def test_ppo_resume_equals_uninterrupted(ppo_run, repeat_model, rl_data, tmp_path):
-    """The step-2 checkpoint holds the base the reset changed, with the adapters."""
+    """The step-2 checkpoint holds the base the reset changed, with the adapters (SFT's resume is the
+    default test of adapter-only checkpoints)."""
     shutil.copytree(ppo_run / "step2", tmp_path / "step2")
     run_ranks(2, ppo_args(repeat_model, rl_data, tmp_path, "trainer.load_ckpt_from=latest"))
     straight, resumed = read_metrics(ppo_run)[2:], read_metrics(tmp_path)
