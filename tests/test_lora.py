@@ -45,6 +45,7 @@ def assert_merged_export(folder: Path, base_folder: str) -> dict[str, torch.Tens
     adapter = load_file(f"{folder}/adapter/adapter_model.safetensors")
     config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
+    assert config["target_modules"] == sorted(TARGETS)
     adapted = {k for k in base if f"base_model.model.{k.removesuffix('.weight')}.lora_A.weight" in adapter}
     assert {k.rsplit(".", 2)[-2] for k in adapted} == set(TARGETS) and len(adapted) == 2 * len(TARGETS)
     expected = expected_merge(base, adapter)
@@ -286,7 +287,8 @@ def test_dpo_two_ranks_equal_one_rank(dpo_run, qwen_path, pair_data, tmp_path):
 
 
 def test_reward_model_trains_adapters_and_its_head(qwen_path, pair_data, tmp_path):
-    run_ranks(1, pair_args("rm", qwen_path, pair_data, tmp_path))
+    """RL2's all-linear (every linear layer of the decoder layers) is written out for PEFT by name."""
+    run_ranks(1, pair_args("rm", qwen_path, pair_data, tmp_path, "critic.lora.target_modules=[all-linear]"))
     folder = tmp_path / "final" / "critic"
     merged, base = load_file(f"{folder}/model.safetensors"), load_file(f"{qwen_path}/model.safetensors")
     adapter = load_file(f"{folder}/adapter/adapter_model.safetensors")
@@ -296,6 +298,7 @@ def test_reward_model_trains_adapters_and_its_head(qwen_path, pair_data, tmp_pat
             torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-6)
     config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
     assert (config["task_type"], config["modules_to_save"]) == ("TOKEN_CLS", ["score"])
+    assert config["target_modules"] == sorted(TARGETS)
     peft = pytest.importorskip("peft")
     ids = torch.tensor([[1, 20, 300, 4000, 50, 6]])
     with torch.no_grad():

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from RL2.config.errors import ConfigError
+
 ALL_LINEAR = "all-linear"
 # Modules trained in full next to the adapters (PEFT's `modules_to_save`): the scalar head of
 # `AutoModelForTokenClassification`, new in a reward model or critic.
@@ -114,13 +116,13 @@ def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: fl
         model: an HF model (plain or tensor-parallel, not yet FSDP-sharded).
         layers: its decoder layers (`RL2.workers.fsdp.decoder_layers`).
         rank, alpha, dropout, targets: the `lora` config.
-        key: the config section, for the error when nothing matches (e.g. `actor.lora`).
+        key: the config section, for the error (a `ConfigError`) when nothing matches (e.g. `actor.lora`).
     """
     found = target_linears(model, layers, targets)
     if not found:
         names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
                         if isinstance(m, nn.Linear)})
-        raise ValueError(f"{key}.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
+        raise ConfigError(f"{key}.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
                          f"its decoder layers have {', '.join(names) or 'none'} (or use [{ALL_LINEAR}])")
     model.requires_grad_(False)
     for name, linear in found.items():
@@ -191,11 +193,12 @@ def split_for_export(state: dict[str, torch.Tensor],
 
 
 def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float,
-                 targets: list[str], task_type: str, base_model: str) -> None:
+                 task_type: str, base_model: str) -> None:
     """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained(base_model, folder)` loads it).
 
     Args:
         adapter: from `split_for_export`.
+        rank, alpha, dropout: the `lora` config.
         task_type: PEFT's: CAUSAL_LM, or TOKEN_CLS for a scalar-head model (its head is saved in full).
         base_model: the base model's name or folder, recorded for the reader.
     """
@@ -206,9 +209,12 @@ def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     heads = sorted({name.removeprefix(PEFT_PREFIX).split(".")[0] for name in adapter} & set(HEAD_MODULES))
+    # The names of the adapted layers, as PEFT matches them (RL2's `all-linear` is not PEFT's: it stays
+    # inside the decoder layers).
+    targets = sorted({name.removesuffix(ADAPTER_A).rsplit(".", 1)[-1] for name in adapter if name.endswith(ADAPTER_A)})
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(targets),
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
         "modules_to_save": heads or None, "inference_mode": True,
     }
@@ -221,8 +227,9 @@ def merge_into_base(model: nn.Module, fraction: float) -> None:
     `B *= 1 - fraction`. The model computes the same function afterwards, while its base (what
     `adapters_disabled` runs) moves `fraction` of the way to it: ProRL's reference reset under LoRA.
 
-    Works on FSDP-sharded (and tensor-parallel) parameters: each rank updates its own shard of W from
-    the full (small) adapters. The caller puts sharded parameters back in place first (`reshard`).
+    Works on FSDP-sharded (and tensor-parallel) parameters: every rank computes a layer's full B A (one
+    weight-sized tensor at a time) and adds its own part to its shard of W. The caller puts sharded
+    parameters back in place first (`reshard`).
     """
     for module in adapter_modules(model):
         weight = module.base_layer.weight

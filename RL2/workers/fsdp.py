@@ -386,8 +386,7 @@ class FSDPWorker(Stateful):
     def _save_adapter(self, folder, adapter: dict[str, torch.Tensor]) -> None:
         cfg = self.lora
         task = "TOKEN_CLS" if hasattr(self.model, "score") else "CAUSAL_LM"
-        lora.save_adapter(folder, adapter, cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules), task,
-                          resolve_model_path(self.model_name))
+        lora.save_adapter(folder, adapter, cfg.rank, cfg.alpha, cfg.dropout, task, resolve_model_path(self.model_name))
 
 
 def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
