@@ -32,7 +32,8 @@ setup(
         "math": ["math-verify"],
         # trainer.use_tensorboard=true: TensorBoard event files next to metrics.jsonl.
         "tensorboard": ["tensorboard"],
-        # The test run covers the GEM adapter, math-verify answers and TensorBoard files too.
-        "test": ["pytest", "gem-llm", "math-verify", "tensorboard"],
+        # The test run covers the GEM adapter, math-verify answers, TensorBoard files and loading LoRA
+        # adapter folders with peft too.
+        "test": ["pytest", "gem-llm", "math-verify", "tensorboard", "peft"],
     },
 )

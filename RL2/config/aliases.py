@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.errors import ConfigError
-from RL2.config.original_keys import ALIASES, Dropped, KLEstimator
+from RL2.config.original_keys import ALIASES, ORIGINAL_LORA_RANK, Dropped, KLEstimator, LoRASwitch
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,14 @@ class Translation:
         kl_estimators: place ("reward" | "loss") -> (original key, estimator) from the command line;
             `apply_kl_estimators` takes the one of the place `actor.kl.type` chooses.
         explicit: current keys given on the command line under their current name.
+        lora_switches: model section -> (original key, value) of `{model}.use_lora`;
+            `apply_lora_switches` sets the rank.
     """
 
     argv: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
+    lora_switches: dict[str, tuple[str, str]] = field(default_factory=dict)
     explicit: set[str] = field(default_factory=set)
 
 
@@ -78,6 +81,9 @@ def translate(argv: list[str], keys: SchemaKeys) -> Translation:
         elif isinstance(found, KLEstimator):
             _claim(origin, f"actor.kl.{found.place}_estimator", arg, alias=True)
             result.kl_estimators[found.place] = (key, raw)
+        elif isinstance(found, LoRASwitch):
+            _claim(origin, key, arg, alias=True)
+            result.lora_switches[found.model] = (key, raw)
         else:
             new_keys, value_map = found
             new_raw = raw if value_map is None else _mapped(value_map, raw, key)
@@ -109,6 +115,24 @@ def apply_kl_estimators(cfg: DictConfig, translation: Translation) -> None:
                              f"actor.kl.type={place} puts the KL in the {place}")
 
 
+def apply_lora_switches(cfg: DictConfig, translation: Translation) -> None:
+    """The original `{model}.use_lora`: false sets `{model}.lora.rank=0`; true keeps a rank given (the
+    original `{model}.lora.r`) or sets the original's default rank."""
+    for model, (key, raw) in translation.lora_switches.items():
+        on, rank_key, lora = _parse(raw, key), f"{model}.lora.rank", cfg[model].lora
+        if not isinstance(on, bool):
+            raise ConfigError(f"config key '{key}': expected true or false, got {raw!r}")
+        if on and lora.rank == 0 and rank_key in translation.explicit:
+            raise ConfigError(f"config keys '{key}=true' and '{rank_key}=0' disagree; LoRA is on when {rank_key} > 0")
+        if not on:
+            lora.rank = 0
+        elif lora.rank == 0:
+            lora.rank = ORIGINAL_LORA_RANK
+        default = " (the original's default lora.r)" if on and lora.rank == ORIGINAL_LORA_RANK else ""
+        translation.lines.append(
+            f"config key '{key}={raw}' (RL2's original name) is now '{rank_key}={lora.rank}'{default}")
+
+
 def resolve(key: str, keys: SchemaKeys):
     """What an original key means here: `(current keys, value map or None)`, a `Dropped`, a
     `KLEstimator`, or None when `key` is no original key (or its current keys are not in `keys`)."""
@@ -121,6 +145,8 @@ def resolve(key: str, keys: SchemaKeys):
             return entry
         if isinstance(entry, KLEstimator):
             return entry if "actor.kl.estimator" in keys else None
+        if isinstance(entry, LoRASwitch):
+            return entry if f"{entry.model}.lora.rank" in keys else None
         current, value_map = tuple(new + rest for new in entry.new), entry.value or value_map
         # A section renamed as a whole: an unknown key under it is reported under its current name,
         # with the suggestions of that section (`kl.coeff` -> did you mean actor.kl.coef?).
@@ -192,6 +218,10 @@ def describe_aliases(keys: SchemaKeys) -> str:
         elif isinstance(entry, KLEstimator):
             if "actor.kl.estimator" in keys:
                 renamed.append(f"  {entry.old} -> actor.kl.estimator, when actor.kl.type={entry.place}")
+        elif isinstance(entry, LoRASwitch):
+            if f"{entry.model}.lora.rank" in keys:
+                renamed.append(f"  {entry.old} -> {entry.model}.lora.rank (false: 0; true: the rank given, else "
+                               f"{ORIGINAL_LORA_RANK})")
         elif entry.new != (entry.old,) and all(keys.has_section(n) if star else n in keys for n in entry.new):
             renamed.append(f"  {entry.old}{star} -> {', '.join(n + star for n in entry.new)}")
     return ("RL2's original key names (accepted; each one used is printed with its current key):\n"

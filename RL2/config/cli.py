@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from RL2.config.aliases import SchemaKeys, apply_kl_estimators, describe_aliases, translate
+from RL2.config.aliases import SchemaKeys, apply_kl_estimators, apply_lora_switches, describe_aliases, translate
 from RL2.config.errors import ConfigError
+from RL2.config.schema import check_lora
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
@@ -44,8 +45,10 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
             reason = str(e.msg).splitlines()[0]
             raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
     apply_kl_estimators(base, translation)
+    apply_lora_switches(base, translation)
     OmegaConf.resolve(base)
     check_choices(base, schema)
+    check_lora(base)
     if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)

@@ -29,6 +29,18 @@ class Dropped:
 
 
 @dataclass(frozen=True)
+class LoRASwitch:
+    """The original `{model}.use_lora`: here LoRA is on when `{model}.lora.rank` > 0, so `true` sets the
+    original's default rank unless a rank is given (`RL2.config.aliases.apply_lora_switches`)."""
+
+    old: str
+    model: str
+
+
+ORIGINAL_LORA_RANK = 16  # the original's default `lora.r`
+
+
+@dataclass(frozen=True)
 class KLEstimator:
     """The original per-place KL estimator keys (`place` is "reward" or "loss")."""
 
@@ -82,8 +94,12 @@ _PER_MODEL = [
     Dropped("{model}.use_liger_kernel", "RL2 has no Liger-kernel switch; drop it"),
     Dropped("{model}.offload_model",
             "RL2 keeps the model on its device; {model}.offload_optimizer=true offloads the optimizer state"),
-    Dropped("{model}.use_lora", "RL2 trains every parameter (no LoRA)"),
-    Dropped("{model}.lora.", "RL2 trains every parameter (no LoRA)"),
+    LoRASwitch("{model}.use_lora", "{model}"),
+    Renamed("{model}.lora.r", ("{model}.lora.rank",)),
+    Renamed("{model}.lora.lora_alpha", ("{model}.lora.alpha",)),
+    Renamed("{model}.lora.lora_dropout", ("{model}.lora.dropout",)),
+    Dropped("{model}.lora.use_rslora", "RL2 scales adapters by {model}.lora.alpha / rank; for rsLoRA's alpha / "
+                                       "sqrt(rank) set {model}.lora.alpha to alpha x sqrt(rank) and drop use_rslora"),
     Dropped("{model}.backend", "RL2 has one training backend, FSDP2; drop it"),
     Dropped("{model}.fsdp_size", "set {model}.ddp_size (replicas) instead: FSDP shards over the rest, so "
                                  "ddp_size = world size / fsdp_size"),
@@ -184,6 +200,8 @@ def _expand(entry):
         if isinstance(entry, Renamed):
             new = tuple(n.format(model=model) for n in entry.new)
             expanded.append(Renamed(entry.old.format(model=model), new, entry.value))
+        elif isinstance(entry, LoRASwitch):
+            expanded.append(LoRASwitch(entry.old.format(model=model), model))
         else:
             expanded.append(Dropped(entry.old.format(model=model), entry.instead.format(model=model)))
     return expanded

@@ -8,6 +8,8 @@ so an unknown key or a value of the wrong type fails at start with the key's ful
 from dataclasses import dataclass, field
 from typing import Any
 
+from RL2.config.errors import ConfigError
+
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A config field with a default, a one-line help text (shown by `--help`) and, for a field that
@@ -57,6 +59,18 @@ class SchedulerConfig:
     min_lr: float = opt(0.0, "floor of the cosine schedule (absolute learning rate)")
 
 
+# The attention and MLP projections of Llama, Mistral, Qwen2 and Qwen3.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = opt(0, "LoRA rank r: train low-rank adapters on a frozen base model instead of every parameter (0: off)")
+    alpha: float = opt(32.0, "LoRA's scale: an adapter's output is multiplied by alpha / rank")
+    dropout: float = opt(0.0, "dropout on an adapter's input while training")
+    target_modules: list[str] = opt(LORA_TARGETS, "linear layers of the decoder layers that get adapters, by the last part(s) of their module path; [all-linear] takes every one")
+
+
 @dataclass
 class ModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the bundled default model")
@@ -72,6 +86,24 @@ class ModelConfig:
     ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")
     optimizer: OptimizerConfig = opt(OptimizerConfig, "optimizer")
     scheduler: SchedulerConfig = opt(SchedulerConfig, "learning-rate scheduler")
+    lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the compute dtype)")
+
+
+def check_lora(cfg) -> None:
+    """Fail on LoRA settings that cannot train, naming the key (every model section of `cfg`)."""
+    for section, value in cfg.items():
+        lora = value.get("lora") if hasattr(value, "get") else None
+        if lora is None:
+            continue
+        key = f"{section}.lora"
+        if lora.rank < 0:
+            raise ConfigError(f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
+        if lora.rank and lora.alpha <= 0:
+            raise ConfigError(f"{key}.alpha={lora.alpha}; it must be positive (the adapters' scale is alpha / rank)")
+        if not 0 <= lora.dropout < 1:
+            raise ConfigError(f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
+        if lora.rank and not lora.target_modules:
+            raise ConfigError(f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
 
 
 @dataclass

@@ -13,6 +13,11 @@ copy is split over a server's S GPUs (bf16 serving, float32 master weights):
              + reference 2P/N (stored in bf16) + critic 16P/N, each when the run has one
     sync     actor weights 4P/N + served weights 2P/S + two buckets (gathered tensors and their flat copy)
     rollout  served weights 2P/S + KV cache
+With LoRA adapters of L parameters on the actor (`actor.lora.rank > 0`, `RL2.models.lora`), the frozen
+base is stored in bf16 and only the adapters train, and the reference is that base (adapters off):
+    train    actor 2P/N + 16L/N, + critic 16P/N when the run has one (no separate reference)
+    sync     served weights 2P/S + two buckets + one full tensor being merged: the base waits on the CPU
+             and comes to the GPU one tensor at a time (`RL2.rollout.worker.full_tensors`)
 Activations of a micro-batch (bounded by `max_length_per_device`) come on top of the train phase.
 
 Servers are launched once the trainer's state is on the CPU, and SGLang gives weights plus KV cache
@@ -43,6 +48,7 @@ class ModelShape:
         largest: elements of the largest parameter (the embedding): a bucket holds at least it.
         kv_bytes_per_token: bytes of one token's keys and values over all layers, in bf16.
         kv_heads: key/value heads (tensor parallelism splits them).
+        config: the HF config it was counted from (for `lora_parameters`).
     """
 
     name: str
@@ -50,6 +56,7 @@ class ModelShape:
     largest: int
     kv_bytes_per_token: int
     kv_heads: int
+    config: object = None
 
     @classmethod
     def from_config(cls, config, name: str = "") -> "ModelShape":
@@ -62,7 +69,8 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(name or getattr(config, "model_type", "model"), sum(p.numel() for p in params),
-                   max(p.numel() for p in params), 2 * config.num_hidden_layers * kv_heads * head_dim * 2, kv_heads)
+                   max(p.numel() for p in params), 2 * config.num_hidden_layers * kv_heads * head_dim * 2, kv_heads,
+                   config)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class PhaseMemory:
 
 def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp: int, reference: bool, critic: bool,
                      bucket_bytes: int = 512 * 2**20, offload_optimizer: bool = False,
-                     mem_fraction: float = COLOCATED_MEM_FRACTION) -> PhaseMemory:
+                     mem_fraction: float = COLOCATED_MEM_FRACTION, lora_params: int = 0) -> PhaseMemory:
     """The memory of one rank at each phase.
 
     Args:
@@ -93,16 +101,19 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
         bucket_bytes: `rollout.weight_bucket_mb` in bytes.
         offload_optimizer: Adam moments live on the CPU between steps.
         mem_fraction: the servers' `mem_fraction_static`.
+        lora_params: parameters of the actor's LoRA adapters (`lora_parameters`); 0: every parameter trains.
     """
-    p = model.n_params
-    n_trained = 2 if critic else 1
-    # float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with offload_optimizer the
-    # moments of one model at a time come to the GPU for its optimizer step.
-    moments = 8 * p // n_ranks * (1 if offload_optimizer else n_trained)
-    train = n_trained * 8 * p // n_ranks + moments + (2 * p // n_ranks if reference else 0)
+    p, lora = model.n_params, lora_params > 0
+    # Trained parameters: float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with
+    # offload_optimizer the moments of one model at a time come to the GPU for its optimizer step.
+    trained = [lora_params if lora else p] + ([p] if critic else [])
+    moments = 8 * (max(trained) if offload_optimizer else sum(trained)) // n_ranks
+    frozen = 2 * p // n_ranks if lora or reference else 0  # bf16: a LoRA actor's base, else the reference
+    train = 8 * sum(trained) // n_ranks + moments + frozen
     served = 2 * p // server_tp
     bucket = max(bucket_bytes, 2 * model.largest)
-    sync = 4 * p // n_ranks + served + 2 * bucket
+    # The actor's weights stay on the GPU for the gather; a LoRA base comes from the CPU a tensor at a time.
+    sync = served + 2 * bucket + (2 * model.largest if lora else 4 * p // n_ranks)
     free_at_launch = gpu_bytes - CONTEXT_BYTES
     return PhaseMemory(train=train, sync=sync, served_weights=served,
                        kv_cache=int(mem_fraction * free_at_launch) - served)
@@ -112,6 +123,18 @@ def kv_cache_tokens(model: ModelShape, kv_cache_bytes: int, server_tp: int) -> i
     """Tokens one server's KV cache holds: each GPU keeps its share of the key/value heads."""
     per_gpu = model.kv_bytes_per_token // min(server_tp, model.kv_heads)
     return max(kv_cache_bytes, 0) // per_gpu
+
+
+def lora_parameters(config, rank: int, targets: list[str] | None = None) -> int:
+    """Parameters of the LoRA adapters of rank `rank` on `targets` (default: `actor.lora.target_modules`'s)."""
+    from transformers import AutoModelForCausalLM
+
+    from RL2.config.schema import LORA_TARGETS
+    from RL2.models.lora import lora_parameters as count
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return count(model, list(model.model.layers), rank, targets or LORA_TARGETS)
 
 
 def qwen25(size: str) -> ModelShape:
@@ -126,27 +149,38 @@ def qwen25(size: str) -> ModelShape:
     return ModelShape.from_config(config, f"Qwen2.5-{size}")
 
 
-# The README's rows: (model size, GPUs, server tp, reference, critic).
-README_ROWS = [("7B", 8, 1, False, False), ("7B", 8, 1, True, False), ("7B", 8, 1, True, True),
-               ("32B", 8, 2, False, False), ("32B", 8, 2, True, False), ("32B", 8, 2, True, True),
-               ("32B", 16, 2, True, True)]
+# The README's rows: (model size, GPUs, server tp, reference, critic, LoRA rank of the actor; 0: full training).
+README_ROWS = [("7B", 8, 1, False, False, 0), ("7B", 8, 1, True, False, 0), ("7B", 8, 1, True, True, 0),
+               ("32B", 8, 2, False, False, 0), ("32B", 8, 2, True, False, 0), ("32B", 8, 2, True, True, 0),
+               ("32B", 16, 2, True, True, 0)]
+# What fits on 24 GiB GPUs, with LoRA (rank 16 on the attention and MLP projections) and without.
+SMALL_GPU_ROWS = [("7B", 1, 1, True, False, 0), ("7B", 1, 1, True, False, 16), ("7B", 2, 1, True, False, 16),
+                  ("32B", 4, 4, True, False, 0), ("32B", 4, 4, True, False, 16)]
 
 
-def readme_table(gpu_gb: int = 80) -> str:
+def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS) -> str:
     """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU."""
     lines = ["| model | GPUs | server tp | trainer models | train | sync | rollout: weights + KV cache | "
              "KV cache tokens / server |", "|---|---|---|---|---|---|---|---|"]
     shapes = {size: qwen25(size) for size in ("7B", "32B")}
-    for size, n_gpus, tp, reference, critic in README_ROWS:
+    usable = gpu_gb * GIB - CONTEXT_BYTES
+
+    def shown(n_bytes: int) -> str:
+        return f"{n_bytes / GIB:.1f} GiB" + (" (does not fit)" if n_bytes > usable else "")
+
+    for size, n_gpus, tp, reference, critic, rank in rows:
         model = shapes[size]
-        plan = colocated_memory(model, gpu_gb * GIB, n_gpus, tp, reference, critic)
-        models = "actor" + (" + ref" if reference else "") + (" + critic" if critic else "")
-        train = f"{plan.train / GIB:.1f} GiB" + (" (does not fit)" if plan.train > gpu_gb * GIB - CONTEXT_BYTES else "")
-        lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | {train} | "
-                     f"{plan.sync / GIB:.1f} GiB | {plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | "
-                     f"{kv_cache_tokens(model, plan.kv_cache, tp) / 1e3:.0f}k |")
+        lora_params = lora_parameters(model.config, rank) if rank else 0
+        plan = colocated_memory(model, gpu_gb * GIB, n_gpus, tp, reference, critic, lora_params=lora_params)
+        models = "actor" + (f" (LoRA r={rank})" if rank else "") + (" + ref" if reference else "") + (
+            " + critic" if critic else "")
+        kv = f"{kv_cache_tokens(model, plan.kv_cache, tp) / 1e3:.0f}k" if plan.kv_cache > 0 else "none"
+        lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | "
+                     f"{shown(plan.train)} | {shown(plan.sync)} | "
+                     f"{plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | {kv} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     print(readme_table())
+    print(f"\nOn 24 GiB GPUs:\n{readme_table(24, SMALL_GPU_ROWS)}")

@@ -56,6 +56,11 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
     """
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
+        if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
+            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) goes to the
+            # device of its process group to be gathered, one parameter at a time.
+            tensor = DTensor.from_local(tensor.to_local().to(tensor.device_mesh.device_type), tensor.device_mesh,
+                                        tensor.placements, shape=tensor.shape, stride=tensor.stride())
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
@@ -137,9 +142,10 @@ class EngineState:
     def _make_current(self) -> None:
         if self.current:
             return
-        # Room for the servers' weights next to the policy's parameters, which the push reads.
+        # Room for the servers' weights next to the policy's parameters, which the push reads. A LoRA
+        # policy's frozen base is read from the CPU instead, one tensor at a time (`full_tensors`).
         for worker in self.colocated:
-            worker.offload(keep_params=worker is self.policy)
+            worker.offload(keep_params=worker is self.policy and getattr(worker, "lora", None) is None)
         if not self.weights_resident:
             self.engine.resume_memory(WEIGHT_TAGS)
             self.weights_resident = True
@@ -256,13 +262,14 @@ class RolloutWorker:
         """Copy the policy's current weights into the engine, parameter by parameter. Collective.
 
         Ranks on one CPU host exchange their shards through shared memory (set up at the first sync);
-        otherwise each parameter is all-gathered on its own.
+        otherwise each parameter is all-gathered on its own. A LoRA policy's weights are merged on the way.
         """
         model = self.policy.model
-        if self._shared_gather is None:
-            self._shared_gather = SharedMemoryGather.build(model, self.dtype) or False
+        if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
+            on_cpu = self.device.type == "cpu"
+            self._shared_gather = (on_cpu and SharedMemoryGather.build(model, self.dtype)) or False
         tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(model, self.dtype)
-        self.engine.update_weights(tensors, weight_version=version)
+        self.engine.update_weights(self.policy.engine_weights(tensors), weight_version=version)
 
 
 async def _nothing(value):

@@ -1,7 +1,9 @@
 """Direct preference optimisation: `torchrun -m RL2.trainer.dpo data.train.path=pairs.jsonl actor.beta=0.1`.
 
 The reference is the actor's initial weights, frozen; its log-probabilities are computed on the same
-packed micro-batch right before the actor's, so they cost one extra forward and no storage.
+packed micro-batch right before the actor's, so they cost one extra forward and no storage. With LoRA
+(`actor.lora.rank > 0`) the reference is the actor's own base model with its adapters switched off:
+the initial weights, without a second copy.
 """
 
 import torch
@@ -9,6 +11,7 @@ import torch
 from RL2.algs.preference import dpo_loss
 from RL2.config.schema import DPOConfig
 from RL2.models.logps import packed_logps
+from RL2.models.lora import adapters_disabled
 from RL2.trainer.base import launch
 from RL2.trainer.pairwise import PairwiseTrainer, per_sequence_sum
 from RL2.workers.fsdp import FSDPWorker
@@ -17,11 +20,17 @@ from RL2.workers.fsdp import FSDPWorker
 class DPOTrainer(PairwiseTrainer):
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.ref = FSDPWorker(cfg.actor, self.dims, self.device, train=False)
+        self.ref = None if self.worker.lora else FSDPWorker(cfg.actor, self.dims, self.device, train=False)
+
+    @torch.no_grad()
+    def reference_logps(self, mb):
+        if self.ref is not None:
+            return packed_logps(self.ref.model, mb)
+        with adapters_disabled(self.worker.model):
+            return packed_logps(self.worker.model, mb)
 
     def sequence_scores(self, mb):
-        with torch.no_grad():
-            ref_logps = packed_logps(self.ref.model, mb)
+        ref_logps = self.reference_logps(mb)
         logps = packed_logps(self.worker.model, mb)
         return {
             "logps": per_sequence_sum(logps * mb.loss_mask, mb),

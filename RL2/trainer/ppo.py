@@ -20,6 +20,7 @@ from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
+from RL2.models.lora import merge_into_base
 from RL2.rollout.env import Env
 from RL2.rollout.loop import filter_groups
 from RL2.rollout.metrics import rollout_metrics, save_samples
@@ -29,7 +30,7 @@ from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel
-from RL2.workers.actor import Actor, n_mini_batches, per_token_pass
+from RL2.workers.actor import Actor, BaseModelReference, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
 from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
 
@@ -65,7 +66,12 @@ class PPOTrainer(Trainer):
         cfg, args = self.cfg, (self.dims, self.device)
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
         self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), response_budget=budget)
-        self.ref = Actor(cfg.actor, *args, train=False) if cfg.actor.kl.coef > 0 else None
+        lora = self.actor.worker.lora is not None
+        self.ref = None
+        if cfg.actor.kl.coef > 0:  # under LoRA, the actor's own base with the adapters off: no second copy
+            self.ref = BaseModelReference(self.actor) if lora else Actor(cfg.actor, *args, train=False)
+        if self.ref and lora and self.resets_reference():
+            self.actor.worker.base_is_loaded = False  # resets merge the adapters into the base
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (
@@ -74,6 +80,7 @@ class PPOTrainer(Trainer):
             cfg.adv.estimator == "gae") else None
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
             [self.reward_model] if self.reward_model else [])
+        on_gpu = list(dict.fromkeys(on_gpu))  # a LoRA policy's reference is its own worker
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
                                      colocated=on_gpu, env=self.env)
 
@@ -83,8 +90,8 @@ class PPOTrainer(Trainer):
 
     def workers(self) -> dict:
         workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
-        if self.ref and self.resets_reference():  # no longer the initial weights: checkpoint it
-            workers["ref"] = self.ref.worker
+        if self.ref and self.resets_reference() and self.ref.worker is not self.actor.worker:
+            workers["ref"] = self.ref.worker  # no longer the initial weights: checkpoint it
         return workers
 
     def save_final(self) -> None:
@@ -183,7 +190,8 @@ class PPOTrainer(Trainer):
         reference passes `reset_target`, or once the policy's mean entropy over the step's update
         (`actor/entropy`) falls below `reset_entropy_floor`, move the reference to the actor:
         reference = alpha * actor + (1 - alpha) * reference. Both are sharded alike, so each rank mixes
-        its own shards."""
+        its own shards. Under LoRA the reference is the actor's base: alpha of the adapters moves into it
+        (`merge_into_base`), which leaves the actor as it was."""
         kl = self.cfg.actor.kl
         due = (kl.reset_every and step % kl.reset_every == 0) or (
             kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target) or (
@@ -192,9 +200,12 @@ class PPOTrainer(Trainer):
             return False
         for model in (self.ref.model, self.actor.model):
             reshard(model)
-        for ref_param, actor_param in zip(self.ref.model.parameters(), self.actor.model.parameters()):
-            local = shard_of(ref_param)
-            local.lerp_(shard_of(actor_param).to(local.dtype), kl.reset_alpha)
+        if self.ref.model is self.actor.model:  # LoRA: the reference is the actor's base
+            merge_into_base(self.actor.model, kl.reset_alpha)
+        else:
+            for ref_param, actor_param in zip(self.ref.model.parameters(), self.actor.model.parameters()):
+                local = shard_of(ref_param)
+                local.lerp_(shard_of(actor_param).to(local.dtype), kl.reset_alpha)
         log_rank0(f"step {step}: reference reset (alpha={kl.reset_alpha}, KL to it was {ref_kl}, entropy {entropy})")
         return True
 

@@ -19,6 +19,7 @@ from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
+from RL2.models.lora import adapters_disabled
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
@@ -104,6 +105,20 @@ def weighted_means(summed: dict[str, float]) -> dict[str, float]:
     """
     weight = max(summed.pop("weight"), 1e-12)
     return {k: v if k.startswith("loss") else v / weight for k, v in summed.items()}
+
+
+class BaseModelReference:
+    """The reference of a LoRA policy: the policy's own base model with its adapters switched off (the
+    initial weights until a ProRL reset moves adapters into it; no second copy, as verl and TRL do).
+    `worker` and `model` are the policy's."""
+
+    def __init__(self, actor: "Actor"):
+        self.actor, self.worker, self.model = actor, actor.worker, actor.model
+
+    @torch.no_grad()
+    def logps(self, batch: SequenceBatch) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return self.actor.logps(batch)
 
 
 class Actor:

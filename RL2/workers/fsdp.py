@@ -8,11 +8,15 @@ Rank 0 reads the checkpoint into CPU memory and hands every rank its shards one 
 float16 compute trains through a gradient scaler (`FSDPWorker.backward`). While a colocated rollout
 engine samples, `offload` moves parameters, gradients and optimizer state to the CPU and `onload`
 brings them back (`RL2.rollout.worker` calls both).
+
+With `lora.rank > 0` (`RL2.models.lora`) the base weights are frozen and stored in the compute dtype;
+adapters go into the decoder layers after tensor parallelism, and only they (and a scalar head) train,
+sit in the optimizer and fill the checkpoints. The export is merged, plus a PEFT adapter folder.
 """
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
+from RL2.models import lora
 from RL2.models.attention import ATTN_NAME
 from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
@@ -37,6 +42,7 @@ from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
+from RL2.utils.logging import log_rank0
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
@@ -88,6 +94,13 @@ class FSDPWorker(Stateful):
         self.cfg, self.dims, self.device = model_cfg, dims, device
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
+        # Adapters on a frozen base; frozen models (train=False) never get them.
+        lora_cfg = getattr(model_cfg, "lora", None)
+        self.lora = lora_cfg if train and lora_cfg is not None and lora_cfg.rank > 0 else None
+        # A LoRA model's base stays the loaded weights, unless PPO's reference reset merges adapters into
+        # it (`lora.merge_into_base`, which sets this False): then checkpoints hold the base too, and no
+        # adapter of the loaded model expresses the trained one.
+        self.base_is_loaded = True
         self.model = self._build_model(model_cls, train, **config_overrides)
         self.optimizer = self._build_optimizer() if train else None
         self.scheduler = self._build_scheduler(total_steps) if train else None
@@ -107,15 +120,18 @@ class FSDPWorker(Stateful):
         """
         path = resolve_model_path(self.model_name)
         # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
-        # precision; frozen ones (reference, teacher, reward model) are stored in the compute dtype: the
-        # values mixed precision would compute with anyway, in half the memory of a float32 copy.
-        self.param_dtype = torch.float32 if train else self.dtype
+        # precision; frozen ones (reference, teacher, reward model) and a LoRA model's frozen base are
+        # stored in the compute dtype: the values mixed precision would compute with anyway, in half the
+        # memory of a float32 copy. LoRA's adapters are float32.
+        self.param_dtype = torch.float32 if train and self.lora is None else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         config = AutoConfig.from_pretrained(path)
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
             setattr(config, key, value)
         self._check_layout(config)
         loaded = model_cls.from_pretrained(path, config=config, **kwargs) if dist.get_rank() == 0 else None
+        if loaded is not None and self.lora is not None:
+            self._add_adapters(loaded)  # rank 0 initialises them; every rank receives them with the weights
         with torch.device("meta"):
             model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
@@ -150,6 +166,8 @@ class FSDPWorker(Stateful):
                 # DTensor splits like torch.chunk: every slice but the last holds ceil(V / tp) ids.
                 offset = tp_mesh.get_local_rank() * -(-vocab_size // self.dims.tp)
                 layout.vocab = VocabShard(tp_mesh.get_group(), offset)
+        if self.lora is not None:
+            self._add_adapters(model)  # after tensor parallelism: the adapters are split like their layer
         if self.dims.cp > 1:
             layout.cp_group = self.dims.cp_mesh.get_group()
         if train and self.cfg.enable_gradient_checkpointing:
@@ -161,6 +179,10 @@ class FSDPWorker(Stateful):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         sum_gradients_over_ranks(model)
         return layout
+
+    def _add_adapters(self, model: torch.nn.Module) -> None:
+        cfg = self.lora
+        lora.add_adapters(model, decoder_layers(model), cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules))
 
     def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
         """Allocate the shards on the device and copy rank 0's CPU weights into them, one tensor at a time.
@@ -185,8 +207,9 @@ class FSDPWorker(Stateful):
         # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. With the
         # float16 gradient scaler the plain loop steps instead: the scaler hands a fused step its
         # found-inf flag as a plain tensor, which does not mix with the sharded (DTensor) parameters.
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
         return torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+            trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
             fused=self.dtype != torch.float16,
         )
 
@@ -297,11 +320,20 @@ class FSDPWorker(Stateful):
             totals[local.device.type] = totals.get(local.device.type, 0) + local.numel() * local.element_size()
         return totals
 
+    @property
+    def only_adapters_change(self) -> bool:
+        """LoRA on a base that stays the loaded weights: checkpoints and exports need only the adapters."""
+        return self.lora is not None and self.base_is_loaded
+
     # Stateful: what torch.distributed.checkpoint saves and restores (each rank its shards).
     def state_dict(self) -> dict:
         if self.optimizer is None:  # a frozen model that still changes (PPO's reference after a reset)
             return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.only_adapters_change:  # frozen weights are the loaded ones again on resume
+            # (by name, tied ones included: torch's ignore_frozen_params keeps a tied LM head)
+            trained = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trained}
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
@@ -312,21 +344,30 @@ class FSDPWorker(Stateful):
         if self.optimizer is None:
             set_model_state_dict(self.model, state["model"])
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=not self.only_adapters_change))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded float32 weights on CPU, on rank 0 only (empty elsewhere)."""
+        """Unsharded weights (float32; a LoRA model's base in the compute dtype) on CPU, on rank 0 only
+        (empty elsewhere)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
     def save_hf(self, path: str, tokenizer=None) -> None:
-        """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective."""
+        """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective.
+
+        With LoRA the folder holds the merged weights (W + alpha / r B A) under the base model's names,
+        and `<path>/adapter` the PEFT adapter folder (`peft.PeftModel.from_pretrained(base, <path>/adapter)`)
+        while the base is the loaded model.
+        """
         from RL2.utils.checkpoint import atomic_dir
 
-        state = self.full_state_dict()
+        state, adapter = self.full_state_dict(), None
+        if self.lora is not None and dist.get_rank() == 0:
+            state, adapter = lora.split_for_export(state, self.lora.alpha / self.lora.rank)
         if getattr(self.model.config, "tie_word_embeddings", False):
             # Gathered shards no longer share storage; drop the tied copies so the folder has one.
             for tied_key in getattr(self.model, "_tied_weights_keys", None) or []:
@@ -336,7 +377,24 @@ class FSDPWorker(Stateful):
                 self.model.save_pretrained(tmp, state_dict=state)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                if adapter is not None and self.base_is_loaded:
+                    self._save_adapter(tmp / "adapter", adapter)
+                elif adapter is not None:
+                    log_rank0(f"{path}: reference resets merged the adapters into the base weights, so no "
+                              f"adapter of {self.model_name} expresses the model: saved merged weights only")
         dist.barrier()
+
+    def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The full tensors of this model's parameters as an inference engine loads them: with LoRA,
+        merged under the base model's names (`lora.merge_adapters`); else as they are."""
+        if self.lora is None:
+            return named_tensors
+        return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
+
+    def _save_adapter(self, folder, adapter: dict[str, torch.Tensor]) -> None:
+        cfg = self.lora
+        task = "TOKEN_CLS" if hasattr(self.model, "score") else "CAUSAL_LM"
+        lora.save_adapter(folder, adapter, cfg.rank, cfg.alpha, cfg.dropout, task, resolve_model_path(self.model_name))
 
 
 def sum_gradients_over_ranks(model: torch.nn.Module) -> None:

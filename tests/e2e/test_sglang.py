@@ -30,6 +30,7 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.engine import (
     SGLangEngine,
     _launched_weight_sync,
+    control_request,
     resolve_engine,
     returns_original_logprobs,
     server_urls,
@@ -442,11 +443,22 @@ def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
 def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
     """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
     0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
-    trainer's (engine_mismatch near 0), as with the embedded engine. (Runs last: it leaves the trained
-    weights in the server.)"""
+    trainer's (engine_mismatch near 0), as with the embedded engine. (Runs after the tests that read the
+    server's initial weights: it leaves the trained weights in the server.)"""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}",
                           "rollout.train_sampling_params.temperature=0.7"), timeout=600)
     assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+
+
+@sglang_test
+def test_ppo_with_lora_pushes_merged_weights(server, tiny_model_path, tmp_path):
+    """actor.lora.rank > 0: the server gets the base weights with the adapters merged in, under the base
+    model's names, after each update (engine_mismatch near 0, as without LoRA)."""
+    control_request(server.url, "/update_weights_from_disk", {"model_path": tiny_model_path, "flush_cache": True})
+    run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}", "actor.lora.rank=4",
+                          "rollout.train_sampling_params.temperature=0.7"), timeout=600)
+    assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
+    assert (tmp_path / "run" / "final" / "actor" / "adapter" / "adapter_model.safetensors").exists()
 
 
 @sglang_test

@@ -34,5 +34,8 @@ def model_config(path: str, dtype: str, **overrides) -> SimpleNamespace:
                   enable_gradient_checkpointing=False, max_grad_norm=1.0, offload_optimizer=False, avg_level="token",
                   tp_size=1, cp_size=1, ddp_size=1,
                   optimizer=SimpleNamespace(lr=1e-3, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8),
-                  scheduler=SimpleNamespace(name="constant", warmup_ratio=0.0, min_lr=0.0))
+                  scheduler=SimpleNamespace(name="constant", warmup_ratio=0.0, min_lr=0.0),
+                  lora=SimpleNamespace(rank=0, alpha=32.0, dropout=0.0,
+                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"]))
     return SimpleNamespace(**(fields | overrides))

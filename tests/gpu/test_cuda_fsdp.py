@@ -2,10 +2,11 @@
 
 Loading, packed forward and log-probs, backward, clipping and an AdamW step, moving the state off the
 GPU and back (the colocation hook), a checkpoint round trip and the exported folder; then bf16 and
-float16 compute (the latter through the gradient scaler).
+float16 compute (the latter through the gradient scaler); a LoRA policy's weight sync from the CPU.
 """
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from transformers import AutoModelForCausalLM
 from RL2.batch import SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
+from RL2.models.lora import LoRALinear, adapter_modules
 from RL2.parallel import ParallelDims
+from RL2.rollout.worker import full_tensors
 from RL2.workers.fsdp import FSDPWorker
 from tests.gpu.cuda_models import model_config
 
@@ -165,3 +168,34 @@ def test_half_precision_worker_trains(model_path, tokenizer, nccl_rank, dtype):
     for ours, theirs in zip(logps, ref_logps):
         assert (ours - theirs).abs().mean() < 0.05
     assert grad_norm == pytest.approx(ref_grad_norm, rel=0.05)
+
+
+def test_lora_sync_streams_the_offloaded_base(model_path, nccl_rank):
+    """A LoRA policy in a colocated sync: its parameters wait on the CPU (offload) and come to the GPU one
+    at a time to be gathered and merged; the engine gets W + (alpha / r) B A under the base names, the
+    same tensors as from the resident model."""
+    targets = ["q_proj", "v_proj", "down_proj"]
+    cfg = model_config(model_path, "bfloat16", lora=SimpleNamespace(rank=8, alpha=16.0, dropout=0.0,
+                                                                     target_modules=targets))
+    w = FSDPWorker(cfg, ParallelDims(1, device_type="cuda"), DEVICE, total_steps=10)
+    with torch.no_grad():
+        for module in adapter_modules(w.model):
+            local(module.lora_B.weight).normal_()
+    assert {p.dtype for p in w.model.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen base
+    assert {p.dtype for p in w.model.parameters() if p.requires_grad} == {torch.float32}  # the adapters
+    resident = dict(w.engine_weights(full_tensors(w.model, torch.bfloat16)))
+    w.offload()
+    assert all(local(p).device.type == "cpu" for p in w.model.parameters())
+    streamed = dict(w.engine_weights(full_tensors(w.model, torch.bfloat16)))
+    w.onload()
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).state_dict()
+    assert streamed.keys() == {name for name, _ in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()}
+    adapters = {name: module for name, module in w.model.named_modules() if isinstance(module, LoRALinear)}
+    for name, tensor in streamed.items():
+        assert tensor.device.type == "cuda" and torch.equal(tensor, resident[name]), name
+        module = adapters.get(name.removesuffix(".weight"))
+        expected = base[name].cuda().float()
+        if module is not None:
+            a, b = local(module.lora_A.weight).float(), local(module.lora_B.weight).float()
+            expected = expected + 2.0 * b @ a
+        torch.testing.assert_close(tensor.float(), expected, atol=1e-2, rtol=1e-2, msg=lambda m, n=name: f"{n}: {m}")

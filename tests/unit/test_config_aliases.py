@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from RL2.config import ConfigError, parse_config
 from RL2.config.cli import all_keys, schema_keys
 from RL2.config.eval_schema import EvalConfig
-from RL2.config.original_keys import ALIASES, Dropped, KLEstimator, Renamed
+from RL2.config.original_keys import ALIASES, Dropped, KLEstimator, LoRASwitch, Renamed
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 from tests.helpers import REPO
@@ -90,6 +90,11 @@ CASES = [
     ("rm", "critic.lr=5e-6", {"critic.optimizer.lr": 5e-6}),
     ("rm", "critic.sp_size=2", {"critic.cp_size": 2}),
     ("distill", "actor.warmup_ratio=0.1", {"actor.scheduler.warmup_ratio": 0.1}),
+    ("ppo", "actor.lora.r=8", {"actor.lora.rank": 8}),
+    ("ppo", "actor.lora.lora_alpha=16", {"actor.lora.alpha": 16.0}),
+    ("sft", "actor.lora.lora_dropout=0.05", {"actor.lora.dropout": 0.05}),
+    ("ppo", "actor.use_lora=true", {"actor.lora.rank": 16}),  # the original's default lora.r
+    ("rm", "critic.use_lora=false", {"critic.lora.rank": 0}),
 ]
 
 
@@ -104,6 +109,13 @@ def test_original_key_maps_to_current_key_and_value(trainer, arg, expected, caps
     if expected.keys() != {old_key}:  # a renamed key: one line naming every current key
         assert len(lines) == 1 and f"'{old_key}" in lines[0] and "RL2's original name" in lines[0]
         assert all(f"'{key}" in lines[0] for key in expected)
+
+
+def test_original_lora_switch_takes_the_rank_given(capsys):
+    cfg = parse_config(PPOConfig, "ppo", ["actor.use_lora=true", "actor.lora.r=64", "critic.use_lora=false",
+                                          "critic.lora.r=8"])
+    assert (cfg.actor.lora.rank, cfg.critic.lora.rank) == (64, 0)  # the original ignores lora.r without use_lora
+    assert "'actor.use_lora=true' (RL2's original name) is now 'actor.lora.rank=64'" in capsys.readouterr().out
 
 
 def test_original_ppo_command_line_of_the_issue(capsys):
@@ -178,7 +190,7 @@ def test_current_keys_print_nothing(capsys):
         ("sft", "actor.use_liger_kernel=true", "'actor.use_liger_kernel' is from RL2's original releases and has no "
                                                "counterpart here: RL2 has no Liger-kernel switch"),
         ("ppo", "actor.freeze_steps=5", "'actor.freeze_steps'.*updates the actor from the first step"),
-        ("ppo", "actor.lora.rank=8", "'actor.lora.rank'.*no LoRA"),
+        ("ppo", "actor.lora.use_rslora=true", r"'actor.lora.use_rslora'.*actor.lora.alpha to alpha x sqrt\(rank\)"),
         ("ppo", "ref_actor.model_name=x", "'ref_actor.model_name'.*the actor's initial weights"),
         ("ppo", "test_data.prompts_per_rollout=8", "tests on every prompt of data.test.path"),
         ("ppo", "rollout.train.sampling_params.stop=[a]", "'rollout.train.sampling_params.stop'.*no stop strings"),
@@ -221,6 +233,8 @@ def test_unknown_keys_still_fail_with_a_suggestion(trainer, arg, message):
         ("ppo", ["kl.loss_estimator=k1", "actor.kl.estimator=k2"],
          "'kl.loss_estimator=k1' and 'actor.kl.estimator=k2' disagree"),
         ("ppo", ["trainer.disable_wandb=maybe"], "config key 'trainer.disable_wandb': expected true or false"),
+        ("ppo", ["actor.use_lora=true", "actor.lora.rank=0"], "'actor.use_lora=true' and 'actor.lora.rank=0' disagree"),
+        ("sft", ["actor.lora.r=8", "actor.lora.rank=4"], "both set config key 'actor.lora.rank'"),
     ],
 )
 def test_contradicting_original_and_current_keys_fail(trainer, argv, message):
@@ -253,7 +267,7 @@ def test_alias_table_never_shadows_a_current_key():
             for new in entry.new:
                 assert any(k.has_section(new) if prefix else new in k for k in keys), (entry, new)
         else:
-            assert isinstance(entry, (Dropped, KLEstimator))
+            assert isinstance(entry, (Dropped, KLEstimator, LoRASwitch))
 
 
 def test_default_algorithm_is_dr_grpo():

@@ -1,9 +1,18 @@
-"""The memory plan of colocated training and SGLang servers: parameter counts, the phases' bytes, the README's table."""
+"""The memory plan of colocated training and SGLang servers: parameter counts, the phases' bytes (with and without
+LoRA), the README's tables."""
 
 
 import pytest
 
-from RL2.engine.memory_plan import GIB, colocated_memory, kv_cache_tokens, qwen25, readme_table
+from RL2.engine.memory_plan import (
+    GIB,
+    SMALL_GPU_ROWS,
+    colocated_memory,
+    kv_cache_tokens,
+    lora_parameters,
+    qwen25,
+    readme_table,
+)
 from tests.helpers import REPO
 
 README = REPO / "README.md"
@@ -44,3 +53,24 @@ def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
 
 def test_readme_has_the_plans_table():
     assert readme_table() in README.read_text()
+
+
+def test_lora_phases_of_7b_on_one_24gb_gpu(shapes):
+    """LoRA: a bf16 base (which is also the reference) and float32 adapters with their gradients and Adam
+    state; the sync streams the base from the CPU, so it needs the served weights, the buckets and one tensor."""
+    model, p = shapes["7B"], shapes["7B"].n_params
+    # r (in + out) for q (3584 -> 3584), k and v (3584 -> 512), o, gate and up (3584 -> 18944), down, per layer
+    per_layer = 16 * (2 * 7168 + 2 * 4096 + 3 * (3584 + 18944))
+    lora_params = lora_parameters(model.config, 16)
+    assert lora_params == 28 * per_layer
+    plan = colocated_memory(model, 24 * GIB, n_ranks=1, server_tp=1, reference=True, critic=False,
+                            lora_params=lora_params)
+    assert plan.train == 16 * lora_params + 2 * p
+    assert plan.sync == 2 * p + 2 * (2 * 152064 * 3584) + 2 * 152064 * 3584
+    assert max(plan.train, plan.sync, plan.rollout) <= 22 * GIB  # fits next to 2 GiB of CUDA contexts
+    full = colocated_memory(model, 24 * GIB, 1, 1, reference=True, critic=False)
+    assert full.train == 16 * p + 2 * p > 24 * GIB
+
+
+def test_readme_has_the_small_gpu_table():
+    assert readme_table(24, SMALL_GPU_ROWS) in README.read_text()

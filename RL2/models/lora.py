@@ -1,0 +1,250 @@
+"""LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685).
+
+A target linear layer `y = W x + b` becomes `y = W x + b + (alpha / r) B A dropout(x)` with `A` `[r, in]`
+initialised like PEFT's (Kaiming uniform) and `B` `[out, r]` at zero, so training starts from the base
+model exactly. Only the adapters train, and a scalar head (`score`, of reward models and critics),
+which has no base weights to adapt. Module and parameter names follow PEFT's
+(`q_proj.base_layer.weight`, `q_proj.lora_A.weight`, `q_proj.lora_B.weight`), so an adapter folder
+is PEFT's key names plus its prefix.
+
+`FSDPWorker` calls `add_adapters` after tensor parallelism and before `fully_shard` (the adapters
+are sharded with their layer). The rest of RL2 sees the base model's names through three functions:
+`merge_adapters` turns a stream of full tensors into merged weights for the rollout engine,
+`split_for_export` turns a full state dict into a merged Hugging Face state dict and a PEFT adapter,
+and `adapters_disabled` runs the base model (the reference of DPO and PPO) without a second copy.
+"""
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from RL2.config.errors import ConfigError
+
+ALL_LINEAR = "all-linear"
+# Modules trained in full next to the adapters (PEFT's `modules_to_save`): the scalar head of
+# `AutoModelForTokenClassification`, new in a reward model or critic.
+HEAD_MODULES = ("score",)
+BASE, ADAPTER_A, ADAPTER_B = ".base_layer.", ".lora_A.weight", ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus a low-rank adapter: `base_layer(x) + scaling * lora_B(lora_A(dropout(x)))`.
+
+    Under tensor parallelism the base layer is split column-wise (its input whole, its output a slice)
+    or row-wise (its input a slice, its output summed over ranks). The adapter follows it as DTensors:
+    column-wise, A is replicated and B split like W's rows; row-wise, A is split like W's columns, its
+    rank-r output summed over ranks (a small all-reduce), and B replicated.
+
+    Args:
+        base: the linear layer (on any device, meta included; possibly tensor-parallel).
+        rank, alpha, dropout: the adapter's rank r, its scale alpha / r and the dropout on its input.
+        dtype: of the adapter's weights (float32: they are trained).
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.base_layer = base
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's initialisation
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        self.enabled = True
+        self.input_placement = None  # under tensor parallelism: how the input is split over the tp ranks
+        if isinstance(base.weight, DTensor):
+            self._split_like_base(base.weight)
+
+    def _split_like_base(self, weight: DTensor) -> None:
+        (placement,) = weight.placements
+        if placement == Shard(0):  # column-wise: whole input, a slice of the outputs
+            a, b, self.input_placement = Replicate(), Shard(0), Replicate()
+        elif placement == Shard(1):  # row-wise: a slice of the input features
+            a, b, self.input_placement = Shard(1), Replicate(), Shard(-1)
+        else:
+            raise ValueError(f"LoRA cannot follow a base weight split as {weight.placements}")
+        for linear, split in ((self.lora_A, a), (self.lora_B, b)):
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, weight.device_mesh, [split],
+                                                           src_data_rank=None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if not self.enabled:
+            return out
+        if torch.is_grad_enabled():  # only passes that train: log-probs for the loss's ratios stay exact
+            x = self.lora_dropout(x)
+        if self.input_placement is None:
+            return out + self.lora_B(self.lora_A(x)) * self.scaling
+        a, b = self.lora_A.weight, self.lora_B.weight
+        placement = Shard(x.dim() - 1) if isinstance(self.input_placement, Shard) else self.input_placement
+        hidden = F.linear(DTensor.from_local(x, a.device_mesh, [placement], run_check=False), a)
+        hidden = hidden.redistribute(placements=[Replicate()])  # row-wise: the sum of the rank-r partial products
+        return out + F.linear(hidden, b).to_local() * self.scaling
+
+
+def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]) -> dict[str, nn.Linear]:
+    """Module path -> linear layer of every target inside the decoder layers.
+
+    A target matches a module path that ends in it (`q_proj`, `self_attn.q_proj`); `all-linear` takes
+    every linear layer of the decoder layers (never the LM head or a scalar head).
+    """
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    found = {}
+    for name, module in model.named_modules():
+        if id(module) not in inside or not isinstance(module, nn.Linear):
+            continue
+        if ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets):
+            found[name] = module
+    return found
+
+
+def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
+                 targets: list[str], key: str = "lora") -> list[str]:
+    """Wrap the target linear layers in `LoRALinear` and freeze everything but the adapters and the
+    scalar head (which is made float32, as the adapters are). Returns the wrapped module paths.
+
+    Args:
+        model: an HF model (plain or tensor-parallel, not yet FSDP-sharded).
+        layers: its decoder layers (`RL2.workers.fsdp.decoder_layers`).
+        rank, alpha, dropout, targets: the `lora` config.
+        key: the config section, for the error (a `ConfigError`) when nothing matches (e.g. `actor.lora`).
+    """
+    found = target_linears(model, layers, targets)
+    if not found:
+        names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
+                        if isinstance(m, nn.Linear)})
+        raise ConfigError(f"{key}.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
+                         f"its decoder layers have {', '.join(names) or 'none'} (or use [{ALL_LINEAR}])")
+    model.requires_grad_(False)
+    for name, linear in found.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear(linear, rank, alpha, dropout))
+    for head in HEAD_MODULES:
+        module = getattr(model, head, None)
+        if module is not None:
+            module.float().requires_grad_(True)
+    return sorted(found)
+
+
+def adapter_modules(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` computes with its base weights alone: the reference of DPO and PPO under LoRA."""
+    modules = adapter_modules(model)
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.enabled = True
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`W + scaling * B A`, computed in float32, in W's dtype."""
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+
+
+def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream of (name, full tensor) of a LoRA model in `named_parameters` order -> the same stream with
+    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out.
+
+    A layer's base weight comes before its A and B, so one full tensor at a time waits for them.
+    """
+    waiting: dict[str, list[torch.Tensor]] = {}  # module path -> [W, A]
+    for name, tensor in named_tensors:
+        if BASE in name:
+            prefix, _, param = name.partition(BASE)
+            if param == "weight":
+                waiting[prefix] = [tensor]
+            else:
+                yield f"{prefix}.{param}", tensor
+        elif name.endswith(ADAPTER_A):
+            waiting[name.removesuffix(ADAPTER_A)].append(tensor)
+        elif name.endswith(ADAPTER_B):
+            prefix = name.removesuffix(ADAPTER_B)
+            weight, a = waiting.pop(prefix)
+            yield f"{prefix}.weight", merged_weight(weight, a, tensor, scaling)
+        else:
+            yield name, tensor
+
+
+def split_for_export(state: dict[str, torch.Tensor],
+                     scaling: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A full state dict of a LoRA model -> (merged state dict under the base model's names, PEFT adapter
+    state dict: the adapters and the scalar head under PEFT's key names)."""
+    adapter = {PEFT_PREFIX + name: tensor for name, tensor in state.items()
+               if name.endswith((ADAPTER_A, ADAPTER_B)) or name.split(".")[0] in HEAD_MODULES}
+    return dict(merge_adapters(state.items(), scaling)), adapter  # a state dict is in parameter order
+
+
+def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float,
+                 task_type: str, base_model: str) -> None:
+    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained(base_model, folder)` loads it).
+
+    Args:
+        adapter: from `split_for_export`.
+        rank, alpha, dropout: the `lora` config.
+        task_type: PEFT's: CAUSAL_LM, or TOKEN_CLS for a scalar-head model (its head is saved in full).
+        base_model: the base model's name or folder, recorded for the reader.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    heads = sorted({name.removeprefix(PEFT_PREFIX).split(".")[0] for name in adapter} & set(HEAD_MODULES))
+    # The names of the adapted layers, as PEFT matches them (RL2's `all-linear` is not PEFT's: it stays
+    # inside the decoder layers).
+    targets = sorted({name.removesuffix(ADAPTER_A).rsplit(".", 1)[-1] for name in adapter if name.endswith(ADAPTER_A)})
+    config = {
+        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+        "modules_to_save": heads or None, "inference_mode": True,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+@torch.no_grad()
+def merge_into_base(model: nn.Module, fraction: float) -> None:
+    """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A` and
+    `B *= 1 - fraction`. The model computes the same function afterwards, while its base (what
+    `adapters_disabled` runs) moves `fraction` of the way to it: ProRL's reference reset under LoRA.
+
+    Works on FSDP-sharded (and tensor-parallel) parameters: every rank computes a layer's full B A (one
+    weight-sized tensor at a time) and adds its own part to its shard of W. The caller puts sharded
+    parameters back in place first (`reshard`).
+    """
+    for module in adapter_modules(model):
+        weight = module.base_layer.weight
+        a, b = module.lora_A.weight, module.lora_B.weight
+        a_full, b_full = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
+        delta = (fraction * module.scaling) * (b_full.float() @ a_full.float())
+        if isinstance(weight, DTensor):
+            local = weight.to_local()  # this rank's part of the full delta, cut as W is
+            local += distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None).to_local().to(
+                local.dtype)
+        else:
+            weight += delta.to(weight.dtype)
+        (b.to_local() if isinstance(b, DTensor) else b).mul_(1 - fraction)
+
+
+def lora_parameters(model: nn.Module, layers: list[nn.Module], rank: int, targets: list[str]) -> int:
+    """Parameters of the adapters `add_adapters` would add: r (in + out) per target layer."""
+    return sum(rank * (m.in_features + m.out_features) for m in target_linears(model, layers, targets).values())
