@@ -189,7 +189,7 @@ ENV = ENVS / "emit_token.py"
 
 @pytest.fixture(scope="module")
 def repeat_model(tmp_path_factory) -> str:
-    from tiny import make_tiny_model
+    from tests.helpers.tiny import make_tiny_model
 
     folder = tmp_path_factory.mktemp("lora_repeat")
     return sharpened_copy(make_tiny_model(folder / "tiny"), folder / "sharp")
