@@ -4,15 +4,20 @@ From Python: `RL2.train("ppo", {...}, reward=fn)` and `RL2.evaluate({...})` (see
 """
 
 __version__ = "0.1.0"
-from RL2.config.cli import ConfigError, parse_config
+from RL2.config.errors import ConfigError
 
 __all__ = ["ConfigError", "EvalResult", "TrainResult", "evaluate", "parse_config", "train"]
 
 
 def __getattr__(name: str):
-    # The API imports torch and the trainers: only when it is used, so that `import RL2` stays light.
+    # The API imports the trainers, and the command line omegaconf: only when used, so that `import RL2`
+    # stays light and the models and engines import where omegaconf is not installed.
     if name in ("train", "evaluate", "TrainResult", "EvalResult"):
         from RL2 import api
 
         return getattr(api, name)
+    if name == "parse_config":
+        from RL2.config.cli import parse_config
+
+        return parse_config
     raise AttributeError(f"module 'RL2' has no attribute {name!r}")

@@ -174,7 +174,6 @@ class SGLangEngine:
         if tp < 1 or world % tp:
             raise ConfigError(f"rollout.server_args.tp_size={tp} must divide the number of ranks ({world}): "
                               f"each server runs on tp_size ranks' devices")
-        _check_weight_sync(cfg.weight_sync)
         places = _all_gather((socket.gethostname(), _physical_gpu(device)))
         leader = rank - rank % tp
         if any(len({host for host, _ in places[start:start + tp]}) > 1 for start in range(0, world, tp)):
@@ -213,7 +212,6 @@ class SGLangEngine:
     def connect(cls, cfg, model_path: str) -> "SGLangEngine":
         """Use the servers of `rollout.server_url`; rank 0 checks they answer and controls them."""
         urls = server_urls(cfg.server_url)
-        _check_weight_sync(cfg.weight_sync)
         weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"
         if weight_sync == "tensor":
             raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
@@ -369,11 +367,6 @@ def server_version(url: str) -> str | None:
         if version:
             return str(version)
     return None
-
-
-def _check_weight_sync(requested: str) -> None:
-    if requested not in ("auto", "tensor", "disk", "none"):
-        raise ConfigError(f"config key 'rollout.weight_sync' is {requested!r}; choose one of auto, tensor, disk, none")
 
 
 def _launched_weight_sync(requested: str, device: torch.device, versions: set[str]) -> str:
