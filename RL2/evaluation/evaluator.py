@@ -20,11 +20,11 @@ from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import tokenize_rows
-from RL2.evaluation.metrics import evaluation_metrics, metrics_difference
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
 from RL2.parallel import init_distributed, pick_device
 from RL2.rollout.env import Env
 from RL2.rollout.loop import sample_seed
+from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory
 from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import quiet_third_party_progress
@@ -38,7 +38,7 @@ class EvalResult:
 
     Attributes:
         metrics: the model's `{"overall": {...}, "by_source": {data_source: {...}}}` (see
-            `RL2.evaluation.metrics`: accuracy, score, reward, pass@k, response_length, ...).
+            `RL2.rollout.metrics`: accuracy, score, reward, pass@k, response_length, ...).
         compare: the same for `compare.model_name`, or None.
         difference: `metrics - compare` per data source and metric, or None.
         save_dir: where `samples.jsonl` (every sample) and `metrics.json` are.

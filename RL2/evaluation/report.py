@@ -4,8 +4,7 @@ import json
 import os
 from pathlib import Path
 
-from RL2.evaluation.metrics import COUNTS
-from RL2.rollout.metrics import reward_parts
+from RL2.rollout.metrics import COUNTS, reward_parts
 from RL2.rollout.trajectory import Trajectory
 
 

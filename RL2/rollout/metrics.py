@@ -1,5 +1,17 @@
-"""What a rollout is measured by and leaves behind: metrics per step, pass@k per data source, and
-the JSONL dump of its samples."""
+"""What a rollout is measured by and leaves behind: metrics per step, the metrics of an evaluation
+per data source, and the JSONL dump of its samples.
+
+Evaluation metrics (`evaluation_metrics`: the evaluator's, and PPO's test rollouts'), per group of
+prompts, each sample one trajectory:
+- `accuracy`: the share of samples that pass;
+- `score`, `reward`: mean over samples;
+- `pass@k`: mean over prompts of the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
+  with n samples of which c pass;
+- `response_length`: mean sampled tokens per sample; `truncated`: share cut at max_new_tokens;
+- `faults`: samples ended by a failing environment or reward (scored 0);
+- `reward/<name>`: mean of each reward part (0 where a sample has none);
+- `n_prompts`, `n_samples`.
+"""
 
 import json
 import math
@@ -9,10 +21,8 @@ from pathlib import Path
 from RL2.rollout.trajectory import Trajectory
 
 
-def rollout_metrics(
-    groups: list[list[Trajectory]], per_source: bool = False, k: int | None = None, pass_threshold: float = 1.0
-) -> dict[str, float]:
-    """Means over trajectories, namespaced `rollout/...`; with `per_source`, test metrics too.
+def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """Means over trajectories, namespaced `rollout/...`.
 
     The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
     turns (like its reward), averaged over every trajectory, those without the part counting 0, so
@@ -20,10 +30,6 @@ def rollout_metrics(
 
     Args:
         groups: trajectories grouped by prompt.
-        per_source: add `test/{data_source}/score` (mean) and `test/{data_source}/pass@{k}`,
-            with `data_source` from each prompt's `extra_info` ("default" when absent).
-        k: for pass@k; default the group size. Unbiased estimator of Chen et al. (2021).
-        pass_threshold: a trajectory passes when its score is at least this.
     """
     trajectories = [t for group in groups for t in group]
     if not trajectories:
@@ -37,8 +43,6 @@ def rollout_metrics(
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
     }
     metrics |= _reward_part_metrics(trajectories)
-    if per_source:
-        metrics |= _source_metrics(groups, k, pass_threshold)
     return metrics
 
 
@@ -84,26 +88,62 @@ def _reward_part_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
 
 def _mean(values) -> float:
     values = [float(v) for v in values]
-    return sum(values) / len(values)
-
-
-def _source_metrics(groups: list[list[Trajectory]], k: int | None, pass_threshold: float) -> dict[str, float]:
-    by_source = defaultdict(list)
-    for group in groups:
-        if group:
-            by_source[group[0].extra_info.get("data_source", "default")].append(group)
-    metrics = {}
-    for source, source_groups in by_source.items():
-        size = min(len(g) for g in source_groups)
-        group_k = k or size
-        if group_k > size:
-            raise ValueError(f"pass@{group_k} needs at least {group_k} responses per prompt; {source} has {size}")
-        passes = [pass_at_k(len(g), sum(t.score >= pass_threshold for t in g), group_k) for g in source_groups]
-        metrics[f"test/{source}/score"] = _mean(t.score for g in source_groups for t in g)
-        metrics[f"test/{source}/pass@{group_k}"] = _mean(passes)
-    return metrics
+    return sum(values) / len(values) if values else 0.0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of k of the n samples (c of them correct) is correct."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is taken
+
+
+def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float) -> dict:
+    """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples.
+
+    Args:
+        groups: the samples of each prompt.
+        sources: each prompt's `data_source`.
+        ks: pass@k for each k (at most the samples of any prompt).
+        threshold: a sample passes when its score is at least this.
+    """
+    by_source = defaultdict(list)
+    for source, group in zip(sources, groups, strict=True):
+        by_source[source].append(group)
+    return {
+        "overall": group_metrics(groups, ks, threshold),
+        "by_source": {source: group_metrics(by_source[source], ks, threshold) for source in sorted(by_source)},
+    }
+
+
+def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float) -> dict[str, float]:
+    """The metrics of the module docstring over `groups` (the samples of each prompt)."""
+    samples = [t for group in groups for t in group]
+    metrics = {
+        "n_prompts": len(groups),
+        "n_samples": len(samples),
+        "accuracy": _mean(t.score >= threshold for t in samples),
+        "score": _mean(t.score for t in samples),
+        "reward": _mean(t.reward for t in samples),
+    }
+    for k in ks:
+        metrics[f"pass@{k}"] = _mean(pass_at_k(len(g), sum(t.score >= threshold for t in g), k) for g in groups)
+    metrics["response_length"] = _mean(t.response_length for t in samples)
+    metrics["truncated"] = _mean(t.finish_reason == "length" for t in samples)
+    metrics["faults"] = sum(t.fault is not None for t in samples)
+    parts = [reward_parts(t) for t in samples]
+    for name in sorted({name for p in parts for name in p}):
+        metrics[f"reward/{name}"] = _mean(p.get(name, 0.0) for p in parts)
+    return metrics
+
+
+def metrics_difference(first: dict, second: dict) -> dict:
+    """`first - second` for every measurement both have, in the layout of `evaluation_metrics`."""
+
+    def minus(a: dict, b: dict) -> dict[str, float]:
+        return {key: a[key] - b[key] for key in a if key in b and key not in COUNTS}
+
+    sources = [s for s in first["by_source"] if s in second["by_source"]]
+    return {"overall": minus(first["overall"], second["overall"]),
+            "by_source": {s: minus(first["by_source"][s], second["by_source"][s]) for s in sources}}

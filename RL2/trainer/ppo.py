@@ -23,7 +23,7 @@ from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
 from RL2.rollout.env import Env
 from RL2.rollout.loop import filter_groups
-from RL2.rollout.metrics import rollout_metrics, save_samples
+from RL2.rollout.metrics import COUNTS, evaluation_metrics, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
@@ -231,8 +231,11 @@ class PPOTrainer(Trainer):
         rollout = self.cfg.rollout
         groups = self.rollout.rollout(self.test_data, rollout.test_sampling_params, rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
-        metrics = rollout_metrics(groups, per_source=True)
-        return {key.replace("rollout/", "test/", 1): value for key, value in metrics.items()}
+        metrics = {key.replace("rollout/", "test/", 1): value for key, value in rollout_metrics(groups).items()}
+        sources = [group[0].extra_info.get("data_source", "default") for group in groups]
+        by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
+        return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
+                          for name, value in source_metrics.items() if name not in COUNTS}
 
     def load_trainer_state(self, state: dict) -> None:
         self.cursor = state.get("cursor", state["step"])

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from RL2.evaluate import main
-from RL2.evaluation.metrics import evaluation_metrics, metrics_difference
+from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory, Turn
 from tests.helpers import ENVS, SCRIPTS, SGLANG_STUB
 from tests.helpers.launch import run_ranks
