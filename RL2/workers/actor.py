@@ -97,6 +97,13 @@ def per_token_pass(
     return values.cpu()
 
 
+def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict], prefix: str) -> dict[str, float]:
+    """`cfg.update_per_rollout` passes over a rollout, one optimizer step (`step`) per mini-batch of
+    `cfg.mini_batch_size` prompt groups; each metric averaged over the steps, under `prefix/`."""
+    steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in batch.mini_batches(cfg.mini_batch_size)]
+    return {f"{prefix}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
 def weighted_means(summed: dict[str, float]) -> dict[str, float]:
     """Sums over the batch of loss-weighted figures -> their weighted means over the batch.
 
@@ -151,11 +158,7 @@ class Actor:
         Needs `advantages` and `engine_logps` per token, `old_logps` unless a single step covers the
         rollout (then the policy has not moved yet and old = current), and `ref_logps` with a KL loss.
         """
-        steps = []
-        for _ in range(self.cfg.update_per_rollout):
-            for mini_batch in batch.mini_batches(self.cfg.mini_batch_size):
-                steps.append(self._step(mini_batch))
-        return {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return update_passes(self.cfg, batch, self._step, "actor")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg

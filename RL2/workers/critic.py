@@ -11,7 +11,7 @@ from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
-from RL2.workers.actor import per_token_pass, weighted_means
+from RL2.workers.actor import per_token_pass, update_passes, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
 
 
@@ -39,11 +39,7 @@ class Critic:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Regress `values` towards `returns` (both per token in the batch), clipped around the old values."""
-        steps = []
-        for _ in range(self.cfg.update_per_rollout):
-            for mini_batch in batch.mini_batches(self.cfg.mini_batch_size):
-                steps.append(self._step(mini_batch))
-        return {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return update_passes(self.cfg, batch, self._step, "critic")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
         weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
