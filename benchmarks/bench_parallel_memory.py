@@ -20,16 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker  # noqa: E402
-
-
-def local_bytes(tensors) -> int:
-    """Bytes of this rank's part of the given (possibly distributed) tensors."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
+from common import local_bytes, run_worker  # noqa: E402
 
 
 def worker(args) -> None:

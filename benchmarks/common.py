@@ -31,3 +31,12 @@ def run_worker(script: str, nproc: int, flags: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of the given (possibly distributed) tensors."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total

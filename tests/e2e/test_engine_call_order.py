@@ -1,13 +1,7 @@
-"""The engine state machine: no rollout samples released or stale weights, whatever the sequence of
-rollouts, updates and evaluations.
-
-Unit tests drive `EngineState` with recording test doubles of an engine (it records the order of the
-calls it gets and, like a colocated SGLang server, loses its weights' content when they are released)
-and of the trainer's models (they record moves on and off the GPU). The end-to-end tests run the PPO
-trainer with the real embedded engine wrapped by such a recording double
-(`tests/e2e/scripts/engine_call_order.py`), which checks at every request that the weights the engine
-holds equal the actor's current ones.
-"""
+"""The engine state machine end to end: PPO runs with the real embedded engine wrapped by a recording
+test double (`tests/e2e/scripts/engine_call_order.py`) that, like a colocated SGLang server, loses its
+weights' content when they are released and checks at every request that the weights it holds equal
+the actor's current ones (the unit tests of `EngineState` are in tests/unit/test_engine_state.py)."""
 
 import json
 
