@@ -18,7 +18,7 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
-from RL2.rollout.metrics import pass_at_k, rollout_metrics, save_samples
+from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory, Turn
 from tests.helpers import ENVS
 
@@ -232,17 +232,18 @@ def test_filter_groups_drops_groups_with_equal_rewards():
 
 def test_metrics_by_hand():
     groups = [made([1.0, 0.0, 0.0, 0.0]), made([0.1, 0.1, 0.1, 0.1], [0.0] * 4), made([1.0] * 4, source="code")]
-    metrics = rollout_metrics(groups, per_source=True)
+    metrics = rollout_metrics(groups)
     assert metrics["rollout/reward"] == pytest.approx((1.0 + 0.4 + 4.0) / 12)
     assert metrics["rollout/score"] == pytest.approx(5 / 12)
     assert metrics["rollout/response_length"] == pytest.approx(2.5)
     assert metrics["rollout/clip_ratio"] == pytest.approx(3 / 12)
     assert (metrics["rollout/n_turns"], metrics["rollout/faults"]) == (1.0, 0.0)
-    assert metrics["test/math/score"] == pytest.approx(1 / 8)
-    assert metrics["test/math/pass@4"] == pytest.approx(0.5)  # one group of two passes
-    assert metrics["test/code/pass@4"] == 1.0
+    by_source = evaluation_metrics(groups, ["math", "math", "code"], [4], threshold=1.0)["by_source"]
+    assert by_source["math"]["score"] == pytest.approx(1 / 8)
+    assert by_source["math"]["pass@4"] == pytest.approx(0.5)  # one group of two passes
+    assert by_source["code"]["pass@4"] == 1.0
     # pass@2 of a group with 1 correct of 4: 1 - C(3,2)/C(4,2) = 1/2.
-    assert rollout_metrics(groups[:1], per_source=True, k=2)["test/math/pass@2"] == pytest.approx(0.5)
+    assert evaluation_metrics(groups[:1], ["math"], [2], 1.0)["overall"]["pass@2"] == pytest.approx(0.5)
     assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0
 
 
