@@ -139,8 +139,9 @@ class PPOConfig:
 def check_ppo_config(cfg) -> None:
     """Fail on an inconsistent combination, naming the keys (single values are checked against their
     choices when the command line is parsed)."""
-    if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1:
-        raise ConfigError("rollout.responses_per_prompt and actor.update_per_rollout must be at least 1")
+    if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1 or cfg.critic.update_per_rollout < 1:
+        raise ConfigError("rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout "
+                          "must be at least 1")
     kl, rollout = cfg.actor.kl, cfg.rollout
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "

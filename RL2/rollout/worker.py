@@ -224,20 +224,26 @@ class RolloutWorker:
         return [g for part, _ in parts for g in part], [g for _, part in parts for g in part]
 
     def _on_this_rank(self, seed: int, make_coroutine):
-        """Run one rollout coroutine on this rank's engine, seeded; engine errors are raised on every rank."""
+        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
+        every rank (rather than leaving the others waiting in the gather of the results), with every
+        failing rank's message; an `EngineError` when only engines failed."""
         with self.state.sampling():
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
-            result, error = None, None
+            result, error, failure = None, None, None
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 try:
                     result = asyncio.run(make_coroutine())
-                except EngineError as e:  # reported on every rank below, rather than leaving the others waiting
-                    error = f"rank {dist.get_rank()}: {e}"
+                except Exception as e:
+                    failure = e
+                    error = (isinstance(e, EngineError), f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
             errors = [e for e in self._gather(error) if e]
             if errors:
-                raise EngineError("the rollout engine failed:\n" + "\n".join(errors))
+                message = "\n".join(text for _, text in errors)
+                if all(engine_failed for engine_failed, _ in errors):
+                    raise EngineError("the rollout engine failed:\n" + message) from failure
+                raise RuntimeError("the rollout failed:\n" + message) from failure
         return result
 
     def _gather(self, obj) -> list:

@@ -2,8 +2,9 @@
 
 The model is the causal LM with a scalar head on every token (`AutoModelForTokenClassification`,
 one label), the same shape as PPO's critic. A sequence's reward is the head's output at its last
-position. The export at `<save_dir>/final/critic` loads with
-`AutoModelForTokenClassification.from_pretrained(path)`; score a text by taking `logits[0, -1, 0]`.
+input position, the one that predicts its last token (packed inputs are `input_ids[:-1]`). The export
+at `<save_dir>/final/critic` loads with `AutoModelForTokenClassification.from_pretrained(path)`; score
+a text by running it on `input_ids[:, :-1]` and taking `logits[0, -1, 0]`.
 """
 
 import torch

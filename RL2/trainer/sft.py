@@ -77,11 +77,18 @@ class SFTTrainer(Trainer):
             return {}
         self.actor.model.eval()
         batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
-        losses = [
-            (self.batch_loss(batch, train=False)[0], len(batch)) for batch in batches(self.test_data, batch_size)
-        ]
+        # Each batch's loss is its own average (actor.avg_level): weigh it by what it averaged over,
+        # so that the test loss is the same average over the whole test set.
+        losses = [(self.batch_loss(batch, train=False)[0], self.averaged_over(batch))
+                  for batch in batches(self.test_data, batch_size)]
         self.actor.model.train()
-        return {"test/loss": sum(loss * n for loss, n in losses) / len(self.test_data)}
+        return {"test/loss": sum(loss * n for loss, n in losses) / max(sum(n for _, n in losses), 1)}
+
+    def averaged_over(self, examples: list[dict]) -> int:
+        """What a batch's loss is a mean over: its trained tokens (avg_level=token) or its examples."""
+        if self.cfg.actor.avg_level == "token":
+            return int(SequenceBatch.from_examples(examples).tokens["loss_mask"].sum())
+        return len(examples)
 
 
 def main(argv: list[str] | None = None) -> None:

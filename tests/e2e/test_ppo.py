@@ -142,6 +142,18 @@ def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
         run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=grpo"))
 
 
+def test_a_rollout_error_on_one_rank_stops_every_rank_with_its_message(repeat_model, tmp_path):
+    """Rank 1's second prompt is too long for rollout.max_total_tokens: rank 0, whose rollout succeeds,
+    must not wait for rank 1's results; both stop, naming rank 1's error."""
+    rows = [{"prompt": "word " * (300 if k == 3 else 2)} for k in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"train": tmp_path / "train.jsonl", "test": ""}
+    with pytest.raises(AssertionError, match=r"\[rank0\]: RuntimeError: the rollout failed:\n"
+                                               r"\[rank0\]: rank 1: ValueError: a prompt of \d+ tokens leaves"):
+        run_ranks(2, ppo_args(repeat_model, data, tmp_path / "run", "data.shuffle=false", "rollout.max_total_tokens=64"),
+                  timeout=120)
+
+
 def test_reward_model_and_teacher_run_in_a_step(tiny_model_path, rl_data, tmp_path):
     reward_model = tmp_path / "rm"
     model = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1)

@@ -95,3 +95,30 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_path, sft_data, tmp_p
     assert losses[0] == pytest.approx(math.log(49152), abs=0.1)
     assert losses[-1] < losses[0]
     assert all(w.dtype == torch.float32 for w in final_weights(tmp_path).values())
+
+
+@pytest.mark.parametrize("avg_level", ["token", "sequence"])
+def test_test_loss_averages_over_the_whole_test_set(tiny_model_path, sft_data, tmp_path, avg_level):
+    """Test batches of unequal sizes (19 rows in batches of 4) and lengths: the test loss is the mean
+    over every trained token of the test set (token) or over every example (sequence)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from RL2.config.schema import SplitConfig
+    from RL2.datasets.sft import sft_row_tokenizer
+
+    run_ranks(1, sft_args(tiny_model_path, sft_data, tmp_path, f"data.test.path={sft_data}", "data.test.batch_size=4",
+                          f"actor.avg_level={avg_level}", "trainer.eval_only=true"))
+    reported = read_metrics(tmp_path)[-1]["test/loss"]
+    tokenize = sft_row_tokenizer(AutoTokenizer.from_pretrained(tiny_model_path))(SplitConfig())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    token_losses, example_losses = [], []
+    for line in sft_data.read_text().splitlines():
+        example = tokenize(json.loads(line))
+        ids, trained = torch.tensor([example["input_ids"]]), torch.tensor(example["loss_mask"][1:], dtype=torch.bool)
+        with torch.no_grad():
+            logps = torch.log_softmax(model(input_ids=ids[:, :-1]).logits[0].float(), -1)
+        nll = -logps.gather(-1, ids[0, 1:, None])[:, 0][trained]
+        token_losses += nll.tolist()
+        example_losses.append(nll.mean().item())
+    expected = sum(token_losses) / len(token_losses) if avg_level == "token" else sum(example_losses) / len(example_losses)
+    assert reported == pytest.approx(expected, rel=1e-4)

@@ -63,6 +63,7 @@ def ppo_config(argv):
     (["actor.policy_loss=cispo", "actor.cispo.clip_low=2"], "in \\[0, 1\\] or null"),
     (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
     (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
+    (["adv.estimator=gae", "critic.update_per_rollout=0"], "critic.update_per_rollout must be at least 1"),
 ])
 def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):

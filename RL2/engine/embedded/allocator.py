@@ -4,7 +4,7 @@ glibc hands large blocks (from 128 KB, rising with use) to the kernel on free an
 top as soon as it shrinks; the next tensor of that size then page-faults on every 4 KB page it
 touches, and the kernel zeroes each one. Training and decoding on CPU allocate tensors of the same
 few sizes over and over (logits chunks, FSDP buffers, sampling rows), so this churn costs real
-time (`tests/test_allocator.py` counts the page faults). jemalloc and tcmalloc, which PyTorch's CPU
+time (`tests/e2e/test_allocator.py` counts the page faults). jemalloc and tcmalloc, which PyTorch's CPU
 launcher (`torch.backends.xeon.run_cpu`) preloads for the same reason, cache freed memory too.
 
 The price is that the resident size stays at its high-water mark; that peak had to fit anyway.
