@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
+from RL2.utils.memory import peak_rss_gb, reset_peak_rss
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -62,26 +63,12 @@ def engine_generate(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens
     return sum(r["meta_info"]["completion_tokens"] for r in results)
 
 
-def reset_peak_rss() -> None:
-    """Reset the kernel's high-water mark of this process's RSS (Linux >= 4.0; else a no-op)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
 def timed(fn, *args) -> tuple[float, float]:
     """(tokens/s, peak RSS in MB) of one call of fn, which returns a token count."""
     reset_peak_rss()
     start = time.perf_counter()
     tokens = fn(*args)
-    return tokens / (time.perf_counter() - start), peak_rss_mb()
+    return tokens / (time.perf_counter() - start), peak_rss_gb() * 1e3
 
 
 def main() -> None:

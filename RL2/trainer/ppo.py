@@ -7,9 +7,6 @@ estimator named by `adv.estimator` (GRPO: `reinforce`; PPO: `gae`), update the a
 and copy the new weights into the engines.
 """
 
-import time
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -29,6 +26,7 @@ from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0
+from RL2.utils.memory import max_over_ranks, measured
 from RL2.utils.plot import CurvePanel
 from RL2.workers.actor import Actor, BaseModelReference, n_mini_batches, per_token_pass
 from RL2.workers.critic import Critic
@@ -107,7 +105,7 @@ class PPOTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
-        with timed(metrics, "perf/rollout_s"):
+        with measured(metrics, "rollout"):
             groups, rolled_out = self.collect_groups(step, metrics)
         metrics |= rollout_metrics(rolled_out)
         metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
@@ -115,11 +113,12 @@ class PPOTrainer(Trainer):
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
         if groups:  # dynamic filtering may leave nothing to learn from
             metrics |= self.learn(training_batch(groups))
-        with timed(metrics, "perf/sync_s"):
+        with measured(metrics, "sync"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         if self.ref and self.resets_reference():
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
                                                                           metrics.get("actor/entropy")))
+        max_over_ranks(metrics, self.device)
         return metrics
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
@@ -127,27 +126,27 @@ class PPOTrainer(Trainer):
         cfg, metrics = self.cfg, {}
         metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
-            with timed(metrics, "perf/reward_model_s"):
+            with measured(metrics, "reward_model"):
                 metrics |= add_reward_model_scores(batch, self.reward_model_scores(batch))
         if self.teacher:
-            with timed(metrics, "perf/teacher_s"):
+            with measured(metrics, "teacher"):
                 batch.tokens["teacher_logps"] = self.teacher.logps(batch)
         if self.ref:
-            with timed(metrics, "perf/ref_s"):
+            with measured(metrics, "ref"):
                 batch.tokens["ref_logps"] = self.ref.logps(batch)
         if self.critic:
-            with timed(metrics, "perf/values_s"):
+            with measured(metrics, "values"):
                 batch.tokens["values"] = self.critic.values(batch)
         if self.needs_old_logps():
-            with timed(metrics, "perf/old_logps_s"):
+            with measured(metrics, "old_logps"):
                 batch.tokens["old_logps"] = self.actor.logps(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
         n_tokens = sum(len(ids) for ids in batch.input_ids)
-        with timed(metrics, "perf/actor_update_s"):
+        with measured(metrics, "actor_update"):
             metrics |= self.actor.update(batch)
         metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
         if self.critic:
-            with timed(metrics, "perf/critic_update_s"):
+            with measured(metrics, "critic_update"):
                 metrics |= self.critic.update(batch)
         return metrics
 
@@ -265,13 +264,6 @@ def shard_of(param: torch.Tensor) -> torch.Tensor:
 
 def sum_lengths(groups: list[list[Trajectory]]) -> int:
     return sum(t.response_length for group in groups for t in group)
-
-
-@contextmanager
-def timed(metrics: dict, key: str):
-    began = time.perf_counter()
-    yield
-    metrics[key] = time.perf_counter() - began
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -77,6 +77,8 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
                 "perf/rollout_tokens_per_s", "perf/actor_update_tokens_per_s", "perf/step_s", "rollout/clip_ratio",
                 "rollout/response_length", "actor/engine_kl"):
         assert key in step, key
+    phase_peaks = [value for key, value in step.items() if key.endswith("_peak_gb")]
+    assert len(phase_peaks) == 3 and step["perf/peak_gb"] == max(phase_peaks) > 0.1  # rollout, update, sync
     # The trainer recomputes the engine's log-probabilities of the sampled tokens (both float32): at
     # every step, so the weights synced into the engines after each update are the actor's.
     assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics if "actor/engine_mismatch" in m)
