@@ -20,8 +20,9 @@ class EngineError(RuntimeError):
 @runtime_checkable
 class Engine(Protocol):
     """Attributes:
-        releases_memory: the engine gives its GPU memory to the trainer between rollouts (SGLang
-            servers on the trainer's GPUs); its weights are then lost and must be pushed again.
+        releases_memory: the engine gives its memory to the trainer between rollouts (SGLang servers
+            on the trainer's GPUs, the embedded engine on CPU); its weights are then lost and must be
+            pushed again.
         follows_policy: the engine takes the policy's weights after each update (False for SGLang
             with `rollout.weight_sync=none`: it keeps the weights it started with).
     """
@@ -54,7 +55,7 @@ class Engine(Protocol):
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Give GPU memory (SGLang's tags: "weights", "kv_cache", "cuda_graph") to the trainer."""
+        """Give memory to the trainer, by SGLang's tags: "weights", "kv_cache", "cuda_graph"."""
         ...
 
     def resume_memory(self, tags: Iterable[str]) -> None:

@@ -8,8 +8,8 @@ With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
 
 Whether the engine may sample is decided in one place, `EngineState`, from three things:
 - the engine's memory: resident, or released to the trainer (colocated SGLang servers release their
-  weights, KV cache and CUDA graphs while the trainer computes, and released weights lose their
-  content: SGLang's memory saver keeps no copy);
+  weights, KV cache and CUDA graphs while the trainer computes, the embedded engine on CPU its weights
+  and KV cache; released weights lose their content: SGLang's memory saver keeps no copy);
 - the version of its weights: which update of the policy they hold (`FSDPWorker.updates`, which every
   optimizer step and checkpoint load advances);
 - the trainer's models: on the GPU, or moved to the CPU while a colocated engine samples.
@@ -23,8 +23,8 @@ trainer's models come back. A rollout on stale or released weights therefore can
 policy updates do not reach it.
 
 `synced(label)` is called after each update: it pushes at once when the engine's weights are resident
-(embedded engine, external servers), else at the start of the next rollout, when the optimizer state
-and the frozen models have left the GPU to make room for the servers' weights (see
+(external servers, the embedded engine on a GPU), else at the start of the next rollout, when the
+optimizer state and the frozen models have left the GPU to make room for the servers' weights (see
 `RL2.engine.memory_plan` for the memory of each phase).
 """
 

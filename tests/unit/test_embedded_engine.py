@@ -21,7 +21,7 @@ from RL2.models.default_model import resolve_model_path
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [520, 9531], [4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 42, 77], [3365]]
 
 
-def tiny_llama(vocab_size: int, seed: int) -> torch.nn.Module:
+def tiny_llama(vocab_size: int, seed: int, **config) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,
@@ -31,6 +31,7 @@ def tiny_llama(vocab_size: int, seed: int) -> torch.nn.Module:
         intermediate_size=128,
         vocab_size=vocab_size,
         max_position_embeddings=1024,
+        **config,
     )
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -323,6 +324,34 @@ def test_update_weights_switches_the_model(tokenizer, model):
     assert before["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
     assert [r["output_ids"] for r in after] == [hf_greedy(other, p, 12) for p in PROMPTS]
     assert after[0]["meta_info"]["weight_version"] == "v1"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_released_weights_free_their_memory_and_come_back_with_a_push(tokenizer, tied):
+    """On CPU the engine frees its weights between rollouts (the trainer's update needs the RAM) and
+    refuses to generate until every parameter has been pushed again."""
+    model = tiny_llama(len(tokenizer), seed=3, tie_word_embeddings=tied)
+    new_weights = tiny_llama(len(tokenizer), seed=4, tie_word_embeddings=tied)
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)
+    try:
+        assert engine.releases_memory
+        before = generate(engine, payload(PROMPTS[0]))[0]
+        engine.release_memory(["weights", "kv_cache"])
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.runner.model.parameters())
+        assert engine.runner.cache.keys == []
+        pushed = list(new_weights.named_parameters())  # parameters only, as a trainer pushes them
+        engine.update_weights(pushed[:-1], weight_version="partial")
+        with pytest.raises(RuntimeError, match=f"released and 1 were not loaded again.*{pushed[-1][0]}"):
+            generate(engine, payload(PROMPTS[0]))
+        engine.update_weights(pushed[-1:], weight_version="v1")
+        after = generate(engine, *(payload(p) for p in PROMPTS))
+        engine.release_memory(["weights"])
+        engine.update_weights(model.named_parameters(), weight_version="v2")
+        again = generate(engine, payload(PROMPTS[0]))[0]
+    finally:
+        engine.shutdown()
+    assert before["output_ids"] == again["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
+    assert [r["output_ids"] for r in after] == [hf_greedy(new_weights, p, 12) for p in PROMPTS]
 
 
 def test_weights_changed_in_place_are_not_served_stale(tokenizer, model):

@@ -113,15 +113,28 @@ class EmbeddedEngine:
         self._scheduler: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
 
-    # The engine's memory is the process's own: nothing to give to the trainer, weights always current.
-    releases_memory = False
     follows_policy = True
 
+    @property
+    def releases_memory(self) -> bool:
+        """On CPU the engine's memory is the RAM the trainer's update needs: between rollouts the engine
+        frees its weights (`EngineState` pushes the policy's before the next rollout) and its KV cache.
+        On a GPU it keeps them: releasing would also move the trainer's state to the CPU around every
+        rollout (`EngineState`), which pays only for SGLang servers' share of the GPU."""
+        return self.runner.device.type == "cpu"
+
     def release_memory(self, tags: Iterable[str]) -> None:
-        """No GPU memory to share with the trainer (see `RL2.engine.protocol.Engine`)."""
+        """Free the weights ("weights": their content is lost until `update_weights` writes them all
+        again) and the KV cache ("kv_cache"); see `RL2.engine.protocol.Engine`. Call it between rollouts."""
+        tags = set(tags)
+        with self._step_lock:
+            if "weights" in tags:
+                self.runner.release_weights()
+            if "kv_cache" in tags and not self._running:
+                self.runner.cache.clear()
 
     def resume_memory(self, tags: Iterable[str]) -> None:
-        """Nothing was released."""
+        """Nothing to do: released weights come back with `update_weights`, the cache as requests run."""
 
     @property
     def running_lengths(self) -> list[int]:
@@ -145,6 +158,10 @@ class EmbeddedEngine:
         """
         if self._error is not None:
             raise self._error
+        if self.runner.unwritten:
+            missing = self.runner.missing_weights
+            raise RuntimeError(f"the engine's weights were released and {len(missing)} were not loaded again "
+                               f"(e.g. {missing[0]}): push them all with update_weights before generating")
         request = self._new_request(payload)
         if request.params.max_new_tokens == 0:
             self._resolve(request, {"type": "length", "length": 0})

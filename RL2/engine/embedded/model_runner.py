@@ -210,6 +210,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         own_parameter_memory(model)
         self.cache = SlotKVCache(max_rows)
+        self.released: list[tuple[torch.UntypedStorage, int]] = []  # freed parameter storages, their sizes
+        self.unwritten: dict[int, torch.nn.Parameter] = {}  # released parameters not loaded since, by id
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.packable = bool(linears) and onednn_packing_works(linears[0])
         self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
@@ -326,9 +328,30 @@ class ModelRunner:
             return None
         return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
+    def release_weights(self) -> None:
+        """Free the parameters and their packed copies: their content is lost, as with SGLang's released
+        weights, until `load_weights` writes every parameter again (forwards refuse to run meanwhile).
+        Buffers (e.g. rotary frequencies) are kept."""
+        for kernel in self.kernels:
+            kernel.release()
+        for param in self.model.parameters():
+            self.unwritten[id(param)] = param
+            storage = param.untyped_storage()
+            if storage.nbytes():  # tied weights share one storage: freed once
+                self.released.append((storage, storage.nbytes()))
+                storage.resize_(0)
+
+    @property
+    def missing_weights(self) -> list[str]:
+        """Names of the parameters released and not written since."""
+        return [name for name, param in self.model.named_parameters() if id(param) in self.unwritten]
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model in place; names as in `model.state_dict()`."""
+        for storage, nbytes in self.released:  # memory back for the released weights, written below
+            storage.resize_(nbytes)
+        self.released = []
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in state:
@@ -340,6 +363,7 @@ class ModelRunner:
                     f"the engine model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
+            self.unwritten.pop(id(target), None)
         for kernel in self.kernels:
             kernel.refresh()
 

@@ -44,6 +44,10 @@ class PackedLinear:
             ]).detach()
         self._versions = versions
 
+    def release(self) -> None:
+        """Drop the packed copy; the next call packs the weights again."""
+        self._packed, self._bias, self._versions = None, None, ()
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         # e.g. under autocast: the plain products. F.linear, not the modules: on the HF-module path
         # their forward is this very object (ModelRunner._engine_kernels).
@@ -60,6 +64,9 @@ class ConcatLinear:
         self.linears = linears
 
     def refresh(self) -> None:
+        pass
+
+    def release(self) -> None:
         pass
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
