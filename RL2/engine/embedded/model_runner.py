@@ -210,8 +210,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         own_parameter_memory(model)
         self.cache = SlotKVCache(max_rows)
-        self.released: list[tuple[torch.UntypedStorage, int]] = []  # freed parameter storages, their sizes
-        self.unwritten: dict[int, torch.nn.Parameter] = {}  # released parameters not loaded since, by id
+        # Released parameters not loaded since, by id: (the parameter, its shape).
+        self.unwritten: dict[int, tuple[torch.nn.Parameter, torch.Size]] = {}
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.packable = bool(linears) and onednn_packing_works(linears[0])
         self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
@@ -331,15 +331,13 @@ class ModelRunner:
     def release_weights(self) -> None:
         """Free the parameters and their packed copies: their content is lost, as with SGLang's released
         weights, until `load_weights` writes every parameter again (forwards refuse to run meanwhile).
-        Buffers (e.g. rotary frequencies) are kept."""
+        A released parameter is an empty tensor, so that reading one fails rather than reading freed
+        memory. Buffers (e.g. rotary frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
-        for param in self.model.parameters():
-            self.unwritten[id(param)] = param
-            storage = param.untyped_storage()
-            if storage.nbytes():  # tied weights share one storage: freed once
-                self.released.append((storage, storage.nbytes()))
-                storage.resize_(0)
+        for param in self.model.parameters():  # tied weights are one parameter: released once
+            self.unwritten.setdefault(id(param), (param, param.shape))
+            param.data = param.data.new_empty(0)
 
     @property
     def missing_weights(self) -> list[str]:
@@ -349,9 +347,9 @@ class ModelRunner:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model in place; names as in `model.state_dict()`."""
-        for storage, nbytes in self.released:  # memory back for the released weights, written below
-            storage.resize_(nbytes)
-        self.released = []
+        for param, shape in self.unwritten.values():  # memory back for the released weights, written below
+            if param.numel() == 0 and shape.numel():
+                param.data = param.data.new_empty(shape)
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in state:

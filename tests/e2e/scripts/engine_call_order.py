@@ -135,6 +135,9 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
     rollout = trainer.rollout
     follows = cfg.rollout.weight_sync != "none"
     initial = {name: t.clone() for name, t in full_tensors(trainer.actor.model, rollout.dtype)}
+    # The double replaces the trainer's engine bookkeeping: the engine starts from the initial weights
+    # (the real embedded engine released its own when the trainer was built).
+    rollout.engine.update_weights(initial.items(), "initial")
 
     def expected_weights():
         return full_tensors(trainer.actor.model, rollout.dtype) if follows else initial.items()
