@@ -1,36 +1,51 @@
 """Workload W1 for the RL trainer, against TRL's GRPOTrainer on the same workload in the same run.
 
-    python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl]
+    python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl] [--variants default,micro-batch-1024]
 
 W1: the embedded SmolLM2-135M-Instruct, 8 prompts x 4 responses, exactly 64 new tokens each
 (`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is bfloat16 where
 the CPU has it natively and float32 elsewhere (emulated bf16 is far slower, for TRL too); TRL runs in
-the same dtype (`bf16=True` is its faster mode where bf16 is native). Prints seconds per step split
-by phase (medians over the steps after the first), the update phase's achieved FLOP/s against the
-matmul peak of that dtype measured in the same run (model FLOPs, 6 x parameters x tokens, as MFU counts
-them), the ratio to TRL, and peak resident memory.
+the same dtype (`bf16=True` is its faster mode where bf16 is native).
+
+Prints, from the medians over the steps after the first:
+- per phase of an RL2 step (rollout, old log-probs, update, weight sync, the rest): seconds, the
+  model FLOPs it must do and their rate against the matmul peak of that dtype measured in the same
+  run, and the most resident memory one rank held in it;
+- per system: seconds per step, the ratio to TRL, and the most memory all of its processes held at
+  once (proportional set size summed over the ranks, sampled every 0.1 s: pages the ranks share,
+  such as the shards they exchange through /dev/shm, count once);
+- the FLOP floor of a step: the rollout's and the update's model FLOPs at the matmul peak.
+Model FLOPs: 2 per matmul parameter per token forward, 6 forward and backward; the output projection
+only where logits are needed (every sampled token, the response tokens of the update).
+`--variants` runs RL2 again with switches that trade memory for speed (see VARIANTS).
 TRL is not a dependency of RL2: `pip install trl` to include it.
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import matmul_peak  # noqa: E402
+from common import PeakMemory, matmul_peak, run_measured  # noqa: E402
 
 N_PROMPTS, N_RESPONSES, NEW_TOKENS = 8, 4, 64
-PHASES = ("perf/rollout_s", "perf/old_logps_s", "perf/actor_update_s", "perf/sync_s")
+PHASES = ("rollout", "old_logps", "actor_update", "sync")
+# name -> (RL2 command-line overrides, environment)
+VARIANTS = {
+    "default": ([], {}),
+    "micro-batch-1024": (["actor.max_length_per_device=1024"], {}),
+    "micro-batch-512": (["actor.max_length_per_device=512"], {}),
+    "checkpointing": (["actor.enable_gradient_checkpointing=true"], {}),
+    "malloc-returns-memory": ([], {"RL2_KEEP_FREED_MEMORY": "0"}),
+}
 
 
 def prompts(n: int) -> list[str]:
@@ -38,18 +53,20 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def matmul_params(model_path: str) -> int:
-    """Parameters that take part in a matmul per token (tied embeddings once, as the LM head)."""
+def matmul_params(model_path: str) -> tuple[int, int]:
+    """(matmul parameters per token of the decoder layers, of the output projection)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    body = sum(p.numel() for p in model.get_decoder().layers.parameters() if p.dim() == 2)
+    return body, model.get_output_embeddings().weight.numel()
 
 
-def run_rl2(args, data_dir: Path) -> dict:
+def run_rl2(args, data_dir: Path, variant: str) -> dict:
+    overrides, env = VARIANTS[variant]
     rows = [{"prompt": p, "extra_info": {"answer": "0"}} for p in prompts(N_PROMPTS)]
     (data_dir / "w1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    save_dir = data_dir / "rl2"
+    save_dir = data_dir / f"rl2-{variant}"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
         "-m", "RL2.trainer.ppo", f"data.train.path={data_dir / 'w1.jsonl'}", f"data.train.batch_size={N_PROMPTS}",
@@ -57,17 +74,23 @@ def run_rl2(args, data_dir: Path) -> dict:
         f"rollout.train_sampling_params.max_new_tokens={NEW_TOKENS}", "rollout.train_sampling_params.ignore_eos=true",
         "actor.model_name=smollm2-135m-instruct", f"actor.dtype={args.dtype}", "actor.kl.coef=0",
         "actor.update_per_rollout=1", f"trainer.total_steps={args.steps}", f"trainer.n_epochs={args.steps}",
-        f"trainer.save_dir={save_dir}",
+        f"trainer.save_dir={save_dir}", *overrides,
     ]
-    subprocess.run(command, cwd=REPO, check=True, env=os.environ | {"WANDB_MODE": "disabled"})
+    peak_gb = run_measured(command, {"WANDB_MODE": "disabled", **env})
     steps = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()][1:]  # first: warm-up
-    result = {key: statistics.median(m.get(key, 0.0) for m in steps) for key in (*PHASES, "perf/step_s")}
-    result["update_tokens"] = statistics.median(m["perf/actor_update_tokens_per_s"] * m["perf/actor_update_s"] for m in steps)
+    keys = {key for m in steps for key in m if key.startswith("perf/")} | {"rollout/response_length"}
+    result = {key: statistics.median(m.get(key, 0.0) for m in steps) for key in keys}
+    result["update_tokens"] = statistics.median(m["perf/actor_update_tokens_per_s"] * m["perf/actor_update_s"]
+                                                for m in steps)
+    result["all_ranks_peak_gb"] = peak_gb
     return result
 
 
-def run_trl(args, data_dir: Path) -> dict:
-    """TRL's GRPOTrainer on W1: the same prompts, group size, 64 forced tokens, no KL, one step per rollout."""
+def trl_worker(args) -> None:
+    """TRL's GRPOTrainer on W1 (the same prompts, group size, 64 forced tokens, no KL, one step per
+    rollout), in a process of its own; prints its median seconds per step."""
+    import time
+
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -84,9 +107,10 @@ def run_trl(args, data_dir: Path) -> dict:
     def reward(completions, **_):  # cheap, and different across a group so the loss is not zero
         return [float("<answer>" in c[0]["content"]) + 0.01 * len(c[0]["content"]) for c in completions]
 
+    torch.set_num_threads(os.cpu_count() or 1)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts(N_PROMPTS)] * args.steps)
     config = GRPOConfig(
-        output_dir=str(data_dir / "trl"), use_cpu=True, bf16=args.dtype == "bfloat16", max_steps=args.steps,
+        output_dir=args.trl_worker, use_cpu=True, bf16=args.dtype == "bfloat16", max_steps=args.steps,
         per_device_train_batch_size=N_PROMPTS * N_RESPONSES, num_generations=N_RESPONSES,
         max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS}, beta=0.0,
         num_iterations=1, learning_rate=1e-6, logging_steps=1, report_to="none", save_strategy="no",
@@ -97,7 +121,49 @@ def run_trl(args, data_dir: Path) -> dict:
     began = time.perf_counter()
     trainer.train()
     times = [b - a for a, b in zip([began, *step_ends], step_ends)][1:]
-    return {"perf/step_s": statistics.median(times)}
+    print(json.dumps({"perf/step_s": statistics.median(times)}))
+
+
+def run_trl(args, data_dir: Path) -> dict:
+    out = data_dir / "trl.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(data_dir / "trl"),
+               "--steps", str(args.steps), "--dtype", args.dtype]
+    with open(out, "w") as f:
+        process = subprocess.Popen(command, cwd=REPO, stdout=f)
+        with PeakMemory(process.pid) as memory:
+            if process.wait():
+                raise subprocess.CalledProcessError(process.returncode, command)
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    result["all_ranks_peak_gb"] = memory.peak_gb
+    return result
+
+
+def phase_table(rl2: dict, body: int, head: int, peak: float) -> float:
+    """Print the per-phase table of one RL2 run; returns the FLOP floor of its step in seconds."""
+    sampled = rl2["rollout/response_length"] * N_PROMPTS * N_RESPONSES
+    tokens = rl2["update_tokens"]
+    flops = {
+        "rollout": 2 * (body * tokens + head * sampled),  # prefill and decode; logits of sampled tokens
+        "old_logps": 2 * (body * tokens + head * sampled) if rl2.get("perf/old_logps_s") else 0,
+        "actor_update": 6 * (body * tokens + head * sampled),
+        "sync": 0,
+    }
+    step_s = rl2["perf/step_s"]
+    other_s = step_s - sum(rl2.get(f"perf/{phase}_s", 0.0) for phase in PHASES)
+    print("| phase | s | share of step | model TFLOP | GFLOP/s | % of matmul peak | peak RSS of a rank (GB) |")
+    print("|---|---|---|---|---|---|---|")
+    for phase in PHASES:
+        seconds = rl2.get(f"perf/{phase}_s")
+        if not seconds:
+            continue
+        rate = flops[phase] / seconds
+        print(f"| {phase} | {seconds:.2f} | {seconds / step_s:.0%} | {flops[phase] / 1e12:.2f} | "
+              f"{rate / 1e9:.0f} | {rate / peak:.0%} | {rl2.get(f'perf/{phase}_peak_gb', 0.0):.2f} |")
+    print(f"| other (advantages, logging, gathers) | {other_s:.2f} | {other_s / step_s:.0%} | | | | |")
+    floor = (flops["rollout"] + flops["actor_update"]) / peak
+    print(f"\nFLOP floor of a step (rollout + update at the matmul peak): {floor:.1f} s; "
+          f"this run took {step_s:.1f} s ({floor / step_s:.0%} of the floor's speed).")
+    return floor
 
 
 def main() -> None:
@@ -106,32 +172,40 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="RL2 ranks")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trl_worker:
+        return trl_worker(args)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    from RL2.models.default_model import resolve_model_path
     from RL2.models.precision import compute_dtype
 
     dtype = compute_dtype(args.dtype, torch.device("cpu"))
     args.dtype = str(dtype).removeprefix("torch.")
     torch.set_num_threads(os.cpu_count() or 1)
     peak = matmul_peak(dtype)
-    from RL2.models.default_model import resolve_model_path
-
-    n_params = matmul_params(resolve_model_path("smollm2-135m-instruct"))
+    body, head = matmul_params(resolve_model_path("smollm2-135m-instruct"))
     with tempfile.TemporaryDirectory() as tmp:
-        rl2 = run_rl2(args, Path(tmp))
-        rl2_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+        runs = {variant: run_rl2(args, Path(tmp), variant) for variant in variants}
         trl = None if args.skip_trl else run_trl(args, Path(tmp))
-    update_flops = 6 * n_params * rl2["update_tokens"] / rl2["perf/actor_update_s"]
-    print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}); "
-          f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, median of steps 2..{args.steps}\n")
-    print("| system | s/step | rollout s | old logps s | update s | sync s | update GFLOP/s | % of peak | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| RL2, {args.nproc} ranks | {rl2['perf/step_s']:.1f} | {rl2['perf/rollout_s']:.1f} | "
-          f"{rl2['perf/old_logps_s']:.1f} | {rl2['perf/actor_update_s']:.1f} | {rl2['perf/sync_s']:.2f} | "
-          f"{update_flops / 1e9:.1f} | {100 * update_flops / peak:.0f}% | {rl2_rss:.1f} GB/rank |")
+    print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 on "
+          f"{args.nproc} ranks); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; medians of steps 2..{args.steps}")
+    for variant, rl2 in runs.items():
+        print(f"\nRL2 {variant}:\n")
+        phase_table(rl2, body, head, peak)
+    print("\n| system | s/step | speed-up over TRL | peak memory, all processes (GB) | peak RSS of a rank (GB) |")
+    print("|---|---|---|---|---|")
+    for variant, rl2 in runs.items():
+        ratio = f"{trl['perf/step_s'] / rl2['perf/step_s']:.2f}x" if trl else ""
+        print(f"| RL2 {variant} | {rl2['perf/step_s']:.1f} | {ratio} | {rl2['all_ranks_peak_gb']:.2f} | "
+              f"{rl2.get('perf/peak_gb', 0.0):.2f} |")
     if trl:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-        print(f"| TRL GRPOTrainer ({args.dtype}), 1 process | {trl['perf/step_s']:.1f} | | | | | | | {rss:.1f} GB |")
-        print(f"\nRL2 is {trl['perf/step_s'] / rl2['perf/step_s']:.2f}x faster per step than TRL in this run.")
+        print(f"| TRL GRPOTrainer ({args.dtype}), 1 process | {trl['perf/step_s']:.1f} | 1.00x | "
+              f"{trl['all_ranks_peak_gb']:.2f} | |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""Memory of a GRPO step against model size, rollout size and ranks: what fits in 16 and 24 GB.
+
+    python benchmarks/bench_ppo_memory.py [--models 135m,360m] [--rollouts 8x4x64,8x8x128] [--ranks 1,2]
+
+Models: the embedded SmolLM2-135M-Instruct, and Llama models of SmolLM2-360M's and SmolLM2-1.7B's
+shapes with random weights (built in a temporary folder, with the embedded model's tokenizer).
+A rollout `PxRxN` is P prompts x R responses x exactly N new tokens (`ignore_eos`). Each run is two
+GRPO steps (no KL, one update per rollout) in float32 with the defaults otherwise, and reports:
+- the most resident memory one rank held in each phase of the second step (rollout, update, weight
+  sync; the trainer's `perf/*_peak_gb`);
+- the most memory all processes held at once over the run (proportional set size summed over the
+  ranks and the launcher, sampled every 0.1 s), including loading;
+- the second step's seconds.
+A machine "fits" a run when its peak leaves 1 GB to the system. A run that this machine cannot hold is
+reported as failed (killed for memory), not retried.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import run_measured  # noqa: E402
+
+# SmolLM2's shapes (hidden, intermediate, layers, heads, kv heads); the vocabulary is the embedded model's.
+SHAPES = {"360m": (960, 2560, 32, 15, 5), "1.7b": (2048, 8192, 24, 32, 32)}
+
+
+def model_path(name: str, folder: Path) -> str:
+    """The embedded model, or a random-weight Llama of one of SHAPES saved under `folder`."""
+    if name == "135m":
+        return "smollm2-135m-instruct"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from RL2.models.default_model import resolve_model_path
+
+    path = folder / name
+    if not path.exists():
+        embedded = resolve_model_path("smollm2-135m-instruct")
+        hidden, intermediate, layers, heads, kv_heads = SHAPES[name]
+        config = AutoConfig.from_pretrained(embedded)
+        config.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+                       "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        AutoTokenizer.from_pretrained(embedded).save_pretrained(path)
+    return str(path)
+
+
+def run(model: str, rollout: str, ranks: int, folder: Path) -> dict:
+    n_prompts, n_responses, new_tokens = (int(x) for x in rollout.split("x"))
+    data = folder / f"prompts{n_prompts}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {2 * i}?", "extra_info": {"answer": str(3 * i)}})
+                            + "\n" for i in range(n_prompts)))
+    save_dir = folder / f"run-{Path(model).name}-{rollout}-{ranks}"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        "-m", "RL2.trainer.ppo", f"data.train.path={data}", f"data.train.batch_size={n_prompts}", "data.shuffle=false",
+        "rollout.env_path=envs/arithmetic.py", f"rollout.responses_per_prompt={n_responses}",
+        f"rollout.train_sampling_params.max_new_tokens={new_tokens}", "rollout.train_sampling_params.ignore_eos=true",
+        f"actor.model_name={model}", "actor.dtype=float32", "actor.kl.coef=0", "trainer.total_steps=2",
+        "trainer.n_epochs=2", f"trainer.save_dir={save_dir}",
+    ]
+    try:
+        all_processes = run_measured(command, {"WANDB_MODE": "disabled"})
+    except subprocess.CalledProcessError as e:
+        return {"failed": f"exit code {e.returncode}"}
+    last = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    return {"all_processes_gb": all_processes, **{k: v for k, v in last.items() if k.startswith("perf/")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="135m,360m", help="comma-separated, of: 135m, 360m, 1.7b")
+    parser.add_argument("--rollouts", default="8x4x64,8x8x128", help="comma-separated PROMPTSxRESPONSESxTOKENS")
+    parser.add_argument("--ranks", default="1,2")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name in args.models.split(","):
+            path = model_path(name, folder)
+            for rollout in args.rollouts.split(","):
+                for ranks in (int(r) for r in args.ranks.split(",")):
+                    result = run(path, rollout, ranks, folder)
+                    rows.append((name, rollout, ranks, result))
+                    print(json.dumps({"model": name, "rollout": rollout, "ranks": ranks, **result}), flush=True)
+    print("\n| model | rollout | ranks | rollout GB/rank | update GB/rank | sync GB/rank | all processes GB | "
+          "fits 16 GB (< 15) | fits 24 GB (< 23) | s/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, rollout, ranks, r in rows:
+        if "failed" in r:
+            print(f"| {name} | {rollout} | {ranks} | | | | {r['failed']} | no | no | |")
+            continue
+        total = r["all_processes_gb"]
+        print(f"| {name} | {rollout} | {ranks} | {r.get('perf/rollout_peak_gb', 0):.1f} | "
+              f"{r.get('perf/actor_update_peak_gb', 0):.1f} | {r.get('perf/sync_peak_gb', 0):.1f} | {total:.1f} | "
+              f"{'yes' if total < 15 else 'no'} | {'yes' if total < 23 else 'no'} | {r['perf/step_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
