@@ -7,7 +7,10 @@ into a shared-memory segment of their own, wait for one another, and read the ot
 directly: then a sync is two memory copies and two barriers.
 
 Each segment lives in /dev/shm only until every rank of the group has mapped it; the files are
-unlinked right after, so a crashed run leaves nothing behind. Where this does not apply (ranks on
+unlinked right after, so a crashed run leaves nothing behind. Between syncs the segments hold no
+memory: after each sync every rank gives its segment's pages back (`MADV_REMOVE`), and the next sync
+faults fresh ones in, a fraction of the copy's time, rather than keeping a copy of the model in RAM
+through the rollout and the update. Where this does not apply (ranks on
 several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None
 and the caller all-gathers with `DTensor.full_tensor`.
 """
@@ -55,8 +58,10 @@ class _Entry:
 class SharedMemoryGather:
     """Build with `build` (collective); then `full_tensors()` at every sync (collective)."""
 
-    def __init__(self, entries: list[_Entry], group, dtype: torch.dtype, segments: list[torch.Tensor]):
+    def __init__(self, entries: list[_Entry], group, dtype: torch.dtype, segments: list[torch.Tensor],
+                 own_mapping: mmap.mmap):
         self.entries, self.group, self.dtype, self.segments = entries, group, dtype, segments
+        self.own_mapping = own_mapping
         self.rank = dist.get_rank(group)
 
     @classmethod
@@ -103,7 +108,7 @@ class SharedMemoryGather:
             return None
         paths = [os.path.join(SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
 
-        segments, error = [], None
+        mappings, error = [], None
         try:
             _create(paths[rank], sizes[rank])
         except OSError as e:
@@ -111,7 +116,7 @@ class SharedMemoryGather:
         dist.barrier(group=group)
         if error is None:
             try:
-                segments = [_map(path, size) for path, size in zip(paths, sizes)]
+                mappings = [_map(path, size) for path, size in zip(paths, sizes)]
             except OSError as e:  # e.g. ranks on one hostname but separate /dev/shm (containers)
                 error = e
         dist.barrier(group=group)  # everyone has mapped every segment: the names can go
@@ -119,7 +124,7 @@ class SharedMemoryGather:
             os.unlink(paths[rank])
         if not _everyone(error is None):
             return None
-        return cls(entries, group, dtype, segments)
+        return cls(entries, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings], mappings[rank])
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor in `dtype`) for every parameter, in `named_parameters` order. Collective."""
@@ -134,6 +139,7 @@ class SharedMemoryGather:
                 yield entry.name, torch.cat(shards)
         finally:
             dist.barrier(group=self.group)  # every shard is read: segments may be written again
+            _give_back(self.own_mapping)
 
     def _view(self, segment: torch.Tensor, entry: _Entry, rank: int) -> torch.Tensor:
         """Group rank `rank`'s shard of `entry` in `segment`, as a tensor of its shape."""
@@ -158,11 +164,20 @@ def _create(path: str, size: int) -> None:
         os.close(descriptor)
 
 
-def _map(path: str, size: int) -> torch.Tensor:
-    """The file as a writable uint8 tensor over a shared mapping (the mapping outlives the file)."""
+def _map(path: str, size: int) -> mmap.mmap:
+    """The file as a writable shared mapping (which outlives the file)."""
     descriptor = os.open(path, os.O_RDWR)
     try:
-        mapping = mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
+        return mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
     finally:
         os.close(descriptor)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _give_back(mapping: mmap.mmap) -> None:
+    """Free a segment's pages in /dev/shm (for every rank that maps it); it reads as zeros until written."""
+    remove = getattr(mmap, "MADV_REMOVE", None)
+    if remove is not None:
+        try:
+            mapping.madvise(remove)
+        except OSError:  # a filesystem without hole punching: the pages stay
+            pass

@@ -5,10 +5,11 @@
 Checks, on a tiny FSDP2-sharded Llama with unevenly sharded parameters (an odd vocabulary, and one
 row that leaves rank 1 an empty shard): every full tensor equals `DTensor.full_tensor()` exactly, in
 float32 and cast to bf16; a second sync sees weights changed in between; the shared-memory files are
-gone once set up; and ranks that report different hosts fall back (build returns None on all).
+gone once set up and their pages are given back after each sync; and ranks that report different hosts fall back (build returns None on all).
 """
 
 import glob
+import os
 import socket
 
 import torch
@@ -30,6 +31,11 @@ def expect_full_tensors(gather: SharedMemoryGather, model: torch.nn.Module, dtyp
         assert torch.equal(tensor, full), name
 
 
+def shm_free_bytes() -> int:
+    stat = os.statvfs("/dev/shm")
+    return stat.f_bavail * stat.f_frsize
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -49,7 +55,12 @@ def main() -> None:
         gather = SharedMemoryGather.build(model, dtype)
         assert gather is not None
         assert set(glob.glob("/dev/shm/rl2-shards-*")) == before, "the segment files are unlinked once mapped"
+        free_before = shm_free_bytes()
         expect_full_tensors(gather, model, dtype)
+        dist.barrier()  # every rank has given its segment's pages back
+        segment_bytes = sum(segment.numel() for segment in gather.segments)
+        assert segment_bytes > 32 * 4096
+        assert shm_free_bytes() >= free_before - 8 * 4096, "the segments keep no pages between syncs"
         with torch.no_grad():  # an optimizer step in between: the next sync must see it
             for param in model.parameters():
                 param.to_local().mul_(-2).add_(rank + 1)
