@@ -29,6 +29,7 @@ optimizer state and the frozen models have left the GPU to make room for the ser
 """
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -181,6 +182,7 @@ class RolloutWorker:
         self.dtype = compute_dtype(model_cfg.dtype, device)
         self.engine = start_engine(rollout_cfg, resolve_model_path(model_cfg.model_name), self.dtype, device,
                                    tokenizer, colocated)
+        self.push_seconds = 0.0  # spent pushing weights since `take_push_seconds` last read it
         self.state = EngineState(self.engine, policy, self._push_weights,
                                  colocated if self.engine.releases_memory else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
@@ -263,6 +265,12 @@ class RolloutWorker:
             raise ValueError("RolloutWorker.sync_weights takes the policy it was built with")
         self.state.synced(version)
 
+    def take_push_seconds(self) -> float:
+        """Seconds spent pushing weights into the engine since the last call: a push happens at the
+        sync when the engine's weights are resident, else at the start of the next rollout."""
+        seconds, self.push_seconds = self.push_seconds, 0.0
+        return seconds
+
     @torch.no_grad()
     def _push_weights(self, version: str) -> None:
         """Copy the policy's current weights into the engine, parameter by parameter. Collective.
@@ -274,8 +282,10 @@ class RolloutWorker:
         if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
             on_cpu = self.device.type == "cpu"
             self._shared_gather = (on_cpu and SharedMemoryGather.build(model, self.dtype)) or False
+        began = time.perf_counter()
         tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(model, self.dtype)
         self.engine.update_weights(self.policy.engine_weights(tensors), weight_version=version)
+        self.push_seconds += time.perf_counter() - began
 
 
 async def _nothing(value):

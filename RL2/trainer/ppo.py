@@ -115,6 +115,7 @@ class PPOTrainer(Trainer):
             metrics |= self.learn(training_batch(groups))
         with measured(metrics, "sync"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
+        metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
         if self.ref and self.resets_reference():
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
                                                                           metrics.get("actor/entropy")))

@@ -79,6 +79,7 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
         assert key in step, key
     phase_peaks = [value for key, value in step.items() if key.endswith("_peak_gb")]
     assert len(phase_peaks) == 3 and step["perf/peak_gb"] == max(phase_peaks) > 0.1  # rollout, update, sync
+    assert all(m["perf/weight_push_s"] > 0 for m in metrics if "perf/step_s" in m)  # a push every step
     # The trainer recomputes the engine's log-probabilities of the sampled tokens (both float32): at
     # every step, so the weights synced into the engines after each update are the actor's.
     assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics if "actor/engine_mismatch" in m)
