@@ -11,8 +11,9 @@ GRPO steps (no KL, one update per rollout) in float32 with the defaults otherwis
 - the most memory all processes held at once over the run (proportional set size summed over the
   ranks and the launcher, sampled every 0.1 s), including loading;
 - the second step's seconds.
-A machine "fits" a run when its peak leaves 1 GB to the system. A run that this machine cannot hold is
-reported as failed (killed for memory), not retried.
+A machine "fits" a run when its peak leaves 1 GB to the system. A run whose weights, gradients, AdamW
+state and engine copies alone exceed this machine's memory is not started (the table gives that
+least figure); one that fails otherwise (killed for memory) is reported as failed, not retried.
 """
 
 import argparse
@@ -30,26 +31,55 @@ from common import run_measured  # noqa: E402
 SHAPES = {"360m": (960, 2560, 32, 15, 5), "1.7b": (2048, 8192, 24, 32, 32)}
 
 
+def model_config(name: str):
+    """The embedded model's config, or one of SHAPES with its vocabulary."""
+    from transformers import AutoConfig
+
+    from RL2.models.default_model import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if name != "135m":
+        hidden, intermediate, layers, heads, kv_heads = SHAPES[name]
+        config.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+                       "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
+    return config
+
+
+def n_parameters(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def least_memory_gb(n_params: int, ranks: int) -> float:
+    """What a float32 run needs at least, over all ranks, before any activation: the trainer's weights,
+    gradients and AdamW moments (16 bytes a parameter, sharded over the ranks), and while it rolls out,
+    each rank's engine copy (4 bytes a parameter, and as much again packed for oneDNN)."""
+    return (16 * n_params + 8 * n_params * ranks) / 1e9
+
+
 def model_path(name: str, folder: Path) -> str:
     """The embedded model, or a random-weight Llama of one of SHAPES saved under `folder`."""
     if name == "135m":
         return "smollm2-135m-instruct"
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from RL2.models.default_model import resolve_model_path
 
     path = folder / name
     if not path.exists():
-        embedded = resolve_model_path("smollm2-135m-instruct")
-        hidden, intermediate, layers, heads, kv_heads = SHAPES[name]
-        config = AutoConfig.from_pretrained(embedded)
-        config.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-                       "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-        AutoTokenizer.from_pretrained(embedded).save_pretrained(path)
+        AutoModelForCausalLM.from_config(model_config(name), dtype=torch.float32).save_pretrained(path)
+        AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(path)
     return str(path)
+
+
+def machine_memory_gb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) * 1024 / 1e9
 
 
 def run(model: str, rollout: str, ranks: int, folder: Path) -> dict:
@@ -84,10 +114,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in args.models.split(","):
-            path = model_path(name, folder)
+            n_params = n_parameters(model_config(name))
             for rollout in args.rollouts.split(","):
                 for ranks in (int(r) for r in args.ranks.split(",")):
-                    result = run(path, rollout, ranks, folder)
+                    least = least_memory_gb(n_params, ranks)
+                    if least > machine_memory_gb():  # not run: it cannot fit
+                        result = {"failed": f"needs at least {least:.0f} GB (weights, gradients, AdamW, engine)"}
+                    else:
+                        result = run(model_path(name, folder), rollout, ranks, folder)
                     rows.append((name, rollout, ranks, result))
                     print(json.dumps({"model": name, "rollout": rollout, "ranks": ranks, **result}), flush=True)
     print("\n| model | rollout | ranks | rollout GB/rank | update GB/rank | sync GB/rank | all processes GB | "
