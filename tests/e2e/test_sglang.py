@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +36,7 @@ from RL2.engine.sglang.engine import (
     server_version,
 )
 from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer, check_server_args, free_port, server_command
+from RL2.engine.sglang.server import SGLangServer, check_server_args, server_command
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,
@@ -287,27 +286,23 @@ def test_pause_abort_returns_partial_output(server, hf_model, prompts):
     assert generate(server.url, prompts[:1], max_new_tokens=4)[0]["meta_info"]["finish_reason"]["type"] == "length"
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank process group: SGLangEngine's control steps are collectives, at world size 1 too."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 @sglang_test
+def perturbed_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The model with seeded noise added to every weight: other greedy outputs."""
+    new_model = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return new_model
+
+
 def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
     """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
     cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path))
     engine = SGLangEngine.connect(cfg, tiny_model_path)
-    new_model = copy.deepcopy(hf_model)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in new_model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
+    new_model = perturbed_copy(hf_model, seed=1)
     before = [r["output_ids"] for r in generate(server.url, prompts)]
     engine.update_weights(new_model.named_parameters(), weight_version="step1")
     after = generate(server.url, prompts)
@@ -353,11 +348,7 @@ def test_weight_update_from_tensor_buckets_serves_the_new_weights(server, hf_mod
     payload (by value on CPU; CUDA buckets carry IPC handles instead), the version the server reports."""
     assert server_version(server.url) in FLATTENED_BUCKET_VERSIONS
     engine = SGLangEngine([server.url], [server.url], "tensor", 2**16, tiny_model_path)
-    new_model = copy.deepcopy(hf_model)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for param in new_model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
+    new_model = perturbed_copy(hf_model, seed=2)
     before = [r["output_ids"] for r in generate(server.url, prompts)]
     engine.update_weights(new_model.named_parameters(), weight_version="tensor1")
     after = generate(server.url, prompts)

@@ -2,27 +2,15 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
 from RL2.datasets.packing import pack, train_weights
-from RL2.engine.sglang.server import free_port
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def worker(path: str, dtype: str = "float32", **overrides) -> FSDPWorker:

@@ -7,7 +7,6 @@ expected log-probabilities from one full forward over the finished sequence.
 import asyncio
 import json
 import re
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples
@@ -257,12 +257,6 @@ def test_save_samples_appends_jsonl(tmp_path):
 
 
 # ---- HTTP client against a real HTTP server speaking /generate ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GenerateServer:
