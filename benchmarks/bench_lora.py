@@ -13,62 +13,22 @@ The ranks share the machine's cores (threads per rank = cores / ranks).
 
 import argparse
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import local_bytes, run_worker  # noqa: E402
+from common import measure_sft_steps, run_worker  # noqa: E402
 
 
 def worker(args) -> None:
     """Runs under torchrun: one mode, `args.steps` timed steps after a warm-up step."""
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
-    from RL2.batch import SequenceBatch
-    from RL2.config.schema import ModelConfig
-    from RL2.datasets.packing import pack, train_weights
-    from RL2.models.logps import packed_logps
-    from RL2.parallel import ParallelDims, init_distributed, pick_device
-    from RL2.workers.fsdp import FSDPWorker
-
-    device = pick_device("cpu")
-    init_distributed(device)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "dtype": args.dtype, "max_length_per_device": args.seq_len * args.seqs, "lora": {"rank": args.lora_rank}})
-    dims = ParallelDims.from_config(cfg, device)
-    dims.build_mesh()
-    model = FSDPWorker(cfg, dims, device, total_steps=100)
-    generator = torch.Generator().manual_seed(0)
-    examples = [{"input_ids": torch.randint(0, 49152, (args.seq_len + 1,), generator=generator).tolist(),
-                 "loss_mask": [1] * (args.seq_len + 1)} for _ in range(args.seqs)]
-    batch = SequenceBatch.from_examples(examples)
-    micro = pack(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, train_weights(batch, "token"))
-    times, grad_bytes = [], 0
-    for _ in range(args.steps + 1):  # the first step warms up
-        dist.barrier()
-        began = time.perf_counter()
-        for mb in micro:
-            model.backward(-(packed_logps(model.model, mb) * mb.loss_weights).sum())
-        grad_bytes = local_bytes(p.grad for p in model.model.parameters() if p.grad is not None)
-        model.optimizer_step()
-        dist.barrier()
-        times.append(time.perf_counter() - began)
-    state = [v for s in model.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    model, figures = measure_sft_steps({"dtype": args.dtype, "max_length_per_device": args.seq_len * args.seqs,
+                                        "lora": {"rank": args.lora_rank}}, args.seq_len, args.seqs, args.steps)
     trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)  # DTensors: full sizes
-    figures = torch.tensor([local_bytes(model.model.parameters()), grad_bytes, local_bytes(state),
-                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the most loaded rank
-    step_s = sorted(times[1:])[len(times[1:]) // 2]
     if dist.get_rank() == 0:
-        mb = [x / 2**20 for x in figures.tolist()]
-        print(json.dumps({"trained": trained, "params_mb": mb[0], "grads_mb": mb[1], "optim_mb": mb[2],
-                          "peak_rss_mb": mb[3], "step_s": step_s, "tokens_per_s": args.seqs * args.seq_len / step_s,
-                          "dtype": str(model.dtype).removeprefix("torch.")}))
+        print(json.dumps({"trained": trained, **figures, "dtype": str(model.dtype).removeprefix("torch.")}))
     dist.destroy_process_group()
 
 

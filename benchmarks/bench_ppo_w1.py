@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import PeakMemory, matmul_peak, run_measured  # noqa: E402
+from common import matmul_peak, run_measured  # noqa: E402
 
 N_PROMPTS, N_RESPONSES, NEW_TOKENS = 8, 4, 64
 PHASES = ("rollout", "old_logps", "actor_update", "sync")
@@ -129,12 +128,9 @@ def run_trl(args, data_dir: Path) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(data_dir / "trl"),
                "--steps", str(args.steps), "--dtype", args.dtype]
     with open(out, "w") as f:
-        process = subprocess.Popen(command, cwd=REPO, stdout=f)
-        with PeakMemory(process.pid) as memory:
-            if process.wait():
-                raise subprocess.CalledProcessError(process.returncode, command)
+        peak_gb = run_measured(command, stdout=f)
     result = json.loads(out.read_text().strip().splitlines()[-1])
-    result["all_ranks_peak_gb"] = memory.peak_gb
+    result["all_ranks_peak_gb"] = peak_gb
     return result
 
 

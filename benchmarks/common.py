@@ -2,6 +2,7 @@
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -99,10 +100,62 @@ class PeakMemory:
         return self.peak_bytes / 1e9
 
 
-def run_measured(command: list[str], env: dict | None = None, cwd: Path = REPO) -> float:
-    """Run a command to its end (raising if it fails); the most memory (GB) its process tree held at once."""
-    process = subprocess.Popen(command, cwd=cwd, env=os.environ | (env or {}))
+def run_measured(command: list[str], env: dict | None = None, cwd: Path = REPO, stdout=None) -> float:
+    """Run a command to its end (raising if it fails), its output to `stdout` (a file; None: ours); the
+    most memory (GB) its process tree held at once."""
+    process = subprocess.Popen(command, cwd=cwd, env=os.environ | (env or {}), stdout=stdout)
     with PeakMemory(process.pid) as memory:
         if process.wait():
             raise subprocess.CalledProcessError(process.returncode, command)
     return memory.peak_gb
+
+
+def measure_sft_steps(overrides: dict, seq_len: int, seqs: int, steps: int):
+    """Under torchrun: an `FSDPWorker` of the default model with `overrides` (ModelConfig fields), trained
+    for `steps` SFT steps (the NLL of `seqs` random sequences of `seq_len` tokens) after a warm-up step.
+
+    Returns:
+        (the worker, the figures of the most loaded rank: `params_mb`, `grads_mb`, `optim_mb` (this
+        rank's share of each), `peak_rss_mb`, and the median `step_s` and `tokens_per_s`). Every rank
+        gets the same figures.
+    """
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from RL2.batch import SequenceBatch
+    from RL2.config.schema import ModelConfig
+    from RL2.datasets.packing import pack, train_weights
+    from RL2.models.logps import packed_logps
+    from RL2.parallel import ParallelDims, init_distributed, pick_device
+    from RL2.workers.fsdp import FSDPWorker
+
+    device = pick_device("cpu")
+    init_distributed(device)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), overrides)
+    dims = ParallelDims.from_config(cfg, device)
+    dims.build_mesh()
+    model = FSDPWorker(cfg, dims, device, total_steps=100)
+    generator = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 49152, (seq_len + 1,), generator=generator).tolist(),
+                 "loss_mask": [1] * (seq_len + 1)} for _ in range(seqs)]
+    batch = SequenceBatch.from_examples(examples)
+    micro = pack(batch, dims.dp_rank, dims.dp, cfg.max_length_per_device, train_weights(batch, "token"),
+                 seq_parallel=dims.seq_parallel)
+    times, grad_bytes = [], 0
+    for _ in range(steps + 1):  # the first step warms up
+        dist.barrier()
+        began = time.perf_counter()
+        for mb in micro:
+            model.backward(-(packed_logps(model.model, mb) * mb.loss_weights).sum())
+        grad_bytes = local_bytes(p.grad for p in model.model.parameters() if p.grad is not None)
+        model.optimizer_step()
+        dist.barrier()
+        times.append(time.perf_counter() - began)
+    state = [v for s in model.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    figures = torch.tensor([local_bytes(model.model.parameters()), grad_bytes, local_bytes(state),
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the most loaded rank
+    step_s = sorted(times[1:])[len(times[1:]) // 2]
+    mb = [x / 2**20 for x in figures.tolist()]
+    return model, {"params_mb": mb[0], "grads_mb": mb[1], "optim_mb": mb[2], "peak_rss_mb": mb[3],
+                   "step_s": step_s, "tokens_per_s": seqs * seq_len / step_s}
