@@ -87,7 +87,7 @@ class SFTTrainer(Trainer):
     def averaged_over(self, examples: list[dict]) -> int:
         """What a batch's loss is a mean over: its trained tokens (avg_level=token) or its examples."""
         if self.cfg.actor.avg_level == "token":
-            return int(SequenceBatch.from_examples(examples).tokens["loss_mask"].sum())
+            return sum(sum(ex["loss_mask"][1:]) for ex in examples)  # label-aligned, as the batch reads it
         return len(examples)
 
 
