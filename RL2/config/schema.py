@@ -78,6 +78,7 @@ class ModelConfig:
     dtype: str = opt("auto", "compute dtype: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    share_prefixes: bool = opt(True, "compute a prefix that consecutive packed sequences share (a prompt and its group's responses) once; with the SDPA attention path (CPU, or CUDA without flash kernels), not under context parallelism")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
     offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
     avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, Dr. GRPO)", choices=("token", "sequence", "constant"))

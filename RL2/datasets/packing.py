@@ -15,7 +15,8 @@ import math
 import torch
 
 from RL2.algs.averaging import loss_weights
-from RL2.batch import MicroBatch, SequenceBatch
+from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
+from RL2.models.shared_prefix import compressed_length
 
 
 def balanced_partition(sizes: list[int], n_parts: int) -> list[list[int]]:
@@ -66,6 +67,7 @@ def pack(
     weights: torch.Tensor | None = None,
     units: list[list[int]] | None = None,
     seq_parallel: int = 1,
+    unit_sizes: list[int] | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one global batch.
 
@@ -79,14 +81,59 @@ def pack(
         units: groups of sequences that must share a micro-batch (e.g. a DPO pair); default one each.
         seq_parallel: ranks that share each micro-batch (`cp * tp`, `ParallelDims.seq_parallel`); a
             micro-batch holds up to `max_tokens * seq_parallel` tokens.
+        unit_sizes: the tokens each unit costs; default its labels (see `prompt_group_units`).
     """
     if units is None:
         units = [[i] for i in range(len(batch.input_ids))]
     if weights is None:
         weights = torch.zeros(batch.n_labels)
-    unit_sizes = [sum(batch.label_counts[i] for i in unit) for unit in units]
+    if unit_sizes is None:
+        unit_sizes = [sum(batch.label_counts[i] for i in unit) for unit in units]
     plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel)
     return [_pack(batch, weights, [i for u in unit_ids for i in units[u]]) for unit_ids in plan[dp_rank]]
+
+
+def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[list[list[int]], list[int]]:
+    """Packing units that keep a prompt group's sequences together, and what each costs with the prompt
+    stored once (`RL2.models.shared_prefix`).
+
+    A group is cut into chunks of whole trajectories: as many as it takes for every data-parallel rank
+    to get work and for each chunk to fit `budget` tokens. A trajectory that alone exceeds the budget
+    becomes one unit per sequence.
+
+    Returns:
+        (units, their sizes in tokens), for `pack(units=..., unit_sizes=...)`.
+    """
+    trajectories: list[list[int]] = [[] for _ in range(batch.n_samples)]
+    for sequence, sample in enumerate(batch.sample_ids.tolist()):
+        trajectories[sample].append(sequence)
+    groups: list[list[list[int]]] = [[] for _ in range(batch.n_groups)]
+    for sample, group in enumerate(batch.group_ids.tolist()):
+        if trajectories[sample]:
+            groups[group].append(trajectories[sample])
+    groups = [g for g in groups if g]
+    chunks_per_group = max(1, -(-dp_size // max(len(groups), 1)))
+    units, sizes = [], []
+
+    def size(unit: list[int]) -> int:
+        return compressed_length([batch.input_ids[i] for i in unit])
+
+    for group in groups:
+        for n_chunks in range(min(chunks_per_group, len(group)), len(group) + 1):
+            chunks = [[i for t in part for i in t] for part in _split_evenly(group, n_chunks)]
+            if all(size(chunk) <= budget for chunk in chunks) or n_chunks == len(group):
+                break
+        for chunk in chunks:
+            pieces = [chunk] if size(chunk) <= budget else [[i] for i in chunk]
+            units.extend(pieces)
+            sizes.extend(size(piece) for piece in pieces)
+    return units, sizes
+
+
+def _split_evenly(items: list, n: int) -> list[list]:
+    """`items` in order, cut into `n` contiguous parts whose lengths differ by at most one."""
+    bounds = [round(k * len(items) / n) for k in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def train_weights(batch: SequenceBatch, avg_level: str, response_budget: int | None = None) -> torch.Tensor:

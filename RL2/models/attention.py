@@ -11,7 +11,8 @@ boundary. Three kernels compute it, picked per call by `varlen_backend` (the cho
 
 Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
 model's forward like `cu_seq_lens_q`) says how; attention then goes through
-`RL2.models.context_parallel`.
+`RL2.models.context_parallel`. A row whose sequences share prefixes, stored once, comes with a
+`shared_prefixes` keyword instead (`RL2.models.shared_prefix`), which computes its attention.
 """
 
 import functools
@@ -133,6 +134,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     context_shard = kwargs.get("context_shard")
     if context_shard is not None:
         return context_shard.attention(query, key, value, scaling), None
+    shared_prefixes = kwargs.get("shared_prefixes")
+    if shared_prefixes is not None:
+        log_backend_once("shared-prefix", "sdpa", query.device, query.dtype)
+        return shared_prefixes.attention(query, key, value, scaling or query.shape[-1] ** -0.5), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{ATTN_NAME} is for packed training and scoring; generate with attn_implementation='sdpa'")
     cu_seqlens = kwargs.get("cu_seq_lens_q")

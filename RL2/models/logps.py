@@ -14,6 +14,7 @@ import torch.distributed as dist
 from RL2.batch import MicroBatch
 from RL2.models import chunked_logps
 from RL2.models.context_parallel import ContextShard
+from RL2.models.shared_prefix import SharedPrefixRow
 from RL2.models.vocab_parallel import VocabShard
 
 
@@ -24,10 +25,19 @@ class ModelLayout:
     Attributes:
         vocab: the vocabulary slice of this rank's logits (tensor parallelism).
         cp_group: the context-parallel group, None without context parallelism.
+        share_prefixes: compute a prefix that consecutive packed sequences share once
+            (`RL2.models.shared_prefix`); not under context parallelism.
     """
 
     vocab: VocabShard = field(default_factory=VocabShard)
     cp_group: dist.ProcessGroup | None = None
+    share_prefixes: bool = False
+
+
+def shares_prefixes(model: torch.nn.Module) -> bool:
+    """Whether `forward_packed` stores the prefixes that consecutive sequences share once for this model."""
+    layout = getattr(model, "parallel_layout", None)
+    return layout is not None and layout.share_prefixes
 
 
 @dataclass
@@ -43,6 +53,9 @@ class PackedForward:
         length: T, the tokens of the whole row.
         kept: which of this rank's t tokens have logits (`forward_packed(trained_only=True)`), None: all.
         local_length: t.
+        shared: the row the model ran on when it stored shared prefixes once; per-token results are
+            expanded back to the packed row.
+        trained: with `shared` and `kept`, the packed row's `loss_mask`: results read 0.0 elsewhere.
     """
 
     local_logits: torch.Tensor
@@ -52,12 +65,18 @@ class PackedForward:
     length: int
     kept: torch.Tensor | None = None
     local_length: int = 0
+    shared: SharedPrefixRow | None = None
+    trained: torch.Tensor | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token values of the tokens with logits `[1, k]` -> the whole row `[1, T]` (0.0 at tokens
         without logits), differentiably."""
         if self.kept is not None:
             local = local.new_zeros(1, self.local_length).index_copy(1, self.kept, local)
+        if self.shared is not None:
+            local = self.shared.expand(local)
+            if self.trained is not None:
+                local = torch.where(self.trained > 0, local, 0.0)
         return local if self.context is None else self.context.gather(local, self.length)
 
     @property
@@ -67,7 +86,7 @@ class PackedForward:
             raise RuntimeError("logits are split over cp/tp ranks or kept at trained tokens only; use "
                                "PackedForward.logps(), entropy(), values() or reduce local_logits with "
                                "PackedForward.vocab and gather()")
-        return self.local_logits
+        return self.local_logits if self.shared is None else self.shared.expand(self.local_logits)
 
     def logps(self, temperature: float = 1.0) -> torch.Tensor:
         """log p(labels[t] | prefix), float32 `[1, T]`."""
@@ -109,6 +128,18 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
     """
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
     length = mb.input_ids.shape[1]
+    shared = SharedPrefixRow.build(mb) if layout.share_prefixes and layout.cp_group is None else None
+    if shared is not None:
+        kept = shared.compress_mask(mb.loss_mask)[0].nonzero()[:, 0] if trained_only else None
+        out = model(
+            input_ids=shared.input_ids,
+            position_ids=shared.position_ids,
+            shared_prefixes=shared,
+            use_cache=False,
+            **_keep(kept),
+        )
+        return PackedForward(out.logits, _pick(shared.labels, kept), layout.vocab, None, length, kept,
+                             shared.length, shared, mb.loss_mask if trained_only else None)
     if layout.cp_group is None:
         max_len = max(mb.seq_lens)
         kept = mb.loss_mask[0].nonzero()[:, 0] if trained_only else None

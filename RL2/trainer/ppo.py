@@ -220,7 +220,7 @@ class PPOTrainer(Trainer):
         """`[n_samples]` the reward model's score of every trajectory: its scalar head at the last position
         of the trajectory's last sequence (the final state), as it was trained."""
         per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device,
-                                   lambda mb: forward_packed(self.reward_model.model, mb).values())
+                                   self.reward_model.model, lambda mb: forward_packed(self.reward_model.model, mb).values())
         last = batch.sample_offsets[1:] - 1
         has_tokens = batch.sample_offsets.diff() > 0
         return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)

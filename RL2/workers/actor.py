@@ -17,8 +17,8 @@ import torch.distributed as dist
 from RL2.algs.kl import compute_kl
 from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
-from RL2.datasets.packing import pack, train_weights
-from RL2.models.logps import forward_packed
+from RL2.datasets.packing import pack, prompt_group_units, train_weights
+from RL2.models.logps import forward_packed, shares_prefixes
 from RL2.models.lora import adapters_disabled
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
@@ -78,17 +78,30 @@ def n_mini_batches(n_prompts: int, mini_batch_size: int | None) -> int:
     return -(-n_prompts // mini_batch_size) if mini_batch_size else 1
 
 
+def pack_for(model: torch.nn.Module, batch: SequenceBatch, dims: ParallelDims, max_tokens: int,
+             weights: torch.Tensor | None = None, units: list[list[int]] | None = None) -> list[MicroBatch]:
+    """This rank's micro-batches of `batch` for `model` (`pack`). Where the model's forward stores shared
+    prefixes once, a rollout's prompt groups go into micro-batches whole where they fit
+    (`prompt_group_units`, which keeps trajectories whole: `units` are then implied)."""
+    sizes = None
+    if shares_prefixes(model) and isinstance(batch, RolloutBatch):
+        units, sizes = prompt_group_units(batch, dims.dp, max_tokens * dims.seq_parallel)
+    return pack(batch, dims.dp_rank, dims.dp, max_tokens, weights, units=units, seq_parallel=dims.seq_parallel,
+                unit_sizes=sizes)
+
+
 def per_token_pass(
-    dims: ParallelDims, batch: SequenceBatch, max_tokens: int, device: torch.device,
+    dims: ParallelDims, batch: SequenceBatch, max_tokens: int, device: torch.device, model: torch.nn.Module,
     fn: Callable[[MicroBatch], torch.Tensor],
 ) -> torch.Tensor:
-    """Run `fn` (micro-batch -> `[1, T]` values) on this rank's share; every rank gets every label's value.
+    """Run `fn` (micro-batch -> `[1, T]` values of `model`) on this rank's share; every rank gets every
+    label's value.
 
     Returns:
         `[n_labels]` float32 on the CPU, aligned with the batch's labels.
     """
     values = torch.zeros(batch.n_labels, device=device)
-    for mb in pack(batch, dims.dp_rank, dims.dp, max_tokens, seq_parallel=dims.seq_parallel):
+    for mb in pack_for(model, batch, dims, max_tokens):
         out = fn(mb.to(device)).detach().float()
         for i, chunk in zip(mb.sequence_ids, mb.unpack(out)):
             values[batch.offsets[i] : batch.offsets[i + 1]] = chunk
@@ -149,7 +162,7 @@ class Actor:
     @torch.no_grad()
     def logps(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_labels]` log p(label | prefix) of every trained label (0.0 at the others)."""
-        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device,
+        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
                               lambda mb: forward_packed(self.model, mb, trained_only=True).logps())
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -167,8 +180,7 @@ class Actor:
             cfg.policy_loss in TRAJECTORY_LEVEL_LOSSES) else None
         # Each token's trajectory travels with it into the micro-batches (a trajectory-level loss reads it).
         batch = replace(batch, tokens=batch.tokens | {"sample_of_label": batch.sample_of_label})
-        micro = pack(batch, self.dims.dp_rank, self.dims.dp, cfg.max_length_per_device, weights, units=units,
-                     seq_parallel=self.dims.seq_parallel)
+        micro = pack_for(self.model, batch, self.dims, cfg.max_length_per_device, weights, units)
         totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
         stats = self.worker.optimizer_step()
         return weighted_means(totals) | {"grad_norm": stats["grad_norm"], "lr": stats["lr"]}

@@ -8,10 +8,10 @@ import torch
 
 from RL2.algs.value_loss import value_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
-from RL2.datasets.packing import pack, train_weights
+from RL2.datasets.packing import train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
-from RL2.workers.actor import per_token_pass, update_passes, weighted_means
+from RL2.workers.actor import pack_for, per_token_pass, update_passes, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
 
 
@@ -35,7 +35,8 @@ class Critic:
     @torch.no_grad()
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_labels]` the value of the state before each label."""
-        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.forward_values)
+        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
+                              self.forward_values)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Regress `values` towards `returns` (both per token in the batch), clipped around the old values."""
@@ -43,8 +44,7 @@ class Critic:
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
         weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
-        micro = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.max_length_per_device, weights,
-                     seq_parallel=self.dims.seq_parallel)
+        micro = pack_for(self.model, batch, self.dims, self.cfg.max_length_per_device, weights)
         totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
         stats = self.worker.optimizer_step()
         return weighted_means(totals) | {"grad_norm": stats["grad_norm"]}

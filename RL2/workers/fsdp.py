@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
 from RL2.models import lora
-from RL2.models.attention import ATTN_NAME
+from RL2.models.attention import ATTN_NAME, varlen_backend
 from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
@@ -170,6 +170,7 @@ class FSDPWorker(Stateful):
             self._add_adapters(model)  # after tensor parallelism: the adapters are split like their layer
         if self.dims.cp > 1:
             layout.cp_group = self.dims.cp_mesh.get_group()
+        layout.share_prefixes = self._shares_prefixes(model.config)
         if train and self.cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
@@ -179,6 +180,15 @@ class FSDPWorker(Stateful):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         sum_gradients_over_ranks(model)
         return layout
+
+    def _shares_prefixes(self, config) -> bool:
+        """`share_prefixes` where it applies: its attention runs on SDPA (the flash kernels keep the packed
+        row), and a context-parallel split cuts sequences apart."""
+        if not getattr(self.cfg, "share_prefixes", False) or self.dims.cp > 1:
+            return False
+        heads = config.num_attention_heads
+        grouped_query = getattr(config, "num_key_value_heads", heads) != heads
+        return varlen_backend(self.device, self.dtype, grouped_query) == "sdpa"
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
         cfg = self.lora

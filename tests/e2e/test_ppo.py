@@ -113,28 +113,34 @@ def test_ppo_with_critic_raises_reward(repeat_model, rl_data, tmp_path):
 
 
 def test_update_two_ranks_equal_one_rank(tiny_model_path, tmp_path):
-    """Two PPO epochs over two mini-batches, KL loss, entropy bonus, dual clip, TIS and a critic (GAE) at once."""
+    """Two PPO epochs over two mini-batches, KL loss, entropy bonus, dual clip, TIS and a critic (GAE) at once.
+    One rank without shared prefixes (each sequence's prompt computed on its own) is the reference of
+    one and two ranks with them."""
     config = [f"actor.model_name={tiny_model_path}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
-              "actor.max_length_per_device=24", "actor.update_per_rollout=2", "actor.mini_batch_size=3",
+              "actor.max_length_per_device=48", "actor.update_per_rollout=2", "actor.mini_batch_size=3",
               "actor.kl.coef=0.1", "actor.entropy.coef=0.01", "actor.dual_clip=3", "actor.tis_coef=2",
               "actor.clip_high=0.28", "actor.avg_level=sequence", "adv.estimator=gae", "critic.value_clip=0.2",
               "critic.mini_batch_size=3", "critic.optimizer.lr=1e-3", "actor.optimizer.eps=1e-3",
               "critic.optimizer.eps=1e-3"]
-    reports = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"ranks{nproc}.pt"
-        result = run_ranks(nproc, ["tests/e2e/scripts/ppo_update.py", str(out), *config])
-        reports[nproc] = (json.loads(result.stdout.strip().splitlines()[-1]), torch.load(out))
-    (metrics1, weights1), (metrics2, weights2) = reports[1], reports[2]
-    assert metrics1 == pytest.approx(metrics2, rel=1e-4, abs=1e-6)
-    assert metrics1["actor/kl"] > 0 and metrics1["actor/grad_norm"] > 0 and metrics1["critic/grad_norm"] > 0
+    unshared = ["actor.share_prefixes=false", "critic.share_prefixes=false"]
     # Adam with a tiny eps moves a weight by about lr whatever the size of its gradient, so round-off in
     # gradients near zero would decide by how much; eps=1e-3 keeps the update proportional to small
     # gradients. A wrong loss or gradient split moves whole rows.
-    for role in ("actor", "critic"):
-        for key, value in weights1[role].items():
-            torch.testing.assert_close(weights2[role][key], value, atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, role=role, key=key: f"{role} {key}: {m}")
+    reports = {}
+    for name, nproc, extra in (("unshared", 1, unshared), ("shared", 1, []), ("shared-2-ranks", 2, [])):
+        out = tmp_path / f"{name}.pt"
+        result = run_ranks(nproc, ["tests/e2e/scripts/ppo_update.py", str(out), *config, *extra])
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (report["tokens_saved"] > 0) == (name != "unshared"), (name, report["tokens_saved"])
+        reports[name] = (report["metrics"], torch.load(out))
+    metrics1, weights1 = reports.pop("unshared")
+    for name, (metrics2, weights2) in reports.items():
+        assert metrics1 == pytest.approx(metrics2, rel=1e-4, abs=1e-6), name
+        for role in ("actor", "critic"):
+            for key, value in weights1[role].items():
+                torch.testing.assert_close(weights2[role][key], value, atol=1e-5, rtol=1e-4,
+                                           msg=lambda m, role=role, key=key, name=name: f"{name} {role} {key}: {m}")
+    assert metrics1["actor/kl"] > 0 and metrics1["actor/grad_norm"] > 0 and metrics1["critic/grad_norm"] > 0
     initial = load_file(f"{tiny_model_path}/model.safetensors")
     assert any(not torch.equal(initial[k], weights1["actor"][k]) for k in initial)
     assert weights1["critic"]["score.weight"].abs().sum() > 0  # the zero-initialised head learnt

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from RL2.engine.embedded.llama_forward import LlamaForward, attend_one_token, attention_bias, llama_forward_supported
 from RL2.engine.embedded.packed_linear import ConcatLinear, PackedLinear, onednn_packing_works
+from RL2.models.shared_prefix import common_prefix_length
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
 # of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
@@ -270,7 +271,7 @@ class ModelRunner:
             self.cache.copy_rows(first_row + index, first_row, max(len(p) for p in distinct))
             return logits[index]
         rows = slice(first_row, first_row + len(prompts))
-        shared = min(_common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
+        shared = min(common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
         if len(prompts) == 1 or shared < MIN_SHARED_PREFIX:
             return self._extend(rows, prompts, start=0)
         self._extend(slice(first_row, first_row + 1), [prompts[0][:shared]], start=0, logits=False)
@@ -364,11 +365,3 @@ class ModelRunner:
             self.unwritten.pop(id(target), None)
         for kernel in self.kernels:
             kernel.refresh()
-
-
-def _common_prefix_length(prompts: list[list[int]]) -> int:
-    first = prompts[0]
-    length = min(len(p) for p in prompts)
-    for other in prompts[1:]:
-        length = next((i for i in range(length) if other[i] != first[i]), length)
-    return length

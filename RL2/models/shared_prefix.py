@@ -1,0 +1,173 @@
+"""Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses.
+
+GRPO samples several responses per prompt and packs each as [prompt, response]: every forward and
+backward would repeat the prompt's tokens once per response. `SharedPrefixRow` rewrites a packed row
+so that each run of consecutive sequences with a common prefix holds that prefix once, followed by
+each sequence's own remainder (its branch):
+
+    packed:     [P a1 a2] [P b1 b2 b3] [Q c1]        P: shared tokens
+    compressed: [P | a1 a2 | b1 b2 b3] [Q c1]
+
+A branch's tokens attend to the whole prefix and causally within their branch, never to another
+branch; every token keeps its own position id. So each token sees exactly the tokens it sees in the
+packed row, and the model's output at any packed token is its output at the compressed token
+`source[t]` (gathering it there is differentiable: the gradients of the sequences that share a
+prefix token add up on it). A position is shared only while inputs and labels agree, so the label at
+the last shared position is the same for every sequence of the run (the next token is where they
+first differ, or the end of the shorter sequence).
+
+A run grows while it saves at least as many tokens as before; a prefix of fewer than
+`MIN_SHARED_TOKENS` is not worth the extra attention calls.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from RL2.batch import MicroBatch
+
+MIN_SHARED_TOKENS = 16
+
+
+@dataclass
+class Block:
+    """One run of sequences in the compressed row: `prefix` tokens from `start`, then the branches.
+
+    Attributes:
+        start: where the block starts in the compressed row.
+        prefix: its shared tokens (all of a sequence that shares with no other).
+        branches: (start, length) of each branch in the compressed row; a branch may be empty (a
+            sequence that is all prefix).
+    """
+
+    start: int
+    prefix: int
+    branches: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SharedPrefixRow:
+    """A packed row with shared prefixes stored once (see the module docstring).
+
+    Attributes:
+        input_ids, labels, position_ids: `[1, T_c]` the compressed row.
+        source: `[T]` long, where each token of the packed row is in the compressed row.
+        blocks: the runs, in order; they tile the compressed row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    source: torch.Tensor
+    blocks: list[Block]
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    @classmethod
+    def build(cls, mb: MicroBatch) -> "SharedPrefixRow | None":
+        """The compressed form of `mb`'s row, or None when no run of its sequences shares a prefix."""
+        inputs, labels = mb.input_ids[0].tolist(), mb.labels[0].tolist()
+        bounds = mb.cu_seqlens.tolist()
+        # A sequence as its full tokens: positions agree up to t while tokens 0..t+1 do.
+        sequences = [inputs[a:b] + labels[b - 1 : b] for a, b in zip(bounds[:-1], bounds[1:])]
+        runs = _runs_with_shared_prefix(sequences)
+        if all(len(run) == 1 for run, _ in runs):
+            return None
+        keep, source, blocks = [], [], []  # the packed tokens the compressed row stores; where each packed one is
+        for run, shared in runs:
+            block = Block(start=len(keep), prefix=shared)
+            keep.extend(range(bounds[run[0]], bounds[run[0]] + shared))
+            for sequence in run:
+                start, end = bounds[sequence] + shared, bounds[sequence + 1]
+                source.extend(range(block.start, block.start + shared))
+                source.extend(range(len(keep), len(keep) + end - start))
+                block.branches.append((len(keep), end - start))
+                keep.extend(range(start, end))
+            blocks.append(block)
+        device = mb.input_ids.device
+        keep = torch.tensor(keep, dtype=torch.long, device=device)
+        return cls(mb.input_ids[:, keep], mb.labels[:, keep], mb.position_ids[:, keep],
+                   torch.tensor(source, dtype=torch.long, device=device), blocks)
+
+    def compress_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """`[1, T]` 0/1 over the packed row -> `[1, T_c]`: 1 where any token stored there has 1."""
+        out = torch.zeros(1, self.length, dtype=mask.dtype, device=mask.device)
+        out[0, self.source[mask[0] > 0]] = 1
+        return out
+
+    def expand(self, values: torch.Tensor) -> torch.Tensor:
+        """`[1, T_c, ...]` per compressed token -> `[1, T, ...]` per packed token, differentiably."""
+        return values[:, self.source]
+
+    def attention(self, query, key, value, scaling: float) -> torch.Tensor:
+        """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
+        -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
+        gqa = query.shape[1] != key.shape[1]
+        outputs = []
+        for block in self.blocks:
+            prefix = slice(block.start, block.start + block.prefix)
+            outputs.append(_sdpa(query[:, :, prefix], key[:, :, prefix], value[:, :, prefix], None, scaling, gqa))
+            for start, length in block.branches:
+                if not length:
+                    continue
+                branch = slice(start, start + length)
+                keys = torch.cat([key[:, :, prefix], key[:, :, branch]], dim=2)
+                values = torch.cat([value[:, :, prefix], value[:, :, branch]], dim=2)
+                mask = self._branch_mask(length, block.prefix, query.device)
+                outputs.append(_sdpa(query[:, :, branch], keys, values, mask, scaling, gqa))
+        return torch.cat(outputs, dim=2).transpose(1, 2)
+
+    def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
+        # Query i of a branch sits at prefix + i: it sees every prefix key and branch keys 0..i.
+        key = (length, prefix, device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(length, prefix + length, dtype=torch.bool, device=device).tril(prefix)
+        return self._masks[key]
+
+
+def _sdpa(query, key, value, mask, scaling, gqa) -> torch.Tensor:
+    # On CPU, half-precision inputs go to SDPA in float32 (see RL2.models.attention._sdpa_per_sequence).
+    upcast = not query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                         enable_gqa=gqa)
+    return out.to(query.dtype)
+
+
+def common_prefix_length(sequences: list[list[int]]) -> int:
+    """How many leading tokens all `sequences` share."""
+    first = sequences[0]
+    length = min(len(s) for s in sequences)
+    for other in sequences[1:]:
+        length = next((i for i in range(length) if other[i] != first[i]), length)
+    return length
+
+
+def compressed_length(sequences: list[list[int]]) -> int:
+    """Positions of the compressed row of these sequences, packed in this order (full token lists)."""
+    return sum(shared + sum(len(sequences[i]) - 1 - shared for i in run)
+               for run, shared in _runs_with_shared_prefix(sequences))
+
+
+def _runs_with_shared_prefix(sequences: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Split consecutive sequences into runs, each with the number of positions its sequences share.
+
+    A sequence of n+1 tokens has n positions (inputs); a run of one shares all of them. A sequence
+    joins the current run while the run's shared positions times the sequences that reuse them does
+    not drop, and the run shares at least `MIN_SHARED_TOKENS`.
+    """
+    runs: list[tuple[list[int], int]] = []
+    for index, tokens in enumerate(sequences):
+        if runs:
+            run, shared = runs[-1]
+            first = sequences[run[0]]
+            with_this = min(shared, common_prefix_length([first, tokens]) - 1, len(tokens) - 1)
+            if with_this >= MIN_SHARED_TOKENS and with_this * len(run) >= shared * (len(run) - 1):
+                runs[-1] = (run + [index], with_this)
+                continue
+        runs.append(([index], len(tokens) - 1))
+    return runs
