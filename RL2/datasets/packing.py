@@ -121,12 +121,13 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
     for group in groups:
         for n_chunks in range(min(chunks_per_group, len(group)), len(group) + 1):
             chunks = [[i for t in part for i in t] for part in _split_evenly(group, n_chunks)]
-            if all(size(chunk) <= budget for chunk in chunks) or n_chunks == len(group):
+            chunk_sizes = [size(chunk) for chunk in chunks]
+            if max(chunk_sizes) <= budget or n_chunks == len(group):
                 break
-        for chunk in chunks:
-            pieces = [chunk] if size(chunk) <= budget else [[i] for i in chunk]
-            units.extend(pieces)
-            sizes.extend(size(piece) for piece in pieces)
+        for chunk, chunk_size in zip(chunks, chunk_sizes):
+            pieces = [(chunk, chunk_size)] if chunk_size <= budget else [([i], size([i])) for i in chunk]
+            units.extend(piece for piece, _ in pieces)
+            sizes.extend(piece_size for _, piece_size in pieces)
     return units, sizes
 
 

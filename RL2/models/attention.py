@@ -110,22 +110,25 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     return out.unsqueeze(0)
 
 
-def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
-    # On CPU, bf16 and fp16 inputs are upcast one sequence at a time while it is in cache: torch's CPU
-    # SDPA kernel runs forward and backward faster in float32 than in bf16 and accumulates in float32
-    # either way.
-    # On CUDA the native dtype goes to SDPA's own kernels, which accumulate in float32 as well.
+def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
+    """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it.
+
+    On CPU, bf16 and fp16 inputs are upcast for the call (one sequence at a time, while it is in
+    cache): torch's CPU SDPA kernel runs forward and backward faster in float32 than in bf16 and
+    accumulates in float32 either way. On CUDA the native dtype goes to SDPA's own kernels, which
+    accumulate in float32 as well.
+    """
     upcast = not query.is_cuda and query.dtype in HALF_DTYPES
-    outputs = []
+    q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.to(query.dtype)
+
+
+def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (x[:, :, start:end] for x in (query, key, value))
-        if upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-        )
-        outputs.append(out.to(query.dtype))
+    outputs = [sdpa(*(x[:, :, start:end] for x in (query, key, value)), scaling)
+               for start, end in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 

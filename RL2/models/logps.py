@@ -128,32 +128,20 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
     """
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
     length = mb.input_ids.shape[1]
-    shared = SharedPrefixRow.build(mb) if layout.share_prefixes and layout.cp_group is None else None
-    if shared is not None:
-        kept = shared.compress_mask(mb.loss_mask)[0].nonzero()[:, 0] if trained_only else None
-        out = model(
-            input_ids=shared.input_ids,
-            position_ids=shared.position_ids,
-            shared_prefixes=shared,
-            use_cache=False,
-            **_keep(kept),
-        )
-        return PackedForward(out.logits, _pick(shared.labels, kept), layout.vocab, None, length, kept,
-                             shared.length, shared, mb.loss_mask if trained_only else None)
     if layout.cp_group is None:
-        max_len = max(mb.seq_lens)
-        kept = mb.loss_mask[0].nonzero()[:, 0] if trained_only else None
-        out = model(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            cu_seq_lens_q=mb.cu_seqlens,
-            cu_seq_lens_k=mb.cu_seqlens,
-            max_length_q=max_len,
-            max_length_k=max_len,
-            use_cache=False,
-            **_keep(kept),
-        )
-        return PackedForward(out.logits, _pick(mb.labels, kept), layout.vocab, None, length, kept, length)
+        # The row the model runs on: the packed one, or the one with shared prefixes stored once.
+        shared = SharedPrefixRow.build(mb) if layout.share_prefixes else None
+        if shared is None:
+            row, mask, max_len = mb, mb.loss_mask, max(mb.seq_lens)
+            attention = dict(cu_seq_lens_q=mb.cu_seqlens, cu_seq_lens_k=mb.cu_seqlens, max_length_q=max_len,
+                             max_length_k=max_len)
+        else:
+            row, mask, attention = shared, shared.compress_mask(mb.loss_mask), dict(shared_prefixes=shared)
+        kept = mask[0].nonzero()[:, 0] if trained_only else None
+        out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **attention,
+                    **_keep(kept))
+        return PackedForward(out.logits, _pick(row.labels, kept), layout.vocab, None, length, kept,
+                             row.input_ids.shape[1], shared, mb.loss_mask if shared is not None and trained_only else None)
     shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)
     local_mask = shard.shard(mb.loss_mask)
     kept = local_mask[0].nonzero()[:, 0] if trained_only else None

@@ -23,9 +23,9 @@ A run grows while it saves at least as many tokens as before; a prefix of fewer 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from RL2.batch import MicroBatch
+from RL2.models.attention import sdpa
 
 MIN_SHARED_TOKENS = 16
 
@@ -106,11 +106,10 @@ class SharedPrefixRow:
     def attention(self, query, key, value, scaling: float) -> torch.Tensor:
         """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
         -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
-        gqa = query.shape[1] != key.shape[1]
         outputs = []
         for block in self.blocks:
             prefix = slice(block.start, block.start + block.prefix)
-            outputs.append(_sdpa(query[:, :, prefix], key[:, :, prefix], value[:, :, prefix], None, scaling, gqa))
+            outputs.append(sdpa(query[:, :, prefix], key[:, :, prefix], value[:, :, prefix], scaling))
             for start, length in block.branches:
                 if not length:
                     continue
@@ -118,7 +117,7 @@ class SharedPrefixRow:
                 keys = torch.cat([key[:, :, prefix], key[:, :, branch]], dim=2)
                 values = torch.cat([value[:, :, prefix], value[:, :, branch]], dim=2)
                 mask = self._branch_mask(length, block.prefix, query.device)
-                outputs.append(_sdpa(query[:, :, branch], keys, values, mask, scaling, gqa))
+                outputs.append(sdpa(query[:, :, branch], keys, values, scaling, mask))
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
@@ -127,15 +126,6 @@ class SharedPrefixRow:
         if key not in self._masks:
             self._masks[key] = torch.ones(length, prefix + length, dtype=torch.bool, device=device).tril(prefix)
         return self._masks[key]
-
-
-def _sdpa(query, key, value, mask, scaling, gqa) -> torch.Tensor:
-    # On CPU, half-precision inputs go to SDPA in float32 (see RL2.models.attention._sdpa_per_sequence).
-    upcast = not query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-    q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
-                                         enable_gqa=gqa)
-    return out.to(query.dtype)
 
 
 def common_prefix_length(sequences: list[list[int]]) -> int:

@@ -219,8 +219,9 @@ class PPOTrainer(Trainer):
     def reward_model_scores(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_samples]` the reward model's score of every trajectory: its scalar head at the last position
         of the trajectory's last sequence (the final state), as it was trained."""
-        per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device,
-                                   self.reward_model.model, lambda mb: forward_packed(self.reward_model.model, mb).values())
+        model = self.reward_model.model
+        per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device, model,
+                                   lambda mb: forward_packed(model, mb).values())
         last = batch.sample_offsets[1:] - 1
         has_tokens = batch.sample_offsets.diff() > 0
         return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)
