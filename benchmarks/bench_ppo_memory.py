@@ -8,8 +8,8 @@ A rollout `PxRxN` is P prompts x R responses x exactly N new tokens (`ignore_eos
 GRPO steps (no KL, one update per rollout) in float32 with the defaults otherwise, and reports:
 - the most resident memory one rank held in each phase of the second step (rollout, update, weight
   sync; the trainer's `perf/*_peak_gb`);
-- the most memory all processes held at once over the run (proportional set size summed over the
-  ranks and the launcher, sampled every 0.1 s), including loading;
+- the most memory all processes held at once over the run (the ranks and the launcher, sampled every
+  0.1 s; see `common.tree_memory`), including loading;
 - the second step's seconds.
 A machine "fits" a run when its peak leaves 1 GB to the system. A run whose weights, gradients, AdamW
 state and engine copies alone exceed this machine's memory is not started (the table gives that

@@ -13,8 +13,8 @@ Prints, from the medians over the steps after the first:
   run, and the most resident memory one rank held in it;
 - per system: seconds per step, the speed-up over TRL's faster mode (with or without gradient
   checkpointing, which GRPOConfig turns on by default), and the most memory all of its processes held at
-  once (proportional set size summed over the ranks, sampled every 0.1 s: pages the ranks share,
-  such as the shards they exchange through /dev/shm, count once);
+  once (sampled every 0.1 s from the kernel's counters: anonymous memory summed over the processes,
+  libraries and the /dev/shm shards the ranks exchange counted once; see `common.tree_memory`);
 - the FLOP floor of a step: the rollout's and the update's model FLOPs at the matmul peak.
 Model FLOPs: of the work W1 needs, each prompt once per group and each sampled token once; 2 per matmul
 parameter per token forward, 6 forward and backward; the output projection only where logits are
