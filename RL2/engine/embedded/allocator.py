@@ -7,8 +7,14 @@ few sizes over and over (logits chunks, FSDP buffers, sampling rows), so this ch
 time (`tests/e2e/test_allocator.py` counts the page faults). jemalloc and tcmalloc, which PyTorch's CPU
 launcher (`torch.backends.xeon.run_cpu`) preloads for the same reason, cache freed memory too.
 
+Blocks above 32 MB (glibc's cap on the mmap threshold: the tied embedding and its gradient, FSDP's
+buffers of it, logits chunks) are kept too, by letting malloc map no block of its own: they come from
+the heap like the rest. Mapping and unmapping them every step cost more than their page faults: with
+two ranks on one machine, the kernel's page zeroing in one rank held up the other at every collective
+(`benchmarks/bench_ppo_w1.py` measures the step). Threads other than the main one still get such
+blocks mapped, as glibc's per-thread heaps cannot hold them.
+
 The price is that the resident size stays at its high-water mark; that peak had to fit anyway.
-Blocks above 32 MB (glibc's cap on the threshold) are still mapped and unmapped each time.
 """
 
 import ctypes
@@ -18,6 +24,7 @@ import os
 # mallopt parameters, from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _KEEP_BELOW_BYTES = 32 * 1024 * 1024  # the largest mmap threshold glibc accepts on 64-bit
 _TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes an int: a free heap top above 2 GB is still returned
 
@@ -39,5 +46,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BELOW_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE_BYTES))
+    settings = ((_M_MMAP_THRESHOLD, _KEEP_BELOW_BYTES), (_M_TRIM_THRESHOLD, _TRIM_ABOVE_BYTES), (_M_MMAP_MAX, 0))
+    _done = all([bool(mallopt(parameter, value)) for parameter, value in settings])
     return _done
