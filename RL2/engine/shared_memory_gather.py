@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-SHM_DIR = "/dev/shm"
+from RL2.utils.shared_memory import SHM_DIR, SPARE_SHM_BYTES, create_segment, everyone, give_back, map_segment
+
 _ALIGN = 64  # bytes: every shard starts on a cache line, and any dtype's view of it is aligned
-_SPARE_SHM_BYTES = 64 * 2**20  # left free in /dev/shm for everything else that uses it
 
 
 def _shard_rows(rows: int, ranks: int) -> list[int]:
@@ -78,7 +78,7 @@ class SharedMemoryGather:
             len(meshes) == 1 and None not in {dim for _, dim in meshes}
             and all(isinstance(p, DTensor) for _, p in named) and os.path.isdir(SHM_DIR)
         )
-        if not _everyone(usable):
+        if not everyone(usable):
             return None
         mesh, mesh_dim = meshes.pop()
         group = mesh.get_group(mesh_dim)
@@ -102,27 +102,27 @@ class SharedMemoryGather:
         stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize if usable else 0
         dist.all_gather_object(info, (socket.gethostname(), f"rl2-shards-{uuid.uuid4().hex}", free), group=group)
-        fits = min(free for _, _, free in info) >= sum(sizes) + _SPARE_SHM_BYTES  # containers often have 64 MB
+        fits = min(free for _, _, free in info) >= sum(sizes) + SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
-        if not _everyone(usable):
+        if not everyone(usable):
             return None
         paths = [os.path.join(SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
 
         mappings, error = [], None
         try:
-            _create(paths[rank], sizes[rank])
+            create_segment(paths[rank], sizes[rank])
         except OSError as e:
             error = e
         dist.barrier(group=group)
         if error is None:
             try:
-                mappings = [_map(path, size) for path, size in zip(paths, sizes)]
+                mappings = [map_segment(path, size) for path, size in zip(paths, sizes)]
             except OSError as e:  # e.g. ranks on one hostname but separate /dev/shm (containers)
                 error = e
         dist.barrier(group=group)  # everyone has mapped every segment: the names can go
         if os.path.exists(paths[rank]):
             os.unlink(paths[rank])
-        if not _everyone(error is None):
+        if not everyone(error is None):
             return None
         return cls(entries, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings], mappings[rank])
 
@@ -139,7 +139,7 @@ class SharedMemoryGather:
                 yield entry.name, torch.cat(shards)
         finally:
             dist.barrier(group=self.group)  # every shard is read: segments may be written again
-            _give_back(self.own_mapping)
+            give_back(self.own_mapping)
 
     def _view(self, segment: torch.Tensor, entry: _Entry, rank: int) -> torch.Tensor:
         """Group rank `rank`'s shard of `entry` in `segment`, as a tensor of its shape."""
@@ -147,37 +147,3 @@ class SharedMemoryGather:
         nbytes = math.prod(shape) * self.dtype.itemsize
         start = entry.offsets[rank]
         return segment[start : start + nbytes].view(self.dtype).view(shape)
-
-
-def _everyone(flag: bool) -> bool:
-    """Whether `flag` holds on every rank of the world."""
-    agreed = torch.tensor([int(flag)])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return bool(agreed.item())
-
-
-def _create(path: str, size: int) -> None:
-    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(descriptor, max(size, 1))
-    finally:
-        os.close(descriptor)
-
-
-def _map(path: str, size: int) -> mmap.mmap:
-    """The file as a writable shared mapping (which outlives the file)."""
-    descriptor = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
-    finally:
-        os.close(descriptor)
-
-
-def _give_back(mapping: mmap.mmap) -> None:
-    """Free a segment's pages in /dev/shm (for every rank that maps it); it reads as zeros until written."""
-    remove = getattr(mmap, "MADV_REMOVE", None)
-    if remove is not None:
-        try:
-            mapping.madvise(remove)
-        except OSError:  # a filesystem without hole punching: the pages stay
-            pass

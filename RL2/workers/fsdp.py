@@ -43,6 +43,7 @@ from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
+from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
@@ -179,6 +180,10 @@ class FSDPWorker(Stateful):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         sum_gradients_over_ranks(model)
+        if self.device.type == "cpu" and mesh.ndim == 1:  # ranks on one host trade shards through memory
+            collectives = SharedMemoryCollectives.for_group(mesh.get_group())
+            if collectives is not None:
+                collectives.attach(model)
         return layout
 
     def _shares_prefixes(self, config) -> bool:

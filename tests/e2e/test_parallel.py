@@ -227,6 +227,13 @@ def test_distillation_with_tp_equals_one_rank(llama_path, long_sft_data, tmp_pat
         assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4)
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_shared_memory_collectives_equal_gloo(nproc):
+    """FSDP's all-gathers and reduce-scatters on one host go through shared memory: what gloo computes."""
+    result = run_ranks(nproc, ["tests/e2e/scripts/shared_collectives.py"])
+    assert "shared collectives OK" in result.stdout
+
+
 def test_shared_memory_gather_equals_gloo_all_gather():
     """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
     result = run_ranks(2, ["tests/e2e/scripts/shared_gather.py"])

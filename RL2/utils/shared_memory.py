@@ -1,0 +1,61 @@
+"""Shared-memory segments in /dev/shm for ranks on one host: create, map, agree, give back.
+
+A segment lives in /dev/shm only until every rank of its group has mapped it; the caller unlinks the
+file right after, so a crashed run leaves nothing behind.
+"""
+
+import mmap
+import os
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+SPARE_SHM_BYTES = 64 * 2**20  # left free in /dev/shm for everything else that uses it
+
+
+def everyone(flag: bool, group=None) -> bool:
+    """Whether `flag` holds on every rank of `group` (the world by default). Collective."""
+    agreed = torch.tensor([int(flag)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
+
+
+def shm_free_bytes() -> int:
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize
+
+
+def create_segment(path: str, size: int, reserve: bool = False) -> None:
+    """A new file of `size` bytes. With `reserve`, its pages are allocated now: a full /dev/shm then
+    fails here with an OSError, instead of killing whichever process first writes past the end."""
+    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if reserve:
+            os.posix_fallocate(descriptor, 0, max(size, 1))
+        else:
+            os.ftruncate(descriptor, max(size, 1))
+    except OSError:
+        os.close(descriptor)
+        os.unlink(path)
+        raise
+    os.close(descriptor)
+
+
+def map_segment(path: str, size: int) -> mmap.mmap:
+    """The file as a writable shared mapping (which outlives the file)."""
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
+    finally:
+        os.close(descriptor)
+
+
+def give_back(mapping: mmap.mmap) -> None:
+    """Free a segment's pages in /dev/shm (for every rank that maps it); it reads as zeros until written."""
+    remove = getattr(mmap, "MADV_REMOVE", None)
+    if remove is not None:
+        try:
+            mapping.madvise(remove)
+        except OSError:  # a filesystem without hole punching: the pages stay
+            pass

@@ -1,0 +1,111 @@
+"""Under torchrun (2 or 3 CPU ranks): FSDP's collectives through shared memory equal gloo's.
+
+    torchrun --nproc_per_node=2 tests/e2e/scripts/shared_collectives.py
+
+Checks: all-gathers (float32 and bf16) and summed reduce-scatters of random buffers equal gloo's, also
+after the segment grows for a larger buffer (exactly on 2 ranks, where a sum of two is the same in any
+order; to rounding on 3); a tiny FSDP2-sharded Llama trained through them has the gradients and, after
+an AdamW step, the parameters of its twin trained over gloo, and went through shared memory for every
+layer; no segment file stays in /dev/shm; ranks that report different hosts get None.
+"""
+
+import glob
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from RL2.workers import shared_memory_collectives
+from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
+
+
+def expect_equal(got: torch.Tensor, expected: torch.Tensor, exact: bool, what: str) -> None:
+    if exact:
+        assert torch.equal(got, expected), what
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=what)
+
+
+def check_buffers(collectives: SharedMemoryCollectives, exact: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    for n in (1000, 3 * 2**20 + 5):  # the second one grows the segment past its first 2 MB parts
+        for dtype in (torch.float32, torch.bfloat16):
+            shard = torch.randn(n, generator=generator).to(dtype)
+            got, expected = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+            assert collectives.all_gather(got, shard)
+            dist.all_gather_into_tensor(expected, shard)
+            assert torch.equal(got, expected), ("all-gather", n, dtype)
+        grads = torch.randn(world * n, generator=generator)
+        got, expected = torch.empty(n), torch.empty(n)
+        assert collectives.reduce_scatter(got, grads)
+        dist.reduce_scatter_tensor(expected, grads.clone())
+        expect_equal(got, expected, exact, f"reduce-scatter of {n}")
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=301)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def sharded(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():  # as RL2's workers do (`sum_gradients_over_ranks`)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def check_training(mesh, exact: bool) -> None:
+    through_memory, over_gloo = sharded(tiny_llama(), mesh), sharded(tiny_llama(), mesh)
+    collectives = SharedMemoryCollectives.for_group(mesh.get_group())
+    collectives.attach(through_memory)
+    calls = collectives.calls
+    torch.manual_seed(100 + dist.get_rank())
+    input_ids = torch.randint(0, 301, (2, 17))
+    for model in (through_memory, over_gloo):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    # 3 FSDP modules (2 layers and the root): an all-gather each in forward and in backward (the root's
+    # stays gathered), a reduce-scatter each.
+    assert collectives.calls - calls >= 3 + 2 + 3, collectives.calls - calls
+    for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
+        expect_equal(a.grad.to_local(), b.grad.to_local(), exact, f"gradient of {name}")
+    for model in (through_memory, over_gloo):
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
+        expect_equal(a.to_local(), b.to_local(), exact, f"{name} after a step")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    exact = world == 2
+    mesh = init_device_mesh("cpu", (world,))
+    collectives = SharedMemoryCollectives.for_group(mesh.get_group())
+    assert collectives is not None
+    check_buffers(collectives, exact)
+    assert collectives.grown > 1 and collectives.usable  # it grew for the larger buffers
+    check_training(mesh, exact)
+    assert not glob.glob(f"/dev/shm/{collectives.name}*"), "segment files are unlinked once mapped"
+
+    # Ranks that are not on one host (as far as their names tell) stay on gloo.
+    shared_memory_collectives.socket.gethostname = lambda: f"host-{rank}"
+    assert SharedMemoryCollectives.for_group(dist.new_group(list(range(world)))) is None
+    shared_memory_collectives.socket.gethostname = socket.gethostname
+
+    dist.barrier()
+    if rank == 0:
+        print("shared collectives OK")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
