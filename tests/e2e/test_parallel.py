@@ -178,11 +178,11 @@ def test_ppo_steps_with_tp_or_cp(repeat_model, tmp_path, layout):
     assert metrics[0]["actor/grad_norm"] > 0  # the first update moved the weights the second step samples from
 
 
-PPO_UPDATE = ["actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_length_per_device=24",
+PPO_UPDATE = ["actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_length_per_device=48",
               "actor.update_per_rollout=2", "actor.mini_batch_size=3", "actor.kl.coef=0.1", "actor.entropy.coef=0.01",
               "actor.dual_clip=3", "actor.tis_coef=2", "actor.clip_high=0.28", "actor.avg_level=sequence",
               "adv.estimator=gae", "critic.value_clip=0.2", "critic.mini_batch_size=3", "critic.optimizer.lr=1e-3",
-              "critic.dtype=float32", "critic.max_length_per_device=24",
+              "critic.dtype=float32", "critic.max_length_per_device=48",
               # Adam with eps=1e-8 turns round-off in the near-zero gradients of unused embedding rows into
               # steps of +-lr; a larger eps keeps the weight comparison about the real gradients.
               "actor.optimizer.eps=1e-4", "critic.optimizer.eps=1e-4"]
@@ -192,7 +192,7 @@ PPO_UPDATE = ["actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_lengt
 def ppo_update_one_rank(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_update") / "one.pt"
     result = run_ranks(1, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}", *PPO_UPDATE])
-    return json.loads(result.stdout.strip().splitlines()[-1]), torch.load(out)
+    return json.loads(result.stdout.strip().splitlines()[-1])["metrics"], torch.load(out)
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_ppo_update_with_tp_or_cp_equals_one_rank(tiny_model_path, ppo_update_on
     out = tmp_path / "two.pt"
     result = run_ranks(2, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}", *PPO_UPDATE,
                            f"actor.{degree}", f"critic.{degree}"])
-    metrics, weights = json.loads(result.stdout.strip().splitlines()[-1]), torch.load(out)
+    metrics, weights = json.loads(result.stdout.strip().splitlines()[-1])["metrics"], torch.load(out)
     expected_metrics, expected_weights = ppo_update_one_rank
     assert metrics == pytest.approx(expected_metrics, rel=1e-4, abs=1e-6)
     for role in ("actor", "critic"):
