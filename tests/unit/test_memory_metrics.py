@@ -1,5 +1,6 @@
 """Per-phase time and peak resident memory (`RL2.utils.memory`), against tensors of known size."""
 
+import mmap
 import os
 
 import pytest
@@ -20,8 +21,11 @@ def test_each_phase_reports_its_own_peak():
     metrics = {}
     with measured(metrics, "big"):
         before = resident_gb()
-        block = torch.ones(100_000_000)  # 0.4 GB, touched; freed (unmapped) when the phase ends
-        del block
+        # 0.4 GB mapped on its own (malloc may keep freed memory in the process: `keep_freed_memory`),
+        # touched, and unmapped before the phase ends.
+        block = mmap.mmap(-1, 400_000_000)
+        torch.frombuffer(block, dtype=torch.uint8).fill_(1)
+        block.close()
     with measured(metrics, "small"):
         after = resident_gb()
     assert metrics["perf/big_peak_gb"] >= before + 0.39
