@@ -19,7 +19,6 @@ import math
 import mmap
 import os
 import socket
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,8 +26,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from RL2.utils.shared_memory import SHM_DIR, SPARE_SHM_BYTES, create_segment, everyone, give_back, map_segment
+from RL2.utils.shared_memory import (
+    SHM_DIR,
+    SPARE_SHM_BYTES,
+    create_segment,
+    everyone,
+    give_back,
+    map_segment,
+    remove_orphans,
+    segment_name,
+)
 
+PREFIX = "rl2-shards"
 _ALIGN = 64  # bytes: every shard starts on a cache line, and any dtype's view of it is aligned
 
 
@@ -101,12 +110,14 @@ class SharedMemoryGather:
         info = [None] * ranks
         stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize if usable else 0
-        dist.all_gather_object(info, (socket.gethostname(), f"rl2-shards-{uuid.uuid4().hex}", free), group=group)
+        dist.all_gather_object(info, (socket.gethostname(), segment_name(PREFIX), free), group=group)
         fits = min(free for _, _, free in info) >= sum(sizes) + SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
         if not everyone(usable):
             return None
         paths = [os.path.join(SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
+        if rank == 0:
+            remove_orphans(PREFIX)
 
         mappings, error = [], None
         try:

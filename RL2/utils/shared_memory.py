@@ -1,11 +1,15 @@
 """Shared-memory segments in /dev/shm for ranks on one host: create, map, agree, give back.
 
 A segment lives in /dev/shm only until every rank of its group has mapped it; the caller unlinks the
-file right after, so a crashed run leaves nothing behind.
+file right after. A run killed in between leaves the file: its name records the process that named it
+(`segment_name`), and the next run on the host removes the files of processes that are gone
+(`remove_orphans`).
 """
 
+import glob
 import mmap
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,28 @@ def everyone(flag: bool, group=None) -> bool:
     agreed = torch.tensor([int(flag)])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     return bool(agreed.item())
+
+
+def segment_name(prefix: str) -> str:
+    """A fresh segment name under `prefix` that records this process."""
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def remove_orphans(prefix: str) -> None:
+    """Unlink the /dev/shm files named by `segment_name(prefix)` whose process no longer exists."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"{prefix}-*")):
+        try:
+            pid = int(os.path.basename(path)[len(prefix) + 1 :].split("-")[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue  # not a name of ours
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # another run removed it first
+        except PermissionError:
+            continue  # alive, another user's
 
 
 def shm_free_bytes() -> int:

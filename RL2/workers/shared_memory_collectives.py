@@ -19,15 +19,24 @@ go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off.
 import functools
 import os
 import socket
-import uuid
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from RL2.utils.shared_memory import SHM_DIR, SPARE_SHM_BYTES, create_segment, everyone, map_segment, shm_free_bytes
+from RL2.utils.shared_memory import (
+    SHM_DIR,
+    SPARE_SHM_BYTES,
+    create_segment,
+    everyone,
+    map_segment,
+    remove_orphans,
+    segment_name,
+    shm_free_bytes,
+)
 
+PREFIX = "rl2-collectives"
 _ALIGN = 2**21  # each rank's part starts on a 2 MB boundary: aligned for any dtype, and few regrowths
 
 
@@ -51,10 +60,13 @@ class SharedMemoryCollectives:
         if os.environ.get("RL2_SHARED_MEMORY_COLLECTIVES", "1") == "0" or dist.get_world_size(group) == 1:
             return None
         info = [None] * dist.get_world_size(group)
-        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), uuid.uuid4().hex), group=group)
+        name = segment_name(PREFIX)
+        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), name), group=group)
         if len({host for host, _, _ in info}) != 1 or not all(has_shm for _, has_shm, _ in info):
             return None
-        return cls(group, f"rl2-collectives-{info[0][2]}")
+        if dist.get_rank(group) == 0:
+            remove_orphans(PREFIX)
+        return cls(group, info[0][2])
 
     def attach(self, model: torch.nn.Module) -> None:
         """Route every FSDP module of `model` through these collectives."""

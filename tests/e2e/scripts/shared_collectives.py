@@ -6,11 +6,15 @@ Checks: all-gathers (float32 and bf16) and summed reduce-scatters of random buff
 after the segment grows for a larger buffer (exactly on 2 ranks, where a sum of two is the same in any
 order; to rounding on 3); a tiny FSDP2-sharded Llama trained through them has the gradients and, after
 an AdamW step, the parameters of its twin trained over gloo, and went through shared memory for every
-layer; no segment file stays in /dev/shm; ranks that report different hosts get None.
+layer; no segment file stays in /dev/shm, and the files a killed run left (named for a process that no
+longer exists) are removed while those of a live process stay; ranks that report different hosts get
+None.
 """
 
 import glob
+import os
 import socket
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -89,8 +93,17 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     exact = world == 2
     mesh = init_device_mesh("cpu", (world,))
+    if rank == 0:  # what a killed run leaves, and a live run's file
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # reaped: no process has its id now
+        orphan, alive = f"/dev/shm/rl2-collectives-{gone.pid}-orphan", f"/dev/shm/rl2-collectives-{os.getppid()}-alive"
+        for path in (orphan, alive):
+            open(path, "w").close()
     collectives = SharedMemoryCollectives.for_group(mesh.get_group())
     assert collectives is not None
+    if rank == 0:
+        assert not os.path.exists(orphan) and os.path.exists(alive)
+        os.unlink(alive)
     check_buffers(collectives, exact)
     assert collectives.grown > 1 and collectives.usable  # it grew for the larger buffers
     check_training(mesh, exact)

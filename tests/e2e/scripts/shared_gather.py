@@ -54,7 +54,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         gather = SharedMemoryGather.build(model, dtype)
         assert gather is not None
-        assert set(glob.glob("/dev/shm/rl2-shards-*")) == before, "the segment files are unlinked once mapped"
+        assert set(glob.glob("/dev/shm/rl2-shards-*")) <= before, "the segment files are unlinked once mapped"
         free_before = shm_free_bytes()
         expect_full_tensors(gather, model, dtype)
         dist.barrier()  # every rank has given its segment's pages back
