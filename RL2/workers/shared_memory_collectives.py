@@ -114,16 +114,24 @@ class SharedMemoryCollectives:
     def _barrier(self) -> None:
         dist.all_reduce(torch.zeros(1), group=self.group)  # ~5x cheaper than gloo's barrier
 
-    @torch.no_grad()
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        """output `[world * n]` = every rank's input `[n]`, in rank order; False: not done (use gloo)."""
+    def _publish(self, input: torch.Tensor) -> torch.Tensor | None:
+        """Write this rank's `input` into its part of the segment; every rank's part `[world, numel]` in
+        `input`'s dtype once all have written; None: use gloo. Collective."""
         parts = self._parts(input.numel() * input.element_size())
         if parts is None:
-            return False
+            return None
         self._barrier()  # everyone has read what the previous collective left in the segment
         parts[self.rank].view(input.dtype).copy_(input.reshape(-1))
         self._barrier()  # every part is written
-        output.view(self.world, -1).copy_(parts.view(input.dtype))
+        return parts.view(input.dtype)
+
+    @torch.no_grad()
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """output `[world * n]` = every rank's input `[n]`, in rank order; False: not done (use gloo)."""
+        parts = self._publish(input)
+        if parts is None:
+            return False
+        output.view(self.world, -1).copy_(parts)
         self.calls += 1
         return True
 
@@ -131,14 +139,11 @@ class SharedMemoryCollectives:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """output `[n]` = the sum over ranks, in rank order, of their input `[world * n]`'s slice of this
         rank; False: not done (use gloo)."""
-        parts = self._parts(input.numel() * input.element_size())
+        parts = self._publish(input)
         if parts is None:
             return False
-        self._barrier()
-        parts[self.rank].view(input.dtype).copy_(input.reshape(-1))
-        self._barrier()
         n = output.numel()
-        slices = [parts[r].view(input.dtype)[self.rank * n : (self.rank + 1) * n] for r in range(self.world)]
+        slices = [parts[r, self.rank * n : (self.rank + 1) * n] for r in range(self.world)]
         flat = output.view(-1)
         torch.add(slices[0], slices[1], out=flat)
         for part in slices[2:]:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -25,3 +26,14 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300) -> subprocess.C
 
 def read_metrics(save_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(save_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextmanager
+def separate_hosts(module, rank: int):
+    """Inside, `module.socket.gethostname` names a host of each rank's own (as ranks on several machines see)."""
+    real = module.socket.gethostname
+    module.socket.gethostname = lambda: f"host-{rank}"
+    try:
+        yield
+    finally:
+        module.socket.gethostname = real

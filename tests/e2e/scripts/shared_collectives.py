@@ -13,7 +13,6 @@ None.
 
 import glob
 import os
-import socket
 import subprocess
 
 import torch
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.workers import shared_memory_collectives
 from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
+from tests.helpers.launch import separate_hosts
 
 
 def expect_equal(got: torch.Tensor, expected: torch.Tensor, exact: bool, what: str) -> None:
@@ -110,9 +110,8 @@ def main() -> None:
     assert not glob.glob(f"/dev/shm/{collectives.name}*"), "segment files are unlinked once mapped"
 
     # Ranks that are not on one host (as far as their names tell) stay on gloo.
-    shared_memory_collectives.socket.gethostname = lambda: f"host-{rank}"
-    assert SharedMemoryCollectives.for_group(dist.new_group(list(range(world)))) is None
-    shared_memory_collectives.socket.gethostname = socket.gethostname
+    with separate_hosts(shared_memory_collectives, rank):
+        assert SharedMemoryCollectives.for_group(dist.new_group(list(range(world)))) is None
 
     dist.barrier()
     if rank == 0:

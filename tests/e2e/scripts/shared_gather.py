@@ -10,7 +10,6 @@ gone once set up and their pages are given back after each sync; and ranks that 
 
 import glob
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.engine import shared_memory_gather
 from RL2.engine.shared_memory_gather import SharedMemoryGather
+from tests.helpers.launch import separate_hosts
 
 
 def expect_full_tensors(gather: SharedMemoryGather, model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -67,9 +67,8 @@ def main() -> None:
         expect_full_tensors(gather, model, dtype)
 
     # Ranks that are not on one host (as far as their names tell) all-gather with gloo instead.
-    shared_memory_gather.socket.gethostname = lambda: f"host-{rank}"
-    assert SharedMemoryGather.build(model, torch.float32) is None
-    shared_memory_gather.socket.gethostname = socket.gethostname
+    with separate_hosts(shared_memory_gather, rank):
+        assert SharedMemoryGather.build(model, torch.float32) is None
 
     dist.barrier()
     if rank == 0:
