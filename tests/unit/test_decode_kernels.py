@@ -102,3 +102,24 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_
     out = torch.empty(rows, heads * head_dim)
     KERNELS.decode_attention(q, keys, values, positions, scale, out)
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 9, 16, 17, 64, 130])  # both block widths, tails, several 64-row passes
+def test_panel_linear_is_x_times_the_concatenated_weights_plus_bias(rows):
+    # Layers of 5, 7 and 11 outputs: panel boundaries fall inside layers, and the last panel is partial.
+    k = 40
+    weights = [randn(n, k, seed=n) for n in (5, 7, 11)]
+    bias, x = randn(23, seed=3), randn(rows, k, seed=4)
+    panels = KERNELS.pack_panels(weights)
+    expected = x.double() @ torch.cat(weights).double().T + bias.double()
+    torch.testing.assert_close(KERNELS.panel_linear(x, panels, 23, bias).double(), expected, rtol=1e-5, atol=1e-5)
+    without_bias = KERNELS.panel_linear(x, panels, 23, None).double()
+    torch.testing.assert_close(without_bias, expected - bias.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_linear_keeps_leading_dims_and_runs_threaded():
+    # [2, 40, 576] rows, 1536 outputs: the OpenMP branch; a strided input is read through a contiguous copy.
+    weight, x = randn(1536, 576, scale=0.05), randn(2, 576, 40, seed=1).transpose(1, 2)
+    out = KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 1536, None)
+    assert out.shape == (2, 40, 1536)
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)

@@ -223,3 +223,104 @@ void decode_attention(const float *q, const float *keys, const float *values, co
         free(scores);
     }
 }
+
+/* ---- Linear layers: out = x . W^T (+ bias), for a few dozen rows of x.
+ *
+ * With 16 rows, each weight read from memory takes part in only 16 multiply-adds, so the product is
+ * as much a stream through the weights as arithmetic. Here each weight is read once per call from a
+ * layout that streams: W cut into panels of PANEL_ROWS output features, each panel stored k-major
+ * ([k][PANEL_ROWS]), and a panel meets the (transposed) rows of x while those sit in cache. The
+ * inner step broadcasts one weight of each of the panel's six features against 16 rows of x: twelve
+ * 8-wide multiply-adds for two loads of x, which the CPU's two FMA units can keep up with. Each
+ * output is one chain of multiply-adds over k in order.
+ *
+ * Layouts (float32, C-contiguous):
+ *   panels  [ceil(n / PANEL_ROWS)][k][PANEL_ROWS]   rows past n are zero (pack_panels writes the rest)
+ *   x       [m, k],  out [m, n],  bias [n] or NULL
+ */
+
+#define PANEL_ROWS 6
+#define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+/* Writes the `rows` rows of weight [rows, k] into the panels as output features first_row... */
+void pack_panels(const float *weight, int64_t rows, int64_t k, int64_t first_row, float *panels) {
+    int64_t first_panel = first_row / PANEL_ROWS, end_panel = (first_row + rows + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp parallel for if (rows * k >= PARALLEL_FROM)
+    for (int64_t p = first_panel; p < end_panel; p++) {
+        int64_t lo = p * PANEL_ROWS > first_row ? p * PANEL_ROWS : first_row;
+        int64_t hi = (p + 1) * PANEL_ROWS < first_row + rows ? (p + 1) * PANEL_ROWS : first_row + rows;
+        float *panel = panels + p * k * PANEL_ROWS;
+        const float *src = weight + (lo - first_row) * k;
+        if (hi - lo == PANEL_ROWS) {  /* the six rows read side by side, the panel written in order */
+            for (int64_t kk = 0; kk < k; kk++)
+                for (int r = 0; r < PANEL_ROWS; r++) panel[kk * PANEL_ROWS + r] = src[r * k + kk];
+        } else {
+            for (int64_t row = lo; row < hi; row++)
+                for (int64_t kk = 0; kk < k; kk++) panel[kk * PANEL_ROWS + row % PANEL_ROWS] = src[(row - lo) * k + kk];
+        }
+    }
+}
+
+/* out[t][r] for one panel's six features r and 16 (or, with `half`, 8) transposed rows t of x. */
+static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k, int half,
+                               float out[PANEL_ROWS][16]) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+    v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
+    if (half) {
+        for (int64_t kk = 0; kk < k; kk++) {
+            v8 x0 = *(const v8 *)(xt + kk * ld);
+            const float *w = panel + kk * PANEL_ROWS;
+            a0 += x0 * w[0], a1 += x0 * w[1], a2 += x0 * w[2], a3 += x0 * w[3], a4 += x0 * w[4], a5 += x0 * w[5];
+        }
+    } else {
+        for (int64_t kk = 0; kk < k; kk++) {
+            v8 x0 = *(const v8 *)(xt + kk * ld), x1 = *(const v8 *)(xt + kk * ld + 8);
+            const float *w = panel + kk * PANEL_ROWS;
+            a0 += x0 * w[0], b0 += x1 * w[0], a1 += x0 * w[1], b1 += x1 * w[1], a2 += x0 * w[2], b2 += x1 * w[2];
+            a3 += x0 * w[3], b3 += x1 * w[3], a4 += x0 * w[4], b4 += x1 * w[4], a5 += x0 * w[5], b5 += x1 * w[5];
+        }
+    }
+    v8 *o = (v8 *)out;
+    o[0] = a0, o[1] = b0, o[2] = a1, o[3] = b1, o[4] = a2, o[5] = b2;
+    o[6] = a3, o[7] = b3, o[8] = a4, o[9] = b4, o[10] = a5, o[11] = b5;
+}
+
+/* out = x . W^T (+ bias) with W given as panels. Returns 0, or 1 if the scratch could not be allocated. */
+int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias, float *out) {
+    static __thread float *scratch = NULL; /* x's transpose, 32-byte aligned for the vector loads */
+    static __thread int64_t capacity = 0;
+    int64_t needed = k * TOKEN_CHUNK;
+    if (needed > capacity) {
+        free(scratch);
+        scratch = aligned_alloc(32, (size_t)needed * sizeof(float)); /* a multiple of 32 bytes: TOKEN_CHUNK is */
+        capacity = scratch ? needed : 0;
+        if (!scratch) return 1;
+    }
+    float *xt = scratch; /* `scratch` is this thread's: the pool's threads read it through xt */
+    int64_t n_panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    for (int64_t t0 = 0; t0 < m; t0 += TOKEN_CHUNK) {
+        int64_t width = m - t0 < TOKEN_CHUNK ? m - t0 : TOKEN_CHUNK, ld = (width + 7) / 8 * 8;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t t = 0; t < width; t++) xt[kk * ld + t] = x[(t0 + t) * k + kk];
+            for (int64_t t = width; t < ld; t++) xt[kk * ld + t] = 0.0f;
+        }
+#pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
+        for (int64_t p = 0; p < n_panels; p++) {
+            float block[PANEL_ROWS][16] __attribute__((aligned(32)));
+            int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
+            for (int64_t b = 0; b < width; b += 16) {
+                int half = width - b <= 8;
+                panel_block(panels + p * k * PANEL_ROWS, xt + b, ld, k, half, block);
+                for (int64_t t = b; t < width && t < b + 16; t++) {
+                    float *row = out + (t0 + t) * n + p * PANEL_ROWS;
+                    for (int64_t r = 0; r < features; r++) row[r] = block[r][t - b];
+                    if (bias)
+                        for (int64_t r = 0; r < features; r++) row[r] += bias[p * PANEL_ROWS + r];
+                }
+            }
+        }
+    }
+    return 0;
+}

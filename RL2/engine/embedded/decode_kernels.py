@@ -37,7 +37,11 @@ SIGNATURES = {
     "silu_mul": [_pointer, _pointer, _int, _int],
     "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
     "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float],
+    "pack_panels": [_pointer, _int, _int, _int, _pointer],
+    "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
 }
+RETURNS = {"panel_linear": ctypes.c_int}  # the others return nothing
+PANEL_ROWS = 6  # output features per panel of a packed weight, as in decode_kernels.c
 
 
 def _cpu_flags() -> str:
@@ -96,7 +100,7 @@ class DecodeKernels:
     def __init__(self, library: ctypes.CDLL):
         for name, argtypes in SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
-            getattr(library, name).restype = None
+            getattr(library, name).restype = RETURNS.get(name)
         self.library = library
 
     def add_rms_norm(
@@ -134,4 +138,26 @@ class DecodeKernels:
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
             keys.shape[1], head_dim, keys.shape[2], scale,
         )
+        return out
+
+    def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Weights `[n_i, k]` of layers sharing an input, their outputs in this order, as the panels
+        `panel_linear` reads: `[ceil(n / PANEL_ROWS), k, PANEL_ROWS]`, n = sum of n_i."""
+        n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        panels = torch.empty(-(-n // PANEL_ROWS), k, PANEL_ROWS)
+        panels[-1, :, n - PANEL_ROWS * (len(panels) - 1):] = 0.0  # features past n: zero, so finite
+        first = 0
+        for weight in weights:
+            weight = weight.detach().contiguous()
+            self.library.pack_panels(weight.data_ptr(), weight.shape[0], k, first, panels.data_ptr())
+            first += weight.shape[0]
+        return panels
+
+    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x `[..., k]` times the packed weights (`pack_panels`) of n outputs, plus bias: `[..., n]`."""
+        k = panels.shape[1]
+        rows = x.reshape(-1, k).contiguous()
+        out = x.new_empty(*x.shape[:-1], n)
+        if self.library.panel_linear(rows.data_ptr(), len(rows), k, panels.data_ptr(), n, _address(bias), out.data_ptr()):
+            raise MemoryError(f"panel_linear: no memory for the {k} x 64 floats of its scratch")
         return out

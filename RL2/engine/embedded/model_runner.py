@@ -10,7 +10,7 @@ Llama-family models run through the engine's own forward (`llama_forward.py`), r
 modules' weights. Any other model runs through its unmodified HF decoder, which only sees a cache
 object with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask
 (HF passes it through untouched); for the duration of those forwards, one-token attention runs as
-`decode_attention` and linear layers with weights packed for oneDNN (`PackedLinear`).
+`decode_attention` and linear layers with packed weights (`PackedLinear`).
 """
 
 from collections.abc import Iterable, Iterator
@@ -21,7 +21,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from RL2.engine.embedded.llama_forward import LlamaForward, attend_one_token, attention_bias, llama_forward_supported
-from RL2.engine.embedded.packed_linear import ConcatLinear, PackedLinear, onednn_packing_works
+from RL2.engine.embedded.packed_linear import (
+    ConcatLinear,
+    OneDNNLinear,
+    PackedLinear,
+    PanelLinear,
+    onednn_packing_works,
+    panel_kernels_for,
+)
 from RL2.models.shared_prefix import common_prefix_length
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
@@ -214,7 +221,8 @@ class ModelRunner:
         # Released parameters not loaded since, by id: (the parameter, its shape).
         self.unwritten: dict[int, tuple[torch.nn.Parameter, torch.Size]] = {}
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        self.packable = bool(linears) and onednn_packing_works(linears[0])
+        self.panel_kernels = panel_kernels_for(linears[0]) if linears else None
+        self.packable = bool(linears) and (self.panel_kernels is not None or onednn_packing_works(linears[0]))
         self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
         self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
         self.llama: LlamaForward | None = None
@@ -231,7 +239,10 @@ class ModelRunner:
                 self.head = self.packed.get(output) or output
 
     def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
-        kernel = PackedLinear(linears) if self.packable else ConcatLinear(linears)
+        if self.panel_kernels is not None:
+            kernel = PanelLinear(linears, self.panel_kernels)
+        else:
+            kernel = OneDNNLinear(linears) if self.packable else ConcatLinear(linears)
         self.kernels.append(kernel)
         return kernel
 

@@ -1,18 +1,25 @@
-"""Linear layers for the embedded engine: weights laid out once for oneDNN, several layers as one.
+"""Linear layers for the embedded engine: weights laid out once for a fast product, several layers as one.
 
-With a few dozen rows per decode step, the default CPU GEMM re-blocks the whole weight on every
-call, which costs as much as the product for the vocabulary projection; a weight packed once for
-oneDNN skips that. Layers that read the same input (q, k, v; gate, up) go through one product, one
-pass over the input instead of two or three. torch.compile's CPU freezing pass uses the same oneDNN
-ops.
+With a few dozen rows per decode step, a general CPU GEMM re-blocks the whole weight on every call,
+which costs as much as the product for the vocabulary projection; weights packed once skip that.
+Layers that read the same input (q, k, v; gate, up) go through one product, one pass over the input
+instead of two or three.
+
+Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` for float32 (it streams the weights
+once per call, the most a decode step can ask of memory), and `OneDNNLinear` for the dtypes oneDNN
+has CPU kernels for (bf16 on CPUs with native support; torch.compile's CPU freezing pass uses the
+same ops). `ConcatLinear` is the plain product where neither applies (GPU).
 """
 
 import torch
 import torch.nn.functional as F
 
+from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
+
 
 class PackedLinear:
-    """`linears` (sharing an input) as one oneDNN product; outputs concatenated in their order.
+    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs
+    concatenated in their order. Subclasses say how to pack (`_pack`) and multiply (`_product`).
 
     The packed copy remembers the version counters of the weights and biases, which every in-place
     op on a parameter bumps: a weight changed behind the engine's back is re-packed before it is
@@ -22,9 +29,16 @@ class PackedLinear:
 
     def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
+        self.out_features = sum(linear.out_features for linear in linears)
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         self._versions: tuple[int, ...] = ()
+
+    def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -34,8 +48,7 @@ class PackedLinear:
         if versions == self._versions:
             return
         self._packed = None  # free the stale copy first: peak memory stays one copy
-        weight = torch.cat([linear.weight for linear in self.linears]) if len(self.linears) > 1 else self.linears[0].weight
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self._packed = self._pack([linear.weight.detach() for linear in self.linears])
         self._bias = None
         if any(linear.bias is not None for linear in self.linears):
             self._bias = torch.cat([
@@ -54,11 +67,36 @@ class PackedLinear:
         if hidden.dtype != self.linears[0].weight.dtype:
             return torch.cat([F.linear(hidden, linear.weight, linear.bias) for linear in self.linears], dim=-1)
         self.refresh()
+        return self._product(hidden)
+
+
+class OneDNNLinear(PackedLinear):
+    """Weights reordered for oneDNN's CPU linear."""
+
+    def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0])
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self._bias, "none", [], "")
 
 
+class PanelLinear(PackedLinear):
+    """Float32 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed
+    straight from each layer's weight (no concatenated copy on the way)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
+        super().__init__(linears)
+        self.kernels = kernels
+
+    def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        return self.kernels.pack_panels(weights)
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.kernels.panel_linear(hidden, self._packed, self.out_features, self._bias)
+
+
 class ConcatLinear:
-    """The same interface without oneDNN (GPU, or CPUs without its bf16 kernels): one product per layer."""
+    """The same interface without packing (GPU, or CPUs without oneDNN's kernels): one product per layer."""
 
     def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
@@ -73,6 +111,13 @@ class ConcatLinear:
         if len(self.linears) == 1:
             return self.linears[0](hidden)
         return torch.cat([linear(hidden) for linear in self.linears], dim=-1)
+
+
+def panel_kernels_for(linear: torch.nn.Module) -> DecodeKernels | None:
+    """The C kernels where `PanelLinear` applies to this layer: float32 on CPU, the library built."""
+    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
+        return None
+    return load_decode_kernels() if linear.weight.dtype == torch.float32 else None
 
 
 def onednn_packing_works(linear: torch.nn.Module) -> bool:
