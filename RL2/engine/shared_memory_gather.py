@@ -4,19 +4,20 @@ A weight sync gives every rank's engine the whole model, so every FSDP shard goe
 its group. On CPU that all-gather runs over gloo's loopback TCP, several times slower than copying
 memory (the README's weight-sync figures). Ranks that share a host instead each write their shards
 into a shared-memory segment of their own, wait for one another, and read the other segments
-directly: then a sync is two memory copies and two barriers.
+directly: then a sync is two memory copies and a few barriers.
 
+The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its
+own), each written, read by every rank, then overwritten by the next. So the segments hold one chunk,
+not the model, and they keep their pages between syncs: a fresh /dev/shm page costs the kernel more
+to allocate and zero than copying into it (0.25 s against 0.03 s for 270 MB, measured on the 2-core
+machine), which a sync into given-back pages paid every time.
 Each segment lives in /dev/shm only until every rank of the group has mapped it; the files are
-unlinked right after, so a crashed run leaves nothing behind. Between syncs the segments hold no
-memory: after each sync every rank gives its segment's pages back (`MADV_REMOVE`), and the next sync
-faults fresh ones in, a fraction of the copy's time, rather than keeping a copy of the model in RAM
-through the rollout and the update. Where this does not apply (ranks on
+unlinked right after, so a crashed run leaves nothing behind. Where this does not apply (ranks on
 several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None
 and the caller all-gathers with `DTensor.full_tensor`.
 """
 
 import math
-import mmap
 import os
 import socket
 from collections.abc import Iterator
@@ -31,14 +32,15 @@ from RL2.utils.shared_memory import (
     SPARE_SHM_BYTES,
     create_segment,
     everyone,
-    give_back,
     map_segment,
     remove_orphans,
     segment_name,
+    shm_free_bytes,
 )
 
 PREFIX = "rl2-shards"
 _ALIGN = 64  # bytes: every shard starts on a cache line, and any dtype's view of it is aligned
+CHUNK_BYTES = 64 * 2**20  # of each rank's shards per round of writing, waiting and reading
 
 
 def _shard_rows(rows: int, ranks: int) -> list[int]:
@@ -64,13 +66,30 @@ class _Entry:
     rows: list[int]  # rows of dim 0 in each group rank's shard
 
 
+def _chunks(params: list[tuple[str, DTensor]], ranks: int, element: int) -> tuple[list[list[_Entry]], int]:
+    """The parameters in order, cut into chunks of at most CHUNK_BYTES of shards per rank (or one
+    larger shard), with each shard's offset in its rank's segment; and the segment size that holds
+    any chunk."""
+    chunks: list[list[_Entry]] = [[]]
+    used, size = [0] * ranks, 0
+    for name, param in params:
+        rows = _shard_rows(param.shape[0], ranks)
+        per_row = math.prod(param.shape[1:])
+        nbytes = [-(-r * per_row * element // _ALIGN) * _ALIGN for r in rows]
+        if chunks[-1] and any(u + b > CHUNK_BYTES for u, b in zip(used, nbytes)):
+            chunks.append([])
+            used = [0] * ranks
+        chunks[-1].append(_Entry(name, param, list(used), rows))
+        used = [u + b for u, b in zip(used, nbytes)]
+        size = max(size, *used)
+    return chunks, size
+
+
 class SharedMemoryGather:
     """Build with `build` (collective); then `full_tensors()` at every sync (collective)."""
 
-    def __init__(self, entries: list[_Entry], group, dtype: torch.dtype, segments: list[torch.Tensor],
-                 own_mapping: mmap.mmap):
-        self.entries, self.group, self.dtype, self.segments = entries, group, dtype, segments
-        self.own_mapping = own_mapping
+    def __init__(self, chunks: list[list[_Entry]], group, dtype: torch.dtype, segments: list[torch.Tensor]):
+        self.chunks, self.group, self.dtype, self.segments = chunks, group, dtype, segments
         self.rank = dist.get_rank(group)
 
     @classmethod
@@ -93,25 +112,15 @@ class SharedMemoryGather:
         group = mesh.get_group(mesh_dim)
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
 
-        element = dtype.itemsize
-        entries, sizes = [], [0] * ranks
-        for name, param in named:
-            rows = _shard_rows(param.shape[0], ranks)
-            per_row = math.prod(param.shape[1:])
-            offsets = []
-            for r in range(ranks):
-                offsets.append(sizes[r])
-                sizes[r] += -(-rows[r] * per_row * element // _ALIGN) * _ALIGN
-            if param.to_local().shape[0] != rows[rank]:  # not FSDP2's chunking after all
-                usable = False
-            entries.append(_Entry(name, param, offsets, rows))
+        chunks, size = _chunks(named, ranks, dtype.itemsize)
+        # Not FSDP2's chunking after all?
+        usable = usable and all(e.param.to_local().shape[0] == e.rows[rank] for chunk in chunks for e in chunk)
 
         # Which host, and the names of the group's segments (from the group's first rank).
         info = [None] * ranks
-        stat = os.statvfs(SHM_DIR)
-        free = stat.f_bavail * stat.f_frsize if usable else 0
+        free = shm_free_bytes() if usable else 0
         dist.all_gather_object(info, (socket.gethostname(), segment_name(PREFIX), free), group=group)
-        fits = min(free for _, _, free in info) >= sum(sizes) + SPARE_SHM_BYTES  # containers often have 64 MB
+        fits = min(free for _, _, free in info) >= size * ranks + SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
         if not everyone(usable):
             return None
@@ -121,13 +130,13 @@ class SharedMemoryGather:
 
         mappings, error = [], None
         try:
-            create_segment(paths[rank], sizes[rank])
+            create_segment(paths[rank], size, reserve=True)
         except OSError as e:
             error = e
         dist.barrier(group=group)
         if error is None:
             try:
-                mappings = [map_segment(path, size) for path, size in zip(paths, sizes)]
+                mappings = [map_segment(path, size) for path in paths]
             except OSError as e:  # e.g. ranks on one hostname but separate /dev/shm (containers)
                 error = e
         dist.barrier(group=group)  # everyone has mapped every segment: the names can go
@@ -135,22 +144,21 @@ class SharedMemoryGather:
             os.unlink(paths[rank])
         if not everyone(error is None):
             return None
-        return cls(entries, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings], mappings[rank])
+        return cls(chunks, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings])
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor in `dtype`) for every parameter, in `named_parameters` order. Collective."""
         own = self.segments[self.rank]
-        for entry in self.entries:
-            local = entry.param.to_local()
-            self._view(own, entry, self.rank).copy_(local)  # cast into the segment
-        dist.barrier(group=self.group)  # every shard is written
-        try:
-            for entry in self.entries:
-                shards = [self._view(self.segments[r], entry, r) for r in range(len(self.segments))]
-                yield entry.name, torch.cat(shards)
-        finally:
-            dist.barrier(group=self.group)  # every shard is read: segments may be written again
-            give_back(self.own_mapping)
+        for chunk in self.chunks:
+            for entry in chunk:
+                self._view(own, entry, self.rank).copy_(entry.param.to_local())  # cast into the segment
+            dist.barrier(group=self.group)  # every shard of the chunk is written
+            try:
+                for entry in chunk:
+                    shards = [self._view(self.segments[r], entry, r) for r in range(len(self.segments))]
+                    yield entry.name, torch.cat(shards)
+            finally:
+                dist.barrier(group=self.group)  # every shard is read: the segments may be written again
 
     def _view(self, segment: torch.Tensor, entry: _Entry, rank: int) -> torch.Tensor:
         """Group rank `rank`'s shard of `entry` in `segment`, as a tensor of its shape."""

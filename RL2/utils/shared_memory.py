@@ -1,4 +1,4 @@
-"""Shared-memory segments in /dev/shm for ranks on one host: create, map, agree, give back.
+"""Shared-memory segments in /dev/shm for ranks on one host: create, map, agree.
 
 A segment lives in /dev/shm only until every rank of its group has mapped it; the caller unlinks the
 file right after. A run killed in between leaves the file: its name records the process that named it
@@ -75,13 +75,3 @@ def map_segment(path: str, size: int) -> mmap.mmap:
         return mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
     finally:
         os.close(descriptor)
-
-
-def give_back(mapping: mmap.mmap) -> None:
-    """Free a segment's pages in /dev/shm (for every rank that maps it); it reads as zeros until written."""
-    remove = getattr(mmap, "MADV_REMOVE", None)
-    if remove is not None:
-        try:
-            mapping.madvise(remove)
-        except OSError:  # a filesystem without hole punching: the pages stay
-            pass

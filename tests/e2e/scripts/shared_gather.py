@@ -4,12 +4,13 @@
 
 Checks, on a tiny FSDP2-sharded Llama with unevenly sharded parameters (an odd vocabulary, and one
 row that leaves rank 1 an empty shard): every full tensor equals `DTensor.full_tensor()` exactly, in
-float32 and cast to bf16; a second sync sees weights changed in between; the shared-memory files are
-gone once set up and their pages are given back after each sync; and ranks that report different hosts fall back (build returns None on all).
+float32 and cast to bf16, in one chunk and in many; a second sync sees weights changed in between;
+the shared-memory files are gone once set up, the segments hold a chunk rather than the model, and a
+sync takes no more /dev/shm pages than the build reserved; and ranks that report different hosts
+fall back (build returns None on all).
 """
 
 import glob
-import os
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.engine import shared_memory_gather
 from RL2.engine.shared_memory_gather import SharedMemoryGather
+from RL2.utils.shared_memory import shm_free_bytes
 from tests.helpers.launch import separate_hosts
 
 
@@ -29,11 +31,6 @@ def expect_full_tensors(gather: SharedMemoryGather, model: torch.nn.Module, dtyp
     for (name, tensor), (_, full) in zip(got, expected):
         assert tensor.dtype == dtype and tensor.shape == full.shape, (name, tensor.shape, full.shape)
         assert torch.equal(tensor, full), name
-
-
-def shm_free_bytes() -> int:
-    stat = os.statvfs("/dev/shm")
-    return stat.f_bavail * stat.f_frsize
 
 
 def main() -> None:
@@ -51,21 +48,30 @@ def main() -> None:
     assert model.one_row.to_local().shape[0] == (1 if rank == 0 else 0)
 
     before = set(glob.glob("/dev/shm/rl2-shards-*"))
-    for dtype in (torch.float32, torch.bfloat16):
-        gather = SharedMemoryGather.build(model, dtype)
-        assert gather is not None
-        assert set(glob.glob("/dev/shm/rl2-shards-*")) <= before, "the segment files are unlinked once mapped"
-        free_before = shm_free_bytes()
-        expect_full_tensors(gather, model, dtype)
-        dist.barrier()  # every rank has given its segment's pages back
-        segment_bytes = sum(segment.numel() for segment in gather.segments)
-        assert segment_bytes > 32 * 4096
-        assert shm_free_bytes() >= free_before - 8 * 4096, "the segments keep no pages between syncs"
-        with torch.no_grad():  # an optimizer step in between: the next sync must see it
-            for param in model.parameters():
-                param.to_local().mul_(-2).add_(rank + 1)
-        expect_full_tensors(gather, model, dtype)
-
+    model_bytes = sum(p.numel() for p in model.parameters()) * 4
+    world = dist.get_world_size()
+    largest_shard = max(-(-p.shape[0] // world) * p[0].numel() for p in model.parameters()) * 4  # any rank's
+    # The default chunk holds the whole tiny model; 4 KB chunks cut it into many, each shard alone.
+    for chunk_bytes in (shared_memory_gather.CHUNK_BYTES, 4096):
+        shared_memory_gather.CHUNK_BYTES = chunk_bytes
+        for dtype in (torch.float32, torch.bfloat16):
+            gather = SharedMemoryGather.build(model, dtype)
+            assert gather is not None
+            assert set(glob.glob("/dev/shm/rl2-shards-*")) <= before, "the segment files are unlinked once mapped"
+            assert (len(gather.chunks) > 5) == (chunk_bytes == 4096), len(gather.chunks)
+            segment_bytes = gather.segments[rank].numel()
+            assert segment_bytes <= max(chunk_bytes, largest_shard + 64), (segment_bytes, chunk_bytes)
+            assert segment_bytes < model_bytes / 2 or chunk_bytes > model_bytes
+            dist.barrier()
+            free_before = shm_free_bytes()
+            expect_full_tensors(gather, model, dtype)
+            with torch.no_grad():  # an optimizer step in between: the next sync must see it
+                for param in model.parameters():
+                    param.to_local().mul_(-2).add_(rank + 1)
+            expect_full_tensors(gather, model, dtype)
+            dist.barrier()
+            assert shm_free_bytes() >= free_before - 8 * 4096, "a sync writes into the pages reserved at build"
+            del gather
     # Ranks that are not on one host (as far as their names tell) all-gather with gloo instead.
     with separate_hosts(shared_memory_gather, rank):
         assert SharedMemoryGather.build(model, torch.float32) is None
