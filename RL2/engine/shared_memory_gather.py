@@ -8,9 +8,9 @@ directly: then a sync is two memory copies and a few barriers.
 
 The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its
 own), each written, read by every rank, then overwritten by the next. So the segments hold one chunk,
-not the model, and they keep their pages between syncs: a fresh /dev/shm page costs the kernel more
-to allocate and zero than copying into it (0.25 s against 0.03 s for 270 MB, measured on the 2-core
-machine), which a sync into given-back pages paid every time.
+not the model, and they keep their pages between syncs: a fresh /dev/shm page costs the kernel
+several times more to allocate and zero than copying into it, which a sync into given-back pages paid
+for the whole model every time.
 Each segment lives in /dev/shm only until every rank of the group has mapped it; the files are
 unlinked right after, so a crashed run leaves nothing behind. Where this does not apply (ranks on
 several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None
