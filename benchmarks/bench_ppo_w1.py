@@ -10,7 +10,7 @@ the same dtype (`bf16=True` is its faster mode where bf16 is native).
 Prints, from the medians over the steps after the first:
 - per phase of an RL2 step (rollout, old log-probs, update, weight sync, the rest): seconds, the
   model FLOPs it must do and their rate against the matmul peak of that dtype measured in the same
-  run, and the most resident memory one rank held in it;
+  run (the best of rounds before and after the runs), and the most resident memory one rank held in it;
 - per system: seconds per step, the speed-up over TRL's faster mode (with or without gradient
   checkpointing, which GRPOConfig turns on by default), and the most memory all of its processes held at
   once (sampled every 0.1 s from the kernel's counters: anonymous memory summed over the processes,
@@ -207,6 +207,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {variant: run_rl2(args, Path(tmp), variant) for variant in variants}
         trl = {} if args.skip_trl else {mode: run_trl(args, Path(tmp), mode) for mode in args.trl_modes.split(",")}
+    peak = max(peak, matmul_peak(dtype))  # measured before and after the runs: a busy moment lowers one
     print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 on "
           f"{args.nproc} ranks); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; medians of steps 2..{args.steps}")
     for variant, rl2 in runs.items():
