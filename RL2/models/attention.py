@@ -125,11 +125,18 @@ def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
     return out.to(query.dtype)
 
 
+def tokens_major_cat(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """SDPA outputs `[1, H, L_i, D]` of consecutive pieces of a row -> `[1, sum L_i, H, D]`, contiguous
+    (SDPA lays its output out tokens-major, so each transpose is free and the caller's reshape is a view)."""
+    return torch.cat([out.transpose(1, 2) for out in outputs], dim=1)
+
+
 def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
-    bounds = cu_seqlens.tolist()
-    outputs = [sdpa(*(x[:, :, start:end] for x in (query, key, value)), scaling)
-               for start, end in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(outputs, dim=2).transpose(1, 2)
+    # One split per input: a slice per sequence would cost, in backward, a zero-filled gradient of the
+    # whole row per slice; a split's backward is one concatenation.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
+    return tokens_major_cat([sdpa(q, k, v, scaling) for q, k, v in pieces])
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

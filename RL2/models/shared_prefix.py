@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from RL2.batch import MicroBatch
-from RL2.models.attention import sdpa
+from RL2.models.attention import sdpa, tokens_major_cat
 
 MIN_SHARED_TOKENS = 16
 
@@ -106,19 +106,24 @@ class SharedPrefixRow:
     def attention(self, query, key, value, scaling: float) -> torch.Tensor:
         """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
         -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
-        outputs = []
+        # One split of each input into prefixes and branches: the backward of a split is one
+        # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
+        sizes = [size for block in self.blocks for size in (block.prefix, *(length for _, length in block.branches))]
+        queries, keys, values = (x.split(sizes, dim=2) for x in (query, key, value))
+        outputs, segment = [], 0
         for block in self.blocks:
-            prefix = slice(block.start, block.start + block.prefix)
-            outputs.append(sdpa(query[:, :, prefix], key[:, :, prefix], value[:, :, prefix], scaling))
-            for start, length in block.branches:
+            prefix = segment
+            outputs.append(sdpa(queries[prefix], keys[prefix], values[prefix], scaling))
+            for _, length in block.branches:
+                segment += 1
                 if not length:
                     continue
-                branch = slice(start, start + length)
-                keys = torch.cat([key[:, :, prefix], key[:, :, branch]], dim=2)
-                values = torch.cat([value[:, :, prefix], value[:, :, branch]], dim=2)
+                branch_keys = torch.cat([keys[prefix], keys[segment]], dim=2)
+                branch_values = torch.cat([values[prefix], values[segment]], dim=2)
                 mask = self._branch_mask(length, block.prefix, query.device)
-                outputs.append(sdpa(query[:, :, branch], keys, values, scaling, mask))
-        return torch.cat(outputs, dim=2).transpose(1, 2)
+                outputs.append(sdpa(queries[segment], branch_keys, branch_values, scaling, mask))
+            segment += 1
+        return tokens_major_cat(outputs)
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
         # Query i of a branch sits at prefix + i: it sees every prefix key and branch keys 0..i.
