@@ -326,6 +326,22 @@ def test_update_weights_switches_the_model(tokenizer, model):
     assert after[0]["meta_info"]["weight_version"] == "v1"
 
 
+def test_the_cache_holds_the_requests_without_doubling_past_them(tokenizer, model):
+    """Five short requests need 5 rows of at most 128 positions (the least the cache allocates): rows
+    grow to the requests given at once, and growing them does not double the positions too. Their
+    shared prefix is forwarded into one row first, so the rows grow twice."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)
+    try:
+        prompts = [PROMPTS[2] * 2 + [i] for i in range(5)]
+        outputs = generate(engine, *(payload(p) for p in prompts))
+        assert [o["output_ids"] for o in outputs] == [hf_greedy(model, p, 12) for p in prompts]
+        shapes = {tuple(buffer.shape) for buffer in engine.runner.cache.keys + engine.runner.cache.values}
+        heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+        assert shapes == {(5, heads, 128, dim)}
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_released_weights_free_their_memory_and_come_back_with_a_push(tokenizer, tied):
     """On CPU the engine frees its weights between rollouts (the trainer's update needs the RAM) and

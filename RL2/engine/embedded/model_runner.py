@@ -96,6 +96,7 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._row_index: torch.Tensor | None = None
         self._length = 0
+        self.expected_rows = 0  # requests the engine has been given: rows grow to this at once
 
     def bind_prefill(self, rows: slice, start: int, width: int, prefix_row: int | None = None) -> None:
         """The next forward writes positions start..start+width-1 of `rows` and reads from 0.
@@ -141,8 +142,9 @@ class SlotKVCache:
         rows, length = old.shape[0], old.shape[2]
         if min_rows <= rows and min_length <= length:
             return old
-        new_rows = min(self.max_rows, max(min_rows, 2 * rows))
-        new_length = max(min_length, 2 * length, 128)
+        # Each dimension grows only when it is short: growing one should not double the other.
+        new_rows = rows if min_rows <= rows else min(self.max_rows, max(min_rows, 2 * rows, self.expected_rows))
+        new_length = length if min_length <= length else max(min_length, 2 * length, 128)
         new = old.new_zeros(new_rows, old.shape[1], new_length, old.shape[3])
         new[:rows, :, :length] = old
         buffers[layer_idx] = new
@@ -161,6 +163,11 @@ class SlotKVCache:
             for layer_idx in range(len(buffers)):
                 buffer = self._reserve(buffers, layer_idx, first_row + len(sources), length)
                 buffer[first_row : first_row + len(sources), :, :length] = buffer[sources, :, :length]
+
+    def expect_rows(self, rows: int) -> None:
+        """Requests running or waiting: the next growth of the rows goes straight to this many
+        (capped at `max_rows`) instead of copying the cache at every doubling."""
+        self.expected_rows = min(rows, self.max_rows)
 
     def clear(self) -> None:
         self.keys, self.values = [], []
