@@ -14,6 +14,12 @@ which hand over the same buffers gloo would get, so nothing else in the trainer 
 grows (collectively: every rank asks for the same sizes in the same order) to the largest layer's
 buffer. Where it cannot apply or grow (ranks on several hosts, a full /dev/shm), every rank agrees to
 go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off.
+
+The hooks also allocate FSDP's buffers, and a decoder layer's are handed out in shared memory itself
+(`Slots`): FSDP then writes its shard of an all-gather, and the gradients of a reduce-scatter, straight
+where the other ranks read them, and the collective is one barrier and the reads. The root module's
+buffers (embeddings and head, several layers' worth) take the copying path instead of four more slots
+of their size.
 """
 
 import functools
@@ -51,6 +57,8 @@ class SharedMemoryCollectives:
         self.grown = 0
         self.usable = True  # False once the ranks agreed that the segment cannot grow: gloo from then on
         self.calls = 0  # collectives that went through shared memory
+        self.in_place = 0  # of them, on buffers FSDP wrote in shared memory itself
+        self.slots = Slots(self)
 
     @classmethod
     @functools.cache
@@ -69,11 +77,14 @@ class SharedMemoryCollectives:
         return cls(group, info[0][2])
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Route every FSDP module of `model` through these collectives."""
+        """Route every FSDP module of `model` through these collectives; the buffers of all but the root
+        module live in shared memory."""
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(_AllGather(self))
                 module.set_custom_reduce_scatter(_ReduceScatter(self))
+                if module is not model:
+                    self.slots.fit(_gathered_bytes(module, self.world))
 
     def _parts(self, nbytes: int) -> torch.Tensor | None:
         """Every rank's part `[world, nbytes]` of the segment, grown if needed; None: use gloo. Collective."""
@@ -84,10 +95,16 @@ class SharedMemoryCollectives:
         return self.segment.view(self.world, self.part_bytes)[:, :nbytes]
 
     def _grow(self, part_bytes: int) -> None:
-        """A new segment with room for `part_bytes` per rank, made by the group's first rank and mapped by
-        all; or, if that fails anywhere, `usable` turns False everywhere."""
+        """A new segment with room for `part_bytes` per rank."""
         self.segment = None  # the old one goes once nothing reads it
-        size, path = part_bytes * self.world, os.path.join(SHM_DIR, f"{self.name}-{self.grown}")
+        segment = self.new_segment(part_bytes * self.world)
+        if segment is not None:
+            self.segment, self.part_bytes = segment, part_bytes
+
+    def new_segment(self, size: int) -> torch.Tensor | None:
+        """A segment of `size` bytes made by the group's first rank and mapped by all; or, if that fails
+        anywhere, None everywhere and `usable` turns False. Collective."""
+        path = os.path.join(SHM_DIR, f"{self.name}-{self.grown}")
         self.grown += 1
         error = None
         if self.rank == 0:
@@ -108,8 +125,8 @@ class SharedMemoryCollectives:
             os.unlink(path)
         if not ok:
             self.usable = False
-            return
-        self.segment, self.part_bytes = torch.frombuffer(mapping, dtype=torch.uint8), part_bytes
+            return None
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
     def _barrier(self) -> None:
         dist.all_reduce(torch.zeros(1), group=self.group)  # ~5x cheaper than gloo's barrier
@@ -128,6 +145,14 @@ class SharedMemoryCollectives:
     @torch.no_grad()
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """output `[world * n]` = every rank's input `[n]`, in rank order; False: not done (use gloo)."""
+        if self.slots.holds(output):
+            mine = output.view(self.world, -1)[self.rank]
+            if mine.data_ptr() != input.data_ptr():  # FSDP copies its shard in place; anyone else, here
+                mine.copy_(input)
+            self._barrier()  # every rank's shard is in place
+            self.calls += 1
+            self.in_place += 1
+            return True
         parts = self._publish(input)
         if parts is None:
             return False
@@ -139,7 +164,15 @@ class SharedMemoryCollectives:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """output `[n]` = the sum over ranks, in rank order, of their input `[world * n]`'s slice of this
         rank; False: not done (use gloo)."""
-        parts = self._publish(input)
+        if self.slots.holds(output):
+            raise RuntimeError("a reduce-scatter's output was handed out in shared memory, where the next "
+                               "collectives overwrite it: set RL2_SHARED_MEMORY_COLLECTIVES=0")
+        if self.slots.holds(input):
+            self._barrier()  # every rank's input is in place
+            parts = self.slots.inputs_of_every_rank(input)
+            self.in_place += 1
+        else:
+            parts = self._publish(input)
         if parts is None:
             return False
         n = output.numel()
@@ -152,12 +185,90 @@ class SharedMemoryCollectives:
         return True
 
 
+class Slots:
+    """FSDP's all-gather outputs and reduce-scatter inputs of up to `slot_bytes`, in a shared segment.
+
+    Two slots of each kind, used in turn, are enough: a rank writes slot k % 2 only after the barrier of
+    collective k - 1, which every other rank reaches after it is done with collective k - 2 (FSDP copies
+    a gathered layer out before it asks for the next all-gather, prefetch included; a reduce-scatter
+    reads its inputs within the call). All-gather slots hold `slot_bytes`, each rank writing its part;
+    reduce-scatter slots `world * slot_bytes`, a whole input per rank. Every rank allocates the same
+    sizes in the same order, so the k-th buffer is the same slot everywhere.
+    """
+
+    PER_KIND = 2
+
+    def __init__(self, collectives: SharedMemoryCollectives):
+        self.collectives = collectives
+        self.slot_bytes = 0  # the largest buffer wanted in shared memory
+        self.gather: list[torch.Tensor] = []  # uint8 [slot_bytes] each
+        self.scatter: list[torch.Tensor] = []  # uint8 [world, slot_bytes] each
+        self.turn = {"gather": 0, "scatter": 0}
+        self.span = (0, 0)  # addresses of the segment
+
+    def fit(self, nbytes: int) -> None:
+        self.slot_bytes = max(self.slot_bytes, -(-nbytes // _ALIGN) * _ALIGN)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.span[0] <= tensor.data_ptr() < self.span[1]
+
+    def buffer(self, kind: str, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The next `kind` ("gather" or "scatter") slot as a `size` tensor (this rank's input for
+        "scatter"); None where it does not fit or shared memory is out of use. Collective."""
+        nbytes = torch.Size(size).numel() * dtype.itemsize
+        if device.type != "cpu" or nbytes > self.slot_bytes or not self.collectives.usable:
+            return None
+        if not self.gather or self.gather[0].numel() < self.slot_bytes:
+            self._map()
+            if not self.gather:
+                return None
+        slots = self.gather if kind == "gather" else [s[self.collectives.rank] for s in self.scatter]
+        index = self.turn[kind]
+        self.turn[kind] = (index + 1) % self.PER_KIND
+        return slots[index][:nbytes].view(dtype).view(size)
+
+    def inputs_of_every_rank(self, input: torch.Tensor) -> torch.Tensor:
+        """`[world, numel]` the reduce-scatter inputs of every rank in the slot `input` is in."""
+        for slot in self.scatter:
+            if slot[self.collectives.rank].data_ptr() == input.data_ptr():
+                return slot[:, : input.numel() * input.element_size()].view(input.dtype)
+        raise ValueError("not a reduce-scatter input of these slots")
+
+    def _map(self) -> None:
+        world, size = self.collectives.world, self.slot_bytes
+        self.gather, self.scatter, self.span = [], [], (0, 0)  # the old slots go once nothing reads them
+        segment = self.collectives.new_segment(self.PER_KIND * size * (1 + world))
+        if segment is None:
+            return
+        self.gather = [segment[i * size : (i + 1) * size] for i in range(self.PER_KIND)]
+        scatter = segment[self.PER_KIND * size :].view(self.PER_KIND, world, size)
+        self.scatter = list(scatter)
+        self.span = (segment.data_ptr(), segment.data_ptr() + segment.numel())
+        self.turn = {"gather": 0, "scatter": 0}
+
+
+def _gathered_bytes(module: torch.nn.Module, world: int) -> int:
+    """The most bytes of an all-gather output of FSDP `module`'s own parameters (those of no nested
+    FSDP module): each padded to a multiple of `world` rows, at no less than 4 bytes an element."""
+    nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+              for p in sub.parameters()}
+    total = 0
+    for param in module.parameters():
+        if id(param) in nested:
+            continue
+        shape = param.shape if param.dim() else torch.Size([1])
+        rows = -(-shape[0] // world) * world
+        total += rows * shape[1:].numel() * max(param.element_size(), 4)
+    return total
+
+
 class _AllGather(AllGather):
     def __init__(self, collectives: SharedMemoryCollectives):
         self.collectives = collectives
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        in_place = self.collectives.slots.buffer("gather", size, dtype, device)
+        return in_place if in_place is not None else torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         if group is self.collectives.group and self.collectives.all_gather(output_tensor, input_tensor):
@@ -168,9 +279,18 @@ class _AllGather(AllGather):
 class _ReduceScatter(ReduceScatter):
     def __init__(self, collectives: SharedMemoryCollectives):
         self.collectives = collectives
+        self.input_numel: int | None = None  # of the input just handed out, until its output is asked for
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        # FSDP asks for a reduce-scatter's input, then for its output (`world` times smaller), which it
+        # keeps past the call: only the input goes into a slot.
+        numel = torch.Size(size).numel()
+        if self.input_numel is not None and numel * self.collectives.world == self.input_numel:
+            self.input_numel = None
+            return torch.empty(*size, dtype=dtype, device=device)
+        self.input_numel = numel
+        in_place = self.collectives.slots.buffer("scatter", size, dtype, device)
+        return in_place if in_place is not None else torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         summed = op == dist.ReduceOp.SUM  # what RL2 asks FSDP for (`sum_gradients_over_ranks`)

@@ -5,15 +5,18 @@
 Checks: all-gathers (float32 and bf16) and summed reduce-scatters of random buffers equal gloo's, also
 after the segment grows for a larger buffer (exactly on 2 ranks, where a sum of two is the same in any
 order; to rounding on 3); a tiny FSDP2-sharded Llama trained through them has the gradients and, after
-an AdamW step, the parameters of its twin trained over gloo, and went through shared memory for every
-layer; no segment file stays in /dev/shm, and the files a killed run left (named for a process that no
+each of three AdamW steps, the parameters of its twin trained over gloo, with ranks slowed at random
+so that one runs ahead, and went through shared memory for every layer (the layers' buffers written
+there by FSDP itself); no segment file stays in /dev/shm, and the files a killed run left (named for a process that no
 longer exists) are removed while those of a live process stay; ranks that report different hosts get
 None.
 """
 
 import glob
 import os
+import random
 import subprocess
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,24 +71,42 @@ def sharded(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
+def skew_ranks(model: torch.nn.Module, seed: int) -> None:
+    """Random sleeps of up to 20 ms before each layer's forward and backward, different on every rank:
+    one rank runs ahead of the other into the next collectives, as on a busy machine."""
+    generator = random.Random(seed)
+
+    def sleep(*_):
+        time.sleep(generator.random() / 50)
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(sleep)
+        layer.register_full_backward_pre_hook(sleep)
+
+
 def check_training(mesh, exact: bool) -> None:
     through_memory, over_gloo = sharded(tiny_llama(), mesh), sharded(tiny_llama(), mesh)
     collectives = SharedMemoryCollectives.for_group(mesh.get_group())
     collectives.attach(through_memory)
-    calls = collectives.calls
+    skew_ranks(through_memory, seed=dist.get_rank())
+    calls, in_place = collectives.calls, collectives.in_place
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (through_memory, over_gloo)]
     torch.manual_seed(100 + dist.get_rank())
-    input_ids = torch.randint(0, 301, (2, 17))
-    for model in (through_memory, over_gloo):
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    for step in range(3):
+        input_ids = torch.randint(0, 301, (2, 17))
+        for model in (through_memory, over_gloo):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+        for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
+            expect_equal(a.grad.to_local(), b.grad.to_local(), exact, f"gradient of {name} at step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
+            expect_equal(a.to_local(), b.to_local(), exact, f"{name} after step {step}")
     # 3 FSDP modules (2 layers and the root): an all-gather each in forward and in backward (the root's
-    # stays gathered), a reduce-scatter each.
-    assert collectives.calls - calls >= 3 + 2 + 3, collectives.calls - calls
-    for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
-        expect_equal(a.grad.to_local(), b.grad.to_local(), exact, f"gradient of {name}")
-    for model in (through_memory, over_gloo):
-        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
-    for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
-        expect_equal(a.to_local(), b.to_local(), exact, f"{name} after a step")
+    # stays gathered), a reduce-scatter each; the layers' on buffers FSDP wrote in shared memory itself.
+    assert collectives.calls - calls >= 3 * (3 + 2 + 3), collectives.calls - calls
+    assert collectives.in_place - in_place >= 3 * (2 + 2 + 2), collectives.in_place - in_place
 
 
 def main() -> None:
