@@ -31,6 +31,9 @@ class LogpsAndEntropy(torch.autograd.Function):
                 log_probs = _log_probs(chunk, lse[rows])
                 entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
         ctx.with_entropy, ctx.temperature = with_entropy, temperature
+        # An output the loss does not use (the entropy, when it is only a metric) gets None in backward
+        # rather than zeros, which would cost a [tokens, vocabulary] pass to multiply by.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, lse, entropy)
         return logps, entropy
 

@@ -41,6 +41,10 @@ def test_chunked_logps_and_entropy_equal_log_softmax(monkeypatch, dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient is returned in the logits' dtype
     torch.testing.assert_close(grad.double(), expected, atol=tolerance, rtol=tolerance)
 
+    (expected,) = torch.autograd.grad(reference(leaf, labels)[1].sum(), leaf)  # the log-probs unused
+    (grad,) = torch.autograd.grad(logps_and_entropy(logits, labels)[1].sum(), logits)
+    torch.testing.assert_close(grad.double(), expected.nan_to_num(nan=0.0), atol=tolerance, rtol=tolerance)
+
     (expected,) = torch.autograd.grad(reference(leaf, labels)[0].sum(), leaf)
     for logps in (logps_and_entropy(logits, labels)[0], token_logps(logits, labels)):  # entropy unused / not made
         torch.testing.assert_close(logps.double(), expected_logps, atol=1e-5, rtol=1e-5)
