@@ -214,6 +214,8 @@ def server(tiny_model_path):
     finally:
         server.shutdown()
     assert not server.alive()
+    # SGLang's load-snapshot file, which SGLang itself never unlinks, was found and is gone.
+    assert server.shm_files and not any(os.path.exists(path) for path in server.shm_files), server.shm_files
 
 
 def sglang_test(fn):

@@ -30,6 +30,10 @@ TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 _FLAG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
+# SGLang's load-snapshot file in /dev/shm: its processes close it at exit but never unlink it (SGLang
+# sweeps such files only in its own CI), so every launch would leave one behind.
+SGLANG_SHM_PREFIX = "/dev/shm/sglang_loads_"
+
 
 def check_server_args(server_args: dict) -> dict:
     """`rollout.server_args` with keys in SGLang's snake_case, or a ConfigError naming the bad key.
@@ -103,6 +107,7 @@ class SGLangServer:
         self.log_path = log_dir / f"sglang-{self.port}.log"
         self.process: subprocess.Popen | None = None
         self._env = _server_env(env or {})
+        self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
         with open(self.log_path, "w") as log:
@@ -127,6 +132,7 @@ class SGLangServer:
                                   f"ready.\n{self.describe()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    self.shm_files |= shm_files_of_group(self.process.pid, SGLANG_SHM_PREFIX)
                     return
             except httpx.TransportError:
                 pass  # not listening yet
@@ -149,9 +155,20 @@ class SGLangServer:
             return "(no log)"
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
-        if self.process is None or self.process.poll() is not None and not _group_alive(self.process.pid):
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds; then remove the
+        files SGLang leaves in /dev/shm."""
+        if self.process is None:
             return
+        if self.process.poll() is None or _group_alive(self.process.pid):
+            self.shm_files |= shm_files_of_group(self.process.pid, SGLANG_SHM_PREFIX)
+            self._stop_group(grace)
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _stop_group(self, grace: float) -> None:
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.process.pid, sig)
@@ -170,6 +187,27 @@ def _server_env(extra: dict) -> dict:
            if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
     env["RL2_TRAINER_PID"] = str(os.getpid())
     return env | {str(key): str(value) for key, value in extra.items()}
+
+
+def shm_files_of_group(pgid: int, prefix: str) -> set[str]:
+    """Paths starting with `prefix` that a process of group `pgid` has mapped (Linux; empty elsewhere)."""
+    found = set()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith(prefix):
+                        found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def _group_alive(pgid: int) -> bool:
