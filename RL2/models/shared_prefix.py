@@ -37,13 +37,13 @@ class Block:
     Attributes:
         start: where the block starts in the compressed row.
         prefix: its shared tokens (all of a sequence that shares with no other).
-        branches: (start, length) of each branch in the compressed row; a branch may be empty (a
-            sequence that is all prefix).
+        branches: the length of each branch, which follow the prefix in order; a branch may be empty
+            (a sequence that is all prefix).
     """
 
     start: int
     prefix: int
-    branches: list[tuple[int, int]] = field(default_factory=list)
+    branches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class SharedPrefixRow:
                 start, end = bounds[sequence] + shared, bounds[sequence + 1]
                 source.extend(range(block.start, block.start + shared))
                 source.extend(range(len(keep), len(keep) + end - start))
-                block.branches.append((len(keep), end - start))
+                block.branches.append(end - start)
                 keep.extend(range(start, end))
             blocks.append(block)
         device = mb.input_ids.device
@@ -108,21 +108,19 @@ class SharedPrefixRow:
         -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
         # One split of each input into prefixes and branches: the backward of a split is one
         # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
-        sizes = [size for block in self.blocks for size in (block.prefix, *(length for _, length in block.branches))]
-        queries, keys, values = (x.split(sizes, dim=2) for x in (query, key, value))
-        outputs, segment = [], 0
+        sizes = [size for block in self.blocks for size in (block.prefix, *block.branches)]
+        pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))  # (q, k, v) of each, in order
+        outputs = []
         for block in self.blocks:
-            prefix = segment
-            outputs.append(sdpa(queries[prefix], keys[prefix], values[prefix], scaling))
-            for _, length in block.branches:
-                segment += 1
+            prefix_q, prefix_k, prefix_v = next(pieces)
+            outputs.append(sdpa(prefix_q, prefix_k, prefix_v, scaling))
+            for length in block.branches:
+                branch_q, branch_k, branch_v = next(pieces)
                 if not length:
                     continue
-                branch_keys = torch.cat([keys[prefix], keys[segment]], dim=2)
-                branch_values = torch.cat([values[prefix], values[segment]], dim=2)
+                keys, values = torch.cat([prefix_k, branch_k], dim=2), torch.cat([prefix_v, branch_v], dim=2)
                 mask = self._branch_mask(length, block.prefix, query.device)
-                outputs.append(sdpa(queries[segment], branch_keys, branch_values, scaling, mask))
-            segment += 1
+                outputs.append(sdpa(branch_q, keys, values, scaling, mask))
         return tokens_major_cat(outputs)
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
