@@ -43,7 +43,8 @@ def torch_varlen_attention():
     """torch's `varlen_attn` when this torch has one we can call causally with a scale, else None.
 
     Its keywords changed between releases (`is_causal` became `window_size=(-1, 0)`; `enable_gqa` came
-    later), so they are read off its signature; without `enable_gqa` it serves only equal head counts.
+    later), so they are read off its signature; without `enable_gqa`, grouped key/value heads are
+    repeated to the query's head count before the call (`_torch_varlen`).
     """
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -55,21 +56,18 @@ def torch_varlen_attention():
     return varlen_attn
 
 
-def varlen_backend(device: torch.device, dtype: torch.dtype, grouped_query: bool = False) -> str:
+def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel packed attention runs here: "flash_attn", "torch_varlen" or "sdpa".
 
     Args:
         device: where the query lives.
         dtype: the query's dtype (the flash kernels take only fp16 and bf16).
-        grouped_query: fewer key/value heads than query heads.
     """
     if device.type != "cuda" or dtype not in HALF_DTYPES:
         return "sdpa"
     if flash_attn_varlen() is not None:
         return "flash_attn"
-    varlen_attn = torch_varlen_attention()
-    if varlen_attn is not None and torch.cuda.get_device_capability(device)[0] >= 8 and (
-            not grouped_query or "enable_gqa" in inspect.signature(varlen_attn).parameters):
+    if torch_varlen_attention() is not None and torch.cuda.get_device_capability(device)[0] >= 8:
         return "torch_varlen"
     return "sdpa"
 
@@ -103,7 +101,10 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     else:
         kwargs["is_causal"] = True
     if query.shape[1] != key.shape[1]:
-        kwargs["enable_gqa"] = True
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # an older kernel wants one key/value head per query head; autograd sums the copies' gradients
+            key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, dim)
     cu_seqlens = cu_seqlens.to(torch.int32)
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
@@ -155,7 +156,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         cu_seqlens = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    backend = varlen_backend(query.device, query.dtype, grouped_query=query.shape[1] != key.shape[1])
+    backend = varlen_backend(query.device, query.dtype)
     log_backend_once("packed", backend, query.device, query.dtype)
     if backend == "sdpa":
         return _sdpa_per_sequence(query, key, value, cu_seqlens, scaling), None

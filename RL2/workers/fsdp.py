@@ -191,9 +191,7 @@ class FSDPWorker(Stateful):
         row), and a context-parallel split cuts sequences apart."""
         if not getattr(self.cfg, "share_prefixes", False) or self.dims.cp > 1:
             return False
-        heads = config.num_attention_heads
-        grouped_query = getattr(config, "num_key_value_heads", heads) != heads
-        return varlen_backend(self.device, self.dtype, grouped_query) == "sdpa"
+        return varlen_backend(self.device, self.dtype) == "sdpa"
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
         cfg = self.lora

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from RL2.models.attention import varlen_attention
 
@@ -67,23 +68,63 @@ def _varlen_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, 
     raise AssertionError("not called by the choice")
 
 
-@pytest.mark.parametrize("flash, varlen, capability, dtype, gqa, expected", [
-    (True, _VarlenWithGQA(), (9, 0), torch.bfloat16, True, "flash_attn"),
-    (True, _VarlenWithGQA(), (9, 0), torch.float32, False, "sdpa"),  # flash kernels take fp16/bf16 only
-    (False, _VarlenWithGQA(), (9, 0), torch.float16, True, "torch_varlen"),
-    (False, _VarlenWithGQA(), (7, 5), torch.bfloat16, False, "sdpa"),  # torch's flash kernel needs Ampere
-    (False, _varlen_without_gqa, (8, 0), torch.bfloat16, False, "torch_varlen"),
-    (False, _varlen_without_gqa, (8, 0), torch.bfloat16, True, "sdpa"),  # no enable_gqa in this torch
-    (False, None, (9, 0), torch.bfloat16, False, "sdpa"),
+@pytest.mark.parametrize("flash, varlen, capability, dtype, expected", [
+    (True, _VarlenWithGQA(), (9, 0), torch.bfloat16, "flash_attn"),
+    (True, _VarlenWithGQA(), (9, 0), torch.float32, "sdpa"),  # flash kernels take fp16/bf16 only
+    (False, _VarlenWithGQA(), (9, 0), torch.float16, "torch_varlen"),
+    (False, _VarlenWithGQA(), (7, 5), torch.bfloat16, "sdpa"),  # torch's flash kernel needs Ampere
+    (False, _varlen_without_gqa, (8, 0), torch.bfloat16, "torch_varlen"),  # grouped heads are repeated for it
+    (False, None, (9, 0), torch.bfloat16, "sdpa"),
 ])
-def test_cuda_backend_choice(monkeypatch, flash, varlen, capability, dtype, gqa, expected):
+def test_cuda_backend_choice(monkeypatch, flash, varlen, capability, dtype, expected):
     """Which kernel a CUDA forward would take, from what is installed (the CUDA checks run in tests/gpu)."""
     from RL2.models import attention
 
     monkeypatch.setattr(attention, "flash_attn_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(attention, "torch_varlen_attention", lambda: varlen)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert attention.varlen_backend(torch.device("cuda", 0), dtype, grouped_query=gqa) == expected
+    assert attention.varlen_backend(torch.device("cuda", 0), dtype) == expected
+
+
+@pytest.mark.parametrize("with_gqa_keyword", [False, True])
+def test_torch_varlen_call_with_grouped_heads(monkeypatch, with_gqa_keyword):
+    """The arguments `_torch_varlen` hands torch's kernel, checked with a stand-in that computes what the
+    kernel's documentation says (causal attention within each `cu_seq` span, `(T, H, D)` layout) and,
+    like torch releases before `enable_gqa`, refuses fewer key/value heads than query heads unless told.
+    Output and gradients must equal causal SDPA on each sequence alone."""
+    from RL2.models import attention
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kwargs):
+        assert window_size == (-1, 0) and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert kwargs.get("enable_gqa", False) or q.shape[1] == k.shape[1]
+        bounds = cu_q.tolist()
+        outs = [F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                               scale=scale, enable_gqa=True).transpose(0, 1)
+                for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs)
+
+    if with_gqa_keyword:
+        def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                          enable_gqa=enable_gqa)
+    else:
+        def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(attention, "torch_varlen_attention", lambda: varlen)
+    lengths = [5, 1, 9, 3]
+    generator = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, heads, sum(lengths), 8, generator=generator, dtype=torch.float64, requires_grad=True)
+              for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = attention._torch_varlen(*leaves, cu_seqlens, max(lengths), 0.3)
+    expected = reference(*leaves, lengths, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    ours = torch.autograd.grad((out * weights).sum(), leaves)
+    theirs = torch.autograd.grad((expected * weights).sum(), leaves)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_cpu_always_takes_the_exact_path():
