@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tests.gpu.cuda_models import llama_config, tokenizer_path
+from tests.gpu.cuda_models import llama_config
+from tests.helpers.tiny import tokenizer_path
 
 
 @pytest.fixture(scope="session")

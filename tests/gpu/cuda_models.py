@@ -1,23 +1,13 @@
-"""Random-weight models built from a config, the embedded model's tokenizer, and a worker config, for the CUDA tests.
+"""Random-weight models built from a config and a worker config, for the CUDA tests.
 
-Nothing here downloads anything: the tokenizer comes from `RL2_TEST_TOKENIZER` (a folder saved with
-`save_pretrained`, small enough to carry to a GPU machine) or else from the embedded SmolLM2
-package, as in the CPU tests. RL2's config package needs omegaconf, which a bare GPU machine may
-lack, so `model_config` builds the few fields the workers read.
+The tokenizer is the CPU tests' (`tests.helpers.tiny.tokenizer_path`: `RL2_TEST_TOKENIZER` or the
+embedded SmolLM2 package). RL2's config package needs omegaconf, which a bare GPU machine may lack, so
+`model_config` builds the few fields the workers read.
 """
 
-import os
 from types import SimpleNamespace
 
 from transformers import LlamaConfig
-
-
-def tokenizer_path() -> str:
-    if os.environ.get("RL2_TEST_TOKENIZER"):
-        return os.environ["RL2_TEST_TOKENIZER"]
-    from RL2.models.default_model import resolve_model_path
-
-    return resolve_model_path("smollm2-135m-instruct")
 
 
 def llama_config(tokenizer, hidden: int = 256, layers: int = 4) -> LlamaConfig:

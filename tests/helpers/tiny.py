@@ -1,5 +1,11 @@
-"""Tiny random-weight models with the default model's real tokenizer and chat template."""
+"""Tiny random-weight models with the default model's real tokenizer and chat template.
 
+Nothing here downloads anything: the tokenizer comes from `RL2_TEST_TOKENIZER` (a folder saved with
+`save_pretrained`, small enough to carry to a machine without the embedded model's package, such as a
+GPU machine) or else from the embedded SmolLM2 package.
+"""
+
+import os
 from pathlib import Path
 
 import torch
@@ -8,8 +14,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from RL2.models.default_model import resolve_model_path
 
 
+def tokenizer_path() -> str:
+    return os.environ.get("RL2_TEST_TOKENIZER") or resolve_model_path("smollm2-135m-instruct")
+
+
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    return AutoTokenizer.from_pretrained(tokenizer_path())
 
 
 def make_tiny_model(folder: Path, seed: int = 0, layers: int = 2) -> str:

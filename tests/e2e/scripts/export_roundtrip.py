@@ -20,8 +20,8 @@ folder = f"{cfg.trainer.save_dir}/final/actor"
 reloaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
 initial = AutoModelForCausalLM.from_pretrained(cfg.actor.model_name, attn_implementation="eager")
 (mb,) = pack(SequenceBatch.from_examples(trainer.train_data[:4]), 0, 1, max_tokens=10_000)
-with torch.no_grad():
-    trained_logits = forward_packed(trainer.actor.model, mb).logits
+with torch.no_grad():  # the trained model on the trainer's device (CPU or CUDA), the reloaded ones on the CPU
+    trained_logits = forward_packed(trainer.actor.model, mb.to(trainer.device)).logits.cpu()
     diffs, changed = [], 0
     for seq_logits, example_id in zip(mb.unpack(trained_logits), mb.sequence_ids):
         ids = torch.tensor([trainer.train_data[example_id]["input_ids"][:-1]])

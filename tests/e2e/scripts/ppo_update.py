@@ -51,7 +51,7 @@ def fixed_rollout(vocab: int) -> RolloutBatch:
 def main() -> None:
     out, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_config(PPOConfig, "ppo", argv)
-    device = pick_device("cpu")
+    device = pick_device("cuda" if cfg.trainer.device == "cuda" else "cpu")  # CPU (gloo) unless asked for cuda
     init_distributed(device)
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg.actor, device)
