@@ -6,9 +6,18 @@ log-softmax, exp, the product of the entropy, and each of their backward passes)
 through memory. Here each chunk of rows is cast, reduced and, in backward, turned into its
 gradient while it sits in the CPU's cache; only the log-sum-exp and entropy of each token are kept
 between forward and backward. Logits of -inf (masked vocabulary entries) count as probability 0.
+
+On CUDA the same function runs as two Triton kernels (`RL2.models.triton_logps`: one read of the
+logits in forward, one read and one write in backward) where Triton imports, as it does with CUDA
+builds of torch; `RL2_TRITON_LOGPS=0` keeps the chunked path there.
 """
 
+import functools
+import os
+
 import torch
+
+from RL2.utils.logging import log_rank0
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements per chunk on CPU: 4 MB, within a core's share of the cache
 # On a GPU the gain is memory (no float32 copy of all logits), and small chunks would cost kernel launches.
@@ -21,6 +30,16 @@ class LogpsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
+        kernels = cuda_kernels() if logits.is_cuda else None
+        ctx.kernels, ctx.with_entropy, ctx.temperature = kernels, with_entropy, temperature
+        ctx.set_materialize_grads(False)
+        if kernels is not None:
+            logits = logits.contiguous()
+            logps, lse, entropy = kernels.forward(logits, labels, temperature)
+            if not with_entropy:
+                entropy.zero_()
+            ctx.save_for_backward(logits, labels, lse, entropy)
+            return logps, entropy
         logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
         entropy, lse = torch.zeros_like(logps), torch.empty_like(logps)
         for rows in _chunks(logits):
@@ -30,10 +49,9 @@ class LogpsAndEntropy(torch.autograd.Function):
             if with_entropy:
                 log_probs = _log_probs(chunk, lse[rows])
                 entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
-        ctx.with_entropy, ctx.temperature = with_entropy, temperature
         # An output the loss does not use (the entropy, when it is only a metric) gets None in backward
-        # rather than zeros, which would cost a [tokens, vocabulary] pass to multiply by.
-        ctx.set_materialize_grads(False)
+        # rather than zeros, which would cost a [tokens, vocabulary] pass to multiply by
+        # (`set_materialize_grads(False)` above).
         ctx.save_for_backward(logits, labels, lse, entropy)
         return logps, entropy
 
@@ -42,6 +60,10 @@ class LogpsAndEntropy(torch.autograd.Function):
         """d log p_y / dz_j = [j = y] - p_j;  d H / dz_j = -p_j (log p_j + H)."""
         logits, labels, lse, entropy = ctx.saved_tensors
         grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
+        if ctx.kernels is not None:
+            grad_entropy = grad_entropy if ctx.with_entropy else None
+            return ctx.kernels.backward(logits, labels, lse, entropy, grad_logps, grad_entropy, ctx.temperature), \
+                None, None, None
         grad = torch.empty_like(logits)
         for rows in _chunks(logits):
             log_probs = _log_probs(_scaled(logits[rows], ctx.temperature), lse[rows])
@@ -52,6 +74,20 @@ class LogpsAndEntropy(torch.autograd.Function):
             chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
             grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
         return grad, None, None, None
+
+
+@functools.cache
+def cuda_kernels():
+    """`RL2.models.triton_logps`, or None where Triton does not import or `RL2_TRITON_LOGPS=0`."""
+    if os.environ.get("RL2_TRITON_LOGPS", "1") == "0":
+        return None
+    try:
+        from RL2.models import triton_logps
+    except ImportError:
+        log_rank0("log-probs on CUDA: chunked torch ops (Triton does not import)")
+        return None
+    log_rank0("log-probs on CUDA: Triton kernels")
+    return triton_logps
 
 
 def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
