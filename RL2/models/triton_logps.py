@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # vocabulary entries a program holds at once
-FLOAT32_MIN = -3.4028234663852886e38
+FLOAT32_MIN = tl.constexpr(-3.4028234663852886e38)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
