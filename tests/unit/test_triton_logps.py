@@ -1,7 +1,8 @@
 """The CUDA log-prob kernels (`RL2.models.triton_logps`) run by Triton's interpreter on the CPU, against
 float64 autograd: log-probs, entropies and both gradients at a temperature, with masked (-inf) logits,
-in float32 and bf16. Runs where Triton is installed (CUDA builds of torch ship it); on a GPU,
-tests/gpu/test_cuda_logps.py runs the compiled kernels."""
+in float32 and bf16. Runs on machines without a GPU where Triton is installed (Triton 3.9's interpreter
+was checked; 3.6's fails on numpy 2.5 before running a kernel). On a GPU, tests/gpu/test_cuda_logps.py
+runs the compiled kernels instead."""
 
 import importlib.util
 import os
@@ -13,8 +14,9 @@ import torch
 
 from tests.helpers import REPO
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="Triton is not installed (CUDA builds of torch ship it)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="Triton is not installed (CUDA builds of torch ship it)"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernels (tests/gpu)")]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
