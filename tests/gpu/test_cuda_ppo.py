@@ -28,7 +28,7 @@ MISMATCH = {"float32": 1e-4, "bfloat16": 5e-2}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grpo_on_cuda_raises_reward_with_the_engine_on_the_same_gpu(repeat_model, rl_data, tmp_path, dtype):  # noqa: F811
     result = run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "trainer.device=cuda", f"actor.dtype={dtype}",
-                                   "trainer.test_freq=4"), timeout=600)
+                                   "trainer.test_freq=4"), timeout=600, device="cuda")
     assert_learned(tmp_path, repeat_model)
     metrics = read_metrics(tmp_path)
     mismatches = [m["actor/engine_mismatch"] for m in metrics if "actor/engine_mismatch" in m]
@@ -54,7 +54,7 @@ def test_shared_prefixes_on_cuda_equal_each_sequence_alone(tiny_model_path, tmp_
     reports = {}
     for name, extra in (("unshared", ["actor.share_prefixes=false", "critic.share_prefixes=false"]), ("shared", [])):
         out = tmp_path / f"{name}.pt"
-        result = run_ranks(1, ["tests/e2e/scripts/ppo_update.py", str(out), *config, *extra])
+        result = run_ranks(1, ["tests/e2e/scripts/ppo_update.py", str(out), *config, *extra], device="cuda")
         report = json.loads(result.stdout.strip().splitlines()[-1])
         assert (report["tokens_saved"] > 0) == (name == "shared"), (name, report["tokens_saved"])
         reports[name] = (report["metrics"], torch.load(out))

@@ -10,9 +10,16 @@ from pathlib import Path
 from tests.helpers import REPO
 
 
-def run_ranks(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """`target` is `["-m", "RL2.trainer.sft", ...]` or `[script.py, ...]`."""
+def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "cpu") -> subprocess.CompletedProcess:
+    """`target` is `["-m", "RL2.trainer.sft", ...]` or `[script.py, ...]`.
+
+    With `device="cpu"` the ranks see no GPU, whatever the machine has: the end-to-end tests are the
+    CPU suite (gloo ranks compared with one process), and on a machine with fewer GPUs than ranks
+    `trainer.device=auto` would stop at start. The CUDA tests (tests/gpu) ask for `device="cuda"`.
+    """
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if nproc == 1:
         cmd = [sys.executable, *target]
     else:
