@@ -34,7 +34,7 @@ class LogpsAndEntropy(torch.autograd.Function):
         ctx.kernels, ctx.with_entropy, ctx.temperature = kernels, with_entropy, temperature
         ctx.set_materialize_grads(False)
         if kernels is not None:
-            logits = logits.contiguous()
+            logits, labels = logits.contiguous(), labels.contiguous()  # the kernels read label i at labels + i
             logps, lse, entropy = kernels.forward(logits, labels, temperature)
             if not with_entropy:
                 entropy.zero_()
