@@ -217,7 +217,7 @@ def _process_group():
 
     A plain Python process (no RANK in the environment) gets a one-rank group for the call, destroyed
     when it returns together with the variables that described it, so that a next call makes a fresh
-    one on a new port. Under torchrun the group the first call makes stays for the next calls and is
+    one with a store of its own. Under torchrun the group the first call makes stays for the next calls and is
     destroyed at exit: torchrun's store keeps the keys of a destroyed group, which a new group (whose
     keys restart from the same names) would read, joining peers that are gone.
     """

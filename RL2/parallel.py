@@ -41,17 +41,28 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
     """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group.
 
     Keeping a process group at world size 1 lets the same code (FSDP2, DCP checkpoints) run everywhere.
+    On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
+    process could take it first), and no TCP store server whose thread outlives the group until the
+    interpreter's teardown (the likely cause of a finished run that once aborted at exit with
+    "terminate called without an active exception").
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # plain `python -m RL2.trainer.X`
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    single = "RANK" not in os.environ  # plain `python -m RL2.trainer.X`
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if single:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        if backend == "nccl":
+            os.environ.update(MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A dead peer makes collectives fail after this timeout instead of hanging forever.
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if single and backend == "gloo":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def _free_port() -> int:
