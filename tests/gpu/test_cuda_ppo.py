@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("omegaconf", reason="the trainer's config needs omegaconf (carry it as a wheel to a bare GPU machine)")
+pytest.importorskip("omegaconf", reason="the trainer's config needs omegaconf (`pip install -e .` installs it)")
 
 from RL2.models.attention import varlen_backend  # noqa: E402
 from tests.e2e.test_ppo import STEPS, assert_learned, ppo_args, repeat_model, rl_data  # noqa: E402, F401 (fixtures)
