@@ -95,6 +95,7 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, entr
     grad = torch.empty_like(logits)
     if n:
         with_entropy = grad_entropy is not None
+        # Without an entropy gradient the kernel never reads its pointer: grad_logps stands in for it.
         _backward[(n,)](logits, logits.stride(0), grad, labels, lse, entropy, grad_logps.contiguous(),
                         grad_entropy.contiguous() if with_entropy else grad_logps, vocab, float(temperature),
                         WITH_ENTROPY_GRAD=with_entropy, BLOCK=BLOCK, num_warps=8)
