@@ -14,7 +14,8 @@ Prints, from the medians over the steps after the first:
 - per system: seconds per step, the speed-up over TRL's faster mode (with or without gradient
   checkpointing, which GRPOConfig turns on by default), and the most memory all of its processes held at
   once (sampled every 0.1 s from the kernel's counters: anonymous memory summed over the processes,
-  libraries and the /dev/shm shards the ranks exchange counted once; see `common.tree_memory`);
+  libraries and the /dev/shm shards the ranks exchange counted once; see `common.tree_memory`), and
+  its first step alone (start-up costs: page faults of fresh memory, the kernels' first build);
 - the FLOP floor of a step: the rollout's and the update's model FLOPs at the matmul peak.
 Model FLOPs: of the work W1 needs, each prompt once per group and each sampled token once; 2 per matmul
 parameter per token forward, 6 forward and backward; the output projection only where logits are
@@ -38,6 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import matmul_peak, run_measured  # noqa: E402
 
+# TRL runs with torch's allocator as its users have it: importing RL2 (below) turns huge pages on for
+# this process and the ones it starts, unless the caller's environment says otherwise.
+TRL_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+
 N_PROMPTS, N_RESPONSES, NEW_TOKENS = 8, 4, 64
 PHASES = ("rollout", "old_logps", "actor_update", "sync")
 # name -> (RL2 command-line overrides, environment)
@@ -48,6 +53,7 @@ VARIANTS = {
     "micro-batch-512": (["actor.max_length_per_device=512"], {}),
     "checkpointing": (["actor.enable_gradient_checkpointing=true"], {}),
     "malloc-returns-memory": ([], {"RL2_KEEP_FREED_MEMORY": "0"}),
+    "no-huge-pages": ([], {"THP_MEM_ALLOC_ENABLE": "0"}),
 }
 
 
@@ -80,10 +86,11 @@ def run_rl2(args, data_dir: Path, variant: str) -> dict:
         f"trainer.save_dir={save_dir}", *overrides,
     ]
     peak_gb = run_measured(command, {"WANDB_MODE": "disabled", **env})
-    steps = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()][1:]  # first: warm-up
+    first, *steps = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     keys = {key for m in steps for key in m if key.startswith("perf/")} | {"rollout/response_length"}
     result = {key: statistics.median(m.get(key, 0.0) for m in steps) for key in keys}
     result["all_ranks_peak_gb"] = peak_gb
+    result["first_step_s"] = first["perf/step_s"]
     return result
 
 
@@ -122,8 +129,8 @@ def trl_worker(args) -> None:
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Clock()])
     began = time.perf_counter()
     trainer.train()
-    times = [b - a for a, b in zip([began, *step_ends], step_ends)][1:]
-    print(json.dumps({"perf/step_s": statistics.median(times)}))
+    first, *times = [b - a for a, b in zip([began, *step_ends], step_ends)]
+    print(json.dumps({"perf/step_s": statistics.median(times), "first_step_s": first}))
 
 
 def run_trl(args, data_dir: Path, mode: str) -> dict:
@@ -131,7 +138,7 @@ def run_trl(args, data_dir: Path, mode: str) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(data_dir / f"trl-{mode}"),
                "--steps", str(args.steps), "--dtype", args.dtype, "--trl-mode", mode]
     with open(out, "w") as f:
-        peak_gb = run_measured(command, stdout=f)
+        peak_gb = run_measured(command, {"THP_MEM_ALLOC_ENABLE": TRL_HUGE_PAGES}, stdout=f)
     result = json.loads(out.read_text().strip().splitlines()[-1])
     result["all_ranks_peak_gb"] = peak_gb
     return result
@@ -215,16 +222,16 @@ def main() -> None:
         phase_table(rl2, body, head, peak, prompt_work)
     # Speed-ups are over TRL's faster mode.
     fastest = min((run["perf/step_s"] for run in trl.values()), default=None)
-    print("\n| system | s/step | speed-up over TRL's faster mode | peak memory, all processes (GB) | "
+    print("\n| system | s/step | speed-up over TRL's faster mode | first step (s) | peak memory, all processes (GB) | "
           "peak RSS of a rank (GB) |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for variant, rl2 in runs.items():
         ratio = f"{fastest / rl2['perf/step_s']:.2f}x" if fastest else ""
-        print(f"| RL2 {variant} | {rl2['perf/step_s']:.1f} | {ratio} | {rl2['all_ranks_peak_gb']:.2f} | "
-              f"{rl2.get('perf/peak_gb', 0.0):.2f} |")
+        print(f"| RL2 {variant} | {rl2['perf/step_s']:.1f} | {ratio} | {rl2['first_step_s']:.1f} | "
+              f"{rl2['all_ranks_peak_gb']:.2f} | {rl2.get('perf/peak_gb', 0.0):.2f} |")
     for mode, run in trl.items():
         print(f"| TRL GRPOTrainer ({args.dtype}, {mode.replace('-', ' ')}), 1 process | {run['perf/step_s']:.1f} | "
-              f"{fastest / run['perf/step_s']:.2f}x | {run['all_ranks_peak_gb']:.2f} | |")
+              f"{fastest / run['perf/step_s']:.2f}x | {run['first_step_s']:.1f} | {run['all_ranks_peak_gb']:.2f} | |")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ WORKLOADS = {"sampling": (SAMPLING, 32 * VOCAB * 4 // 4096), "large_block": (LAR
 
 def count_faulting_steps(workload: str, keep: str) -> tuple[str, int]:
     """(whether keep_freed_memory applied, how many of STEPS steps faulted on half a block or more)."""
-    env = os.environ | {"RL2_KEEP_FREED_MEMORY": keep}
+    # Faults are counted in 4 KB pages: torch's huge pages (on by default, `RL2/__init__.py`) would hide the churn.
+    env = os.environ | {"RL2_KEEP_FREED_MEMORY": keep, "THP_MEM_ALLOC_ENABLE": "0"}
     code, pages = WORKLOADS[workload]
     script = f"STEPS, PAGES_PER_BLOCK = {STEPS}, {pages}\n{code}\n{MEASURE}"
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
