@@ -19,7 +19,9 @@ import torch
 
 from RL2.utils.logging import log_rank0
 
-CHUNK_ELEMENTS = 1 << 20  # float32 elements per chunk on CPU: 4 MB, within a core's share of the cache
+# float32 elements per chunk on CPU: 1 MB, so that a chunk and the temporaries of its passes stay in a
+# core's L2 cache (1-2 MB on current x86); 4 MB chunks spill to the shared L3 (`benchmarks/bench_logps.py`).
+CHUNK_ELEMENTS = 1 << 18
 # On a GPU the gain is memory (no float32 copy of all logits), and small chunks would cost kernel launches.
 CUDA_CHUNK_ELEMENTS = 1 << 26
 
