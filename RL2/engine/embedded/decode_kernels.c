@@ -20,30 +20,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fast_math.h"  /* exp_clamped */
+
 /* Elements from which the row loops run on all threads (torch's pool, already spinning between the
  * step's ops); below it, waking them costs more than it saves. */
 #define PARALLEL_FROM 8192
-
-/* expf(x) for -87 <= x <= 88, within 1 ulp (0.89 at worst against exp in double); x is clamped to that
- * range (exp(-87) ~ 1.6e-38 stands in for smaller results, exp(88) ~ 1.7e38 for larger ones).
- * Branch-free, so that the compiler vectorises loops calling it; glibc's expf is a scalar call. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  /* not fminf/fmaxf: their NaN rules block vectorising */
-    /* x = n ln2 + r with |r| <= ln2 / 2; exp(r) by its Taylor polynomial to degree 7. */
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.98412698e-4f;
-    p = fmaf(p, r, 1.38888889e-3f);
-    p = fmaf(p, r, 8.33333333e-3f);
-    p = fmaf(p, r, 4.16666667e-2f);
-    p = fmaf(p, r, 1.66666667e-1f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    union { float f; int32_t i; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return p * scale.f;
-}
 
 static void rms_norm_row(float *out, const float *x, const float *weight, int64_t dim, float eps) {
     float sum = 0.0f;

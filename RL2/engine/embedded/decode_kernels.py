@@ -1,36 +1,19 @@
-"""The C decode kernels (`decode_kernels.c`): built once per machine with the system C compiler, called
-through ctypes.
+"""The C decode kernels (`decode_kernels.c`): built once per machine with the system C compiler
+(`RL2.models.native`), called through ctypes.
 
-The library is compiled for this CPU (`-march=native`) into the RL2 cache, under a name that hashes
-the source, the flags and the CPU's feature flags, so a changed source or a different machine sharing
-the cache gets its own build. Building takes about a second. Without a compiler (or with
-RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the engine computes the same step with
-torch ops, slower.
-
-OpenMP: the library links `libgomp.so.1`, which torch has already loaded on Linux, so the kernels
-share torch's thread pool instead of starting a second one that would compete for the same cores.
+Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the engine
+computes the same step with torch ops, slower.
 """
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
-from RL2.models.default_model import cache_root
+from RL2.models.native import load_library
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-# Not -ffast-math: results must stay IEEE. Without trapping math and errno, gcc may vectorise the
-# comparisons and rounding in exp (they change no value, only whether FP exceptions can be observed).
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "add_rms_norm": [_pointer, _pointer, _pointer, _pointer, _int, _int, _float],
@@ -44,49 +27,12 @@ RETURNS = {"panel_linear": ctypes.c_int}  # the others return nothing
 PANEL_ROWS = 6  # output features per panel of a packed weight, as in decode_kernels.c
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"decode_kernels-{key}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Every rank may build at once: each into its own file, then an atomic rename.
-    handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
-    os.close(handle)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return library
-
-
 @functools.cache
 def load_decode_kernels() -> "DecodeKernels | None":
     """The kernels, built if needed; None (with a warning saying why) where they cannot be built."""
-    if os.environ.get("RL2_DECODE_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        warnings.warn("No C compiler (cc, gcc or $CC) found: the embedded engine's decode runs on torch ops, slower")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        warnings.warn(f"Building {SOURCE.name} failed, the engine's decode runs on torch ops, slower: {detail}")
-        return None
-    return DecodeKernels(library)
+    library = load_library(SOURCE, "RL2_DECODE_KERNELS", "the embedded engine's decode runs on torch ops, slower",
+                           SIGNATURES, RETURNS)
+    return None if library is None else DecodeKernels(library)
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -98,9 +44,6 @@ class DecodeKernels:
     in the layouts its source describes. The output tensors are written in place."""
 
     def __init__(self, library: ctypes.CDLL):
-        for name, argtypes in SIGNATURES.items():
-            getattr(library, name).argtypes = argtypes
-            getattr(library, name).restype = RETURNS.get(name)
         self.library = library
 
     def add_rms_norm(

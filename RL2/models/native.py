@@ -1,0 +1,82 @@
+"""C libraries built on first use with the system C compiler and called through ctypes (the embedded
+engine's decode kernels, the trainer's fused layers).
+
+A library is compiled for this CPU (`-march=native`) into the RL2 cache, under a name that hashes its
+source, the headers next to this file, the flags and the CPU's feature flags, so a changed source or a
+different machine sharing the cache gets its own build. Building takes about a second.
+
+OpenMP: the libraries link `libgomp.so.1`, which torch has already loaded on Linux, so they share
+torch's thread pool instead of starting a second one that would compete for the same cores.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+from RL2.models.default_model import cache_root
+
+HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources include
+# Not -ffast-math: results must stay IEEE. Without trapping math and errno, gcc may vectorise the
+# comparisons and rounding in exp (they change no value, only whether FP exceptions can be observed).
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(source: Path, compiler: str) -> Path:
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
+    key = hashlib.sha256(text + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    library = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Every rank may build at once: each into its own file, then an atomic rename.
+    handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        command = [compiler, *FLAGS, f"-I{HEADERS}", str(source), "-o", partial, "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return library
+
+
+def load_library(source: Path, switch: str, fallback: str, signatures: dict, returns: dict) -> ctypes.CDLL | None:
+    """`source` built (if needed) and loaded with its functions typed; None, with a warning saying why
+    and what runs instead (`fallback`), where it cannot be built, or when the environment variable
+    `switch` is "0".
+
+    Args:
+        signatures: function name -> ctypes argument types.
+        returns: function name -> ctypes return type, for those that return something.
+    """
+    if os.environ.get(switch, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn(f"No C compiler (cc, gcc or $CC) found to build {source.name}: {fallback}")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(source, compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        warnings.warn(f"Building {source.name} failed, {fallback}: {detail}")
+        return None
+    for name, argtypes in signatures.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = returns.get(name)
+    return library
