@@ -54,6 +54,7 @@ VARIANTS = {
     "checkpointing": (["actor.enable_gradient_checkpointing=true"], {}),
     "malloc-returns-memory": ([], {"RL2_KEEP_FREED_MEMORY": "0"}),
     "no-huge-pages": ([], {"THP_MEM_ALLOC_ENABLE": "0"}),
+    "no-fused-layers": ([], {"RL2_FUSED_LAYERS": "0"}),
 }
 
 

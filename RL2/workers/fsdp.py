@@ -37,6 +37,7 @@ from RL2.batch import MicroBatch
 from RL2.models import lora
 from RL2.models.attention import ATTN_NAME, varlen_backend
 from RL2.models.default_model import resolve_model_path
+from RL2.models.fused_layers import install_fused_layers
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
@@ -136,6 +137,8 @@ class FSDPWorker(Stateful):
         with torch.device("meta"):
             model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
+        if self.device.type == "cpu":
+            install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each, in float32
         model.parallel_layout = self._parallelize(model, train)
         self._fill_from_rank0(model, loaded)
         del loaded

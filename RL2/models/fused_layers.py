@@ -1,0 +1,125 @@
+"""RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
+for float32 training on CPU (`fused_layers.c`).
+
+`install_fused_layers` points the RMSNorm and MLP modules of a model at them. A call whose tensors
+these kernels do not take (another dtype or device, a DTensor under tensor parallelism) runs HF's own
+code, so an installed model stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0,
+nothing is installed.
+"""
+
+import ctypes
+import functools
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from RL2.models.native import load_library
+
+SOURCE = Path(__file__).with_name("fused_layers.c")
+_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {
+    "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
+    "rms_norm_backward": [_pointer] * 6 + [_int, _int],
+    "silu_mul_forward": [_pointer] * 3 + [_int],
+    "silu_mul_backward": [_pointer] * 5 + [_int],
+}
+RETURNS = {"rms_norm_backward": ctypes.c_int}
+# Modules whose forward is exactly HF Llama's RMSNorm (weight * x / rms) or gated MLP
+# (down(act(gate(x)) * up(x))); Gemma's (1 + weight) norm, for one, is not.
+RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return load_library(SOURCE, "RL2_FUSED_LAYERS", "the trainer's RMSNorm and MLP run as torch ops", SIGNATURES,
+                        RETURNS)
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and not isinstance(t, DTensor) for t in tensors
+    )
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])
+        dim = x.shape[-1]
+        _library().rms_norm_forward(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // dim,
+                                    dim, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)
+        dim = x.shape[-1]
+        if _library().rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_out.data_ptr(),
+                                        grad_x.data_ptr(), grad_weight.data_ptr(), x.numel() // dim, dim):
+            raise MemoryError("rms_norm_backward: no memory for its per-thread weight-gradient sums")
+        return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        _library().silu_mul_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        _library().silu_mul_backward(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
+                                     grad_up.data_ptr(), gate.numel())
+        return grad_gate, grad_up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, in one pass where the kernels take the tensors."""
+    if _library() is not None and _fusable(gate, up) and gate.shape == up.shape:
+        return _SiluMul.apply(gate, up)
+    return F.silu(gate) * up
+
+
+def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _fusable(hidden_states, module.weight) and hidden_states.shape[-1:] == module.weight.shape:
+        return _RMSNorm.apply(hidden_states, module.weight, module.variance_epsilon)
+    return type(module).forward(module, hidden_states)
+
+
+def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    if _fusable(gate, up) and gate.shape == up.shape:
+        return module.down_proj(_SiluMul.apply(gate, up))
+    return module.down_proj(module.act_fn(gate) * up)
+
+
+def install_fused_layers(model: torch.nn.Module) -> int:
+    """Point `model`'s Llama-style RMSNorms and SiLU-gated MLPs at the fused kernels (each call falls
+    back to torch ops where the kernels do not apply). Returns how many modules were changed: 0 when
+    the kernels cannot be built or RL2_FUSED_LAYERS=0."""
+    if _library() is None:
+        return 0
+    changed = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+            changed += 1
+        elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
+            module.forward = types.MethodType(_gated_mlp_forward, module)
+            changed += 1
+    return changed

@@ -1,0 +1,131 @@
+"""The fused RMSNorm and SwiGLU kernels, forward and backward, against HF's own modules run in float64
+(the independent reference): on shapes that take the single-thread and the OpenMP branches, with
+silu far into both tails; and what installing them changes in a whole model."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from RL2.models import fused_layers
+from RL2.models.fused_layers import install_fused_layers
+
+pytestmark = pytest.mark.skipif(
+    fused_layers._library() is None,
+    reason="the fused-layer kernels are unavailable here (no C compiler, or RL2_FUSED_LAYERS=0)",
+)
+
+
+def randn(*shape, scale=1.0, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def forward_backward(module, inputs, grad_out):
+    """Output and the gradients of the inputs and parameters, for `grad_out` flowing back."""
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    module.zero_grad(set_to_none=True)
+    out = module(*inputs)
+    out.backward(grad_out)
+    return [out.detach(), *(x.grad for x in inputs), *(p.grad for p in module.parameters())]
+
+
+def check_against_float64(module, inputs, grad_out, rtol, atol):
+    reference = copy.deepcopy(module).double()  # HF's own forward, unpatched, in float64
+    fused = copy.deepcopy(module)
+    assert install_fused_layers(fused) == 1
+    got = forward_backward(fused, inputs, grad_out)
+    expected = forward_backward(reference, [x.double() for x in inputs], grad_out.double())
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e.float(), rtol=rtol, atol=atol)
+
+
+def norm_module(dim):
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(randn(dim, seed=2))
+    return norm
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 300, 576)])  # the second takes the OpenMP branch
+def test_rms_norm_forward_and_backward_are_hf_rmsnorm_in_float64(shape):
+    dim = shape[-1]
+    check_against_float64(norm_module(dim), [randn(*shape, scale=3.0)], randn(*shape, seed=1), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("tokens", [5, 300])  # 300 x 1536 takes the OpenMP branch
+def test_gated_mlp_forward_and_backward_are_hf_mlp_in_float64(tokens):
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, hidden_act="silu")
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config)
+    x = randn(1, tokens, 576, scale=4.0)  # gate activations far into silu's tails
+    check_against_float64(mlp, [x], randn(1, tokens, 576, seed=1), 1e-4, 1e-4)
+
+
+def test_silu_mul_backward_in_the_tails():
+    gate = torch.tensor([-120.0, -90.0, -30.0, -1.0, 0.0, 1e-3, 2.0, 30.0, 95.0])
+    up = torch.linspace(-2, 2, len(gate))
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    (torch.nn.functional.silu(g64) * u64).sum().backward()
+    g32, u32 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = fused_layers._SiluMul.apply(g32, u32)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach(), (torch.nn.functional.silu(gate.double()) * up.double()).float(),
+                               rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(g32.grad, g64.grad.float(), rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(u32.grad, u64.grad.float(), rtol=1e-6, atol=1e-30)
+
+
+def test_threaded_branch_gives_the_single_thread_result():
+    norm = norm_module(576)
+    install_fused_layers(norm)
+    x, grad = randn(400, 576, scale=2.0), randn(400, 576, seed=1)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(forward_backward(norm, [x], grad))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+
+
+def test_other_dtypes_run_hf_code_unchanged():
+    norm = norm_module(64).to(torch.bfloat16)
+    fused = copy.deepcopy(norm)
+    install_fused_layers(fused)
+    x = randn(4, 64).to(torch.bfloat16)
+    assert torch.equal(fused(x), norm(x))
+
+
+def tiny_llama(layers=3):
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def test_installed_model_trains_like_hf_in_float64():
+    model = tiny_llama(layers=3)
+    reference = copy.deepcopy(model).double()
+    assert install_fused_layers(model) == 3 * 2 + 1 + 3  # two norms and one MLP a layer, the final norm
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), p64 in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p64.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_switched_off_installs_nothing(monkeypatch):
+    monkeypatch.setenv("RL2_FUSED_LAYERS", "0")
+    fused_layers._library.cache_clear()
+    try:
+        assert install_fused_layers(tiny_llama(layers=1)) == 0
+    finally:
+        monkeypatch.delenv("RL2_FUSED_LAYERS")
+        fused_layers._library.cache_clear()
+    assert fused_layers._library() is not None
