@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from RL2.models.native import load_library
 
@@ -40,9 +39,20 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:
+    """Plain float32 CPU tensors: not a DTensor or any other subclass (tensor parallelism's outputs can be
+    wrappers whose data is not in their own storage yet)."""
     return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and not isinstance(t, DTensor) for t in tensors
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+        for t in tensors
     )
+
+
+def _plain_gradient(grad_out: torch.Tensor, layer: str) -> torch.Tensor:
+    """`grad_out` as the kernels read it; a gradient they cannot read raises rather than being misread."""
+    if not _fusable(grad_out):
+        raise TypeError(f"the fused {layer} got a {type(grad_out).__name__} gradient of dtype {grad_out.dtype} on "
+                        f"{grad_out.device}; it takes plain float32 CPU tensors (RL2_FUSED_LAYERS=0 switches it off)")
+    return grad_out.contiguous()
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -59,7 +69,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = _plain_gradient(grad_out, "RMSNorm")
         grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)
         dim = x.shape[-1]
         if _library().rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_out.data_ptr(),
@@ -80,7 +90,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = _plain_gradient(grad_out, "SwiGLU activation")
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         _library().silu_mul_backward(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
                                      grad_up.data_ptr(), gate.numel())

@@ -129,3 +129,21 @@ def test_switched_off_installs_nothing(monkeypatch):
         monkeypatch.delenv("RL2_FUSED_LAYERS")
         fused_layers._library.cache_clear()
     assert fused_layers._library() is not None
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass, as tensor parallelism's asynchronous outputs are."""
+
+
+def test_tensor_subclasses_run_hf_code():
+    norm = norm_module(64)
+    fused = copy.deepcopy(norm)
+    install_fused_layers(fused)
+    x = randn(4, 64).as_subclass(Wrapped)
+    assert not fused_layers._fusable(x)
+    torch.testing.assert_close(fused(x).as_subclass(torch.Tensor), norm(x).as_subclass(torch.Tensor), rtol=0, atol=0)
+
+
+def test_a_gradient_the_kernels_cannot_read_raises_a_clear_error():
+    with pytest.raises(TypeError, match="RL2_FUSED_LAYERS=0"):
+        fused_layers._plain_gradient(torch.ones(3, dtype=torch.bfloat16), "RMSNorm")
