@@ -2,8 +2,8 @@
 for float32 training on CPU (`fused_layers.c`).
 
 `install_fused_layers` points the RMSNorm and MLP modules of a model at them. A call whose tensors
-these kernels do not take (another dtype or device, a DTensor under tensor parallelism) runs HF's own
-code, so an installed model stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0,
+these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
+parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0,
 nothing is installed.
 """
 
@@ -111,10 +111,7 @@ def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> t
 
 
 def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = module.gate_proj(x), module.up_proj(x)
-    if _fusable(gate, up) and gate.shape == up.shape:
-        return module.down_proj(_SiluMul.apply(gate, up))
-    return module.down_proj(module.act_fn(gate) * up)
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))  # installed where act_fn is silu
 
 
 def install_fused_layers(model: torch.nn.Module) -> int:
