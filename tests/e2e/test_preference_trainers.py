@@ -33,9 +33,11 @@ SECTION = {"dpo": "actor", "orpo": "actor", "rm": "critic", "distill": "actor"}
 def args(kind, model, data, save_dir, *extra):
     section = SECTION[kind]
     train, test = (f"{data}/train.jsonl", f"{data}/test.jsonl")
+    # AdamW's eps is 1e-6, not 1e-8: where a gradient nearly cancels, AdamW multiplies its rounding (which
+    # differs between layouts) by up to lr / eps, beyond the weights' tolerance at the default.
     return ["-m", f"RL2.trainer.{kind}", f"data.train.path={train}", f"data.test.path={test}",
             "data.train.batch_size=8", f"{section}.model_name={model}", f"{section}.dtype=float32",
-            f"{section}.optimizer.lr=1e-3", f"{section}.max_length_per_device=256",
+            f"{section}.optimizer.lr=1e-3", f"{section}.optimizer.eps=1e-6", f"{section}.max_length_per_device=256",
             f"trainer.save_dir={save_dir}", "trainer.total_steps=4", "trainer.test_freq=4", *extra]
 
 

@@ -23,8 +23,10 @@ def sft_data(tmp_path_factory):
 
 
 def sft_args(model, data, save_dir, *extra):
+    # AdamW's eps is 1e-6, not 1e-8: where a gradient nearly cancels, AdamW multiplies its rounding (which
+    # differs between layouts) by up to lr / eps, beyond the weights' tolerance at the default.
     return ["-m", "RL2.trainer.sft", f"data.train.path={data}", "data.train.batch_size=6",
-            f"actor.model_name={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+            f"actor.model_name={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.optimizer.eps=1e-6",
             "actor.max_length_per_device=160", "actor.scheduler.name=cosine", "actor.scheduler.warmup_ratio=0.25",
             f"trainer.save_dir={save_dir}", "trainer.total_steps=4", *extra]
 

@@ -29,11 +29,11 @@ from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 from tests.helpers.launch import separate_hosts
 
 
-def expect_equal(got: torch.Tensor, expected: torch.Tensor, exact: bool, what: str) -> None:
+def expect_equal(got: torch.Tensor, expected: torch.Tensor, exact: bool, what: str, tolerance: float = 1e-6) -> None:
     if exact:
         assert torch.equal(got, expected), what
     else:
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=what)
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance, msg=what)
 
 
 def check_buffers(collectives: SharedMemoryCollectives, exact: bool) -> None:
@@ -90,7 +90,10 @@ def check_training(mesh, exact: bool) -> None:
     collectives.attach(through_memory)
     skew_ranks(through_memory, seed=dist.get_rank())
     calls, in_place = collectives.calls, collectives.in_place
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (through_memory, over_gloo)]
+    # On 3 ranks the gradients equal gloo's to rounding; AdamW multiplies a gradient's rounding by up to
+    # lr / eps where it nearly cancels over the ranks (1e6 at the default eps): eps is larger here, and the
+    # parameters are compared to 1e-5, a thousandth of a step.
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6) for model in (through_memory, over_gloo)]
     torch.manual_seed(100 + dist.get_rank())
     for step in range(3):
         input_ids = torch.randint(0, 301, (2, 17))
@@ -102,7 +105,7 @@ def check_training(mesh, exact: bool) -> None:
             optimizer.step()
             optimizer.zero_grad()
         for (name, a), (_, b) in zip(through_memory.named_parameters(), over_gloo.named_parameters()):
-            expect_equal(a.to_local(), b.to_local(), exact, f"{name} after step {step}")
+            expect_equal(a.to_local(), b.to_local(), exact, f"{name} after step {step}", tolerance=1e-5)
     # 3 FSDP modules (2 layers and the root): an all-gather each in forward and in backward (the root's
     # stays gathered), a reduce-scatter each; the layers' on buffers FSDP wrote in shared memory itself.
     assert collectives.calls - calls >= 3 * (3 + 2 + 3), collectives.calls - calls
