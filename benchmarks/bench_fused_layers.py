@@ -1,10 +1,10 @@
 """RMSNorm and the SwiGLU activation as fused C passes (`RL2/models/fused_layers.c`) against HF's torch
 ops, in the same run.
 
-    python benchmarks/bench_fused_layers.py [--tokens 1232] [--layers 4] [--repeats 5]
+    python benchmarks/bench_fused_layers.py [--tokens 1232] [--layers 4] [--repeats 5] [--dtype float32]
 
-Forward and backward of decoder layers of SmolLM2-135M's shape (random weights, float32, one core as
-each rank of a CPU run has) on `tokens` packed tokens, 1232 being what a rank of W1 (`bench_ppo_w1.py`)
+Forward and backward of decoder layers of SmolLM2-135M's shape (random weights, float32 or bfloat16,
+one core as each rank of a CPU run has) on `tokens` packed tokens, 1232 being what a rank of W1 (`bench_ppo_w1.py`)
 trains on; first the norms and the activation alone, then whole layers with their matmuls and
 attention. Each setting runs in a process of its own; prints the best of `repeats` rounds, what the
 layers keep for their backward (the bytes of the tensors autograd saves) and the process's peak
@@ -27,14 +27,15 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from RL2.models.fused_layers import install_fused_layers, silu_mul
 torch.set_num_threads(1)
-tokens, n_layers, repeats = json.loads(sys.argv[1])
+tokens, n_layers, repeats, dtype = json.loads(sys.argv[1])
+dtype = getattr(torch, dtype)
 config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      num_hidden_layers=n_layers, rms_norm_eps=1e-5)
 config._attn_implementation = "sdpa"
 torch.manual_seed(0)
-layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(n_layers))
+layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(n_layers)).to(dtype)
 installed = install_fused_layers(layers)
-x = torch.randn(1, tokens, 576, requires_grad=True)
+x = torch.randn(1, tokens, 576, dtype=dtype, requires_grad=True)
 position_ids = torch.arange(tokens)[None]
 rope = LlamaRotaryEmbedding(config)(x, position_ids)
 
@@ -54,8 +55,9 @@ def count(tensor):
     return tensor
 
 gen = torch.Generator().manual_seed(1)
-gate, up = (torch.randn(1, tokens, 1536, generator=gen).requires_grad_() for _ in range(2))
-grad_hidden, grad_act = torch.randn(1, tokens, 576, generator=gen), torch.randn(1, tokens, 1536, generator=gen)
+gate, up = (torch.randn(1, tokens, 1536, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
+grad_hidden = torch.randn(1, tokens, 576, generator=gen, dtype=dtype)
+grad_act = torch.randn(1, tokens, 1536, generator=gen, dtype=dtype)
 results = {}
 for name in ("norms and activation", "whole layers"):
     best, kept = float("inf"), 0
@@ -82,15 +84,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1232)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    print(f"SmolLM2-135M decoder layers, {args.tokens} tokens, float32, one core; per layer, forward and backward, "
+    print(f"SmolLM2-135M decoder layers, {args.tokens} tokens, {args.dtype}, one core; per layer, forward and backward, "
           f"best of {args.repeats}\n")
     print("| setting | norms and activation (ms) | saved for backward (MB) | whole layer (ms) | saved for backward (MB) "
           "| peak RSS (GB) |")
     print("|---|---|---|---|---|---|")
     for name, switch in SETTINGS.items():
         env = dict(os.environ, RL2_FUSED_LAYERS=switch)
-        out = subprocess.run([sys.executable, "-c", WORKER, json.dumps([args.tokens, args.layers, args.repeats])],
+        out = subprocess.run([sys.executable, "-c", WORKER, json.dumps([args.tokens, args.layers, args.repeats, args.dtype])],
                              cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
         installed, results, peak_gb = json.loads(out.strip().splitlines()[-1])
         (elem_s, elem_bytes), (layer_s, layer_bytes) = results["norms and activation"], results["whole layers"]

@@ -1,5 +1,5 @@
 """RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
-for float32 training on CPU (`fused_layers.c`).
+for float32 and bfloat16 training on CPU (`fused_layers.c`).
 
 `install_fused_layers` points the RMSNorm and MLP modules of a model at them. A call whose tensors
 these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
@@ -19,13 +19,16 @@ from RL2.models.native import load_library
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-SIGNATURES = {
+KERNELS = {
     "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
     "rms_norm_backward": [_pointer] * 6 + [_int, _int],
     "silu_mul_forward": [_pointer] * 3 + [_int],
     "silu_mul_backward": [_pointer] * 5 + [_int],
 }
-RETURNS = {"rms_norm_backward": ctypes.c_int}
+# The C file has each kernel once per dtype, its name ending in the dtype's suffix.
+SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+SIGNATURES = {name + suffix: types for name, types in KERNELS.items() for suffix in SUFFIXES.values()}
+RETURNS = {"rms_norm_backward" + suffix: ctypes.c_int for suffix in SUFFIXES.values()}
 # Modules whose forward is exactly HF Llama's RMSNorm (weight * x / rms) or gated MLP
 # (down(act(gate(x)) * up(x))); Gemma's (1 + weight) norm, for one, is not.
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -39,19 +42,25 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:
-    """Plain float32 CPU tensors: not a DTensor or any other subclass (tensor parallelism's outputs can be
-    wrappers whose data is not in their own storage yet)."""
-    return all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+    """Plain CPU tensors of one dtype the kernels have: not a DTensor or any other subclass (tensor
+    parallelism's outputs can be wrappers whose data is not in their own storage yet)."""
+    return tensors[0].dtype in SUFFIXES and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == tensors[0].dtype
         for t in tensors
     )
 
 
-def _plain_gradient(grad_out: torch.Tensor, layer: str) -> torch.Tensor:
-    """`grad_out` as the kernels read it; a gradient they cannot read raises rather than being misread."""
-    if not _fusable(grad_out):
+def _kernel(name: str, dtype: torch.dtype):
+    return getattr(_library(), name + SUFFIXES[dtype])
+
+
+def _plain_gradient(grad_out: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor:
+    """`grad_out` as the kernels read it (the dtype of `like`); a gradient they cannot read raises rather
+    than being misread."""
+    if not _fusable(grad_out, like):
         raise TypeError(f"the fused {layer} got a {type(grad_out).__name__} gradient of dtype {grad_out.dtype} on "
-                        f"{grad_out.device}; it takes plain float32 CPU tensors (RL2_FUSED_LAYERS=0 switches it off)")
+                        f"{grad_out.device} for its {like.dtype} input; it takes plain CPU tensors of the input's "
+                        f"dtype (RL2_FUSED_LAYERS=0 switches it off)")
     return grad_out.contiguous()
 
 
@@ -59,9 +68,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
-        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])
+        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
         dim = x.shape[-1]
-        _library().rms_norm_forward(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // dim,
+        _kernel("rms_norm_forward", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // dim,
                                     dim, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
@@ -69,10 +78,10 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        grad_out = _plain_gradient(grad_out, "RMSNorm")
+        grad_out = _plain_gradient(grad_out, x, "RMSNorm")
         grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)
         dim = x.shape[-1]
-        if _library().rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_out.data_ptr(),
+        if _kernel("rms_norm_backward", x.dtype)(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_out.data_ptr(),
                                         grad_x.data_ptr(), grad_weight.data_ptr(), x.numel() // dim, dim):
             raise MemoryError("rms_norm_backward: no memory for its per-thread weight-gradient sums")
         return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
@@ -83,16 +92,16 @@ class _SiluMul(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        _library().silu_mul_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        _kernel("silu_mul_forward", gate.dtype)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
         ctx.save_for_backward(gate, up)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        grad_out = _plain_gradient(grad_out, "SwiGLU activation")
+        grad_out = _plain_gradient(grad_out, gate, "SwiGLU activation")
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _library().silu_mul_backward(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
+        _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
                                      grad_up.data_ptr(), gate.numel())
         return grad_gate, grad_up
 

@@ -138,7 +138,7 @@ class FSDPWorker(Stateful):
             model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
         if self.device.type == "cpu":
-            install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each, in float32
+            install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each (float32, bfloat16)
         model.parallel_layout = self._parallelize(model, train)
         self._fill_from_rank0(model, loaded)
         del loaded
