@@ -37,7 +37,7 @@ EvalRolloutConfig = dataclasses.make_dataclass("EvalRolloutConfig", [
 class EvalModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "the model: HF folder (e.g. a trainer's <save_dir>/final/actor) or name in the local cache; 'smollm2-135m-instruct' is the bundled default model")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype of the engine: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 | float32", choices=("auto", "bfloat16", "float16", "float32"))
+    dtype: str = opt("auto", "compute dtype of the engine: auto (bfloat16 where its matmuls are native and faster than float32, else float32) | bfloat16 | float16 | float32", choices=("auto", "bfloat16", "float16", "float32"))
 
 
 @dataclass

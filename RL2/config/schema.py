@@ -75,7 +75,7 @@ class LoRAConfig:
 class ModelConfig:
     model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the bundled default model")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where the hardware has it, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
+    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where its matmuls are native and faster than float32, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     share_prefixes: bool = opt(True, "compute a prefix that consecutive packed sequences share (a prompt and its group's responses) once; with the SDPA attention path (CPU, or CUDA without flash kernels), not under context parallelism")

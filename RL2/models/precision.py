@@ -1,5 +1,7 @@
 """The compute dtype of a run: `actor.dtype` made concrete for the hardware at hand."""
 
+import platform
+
 import torch
 
 from RL2.utils.logging import log_rank0
@@ -17,11 +19,40 @@ def native_bf16(device: torch.device) -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def bf16_pays_off(device: torch.device) -> bool:
+    """Whether bf16 compute is the faster choice here: wherever it is native, except on Intel CPUs
+    without AMX.
+
+    There AVX512-BF16 is all bf16 has: its dot products issue on one port where float32 FMAs issue on
+    two, so bf16 matmuls run at about half the float32 rate (a Xeon whose hypervisor hides AMX, for one;
+    `benchmarks/bench_sft.py` prints both rates). With AMX, on AMD Zen 4 and later, and on Arm, bf16 is
+    the faster. A rule on the hardware rather than a timing, so that every rank, and every run on the
+    same machine, computes in the same dtype.
+    """
+    if device.type == "cuda" or not native_bf16(device):
+        return native_bf16(device)
+    intel = platform.machine() in ("x86_64", "AMD64") and _cpu_vendor() == "GenuineIntel"
+    return not intel or torch.cpu._is_amx_tile_supported()
+
+
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`actor.dtype` -> torch dtype; `auto` is bf16 where the hardware has it, else float32."""
+    """`actor.dtype` -> torch dtype; `auto` is bf16 where it is the faster choice (`bf16_pays_off`), else
+    float32."""
     if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
+        return torch.bfloat16 if bf16_pays_off(device) else torch.float32
     if name == "bfloat16" and not native_bf16(device):
         log_rank0("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
                   "far slower than float32. Set actor.dtype=auto or float32.")
+    elif name == "bfloat16" and not bf16_pays_off(device):
+        log_rank0("warning: this CPU runs bf16 matmuls through AVX512-BF16 without AMX, at about half the float32 "
+                  "rate; float32 compute (actor.dtype=auto or float32) is faster here, at twice the activation "
+                  "memory.")
     return DTYPES[name]
