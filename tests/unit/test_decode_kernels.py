@@ -2,14 +2,19 @@
 independent reference), on shapes that reach their edge cases: rows at different positions in a
 larger cache, sharp attention, silu far into both tails, and enough rows for the threaded branch."""
 
+import ctypes
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from RL2.engine.embedded.decode_kernels import load_decode_kernels
+from RL2.engine.embedded import decode_kernels
+from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
+from RL2.models import native
 
 KERNELS = load_decode_kernels()
 pytestmark = pytest.mark.skipif(
@@ -106,14 +111,15 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_
 
 @pytest.mark.parametrize("rows", [1, 7, 9, 16, 17, 64, 130])  # both block widths, tails, several 64-row passes
 def test_panel_linear_is_x_times_the_concatenated_weights_plus_bias(rows):
-    # Layers of 5, 7 and 11 outputs: panel boundaries fall inside layers, and the last panel is partial.
+    # Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last
+    # panel is partial.
     k = 40
-    weights = [randn(n, k, seed=n) for n in (5, 7, 11)]
-    bias, x = randn(23, seed=3), randn(rows, k, seed=4)
+    weights = [randn(n, k, seed=n) for n in (5, 9, 11)]
+    bias, x = randn(25, seed=3), randn(rows, k, seed=4)
     panels = KERNELS.pack_panels(weights)
     expected = x.double() @ torch.cat(weights).double().T + bias.double()
-    torch.testing.assert_close(KERNELS.panel_linear(x, panels, 23, bias).double(), expected, rtol=1e-5, atol=1e-5)
-    without_bias = KERNELS.panel_linear(x, panels, 23, None).double()
+    torch.testing.assert_close(KERNELS.panel_linear(x, panels, 25, bias).double(), expected, rtol=1e-5, atol=1e-5)
+    without_bias = KERNELS.panel_linear(x, panels, 25, None).double()
     torch.testing.assert_close(without_bias, expected - bias.double(), rtol=1e-5, atol=1e-5)
 
 
@@ -123,3 +129,26 @@ def test_panel_linear_keeps_leading_dims_and_runs_threaded():
     out = KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 1536, None)
     assert out.shape == (2, 40, 1536)
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported() or shutil.which("cc") is None,
+                    reason="needs an AVX512 CPU (whose native build differs from the AVX2 one) and cc")
+def test_the_avx512_and_avx2_builds_give_the_same_products(tmp_path):
+    """With AVX512 the panels are twelve features wide and the products 16 lanes wide; each output is
+    still one chain of multiply-adds over k in order, so the results are the AVX2 build's, bit for bit."""
+    flags = [f if f != "-march=native" else "-march=haswell" for f in native.FLAGS]
+    library = tmp_path / "avx2.so"
+    subprocess.run(["cc", *flags, f"-I{native.HEADERS}", str(decode_kernels.SOURCE), "-o", str(library), "-lm"],
+                   check=True)
+    avx2 = ctypes.CDLL(str(library))
+    for name, argtypes in decode_kernels.SIGNATURES.items():
+        getattr(avx2, name).argtypes = argtypes
+    for name, restype in decode_kernels.RETURNS.items():
+        getattr(avx2, name).restype = restype
+    avx2 = DecodeKernels(avx2)
+    assert (avx2.panel_rows, KERNELS.panel_rows) == (6, 12)
+    weights = [randn(n, 96, seed=n) for n in (5, 9, 11)]
+    for rows in (1, 7, 9, 16, 17, 64, 130):
+        x, bias = randn(rows, 96, seed=rows), randn(25, seed=1)
+        assert torch.equal(avx2.panel_linear(x, avx2.pack_panels(weights), 25, bias),
+                           KERNELS.panel_linear(x, KERNELS.pack_panels(weights), 25, bias)), rows

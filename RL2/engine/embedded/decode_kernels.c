@@ -211,16 +211,22 @@ void decode_attention(const float *q, const float *keys, const float *values, co
  * as much a stream through the weights as arithmetic. Here each weight is read once per call from a
  * layout that streams: W cut into panels of PANEL_ROWS output features, each panel stored k-major
  * ([k][PANEL_ROWS]), and a panel meets the (transposed) rows of x while those sit in cache. The
- * inner step broadcasts one weight of each of the panel's six features against 16 rows of x: twelve
- * 8-wide multiply-adds for two loads of x, which the CPU's two FMA units can keep up with. Each
- * output is one chain of multiply-adds over k in order.
+ * inner step broadcasts one weight of each of the panel's features against 16 rows of x: with AVX2,
+ * six features, twelve 8-wide multiply-adds for two loads of x, which the CPU's two FMA units can keep
+ * up with; with AVX512, twelve features, twelve 16-wide multiply-adds for one load (six would leave the
+ * FMA units waiting on each chain's previous result). Each output is one chain of multiply-adds over
+ * k in order, so both give the same results.
  *
  * Layouts (float32, C-contiguous):
  *   panels  [ceil(n / PANEL_ROWS)][k][PANEL_ROWS]   rows past n are zero (pack_panels writes the rest)
  *   x       [m, k],  out [m, n],  bias [n] or NULL
  */
 
+#ifdef __AVX512F__
+#define PANEL_ROWS 12
+#else
 #define PANEL_ROWS 6
+#endif
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
 /* Weights are requested this many floats (4 KB) before they are used: with the hardware prefetcher
  * alone the product waited on memory, most of all with two ranks streaming their weights at once
@@ -228,6 +234,13 @@ void decode_attention(const float *q, const float *keys, const float *values, co
 #define PREFETCH_AHEAD 1024
 
 typedef float v8 __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+/* Loaded unaligned: the rows of x's transpose start on 32-byte boundaries only. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#endif
+
+/* The panels' width in features, for the Python side that allocates them. */
+int panel_rows(void) { return PANEL_ROWS; }
 
 /* Writes the `rows` rows of weight [rows, k] into the panels as output features first_row... */
 void pack_panels(const float *weight, int64_t rows, int64_t k, int64_t first_row, float *panels) {
@@ -248,6 +261,35 @@ void pack_panels(const float *weight, int64_t rows, int64_t k, int64_t first_row
     }
 }
 
+#ifdef __AVX512F__
+/* out[t][r] for one panel's features r and 16 (or, with `half`, 8) transposed rows t of x. */
+static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k, int half,
+                               float out[PANEL_ROWS][16]) {
+    if (half) {
+        v8 acc[PANEL_ROWS] = {0};
+        for (int64_t kk = 0; kk < k; kk++) {
+            v8 x = *(const v8 *)(xt + kk * ld);
+            const float *w = panel + kk * PANEL_ROWS;
+            __builtin_prefetch(w + PREFETCH_AHEAD);
+#pragma GCC unroll 12
+            for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < PANEL_ROWS; r++) *(v8 *)out[r] = acc[r];
+    } else {
+        v16 acc[PANEL_ROWS] = {0};
+        for (int64_t kk = 0; kk < k; kk++) {
+            v16 x = *(const v16 *)(xt + kk * ld);
+            const float *w = panel + kk * PANEL_ROWS;
+            __builtin_prefetch(w + PREFETCH_AHEAD);
+#pragma GCC unroll 12
+            for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < PANEL_ROWS; r++) *(v16 *)out[r] = acc[r];
+    }
+}
+#else
 /* out[t][r] for one panel's six features r and 16 (or, with `half`, 8) transposed rows t of x. */
 static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k, int half,
                                float out[PANEL_ROWS][16]) {
@@ -273,6 +315,7 @@ static inline void panel_block(const float *restrict panel, const float *restric
     o[0] = a0, o[1] = b0, o[2] = a1, o[3] = b1, o[4] = a2, o[5] = b2;
     o[6] = a3, o[7] = b3, o[8] = a4, o[9] = b4, o[10] = a5, o[11] = b5;
 }
+#endif
 
 /* out = x . W^T (+ bias) with W given as panels. Returns 0, or 1 if the scratch could not be allocated. */
 int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias, float *out) {
@@ -295,7 +338,7 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
         }
 #pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
         for (int64_t p = 0; p < n_panels; p++) {
-            float block[PANEL_ROWS][16] __attribute__((aligned(32)));
+            float block[PANEL_ROWS][16] __attribute__((aligned(64)));
             int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
             for (int64_t b = 0; b < width; b += 16) {
                 int half = width - b <= 8;

@@ -22,9 +22,9 @@ SIGNATURES = {
     "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float],
     "pack_panels": [_pointer, _int, _int, _int, _pointer],
     "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
+    "panel_rows": [],
 }
-RETURNS = {"panel_linear": ctypes.c_int}  # the others return nothing
-PANEL_ROWS = 6  # output features per panel of a packed weight, as in decode_kernels.c
+RETURNS = {"panel_linear": ctypes.c_int, "panel_rows": ctypes.c_int}  # the others return nothing
 
 
 @functools.cache
@@ -45,6 +45,7 @@ class DecodeKernels:
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
+        self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 6
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
@@ -85,10 +86,10 @@ class DecodeKernels:
 
     def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Weights `[n_i, k]` of layers sharing an input, their outputs in this order, as the panels
-        `panel_linear` reads: `[ceil(n / PANEL_ROWS), k, PANEL_ROWS]`, n = sum of n_i."""
-        n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-        panels = torch.empty(-(-n // PANEL_ROWS), k, PANEL_ROWS)
-        panels[-1, :, n - PANEL_ROWS * (len(panels) - 1):] = 0.0  # features past n: zero, so finite
+        `panel_linear` reads: `[ceil(n / panel_rows), k, panel_rows]`, n = sum of n_i."""
+        n, k, width = sum(w.shape[0] for w in weights), weights[0].shape[1], self.panel_rows
+        panels = torch.empty(-(-n // width), k, width)
+        panels[-1, :, n - width * (len(panels) - 1):] = 0.0  # features past n: zero, so finite
         first = 0
         for weight in weights:
             weight = weight.detach().contiguous()
