@@ -3,9 +3,10 @@
     python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl] [--variants default,micro-batch-1024]
 
 W1: the embedded SmolLM2-135M-Instruct, 8 prompts x 4 responses, exactly 64 new tokens each
-(`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is bfloat16 where
-the CPU has it natively and float32 elsewhere (emulated bf16 is far slower, for TRL too); TRL runs in
-the same dtype (`bf16=True` is its faster mode where bf16 is native).
+(`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is what RL2's
+`dtype=auto` picks: bfloat16 where the CPU's bf16 matmuls are the faster, float32 elsewhere (where bf16
+is emulated, or AVX512-BF16 without AMX on an Intel CPU, it is slower, for TRL too); TRL runs in the
+same dtype (`bf16=True` is its faster mode where bf16 is the faster).
 
 Prints, from the medians over the steps after the first:
 - per phase of an RL2 step (rollout, old log-probs, update, weight sync, the rest): seconds, the
