@@ -1,5 +1,6 @@
 """The compute dtype of a run: `actor.dtype` made concrete for the hardware at hand."""
 
+import functools
 import platform
 
 import torch
@@ -43,16 +44,21 @@ def bf16_pays_off(device: torch.device) -> bool:
     return not intel or torch.cpu._is_amx_tile_supported()
 
 
+@functools.cache
+def _warn_once(message: str) -> None:  # the trainer and the engine both resolve the dtype
+    log_rank0(message)
+
+
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """`actor.dtype` -> torch dtype; `auto` is bf16 where it is the faster choice (`bf16_pays_off`), else
     float32."""
     if name == "auto":
         return torch.bfloat16 if bf16_pays_off(device) else torch.float32
     if name == "bfloat16" and not native_bf16(device):
-        log_rank0("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
+        _warn_once("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
                   "far slower than float32. Set actor.dtype=auto or float32.")
     elif name == "bfloat16" and not bf16_pays_off(device):
-        log_rank0("warning: this CPU runs bf16 matmuls through AVX512-BF16 without AMX, at about half the float32 "
+        _warn_once("warning: this CPU runs bf16 matmuls through AVX512-BF16 without AMX, at about half the float32 "
                   "rate; float32 compute (actor.dtype=auto or float32) is faster here, at twice the activation "
                   "memory.")
     return DTYPES[name]
