@@ -224,8 +224,10 @@ void decode_attention(const float *q, const float *keys, const float *values, co
 
 #ifdef __AVX512F__
 #define PANEL_ROWS 12
+#define ROW_PADDING 16 /* x's transpose is padded with zero rows to a multiple of this: whole vector loads */
 #else
 #define PANEL_ROWS 6
+#define ROW_PADDING 8
 #endif
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
 /* Weights are requested this many floats (4 KB) before they are used: with the hardware prefetcher
@@ -262,32 +264,20 @@ void pack_panels(const float *weight, int64_t rows, int64_t k, int64_t first_row
 }
 
 #ifdef __AVX512F__
-/* out[t][r] for one panel's features r and 16 (or, with `half`, 8) transposed rows t of x. */
-static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k, int half,
-                               float out[PANEL_ROWS][16]) {
-    if (half) {
-        v8 acc[PANEL_ROWS] = {0};
-        for (int64_t kk = 0; kk < k; kk++) {
-            v8 x = *(const v8 *)(xt + kk * ld);
-            const float *w = panel + kk * PANEL_ROWS;
-            __builtin_prefetch(w + PREFETCH_AHEAD);
+/* out[t][r] for one panel's features r and 16 transposed rows t of x (rows past x's end are the zero
+ * padding; `half` is for the AVX2 build, whose padding is 8 rows). */
+static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k,
+                               int half __attribute__((unused)), float out[PANEL_ROWS][16]) {
+    v16 acc[PANEL_ROWS] = {0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        v16 x = *(const v16 *)(xt + kk * ld);
+        const float *w = panel + kk * PANEL_ROWS;
+        __builtin_prefetch(w + PREFETCH_AHEAD);
 #pragma GCC unroll 12
-            for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
-        }
-#pragma GCC unroll 12
-        for (int r = 0; r < PANEL_ROWS; r++) *(v8 *)out[r] = acc[r];
-    } else {
-        v16 acc[PANEL_ROWS] = {0};
-        for (int64_t kk = 0; kk < k; kk++) {
-            v16 x = *(const v16 *)(xt + kk * ld);
-            const float *w = panel + kk * PANEL_ROWS;
-            __builtin_prefetch(w + PREFETCH_AHEAD);
-#pragma GCC unroll 12
-            for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
-        }
-#pragma GCC unroll 12
-        for (int r = 0; r < PANEL_ROWS; r++) *(v16 *)out[r] = acc[r];
+        for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
     }
+#pragma GCC unroll 12
+    for (int r = 0; r < PANEL_ROWS; r++) *(v16 *)out[r] = acc[r];
 }
 #else
 /* out[t][r] for one panel's six features r and 16 (or, with `half`, 8) transposed rows t of x. */
@@ -331,7 +321,7 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
     float *xt = scratch; /* `scratch` is this thread's: the pool's threads read it through xt */
     int64_t n_panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
     for (int64_t t0 = 0; t0 < m; t0 += TOKEN_CHUNK) {
-        int64_t width = m - t0 < TOKEN_CHUNK ? m - t0 : TOKEN_CHUNK, ld = (width + 7) / 8 * 8;
+        int64_t width = m - t0 < TOKEN_CHUNK ? m - t0 : TOKEN_CHUNK, ld = (width + ROW_PADDING - 1) / ROW_PADDING * ROW_PADDING;
         for (int64_t kk = 0; kk < k; kk++) {
             for (int64_t t = 0; t < width; t++) xt[kk * ld + t] = x[(t0 + t) * k + kk];
             for (int64_t t = width; t < ld; t++) xt[kk * ld + t] = 0.0f;
