@@ -3,8 +3,8 @@ for float32 and bfloat16 training on CPU (`fused_layers.c`).
 
 `install_fused_layers` points the RMSNorm and MLP modules of a model at them. A call whose tensors
 these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
-parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0,
-nothing is installed.
+parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler,
+or with RL2_FUSED_LAYERS=0, nothing is installed.
 """
 
 import ctypes
@@ -70,8 +70,8 @@ class _RMSNorm(torch.autograd.Function):
         x = x.contiguous()
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
         dim = x.shape[-1]
-        _kernel("rms_norm_forward", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // dim,
-                                    dim, eps)
+        _kernel("rms_norm_forward", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(),
+                                             x.numel() // dim, dim, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -82,7 +82,7 @@ class _RMSNorm(torch.autograd.Function):
         grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)
         dim = x.shape[-1]
         if _kernel("rms_norm_backward", x.dtype)(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_out.data_ptr(),
-                                        grad_x.data_ptr(), grad_weight.data_ptr(), x.numel() // dim, dim):
+                                                 grad_x.data_ptr(), grad_weight.data_ptr(), x.numel() // dim, dim):
             raise MemoryError("rms_norm_backward: no memory for its per-thread weight-gradient sums")
         return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
 
@@ -101,8 +101,8 @@ class _SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_out = _plain_gradient(grad_out, gate, "SwiGLU activation")
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
-                                     grad_up.data_ptr(), gate.numel())
+        _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(),
+                                                 grad_gate.data_ptr(), grad_up.data_ptr(), gate.numel())
         return grad_gate, grad_up
 
 

@@ -27,12 +27,18 @@ HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources 
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
-def _cpu_flags() -> str:
+def cpuinfo(field: str) -> str:
+    """The value of `field` (e.g. "flags", "vendor_id") for the first CPU in /proc/cpuinfo; "" where there
+    is no such file or field."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as lines:
+            return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), "")
     except OSError:
-        return platform.processor()
+        return ""
+
+
+def _cpu_flags() -> str:
+    return cpuinfo("flags") or platform.processor()
 
 
 def _build(source: Path, compiler: str) -> Path:

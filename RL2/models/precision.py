@@ -5,6 +5,7 @@ import platform
 
 import torch
 
+from RL2.models.native import cpuinfo
 from RL2.utils.logging import log_rank0
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -21,11 +22,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return cpuinfo("vendor_id")
 
 
 def bf16_pays_off(device: torch.device) -> bool:
@@ -56,9 +53,9 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if bf16_pays_off(device) else torch.float32
     if name == "bfloat16" and not native_bf16(device):
         _warn_once("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
-                  "far slower than float32. Set actor.dtype=auto or float32.")
+                   "far slower than float32. Set actor.dtype=auto or float32.")
     elif name == "bfloat16" and not bf16_pays_off(device):
         _warn_once("warning: this CPU runs bf16 matmuls through AVX512-BF16 without AMX, at about half the float32 "
-                  "rate; float32 compute (actor.dtype=auto or float32) is faster here, at twice the activation "
-                  "memory.")
+                   "rate; float32 compute (actor.dtype=auto or float32) is faster here, at twice the activation "
+                   "memory.")
     return DTYPES[name]
