@@ -28,12 +28,20 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 class LogpsAndEntropy(torch.autograd.Function):
     """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
-    float dtype; the entropy is zeros unless `with_entropy`."""
+    float dtype; the entropy is zeros unless `with_entropy`.
+
+    With `overwrite_logits`, backward writes the logits' gradient over the logits instead of into a new
+    `[N, V]` tensor: the caller promises that nothing reads the logits after this function's backward
+    (the output projection that made them needs its input and weight, not its output). That saves the
+    largest buffer of a small model's backward, and the page faults of allocating it afresh each time.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float,
+                overwrite_logits: bool = False):
         kernels = cuda_kernels() if logits.is_cuda else None
         ctx.kernels, ctx.with_entropy, ctx.temperature = kernels, with_entropy, temperature
+        ctx.overwrite_logits = overwrite_logits
         ctx.set_materialize_grads(False)
         if kernels is not None:
             logits, labels = logits.contiguous(), labels.contiguous()  # the kernels read label i at labels + i
@@ -65,8 +73,10 @@ class LogpsAndEntropy(torch.autograd.Function):
         if ctx.kernels is not None:
             grad_entropy = grad_entropy if ctx.with_entropy else None
             return ctx.kernels.backward(logits, labels, lse, entropy, grad_logps, grad_entropy, ctx.temperature), \
-                None, None, None
-        grad = torch.empty_like(logits)
+                None, None, None, None
+        # Each chunk's gradient is computed in a tensor of its own before it is stored over the chunk's
+        # logits, which are not read again.
+        grad = logits if ctx.overwrite_logits else torch.empty_like(logits)
         for rows in _chunks(logits):
             log_probs = _log_probs(_scaled(logits[rows], ctx.temperature), lse[rows])
             scale = grad_logps[rows, None]
@@ -75,7 +85,7 @@ class LogpsAndEntropy(torch.autograd.Function):
             chunk = log_probs.exp_().mul_(scale).neg_()
             chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
             grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 @functools.cache
@@ -92,9 +102,12 @@ def cuda_kernels():
     return triton_logps
 
 
-def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`."""
-    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True, 1.0)
+def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor, overwrite_logits: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`.
+    `overwrite_logits`: see `LogpsAndEntropy`."""
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True, 1.0,
+                                           overwrite_logits)
     return logps.view(labels.shape), entropy.view(labels.shape)
 
 
@@ -104,9 +117,12 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return logps_and_entropy(logits, labels)[1]
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`."""
-    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False, temperature)
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                overwrite_logits: bool = False) -> torch.Tensor:
+    """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`.
+    `overwrite_logits`: see `LogpsAndEntropy`."""
+    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False, temperature,
+                                     overwrite_logits)
     return logps.view(labels.shape)
 
 

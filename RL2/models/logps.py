@@ -86,36 +86,56 @@ class PackedForward:
             raise RuntimeError("logits are split over cp/tp ranks or kept at trained tokens only; use "
                                "PackedForward.logps(), entropy(), values() or reduce local_logits with "
                                "PackedForward.vocab and gather()")
-        return self.local_logits if self.shared is None else self.shared.expand(self.local_logits)
+        logits = self._logits(False)
+        return logits if self.shared is None else self.shared.expand(logits)
 
-    def logps(self, temperature: float = 1.0) -> torch.Tensor:
-        """log p(labels[t] | prefix), float32 `[1, T]`."""
-        return self.gather(self.vocab.token_logps(self.local_logits, self.local_labels, temperature))
+    def logps(self, temperature: float = 1.0, last_use: bool = False) -> torch.Tensor:
+        """log p(labels[t] | prefix), float32 `[1, T]`.
+
+        `last_use`: nothing reads these logits after this call, so backward writes their gradient over
+        them rather than into a new `[tokens, vocabulary]` tensor (`chunked_logps.LogpsAndEntropy`),
+        and this object lets go of them.
+        """
+        logits = self._logits(last_use)
+        if not self.vocab.split:
+            return self.gather(chunked_logps.token_logps(logits, self.local_labels, temperature,
+                                                         overwrite_logits=last_use))
+        return self.gather(self.vocab.token_logps(logits, self.local_labels, temperature))
 
     def entropy(self) -> torch.Tensor:
         """Entropy of each next-token distribution, float32 `[1, T]`."""
         if self.vocab.split:
-            return self.gather(self.vocab.entropy(self.local_logits))
-        return self.gather(chunked_logps.entropy(self.local_logits))
+            return self.gather(self.vocab.entropy(self._logits(False)))
+        return self.gather(chunked_logps.entropy(self._logits(False)))
 
-    def logps_and_entropy(self, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`logps()` and `entropy()` (temperature 1) in one pass over the logits.
 
         The `[tokens, vocabulary]` float32 passes are the largest memory traffic of a small model's
         step: without tensor parallelism both come from `RL2.models.chunked_logps`, a few tokens at a
         time. The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise
-        it is a metric.
+        it is a metric. `last_use`: as in `logps()`.
         """
         if self.vocab.split:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self.entropy()
-            return self.logps(), entropy
-        logps, entropy = chunked_logps.logps_and_entropy(self.local_logits, self.local_labels)
+            return self.logps(last_use=last_use), entropy
+        logps, entropy = chunked_logps.logps_and_entropy(self._logits(last_use), self.local_labels,
+                                                         overwrite_logits=last_use)
         return self.gather(logps), self.gather(entropy if entropy_grad else entropy.detach())
+
+    def _logits(self, last_use: bool) -> torch.Tensor:
+        logits = self.local_logits
+        if logits is None:
+            raise RuntimeError("these logits were handed over with last_use=True, and their memory holds "
+                               "their gradient after backward; read everything else from them before that call")
+        if last_use:
+            self.local_logits = None
+        return logits
 
     def values(self) -> torch.Tensor:
         """A scalar head's output at every position (critic, reward model), float32 `[1, T]`."""
-        return self.gather(self.local_logits.squeeze(-1).float())
+        return self.gather(self._logits(False).squeeze(-1).float())
 
 
 def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = False) -> PackedForward:
@@ -172,4 +192,4 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
 
 def packed_logps(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """log p of the trained labels of one packed row, `[1, T]` (0.0 where `loss_mask` is 0)."""
-    return forward_packed(model, mb, trained_only=True).logps(temperature)
+    return forward_packed(model, mb, trained_only=True).logps(temperature, last_use=True)

@@ -190,7 +190,7 @@ class Actor:
         cfg = self.cfg
         weights = mb.loss_weights  # sum to 1 over the (mini-)batch on all ranks
         output = forward_packed(self.model, mb, trained_only=True)
-        logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0)
+        logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0, last_use=True)
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = mb.extra("engine_logps")
         losses, metrics = POLICY_LOSSES[cfg.policy_loss](

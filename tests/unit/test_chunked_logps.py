@@ -64,3 +64,40 @@ def test_chunked_logps_at_a_temperature(monkeypatch):
     (grad,) = torch.autograd.grad(logps.sum(), logits)
     (expected_grad,) = torch.autograd.grad(expected.sum(), leaf)
     torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_written_over_the_logits(monkeypatch, dtype):
+    """`overwrite_logits`: the same gradient as into a tensor of its own, stored in the logits' memory."""
+    monkeypatch.setattr(chunked_logps, "CHUNK_ELEMENTS", 4 * 40)
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 8, generator=generator, dtype=dtype, requires_grad=True)
+    hidden = torch.randn(11, 8, generator=generator, dtype=dtype)
+    labels = torch.randint(0, 40, (11,), generator=generator)
+    scale = torch.randn(2, 11, generator=generator)
+
+    def loss(overwrite: bool):
+        logits = hidden @ weight.T  # its backward needs hidden and weight, not the logits
+        logps, entropy = logps_and_entropy(logits, labels, overwrite_logits=overwrite)
+        (logps * scale[0] + entropy * scale[1]).sum().backward()
+        return logits
+
+    loss(False)
+    expected, weight.grad = weight.grad.clone(), None
+    leaf = (hidden @ weight.T).detach().double().requires_grad_()
+    ref_logps, ref_entropy = reference(leaf, labels)
+    (logits_grad,) = torch.autograd.grad((ref_logps * scale[0] + ref_entropy * scale[1]).sum(), leaf)
+
+    logits = loss(True)
+    assert torch.equal(weight.grad, expected)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits.detach().double(), logits_grad, atol=tolerance, rtol=tolerance)
+
+
+def test_overwritten_logits_needed_elsewhere_raise():
+    """Logits whose producer's backward needs them (here tanh's) must not be overwritten; autograd says so."""
+    pre = torch.randn(6, 30, requires_grad=True)
+    logits = torch.tanh(pre)
+    logps = token_logps(logits, torch.zeros(6, dtype=torch.long), overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logps.sum().backward()

@@ -66,8 +66,9 @@ def models(tiny_model_path):
     return load("rl2_varlen"), load("eager")
 
 
-@pytest.mark.parametrize("trained_only", [True, False])
-def test_log_probabilities_and_gradients_equal_each_sequence_alone(models, trained_only):
+@pytest.mark.parametrize("trained_only, last_use", [(True, False), (False, False), (True, True)])
+def test_log_probabilities_and_gradients_equal_each_sequence_alone(models, trained_only, last_use):
+    """`last_use` (the trainers' case): the logits' gradient is written over them, with the same results."""
     model, reference = models
     examples = group_examples(1)
     (mb,) = pack(SequenceBatch.from_examples(examples), 0, 1, max_tokens=1000)
@@ -77,9 +78,12 @@ def test_log_probabilities_and_gradients_equal_each_sequence_alone(models, train
     model.zero_grad()
     output = forward_packed(model, mb, trained_only=trained_only)
     assert output.shared is not None and output.local_length < mb.input_ids.shape[1]
-    logps, entropy = output.logps_and_entropy(entropy_grad=True)
+    logps, entropy = output.logps_and_entropy(entropy_grad=True, last_use=last_use)
     ((logps + 0.1 * entropy) * weights * mb.loss_mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if last_use:
+        with pytest.raises(RuntimeError, match="last_use"):
+            output.entropy()
 
     reference.zero_grad()
     expected_logps, expected_entropy, loss = [], [], 0.0
