@@ -30,10 +30,11 @@ class LogpsAndEntropy(torch.autograd.Function):
     """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
     float dtype; the entropy is zeros unless `with_entropy`.
 
-    With `overwrite_logits`, backward writes the logits' gradient over the logits instead of into a new
-    `[N, V]` tensor: the caller promises that nothing reads the logits after this function's backward
-    (the output projection that made them needs its input and weight, not its output). That saves the
-    largest buffer of a small model's backward, and the page faults of allocating it afresh each time.
+    With `overwrite_logits`, the chunked path's backward writes the logits' gradient over the logits
+    instead of into a new `[N, V]` tensor: the caller promises that nothing reads the logits after this
+    function's backward (the output projection that made them needs its input and weight, not its
+    output). That saves the largest buffer of a small model's backward on CPU, and the page faults of
+    allocating it afresh each time. The Triton kernels write their own gradient tensor.
     """
 
     @staticmethod
