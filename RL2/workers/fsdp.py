@@ -41,6 +41,7 @@ from RL2.models.fused_layers import install_fused_layers
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
+from RL2.models.tied_embeddings import add_embedding_rows_into_tied_gradient
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
@@ -139,6 +140,8 @@ class FSDPWorker(Stateful):
         model.config.use_cache = False
         if self.device.type == "cpu":
             install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each (float32, bfloat16)
+            if train and self.lora is None and self.dims.tp == 1:  # a trained, plain (not DTensor) tied embedding
+                add_embedding_rows_into_tied_gradient(model)
         model.parallel_layout = self._parallelize(model, train)
         self._fill_from_rank0(model, loaded)
         del loaded

@@ -1,0 +1,27 @@
+"""A tied input embedding's gradient added into the output projection's, only at the batch's tokens.
+
+With tied weights autograd sums two `[vocabulary, hidden]` gradients into the one weight: the output
+projection's, which every vocabulary row has, and the input embedding's, which only the rows of the
+batch's tokens have. torch's dense embedding backward writes those rows into a zeroed tensor as large
+as the weight, and autograd then adds the two into a third: passes over two weight-sized tensors that
+are often fresh memory, which on CPU costs page faults besides the passes. With a sparse embedding
+gradient autograd adds just the batch's rows into the projection's gradient; the weight's gradient is
+dense as before, so sharding, clipping and the optimizer see no difference.
+
+That holds only where the projection's gradient always comes too (a loss through the logits, as every
+RL2 trainer of a causal LM has): a sparse gradient alone would reach FSDP and the optimizer, which take
+dense ones only. Hence the conditions of `add_embedding_rows_into_tied_gradient`.
+"""
+
+import torch
+
+
+def add_embedding_rows_into_tied_gradient(model: torch.nn.Module) -> bool:
+    """Make a causal LM's tied input embedding produce sparse gradients; False (nothing changed) where
+    the embedding is not an `nn.Embedding` tied to the output projection."""
+    inputs = model.get_input_embeddings()
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(inputs, torch.nn.Embedding) or outputs is None or inputs.weight is not getattr(outputs, "weight", None):
+        return False
+    inputs.sparse = True
+    return True
