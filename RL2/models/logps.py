@@ -96,11 +96,8 @@ class PackedForward:
         them rather than into a new `[tokens, vocabulary]` tensor (`chunked_logps.LogpsAndEntropy`),
         and this object lets go of them.
         """
-        logits = self._logits(last_use)
-        if not self.vocab.split:
-            return self.gather(chunked_logps.token_logps(logits, self.local_labels, temperature,
-                                                         overwrite_logits=last_use))
-        return self.gather(self.vocab.token_logps(logits, self.local_labels, temperature))
+        return self.gather(self.vocab.token_logps(self._logits(last_use), self.local_labels, temperature,
+                                                  overwrite_logits=last_use))
 
     def entropy(self) -> torch.Tensor:
         """Entropy of each next-token distribution, float32 `[1, T]`."""

@@ -99,10 +99,12 @@ class VocabShard:
         picked = picked * inside
         return _SumOverRanks.apply(picked, self.group) if self.split else picked
 
-    def token_logps(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """log p(labels) in float32."""
+    def token_logps(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                    overwrite_logits: bool = False) -> torch.Tensor:
+        """log p(labels) in float32. `overwrite_logits` (unsplit logits only): see
+        `chunked_logps.LogpsAndEntropy`."""
         if not self.split:  # a few tokens at a time: no [T, V] float32 copy (RL2.models.chunked_logps)
-            return chunked_logps.token_logps(logits, labels, temperature)
+            return chunked_logps.token_logps(logits, labels, temperature, overwrite_logits)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
