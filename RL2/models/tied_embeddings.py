@@ -19,9 +19,8 @@ import torch
 def add_embedding_rows_into_tied_gradient(model: torch.nn.Module) -> bool:
     """Make a causal LM's tied input embedding produce sparse gradients; False (nothing changed) where
     the embedding is not an `nn.Embedding` tied to the output projection."""
-    inputs = model.get_input_embeddings()
-    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(inputs, torch.nn.Embedding) or outputs is None or inputs.weight is not getattr(outputs, "weight", None):
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()  # outputs: None without a head
+    if not isinstance(inputs, torch.nn.Embedding) or inputs.weight is not getattr(outputs, "weight", None):
         return False
     inputs.sparse = True
     return True
