@@ -109,18 +109,29 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last panel
+# is partial; with a fourth layer of 23, 48 outputs fill whole panels, taken two at a time with AVX512.
+LAYER_WIDTHS = [(5, 9, 11), (5, 9, 11, 23)]
+
+
+@pytest.mark.parametrize("widths", LAYER_WIDTHS)
 @pytest.mark.parametrize("rows", [1, 7, 9, 16, 17, 64, 130])  # both block widths, tails, several 64-row passes
-def test_panel_linear_is_x_times_the_concatenated_weights_plus_bias(rows):
-    # Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last
-    # panel is partial.
-    k = 40
-    weights = [randn(n, k, seed=n) for n in (5, 9, 11)]
-    bias, x = randn(25, seed=3), randn(rows, k, seed=4)
+def test_panel_linear_is_x_times_the_concatenated_weights_plus_bias(rows, widths):
+    k, n = 40, sum(widths)
+    weights = [randn(width, k, seed=width) for width in widths]
+    bias, x = randn(n, seed=3), randn(rows, k, seed=4)
     panels = KERNELS.pack_panels(weights)
     expected = x.double() @ torch.cat(weights).double().T + bias.double()
-    torch.testing.assert_close(KERNELS.panel_linear(x, panels, 25, bias).double(), expected, rtol=1e-5, atol=1e-5)
-    without_bias = KERNELS.panel_linear(x, panels, 25, None).double()
+    torch.testing.assert_close(KERNELS.panel_linear(x, panels, n, bias).double(), expected, rtol=1e-5, atol=1e-5)
+    without_bias = KERNELS.panel_linear(x, panels, n, None).double()
     torch.testing.assert_close(without_bias, expected - bias.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_linear_writes_into_the_given_output():
+    weight, x = randn(25, 40), randn(7, 40, seed=1)
+    out = torch.full((7, 25), float("nan"))
+    assert KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 25, None, out) is out
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_panel_linear_keeps_leading_dims_and_runs_threaded():
@@ -147,8 +158,9 @@ def test_the_avx512_and_avx2_builds_give_the_same_products(tmp_path):
         getattr(avx2, name).restype = restype
     avx2 = DecodeKernels(avx2)
     assert (avx2.panel_rows, KERNELS.panel_rows) == (6, 12)
-    weights = [randn(n, 96, seed=n) for n in (5, 9, 11)]
-    for rows in (1, 7, 9, 16, 17, 64, 130):
-        x, bias = randn(rows, 96, seed=rows), randn(25, seed=1)
-        assert torch.equal(avx2.panel_linear(x, avx2.pack_panels(weights), 25, bias),
-                           KERNELS.panel_linear(x, KERNELS.pack_panels(weights), 25, bias)), rows
+    for widths in LAYER_WIDTHS:
+        weights, n = [randn(width, 96, seed=width) for width in widths], sum(widths)
+        for rows in (1, 7, 9, 16, 17, 64, 130):
+            x, bias = randn(rows, 96, seed=rows), randn(n, seed=1)
+            assert torch.equal(avx2.panel_linear(x, avx2.pack_panels(weights), n, bias),
+                               KERNELS.panel_linear(x, KERNELS.pack_panels(weights), n, bias)), (widths, rows)

@@ -97,11 +97,15 @@ class DecodeKernels:
             first += weight.shape[0]
         return panels
 
-    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """x `[..., k]` times the packed weights (`pack_panels`) of n outputs, plus bias: `[..., n]`."""
+    def panel_linear(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x `[..., k]` times the packed weights (`pack_panels`) of n outputs, plus bias: `[..., n]`,
+        written into `out` (contiguous, that shape) where given."""
         k = panels.shape[1]
         rows = x.reshape(-1, k).contiguous()
-        out = x.new_empty(*x.shape[:-1], n)
+        if out is None:
+            out = x.new_empty(*x.shape[:-1], n)
         if self.library.panel_linear(rows.data_ptr(), len(rows), k, panels.data_ptr(), n, _address(bias), out.data_ptr()):
             raise MemoryError(f"panel_linear: no memory for the {k} x 64 floats of its scratch")
         return out
