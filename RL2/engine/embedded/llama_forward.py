@@ -23,8 +23,9 @@ from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernel
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Applies the given linear layers, which share an input, and concatenates their outputs.
-LinearKernel = Callable[[torch.Tensor], torch.Tensor]
+# Applies the given linear layers, which share an input, and concatenates their outputs (into `out`, a
+# second argument, where it can: the caller uses what it returns). Has `out_features`.
+LinearKernel = Callable[..., torch.Tensor]
 
 
 def llama_forward_supported(model: torch.nn.Module) -> bool:
@@ -137,6 +138,16 @@ class LlamaForward:
         normed, q = torch.empty_like(hidden), hidden.new_empty(rows, self.heads, self.head_dim)
         attended, activated = hidden.new_empty(rows, self.heads * self.head_dim), None
         new_layer = hidden.new_empty(0, self.kv_heads, 1, self.head_dim)  # what a new layer's cache holds
+        # Every product's output is read before the next product runs, so all layers share one buffer
+        # per output width instead of allocating ~120 small tensors a step.
+        products: dict[int, torch.Tensor] = {}
+
+        def product(linear, x: torch.Tensor) -> torch.Tensor:
+            width = linear.out_features
+            if width not in products:
+                products[width] = hidden.new_empty(rows, width)
+            return linear(x, products[width])
+
         delta = None  # what the last sublayer adds to the residual stream
         for index, layer in enumerate(self.layers):
             kernels.add_rms_norm(hidden, delta, layer.input_norm.weight, layer.input_norm.variance_epsilon, normed)
@@ -144,13 +155,13 @@ class LlamaForward:
             q_norm, k_norm, eps = None, None, 0.0
             if layer.q_norm is not None:  # Qwen3
                 q_norm, k_norm, eps = layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
-            kernels.rope_and_store(layer.qkv(normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
-            delta = layer.o(kernels.decode_attention(q, keys, values, positions, layer.scale, attended))
+            kernels.rope_and_store(product(layer.qkv, normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
+            delta = product(layer.o, kernels.decode_attention(q, keys, values, positions, layer.scale, attended))
             kernels.add_rms_norm(hidden, delta, layer.post_norm.weight, layer.post_norm.variance_epsilon, normed)
-            gate_up = layer.gate_up(normed)
+            gate_up = product(layer.gate_up, normed)
             if activated is None:
                 activated = gate_up.new_empty(rows, gate_up.shape[1] // 2)
-            delta = layer.down(kernels.silu_mul(gate_up, activated))
+            delta = product(layer.down, kernels.silu_mul(gate_up, activated))
         return kernels.add_rms_norm(hidden, delta, self.norm.weight, self.norm.variance_epsilon, normed)
 
     @torch.inference_mode()

@@ -37,16 +37,18 @@ class PackedLinear:
     def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    @torch.no_grad()
     def refresh(self) -> None:
         """Re-pack if any weight or bias changed since it was packed."""
         # Checked on every call: read the two attributes, not `parameters()`, which costs more.
         versions = tuple(p._version for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
-        if versions == self._versions:
-            return
+        if versions != self._versions:
+            self._repack(versions)
+
+    @torch.no_grad()
+    def _repack(self, versions: tuple[int, ...]) -> None:
         self._packed = None  # free the stale copy first: peak memory stays one copy
         self._packed = self._pack([linear.weight.detach() for linear in self.linears])
         self._bias = None
@@ -61,13 +63,15 @@ class PackedLinear:
         """Drop the packed copy; the next call packs the weights again."""
         self._packed, self._bias, self._versions = None, None, ()
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The outputs `[..., out_features]`; where `out` is given, written into it (a product that
+        cannot write into it, e.g. under autocast, returns a new tensor: use what is returned)."""
         # e.g. under autocast: the plain products. F.linear, not the modules: on the HF-module path
         # their forward is this very object (ModelRunner._engine_kernels).
         if hidden.dtype != self.linears[0].weight.dtype:
             return torch.cat([F.linear(hidden, linear.weight, linear.bias) for linear in self.linears], dim=-1)
         self.refresh()
-        return self._product(hidden)
+        return self._product(hidden, out)
 
 
 class OneDNNLinear(PackedLinear):
@@ -76,7 +80,7 @@ class OneDNNLinear(PackedLinear):
     def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0])
 
-    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self._bias, "none", [], "")
 
 
@@ -91,8 +95,8 @@ class PanelLinear(PackedLinear):
     def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return self.kernels.pack_panels(weights)
 
-    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.panel_linear(hidden, self._packed, self.out_features, self._bias)
+    def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.panel_linear(hidden, self._packed, self.out_features, self._bias, out)
 
 
 class ConcatLinear:
@@ -100,6 +104,7 @@ class ConcatLinear:
 
     def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
+        self.out_features = sum(linear.out_features for linear in linears)
 
     def refresh(self) -> None:
         pass
@@ -107,7 +112,7 @@ class ConcatLinear:
     def release(self) -> None:
         pass
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if len(self.linears) == 1:
             return self.linears[0](hidden)
         return torch.cat([linear(hidden) for linear in self.linears], dim=-1)
