@@ -91,9 +91,16 @@ def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms, ro
     torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
 
 
+# (heads, kv_heads, head_dim): with AVX512, head dims that are multiples of 64 take the one-pass products of
+# up to four heads with the values (7 heads a kv head: a group of four, then three), multiples of 16 the
+# folded scores; others the generic code.
+ATTENTION_SHAPES = [(9, 3, 64), (14, 2, 128), (4, 4, 32), (6, 2, 40)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
 @pytest.mark.parametrize("score_scale", [1.0, 30.0], ids=["soft", "sharp"])
-def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_scale):
-    rows, heads, kv_heads, head_dim, cache_rows, cache_len = 7, 9, 3, 64, 9, 130
+def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_scale, heads, kv_heads, head_dim):
+    rows, cache_rows, cache_len = 7, 9, 130
     positions = torch.tensor([0, 1, 5, 63, 64, 100, 129])
     q = randn(rows, heads, head_dim, scale=score_scale)
     keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)

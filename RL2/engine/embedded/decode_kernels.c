@@ -106,8 +106,8 @@ void rope_and_store(const float *qkv, const float *cos, const float *sin, const 
  * at a time, every head while they are in L1: one dot product alone is a chain of dependent
  * multiply-adds, four are independent and keep the FPU busy. */
 static void score_keys(float *restrict scores, const float *restrict query, const float *restrict keys, int64_t group,
-                       int64_t length, int64_t head_dim, float scale) {
-    int64_t j = 0;
+                       int64_t first, int64_t length, int64_t head_dim, float scale) {
+    int64_t j = first;
     for (; j + 4 <= length; j += 4) {
         const float *k0 = keys + j * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
         for (int64_t h = 0; h < group; h++) {
@@ -162,6 +162,79 @@ static void weigh_values(float *restrict out, const float *restrict weights, con
     }
 }
 
+#ifdef __AVX512F__
+/* Loaded unaligned: cached keys and values, and the rows of panel_linear's transpose of x, start on
+ * 32-byte boundaries at best. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* Two vectors of G groups of S partial sums -> one of 2G groups of S/2: each group's two halves added,
+ * x's group g becoming group 2g and y's group 2g + 1. */
+static inline v16 fold(v16 x, v16 y, i16v first_halves, i16v second_halves) {
+    return __builtin_shuffle(x, y, first_halves) + __builtin_shuffle(x, y, second_halves);
+}
+
+/* Lane t of the result: the sum of the 16 lanes of v[t]. Four levels of folds (15 adds) instead of a
+ * horizontal sum per vector; they leave vector t's sum in lane bitreverse(t), which one shuffle undoes. */
+static inline v16 sum_lanes(const v16 v[16]) {
+    const i16v first16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16v second16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16v first8 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i16v second8 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i16v first4 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i16v second4 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i16v first2 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i16v second2 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = fold(v[2 * i], v[2 * i + 1], first16, second16);
+    for (int i = 0; i < 4; i++) b[i] = fold(a[2 * i], a[2 * i + 1], first8, second8);
+    for (int i = 0; i < 2; i++) c[i] = fold(b[2 * i], b[2 * i + 1], first4, second4);
+    v16 d = fold(c[0], c[1], first2, second2);
+    return __builtin_shuffle(d, (i16v){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+/* score_keys sixteen keys at a time (head_dim a multiple of 16): each key's dot product with a query head
+ * is 16 lanes of partial sums, folded together with the other fifteen keys' (sum_lanes). */
+static void score_keys16(float *restrict scores, const float *restrict query, const float *restrict keys, int64_t group,
+                         int64_t length, int64_t head_dim, float scale) {
+    int64_t j = 0;
+    for (; j + 16 <= length; j += 16) {
+        const float *block = keys + j * head_dim;
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = query + h * head_dim;
+            v16 acc[16] = {0};
+            for (int64_t i = 0; i < head_dim; i += 16) {
+                v16 qi = *(const v16 *)(qh + i);
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++) acc[t] += qi * *(const v16 *)(block + t * head_dim + i);
+            }
+            *(v16 *)(scores + h * length + j) = sum_lanes(acc) * scale;
+        }
+    }
+    score_keys(scores, query, keys, group, j, length, head_dim, scale);
+}
+
+/* weigh_values for `heads` (1 to 4) query heads at once over 64 of head_dim's columns from column c: one
+ * pass over the values, each value vector loaded once for every head. */
+static inline void weigh_values64(float *restrict out, const float *restrict weights, const float *restrict values,
+                                  int64_t heads, int64_t length, int64_t head_dim, int64_t c) {
+    v16 acc[4][4] = {0};
+    for (int64_t j = 0; j < length; j++) {
+        const float *v = values + j * head_dim + c;
+        v16 v0 = *(const v16 *)v, v1 = *(const v16 *)(v + 16), v2 = *(const v16 *)(v + 32), v3 = *(const v16 *)(v + 48);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) {
+            if (h < heads) {
+                float w = weights[h * length + j];
+                acc[h][0] += w * v0, acc[h][1] += w * v1, acc[h][2] += w * v2, acc[h][3] += w * v3;
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int q = 0; q < 4; q++) *(v16 *)(out + h * head_dim + c + 16 * q) = acc[h][q];
+}
+#endif
+
 /* One query per row over cache positions 0..positions[r]; out [rows, heads * head_dim].
  *
  * The query heads that share a kv head are scored one after the other while their keys are in cache,
@@ -186,7 +259,12 @@ void decode_attention(const float *q, const float *keys, const float *values, co
             const float *k = keys + (r * kv_heads + g) * cache_len * head_dim;
             const float *v = values + (r * kv_heads + g) * cache_len * head_dim;
             const float *query = q + (r * heads + g * group) * head_dim;
-            score_keys(scores, query, k, group, length, head_dim, scale);
+#ifdef __AVX512F__
+            if (head_dim % 16 == 0)
+                score_keys16(scores, query, k, group, length, head_dim, scale);
+            else
+#endif
+                score_keys(scores, query, k, group, 0, length, head_dim, scale);
             for (int64_t h = 0; h < group; h++) {
                 float *p = scores + h * length, max = p[0], sum = 0.0f;
                 for (int64_t j = 1; j < length; j++) max = p[j] > max ? p[j] : max;
@@ -199,6 +277,15 @@ void decode_attention(const float *q, const float *keys, const float *values, co
                 for (int64_t j = 0; j < length; j++) p[j] *= inv;
             }
             float *o = out + (r * heads + g * group) * head_dim;
+#ifdef __AVX512F__
+            if (head_dim % 64 == 0) {
+                for (int64_t h = 0; h < group; h += 4)
+                    for (int64_t c = 0; c < head_dim; c += 64)
+                        weigh_values64(o + h * head_dim, scores + h * length, v, group - h < 4 ? group - h : 4, length,
+                                       head_dim, c);
+                continue;
+            }
+#endif
             for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, scores + h * length, v, length, head_dim);
         }
         free(scores);
@@ -237,10 +324,6 @@ void decode_attention(const float *q, const float *keys, const float *values, co
 #define PREFETCH_AHEAD 1024
 
 typedef float v8 __attribute__((vector_size(32)));
-#ifdef __AVX512F__
-/* Loaded unaligned: the rows of x's transpose start on 32-byte boundaries only. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#endif
 
 /* The panels' width in features, for the Python side that allocates them. */
 int panel_rows(void) { return PANEL_ROWS; }
