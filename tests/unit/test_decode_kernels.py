@@ -91,15 +91,36 @@ def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms, ro
     torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
 
 
-# (heads, kv_heads, head_dim): with AVX512, head dims that are multiples of 64 take the one-pass products of
-# up to four heads with the values (7 heads a kv head: a group of four, then three), multiples of 16 the
-# folded scores; others the generic code.
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory) -> DecodeKernels:
+    """The library built for AVX2 on an AVX512 CPU (where the native build is AVX512's)."""
+    if not torch.cpu._is_avx512_supported() or shutil.which("cc") is None:
+        pytest.skip("needs an AVX512 CPU (whose native build differs from the AVX2 one) and cc")
+    flags = [f if f != "-march=native" else "-march=haswell" for f in native.FLAGS]
+    library = tmp_path_factory.mktemp("avx2") / "avx2.so"
+    subprocess.run(["cc", *flags, f"-I{native.HEADERS}", str(decode_kernels.SOURCE), "-o", str(library), "-lm"],
+                   check=True)
+    avx2 = ctypes.CDLL(str(library))
+    for name, argtypes in decode_kernels.SIGNATURES.items():
+        getattr(avx2, name).argtypes = argtypes
+    for name, restype in decode_kernels.RETURNS.items():
+        getattr(avx2, name).restype = restype
+    return DecodeKernels(avx2)
+
+
+# (heads, kv_heads, head_dim): head dims that are multiples of the vector width (16 lanes with AVX512, 8 with
+# AVX2) score keys a vector at a time; multiples of 4 vectors weigh values for several heads at once (7 heads
+# a kv head: a group of four, then three, with AVX512); others take the generic code.
 ATTENTION_SHAPES = [(9, 3, 64), (14, 2, 128), (4, 4, 32), (6, 2, 40)]
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
 @pytest.mark.parametrize("score_scale", [1.0, 30.0], ids=["soft", "sharp"])
-def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_scale, heads, kv_heads, head_dim):
+def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
+    score_scale, heads, kv_heads, head_dim, build, request
+):
+    kernels = KERNELS if build == "native" else request.getfixturevalue("avx2_kernels")
     rows, cache_rows, cache_len = 7, 9, 130
     positions = torch.tensor([0, 1, 5, 63, 64, 100, 129])
     q = randn(rows, heads, head_dim, scale=score_scale)
@@ -112,7 +133,7 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(score_
         scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
         expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
     out = torch.empty(rows, heads * head_dim)
-    KERNELS.decode_attention(q, keys, values, positions, scale, out)
+    kernels.decode_attention(q, keys, values, positions, scale, out)
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -149,21 +170,10 @@ def test_panel_linear_keeps_leading_dims_and_runs_threaded():
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_supported() or shutil.which("cc") is None,
-                    reason="needs an AVX512 CPU (whose native build differs from the AVX2 one) and cc")
-def test_the_avx512_and_avx2_builds_give_the_same_products(tmp_path):
+def test_the_avx512_and_avx2_builds_give_the_same_products(avx2_kernels):
     """With AVX512 the panels are twelve features wide and the products 16 lanes wide; each output is
     still one chain of multiply-adds over k in order, so the results are the AVX2 build's, bit for bit."""
-    flags = [f if f != "-march=native" else "-march=haswell" for f in native.FLAGS]
-    library = tmp_path / "avx2.so"
-    subprocess.run(["cc", *flags, f"-I{native.HEADERS}", str(decode_kernels.SOURCE), "-o", str(library), "-lm"],
-                   check=True)
-    avx2 = ctypes.CDLL(str(library))
-    for name, argtypes in decode_kernels.SIGNATURES.items():
-        getattr(avx2, name).argtypes = argtypes
-    for name, restype in decode_kernels.RETURNS.items():
-        getattr(avx2, name).restype = restype
-    avx2 = DecodeKernels(avx2)
+    avx2 = avx2_kernels
     assert (avx2.panel_rows, KERNELS.panel_rows) == (6, 12)
     for widths in LAYER_WIDTHS:
         weights, n = [randn(width, 96, seed=width) for width in widths], sum(widths)

@@ -162,83 +162,100 @@ static void weigh_values(float *restrict out, const float *restrict weights, con
     }
 }
 
+/* Attention's products a vector of keys or of value columns at a time: VL lanes (16 with AVX512, 8 with
+ * AVX2; the compiler splits wider vectors where there is less). */
+#define WEIGH_VECTORS 4 /* value columns per pass: 4 vectors, summed for up to WEIGH_HEADS heads at once */
 #ifdef __AVX512F__
+#define VL 16
+#define WEIGH_HEADS 4 /* 16 of the 32 vector registers */
+#else
+#define VL 8
+#define WEIGH_HEADS 2 /* 8 of 16 (four heads of two vectors each measured slower) */
+#endif
 /* Loaded unaligned: cached keys and values, and the rows of panel_linear's transpose of x, start on
  * 32-byte boundaries at best. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 /* Two vectors of G groups of S partial sums -> one of 2G groups of S/2: each group's two halves added,
  * x's group g becoming group 2g and y's group 2g + 1. */
-static inline v16 fold(v16 x, v16 y, i16v first_halves, i16v second_halves) {
+static inline vf fold(vf x, vf y, vi first_halves, vi second_halves) {
     return __builtin_shuffle(x, y, first_halves) + __builtin_shuffle(x, y, second_halves);
 }
 
-/* Lane t of the result: the sum of the 16 lanes of v[t]. Four levels of folds (15 adds) instead of a
- * horizontal sum per vector; they leave vector t's sum in lane bitreverse(t), which one shuffle undoes. */
-static inline v16 sum_lanes(const v16 v[16]) {
-    const i16v first16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16v second16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i16v first8 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const i16v second8 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const i16v first4 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const i16v second4 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const i16v first2 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const i16v second2 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    v16 a[8], b[4], c[2];
+/* Lane t of the result: the sum of the VL lanes of v[t]. log2(VL) levels of folds (VL - 1 adds) instead of
+ * a horizontal sum per vector; they leave vector t's sum in lane bitreverse(t), which one shuffle undoes. */
+static inline vf sum_lanes(const vf v[VL]) {
+#if VL == 16
+    const vi first16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi second16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi first8 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const vi second8 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vi first4 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const vi second4 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const vi first2 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const vi second2 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    vf a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) a[i] = fold(v[2 * i], v[2 * i + 1], first16, second16);
     for (int i = 0; i < 4; i++) b[i] = fold(a[2 * i], a[2 * i + 1], first8, second8);
     for (int i = 0; i < 2; i++) c[i] = fold(b[2 * i], b[2 * i + 1], first4, second4);
-    v16 d = fold(c[0], c[1], first2, second2);
-    return __builtin_shuffle(d, (i16v){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+    return __builtin_shuffle(fold(c[0], c[1], first2, second2), (vi){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+#else
+    const vi first8 = {0, 1, 2, 3, 8, 9, 10, 11}, second8 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi first4 = {0, 1, 8, 9, 4, 5, 12, 13}, second4 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vi first2 = {0, 8, 2, 10, 4, 12, 6, 14}, second2 = {1, 9, 3, 11, 5, 13, 7, 15};
+    vf b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = fold(v[2 * i], v[2 * i + 1], first8, second8);
+    for (int i = 0; i < 2; i++) c[i] = fold(b[2 * i], b[2 * i + 1], first4, second4);
+    return __builtin_shuffle(fold(c[0], c[1], first2, second2), (vi){0, 4, 2, 6, 1, 5, 3, 7});
+#endif
 }
 
-/* score_keys sixteen keys at a time (head_dim a multiple of 16): each key's dot product with a query head
- * is 16 lanes of partial sums, folded together with the other fifteen keys' (sum_lanes). */
-static void score_keys16(float *restrict scores, const float *restrict query, const float *restrict keys, int64_t group,
-                         int64_t length, int64_t head_dim, float scale) {
+/* score_keys VL keys at a time (head_dim a multiple of VL): each key's dot product with a query head is
+ * VL lanes of partial sums, folded together with the other keys' (sum_lanes); the rest by score_keys. */
+static void score_key_vectors(float *restrict scores, const float *restrict query, const float *restrict keys,
+                              int64_t group, int64_t length, int64_t head_dim, float scale) {
     int64_t j = 0;
-    for (; j + 16 <= length; j += 16) {
+    for (; j + VL <= length; j += VL) {
         const float *block = keys + j * head_dim;
         for (int64_t h = 0; h < group; h++) {
             const float *qh = query + h * head_dim;
-            v16 acc[16] = {0};
-            for (int64_t i = 0; i < head_dim; i += 16) {
-                v16 qi = *(const v16 *)(qh + i);
+            vf acc[VL] = {0};
+            for (int64_t i = 0; i < head_dim; i += VL) {
+                vf qi = *(const vf *)(qh + i);
 #pragma GCC unroll 16
-                for (int t = 0; t < 16; t++) acc[t] += qi * *(const v16 *)(block + t * head_dim + i);
+                for (int t = 0; t < VL; t++) acc[t] += qi * *(const vf *)(block + t * head_dim + i);
             }
-            *(v16 *)(scores + h * length + j) = sum_lanes(acc) * scale;
+            *(vf *)(scores + h * length + j) = sum_lanes(acc) * scale;
         }
     }
     score_keys(scores, query, keys, group, j, length, head_dim, scale);
 }
 
-/* weigh_values for `heads` (1 to 4) query heads at once over 64 of head_dim's columns from column c: one
- * pass over the values, each value vector loaded once for every head. */
-static inline void weigh_values64(float *restrict out, const float *restrict weights, const float *restrict values,
-                                  int64_t heads, int64_t length, int64_t head_dim, int64_t c) {
-    v16 acc[4][4] = {0};
+/* weigh_values for `heads` (1 to WEIGH_HEADS) query heads at once, over WEIGH_VECTORS vectors of columns
+ * from column c: each value vector is loaded once for all of them. */
+static inline void weigh_value_vectors(float *restrict out, const float *restrict weights, const float *restrict values,
+                                       int64_t heads, int64_t length, int64_t head_dim, int64_t c) {
+    vf acc[WEIGH_HEADS][WEIGH_VECTORS] = {0};
     for (int64_t j = 0; j < length; j++) {
-        const float *v = values + j * head_dim + c;
-        v16 v0 = *(const v16 *)v, v1 = *(const v16 *)(v + 16), v2 = *(const v16 *)(v + 32), v3 = *(const v16 *)(v + 48);
+        vf v[WEIGH_VECTORS];
+        for (int q = 0; q < WEIGH_VECTORS; q++) v[q] = *(const vf *)(values + j * head_dim + c + q * VL);
 #pragma GCC unroll 4
-        for (int h = 0; h < 4; h++) {
+        for (int h = 0; h < WEIGH_HEADS; h++) {
             if (h < heads) {
                 float w = weights[h * length + j];
-                acc[h][0] += w * v0, acc[h][1] += w * v1, acc[h][2] += w * v2, acc[h][3] += w * v3;
+                for (int q = 0; q < WEIGH_VECTORS; q++) acc[h][q] += w * v[q];
             }
         }
     }
     for (int64_t h = 0; h < heads; h++)
-        for (int q = 0; q < 4; q++) *(v16 *)(out + h * head_dim + c + 16 * q) = acc[h][q];
+        for (int q = 0; q < WEIGH_VECTORS; q++) *(vf *)(out + h * head_dim + c + q * VL) = acc[h][q];
 }
-#endif
 
 /* One query per row over cache positions 0..positions[r]; out [rows, heads * head_dim].
  *
  * The query heads that share a kv head are scored one after the other while their keys are in cache,
- * and their outputs accumulated in one pass over the values. Scores
+ * and their outputs accumulated together, each value vector loaded once for several heads. Scores
  * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). */
 void decode_attention(const float *q, const float *keys, const float *values, const int64_t *positions, float *out,
                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
@@ -259,11 +276,9 @@ void decode_attention(const float *q, const float *keys, const float *values, co
             const float *k = keys + (r * kv_heads + g) * cache_len * head_dim;
             const float *v = values + (r * kv_heads + g) * cache_len * head_dim;
             const float *query = q + (r * heads + g * group) * head_dim;
-#ifdef __AVX512F__
-            if (head_dim % 16 == 0)
-                score_keys16(scores, query, k, group, length, head_dim, scale);
+            if (head_dim % VL == 0)
+                score_key_vectors(scores, query, k, group, length, head_dim, scale);
             else
-#endif
                 score_keys(scores, query, k, group, 0, length, head_dim, scale);
             for (int64_t h = 0; h < group; h++) {
                 float *p = scores + h * length, max = p[0], sum = 0.0f;
@@ -277,16 +292,15 @@ void decode_attention(const float *q, const float *keys, const float *values, co
                 for (int64_t j = 0; j < length; j++) p[j] *= inv;
             }
             float *o = out + (r * heads + g * group) * head_dim;
-#ifdef __AVX512F__
-            if (head_dim % 64 == 0) {
-                for (int64_t h = 0; h < group; h += 4)
-                    for (int64_t c = 0; c < head_dim; c += 64)
-                        weigh_values64(o + h * head_dim, scores + h * length, v, group - h < 4 ? group - h : 4, length,
-                                       head_dim, c);
-                continue;
+            int64_t columns = WEIGH_VECTORS * VL;
+            if (head_dim % columns == 0) {
+                for (int64_t h = 0; h < group; h += WEIGH_HEADS)
+                    for (int64_t c = 0; c < head_dim; c += columns)
+                        weigh_value_vectors(o + h * head_dim, scores + h * length, v,
+                                            group - h < WEIGH_HEADS ? group - h : WEIGH_HEADS, length, head_dim, c);
+            } else {
+                for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, scores + h * length, v, length, head_dim);
             }
-#endif
-            for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, scores + h * length, v, length, head_dim);
         }
         free(scores);
     }
@@ -352,26 +366,26 @@ void pack_panels(const float *weight, int64_t rows, int64_t k, int64_t first_row
  * padding; `half` is for the AVX2 build, whose padding is 8 rows). */
 static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k,
                                int half __attribute__((unused)), float out[PANEL_ROWS][16]) {
-    v16 acc[PANEL_ROWS] = {0};
+    vf acc[PANEL_ROWS] = {0};
     for (int64_t kk = 0; kk < k; kk++) {
-        v16 x = *(const v16 *)(xt + kk * ld);
+        vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS;
         __builtin_prefetch(w + PREFETCH_AHEAD);
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
     }
 #pragma GCC unroll 12
-    for (int r = 0; r < PANEL_ROWS; r++) *(v16 *)out[r] = acc[r];
+    for (int r = 0; r < PANEL_ROWS; r++) *(vf *)out[r] = acc[r];
 }
 
 /* panel_block for two neighbouring panels at once: the same chains, but two streams through memory,
  * which one core reads faster than one stream (24 of the 32 vector registers hold the sums). */
 static inline void panel_block_pair(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k,
                                     float out[2][PANEL_ROWS][16]) {
-    v16 acc[PANEL_ROWS] = {0}, acc2[PANEL_ROWS] = {0};
+    vf acc[PANEL_ROWS] = {0}, acc2[PANEL_ROWS] = {0};
     const float *panel2 = panel + k * PANEL_ROWS;
     for (int64_t kk = 0; kk < k; kk++) {
-        v16 x = *(const v16 *)(xt + kk * ld);
+        vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
         __builtin_prefetch(w + PREFETCH_AHEAD);
         __builtin_prefetch(w2 + PREFETCH_AHEAD);
@@ -383,8 +397,8 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
     }
 #pragma GCC unroll 12
     for (int r = 0; r < PANEL_ROWS; r++) {
-        *(v16 *)out[0][r] = acc[r];
-        *(v16 *)out[1][r] = acc2[r];
+        *(vf *)out[0][r] = acc[r];
+        *(vf *)out[1][r] = acc2[r];
     }
 }
 #else
