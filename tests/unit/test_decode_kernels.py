@@ -160,6 +160,8 @@ def test_panel_linear_writes_into_the_given_output():
     out = torch.full((7, 25), float("nan"))
     assert KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 25, None, out) is out
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32"):  # the C code would write past it
+        KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 25, None, torch.empty(6, 25))
 
 
 def test_panel_linear_keeps_leading_dims_and_runs_threaded():

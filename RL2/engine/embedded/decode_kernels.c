@@ -162,8 +162,8 @@ static void weigh_values(float *restrict out, const float *restrict weights, con
     }
 }
 
-/* Attention's products a vector of keys or of value columns at a time: VL lanes (16 with AVX512, 8 with
- * AVX2; the compiler splits wider vectors where there is less). */
+/* Attention's products a vector of keys or of value columns at a time: VL lanes, 16 with AVX512, else 8
+ * (AVX2's width). */
 #define WEIGH_VECTORS 4 /* value columns per pass: 4 vectors, summed for up to WEIGH_HEADS heads at once */
 #ifdef __AVX512F__
 #define VL 16

@@ -106,6 +106,9 @@ class DecodeKernels:
         rows = x.reshape(-1, k).contiguous()
         if out is None:
             out = x.new_empty(*x.shape[:-1], n)
+        elif out.shape != (*x.shape[:-1], n) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"panel_linear: out must be a contiguous float32 {(*x.shape[:-1], n)}, "
+                             f"not {out.dtype} {tuple(out.shape)}")
         if self.library.panel_linear(rows.data_ptr(), len(rows), k, panels.data_ptr(), n, _address(bias), out.data_ptr()):
             raise MemoryError(f"panel_linear: no memory for the {k} x 64 floats of its scratch")
         return out
