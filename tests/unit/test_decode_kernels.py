@@ -137,6 +137,51 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def bf16_cache(rows, kv_heads, cache_len, head_dim, zero_keys=False):
+    """A bf16 model's cache as `SlotKVCache` holds it: keys float32, values bf16."""
+    keys = randn(rows + 2, kv_heads, cache_len, head_dim, seed=1) * (0.0 if zero_keys else 1.0)
+    return keys, randn(rows + 2, kv_heads, cache_len, head_dim, seed=2).bfloat16()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
+def test_decode_attention_over_bf16_values_matches_float64(heads, kv_heads, head_dim):
+    """Keys and values handed over as `SlotKVCache.update` does (the first rows of the buffers, cut at the
+    longest length). Rounding the probabilities to bf16 moves each by at most 2^-9 of itself, so the
+    output is within 2^-9 max|v| of float64 attention over the same values."""
+    rows, positions = 7, torch.tensor([0, 1, 5, 63, 64, 100, 129])
+    q = randn(rows, heads, head_dim, scale=3.0).bfloat16()
+    keys, values = bf16_cache(rows, kv_heads, 256, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    expected = torch.empty(rows, heads, head_dim, dtype=torch.float64)
+    for row, position in enumerate(positions.tolist()):
+        k = keys[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
+        v = values[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
+        scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
+        expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
+    length = int(positions.max()) + 1
+    out = KERNELS.decode_attention_bf16_values(q, keys[:rows, :, :length], values[:rows, :, :length], positions, scale)
+    assert out.dtype == torch.float32
+    bound = 2**-9 * float(values.abs().max()) + 1e-5
+    torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=0, atol=bound)
+    with pytest.raises(ValueError, match="values must be torch.bfloat16"):
+        KERNELS.decode_attention_bf16_values(q, keys[:rows], keys[:rows], positions, scale)
+
+
+def test_decode_attention_over_bf16_values_rounds_the_probabilities_as_the_torch_ops_do():
+    """With zero keys a row at position p weighs its p + 1 values by 1 / (p + 1), rounded to bf16 (as
+    `attend_one_token` does before its bf16 product), then sums in float32."""
+    rows, heads, kv_heads, head_dim = 4, 6, 2, 64
+    positions = torch.tensor([0, 2, 5, 99])
+    keys, values = bf16_cache(rows, kv_heads, 128, head_dim, zero_keys=True)
+    out = KERNELS.decode_attention_bf16_values(randn(rows, heads, head_dim), keys[:rows, :, :100],
+                                               values[:rows, :, :100], positions, 0.125)
+    for row, position in enumerate(positions.tolist()):
+        weight = float(torch.tensor(1 / (position + 1)).bfloat16())
+        per_kv_head = values[row, :, : position + 1].double().sum(1) * weight
+        expected = per_kv_head.repeat_interleave(heads // kv_heads, dim=0)
+        torch.testing.assert_close(out[row].view(heads, head_dim).double(), expected, rtol=1e-6, atol=1e-6)
+
+
 # Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last panel
 # is partial; with a fourth layer of 23, 48 outputs fill whole panels, taken two at a time with AVX512.
 LAYER_WIDTHS = [(5, 9, 11), (5, 9, 11, 23)]

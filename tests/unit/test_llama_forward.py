@@ -45,14 +45,14 @@ def random_model(config, dtype) -> torch.nn.Module:
 # float32 with large weights: sharp attention, so positions and norms change the logits a lot;
 # bf16 with HF's small initial weights, where its own rounding (~0.005 here) stays far below 0.02.
 DTYPES = {"fp32": (torch.float32, 0.2, 1e-3), "bf16": (torch.bfloat16, 0.02, 0.02)}
-# How decode steps run: the C kernels serve float32 Llama families; torch ops everything (and stand
-# in for the kernels where no C compiler is found).
+# How decode steps run: the C kernels serve float32 Llama families (in bf16, their attention); torch ops
+# everything (and stand in for the kernels where no C compiler is found).
 CASES = [
     (family, dtype, decode)
     for family in FAMILIES
     for dtype in DTYPES
     for decode in ("c-kernels", "torch-ops")
-    if decode == "torch-ops" or (dtype == "fp32" and family != "gemma")
+    if decode == "torch-ops" or family != "gemma"
 ]
 
 
@@ -67,9 +67,9 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode):
     if decode == "c-kernels":
         if load_decode_kernels() is None:
             pytest.skip("the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)")
-        assert runner.llama.decode_kernels is not None
+        assert (runner.llama.decode_kernels if dtype == torch.float32 else runner.llama.bf16_attention) is not None
     elif runner.llama is not None:
-        runner.llama.decode_kernels = None
+        runner.llama.decode_kernels = runner.llama.bf16_attention = None
     generator = torch.Generator().manual_seed(1)
 
     def random_tokens(n: int) -> list[int]:

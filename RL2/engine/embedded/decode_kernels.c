@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"       /* bf16_to_float, float_to_bf16 */
 #include "fast_math.h"  /* exp_clamped */
 
 /* Elements from which the row loops run on all threads (torch's pool, already spinning between the
@@ -252,29 +253,38 @@ static inline void weigh_value_vectors(float *restrict out, const float *restric
         for (int q = 0; q < WEIGH_VECTORS; q++) *(vf *)(out + h * head_dim + c + q * VL) = acc[h][q];
 }
 
-/* One query per row over cache positions 0..positions[r]; out [rows, heads * head_dim].
- *
- * The query heads that share a kv head are scored one after the other while their keys are in cache,
- * and their outputs accumulated together, each value vector loaded once for several heads. Scores
- * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). */
-void decode_attention(const float *q, const float *keys, const float *values, const int64_t *positions, float *out,
-                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
+static void widen_bf16(float *restrict out, const bf16 *restrict in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(in[i]);  /* exact */
+}
+
+/* decode_attention for float32 values, or bf16 values (`values_bf16`), as the engine's torch ops compute
+ * attention for a bf16 model: the probabilities rounded to bf16 before they meet the values, the products
+ * summed in float32 (the values widened to float32 per row and kv head, a few KB that stay in cache). */
+static inline __attribute__((always_inline)) void attention(
+    const float *q, const float *keys, const void *values, int values_bf16, const int64_t *positions, float *out,
+    int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
     int64_t group = heads / kv_heads;
 #pragma omp parallel
     {
-        float *scores = NULL;
+        float *scores = NULL, *widened = NULL;
         int64_t capacity = 0;
 #pragma omp for schedule(dynamic)  /* rows of very different lengths */
         for (int64_t item = 0; item < rows * kv_heads; item++) {
             int64_t r = item / kv_heads, g = item % kv_heads, length = positions[r] + 1;
-            if (length * group > capacity) {
+            if (length > capacity) {
                 free(scores);
-                capacity = length * group;
-                scores = malloc(capacity * sizeof(float));
-                if (!scores) abort();  /* out of memory: no way to raise from inside a parallel region */
+                free(widened);
+                capacity = length;
+                scores = malloc(capacity * group * sizeof(float));
+                widened = values_bf16 ? malloc(capacity * head_dim * sizeof(float)) : NULL;
+                if (!scores || (values_bf16 && !widened)) abort();  /* out of memory: no way to raise from inside a parallel region */
             }
-            const float *k = keys + (r * kv_heads + g) * cache_len * head_dim;
-            const float *v = values + (r * kv_heads + g) * cache_len * head_dim;
+            int64_t offset = (r * kv_heads + g) * cache_len * head_dim;
+            const float *k = keys + offset, *v = (const float *)values + offset;
+            if (values_bf16) {
+                widen_bf16(widened, (const bf16 *)values + offset, length * head_dim);
+                v = widened;
+            }
             const float *query = q + (r * heads + g * group) * head_dim;
             if (head_dim % VL == 0)
                 score_key_vectors(scores, query, k, group, length, head_dim, scale);
@@ -290,6 +300,8 @@ void decode_attention(const float *q, const float *keys, const float *values, co
                 }
                 float inv = 1.0f / sum;
                 for (int64_t j = 0; j < length; j++) p[j] *= inv;
+                if (values_bf16)
+                    for (int64_t j = 0; j < length; j++) p[j] = bf16_to_float(float_to_bf16(p[j]));
             }
             float *o = out + (r * heads + g * group) * head_dim;
             int64_t columns = WEIGH_VECTORS * VL;
@@ -303,7 +315,26 @@ void decode_attention(const float *q, const float *keys, const float *values, co
             }
         }
         free(scores);
+        free(widened);
     }
+}
+
+/* One query per row over cache positions 0..positions[r]; out [rows, heads * head_dim].
+ *
+ * The query heads that share a kv head are scored one after the other while their keys are in cache,
+ * and their outputs accumulated together, each value vector loaded once for several heads. Scores
+ * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). */
+void decode_attention(const float *q, const float *keys, const float *values, const int64_t *positions, float *out,
+                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
+    attention(q, keys, values, 0, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
+}
+
+/* decode_attention over a bf16 model's cache: keys float32 (SlotKVCache keeps them so), values bf16; q and out
+ * float32, for the caller to round the output to bf16 once. */
+void decode_attention_bf16_values(const float *q, const float *keys, const bf16 *values, const int64_t *positions,
+                                  float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                  int64_t cache_len, float scale) {
+    attention(q, keys, values, 1, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
 }
 
 /* ---- Linear layers: out = x . W^T (+ bias), for a few dozen rows of x.

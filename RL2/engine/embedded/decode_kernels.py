@@ -20,6 +20,7 @@ SIGNATURES = {
     "silu_mul": [_pointer, _pointer, _int, _int],
     "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
     "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float],
+    "decode_attention_bf16_values": [_pointer] * 5 + [_int] * 5 + [_float],
     "pack_panels": [_pointer, _int, _int, _int, _pointer],
     "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
     "panel_rows": [],
@@ -81,6 +82,30 @@ class DecodeKernels:
         self.library.decode_attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
             keys.shape[1], head_dim, keys.shape[2], scale,
+        )
+        return out
+
+    def decode_attention_bf16_values(self, q, keys, values, positions, scale: float) -> torch.Tensor:
+        """`decode_attention` over a bf16 model's cache, as `attend_one_token` computes it there: q
+        `[rows, heads, head_dim]` (any float dtype), keys float32 and values bf16, each the first rows of a
+        `[cache_rows, kv_heads, cache_len, head_dim]` buffer cut at any length (`SlotKVCache.update` hands
+        such views out). The probabilities are rounded to bf16 before they meet the values and the products
+        summed in float32; returns that float32 `[rows, heads * head_dim]`, for the caller to round once."""
+        rows, heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        cache_len = keys.stride(1) // head_dim
+        for name, cache, dtype in (("keys", keys, torch.float32), ("values", values, torch.bfloat16)):
+            if cache.dtype != dtype or cache.stride() != (kv_heads * cache_len * head_dim, cache_len * head_dim, head_dim, 1):
+                raise ValueError(f"decode_attention_bf16_values: {name} must be {dtype} rows of one cache buffer "
+                                 f"[rows, {kv_heads}, {cache_len}, {head_dim}], got {cache.dtype} strides {cache.stride()}")
+        if positions.dtype != torch.int64 or len(positions) != rows or int(positions.max()) >= keys.shape[2]:
+            raise ValueError("decode_attention_bf16_values: an int64 position per row, each within the keys given")
+        q = q.float().contiguous()
+        positions = positions.contiguous()
+        out = torch.empty(rows, heads * head_dim)
+        self.library.decode_attention_bf16_values(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
+            kv_heads, head_dim, cache_len, scale,
         )
         return out
 

@@ -89,7 +89,9 @@ class LlamaForward:
             (the engine's packed ones).
 
     A float32 model on CPU decodes through the C kernels of `decode_kernels.c` where they can be
-    built; everything else (bf16, GPU, prefill) through the torch ops below, which compute the same.
+    built; everything else (bf16, GPU, prefill) through the torch ops below, which compute the same,
+    except that a bf16 model on CPU attends through the C kernel too (`decode_attention_bf16_values`,
+    which rounds where `attend_one_token` rounds).
     """
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
@@ -101,6 +103,8 @@ class LlamaForward:
         weight = self.embed.weight
         on_cpu_in_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.decode_kernels: DecodeKernels | None = load_decode_kernels() if on_cpu_in_float32 else None
+        on_cpu_in_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.bf16_attention: DecodeKernels | None = load_decode_kernels() if on_cpu_in_bf16 else None
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -122,11 +126,18 @@ class LlamaForward:
 
         if self.decode_kernels is not None:
             return self._decode_with_kernels(input_ids, positions, cache)
-        length = int(positions.max()) + 1
-        bias = attention_bias(torch.arange(length, device=positions.device)[None, :] <= positions[:, None])
+        if self.bf16_attention is not None:
+            kernels = self.bf16_attention
 
-        def attend(q, keys, values, scale):
-            return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]
+            def attend(q, keys, values, scale):
+                out = kernels.decode_attention_bf16_values(q[:, 0], keys, values, positions, scale)
+                return out.view(len(q), 1, self.heads, self.head_dim).to(q.dtype)
+        else:
+            length = int(positions.max()) + 1
+            bias = attention_bias(torch.arange(length, device=positions.device)[None, :] <= positions[:, None])
+
+            def attend(q, keys, values, scale):
+                return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]
 
         return _rms_norm(self._layers(input_ids[:, None], positions[:, None], cache, attend)[:, 0], self.norm)
 
