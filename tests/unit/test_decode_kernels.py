@@ -114,6 +114,19 @@ def avx2_kernels(tmp_path_factory) -> DecodeKernels:
 ATTENTION_SHAPES = [(9, 3, 64), (14, 2, 128), (4, 4, 32), (6, 2, 40)]
 
 
+def float64_attention(q, keys, values, positions, scale) -> torch.Tensor:
+    """`[rows, heads, head_dim]`: each row's query over its cache positions 0..positions[row], in float64."""
+    rows, heads, head_dim = q.shape
+    group = heads // keys.shape[1]
+    expected = torch.empty(rows, heads, head_dim, dtype=torch.float64)
+    for row, position in enumerate(positions.tolist()):
+        k = keys[row, :, : position + 1].double().repeat_interleave(group, dim=0)
+        v = values[row, :, : position + 1].double().repeat_interleave(group, dim=0)
+        scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
+        expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
+    return expected
+
+
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
 @pytest.mark.parametrize("score_scale", [1.0, 30.0], ids=["soft", "sharp"])
@@ -126,12 +139,7 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
     q = randn(rows, heads, head_dim, scale=score_scale)
     keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)
     scale = 1 / math.sqrt(head_dim)
-    expected = torch.empty(rows, heads, head_dim, dtype=torch.float64)
-    for row, position in enumerate(positions.tolist()):
-        k = keys[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
-        v = values[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
-        scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
-        expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
+    expected = float64_attention(q, keys, values, positions, scale)
     out = torch.empty(rows, heads * head_dim)
     kernels.decode_attention(q, keys, values, positions, scale, out)
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
@@ -152,12 +160,7 @@ def test_decode_attention_over_bf16_values_matches_float64(heads, kv_heads, head
     q = randn(rows, heads, head_dim, scale=3.0).bfloat16()
     keys, values = bf16_cache(rows, kv_heads, 256, head_dim)
     scale = 1 / math.sqrt(head_dim)
-    expected = torch.empty(rows, heads, head_dim, dtype=torch.float64)
-    for row, position in enumerate(positions.tolist()):
-        k = keys[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
-        v = values[row, :, : position + 1].double().repeat_interleave(heads // kv_heads, dim=0)
-        scores = (q[row].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale
-        expected[row] = (scores.softmax(-1)[:, None] @ v)[:, 0]
+    expected = float64_attention(q, keys, values, positions, scale)
     length = int(positions.max()) + 1
     out = KERNELS.decode_attention_bf16_values(q, keys[:rows, :, :length], values[:rows, :, :length], positions, scale)
     assert out.dtype == torch.float32
