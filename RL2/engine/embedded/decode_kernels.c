@@ -358,9 +358,11 @@ void decode_attention_bf16_values(const float *q, const float *keys, const bf16 
 #ifdef __AVX512F__
 #define PANEL_ROWS 12
 #define ROW_PADDING 16 /* x's transpose is padded with zero rows to a multiple of this: whole vector loads */
+#define PANELS_AT_ONCE 2 /* panel_block_pair where two panels remain */
 #else
 #define PANEL_ROWS 6
 #define ROW_PADDING 8
+#define PANELS_AT_ONCE 1
 #endif
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
 /* Weights are requested this many floats (4 KB) before they are used: with the hardware prefetcher
@@ -479,15 +481,10 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
             for (int64_t t = 0; t < width; t++) xt[kk * ld + t] = x[(t0 + t) * k + kk];
             for (int64_t t = width; t < ld; t++) xt[kk * ld + t] = 0.0f;
         }
-#ifdef __AVX512F__
-        int64_t step = 2; /* panels per task: panel_block_pair where two remain */
-#else
-        int64_t step = 1;
-#endif
 #pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
-        for (int64_t first = 0; first < n_panels; first += step) {
+        for (int64_t first = 0; first < n_panels; first += PANELS_AT_ONCE) {
             float block[2][PANEL_ROWS][16] __attribute__((aligned(64)));
-            int64_t pair = first + 1 < n_panels && step == 2;
+            int64_t pair = PANELS_AT_ONCE == 2 && first + 1 < n_panels;
             for (int64_t b = 0; b < width; b += 16) {
 #ifdef __AVX512F__
                 if (pair)
