@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from RL2.engine.embedded import decode_kernels
+from RL2.engine.embedded import decode_kernels, llama_forward
 from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
 from RL2.models import native
 
@@ -153,36 +153,106 @@ def bf16_cache(rows, kv_heads, cache_len, head_dim, zero_keys=False):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
 def test_decode_attention_over_bf16_values_matches_float64(heads, kv_heads, head_dim):
-    """Keys and values handed over as `SlotKVCache.update` does (the first rows of the buffers, cut at the
-    longest length). Rounding the probabilities to bf16 moves each by at most 2^-9 of itself, so the
-    output is within 2^-9 max|v| of float64 attention over the same values."""
+    """Rounding the probabilities to bf16 moves each by at most 2^-9 of itself, so the float32 sum is within
+    2^-9 max|v| of float64 attention over the same values; the bf16 output then within 2^-9 of that sum."""
     rows, positions = 7, torch.tensor([0, 1, 5, 63, 64, 100, 129])
-    q = randn(rows, heads, head_dim, scale=3.0).bfloat16()
+    q = randn(rows, heads, head_dim, scale=3.0).bfloat16().float()  # a bf16 model's q, widened
     keys, values = bf16_cache(rows, kv_heads, 256, head_dim)
     scale = 1 / math.sqrt(head_dim)
     expected = float64_attention(q, keys, values, positions, scale)
-    length = int(positions.max()) + 1
-    out = KERNELS.decode_attention_bf16_values(q, keys[:rows, :, :length], values[:rows, :, :length], positions, scale)
-    assert out.dtype == torch.float32
-    bound = 2**-9 * float(values.abs().max()) + 1e-5
-    torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=0, atol=bound)
-    with pytest.raises(ValueError, match="values must be torch.bfloat16"):
-        KERNELS.decode_attention_bf16_values(q, keys[:rows], keys[:rows], positions, scale)
+    out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+    KERNELS.decode_attention(q, keys, values, positions, scale, out)
+    bound = 2**-9 * float(values.abs().max()) + 1e-5 + 2**-9 * expected.abs()
+    error = (out.view(rows, heads, head_dim).double() - expected).abs()
+    assert (error <= bound).all(), f"worst excess over the bound: {float((error - bound).max())}"
 
 
 def test_decode_attention_over_bf16_values_rounds_the_probabilities_as_the_torch_ops_do():
     """With zero keys a row at position p weighs its p + 1 values by 1 / (p + 1), rounded to bf16 (as
-    `attend_one_token` does before its bf16 product), then sums in float32."""
+    `attend_one_token` does before its bf16 product), then sums in float32 and rounds the sum to bf16."""
     rows, heads, kv_heads, head_dim = 4, 6, 2, 64
     positions = torch.tensor([0, 2, 5, 99])
     keys, values = bf16_cache(rows, kv_heads, 128, head_dim, zero_keys=True)
-    out = KERNELS.decode_attention_bf16_values(randn(rows, heads, head_dim), keys[:rows, :, :100],
-                                               values[:rows, :, :100], positions, 0.125)
+    out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+    KERNELS.decode_attention(randn(rows, heads, head_dim), keys, values, positions, 0.125, out)
     for row, position in enumerate(positions.tolist()):
         weight = float(torch.tensor(1 / (position + 1)).bfloat16())
         per_kv_head = values[row, :, : position + 1].double().sum(1) * weight
         expected = per_kv_head.repeat_interleave(heads // kv_heads, dim=0)
-        torch.testing.assert_close(out[row].view(heads, head_dim).double(), expected, rtol=1e-6, atol=1e-6)
+        # the float32 sum is within ~1e-6 of the float64 one, so its rounding to bf16 is expected's but at ties
+        torch.testing.assert_close(out[row].view(heads, head_dim).double(), expected, rtol=2**-8, atol=1e-6)
+        assert (out[row].view(heads, head_dim) == expected.bfloat16()).float().mean() > 0.99
+
+
+# ---- The bf16 step kernels against the torch ops of `llama_forward.py` that they replace, run in bf16: those
+# round every op's result to bf16, and so must the kernels. Both sum a row's squares in their own order, so a
+# result may land on the other side of a rounding boundary now and then: one bf16 step apart, rarely.
+
+
+def assert_rounded_alike(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype == torch.bfloat16 and out.shape == expected.shape
+    step = 2.0 ** (torch.frexp(expected.float())[1] - 8).float()  # one bf16 step at expected's magnitude
+    assert ((out.float() - expected.float()).abs() <= step).all(), "more than one bf16 step from the torch ops"
+    same = (out == expected).float().mean()
+    assert same > 0.99, f"only {float(same):.1%} of the values bit-identical to the torch ops"
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # 200 x 576 takes the OpenMP branch
+def test_add_rms_norm_in_bf16_rounds_as_the_torch_ops(rows):
+    dim, eps = 576, 1e-5
+    hidden, delta = randn(rows, dim, scale=3.0).bfloat16(), randn(rows, dim, seed=1).bfloat16()
+    weight = (1 + randn(dim, seed=2, scale=0.3)).bfloat16()
+    expected_hidden = hidden + delta
+    expected = F.rms_norm(expected_hidden, (dim,), weight, eps)
+    out = torch.empty_like(hidden)
+    KERNELS.add_rms_norm(hidden, delta, weight, eps, out)
+    assert torch.equal(hidden, expected_hidden)
+    assert_rounded_alike(out, expected)
+
+
+@pytest.mark.parametrize("rows", [4, 64])  # 64 x 1536 takes the OpenMP branch
+def test_silu_mul_in_bf16_rounds_as_the_torch_ops(rows):
+    width = 1536
+    gate_up = randn(rows, 2 * width, scale=4.0).bfloat16()
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 200.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    KERNELS.silu_mul(gate_up, out)
+    assert_rounded_alike(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3-norms"])
+def test_rope_and_store_in_bf16_rounds_as_the_torch_ops(norms):
+    rows, heads, kv_heads, head_dim, cache_len = 40, 6, 2, 64, 20
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim, scale=2.0).bfloat16()
+    positions = torch.randint(0, cache_len, (rows,), generator=torch.Generator().manual_seed(7))
+    angles = positions[:, None].double() * (10000.0 ** (-torch.arange(0, head_dim, 2).double() / head_dim))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()  # HF's rotary hands them over in the model's dtype
+    keys = randn(rows, kv_heads, cache_len, head_dim, seed=3)
+    values = randn(rows, kv_heads, cache_len, head_dim, seed=4).bfloat16()
+    expected_keys, expected_values = keys.clone(), values.clone()
+
+    heads_of = qkv.view(rows, heads + 2 * kv_heads, head_dim)
+    qk, v = heads_of[:, : heads + kv_heads], heads_of[:, heads + kv_heads :]
+    q_norm = k_norm = None
+    if norms:
+        q_norm, k_norm = (1 + randn(head_dim, seed=5, scale=0.3)).bfloat16(), (1 + randn(head_dim, seed=6)).bfloat16()
+        q, k = qk.split([heads, kv_heads], dim=1)
+        qk = torch.cat([F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)], dim=1)
+    half = head_dim // 2
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    rotated = llama_forward._rotate(qk, cos[:, None], signed_sin[:, None])
+    for row, position in enumerate(positions):
+        expected_keys[row, :, position] = rotated[row, heads:].float()
+        expected_values[row, :, position] = v[row]
+
+    q_out = torch.empty(rows, heads, head_dim)
+    KERNELS.rope_and_store(qkv, cos, sin, positions, q_norm, k_norm, 1e-6, q_out, keys, values)
+    assert_rounded_alike(q_out.bfloat16(), rotated[:, :heads])
+    assert torch.equal(q_out.bfloat16().float(), q_out), "q holds bf16 values"
+    assert_rounded_alike(keys.bfloat16(), expected_keys.bfloat16())
+    assert torch.equal(values, expected_values)
 
 
 # Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last panel

@@ -1,7 +1,7 @@
 """The engine's forwards against the model's own forward: its own for the Llama families, HF's modules for others.
 
-Each model is tiny and random (float32 and bf16; float32 Llama families decode both through the C
-kernels of `decode_kernels.c` and through the torch ops that stand in for them); the runner prefills a batch of prompts of different lengths (two of
+Each model is tiny and random (float32 and bf16; Llama families decode both through the C kernels of
+`decode_kernels.c` and through the torch ops that stand in for them); the runner prefills a batch of prompts of different lengths (two of
 them sharing a long prefix, which is computed once), then decodes several tokens per row (rows at
 different positions). The prefill's logits and every decode step's must equal the logits of one
 plain forward over the whole sequence so far.
@@ -45,8 +45,8 @@ def random_model(config, dtype) -> torch.nn.Module:
 # float32 with large weights: sharp attention, so positions and norms change the logits a lot;
 # bf16 with HF's small initial weights, where its own rounding (~0.005 here) stays far below 0.02.
 DTYPES = {"fp32": (torch.float32, 0.2, 1e-3), "bf16": (torch.bfloat16, 0.02, 0.02)}
-# How decode steps run: the C kernels serve float32 Llama families (in bf16, their attention); torch ops
-# everything (and stand in for the kernels where no C compiler is found).
+# How decode steps run: the C kernels serve float32 and bf16 Llama families; torch ops everything (and
+# stand in for the kernels where no C compiler is found).
 CASES = [
     (family, dtype, decode)
     for family in FAMILIES
@@ -67,9 +67,9 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode):
     if decode == "c-kernels":
         if load_decode_kernels() is None:
             pytest.skip("the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)")
-        assert (runner.llama.decode_kernels if dtype == torch.float32 else runner.llama.bf16_attention) is not None
+        assert runner.llama.decode_kernels is not None
     elif runner.llama is not None:
-        runner.llama.decode_kernels = runner.llama.bf16_attention = None
+        runner.llama.decode_kernels = None
     generator = torch.Generator().manual_seed(1)
 
     def random_tokens(n: int) -> list[int]:

@@ -1,4 +1,5 @@
-/* The embedded engine's float32 decode step between the matmuls, for Llama-family layers on CPU.
+/* The embedded engine's decode step between the matmuls, for Llama-family layers on CPU, in float32
+ * and bf16; and the float32 matmuls themselves (panel_linear).
  *
  * A decode step has one new token per running request, so everything between the four matmuls of a
  * layer works on a few dozen rows. As torch ops that is some 25 small kernels per layer, each costing
@@ -8,11 +9,14 @@
  * Built and loaded by decode_kernels.py; the torch code in llama_forward.py computes the same values
  * and is what runs when this library cannot be built.
  *
- * Layouts (all float32, C-contiguous):
- *   hidden, delta       [rows, dim]
- *   qkv                 [rows, (heads + 2 * kv_heads) * head_dim]   q, k, v projections side by side
- *   cos, sin            [rows, head_dim]                            the model's rotary cos and sin
- *   keys, values        [cache_rows, kv_heads, cache_len, head_dim] the engine's SlotKVCache
+ * Layouts (C-contiguous; ELEMENT is float32 or bf16, the model's dtype, and functions end in _f32 or _bf16
+ * by it):
+ *   hidden, delta       [rows, dim]                                 ELEMENT
+ *   qkv                 [rows, (heads + 2 * kv_heads) * head_dim]   ELEMENT: q, k, v projections side by side
+ *   cos, sin            [rows, head_dim]                            ELEMENT: the model's rotary cos and sin
+ *   q                   [rows, heads, head_dim]                     float32 (a bf16 model's q widened)
+ *   keys                [cache_rows, kv_heads, cache_len, head_dim] float32: the engine's SlotKVCache
+ *   values              [cache_rows, kv_heads, cache_len, head_dim] ELEMENT
  *   positions           [rows] int64                                row r writes and sees 0..positions[r]
  */
 
@@ -27,81 +31,25 @@
  * step's ops); below it, waking them costs more than it saves. */
 #define PARALLEL_FROM 8192
 
-static void rms_norm_row(float *out, const float *x, const float *weight, int64_t dim, float eps) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
-    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
-}
+#define ELEMENT float
+#define NAME(base) base##_f32
+#define LOAD(v) (v)
+#define STORE(f) (f)
+#include "decode_step_kernels.h" /* add_rms_norm, silu_mul, rope_and_store */
+#undef ELEMENT
+#undef NAME
+#undef LOAD
+#undef STORE
 
-/* hidden += delta (when delta is not NULL), then out = RMSNorm(hidden) * weight, as HF's RMSNorm. */
-void add_rms_norm(float *hidden, const float *delta, const float *weight, float *out, int64_t rows, int64_t dim,
-                  float eps) {
-#pragma omp parallel for if (rows * dim >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++) {
-        float *h = hidden + r * dim;
-        if (delta) {
-            const float *d = delta + r * dim;
-            for (int64_t i = 0; i < dim; i++) h[i] += d[i];
-        }
-        rms_norm_row(out + r * dim, h, weight, dim, eps);
-    }
-}
-
-static void silu_mul_row(const float *restrict gate, const float *restrict up, float *restrict out, int64_t width) {
-#pragma omp simd
-    for (int64_t i = 0; i < width; i++) {
-        float g = gate[i];
-        out[i] = g / (1.0f + exp_clamped(-g)) * up[i];
-    }
-}
-
-/* out = silu(gate) * up, where gate_up is [rows, 2 * width] with gate first; out is [rows, width]. */
-void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * width, gate_up + (r * 2 + 1) * width, out + r * width, width);
-}
-
-/* HF's x * cos + rotate_half(x) * sin for one head; rotate_half(x) = cat(-x[half:], x[:half]). */
-static void rotate_head(float *restrict out, const float *restrict x, const float *restrict cos, const float *restrict sin,
-                        int64_t head_dim) {
-    int64_t half = head_dim / 2;
-    for (int64_t i = 0; i < half; i++) {
-        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
-        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
-    }
-}
-
-/* Rotates q into q_out [rows, heads, head_dim]; rotates k and writes it, and v, into the cache at
- * position positions[r] of cache row r. q_norm and k_norm (Qwen3's per-head RMSNorm before the
- * rotation, weights [head_dim]) may be NULL. */
-void rope_and_store(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
-                    const float *q_norm, const float *k_norm, float eps, float *q_out, float *keys, float *values,
-                    int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len) {
-    int64_t width = (heads + 2 * kv_heads) * head_dim;
-#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
-        float normed[head_dim];
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            const float *x = row + h * head_dim;
-            const float *norm = h < heads ? q_norm : k_norm;
-            if (norm) {
-                rms_norm_row(normed, x, norm, head_dim, eps);
-                x = normed;
-            }
-            float *dst = h < heads ? q_out + (r * heads + h) * head_dim
-                                   : keys + ((r * kv_heads + (h - heads)) * cache_len + positions[r]) * head_dim;
-            rotate_head(dst, x, c, s, head_dim);
-        }
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *v = row + (heads + kv_heads + g) * head_dim;
-            float *dst = values + ((r * kv_heads + g) * cache_len + positions[r]) * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) dst[i] = v[i];
-        }
-    }
-}
+#define ELEMENT bf16
+#define NAME(base) base##_bf16
+#define LOAD(v) bf16_to_float(v)
+#define STORE(f) float_to_bf16(f)
+#include "decode_step_kernels.h"
+#undef ELEMENT
+#undef NAME
+#undef LOAD
+#undef STORE
 
 /* scores[h * length + j] = scale * (query[h] . keys[j]) for the group's heads h and j < length. Four keys
  * at a time, every head while they are in L1: one dot product alone is a chain of dependent
@@ -257,16 +205,19 @@ static void widen_bf16(float *restrict out, const bf16 *restrict in, int64_t n) 
     for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(in[i]);  /* exact */
 }
 
-/* decode_attention for float32 values, or bf16 values (`values_bf16`), as the engine's torch ops compute
- * attention for a bf16 model: the probabilities rounded to bf16 before they meet the values, the products
- * summed in float32 (the values widened to float32 per row and kv head, a few KB that stay in cache). */
+/* decode_attention for float32 values and output, or for a bf16 model (`bf16_model`: values and output
+ * bf16) as the engine's torch ops compute its attention: the probabilities rounded to bf16 before they
+ * meet the values, the products summed in float32 (the values widened to float32 per row and kv head, a
+ * few KB that stay in cache), the output rounded once. */
 static inline __attribute__((always_inline)) void attention(
-    const float *q, const float *keys, const void *values, int values_bf16, const int64_t *positions, float *out,
+    const float *q, const float *keys, const void *values, int bf16_model, const int64_t *positions, void *out,
     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
     int64_t group = heads / kv_heads;
 #pragma omp parallel
     {
         float *scores = NULL, *widened = NULL;
+        float *summed = bf16_model ? malloc(group * head_dim * sizeof(float)) : NULL; /* a group's output, unrounded */
+        if (bf16_model && !summed) abort();
         int64_t capacity = 0;
 #pragma omp for schedule(dynamic)  /* rows of very different lengths */
         for (int64_t item = 0; item < rows * kv_heads; item++) {
@@ -276,12 +227,12 @@ static inline __attribute__((always_inline)) void attention(
                 free(widened);
                 capacity = length;
                 scores = malloc(capacity * group * sizeof(float));
-                widened = values_bf16 ? malloc(capacity * head_dim * sizeof(float)) : NULL;
-                if (!scores || (values_bf16 && !widened)) abort();  /* out of memory: no way to raise from inside a parallel region */
+                widened = bf16_model ? malloc(capacity * head_dim * sizeof(float)) : NULL;
+                if (!scores || (bf16_model && !widened)) abort();  /* out of memory: no way to raise from inside a parallel region */
             }
             int64_t offset = (r * kv_heads + g) * cache_len * head_dim;
             const float *k = keys + offset, *v = (const float *)values + offset;
-            if (values_bf16) {
+            if (bf16_model) {
                 widen_bf16(widened, (const bf16 *)values + offset, length * head_dim);
                 v = widened;
             }
@@ -300,10 +251,11 @@ static inline __attribute__((always_inline)) void attention(
                 }
                 float inv = 1.0f / sum;
                 for (int64_t j = 0; j < length; j++) p[j] *= inv;
-                if (values_bf16)
+                if (bf16_model)
                     for (int64_t j = 0; j < length; j++) p[j] = bf16_to_float(float_to_bf16(p[j]));
             }
-            float *o = out + (r * heads + g * group) * head_dim;
+            int64_t first = (r * heads + g * group) * head_dim;  /* of the group's output */
+            float *o = bf16_model ? summed : (float *)out + first;
             int64_t columns = WEIGH_VECTORS * VL;
             if (head_dim % columns == 0) {
                 for (int64_t h = 0; h < group; h += WEIGH_HEADS)
@@ -313,9 +265,12 @@ static inline __attribute__((always_inline)) void attention(
             } else {
                 for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, scores + h * length, v, length, head_dim);
             }
+            if (bf16_model)
+                for (int64_t i = 0; i < group * head_dim; i++) ((bf16 *)out)[first + i] = float_to_bf16(summed[i]);
         }
         free(scores);
         free(widened);
+        free(summed);
     }
 }
 
@@ -324,16 +279,16 @@ static inline __attribute__((always_inline)) void attention(
  * The query heads that share a kv head are scored one after the other while their keys are in cache,
  * and their outputs accumulated together, each value vector loaded once for several heads. Scores
  * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). */
-void decode_attention(const float *q, const float *keys, const float *values, const int64_t *positions, float *out,
-                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
+void decode_attention_f32(const float *q, const float *keys, const float *values, const int64_t *positions,
+                          float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          int64_t cache_len, float scale) {
     attention(q, keys, values, 0, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
 }
 
-/* decode_attention over a bf16 model's cache: keys float32 (SlotKVCache keeps them so), values bf16; q and out
- * float32, for the caller to round the output to bf16 once. */
-void decode_attention_bf16_values(const float *q, const float *keys, const bf16 *values, const int64_t *positions,
-                                  float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                  int64_t cache_len, float scale) {
+/* decode_attention for a bf16 model: keys and q float32 (the cache keeps keys so), values and out bf16. */
+void decode_attention_bf16(const float *q, const float *keys, const bf16 *values, const int64_t *positions,
+                           bf16 *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t cache_len, float scale) {
     attention(q, keys, values, 1, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
 }
 

@@ -15,12 +15,16 @@ from RL2.models.native import load_library
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-SIGNATURES = {
+# The decode step's kernels, once per model dtype: their names end in the dtype's suffix.
+STEP_KERNELS = {
     "add_rms_norm": [_pointer, _pointer, _pointer, _pointer, _int, _int, _float],
     "silu_mul": [_pointer, _pointer, _int, _int],
     "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
     "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float],
-    "decode_attention_bf16_values": [_pointer] * 5 + [_int] * 5 + [_float],
+}
+SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+SIGNATURES = {
+    **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
     "pack_panels": [_pointer, _int, _int, _int, _pointer],
     "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
     "panel_rows": [],
@@ -41,25 +45,34 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class DecodeKernels:
-    """Typed calls into the library; every tensor is float32 (positions int64) and C-contiguous,
-    in the layouts its source describes. The output tensors are written in place."""
+    """Typed calls into the library; every tensor is C-contiguous, in the layouts its source describes:
+    the model's dtype, float32 or bf16 (q and the cached keys float32 in both; positions int64), the
+    panels and `panel_linear` float32 only. The output tensors are written in place."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 6
+
+    def _step_kernel(self, name: str, like: torch.Tensor):
+        """The `name` kernel for the model dtype of `like`."""
+        if like.dtype not in SUFFIXES:
+            raise TypeError(f"the decode kernels take float32 or bfloat16 models, not {like.dtype}")
+        return getattr(self.library, name + SUFFIXES[like.dtype])
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
     ) -> torch.Tensor:
         """hidden += delta (skipped if None); out = RMSNorm(hidden) * weight."""
         rows, dim = hidden.shape
-        self.library.add_rms_norm(hidden.data_ptr(), _address(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        self._step_kernel("add_rms_norm", hidden)(
+            hidden.data_ptr(), _address(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out = silu(gate) * up for gate_up = [gate | up] along the last dim."""
         rows, width = out.shape
-        self.library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        self._step_kernel("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
     def rope_and_store(
@@ -68,7 +81,7 @@ class DecodeKernels:
     ) -> torch.Tensor:
         """q_out = rotated q; rotated k and v written into the cache at each row's position."""
         rows, heads, head_dim = q_out.shape
-        self.library.rope_and_store(
+        self._step_kernel("rope_and_store", qkv)(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), _address(q_norm), _address(k_norm),
             eps, q_out.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1], head_dim,
             keys.shape[2],
@@ -76,36 +89,13 @@ class DecodeKernels:
         return q_out
 
     def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor) -> torch.Tensor:
-        """out `[rows, heads * head_dim]` = attention of q `[rows, heads, head_dim]` over cache
-        positions 0..positions[r] of each row."""
+        """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
+        (float32) over cache positions 0..positions[r] of each row: keys float32, values float32 or bf16, each a
+        whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache."""
         rows, heads, head_dim = q.shape
-        self.library.decode_attention(
+        self._step_kernel("decode_attention", values)(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
             keys.shape[1], head_dim, keys.shape[2], scale,
-        )
-        return out
-
-    def decode_attention_bf16_values(self, q, keys, values, positions, scale: float) -> torch.Tensor:
-        """`decode_attention` over a bf16 model's cache, as `attend_one_token` computes it there: q
-        `[rows, heads, head_dim]` (any float dtype), keys float32 and values bf16, each the first rows of a
-        `[cache_rows, kv_heads, cache_len, head_dim]` buffer cut at any length (`SlotKVCache.update` hands
-        such views out). The probabilities are rounded to bf16 before they meet the values and the products
-        summed in float32; returns that float32 `[rows, heads * head_dim]`, for the caller to round once."""
-        rows, heads, head_dim = q.shape
-        kv_heads = keys.shape[1]
-        cache_len = keys.stride(1) // head_dim
-        for name, cache, dtype in (("keys", keys, torch.float32), ("values", values, torch.bfloat16)):
-            if cache.dtype != dtype or cache.stride() != (kv_heads * cache_len * head_dim, cache_len * head_dim, head_dim, 1):
-                raise ValueError(f"decode_attention_bf16_values: {name} must be {dtype} rows of one cache buffer "
-                                 f"[rows, {kv_heads}, {cache_len}, {head_dim}], got {cache.dtype} strides {cache.stride()}")
-        if positions.dtype != torch.int64 or len(positions) != rows or int(positions.max()) >= keys.shape[2]:
-            raise ValueError("decode_attention_bf16_values: an int64 position per row, each within the keys given")
-        q = q.float().contiguous()
-        positions = positions.contiguous()
-        out = torch.empty(rows, heads * head_dim)
-        self.library.decode_attention_bf16_values(
-            q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
-            kv_heads, head_dim, cache_len, scale,
         )
         return out
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
+from RL2.engine.embedded.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kernels
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -88,10 +88,9 @@ class LlamaForward:
         kernel: maps a list of `nn.Linear` sharing an input to the callable that applies them all
             (the engine's packed ones).
 
-    A float32 model on CPU decodes through the C kernels of `decode_kernels.c` where they can be
-    built; everything else (bf16, GPU, prefill) through the torch ops below, which compute the same,
-    except that a bf16 model on CPU attends through the C kernel too (`decode_attention_bf16_values`,
-    which rounds where `attend_one_token` rounds).
+    A float32 or bf16 model on CPU decodes through the C kernels of `decode_kernels.c` where they can
+    be built (in bf16 they round where the torch ops round); everything else (GPU, prefill, other
+    dtypes) through the torch ops below, which compute the same.
     """
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
@@ -101,10 +100,8 @@ class LlamaForward:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         weight = self.embed.weight
-        on_cpu_in_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.decode_kernels: DecodeKernels | None = load_decode_kernels() if on_cpu_in_float32 else None
-        on_cpu_in_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.bf16_attention: DecodeKernels | None = load_decode_kernels() if on_cpu_in_bf16 else None
+        kernels_apply = weight.device.type == "cpu" and weight.dtype in SUFFIXES
+        self.decode_kernels: DecodeKernels | None = load_decode_kernels() if kernels_apply else None
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -126,18 +123,11 @@ class LlamaForward:
 
         if self.decode_kernels is not None:
             return self._decode_with_kernels(input_ids, positions, cache)
-        if self.bf16_attention is not None:
-            kernels = self.bf16_attention
+        length = int(positions.max()) + 1
+        bias = attention_bias(torch.arange(length, device=positions.device)[None, :] <= positions[:, None])
 
-            def attend(q, keys, values, scale):
-                out = kernels.decode_attention_bf16_values(q[:, 0], keys, values, positions, scale)
-                return out.view(len(q), 1, self.heads, self.head_dim).to(q.dtype)
-        else:
-            length = int(positions.max()) + 1
-            bias = attention_bias(torch.arange(length, device=positions.device)[None, :] <= positions[:, None])
-
-            def attend(q, keys, values, scale):
-                return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]
+        def attend(q, keys, values, scale):
+            return attend_one_token(q[:, 0], keys, values, bias, scale)[:, None]
 
         return _rms_norm(self._layers(input_ids[:, None], positions[:, None], cache, attend)[:, 0], self.norm)
 
@@ -146,7 +136,8 @@ class LlamaForward:
         kernels, rows = self.decode_kernels, len(input_ids)
         hidden = self.embed(input_ids)  # a fresh tensor: the residual adds go into it in place
         cos, sin = (t[:, 0].contiguous() for t in self.rotary(hidden, positions[:, None]))
-        normed, q = torch.empty_like(hidden), hidden.new_empty(rows, self.heads, self.head_dim)
+        normed = torch.empty_like(hidden)
+        q = hidden.new_empty(rows, self.heads, self.head_dim, dtype=torch.float32)  # what the attention reads
         attended, activated = hidden.new_empty(rows, self.heads * self.head_dim), None
         new_layer = hidden.new_empty(0, self.kv_heads, 1, self.head_dim)  # what a new layer's cache holds
         # Every product's output is read before the next product runs, so all layers share one buffer

@@ -1,0 +1,94 @@
+/* The decode step's work between the matmuls (decode_kernels.c), written once over an element type and
+ * included there once per dtype (no include guard, on purpose). The includer defines:
+ *   ELEMENT        the type of hidden, delta, the norms' weights, qkv, cos, sin, gate_up and the cached values
+ *   NAME(base)     the function name for this dtype
+ *   LOAD(v)        an ELEMENT as float; STORE(f) a float rounded to an ELEMENT
+ * q_out and the cached keys are float32 in both (SlotKVCache keeps keys in float32; a bf16 model's are
+ * bf16 values widened, exactly). All arithmetic is in float32; a result is rounded to ELEMENT wherever
+ * the torch ops of llama_forward.py round a bf16 model's tensors, so for bf16 both compute the same
+ * (up to the order of a row's sums), and for float32 STORE rounds nothing. */
+
+/* RMSNorm as torch's F.rms_norm computes it: weight * x * rstd, rounded once. */
+static void NAME(rms_norm_row)(ELEMENT *restrict out, const ELEMENT *restrict x, const ELEMENT *restrict weight,
+                               int64_t dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; i++) sum += LOAD(x[i]) * LOAD(x[i]);
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = STORE(LOAD(weight[i]) * (LOAD(x[i]) * inv));
+}
+
+/* hidden += delta (when delta is not NULL; the sum rounded, as `hidden + delta`), then
+ * out = RMSNorm(hidden) * weight. */
+void NAME(add_rms_norm)(ELEMENT *hidden, const ELEMENT *delta, const ELEMENT *weight, ELEMENT *out, int64_t rows,
+                        int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        ELEMENT *h = hidden + r * dim;
+        if (delta) {
+            const ELEMENT *d = delta + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) h[i] = STORE(LOAD(h[i]) + LOAD(d[i]));
+        }
+        NAME(rms_norm_row)(out + r * dim, h, weight, dim, eps);
+    }
+}
+
+/* out = silu(gate) * up, where gate_up is [rows, 2 * width] with gate first; out is [rows, width]. As
+ * `F.silu(gate) * up`: silu's result is rounded before the product. */
+void NAME(silu_mul)(const ELEMENT *gate_up, ELEMENT *out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEMENT *restrict gate = gate_up + r * 2 * width, *restrict up = gate + width;
+        ELEMENT *restrict o = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            float g = LOAD(gate[i]);
+            o[i] = STORE(LOAD(STORE(g / (1.0f + exp_clamped(-g)))) * LOAD(up[i]));
+        }
+    }
+}
+
+/* HF's x * cos + rotate_half(x) * sin for one head, rotate_half(x) = cat(-x[half:], x[:half]), as
+ * `addcmul(x * cos, roll(x), [-sin, sin])`: x * cos rounded, then the sum rounded. */
+static void NAME(rotate_head)(float *restrict out, const ELEMENT *restrict x, const ELEMENT *restrict cos,
+                              const ELEMENT *restrict sin, int64_t head_dim) {
+    int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float low = LOAD(x[i]), high = LOAD(x[i + half]);
+        out[i] = LOAD(STORE(LOAD(STORE(low * LOAD(cos[i]))) - high * LOAD(sin[i])));
+        out[i + half] = LOAD(STORE(LOAD(STORE(high * LOAD(cos[i + half]))) + low * LOAD(sin[i + half])));
+    }
+}
+
+/* Rotates q into q_out [rows, heads, head_dim]; rotates k and writes it, and v, into the cache at
+ * position positions[r] of cache row r. q_norm and k_norm (Qwen3's per-head RMSNorm before the
+ * rotation, weights [head_dim]) may be NULL. */
+void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT *sin, const int64_t *positions,
+                          const ELEMENT *q_norm, const ELEMENT *k_norm, float eps, float *q_out, float *keys,
+                          ELEMENT *values, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          int64_t cache_len) {
+    int64_t width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for if (rows * width >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEMENT *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
+        ELEMENT normed[head_dim];
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const ELEMENT *x = row + h * head_dim;
+            const ELEMENT *norm = h < heads ? q_norm : k_norm;
+            if (norm) {
+                NAME(rms_norm_row)(normed, x, norm, head_dim, eps);
+                x = normed;
+            }
+            float *dst = h < heads ? q_out + (r * heads + h) * head_dim
+                                   : keys + ((r * kv_heads + (h - heads)) * cache_len + positions[r]) * head_dim;
+            NAME(rotate_head)(dst, x, c, s, head_dim);
+        }
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const ELEMENT *v = row + (heads + kv_heads + g) * head_dim;
+            ELEMENT *dst = values + ((r * kv_heads + g) * cache_len + positions[r]) * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) dst[i] = v[i];
+        }
+    }
+}
