@@ -154,7 +154,7 @@ def bf16_cache(rows, kv_heads, cache_len, head_dim, zero_keys=False):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
 def test_decode_attention_over_bf16_values_matches_float64(heads, kv_heads, head_dim):
     """Rounding the probabilities to bf16 moves each by at most 2^-9 of itself, so the float32 sum is within
-    2^-9 max|v| of float64 attention over the same values; the bf16 output then within 2^-9 of that sum."""
+    2^-9 max|v| of float64 attention over the same values; the bf16 output then within 2^-8 of that sum."""
     rows, positions = 7, torch.tensor([0, 1, 5, 63, 64, 100, 129])
     q = randn(rows, heads, head_dim, scale=3.0).bfloat16().float()  # a bf16 model's q, widened
     keys, values = bf16_cache(rows, kv_heads, 256, head_dim)
@@ -162,7 +162,7 @@ def test_decode_attention_over_bf16_values_matches_float64(heads, kv_heads, head
     expected = float64_attention(q, keys, values, positions, scale)
     out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
     KERNELS.decode_attention(q, keys, values, positions, scale, out)
-    bound = 2**-9 * float(values.abs().max()) + 1e-5 + 2**-9 * expected.abs()
+    bound = 2**-9 * float(values.abs().max()) + 1e-5 + 2**-8 * expected.abs()
     error = (out.view(rows, heads, head_dim).double() - expected).abs()
     assert (error <= bound).all(), f"worst excess over the bound: {float((error - bound).max())}"
 
@@ -278,7 +278,7 @@ def test_panel_linear_writes_into_the_given_output():
     out = torch.full((7, 25), float("nan"))
     assert KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 25, None, out) is out
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="contiguous float32"):  # the C code would write past it
+    with pytest.raises(ValueError, match="contiguous torch.float32"):  # the C code would write past it
         KERNELS.panel_linear(x, KERNELS.pack_panels([weight]), 25, None, torch.empty(6, 25))
 
 
@@ -301,3 +301,51 @@ def test_the_avx512_and_avx2_builds_give_the_same_products(avx2_kernels):
             x, bias = randn(rows, 96, seed=rows), randn(n, seed=1)
             assert torch.equal(avx2.panel_linear(x, avx2.pack_panels(weights), n, bias),
                                KERNELS.panel_linear(x, KERNELS.pack_panels(weights), n, bias)), (widths, rows)
+
+
+needs_bf16_panels = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.bf16_panel_rows, reason="bf16 panels are built for CPUs with AVX512-BF16"
+)
+
+
+def assert_bf16_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """bf16 x, weight and bias: their products are exact in float32, so a float32 sum is within
+    k 2^-24 sum|x w| of the float64 one, and one rounding to bf16 adds at most 2^-8 of the result."""
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = x.shape[-1] * 2**-24 * magnitude + 2**-8 * exact.abs() + 1e-30
+    error = (out.double() - exact).abs()
+    assert out.dtype == torch.bfloat16 and (error <= bound).all(), f"worst excess: {float((error - bound).max())}"
+    # oneDNN's bf16 linear sums the same exact products in float32, in its own order: nearly always the same bf16
+    same = (out == F.linear(x, weight, bias)).float().mean()
+    assert same > 0.99, f"only {float(same):.1%} equal to torch's bf16 linear"
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("k", [40, 41])  # an odd k ends in half a pair
+@pytest.mark.parametrize("widths", LAYER_WIDTHS)
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 130])  # a partial block, tails, several 64-row passes
+def test_bf16_panel_linear_sums_the_exact_products_in_float32_and_rounds_once(rows, widths, k):
+    n = sum(widths)
+    weights = [randn(width, k, seed=width).bfloat16() for width in widths]
+    bias, x = randn(n, seed=3).bfloat16(), randn(rows, k, seed=4).bfloat16()
+    panels = KERNELS.pack_panels(weights)
+    assert panels.dtype == torch.bfloat16
+    assert_bf16_product(KERNELS.panel_linear(x, panels, n, bias), x, torch.cat(weights), bias)
+    assert_bf16_product(KERNELS.panel_linear(x, panels, n, None), x, torch.cat(weights), None)
+
+
+@needs_bf16_panels
+def test_bf16_panel_linear_keeps_leading_dims_runs_threaded_and_checks_its_output():
+    # [2, 40, 576] rows, 1536 outputs: the OpenMP branch; a strided input is read through a contiguous copy.
+    weight, x = randn(1536, 576, scale=0.05).bfloat16(), randn(2, 576, 40, seed=1).bfloat16().transpose(1, 2)
+    panels = KERNELS.pack_panels([weight])
+    out = torch.empty(2, 40, 1536, dtype=torch.bfloat16)
+    assert KERNELS.panel_linear(x, panels, 1536, None, out) is out
+    assert_bf16_product(out, x, weight, None)
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16"):
+        KERNELS.panel_linear(x, panels, 1536, None, torch.empty(2, 40, 1536))
+    with pytest.raises(TypeError, match="must be torch.bfloat16"):
+        KERNELS.panel_linear(x.float(), panels, 1536, None)
+    with pytest.raises(TypeError, match="float32 weights, or bf16"):
+        KERNELS.pack_panels([weight.half()])

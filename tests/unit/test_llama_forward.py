@@ -11,8 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from RL2.engine.embedded import llama_forward, packed_linear
 from RL2.engine.embedded.decode_kernels import load_decode_kernels
 from RL2.engine.embedded.model_runner import MIN_SHARED_PREFIX, ModelRunner
+from RL2.engine.embedded.packed_linear import PanelLinear
 
 SIZES = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
@@ -57,19 +59,23 @@ CASES = [
 
 
 @pytest.mark.parametrize("family,dtype,decode", CASES)
-def test_prefill_and_decode_match_the_models_forward(family, dtype, decode):
+def test_prefill_and_decode_match_the_models_forward(family, dtype, decode, monkeypatch):
     dtype, init, tolerance = DTYPES[dtype]
     config = FAMILIES[family]()
     config.initializer_range = init
     model = random_model(config, dtype)
-    runner = ModelRunner(model, max_rows=8)
-    assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
     if decode == "c-kernels":
         if load_decode_kernels() is None:
             pytest.skip("the C decode kernels are unavailable here (no C compiler, or RL2_DECODE_KERNELS=0)")
-        assert runner.llama.decode_kernels is not None
-    elif runner.llama is not None:
-        runner.llama.decode_kernels = None
+    else:  # as without a C compiler: oneDNN's packed linears (or plain products) and torch ops
+        for module in (llama_forward, packed_linear):
+            monkeypatch.setattr(module, "load_decode_kernels", lambda: None)
+    runner = ModelRunner(model, max_rows=8)
+    assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
+    if runner.llama is not None:
+        assert (runner.llama.decode_kernels is not None) == (decode == "c-kernels")
+        # float32 everywhere the library builds, bf16 with AVX512-BF16: the C products; else oneDNN's or plain ones
+        assert isinstance(runner.head, PanelLinear) == (decode == "c-kernels" and runner.panel_kernels is not None)
     generator = torch.Generator().manual_seed(1)
 
     def random_tokens(n: int) -> list[int]:

@@ -461,3 +461,120 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
     }
     return 0;
 }
+
+/* ---- The same product for a bf16 model, on CPUs with AVX512-BF16.
+ *
+ * Half the bytes to stream. Each feature's weights are stored in pairs along k, so one 32-bit broadcast
+ * carries a pair, and one vdpbf16ps multiplies it with the same pair of 16 rows of x and adds both
+ * products to the rows' float32 sums. A product of two bf16 is exact in float32 and each addition rounds
+ * once, as a float32 product over the widened values would (with denormals flushed to zero, as the
+ * instruction does). The sums are rounded to bf16 once, the bias (widened) added first, as oneDNN's bf16
+ * linear does.
+ *
+ * Layouts (bf16, C-contiguous), k2 = ceil(k / 2):
+ *   panels  [ceil(n / PANEL_ROWS)][k2][PANEL_ROWS][2]   an odd k's last pair is (w, 0); features past n are
+ *                                                        zero (pack_panels_bf16 writes the rest)
+ *   x       [m, k],  out [m, n],  bias [n] or NULL
+ */
+
+/* The panels' width in features where panel_linear_bf16 is built (AVX512-BF16); 0 where it is not. */
+int bf16_panel_rows(void) {
+#ifdef __AVX512BF16__
+    return PANEL_ROWS;
+#else
+    return 0;
+#endif
+}
+
+/* Writes the `rows` rows of weight [rows, k] into the panels as output features first_row... */
+void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first_row, bf16 *panels) {
+    int64_t k2 = (k + 1) / 2;
+#pragma omp parallel for if (rows * k >= PARALLEL_FROM)
+    for (int64_t row = first_row; row < first_row + rows; row++) {
+        bf16 *feature = panels + (row / PANEL_ROWS * k2 * PANEL_ROWS + row % PANEL_ROWS) * 2;
+        const bf16 *src = weight + (row - first_row) * k;
+        for (int64_t kk = 0; kk < k; kk++) feature[kk / 2 * PANEL_ROWS * 2 + kk % 2] = src[kk];
+        if (k % 2) feature[(k2 - 1) * PANEL_ROWS * 2 + 1] = 0;
+    }
+}
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* out[c][r][t] for `count` (1 or 2) neighbouring panels c, their features r, and 16 rows t of x, whose
+ * pairs along k are xt's 32-bit elements [k2][ld]. */
+static inline __attribute__((always_inline)) void bf16_panel_block(const uint32_t *restrict panel, int64_t k2,
+                                                                  const uint32_t *restrict xt, int64_t ld, int count,
+                                                                  float out[2][PANEL_ROWS][16]) {
+    __m512 acc[2][PANEL_ROWS];
+    for (int c = 0; c < count; c++)
+        for (int r = 0; r < PANEL_ROWS; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k2; kp++) {
+        __m512bh x = (__m512bh)_mm512_load_si512(xt + kp * ld);
+        for (int c = 0; c < count; c++) {
+            const uint32_t *w = panel + (c * k2 + kp) * PANEL_ROWS;
+            __builtin_prefetch(w + PREFETCH_AHEAD);
+#pragma GCC unroll 12
+            for (int r = 0; r < PANEL_ROWS; r++)
+                acc[c][r] = _mm512_dpbf16_ps(acc[c][r], x, (__m512bh)_mm512_set1_epi32((int)w[r]));
+        }
+    }
+    for (int c = 0; c < count; c++)
+        for (int r = 0; r < PANEL_ROWS; r++) _mm512_store_ps(out[c][r], acc[c][r]);
+}
+#endif
+
+/* out = x . W^T (+ bias) with W given as bf16 panels. Returns 0; 1 if the scratch could not be allocated;
+ * 2 where this library was built without AVX512-BF16 (bf16_panel_rows() is then 0). */
+int panel_linear_bf16(const bf16 *x, int64_t m, int64_t k, const bf16 *panels, int64_t n, const bf16 *bias,
+                      bf16 *out) {
+#ifndef __AVX512BF16__
+    (void)x, (void)m, (void)k, (void)panels, (void)n, (void)bias, (void)out;
+    return 2;
+#else
+    static __thread uint32_t *scratch = NULL; /* x's pairs, transposed: [k2][ld], 64-byte aligned */
+    static __thread int64_t capacity = 0;
+    int64_t k2 = (k + 1) / 2, needed = k2 * TOKEN_CHUNK;
+    if (needed > capacity) {
+        free(scratch);
+        scratch = aligned_alloc(64, (size_t)needed * sizeof(uint32_t)); /* a multiple of 64 bytes: TOKEN_CHUNK is */
+        capacity = scratch ? needed : 0;
+        if (!scratch) return 1;
+    }
+    uint32_t *xt = scratch;
+    const uint32_t *pairs = (const uint32_t *)panels;
+    int64_t n_panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    for (int64_t t0 = 0; t0 < m; t0 += TOKEN_CHUNK) {
+        int64_t width = m - t0 < TOKEN_CHUNK ? m - t0 : TOKEN_CHUNK, ld = (width + 15) / 16 * 16;
+        for (int64_t kp = 0; kp < k2; kp++) {
+            for (int64_t t = 0; t < width; t++) {
+                const bf16 *row = x + (t0 + t) * k + 2 * kp;
+                xt[kp * ld + t] = row[0] | (2 * kp + 1 < k ? (uint32_t)row[1] << 16 : 0u);
+            }
+            for (int64_t t = width; t < ld; t++) xt[kp * ld + t] = 0;
+        }
+#pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
+        for (int64_t first = 0; first < n_panels; first += PANELS_AT_ONCE) {
+            float block[2][PANEL_ROWS][16] __attribute__((aligned(64)));
+            int count = first + 1 < n_panels ? PANELS_AT_ONCE : 1;
+            for (int64_t b = 0; b < width; b += 16) {
+                if (count == 2)
+                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 2, block);
+                else
+                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 1, block);
+                for (int64_t p = first; p < first + count; p++) {
+                    int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
+                    for (int64_t t = b; t < width && t < b + 16; t++) {
+                        bf16 *row = out + (t0 + t) * n + p * PANEL_ROWS;
+                        for (int64_t r = 0; r < features; r++) {
+                            float sum = block[p - first][r][t - b];
+                            row[r] = float_to_bf16(bias ? sum + bf16_to_float(bias[p * PANEL_ROWS + r]) : sum);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+#endif
+}

@@ -26,10 +26,14 @@ SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {
     **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
     "pack_panels": [_pointer, _int, _int, _int, _pointer],
+    "pack_panels_bf16": [_pointer, _int, _int, _int, _pointer],
     "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
+    "panel_linear_bf16": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
     "panel_rows": [],
+    "bf16_panel_rows": [],
 }
-RETURNS = {"panel_linear": ctypes.c_int, "panel_rows": ctypes.c_int}  # the others return nothing
+# The functions that return an int (the others return nothing).
+RETURNS = {name: ctypes.c_int for name in ("panel_linear", "panel_linear_bf16", "panel_rows", "bf16_panel_rows")}
 
 
 @functools.cache
@@ -46,12 +50,13 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 class DecodeKernels:
     """Typed calls into the library; every tensor is C-contiguous, in the layouts its source describes:
-    the model's dtype, float32 or bf16 (q and the cached keys float32 in both; positions int64), the
-    panels and `panel_linear` float32 only. The output tensors are written in place."""
+    the model's dtype, float32 or bf16 (q and the cached keys float32 in both; positions int64; bf16
+    panels only where the library has them, `bf16_panel_rows`). The output tensors are written in place."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 6
+        self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: no bf16 panels
 
     def _step_kernel(self, name: str, like: torch.Tensor):
         """The `name` kernel for the model dtype of `like`."""
@@ -100,15 +105,21 @@ class DecodeKernels:
         return out
 
     def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        """Weights `[n_i, k]` of layers sharing an input, their outputs in this order, as the panels
-        `panel_linear` reads: `[ceil(n / panel_rows), k, panel_rows]`, n = sum of n_i."""
-        n, k, width = sum(w.shape[0] for w in weights), weights[0].shape[1], self.panel_rows
-        panels = torch.empty(-(-n // width), k, width)
+        """Weights `[n_i, k]` (float32, or bf16 where `bf16_panel_rows`) of layers sharing an input, their
+        outputs in this order, as the panels `panel_linear` reads, n = sum of n_i: float32
+        `[ceil(n / panel_rows), k, panel_rows]`, bf16 `[ceil(n / panel_rows), ceil(k / 2), panel_rows, 2]`."""
+        n, k, width, dtype = sum(w.shape[0] for w in weights), weights[0].shape[1], self.panel_rows, weights[0].dtype
+        if dtype == torch.bfloat16 and self.bf16_panel_rows:
+            panels, pack = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype), self.library.pack_panels_bf16
+        elif dtype == torch.float32:
+            panels, pack = torch.empty(-(-n // width), k, width), self.library.pack_panels
+        else:
+            raise TypeError(f"pack_panels: float32 weights, or bf16 on a CPU with AVX512-BF16; got {dtype}")
         panels[-1, :, n - width * (len(panels) - 1):] = 0.0  # features past n: zero, so finite
         first = 0
         for weight in weights:
             weight = weight.detach().contiguous()
-            self.library.pack_panels(weight.data_ptr(), weight.shape[0], k, first, panels.data_ptr())
+            pack(weight.data_ptr(), weight.shape[0], k, first, panels.data_ptr())
             first += weight.shape[0]
         return panels
 
@@ -116,14 +127,17 @@ class DecodeKernels:
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x `[..., k]` times the packed weights (`pack_panels`) of n outputs, plus bias: `[..., n]`,
-        written into `out` (contiguous, that shape) where given."""
-        k = panels.shape[1]
+        written into `out` (contiguous, that shape) where given; x, bias and out in the panels' dtype."""
+        k, dtype = x.shape[-1], panels.dtype
+        if x.dtype != dtype or (bias is not None and bias.dtype != dtype):
+            raise TypeError(f"panel_linear: x and bias must be {dtype} as the panels are, not {x.dtype}")
         rows = x.reshape(-1, k).contiguous()
         if out is None:
             out = x.new_empty(*x.shape[:-1], n)
-        elif out.shape != (*x.shape[:-1], n) or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"panel_linear: out must be a contiguous float32 {(*x.shape[:-1], n)}, "
+        elif out.shape != (*x.shape[:-1], n) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"panel_linear: out must be a contiguous {dtype} {(*x.shape[:-1], n)}, "
                              f"not {out.dtype} {tuple(out.shape)}")
-        if self.library.panel_linear(rows.data_ptr(), len(rows), k, panels.data_ptr(), n, _address(bias), out.data_ptr()):
-            raise MemoryError(f"panel_linear: no memory for the {k} x 64 floats of its scratch")
+        product = self.library.panel_linear_bf16 if dtype == torch.bfloat16 else self.library.panel_linear
+        if product(rows.data_ptr(), len(rows), k, panels.data_ptr(), n, _address(bias), out.data_ptr()):
+            raise MemoryError(f"panel_linear: no memory for the {k} x 64 elements of its scratch")
         return out

@@ -5,10 +5,11 @@ which costs as much as the product for the vocabulary projection; weights packed
 Layers that read the same input (q, k, v; gate, up) go through one product, one pass over the input
 instead of two or three.
 
-Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` for float32 (it streams the weights
-once per call, the most a decode step can ask of memory), and `OneDNNLinear` for the dtypes oneDNN
-has CPU kernels for (bf16 on CPUs with native support; torch.compile's CPU freezing pass uses the
-same ops). `ConcatLinear` is the plain product where neither applies (GPU).
+Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` for float32, and for bf16 on CPUs with
+AVX512-BF16 (it streams the weights once per call, the most a decode step can ask of memory), and
+`OneDNNLinear` for the other dtypes oneDNN has CPU kernels for (bf16 on CPUs with other native support,
+e.g. AMX alone; torch.compile's CPU freezing pass uses the same ops). `ConcatLinear` is the plain product
+where neither applies (GPU).
 """
 
 import torch
@@ -85,7 +86,7 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """Float32 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed
+    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed
     straight from each layer's weight (no concatenated copy on the way)."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
@@ -119,10 +120,14 @@ class ConcatLinear:
 
 
 def panel_kernels_for(linear: torch.nn.Module) -> DecodeKernels | None:
-    """The C kernels where `PanelLinear` applies to this layer: float32 on CPU, the library built."""
+    """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16
+    where it has bf16 panels (AVX512-BF16)."""
     if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
         return None
-    return load_decode_kernels() if linear.weight.dtype == torch.float32 else None
+    kernels = load_decode_kernels() if linear.weight.dtype in (torch.float32, torch.bfloat16) else None
+    if kernels is None or (linear.weight.dtype == torch.bfloat16 and not kernels.bf16_panel_rows):
+        return None
+    return kernels
 
 
 def onednn_packing_works(linear: torch.nn.Module) -> bool:
