@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"       /* bf16_to_float, float_to_bf16 */
 #include "fast_math.h"  /* exp_clamped */
@@ -489,12 +490,24 @@ int bf16_panel_rows(void) {
 /* Writes the `rows` rows of weight [rows, k] into the panels as output features first_row... */
 void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first_row, bf16 *panels) {
     int64_t k2 = (k + 1) / 2;
+    int64_t first_panel = first_row / PANEL_ROWS, end_panel = (first_row + rows + PANEL_ROWS - 1) / PANEL_ROWS;
 #pragma omp parallel for if (rows * k >= PARALLEL_FROM)
-    for (int64_t row = first_row; row < first_row + rows; row++) {
-        bf16 *feature = panels + (row / PANEL_ROWS * k2 * PANEL_ROWS + row % PANEL_ROWS) * 2;
-        const bf16 *src = weight + (row - first_row) * k;
-        for (int64_t kk = 0; kk < k; kk++) feature[kk / 2 * PANEL_ROWS * 2 + kk % 2] = src[kk];
-        if (k % 2) feature[(k2 - 1) * PANEL_ROWS * 2 + 1] = 0;
+    for (int64_t p = first_panel; p < end_panel; p++) {
+        int64_t lo = p * PANEL_ROWS > first_row ? p * PANEL_ROWS : first_row;
+        int64_t hi = (p + 1) * PANEL_ROWS < first_row + rows ? (p + 1) * PANEL_ROWS : first_row + rows;
+        uint32_t *panel = (uint32_t *)(panels + p * k2 * PANEL_ROWS * 2);
+        const bf16 *src = weight + (lo - first_row) * k;
+        if (hi - lo == PANEL_ROWS && k % 2 == 0) { /* the panel written in order, its rows read side by side */
+            for (int64_t kp = 0; kp < k2; kp++)
+#pragma GCC unroll 12
+                for (int r = 0; r < PANEL_ROWS; r++) memcpy(panel + kp * PANEL_ROWS + r, src + r * k + 2 * kp, 4);
+        } else {
+            for (int64_t row = lo; row < hi; row++)
+                for (int64_t kp = 0; kp < k2; kp++) {
+                    const bf16 *pair = src + (row - lo) * k + 2 * kp;
+                    panel[kp * PANEL_ROWS + row % PANEL_ROWS] = pair[0] | (2 * kp + 1 < k ? (uint32_t)pair[1] << 16 : 0u);
+                }
+        }
     }
 }
 
