@@ -25,18 +25,5 @@
 /* Elements per block of the flat loops: a block of each input stays in L1. */
 #define BLOCK 2048
 
-#define ELEMENT float
-#define NAME(base) base##_f32
-#define LOAD(v) (v)
-#define STORE(f) (f)
-#include "fused_layers_kernels.h"
-#undef ELEMENT
-#undef NAME
-#undef LOAD
-#undef STORE
-
-#define ELEMENT bf16
-#define NAME(base) base##_bf16
-#define LOAD(v) bf16_to_float(v)
-#define STORE(f) float_to_bf16(f)
-#include "fused_layers_kernels.h"
+#define KERNELS "fused_layers_kernels.h"
+#include "per_dtype.h"

@@ -32,25 +32,8 @@
  * step's ops); below it, waking them costs more than it saves. */
 #define PARALLEL_FROM 8192
 
-#define ELEMENT float
-#define NAME(base) base##_f32
-#define LOAD(v) (v)
-#define STORE(f) (f)
-#include "decode_step_kernels.h" /* add_rms_norm, silu_mul, rope_and_store */
-#undef ELEMENT
-#undef NAME
-#undef LOAD
-#undef STORE
-
-#define ELEMENT bf16
-#define NAME(base) base##_bf16
-#define LOAD(v) bf16_to_float(v)
-#define STORE(f) float_to_bf16(f)
-#include "decode_step_kernels.h"
-#undef ELEMENT
-#undef NAME
-#undef LOAD
-#undef STORE
+#define KERNELS "decode_step_kernels.h" /* add_rms_norm, silu_mul, rope_and_store */
+#include "per_dtype.h"
 
 /* scores[h * length + j] = scale * (query[h] . keys[j]) for the group's heads h and j < length. Four keys
  * at a time, every head while they are in L1: one dot product alone is a chain of dependent

@@ -1,5 +1,5 @@
 /* The decode step's work between the matmuls (decode_kernels.c), written once over an element type and
- * included there once per dtype (no include guard, on purpose). The includer defines:
+ * included there once per dtype through per_dtype.h (no include guard, on purpose), which defines:
  *   ELEMENT        the type of hidden, delta, the norms' weights, qkv, cos, sin, gate_up and the cached values
  *   NAME(base)     the function name for this dtype
  *   LOAD(v)        an ELEMENT as float; STORE(f) a float rounded to an ELEMENT

@@ -1,5 +1,5 @@
 /* The kernels of fused_layers.c, written once over an element type and included there once per dtype
- * (no include guard, on purpose). The includer defines:
+ * through per_dtype.h (no include guard, on purpose), which defines:
  *   ELEMENT        the type of every tensor but rstd (float32 in both cases)
  *   NAME(base)     the function name for this dtype
  *   LOAD(v)        an ELEMENT as float; STORE(f) a float rounded to an ELEMENT
