@@ -47,15 +47,9 @@ def random_model(config, dtype) -> torch.nn.Module:
 # float32 with large weights: sharp attention, so positions and norms change the logits a lot;
 # bf16 with HF's small initial weights, where its own rounding (~0.005 here) stays far below 0.02.
 DTYPES = {"fp32": (torch.float32, 0.2, 1e-3), "bf16": (torch.bfloat16, 0.02, 0.02)}
-# How decode steps run: the C kernels serve float32 and bf16 Llama families; torch ops everything (and
-# stand in for the kernels where no C compiler is found).
-CASES = [
-    (family, dtype, decode)
-    for family in FAMILIES
-    for dtype in DTYPES
-    for decode in ("c-kernels", "torch-ops")
-    if decode == "torch-ops" or family != "gemma"
-]
+# How decode steps run: with the C library, its products serve every family (float32; bf16 with AVX512-BF16)
+# and its step kernels the Llama families; without it (no C compiler), oneDNN's products and torch ops.
+CASES = [(family, dtype, decode) for family in FAMILIES for dtype in DTYPES for decode in ("c-kernels", "torch-ops")]
 
 
 @pytest.mark.parametrize("family,dtype,decode", CASES)
@@ -74,8 +68,9 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode, monk
     assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
     if runner.llama is not None:
         assert (runner.llama.decode_kernels is not None) == (decode == "c-kernels")
-        # float32 everywhere the library builds, bf16 with AVX512-BF16: the C products; else oneDNN's or plain ones
-        assert isinstance(runner.head, PanelLinear) == (decode == "c-kernels" and runner.panel_kernels is not None)
+    # float32 everywhere the library builds, bf16 with AVX512-BF16: the C products; else oneDNN's or plain ones
+    products = runner.head if runner.llama is not None else next(iter(runner.packed.values()), None)
+    assert isinstance(products, PanelLinear) == (decode == "c-kernels" and runner.panel_kernels is not None)
     generator = torch.Generator().manual_seed(1)
 
     def random_tokens(n: int) -> list[int]:
