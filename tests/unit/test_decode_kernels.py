@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from RL2.engine.embedded import decode_kernels, llama_forward
+from RL2.engine.embedded import decode_kernels, llama_forward, packed_linear
 from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
 from RL2.models import native
 
@@ -349,3 +349,15 @@ def test_bf16_panel_linear_keeps_leading_dims_runs_threaded_and_checks_its_outpu
         KERNELS.panel_linear(x.float(), panels, 1536, None)
     with pytest.raises(TypeError, match="float32 weights, or bf16"):
         KERNELS.pack_panels([weight.half()])
+
+
+def test_bf16_layers_take_the_panels_only_without_amx(monkeypatch):
+    """With AMX oneDNN's bf16 products run on its tiles, which the panels do not use: bf16 layers stay on
+    oneDNN there; float32 layers take the panels everywhere."""
+    linear = torch.nn.Linear(8, 4)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert packed_linear.panel_kernels_for(linear.bfloat16()) is None
+    assert packed_linear.panel_kernels_for(linear.float()) is KERNELS
+    if KERNELS.bf16_panel_rows:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert packed_linear.panel_kernels_for(linear.bfloat16()) is KERNELS

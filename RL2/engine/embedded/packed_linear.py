@@ -6,9 +6,9 @@ Layers that read the same input (q, k, v; gate, up) go through one product, one 
 instead of two or three.
 
 Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` for float32, and for bf16 on CPUs with
-AVX512-BF16 (it streams the weights once per call, the most a decode step can ask of memory), and
-`OneDNNLinear` for the other dtypes oneDNN has CPU kernels for (bf16 on CPUs with other native support,
-e.g. AMX alone; torch.compile's CPU freezing pass uses the same ops). `ConcatLinear` is the plain product
+AVX512-BF16 but no AMX (it streams the weights once per call, the most a decode step can ask of memory),
+and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels for (bf16 on CPUs with AMX or other native
+support; torch.compile's CPU freezing pass uses the same ops). `ConcatLinear` is the plain product
 where neither applies (GPU).
 """
 
@@ -121,11 +121,14 @@ class ConcatLinear:
 
 def panel_kernels_for(linear: torch.nn.Module) -> DecodeKernels | None:
     """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16
-    where it has bf16 panels (AVX512-BF16)."""
+    where it has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tile products oneDNN's bf16 kernels
+    use, and the panels do not)."""
     if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
         return None
     kernels = load_decode_kernels() if linear.weight.dtype in (torch.float32, torch.bfloat16) else None
-    if kernels is None or (linear.weight.dtype == torch.bfloat16 and not kernels.bf16_panel_rows):
+    if kernels is None:
+        return None
+    if linear.weight.dtype == torch.bfloat16 and (not kernels.bf16_panel_rows or torch.cpu._is_amx_tile_supported()):
         return None
     return kernels
 
