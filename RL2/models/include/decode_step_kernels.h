@@ -8,16 +8,7 @@
  * the torch ops of llama_forward.py round a bf16 model's tensors, so for bf16 both compute the same
  * (up to the order of a row's sums), and for float32 STORE rounds nothing. */
 
-/* RMSNorm as torch's F.rms_norm computes it: weight * x * rstd, rounded once. */
-static void NAME(rms_norm_row)(ELEMENT *restrict out, const ELEMENT *restrict x, const ELEMENT *restrict weight,
-                               int64_t dim, float eps) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < dim; i++) sum += LOAD(x[i]) * LOAD(x[i]);
-    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) out[i] = STORE(LOAD(weight[i]) * (LOAD(x[i]) * inv));
-}
+#include "norm_and_silu.h" /* rms_norm_row, silu_rounded */
 
 /* hidden += delta (when delta is not NULL; the sum rounded, as `hidden + delta`), then
  * out = RMSNorm(hidden) * weight. */
@@ -44,8 +35,7 @@ void NAME(silu_mul)(const ELEMENT *gate_up, ELEMENT *out, int64_t rows, int64_t 
         ELEMENT *restrict o = out + r * width;
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) {
-            float g = LOAD(gate[i]);
-            o[i] = STORE(LOAD(STORE(g / (1.0f + exp_clamped(-g)))) * LOAD(up[i]));
+            o[i] = STORE(NAME(silu_rounded)(LOAD(gate[i])) * LOAD(up[i]));
         }
     }
 }

@@ -6,23 +6,15 @@
  * All arithmetic is in float32 (double for the weight gradient's sums), whatever ELEMENT is; each
  * result is rounded to ELEMENT once, except where noted. */
 
+#include "norm_and_silu.h" /* rms_norm_row, silu_rounded */
+
 /* out = weight * x * rstd with rstd = 1 / sqrt(mean(x^2) + eps), per row; rstd is kept for the
  * backward. One rounding, as torch's F.rms_norm (which the embedded engine runs); for float32 this is
  * HF's RMSNorm exactly. */
 void NAME(rms_norm_forward)(const ELEMENT *x, const ELEMENT *weight, ELEMENT *out, float *rstd, int64_t rows,
                             int64_t dim, float eps) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++) {
-        const ELEMENT *xr = x + r * dim;
-        ELEMENT *o = out + r * dim;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) sum += LOAD(xr[i]) * LOAD(xr[i]);
-        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        rstd[r] = inv;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = STORE(LOAD(weight[i]) * (LOAD(xr[i]) * inv));
-    }
+    for (int64_t r = 0; r < rows; r++) rstd[r] = NAME(rms_norm_row)(out + r * dim, x + r * dim, weight, dim, eps);
 }
 
 /* With n = x * rstd and g = grad_out * weight, per row:
@@ -72,8 +64,7 @@ void NAME(silu_mul_forward)(const ELEMENT *gate, const ELEMENT *up, ELEMENT *out
         int64_t end = start + BLOCK < n ? start + BLOCK : n;
 #pragma omp simd
         for (int64_t i = start; i < end; i++) {
-            float g = LOAD(gate[i]);
-            out[i] = STORE(LOAD(STORE(g / (1.0f + exp_clamped(-g)))) * LOAD(up[i]));
+            out[i] = STORE(NAME(silu_rounded)(LOAD(gate[i])) * LOAD(up[i]));
         }
     }
 }
