@@ -57,12 +57,17 @@ class DecodeKernels:
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 6
         self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: no bf16 panels
+        # Looked up on every call of a decode step: resolved once here.
+        self._step_kernels = {
+            (name, dtype): getattr(library, name + suffix) for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()
+        }
 
     def _step_kernel(self, name: str, like: torch.Tensor):
         """The `name` kernel for the model dtype of `like`."""
-        if like.dtype not in SUFFIXES:
+        kernel = self._step_kernels.get((name, like.dtype))
+        if kernel is None:
             raise TypeError(f"the decode kernels take float32 or bfloat16 models, not {like.dtype}")
-        return getattr(self.library, name + SUFFIXES[like.dtype])
+        return kernel
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
