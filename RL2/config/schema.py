@@ -78,6 +78,7 @@ class ModelConfig:
     dtype: str = opt("auto", "compute dtype: auto (bfloat16 where its matmuls are native and faster than float32, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    checkpoint_every_n_layers: int = opt(1, "with enable_gradient_checkpointing: recompute only every n-th decoder layer (1: all of them); the others keep their activations, trading part of the memory saved back for speed")
     share_prefixes: bool = opt(True, "compute a prefix that consecutive packed sequences share (a prompt and its group's responses) once; with the SDPA attention path (CPU, or CUDA without flash kernels), not under context parallelism")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
     offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
@@ -90,12 +91,16 @@ class ModelConfig:
     lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the compute dtype)")
 
 
-def check_lora(cfg) -> None:
-    """Fail on LoRA settings that cannot train, naming the key (every model section of `cfg`)."""
+def check_model_sections(cfg) -> None:
+    """Fail on model settings that cannot train, naming the key (every model section of `cfg`)."""
     for section, value in cfg.items():
         lora = value.get("lora") if hasattr(value, "get") else None
         if lora is None:
             continue
+        every = value.get("checkpoint_every_n_layers", 1)
+        if every < 1:
+            raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
+                              f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
         key = f"{section}.lora"
         if lora.rank < 0:
             raise ConfigError(f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")

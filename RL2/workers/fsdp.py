@@ -36,6 +36,7 @@ import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
 from RL2.models import lora
 from RL2.models.attention import ATTN_NAME, varlen_backend
+from RL2.models.checkpointing import enable_activation_checkpointing
 from RL2.models.default_model import resolve_model_path
 from RL2.models.fused_layers import install_fused_layers
 from RL2.models.logps import ModelLayout
@@ -179,7 +180,7 @@ class FSDPWorker(Stateful):
             layout.cp_group = self.dims.cp_mesh.get_group()
         layout.share_prefixes = self._shares_prefixes(model.config)
         if train and self.cfg.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model, self.cfg.checkpoint_every_n_layers)
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         mesh = self.dims.fsdp_mesh
         for layer in layers:
