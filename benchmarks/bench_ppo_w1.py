@@ -53,6 +53,8 @@ VARIANTS = {
     "micro-batch-1024": (["actor.max_length_per_device=1024"], {}),
     "micro-batch-512": (["actor.max_length_per_device=512"], {}),
     "checkpointing": (["actor.enable_gradient_checkpointing=true"], {}),
+    "checkpointing-every-2": (["actor.enable_gradient_checkpointing=true", "actor.checkpoint_every_n_layers=2"], {}),
+    "running-requests-4": (["rollout.max_running_requests=4"], {}),
     "malloc-returns-memory": ([], {"RL2_KEEP_FREED_MEMORY": "0"}),
     "no-huge-pages": ([], {"THP_MEM_ALLOC_ENABLE": "0"}),
     "no-fused-layers": ([], {"RL2_FUSED_LAYERS": "0"}),
