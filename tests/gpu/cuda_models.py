@@ -21,7 +21,8 @@ def llama_config(tokenizer, hidden: int = 256, layers: int = 4) -> LlamaConfig:
 def model_config(path: str, dtype: str, **overrides) -> SimpleNamespace:
     """The `actor` fields FSDPWorker reads, with the schema's defaults (RL2/config/schema.py)."""
     fields = dict(model_name=path, tokenizer_name=None, dtype=dtype, max_length_per_device=4096,
-                  enable_gradient_checkpointing=False, max_grad_norm=1.0, offload_optimizer=False, avg_level="token",
+                  enable_gradient_checkpointing=False, checkpoint_every_n_layers=1,
+                  max_grad_norm=1.0, offload_optimizer=False, avg_level="token",
                   tp_size=1, cp_size=1, ddp_size=1,
                   optimizer=SimpleNamespace(lr=1e-3, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8),
                   scheduler=SimpleNamespace(name="constant", warmup_ratio=0.0, min_lr=0.0),
