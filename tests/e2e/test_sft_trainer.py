@@ -40,10 +40,12 @@ def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level
     runs = {}
     for nproc in (1, 2):
         save_dir = tmp_path / f"ranks{nproc}"
-        # The 1-rank sequence-level run also recomputes activations: that must not change the result.
-        checkpointing = nproc == 1 and avg_level == "sequence"
+        # The 1-rank sequence-level run recomputes every layer's activations, the 2-rank token-level run
+        # only the first layer's (of two): neither may change the result.
+        checkpointing = (nproc, avg_level) in ((1, "sequence"), (2, "token"))
         run_ranks(nproc, sft_args(tiny_model_path, sft_data, save_dir, f"actor.avg_level={avg_level}",
-                                  f"actor.enable_gradient_checkpointing={checkpointing}"))
+                                  f"actor.enable_gradient_checkpointing={checkpointing}",
+                                  f"actor.checkpoint_every_n_layers={nproc}"))
         runs[nproc] = (read_metrics(save_dir), final_weights(save_dir))
     (metrics1, weights1), (metrics2, weights2) = runs[1], runs[2]
     losses1 = [m["train/loss"] for m in metrics1]
