@@ -1,11 +1,13 @@
 """Memory of a GRPO step against model size, rollout size and ranks: what fits in 16 and 24 GB.
 
     python benchmarks/bench_ppo_memory.py [--models 135m,360m] [--rollouts 8x4x64,8x8x128] [--ranks 1,2]
+                                          [--switches actor.enable_gradient_checkpointing=true ...]
 
 Models: the embedded SmolLM2-135M-Instruct, and Llama models of SmolLM2-360M's and SmolLM2-1.7B's
 shapes with random weights (built in a temporary folder, with the embedded model's tokenizer).
 A rollout `PxRxN` is P prompts x R responses x exactly N new tokens (`ignore_eos`). Each run is two
-GRPO steps (no KL, one update per rollout) in float32 with the defaults otherwise, and reports:
+GRPO steps (no KL, one update per rollout) in float32 with the defaults otherwise (or with `--switches`,
+RL2 config overrides such as gradient checkpointing), and reports:
 - the most resident memory one rank held in each phase of the second step (rollout, update, weight
   sync; the trainer's `perf/*_peak_gb`);
 - the most memory all processes held at once over the run (the ranks and the launcher, sampled every
@@ -82,7 +84,7 @@ def machine_memory_gb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) * 1024 / 1e9
 
 
-def run(model: str, rollout: str, ranks: int, folder: Path) -> dict:
+def run(model: str, rollout: str, ranks: int, folder: Path, switches: list[str]) -> dict:
     n_prompts, n_responses, new_tokens = (int(x) for x in rollout.split("x"))
     data = folder / f"prompts{n_prompts}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + {2 * i}?", "extra_info": {"answer": str(3 * i)}})
@@ -94,7 +96,7 @@ def run(model: str, rollout: str, ranks: int, folder: Path) -> dict:
         "rollout.env_path=envs/arithmetic.py", f"rollout.responses_per_prompt={n_responses}",
         f"rollout.train_sampling_params.max_new_tokens={new_tokens}", "rollout.train_sampling_params.ignore_eos=true",
         f"actor.model_name={model}", "actor.dtype=float32", "actor.kl.coef=0", "trainer.total_steps=2",
-        "trainer.n_epochs=2", f"trainer.save_dir={save_dir}",
+        "trainer.n_epochs=2", f"trainer.save_dir={save_dir}", *switches,
     ]
     try:
         all_processes = run_measured(command, {"WANDB_MODE": "disabled"})
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--models", default="135m,360m", help="comma-separated, of: 135m, 360m, 1.7b")
     parser.add_argument("--rollouts", default="8x4x64,8x8x128", help="comma-separated PROMPTSxRESPONSESxTOKENS")
     parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--switches", nargs="*", default=[], help="RL2 config overrides for every run (key=value)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,10 +124,11 @@ def main() -> None:
                     if least > machine_memory_gb():  # not run: it cannot fit
                         result = {"failed": f"needs at least {least:.0f} GB (weights, gradients, AdamW, engine)"}
                     else:
-                        result = run(model_path(name, folder), rollout, ranks, folder)
+                        result = run(model_path(name, folder), rollout, ranks, folder, args.switches)
                     rows.append((name, rollout, ranks, result))
                     print(json.dumps({"model": name, "rollout": rollout, "ranks": ranks, **result}), flush=True)
-    print("\n| model | rollout | ranks | rollout GB/rank | update GB/rank | sync GB/rank | all processes GB | "
+    print(f"\nwith {' '.join(args.switches) or 'the defaults'}")
+    print("| model | rollout | ranks | rollout GB/rank | update GB/rank | sync GB/rank | all processes GB | "
           "fits 16 GB (< 15) | fits 24 GB (< 23) | s/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rollout, ranks, r in rows:
