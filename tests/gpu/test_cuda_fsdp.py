@@ -2,7 +2,8 @@
 
 Loading, packed forward and log-probs, backward, clipping and an AdamW step, moving the state off the
 GPU and back (the colocation hook), a checkpoint round trip and the exported folder; then bf16 and
-float16 compute (the latter through the gradient scaler); a LoRA policy's weight sync from the CPU.
+float16 compute (the latter through the gradient scaler); activation checkpointing of every second layer;
+a LoRA policy's weight sync from the CPU.
 """
 
 import socket
@@ -49,8 +50,8 @@ def examples(vocab: int) -> list[dict]:
              "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)} for n in (700, 65, 300, 1500, 12)]
 
 
-def worker(path: str, dtype: str = "float32") -> FSDPWorker:
-    cfg = model_config(path, dtype)
+def worker(path: str, dtype: str = "float32", **overrides) -> FSDPWorker:
+    cfg = model_config(path, dtype, **overrides)
     cfg.optimizer.lr, cfg.optimizer.eps = LR, EPS
     return FSDPWorker(cfg, ParallelDims(1, device_type="cuda"), DEVICE, total_steps=10)
 
@@ -168,6 +169,23 @@ def test_half_precision_worker_trains(model_path, tokenizer, nccl_rank, dtype):
     for ours, theirs in zip(logps, ref_logps):
         assert (ours - theirs).abs().mean() < 0.05
     assert grad_norm == pytest.approx(ref_grad_norm, rel=0.05)
+
+
+def test_checkpointing_every_second_layer_takes_the_same_step(model_path, tokenizer, nccl_rank):
+    """Activation checkpointing on CUDA through this transformers version's switch, every second decoder
+    layer recomputed in the backward: the log-probs, gradient norm and step of keeping every activation."""
+    batch = examples(len(tokenizer))
+    checkpointed = worker(model_path, enable_gradient_checkpointing=True, checkpoint_every_n_layers=2)
+    plain = worker(model_path)
+    layers = checkpointed.model.model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [i % 2 == 0 for i in range(len(layers))]
+    logps, grad_norm = rl2_step(checkpointed, batch)
+    ref_logps, ref_grad_norm = rl2_step(plain, batch)
+    for ours, theirs in zip(logps, ref_logps):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert grad_norm == pytest.approx(ref_grad_norm, rel=1e-4)
+    for ours, theirs in zip(checkpointed.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(local(ours), local(theirs), atol=1e-6, rtol=0)
 
 
 def test_lora_sync_streams_the_offloaded_base(model_path, nccl_rank):
