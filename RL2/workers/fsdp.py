@@ -46,6 +46,7 @@ from RL2.models.tied_embeddings import add_embedding_rows_into_tied_gradient
 from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
+from RL2.workers.host_memory import check_model_fits_host
 from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
@@ -133,11 +134,14 @@ class FSDPWorker(Stateful):
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
             setattr(config, key, value)
         self._check_layout(config)
+        with torch.device("meta"):
+            model = model_cls.from_config(config, **kwargs)
+        if self.device.type == "cpu":  # before loading: a model that cannot fit fails now, not minutes later
+            check_model_fits_host(model, self._config_name(), train and self.lora is None, self.param_dtype,
+                                  dist.get_world_size() // self.dims.ddp)
         loaded = model_cls.from_pretrained(path, config=config, **kwargs) if dist.get_rank() == 0 else None
         if loaded is not None and self.lora is not None:
             self._add_adapters(loaded)  # rank 0 initialises them; every rank receives them with the weights
-        with torch.device("meta"):
-            model = model_cls.from_config(config, **kwargs)
         model.config.use_cache = False
         if self.device.type == "cpu":
             install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each (float32, bfloat16)
@@ -150,6 +154,13 @@ class FSDPWorker(Stateful):
         if not train:
             model.requires_grad_(False)
         return model
+
+    def _config_name(self) -> str:
+        """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
+        key_in_parent = getattr(self.cfg, "_key", None)  # an OmegaConf node's name in its parent config
+        section = key_in_parent() if callable(key_in_parent) else None
+        key = f"{section}.model_name" if section else "model_name"
+        return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
 
     def _check_layout(self, config) -> None:
         degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}

@@ -1,0 +1,62 @@
+"""Refuse, before loading, a CPU model that cannot fit this host's memory.
+
+A model that does not fit would otherwise load for minutes, then be killed by the kernel mid-step (or
+drive the machine into swap). The figure checked is a floor, not an estimate: the bytes a parameter that
+training it must hold whatever the batch (float32 weights, gradients and AdamW's two moments; a frozen
+model or a LoRA base only its weights), sharded over the ranks, of which this host holds its ranks' share.
+Activations, the engine's copy and libraries come on top, so passing says nothing about fitting; failing
+says it cannot.
+"""
+
+import os
+
+import torch
+
+TRAINED_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments
+
+
+def host_capacity_bytes() -> int | None:
+    """Memory plus swap of this host (Linux; None elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()}
+    except OSError:
+        return None
+    return fields.get("MemTotal", 0) + fields.get("SwapTotal", 0)
+
+
+def least_host_bytes(n_parameters: int, bytes_per_parameter: int, shards: int, ranks_on_host: int) -> int:
+    """What the ranks of one host hold at least of a model each rank holds 1/`shards` of."""
+    return n_parameters * bytes_per_parameter * ranks_on_host // shards
+
+
+def check_model_fits_host(model: torch.nn.Module, name: str, trained: bool, param_dtype: torch.dtype,
+                          shards: int) -> None:
+    """Raise when the floor of `model`'s memory on this host exceeds its memory and swap.
+
+    Args:
+        model: the model, on the meta device (only its parameter count is read).
+        name: how the config names it, e.g. "actor.model_name=HuggingFaceTB/SmolLM2-1.7B".
+        trained: fully trained (float32 master weights, gradients, AdamW), rather than frozen or LoRA's base.
+        param_dtype: what a frozen model's weights are stored in.
+        shards: the ranks one copy of the model is split over (FSDP, tensor and context parallel; each
+            hybrid-sharding replica holds a copy).
+    """
+    capacity = host_capacity_bytes()
+    if capacity is None:
+        return
+    n_parameters = sum(p.numel() for p in model.parameters())
+    per_parameter = TRAINED_BYTES_PER_PARAMETER if trained else param_dtype.itemsize
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", shards))
+    need = least_host_bytes(n_parameters, per_parameter, shards, ranks_on_host)
+    if need <= capacity:
+        return
+    what = ("its float32 weights, gradients and AdamW moments (16 bytes a parameter)" if trained
+            else f"its {param_dtype} weights ({per_parameter} bytes a parameter)")
+    raise MemoryError(
+        f"{name} has {n_parameters / 1e9:.2f}B parameters: {what}, split over {shards} rank(s), "
+        f"{ranks_on_host} of them on this host, need at least {need / 1e9:.1f} GB here before any activation, and "
+        f"this host has {capacity / 1e9:.1f} GB of memory and swap. "
+        + ("Train it with LoRA (e.g. lora.rank=16 in that model's section), over more hosts, or pick a smaller model."
+           if trained else "Run over more hosts, or pick a smaller model.")
+    )
