@@ -13,6 +13,7 @@ object with HF's `update` method, per-row `position_ids` and a ready-made 4D boo
 `decode_attention` and linear layers with packed weights (`PackedLinear`).
 """
 
+import functools
 import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -213,10 +214,12 @@ def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
     return all(s in (None, 1.0) for s in scales) and model.get_output_embeddings() is not None
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The name under which `model`'s forward takes a KV cache: transformers 5.24 renamed `past_key_values`
-    to `cache` (the old name warns on every call, and goes in 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The name under which `model_class.forward` takes a KV cache: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call, and goes in 5.40). Read once per class:
+    the decode loop asks at every step."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class ModelRunner:
@@ -343,7 +346,7 @@ class ModelRunner:
         """Logits [rows, vocab] at position `keep[row, 0]` of each row's chunk (None: no logits)."""
         forward = self.model if self.head is None else self.model.get_decoder()
         inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True)
-        inputs[cache_keyword(forward)] = self.cache
+        inputs[cache_keyword(type(forward))] = self.cache
         if self.head is None:
             with self._engine_kernels():
                 logits = forward(**inputs, logits_to_keep=1 if keep is None else keep).logits
