@@ -17,7 +17,9 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "
     CPU suite (gloo ranks compared with one process), and on a machine with fewer GPUs than ranks
     `trainer.device=auto` would stop at start. The CUDA tests (tests/gpu) ask for `device="cuda"`.
     """
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    # The repository first; a PYTHONPATH the caller set (packages installed beside the interpreter's) stays.
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, "WANDB_MODE": "disabled"}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if nproc == 1:
