@@ -47,6 +47,7 @@ from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
 from RL2.workers.host_memory import check_model_fits_host
+from RL2.workers.pinned_host import PinnedHostCopies, module_to_host, pinned_offload_enabled
 from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
@@ -113,6 +114,7 @@ class FSDPWorker(Stateful):
         self.scaler = torch.amp.GradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
+        self.host_copies: PinnedHostCopies | None = None  # page-locked buffers of the first offload on CUDA
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
         """Load on rank 0's CPU, build sharded on every rank, and fill the shards from rank 0.
@@ -301,7 +303,8 @@ class FSDPWorker(Stateful):
         self.scheduler.step()
         self.updates += 1
         if self.cfg.offload_optimizer and self.device.type == "cuda":
-            move_optimizer_state(self.optimizer, torch.device("cpu"))
+            cpu = torch.device("cpu")
+            move_optimizer_state(self.optimizer, cpu, self._pinned_copies(cpu))
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     # ---- colocation: the device's memory goes to the rollout engine while it samples ----
@@ -332,13 +335,27 @@ class FSDPWorker(Stateful):
     def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
         """Move parameters with their gradients and/or the optimizer state to `device`.
 
-        FSDP2 supports `module.to`: its `_apply` re-points each sharded parameter's padded storage at the
-        moved tensor, and parameters keep their identity (the optimizer's references stay valid).
+        FSDP2 supports `module._apply` (what `module.to` calls): it re-points each sharded parameter's
+        padded storage at the moved tensor, and parameters keep their identity (the optimizer's
+        references stay valid). From a CUDA device to the CPU, parameters and optimizer state go into
+        page-locked buffers kept for the run (`RL2.workers.pinned_host`).
         """
+        copies = self._pinned_copies(device)
         if params:
-            self.model.to(device)
+            if copies is None:
+                self.model.to(device)
+            else:
+                module_to_host(self.model, copies)
         if optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, device, non_blocking=False)
+            move_optimizer_state(self.optimizer, device, copies)
+
+    def _pinned_copies(self, device: torch.device) -> PinnedHostCopies | None:
+        """The page-locked buffers of a move from CUDA to the CPU, made at the first; None otherwise."""
+        if device.type != "cpu" or self.device.type != "cuda" or not pinned_offload_enabled():
+            return None
+        if self.host_copies is None:
+            self.host_copies = PinnedHostCopies()
+        return self.host_copies
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, by the device type holding them."""
@@ -472,9 +489,11 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, non_blocking: bool = True) -> None:
-    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between steps)."""
-    for state in optimizer.state.values():
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device,
+                         host_copies: PinnedHostCopies | None = None) -> None:
+    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between
+    steps); to the CPU into `host_copies`' page-locked buffers when given."""
+    for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=non_blocking)
+                state[key] = value.to(device) if host_copies is None else host_copies.copy((id(param), key), value)

@@ -3,7 +3,8 @@
 Loading, packed forward and log-probs, backward, clipping and an AdamW step, moving the state off the
 GPU and back (the colocation hook), a checkpoint round trip and the exported folder; then bf16 and
 float16 compute (the latter through the gradient scaler); activation checkpointing of every second layer;
-a LoRA policy's weight sync from the CPU.
+a LoRA policy's weight sync from the CPU; the offloaded state in page-locked buffers reused by every
+offload, and the optimizer state kept on the CPU between steps.
 """
 
 import socket
@@ -23,6 +24,7 @@ from RL2.models.lora import LoRALinear, adapter_modules
 from RL2.parallel import ParallelDims
 from RL2.rollout.worker import full_tensors
 from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.pinned_host import SMALL_BYTES
 from tests.gpu.cuda_models import model_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -186,6 +188,56 @@ def test_checkpointing_every_second_layer_takes_the_same_step(model_path, tokeni
     assert grad_norm == pytest.approx(ref_grad_norm, rel=1e-4)
     for ours, theirs in zip(checkpointed.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(local(ours), local(theirs), atol=1e-6, rtol=0)
+
+
+def large_state(w: FSDPWorker) -> list[torch.Tensor]:
+    """The local tensors of the parameters and Adam moments large enough for page-locked buffers."""
+    tensors = [local(p) for p in w.model.parameters()]
+    tensors += [local(v) for state in w.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return [t for t in tensors if t.numel() * t.element_size() >= SMALL_BYTES]
+
+
+def test_offloaded_state_sits_in_locked_pages_reused_by_every_offload(model_path, tokenizer, nccl_rank):
+    batch = examples(len(tokenizer))
+    w = worker(model_path)
+    rl2_step(w, batch)
+    resident = [t.clone() for t in large_state(w)]
+    w.offload()
+    first = large_state(w)
+    assert len(first) == 3  # the tied embedding and its two moments
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in first)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(resident, first))
+    w.onload()
+    assert all(torch.equal(a, b) for a, b in zip(resident, large_state(w)))
+    rl2_step(w, batch)
+    w.offload()
+    assert [t.data_ptr() for t in large_state(w)] == [t.data_ptr() for t in first]  # the same buffers
+    w.onload()
+
+
+def test_pageable_offload_when_asked(model_path, tokenizer, nccl_rank, monkeypatch):
+    monkeypatch.setenv("RL2_PINNED_OFFLOAD", "0")
+    batch = examples(len(tokenizer))
+    w = worker(model_path)
+    rl2_step(w, batch)
+    w.offload()
+    assert w.host_copies is None and not any(t.is_pinned() for t in large_state(w))
+    w.onload()
+    rl2_step(w, batch)
+
+
+def test_optimizer_state_on_the_cpu_between_steps_takes_the_same_steps(model_path, tokenizer, nccl_rank):
+    """`offload_optimizer`: Adam's moments come to the GPU for each step and go back to locked pages."""
+    batch = examples(len(tokenizer))
+    kept, offloaded = worker(model_path), worker(model_path, offload_optimizer=True)
+    for _ in range(2):
+        rl2_step(kept, batch)
+        rl2_step(offloaded, batch)
+        moments = [local(v) for s in offloaded.optimizer.state.values() for v in s.values() if v.dim() > 0]
+        assert moments and all(m.device.type == "cpu" for m in moments)
+        assert all(m.is_pinned() for m in moments if m.numel() * m.element_size() >= SMALL_BYTES)
+    for ours, theirs in zip(offloaded.model.parameters(), kept.model.parameters()):
+        torch.testing.assert_close(local(ours), local(theirs), atol=1e-6, rtol=0)  # attention backward's sums
 
 
 def test_lora_sync_streams_the_offloaded_base(model_path, nccl_rank):

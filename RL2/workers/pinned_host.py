@@ -1,0 +1,103 @@
+"""Page-locked host buffers for a worker's state while a colocated engine has the GPU.
+
+A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout
+and back after it. Into ordinary (pageable) memory the driver copies through a staging buffer, and
+fresh host memory page-faults on every page the copy touches; page-locked memory is read and written
+by the GPU's copy engine directly (`benchmarks/bench_offload.py` times both). torch's own pinned
+allocator rounds every block up to a power of two and keeps it, up to twice the state; here each
+tensor gets a buffer of exactly its size, page-locked once with `cudaHostRegister` and refilled at
+every offload, so the host holds one copy of the state for the run. Page-locked memory cannot be
+swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
+"""
+
+import mmap
+import os
+import weakref
+from collections.abc import Callable, Hashable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+PAGE = mmap.PAGESIZE
+SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied to pageable memory: as fast
+
+
+def pinned_offload_enabled() -> bool:
+    return os.environ.get("RL2_PINNED_OFFLOAD", "1") != "0"
+
+
+class PinnedHostCopies:
+    """Host copies of device tensors, one page-locked buffer per key, reused at every offload.
+
+    Args:
+        lock: page-locks `(address, nbytes)`, raising where it cannot; `cudaHostRegister` by default.
+        unlock: undoes it for an address; `cudaHostUnregister` by default.
+    """
+
+    def __init__(self, lock: Callable[[int, int], None] | None = None, unlock: Callable[[int], None] | None = None):
+        self.lock, self.unlock = lock or cuda_host_register, unlock or cuda_host_unregister
+        self.buffers: dict[Hashable, torch.Tensor] = {}
+        self.registered: dict[Hashable, int] = {}  # key -> the page-locked address of its buffer
+        # Unlocked when this object goes; the buffers stay valid, as pageable memory, for anyone still
+        # holding them.
+        weakref.finalize(self, _unlock_all, self.unlock, self.registered, self.buffers)
+
+    def copy(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, from the GPU, in the host buffer kept for `key`; a DTensor keeps its placement."""
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if local.numel() * local.element_size() < SMALL_BYTES:
+            host = local.to("cpu")
+        else:
+            host = self.buffers.get(key)
+            if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                host = self._allocate(key, local)
+            # Blocking: FSDP re-pads an unevenly sharded parameter on the CPU as soon as this returns.
+            host.copy_(local)
+        if isinstance(tensor, DTensor):
+            # As FSDP2 builds its own sharded parameters: `DTensor.from_local` would move the buffer
+            # back to the device of the mesh.
+            return DTensor(host, tensor._spec, requires_grad=False)
+        return host
+
+    def _allocate(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        if key in self.registered:
+            self.unlock(self.registered.pop(key))
+        nbytes = like.numel() * like.element_size()
+        # Whole pages of its own, so that no page is locked twice by two neighbouring buffers.
+        locked = -(-nbytes // PAGE) * PAGE
+        raw = torch.empty(locked + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        pages = raw[start:start + locked]
+        self.lock(pages.data_ptr(), locked)
+        self.registered[key] = pages.data_ptr()
+        self.buffers[key] = pages[:nbytes].view(like.dtype).view(like.shape)
+        return self.buffers[key]
+
+
+def module_to_host(module: torch.nn.Module, copies: PinnedHostCopies) -> None:
+    """`module.to("cpu")` with its parameters in `copies`' buffers, keyed by the parameter (FSDP2's
+    `_apply` re-points each sharded parameter's storage at its buffer; gradients and buffers of the
+    module are copied to pageable memory)."""
+    module._apply(lambda t: copies.copy(("param", id(t)), t) if isinstance(t, torch.nn.Parameter) else t.to("cpu"))
+
+
+def cuda_host_register(address: int, nbytes: int) -> None:
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(address, nbytes, 0)
+    if error != cudart.cudaError.success:
+        raise RuntimeError(
+            f"could not page-lock {nbytes / 2**20:.0f} MiB of host memory for offloaded state "
+            f"({cudart.cudaGetErrorString(error)}); set RL2_PINNED_OFFLOAD=0 to offload into pageable "
+            "memory (slower copies, swappable)")
+
+
+def cuda_host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _unlock_all(unlock: Callable[[int], None], registered: dict[Hashable, int],
+                buffers: dict[Hashable, torch.Tensor]) -> None:
+    for address in registered.values():
+        unlock(address)
+    registered.clear()
+    buffers.clear()

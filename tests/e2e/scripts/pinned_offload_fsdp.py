@@ -1,0 +1,46 @@
+"""Two gloo ranks: an FSDP2 model whose first layer has 513 rows (sharded 257 + 256, so FSDP pads one
+shard) moves its parameters and Adam moments into locked-page buffers after every step, and takes the
+same steps as the same model that never moves."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from RL2.workers.fsdp import move_optimizer_state
+from RL2.workers.pinned_host import PinnedHostCopies, module_to_host
+from tests.helpers.recording_lock import RecordingLock
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 513), torch.nn.Tanh(), torch.nn.Linear(513, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+(moved, moved_optimizer), (still, still_optimizer) = build(), build()
+recorder = RecordingLock()
+copies = PinnedHostCopies(lock=recorder.lock, unlock=recorder.unlock)
+x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(rank))
+for _ in range(3):
+    step(moved, moved_optimizer, x)
+    step(still, still_optimizer, x)
+    module_to_host(moved, copies)
+    move_optimizer_state(moved_optimizer, torch.device("cpu"), copies)
+weight = moved[0].weight
+assert weight.to_local().shape[0] == (257 if rank == 0 else 256)
+assert recorder.calls == 3  # the first layer's weight and its two moments, locked once
+for a, b in zip(moved.parameters(), still.parameters()):
+    assert torch.equal(a.full_tensor(), b.full_tensor())
+dist.destroy_process_group()
+print("ok")

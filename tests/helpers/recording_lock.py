@@ -1,0 +1,27 @@
+"""A test double for page-locking: records the address ranges `cudaHostRegister` would lock."""
+
+import torch
+
+from RL2.workers.pinned_host import PAGE
+
+
+class RecordingLock:
+    """Records lock and unlock calls in place of cudaHostRegister / cudaHostUnregister."""
+
+    def __init__(self):
+        self.locked: dict[int, int] = {}  # address -> bytes, while locked
+        self.calls = 0
+
+    def lock(self, address: int, nbytes: int) -> None:
+        assert address % PAGE == 0 and nbytes % PAGE == 0, "whole pages"
+        for other, size in self.locked.items():
+            assert address + nbytes <= other or other + size <= address, "a page locked twice"
+        self.locked[address] = nbytes
+        self.calls += 1
+
+    def unlock(self, address: int) -> None:
+        del self.locked[address]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        return any(a <= start and end <= a + n for a, n in self.locked.items())
