@@ -1,5 +1,6 @@
 """Moving a trained model's state off one GPU and back, as a colocated rollout does at every step:
-page-locked host buffers (the default) against pageable memory (`RL2_PINNED_OFFLOAD=0`).
+page-locked host buffers (the default) against pageable memory (`RL2_PINNED_OFFLOAD=0`), with and
+without transparent huge pages.
 
     python benchmarks/bench_offload.py [--size 0.5B|1.5B] [--rounds 4]
 
@@ -7,7 +8,7 @@ The model is Qwen2.5-shaped with random weights (as `bench_gpu.py` builds it): f
 bf16 compute, AdamW after one step, so that parameters and both moments move. Each mode runs in a process
 of its own: `--rounds` rounds of `offload()` then `onload()`. Per mode: the bytes moved, the first round's
 seconds (it also allocates, and page-locks, the host memory), the median of the later rounds with their
-GB/s, and the process's peak resident memory. Both modes check that the weights come back unchanged.
+GB/s, and the process's peak resident memory. Every mode checks that the weights come back unchanged.
 """
 
 import argparse
@@ -27,7 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_gpu import QWEN25, make_model  # noqa: E402
 
-MODES = {"page-locked": "1", "pageable": "0"}
+# Host memory of each mode: page-locked buffers; fresh pageable memory on huge pages (RL2's default for
+# large CPU tensors, see RL2/__init__.py); and on 4 KB pages.
+MODES = {"page-locked": {"RL2_PINNED_OFFLOAD": "1"},
+         "pageable": {"RL2_PINNED_OFFLOAD": "0", "THP_MEM_ALLOC_ENABLE": "1"},
+         "4 KB pages": {"RL2_PINNED_OFFLOAD": "0", "THP_MEM_ALLOC_ENABLE": "0"}}
 
 
 def worker(args) -> dict:
@@ -87,8 +92,8 @@ def main() -> None:
         print(f"model: Qwen2.5-{args.size}-shaped, {n_params / 1e6:.0f}M parameters, float32 weights and AdamW "
               f"moments; {args.rounds} rounds of offload and onload")
         results = {}
-        for mode, switch in MODES.items():
-            env = {**os.environ, "PYTHONPATH": str(REPO), "RL2_PINNED_OFFLOAD": switch}
+        for mode, switches in MODES.items():
+            env = {**os.environ, "PYTHONPATH": str(REPO), **switches}
             cmd = [sys.executable, __file__, "--worker", "--model", folder, "--rounds", str(args.rounds)]
             result = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if result.returncode != 0:
