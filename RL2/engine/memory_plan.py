@@ -13,9 +13,14 @@ copy is split over a server's S GPUs (bf16 serving, float32 master weights):
              + reference 2P/N (stored in bf16) + critic 16P/N, each when the run has one
     sync     actor weights 4P/N + served weights 2P/S + two buckets (gathered tensors and their flat copy)
     rollout  served weights 2P/S + KV cache
+    host     the trainer's state while the engine samples: 12P/N for each trained model (float32 weights
+             and Adam moments; gradients are freed at the step) + 2P/N for a reference; on CUDA it stays
+             in page-locked buffers for the run (`RL2.workers.pinned_host`), and a node holds it for each
+             of its ranks
 With LoRA adapters of L parameters on the actor (`actor.lora.rank > 0`, `RL2.models.lora`), the frozen
 base is stored in bf16 and only the adapters train, and the reference is that base (adapters off):
     train    actor 2P/N + 16L/N, + critic 16P/N when the run has one (no separate reference)
+    host     2P/N + 12L/N, + critic 12P/N
     sync     served weights 2P/S + two buckets + one full tensor being merged: the base waits on the CPU
              and comes to the GPU one tensor at a time (`RL2.rollout.worker.full_tensors`)
 Activations of a micro-batch (bounded by `max_length_per_device`) come on top of the train phase.
@@ -81,6 +86,7 @@ class PhaseMemory:
     sync: int
     served_weights: int
     kv_cache: int
+    host: int = 0  # the trainer's state on the host while the engine samples (page-locked for the run on CUDA)
 
     @property
     def rollout(self) -> int:
@@ -115,8 +121,11 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
     # The actor's weights stay on the GPU for the gather; a LoRA base comes from the CPU a tensor at a time.
     sync = served + 2 * bucket + (2 * model.largest if lora else 4 * p // n_ranks)
     free_at_launch = gpu_bytes - CONTEXT_BYTES
+    # Offloaded for the rollout: float32 weights and both moments of each trained model (its gradients
+    # were freed at the optimizer step) and the bf16 frozen weights.
+    host = 12 * sum(trained) // n_ranks + frozen
     return PhaseMemory(train=train, sync=sync, served_weights=served,
-                       kv_cache=int(mem_fraction * free_at_launch) - served)
+                       kv_cache=int(mem_fraction * free_at_launch) - served, host=host)
 
 
 def kv_cache_tokens(model: ModelShape, kv_cache_bytes: int, server_tp: int) -> int:
@@ -158,10 +167,11 @@ SMALL_GPU_ROWS = [("7B", 1, 1, True, False, 0), ("7B", 1, 1, True, False, 16), (
                   ("32B", 4, 4, True, False, 0), ("32B", 4, 4, True, False, 16)]
 
 
-def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS) -> str:
-    """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU."""
+def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS, gpus_per_node: int = 8) -> str:
+    """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU, and of the host
+    memory of a node of up to `gpus_per_node` GPUs."""
     lines = ["| model | GPUs | server tp | trainer models | train | sync | rollout: weights + KV cache | "
-             "KV cache tokens / server |", "|---|---|---|---|---|---|---|---|"]
+             "KV cache tokens / server | host / node |", "|---|---|---|---|---|---|---|---|---|"]
     shapes = {size: qwen25(size) for size in ("7B", "32B")}
     usable = gpu_gb * GIB - CONTEXT_BYTES
 
@@ -177,7 +187,8 @@ def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS) -> str:
         kv = f"{kv_cache_tokens(model, plan.kv_cache, tp) / 1e3:.0f}k" if plan.kv_cache > 0 else "none"
         lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | "
                      f"{shown(plan.train)} | {shown(plan.sync)} | "
-                     f"{plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | {kv} |")
+                     f"{plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | {kv} | "
+                     f"{plan.host * min(n_gpus, gpus_per_node) / GIB:.0f} GiB |")
     return "\n".join(lines)
 
 

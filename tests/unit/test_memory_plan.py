@@ -47,6 +47,9 @@ def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
     assert plan.served_weights == 2 * p
     assert plan.kv_cache == int(0.85 * 78 * GIB) - 2 * p
     assert kv_cache_tokens(shapes["7B"], plan.kv_cache, 1) == plan.kv_cache // (2 * 28 * 4 * 128 * 2)
+    # On the host for the rollout: fp32 weights and Adam moments of actor and critic (no gradients after
+    # the step), the bf16 reference; an eighth each.
+    assert plan.host == 2 * ((4 + 8) * p // 8) + 2 * p // 8
     offloaded = colocated_memory(shapes["7B"], 80 * GIB, 8, 1, True, True, offload_optimizer=True)
     assert plan.train - offloaded.train == 8 * p // 8  # one model's moments on the GPU at a time
 
@@ -66,6 +69,7 @@ def test_lora_phases_of_7b_on_one_24gb_gpu(shapes):
     plan = colocated_memory(model, 24 * GIB, n_ranks=1, server_tp=1, reference=True, critic=False,
                             lora_params=lora_params)
     assert plan.train == 16 * lora_params + 2 * p
+    assert plan.host == (4 + 8) * lora_params + 2 * p
     assert plan.sync == 2 * p + 2 * (2 * 152064 * 3584) + 2 * 152064 * 3584
     assert max(plan.train, plan.sync, plan.rollout) <= 22 * GIB  # fits next to 2 GiB of CUDA contexts
     full = colocated_memory(model, 24 * GIB, 1, 1, reference=True, critic=False)
