@@ -74,6 +74,11 @@ def worker(args) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def later(seconds: list[float]) -> float:
+    """The median of the rounds after the first (which also allocates the host memory)."""
+    return statistics.median(seconds[1:] or seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -103,11 +108,11 @@ def main() -> None:
           f"{'on s':>7} {'on GB/s':>7} {'peak RSS GB':>11}")
     for mode, r in results.items():
         gb = r["bytes"] / 1e9
-        off, on = (statistics.median(r[k][1:] or r[k]) for k in ("offload", "onload"))
+        off, on = later(r["offload"]), later(r["onload"])
         print(f"{mode:<12} {gb:>8.2f} {r['offload'][0]:>9.3f} {r['onload'][0]:>8.3f} {off:>7.3f} {gb / off:>8.1f} "
               f"{on:>7.3f} {gb / on:>7.1f} {r['peak_rss'] / 1e9:>11.2f}")
     fast, slow = results["page-locked"], results["pageable"]
-    per_round = lambda r: statistics.median(r["offload"][1:] or r["offload"]) + statistics.median(r["onload"][1:] or r["onload"])
+    per_round = lambda r: later(r["offload"]) + later(r["onload"])
     print(f"page-locked: {per_round(slow) / per_round(fast):.1f}x faster per round trip after the first")
 
 
