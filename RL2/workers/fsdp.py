@@ -47,7 +47,7 @@ from RL2.models.vocab_parallel import VocabShard
 from RL2.parallel import ParallelDims
 from RL2.utils.logging import log_rank0
 from RL2.workers.host_memory import check_model_fits_host
-from RL2.workers.pinned_host import PinnedHostCopies, module_to_host, pinned_offload_enabled
+from RL2.workers.pinned_host import PinnedHostCopies, pinned_offload_enabled, state_to_host
 from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
@@ -293,7 +293,7 @@ class FSDPWorker(Stateful):
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.cfg.offload_optimizer and self.device.type == "cuda":
-            move_optimizer_state(self.optimizer, self.device)
+            self.move_state(self.device, params=False)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the step when unscale_ found an inf or nan
             self.scaler.update()
@@ -303,8 +303,7 @@ class FSDPWorker(Stateful):
         self.scheduler.step()
         self.updates += 1
         if self.cfg.offload_optimizer and self.device.type == "cuda":
-            cpu = torch.device("cpu")
-            move_optimizer_state(self.optimizer, cpu, self._pinned_copies(cpu))
+            self.move_state(torch.device("cpu"), params=False)
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     # ---- colocation: the device's memory goes to the rollout engine while it samples ----
@@ -341,13 +340,13 @@ class FSDPWorker(Stateful):
         page-locked buffers kept for the run (`RL2.workers.pinned_host`).
         """
         copies = self._pinned_copies(device)
+        if copies is not None:
+            state_to_host(copies, self.model if params else None, self.optimizer if optimizer else None)
+            return
         if params:
-            if copies is None:
-                self.model.to(device)
-            else:
-                module_to_host(self.model, copies)
+            self.model.to(device)
         if optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, device, copies)
+            move_optimizer_state(self.optimizer, device)
 
     def _pinned_copies(self, device: torch.device) -> PinnedHostCopies | None:
         """The page-locked buffers of a move from CUDA to the CPU, made at the first; None otherwise."""
@@ -489,11 +488,9 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device,
-                         host_copies: PinnedHostCopies | None = None) -> None:
-    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between
-    steps); to the CPU into `host_copies`' page-locked buffers when given."""
-    for param, state in optimizer.state.items():
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between steps)."""
+    for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                state[key] = value.to(device) if host_copies is None else host_copies.copy((id(param), key), value)
+                state[key] = value.to(device)

@@ -13,7 +13,7 @@ swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
 import mmap
 import os
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -42,22 +42,31 @@ class PinnedHostCopies:
         # holding them.
         weakref.finalize(self, _unlock_all, self.unlock, self.registered, self.buffers)
 
+    def reserve(self, tensors: Iterable[tuple[Hashable, torch.Tensor]]) -> None:
+        """Lock the buffers of every `(key, tensor)` a move will copy before it copies any: a host that
+        cannot lock them all fails with the state still where it was."""
+        for key, tensor in tensors:
+            local = _local(tensor)
+            if takes_buffer(local) and not self._fits(key, local):
+                self._allocate(key, local)
+
     def copy(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, from the GPU, in the host buffer kept for `key`; a DTensor keeps its placement."""
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if local.numel() * local.element_size() < SMALL_BYTES:
-            host = local.to("cpu")
+        local = _local(tensor)
+        if takes_buffer(local):
+            host = self.buffers[key] if self._fits(key, local) else self._allocate(key, local)
+            host.copy_(local)  # blocking: nothing reads a half-copied buffer
         else:
-            host = self.buffers.get(key)
-            if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                host = self._allocate(key, local)
-            # Blocking: FSDP re-pads an unevenly sharded parameter on the CPU as soon as this returns.
-            host.copy_(local)
+            host = local.to("cpu")
         if isinstance(tensor, DTensor):
             # As FSDP2 builds its own sharded parameters: `DTensor.from_local` would move the buffer
             # back to the device of the mesh.
             return DTensor(host, tensor._spec, requires_grad=False)
         return host
+
+    def _fits(self, key: Hashable, local: torch.Tensor) -> bool:
+        host = self.buffers.get(key)
+        return host is not None and host.shape == local.shape and host.dtype == local.dtype
 
     def _allocate(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         if key in self.registered:
@@ -74,11 +83,34 @@ class PinnedHostCopies:
         return self.buffers[key]
 
 
-def module_to_host(module: torch.nn.Module, copies: PinnedHostCopies) -> None:
-    """`module.to("cpu")` with its parameters in `copies`' buffers, keyed by the parameter (FSDP2's
-    `_apply` re-points each sharded parameter's storage at its buffer; gradients and buffers of the
-    module are copied to pageable memory)."""
-    module._apply(lambda t: copies.copy(("param", id(t)), t) if isinstance(t, torch.nn.Parameter) else t.to("cpu"))
+def takes_buffer(local: torch.Tensor) -> bool:
+    """Whether a tensor is copied into a locked buffer. Small ones go to pageable memory, as fast. So
+    does a view into a larger storage: FSDP2 keeps an uneven shard padded and, on every move, copies it
+    into fresh padded memory of its own, where a buffer would be a second copy."""
+    nbytes = local.numel() * local.element_size()
+    return nbytes >= SMALL_BYTES and local.untyped_storage().nbytes() == nbytes
+
+
+def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Move the parameters of `module` and the state of `optimizer` into `copies`' buffers (gradients
+    and the module's buffers into pageable memory). FSDP2's `_apply` re-points each sharded parameter's
+    storage at its host copy; parameters keep their identity, so the optimizer's references hold."""
+    params = list(module.parameters()) if module is not None else []
+    slots = [(param, name) for param, state in optimizer.state.items() for name, value in state.items()
+             if torch.is_tensor(value)] if optimizer is not None else []
+    copies.reserve([(("param", id(p)), p) for p in params]
+                   + [((id(param), name), optimizer.state[param][name]) for param, name in slots])
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter):
+            return copies.copy(("param", id(tensor)), tensor)
+        return tensor.to("cpu")
+
+    if module is not None:
+        module._apply(to_host)
+    for param, name in slots:
+        optimizer.state[param][name] = copies.copy((id(param), name), optimizer.state[param][name])
 
 
 def cuda_host_register(address: int, nbytes: int) -> None:
@@ -92,7 +124,12 @@ def cuda_host_register(address: int, nbytes: int) -> None:
 
 
 def cuda_host_unregister(address: int) -> None:
+    # Its error, if any, needs no handling: the buffer is given up either way (at exit CUDA may be gone).
     torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _unlock_all(unlock: Callable[[int], None], registered: dict[Hashable, int],

@@ -8,11 +8,14 @@ from RL2.workers.pinned_host import PAGE
 class RecordingLock:
     """Records lock and unlock calls in place of cudaHostRegister / cudaHostUnregister."""
 
-    def __init__(self):
+    def __init__(self, fail_at: int | None = None):
         self.locked: dict[int, int] = {}  # address -> bytes, while locked
         self.calls = 0
+        self.fail_at = fail_at  # the lock call that fails, as cudaHostRegister does when the host is full
 
     def lock(self, address: int, nbytes: int) -> None:
+        if self.calls + 1 == self.fail_at:
+            raise RuntimeError("could not page-lock (recorded failure)")
         assert address % PAGE == 0 and nbytes % PAGE == 0, "whole pages"
         for other, size in self.locked.items():
             assert address + nbytes <= other or other + size <= address, "a page locked twice"

@@ -3,18 +3,18 @@
 Page-locking needs CUDA (tests/gpu/test_cuda_fsdp.py runs it there); here a recording lock stands in
 for `cudaHostRegister` and records which address ranges would be locked, and the copies go from CPU to
 CPU. What is checked: whole pages locked once per tensor and never twice, buffers reused at every
-offload, and an FSDP2 model and its optimizer whose state was re-pointed at the buffers taking the
-same step as one that never moved (two ranks with an unevenly sharded parameter in
-tests/e2e/test_pinned_offload.py).
+offload, a lock that fails before anything moves, and an FSDP2 model and its optimizer whose state
+was re-pointed at the buffers taking the same step as one that never moved (two ranks with an
+unevenly sharded parameter, which stays out of the buffers, in tests/e2e/test_pinned_offload.py).
 """
 
 import gc
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from RL2.workers.fsdp import move_optimizer_state
-from RL2.workers.pinned_host import SMALL_BYTES, PinnedHostCopies, module_to_host
+from RL2.workers.pinned_host import SMALL_BYTES, PinnedHostCopies, state_to_host
 from tests.helpers.recording_lock import RecordingLock
 from tests.unit.test_fsdp_worker import backward_nll, local, worker
 
@@ -70,9 +70,8 @@ def test_worker_state_moved_into_locked_buffers_takes_the_same_step(tiny_model_p
         w.optimizer_step()
     recorder = RecordingLock()
     copies = copies_with(recorder)
-    for _ in range(2):  # twice, as two rollouts do: the second offload reuses the first's buffers
-        module_to_host(moved.model, copies)
-        move_optimizer_state(moved.optimizer, torch.device("cpu"), copies)
+    for _ in range(2):  # twice: a second move of state already in its buffers leaves it there
+        state_to_host(copies, moved.model, moved.optimizer)
     large = [local(p) for p in moved.model.parameters() if local(p).numel() * 4 >= SMALL_BYTES]
     moments = [local(v) for s in moved.optimizer.state.values() for v in s.values() if v.numel() * 4 >= SMALL_BYTES]
     assert large and moments and all(recorder.holds(t) for t in large + moments)
@@ -84,3 +83,17 @@ def test_worker_state_moved_into_locked_buffers_takes_the_same_step(tiny_model_p
     for a, b in zip(moved.model.parameters(), still.model.parameters()):
         assert torch.equal(local(a), local(b))
     assert all(recorder.holds(t) for t in large)  # the step updated the buffers in place
+
+
+def test_a_failing_lock_leaves_the_state_where_it_was(tiny_model_path, one_rank):
+    """Every buffer is locked before anything moves: the second lock failing moves nothing."""
+    w = worker(tiny_model_path)
+    backward_nll(w)
+    w.optimizer_step()
+    tensors = lambda: [local(p) for p in w.model.parameters()] + [local(v) for s in w.optimizer.state.values()
+                                                                   for v in s.values()]
+    before = [t.data_ptr() for t in tensors()]
+    recorder = RecordingLock(fail_at=2)
+    with pytest.raises(RuntimeError, match="page-lock"):
+        state_to_host(copies_with(recorder), w.model, w.optimizer)
+    assert [t.data_ptr() for t in tensors()] == before

@@ -1,13 +1,13 @@
-"""Two gloo ranks: an FSDP2 model whose first layer has 513 rows (sharded 257 + 256, so FSDP pads one
-shard) moves its parameters and Adam moments into locked-page buffers after every step, and takes the
-same steps as the same model that never moves."""
+"""Two gloo ranks: an FSDP2 model whose first layer has 513 rows (sharded 257 + 256, so FSDP pads the
+second shard) moves its parameters and Adam moments into locked-page buffers after every step, and
+takes the same steps as the same model that never moves. The padded shard, which FSDP copies into
+fresh padded memory at every move, stays out of the buffers; its moments go in."""
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from RL2.workers.fsdp import move_optimizer_state
-from RL2.workers.pinned_host import PinnedHostCopies, module_to_host
+from RL2.workers.pinned_host import PinnedHostCopies, state_to_host
 from tests.helpers.recording_lock import RecordingLock
 
 
@@ -35,11 +35,13 @@ x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(rank))
 for _ in range(3):
     step(moved, moved_optimizer, x)
     step(still, still_optimizer, x)
-    module_to_host(moved, copies)
-    move_optimizer_state(moved_optimizer, torch.device("cpu"), copies)
+    state_to_host(copies, moved, moved_optimizer)
 weight = moved[0].weight
 assert weight.to_local().shape[0] == (257 if rank == 0 else 256)
-assert recorder.calls == 3  # the first layer's weight and its two moments, locked once
+assert recorder.holds(weight.to_local()) == (rank == 0)
+moments = [v.to_local() for v in moved_optimizer.state[weight].values() if v.dim() > 0]
+assert len(moments) == 2 and all(recorder.holds(m) for m in moments)
+assert recorder.calls == (3 if rank == 0 else 2)  # locked once, at the first move
 for a, b in zip(moved.parameters(), still.parameters()):
     assert torch.equal(a.full_tensor(), b.full_tensor())
 dist.destroy_process_group()
