@@ -96,6 +96,8 @@ def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = Non
     """Move the parameters of `module` and the state of `optimizer` into `copies`' buffers (gradients
     and the module's buffers into pageable memory). FSDP2's `_apply` re-points each sharded parameter's
     storage at its host copy; parameters keep their identity, so the optimizer's references hold."""
+    # Keys that name a tensor across moves: its parameter (which keeps its identity), and the parameter
+    # and name of an optimizer state.
     params = list(module.parameters()) if module is not None else []
     slots = [(param, name) for param, state in optimizer.state.items() for name, value in state.items()
              if torch.is_tensor(value)] if optimizer is not None else []
@@ -105,7 +107,7 @@ def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = Non
     def to_host(tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, torch.nn.Parameter):
             return copies.copy(("param", id(tensor)), tensor)
-        return tensor.to("cpu")
+        return tensor.to("cpu")  # a gradient or a module buffer
 
     if module is not None:
         module._apply(to_host)
