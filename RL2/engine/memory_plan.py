@@ -80,13 +80,14 @@ class ModelShape:
 
 @dataclass
 class PhaseMemory:
-    """Bytes on one GPU at each phase of a colocated step (see the module docstring)."""
+    """Bytes of one rank at each phase of a colocated step: on its GPU, and on the host while the engine
+    samples (see the module docstring)."""
 
     train: int
     sync: int
     served_weights: int
     kv_cache: int
-    host: int = 0  # the trainer's state on the host while the engine samples (page-locked for the run on CUDA)
+    host: int  # the trainer's state on the host while the engine samples (page-locked for the run on CUDA)
 
     @property
     def rollout(self) -> int:
