@@ -33,6 +33,7 @@ from RL2.config.eval_schema import EvalConfig
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 from RL2.evaluation.evaluator import EvalResult, Evaluator
+from RL2.parallel import close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
 
 # Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
@@ -211,6 +212,9 @@ def _reward_env(reward: RewardFn | None, cfg: DictConfig):
     return reward_env(reward, name=name)
 
 
+_a_call_failed = False  # then the group made under torchrun is only forgotten at exit (close_process_groups)
+
+
 @contextmanager
 def _process_group():
     """Run the call in a process group.
@@ -221,25 +225,28 @@ def _process_group():
     destroyed at exit: torchrun's store keeps the keys of a destroyed group, which a new group (whose
     keys restart from the same names) would read, joining peers that are gone.
     """
+    global _a_call_failed
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {name: os.environ.get(name) for name in names}
     made_here = not dist.is_initialized()
+    finished = False
     try:
         yield
+        finished = True
     finally:
+        _a_call_failed |= not finished
         if made_here and dist.is_initialized():
             if before["RANK"] is None:
-                dist.destroy_process_group()
+                close_process_groups(finished)
             else:
-                atexit.register(_destroy_process_group)
+                atexit.register(_close_at_exit)
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
 
 
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _close_at_exit() -> None:
+    close_process_groups(finished=not _a_call_failed)
 
 
 def _from_rank0(read: Callable[[], Any]) -> Any:

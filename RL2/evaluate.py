@@ -9,24 +9,24 @@ every sample to `<eval.save_dir>/samples.jsonl` and the metrics to `metrics.json
 import sys
 import types
 
-import torch.distributed as dist
-
 from RL2.config.cli import ConfigError, parse_config
 from RL2.config.eval_schema import EvalConfig
 from RL2.datasets.loading import DataError
 from RL2.evaluation.evaluator import Evaluator
+from RL2.parallel import close_process_groups
 from RL2.rollout.env import EnvError
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: config, data and environment errors end with a message, not a traceback."""
+    finished = False
     try:
         Evaluator(parse_config(EvalConfig, "eval", argv)).run()
+        finished = True
     except (ConfigError, DataError, EnvError) as e:
         sys.exit(f"RL2 evaluate: {e}")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_process_groups(finished)
 
 
 class _CallableModule(types.ModuleType):

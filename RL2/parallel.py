@@ -10,6 +10,9 @@ see the same data.
 """
 
 import datetime
+import functools
+import gc
+import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -43,8 +46,7 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
     Keeping a process group at world size 1 lets the same code (FSDP2, DCP checkpoints) run everywhere.
     On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
     process could take it first), and no TCP store server whose thread outlives the group until the
-    interpreter's teardown (the likely cause of a finished run that once aborted at exit with
-    "terminate called without an active exception").
+    interpreter's teardown (see `close_process_groups`).
     """
     if dist.is_initialized():
         return
@@ -63,6 +65,54 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+
+
+def close_process_groups(finished: bool = True) -> None:
+    """Destroy every process group; after a finished run, free them now, while the interpreter is whole.
+
+    `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
+    gloo threads (a run loop per group and a TCP event loop), until the interpreter's teardown, where they
+    run on beside the C++ destructors. Finished runs have aborted there, rarely, with "terminate called
+    without an active exception"; threads left that late are the suspect. Two holders live as long as the
+    process: RL2's shared-memory collectives (one per group) and torch's DTensor caches, which keep the
+    device meshes, and a mesh keeps its groups. Both are emptied here, so the groups and their threads go
+    at once (tests/e2e/test_process_group_teardown.py counts the threads left).
+
+    After an error (`finished=False`) the groups are only forgotten: freeing one waits for its queued
+    collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
+    """
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    if finished:
+        from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
+
+        SharedMemoryCollectives.for_group.cache_clear()
+        _clear_dtensor_caches()
+        gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches (sharding decisions, tensor metadata, redistribution plans, mesh
+    topologies), whose entries hold device meshes. They are torch internals that move between versions:
+    every functools cache of a `torch.distributed` module is emptied (an entry costs only its
+    recomputation), then the ones that are not functools caches. One that moved is skipped, and the
+    teardown test finds the groups it keeps."""
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and str(obj.__module__).startswith("torch.distributed"):
+            obj.cache_clear()
+    tensor = "torch.distributed.tensor"
+    clears = (
+        lambda: importlib.import_module(tensor).DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        .cache_clear(),
+        lambda: torch._C._clear_DTensor_sharding_propagator_cache(),  # the C++ fast path's
+        lambda: importlib.import_module(f"{tensor}._redistribute").clear_redistribute_planner_cache(),
+    )
+    for clear in clears:
+        try:
+            clear()
+        except (AttributeError, ImportError):
+            pass
 
 
 def _free_port() -> int:
