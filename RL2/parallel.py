@@ -76,7 +76,8 @@ def close_process_groups(finished: bool = True) -> None:
     without an active exception"; threads left that late are the suspect. Two holders live as long as the
     process: RL2's shared-memory collectives (one per group) and torch's DTensor caches, which keep the
     device meshes, and a mesh keeps its groups. Both are emptied here, so the groups and their threads go
-    at once (tests/e2e/test_process_group_teardown.py counts the threads left).
+    at once (tests/e2e/test_process_group_teardown.py counts the threads left). A group's destructor
+    releases the GIL while it joins its threads, so one still finishing a collective can take it.
 
     After an error (`finished=False`) the groups are only forgotten: freeing one waits for its queued
     collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
