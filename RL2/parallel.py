@@ -100,7 +100,7 @@ def _clear_dtensor_caches() -> None:
     recomputation), then the ones that are not functools caches. One that moved is skipped, and the
     teardown test finds the groups it keeps."""
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and str(obj.__module__).startswith("torch.distributed"):
+        if type(obj) is functools._lru_cache_wrapper and str(obj.__module__).startswith("torch.distributed"):
             obj.cache_clear()
     tensor = "torch.distributed.tensor"
     clears = (

@@ -1,7 +1,7 @@
 import pytest
 import torch.distributed as dist
 
-from RL2.engine.sglang.server import free_port
+from RL2.parallel import close_process_groups
 from tests.helpers.tiny import make_tiny_model
 
 
@@ -23,6 +23,8 @@ def one_rank():
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # In-process keys and a group freed afterwards, as RL2's own one-rank runs do: no store server or gloo
+    # thread of this fixture outlives the module into the test process's exit.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    close_process_groups()
