@@ -143,18 +143,24 @@ def test_train_in_this_process_with_an_async_reward(tiny_model_path, tmp_path):
     assert os.environ.get("RANK") == rank_before  # the call's one-rank group is gone with its variables
 
 
+def train_api_script(model: str, folder: Path, prompts: int, steps: int) -> list[str]:
+    """`scripts/train_api.py` with its arguments: `steps` GRPO steps of 4 prompts x 2 responses on
+    `prompts` prompts, then an evaluation on the same prompts; everything is written under `folder`."""
+    rows = [{"prompt": f"question {k}"} for k in range(prompts)]
+    (folder / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = {"data.train": {"path": str(folder / "rl.jsonl"), "batch_size": 4},
+             "actor": {"model_name": model, "dtype": "float32", "max_length_per_device": 512},
+             "rollout": {"responses_per_prompt": 2, "train_sampling_params.max_new_tokens": 4},
+             "trainer": {"total_steps": steps, "save_dir": str(folder / "run")}}
+    evaluate = {"data.test.path": str(folder / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
+                "eval.save_dir": str(folder / "eval")}
+    return [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(folder)]
+
+
 def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path):
     """Every rank calls RL2.train, then RL2.evaluate on the model it exported; both ranks get the
     same results, and the reward each rank's function returned is what the run logged."""
-    rows = [{"prompt": f"question {k}"} for k in range(8)]
-    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = {"data.train": {"path": str(tmp_path / "rl.jsonl"), "batch_size": 4},
-             "actor": {"model_name": tiny_model_path, "dtype": "float32", "max_length_per_device": 512},
-             "rollout": {"responses_per_prompt": 2, "train_sampling_params.max_new_tokens": 4},
-             "trainer": {"total_steps": 2, "save_dir": str(tmp_path / "run")}}
-    evaluate = {"data.test.path": str(tmp_path / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
-                "eval.save_dir": str(tmp_path / "eval")}
-    run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
+    run_ranks(2, train_api_script(tiny_model_path, tmp_path, prompts=8, steps=2))
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for key in ("metrics", "history", "model_path", "eval"):
         assert got[0][key] == got[1][key], key

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.e2e.test_api import train_api_script
 from tests.e2e.test_sft_trainer import sft_args, sft_data  # noqa: F401 (a fixture)
 from tests.helpers import SCRIPTS
 from tests.helpers.launch import run_ranks
@@ -26,13 +27,5 @@ def test_trainer_leaves_no_group_threads(tiny_model_path, sft_data, tmp_path, mo
 def test_api_under_torchrun_leaves_no_group_threads(tiny_model_path, tmp_path, monkeypatch):
     """`RL2.train` then `RL2.evaluate` in one script: the group stays between the calls and is freed by
     the exit handler RL2 registers."""
-    rows = [{"prompt": f"question {k}"} for k in range(4)]
-    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = {"data.train": {"path": str(tmp_path / "rl.jsonl"), "batch_size": 4},
-             "actor": {"model_name": tiny_model_path, "dtype": "float32", "max_length_per_device": 512},
-             "rollout": {"responses_per_prompt": 2, "train_sampling_params.max_new_tokens": 4},
-             "trainer": {"total_steps": 1, "save_dir": str(tmp_path / "run")}}
-    evaluate = {"data.test.path": str(tmp_path / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
-                "eval.save_dir": str(tmp_path / "eval")}
-    script = [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)]
+    script = train_api_script(tiny_model_path, tmp_path, prompts=4, steps=1)
     assert threads_at_exit(2, script, tmp_path, monkeypatch) == [[], []]
