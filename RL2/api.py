@@ -19,6 +19,7 @@ import json
 import math
 import numbers
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -95,20 +96,26 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     # A resumed run rewrites metrics.jsonl up to its checkpoint; a new one appends to what is there.
     start = 0 if cfg.trainer.load_ckpt_from or not metrics_file.exists() else metrics_file.stat().st_size
     with _process_group():
-        module, class_name = TRAINERS[trainer]
-        trainer_cls = getattr(importlib.import_module(module), class_name)
-        run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
-        try:
-            run.train()
-        finally:
-            rollout = getattr(run, "rollout", None)
-            if rollout is not None:  # launched SGLang servers stop now, not when Python exits
-                rollout.engine.shutdown()
+        exported = _run_trainer(trainer, cfg, env)
         history = _from_rank0(lambda: _records(metrics_file, start))
-        exported = [] if cfg.trainer.eval_only else [name for name in run.workers() if name != "ref"]
     models = {name: save_dir / "final" / name for name in exported}
     latest = {key: value for record in history for key, value in record.items() if key != "step"}
     return TrainResult(save_dir, models.get("actor", models.get("critic")), models, latest, history, cfg)
+
+
+def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
+    """Train; the names of the models it exports. The trainer is gone when this returns, so that the
+    process group it held can be freed with it (`close_process_groups`)."""
+    module, class_name = TRAINERS[trainer]
+    trainer_cls = getattr(importlib.import_module(module), class_name)
+    run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
+    try:
+        run.train()
+    finally:
+        rollout = getattr(run, "rollout", None)
+        if rollout is not None:  # launched SGLang servers stop now, not when Python exits
+            rollout.engine.shutdown()
+    return [] if cfg.trainer.eval_only else [name for name in run.workers() if name != "ref"]
 
 
 def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> EvalResult:
@@ -246,7 +253,10 @@ def _process_group():
 
 
 def _close_at_exit() -> None:
-    close_process_groups(finished=not _a_call_failed)
+    # An exception that ended the script (Python keeps it for the exit handlers) may have left collectives
+    # of the script's own queued: then the group is only forgotten, as after a failed call.
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    close_process_groups(finished=not _a_call_failed and uncaught is None)
 
 
 def _from_rank0(read: Callable[[], Any]) -> Any:

@@ -9,10 +9,10 @@ Data parallelism is `dp = ddp * fsdp`: ranks with different data. Ranks that dif
 see the same data.
 """
 
+import contextlib
 import datetime
 import functools
 import gc
-import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -79,8 +79,10 @@ def close_process_groups(finished: bool = True) -> None:
     at once (tests/e2e/test_process_group_teardown.py counts the threads left). A group's destructor
     releases the GIL while it joins its threads, so one still finishing a collective can take it.
 
-    After an error (`finished=False`) the groups are only forgotten: freeing one waits for its queued
+    After an error (`finished=False`) gloo groups are only forgotten: freeing one waits for its queued
     collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
+    NCCL groups are shut down (their communicators aborted or flushed) by `destroy_process_group` itself,
+    either way.
     """
     if not dist.is_initialized():
         return
@@ -95,25 +97,24 @@ def close_process_groups(finished: bool = True) -> None:
 
 def _clear_dtensor_caches() -> None:
     """Empty torch's DTensor caches (sharding decisions, tensor metadata, redistribution plans, mesh
-    topologies), whose entries hold device meshes. They are torch internals that move between versions:
-    every functools cache of a `torch.distributed` module is emptied (an entry costs only its
-    recomputation), then the ones that are not functools caches. One that moved is skipped, and the
-    teardown test finds the groups it keeps."""
+    topologies), whose entries hold device meshes. They are torch internals that move between versions,
+    so every functools cache of a `torch.distributed` module is emptied (the price: recomputed entries,
+    and FSDP's once-only warnings may show once more), then the caches torch names for clearing. A cache
+    that moved is skipped, and the teardown test finds the groups it keeps."""
     for obj in gc.get_objects():
         if type(obj) is functools._lru_cache_wrapper and str(obj.__module__).startswith("torch.distributed"):
             obj.cache_clear()
-    tensor = "torch.distributed.tensor"
-    clears = (
-        lambda: importlib.import_module(tensor).DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
-        .cache_clear(),
-        lambda: torch._C._clear_DTensor_sharding_propagator_cache(),  # the C++ fast path's
-        lambda: importlib.import_module(f"{tensor}._redistribute").clear_redistribute_planner_cache(),
-    )
-    for clear in clears:
-        try:
-            clear()
-        except (AttributeError, ImportError):
-            pass
+    moved = contextlib.suppress(ImportError, AttributeError)
+    with moved:
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    with moved:
+        torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    with moved:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+        clear_redistribute_planner_cache()
 
 
 def _free_port() -> int:

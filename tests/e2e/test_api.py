@@ -143,9 +143,9 @@ def test_train_in_this_process_with_an_async_reward(tiny_model_path, tmp_path):
     assert os.environ.get("RANK") == rank_before  # the call's one-rank group is gone with its variables
 
 
-def train_api_script(model: str, folder: Path, prompts: int, steps: int) -> list[str]:
-    """`scripts/train_api.py` with its arguments: `steps` GRPO steps of 4 prompts x 2 responses on
-    `prompts` prompts, then an evaluation on the same prompts; everything is written under `folder`."""
+def api_overrides(model: str, folder: Path, prompts: int, steps: int) -> tuple[dict, dict]:
+    """Overrides of `RL2.train("ppo", ...)` (`steps` GRPO steps of 4 prompts x 2 responses on `prompts`
+    prompts) and of `RL2.evaluate` (on the same prompts); data and results go under `folder`."""
     rows = [{"prompt": f"question {k}"} for k in range(prompts)]
     (folder / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = {"data.train": {"path": str(folder / "rl.jsonl"), "batch_size": 4},
@@ -154,13 +154,14 @@ def train_api_script(model: str, folder: Path, prompts: int, steps: int) -> list
              "trainer": {"total_steps": steps, "save_dir": str(folder / "run")}}
     evaluate = {"data.test.path": str(folder / "rl.jsonl"), "rollout.sampling_params.max_new_tokens": 4,
                 "eval.save_dir": str(folder / "eval")}
-    return [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(folder)]
+    return train, evaluate
 
 
 def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path):
     """Every rank calls RL2.train, then RL2.evaluate on the model it exported; both ranks get the
     same results, and the reward each rank's function returned is what the run logged."""
-    run_ranks(2, train_api_script(tiny_model_path, tmp_path, prompts=8, steps=2))
+    train, evaluate = api_overrides(tiny_model_path, tmp_path, prompts=8, steps=2)
+    run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for key in ("metrics", "history", "model_path", "eval"):
         assert got[0][key] == got[1][key], key

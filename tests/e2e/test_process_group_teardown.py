@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_api import train_api_script
+from tests.e2e.test_api import api_overrides
 from tests.e2e.test_sft_trainer import sft_args, sft_data  # noqa: F401 (a fixture)
 from tests.helpers import SCRIPTS
 from tests.helpers.launch import run_ranks
@@ -15,7 +15,7 @@ from tests.helpers.launch import run_ranks
 def threads_at_exit(nproc: int, target: list[str], folder, monkeypatch) -> list[list[str]]:
     monkeypatch.setenv("THREADS_AT_EXIT_DIR", str(folder))
     run_ranks(nproc, [str(SCRIPTS / "threads_at_exit.py"), *target])
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+    return [json.loads((folder / f"threads-rank{rank}.json").read_text()) for rank in range(nproc)]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -24,8 +24,36 @@ def test_trainer_leaves_no_group_threads(tiny_model_path, sft_data, tmp_path, mo
     assert threads_at_exit(nproc, args, tmp_path, monkeypatch) == [[]] * nproc
 
 
-def test_api_under_torchrun_leaves_no_group_threads(tiny_model_path, tmp_path, monkeypatch):
-    """`RL2.train` then `RL2.evaluate` in one script: the group stays between the calls and is freed by
-    the exit handler RL2 registers."""
-    script = train_api_script(tiny_model_path, tmp_path, prompts=4, steps=1)
-    assert threads_at_exit(2, script, tmp_path, monkeypatch) == [[], []]
+TRAIN_ONLY = """import json, sys
+import RL2
+
+def reward(response, extra_info):
+    return 1.0
+
+RL2.train("ppo", json.loads(sys.argv[1]), reward=reward)
+"""
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_api_leaves_no_group_threads(tiny_model_path, tmp_path, monkeypatch, nproc):
+    """A script whose last call is `RL2.train`. In a plain process the call frees its one-rank group
+    before it returns (nothing later collects what the trainer left); under torchrun the group stays for
+    further calls and the exit handler RL2 registers frees it."""
+    train, _ = api_overrides(tiny_model_path, tmp_path, prompts=4, steps=1)
+    (tmp_path / "train_only.py").write_text(TRAIN_ONLY)
+    script = [str(tmp_path / "train_only.py"), json.dumps(train)]
+    assert threads_at_exit(nproc, script, tmp_path, monkeypatch) == [[]] * nproc
+
+
+def test_api_after_an_uncaught_error_only_forgets_the_group(tiny_model_path, tmp_path, monkeypatch):
+    """Under torchrun, a script that raises after `RL2.train` may have left collectives of its own queued,
+    which freeing the group would wait for: the exit handler then only destroys it, and the error is
+    what the run reports."""
+    train, _ = api_overrides(tiny_model_path, tmp_path, prompts=4, steps=1)
+    failing = TRAIN_ONLY + 'raise RuntimeError("the script failed after training")\n'
+    (tmp_path / "train_then_fail.py").write_text(failing)
+    script = [str(tmp_path / "train_then_fail.py"), json.dumps(train)]
+    with pytest.raises(AssertionError, match="the script failed after training"):
+        threads_at_exit(2, script, tmp_path, monkeypatch)
+    for rank in range(2):
+        assert "pt_gloo_runloop" in json.loads((tmp_path / f"threads-rank{rank}.json").read_text())
