@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -106,8 +107,6 @@ def _clear_dtensor_caches() -> None:
             obj.cache_clear()
     moved = contextlib.suppress(ImportError, AttributeError)
     with moved:
-        from torch.distributed.tensor import DTensor
-
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     with moved:
         torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
@@ -115,6 +114,11 @@ def _clear_dtensor_caches() -> None:
         from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
         clear_redistribute_planner_cache()
+
+
+def shard_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor, sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _free_port() -> int:

@@ -10,7 +10,6 @@ and copy the new weights into the engines.
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.config.ppo_schema import PPOConfig, check_ppo_config
@@ -18,6 +17,7 @@ from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
+from RL2.parallel import shard_of
 from RL2.rollout.env import Env
 from RL2.rollout.loop import filter_groups
 from RL2.rollout.metrics import COUNTS, evaluation_metrics, rollout_metrics, save_samples
@@ -257,11 +257,6 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def shard_of(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) parameter, sharing its storage."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def sum_lengths(groups: list[list[Trajectory]]) -> int:

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
@@ -44,7 +43,7 @@ from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.tied_embeddings import add_embedding_rows_into_tied_gradient
 from RL2.models.vocab_parallel import VocabShard
-from RL2.parallel import ParallelDims
+from RL2.parallel import ParallelDims, shard_of
 from RL2.utils.logging import log_rank0
 from RL2.workers.host_memory import check_model_fits_host
 from RL2.workers.pinned_host import PinnedHostCopies, pinned_offload_enabled, state_to_host
@@ -363,7 +362,7 @@ class FSDPWorker(Stateful):
             tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         totals: dict[str, int] = {}
         for tensor in tensors:
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local = shard_of(tensor)
             totals[local.device.type] = totals.get(local.device.type, 0) + local.numel() * local.element_size()
         return totals
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from RL2.parallel import shard_of
+
 PAGE = mmap.PAGESIZE
 SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied to pageable memory: as fast
 
@@ -46,13 +48,13 @@ class PinnedHostCopies:
         """Lock the buffers of every `(key, tensor)` a move will copy before it copies any: a host that
         cannot lock them all fails with the state still where it was."""
         for key, tensor in tensors:
-            local = _local(tensor)
+            local = shard_of(tensor)
             if takes_buffer(local) and not self._fits(key, local):
                 self._allocate(key, local)
 
     def copy(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, from the GPU, in the host buffer kept for `key`; a DTensor keeps its placement."""
-        local = _local(tensor)
+        local = shard_of(tensor)
         if takes_buffer(local):
             host = self.buffers[key] if self._fits(key, local) else self._allocate(key, local)
             host.copy_(local)  # blocking: nothing reads a half-copied buffer
@@ -128,10 +130,6 @@ def cuda_host_register(address: int, nbytes: int) -> None:
 def cuda_host_unregister(address: int) -> None:
     # Its error, if any, needs no handling: the buffer is given up either way (at exit CUDA may be gone).
     torch.cuda.cudart().cudaHostUnregister(address)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _unlock_all(unlock: Callable[[int], None], registered: dict[Hashable, int],
