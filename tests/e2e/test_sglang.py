@@ -288,8 +288,6 @@ def test_pause_abort_returns_partial_output(server, hf_model, prompts):
     assert generate(server.url, prompts[:1], max_new_tokens=4)[0]["meta_info"]["finish_reason"]["type"] == "length"
 
 
-
-@sglang_test
 def perturbed_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """The model with seeded noise added to every weight: other greedy outputs."""
     new_model = copy.deepcopy(model)
@@ -300,6 +298,7 @@ def perturbed_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return new_model
 
 
+@sglang_test
 def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
     """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
     cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path))
