@@ -11,6 +11,7 @@ see the same data.
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import gc
 import os
@@ -51,6 +52,7 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
     """
     if dist.is_initialized():
         return
+    _print_stacks_on_crash()
     single = "RANK" not in os.environ  # plain `python -m RL2.trainer.X`
     backend = "nccl" if device.type == "cuda" else "gloo"
     if single:
@@ -66,6 +68,16 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+
+
+def _print_stacks_on_crash() -> None:
+    """A rank that native code kills (a segmentation fault in a kernel or a collective) prints the Python
+    stack of each of its threads to stderr; otherwise torchrun reports only the signal, and the peers
+    only that the rank is gone."""
+    if faulthandler.is_enabled():
+        return
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr that is no file (a notebook's)
+        faulthandler.enable(all_threads=True)
 
 
 def close_process_groups(finished: bool = True) -> None:

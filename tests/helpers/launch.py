@@ -29,8 +29,21 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "
                "--standalone", *target]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        crashes = "".join(f"{report}\n" for report in crash_reports(result.stderr))
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{crashes}{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def crash_reports(stderr: str, max_lines: int = 80) -> list[str]:
+    """The stacks a rank killed by a signal printed (`RL2.parallel` turns Python's faulthandler on): first
+    in a failure's message, where the tail of stderr would show only the peers' errors that followed."""
+    lines, reports = stderr.splitlines(), []
+    for start, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            report = lines[start : start + max_lines]
+            end = next((i for i, text in enumerate(report) if text.startswith("Extension modules")), len(report))
+            reports.append("\n".join(report[:end]))
+    return reports
 
 
 def read_metrics(save_dir: Path) -> list[dict]:
