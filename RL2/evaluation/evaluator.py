@@ -20,6 +20,7 @@ from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import tokenize_rows
+from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
 from RL2.parallel import init_distributed, pick_device
 from RL2.rollout.env import Env
@@ -75,6 +76,8 @@ class Evaluator:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
         self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
         self.device = pick_device(cfg.eval.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the engine's too, but before the process group's threads (`keep_freed_memory`)
         init_distributed(self.device)
 
     def run(self) -> EvalResult:

@@ -32,9 +32,9 @@ class Trainer:
         self.cfg = cfg
         quiet_third_party_progress()
         self.device = pick_device(cfg.trainer.device)
-        init_distributed(self.device)
         if self.device.type == "cpu":
-            keep_freed_memory()  # tensors of the same sizes come and go every step
+            keep_freed_memory()  # tensors of the same sizes come and go every step; before any thread starts
+        init_distributed(self.device)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
