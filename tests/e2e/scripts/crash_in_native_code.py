@@ -5,6 +5,7 @@ all-reduce. tests/e2e/test_crash_report.py checks that the dead rank names where
 """
 
 import ctypes
+import resource
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from RL2.parallel import init_distributed
 
 
 def read_address_zero() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the repository, wherever cores are on
     ctypes.string_at(0)  # a native read of an unmapped address: SIGSEGV
 
 
