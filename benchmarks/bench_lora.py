@@ -24,12 +24,14 @@ def worker(args) -> None:
     """Runs under torchrun: one mode, `args.steps` timed steps after a warm-up step."""
     import torch.distributed as dist
 
+    from RL2.parallel import close_process_groups
+
     model, figures = measure_sft_steps({"dtype": args.dtype, "max_length_per_device": args.seq_len * args.seqs,
                                         "lora": {"rank": args.lora_rank}}, args.seq_len, args.seqs, args.steps)
     trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)  # DTensors: full sizes
     if dist.get_rank() == 0:
         print(json.dumps({"trained": trained, **figures, "dtype": str(model.dtype).removeprefix("torch.")}))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def main() -> None:

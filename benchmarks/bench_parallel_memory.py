@@ -23,13 +23,15 @@ def worker(args) -> None:
     """Runs under torchrun: one layout, `args.steps` training steps on synthetic tokens."""
     import torch.distributed as dist
 
+    from RL2.parallel import close_process_groups
+
     seq_parallel = args.tp * args.cp
     _, figures = measure_sft_steps({"dtype": "float32", "tp_size": args.tp, "cp_size": args.cp,
                                     "max_length_per_device": -(-args.seq_len // seq_parallel)},
                                    args.seq_len, args.seqs, args.steps)
     if dist.get_rank() == 0:
         print(json.dumps(figures))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def run(nproc: int, tp: int, cp: int, seq_len: int, seqs: int, steps: int) -> dict:

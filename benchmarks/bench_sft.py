@@ -36,7 +36,7 @@ def worker(args) -> None:
     from RL2.config.schema import ModelConfig
     from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
-    from RL2.parallel import ParallelDims, init_distributed, pick_device
+    from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
     from RL2.workers.fsdp import FSDPWorker
 
     device = pick_device("cpu")
@@ -71,7 +71,7 @@ def worker(args) -> None:
         flops = step_flops(hf_config, n_matmul, [args.seq_len] * args.seqs)
         print(json.dumps({"step_s": step_s, "tokens_per_s": args.seqs * args.seq_len / step_s,
                           "flops_per_s": flops / step_s, "peak_rss_mb": peak_rss.item()}))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def run(nproc: int, dtype: str, args) -> dict:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from RL2.batch import RolloutBatch
 from RL2.config.cli import parse_config
 from RL2.config.ppo_schema import PPOConfig
-from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 from RL2.workers.actor import Actor
 
 N_TRAJECTORIES = 8
@@ -110,7 +110,7 @@ def main() -> None:
                                        cfg.actor.policy_loss == "gspo_token")
         torch.save({"metrics": metrics, "grads": captured, "expected_loss": loss, "expected_grads": grads,
                     "sequences_per_trajectory": torch.bincount(batch.sample_ids).tolist()}, out)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":

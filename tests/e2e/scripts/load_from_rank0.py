@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import RL2.workers.fsdp as fsdp
 from RL2.config.schema import ModelConfig
-from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 
 SET_MODEL_STATE_DICT = fsdp.set_model_state_dict
 
@@ -67,7 +67,7 @@ def main(model_path: str, out: str, dtype: str) -> None:
         results[name] = {"params": full, "buffers": buffers, "records": records, "local_numel": local_numel}
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":

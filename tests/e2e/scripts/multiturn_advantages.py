@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
+from RL2.parallel import close_process_groups
 from RL2.rollout.trajectory import training_batch
 from RL2.trainer.ppo import PPOTrainer
 
@@ -38,4 +39,4 @@ for group in groups:
         sample += 1
 if dist.get_rank() == 0:
     print(json.dumps(report))
-dist.destroy_process_group()
+close_process_groups()

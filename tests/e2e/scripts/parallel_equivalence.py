@@ -19,7 +19,7 @@ from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
-from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 from RL2.rollout.worker import full_tensors
 from RL2.workers.fsdp import FSDPWorker
 
@@ -101,7 +101,7 @@ def main() -> None:
     results = {spec: run_layout(spec, device) for spec in specs}
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from RL2.parallel import close_process_groups
 from RL2.workers.pinned_host import PinnedHostCopies, state_to_host
 from tests.helpers.recording_lock import RecordingLock
 
@@ -44,5 +45,5 @@ assert len(moments) == 2 and all(recorder.holds(m) for m in moments)
 assert recorder.calls == (3 if rank == 0 else 2)  # locked once, at the first move
 for a, b in zip(moved.parameters(), still.parameters()):
     assert torch.equal(a.full_tensor(), b.full_tensor())
-dist.destroy_process_group()
+close_process_groups()
 print("ok")

@@ -18,7 +18,7 @@ from RL2.config.cli import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.models.logps import shares_prefixes
 from RL2.models.shared_prefix import SharedPrefixRow
-from RL2.parallel import ParallelDims, init_distributed, pick_device
+from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 from RL2.trainer.ppo_advantages import add_advantages
 from RL2.workers.actor import Actor, pack_for
 from RL2.workers.critic import Critic
@@ -81,7 +81,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(state, out)
         print(json.dumps({"metrics": metrics, "tokens_saved": saved}))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from RL2.parallel import close_process_groups
 from RL2.workers import shared_memory_collectives
 from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 from tests.helpers.launch import separate_hosts
@@ -140,7 +141,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print("shared collectives OK")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":

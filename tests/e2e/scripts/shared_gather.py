@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.engine import shared_memory_gather
 from RL2.engine.shared_memory_gather import SharedMemoryGather
+from RL2.parallel import close_process_groups
 from RL2.utils.shared_memory import shm_free_bytes
 from tests.helpers.launch import separate_hosts
 
@@ -79,7 +80,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print("shared gather OK")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 if __name__ == "__main__":
