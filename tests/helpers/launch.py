@@ -35,12 +35,14 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "
 
 
 def crash_reports(stderr: str, max_lines: int = 80) -> list[str]:
-    """The stacks a rank killed by a signal printed (`RL2.parallel` turns Python's faulthandler on): first
-    in a failure's message, where the tail of stderr would show only the peers' errors that followed."""
+    """The stacks a rank killed by a signal printed (`RL2.parallel` turns Python's faulthandler on), with
+    C++'s "terminate called ..." line before an abort's: first in a failure's message, where the tail of
+    stderr would show only the peers' errors that followed."""
     lines, reports = stderr.splitlines(), []
-    for start, line in enumerate(lines):
+    for at, line in enumerate(lines):
         if line.startswith("Fatal Python error"):
-            report = lines[start : start + max_lines]
+            first = at - 1 if at > 0 and lines[at - 1].startswith("terminate called") else at
+            report = lines[first : first + max_lines]
             end = next((i for i, text in enumerate(report) if text.startswith("Extension modules")), len(report))
             reports.append("\n".join(report[:end]))
     return reports
