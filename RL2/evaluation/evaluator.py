@@ -77,7 +77,7 @@ class Evaluator:
         self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
         self.device = pick_device(cfg.eval.device)
         if self.device.type == "cpu":
-            keep_freed_memory()  # the engine's too, but before the process group's threads (`keep_freed_memory`)
+            keep_freed_memory()  # sampling allocates rows of the same sizes every step; before any thread starts
         init_distributed(self.device)
 
     def run(self) -> EvalResult:
