@@ -1,7 +1,8 @@
 """RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
 for float32 and bfloat16 training on CPU (`fused_layers.c`).
 
-`install_fused_layers` points the RMSNorm and MLP modules of a model at them. A call whose tensors
+`install_fused_layers` points the RMSNorm and MLP modules of a model at them; the MLP then keeps only
+its gate and up projections for the backward (`_SiluMulDown`). A call whose tensors
 these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
 parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler,
 or with RL2_FUSED_LAYERS=0, nothing is installed.
@@ -23,7 +24,7 @@ KERNELS = {
     "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
     "rms_norm_backward": [_pointer] * 6 + [_int, _int],
     "silu_mul_forward": [_pointer] * 3 + [_int],
-    "silu_mul_backward": [_pointer] * 5 + [_int],
+    "silu_mul_backward": [_pointer] * 6 + [_int],
 }
 # The C file has each kernel once per dtype, its name ending in the dtype's suffix.
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
@@ -101,9 +102,43 @@ class _SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_out = _plain_gradient(grad_out, gate, "SwiGLU activation")
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(),
-                                                 grad_gate.data_ptr(), grad_up.data_ptr(), gate.numel())
+        _silu_mul_backward(gate, up, grad_out, grad_gate, grad_up, None)
         return grad_gate, grad_up
+
+
+class _SiluMulDown(torch.autograd.Function):
+    """`down(silu(gate) * up)` for a down projection without bias. Keeps gate and up for the backward but
+    not their product, the down projection's input: its backward writes the product again, in the pass
+    that computes gate's and up's gradients. Of what a decoder layer keeps per token, that product is
+    the largest single part (the MLP's width, as gate and up each are), and rewriting it costs one store
+    per element of a pass that runs anyway."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        product = torch.empty_like(gate)
+        _kernel("silu_mul_forward", gate.dtype)(gate.data_ptr(), up.data_ptr(), product.data_ptr(), gate.numel())
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(product, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        grad_out = _plain_gradient(grad_out, gate, "SwiGLU MLP")
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_product = (rows @ weight).view(gate.shape)
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        product = torch.empty_like(gate) if ctx.needs_input_grad[2] else None
+        _silu_mul_backward(gate, up, grad_product, grad_gate, grad_up, product)
+        del grad_product
+        grad_weight = rows.t() @ product.view(-1, product.shape[-1]) if product is not None else None
+        return grad_gate, grad_up, grad_weight
+
+
+def _silu_mul_backward(gate, up, grad_out, grad_gate, grad_up, product: torch.Tensor | None) -> None:
+    _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
+                                             grad_up.data_ptr(), None if product is None else product.data_ptr(),
+                                             gate.numel())
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -119,8 +154,20 @@ def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> t
     return type(module).forward(module, hidden_states)
 
 
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """A torch Linear without bias or hooks: calling its weight directly skips nothing (a LoRA layer, an
+    FSDP-wrapped or hooked Linear is called as a module)."""
+    return (type(module) is torch.nn.Linear and module.bias is None
+            and not (module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                     or module._backward_pre_hooks))
+
+
 def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))  # installed where act_fn is silu
+    gate, up = module.gate_proj(x), module.up_proj(x)  # installed where act_fn is silu
+    down = module.down_proj
+    if _plain_linear(down) and _fusable(gate, up, down.weight) and gate.shape == up.shape:
+        return _SiluMulDown.apply(gate, up, down.weight)
+    return down(silu_mul(gate, up))
 
 
 def install_fused_layers(model: torch.nn.Module) -> int:

@@ -29,7 +29,7 @@ def forward_backward(module, inputs, grad_out):
     module.zero_grad(set_to_none=True)
     out = module(*inputs)
     out.backward(grad_out)
-    return [out.detach(), *(x.grad for x in inputs), *(p.grad for p in module.parameters())]
+    return [out.detach(), *(x.grad for x in inputs), *(p.grad for p in module.parameters() if p.requires_grad)]
 
 
 def check_against_float64(module, inputs, grad_out, rtol, atol):
@@ -122,6 +122,69 @@ def test_gated_mlp_is_no_further_from_float64_than_hf(tokens, dtype, bound):
     fused, hf = errors_against_float64(mlp, x, randn(1, tokens, 576, seed=1), dtype)
     for got, theirs in zip(fused, hf):
         assert got <= theirs * 1.01 + 1e-7 and got < bound
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160, hidden_act="silu"))
+
+
+def activation_bytes_kept(mlp, x):
+    """Bytes of the tensors autograd keeps for the backward of `mlp(x)`, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x.detach().requires_grad_())
+    return sum(kept.values())
+
+
+def test_gated_mlp_keeps_its_input_gate_and_up_but_not_their_product():
+    mlp, tokens = small_mlp(), 30
+    x, floats = randn(1, tokens, 64), 4
+    # HF keeps x (for gate's and up's weight gradients), gate (silu's), silu(gate) and up (the product's) and
+    # the product (the down projection's): 64 + 4 * 160 floats a token.
+    assert activation_bytes_kept(mlp, x) == tokens * (64 + 4 * 160) * floats
+    install_fused_layers(mlp)
+    assert activation_bytes_kept(mlp, x) == tokens * (64 + 2 * 160) * floats
+
+
+def test_gated_mlp_with_a_frozen_down_projection_passes_the_gradient_through():
+    mlp = small_mlp()
+    mlp.down_proj.weight.requires_grad_(False)
+    reference = copy.deepcopy(mlp).double()
+    install_fused_layers(mlp)
+    x, grad_out = randn(2, 7, 64, scale=3.0), randn(2, 7, 64, seed=1)
+    got = forward_backward(mlp, [x], grad_out)
+    expected = forward_backward(reference, [x.double()], grad_out.double())
+    assert mlp.down_proj.weight.grad is None
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["forward hook", "bias"])
+def test_gated_mlp_calls_a_down_projection_that_is_more_than_a_weight(change):
+    """A hooked Linear (as a wrapper of FSDP or LoRA may be) or one with a bias runs as a module."""
+    mlp = small_mlp()
+    if change == "bias":
+        mlp.down_proj.bias = torch.nn.Parameter(randn(64, seed=4))
+    reference = copy.deepcopy(mlp).double()
+    calls = []
+    if change == "forward hook":
+        mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    install_fused_layers(mlp)
+    x, grad_out = randn(1, 9, 64, scale=3.0), randn(1, 9, 64, seed=1)
+    got = forward_backward(mlp, [x], grad_out)
+    expected = forward_backward(reference, [x.double()], grad_out.double())
+    assert len(calls) == (change == "forward hook")
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_forward_is_what_the_embedded_engine_computes():

@@ -71,16 +71,31 @@ void NAME(silu_mul_forward)(const ELEMENT *gate, const ELEMENT *up, ELEMENT *out
 
 /* With s = sigmoid(gate): grad_gate = grad_out * up * s * (1 + gate * (1 - s)), grad_up = grad_out * silu
  * (silu rounded as the forward used it). */
+static inline void NAME(silu_mul_gradients)(float g, float u, float go, ELEMENT *grad_gate, ELEMENT *grad_up) {
+    float s = 1.0f / (1.0f + exp_clamped(-g));
+    *grad_gate = STORE(go * u * (s * (1.0f + g * (1.0f - s))));
+    *grad_up = STORE(go * LOAD(STORE(g * s)));
+}
+
+/* The gradients of silu_mul_forward, and, where `out` is not NULL, its output again, exactly as the
+ * forward wrote it: the SwiGLU MLP (fused_layers.py) keeps gate and up for its backward, not the
+ * product too, and needs the product there for the down projection's weight gradient. */
 void NAME(silu_mul_backward)(const ELEMENT *gate, const ELEMENT *up, const ELEMENT *grad_out, ELEMENT *grad_gate,
-                             ELEMENT *grad_up, int64_t n) {
+                             ELEMENT *grad_up, ELEMENT *out, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        if (out) {
 #pragma omp simd
-        for (int64_t i = start; i < end; i++) {
-            float g = LOAD(gate[i]), s = 1.0f / (1.0f + exp_clamped(-g)), go = LOAD(grad_out[i]);
-            grad_gate[i] = STORE(go * LOAD(up[i]) * (s * (1.0f + g * (1.0f - s))));
-            grad_up[i] = STORE(go * LOAD(STORE(g * s)));
+            for (int64_t i = start; i < end; i++) {
+                float g = LOAD(gate[i]), u = LOAD(up[i]);
+                NAME(silu_mul_gradients)(g, u, LOAD(grad_out[i]), grad_gate + i, grad_up + i);
+                out[i] = STORE(NAME(silu_rounded)(g) * u);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = start; i < end; i++)
+                NAME(silu_mul_gradients)(LOAD(gate[i]), LOAD(up[i]), LOAD(grad_out[i]), grad_gate + i, grad_up + i);
         }
     }
 }
