@@ -14,7 +14,8 @@ two ranks on one machine, the kernel's page zeroing in one rank held up the othe
 (`benchmarks/bench_ppo_w1.py` measures the step). Threads other than the main one still get such
 blocks mapped, as glibc's per-thread heaps cannot hold them.
 
-The price is that the resident size stays at its high-water mark; that peak had to fit anyway.
+The price is that the resident size stays at the heap's high-water mark, and that mark creeps up over a
+run as freed blocks are left in pieces too small for the next step's tensors (README, "Memory on CPU").
 """
 
 import ctypes
