@@ -1,8 +1,9 @@
 """RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
 for float32 and bfloat16 training on CPU (`fused_layers.c`).
 
-`install_fused_layers` points the RMSNorm and MLP modules of a model at them; the MLP then keeps only
-its gate and up projections for the backward (`_SiluMulDown`). A call whose tensors
+`install_fused_layers` points the RMSNorm and MLP modules of a model at them. For the backward, the MLP
+then keeps its gate and up projections but not their product (`_SiluMulDown`), and the Linears that
+read a norm's output keep the norm's input, not that output (`_LinearOfNorm`). A call whose tensors
 these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
 parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler,
 or with RL2_FUSED_LAYERS=0, nothing is installed.
@@ -23,6 +24,7 @@ _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 KERNELS = {
     "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
     "rms_norm_backward": [_pointer] * 6 + [_int, _int],
+    "rms_norm_apply": [_pointer] * 4 + [_int, _int],
     "silu_mul_forward": [_pointer] * 3 + [_int],
     "silu_mul_backward": [_pointer] * 6 + [_int],
 }
@@ -34,6 +36,7 @@ RETURNS = {"rms_norm_backward" + suffix: ctypes.c_int for suffix in SUFFIXES.val
 # (down(act(gate(x)) * up(x))); Gemma's (1 + weight) norm, for one, is not.
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
+INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 @functools.cache
@@ -74,6 +77,9 @@ class _RMSNorm(torch.autograd.Function):
         _kernel("rms_norm_forward", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(),
                                              x.numel() // dim, dim, eps)
         ctx.save_for_backward(x, weight, rstd)
+        # What an input projection reading `out` keeps instead of it (`_LinearOfNorm`); the version tells
+        # whether `out` was changed in place since.
+        out._rl2_norm_source = (x, weight, rstd, out._version)
         return out
 
     @staticmethod
@@ -135,6 +141,44 @@ class _SiluMulDown(torch.autograd.Function):
         return grad_gate, grad_up, grad_weight
 
 
+class _LinearOfNorm(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` where x is a fused RMSNorm's output (the attention's and the MLP's input
+    projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes
+    x again in the backward for the weight's gradient. A decoder layer then keeps no copy of its two
+    norms' outputs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd):
+        ctx.save_for_backward(weight, norm_input, norm_weight, rstd)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight, norm_input, norm_weight, rstd = ctx.saved_tensors
+        grad_out = _plain_gradient(grad_out, norm_input, "input projection")
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = (rows @ weight).view(norm_input.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            x, dim = torch.empty_like(norm_input), norm_input.shape[-1]
+            _kernel("rms_norm_apply", x.dtype)(norm_input.data_ptr(), norm_weight.data_ptr(), rstd.data_ptr(),
+                                               x.data_ptr(), x.numel() // dim, dim)
+            grad_weight = rows.t() @ x.view(-1, dim)
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An input projection's forward: `_LinearOfNorm` where `x` is a fused norm's output, unchanged since,
+    and autograd records; the Linear's own computation otherwise."""
+    source = getattr(x, "_rl2_norm_source", None)
+    params = [module.weight] + ([] if module.bias is None else [module.bias])
+    if source is not None and source[3] == x._version and torch.is_grad_enabled() and _fusable(x, *params):
+        return _LinearOfNorm.apply(x, module.weight, module.bias, *source[:3])
+    return F.linear(x, module.weight, module.bias)
+
+
 def _silu_mul_backward(gate, up, grad_out, grad_gate, grad_up, product: torch.Tensor | None) -> None:
     _kernel("silu_mul_backward", gate.dtype)(gate.data_ptr(), up.data_ptr(), grad_out.data_ptr(), grad_gate.data_ptr(),
                                              grad_up.data_ptr(), None if product is None else product.data_ptr(),
@@ -150,7 +194,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if _fusable(hidden_states, module.weight) and hidden_states.shape[-1:] == module.weight.shape:
-        return _RMSNorm.apply(hidden_states, module.weight, module.variance_epsilon)
+        out = _RMSNorm.apply(hidden_states, module.weight, module.variance_epsilon)
+        if not torch.is_grad_enabled():
+            del out._rl2_norm_source  # nothing is kept for a backward: the norm's input may go
+        return out
     return type(module).forward(module, hidden_states)
 
 
@@ -171,9 +218,10 @@ def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
 
 
 def install_fused_layers(model: torch.nn.Module) -> int:
-    """Point `model`'s Llama-style RMSNorms and SiLU-gated MLPs at the fused kernels (each call falls
-    back to torch ops where the kernels do not apply). Returns how many modules were changed: 0 when
-    the kernels cannot be built or RL2_FUSED_LAYERS=0."""
+    """Point `model`'s Llama-style RMSNorms and SiLU-gated MLPs, and the Linears that read the norms'
+    outputs, at the fused kernels (each call falls back to torch ops where the kernels do not apply).
+    Returns how many norms and MLPs were changed: 0 when the kernels cannot be built or
+    RL2_FUSED_LAYERS=0."""
     if _library() is None:
         return 0
     changed = 0
@@ -185,4 +233,11 @@ def install_fused_layers(model: torch.nn.Module) -> int:
         elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
             module.forward = types.MethodType(_gated_mlp_forward, module)
             changed += 1
+    # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base layer
+    # calls it) still run, as only `forward` changes.
+    for module in list(model.modules()):
+        for child_name in INPUT_PROJECTIONS:
+            child = getattr(module, child_name, None)
+            if type(child) is torch.nn.Linear:
+                child.forward = types.MethodType(_input_projection_forward, child)
     return changed

@@ -23,13 +23,15 @@ def randn(*shape, scale=1.0, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def forward_backward(module, inputs, grad_out):
-    """Output and the gradients of the inputs and parameters, for `grad_out` flowing back."""
+def forward_backward(module, inputs, grad_out, parameters_of=None):
+    """Output and the gradients of the inputs and parameters (of `parameters_of`, else of `module`), for
+    `grad_out` flowing back."""
+    owner = parameters_of or module
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    module.zero_grad(set_to_none=True)
+    owner.zero_grad(set_to_none=True)
     out = module(*inputs)
     out.backward(grad_out)
-    return [out.detach(), *(x.grad for x in inputs), *(p.grad for p in module.parameters() if p.requires_grad)]
+    return [out.detach(), *(x.grad for x in inputs), *(p.grad for p in owner.parameters() if p.requires_grad)]
 
 
 def check_against_float64(module, inputs, grad_out, rtol, atol):
@@ -185,6 +187,63 @@ def test_gated_mlp_calls_a_down_projection_that_is_more_than_a_weight(change):
     assert len(calls) == (change == "forward hook")
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e.float(), rtol=1e-5, atol=1e-5)
+
+
+class NormThenProjections(torch.nn.Module):
+    """A norm read by two input projections, one with a bias, as an attention's q and v are."""
+
+    def __init__(self, dim=64, out=48):
+        super().__init__()
+        self.input_layernorm = norm_module(dim)
+        self.q_proj = torch.nn.Linear(dim, out, bias=False)
+        self.v_proj = torch.nn.Linear(dim, out, bias=True)
+
+    def forward(self, x, change_in_place=False):
+        normed = self.input_layernorm(x)
+        if change_in_place:
+            normed.mul_(2.0)
+        return self.q_proj(normed) + self.v_proj(normed)
+
+
+def test_input_projections_keep_the_norms_input_not_its_output():
+    torch.manual_seed(0)
+    module, tokens = NormThenProjections(), 30
+    install_fused_layers(module)
+    # The norm keeps its input and one float32 per token; the projections keep nothing more.
+    assert activation_bytes_kept(module, randn(1, tokens, 64)) == tokens * (64 + 1) * 4
+
+
+@pytest.mark.parametrize("change_in_place", [False, True])
+def test_input_projections_train_like_hf_in_float64(change_in_place):
+    """Gradients of the norm and of both projections, the norm's output computed again in the backward;
+    an output changed in place after the norm is kept as it is."""
+    torch.manual_seed(0)
+    module = NormThenProjections()
+    reference = copy.deepcopy(module).double()
+    install_fused_layers(module)
+    x, grad_out = randn(2, 11, 64, scale=3.0), randn(2, 11, 48, seed=1)
+    got = forward_backward(lambda h: module(h, change_in_place), [x], grad_out, module)
+    expected = forward_backward(lambda h: reference(h, change_in_place), [x.double()], grad_out.double(), reference)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_input_projection_computes_the_norms_output_exactly_again():
+    """The backward's norm output is the forward's, bit for bit: the weight gradient is the one HF's Linear
+    computes from the kept output."""
+    torch.manual_seed(0)
+    module = NormThenProjections().to(torch.bfloat16)
+    install_fused_layers(module)
+    x, grad_out = randn(1, 300, 64, scale=3.0).to(torch.bfloat16), randn(1, 300, 48, seed=1).to(torch.bfloat16)
+    recomputed = forward_backward(module, [x], grad_out)
+
+    def keeping_the_output(h):
+        normed = module.input_layernorm(h) + 0  # a new tensor, with no norm to compute it again from
+        return module.q_proj(normed) + module.v_proj(normed)
+
+    kept = forward_backward(keeping_the_output, [x], grad_out, module)
+    for a, b in zip(recomputed, kept):
+        assert torch.equal(a, b)
 
 
 def test_bf16_forward_is_what_the_embedded_engine_computes():

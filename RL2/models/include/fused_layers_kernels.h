@@ -17,6 +17,20 @@ void NAME(rms_norm_forward)(const ELEMENT *x, const ELEMENT *weight, ELEMENT *ou
     for (int64_t r = 0; r < rows; r++) rstd[r] = NAME(rms_norm_row)(out + r * dim, x + r * dim, weight, dim, eps);
 }
 
+/* rms_norm_forward's output again, bit for bit, from the rstd it kept (the input projections that read
+ * a norm's output keep the norm's input instead of that output, fused_layers.py). */
+void NAME(rms_norm_apply)(const ELEMENT *x, const ELEMENT *weight, const float *rstd, ELEMENT *out, int64_t rows,
+                          int64_t dim) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEMENT *xr = x + r * dim;
+        ELEMENT *o = out + r * dim;
+        float inv = rstd[r];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = STORE(LOAD(weight[i]) * (LOAD(xr[i]) * inv));
+    }
+}
+
 /* With n = x * rstd and g = grad_out * weight, per row:
  *   grad_x = rstd * (g - n * mean(g * n)),   grad_weight = sum over rows of grad_out * n.
  * grad_weight is summed in double, per thread, then over the threads in order. Returns 1 when the
