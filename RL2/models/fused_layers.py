@@ -79,7 +79,7 @@ class _RMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, rstd)
         # What an input projection reading `out` keeps instead of it (`_LinearOfNorm`); the version tells
         # whether `out` was changed in place since.
-        out._rl2_norm_source = (x, weight, rstd, out._version)
+        out._rl2_norm_source = (x, weight, rstd, out._version, _SharedRecompute())
         return out
 
     @staticmethod
@@ -141,6 +141,24 @@ class _SiluMulDown(torch.autograd.Function):
         return grad_gate, grad_up, grad_weight
 
 
+class _SharedRecompute:
+    """The norm output that the backwards of the projections reading it compute again, computed by the
+    first of them and dropped by the last (q, k and v, or gate and up, run their backwards one after
+    another). Holds no tensor from the forward, so that what the graph keeps stays in `saved_tensors`
+    (where activation checkpointing can drop it)."""
+
+    def __init__(self):
+        self.readers, self.output = 0, None
+
+    def take(self, compute) -> torch.Tensor:
+        if self.output is None:
+            self.output = compute()
+        output, self.readers = self.output, self.readers - 1
+        if self.readers <= 0:  # the last reader (or a second backward through the graph): drop it
+            self.output = None
+        return output
+
+
 class _LinearOfNorm(torch.autograd.Function):
     """`F.linear(x, weight, bias)` where x is a fused RMSNorm's output (the attention's and the MLP's input
     projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes
@@ -148,8 +166,10 @@ class _LinearOfNorm(torch.autograd.Function):
     norms' outputs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd):
+    def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd, shared: _SharedRecompute):
         ctx.save_for_backward(weight, norm_input, norm_weight, rstd)
+        ctx.shared = shared
+        shared.readers += 1
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -160,13 +180,21 @@ class _LinearOfNorm(torch.autograd.Function):
         grad_x = (rows @ weight).view(norm_input.shape) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            x, dim = torch.empty_like(norm_input), norm_input.shape[-1]
-            _kernel("rms_norm_apply", x.dtype)(norm_input.data_ptr(), norm_weight.data_ptr(), rstd.data_ptr(),
-                                               x.data_ptr(), x.numel() // dim, dim)
-            grad_weight = rows.t() @ x.view(-1, dim)
+            x = ctx.shared.take(lambda: _rms_norm_again(norm_input, norm_weight, rstd))
+            grad_weight = rows.t() @ x.view(-1, x.shape[-1])
+        else:
+            ctx.shared.take(lambda: None)
         if ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def _rms_norm_again(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """`_RMSNorm`'s output, bit for bit, from its input, weight and the rstd it kept."""
+    out, dim = torch.empty_like(x), x.shape[-1]
+    _kernel("rms_norm_apply", x.dtype)(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), out.data_ptr(),
+                                       x.numel() // dim, dim)
+    return out
 
 
 def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +203,7 @@ def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch
     source = getattr(x, "_rl2_norm_source", None)
     params = [module.weight] + ([] if module.bias is None else [module.bias])
     if source is not None and source[3] == x._version and torch.is_grad_enabled() and _fusable(x, *params):
-        return _LinearOfNorm.apply(x, module.weight, module.bias, *source[:3])
+        return _LinearOfNorm.apply(x, module.weight, module.bias, *source[:3], source[4])
     return F.linear(x, module.weight, module.bias)
 
 

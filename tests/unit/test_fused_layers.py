@@ -228,6 +228,24 @@ def test_input_projections_train_like_hf_in_float64(change_in_place):
         torch.testing.assert_close(g, e.float(), rtol=1e-5, atol=1e-5)
 
 
+def test_projections_of_one_norm_compute_its_output_once(monkeypatch):
+    calls = []
+    original = fused_layers._rms_norm_again
+    monkeypatch.setattr(fused_layers, "_rms_norm_again", lambda *args: calls.append(1) or original(*args))
+    torch.manual_seed(0)
+    module = NormThenProjections()
+    install_fused_layers(module)
+    out = module(randn(1, 9, 64).requires_grad_())
+    out.sum().backward(retain_graph=True)
+    first = [p.grad.clone() for p in module.parameters()]
+    assert len(calls) == 1  # q's backward computes it, v's reuses it
+    module.zero_grad(set_to_none=True)
+    out.sum().backward()  # again through the same graph: each reader computes it, with the same result
+    assert len(calls) == 3
+    for p, grad in zip(module.parameters(), first):
+        assert torch.equal(p.grad, grad)
+
+
 def test_bf16_input_projection_computes_the_norms_output_exactly_again():
     """The backward's norm output is the forward's, bit for bit: the weight gradient is the one HF's Linear
     computes from the kept output."""
