@@ -98,10 +98,8 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        _kernel("silu_mul_forward", gate.dtype)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
         ctx.save_for_backward(gate, up)
-        return out
+        return _silu_mul_forward(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -122,10 +120,8 @@ class _SiluMulDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
-        product = torch.empty_like(gate)
-        _kernel("silu_mul_forward", gate.dtype)(gate.data_ptr(), up.data_ptr(), product.data_ptr(), gate.numel())
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(product, weight)
+        return F.linear(_silu_mul_forward(gate, up), weight)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -205,6 +201,12 @@ def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch
     if source is not None and source[3] == x._version and torch.is_grad_enabled() and _fusable(x, *params):
         return _LinearOfNorm.apply(x, module.weight, module.bias, *source[:3], source[4])
     return F.linear(x, module.weight, module.bias)
+
+
+def _silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(gate)
+    _kernel("silu_mul_forward", gate.dtype)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
 
 
 def _silu_mul_backward(gate, up, grad_out, grad_gate, grad_up, product: torch.Tensor | None) -> None:

@@ -8,7 +8,7 @@
  * the torch ops of llama_forward.py round a bf16 model's tensors, so for bf16 both compute the same
  * (up to the order of a row's sums), and for float32 STORE rounds nothing. */
 
-#include "norm_and_silu.h" /* rms_norm_row, silu_rounded */
+#include "norm_and_silu.h" /* rms_norm_row, silu_mul_value */
 
 /* hidden += delta (when delta is not NULL; the sum rounded, as `hidden + delta`), then
  * out = RMSNorm(hidden) * weight. */
@@ -35,7 +35,7 @@ void NAME(silu_mul)(const ELEMENT *gate_up, ELEMENT *out, int64_t rows, int64_t 
         ELEMENT *restrict o = out + r * width;
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) {
-            o[i] = STORE(NAME(silu_rounded)(LOAD(gate[i])) * LOAD(up[i]));
+            o[i] = NAME(silu_mul_value)(LOAD(gate[i]), LOAD(up[i]));
         }
     }
 }

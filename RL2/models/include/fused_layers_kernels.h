@@ -6,7 +6,7 @@
  * All arithmetic is in float32 (double for the weight gradient's sums), whatever ELEMENT is; each
  * result is rounded to ELEMENT once, except where noted. */
 
-#include "norm_and_silu.h" /* rms_norm_row, silu_rounded */
+#include "norm_and_silu.h" /* rms_norm_row, rms_norm_scale_row, silu_rounded, silu_mul_value */
 
 /* out = weight * x * rstd with rstd = 1 / sqrt(mean(x^2) + eps), per row; rstd is kept for the
  * backward. One rounding, as torch's F.rms_norm (which the embedded engine runs); for float32 this is
@@ -22,13 +22,7 @@ void NAME(rms_norm_forward)(const ELEMENT *x, const ELEMENT *weight, ELEMENT *ou
 void NAME(rms_norm_apply)(const ELEMENT *x, const ELEMENT *weight, const float *rstd, ELEMENT *out, int64_t rows,
                           int64_t dim) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++) {
-        const ELEMENT *xr = x + r * dim;
-        ELEMENT *o = out + r * dim;
-        float inv = rstd[r];
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = STORE(LOAD(weight[i]) * (LOAD(xr[i]) * inv));
-    }
+    for (int64_t r = 0; r < rows; r++) NAME(rms_norm_scale_row)(out + r * dim, x + r * dim, weight, dim, rstd[r]);
 }
 
 /* With n = x * rstd and g = grad_out * weight, per row:
@@ -78,7 +72,7 @@ void NAME(silu_mul_forward)(const ELEMENT *gate, const ELEMENT *up, ELEMENT *out
         int64_t end = start + BLOCK < n ? start + BLOCK : n;
 #pragma omp simd
         for (int64_t i = start; i < end; i++) {
-            out[i] = STORE(NAME(silu_rounded)(LOAD(gate[i])) * LOAD(up[i]));
+            out[i] = NAME(silu_mul_value)(LOAD(gate[i]), LOAD(up[i]));
         }
     }
 }
@@ -104,7 +98,7 @@ void NAME(silu_mul_backward)(const ELEMENT *gate, const ELEMENT *up, const ELEME
             for (int64_t i = start; i < end; i++) {
                 float g = LOAD(gate[i]), u = LOAD(up[i]);
                 NAME(silu_mul_gradients)(g, u, LOAD(grad_out[i]), grad_gate + i, grad_up + i);
-                out[i] = STORE(NAME(silu_rounded)(g) * u);
+                out[i] = NAME(silu_mul_value)(g, u);
             }
         } else {
 #pragma omp simd
