@@ -335,6 +335,27 @@ def test_bf16_panel_linear_sums_the_exact_products_in_float32_and_rounds_once(ro
     assert_bf16_product(KERNELS.panel_linear(x, panels, n, None), x, torch.cat(weights), None)
 
 
+@pytest.mark.parametrize(
+    "dtype, k", [(torch.float32, 40), pytest.param(torch.bfloat16, 41, marks=needs_bf16_panels)]
+)
+def test_rows_written_one_layer_at_a_time_multiply_and_read_back_as_the_weights(dtype, k):
+    """The engine writes each layer's new weight straight into the panels (`pack_rows`, in any order)
+    and reads them back (`unpack_rows`) instead of keeping a plain copy."""
+    widths = LAYER_WIDTHS[1]
+    weights = [randn(width, k, seed=width).to(dtype) for width in widths]
+    firsts = [sum(widths[:i]) for i in range(len(widths))]
+    panels = KERNELS.empty_panels(sum(widths), k, dtype)
+    for i in reversed(range(len(widths))):  # the last layer first: no layer relies on another's write
+        KERNELS.pack_rows(panels, weights[i].float(), firsts[i])  # converted to the panels' dtype
+    assert torch.equal(panels, KERNELS.pack_panels(weights))
+    for weight, first in zip(weights, firsts):
+        assert torch.equal(KERNELS.unpack_rows(panels, first, len(weight), k), weight)
+    x = randn(9, k, seed=4).to(dtype)
+    expected = x.double() @ torch.cat(weights).double().T
+    torch.testing.assert_close(KERNELS.panel_linear(x, panels, sum(widths), None).double(), expected,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 @needs_bf16_panels
 def test_bf16_panel_linear_keeps_leading_dims_runs_threaded_and_checks_its_output():
     # [2, 40, 576] rows, 1536 outputs: the OpenMP branch; a strided input is read through a contiguous copy.

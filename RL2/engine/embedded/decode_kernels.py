@@ -113,20 +113,39 @@ class DecodeKernels:
         """Weights `[n_i, k]` (float32, or bf16 where `bf16_panel_rows`) of layers sharing an input, their
         outputs in this order, as the panels `panel_linear` reads, n = sum of n_i: float32
         `[ceil(n / panel_rows), k, panel_rows]`, bf16 `[ceil(n / panel_rows), ceil(k / 2), panel_rows, 2]`."""
-        n, k, width, dtype = sum(w.shape[0] for w in weights), weights[0].shape[1], self.panel_rows, weights[0].dtype
-        if dtype == torch.bfloat16 and self.bf16_panel_rows:
-            panels, pack = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype), self.library.pack_panels_bf16
-        elif dtype == torch.float32:
-            panels, pack = torch.empty(-(-n // width), k, width), self.library.pack_panels
-        else:
-            raise TypeError(f"pack_panels: float32 weights, or bf16 on a CPU with AVX512-BF16; got {dtype}")
-        panels[-1, :, n - width * (len(panels) - 1):] = 0.0  # features past n: zero, so finite
+        panels = self.empty_panels(sum(w.shape[0] for w in weights), weights[0].shape[1], weights[0].dtype)
         first = 0
         for weight in weights:
-            weight = weight.detach().contiguous()
-            pack(weight.data_ptr(), weight.shape[0], k, first, panels.data_ptr())
+            self.pack_rows(panels, weight, first)
             first += weight.shape[0]
         return panels
+
+    def empty_panels(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """Panels for n features of k inputs (see `pack_panels`), to be filled by `pack_rows`; the
+        features past n are zero (finite, for the products that read them)."""
+        width = self.panel_rows
+        if dtype == torch.bfloat16 and self.bf16_panel_rows:
+            panels = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype)
+        elif dtype == torch.float32:
+            panels = torch.empty(-(-n // width), k, width)
+        else:
+            raise TypeError(f"pack_panels: float32 weights, or bf16 on a CPU with AVX512-BF16; got {dtype}")
+        panels[-1, :, n - width * (len(panels) - 1):] = 0.0
+        return panels
+
+    def pack_rows(self, panels: torch.Tensor, weight: torch.Tensor, first: int) -> None:
+        """Write `weight` `[rows, k]` into features first..first+rows-1 of `panels` (`empty_panels`)."""
+        pack = self.library.pack_panels_bf16 if panels.dtype == torch.bfloat16 else self.library.pack_panels
+        weight = weight.detach().to(panels.dtype).contiguous()
+        pack(weight.data_ptr(), weight.shape[0], weight.shape[1], first, panels.data_ptr())
+
+    def unpack_rows(self, panels: torch.Tensor, first: int, rows: int, k: int) -> torch.Tensor:
+        """The weight `[rows, k]` that `pack_rows` wrote at `first` (a copy)."""
+        if panels.dtype == torch.bfloat16:  # [panels, k / 2, width, 2] -> [features, k]
+            weights = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * panels.shape[2], -1)
+        else:  # [panels, k, width] -> [features, k]
+            weights = panels.permute(0, 2, 1).reshape(panels.shape[0] * panels.shape[2], -1)
+        return weights[first : first + rows, :k].clone()
 
     def panel_linear(
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None = None
