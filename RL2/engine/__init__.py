@@ -39,7 +39,9 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
 
         # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        return EmbeddedEngine(model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests)
+        return EmbeddedEngine(
+            model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests, owns_model=True
+        )
     if rollout_cfg.server_url:
         return SGLangEngine.connect(rollout_cfg, model_path)
     # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the

@@ -370,6 +370,54 @@ def test_released_weights_free_their_memory_and_come_back_with_a_push(tokenizer,
     assert [r["output_ids"] for r in after] == [hf_greedy(new_weights, p, 12) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_an_engine_that_owns_its_model_keeps_one_copy_of_the_linear_weights(tokenizer, tied):
+    """With `owns_model` the panels are the only copy of the linear layers' weights: the layers' own
+    parameters are empty from the start, pushed weights go straight into the panels, and the engine
+    serves exactly what HF serves from the same weights."""
+    config = dict(tie_word_embeddings=tied, attention_bias=True, mlp_bias=True)  # biases are packed too
+    model, new_weights = tiny_llama(len(tokenizer), seed=3, **config), tiny_llama(len(tokenizer), seed=4, **config)
+    for module in (model, new_weights):  # from_config zeroes biases: random ones are what a push must carry
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, owns_model=True)
+    try:
+        runner = engine.runner
+        if runner.panel_kernels is None:
+            pytest.skip("the panel kernels did not build here")
+        linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+        head = runner.model.get_output_embeddings()
+        for linear in linears:
+            kept = tied and linear is head  # the embedding reads it too
+            assert (linear.weight.numel() > 0) == kept, "only the tied output projection keeps its own copy"
+        assert all(linear.bias.numel() == 0 for linear in linears if linear.bias is not None)
+        expected = dict(model.state_dict())
+        state = runner.state_dict()
+        assert state.keys() == expected.keys()
+        assert all(torch.equal(state[name], expected[name]) for name in expected), "read back from the panels"
+        before = generate(engine, *(payload(p) for p in PROMPTS))
+
+        engine.release_memory(["weights", "kv_cache"])
+        pushed = list(new_weights.named_parameters())
+        engine.update_weights(pushed[:-1], weight_version="partial")
+        with pytest.raises(RuntimeError, match=f"released and 1 were not loaded again.*{pushed[-1][0]}"):
+            generate(engine, payload(PROMPTS[0]))
+        engine.update_weights(pushed[-1:], weight_version="v1")
+        assert all(linear.weight.numel() == 0 for linear in linears if not (tied and linear is head))
+        state, expected = runner.state_dict(), dict(new_weights.state_dict())
+        assert all(torch.equal(state[name], expected[name]) for name in expected), "pushed into the panels"
+        after = generate(engine, *(payload(p) for p in PROMPTS))
+        name = next(n for n, _ in pushed if n.endswith("q_proj.weight"))
+        with pytest.raises(ValueError, match=f"'{name}' has shape \\(3, 64\\), the engine model expects \\(64, 64\\)"):
+            engine.update_weights([(name, torch.zeros(3, 64))], weight_version="bad")
+    finally:
+        engine.shutdown()
+    assert [r["output_ids"] for r in before] == [hf_greedy(model, p, 12) for p in PROMPTS]
+    assert [r["output_ids"] for r in after] == [hf_greedy(new_weights, p, 12) for p in PROMPTS]
+
+
 def test_weights_changed_in_place_are_not_served_stale(tokenizer, model):
     other = tiny_llama(len(tokenizer), seed=2)
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer)

@@ -81,6 +81,9 @@ class EmbeddedEngine:
         max_total_tokens: if set, the running requests' prompt + max_new_tokens must fit in it;
             the rest wait. None: no limit beyond max_running_requests.
         seed: seeds the sampling of requests without their own `sampling_seed`.
+        owns_model: the model is the engine's alone, so the engine may keep its linear layers' weights
+            only in the layout its CPU kernels read (their parameters become empty tensors; read the
+            weights with `runner.state_dict()`): one copy of the weights on CPU instead of two.
     """
 
     def __init__(
@@ -90,8 +93,9 @@ class EmbeddedEngine:
         max_running_requests: int = 64,
         max_total_tokens: int | None = None,
         seed: int | None = None,
+        owns_model: bool = False,
     ):
-        self.runner = ModelRunner(model, max_running_requests)
+        self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
         self.tokenizer = tokenizer

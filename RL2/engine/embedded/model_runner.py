@@ -15,6 +15,7 @@ object with HF's `update` method, per-row `position_ids` and a ready-made 4D boo
 
 import functools
 import inspect
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -228,9 +229,12 @@ class ModelRunner:
     Args:
         model: an HF causal LM in eval mode.
         max_rows: the most requests that can run at once (cache rows).
+        owns_model: the model is the runner's alone: the weights of its linear layers are kept only in the
+            packed layout of the C kernels, where those apply (the layers' own parameters become empty
+            tensors; `state_dict` reads them back). One copy of the weights instead of two.
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int):
+    def __init__(self, model: torch.nn.Module, max_rows: int, owns_model: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
         own_parameter_memory(model)
@@ -254,6 +258,26 @@ class ModelRunner:
             if head_is_output:
                 output = model.get_output_embeddings()
                 self.head = self.packed.get(output) or output
+        # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).
+        self.packed_only: dict[str, tuple[PanelLinear, int, str, torch.Size]] = {}
+        if owns_model:
+            self._keep_packed_only()
+
+    def _keep_packed_only(self) -> None:
+        """Drop the linear layers' own weights where a panel kernel holds them; a parameter the model
+        uses elsewhere too (an output projection tied to the embedding) keeps its own copy."""
+        uses = Counter(id(param) for _, param in self.model.named_parameters(remove_duplicate=False))
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        for kernel in self.kernels:
+            params = [p for linear in kernel.linears for p in (linear.weight, linear.bias) if p is not None]
+            if not isinstance(kernel, PanelLinear) or any(uses[id(p)] > 1 for p in params):
+                continue
+            for index, linear in enumerate(kernel.linears):
+                for part in ("weight", "bias"):
+                    param = getattr(linear, part)
+                    if param is not None:
+                        self.packed_only[names[id(param)]] = (kernel, index, part, param.shape)
+            kernel.keep_packed_only()
 
     def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
         if self.panel_kernels is not None:
@@ -364,8 +388,9 @@ class ModelRunner:
         memory. Buffers (e.g. rotary frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
-        for param in self.model.parameters():  # tied weights are one parameter: released once
-            self.unwritten.setdefault(id(param), (param, param.shape))
+        shapes = {name: shape for name, (_, _, _, shape) in self.packed_only.items()}
+        for name, param in self.model.named_parameters():  # tied weights are one parameter: released once
+            self.unwritten.setdefault(id(param), (param, shapes.get(name, param.shape)))
             param.data = param.data.new_empty(0)
 
     @property
@@ -376,20 +401,37 @@ class ModelRunner:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model in place; names as in `model.state_dict()`."""
+        packed_only = {id(self.model.get_parameter(name)) for name in self.packed_only}
         for param, shape in self.unwritten.values():  # memory back for the released weights, written below
-            if param.numel() == 0 and shape.numel():
+            if param.numel() == 0 and shape.numel() and id(param) not in packed_only:
                 param.data = param.data.new_empty(shape)
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
+            if name in self.packed_only:
+                kernel, index, part, shape = self.packed_only[name]
+                _check_shape(name, tensor, shape)
+                kernel.write(index, part, tensor)
+                self.unwritten.pop(id(state[name]), None)
+                continue
             if name not in state:
                 raise KeyError(f"update_weights: '{name}' is not in the engine model's state_dict")
             target = state[name]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                    f"the engine model expects {tuple(target.shape)}"
-                )
+            _check_shape(name, tensor, target.shape)
             target.copy_(tensor)
             self.unwritten.pop(id(target), None)
         for kernel in self.kernels:
             kernel.refresh()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state, with the weights kept only packed read back from the panels (copies)."""
+        state = dict(self.model.state_dict())
+        for name, (kernel, index, part, _) in self.packed_only.items():
+            state[name] = kernel.read(index, part)
+        return state
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
+    if tensor.shape != shape:
+        raise ValueError(
+            f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the engine model expects {tuple(shape)}"
+        )

@@ -87,17 +87,68 @@ class OneDNNLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed
-    straight from each layer's weight (no concatenated copy on the way)."""
+    straight from each layer's weight (no concatenated copy on the way).
+
+    After `keep_packed_only` the panels are the layers' only copy: their own weights and biases are empty
+    tensors, and new values go straight into the panels (`write`), which halves what the engine holds.
+    """
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)
         self.kernels = kernels
+        self.packed_only = False
+        self._firsts = [sum(linear.out_features for linear in linears[:i]) for i in range(len(linears))]
 
     def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return self.kernels.pack_panels(weights)
 
     def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return self.kernels.panel_linear(hidden, self._packed, self.out_features, self._bias, out)
+
+    def refresh(self) -> None:
+        if not self.packed_only:
+            super().refresh()
+
+    @torch.no_grad()
+    def keep_packed_only(self) -> None:
+        """Pack the layers' weights now and drop their own copies (their parameters become empty tensors)."""
+        self.refresh()
+        self.in_features, self.dtype = self.linears[0].in_features, self.linears[0].weight.dtype
+        for linear in self.linears:
+            for param in (linear.weight, linear.bias):
+                if param is not None:
+                    param.data = param.data.new_empty(0)
+        self.packed_only = True
+
+    @torch.no_grad()
+    def write(self, index: int, part: str, tensor: torch.Tensor) -> None:
+        """Write layer `index`'s "weight" or "bias" into the packed copy (after `keep_packed_only`)."""
+        first, rows = self._firsts[index], self.linears[index].out_features
+        if part == "weight":
+            if self._packed is None:  # released: the other layers' rows are written by their own calls
+                self._packed = self.kernels.empty_panels(self.out_features, self.in_features, self.dtype)
+            self.kernels.pack_rows(self._packed, tensor, first)
+        else:
+            if self._bias is None:  # layers without a bias add zeros
+                self._bias = torch.zeros(self.out_features, dtype=self.dtype)
+            self._bias[first : first + rows] = tensor
+
+    def read(self, index: int, part: str) -> torch.Tensor | None:
+        """A copy of layer `index`'s "weight" or "bias" as the products use it (None: the layer has no bias;
+        an empty tensor: released)."""
+        first, rows = self._firsts[index], self.linears[index].out_features
+        if getattr(self.linears[index], part) is None:
+            return None
+        if part == "weight":
+            if self._packed is None:  # released
+                return torch.empty(0, dtype=self.dtype)
+            return self.kernels.unpack_rows(self._packed, first, rows, self.linears[index].in_features)
+        return torch.empty(0, dtype=self.dtype) if self._bias is None else self._bias[first : first + rows].clone()
+
+    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed_only and hidden.dtype != self.dtype:
+            raise TypeError(f"the engine's packed layers take {self.dtype} inputs, got {hidden.dtype} (autocast?)")
+        return super().__call__(hidden, out)
 
 
 class ConcatLinear:

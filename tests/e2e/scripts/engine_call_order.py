@@ -33,8 +33,8 @@ class RecordingEngine:
 
     releases_memory = True  # as colocated SGLang servers do
 
-    def __init__(self, inner, engine_model, expected_weights, colocated, follows_policy: bool):
-        self.inner, self.engine_model, self.follows_policy = inner, engine_model, follows_policy
+    def __init__(self, inner, engine_runner, expected_weights, colocated, follows_policy: bool):
+        self.inner, self.engine_runner, self.follows_policy = inner, engine_runner, follows_policy
         self.expected_weights, self.colocated = expected_weights, colocated
         self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
         self.content = "initial"
@@ -52,7 +52,7 @@ class RecordingEngine:
             self.resident[tag] = False
         if "weights" in tags:  # SGLang's memory saver keeps no copy of released weights
             self.inner.update_weights((name, torch.full_like(p, float("nan")))
-                                      for name, p in self.engine_model.state_dict().items())
+                                      for name, p in self.engine_runner.state_dict().items())
             self.content = None
         self._checked = False
 
@@ -95,7 +95,7 @@ class RecordingEngine:
             self.violations.append(f"request while {released} released")
         if any(w.params_on_gpu for w in self.colocated):
             self.violations.append("request while the trainer's models are on the GPU")
-        engine_weights = self.engine_model.state_dict()
+        engine_weights = self.engine_runner.state_dict()
         for name, expected in self.expected_weights():
             if not torch.equal(engine_weights[name], expected):
                 self.violations.append(f"request on weights other than the expected ones ({name}, {self.content})")
@@ -143,7 +143,7 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
         return full_tensors(trainer.actor.model, rollout.dtype) if follows else initial.items()
 
     colocated = [RecordingModel(trainer.actor.worker)]
-    double = RecordingEngine(rollout.engine, rollout.engine.runner.model, expected_weights, colocated, follows)
+    double = RecordingEngine(rollout.engine, rollout.engine.runner, expected_weights, colocated, follows)
     rollout.engine = double
     rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker])
     rollout.state.to_trainer()
