@@ -229,9 +229,9 @@ class ModelRunner:
     Args:
         model: an HF causal LM in eval mode.
         max_rows: the most requests that can run at once (cache rows).
-        owns_model: the model is the runner's alone: the weights of its linear layers are kept only in the
-            packed layout of the C kernels, where those apply (the layers' own parameters become empty
-            tensors; `state_dict` reads them back). One copy of the weights instead of two.
+        owns_model: the model is the runner's alone: where the runner's own Llama forward and the C kernels
+            run it, the weights of its linear layers are kept only in the kernels' packed layout (the layers'
+            own parameters become empty tensors; `state_dict` reads them back). One copy instead of two.
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, owns_model: bool = False):
@@ -260,7 +260,7 @@ class ModelRunner:
                 self.head = self.packed.get(output) or output
         # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).
         self.packed_only: dict[str, tuple[PanelLinear, int, str, torch.Size]] = {}
-        if owns_model:
+        if owns_model and self.llama is not None:  # HF's modules might read a weight's shape
             self._keep_packed_only()
 
     def _keep_packed_only(self) -> None:
