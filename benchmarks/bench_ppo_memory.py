@@ -55,12 +55,17 @@ def n_parameters(config) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
-def least_memory_gb(n_params: int, ranks: int) -> float:
+def least_memory_gb(n_params: int, ranks: int, lora: bool) -> float:
     """What a float32 run needs at least, over all ranks, before any activation: the trainer's weights,
-    gradients and AdamW moments (16 bytes a parameter, sharded over the ranks), and while it rolls out,
-    each rank's engine copy (4 bytes a parameter: the linear layers' weights live only in the engine's
-    packed layout; a tied embedding is held twice, which this floor leaves out)."""
-    return (16 * n_params + 4 * n_params * ranks) / 1e9
+    gradients and AdamW moments (16 bytes a parameter, sharded over the ranks; with LoRA the frozen base's
+    4 bytes), and while it rolls out, each rank's engine copy (4 bytes a parameter: the linear layers'
+    weights live only in the engine's packed layout; a tied embedding is held twice, which this floor
+    leaves out)."""
+    return ((4 if lora else 16) * n_params + 4 * n_params * ranks) / 1e9
+
+
+def trains_lora(switches: list[str]) -> bool:
+    return any(s.startswith("actor.lora.rank=") and int(s.split("=", 1)[1]) > 0 for s in switches)
 
 
 def model_path(name: str, folder: Path) -> str:
@@ -121,7 +126,7 @@ def main() -> None:
             n_params = n_parameters(model_config(name))
             for rollout in args.rollouts.split(","):
                 for ranks in (int(r) for r in args.ranks.split(",")):
-                    least = least_memory_gb(n_params, ranks)
+                    least = least_memory_gb(n_params, ranks, trains_lora(args.switches))
                     if least > machine_memory_gb():  # not run: it cannot fit
                         result = {"failed": f"needs at least {least:.0f} GB (weights, gradients, AdamW, engine)"}
                     else:
