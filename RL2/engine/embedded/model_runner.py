@@ -260,6 +260,7 @@ class ModelRunner:
                 self.head = self.packed.get(output) or output
         # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).
         self.packed_only: dict[str, tuple[PanelLinear, int, str, torch.Size]] = {}
+        self._packed_only_ids: set[int] = set()  # of those parameters
         if owns_model and self.llama is not None:  # HF's modules might read a weight's shape
             self._keep_packed_only()
 
@@ -277,6 +278,7 @@ class ModelRunner:
                     param = getattr(linear, part)
                     if param is not None:
                         self.packed_only[names[id(param)]] = (kernel, index, part, param.shape)
+                        self._packed_only_ids.add(id(param))
             kernel.keep_packed_only()
 
     def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
@@ -388,9 +390,9 @@ class ModelRunner:
         memory. Buffers (e.g. rotary frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
-        shapes = {name: shape for name, (_, _, _, shape) in self.packed_only.items()}
         for name, param in self.model.named_parameters():  # tied weights are one parameter: released once
-            self.unwritten.setdefault(id(param), (param, shapes.get(name, param.shape)))
+            shape = self.packed_only[name][3] if name in self.packed_only else param.shape
+            self.unwritten.setdefault(id(param), (param, shape))
             param.data = param.data.new_empty(0)
 
     @property
@@ -401,9 +403,8 @@ class ModelRunner:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model in place; names as in `model.state_dict()`."""
-        packed_only = {id(self.model.get_parameter(name)) for name in self.packed_only}
         for param, shape in self.unwritten.values():  # memory back for the released weights, written below
-            if param.numel() == 0 and shape.numel() and id(param) not in packed_only:
+            if param.numel() == 0 and shape.numel() and id(param) not in self._packed_only_ids:
                 param.data = param.data.new_empty(shape)
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:

@@ -28,6 +28,8 @@ class PackedLinear:
     The price is a second copy of the weights.
     """
 
+    packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
+
     def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
         self.out_features = sum(linear.out_features for linear in linears)
@@ -43,6 +45,8 @@ class PackedLinear:
 
     def refresh(self) -> None:
         """Re-pack if any weight or bias changed since it was packed."""
+        if self.packed_only:  # no other copy to change
+            return
         # Checked on every call: read the two attributes, not `parameters()`, which costs more.
         versions = tuple(p._version for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
         if versions != self._versions:
@@ -70,6 +74,8 @@ class PackedLinear:
         # e.g. under autocast: the plain products. F.linear, not the modules: on the HF-module path
         # their forward is this very object (ModelRunner._engine_kernels).
         if hidden.dtype != self.linears[0].weight.dtype:
+            if self.packed_only:
+                raise TypeError(f"the engine's packed layers take {self.dtype} inputs, got {hidden.dtype} (autocast?)")
             return torch.cat([F.linear(hidden, linear.weight, linear.bias) for linear in self.linears], dim=-1)
         self.refresh()
         return self._product(hidden, out)
@@ -96,7 +102,6 @@ class PanelLinear(PackedLinear):
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)
         self.kernels = kernels
-        self.packed_only = False
         self._firsts = [sum(linear.out_features for linear in linears[:i]) for i in range(len(linears))]
 
     def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -104,10 +109,6 @@ class PanelLinear(PackedLinear):
 
     def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return self.kernels.panel_linear(hidden, self._packed, self.out_features, self._bias, out)
-
-    def refresh(self) -> None:
-        if not self.packed_only:
-            super().refresh()
 
     @torch.no_grad()
     def keep_packed_only(self) -> None:
@@ -144,11 +145,6 @@ class PanelLinear(PackedLinear):
                 return torch.empty(0, dtype=self.dtype)
             return self.kernels.unpack_rows(self._packed, first, rows, self.linears[index].in_features)
         return torch.empty(0, dtype=self.dtype) if self._bias is None else self._bias[first : first + rows].clone()
-
-    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed_only and hidden.dtype != self.dtype:
-            raise TypeError(f"the engine's packed layers take {self.dtype} inputs, got {hidden.dtype} (autocast?)")
-        return super().__call__(hidden, out)
 
 
 class ConcatLinear:
