@@ -18,8 +18,10 @@ go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off.
 The hooks also allocate FSDP's buffers, and a decoder layer's are handed out in shared memory itself
 (`Slots`): FSDP then writes its shard of an all-gather, and the gradients of a reduce-scatter, straight
 where the other ranks read them, and the collective is one barrier and the reads. The root module's
-buffers (embeddings and head, several layers' worth) take the copying path instead of four more slots
-of their size.
+buffers (embeddings and head, several layers' worth) would take four more slots of their size: its
+all-gathers take the copying path instead, and its reduce-scatter's input is this rank's part of the
+segment the copying path writes into, so FSDP copies the gradients there itself (a fresh buffer of that
+size each step cost page faults as well as the copy).
 """
 
 import functools
@@ -58,6 +60,7 @@ class SharedMemoryCollectives:
         self.usable = True  # False once the ranks agreed that the segment cannot grow: gloo from then on
         self.calls = 0  # collectives that went through shared memory
         self.in_place = 0  # of them, on buffers FSDP wrote in shared memory itself
+        self.in_segment = 0  # of those, reduce-scatters whose input was this rank's part of `segment`
         self.slots = Slots(self)
 
     @classmethod
@@ -128,6 +131,21 @@ class SharedMemoryCollectives:
             return None
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
+    def input_part(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """This rank's part of the segment as a `size` tensor, for the input of the reduce-scatter that
+        comes next, which FSDP writes itself; None where it cannot be (use memory of its own). Collective."""
+        if device.type != "cpu":
+            return None
+        numel = torch.Size(size).numel()
+        parts = self._parts(numel * dtype.itemsize)
+        if parts is None:
+            return None
+        self._barrier()  # everyone has read what the previous collective left in the segment
+        return parts[self.rank].view(dtype).view(size)
+
+    def _holds_my_part(self, tensor: torch.Tensor) -> bool:
+        return self.segment is not None and tensor.data_ptr() == self.segment.data_ptr() + self.rank * self.part_bytes
+
     def _barrier(self) -> None:
         dist.all_reduce(torch.zeros(1), group=self.group)  # ~5x cheaper than gloo's barrier
 
@@ -171,6 +189,11 @@ class SharedMemoryCollectives:
             self._barrier()  # every rank's input is in place
             parts = self.slots.inputs_of_every_rank(input)
             self.in_place += 1
+        elif self._holds_my_part(input):
+            self._barrier()  # every rank's input is in place
+            parts = self._parts(input.numel() * input.element_size()).view(input.dtype)
+            self.in_place += 1
+            self.in_segment += 1
         else:
             parts = self._publish(input)
         if parts is None:
@@ -290,6 +313,8 @@ class _ReduceScatter(ReduceScatter):
             return torch.empty(*size, dtype=dtype, device=device)
         self.input_numel = numel
         in_place = self.collectives.slots.buffer("scatter", size, dtype, device)
+        if in_place is None:  # too large for a slot (the root module's)
+            in_place = self.collectives.input_part(size, dtype, device)
         return in_place if in_place is not None else torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
