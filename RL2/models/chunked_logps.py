@@ -54,12 +54,19 @@ class LogpsAndEntropy(torch.autograd.Function):
         logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
         entropy, lse = torch.zeros_like(logps), torch.empty_like(logps)
         for rows in _chunks(logits):
+            # One exp per logit serves the log-sum-exp and the entropy: with s = z - max and S = sum e^s,
+            # log p = s - log S and H = log S - sum(e^s s) / S.
             chunk = _scaled(logits[rows], temperature)
-            lse[rows] = torch.logsumexp(chunk, -1)
-            logps[rows] = chunk.gather(-1, labels[rows, None])[:, 0] - lse[rows]
+            top = chunk.amax(-1, keepdim=True)
+            top.masked_fill_(top.isinf(), 0.0)  # a row of -inf (or +inf) logits: as logsumexp treats it
+            shifted = (chunk - top).clamp_(min=torch.finfo(torch.float32).min)  # p log p is 0, not nan, at -inf
+            exps = shifted.exp()
+            sums = exps.sum(-1)
+            log_sum = sums.log()
+            lse[rows] = top[:, 0] + log_sum
+            logps[rows] = (chunk.gather(-1, labels[rows, None]) - top)[:, 0] - log_sum  # -inf stays -inf
             if with_entropy:
-                log_probs = _log_probs(chunk, lse[rows])
-                entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+                entropy[rows] = log_sum - exps.mul_(shifted).sum(-1) / sums
         # An output the loss does not use (the entropy, when it is only a metric) gets None in backward
         # rather than zeros, which would cost a [tokens, vocabulary] pass to multiply by
         # (`set_materialize_grads(False)` above).
@@ -83,7 +90,7 @@ class LogpsAndEntropy(torch.autograd.Function):
             scale = grad_logps[rows, None]
             if grad_entropy is not None and ctx.with_entropy:
                 scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
-            chunk = log_probs.exp_().mul_(scale).neg_()
+            chunk = log_probs.exp_().mul_(scale.neg())  # the [rows, 1] scale negated, not the chunk
             chunk.scatter_add_(-1, labels[rows, None], grad_logps[rows, None])
             grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
         return grad, None, None, None, None
