@@ -1,13 +1,14 @@
-"""Decode attention of one step of the embedded model: the engine's float32 C kernel (`decode_attention`
-of `RL2/engine/embedded/decode_kernels.c`) against the torch ops that run where it cannot be built
+"""Decode attention of one step of the embedded model: the engine's C kernel (`decode_attention` of
+`RL2/engine/embedded/decode_kernels.c`) against the torch ops that run where it cannot be built
 (`attend_one_token`), in the same run, on one core.
 
-    python benchmarks/bench_decode_attention.py [--rows 16,32] [--lengths 64,128] [--steps 20]
+    python benchmarks/bench_decode_attention.py [--rows 16,32] [--lengths 64,128] [--steps 20] [--dtype float32]
 
 A step attends one new query per row over that row's cached keys and values in each of the 30 layers of
 SmolLM2-135M-Instruct's shapes (9 query heads, 3 kv heads, head_dim 64), every row at the same length,
-random float32 caches laid out as the engine's `SlotKVCache` (each layer its own buffer, so they are read
-from memory, as in a real step). Prints milliseconds per step and the rate at which the step reads its
+random caches laid out as the engine's `SlotKVCache` (each layer its own buffer, so they are read from
+memory, as in a real step) in the model's dtype: keys and values in it for the C kernel, float32 keys for
+the torch ops (the cache keeps them so there). Prints milliseconds per step and the rate at which the step reads its
 keys and values, against what one core reads from memory in the same run (a sum over 512 MB), and the
 process's peak resident memory.
 """
@@ -40,26 +41,28 @@ def read_rate(gigabytes: float = 0.5, rounds: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def step_functions(rows: int, length: int) -> dict:
-    """Callables running one step's attention (all layers) with each implementation."""
+def step_functions(rows: int, length: int, dtype: torch.dtype) -> dict:
+    """name -> (a callable running one step's attention (all layers) with that implementation, bytes of
+    the cache it reads)."""
     generator = torch.Generator().manual_seed(0)
     cache_len = max(128, 1 << (length - 1).bit_length())  # the cache grows by doubling
-    caches = [
-        tuple(torch.randn(rows, KV_HEADS, cache_len, HEAD_DIM, generator=generator) for _ in range(2))
-        for _ in range(LAYERS)
-    ]
-    query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator)
+    shape = (rows, KV_HEADS, cache_len, HEAD_DIM)
+    caches = [tuple(torch.randn(*shape, generator=generator).to(dtype) for _ in range(2)) for _ in range(LAYERS)]
+    float32_keys = [keys.float() for keys, _ in caches]
+    query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype).float()
     positions = torch.full((rows,), length - 1)
     scale = HEAD_DIM**-0.5
-    kernels, out = load_decode_kernels(), torch.empty(rows, HEADS * HEAD_DIM)
+    kernels, out = load_decode_kernels(), torch.empty(rows, HEADS * HEAD_DIM, dtype=dtype)
     bias = attention_bias(torch.arange(length)[None, :] <= positions[:, None])
+    positions_read = LAYERS * rows * KV_HEADS * length * HEAD_DIM
     return {
-        "decode_attention (C)": lambda: [
+        "decode_attention (C)": (lambda: [
             kernels.decode_attention(query, keys, values, positions, scale, out) for keys, values in caches
-        ],
-        "torch ops": lambda: [
-            attend_one_token(query, keys[:, :, :length], values[:, :, :length], bias, scale) for keys, values in caches
-        ],
+        ], positions_read * 2 * dtype.itemsize),
+        "torch ops": (lambda: [
+            attend_one_token(query.to(dtype), keys[:, :, :length], values[:, :, :length], bias, scale)
+            for keys, (_, values) in zip(float32_keys, caches)
+        ], positions_read * (4 + dtype.itemsize)),
     }
 
 
@@ -77,19 +80,21 @@ def main() -> None:
     parser.add_argument("--rows", default="16,32", help="comma-separated rows per step (running requests)")
     parser.add_argument("--lengths", default="64,128", help="comma-separated cached positions a row attends over")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if load_decode_kernels() is None:
         sys.exit("the C decode kernels cannot be built here (no C compiler?): nothing to compare")
     torch.set_num_threads(1)
     with torch.inference_mode():
         memory_rate = read_rate()
         print(f"\none core reads {memory_rate / 1e9:.1f} GB/s from memory (a sum over 512 MB, best of 5)")
+        print(f"\n{args.dtype} model")
         print("\n| rows | length | implementation | ms per step | keys and values read (GB/s) | share of the memory rate |")
         print("|---|---|---|---|---|---|")
         for rows in [int(r) for r in args.rows.split(",")]:
             for length in [int(n) for n in args.lengths.split(",")]:
-                bytes_read = 2 * LAYERS * rows * KV_HEADS * length * HEAD_DIM * 4
-                for name, step in step_functions(rows, length).items():
+                for name, (step, bytes_read) in step_functions(rows, length, dtype).items():
                     seconds = time_step(step, args.steps)
                     rate = bytes_read / seconds
                     print(f"| {rows} | {length} | {name} | {seconds * 1e3:.2f} | {rate / 1e9:.1f} | "

@@ -146,9 +146,9 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
 
 
 def bf16_cache(rows, kv_heads, cache_len, head_dim, zero_keys=False):
-    """A bf16 model's cache as `SlotKVCache` holds it: keys float32, values bf16."""
+    """A bf16 model's cache as `SlotKVCache` holds it for the kernels: keys and values bf16."""
     keys = randn(rows + 2, kv_heads, cache_len, head_dim, seed=1) * (0.0 if zero_keys else 1.0)
-    return keys, randn(rows + 2, kv_heads, cache_len, head_dim, seed=2).bfloat16()
+    return keys.bfloat16(), randn(rows + 2, kv_heads, cache_len, head_dim, seed=2).bfloat16()
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTENTION_SHAPES, ids=lambda x: str(x))
@@ -229,7 +229,7 @@ def test_rope_and_store_in_bf16_rounds_as_the_torch_ops(norms):
     angles = positions[:, None].double() * (10000.0 ** (-torch.arange(0, head_dim, 2).double() / head_dim))
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()  # HF's rotary hands them over in the model's dtype
-    keys = randn(rows, kv_heads, cache_len, head_dim, seed=3)
+    keys = randn(rows, kv_heads, cache_len, head_dim, seed=3).bfloat16()
     values = randn(rows, kv_heads, cache_len, head_dim, seed=4).bfloat16()
     expected_keys, expected_values = keys.clone(), values.clone()
 
@@ -244,15 +244,29 @@ def test_rope_and_store_in_bf16_rounds_as_the_torch_ops(norms):
     signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
     rotated = llama_forward._rotate(qk, cos[:, None], signed_sin[:, None])
     for row, position in enumerate(positions):
-        expected_keys[row, :, position] = rotated[row, heads:].float()
+        expected_keys[row, :, position] = rotated[row, heads:]
         expected_values[row, :, position] = v[row]
 
     q_out = torch.empty(rows, heads, head_dim)
     KERNELS.rope_and_store(qkv, cos, sin, positions, q_norm, k_norm, 1e-6, q_out, keys, values)
     assert_rounded_alike(q_out.bfloat16(), rotated[:, :heads])
     assert torch.equal(q_out.bfloat16().float(), q_out), "q holds bf16 values"
-    assert_rounded_alike(keys.bfloat16(), expected_keys.bfloat16())
+    assert_rounded_alike(keys, expected_keys)
     assert torch.equal(values, expected_values)
+
+
+def test_a_cache_not_in_the_model_dtype_is_refused():
+    """The C code would read float32 keys as pairs of bf16 (or write bf16 into float32 ones): garbage."""
+    rows, heads, kv_heads, head_dim = 2, 4, 2, 64
+    keys, values = bf16_cache(rows, kv_heads, 16, head_dim)
+    positions, out = torch.tensor([3, 5]), torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="keys torch.float32"):
+        KERNELS.decode_attention(randn(rows, heads, head_dim), keys.float(), values, positions, 0.125, out)
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim).bfloat16()
+    cos = sin = torch.ones(rows, head_dim, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="keys torch.float32"):
+        KERNELS.rope_and_store(qkv, cos, sin, positions, None, None, 0.0, torch.empty(rows, heads, head_dim),
+                               keys.float(), values)
 
 
 # Layers of 5, 9 and 11 outputs: panel boundaries (every 6 or 12) fall inside layers, and the last panel

@@ -15,8 +15,7 @@
  *   qkv                 [rows, (heads + 2 * kv_heads) * head_dim]   ELEMENT: q, k, v projections side by side
  *   cos, sin            [rows, head_dim]                            ELEMENT: the model's rotary cos and sin
  *   q                   [rows, heads, head_dim]                     float32 (a bf16 model's q widened)
- *   keys                [cache_rows, kv_heads, cache_len, head_dim] float32: the engine's SlotKVCache
- *   values              [cache_rows, kv_heads, cache_len, head_dim] ELEMENT
+ *   keys, values        [cache_rows, kv_heads, cache_len, head_dim] ELEMENT: the engine's SlotKVCache
  *   positions           [rows] int64                                row r writes and sees 0..positions[r]
  */
 
@@ -189,17 +188,18 @@ static void widen_bf16(float *restrict out, const bf16 *restrict in, int64_t n) 
     for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(in[i]);  /* exact */
 }
 
-/* decode_attention for float32 values and output, or for a bf16 model (`bf16_model`: values and output
- * bf16) as the engine's torch ops compute its attention: the probabilities rounded to bf16 before they
- * meet the values, the products summed in float32 (the values widened to float32 per row and kv head, a
- * few KB that stay in cache), the output rounded once. */
+/* decode_attention for float32 keys, values and output, or for a bf16 model (`bf16_model`: keys, values and
+ * output bf16) as the engine's torch ops compute its attention: scores in float32 over the keys widened
+ * (exactly), the probabilities rounded to bf16 before they meet the values, the products summed in float32
+ * (keys and values widened to float32 per row and kv head, a few KB that stay in cache, so the cache is
+ * read at half the bytes), the output rounded once. */
 static inline __attribute__((always_inline)) void attention(
-    const float *q, const float *keys, const void *values, int bf16_model, const int64_t *positions, void *out,
+    const float *q, const void *keys, const void *values, int bf16_model, const int64_t *positions, void *out,
     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
     int64_t group = heads / kv_heads;
 #pragma omp parallel
     {
-        float *scores = NULL, *widened = NULL;
+        float *scores = NULL, *widened = NULL, *widened_keys = NULL;
         float *summed = bf16_model ? malloc(group * head_dim * sizeof(float)) : NULL; /* a group's output, unrounded */
         if (bf16_model && !summed) abort();
         int64_t capacity = 0;
@@ -209,16 +209,22 @@ static inline __attribute__((always_inline)) void attention(
             if (length > capacity) {
                 free(scores);
                 free(widened);
+                free(widened_keys);
                 capacity = length;
                 scores = malloc(capacity * group * sizeof(float));
                 widened = bf16_model ? malloc(capacity * head_dim * sizeof(float)) : NULL;
-                if (!scores || (bf16_model && !widened)) abort();  /* out of memory: no way to raise from inside a parallel region */
+                widened_keys = bf16_model ? malloc(capacity * head_dim * sizeof(float)) : NULL;
+                /* out of memory: no way to raise from inside a parallel region */
+                if (!scores || (bf16_model && (!widened || !widened_keys))) abort();
             }
             int64_t offset = (r * kv_heads + g) * cache_len * head_dim;
-            const float *k = keys + offset, *v = (const float *)values + offset;
+            const float *k = widened_keys, *v = widened;
             if (bf16_model) {
+                widen_bf16(widened_keys, (const bf16 *)keys + offset, length * head_dim);
                 widen_bf16(widened, (const bf16 *)values + offset, length * head_dim);
-                v = widened;
+            } else {
+                k = (const float *)keys + offset;
+                v = (const float *)values + offset;
             }
             const float *query = q + (r * heads + g * group) * head_dim;
             if (head_dim % VL == 0)
@@ -254,6 +260,7 @@ static inline __attribute__((always_inline)) void attention(
         }
         free(scores);
         free(widened);
+        free(widened_keys);
         free(summed);
     }
 }
@@ -269,8 +276,8 @@ void decode_attention_f32(const float *q, const float *keys, const float *values
     attention(q, keys, values, 0, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
 }
 
-/* decode_attention for a bf16 model: keys and q float32 (the cache keeps keys so), values and out bf16. */
-void decode_attention_bf16(const float *q, const float *keys, const bf16 *values, const int64_t *positions,
+/* decode_attention for a bf16 model: q float32 (widened), keys, values and out bf16. */
+void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values, const int64_t *positions,
                            bf16 *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t cache_len, float scale) {
     attention(q, keys, values, 1, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);

@@ -44,14 +44,21 @@ def load_decode_kernels() -> "DecodeKernels | None":
     return None if library is None else DecodeKernels(library)
 
 
+def _check_cache(like: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    # The C code reads and writes the cache as elements of the model's dtype: any other would be garbage.
+    if not keys.dtype == values.dtype == like.dtype:
+        raise TypeError(f"the decode kernels take a cache in the model's dtype {like.dtype}: keys {keys.dtype}, "
+                        f"values {values.dtype}")
+
+
 def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
 class DecodeKernels:
     """Typed calls into the library; every tensor is C-contiguous, in the layouts its source describes:
-    the model's dtype, float32 or bf16 (q and the cached keys float32 in both; positions int64; bf16
-    panels only where the library has them, `bf16_panel_rows`). The output tensors are written in place."""
+    the model's dtype, float32 or bf16 (q float32 in both; positions int64; bf16 panels only where the
+    library has them, `bf16_panel_rows`). The output tensors are written in place."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
@@ -91,6 +98,7 @@ class DecodeKernels:
     ) -> torch.Tensor:
         """q_out = rotated q; rotated k and v written into the cache at each row's position."""
         rows, heads, head_dim = q_out.shape
+        _check_cache(qkv, keys, values)
         self._step_kernel("rope_and_store", qkv)(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), _address(q_norm), _address(k_norm),
             eps, q_out.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1], head_dim,
@@ -100,9 +108,10 @@ class DecodeKernels:
 
     def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor) -> torch.Tensor:
         """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
-        (float32) over cache positions 0..positions[r] of each row: keys float32, values float32 or bf16, each a
+        (float32) over cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a
         whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache."""
         rows, heads, head_dim = q.shape
+        _check_cache(values, keys, values)
         self._step_kernel("decode_attention", values)(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
             keys.shape[1], head_dim, keys.shape[2], scale,

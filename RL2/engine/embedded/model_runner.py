@@ -81,16 +81,18 @@ class SlotKVCache:
     """Keys and values of all running requests, one pre-allocated row per request.
 
     Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold
-    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. Keys are
-    float32 whatever the model's dtype: decode attention reads every cached key at every step and
-    scores them in float32, and upcasting bf16 keys there cost more than the attention itself.
-    Values stay in the model's dtype, as SDPA's kernels multiply them with the probabilities (a bf16
-    cache reads half the bytes).
+    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. Values are in
+    the model's dtype, as SDPA's kernels multiply them with the probabilities. Keys are float32 whatever
+    the model's dtype (torch's decode attention scores them in float32, and upcasting bf16 keys at every
+    step cost more than the attention itself), except with `keys_in_model_dtype`, for the C decode
+    kernels: they widen a bf16 model's keys as they score them, so the cache is read at half the bytes
+    (the keys hold bf16 values either way, so the scores are the same).
     HF attention layers call `update` once per layer and attend over what it returns.
     """
 
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, keys_in_model_dtype: bool = False):
         self.max_rows = max_rows
+        self.keys_in_model_dtype = keys_in_model_dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._rows = slice(0, 0)
@@ -119,7 +121,8 @@ class SlotKVCache:
         """This layer's whole key and value buffers `[rows, H_kv, L, D]`, with room for the bound
         forward; `key` and `value` (`[rows, H_kv, T, D]`) give a new layer's head count, dim, dtypes."""
         if layer_idx == len(self.keys):
-            self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3], dtype=torch.float32))
+            dtype = key.dtype if self.keys_in_model_dtype else torch.float32
+            self.keys.append(key.new_zeros(0, key.shape[1], 0, key.shape[3], dtype=dtype))
             self.values.append(value.new_zeros(0, value.shape[1], 0, value.shape[3], dtype=value.dtype))
         keys = self._reserve(self.keys, layer_idx, self._rows.stop, self._length)
         return keys, self._reserve(self.values, layer_idx, self._rows.stop, self._length)
@@ -238,7 +241,6 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         own_parameter_memory(model)
-        self.cache = SlotKVCache(max_rows)
         # Released parameters not loaded since, by id: (the parameter, its shape).
         self.unwritten: dict[int, tuple[torch.nn.Parameter, torch.Size]] = {}
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -258,6 +260,8 @@ class ModelRunner:
             if head_is_output:
                 output = model.get_output_embeddings()
                 self.head = self.packed.get(output) or output
+        decodes_with_kernels = self.llama is not None and self.llama.decode_kernels is not None
+        self.cache = SlotKVCache(max_rows, keys_in_model_dtype=decodes_with_kernels)
         # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).
         self.packed_only: dict[str, tuple[PanelLinear, int, str, torch.Size]] = {}
         self._packed_only_ids: set[int] = set()  # of those parameters

@@ -56,7 +56,7 @@ static void NAME(rotate_head)(float *restrict out, const ELEMENT *restrict x, co
  * position positions[r] of cache row r. q_norm and k_norm (Qwen3's per-head RMSNorm before the
  * rotation, weights [head_dim]) may be NULL. */
 void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT *sin, const int64_t *positions,
-                          const ELEMENT *q_norm, const ELEMENT *k_norm, float eps, float *q_out, float *keys,
+                          const ELEMENT *q_norm, const ELEMENT *k_norm, float eps, float *q_out, ELEMENT *keys,
                           ELEMENT *values, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                           int64_t cache_len) {
     int64_t width = (heads + 2 * kv_heads) * head_dim;
@@ -64,6 +64,7 @@ void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT 
     for (int64_t r = 0; r < rows; r++) {
         const ELEMENT *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
         ELEMENT normed[head_dim];
+        float rotated[head_dim];
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             const ELEMENT *x = row + h * head_dim;
             const ELEMENT *norm = h < heads ? q_norm : k_norm;
@@ -71,9 +72,13 @@ void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT 
                 NAME(rms_norm_row)(normed, x, norm, head_dim, eps);
                 x = normed;
             }
-            float *dst = h < heads ? q_out + (r * heads + h) * head_dim
-                                   : keys + ((r * kv_heads + (h - heads)) * cache_len + positions[r]) * head_dim;
-            NAME(rotate_head)(dst, x, c, s, head_dim);
+            if (h < heads) {
+                NAME(rotate_head)(q_out + (r * heads + h) * head_dim, x, c, s, head_dim);
+            } else {
+                NAME(rotate_head)(rotated, x, c, s, head_dim);
+                ELEMENT *dst = keys + ((r * kv_heads + (h - heads)) * cache_len + positions[r]) * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) dst[i] = STORE(rotated[i]); /* exact: already rounded */
+            }
         }
         for (int64_t g = 0; g < kv_heads; g++) {
             const ELEMENT *v = row + (heads + kv_heads + g) * head_dim;
