@@ -96,6 +96,8 @@ def main() -> None:
         n_params = make_model(args.size, Path(folder))
         print(f"model: Qwen2.5-{args.size}-shaped, {n_params / 1e6:.0f}M parameters, float32 weights and AdamW "
               f"moments; {args.rounds} rounds of offload and onload")
+        print(f"{'host memory':<12} {'GB moved':>8} {'1st off s':>9} {'1st on s':>8} {'off s':>7} {'off GB/s':>8} "
+              f"{'on s':>7} {'on GB/s':>7} {'peak RSS GB':>11}")
         results = {}
         for mode, switches in MODES.items():
             env = {**os.environ, "PYTHONPATH": str(REPO), **switches}
@@ -103,14 +105,12 @@ def main() -> None:
             result = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if result.returncode != 0:
                 sys.exit(f"the {mode} worker failed:\n{result.stderr[-4000:]}")
-            results[mode] = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"{'host memory':<12} {'GB moved':>8} {'1st off s':>9} {'1st on s':>8} {'off s':>7} {'off GB/s':>8} "
-          f"{'on s':>7} {'on GB/s':>7} {'peak RSS GB':>11}")
-    for mode, r in results.items():
-        gb = r["bytes"] / 1e9
-        off, on = later(r["offload"]), later(r["onload"])
-        print(f"{mode:<12} {gb:>8.2f} {r['offload'][0]:>9.3f} {r['onload'][0]:>8.3f} {off:>7.3f} {gb / off:>8.1f} "
-              f"{on:>7.3f} {gb / on:>7.1f} {r['peak_rss'] / 1e9:>11.2f}")
+            # A row as each mode finishes: each runs in a process of its own and takes tens of seconds.
+            r = results[mode] = json.loads(result.stdout.strip().splitlines()[-1])
+            gb = r["bytes"] / 1e9
+            off, on = later(r["offload"]), later(r["onload"])
+            print(f"{mode:<12} {gb:>8.2f} {r['offload'][0]:>9.3f} {r['onload'][0]:>8.3f} {off:>7.3f} {gb / off:>8.1f} "
+                  f"{on:>7.3f} {gb / on:>7.1f} {r['peak_rss'] / 1e9:>11.2f}", flush=True)
     fast, slow = results["page-locked"], results["pageable"]
     per_round = lambda r: later(r["offload"]) + later(r["onload"])
     print(f"page-locked: {per_round(slow) / per_round(fast):.1f}x faster per round trip after the first")
