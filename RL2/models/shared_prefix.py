@@ -26,6 +26,7 @@ import torch
 
 from RL2.batch import MicroBatch
 from RL2.models.attention import sdpa, tokens_major_cat
+from RL2.models.prefix_attention import prefix_attention, usable
 
 MIN_SHARED_TOKENS = 16
 
@@ -106,6 +107,8 @@ class SharedPrefixRow:
     def attention(self, query, key, value, scaling: float) -> torch.Tensor:
         """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
         -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
+        if usable(query, key, value):
+            return prefix_attention(query, key, value, self.runs(), scaling)
         # One split of each input into prefixes and branches: the backward of a split is one
         # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
         sizes = [size for block in self.blocks for size in (block.prefix, *block.branches)]
@@ -122,6 +125,24 @@ class SharedPrefixRow:
                 mask = self._branch_mask(length, block.prefix, query.device)
                 outputs.append(sdpa(branch_q, keys, values, scaling, mask))
         return tokens_major_cat(outputs)
+
+    def runs(self) -> torch.Tensor:
+        """`[3, T_c]` int64, the keys each token sees: its block's prefix (prefix_start..prefix_end - 1;
+        none for a prefix token) and its own tokens from own_start (its prefix's or branch's first) to itself."""
+        if "runs" not in self._masks:
+            prefix_start, prefix_end, own_start = [], [], []
+            for block in self.blocks:
+                prefix_start += [block.start] * block.prefix
+                prefix_end += [block.start] * block.prefix
+                own_start += [block.start] * block.prefix
+                first = block.start + block.prefix
+                for length in block.branches:
+                    prefix_start += [block.start] * length
+                    prefix_end += [block.start + block.prefix] * length
+                    own_start += [first] * length
+                    first += length
+            self._masks["runs"] = torch.tensor([prefix_start, prefix_end, own_start], dtype=torch.long)
+        return self._masks["runs"]
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
         # Query i of a branch sits at prefix + i: it sees every prefix key and branch keys 0..i.

@@ -1,0 +1,340 @@
+/* Attention of a packed row whose sequences share prefixes (shared_prefix.py), forward and backward, in
+ * float32 arithmetic on float32 or bf16 tensors, on CPU.
+ *
+ * Every query token t sees two runs of keys: a prefix run [prefix_start[t], prefix_end[t]) (empty for a
+ * token of a prefix or of a sequence that shares none) and its own run [own_start[t], t], causally. As
+ * torch ops that is one SDPA call per prefix and per branch (a group of 4 responses: 5 calls, and a
+ * concatenation of keys per branch, per layer), each too small for SDPA's blocked kernel to run at
+ * speed, with bf16 inputs upcast per call. Here a whole row is one call: queries are taken a tile at a
+ * time (up to TILE consecutive tokens that see the same runs, times the query heads of one kv head), and
+ * the products are small matrix products over the keys of the tile's runs, held in float32 in cache.
+ *
+ * Forward keeps the log-sum-exp of every query's scores; backward recomputes the probabilities from it
+ * (as flash attention does) and takes delta = sum_j P_j dP_j, the exact value of dO . O, so the output
+ * itself is not kept.
+ *
+ * Layouts (C-contiguous; ELEMENT float32 or bf16 by the `bf16` flag):
+ *   q, grad_q          [T, heads, head_dim]      ELEMENT
+ *   k, v, grad_k/v     [T, kv_heads, head_dim]   ELEMENT
+ *   out, grad_out      [T, heads, head_dim]      ELEMENT
+ *   lse                [T, heads]                float32
+ *   runs               [3, T] int64: prefix_start, prefix_end, own_start
+ * head_dim must be a multiple of COLUMNS (prefix_attention_columns()).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"      /* bf16, bf16_to_float, float_to_bf16 */
+#include "fast_math.h" /* exp_clamped */
+
+#ifdef __AVX512F__
+#define VL 16
+#define BLOCK 4 /* rows of weigh_rows, keys of accumulate_rows, per pass: 16 of the 32 vector registers */
+#else
+#define VL 8
+#define BLOCK 2 /* 8 of AVX2's 16, beside the four vectors of the row they multiply */
+#endif
+#define COLUMNS (4 * VL) /* head_dim is taken this many columns at a time: four vectors */
+#define TILE 4            /* query tokens per tile */
+#define ROW_BLOCK 6       /* query rows per pass of dot_columns: 12 accumulators */
+
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+
+int prefix_attention_columns(void) { return COLUMNS; }
+
+static inline float load(const void *p, int64_t i, int bf16_data) {
+    return bf16_data ? bf16_to_float(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float x, int bf16_data) {
+    if (bf16_data)
+        ((bf16 *)p)[i] = float_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* One kv head of k or v [T, kv_heads, D] as float32, rows [T][D] and/or transposed [D][ld] (ld >= T + VL,
+ * the columns past T zero, so that whole vectors may be read past a run's end). */
+static void widen_head(const void *x, int64_t g, int64_t T, int64_t kv_heads, int64_t D, int bf16_data, float *rows,
+                       float *transposed, int64_t ld) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++) {
+            float value = load(x, (t * kv_heads + g) * D + d, bf16_data);
+            if (rows) rows[t * D + d] = value;
+            if (transposed) transposed[d * ld + t] = value;
+        }
+    if (transposed)
+        for (int64_t d = 0; d < D; d++) memset(transposed + d * ld + T, 0, (ld - T) * sizeof(float));
+}
+
+/* s[r][c] = scale * (a[r] . b[:, first + c]) for r < rows, c < n: a [rows][D], b transposed [D][ld].
+ * Two vectors of columns for ROW_BLOCK rows at a time; whole vectors are written, up to VL - 1 columns
+ * past n (s has room for them). */
+static void dot_columns(float *restrict s, int64_t ld_s, const float *restrict a, int64_t rows, int64_t D,
+                        const float *restrict b, int64_t ld_b, int64_t first, int64_t n, float scale) {
+    for (int64_t c = 0; c < n; c += 2 * VL) {
+        int two = c + VL < n;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+            int64_t block = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+            vf acc[ROW_BLOCK][2] = {0};
+            const float *column = b + first + c;
+            for (int64_t d = 0; d < D; d++) {
+                vf b0 = *(const vf *)(column + d * ld_b), b1 = two ? *(const vf *)(column + d * ld_b + VL) : b0;
+#pragma GCC unroll 6
+                for (int r = 0; r < ROW_BLOCK; r++) {
+                    if (r < block) {
+                        float x = a[(r0 + r) * D + d];
+                        acc[r][0] += x * b0;
+                        acc[r][1] += x * b1;
+                    }
+                }
+            }
+            for (int64_t r = 0; r < block; r++) {
+                *(vf *)(s + (r0 + r) * ld_s + c) = acc[r][0] * scale;
+                if (two) *(vf *)(s + (r0 + r) * ld_s + c + VL) = acc[r][1] * scale;
+            }
+        }
+    }
+}
+
+/* out[r] (+)= sum over c < n of w[r][c] * b[first + c] for r < rows: w [rows][ld_w], b rows [T][D], out
+ * [rows][D]. BLOCK rows and COLUMNS columns at a time, each row of b loaded once for them. */
+static void weigh_rows(float *restrict out, const float *restrict w, int64_t ld_w, int64_t rows,
+                       const float *restrict b, int64_t first, int64_t n, int64_t D, int accumulate) {
+    for (int64_t col = 0; col < D; col += COLUMNS)
+        for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+            int64_t block = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+            vf acc[BLOCK][4] = {0};
+            for (int64_t c = 0; c < n; c++) {
+                const float *row = b + (first + c) * D + col;
+                vf x[4];
+                for (int q = 0; q < 4; q++) x[q] = *(const vf *)(row + q * VL);
+#pragma GCC unroll 4
+                for (int r = 0; r < BLOCK; r++) {
+                    if (r < block) {
+                        float weight = w[(r0 + r) * ld_w + c];
+                        for (int q = 0; q < 4; q++) acc[r][q] += weight * x[q];
+                    }
+                }
+            }
+            for (int64_t r = 0; r < block; r++)
+                for (int q = 0; q < 4; q++) {
+                    vf *o = (vf *)(out + (r0 + r) * D + col + q * VL);
+                    *o = accumulate ? *o + acc[r][q] : acc[r][q];
+                }
+        }
+}
+
+/* b[first + c] += sum over r < rows of w[r][c] * a[r] for c < n: the transposed product of weigh_rows,
+ * into b [T][D]. BLOCK keys at a time, each row of a loaded once for them. */
+static void accumulate_rows(float *restrict b, const float *restrict w, int64_t ld_w, const float *restrict a,
+                            int64_t rows, int64_t first, int64_t n, int64_t D) {
+    for (int64_t col = 0; col < D; col += COLUMNS)
+        for (int64_t c0 = 0; c0 < n; c0 += BLOCK) {
+            int64_t block = n - c0 < BLOCK ? n - c0 : BLOCK;
+            vf acc[BLOCK][4] = {0};
+            for (int64_t r = 0; r < rows; r++) {
+                vf x[4];
+                for (int q = 0; q < 4; q++) x[q] = *(const vf *)(a + r * D + col + q * VL);
+#pragma GCC unroll 4
+                for (int c = 0; c < BLOCK; c++) {
+                    if (c < block) {
+                        float weight = w[r * ld_w + c0 + c];
+                        for (int q = 0; q < 4; q++) acc[c][q] += weight * x[q];
+                    }
+                }
+            }
+            for (int64_t c = 0; c < block; c++)
+                for (int q = 0; q < 4; q++) *(vf *)(b + (first + c0 + c) * D + col + q * VL) += acc[c][q];
+        }
+}
+
+/* A tile: tokens [t0, t1) that see the same runs, with the query heads h0 .. h0 + group of one kv head
+ * as its rows (row = (t - t0) * group + h). Its keys are the prefix run, then own_start .. t1 - 1; a
+ * score is the column of its key in that order. */
+typedef struct {
+    int64_t t0, t1, prefix_start, prefix_length, own_start, own_length, rows, columns;
+} Tile;
+
+static int64_t tile_end(const int64_t *runs, int64_t T, int64_t t0) {
+    int64_t t1 = t0 + 1;
+    while (t1 < T && t1 - t0 < TILE && runs[t1] == runs[t0] && runs[T + t1] == runs[T + t0] &&
+           runs[2 * T + t1] == runs[2 * T + t0])
+        t1++;
+    return t1;
+}
+
+static Tile make_tile(const int64_t *runs, int64_t T, int64_t t0, int64_t group) {
+    Tile tile = {.t0 = t0, .t1 = tile_end(runs, T, t0), .prefix_start = runs[t0]};
+    tile.prefix_length = runs[T + t0] - runs[t0];
+    tile.own_start = runs[2 * T + t0];
+    tile.own_length = tile.t1 - tile.own_start;
+    tile.rows = (tile.t1 - t0) * group;
+    tile.columns = tile.prefix_length + tile.own_length;
+    return tile;
+}
+
+/* The tile's rows of x [T, heads, D] (heads h0..) as float32 [rows][D]. */
+static void gather_rows(float *out, const void *x, const Tile *tile, int64_t h0, int64_t group, int64_t heads,
+                        int64_t D, int bf16_data) {
+    for (int64_t t = tile->t0; t < tile->t1; t++)
+        for (int64_t h = 0; h < group; h++)
+            for (int64_t d = 0; d < D; d++)
+                out[((t - tile->t0) * group + h) * D + d] = load(x, (t * heads + h0 + h) * D + d, bf16_data);
+}
+
+/* The tile's scores (scale * q . k) over its keys into s [rows][ld_s], from keys transposed [D][ld_k];
+ * scores of keys after their query's token are -inf. */
+static void tile_scores(float *s, int64_t ld_s, const float *rows, const Tile *tile, const float *keys_t, int64_t ld_k,
+                        int64_t D, int64_t group, float scale) {
+    dot_columns(s, ld_s, rows, tile->rows, D, keys_t, ld_k, tile->prefix_start, tile->prefix_length, scale);
+    dot_columns(s + tile->prefix_length, ld_s, rows, tile->rows, D, keys_t, ld_k, tile->own_start, tile->own_length,
+                scale);
+    for (int64_t r = 0; r < tile->rows; r++) {
+        int64_t t = tile->t0 + r / group;
+        for (int64_t c = tile->prefix_length + (t - tile->own_start) + 1; c < tile->columns; c++)
+            s[r * ld_s + c] = -INFINITY;
+    }
+}
+
+/* Scratch of one kv head's work: the widened keys and values, and a tile's rows and scores. */
+typedef struct {
+    float *keys, *keys_t, *values, *values_t, *grad_keys, *grad_values, *rows, *grad_rows, *result, *scores,
+        *probs, *grad_probs;
+    int64_t ld_t, ld_s;
+} Scratch;
+
+static int scratch_alloc(Scratch *w, int64_t T, int64_t D, int64_t group) {
+    w->ld_t = T + VL;
+    w->ld_s = T + 2 * VL;
+    int64_t rows = TILE * group;
+    float **buffers[] = {&w->keys, &w->keys_t, &w->values, &w->values_t, &w->grad_keys, &w->grad_values,
+                         &w->rows, &w->grad_rows, &w->result, &w->scores, &w->probs, &w->grad_probs};
+    int64_t sizes[] = {T * D, D * w->ld_t, T * D, D * w->ld_t, T * D, T * D,
+                       rows * D, rows * D, rows * D, rows * w->ld_s, rows * w->ld_s, rows * w->ld_s};
+    int ok = 1;
+    for (int i = 0; i < 12; i++) {
+        *buffers[i] = aligned_alloc(64, ((sizes[i] * sizeof(float) + 63) / 64) * 64);
+        ok = ok && *buffers[i];
+    }
+    return ok;
+}
+
+static void scratch_free(Scratch *w) {
+    float *buffers[] = {w->keys, w->keys_t, w->values, w->values_t, w->grad_keys, w->grad_values,
+                        w->rows, w->grad_rows, w->result, w->scores, w->probs, w->grad_probs};
+    for (int i = 0; i < 12; i++) free(buffers[i]);
+}
+
+/* out and lse of every query; returns 0, or 1 when out of memory (nothing written then). */
+int prefix_attention_forward(const void *q, const void *k, const void *v, const int64_t *runs, void *out, float *lse,
+                             int64_t T, int64_t heads, int64_t kv_heads, int64_t D, float scale, int bf16_data) {
+    int64_t group = heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) reduction(| : failed)
+    for (int64_t g = 0; g < kv_heads; g++) {
+        Scratch w;
+        if (!scratch_alloc(&w, T, D, group)) {
+            scratch_free(&w);
+            failed = 1;
+            continue;
+        }
+        widen_head(k, g, T, kv_heads, D, bf16_data, NULL, w.keys_t, w.ld_t);
+        widen_head(v, g, T, kv_heads, D, bf16_data, w.values, NULL, 0);
+        for (int64_t t0 = 0; t0 < T;) {
+            Tile tile = make_tile(runs, T, t0, group);
+            gather_rows(w.rows, q, &tile, g * group, group, heads, D, bf16_data);
+            tile_scores(w.scores, w.ld_s, w.rows, &tile, w.keys_t, w.ld_t, D, group, scale);
+            for (int64_t r = 0; r < tile.rows; r++) {
+                float *s = w.scores + r * w.ld_s, max = s[0], sum = 0.0f;
+                for (int64_t c = 1; c < tile.columns; c++) max = s[c] > max ? s[c] : max;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t c = 0; c < tile.columns; c++) {
+                    s[c] = exp_clamped(s[c] - max) * (s[c] != -INFINITY);
+                    sum += s[c];
+                }
+                float inv = 1.0f / sum;
+                for (int64_t c = 0; c < tile.columns; c++) s[c] *= inv;
+                lse[(tile.t0 + r / group) * heads + g * group + r % group] = max + logf(sum);
+            }
+            weigh_rows(w.result, w.scores, w.ld_s, tile.rows, w.values, tile.prefix_start, tile.prefix_length, D, 0);
+            weigh_rows(w.result, w.scores + tile.prefix_length, w.ld_s, tile.rows, w.values, tile.own_start,
+                       tile.own_length, D, 1);
+            for (int64_t r = 0; r < tile.rows; r++) {
+                int64_t first = ((tile.t0 + r / group) * heads + g * group + r % group) * D;
+                for (int64_t d = 0; d < D; d++) store(out, first + d, w.result[r * D + d], bf16_data);
+            }
+            t0 = tile.t1;
+        }
+        scratch_free(&w);
+    }
+    return failed;
+}
+
+/* grad_q, grad_k, grad_v from grad_out and the forward's lse; returns 0, or 1 when out of memory. */
+int prefix_attention_backward(const void *q, const void *k, const void *v, const int64_t *runs, const float *lse,
+                              const void *grad_out, void *grad_q, void *grad_k, void *grad_v, int64_t T,
+                              int64_t heads, int64_t kv_heads, int64_t D, float scale, int bf16_data) {
+    int64_t group = heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) reduction(| : failed)
+    for (int64_t g = 0; g < kv_heads; g++) {
+        Scratch w;
+        if (!scratch_alloc(&w, T, D, group)) {
+            scratch_free(&w);
+            failed = 1;
+            continue;
+        }
+        widen_head(k, g, T, kv_heads, D, bf16_data, w.keys, w.keys_t, w.ld_t);
+        widen_head(v, g, T, kv_heads, D, bf16_data, NULL, w.values_t, w.ld_t);
+        memset(w.grad_keys, 0, T * D * sizeof(float));
+        memset(w.grad_values, 0, T * D * sizeof(float));
+        for (int64_t t0 = 0; t0 < T;) {
+            Tile tile = make_tile(runs, T, t0, group);
+            int64_t ld = w.ld_s;
+            gather_rows(w.rows, q, &tile, g * group, group, heads, D, bf16_data);
+            gather_rows(w.grad_rows, grad_out, &tile, g * group, group, heads, D, bf16_data);
+            tile_scores(w.probs, ld, w.rows, &tile, w.keys_t, w.ld_t, D, group, scale);
+            /* dP = dO . v over the same keys */
+            dot_columns(w.grad_probs, ld, w.grad_rows, tile.rows, D, w.values_t, w.ld_t, tile.prefix_start,
+                        tile.prefix_length, 1.0f);
+            dot_columns(w.grad_probs + tile.prefix_length, ld, w.grad_rows, tile.rows, D, w.values_t, w.ld_t,
+                        tile.own_start, tile.own_length, 1.0f);
+            for (int64_t r = 0; r < tile.rows; r++) {
+                float *p = w.probs + r * ld, *dp = w.grad_probs + r * ld, *ds = w.scores + r * ld, delta = 0.0f;
+                float m = lse[(tile.t0 + r / group) * heads + g * group + r % group];
+#pragma omp simd reduction(+ : delta)
+                for (int64_t c = 0; c < tile.columns; c++) {
+                    p[c] = exp_clamped(p[c] - m) * (p[c] != -INFINITY);
+                    delta += p[c] * dp[c];
+                }
+                /* dS = P (dP - delta), times the scale the scores were taken with */
+                for (int64_t c = 0; c < tile.columns; c++) ds[c] = p[c] * (dp[c] - delta) * scale;
+            }
+            accumulate_rows(w.grad_values, w.probs, ld, w.grad_rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
+            accumulate_rows(w.grad_values, w.probs + tile.prefix_length, ld, w.grad_rows, tile.rows, tile.own_start,
+                            tile.own_length, D);
+            accumulate_rows(w.grad_keys, w.scores, ld, w.rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
+            accumulate_rows(w.grad_keys, w.scores + tile.prefix_length, ld, w.rows, tile.rows, tile.own_start,
+                            tile.own_length, D);
+            weigh_rows(w.result, w.scores, ld, tile.rows, w.keys, tile.prefix_start, tile.prefix_length, D, 0);
+            weigh_rows(w.result, w.scores + tile.prefix_length, ld, tile.rows, w.keys, tile.own_start,
+                       tile.own_length, D, 1);
+            for (int64_t r = 0; r < tile.rows; r++) {
+                int64_t first = ((tile.t0 + r / group) * heads + g * group + r % group) * D;
+                for (int64_t d = 0; d < D; d++) store(grad_q, first + d, w.result[r * D + d], bf16_data);
+            }
+            t0 = tile.t1;
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++) {
+                store(grad_k, (t * kv_heads + g) * D + d, w.grad_keys[t * D + d], bf16_data);
+                store(grad_v, (t * kv_heads + g) * D + d, w.grad_values[t * D + d], bf16_data);
+            }
+        scratch_free(&w);
+    }
+    return failed;
+}

@@ -1,0 +1,78 @@
+"""Attention over a shared-prefix row on CPU as one C call per layer, forward and backward
+(`prefix_attention.c`), for float32 and bfloat16.
+
+`SharedPrefixRow.attention` (shared_prefix.py) runs it where it applies (`usable`): plain CPU tensors of
+those dtypes and a head size the kernel's vectors divide; elsewhere, or without a C compiler, or with
+RL2_PREFIX_ATTENTION=0, one SDPA call per prefix and per branch.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from RL2.models.native import load_library
+
+SOURCE = Path(__file__).with_name("prefix_attention.c")
+_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {
+    "prefix_attention_columns": [],
+    "prefix_attention_forward": [_pointer] * 6 + [_int] * 4 + [_float, ctypes.c_int],
+    "prefix_attention_backward": [_pointer] * 9 + [_int] * 4 + [_float, ctypes.c_int],
+}
+RETURNS = {name: ctypes.c_int for name in SIGNATURES}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return load_library(SOURCE, "RL2_PREFIX_ATTENTION", "shared-prefix attention runs as SDPA calls", SIGNATURES,
+                        RETURNS)
+
+
+def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel takes these: plain CPU tensors of one dtype it has, a head size it divides."""
+    tensors = (query, key, value)
+    if not all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == query.dtype for t in tensors):
+        return False
+    if query.dtype not in DTYPES or query.shape[1] % key.shape[1]:
+        return False
+    library = _library()
+    return library is not None and query.shape[-1] % library.prefix_attention_columns() == 0
+
+
+def prefix_attention(query, key, value, runs: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query `[1, H, T, D]`, key/value `[1, H_kv, T, D]` -> `[1, T, H, D]`. `runs` `[3, T]` int64: each
+    token sees keys prefix_start..prefix_end - 1 and own_start..itself."""
+    # Tokens-major, as the projections wrote them: for their usual layout these are views, not copies.
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    return _PrefixAttention.apply(q, k, v, runs, scaling).unsqueeze(0)
+
+
+class _PrefixAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, runs, scaling):
+        tokens, heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty(tokens, heads, dtype=torch.float32)
+        if _library().prefix_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), runs.data_ptr(),
+                                               out.data_ptr(), lse.data_ptr(), tokens, heads, k.shape[1], head_dim,
+                                               scaling, q.dtype == torch.bfloat16):
+            raise MemoryError("prefix attention: out of memory for its scratch buffers")
+        ctx.save_for_backward(q, k, v, runs, lse)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, runs, lse = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype).contiguous()
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        tokens, heads, head_dim = q.shape
+        if _library().prefix_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), runs.data_ptr(),
+                                                lse.data_ptr(), grad_out.data_ptr(), grad_q.data_ptr(),
+                                                grad_k.data_ptr(), grad_v.data_ptr(), tokens, heads, k.shape[1],
+                                                head_dim, ctx.scaling, q.dtype == torch.bfloat16):
+            raise MemoryError("prefix attention: out of memory for its scratch buffers")
+        return grad_q, grad_k, grad_v, None, None
