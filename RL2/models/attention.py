@@ -147,7 +147,6 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         return context_shard.attention(query, key, value, scaling), None
     shared_prefixes = kwargs.get("shared_prefixes")
     if shared_prefixes is not None:
-        log_backend_once("shared-prefix", "sdpa", query.device, query.dtype)
         return shared_prefixes.attention(query, key, value, scaling or query.shape[-1] ** -0.5), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{ATTN_NAME} is for packed training and scoring; generate with attn_implementation='sdpa'")

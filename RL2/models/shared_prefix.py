@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from RL2.batch import MicroBatch
-from RL2.models.attention import sdpa, tokens_major_cat
+from RL2.models.attention import log_backend_once, sdpa, tokens_major_cat
 from RL2.models.prefix_attention import prefix_attention, usable
 
 MIN_SHARED_TOKENS = 16
@@ -108,7 +108,9 @@ class SharedPrefixRow:
         """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
         -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
         if usable(query, key, value):
+            log_backend_once("shared-prefix", "prefix_attention.c", query.device, query.dtype)
             return prefix_attention(query, key, value, self.runs(), scaling)
+        log_backend_once("shared-prefix", "sdpa", query.device, query.dtype)
         # One split of each input into prefixes and branches: the backward of a split is one
         # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
         sizes = [size for block in self.blocks for size in (block.prefix, *block.branches)]
