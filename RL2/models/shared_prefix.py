@@ -63,6 +63,7 @@ class SharedPrefixRow:
     source: torch.Tensor
     blocks: list[Block]
     _masks: dict = field(default_factory=dict, repr=False)
+    _runs: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def length(self) -> int:
@@ -131,7 +132,7 @@ class SharedPrefixRow:
     def runs(self) -> torch.Tensor:
         """`[3, T_c]` int64, the keys each token sees: its block's prefix (prefix_start..prefix_end - 1;
         none for a prefix token) and its own tokens from own_start (its prefix's or branch's first) to itself."""
-        if "runs" not in self._masks:
+        if self._runs is None:
             prefix_start, prefix_end, own_start = [], [], []
             for block in self.blocks:
                 prefix_start += [block.start] * block.prefix
@@ -143,8 +144,8 @@ class SharedPrefixRow:
                     prefix_end += [block.start + block.prefix] * length
                     own_start += [first] * length
                     first += length
-            self._masks["runs"] = torch.tensor([prefix_start, prefix_end, own_start], dtype=torch.long)
-        return self._masks["runs"]
+            self._runs = torch.tensor([prefix_start, prefix_end, own_start], dtype=torch.long)
+        return self._runs
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
         # Query i of a branch sits at prefix + i: it sees every prefix key and branch keys 0..i.
