@@ -229,112 +229,131 @@ static void scratch_free(Scratch *w) {
     for (int i = 0; i < 12; i++) free(buffers[i]);
 }
 
-/* out and lse of every query; returns 0, or 1 when out of memory (nothing written then). */
-int prefix_attention_forward(const void *q, const void *k, const void *v, const int64_t *runs, void *out, float *lse,
-                             int64_t T, int64_t heads, int64_t kv_heads, int64_t D, float scale, int bf16_data) {
-    int64_t group = heads / kv_heads;
+/* The arguments of a call, shared by the work on each kv head. */
+typedef struct {
+    const void *q, *k, *v, *grad_out;
+    const int64_t *runs;
+    void *out, *grad_q, *grad_k, *grad_v;
+    float *lse;
+    int64_t T, heads, kv_heads, D, group;
+    float scale;
+    int bf16_data;
+} Call;
+
+/* The tile's rows of result [rows][D] into dst [T, heads, D] (out or grad_q), rounded once. */
+static void store_rows(void *dst, const float *result, const Tile *tile, int64_t g, const Call *c) {
+    for (int64_t r = 0; r < tile->rows; r++) {
+        int64_t first = ((tile->t0 + r / c->group) * c->heads + g * c->group + r % c->group) * c->D;
+        for (int64_t d = 0; d < c->D; d++) store(dst, first + d, result[r * c->D + d], c->bf16_data);
+    }
+}
+
+static float *lse_of(const Call *c, const Tile *tile, int64_t g, int64_t r) {
+    return c->lse + (tile->t0 + r / c->group) * c->heads + g * c->group + r % c->group;
+}
+
+/* Runs `work` on each kv head, in parallel, each with scratch of its own; returns 0, or 1 when out of
+ * memory (then the kv heads that got none were skipped). */
+static int each_kv_head(const Call *c, void (*work)(const Call *, int64_t, Scratch *)) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) reduction(| : failed)
-    for (int64_t g = 0; g < kv_heads; g++) {
+    for (int64_t g = 0; g < c->kv_heads; g++) {
         Scratch w;
-        if (!scratch_alloc(&w, T, D, group)) {
-            scratch_free(&w);
+        if (scratch_alloc(&w, c->T, c->D, c->group))
+            work(c, g, &w);
+        else
             failed = 1;
-            continue;
-        }
-        widen_head(k, g, T, kv_heads, D, bf16_data, NULL, w.keys_t, w.ld_t);
-        widen_head(v, g, T, kv_heads, D, bf16_data, w.values, NULL, 0);
-        for (int64_t t0 = 0; t0 < T;) {
-            Tile tile = make_tile(runs, T, t0, group);
-            gather_rows(w.rows, q, &tile, g * group, group, heads, D, bf16_data);
-            tile_scores(w.scores, w.ld_s, w.rows, &tile, w.keys_t, w.ld_t, D, group, scale);
-            for (int64_t r = 0; r < tile.rows; r++) {
-                float *s = w.scores + r * w.ld_s, max = s[0], sum = 0.0f;
-                for (int64_t c = 1; c < tile.columns; c++) max = s[c] > max ? s[c] : max;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t c = 0; c < tile.columns; c++) {
-                    s[c] = exp_clamped(s[c] - max) * (s[c] != -INFINITY);
-                    sum += s[c];
-                }
-                float inv = 1.0f / sum;
-                for (int64_t c = 0; c < tile.columns; c++) s[c] *= inv;
-                lse[(tile.t0 + r / group) * heads + g * group + r % group] = max + logf(sum);
-            }
-            weigh_rows(w.result, w.scores, w.ld_s, tile.rows, w.values, tile.prefix_start, tile.prefix_length, D, 0);
-            weigh_rows(w.result, w.scores + tile.prefix_length, w.ld_s, tile.rows, w.values, tile.own_start,
-                       tile.own_length, D, 1);
-            for (int64_t r = 0; r < tile.rows; r++) {
-                int64_t first = ((tile.t0 + r / group) * heads + g * group + r % group) * D;
-                for (int64_t d = 0; d < D; d++) store(out, first + d, w.result[r * D + d], bf16_data);
-            }
-            t0 = tile.t1;
-        }
         scratch_free(&w);
     }
     return failed;
+}
+
+static void forward_head(const Call *c, int64_t g, Scratch *w) {
+    int64_t T = c->T, D = c->D, group = c->group;
+    widen_head(c->k, g, T, c->kv_heads, D, c->bf16_data, NULL, w->keys_t, w->ld_t);
+    widen_head(c->v, g, T, c->kv_heads, D, c->bf16_data, w->values, NULL, 0);
+    for (int64_t t0 = 0; t0 < T;) {
+        Tile tile = make_tile(c->runs, T, t0, group);
+        gather_rows(w->rows, c->q, &tile, g * group, group, c->heads, D, c->bf16_data);
+        tile_scores(w->scores, w->ld_s, w->rows, &tile, w->keys_t, w->ld_t, D, group, c->scale);
+        for (int64_t r = 0; r < tile.rows; r++) {
+            float *s = w->scores + r * w->ld_s, max = s[0], sum = 0.0f;
+            for (int64_t j = 1; j < tile.columns; j++) max = s[j] > max ? s[j] : max;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < tile.columns; j++) {
+                s[j] = exp_clamped(s[j] - max) * (s[j] != -INFINITY);
+                sum += s[j];
+            }
+            float inv = 1.0f / sum;
+            for (int64_t j = 0; j < tile.columns; j++) s[j] *= inv;
+            *lse_of(c, &tile, g, r) = max + logf(sum);
+        }
+        weigh_rows(w->result, w->scores, w->ld_s, tile.rows, w->values, tile.prefix_start, tile.prefix_length, D, 0);
+        weigh_rows(w->result, w->scores + tile.prefix_length, w->ld_s, tile.rows, w->values, tile.own_start,
+                   tile.own_length, D, 1);
+        store_rows(c->out, w->result, &tile, g, c);
+        t0 = tile.t1;
+    }
+}
+
+static void backward_head(const Call *c, int64_t g, Scratch *w) {
+    int64_t T = c->T, D = c->D, group = c->group, ld = w->ld_s;
+    widen_head(c->k, g, T, c->kv_heads, D, c->bf16_data, w->keys, w->keys_t, w->ld_t);
+    widen_head(c->v, g, T, c->kv_heads, D, c->bf16_data, NULL, w->values_t, w->ld_t);
+    memset(w->grad_keys, 0, T * D * sizeof(float));
+    memset(w->grad_values, 0, T * D * sizeof(float));
+    for (int64_t t0 = 0; t0 < T;) {
+        Tile tile = make_tile(c->runs, T, t0, group);
+        gather_rows(w->rows, c->q, &tile, g * group, group, c->heads, D, c->bf16_data);
+        gather_rows(w->grad_rows, c->grad_out, &tile, g * group, group, c->heads, D, c->bf16_data);
+        tile_scores(w->probs, ld, w->rows, &tile, w->keys_t, w->ld_t, D, group, c->scale);
+        /* dP = dO . v over the same keys */
+        dot_columns(w->grad_probs, ld, w->grad_rows, tile.rows, D, w->values_t, w->ld_t, tile.prefix_start,
+                    tile.prefix_length, 1.0f);
+        dot_columns(w->grad_probs + tile.prefix_length, ld, w->grad_rows, tile.rows, D, w->values_t, w->ld_t,
+                    tile.own_start, tile.own_length, 1.0f);
+        for (int64_t r = 0; r < tile.rows; r++) {
+            float *p = w->probs + r * ld, *dp = w->grad_probs + r * ld, *ds = w->scores + r * ld, delta = 0.0f;
+            float m = *lse_of(c, &tile, g, r);
+#pragma omp simd reduction(+ : delta)
+            for (int64_t j = 0; j < tile.columns; j++) {
+                p[j] = exp_clamped(p[j] - m) * (p[j] != -INFINITY);
+                delta += p[j] * dp[j];
+            }
+            /* dS = P (dP - delta), times the scale the scores were taken with */
+            for (int64_t j = 0; j < tile.columns; j++) ds[j] = p[j] * (dp[j] - delta) * c->scale;
+        }
+        float *probs_own = w->probs + tile.prefix_length, *grads_own = w->scores + tile.prefix_length;
+        accumulate_rows(w->grad_values, w->probs, ld, w->grad_rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
+        accumulate_rows(w->grad_values, probs_own, ld, w->grad_rows, tile.rows, tile.own_start, tile.own_length, D);
+        accumulate_rows(w->grad_keys, w->scores, ld, w->rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
+        accumulate_rows(w->grad_keys, grads_own, ld, w->rows, tile.rows, tile.own_start, tile.own_length, D);
+        weigh_rows(w->result, w->scores, ld, tile.rows, w->keys, tile.prefix_start, tile.prefix_length, D, 0);
+        weigh_rows(w->result, grads_own, ld, tile.rows, w->keys, tile.own_start, tile.own_length, D, 1);
+        store_rows(c->grad_q, w->result, &tile, g, c);
+        t0 = tile.t1;
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++) {
+            store(c->grad_k, (t * c->kv_heads + g) * D + d, w->grad_keys[t * D + d], c->bf16_data);
+            store(c->grad_v, (t * c->kv_heads + g) * D + d, w->grad_values[t * D + d], c->bf16_data);
+        }
+}
+
+/* out and lse of every query; returns 0, or 1 when out of memory. */
+int prefix_attention_forward(const void *q, const void *k, const void *v, const int64_t *runs, void *out, float *lse,
+                             int64_t T, int64_t heads, int64_t kv_heads, int64_t D, float scale, int bf16_data) {
+    Call c = {.q = q, .k = k, .v = v, .runs = runs, .out = out, .lse = lse, .T = T, .heads = heads,
+              .kv_heads = kv_heads, .D = D, .group = heads / kv_heads, .scale = scale, .bf16_data = bf16_data};
+    return each_kv_head(&c, forward_head);
 }
 
 /* grad_q, grad_k, grad_v from grad_out and the forward's lse; returns 0, or 1 when out of memory. */
 int prefix_attention_backward(const void *q, const void *k, const void *v, const int64_t *runs, const float *lse,
                               const void *grad_out, void *grad_q, void *grad_k, void *grad_v, int64_t T,
                               int64_t heads, int64_t kv_heads, int64_t D, float scale, int bf16_data) {
-    int64_t group = heads / kv_heads;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic) reduction(| : failed)
-    for (int64_t g = 0; g < kv_heads; g++) {
-        Scratch w;
-        if (!scratch_alloc(&w, T, D, group)) {
-            scratch_free(&w);
-            failed = 1;
-            continue;
-        }
-        widen_head(k, g, T, kv_heads, D, bf16_data, w.keys, w.keys_t, w.ld_t);
-        widen_head(v, g, T, kv_heads, D, bf16_data, NULL, w.values_t, w.ld_t);
-        memset(w.grad_keys, 0, T * D * sizeof(float));
-        memset(w.grad_values, 0, T * D * sizeof(float));
-        for (int64_t t0 = 0; t0 < T;) {
-            Tile tile = make_tile(runs, T, t0, group);
-            int64_t ld = w.ld_s;
-            gather_rows(w.rows, q, &tile, g * group, group, heads, D, bf16_data);
-            gather_rows(w.grad_rows, grad_out, &tile, g * group, group, heads, D, bf16_data);
-            tile_scores(w.probs, ld, w.rows, &tile, w.keys_t, w.ld_t, D, group, scale);
-            /* dP = dO . v over the same keys */
-            dot_columns(w.grad_probs, ld, w.grad_rows, tile.rows, D, w.values_t, w.ld_t, tile.prefix_start,
-                        tile.prefix_length, 1.0f);
-            dot_columns(w.grad_probs + tile.prefix_length, ld, w.grad_rows, tile.rows, D, w.values_t, w.ld_t,
-                        tile.own_start, tile.own_length, 1.0f);
-            for (int64_t r = 0; r < tile.rows; r++) {
-                float *p = w.probs + r * ld, *dp = w.grad_probs + r * ld, *ds = w.scores + r * ld, delta = 0.0f;
-                float m = lse[(tile.t0 + r / group) * heads + g * group + r % group];
-#pragma omp simd reduction(+ : delta)
-                for (int64_t c = 0; c < tile.columns; c++) {
-                    p[c] = exp_clamped(p[c] - m) * (p[c] != -INFINITY);
-                    delta += p[c] * dp[c];
-                }
-                /* dS = P (dP - delta), times the scale the scores were taken with */
-                for (int64_t c = 0; c < tile.columns; c++) ds[c] = p[c] * (dp[c] - delta) * scale;
-            }
-            accumulate_rows(w.grad_values, w.probs, ld, w.grad_rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
-            accumulate_rows(w.grad_values, w.probs + tile.prefix_length, ld, w.grad_rows, tile.rows, tile.own_start,
-                            tile.own_length, D);
-            accumulate_rows(w.grad_keys, w.scores, ld, w.rows, tile.rows, tile.prefix_start, tile.prefix_length, D);
-            accumulate_rows(w.grad_keys, w.scores + tile.prefix_length, ld, w.rows, tile.rows, tile.own_start,
-                            tile.own_length, D);
-            weigh_rows(w.result, w.scores, ld, tile.rows, w.keys, tile.prefix_start, tile.prefix_length, D, 0);
-            weigh_rows(w.result, w.scores + tile.prefix_length, ld, tile.rows, w.keys, tile.own_start,
-                       tile.own_length, D, 1);
-            for (int64_t r = 0; r < tile.rows; r++) {
-                int64_t first = ((tile.t0 + r / group) * heads + g * group + r % group) * D;
-                for (int64_t d = 0; d < D; d++) store(grad_q, first + d, w.result[r * D + d], bf16_data);
-            }
-            t0 = tile.t1;
-        }
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t d = 0; d < D; d++) {
-                store(grad_k, (t * kv_heads + g) * D + d, w.grad_keys[t * D + d], bf16_data);
-                store(grad_v, (t * kv_heads + g) * D + d, w.grad_values[t * D + d], bf16_data);
-            }
-        scratch_free(&w);
-    }
-    return failed;
+    Call c = {.q = q, .k = k, .v = v, .grad_out = grad_out, .runs = runs, .grad_q = grad_q, .grad_k = grad_k,
+              .grad_v = grad_v, .lse = (float *)lse, .T = T, .heads = heads, .kv_heads = kv_heads, .D = D,
+              .group = heads / kv_heads, .scale = scale, .bf16_data = bf16_data};
+    return each_kv_head(&c, backward_head);
 }
