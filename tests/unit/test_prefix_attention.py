@@ -92,3 +92,56 @@ def test_the_row_runs_the_kernel_where_it_applies():
     assert not kernel.usable(*narrow)
     assert not kernel.usable(*(x.half() for x in (q, k, v)))
     torch.testing.assert_close(row.attention(*narrow, SCALE), sdpa_path(row, *narrow))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_model_with_the_kernel_scores_each_sequence_as_alone(tmp_path, monkeypatch, checkpointing):
+    """Through a Llama whose head size the kernel takes: log-probs and gradients of a row of two prompt groups
+    (shared prefixes, every attention through prefix_attention.c) against the model on each sequence alone."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from RL2.batch import SequenceBatch
+    from RL2.datasets.packing import pack
+    from RL2.models.checkpointing import enable_activation_checkpointing
+    from RL2.models.logps import ModelLayout, forward_packed
+
+    config = LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="rl2_varlen")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    model.train()  # as the trainers run it (checkpointing recomputes only in training mode); no dropout
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for prompt_length in (30, 21):
+        prompt = torch.randint(0, 500, (prompt_length,), generator=g).tolist()
+        for response_length in (9, 14, 1):
+            response = torch.randint(0, 500, (response_length,), generator=g).tolist()
+            examples.append({"input_ids": prompt + response, "loss_mask": [0] * prompt_length + [1] * response_length})
+    (mb,) = pack(SequenceBatch.from_examples(examples), 0, 1, max_tokens=1000)
+    model.parallel_layout = ModelLayout(share_prefixes=True)
+    calls = []
+    monkeypatch.setattr(shared_prefix, "prefix_attention", lambda *args: calls.append(1) or kernel.prefix_attention(*args))
+
+    with torch.no_grad():  # scoring: the kernel's forward without a graph
+        scored = forward_packed(model, mb).logps()
+    output = forward_packed(model, mb)
+    assert output.shared is not None
+    logps = output.logps()
+    (logps * mb.loss_mask).sum().backward()
+
+    expected, loss = [], 0.0
+    for example, mask in zip(examples, mb.unpack(mb.loss_mask)):
+        ids = torch.tensor([example["input_ids"]])
+        lp = reference(input_ids=ids[:, :-1]).logits[0].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        expected.append(lp)
+        loss = loss + (lp * mask).sum()
+    loss.backward()
+    assert len(calls) == 2 * (2 + checkpointing)  # two layers; scored, trained, and recomputed when checkpointed
+    torch.testing.assert_close(logps[0], torch.cat(expected), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scored, logps.detach())
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
