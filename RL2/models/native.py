@@ -3,7 +3,9 @@ engine's decode kernels, the trainer's fused layers).
 
 A library is compiled for this CPU (`-march=native`) into the RL2 cache, under a name that hashes its
 source, the headers next to this file, the flags and the CPU's feature flags, so a changed source or a
-different machine sharing the cache gets its own build. Building takes about a second.
+different machine sharing the cache gets its own build. Building takes about a second. `RL2_MARCH` names
+another target for gcc's `-march` (e.g. `x86-64-v3`: AVX2 code paths on an AVX512 host, to see what an
+AVX2 CPU runs; the benchmarks' `--isa avx2`).
 
 OpenMP: the libraries link `libgomp.so.1`, which torch has already loaded on Linux, so they share
 torch's thread pool instead of starting a second one that would compete for the same cores.
@@ -27,6 +29,12 @@ HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources 
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
+def build_flags() -> list[str]:
+    """`FLAGS`, for the target `RL2_MARCH` names where it is set."""
+    march = os.environ.get("RL2_MARCH", "native")
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+
+
 def cpuinfo(field: str) -> str:
     """The value of `field` (e.g. "flags", "vendor_id") for the first CPU in /proc/cpuinfo; "" where there
     is no such file or field."""
@@ -43,7 +51,8 @@ def _cpu_flags() -> str:
 
 def _build(source: Path, compiler: str) -> Path:
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = build_flags()
+    key = hashlib.sha256(text + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if library.exists():
         return library
@@ -52,7 +61,7 @@ def _build(source: Path, compiler: str) -> Path:
     handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
     os.close(handle)
     try:
-        command = [compiler, *FLAGS, f"-I{HEADERS}", str(source), "-o", partial, "-lm"]
+        command = [compiler, *flags, f"-I{HEADERS}", str(source), "-o", partial, "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, library)
     finally:

@@ -2,10 +2,8 @@
 independent reference), on shapes that reach their edge cases: rows at different positions in a
 larger cache, sharp attention, silu far into both tails, and enough rows for the threaded branch."""
 
-import ctypes
 import math
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -96,16 +94,12 @@ def avx2_kernels(tmp_path_factory) -> DecodeKernels:
     """The library built for AVX2 on an AVX512 CPU (where the native build is AVX512's)."""
     if not torch.cpu._is_avx512_supported() or shutil.which("cc") is None:
         pytest.skip("needs an AVX512 CPU (whose native build differs from the AVX2 one) and cc")
-    flags = [f if f != "-march=native" else "-march=haswell" for f in native.FLAGS]
-    library = tmp_path_factory.mktemp("avx2") / "avx2.so"
-    subprocess.run(["cc", *flags, f"-I{native.HEADERS}", str(decode_kernels.SOURCE), "-o", str(library), "-lm"],
-                   check=True)
-    avx2 = ctypes.CDLL(str(library))
-    for name, argtypes in decode_kernels.SIGNATURES.items():
-        getattr(avx2, name).argtypes = argtypes
-    for name, restype in decode_kernels.RETURNS.items():
-        getattr(avx2, name).restype = restype
-    return DecodeKernels(avx2)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RL2_MARCH", "haswell")
+        env.setenv("RL2_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        library = native.load_library(decode_kernels.SOURCE, "RL2_DECODE_KERNELS", "", decode_kernels.SIGNATURES,
+                                      decode_kernels.RETURNS)
+    return DecodeKernels(library)
 
 
 # (heads, kv_heads, head_dim): head dims that are multiples of the vector width (16 lanes with AVX512, 8 with
