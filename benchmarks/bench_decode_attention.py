@@ -3,6 +3,7 @@
 (`attend_one_token`), in the same run, on one core.
 
     python benchmarks/bench_decode_attention.py [--rows 16,32] [--lengths 64,128] [--steps 20] [--dtype float32]
+                                                [--isa avx2]
 
 A step attends one new query per row over that row's cached keys and values in each of the 30 layers of
 SmolLM2-135M-Instruct's shapes (9 query heads, 3 kv heads, head_dim 64), every row at the same length,
@@ -22,6 +23,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import add_isa_argument, run_with_isa  # noqa: E402
 
 from RL2.engine.embedded.decode_kernels import load_decode_kernels  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
@@ -81,7 +84,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="64,128", help="comma-separated cached positions a row attends over")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
+    add_isa_argument(parser)
     args = parser.parse_args()
+    run_with_isa(args.isa)
     dtype = getattr(torch, args.dtype)
     if load_decode_kernels() is None:
         sys.exit("the C decode kernels cannot be built here (no C compiler?): nothing to compare")
@@ -89,7 +94,7 @@ def main() -> None:
     with torch.inference_mode():
         memory_rate = read_rate()
         print(f"\none core reads {memory_rate / 1e9:.1f} GB/s from memory (a sum over 512 MB, best of 5)")
-        print(f"\n{args.dtype} model")
+        print(f"\n{args.dtype} model, {args.isa} instructions")
         print("\n| rows | length | implementation | ms per step | keys and values read (GB/s) | share of the memory rate |")
         print("|---|---|---|---|---|---|")
         for rows in [int(r) for r in args.rows.split(",")]:

@@ -1,6 +1,7 @@
 """Workload W1 for the RL trainer, against TRL's GRPOTrainer on the same workload in the same run.
 
     python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl] [--variants default,micro-batch-1024]
+                                      [--isa avx2]
 
 W1: the embedded SmolLM2-135M-Instruct, 8 prompts x 4 responses, exactly 64 new tokens each
 (`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is what RL2's
@@ -22,7 +23,9 @@ Model FLOPs: of the work W1 needs, each prompt once per group and each sampled t
 parameter per token forward, 6 forward and backward; the output projection only where logits are
 needed (the sampled tokens). A system that computes a group's prompt once per response does more work
 than that, which shows as a lower rate.
-`--variants` runs RL2 again with switches that trade memory for speed (see VARIANTS).
+`--variants` runs RL2 again with switches that trade memory for speed (see VARIANTS). `--isa avx2` keeps
+both systems (torch, MKL, oneDNN, RL2's C libraries) to AVX2 on an AVX512 host: the code an AVX2 CPU
+runs, at this host's clocks and memory speed.
 TRL is not a dependency of RL2: `pip install trl` to include it.
 """
 
@@ -38,7 +41,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import matmul_peak, run_measured  # noqa: E402
+from common import add_isa_argument, matmul_peak, run_measured, run_with_isa  # noqa: E402
 
 # TRL runs with torch's allocator as its users have it: importing RL2 (below) turns huge pages on for
 # this process and the ones it starts, unless the caller's environment says otherwise.
@@ -197,9 +200,11 @@ def main() -> None:
     parser.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--trl-modes", default="checkpointing,no-checkpointing",
                         help="TRL runs: checkpointing (GRPOConfig's default) and/or no-checkpointing")
+    add_isa_argument(parser)
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--trl-mode", default="checkpointing", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    run_with_isa(args.isa)  # before RL2 is imported: TRL gets the caller's huge-page setting
     if args.trl_worker:
         return trl_worker(args)
     variants = args.variants.split(",")
@@ -220,7 +225,8 @@ def main() -> None:
         trl = {} if args.skip_trl else {mode: run_trl(args, Path(tmp), mode) for mode in args.trl_modes.split(",")}
     peak = max(peak, matmul_peak(dtype))  # measured before and after the runs: a busy moment lowers one
     print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 on "
-          f"{args.nproc} ranks); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; medians of steps 2..{args.steps}")
+          f"{args.nproc} ranks, {args.isa} instructions); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
+          f"medians of steps 2..{args.steps}")
     for variant, rl2 in runs.items():
         print(f"\nRL2 {variant}:\n")
         phase_table(rl2, body, head, peak, prompt_work)

@@ -1,7 +1,7 @@
 """Shared-prefix attention of one decoder layer on CPU: the C kernel (`RL2/models/prefix_attention.c`)
 against one SDPA call per prefix and per branch (`RL2_PREFIX_ATTENTION=0`), in the same run.
 
-    python benchmarks/bench_prefix_attention.py [--groups 4] [--prompt 48] [--responses 4] [--response 64]
+    python benchmarks/bench_prefix_attention.py [--groups 4] [--prompt 48] [--responses 4] [--response 64] [--isa avx2]
 
 A row as one rank of W1 (`bench_ppo_w1.py`) trains on: `groups` prompts of `prompt` tokens, each with
 `responses` branches of `response` tokens, SmolLM2-135M's attention shape (9 query heads, 3 kv heads,
@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_isa_argument, run_with_isa  # noqa: E402
 from RL2.engine.embedded.allocator import keep_freed_memory  # noqa: E402
 from RL2.models import shared_prefix  # noqa: E402
 from RL2.models.shared_prefix import Block, SharedPrefixRow  # noqa: E402
@@ -59,13 +61,15 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=4)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    add_isa_argument(parser)
     args = parser.parse_args()
+    run_with_isa(args.isa)
     torch.set_num_threads(1)
     keep_freed_memory()  # as the trainers do: freed memory is reused, not faulted in again
     row = row_of(args.groups, args.prompt, args.responses, args.response)
     tokens = row.runs().shape[1]
     print(f"one layer's shared-prefix attention: {args.groups} x ({args.prompt} + {args.responses} x {args.response}) "
-          f"= {tokens} tokens, {HEADS} heads / {KV_HEADS} kv heads of {HEAD_DIM}, one core")
+          f"= {tokens} tokens, {HEADS} heads / {KV_HEADS} kv heads of {HEAD_DIM}, one core, {args.isa} instructions")
     print(f"{'dtype':<9} {'path':<18} {'forward ms':>10} {'backward ms':>11} {'total ms':>8} {'kept MB':>7}")
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(0)

@@ -1,4 +1,5 @@
-"""What the benchmarks share: the matmul peak they compare against, and launching a worker on N ranks."""
+"""What the benchmarks share: the matmul peak they compare against, launching a worker on N ranks, and
+running with a CPU's older instruction sets only."""
 
 import json
 import os
@@ -12,6 +13,29 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The environment that keeps torch's kernels, MKL, oneDNN and RL2's C libraries to the instructions an
+# x86 CPU of that kind has: `--isa avx2` on an AVX512 host runs the code an AVX2 CPU runs (at this host's
+# clocks and memory speed, so the figures are a proxy for that CPU, not its own).
+ISA_ENVIRONMENTS = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "RL2_MARCH": "x86-64-v3"},
+}
+
+
+def add_isa_argument(parser) -> None:
+    parser.add_argument("--isa", default="native", choices=list(ISA_ENVIRONMENTS),
+                        help="instruction sets: native (all this CPU has), or avx2 (what an AVX2 CPU runs)")
+
+
+def run_with_isa(isa: str) -> None:
+    """Restart this script with `ISA_ENVIRONMENTS[isa]` set, unless it already is: the libraries read
+    these variables once, when they first run, so they must be set before this process uses torch (and
+    they pass to every process the script starts)."""
+    wanted = ISA_ENVIRONMENTS[isa]
+    if any(os.environ.get(key) != value for key, value in wanted.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | wanted)
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, rounds: int = 5, repeats: int = 4) -> float:
