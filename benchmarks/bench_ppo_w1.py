@@ -1,7 +1,7 @@
 """Workload W1 for the RL trainer, against TRL's GRPOTrainer on the same workload in the same run.
 
     python benchmarks/bench_ppo_w1.py [--steps 3] [--nproc 2] [--skip-trl] [--variants default,micro-batch-1024]
-                                      [--isa avx2]
+                                      [--isa avx2] [--rounds 3]
 
 W1: the embedded SmolLM2-135M-Instruct, 8 prompts x 4 responses, exactly 64 new tokens each
 (`ignore_eos`), no KL, one optimizer step per rollout. `--dtype auto` (the default) is what RL2's
@@ -23,6 +23,7 @@ Model FLOPs: of the work W1 needs, each prompt once per group and each sampled t
 parameter per token forward, 6 forward and backward; the output projection only where logits are
 needed (the sampled tokens). A system that computes a group's prompt once per response does more work
 than that, which shows as a lower rate.
+`--rounds N` runs every system N times, alternating, for a machine whose speed moves between minutes.
 `--variants` runs RL2 again with switches that trade memory for speed (see VARIANTS). `--isa avx2` keeps
 both systems (torch, MKL, oneDNN, RL2's C libraries) to AVX2 on an AVX512 host: the code an AVX2 CPU
 runs, at this host's clocks and memory speed.
@@ -194,6 +195,8 @@ def phase_table(rl2: dict, body: int, head: int, peak: float, prompt_work: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, alternating, and report each round's speed-ups")
     parser.add_argument("--nproc", type=int, default=2, help="RL2 ranks")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--skip-trl", action="store_true")
@@ -220,29 +223,43 @@ def main() -> None:
     peak = matmul_peak(dtype)
     body, head = matmul_params(resolve_model_path("smollm2-135m-instruct"))
     prompt_work = prompt_tokens(resolve_model_path("smollm2-135m-instruct"))
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {variant: run_rl2(args, Path(tmp), variant) for variant in variants}
-        trl = {} if args.skip_trl else {mode: run_trl(args, Path(tmp), mode) for mode in args.trl_modes.split(",")}
-    peak = max(peak, matmul_peak(dtype))  # measured before and after the runs: a busy moment lowers one
-    print(f"\nW1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 on "
-          f"{args.nproc} ranks, {args.isa} instructions); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"medians of steps 2..{args.steps}")
+    speedups = []
+    for round_index in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {variant: run_rl2(args, Path(tmp), variant) for variant in variants}
+            trl = {} if args.skip_trl else {mode: run_trl(args, Path(tmp), mode) for mode in args.trl_modes.split(",")}
+        peak = max(peak, matmul_peak(dtype))  # measured before and after the runs: a busy moment lowers one
+        title = f"round {round_index + 1} of {args.rounds}: " if args.rounds > 1 else ""
+        print(f"\n{title}W1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 "
+              f"on {args.nproc} ranks, {args.isa} instructions); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
+              f"medians of steps 2..{args.steps}")
+        speedups.append(report(args, runs, trl, body, head, peak, prompt_work))
+    if args.rounds > 1 and not args.skip_trl:
+        for variant in variants:
+            ratios = [round_speedups[variant] for round_speedups in speedups]
+            print(f"\nRL2 {variant} over TRL's faster mode, round by round: "
+                  f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+
+
+def report(args, runs: dict, trl: dict, body: int, head: int, peak: float, prompt_work: int) -> dict[str, float]:
+    """Print one round's tables; returns each RL2 variant's speed-up over TRL's faster mode (none without TRL)."""
     for variant, rl2 in runs.items():
         print(f"\nRL2 {variant}:\n")
         phase_table(rl2, body, head, peak, prompt_work)
     # Speed-ups are over TRL's faster mode.
     fastest = min((run["perf/step_s"] for run in trl.values()), default=None)
+    speedups = {variant: fastest / rl2["perf/step_s"] for variant, rl2 in runs.items()} if fastest else {}
     print("\n| system | s/step | speed-up over TRL's faster mode | first step (s) | peak memory, all processes (GB) | "
           "peak RSS of a rank (GB) |")
     print("|---|---|---|---|---|---|")
     for variant, rl2 in runs.items():
-        ratio = f"{fastest / rl2['perf/step_s']:.2f}x" if fastest else ""
+        ratio = f"{speedups[variant]:.2f}x" if fastest else ""
         print(f"| RL2 {variant} | {rl2['perf/step_s']:.1f} | {ratio} | {rl2['first_step_s']:.1f} | "
               f"{rl2['all_ranks_peak_gb']:.2f} | {rl2.get('perf/peak_gb', 0.0):.2f} |")
     for mode, run in trl.items():
         print(f"| TRL GRPOTrainer ({args.dtype}, {mode.replace('-', ' ')}), 1 process | {run['perf/step_s']:.1f} | "
               f"{fastest / run['perf/step_s']:.2f}x | {run['first_step_s']:.1f} | {run['all_ranks_peak_gb']:.2f} | |")
-
+    return speedups
 
 if __name__ == "__main__":
     main()
