@@ -261,5 +261,6 @@ def report(args, runs: dict, trl: dict, body: int, head: int, peak: float, promp
               f"{fastest / run['perf/step_s']:.2f}x | {run['first_step_s']:.1f} | {run['all_ranks_peak_gb']:.2f} | |")
     return speedups
 
+
 if __name__ == "__main__":
     main()

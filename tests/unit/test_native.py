@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from RL2.models import native, prefix_attention
+from RL2.models import prefix_attention
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None or not torch.cpu._is_avx2_supported(), reason="needs cc and an x86 CPU with AVX2"
@@ -20,8 +20,7 @@ def columns_of_a_build(monkeypatch, cache, march: str | None) -> int:
         monkeypatch.delenv("RL2_MARCH", raising=False)
     else:
         monkeypatch.setenv("RL2_MARCH", march)
-    library = native.load_library(prefix_attention.SOURCE, "RL2_PREFIX_ATTENTION", "", prefix_attention.SIGNATURES,
-                                  prefix_attention.RETURNS)
+    library = prefix_attention._library.__wrapped__()  # built again, past the process's cached library
     assert library is not None
     return library.prefix_attention_columns()
 
@@ -38,6 +37,5 @@ def test_a_target_the_compiler_does_not_know_is_a_warning_and_no_library(monkeyp
     monkeypatch.setenv("RL2_CACHE", str(tmp_path))
     monkeypatch.setenv("RL2_MARCH", "no-such-cpu")
     with pytest.warns(UserWarning, match="no-such-cpu"):
-        library = native.load_library(prefix_attention.SOURCE, "RL2_PREFIX_ATTENTION", "SDPA calls instead",
-                                      prefix_attention.SIGNATURES, prefix_attention.RETURNS)
+        library = prefix_attention._library.__wrapped__()
     assert library is None
