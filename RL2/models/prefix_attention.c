@@ -30,44 +30,100 @@
 #include "bf16.h"      /* bf16, bf16_to_float, float_to_bf16 */
 #include "fast_math.h" /* exp_clamped */
 
+/* Block sizes: rows of weigh_rows and keys of accumulate_rows (BLOCK, times four vectors of columns),
+ * query rows of dot_columns (ROW_BLOCK, times two vectors), as many accumulators as the vector
+ * registers hold beside the operands; the AVX2 ones were the fastest of the sizes around them on W1's
+ * row (benchmarks/bench_prefix_attention.py --isa avx2). */
 #ifdef __AVX512F__
 #define VL 16
-#define BLOCK 4 /* rows of weigh_rows, keys of accumulate_rows, per pass: 16 of the 32 vector registers */
+#define BLOCK 4     /* 16 of the 32 vector registers */
+#define ROW_BLOCK 6 /* 12 */
 #else
 #define VL 8
-#define BLOCK 2 /* 8 of AVX2's 16, beside the four vectors of the row they multiply */
+#define BLOCK 3     /* 12 of AVX2's 16 */
+#define ROW_BLOCK 4 /* 8 */
 #endif
 #define COLUMNS (4 * VL) /* head_dim is taken this many columns at a time: four vectors */
 #define TILE 4            /* query tokens per tile */
-#define ROW_BLOCK 6       /* query rows per pass of dot_columns: 12 accumulators */
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 
 int prefix_attention_columns(void) { return COLUMNS; }
 
-static inline float load(const void *p, int64_t i, int bf16_data) {
-    return bf16_data ? bf16_to_float(((const bf16 *)p)[i]) : ((const float *)p)[i];
+/* n consecutive elements of x (float32 or bf16) from element `first`, as float32 into dst. */
+static void widen_run(float *restrict dst, const void *x, int64_t first, int64_t n, int bf16_data) {
+    if (!bf16_data) {
+        memcpy(dst, (const float *)x + first, n * sizeof(float));
+        return;
+    }
+    const bf16 *src = (const bf16 *)x + first;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
 }
 
-static inline void store(void *p, int64_t i, float x, int bf16_data) {
-    if (bf16_data)
-        ((bf16 *)p)[i] = float_to_bf16(x);
-    else
-        ((float *)p)[i] = x;
+/* n float32 values of src into x (float32 or bf16) from element `first`, rounded once. */
+static void narrow_run(void *x, int64_t first, const float *restrict src, int64_t n, int bf16_data) {
+    if (!bf16_data) {
+        memcpy((float *)x + first, src, n * sizeof(float));
+        return;
+    }
+    bf16 *dst = (bf16 *)x + first;
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
 }
+
+#define TRANSPOSE_BLOCK 16 /* tokens per pass of widen_head: one cache line of each transposed row */
 
 /* One kv head of k or v [T, kv_heads, D] as float32, rows [T][D] and/or transposed [D][ld] (ld >= T + VL,
- * the columns past T zero, so that whole vectors may be read past a run's end). */
+ * the columns past T zero, so that whole vectors may be read past a run's end). The transpose goes
+ * TRANSPOSE_BLOCK tokens at a time, so that each of its stores fills a cache line rather than touching
+ * a new one D * ld floats apart. */
 static void widen_head(const void *x, int64_t g, int64_t T, int64_t kv_heads, int64_t D, int bf16_data, float *rows,
                        float *transposed, int64_t ld) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t d = 0; d < D; d++) {
-            float value = load(x, (t * kv_heads + g) * D + d, bf16_data);
-            if (rows) rows[t * D + d] = value;
-            if (transposed) transposed[d * ld + t] = value;
-        }
+    float block[TRANSPOSE_BLOCK * D];
+    for (int64_t t0 = 0; t0 < T; t0 += TRANSPOSE_BLOCK) {
+        int64_t n = T - t0 < TRANSPOSE_BLOCK ? T - t0 : TRANSPOSE_BLOCK;
+        float *widened = rows ? rows + t0 * D : block;
+        for (int64_t i = 0; i < n; i++) widen_run(widened + i * D, x, ((t0 + i) * kv_heads + g) * D, D, bf16_data);
+        if (transposed)
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t i = 0; i < n; i++) transposed[d * ld + t0 + i] = widened[i * D + d];
+    }
     if (transposed)
         for (int64_t d = 0; d < D; d++) memset(transposed + d * ld + T, 0, (ld - T) * sizeof(float));
+}
+
+/* The products below run in blocks of a size fixed at compile time (always inlined with constant
+ * `rows`/`vectors`/`keys`), so that the compiler keeps every accumulator in a register and unrolls the
+ * block; a loop bound or a branch known only at run time inside the block spills them to the stack.
+ * A partial block at the end goes one row (or key) at a time. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* s[r][0 .. vectors * VL) = scale * (a[r] . column[d * ld_b + ...]) for r < rows. */
+INLINE void dot_block(float *restrict s, int64_t ld_s, const float *restrict a, int rows, int64_t D,
+                      const float *restrict column, int64_t ld_b, int vectors, float scale) {
+    vf acc[ROW_BLOCK][2] = {0};
+    for (int64_t d = 0; d < D; d++) {
+        vf b[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < vectors; v++) b[v] = *(const vf *)(column + d * ld_b + v * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            float x = a[r * D + d];
+#pragma GCC unroll 2
+            for (int v = 0; v < vectors; v++) acc[r][v] += x * b[v];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < vectors; v++) *(vf *)(s + r * ld_s + v * VL) = acc[r][v] * scale;
+}
+
+INLINE void dot_rows(float *restrict s, int64_t ld_s, const float *restrict a, int64_t rows, int64_t D,
+                     const float *restrict column, int64_t ld_b, int vectors, float scale) {
+    int64_t r = 0;
+    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
+        dot_block(s + r * ld_s, ld_s, a + r * D, ROW_BLOCK, D, column, ld_b, vectors, scale);
+    for (; r < rows; r++) dot_block(s + r * ld_s, ld_s, a + r * D, 1, D, column, ld_b, vectors, scale);
 }
 
 /* s[r][c] = scale * (a[r] . b[:, first + c]) for r < rows, c < n: a [rows][D], b transposed [D][ld].
@@ -75,81 +131,79 @@ static void widen_head(const void *x, int64_t g, int64_t T, int64_t kv_heads, in
  * past n (s has room for them). */
 static void dot_columns(float *restrict s, int64_t ld_s, const float *restrict a, int64_t rows, int64_t D,
                         const float *restrict b, int64_t ld_b, int64_t first, int64_t n, float scale) {
-    for (int64_t c = 0; c < n; c += 2 * VL) {
-        int two = c + VL < n;
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-            int64_t block = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
-            vf acc[ROW_BLOCK][2] = {0};
-            const float *column = b + first + c;
-            for (int64_t d = 0; d < D; d++) {
-                vf b0 = *(const vf *)(column + d * ld_b), b1 = two ? *(const vf *)(column + d * ld_b + VL) : b0;
-#pragma GCC unroll 6
-                for (int r = 0; r < ROW_BLOCK; r++) {
-                    if (r < block) {
-                        float x = a[(r0 + r) * D + d];
-                        acc[r][0] += x * b0;
-                        acc[r][1] += x * b1;
-                    }
-                }
-            }
-            for (int64_t r = 0; r < block; r++) {
-                *(vf *)(s + (r0 + r) * ld_s + c) = acc[r][0] * scale;
-                if (two) *(vf *)(s + (r0 + r) * ld_s + c + VL) = acc[r][1] * scale;
-            }
+    int64_t c = 0;
+    for (; c + VL < n; c += 2 * VL) dot_rows(s + c, ld_s, a, rows, D, b + first + c, ld_b, 2, scale);
+    if (c < n) dot_rows(s + c, ld_s, a, rows, D, b + first + c, ld_b, 1, scale);
+}
+
+/* out[r][cols] (+)= sum over c < n of w[r][c] * b[c][cols] for r < rows, COLUMNS columns. */
+INLINE void weigh_block(float *restrict out, const float *restrict w, int64_t ld_w, int rows,
+                        const float *restrict b, int64_t n, int64_t D, int accumulate) {
+    vf acc[BLOCK][4] = {0};
+    for (int64_t c = 0; c < n; c++) {
+        vf x[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) x[q] = *(const vf *)(b + c * D + q * VL);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            float weight = w[r * ld_w + c];
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) acc[r][q] += weight * x[q];
         }
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            vf *o = (vf *)(out + r * D + q * VL);
+            *o = accumulate ? *o + acc[r][q] : acc[r][q];
+        }
 }
 
 /* out[r] (+)= sum over c < n of w[r][c] * b[first + c] for r < rows: w [rows][ld_w], b rows [T][D], out
  * [rows][D]. BLOCK rows and COLUMNS columns at a time, each row of b loaded once for them. */
 static void weigh_rows(float *restrict out, const float *restrict w, int64_t ld_w, int64_t rows,
                        const float *restrict b, int64_t first, int64_t n, int64_t D, int accumulate) {
-    for (int64_t col = 0; col < D; col += COLUMNS)
-        for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
-            int64_t block = rows - r0 < BLOCK ? rows - r0 : BLOCK;
-            vf acc[BLOCK][4] = {0};
-            for (int64_t c = 0; c < n; c++) {
-                const float *row = b + (first + c) * D + col;
-                vf x[4];
-                for (int q = 0; q < 4; q++) x[q] = *(const vf *)(row + q * VL);
+    for (int64_t col = 0; col < D; col += COLUMNS) {
+        int64_t r = 0;
+        for (; r + BLOCK <= rows; r += BLOCK)
+            weigh_block(out + r * D + col, w + r * ld_w, ld_w, BLOCK, b + first * D + col, n, D, accumulate);
+        for (; r < rows; r++)
+            weigh_block(out + r * D + col, w + r * ld_w, ld_w, 1, b + first * D + col, n, D, accumulate);
+    }
+}
+
+/* b[c][cols] += sum over r < rows of w[r][c] * a[r][cols] for c < keys, COLUMNS columns. */
+INLINE void accumulate_block(float *restrict b, const float *restrict w, int64_t ld_w, const float *restrict a,
+                             int64_t rows, int keys, int64_t D) {
+    vf acc[BLOCK][4] = {0};
+    for (int64_t r = 0; r < rows; r++) {
+        vf x[4];
 #pragma GCC unroll 4
-                for (int r = 0; r < BLOCK; r++) {
-                    if (r < block) {
-                        float weight = w[(r0 + r) * ld_w + c];
-                        for (int q = 0; q < 4; q++) acc[r][q] += weight * x[q];
-                    }
-                }
-            }
-            for (int64_t r = 0; r < block; r++)
-                for (int q = 0; q < 4; q++) {
-                    vf *o = (vf *)(out + (r0 + r) * D + col + q * VL);
-                    *o = accumulate ? *o + acc[r][q] : acc[r][q];
-                }
+        for (int q = 0; q < 4; q++) x[q] = *(const vf *)(a + r * D + q * VL);
+#pragma GCC unroll 4
+        for (int c = 0; c < keys; c++) {
+            float weight = w[r * ld_w + c];
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) acc[c][q] += weight * x[q];
         }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < keys; c++)
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) *(vf *)(b + c * D + q * VL) += acc[c][q];
 }
 
 /* b[first + c] += sum over r < rows of w[r][c] * a[r] for c < n: the transposed product of weigh_rows,
  * into b [T][D]. BLOCK keys at a time, each row of a loaded once for them. */
 static void accumulate_rows(float *restrict b, const float *restrict w, int64_t ld_w, const float *restrict a,
                             int64_t rows, int64_t first, int64_t n, int64_t D) {
-    for (int64_t col = 0; col < D; col += COLUMNS)
-        for (int64_t c0 = 0; c0 < n; c0 += BLOCK) {
-            int64_t block = n - c0 < BLOCK ? n - c0 : BLOCK;
-            vf acc[BLOCK][4] = {0};
-            for (int64_t r = 0; r < rows; r++) {
-                vf x[4];
-                for (int q = 0; q < 4; q++) x[q] = *(const vf *)(a + r * D + col + q * VL);
-#pragma GCC unroll 4
-                for (int c = 0; c < BLOCK; c++) {
-                    if (c < block) {
-                        float weight = w[r * ld_w + c0 + c];
-                        for (int q = 0; q < 4; q++) acc[c][q] += weight * x[q];
-                    }
-                }
-            }
-            for (int64_t c = 0; c < block; c++)
-                for (int q = 0; q < 4; q++) *(vf *)(b + (first + c0 + c) * D + col + q * VL) += acc[c][q];
-        }
+    for (int64_t col = 0; col < D; col += COLUMNS) {
+        int64_t c = 0;
+        for (; c + BLOCK <= n; c += BLOCK)
+            accumulate_block(b + (first + c) * D + col, w + c, ld_w, a + col, rows, BLOCK, D);
+        for (; c < n; c++) accumulate_block(b + (first + c) * D + col, w + c, ld_w, a + col, rows, 1, D);
+    }
 }
 
 /* A tile: tokens [t0, t1) that see the same runs, with the query heads h0 .. h0 + group of one kv head
@@ -177,13 +231,12 @@ static Tile make_tile(const int64_t *runs, int64_t T, int64_t t0, int64_t group)
     return tile;
 }
 
-/* The tile's rows of x [T, heads, D] (heads h0..) as float32 [rows][D]. */
+/* The tile's rows of x [T, heads, D] (heads h0..) as float32 [rows][D]: group * D consecutive elements
+ * a token. */
 static void gather_rows(float *out, const void *x, const Tile *tile, int64_t h0, int64_t group, int64_t heads,
                         int64_t D, int bf16_data) {
     for (int64_t t = tile->t0; t < tile->t1; t++)
-        for (int64_t h = 0; h < group; h++)
-            for (int64_t d = 0; d < D; d++)
-                out[((t - tile->t0) * group + h) * D + d] = load(x, (t * heads + h0 + h) * D + d, bf16_data);
+        widen_run(out + (t - tile->t0) * group * D, x, (t * heads + h0) * D, group * D, bf16_data);
 }
 
 /* The tile's scores (scale * q . k) over its keys into s [rows][ld_s], from keys transposed [D][ld_k];
@@ -242,10 +295,9 @@ typedef struct {
 
 /* The tile's rows of result [rows][D] into dst [T, heads, D] (out or grad_q), rounded once. */
 static void store_rows(void *dst, const float *result, const Tile *tile, int64_t g, const Call *c) {
-    for (int64_t r = 0; r < tile->rows; r++) {
-        int64_t first = ((tile->t0 + r / c->group) * c->heads + g * c->group + r % c->group) * c->D;
-        for (int64_t d = 0; d < c->D; d++) store(dst, first + d, result[r * c->D + d], c->bf16_data);
-    }
+    for (int64_t t = tile->t0; t < tile->t1; t++)
+        narrow_run(dst, (t * c->heads + g * c->group) * c->D, result + (t - tile->t0) * c->group * c->D,
+                   c->group * c->D, c->bf16_data);
 }
 
 static float *lse_of(const Call *c, const Tile *tile, int64_t g, int64_t r) {
@@ -278,6 +330,7 @@ static void forward_head(const Call *c, int64_t g, Scratch *w) {
         tile_scores(w->scores, w->ld_s, w->rows, &tile, w->keys_t, w->ld_t, D, group, c->scale);
         for (int64_t r = 0; r < tile.rows; r++) {
             float *s = w->scores + r * w->ld_s, max = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : max)
             for (int64_t j = 1; j < tile.columns; j++) max = s[j] > max ? s[j] : max;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < tile.columns; j++) {
@@ -333,11 +386,10 @@ static void backward_head(const Call *c, int64_t g, Scratch *w) {
         store_rows(c->grad_q, w->result, &tile, g, c);
         t0 = tile.t1;
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t d = 0; d < D; d++) {
-            store(c->grad_k, (t * c->kv_heads + g) * D + d, w->grad_keys[t * D + d], c->bf16_data);
-            store(c->grad_v, (t * c->kv_heads + g) * D + d, w->grad_values[t * D + d], c->bf16_data);
-        }
+    for (int64_t t = 0; t < T; t++) {
+        narrow_run(c->grad_k, (t * c->kv_heads + g) * D, w->grad_keys + t * D, D, c->bf16_data);
+        narrow_run(c->grad_v, (t * c->kv_heads + g) * D, w->grad_values + t * D, D, c->bf16_data);
+    }
 }
 
 /* out and lse of every query; returns 0, or 1 when out of memory. */
