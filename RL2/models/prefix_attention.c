@@ -136,21 +136,28 @@ static void dot_columns(float *restrict s, int64_t ld_s, const float *restrict a
     if (c < n) dot_rows(s + c, ld_s, a, rows, D, b + first + c, ld_b, 1, scale);
 }
 
+/* acc[i] = sum over j < n of w[i * w_i + j * w_j] * x[j] for i < count, over COLUMNS columns of the rows
+ * x[j] (D apart): each row of x loaded once for all `count` sums. */
+INLINE void weighted_sums(vf acc[BLOCK][4], const float *restrict w, int64_t w_i, int64_t w_j, int count,
+                          const float *restrict x, int64_t n, int64_t D) {
+    for (int64_t j = 0; j < n; j++) {
+        vf row[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) row[q] = *(const vf *)(x + j * D + q * VL);
+#pragma GCC unroll 4
+        for (int i = 0; i < count; i++) {
+            float weight = w[i * w_i + j * w_j];
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) acc[i][q] += weight * row[q];
+        }
+    }
+}
+
 /* out[r][cols] (+)= sum over c < n of w[r][c] * b[c][cols] for r < rows, COLUMNS columns. */
 INLINE void weigh_block(float *restrict out, const float *restrict w, int64_t ld_w, int rows,
                         const float *restrict b, int64_t n, int64_t D, int accumulate) {
     vf acc[BLOCK][4] = {0};
-    for (int64_t c = 0; c < n; c++) {
-        vf x[4];
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++) x[q] = *(const vf *)(b + c * D + q * VL);
-#pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) {
-            float weight = w[r * ld_w + c];
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++) acc[r][q] += weight * x[q];
-        }
-    }
+    weighted_sums(acc, w, ld_w, 1, rows, b, n, D);
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
@@ -177,17 +184,7 @@ static void weigh_rows(float *restrict out, const float *restrict w, int64_t ld_
 INLINE void accumulate_block(float *restrict b, const float *restrict w, int64_t ld_w, const float *restrict a,
                              int64_t rows, int keys, int64_t D) {
     vf acc[BLOCK][4] = {0};
-    for (int64_t r = 0; r < rows; r++) {
-        vf x[4];
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++) x[q] = *(const vf *)(a + r * D + q * VL);
-#pragma GCC unroll 4
-        for (int c = 0; c < keys; c++) {
-            float weight = w[r * ld_w + c];
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++) acc[c][q] += weight * x[q];
-        }
-    }
+    weighted_sums(acc, w, 1, ld_w, keys, a, rows, D);
 #pragma GCC unroll 4
     for (int c = 0; c < keys; c++)
 #pragma GCC unroll 4
