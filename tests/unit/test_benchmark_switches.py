@@ -16,15 +16,20 @@ from omegaconf import OmegaConf
 from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ppo_w1.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @functools.cache
-def variants() -> dict:
-    spec = importlib.util.spec_from_file_location("bench_ppo_w1", BENCH)
+def benchmark_module(name: str):
+    """A module of benchmarks/ (not a package), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.VARIANTS
+    return module
+
+
+def variants() -> dict:
+    return benchmark_module("bench_ppo_w1").VARIANTS
 
 
 @pytest.mark.parametrize("name", sorted(variants()))
@@ -41,9 +46,7 @@ def test_every_w1_variant_parses(name):
 def test_the_avx2_environment_keeps_torch_to_avx2_and_rl2_to_float32():
     """`--isa avx2` (benchmarks/common.py): in a process started with it, torch's kernels are its AVX2 ones,
     oneDNN has no bf16 matmul, and so `dtype=auto` is float32, as on an AVX2 CPU."""
-    spec = importlib.util.spec_from_file_location("common", BENCH.with_name("common.py"))
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
+    common = benchmark_module("common")
     ask = [sys.executable, "-c", "import torch; from RL2.models.precision import compute_dtype; "
            "print(torch.backends.cpu.get_cpu_capability(), torch.ops.mkldnn._is_mkldnn_bf16_supported(), "
            "compute_dtype('auto', torch.device('cpu')))"]
