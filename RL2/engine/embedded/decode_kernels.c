@@ -311,10 +311,15 @@ void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values,
 #define PANELS_AT_ONCE 1
 #endif
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
-/* Weights are requested this many floats (4 KB) before they are used: with the hardware prefetcher
- * alone the product waited on memory, most of all with two ranks streaming their weights at once
- * (the README's engine figures). A prefetch past the end of the panels never faults. */
+/* With the hardware prefetcher alone the product waited on memory, most of all with two ranks streaming
+ * their weights at once (the README's engine figures), so the weights are requested ahead of use; a
+ * prefetch past the end of the panels never faults. AVX2 reads one panel after another, one stream:
+ * weights are requested this many floats (4 KB) ahead. AVX512 reads two panels at once, two streams a
+ * panel apart, where a fixed distance lands, for most k, in the panel the other stream is reading
+ * already: each weight requests the one at the same place in the next pair instead (NEXT_PAIR), read one
+ * pair's time later whatever k, into L2 (hint 2), not L1, which holds this pair and x's transpose. */
 #define PREFETCH_AHEAD 1024
+#define PREFETCH_NEXT_PAIR(w, panel_length) __builtin_prefetch((w) + PANELS_AT_ONCE * (panel_length), 0, 2)
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -349,7 +354,7 @@ static inline void panel_block(const float *restrict panel, const float *restric
     for (int64_t kk = 0; kk < k; kk++) {
         vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS;
-        __builtin_prefetch(w + PREFETCH_AHEAD);
+        PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
     }
@@ -366,8 +371,8 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
     for (int64_t kk = 0; kk < k; kk++) {
         vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
-        __builtin_prefetch(w + PREFETCH_AHEAD);
-        __builtin_prefetch(w2 + PREFETCH_AHEAD);
+        PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
+        PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) {
             acc[r] += x * w[r];
@@ -516,7 +521,7 @@ static inline __attribute__((always_inline)) void bf16_panel_block(const uint32_
         __m512bh x = (__m512bh)_mm512_load_si512(xt + kp * ld);
         for (int c = 0; c < count; c++) {
             const uint32_t *w = panel + (c * k2 + kp) * PANEL_ROWS;
-            __builtin_prefetch(w + PREFETCH_AHEAD);
+            PREFETCH_NEXT_PAIR(w, k2 * PANEL_ROWS);
 #pragma GCC unroll 12
             for (int r = 0; r < PANEL_ROWS; r++)
                 acc[c][r] = _mm512_dpbf16_ps(acc[c][r], x, (__m512bh)_mm512_set1_epi32((int)w[r]));
