@@ -289,12 +289,12 @@ void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values,
  * as much a stream through the weights as arithmetic. Here each weight is read once per call from a
  * layout that streams: W cut into panels of PANEL_ROWS output features, each panel stored k-major
  * ([k][PANEL_ROWS]), and a panel meets the (transposed) rows of x while those sit in cache. The
- * inner step broadcasts one weight of each of the panel's features against 16 rows of x: with AVX2,
- * six features, twelve 8-wide multiply-adds for two loads of x, which the CPU's two FMA units can keep
- * up with; with AVX512, twelve features, twelve 16-wide multiply-adds for one load (six would leave the
- * FMA units waiting on each chain's previous result), and two panels at a time where two remain: one core
- * reads two streams from memory faster than one. Each output is one chain of multiply-adds over k in
- * order, so both give the same results.
+ * inner step broadcasts one weight of each of a panel's features against 16 rows of x, for two panels at a
+ * time where two remain (one core reads two streams from memory faster than one): with AVX2, three
+ * features a panel, twelve 8-wide multiply-adds for two loads of x, which the CPU's two FMA units can keep
+ * up with; with AVX512, twelve features a panel, twenty-four 16-wide multiply-adds for one load (fewer
+ * would leave the FMA units waiting on each chain's previous result). Each output is one chain of
+ * multiply-adds over k in order, so both give the same results.
  *
  * Layouts (float32, C-contiguous):
  *   panels  [ceil(n / PANEL_ROWS)][k][PANEL_ROWS]   rows past n are zero (pack_panels writes the rest)
@@ -304,21 +304,18 @@ void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values,
 #ifdef __AVX512F__
 #define PANEL_ROWS 12
 #define ROW_PADDING 16 /* x's transpose is padded with zero rows to a multiple of this: whole vector loads */
-#define PANELS_AT_ONCE 2 /* panel_block_pair where two panels remain */
 #else
-#define PANEL_ROWS 6
+#define PANEL_ROWS 3
 #define ROW_PADDING 8
-#define PANELS_AT_ONCE 1
 #endif
+#define PANELS_AT_ONCE 2 /* panel_block_pair where two panels remain */
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
 /* With the hardware prefetcher alone the product waited on memory, most of all with two ranks streaming
- * their weights at once (the README's engine figures), so the weights are requested ahead of use; a
- * prefetch past the end of the panels never faults. AVX2 reads one panel after another, one stream:
- * weights are requested this many floats (4 KB) ahead. AVX512 reads two panels at once, two streams a
- * panel apart, where a fixed distance lands, for most k, in the panel the other stream is reading
- * already: each weight requests the one at the same place in the next pair instead (NEXT_PAIR), read one
- * pair's time later whatever k, into L2 (hint 2), not L1, which holds this pair and x's transpose. */
-#define PREFETCH_AHEAD 1024
+ * their weights at once (the README's engine figures), so the weights are requested ahead of use, by the
+ * first pass over a pair of panels (the passes over its other rows of x find it in cache). A fixed
+ * distance ahead lands, for most k, in the panel the other stream is reading already: each weight
+ * requests the one at its place in the next pair instead, read one pair's time later whatever k, into L2
+ * (hint 2), not L1, which holds this pair and x's transpose. A prefetch past the end never faults. */
 #define PREFETCH_NEXT_PAIR(w, panel_length) __builtin_prefetch((w) + PANELS_AT_ONCE * (panel_length), 0, 2)
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -354,7 +351,6 @@ static inline void panel_block(const float *restrict panel, const float *restric
     for (int64_t kk = 0; kk < k; kk++) {
         vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS;
-        PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) acc[r] += x * w[r];
     }
@@ -363,16 +359,19 @@ static inline void panel_block(const float *restrict panel, const float *restric
 }
 
 /* panel_block for two neighbouring panels at once: the same chains, but two streams through memory,
- * which one core reads faster than one stream (24 of the 32 vector registers hold the sums). */
+ * which one core reads faster than one stream (24 of the 32 vector registers hold the sums); `prefetch`:
+ * request the next pair's weights. */
 static inline void panel_block_pair(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k,
-                                    float out[2][PANEL_ROWS][16]) {
+                                    int half __attribute__((unused)), int prefetch, float out[2][PANEL_ROWS][16]) {
     vf acc[PANEL_ROWS] = {0}, acc2[PANEL_ROWS] = {0};
     const float *panel2 = panel + k * PANEL_ROWS;
     for (int64_t kk = 0; kk < k; kk++) {
         vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
-        PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
-        PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
+        if (prefetch) { /* a loop invariant: the compiler makes two loops of this one */
+            PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
+            PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
+        }
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) {
             acc[r] += x * w[r];
@@ -386,30 +385,52 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
     }
 }
 #else
-/* out[t][r] for one panel's six features r and 16 (or, with `half`, 8) transposed rows t of x. */
+/* out[t][r] for one panel's three features r and 16 (or, with `half`, 8) transposed rows t of x. */
 static inline void panel_block(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k, int half,
                                float out[PANEL_ROWS][16]) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
-    v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
-    if (half) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        v8 x0 = *(const v8 *)(xt + kk * ld), x1 = half ? (v8){0} : *(const v8 *)(xt + kk * ld + 8);
+        const float *w = panel + kk * PANEL_ROWS;
+        a0 += x0 * w[0], b0 += x1 * w[0], a1 += x0 * w[1], b1 += x1 * w[1], a2 += x0 * w[2], b2 += x1 * w[2];
+    }
+    v8 *o = (v8 *)out;
+    o[0] = a0, o[1] = b0, o[2] = a1, o[3] = b1, o[4] = a2, o[5] = b2;
+}
+
+/* panel_block for two neighbouring panels at once, two streams through memory (12 of the 16 vector
+ * registers hold the sums; with `half`, 6); `prefetch`: request the next pair's weights. */
+static inline void panel_block_pair(const float *restrict panel, const float *restrict xt, int64_t ld, int64_t k,
+                                    int half, int prefetch, float out[2][PANEL_ROWS][16]) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};  /* the first panel's */
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, d0 = {0}, d1 = {0}, d2 = {0};  /* the second's */
+    const float *panel2 = panel + k * PANEL_ROWS;
+    if (half) { /* 8 rows: no second vector of x, and no multiply-adds with its padding */
         for (int64_t kk = 0; kk < k; kk++) {
             v8 x0 = *(const v8 *)(xt + kk * ld);
-            const float *w = panel + kk * PANEL_ROWS;
-            __builtin_prefetch(w + PREFETCH_AHEAD);
-            a0 += x0 * w[0], a1 += x0 * w[1], a2 += x0 * w[2], a3 += x0 * w[3], a4 += x0 * w[4], a5 += x0 * w[5];
+            const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
+            if (prefetch) {
+                PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
+                PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
+            }
+            a0 += x0 * w[0], a1 += x0 * w[1], a2 += x0 * w[2];
+            c0 += x0 * w2[0], c1 += x0 * w2[1], c2 += x0 * w2[2];
         }
     } else {
         for (int64_t kk = 0; kk < k; kk++) {
             v8 x0 = *(const v8 *)(xt + kk * ld), x1 = *(const v8 *)(xt + kk * ld + 8);
-            const float *w = panel + kk * PANEL_ROWS;
-            __builtin_prefetch(w + PREFETCH_AHEAD);
+            const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
+            if (prefetch) {
+                PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
+                PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
+            }
             a0 += x0 * w[0], b0 += x1 * w[0], a1 += x0 * w[1], b1 += x1 * w[1], a2 += x0 * w[2], b2 += x1 * w[2];
-            a3 += x0 * w[3], b3 += x1 * w[3], a4 += x0 * w[4], b4 += x1 * w[4], a5 += x0 * w[5], b5 += x1 * w[5];
+            c0 += x0 * w2[0], d0 += x1 * w2[0], c1 += x0 * w2[1], d1 += x1 * w2[1], c2 += x0 * w2[2], d2 += x1 * w2[2];
         }
     }
-    v8 *o = (v8 *)out;
+    v8 *o = (v8 *)out[0], *o2 = (v8 *)out[1];
     o[0] = a0, o[1] = b0, o[2] = a1, o[3] = b1, o[4] = a2, o[5] = b2;
-    o[6] = a3, o[7] = b3, o[8] = a4, o[9] = b4, o[10] = a5, o[11] = b5;
+    o2[0] = c0, o2[1] = d0, o2[2] = c1, o2[3] = d1, o2[4] = c2, o2[5] = d2;
 }
 #endif
 
@@ -435,13 +456,11 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
 #pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
         for (int64_t first = 0; first < n_panels; first += PANELS_AT_ONCE) {
             float block[2][PANEL_ROWS][16] __attribute__((aligned(64)));
-            int64_t pair = PANELS_AT_ONCE == 2 && first + 1 < n_panels;
+            int64_t pair = first + 1 < n_panels;
             for (int64_t b = 0; b < width; b += 16) {
-#ifdef __AVX512F__
                 if (pair)
-                    panel_block_pair(panels + first * k * PANEL_ROWS, xt + b, ld, k, block);
+                    panel_block_pair(panels + first * k * PANEL_ROWS, xt + b, ld, k, width - b <= 8, b == 0, block);
                 else
-#endif
                     panel_block(panels + first * k * PANEL_ROWS, xt + b, ld, k, width - b <= 8, block[0]);
                 for (int64_t p = first; p <= first + pair; p++) {
                     int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
@@ -510,10 +529,10 @@ void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first
 #include <immintrin.h>
 
 /* out[c][r][t] for `count` (1 or 2) neighbouring panels c, their features r, and 16 rows t of x, whose
- * pairs along k are xt's 32-bit elements [k2][ld]. */
+ * pairs along k are xt's 32-bit elements [k2][ld]; `prefetch`: request the next pair's weights. */
 static inline __attribute__((always_inline)) void bf16_panel_block(const uint32_t *restrict panel, int64_t k2,
                                                                   const uint32_t *restrict xt, int64_t ld, int count,
-                                                                  float out[2][PANEL_ROWS][16]) {
+                                                                  int prefetch, float out[2][PANEL_ROWS][16]) {
     __m512 acc[2][PANEL_ROWS];
     for (int c = 0; c < count; c++)
         for (int r = 0; r < PANEL_ROWS; r++) acc[c][r] = _mm512_setzero_ps();
@@ -521,7 +540,7 @@ static inline __attribute__((always_inline)) void bf16_panel_block(const uint32_
         __m512bh x = (__m512bh)_mm512_load_si512(xt + kp * ld);
         for (int c = 0; c < count; c++) {
             const uint32_t *w = panel + (c * k2 + kp) * PANEL_ROWS;
-            PREFETCH_NEXT_PAIR(w, k2 * PANEL_ROWS);
+            if (prefetch) PREFETCH_NEXT_PAIR(w, k2 * PANEL_ROWS);
 #pragma GCC unroll 12
             for (int r = 0; r < PANEL_ROWS; r++)
                 acc[c][r] = _mm512_dpbf16_ps(acc[c][r], x, (__m512bh)_mm512_set1_epi32((int)w[r]));
@@ -567,9 +586,9 @@ int panel_linear_bf16(const bf16 *x, int64_t m, int64_t k, const bf16 *panels, i
             int count = first + 1 < n_panels ? PANELS_AT_ONCE : 1;
             for (int64_t b = 0; b < width; b += 16) {
                 if (count == 2)
-                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 2, block);
+                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 2, b == 0, block);
                 else
-                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 1, block);
+                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 1, 0, block);
                 for (int64_t p = first; p < first + count; p++) {
                     int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
                     for (int64_t t = b; t < width && t < b + 16; t++) {

@@ -62,7 +62,7 @@ class DecodeKernels:
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
-        self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 6
+        self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 3
         self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: no bf16 panels
         # Looked up on every call of a decode step: resolved once here.
         self._step_kernels = {
