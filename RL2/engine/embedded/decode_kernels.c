@@ -317,6 +317,9 @@ void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values,
  * requests the one at its place in the next pair instead, read one pair's time later whatever k, into L2
  * (hint 2), not L1, which holds this pair and x's transpose. A prefetch past the end never faults. */
 #define PREFETCH_NEXT_PAIR(w, panel_length) __builtin_prefetch((w) + PANELS_AT_ONCE * (panel_length), 0, 2)
+/* The same for the two streams of a pair, at w and w2. */
+#define PREFETCH_NEXT_PAIRS(w, w2, panel_length) \
+    (PREFETCH_NEXT_PAIR(w, panel_length), PREFETCH_NEXT_PAIR(w2, panel_length))
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -368,10 +371,7 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
     for (int64_t kk = 0; kk < k; kk++) {
         vf x = *(const vf *)(xt + kk * ld);
         const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
-        if (prefetch) { /* a loop invariant: the compiler makes two loops of this one */
-            PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
-            PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
-        }
+        if (prefetch) PREFETCH_NEXT_PAIRS(w, w2, k * PANEL_ROWS); /* loop-invariant: the loop is unswitched */
 #pragma GCC unroll 12
         for (int r = 0; r < PANEL_ROWS; r++) {
             acc[r] += x * w[r];
@@ -409,10 +409,7 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
         for (int64_t kk = 0; kk < k; kk++) {
             v8 x0 = *(const v8 *)(xt + kk * ld);
             const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
-            if (prefetch) {
-                PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
-                PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
-            }
+            if (prefetch) PREFETCH_NEXT_PAIRS(w, w2, k * PANEL_ROWS);
             a0 += x0 * w[0], a1 += x0 * w[1], a2 += x0 * w[2];
             c0 += x0 * w2[0], c1 += x0 * w2[1], c2 += x0 * w2[2];
         }
@@ -420,10 +417,7 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
         for (int64_t kk = 0; kk < k; kk++) {
             v8 x0 = *(const v8 *)(xt + kk * ld), x1 = *(const v8 *)(xt + kk * ld + 8);
             const float *w = panel + kk * PANEL_ROWS, *w2 = panel2 + kk * PANEL_ROWS;
-            if (prefetch) {
-                PREFETCH_NEXT_PAIR(w, k * PANEL_ROWS);
-                PREFETCH_NEXT_PAIR(w2, k * PANEL_ROWS);
-            }
+            if (prefetch) PREFETCH_NEXT_PAIRS(w, w2, k * PANEL_ROWS);
             a0 += x0 * w[0], b0 += x1 * w[0], a1 += x0 * w[1], b1 += x1 * w[1], a2 += x0 * w[2], b2 += x1 * w[2];
             c0 += x0 * w2[0], d0 += x1 * w2[0], c1 += x0 * w2[1], d1 += x1 * w2[1], c2 += x0 * w2[2], d2 += x1 * w2[2];
         }
