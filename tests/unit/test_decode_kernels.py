@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from RL2.engine.embedded import decode_kernels, llama_forward, packed_linear
 from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
+from RL2.engine.embedded.kv_cache import RowGroups
 
 KERNELS = load_decode_kernels()
 pytestmark = pytest.mark.skipif(
@@ -134,6 +135,36 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
     out = torch.empty(rows, heads * head_dim)
     kernels.decode_attention(q, keys, values, positions, scale, out)
     torch.testing.assert_close(out.view(rows, heads, head_dim).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_rows_of_a_group_read_their_shared_prompt_once_with_the_same_results(dtype, build, request):
+    """Groups of rows that hold copies of one prompt (as `SlotKVCache` has after a GRPO group's prefill) give,
+    bit for bit, what each row gives reading all of its own cache, which the tests above check against
+    float64; and they do read the shared positions from the group's first row only: the other rows' copies
+    of those positions are overwritten with garbage before the grouped call."""
+    kernels = KERNELS if build == "native" else request.getfixturevalue("avx2_kernels")
+    heads, kv_heads, head_dim, cache_rows, cache_len = 9, 3, 64, 8, 96
+    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)
+    keys, values = keys.to(dtype), values.to(dtype)
+    # rows 0, 2, 5 share 37 positions (read once up to 32, a whole number of vectors), rows 6, 1 share 16
+    # (listed in that order), rows 3 and 4 have their own prompts; lengths differ inside a group
+    groups = RowGroups(order=torch.tensor([0, 2, 5, 6, 1, 3, 4]), starts=torch.tensor([0, 3, 5, 6, 7]),
+                       shared=torch.tensor([37, 16, 0, 0]))
+    positions = torch.tensor([40, 20, 95, 10, 0, 37, 16])
+    for first, members, shared in [(0, [2, 5], 37), (6, [1], 16)]:
+        for row in members:
+            keys[row, :, :shared], values[row, :, :shared] = keys[first, :, :shared], values[first, :, :shared]
+    q = randn(7, heads, head_dim, scale=3.0, seed=3)
+    scale = 1 / math.sqrt(head_dim)
+    row_by_row = torch.empty(7, heads * head_dim, dtype=dtype)
+    kernels.decode_attention(q, keys, values, positions, scale, row_by_row)
+    for row, read_once in [(2, 32), (5, 32), (1, 16)]:
+        keys[row, :, :read_once], values[row, :, :read_once] = float("nan"), float("nan")
+    grouped = torch.empty(7, heads * head_dim, dtype=dtype)
+    kernels.decode_attention(q, keys, values, positions, scale, grouped, groups)
+    assert torch.equal(grouped, row_by_row)
 
 
 def bf16_cache(rows, kv_heads, cache_len, head_dim, zero_keys=False):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from RL2.engine.embedded import decode_kernels
 from RL2.engine.embedded import engine as embedded_engine
 from RL2.engine.embedded import model_runner
 from RL2.engine.embedded.engine import EmbeddedEngine
@@ -171,6 +172,36 @@ def test_identical_prompts_in_one_batch_equal_a_lone_request(engine, model):
         assert result["output_ids"] == hf_greedy(model, prompt, 12)
         expected = alone[tuple(prompt)]["meta_info"]["output_token_logprobs"]
         torch.testing.assert_close(result["meta_info"]["output_token_logprobs"], expected, atol=1e-5, rtol=0)
+
+
+def test_a_groups_responses_read_their_prompt_once_with_the_same_outputs(tokenizer, monkeypatch):
+    """A GRPO group's responses hold copies of one prompt, which the C decode attention reads once for all of
+    them: the sampled tokens and log-probabilities equal, bit for bit, those of rows that each read their own
+    copy, also while rows finish at different steps and the others move into their places."""
+    if decode_kernels.load_decode_kernels() is None:
+        pytest.skip("the C decode kernels are unavailable here")
+    model = tiny_llama(len(tokenizer), seed=3, head_dim=64)  # a head_dim the kernels read in whole vectors
+    prompts = [PROMPTS[2] * 4, PROMPTS[0] * 5 + PROMPTS[1], PROMPTS[2] + PROMPTS[0] * 3]  # 44, 32, 29 tokens
+    requests = [payload(prompt, temperature=1.0, max_new_tokens=3 + 4 * i, sampling_seed=10 * g + i)
+                for g, prompt in enumerate(prompts) for i in range(4)]
+    grouped_calls = []
+    attention = decode_kernels.DecodeKernels.decode_attention
+
+    def recording(self, *args, **kwargs):
+        grouped_calls.append(args[-1] is not None)
+        return attention(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_kernels.DecodeKernels, "decode_attention", recording)
+    outputs = {}
+    for share in (True, False):
+        engine = EmbeddedEngine(model, tokenizer, max_running_requests=16)
+        engine.runner.cache.share_prompt_reads = share
+        outputs[share] = generate(engine, *requests)
+        engine.shutdown()
+    assert any(grouped_calls), "no decode step read a shared prompt once"
+    for together, alone in zip(outputs[True], outputs[False]):
+        assert together["output_ids"] == alone["output_ids"]
+        assert together["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
 
 
 def test_stop_string_trims_text_but_keeps_tokens(engine, tokenizer):

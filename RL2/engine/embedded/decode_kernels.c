@@ -34,11 +34,11 @@
 #define KERNELS "decode_step_kernels.h" /* add_rms_norm, silu_mul, rope_and_store */
 #include "per_dtype.h"
 
-/* scores[h * length + j] = scale * (query[h] . keys[j]) for the group's heads h and j < length. Four keys
- * at a time, every head while they are in L1: one dot product alone is a chain of dependent
+/* scores[h * stride + j] = scale * (query[h] . keys[j]) for the group's heads h and first <= j < length.
+ * Four keys at a time, every head while they are in L1: one dot product alone is a chain of dependent
  * multiply-adds, four are independent and keep the FPU busy. */
 static void score_keys(float *restrict scores, const float *restrict query, const float *restrict keys, int64_t group,
-                       int64_t first, int64_t length, int64_t head_dim, float scale) {
+                       int64_t first, int64_t length, int64_t stride, int64_t head_dim, float scale) {
     int64_t j = first;
     for (; j + 4 <= length; j += 4) {
         const float *k0 = keys + j * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
@@ -52,7 +52,7 @@ static void score_keys(float *restrict scores, const float *restrict query, cons
                 d2 += qh[i] * k2[i];
                 d3 += qh[i] * k3[i];
             }
-            float *s = scores + h * length + j;
+            float *s = scores + h * stride + j;
             s[0] = d0 * scale, s[1] = d1 * scale, s[2] = d2 * scale, s[3] = d3 * scale;
         }
     }
@@ -61,7 +61,7 @@ static void score_keys(float *restrict scores, const float *restrict query, cons
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < head_dim; i++) dot += query[h * head_dim + i] * keys[j * head_dim + i];
-            scores[h * length + j] = dot * scale;
+            scores[h * stride + j] = dot * scale;
         }
     }
 }
@@ -143,11 +143,13 @@ static inline vf sum_lanes(const vf v[VL]) {
 #endif
 }
 
-/* score_keys VL keys at a time (head_dim a multiple of VL): each key's dot product with a query head is
- * VL lanes of partial sums, folded together with the other keys' (sum_lanes); the rest by score_keys. */
+/* score_keys VL keys at a time (head_dim a multiple of VL) from `first` (a multiple of VL, so that every key
+ * takes the same path whatever `first` is): each key's dot product with a query head is VL lanes of partial
+ * sums, folded together with the other keys' (sum_lanes); the rest by score_keys. */
 static void score_key_vectors(float *restrict scores, const float *restrict query, const float *restrict keys,
-                              int64_t group, int64_t length, int64_t head_dim, float scale) {
-    int64_t j = 0;
+                              int64_t group, int64_t first, int64_t length, int64_t stride, int64_t head_dim,
+                              float scale) {
+    int64_t j = first;
     for (; j + VL <= length; j += VL) {
         const float *block = keys + j * head_dim;
         for (int64_t h = 0; h < group; h++) {
@@ -158,24 +160,29 @@ static void score_key_vectors(float *restrict scores, const float *restrict quer
 #pragma GCC unroll 16
                 for (int t = 0; t < VL; t++) acc[t] += qi * *(const vf *)(block + t * head_dim + i);
             }
-            *(vf *)(scores + h * length + j) = sum_lanes(acc) * scale;
+            *(vf *)(scores + h * stride + j) = sum_lanes(acc) * scale;
         }
     }
-    score_keys(scores, query, keys, group, j, length, head_dim, scale);
+    score_keys(scores, query, keys, group, j, length, stride, head_dim, scale);
 }
 
-/* weigh_values for `heads` (1 to WEIGH_HEADS) query heads at once, over WEIGH_VECTORS vectors of columns
- * from column c: each value vector is loaded once for all of them. */
+/* weigh_values for `heads` (1 to WEIGH_HEADS) query heads at once (weights[h * stride + j]), over WEIGH_VECTORS
+ * vectors of columns from column c and keys first..length-1: each value vector is loaded once for all of them.
+ * With `resume`, each sum goes on from what out holds (the same chain of multiply-adds as one call from 0). */
 static inline void weigh_value_vectors(float *restrict out, const float *restrict weights, const float *restrict values,
-                                       int64_t heads, int64_t length, int64_t head_dim, int64_t c) {
+                                       int64_t heads, int64_t first, int64_t length, int64_t stride, int64_t head_dim,
+                                       int64_t c, int resume) {
     vf acc[WEIGH_HEADS][WEIGH_VECTORS] = {0};
-    for (int64_t j = 0; j < length; j++) {
+    if (resume)
+        for (int64_t h = 0; h < heads; h++)
+            for (int q = 0; q < WEIGH_VECTORS; q++) acc[h][q] = *(const vf *)(out + h * head_dim + c + q * VL);
+    for (int64_t j = first; j < length; j++) {
         vf v[WEIGH_VECTORS];
         for (int q = 0; q < WEIGH_VECTORS; q++) v[q] = *(const vf *)(values + j * head_dim + c + q * VL);
 #pragma GCC unroll 4
         for (int h = 0; h < WEIGH_HEADS; h++) {
             if (h < heads) {
-                float w = weights[h * length + j];
+                float w = weights[h * stride + j];
                 for (int q = 0; q < WEIGH_VECTORS; q++) acc[h][q] += w * v[q];
             }
         }
@@ -188,79 +195,135 @@ static void widen_bf16(float *restrict out, const bf16 *restrict in, int64_t n) 
     for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(in[i]);  /* exact */
 }
 
+/* *buffer with room for at least `need` floats (what it held is not kept). */
+static float *at_least(float **buffer, int64_t *capacity, int64_t need) {
+    if (need > *capacity) {
+        free(*buffer);
+        *buffer = malloc(need * sizeof(float));
+        if (!*buffer) abort();  /* out of memory: no way to raise from inside a parallel region */
+        *capacity = need;
+    }
+    return *buffer;
+}
+
+/* Row `row`'s keys or values of one kv head at positions first..length-1 as float32, indexed by position:
+ * the cache itself for a float32 model; for a bf16 model, `wide` with those positions widened (exactly). */
+static inline const float *positions_as_float(const void *cache, int bf16_model, float *wide, int64_t offset,
+                                              int64_t first, int64_t length, int64_t head_dim) {
+    if (!bf16_model) return (const float *)cache + offset;
+    widen_bf16(wide + first * head_dim, (const bf16 *)cache + offset + first * head_dim, (length - first) * head_dim);
+    return wide;
+}
+
 /* decode_attention for float32 keys, values and output, or for a bf16 model (`bf16_model`: keys, values and
  * output bf16) as the engine's torch ops compute its attention: scores in float32 over the keys widened
  * (exactly), the probabilities rounded to bf16 before they meet the values, the products summed in float32
  * (keys and values widened to float32 per row and kv head, a few KB that stay in cache, so the cache is
- * read at half the bytes), the output rounded once. */
+ * read at half the bytes), the output rounded once.
+ *
+ * The rows of a group (`order[starts[i]..starts[i+1]-1]`: a GRPO group's responses, whose rows hold copies
+ * of one prompt's keys and values) read positions 0..shared[i]-1 once, from the group's first row, for all
+ * their query heads; each row reads the rest from its own. Every score and every output is the same chain of
+ * operations as when each row reads all of its own (the shared span is cut to a multiple of VL, where the
+ * scoring's vector blocks start anyway, and the weighted sums go on from where the shared span left them),
+ * so the results are bit for bit those of rows read one by one. order == NULL: every row on its own. */
 static inline __attribute__((always_inline)) void attention(
     const float *q, const void *keys, const void *values, int bf16_model, const int64_t *positions, void *out,
-    int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale) {
-    int64_t group = heads / kv_heads;
+    int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t cache_len, float scale,
+    const int64_t *order, const int64_t *starts, const int64_t *shared, int64_t groups) {
+    int64_t group = heads / kv_heads, columns = WEIGH_VECTORS * VL;
+    int vector_scores = head_dim % VL == 0, vector_sums = head_dim % columns == 0;
+    if (order == NULL) groups = rows;
 #pragma omp parallel
     {
-        float *scores = NULL, *widened = NULL, *widened_keys = NULL;
-        float *summed = bf16_model ? malloc(group * head_dim * sizeof(float)) : NULL; /* a group's output, unrounded */
-        if (bf16_model && !summed) abort();
-        int64_t capacity = 0;
+        float *scores = NULL, *wide_keys = NULL, *wide_values = NULL, *queries = NULL, *summed = NULL;
+        int64_t scores_room = 0, keys_room = 0, values_room = 0, queries_room = 0, summed_room = 0;
 #pragma omp for schedule(dynamic)  /* rows of very different lengths */
-        for (int64_t item = 0; item < rows * kv_heads; item++) {
-            int64_t r = item / kv_heads, g = item % kv_heads, length = positions[r] + 1;
-            if (length > capacity) {
-                free(scores);
-                free(widened);
-                free(widened_keys);
-                capacity = length;
-                scores = malloc(capacity * group * sizeof(float));
-                widened = bf16_model ? malloc(capacity * head_dim * sizeof(float)) : NULL;
-                widened_keys = bf16_model ? malloc(capacity * head_dim * sizeof(float)) : NULL;
-                /* out of memory: no way to raise from inside a parallel region */
-                if (!scores || (bf16_model && (!widened || !widened_keys))) abort();
+        for (int64_t item = 0; item < groups * kv_heads; item++) {
+            int64_t index = item / kv_heads, g = item % kv_heads;
+            const int64_t *members = order ? order + starts[index] : &index;
+            int64_t n = order ? starts[index + 1] - starts[index] : 1, longest = 0, shortest = INT64_MAX;
+            for (int64_t m = 0; m < n; m++) {
+                int64_t length = positions[members[m]] + 1;
+                longest = length > longest ? length : longest;
+                shortest = length < shortest ? length : shortest;
             }
-            int64_t offset = (r * kv_heads + g) * cache_len * head_dim;
-            const float *k = widened_keys, *v = widened;
+            int64_t common = n > 1 && vector_scores && vector_sums ? (shared[index] < shortest ? shared[index] : shortest) : 0;
+            common -= common % VL;
+            int64_t stride = longest, group_heads = n * group;  /* scores[(m * group + h) * stride + j] */
+            at_least(&scores, &scores_room, group_heads * stride);
+            at_least(&summed, &summed_room, group_heads * head_dim);
             if (bf16_model) {
-                widen_bf16(widened_keys, (const bf16 *)keys + offset, length * head_dim);
-                widen_bf16(widened, (const bf16 *)values + offset, length * head_dim);
-            } else {
-                k = (const float *)keys + offset;
-                v = (const float *)values + offset;
+                at_least(&wide_keys, &keys_room, longest * head_dim);
+                at_least(&wide_values, &values_room, longest * head_dim);
             }
-            const float *query = q + (r * heads + g * group) * head_dim;
-            if (head_dim % VL == 0)
-                score_key_vectors(scores, query, k, group, length, head_dim, scale);
-            else
-                score_keys(scores, query, k, group, 0, length, head_dim, scale);
-            for (int64_t h = 0; h < group; h++) {
-                float *p = scores + h * length, max = p[0], sum = 0.0f;
-                for (int64_t j = 1; j < length; j++) max = p[j] > max ? p[j] : max;
+            int64_t first_row = (members[0] * kv_heads + g) * cache_len * head_dim;
+            if (common) {  /* every member's query heads, side by side, against the shared keys */
+                at_least(&queries, &queries_room, group_heads * head_dim);
+                for (int64_t m = 0; m < n; m++)
+                    memcpy(queries + m * group * head_dim, q + (members[m] * heads + g * group) * head_dim,
+                           group * head_dim * sizeof(float));
+                const float *k = positions_as_float(keys, bf16_model, wide_keys, first_row, 0, common, head_dim);
+                score_key_vectors(scores, queries, k, group_heads, 0, common, stride, head_dim, scale);
+            }
+            for (int64_t m = 0; m < n; m++) {
+                int64_t row = members[m], length = positions[row] + 1;
+                const float *query = q + (row * heads + g * group) * head_dim;
+                const float *k = positions_as_float(keys, bf16_model, wide_keys, (row * kv_heads + g) * cache_len * head_dim,
+                                                    common, length, head_dim);
+                float *row_scores = scores + m * group * stride;
+                if (vector_scores)
+                    score_key_vectors(row_scores, query, k, group, common, length, stride, head_dim, scale);
+                else
+                    score_keys(row_scores, query, k, group, common, length, stride, head_dim, scale);
+                for (int64_t h = 0; h < group; h++) {
+                    float *p = row_scores + h * stride, max = p[0], sum = 0.0f;
+                    for (int64_t j = 1; j < length; j++) max = p[j] > max ? p[j] : max;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < length; j++) {
-                    p[j] = exp_clamped(p[j] - max);
-                    sum += p[j];
+                    for (int64_t j = 0; j < length; j++) {
+                        p[j] = exp_clamped(p[j] - max);
+                        sum += p[j];
+                    }
+                    float inv = 1.0f / sum;
+                    for (int64_t j = 0; j < length; j++) p[j] *= inv;
+                    if (bf16_model)
+                        for (int64_t j = 0; j < length; j++) p[j] = bf16_to_float(float_to_bf16(p[j]));
                 }
-                float inv = 1.0f / sum;
-                for (int64_t j = 0; j < length; j++) p[j] *= inv;
-                if (bf16_model)
-                    for (int64_t j = 0; j < length; j++) p[j] = bf16_to_float(float_to_bf16(p[j]));
             }
-            int64_t first = (r * heads + g * group) * head_dim;  /* of the group's output */
-            float *o = bf16_model ? summed : (float *)out + first;
-            int64_t columns = WEIGH_VECTORS * VL;
-            if (head_dim % columns == 0) {
-                for (int64_t h = 0; h < group; h += WEIGH_HEADS)
+            if (common) {
+                const float *v = positions_as_float(values, bf16_model, wide_values, first_row, 0, common, head_dim);
+                for (int64_t h = 0; h < group_heads; h += WEIGH_HEADS)
                     for (int64_t c = 0; c < head_dim; c += columns)
-                        weigh_value_vectors(o + h * head_dim, scores + h * length, v,
-                                            group - h < WEIGH_HEADS ? group - h : WEIGH_HEADS, length, head_dim, c);
-            } else {
-                for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, scores + h * length, v, length, head_dim);
+                        weigh_value_vectors(summed + h * head_dim, scores + h * stride, v,
+                                            group_heads - h < WEIGH_HEADS ? group_heads - h : WEIGH_HEADS, 0, common,
+                                            stride, head_dim, c, 0);
             }
-            if (bf16_model)
-                for (int64_t i = 0; i < group * head_dim; i++) ((bf16 *)out)[first + i] = float_to_bf16(summed[i]);
+            for (int64_t m = 0; m < n; m++) {
+                int64_t row = members[m], length = positions[row] + 1;
+                const float *v = positions_as_float(values, bf16_model, wide_values,
+                                                    (row * kv_heads + g) * cache_len * head_dim, common, length, head_dim);
+                float *o = summed + m * group * head_dim;
+                const float *weights = scores + m * group * stride;
+                if (vector_sums) {
+                    for (int64_t h = 0; h < group; h += WEIGH_HEADS)
+                        for (int64_t c = 0; c < head_dim; c += columns)
+                            weigh_value_vectors(o + h * head_dim, weights + h * stride, v,
+                                                group - h < WEIGH_HEADS ? group - h : WEIGH_HEADS, common, length,
+                                                stride, head_dim, c, common > 0);
+                } else {
+                    for (int64_t h = 0; h < group; h++) weigh_values(o + h * head_dim, weights + h * stride, v, length, head_dim);
+                }
+                int64_t first = (row * heads + g * group) * head_dim;  /* of the row's output for this kv head */
+                if (bf16_model)
+                    for (int64_t i = 0; i < group * head_dim; i++) ((bf16 *)out)[first + i] = float_to_bf16(o[i]);
+                else
+                    memcpy((float *)out + first, o, group * head_dim * sizeof(float));
+            }
         }
         free(scores);
-        free(widened);
-        free(widened_keys);
+        free(wide_keys);
+        free(wide_values);
+        free(queries);
         free(summed);
     }
 }
@@ -269,18 +332,23 @@ static inline __attribute__((always_inline)) void attention(
  *
  * The query heads that share a kv head are scored one after the other while their keys are in cache,
  * and their outputs accumulated together, each value vector loaded once for several heads. Scores
- * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). */
+ * and softmax in float32 as SDPA's CPU kernel computes them (max subtracted, sum, divide). Groups of rows
+ * (order, starts, shared; NULL: none) read a shared prompt once: see `attention`. */
 void decode_attention_f32(const float *q, const float *keys, const float *values, const int64_t *positions,
                           float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                          int64_t cache_len, float scale) {
-    attention(q, keys, values, 0, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
+                          int64_t cache_len, float scale, const int64_t *order, const int64_t *starts,
+                          const int64_t *shared, int64_t groups) {
+    attention(q, keys, values, 0, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale, order, starts,
+              shared, groups);
 }
 
 /* decode_attention for a bf16 model: q float32 (widened), keys, values and out bf16. */
 void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values, const int64_t *positions,
                            bf16 *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t cache_len, float scale) {
-    attention(q, keys, values, 1, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale);
+                           int64_t cache_len, float scale, const int64_t *order, const int64_t *starts,
+                           const int64_t *shared, int64_t groups) {
+    attention(q, keys, values, 1, positions, out, rows, heads, kv_heads, head_dim, cache_len, scale, order, starts,
+              shared, groups);
 }
 
 /* ---- Linear layers: out = x . W^T (+ bias), for a few dozen rows of x.

@@ -8,10 +8,14 @@ computes the same step with torch ops, slower.
 import ctypes
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from RL2.models.native import load_library
+
+if TYPE_CHECKING:
+    from RL2.engine.embedded.kv_cache import RowGroups
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -20,7 +24,7 @@ STEP_KERNELS = {
     "add_rms_norm": [_pointer, _pointer, _pointer, _pointer, _int, _int, _float],
     "silu_mul": [_pointer, _pointer, _int, _int],
     "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
-    "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float],
+    "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float] + [_pointer] * 3 + [_int],
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {
@@ -106,15 +110,20 @@ class DecodeKernels:
         )
         return q_out
 
-    def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor) -> torch.Tensor:
+    def decode_attention(
+        self, q, keys, values, positions, scale: float, out: torch.Tensor, groups: "RowGroups | None" = None
+    ) -> torch.Tensor:
         """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
         (float32) over cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a
-        whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache."""
+        whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache. With `groups`, the rows of a
+        group read the positions they share once (the same results)."""
         rows, heads, head_dim = q.shape
         _check_cache(values, keys, values)
+        order, starts, shared = (None, None, None) if groups is None else (groups.order, groups.starts, groups.shared)
         self._step_kernel("decode_attention", values)(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
-            keys.shape[1], head_dim, keys.shape[2], scale,
+            keys.shape[1], head_dim, keys.shape[2], scale, _address(order), _address(starts), _address(shared),
+            0 if groups is None else len(shared),
         )
         return out
 

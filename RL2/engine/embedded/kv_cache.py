@@ -1,6 +1,21 @@
 """The embedded engine's KV cache: one pre-allocated row per running request."""
 
+import functools
+import itertools
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class RowGroups:
+    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses
+    to one prompt), for the decode attention to read those positions once: the rows of group i are
+    `order[starts[i]:starts[i + 1]]`, and they share positions 0..shared[i]-1 (int64 tensors)."""
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    shared: torch.Tensor
 
 
 class SlotKVCache:
@@ -14,6 +29,10 @@ class SlotKVCache:
     kernels: they widen a bf16 model's keys as they score them, so the cache is read at half the bytes
     (the keys hold bf16 values either way, so the scores are the same).
     HF attention layers call `update` once per layer and attend over what it returns.
+
+    The cache also knows which rows hold copies of one prompt (`share_prompt`, and a prefill from a
+    `prefix_row`); a decode step's `row_groups` tells the C decode attention, which then reads each shared
+    prompt once for all of its rows instead of once per row.
     """
 
     def __init__(self, max_rows: int, keys_in_model_dtype: bool = False):
@@ -28,6 +47,10 @@ class SlotKVCache:
         self._row_index: torch.Tensor | None = None
         self._length = 0
         self.expected_rows = 0  # requests the engine has been given: rows grow to this at once
+        self.share_prompt_reads = True  # False: every row reads all of its own positions (the same results)
+        self._shared: dict[int, tuple[int, int]] = {}  # row -> (copy id, positions it holds of that copy)
+        self._copy_ids = itertools.count()
+        self.row_groups: RowGroups | None = None  # of the bound decode step; None: no two rows share
 
     def bind_prefill(self, rows: slice, start: int, width: int, prefix_row: int | None = None) -> None:
         """The next forward writes positions start..start+width-1 of `rows` and reads from 0.
@@ -37,11 +60,37 @@ class SlotKVCache:
         """
         self._rows, self._start, self._prefix_row = rows, start, prefix_row
         self._positions, self._length = None, start + width
+        for row in range(rows.start, rows.stop):
+            self._shared.pop(row, None)
+        if prefix_row is not None:
+            self.share_prompt(range(rows.start, rows.stop), start)
 
     def bind_decode(self, positions: torch.Tensor, length: int) -> None:
         """The next forward writes one token per row 0..n-1 at `positions` and reads `length`."""
         self._rows, self._positions, self._length = slice(0, len(positions)), positions, length
         self._row_index = torch.arange(len(positions), device=positions.device)
+        self.row_groups = self._row_groups(len(positions)) if self.share_prompt_reads else None
+
+    def share_prompt(self, rows, length: int) -> None:
+        """`rows` hold the same keys and values at positions 0..length-1 (copies of one prompt's)."""
+        copy_id = next(self._copy_ids)
+        for row in rows:
+            self._shared[row] = (copy_id, length)
+
+    def _row_groups(self, n_rows: int) -> RowGroups | None:
+        """Rows 0..n_rows-1 by the prompt copy they hold (a row holding none is a group of its own)."""
+        groups: dict[tuple, list[int]] = {}
+        for row in range(n_rows):
+            groups.setdefault(self._shared.get(row, ("alone", row)), []).append(row)
+        if len(groups) == n_rows:
+            return None
+        members = list(groups.values())
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        return RowGroups(
+            order=as_tensor([row for rows in members for row in rows]),
+            starts=as_tensor([0, *itertools.accumulate(len(rows) for rows in members)]),
+            shared=as_tensor([key[1] if key[0] != "alone" else 0 for key in groups]),
+        )
 
     def buffers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's whole key and value buffers `[rows, H_kv, L, D]`, with room for the bound
@@ -87,6 +136,7 @@ class SlotKVCache:
         """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
         for buffer in (*self.keys, *self.values):
             buffer[dst, :, :length] = buffer[src, :, :length]
+        self._move_shared({dst: src})
 
     @torch.inference_mode()
     def copy_rows(self, sources: torch.Tensor, first_row: int, length: int) -> None:
@@ -95,6 +145,16 @@ class SlotKVCache:
             for layer_idx in range(len(buffers)):
                 buffer = self._reserve(buffers, layer_idx, first_row + len(sources), length)
                 buffer[first_row : first_row + len(sources), :, :length] = buffer[sources, :, :length]
+        self._move_shared({first_row + i: int(source) for i, source in enumerate(sources)})
+
+    def _move_shared(self, sources: dict[int, int]) -> None:
+        """Rows `sources` (destination -> source) were overwritten with copies: they share what their sources did."""
+        copied = {dst: self._shared.get(src) for dst, src in sources.items()}
+        for dst, shared in copied.items():
+            if shared is None:
+                self._shared.pop(dst, None)
+            else:
+                self._shared[dst] = shared
 
     def expect_rows(self, rows: int) -> None:
         """Requests running or waiting: the next growth of the rows goes straight to this many
@@ -103,3 +163,4 @@ class SlotKVCache:
 
     def clear(self) -> None:
         self.keys, self.values = [], []
+        self._shared, self.row_groups = {}, None

@@ -158,7 +158,8 @@ class LlamaForward:
             if layer.q_norm is not None:  # Qwen3
                 q_norm, k_norm, eps = layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
             kernels.rope_and_store(product(layer.qkv, normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
-            delta = product(layer.o, kernels.decode_attention(q, keys, values, positions, layer.scale, attended))
+            kernels.decode_attention(q, keys, values, positions, layer.scale, attended, cache.row_groups)
+            delta = product(layer.o, attended)
             kernels.add_rms_norm(hidden, delta, layer.post_norm.weight, layer.post_norm.variance_epsilon, normed)
             gate_up = product(layer.gate_up, normed)
             if activated is None:
