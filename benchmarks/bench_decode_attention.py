@@ -3,7 +3,7 @@
 (`attend_one_token`), in the same run, on one core.
 
     python benchmarks/bench_decode_attention.py [--rows 16,32] [--lengths 64,128] [--steps 20] [--dtype float32]
-                                                [--isa avx2]
+                                                [--group 4] [--prompt 40] [--isa avx2]
 
 A step attends one new query per row over that row's cached keys and values in each of the 30 layers of
 SmolLM2-135M-Instruct's shapes (9 query heads, 3 kv heads, head_dim 64), every row at the same length,
@@ -11,7 +11,9 @@ random caches laid out as the engine's `SlotKVCache` (each layer its own buffer,
 memory, as in a real step) in the model's dtype: keys and values in it for the C kernel, float32 keys for
 the torch ops (the cache keeps them so there). Prints milliseconds per step and the rate at which the step reads its
 keys and values, against what one core reads from memory in the same run (a sum over 512 MB), and the
-process's peak resident memory.
+process's peak resident memory. A third row times the C kernel with the rows in groups of `--group` that
+share their first `--prompt` positions (a GRPO group's responses to one prompt, whose rows hold copies of
+it), which it then reads once per group (`RowGroups`).
 """
 
 import argparse
@@ -27,6 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import add_isa_argument, run_with_isa  # noqa: E402
 
 from RL2.engine.embedded.decode_kernels import load_decode_kernels  # noqa: E402
+from RL2.engine.embedded.kv_cache import RowGroups  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
 from RL2.utils.memory import peak_rss_gb  # noqa: E402
 
@@ -44,13 +47,20 @@ def read_rate(gigabytes: float = 0.5, rounds: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def step_functions(rows: int, length: int, dtype: torch.dtype) -> dict:
+def step_functions(rows: int, length: int, dtype: torch.dtype, group: int, prompt: int) -> dict:
     """name -> (a callable running one step's attention (all layers) with that implementation, bytes of
     the cache it reads)."""
     generator = torch.Generator().manual_seed(0)
     cache_len = max(128, 1 << (length - 1).bit_length())  # the cache grows by doubling
     shape = (rows, KV_HEADS, cache_len, HEAD_DIM)
     caches = [tuple(torch.randn(*shape, generator=generator).to(dtype) for _ in range(2)) for _ in range(LAYERS)]
+    groups, prompt = -(-rows // group), min(prompt, length)
+    for keys, values in caches:  # each group's rows hold copies of its first row's prompt, as the engine's do
+        for first in range(0, rows, group):
+            keys[first + 1 : first + group, :, :prompt] = keys[first, :, :prompt]
+            values[first + 1 : first + group, :, :prompt] = values[first, :, :prompt]
+    row_groups = RowGroups(order=torch.arange(rows), starts=torch.tensor([min(i * group, rows) for i in range(groups + 1)]),
+                           shared=torch.full((groups,), prompt))
     float32_keys = [keys.float() for keys, _ in caches]
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype).float()
     positions = torch.full((rows,), length - 1)
@@ -62,6 +72,9 @@ def step_functions(rows: int, length: int, dtype: torch.dtype) -> dict:
         "decode_attention (C)": (lambda: [
             kernels.decode_attention(query, keys, values, positions, scale, out) for keys, values in caches
         ], positions_read * 2 * dtype.itemsize),
+        f"decode_attention (C), groups of {group} reading {prompt} positions once": (lambda: [
+            kernels.decode_attention(query, keys, values, positions, scale, out, row_groups) for keys, values in caches
+        ], positions_read // (rows * length) * (groups * prompt + rows * (length - prompt)) * 2 * dtype.itemsize),
         "torch ops": (lambda: [
             attend_one_token(query.to(dtype), keys[:, :, :length], values[:, :, :length], bias, scale)
             for keys, (_, values) in zip(float32_keys, caches)
@@ -84,6 +97,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="64,128", help="comma-separated cached positions a row attends over")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
+    parser.add_argument("--group", type=int, default=4, help="rows a prompt has (responses per prompt)")
+    parser.add_argument("--prompt", type=int, default=40, help="positions of a group's shared prompt")
     add_isa_argument(parser)
     args = parser.parse_args()
     run_with_isa(args.isa)
@@ -99,7 +114,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for rows in [int(r) for r in args.rows.split(",")]:
             for length in [int(n) for n in args.lengths.split(",")]:
-                for name, (step, bytes_read) in step_functions(rows, length, dtype).items():
+                for name, (step, bytes_read) in step_functions(rows, length, dtype, args.group, args.prompt).items():
                     seconds = time_step(step, args.steps)
                     rate = bytes_read / seconds
                     print(f"| {rows} | {length} | {name} | {seconds * 1e3:.2f} | {rate / 1e9:.1f} | "
