@@ -175,20 +175,25 @@ def test_identical_prompts_in_one_batch_equal_a_lone_request(engine, model):
 
 
 def test_a_groups_responses_read_their_prompt_once_with_the_same_outputs(tokenizer, monkeypatch):
-    """A GRPO group's responses hold copies of one prompt, which the C decode attention reads once for all of
-    them: the sampled tokens and log-probabilities equal, bit for bit, those of rows that each read their own
-    copy, also while rows finish at different steps and the others move into their places."""
+    """A GRPO group's responses hold copies of one prompt, and prompts with a common system prefix copies of
+    that: the C decode attention reads each once for all the rows that hold it. The sampled tokens and
+    log-probabilities equal, bit for bit, those of rows that each read their own copy, also while rows finish
+    at different steps and the others move into their places."""
     if decode_kernels.load_decode_kernels() is None:
         pytest.skip("the C decode kernels are unavailable here")
     model = tiny_llama(len(tokenizer), seed=3, head_dim=64)  # a head_dim the kernels read in whole vectors
-    prompts = [PROMPTS[2] * 4, PROMPTS[0] * 5 + PROMPTS[1], PROMPTS[2] + PROMPTS[0] * 3]  # 44, 32, 29 tokens
+    system = PROMPTS[0] + PROMPTS[2] + [5356, 5646, 11173]  # 20 tokens
+    grouped = [system + PROMPTS[2] * 2, system + PROMPTS[1] * 5]  # 4 responses each
+    alone = [system + [198, 1, 4093 + i] * (1 + i) for i in range(3)]  # 1 response each
     requests = [payload(prompt, temperature=1.0, max_new_tokens=3 + 4 * i, sampling_seed=10 * g + i)
-                for g, prompt in enumerate(prompts) for i in range(4)]
-    grouped_calls = []
+                for g, prompt in enumerate(grouped) for i in range(4)]
+    requests += [payload(prompt, temperature=1.0, max_new_tokens=5 + 2 * i, sampling_seed=i) for i, prompt in enumerate(alone)]
+    shared_spans = set()
     attention = decode_kernels.DecodeKernels.decode_attention
 
     def recording(self, *args, **kwargs):
-        grouped_calls.append(args[-1] is not None)
+        if args[-1] is not None:
+            shared_spans.update(args[-1].shared.tolist())
         return attention(self, *args, **kwargs)
 
     monkeypatch.setattr(decode_kernels.DecodeKernels, "decode_attention", recording)
@@ -198,10 +203,10 @@ def test_a_groups_responses_read_their_prompt_once_with_the_same_outputs(tokeniz
         engine.runner.cache.share_prompt_reads = share
         outputs[share] = generate(engine, *requests)
         engine.shutdown()
-    assert any(grouped_calls), "no decode step read a shared prompt once"
-    for together, alone in zip(outputs[True], outputs[False]):
-        assert together["output_ids"] == alone["output_ids"]
-        assert together["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
+    assert {len(p) for p in grouped} | {len(system)} <= shared_spans, "some prompt copies were not read as one"
+    for together, apart in zip(outputs[True], outputs[False]):
+        assert together["output_ids"] == apart["output_ids"]
+        assert together["meta_info"]["output_token_logprobs"] == apart["meta_info"]["output_token_logprobs"]
 
 
 def test_stop_string_trims_text_but_keeps_tokens(engine, tokenizer):
