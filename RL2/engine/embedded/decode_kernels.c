@@ -206,8 +206,9 @@ static float *at_least(float **buffer, int64_t *capacity, int64_t need) {
     return *buffer;
 }
 
-/* Row `row`'s keys or values of one kv head at positions first..length-1 as float32, indexed by position:
- * the cache itself for a float32 model; for a bf16 model, `wide` with those positions widened (exactly). */
+/* The keys or values of one row and kv head (from `offset` in the cache) at positions first..length-1 as
+ * float32, indexed by position: the cache itself for a float32 model; for a bf16 model, `wide` with those
+ * positions widened (exactly). */
 static inline const float *positions_as_float(const void *cache, int bf16_model, float *wide, int64_t offset,
                                               int64_t first, int64_t length, int64_t head_dim) {
     if (!bf16_model) return (const float *)cache + offset;

@@ -226,10 +226,12 @@ class ModelRunner:
             index = torch.tensor([which[tuple(p)] for p in prompts], device=self.device)
             logits = self.prefill(first_row, [list(p) for p in distinct])
             self.cache.copy_rows(first_row + index, first_row, max(len(p) for p in distinct))
-            for i, prompt in enumerate(distinct):
-                rows = [first_row + row for row, which in enumerate(index.tolist()) if which == i]
+            rows_of: dict[int, list[int]] = {}
+            for row, i in enumerate(index.tolist()):
+                rows_of.setdefault(i, []).append(first_row + row)
+            for i, rows in rows_of.items():
                 if len(rows) > 1:
-                    self.cache.share_prompt(rows, len(prompt))
+                    self.cache.share_prompt(rows, len(distinct[i]))
             return logits[index]
         rows = slice(first_row, first_row + len(prompts))
         shared = min(common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
