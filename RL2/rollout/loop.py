@@ -71,6 +71,9 @@ async def run_trajectory(
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
+        # A resumed action is whole again: from here on the trajectory runs as any other (its next
+        # action is a new one, and a pause may stop it before that action).
+        trajectory.stop_reason = ""
         result = await _step(env, trajectory.state, turn.action_text, trajectory.env_info, env_timeout)
         if isinstance(result, str):
             trajectory.fail(result)

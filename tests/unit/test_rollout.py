@@ -331,15 +331,18 @@ def test_http_client_errors_name_the_server(engine):
 
 def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     """Trajectories cut by the pause and resumed (after a JSON round trip, as a checkpoint keeps them)
-    end with the tokens, masks and log-probabilities of an uninterrupted greedy rollout."""
+    end with the tokens, masks, rewards and log-probabilities of an uninterrupted greedy rollout, also
+    when the pause cut them in an earlier turn than their last."""
     env = load_env(ENVS / "echo.py")
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
-    rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 3}} for i in range(4)]
+    # The one-turn row finishes first and so sets off the pause while the others are in turn 1 or 2.
+    rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 1 if i == 0 else 3}} for i in range(4)]
     engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
     try:
         finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
         assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
         assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
+        assert any(t.n_turns < 3 for g in carried for t in g), "the pause should cut a trajectory before its last turn"
         rounds = 0
         while carried:
             carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
@@ -351,8 +354,10 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         engine.shutdown()
     for group in finished:
         [trajectory] = group
-        assert (trajectory.n_turns, trajectory.stop_reason, trajectory.reward) == (3, "done", 3.0)
-        expected = roll_fresh(model, tok, env, trajectory.prompt_text, params)
+        turns = trajectory.extra_info["turns"]
+        assert (trajectory.n_turns, trajectory.stop_reason) == (turns, "done")
+        assert [turn.reward for turn in trajectory.turns] == [1.0] * turns
+        expected = roll_fresh(model, tok, env, trajectory.prompt_text, params, turns)
         [got], [want] = trajectory.token_sequences(), expected.token_sequences()
         assert got["input_ids"] == want["input_ids"]
         assert got["loss_mask"] == want["loss_mask"] and got["turn_ids"] == want["turn_ids"]
@@ -361,10 +366,10 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
             assert logp == (pytest.approx(ref, abs=1e-4) if mask else 0.0)
 
 
-def roll_fresh(model, tok, env, prompt: str, params: dict) -> Trajectory:
+def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajectory:
     engine = EmbeddedEngine(model, tok, max_running_requests=1)
     try:
-        return asyncio.run(run_trajectory(engine, env, tok, prompt, {"turns": 3}, params, max_turns=3))
+        return asyncio.run(run_trajectory(engine, env, tok, prompt, {"turns": turns}, params, max_turns=3))
     finally:
         engine.shutdown()
 
