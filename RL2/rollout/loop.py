@@ -86,7 +86,11 @@ async def run_trajectory(
         if trajectory.n_turns == max_turns:
             trajectory.stop_reason = "max_turns"
             return trajectory
-        next_state = render_state(result.next_state, tokenizer)
+        try:
+            next_state = render_state(result.next_state, tokenizer)
+        except Exception as e:  # messages of the environment's making that the chat template rejects
+            trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
+            return trajectory
         if not _observe(trajectory, tokenizer, trajectory.state, turn, next_state, max_total_tokens):
             trajectory.stop_reason = "budget"
             return trajectory

@@ -158,6 +158,7 @@ def test_max_turns_and_token_budget_stop(engine, model, tok, prompt):
         ("raise", "step raised KeyError: 'broken env'"),
         ("sleep", "timed out after 0.05 s"),
         ("malformed", "reward='high'"),
+        ("unrenderable", "the chat template raised TypeError"),
     ],
 )
 def test_env_faults_end_one_trajectory_with_reward_0(engine, tok, prompt, fault, message):
