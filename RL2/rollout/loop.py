@@ -162,8 +162,12 @@ async def partial_rollout_batch(
     a step or more; `actor.tis_coef` corrects for it).
 
     Returns:
-        (finished groups, unfinished groups), carried ones first, then in prompt order.
+        (finished groups, unfinished groups, newly finished groups), carried ones first, then in
+        prompt order. The finished groups include the carried ones that were finished already
+        (beyond an earlier batch); the newly finished ones are those this call finished, what its
+        metrics and samples report.
     """
+    already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
     done_groups = asyncio.Event()
     finished_count = 0
@@ -206,7 +210,8 @@ async def partial_rollout_batch(
     await all_done  # raises the first error of any trajectory
     groups = [task.result() for task in tasks]
     finished = [g for g in groups if not any(t.unfinished for t in g)]
-    return finished, [g for g in groups if any(t.unfinished for t in g)]
+    newly = [g for g in finished if id(g[0]) not in already]
+    return finished, [g for g in groups if any(t.unfinished for t in g)], newly
 
 
 async def _ready(trajectory: Trajectory) -> Trajectory:

@@ -208,22 +208,23 @@ class RolloutWorker:
 
     def partial_rollout(
         self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int,
-    ) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+    ) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
         `prompts`, stopping once it has finished as many groups as it got new prompts.
 
         Returns:
-            (finished, unfinished) groups of every rank, the same on every rank.
+            (finished, unfinished, newly finished) groups of every rank, the same on every rank (see
+            `partial_rollout_batch`).
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
         n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
-        finished, unfinished = self._on_this_rank(seed, lambda: partial_rollout_batch(
+        result = self._on_this_rank(seed, lambda: partial_rollout_batch(
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
             dict(sampling_params), self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
-        ) if n_needed else _nothing(([], [])))
-        parts = self._gather((finished, unfinished))
-        return [g for part, _ in parts for g in part], [g for _, part in parts for g in part]
+        ) if n_needed else _nothing(([], [], [])))
+        parts = self._gather(result)
+        return tuple([g for part in parts for g in part[i]] for i in range(3))
 
     def _on_this_rank(self, seed: int, make_coroutine):
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on

@@ -168,10 +168,10 @@ class PPOTrainer(Trainer):
             rounds += 1
             params, n = rollout.train_sampling_params, rollout.responses_per_prompt
             if rollout.partial_rollout:
-                groups, self.carried = self.rollout.partial_rollout(self.carried, prompts, params, n, seed)
+                groups, self.carried, new = self.rollout.partial_rollout(self.carried, prompts, params, n, seed)
             else:
-                groups = self.rollout.rollout(prompts, params, n, seed)
-            rolled_out += groups
+                groups = new = self.rollout.rollout(prompts, params, n, seed)
+            rolled_out += new  # a group finished beyond an earlier batch was reported then
             kept += filter_groups(groups) if rollout.dynamic_filtering else groups
         if rollout.partial_rollout:  # finished beyond the batch: keep them for the next step
             self.carried = kept[batch_size:] + self.carried

@@ -340,14 +340,14 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 1 if i == 0 else 3}} for i in range(4)]
     engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
     try:
-        finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
+        finished, carried, _ = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
         assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
         assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
         assert any(t.n_turns < 3 for g in carried for t in g), "the pause should cut a trajectory before its last turn"
         rounds = 0
         while carried:
             carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
-            more, carried = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
+            more, carried, _ = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
             finished += more
             rounds += 1
         assert rounds >= 1 and len(finished) == len(rows)
@@ -378,6 +378,24 @@ def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajec
 def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
     env = load_env(ENVS / "echo.py")
     rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
-    finished, carried = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
-    assert carried == [] and [len(g) for g in finished] == [2, 2]
+    finished, carried, newly = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
+    assert carried == [] and [len(g) for g in finished] == [2, 2] and newly == finished
     assert all(t.stop_reason == "done" and t.n_turns == 2 for g in finished for t in g)
+
+
+def test_a_group_carried_finished_counts_for_the_batch_but_is_not_reported_again(engine, tok, prompt):
+    """A group finished beyond one step's batch is carried into the next: it fills that batch, but
+    only the groups the call itself finished (a cut one resumed, a new one) are newly finished."""
+    env = load_env(ENVS / "echo.py")
+    row = {"prompt": prompt, "extra_info": {"turns": 1}}
+    [done], _, _ = asyncio.run(partial_rollout_batch(engine, env, tok, [], [row], 1, 2, GREEDY))
+    cut = []
+    for _ in range(2):  # cut by a pause before its first action, as the stop flag leaves it
+        trajectory = Trajectory(extra_info={"turns": 1}, state=prompt, env_info={"turns": 1}, stop_reason="abort")
+        trajectory.start_sequence(prompt, encode(tok, prompt))
+        trajectory.add_turn(Turn([], [], "", "abort"))
+        cut.append(trajectory)
+    finished, carried, newly = asyncio.run(partial_rollout_batch(engine, env, tok, [done, cut], [row], 3, 2, GREEDY))
+    assert carried == [] and len(finished) == 3 and all(t.stop_reason == "done" for g in finished for t in g)
+    assert finished[0][0] is done[0] and [g[0] for g in newly] == [g[0] for g in finished[1:]]
+    assert newly[0][0] is cut[0] and len(cut[0].turns[0].action_ids) == GREEDY["max_new_tokens"]
