@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
+GREEDY_TEMPERATURE = 1e-6
+
 # Keys SGLang accepts that change nothing here as long as they keep their default value.
 _NEUTRAL_DEFAULTS = {
     "frequency_penalty": 0.0,
@@ -80,7 +83,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def sample_next_tokens(
@@ -142,7 +145,16 @@ def sample_next_tokens(
 
 
 def _sampling_weights(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Unnormalised sampling probabilities: temperature, then top-k, top-p, min-p (SGLang's order).
+    """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
+
+    First the temperature. Then, for a row without min-p, top-k and top-p together on that
+    distribution: a token stays if it is among the top_k and the tokens likelier than it hold at
+    most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
+    `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised
+    top-k tokens, then min-p (`top_k_renorm_prob`, `top_p_renorm_prob`,
+    `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
+    request has it); here each row follows its own parameters, so that a request samples alike
+    in any batch.
 
     Args:
         probs: the probabilities at temperature 1 (banned tokens at 0).
@@ -151,23 +163,36 @@ def _sampling_weights(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     device = probs.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     weights = probs
     if not (temperature == 1).all():
-        # softmax(logits / T) is proportional to softmax(logits) ** (1 / T).
-        weights = probs.pow((1 / temperature)[:, None])
+        # softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by
+        # its largest probability first, so that its top token keeps weight 1: at a low temperature
+        # the powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1
+        # are divided by 1, which leaves them exactly as they are.
+        peak = torch.where(temperature[:, None] == 1, 1.0, probs.amax(dim=-1, keepdim=True))
+        weights = (probs / peak).pow((1 / temperature)[:, None])
+    drop = None  # tokens top-k and top-p filter out
     if top_k.any():
         k_max = min(int(top_k.max()), weights.shape[-1])
         kth = weights.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
         kth[top_k == 0] = 0.0
-        weights = weights.masked_fill(weights < kth, 0.0)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+        drop = weights < kth
     if (top_p < 1).any():
-        normalized = weights / weights.sum(dim=-1, keepdim=True)
+        # Jointly, top-p measures the tokens' mass in the whole distribution; after top-k (min-p
+        # rows), in the kept tokens only.
+        measured = weights
+        if drop is not None and (min_p > 0).any():
+            measured = torch.where((min_p > 0)[:, None], weights.masked_fill(drop, 0.0), weights)
+        normalized = measured / measured.sum(dim=-1, keepdim=True)
         sorted_probs, order = normalized.sort(dim=-1, descending=True)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
-        weights = weights.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+        drop_p = drop_sorted.scatter(1, order, drop_sorted)
+        drop = drop_p if drop is None else drop | drop_p
+    if drop is not None:
+        weights = weights.masked_fill(drop, 0.0)
     if (min_p > 0).any():
         weights = weights.masked_fill(weights < min_p[:, None] * weights.amax(dim=-1, keepdim=True), 0.0)
     return weights
