@@ -298,6 +298,89 @@ def test_sampler_draws_from_the_requested_distribution():
         torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
 
 
+def sample_frequencies(logits, params, rows=20000, chunk=4000, seed=0) -> torch.Tensor:
+    """How often each token of one row of logits is sampled, over `rows` draws."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(logits.shape[-1])
+    for _ in range(rows // chunk):
+        tokens, _ = sample_next_tokens(logits.expand(chunk, -1), [params] * chunk, [[]] * chunk, [None] * chunk, generator)
+        counts += torch.bincount(tokens, minlength=logits.shape[-1])
+    return counts / rows
+
+
+def test_low_temperatures_sample_the_dominant_token():
+    # A flat row over a large vocabulary: every probability is small, so any power 1 / T of them
+    # would underflow in float32 at these temperatures.
+    vocab = 5000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 0.3
+    top = 1234
+    logits[top] = logits.max() + 1.5  # the others are e^(-1.5 / T) as likely at temperature T, or less
+    rows = 64
+    for temperature in [0.05, 1e-3, 1e-5, 1e-7]:
+        tokens, logprobs = sample_next_tokens(
+            logits.expand(rows, -1), [SamplingParams(temperature=temperature)] * rows, [[]] * rows, [None] * rows,
+            torch.Generator().manual_seed(1),
+        )
+        assert tokens.tolist() == [top] * rows, temperature
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits.double(), -1)[tokens].float())
+
+
+def test_a_low_temperature_samples_softmax_of_the_scaled_logits():
+    # Five likely tokens over a background that holds most of the mass at temperature 1 (each
+    # probability under 0.002), and next to none at T = 0.05.
+    logits = torch.full((5000,), -2.0)
+    logits[[10, 20, 30, 40, 50]] = torch.tensor([0.0, -0.05, -0.1, -0.15, -0.2])
+    temperature = 0.05
+    expected = torch.softmax(logits.double() / temperature, -1)
+    frequencies = sample_frequencies(logits, SamplingParams(temperature=temperature))
+    top = [10, 20, 30, 40, 50]
+    torch.testing.assert_close(frequencies[top].double(), expected[top], atol=0.015, rtol=0)
+    assert abs(frequencies.sum() - frequencies[top].sum()) <= 0.015
+
+
+def test_temperatures_below_sglangs_epsilon_are_greedy():
+    # Two tokens tie for the top: greedy takes the first, sampling either, at any temperature.
+    logits = torch.zeros(100)
+    logits[[3, 7]] = 2.0
+    rows = 64
+
+    def sample(temperature):
+        params = [SamplingParams(temperature=temperature)] * rows
+        return sample_next_tokens(logits.expand(rows, -1), params, [[]] * rows, [None] * rows, torch.Generator().manual_seed(0))[0]
+
+    assert sample(1e-7).tolist() == [3] * rows  # SGLang: below 1e-6, top_k = 1
+    assert set(sample(1e-5).tolist()) == {3, 7}
+
+
+def test_a_tiny_temperature_through_the_engine_gives_greedy_tokens_and_raw_logprobs(engine, model):
+    result = generate(engine, payload(PROMPTS[0], temperature=1e-7))[0]
+    assert result["output_ids"] == hf_greedy(model, PROMPTS[0], 12)
+    raw = torch.log_softmax(full_logits(model, PROMPTS[0], result["output_ids"]), -1)
+    expected = raw.gather(1, torch.tensor(result["output_ids"])[:, None])[:, 0]
+    logprobs = torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
+
+
+# Probabilities [0.4, 0.3, 0.2, 0.1]; the expected distributions are worked out by hand.
+@pytest.mark.parametrize(
+    "sampling, expected",
+    [
+        # Joint: token 1 stays, as the tokens before it hold 0.4 <= top_p; then [0.4, 0.3] / 0.7.
+        (dict(top_k=2, top_p=0.5), [4 / 7, 3 / 7, 0, 0]),
+        # Temperature first: [0.16, 0.09, 0.04, 0.01] / 0.3; token 1 stays (0.533 <= 0.55).
+        (dict(temperature=0.5, top_k=2, top_p=0.55), [0.64, 0.36, 0, 0]),
+        # With min-p: top-k renormalised to [4/7, 3/7], then top-p drops token 1 (4/7 > 0.5).
+        (dict(top_k=2, top_p=0.5, min_p=0.1), [1.0, 0, 0, 0]),
+        # With min-p: top-k [4/9, 3/9, 2/9], top-p 0.8 keeps them (7/9 <= 0.8), min-p drops 2/9 < 0.6 * 4/9.
+        (dict(top_k=3, top_p=0.8, min_p=0.6), [4 / 7, 3 / 7, 0, 0]),
+    ],
+)
+def test_top_k_top_p_and_min_p_combine_as_in_sglang(sampling, expected):
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    frequencies = sample_frequencies(logits, SamplingParams(**sampling))
+    torch.testing.assert_close(frequencies, torch.tensor(expected), atol=0.015, rtol=0)
+
+
 def test_sampling_seed_is_independent_of_the_batch(engine):
     seeded = payload(PROMPTS[2], temperature=1.0, max_new_tokens=10, sampling_seed=7)
     alone = generate(engine, seeded)[0]["output_ids"]
@@ -519,3 +602,21 @@ def test_invalid_requests_are_rejected(engine):
         generate(engine, payload(PROMPTS[0], tempreature=1.0))
     empty = generate(engine, payload(PROMPTS[0], max_new_tokens=0))[0]
     assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_request_with_an_id_outside_the_vocabulary_fails_alone(engine, tokenizer):
+    good = payload(PROMPTS[2], max_new_tokens=20)
+    alone = generate(engine, good)[0]["output_ids"]
+    vocab = len(tokenizer)
+
+    async def main():
+        running = asyncio.create_task(engine.generate(good))
+        await asyncio.sleep(0)  # queued first
+        bad = [engine.generate(payload([1, vocab], max_new_tokens=5)), engine.generate(payload([-1, 2]))]
+        return await asyncio.gather(running, *bad, return_exceptions=True)
+
+    result, too_large, negative = asyncio.run(main())
+    assert isinstance(too_large, ValueError) and f"holds {vocab}," in str(too_large) and f"{vocab} tokens" in str(too_large)
+    assert isinstance(negative, ValueError) and "holds -1," in str(negative)
+    assert result["output_ids"] == alone
+    assert generate(engine, good)[0]["output_ids"] == alone

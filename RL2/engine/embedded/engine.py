@@ -95,6 +95,8 @@ class EmbeddedEngine:
         seed: int | None = None,
         owns_model: bool = False,
     ):
+        # Rows of the input embedding: the valid token ids. Read now, as released weights are empty.
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
@@ -242,6 +244,14 @@ class EmbeddedEngine:
         )
         if not request.input_ids:
             raise ValueError("input_ids is empty")
+        # Checked here, where only this request fails: inside a step the embedding lookup would
+        # raise and fail every request of the batch and the engine with them.
+        for token in (min(request.input_ids), max(request.input_ids)):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"input_ids holds {token}, not a token id: the model's vocabulary has "
+                    f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})"
+                )
         if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
             raise ValueError(
                 f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
