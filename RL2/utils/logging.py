@@ -62,15 +62,33 @@ class MetricsSink:
             self.tensorboard.log(values, step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps that the resumed run will redo."""
+        """On resume, drop records of steps that the resumed run will redo.
+
+        A line that is not a whole JSON record is what a crash mid-write leaves; it is dropped too. The
+        file is replaced in one rename, so a crash here leaves either the old file or the new one.
+        """
         if not self.enabled:
             return
         if self.tensorboard is not None:
             self.tensorboard.truncate_after(step)
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept, torn = [], 0
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if record["step"] <= step:
+                kept.append(line)
+        if torn:
+            log_rank0(f"{self.path}: dropped {torn} incomplete line(s) left by an interrupted run")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self.wandb is not None:

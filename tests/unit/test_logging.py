@@ -1,4 +1,7 @@
 import json
+import os
+
+import pytest
 
 from RL2.utils.logging import MetricsSink
 
@@ -10,6 +13,34 @@ def test_jsonl_records_and_resume_truncation(tmp_path):
     sink.truncate_after(2)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, "train/loss": 1.0}, {"step": 2, "train/loss": 0.5}]
+
+
+def test_resume_drops_a_line_torn_by_a_crash(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n'
+                                            '{"step": 3, "train/lo')
+    sink = MetricsSink(str(tmp_path))
+    sink.truncate_after(2)
+    sink.log({"train/loss": 0.25}, 3)
+    assert (tmp_path / "metrics.jsonl").read_text() == ('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n'
+                                                        '{"step": 3, "train/loss": 0.25}\n')
+
+
+def test_resume_rewrites_metrics_in_one_rename(tmp_path, monkeypatch):
+    original = '{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n'
+    (tmp_path / "metrics.jsonl").write_text(original)
+    sink = MetricsSink(str(tmp_path))
+
+    def crash(*args):
+        raise KeyboardInterrupt  # the process dies just before the new file takes the old one's place
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sink.truncate_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == original
+    monkeypatch.undo()
+    sink.truncate_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "train/loss": 1.0}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left
 
 
 def test_wandb_without_login_runs_offline(tmp_path, monkeypatch):
@@ -45,3 +76,5 @@ def test_checkpoint_named_by_folder_or_path(tmp_path, monkeypatch):
     assert resolve_checkpoint(str(tmp_path / "step2"), "elsewhere") == tmp_path / "step2"
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_checkpoint("step6", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"neither step9 nor .*step9 exists; give 'latest' or a step<N> folder"):
+        resolve_checkpoint("step9", str(tmp_path))
