@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from RL2.datasets.loading import DataError, load_table, split_path
+from RL2.datasets.tokenize import as_text, is_missing
 from RL2.rewards.extract import last_boxed
 
 DEFAULT_PROMPT = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -64,8 +65,11 @@ def math_answer(row: dict) -> str:
     Args:
         row: the row.
     """
-    if isinstance(row.get("answer"), str) and row["answer"].strip():
-        return row["answer"].strip()
+    answer = row.get("answer")
+    if isinstance(answer, (int, float)) and not is_missing(answer):
+        answer = as_text(answer, "key 'answer'")  # a number is its text, as the trainers read it (204 -> "204")
+    if isinstance(answer, str) and answer.strip():
+        return answer.strip()
     solution = row.get("solution")
     if not isinstance(solution, str):
         raise ValueError("no 'answer' and no 'solution' text")

@@ -59,6 +59,19 @@ def test_math_rows_take_the_last_box_or_the_answer_column():
     assert math_reward("so \\boxed{\\{1\\}}", rows[1]["extra_info"]) == 0.0
 
 
+def test_a_numeric_answer_column_is_its_text(tmp_path):
+    rows = [{"problem": "Find x if x+1=205.", "answer": 204}, {"problem": "Halve 5.", "answer": 2.5},
+            {"problem": "What is 0.5*2?", "answer": 1.0}]
+    assert [r["extra_info"]["answer"] for r in math_rows(rows)[0]] == ["204", "2.5", "1"]
+    # JSON numbers of a typed column, read through the loader the trainers use.
+    table = load_table(str(write_jsonl(tmp_path / "math.jsonl", rows)))
+    assert [r["extra_info"]["answer"] for r in math_rows(table)[0]] == ["204", "2.5", "1"]
+    # A missing answer (None, or the NaN of a float column) still falls back to the solution.
+    assert math_answer({"answer": float("nan"), "solution": "so \\boxed{3}"}) == "3"
+    with pytest.raises(DataError, match=r"row 0: key 'answer' should be a string, got bool"):
+        math_rows([{"problem": "p", "answer": True}])
+
+
 def test_formats_prompts_and_bad_rows():
     assert detect_format(GSM8K[0]) == "gsm8k" and detect_format(MATH[0]) == "math"
     with pytest.raises(DataError, match=r"cannot tell the format from the columns \['input', 'target'\]"):
