@@ -2,9 +2,9 @@
 and what the environment gets as `extra_info`.
 
 `extra_info` is the row's `extra_info` dict together with the row's other columns (the dict wins
-where both name a key), so `{"prompt": ..., "answer": 46}` and a CSV with an `answer` column reach
-the environment as `extra_info["answer"]` just as `{"prompt": ..., "extra_info": {"answer": 46}}`
-does.
+where both hold a value for a key), so `{"prompt": ..., "answer": 46}` and a CSV with an `answer`
+column reach the environment as `extra_info["answer"]` just as `{"prompt": ..., "extra_info":
+{"answer": 46}}` does.
 """
 
 from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt
@@ -13,7 +13,8 @@ EXTRA_INFO_KEY = "extra_info"
 
 
 def extra_info_of(row: dict, used_keys: set[str]) -> dict:
-    """The environment's `extra_info`: the row's columns other than `used_keys`, then its `extra_info`."""
+    """The environment's `extra_info`: the row's columns other than `used_keys`, then its `extra_info`
+    (whose missing values leave a column's value in place)."""
     extra_info = row.get(EXTRA_INFO_KEY)
     if is_missing(extra_info):
         extra_info = {}
@@ -22,6 +23,9 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
                      f"got {type(extra_info).__name__}")
     columns = {key: value for key, value in row.items()
                if key not in used_keys and key != EXTRA_INFO_KEY and not is_missing(value)}
+    # Arrow-backed tables (Parquet, JSON read by `datasets`, save_to_disk) give every row's dict the
+    # keys of all rows' dicts, None where a row had none: such a None must not hide the row's column.
+    extra_info = {key: value for key, value in extra_info.items() if not (is_missing(value) and key in columns)}
     return columns | extra_info
 
 

@@ -164,6 +164,25 @@ def test_ppo_extra_info_dict_wins_over_a_column_of_the_same_name(tok, tmp_path):
     assert row["extra_info"] == {"answer": "dict", "data_source": "s"}
 
 
+@pytest.mark.parametrize("suffix", ["json", "parquet"])
+def test_ppo_extra_info_null_from_other_rows_leaves_the_column(tok, tmp_path, suffix):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # Arrow gives every row's extra_info the keys of all rows' dicts: row 0's dict reads
+    # {"answer": None, "index": 0}, which must not hide its answer column.
+    rows = [{"prompt": "The capital of China is", "answer": "Beijing", "extra_info": {"index": 0}},
+            {"prompt": "Make 24.", "answer": None, "extra_info": {"answer": "(6 / (1 - 3 / 4))", "index": 1}}]
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        write_json(tmp_path, rows, path.name)
+    loaded = load(tok, "ppo", path)
+    assert [row["extra_info"] for row in loaded] == [{"answer": "Beijing", "index": 0},
+                                                     {"answer": "(6 / (1 - 3 / 4))", "index": 1}]
+
+
 def test_ppo_rows_without_a_prompt_when_the_environment_resets(tok, tmp_path):
     from RL2.datasets.prompts import prompt_row_tokenizer
 
