@@ -42,8 +42,7 @@ def load_table(spec: str) -> datasets.Dataset:
         fmt = FILE_FORMATS.get(local.suffix.lower())
         if fmt is None:
             raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
-        options = _csv_as_text(local) if fmt == "csv" else {}
-        table = datasets.load_dataset(fmt, data_files=str(local), split=split or "train", **options)
+        table = _read_file(local, fmt, split)
     elif local.is_dir():
         table = datasets.load_from_disk(str(local))
         if isinstance(table, datasets.DatasetDict):
@@ -60,6 +59,36 @@ def load_table(spec: str) -> datasets.Dataset:
     if len(table) == 0:
         raise DataError(f"{spec}: no rows")
     return table
+
+
+# What to check in a file of each format that could not be read.
+FORMAT_HINTS = {
+    "json": "a .jsonl file needs one complete JSON object per line, a .json file one JSON array of objects "
+            "(or one object per line)",
+    "csv": "the first line names the columns and every line has that many comma-separated fields "
+           "(quote a field that holds a comma or a line break)",
+    "parquet": "the file may be truncated or not a Parquet file; write it again",
+    "arrow": "the file may be truncated or not an Arrow file; write it again",
+}
+
+
+def _read_file(path: Path, fmt: str, split: str | None) -> datasets.Dataset:
+    """The rows of one local file; whatever goes wrong reading it is a DataError naming the file."""
+    if split is not None and split.split("[", 1)[0] != "train":  # "train[:100]" slices are fine
+        raise DataError(f"{split}@{path}: a single file has only the split 'train'; drop '{split}@' from the "
+                        f"path, or give a folder or dataset that has a '{split}' split")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty; give a file with rows")
+    try:
+        options = _csv_as_text(path) if fmt == "csv" else {}
+        return datasets.load_dataset(fmt, data_files=str(path), split=split or "train", **options)
+    except DataError:
+        raise
+    except Exception as e:  # the readers raise many types: DatasetGenerationError, ArrowInvalid, UnicodeDecodeError...
+        # DatasetGenerationError only says "An error occurred"; what went wrong is its cause.
+        cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ else e
+        reason = f"{type(cause).__name__}: {str(cause).strip()}"
+        raise DataError(f"{path}: could not read it as {fmt.upper()} ({reason}); fix the file: {FORMAT_HINTS[fmt]}") from e
 
 
 def _csv_as_text(path: Path) -> dict:

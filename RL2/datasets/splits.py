@@ -4,7 +4,8 @@ from collections.abc import Callable
 
 import torch
 
-from RL2.datasets.loading import load_table
+from RL2.config.errors import ConfigError
+from RL2.datasets.loading import DataError, load_table
 from RL2.datasets.tokenize import tokenize_rows
 from RL2.utils.logging import log_rank0
 
@@ -18,19 +19,26 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int) -> tuple[list,
         seed: holds out the same `test_ratio` rows on every rank and every run.
     """
     train_rows = load_table(data_cfg.train.path)
-    test_rows = None
+    test_rows, test_cfg = None, data_cfg.test
     if data_cfg.test.path:
         test_rows = load_table(data_cfg.test.path)
     elif data_cfg.test_ratio > 0:
-        parts = train_rows.train_test_split(test_size=data_cfg.test_ratio, seed=seed)
+        try:
+            parts = train_rows.train_test_split(test_size=data_cfg.test_ratio, seed=seed)
+        except ValueError as e:  # e.g. so few rows that one side would be empty
+            raise DataError(f"{data_cfg.train.path}: cannot hold out data.test_ratio={data_cfg.test_ratio} of its "
+                            f"{len(train_rows)} rows ({e}); add rows, change data.test_ratio, or give "
+                            f"data.test.path") from None
         train_rows, test_rows = parts["train"], parts["test"]
+        # Held-out rows are rows of the train file: read them with the train file's keys and settings.
+        test_cfg = data_cfg.train
     train, skipped = tokenize_rows(
         train_rows, make_tokenize_row(data_cfg.train), data_cfg.train.path, data_cfg.skip_bad_rows
     )
     test = []
     if test_rows is not None:
         source = data_cfg.test.path or f"{data_cfg.train.path} (held-out {data_cfg.test_ratio:.0%})"
-        test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(data_cfg.test), source, data_cfg.skip_bad_rows)
+        test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(test_cfg), source, data_cfg.skip_bad_rows)
         skipped += test_skipped
     if skipped:
         log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
@@ -46,8 +54,10 @@ class EpochSampler:
     """
 
     def __init__(self, n_examples: int, batch_size: int, shuffle: bool, seed: int):
+        if batch_size < 1:
+            raise ConfigError(f"data.train.batch_size={batch_size}; it must be at least 1")
         if n_examples < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the training set has {n_examples} examples, fewer than data.train.batch_size={batch_size}; "
                 f"lower the batch size"
             )

@@ -6,6 +6,7 @@ import datasets
 import pytest
 from omegaconf import OmegaConf
 
+from RL2.config import ConfigError
 from RL2.config.schema import DataConfig
 from RL2.datasets.loading import DataError, load_table
 from RL2.datasets.sft import sft_row_tokenizer
@@ -128,6 +129,54 @@ def test_test_ratio_holds_out_rows(tok, tmp_path):
     assert not decoded  # disjoint
 
 
+def test_held_out_rows_are_read_with_the_train_settings(tok, tmp_path):
+    rows = [{"question": f"q{i}", "answer": f"a{i} " * 10} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # data.test keeps its defaults (prompt_key=prompt, chat template on, max_length 2048): the held-out
+    # rows come from the train file, so only data.train's settings can read them.
+    train_split = {"path": str(tmp_path / "d.jsonl"), "prompt_key": "question", "response_key": "answer",
+                   "apply_chat_template": False, "max_length": 8}
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), {"train": train_split, "test_ratio": 0.25})
+    train, test = load_splits(cfg, sft_row_tokenizer(tok), seed=1)
+    # Raw text, then the response and EOS, cut to 8 tokens, as data.train says.
+    expected = {
+        tuple((tok.encode(r["question"], add_special_tokens=False) + tok.encode(r["answer"], add_special_tokens=False)
+               + [tok.eos_token_id])[:8])
+        for r in rows
+    }
+    assert (len(train), len(test)) == (15, 5)
+    assert all(len(ex["input_ids"]) == 8 and tuple(ex["input_ids"]) in expected for ex in train + test)
+    assert len({tuple(ex["input_ids"]) for ex in train + test}) == 20  # every row once
+
+
+def test_test_ratio_that_leaves_a_split_empty_names_the_key(tok, tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.5})
+    with pytest.raises(DataError, match=r"d\.jsonl: cannot hold out data\.test_ratio=0\.5 of its 1 rows.*data\.test\.path"):
+        load_splits(cfg, sft_row_tokenizer(tok), seed=1)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("empty.jsonl", "", r"empty\.jsonl: the file is empty"),
+    ("broken.jsonl", '{"prompt": "a", "response": "x"}\n{"prompt": "b", \n',
+     r"broken\.jsonl: could not read it as JSON \(.+\); fix the file: a \.jsonl file"),
+    ("ragged.csv", "prompt,response\na,b\nc,d,e\n",
+     r"ragged\.csv: could not read it as CSV \(.*line 3.*\); fix the file"),
+    ("cut.parquet", "PAR1 not a parquet file", r"cut\.parquet: could not read it as PARQUET \(.*\); fix the file"),
+])
+def test_unreadable_files_name_the_file_and_the_cause(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=message):
+        load_table(str(tmp_path / name))
+
+
+def test_a_file_has_only_the_train_split(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(DataError, match=r"test@.*d\.jsonl: a single file has only the split 'train'; drop 'test@'"):
+        load_table(f"test@{tmp_path / 'd.jsonl'}")
+    assert [dict(r) for r in load_table(f"train[:1]@{tmp_path / 'd.jsonl'}")] == [ROWS[0]]
+
+
 def test_sampler_visits_every_example_once_per_epoch():
     sampler = EpochSampler(10, 3, shuffle=True, seed=0)
     assert sampler.steps_per_epoch == 3
@@ -135,5 +184,7 @@ def test_sampler_visits_every_example_once_per_epoch():
     assert len(set(epoch0)) == 9
     assert sampler.batch(3) != sampler.batch(0)  # a new order next epoch
     assert sampler.batch(4) == EpochSampler(10, 3, shuffle=True, seed=0).batch(4)  # a pure function of the step
-    with pytest.raises(ValueError, match="fewer than data.train.batch_size=20"):
+    with pytest.raises(ConfigError, match="fewer than data.train.batch_size=20; lower the batch size"):
         EpochSampler(10, 20, shuffle=True, seed=0)
+    with pytest.raises(ConfigError, match="data.train.batch_size=0; it must be at least 1"):
+        EpochSampler(10, 0, shuffle=True, seed=0)
