@@ -12,7 +12,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from RL2.config.aliases import SchemaKeys, apply_kl_estimators, apply_lora_switches, describe_aliases, translate
 from RL2.config.errors import ConfigError
-from RL2.config.schema import check_model_sections
+from RL2.config.schema import check_model_sections, check_run_sections
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
@@ -49,6 +49,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     OmegaConf.resolve(base)
     check_choices(base, schema)
     check_model_sections(base)
+    check_run_sections(base)
     if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)

@@ -39,7 +39,7 @@ class SplitConfig:
 class DataConfig:
     train: SplitConfig = opt(SplitConfig, "training split")
     test: SplitConfig = opt(SplitConfig, "test split; when its path is empty, test_ratio of train is held out")
-    test_ratio: float = opt(0.0, "fraction of the training set held out as the test split when data.test.path is unset")
+    test_ratio: float = opt(0.0, "fraction of the training set held out as the test split when data.test.path is unset (read with data.train's keys and settings; 0: none)")
     skip_bad_rows: bool = opt(False, "skip (and count) malformed rows instead of stopping with an error")
     shuffle: bool = opt(True, "shuffle the training set every epoch (seeded by trainer.seed)")
 
@@ -97,6 +97,10 @@ def check_model_sections(cfg) -> None:
         lora = value.get("lora") if hasattr(value, "get") else None
         if lora is None:
             continue
+        budget = value.get("max_length_per_device", 1)
+        if budget < 1:
+            raise ConfigError(f"{section}.max_length_per_device={budget}; it is a micro-batch's token budget: "
+                              f"set it at least as long as the longest sequence (data.*.max_length)")
         every = value.get("checkpoint_every_n_layers", 1)
         if every < 1:
             raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
@@ -112,6 +116,26 @@ def check_model_sections(cfg) -> None:
             raise ConfigError(f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
 
 
+def check_run_sections(cfg) -> None:
+    """Fail on data and run-control values outside their range, naming the key (only the keys that
+    `cfg`'s `data` and `trainer` sections have are checked, so the evaluator's config passes too)."""
+    data = cfg.get("data") or {}
+    for name in ("train", "test"):
+        split = data.get(name) or {}
+        for key, what in (("batch_size", "examples per optimizer step"), ("max_length", "tokens")):
+            if split.get(key, 1) < 1:
+                raise ConfigError(f"data.{name}.{key}={split[key]}; it must be at least 1 ({what})")
+    ratio = data.get("test_ratio", 0.0)
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
+                          f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
+    trainer = cfg.get("trainer") or {}
+    for key in ("save_freq", "test_freq"):
+        value = trainer.get(key)
+        if value is not None and value < 0:
+            raise ConfigError(f"trainer.{key}={value}; give a number of steps (null or 0: never)")
+
+
 @dataclass
 class TrainerConfig:
     project: str = opt("RL2", "project name (wandb project)")
@@ -119,12 +143,12 @@ class TrainerConfig:
     n_epochs: int = opt(1, "passes over the training set")
     total_steps: int | None = opt(None, "stop after this many optimizer steps (default: n_epochs worth)")
     save_dir: str = opt("ckpts/${trainer.experiment_name}", "folder for checkpoints, metrics.jsonl and final models")
-    save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps")
+    save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps (null or 0: never)")
     load_ckpt_from: str | None = opt(None, "resume from 'latest' (in save_dir) or a step<N> folder")
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
     use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard (pip install tensorboard)")
     seed: int = opt(42, "seed for data order, initialisation and sampling")
-    test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end)")
+    test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end; null or 0: never)")
     eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 

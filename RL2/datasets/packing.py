@@ -16,6 +16,7 @@ import torch
 
 from RL2.algs.averaging import loss_weights
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
+from RL2.config.errors import ConfigError
 from RL2.models.shared_prefix import compressed_length
 
 
@@ -42,7 +43,7 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int,
     too_long = [s for s in unit_sizes if s > budget]
     if too_long:
         shared = f" x cp_size * tp_size={seq_parallel}" if seq_parallel > 1 else ""
-        raise ValueError(
+        raise ConfigError(
             f"a sequence of {max(too_long)} tokens does not fit in actor.max_length_per_device={max_tokens}{shared}; "
             f"raise actor.max_length_per_device (or cp_size) or lower data.*.max_length"
         )

@@ -3,6 +3,7 @@
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ class Trainer:
 
     def __init__(self, cfg, model_cfg):
         self.cfg = cfg
+        # Before any model is built: a resume with nothing to resume from fails in seconds.
+        self.resume_from = find_checkpoint(cfg.trainer)
         quiet_third_party_progress()
         self.device = pick_device(cfg.trainer.device)
         if self.device.type == "cpu":
@@ -85,10 +88,9 @@ class Trainer:
 
     def resume(self) -> int:
         """Restore the checkpoint named by trainer.load_ckpt_from; returns the step to continue after."""
-        source = self.cfg.trainer.load_ckpt_from
-        if not source:
+        path = self.resume_from
+        if path is None:
             return 0
-        path = resolve_checkpoint(source, self.cfg.trainer.save_dir)
         state = load_checkpoint(path, self.workers())
         self.load_trainer_state(state)
         self.sink.truncate_after(state["step"])
@@ -127,6 +129,17 @@ class Trainer:
         self.save_learning_curve()
         self.sink.close()
 
+
+def find_checkpoint(trainer_cfg) -> Path | None:
+    """The checkpoint folder trainer.load_ckpt_from names (None when unset), checked to be complete."""
+    source = trainer_cfg.load_ckpt_from
+    if not source:
+        return None
+    try:
+        return resolve_checkpoint(source, trainer_cfg.save_dir)
+    except FileNotFoundError as e:
+        raise ConfigError(f"trainer.load_ckpt_from={source}: {e}; to start afresh, leave trainer.load_ckpt_from "
+                          f"unset") from None
 
 
 def quiet_third_party_progress() -> None:

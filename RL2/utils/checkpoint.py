@@ -91,11 +91,14 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
     if load_ckpt_from == "latest":
         path = latest_checkpoint(save_dir)
         if path is None:
-            raise FileNotFoundError(f"trainer.load_ckpt_from=latest but {save_dir} holds no complete checkpoint")
+            raise FileNotFoundError(f"trainer.save_dir={save_dir} holds no complete checkpoint (step<N> folder)")
     else:
         path = Path(load_ckpt_from)
         if not path.exists() and (Path(save_dir) / load_ckpt_from).exists():
             path = Path(save_dir) / load_ckpt_from
+        if not path.exists():
+            raise FileNotFoundError(f"neither {path} nor {Path(save_dir) / load_ckpt_from} exists; "
+                                    f"give 'latest' or a step<N> folder")
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE}); pick another step folder")
     return path

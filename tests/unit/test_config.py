@@ -95,3 +95,59 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     assert choices["adv.estimator"] == set(ESTIMATORS)
     assert choices["actor.policy_loss"] == set(POLICY_LOSSES)
     assert choices["actor.kl.estimator"] == set(KL_ESTIMATORS)
+
+
+# ---- values out of range fail at start, naming the key; documented "off" values pass ----
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["data.train.batch_size=0"], r"data\.train\.batch_size=0; it must be at least 1"),
+    (["data.test.batch_size=-4"], r"data\.test\.batch_size=-4; it must be at least 1"),
+    (["data.train.max_length=0"], r"data\.train\.max_length=0; it must be at least 1"),
+    (["data.test_ratio=1.5"], r"data\.test_ratio=1\.5; .*set it in \[0, 1\)"),
+    (["data.test_ratio=1"], r"data\.test_ratio=1\.0; .*set it in \[0, 1\)"),
+    (["data.test_ratio=-0.2"], r"data\.test_ratio=-0\.2; .*set it in \[0, 1\)"),
+    (["trainer.save_freq=-1"], r"trainer\.save_freq=-1; give a number of steps \(null or 0: never\)"),
+    (["trainer.test_freq=-5"], r"trainer\.test_freq=-5; give a number of steps"),
+    (["actor.max_length_per_device=0"], r"actor\.max_length_per_device=0; .*token budget"),
+])
+def test_out_of_range_values_name_the_key(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(SFTConfig, "sft", argv)
+
+
+def test_off_and_boundary_values_pass():
+    cfg = parse_config(SFTConfig, "sft", ["trainer.save_freq=0", "trainer.test_freq=0", "data.test_ratio=0",
+                                          "data.train.batch_size=1"])
+    assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.data.test_ratio, cfg.data.train.batch_size) == (0, 0, 0, 1)
+    assert parse_config(SFTConfig, "sft", ["data.test_ratio=0.99"]).data.test_ratio == pytest.approx(0.99)
+
+
+def test_the_evaluator_config_passes_the_range_checks():
+    from RL2.config.eval_schema import EvalConfig
+
+    cfg = parse_config(EvalConfig, "eval", ["data.test.path=t.jsonl"])
+    assert cfg.data.test.path == "t.jsonl"
+    with pytest.raises(ConfigError, match=r"data\.test\.max_length=0"):
+        parse_config(EvalConfig, "eval", ["data.test.max_length=0"])
+
+
+def test_resume_without_a_checkpoint_fails_before_any_model_is_built(tmp_path, monkeypatch):
+    from RL2.trainer import sft
+
+    def build(*args, **kwargs):
+        raise AssertionError("the tokenizer or model was loaded before trainer.load_ckpt_from was checked")
+
+    monkeypatch.setattr(sft, "load_tokenizer", build)
+    monkeypatch.setattr(sft, "FSDPWorker", build)
+    save_dir = tmp_path / "run"
+    (save_dir / "step2").mkdir(parents=True)  # a save that did not finish: no trainer_state.json
+    argv = [f"trainer.save_dir={save_dir}", "data.train.path=unused.jsonl"]
+    with pytest.raises(SystemExit, match=rf"RL2 sft: trainer\.load_ckpt_from=latest: trainer\.save_dir={save_dir} "
+                                         r"holds no complete checkpoint.*leave trainer\.load_ckpt_from unset"):
+        sft.main(argv + ["trainer.load_ckpt_from=latest"])
+    with pytest.raises(SystemExit, match=r"trainer\.load_ckpt_from=lastest: neither lastest nor .*run/lastest exists; "
+                                         r"give 'latest' or a step<N> folder"):
+        sft.main(argv + ["trainer.load_ckpt_from=lastest"])
+    with pytest.raises(SystemExit, match=r"trainer\.load_ckpt_from=step2: .*step2 is not a complete checkpoint"):
+        sft.main(argv + ["trainer.load_ckpt_from=step2"])

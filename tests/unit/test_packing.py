@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import RL2.models.attention  # noqa: F401
 from RL2.batch import SequenceBatch
+from RL2.config import ConfigError
 from RL2.datasets.packing import balanced_partition, pack, plan_micro_batches, train_weights
 from RL2.models.logps import forward_packed, token_logps
 
@@ -45,7 +46,7 @@ def test_plan_covers_every_example_once_within_budget(dp_size):
 
 
 def test_too_long_sequence_is_a_clear_error():
-    with pytest.raises(ValueError, match="actor.max_length_per_device=10"):
+    with pytest.raises(ConfigError, match="actor.max_length_per_device=10"):
         plan_micro_batches([5, 11], 1, max_tokens=10)
 
 
