@@ -2,7 +2,9 @@
 
 `chosen` and `rejected` are either response texts, after the row's `prompt` (text or chat messages)
 or `messages` (the conversation so far), or chat messages: whole conversations, or the assistant
-turns that follow the `prompt`/`messages` when the row has one. Each row becomes a pair of examples
+turns that follow the `prompt`/`messages` when the row has one. Messages the two sides begin with
+alike are context too (as TRL's `maybe_extract_prompt` takes the common start as the prompt): the
+preference is over where they part. Each row becomes a pair of examples
 `{"chosen": example, "rejected": example}`, with the loss mask on the response tokens; the pair is
 packed into one micro-batch so that its two sequences meet in the loss.
 """
@@ -23,17 +25,33 @@ def has_context(row: dict, split_cfg) -> bool:
     return not (is_missing(row.get(split_cfg.messages_key)) and is_missing(row.get(split_cfg.prompt_key)))
 
 
-def tokenize_side(tokenizer, row: dict, key: str, split_cfg) -> dict:
-    """One side of a pair (`key` is the chosen or the rejected column) as an example."""
+def tokenize_side(tokenizer, row: dict, key: str, split_cfg, shared: int = 0) -> dict:
+    """One side of a pair (`key` is the chosen or the rejected column) as an example.
+
+    Args:
+        shared: how many messages this side begins with that the other side has too (context).
+    """
     if not isinstance(row.get(key), list):
         return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key))
     turns = require_messages(row, key)
     if not has_context(row, split_cfg):
-        return tokenize_messages(tokenizer, turns)  # a whole conversation: every assistant turn is trained
+        return tokenize_messages(tokenizer, turns, train_from=shared)  # a whole conversation
     # Chat messages always go through the chat template, so a text prompt before them is a user turn.
     context = context_of(row, split_cfg)
     context = context if isinstance(context, list) else [{"role": "user", "content": context}]
-    return tokenize_messages(tokenizer, context + turns, train_from=len(context))
+    return tokenize_messages(tokenizer, context + turns, train_from=len(context) + shared)
+
+
+def shared_messages(chosen: object, rejected: object) -> int:
+    """How many messages two message lists begin with alike (0 unless both are lists)."""
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        return 0
+    shared = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
 
 def pair_row_tokenizer(tokenizer):
@@ -41,8 +59,9 @@ def pair_row_tokenizer(tokenizer):
 
     def for_split(split_cfg):
         def tokenize_row(row: dict) -> dict:
+            shared = shared_messages(row.get(split_cfg.chosen_key), row.get(split_cfg.rejected_key))
             pair = {
-                side: truncate(tokenize_side(tokenizer, row, key, split_cfg), split_cfg.max_length)
+                side: truncate(tokenize_side(tokenizer, row, key, split_cfg, shared), split_cfg.max_length)
                 for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))
             }
             if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:

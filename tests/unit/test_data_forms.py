@@ -139,6 +139,20 @@ def test_preference_assistant_turns_after_the_prompt(tok, tmp_path):
     assert pair["rejected"] == expected_chat_example(tok, CHINA, "Shanghai.")
 
 
+def test_preference_conversations_are_trained_where_chosen_and_rejected_part(tok, tmp_path):
+    """The turns both sides begin with are the conversation so far, not part of either response: as
+    whole conversations and as assistant turns after a prompt alike."""
+    before = CHINA + [{"role": "assistant", "content": "Beijing."}, {"role": "user", "content": "And of France?"}]
+    rows = [{"chosen": before + [{"role": "assistant", "content": "Paris."}],
+             "rejected": before + [{"role": "assistant", "content": "Lyon."}]},
+            {"prompt": CHINA, "chosen": before[1:] + [{"role": "assistant", "content": "Paris."}],
+             "rejected": before[1:] + [{"role": "assistant", "content": "Lyon."}]}]
+    whole, after_prompt = load(tok, "dpo", write_json(tmp_path, rows))
+    for pair in (whole, after_prompt):
+        assert pair["chosen"] == expected_chat_example(tok, before, "Paris.")
+        assert pair["rejected"] == expected_chat_example(tok, before, "Lyon.")
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_original_ppo_rows(tok, tmp_path, chat):
     def generation_prompt(messages):
