@@ -108,6 +108,18 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(near_zero, near, far)
 
 
+def _log_odds(avg_logps: Tensor) -> Tensor:
+    """log(P / (1 - P)) with P = exp(avg_logps).
+
+    A response whose every token is certain in float32 has a mean logp of exactly 0, and odds 1 / 0:
+    its gradient would be inf * 0 = nan, which reaches every parameter and loses the whole step. Held
+    just below 0, the odds are large but finite, and the clamp passes no gradient to such a response
+    through this term (its NLL still has one).
+    """
+    avg_logps = avg_logps.clamp(max=-1e-7)
+    return avg_logps - log1mexp(avg_logps)
+
+
 def orpo_loss(
     chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -128,9 +140,7 @@ def orpo_loss(
         (logsigmoid of it), `rewards_chosen` / `rewards_rejected` (beta times the average logps, as
         TRL logs them) and `accuracy`.
     """
-    log_odds = (chosen_avg_logps - log1mexp(chosen_avg_logps)) - (
-        rejected_avg_logps - log1mexp(rejected_avg_logps)
-    )
+    log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
     metrics = {
         "log_odds": log_odds.detach(),

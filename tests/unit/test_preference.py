@@ -76,6 +76,20 @@ def test_orpo_loss_and_metrics():
     torch.testing.assert_close(metrics["accuracy"], _t([1.0, 0.0]))
 
 
+def test_orpo_gradient_stays_finite_when_a_chosen_response_is_certain():
+    # A mean logp of exactly 0 (every token certain in float32): infinite odds. The other pair's
+    # gradient is the analytic one, d/dc [-beta * logsigmoid(d)] = -beta * sigmoid(-d) / (1 - e^c).
+    chosen, rejected = _t([0.0, -0.5]).requires_grad_(), _t([-1.0, -1.0]).requires_grad_()
+    loss, _ = orpo_loss(chosen, rejected, beta=BETA)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()
+    d = (-0.5 - math.log(1 - math.exp(-0.5))) - (-1.0 - math.log(1 - math.exp(-1.0)))
+    sigmoid = 1 / (1 + math.exp(d))
+    torch.testing.assert_close(chosen.grad[1], _t(-BETA * sigmoid / (1 - math.exp(-0.5))))
+    torch.testing.assert_close(rejected.grad[1], _t(BETA * sigmoid / (1 - math.exp(-1.0))))
+    assert chosen.grad[0] == 0.0 and loss[0] < BETA * 1e-5  # certain: no push through the odds, ~no loss
+
+
 def test_log1mexp_is_accurate_at_both_ends():
     x = _t([-1e-10, -0.1, -1.0, -50.0]).requires_grad_()
     out = log1mexp(x)
