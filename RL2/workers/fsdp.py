@@ -298,6 +298,9 @@ class FSDPWorker(Stateful):
             self.scaler.update()
         elif torch.isfinite(grad_norm):
             self.optimizer.step()
+        else:  # in float16 a skipped step is routine (the scaler's search); elsewhere it is a fault to see
+            log_rank0(f"skipped optimizer step {self.updates + 1}: the gradient norm is {grad_norm.item()}, "
+                      f"not finite (a loss or an input gave inf or nan)")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.updates += 1

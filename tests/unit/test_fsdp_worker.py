@@ -81,3 +81,15 @@ def test_float16_trains_through_the_gradient_scaler(tiny_model_path, one_rank):
     assert all(torch.equal(b, local(p)) for b, p in zip(before, half.model.parameters()))
     assert half.scaler.get_scale() == scale / 2
     assert "grad_scaler" in half.state_dict()
+
+
+def test_a_step_with_a_gradient_that_is_not_finite_is_skipped_and_said(tiny_model_path, one_rank, capsys):
+    w = worker(tiny_model_path)
+    before = [local(p).clone() for p in w.model.parameters()]
+    backward_nll(w, scale=float("nan"))
+    assert torch.isnan(torch.tensor(w.optimizer_step()["grad_norm"]))
+    assert all(torch.equal(b, local(p)) for b, p in zip(before, w.model.parameters()))
+    assert "skipped optimizer step 1: the gradient norm is nan" in capsys.readouterr().out
+    backward_nll(w)
+    assert torch.isfinite(torch.tensor(w.optimizer_step()["grad_norm"]))
+    assert any(not torch.equal(b, local(p)) for b, p in zip(before, w.model.parameters()))  # the next step trains
