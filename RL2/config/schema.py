@@ -88,7 +88,7 @@ class ModelConfig:
     ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")
     optimizer: OptimizerConfig = opt(OptimizerConfig, "optimizer")
     scheduler: SchedulerConfig = opt(SchedulerConfig, "learning-rate scheduler")
-    lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the compute dtype)")
+    lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the compute dtype, in float32 when PPO's reference resets merge adapters into them)")
 
 
 def check_model_sections(cfg) -> None:

@@ -63,13 +63,13 @@ class PPOTrainer(Trainer):
     def _build_workers(self) -> None:
         cfg, args = self.cfg, (self.dims, self.device)
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
-        self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), response_budget=budget)
-        lora = self.actor.worker.lora is not None
+        lora = cfg.actor.lora.rank > 0
+        resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
+        self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), response_budget=budget,
+                           base_changes=resets_merge)
         self.ref = None
         if cfg.actor.kl.coef > 0:  # under LoRA, the actor's own base with the adapters off: no second copy
             self.ref = BaseModelReference(self.actor) if lora else Actor(cfg.actor, *args, train=False)
-        if self.ref and lora and self.resets_reference():
-            self.actor.worker.base_is_loaded = False  # resets merge the adapters into the base
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (

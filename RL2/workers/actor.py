@@ -150,13 +150,16 @@ class Actor:
         total_steps: optimizer steps of the run (for the learning-rate schedule).
         response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
         train: False for the reference: no optimizer.
+        base_changes: see `FSDPWorker` (LoRA with reference resets).
         model_name: other weights than `cfg.model_name` (the on-policy distillation teacher).
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
-                 response_budget: int | None = None, train: bool = True, model_name: str | None = None):
+                 response_budget: int | None = None, train: bool = True, model_name: str | None = None,
+                 base_changes: bool = False):
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
-        self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name)
+        self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name,
+                                 base_changes=base_changes)
         self.model = self.worker.model
 
     @torch.no_grad()

@@ -90,12 +90,15 @@ class FSDPWorker(Stateful):
         model_cls: the transformers auto class to load with.
         train: False for a frozen model (reference, teacher): no optimizer.
         model_name: load these weights instead of `model_cfg.model_name` (e.g. a teacher).
+        base_changes: with LoRA, PPO's reference resets will merge the adapters into the base
+            (`lora.merge_into_base`): the base is then kept in float32, as a merge into bf16 weights
+            would round away the adapters' small updates and so change the policy.
         config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
     """
 
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
-                 **config_overrides):
+                 base_changes: bool = False, **config_overrides):
         self.cfg, self.dims, self.device = model_cfg, dims, device
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
@@ -103,9 +106,9 @@ class FSDPWorker(Stateful):
         lora_cfg = getattr(model_cfg, "lora", None)
         self.lora = lora_cfg if train and lora_cfg is not None and lora_cfg.rank > 0 else None
         # A LoRA model's base stays the loaded weights, unless PPO's reference reset merges adapters into
-        # it (`lora.merge_into_base`, which sets this False): then checkpoints hold the base too, and no
-        # adapter of the loaded model expresses the trained one.
-        self.base_is_loaded = True
+        # it: then checkpoints hold the base too, and no adapter of the loaded model expresses the
+        # trained one.
+        self.base_is_loaded = not base_changes
         self.model = self._build_model(model_cls, train, **config_overrides)
         self.optimizer = self._build_optimizer() if train else None
         self.scheduler = self._build_scheduler(total_steps) if train else None
@@ -128,8 +131,8 @@ class FSDPWorker(Stateful):
         # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
         # precision; frozen ones (reference, teacher, reward model) and a LoRA model's frozen base are
         # stored in the compute dtype: the values mixed precision would compute with anyway, in half the
-        # memory of a float32 copy. LoRA's adapters are float32.
-        self.param_dtype = torch.float32 if train and self.lora is None else self.dtype
+        # memory of a float32 copy. LoRA's adapters are float32, and so is a base that resets change.
+        self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         config = AutoConfig.from_pretrained(path)
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys

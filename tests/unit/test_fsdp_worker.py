@@ -13,10 +13,10 @@ from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
 
-def worker(path: str, dtype: str = "float32", **overrides) -> FSDPWorker:
+def worker(path: str, dtype: str = "float32", base_changes: bool = False, **overrides) -> FSDPWorker:
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"model_name": path, "dtype": dtype,
                                                                "optimizer": {"lr": 1e-3}} | overrides)
-    return FSDPWorker(cfg, ParallelDims(1), torch.device("cpu"), total_steps=10)
+    return FSDPWorker(cfg, ParallelDims(1), torch.device("cpu"), total_steps=10, base_changes=base_changes)
 
 
 def examples() -> list[dict]:
@@ -93,3 +93,31 @@ def test_a_step_with_a_gradient_that_is_not_finite_is_skipped_and_said(tiny_mode
     backward_nll(w)
     assert torch.isfinite(torch.tensor(w.optimizer_step()["grad_norm"]))
     assert any(not torch.equal(b, local(p)) for b, p in zip(before, w.model.parameters()))  # the next step trains
+
+
+@pytest.mark.parametrize("base_changes", [True, False])
+def test_a_lora_base_that_resets_change_keeps_every_update_of_the_adapters(tiny_model_path, one_rank, base_changes):
+    """bf16 compute with LoRA: the base is stored in bf16 unless PPO's reference resets will merge
+    the adapters into it; then it is float32, and a merge leaves the policy's weights W + s B A
+    as they were, where a bf16 base rounds small adapter updates away."""
+    from RL2.models.lora import adapter_modules, merge_into_base
+
+    w = worker(tiny_model_path, "bfloat16", lora={"rank": 4, "alpha": 8.0}, base_changes=base_changes)
+    modules = adapter_modules(w.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in modules:  # small learned updates, as a few steps at a low learning rate leave them
+            b = local(module.lora_B.weight)
+            b.copy_(1e-4 * torch.randn(b.shape, generator=generator))
+
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()  # noqa: E731
+    updates = [m.scaling * full(m.lora_B.weight) @ full(m.lora_A.weight) for m in modules]
+    before = [full(m.base_layer.weight) + update for m, update in zip(modules, updates)]
+    merge_into_base(w.model, 1.0)  # the whole adapter into the base; B becomes 0
+    after = [full(m.base_layer.weight) + m.scaling * full(m.lora_B.weight) @ full(m.lora_A.weight) for m in modules]
+    change = max(((a - b).norm() / update.norm()).item() for a, b, update in zip(after, before, updates))
+    dtypes = {local(m.base_layer.weight).dtype for m in modules}
+    if base_changes:
+        assert dtypes == {torch.float32} and change < 1e-3  # float32 rounding of the merge only
+    else:
+        assert dtypes == {torch.bfloat16} and change > 0.1  # most of each update rounded away
