@@ -70,7 +70,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def lr_lambda(step: int, total_steps: int, warmup_ratio: float, name: str, min_ratio: float) -> float:
     """Multiplier of the peak learning rate: linear warmup, then constant or cosine down to a floor."""
-    warmup = int(total_steps * warmup_ratio)
+    # Whole steps, rounded down as verl and RL2's original do; 100 * 0.29 is 28.999999999999996 in
+    # floating point, so the product is first rounded to where such error lives.
+    warmup = int(round(total_steps * warmup_ratio, 6))
     if step < warmup:
         return (step + 1) / warmup
     if name == "constant":
@@ -146,6 +148,8 @@ class FSDPWorker(Stateful):
         loaded = model_cls.from_pretrained(path, config=config, **kwargs) if dist.get_rank() == 0 else None
         if loaded is not None and self.lora is not None:
             self._add_adapters(loaded)  # rank 0 initialises them; every rank receives them with the weights
+        # Training never reuses a KV cache; the exported config gets the model's own setting back.
+        self.exported_use_cache = getattr(model.config, "use_cache", True)
         model.config.use_cache = False
         if self.device.type == "cpu":
             install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each (float32, bfloat16)
@@ -426,7 +430,11 @@ class FSDPWorker(Stateful):
                 state.pop(tied_key, None)
         if dist.get_rank() == 0:
             with atomic_dir(path) as tmp:
-                self.model.save_pretrained(tmp, state_dict=state)
+                self.model.config.use_cache = self.exported_use_cache
+                try:
+                    self.model.save_pretrained(tmp, state_dict=state)
+                finally:
+                    self.model.config.use_cache = False
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 if adapter is not None and self.base_is_loaded:

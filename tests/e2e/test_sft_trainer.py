@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,10 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_path, sft_data, tmp_p
     assert losses[0] == pytest.approx(math.log(49152), abs=0.1)
     assert losses[-1] < losses[0]
     assert all(w.dtype == torch.float32 for w in final_weights(tmp_path).values())
+    # The model's own config, not training's: use_cache is off only while the trainer runs it.
+    exported = json.loads((tmp_path / "final" / "actor" / "config.json").read_text())
+    loaded = json.loads((Path(tiny_model_path) / "config.json").read_text())
+    assert exported["use_cache"] is True and loaded.get("use_cache", True) is True
 
 
 @pytest.mark.parametrize("avg_level", ["token", "sequence"])

@@ -10,6 +10,13 @@ def test_warmup_then_constant():
     assert [lr_lambda(s, 10, 0.2, "constant", 0.0) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
 
 
+def test_warmup_counts_the_whole_steps_the_ratio_names():
+    # 100 * 0.29 is 28.999999999999996 in floating point: still 29 warmup steps; 30 * 0.05 = 1.5 is 1.
+    assert [lr_lambda(s, 100, 0.29, "constant", 0.0) for s in (27, 28)] == [28 / 29, 1.0]
+    assert [lr_lambda(s, 100, 0.57, "constant", 0.0) for s in (55, 56)] == [56 / 57, 1.0]
+    assert lr_lambda(0, 30, 0.05, "constant", 0.0) == 1.0
+
+
 def test_cosine_reaches_the_floor():
     total, warmup_ratio, floor = 12, 0.25, 0.1  # 3 warmup steps, then 9 cosine steps
     values = [lr_lambda(s, total, warmup_ratio, "cosine", floor) for s in range(total + 1)]
