@@ -5,11 +5,14 @@ distribution on the dataset's response tokens.
 
 `actor.kl=forward` minimises KL(teacher || student) (mode covering, classic knowledge distillation);
 `reverse` minimises KL(student || teacher) (mode seeking, as in MiniLLM / on-policy distillation).
-Both models must share a tokenizer.
+Both models must share a tokenizer. Their output layers may have different numbers of rows (Qwen2.5's
+sizes pad the vocabulary differently): the distributions are then compared over the tokenizer's
+tokens, the rows beyond it being padding that neither model is trained to produce.
 """
 
 import torch
 
+from RL2.config import ConfigError
 from RL2.config.schema import DistillConfig
 from RL2.models.logps import forward_packed
 from RL2.models.vocab_parallel import VocabShard
@@ -39,15 +42,34 @@ class DistillTrainer(SFTTrainer):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.teacher = FSDPWorker(cfg.actor, self.dims, self.device, train=False, model_name=cfg.actor.teacher_name)
+        self.vocab_size = shared_vocabulary(self.actor.model.config.vocab_size, self.teacher.model.config.vocab_size,
+                                            len(self.tokenizer), self.dims.tp)
 
     def token_losses(self, mb) -> torch.Tensor:
         with torch.no_grad():
             teacher = forward_packed(self.teacher.model, mb, trained_only=True)
         student = forward_packed(self.actor.model, mb, trained_only=True)
+        student_logits, teacher_logits = student.local_logits, teacher.local_logits
+        if self.vocab_size is not None:
+            student_logits, teacher_logits = student_logits[..., :self.vocab_size], teacher_logits[..., :self.vocab_size]
         # Both are split alike (one layout per run): reduce the local slices, then gather the tokens.
-        kl = token_kl(student.local_logits, teacher.local_logits, self.cfg.actor.kl, self.cfg.actor.temperature,
-                      student.vocab)
+        kl = token_kl(student_logits, teacher_logits, self.cfg.actor.kl, self.cfg.actor.temperature, student.vocab)
         return student.gather(kl)
+
+
+def shared_vocabulary(student_rows: int, teacher_rows: int, n_tokens: int, tp_size: int) -> int | None:
+    """How many logits of each model to compare: None (all) when the output layers match, else the
+    tokenizer's tokens, which both must cover."""
+    if student_rows == teacher_rows:
+        return None
+    sizes = f"the student's output layer has {student_rows} rows, the teacher's {teacher_rows}"
+    if n_tokens > min(student_rows, teacher_rows):
+        raise ConfigError(f"actor.teacher_name: {sizes}, fewer than the tokenizer's {n_tokens} tokens: the "
+                          f"models do not share a tokenizer; pick a teacher of the student's family")
+    if tp_size > 1:
+        raise ConfigError(f"actor.teacher_name: {sizes}, so their vocabularies split differently over "
+                          f"actor.tp_size={tp_size}; distil with actor.tp_size=1")
+    return n_tokens
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -107,3 +107,23 @@ def test_packed_loss_equals_formula_on_separate_forwards(kind, tiny_model_path, 
                            *args(kind, tiny_model_path, pair_data, tmp_path, "actor.beta=0.5")[2:]])
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["packed"] == pytest.approx(report["direct"], rel=1e-4)
+
+
+def test_distillation_compares_a_teacher_with_a_padded_vocabulary_over_the_shared_tokens(
+        tiny_model_path, sft_like_data, tmp_path):
+    """Sizes of one family pad their output layer differently (Qwen2.5: 151936 or 152064 rows for one
+    tokenizer). A teacher that is the student with 64 padding rows added computes the student's
+    distribution over the tokenizer's tokens: the KL to it is 0, before and after training."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    rows = teacher.config.vocab_size
+    teacher.resize_token_embeddings(rows + 64, mean_resizing=False)
+    with torch.no_grad():  # padding rows a model never learnt to avoid: large logits for every input
+        teacher.get_input_embeddings().weight[rows:] = 5.0
+    teacher.save_pretrained(tmp_path / "padded")
+    run_ranks(1, args("distill", tiny_model_path, sft_like_data, tmp_path / "run", "trainer.total_steps=2",
+                      "trainer.test_freq=2", f"actor.teacher_name={tmp_path / 'padded'}"))
+    metrics = read_metrics(tmp_path / "run")
+    losses = [m[key] for m in metrics for key in ("train/loss", "test/loss") if key in m]
+    assert len(losses) >= 3 and all(abs(loss) < 1e-5 for loss in losses), losses
