@@ -604,6 +604,17 @@ def test_invalid_requests_are_rejected(engine):
     assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_requests_that_could_run_past_the_context_are_refused_as_sglang_does(engine, model):
+    context = model.config.max_position_embeddings
+    prompt = [5] * (context - 10)
+    with pytest.raises(ValueError, match=rf"\({context - 10}\) \+ max_new_tokens \(11\) exceeds the model's context length of {context}"):
+        generate(engine, payload(prompt, max_new_tokens=11))
+    with pytest.raises(ValueError, match="context length"):
+        generate(engine, payload([5] * context, max_new_tokens=0))
+    fits = generate(engine, payload(prompt, max_new_tokens=10))[0]  # exactly up to the last position
+    assert len(fits["output_ids"]) == 10
+
+
 def test_a_request_with_an_id_outside_the_vocabulary_fails_alone(engine, tokenizer):
     good = payload(PROMPTS[2], max_new_tokens=20)
     alone = generate(engine, good)[0]["output_ids"]

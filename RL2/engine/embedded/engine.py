@@ -97,6 +97,8 @@ class EmbeddedEngine:
     ):
         # Rows of the input embedding: the valid token ids. Read now, as released weights are empty.
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        # Positions the model was trained for: SGLang refuses a request that could run past them.
+        self.context_len = getattr(model.config, "max_position_embeddings", None)
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
@@ -252,6 +254,13 @@ class EmbeddedEngine:
                     f"input_ids holds {token}, not a token id: the model's vocabulary has "
                     f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})"
                 )
+        if self.context_len is not None and (request.reserved_tokens > self.context_len
+                                             or len(request.input_ids) >= self.context_len):
+            raise ValueError(
+                f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"model's context length of {self.context_len} tokens (max_position_embeddings), which SGLang "
+                f"refuses too; shorten the prompt or lower max_new_tokens (rollout.max_total_tokens caps both)"
+            )
         if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
             raise ValueError(
                 f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
