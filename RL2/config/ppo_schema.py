@@ -33,7 +33,7 @@ class RolloutConfig:
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
     max_turns: int = opt(1, "the most actions of one trajectory")
-    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations)")
+    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
     env_timeout: float | None = opt(None, "seconds one environment step may take before the trajectory fails")
     dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO's dynamic sampling)")
     max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step may use to fill its batch")

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 
 from RL2.engine import start_engine
 from RL2.engine.protocol import EngineError
@@ -46,6 +47,14 @@ from RL2.rollout.env import Env, load_env
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory
+
+
+def context_length(model_path: str, server_args) -> int | None:
+    """The most tokens a served sequence may hold: SGLang's `context_length` flag, else the model's
+    `max_position_embeddings` (None when its config has none)."""
+    if server_args and server_args.get("context_length"):
+        return int(server_args["context_length"])
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -187,6 +196,10 @@ class RolloutWorker:
                                  colocated if self.engine.releases_memory else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
+        # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
+        # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
+        self.max_total_tokens = rollout_cfg.max_total_tokens or context_length(
+            resolve_model_path(model_cfg.model_name), rollout_cfg.server_args)
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
@@ -201,7 +214,7 @@ class RolloutWorker:
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: rollout_batch(
             self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt,
-            dict(sampling_params), self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+            dict(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
         ) if mine else _nothing([]))
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
@@ -221,7 +234,7 @@ class RolloutWorker:
         n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: partial_rollout_batch(
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
-            dict(sampling_params), self.cfg.max_turns, self.cfg.max_total_tokens, self.cfg.env_timeout,
+            dict(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
         ) if n_needed else _nothing(([], [], [])))
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))

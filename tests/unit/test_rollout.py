@@ -399,3 +399,14 @@ def test_a_group_carried_finished_counts_for_the_batch_but_is_not_reported_again
     assert carried == [] and len(finished) == 3 and all(t.stop_reason == "done" for g in finished for t in g)
     assert finished[0][0] is done[0] and [g[0] for g in newly] == [g[0] for g in finished[1:]]
     assert newly[0][0] is cut[0] and len(cut[0].turns[0].action_ids) == GREEDY["max_new_tokens"]
+
+
+def test_an_unset_token_budget_is_the_models_context(tmp_path):
+    """Past the context SGLang refuses a request (failing the rollout); as the budget, it ends one trajectory."""
+    from transformers import LlamaConfig
+
+    from RL2.rollout.worker import context_length
+
+    LlamaConfig(max_position_embeddings=300).save_pretrained(tmp_path)
+    assert context_length(str(tmp_path), {}) == 300
+    assert context_length(str(tmp_path), {"context_length": 128, "tp_size": 1}) == 128
