@@ -191,20 +191,35 @@ def install_guard(workdir: str) -> None:
     sys.addaudithook(hook)
 
 
+# The grader's own references, taken before any solution runs: a solution that replaces
+# `builtins.exec` or `os.write` changes what its own code calls, not what runs and reports its test.
+_exec, _compile, _write = builtins.exec, builtins.compile, os.write
+
+
 def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
-    """Run the solution (and an assert test after it) in this process; never returns."""
+    """Run the solution (and an assert test after it) in this process; never returns.
+
+    The test and the pass token leave `spec` before the solution runs, so that a solution reading the
+    spec from a frame above its own finds neither. They stay in this frame's locals: the test runs in
+    the solution's process, so code that walks its interpreter's frames can still forge a pass. The
+    sandbox keeps such code off the machine; a grade proof against it needs the test in a process of
+    its own, which assert tests (they call the solution's functions) cannot have.
+    """
+    is_assert = spec["kind"] == "assert"
+    solution = _compile(spec.pop("code"), "solution.py", "exec")
+    test = _compile(spec.pop("test"), "test.py", "exec") if is_assert else None
+    passed = (spec.pop("token") + "\n").encode()
     if guard:
         install_guard(spec["workdir"])
-    is_assert = spec["kind"] == "assert"
     namespace = {"__name__": "solution" if is_assert else "__main__", "__builtins__": builtins}
     status = 0
     try:
-        exec(compile(spec["code"], "solution.py", "exec"), namespace)
+        _exec(solution, namespace)
         if is_assert:
-            exec(compile(spec["test"], "test.py", "exec"), namespace)
+            _exec(test, namespace)
             sys.stdout.flush()
             # Written only once the test ran to its end: exiting early (sys.exit(0)) does not pass.
-            os.write(result_fd, (spec["token"] + "\n").encode())
+            _write(result_fd, passed)
     except SystemExit as e:
         status = 1 if is_assert or e.code not in (None, 0) else 0
         if is_assert:

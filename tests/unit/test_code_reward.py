@@ -76,6 +76,13 @@ def test_assert_tests(sandbox):
     # Exiting before the test's end does not pass it, even with status 0.
     for cheat in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n"):
         assert run(sandbox, cheat, CodeTest(assert_code="assert False")).status == "error"
+    # Nor does replacing what the grader calls, or reading the spec it was started with.
+    cheats = ["import builtins\nbuiltins.exec = lambda *args, **kwargs: None\n",
+              "import builtins\nbuiltins.compile = lambda *args, **kwargs: compile('pass', 'x', 'exec')\n",
+              "import sys, os\nspec = sys._getframe(1).f_locals['spec']\n"
+              "os.write(spec['result_fd'], (spec.get('token', '') + '\\n').encode())\nos._exit(0)\n"]
+    for cheat in cheats:
+        assert run(sandbox, cheat, CodeTest(assert_code="assert False")).status == "error", cheat
 
 
 def test_exceptions_and_exit_codes(sandbox):
