@@ -26,8 +26,9 @@ def is_correct(equation: str, numbers: list[int], target: int) -> bool:
         tree = ast.parse(equation, mode="eval").body
         used = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
         return sorted(used) == sorted(numbers) and abs(evaluate(tree) - target) < 1e-6
-    # What model-written text can raise: bad syntax, forbidden nodes, division by zero.
-    except (SyntaxError, ValueError, ZeroDivisionError):
+    # What model-written text can raise: bad syntax, forbidden nodes, division by zero, constants that
+    # do not sort with the numbers (a string).
+    except (SyntaxError, ValueError, TypeError, ZeroDivisionError):
         return False
 
 

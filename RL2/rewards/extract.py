@@ -24,8 +24,8 @@ def last_boxed(text: str) -> str | None:
         return None
     rest = text[position + len(command) :]
     if not rest.startswith("{"):
-        word = re.match(r"\s+([^\s$]+)", rest)  # `\boxed 5`
-        return word.group(1) if word else None
+        word = re.match(r"\s+([^\s$]+)", rest)  # `\boxed 5`; `\boxed 5.` ends a sentence
+        return word.group(1).rstrip(".,;:") or None if word else None
     depth, i = 0, 0
     while i < len(rest):
         char = rest[i]

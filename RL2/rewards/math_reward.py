@@ -75,7 +75,7 @@ def normalise_answer(text: str) -> str:
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\s+", "", s).rstrip(".")
     s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
-    s = re.sub(r"^\\frac\{?(-?\d+)\}?\{?(\d+)\}?$", r"\1/\2", s)  # \frac{1}{2}, \frac12
+    s = re.sub(r"^(-?)\\frac\{?(-?\d+)\}?\{?(\d+)\}?$", r"\1\2/\3", s)  # \frac{1}{2}, \frac12, -\frac{1}{2}
     try:
         value = Fraction(s)
     except (ValueError, ZeroDivisionError):  # not a plain number: compare the text

@@ -32,6 +32,7 @@ def step(name: str, action: str, extra_info: dict, state: str = "Q: ") -> dict:
         ("<answer>__import__('os').system('true')</answer>", 0.0),
         ("<answer>3 / (5 - 5) + 7</answer>", 0.0),
         ("<answer>3 * 5 + </answer>", 0.0),
+        ("<answer>3 * 5 + '7'</answer>", 0.0),  # a string: a wrong answer, not a fault of the env
         ("3 * 5 + 7", 0.0),
     ],
 )

@@ -49,6 +49,8 @@ def no_math_verify(monkeypatch):
         ("\\boxed{x^{2^{3}}} and more text", "x^{2^{3}}"),
         ("\\fbox{7}", "7"),
         ("\\boxed 5$", "5"),
+        ("so the answer is \\boxed 5.", "5"),  # the sentence's period is not the answer's
+        ("\\boxed 3.25, so", "3.25"),
         ("\\boxed{3} and then \\boxed{4", None),  # the last box never closed (cut off)
         ("no box here", None),
     ],
@@ -125,7 +127,7 @@ def test_math_reward_whole_response():
     "text, normal",
     [("0.50", "0.5"), ("\\frac{1}{2}", "0.5"), ("\\frac12", "0.5"), ("1/2", "0.5"), ("-3.0", "-3"),
      ("\\$1,000.", "1000"), ("10\\%", "10"), ("90^\\circ", "90"), ("\\text{(B)}", "(B)"),
-     ("\\left( 1, 2 \\right)", "(1,2)"), ("12,34", "12,34")],
+     ("\\left( 1, 2 \\right)", "(1,2)"), ("12,34", "12,34"), ("-\\frac{1}{2}", "-0.5"), ("-\\dfrac34", "-0.75")],
 )
 def test_normalise_answer(text, normal):
     assert normalise_answer(text) == normal
