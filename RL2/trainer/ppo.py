@@ -233,7 +233,7 @@ class PPOTrainer(Trainer):
         groups = self.rollout.rollout(self.test_data, rollout.test_sampling_params, rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value for key, value in rollout_metrics(groups).items()}
-        sources = [group[0].extra_info.get("data_source", "default") for group in groups]
+        sources = [str(group[0].extra_info.get("data_source", "default")) for group in groups]
         by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
                           for name, value in source_metrics.items() if name not in COUNTS}
