@@ -5,6 +5,8 @@ tags (the format is learnt first), 0 otherwise. The score counts correct answers
 The format reward needs a number in the tags: an empty `<answer></answer>`, which the instruction
 itself spells out, would otherwise be an easy 0.1 that the policy learns to copy."""
 
+import math
+
 from RL2.rewards import last_tag
 
 FORMAT_REWARD = 0.1
@@ -12,9 +14,10 @@ FORMAT_REWARD = 0.1
 
 def as_number(written: str | None) -> float | None:
     try:
-        return float(written)
+        number = float(written)
     except (TypeError, ValueError):  # no answer, or the model wrote something that is not a number
         return None
+    return number if math.isfinite(number) else None  # "nan" and "inf" parse, but are no answers
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:

@@ -55,6 +55,8 @@ def test_countdown_never_evaluates_model_text(tmp_path):
         ("<answer> 42.0 </answer>", 1.0, 1.0),
         ("<answer>41</answer>", 0.1, 0.0),
         ("<answer>forty-two</answer>", 0.0, 0.0),  # the format reward needs a number
+        ("<answer>nan</answer>", 0.0, 0.0),  # float() reads these, but they are no numbers to answer with
+        ("<answer>-inf</answer>", 0.0, 0.0),
         ("Put it in <answer></answer> tags.", 0.0, 0.0),
         ("<answer>42</answer> no, <answer>41</answer>", 0.1, 0.0),
         ("42", 0.0, 0.0),
