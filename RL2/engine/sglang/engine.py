@@ -283,14 +283,16 @@ class SGLangEngine:
     def _push_folder(self, named_tensors, version: str) -> None:
         error = None
         folder = self.weights_dir / version if self.weights_dir is not None else None
+        named_tensors = iter(named_tensors)
         try:
             if folder is not None:
                 write_hf_folder(buckets(named_tensors, self.bucket_bytes), folder, self.model_path)
-            else:
-                for _ in named_tensors:  # the all-gathers of the full tensors involve every rank
-                    pass
-        except OSError as e:
+        except Exception as e:  # an OSError, or safetensors' own error for a full disk: this rank's alone
             error = f"rank {dist.get_rank()} could not write the weights to {folder}: {e}"
+        # Every rank takes every full tensor, the writer too after a failed write: they come from
+        # all-gathers that involve every rank, which must stay in step to reach the error's gather.
+        for _ in named_tensors:
+            pass
         _raise_any(_all_gather(error))
         self._control_all("/update_weights_from_disk", lambda i: {
             "model_path": str(self.weights_dirs[i] / version), "flush_cache": True, "weight_version": version})
@@ -412,8 +414,8 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
 
     try:
         model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
-    except ValueError:  # a model class transformers does not know: SGLang alone sizes it
-        return
+    except (ValueError, AttributeError):  # a model class transformers does not know, or a config that
+        return  # nests its sizes (Gemma 3's text_config): SGLang alone sizes it
     free, total = torch.cuda.mem_get_info(device)
     weights = model.n_params * dtype.itemsize // tp
     kv_cache = int(fraction * free) - weights
