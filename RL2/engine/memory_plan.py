@@ -71,10 +71,11 @@ class ModelShape:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = list(model.parameters())  # tied weights appear once
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        text = config.get_text_config()  # the decoder's sizes, nested in multimodal configs (Gemma 3)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         return cls(name or getattr(config, "model_type", "model"), sum(p.numel() for p in params),
-                   max(p.numel() for p in params), 2 * config.num_hidden_layers * kv_heads * head_dim * 2, kv_heads,
+                   max(p.numel() for p in params), 2 * text.num_hidden_layers * kv_heads * head_dim * 2, kv_heads,
                    config)
 
 

@@ -38,6 +38,22 @@ def test_parameter_counts_of_the_table_models(shapes):
     assert shapes["7B"].kv_bytes_per_token == 2 * 28 * 4 * 128 * 2  # k and v, layers, heads, dim, bf16
 
 
+def test_a_multimodal_config_is_sized_by_its_text_model():
+    """Gemma 3 nests the decoder's sizes in text_config: the KV cache is the text model's."""
+    from transformers import Gemma3Config
+
+    from RL2.engine.memory_plan import ModelShape
+
+    config = Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=1000),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    shape = ModelShape.from_config(config)
+    assert shape.kv_bytes_per_token == 2 * 3 * 2 * 16 * 2  # k and v, layers, kv heads, head dim, bf16
+    assert shape.kv_heads == 2 and shape.largest >= 1000 * 64  # the embedding
+
+
 def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
     p = shapes["7B"].n_params
     plan = colocated_memory(shapes["7B"], 80 * GIB, n_ranks=8, server_tp=1, reference=True, critic=True)
