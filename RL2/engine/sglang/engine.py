@@ -192,8 +192,9 @@ class SGLangEngine:
                 server.start().wait_ready(cfg.server_timeout)
                 url = server.url
                 version = server_version(url)
-            except (EngineError, ConfigError, OSError) as e:
-                error = f"rank {rank}: {e}"
+            except Exception as e:  # this rank's alone: every rank must reach the gather below to raise it
+                error = f"rank {rank}: {e}" if isinstance(e, (EngineError, ConfigError)) else (
+                    f"rank {rank}: {type(e).__name__}: {e}")
         gathered = _all_gather((url, version, error))
         _raise_any([err for _, _, err in gathered], cleanup=server)
         urls = [u for u, _, _ in gathered if u is not None]
