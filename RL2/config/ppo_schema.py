@@ -52,6 +52,7 @@ class RolloutConfig:
     server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
+    request_timeout: float = opt(3600.0, "seconds one generation request to an SGLang server may take, queueing included, before the rollout fails (long reasoning at a busy server needs many)")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
     weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")

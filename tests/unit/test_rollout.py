@@ -213,6 +213,23 @@ def test_engine_errors_stop_the_batch(engine, tok, prompt):
         asyncio.run(rollout_batch(dead, env, tok, [{"prompt": prompt}], 2, GREEDY))
 
 
+def test_a_server_that_never_answers_fails_after_rollout_request_timeout(tmp_path):
+    import socket
+
+    from RL2.config import parse_config
+    from RL2.config.ppo_schema import PPOConfig
+    from RL2.engine.sglang.engine import SGLangEngine
+
+    cfg = parse_config(PPOConfig, "ppo", ["rollout.request_timeout=0.5"])
+    with socket.socket() as silent:  # accepts the connection, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        engine = SGLangEngine([url], [], "none", 1, str(tmp_path), request_timeout=cfg.rollout.request_timeout)
+        with pytest.raises(EngineError, match=r"/generate: no answer within 0\.5 s"):
+            asyncio.run(engine.generate({"input_ids": [1, 2], "sampling_params": {}}))
+
+
 def made(rewards: list[float], scores: list[float] | None = None, source: str = "math") -> list[Trajectory]:
     """A group of one-turn trajectories built by hand."""
     group = []

@@ -132,12 +132,13 @@ class SGLangEngine:
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
                  weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,
-                 server: SGLangServer | None = None, colocated: bool = False, tp_group=None):
+                 server: SGLangServer | None = None, colocated: bool = False, tp_group=None,
+                 request_timeout: float = 3600.0):
         self.urls, self.controlled, self.weight_sync = urls, controlled, weight_sync
         self.bucket_bytes, self.model_path = bucket_bytes, model_path
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
         self.server, self.colocated, self.tp_group = server, colocated, tp_group
-        self.client = HTTPEngineClient(urls)
+        self.client = HTTPEngineClient(urls, timeout=request_timeout)
         self._resumed: asyncio.Event | None = None  # while paused: set by continue_generation
         self._folder: Path | None = None  # the newest weights folder written by this rank
         atexit.register(self.shutdown)
@@ -203,7 +204,7 @@ class SGLangEngine:
         writes, dirs = _disk_roles(cfg, weight_sync, [host for host, _ in places], leader_ranks=range(0, world, tp))
         engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
                      server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
-                     tp_group=tp_group)
+                     tp_group=tp_group, request_timeout=cfg.request_timeout)
         if dist.get_rank() == 0:
             print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
                   + (f"; logs in {server.log_path.parent}" if server else ""), flush=True)
@@ -228,7 +229,8 @@ class SGLangEngine:
         _raise_any(_all_gather(error))
         writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
         controlled = urls if dist.get_rank() == 0 else []
-        return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled))
+        return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled),
+                   request_timeout=cfg.request_timeout)
 
     # ---- generation ----
 
