@@ -18,7 +18,7 @@ from RL2.engine.protocol import Engine
 
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
-                 colocated: Sequence = ()) -> Engine:
+                 colocated: Sequence = (), seed: int = 0) -> Engine:
     """This rank's engine, as `rollout.engine` says (collective for SGLang).
 
     Args:
@@ -29,6 +29,8 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
         tokenizer: the policy's tokenizer (the embedded engine decodes with it).
         colocated: the trainer's models on this rank's GPU (with `offload()` and `onload()`): they wait
             on the CPU while SGLang servers launched on the same GPUs size their memory.
+        seed: the run's seed: launched SGLang servers sample from it (`--random-seed`, plus each
+            server's index), so runs of different seeds sample differently there too.
     """
     from RL2.engine.sglang.engine import SGLangEngine, resolve_engine
 
@@ -48,7 +50,7 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
     # trainer's models wait on the CPU meanwhile (`EngineState.to_trainer` brings them back).
     for worker in colocated:
         worker.offload()
-    engine = SGLangEngine.launch(rollout_cfg, model_path, dtype, device, seed=0)
+    engine = SGLangEngine.launch(rollout_cfg, model_path, dtype, device, seed=seed)
     if not engine.releases_memory:
         for worker in colocated:
             worker.onload()

@@ -110,7 +110,8 @@ class Evaluator:
         """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
         tokenizer = load_tokenizer(model_cfg)
         prompts = self.prompts(tokenizer)
-        worker = RolloutWorker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, env=self.env)
+        worker = RolloutWorker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, env=self.env,
+                               seed=self.cfg.eval.seed)
         try:
             seed = rollout_seed(self.cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
             groups = worker.rollout(prompts, self.cfg.rollout.sampling_params, self.cfg.rollout.responses_per_prompt,

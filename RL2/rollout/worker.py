@@ -182,15 +182,16 @@ class RolloutWorker:
         colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included:
             they move to the CPU while SGLang servers launched on the same GPUs sample.
         env: the environment; default: `load_rollout_env(rollout_cfg)` (the Python API passes one).
+        seed: the run's seed, for the engine's own sampling stream (see `start_engine`).
     """
 
     def __init__(self, rollout_cfg, model_cfg, tokenizer, device: torch.device, policy=None, colocated: Sequence = (),
-                 env: Env | None = None):
+                 env: Env | None = None, seed: int = 0):
         self.cfg, self.tokenizer, self.device, self.policy = rollout_cfg, tokenizer, device, policy
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
         self.dtype = compute_dtype(model_cfg.dtype, device)
         self.engine = start_engine(rollout_cfg, resolve_model_path(model_cfg.model_name), self.dtype, device,
-                                   tokenizer, colocated)
+                                   tokenizer, colocated, seed)
         self.push_seconds = 0.0  # spent pushing weights since `take_push_seconds` last read it
         self.state = EngineState(self.engine, policy, self._push_weights,
                                  colocated if self.engine.releases_memory else [])

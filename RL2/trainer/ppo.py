@@ -80,7 +80,7 @@ class PPOTrainer(Trainer):
             [self.reward_model] if self.reward_model else [])
         on_gpu = list(dict.fromkeys(on_gpu))  # a LoRA policy's reference is its own worker
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
-                                     colocated=on_gpu, env=self.env)
+                                     colocated=on_gpu, env=self.env, seed=cfg.trainer.seed)
 
     def optimizer_steps(self, model_cfg) -> int:
         per_rollout = model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)

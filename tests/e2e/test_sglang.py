@@ -462,11 +462,12 @@ def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
                           f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",
                           "rollout.server_args.max_total_tokens=4096", f"rollout.server_log_dir={tmp_path / 'logs'}",
-                          "rollout.train_sampling_params.temperature=0.7"),
+                          "rollout.train_sampling_params.temperature=0.7", "trainer.seed=7"),
               timeout=900)
     assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
     log_path = next((tmp_path / "logs").glob("sglang-*.log"))
     assert "--device cpu" in log_path.read_text() and "--dtype float32" in log_path.read_text()
+    assert "--random-seed 7" in log_path.read_text()  # the run's seed: another seed samples differently
     port = log_path.stem.removeprefix("sglang-")
     with pytest.raises(httpx.TransportError):  # stopped when the trainer exited
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
