@@ -203,10 +203,12 @@ async def partial_rollout_batch(
         stop.set()
         # Pause until every in-flight request has come back aborted (a request may reach an HTTP
         # server just after a pause; the stop flag keeps new ones from being sent).
-        while not all_done.done():
-            await engine.pause_generation("abort")
-            await asyncio.wait([all_done], timeout=1.0)
-        await engine.continue_generation()
+        try:
+            while not all_done.done():
+                await engine.pause_generation("abort")
+                await asyncio.wait([all_done], timeout=1.0)
+        finally:  # a pause that failed must not leave the engine paused for the next rollout
+            await engine.continue_generation()
     await all_done  # raises the first error of any trajectory
     groups = [task.result() for task in tasks]
     finished = [g for g in groups if not any(t.unfinished for t in g)]

@@ -427,3 +427,27 @@ def test_an_unset_token_budget_is_the_models_context(tmp_path):
     LlamaConfig(max_position_embeddings=300).save_pretrained(tmp_path)
     assert context_length(str(tmp_path), {}) == 300
     assert context_length(str(tmp_path), {"context_length": 128, "tp_size": 1}) == 128
+
+
+def test_a_pause_that_fails_leaves_the_engine_ready_for_the_next_rollout(model, tok, prompt):
+    class PauseThenFail(EmbeddedEngine):
+        """The real engine; its pause goes through, then raises, as a failed abort request would."""
+
+        async def pause_generation(self, mode: str = "abort") -> None:
+            await super().pause_generation(mode)
+            raise EngineError("abort request failed")
+
+    env = load_env(ENVS / "echo.py")
+    rows = [{"prompt": prompt, "extra_info": {"turns": 1 if i == 0 else 3}} for i in range(3)]
+    engine = PauseThenFail(model, tok, max_running_requests=1)
+    try:
+        with pytest.raises(EngineError, match="abort request failed"):
+            asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, GREEDY, max_turns=3))
+
+        async def next_rollout():  # would wait for ever on a paused engine
+            return await asyncio.wait_for(rollout_batch(engine, env, tok, rows[:1], 1, GREEDY), timeout=60)
+
+        [[trajectory]] = asyncio.run(next_rollout())
+        assert trajectory.stop_reason == "done"
+    finally:
+        engine.shutdown()
