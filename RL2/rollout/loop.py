@@ -19,6 +19,8 @@ from RL2.rollout.trajectory import Trajectory, Turn
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
+# Aborts in a row, each before a token, after which a request is taken to be refused, not paused.
+MAX_IDLE_RESUMES = 3
 
 
 async def run_trajectory(
@@ -125,14 +127,20 @@ async def rollout_batch(
         One group of trajectories per prompt, in order.
     """
 
-    def trajectory(row: dict, index: int):
+    async def trajectory(row: dict, index: int) -> Trajectory:
         params = sampling_params
         if row.get("sampling_seed") is not None:
             params = {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
-        return run_trajectory(
-            engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
-            params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
-        )
+
+        def run(resume: Trajectory | None):
+            return run_trajectory(
+                engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
+                params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"), resume=resume,
+            )
+
+        # Another client of a shared server may pause it: the cut action carries on, rather than the
+        # trajectory being trained on as if it had ended there.
+        return await _resume_while_cut(run, await run(None))
 
     tasks = [[asyncio.create_task(trajectory(row, j)) for j in range(responses_per_prompt)] for row in prompts]
     await _gather_or_cancel([task for group in tasks for task in group])
@@ -173,16 +181,17 @@ async def partial_rollout_batch(
     finished_count = 0
 
     async def trajectory(row: dict | None, resume: Trajectory | None) -> Trajectory:
-        result = resume
-        while result is None or (result.unfinished and not stop.is_set()):
-            # Another client of a shared server may pause it: resume at once unless this batch is full.
-            row = row or {}
-            result = await run_trajectory(
+        row = row or {}
+
+        def run(resume: Trajectory | None):
+            return run_trajectory(
                 engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
                 sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
-                resume=result, stop=stop,
+                resume=resume, stop=stop,
             )
-        return result
+
+        # Another client of a shared server may pause it: resume at once unless this batch is full.
+        return await _resume_while_cut(run, resume if resume is not None else await run(None), stop)
 
     async def group(members: list) -> list[Trajectory]:
         nonlocal finished_count
@@ -217,6 +226,20 @@ async def partial_rollout_batch(
 
 
 async def _ready(trajectory: Trajectory) -> Trajectory:
+    return trajectory
+
+
+async def _resume_while_cut(run, trajectory: Trajectory, stop: asyncio.Event | None = None) -> Trajectory:
+    """Carry on a trajectory an engine pause cut short (`run(trajectory)` resumes it) until its action
+    is whole, or `stop` is set. A request aborted again and again before it samples a token is
+    refused, not paused: that raises, where resuming it would loop for ever."""
+    idle = 0
+    while trajectory.unfinished and not (stop is not None and stop.is_set()):
+        sampled = trajectory.response_length
+        trajectory = await run(trajectory)
+        idle = idle + 1 if trajectory.response_length == sampled else 0
+        if idle == MAX_IDLE_RESUMES:
+            raise EngineError(f"the engine aborted a request {idle} times in a row before it sampled a token")
     return trajectory
 
 

@@ -30,7 +30,7 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         crashes = "".join(f"{report}\n" for report in crash_reports(result.stderr))
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{crashes}{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{crashes}{result.stdout[-3000:]}\n{result.stderr[-12000:]}")
     return result
 
 

@@ -451,3 +451,45 @@ def test_a_pause_that_fails_leaves_the_engine_ready_for_the_next_rollout(model, 
         assert trajectory.stop_reason == "done"
     finally:
         engine.shutdown()
+
+
+class CutOnce(EmbeddedEngine):
+    """The real engine, whose first request comes back aborted after two tokens, as when another client
+    of a shared server pauses it; `always` aborts every request before its first token."""
+
+    def __init__(self, *args, always: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.always, self.calls = always, 0
+
+    async def generate(self, payload: dict) -> dict:
+        self.calls += 1
+        if self.always:
+            return {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}}}
+        if self.calls > 1:
+            return await super().generate(payload)
+        cut = {**payload, "sampling_params": {**payload["sampling_params"], "max_new_tokens": 2}}
+        response = await super().generate(cut)
+        response["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused by another client"}
+        return response
+
+
+def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, prompt):
+    env = load_env(ENVS / "echo.py")
+    params = {**GREEDY, "max_new_tokens": 6}
+    cutting = CutOnce(model, tok, max_running_requests=4)
+    try:
+        [[cut]] = asyncio.run(rollout_batch(cutting, env, tok, [{"prompt": prompt, "extra_info": {"turns": 2}}], 1,
+                                            params, max_turns=2))
+    finally:
+        cutting.shutdown()
+    assert cutting.calls == 3 and (cut.stop_reason, cut.n_turns) == ("done", 2)
+    uncut = roll(engine, tok, "echo", prompt, {"turns": 2}, max_turns=2, sampling_params=params)
+    [got], [want] = cut.token_sequences(), uncut.token_sequences()
+    assert got["input_ids"] == want["input_ids"] and got["loss_mask"] == want["loss_mask"]
+
+    refusing = CutOnce(model, tok, always=True)
+    try:
+        with pytest.raises(EngineError, match="aborted a request 3 times in a row before it sampled a token"):
+            asyncio.run(rollout_batch(refusing, env, tok, [{"prompt": prompt}], 1, params))
+    finally:
+        refusing.shutdown()
