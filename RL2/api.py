@@ -36,6 +36,7 @@ from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SF
 from RL2.evaluation.evaluator import EvalResult, Evaluator
 from RL2.parallel import close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
+from RL2.utils.logging import json_record
 
 # Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
 TRAINERS = {
@@ -93,8 +94,9 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     env = _reward_env(reward, cfg)
     save_dir = Path(cfg.trainer.save_dir)
     metrics_file = save_dir / "metrics.jsonl"
-    # A resumed run rewrites metrics.jsonl up to its checkpoint; a new one appends to what is there.
-    start = 0 if cfg.trainer.load_ckpt_from or not metrics_file.exists() else metrics_file.stat().st_size
+    # A resumed run rewrites metrics.jsonl up to its checkpoint; a new one, or an evaluation, appends.
+    resumes = cfg.trainer.load_ckpt_from and not cfg.trainer.eval_only
+    start = 0 if resumes or not metrics_file.exists() else metrics_file.stat().st_size
     with _process_group():
         exported = _run_trainer(trainer, cfg, env)
         history = _from_rank0(lambda: _records(metrics_file, start))
@@ -272,4 +274,5 @@ def _records(path: Path, start: int) -> list[dict]:
         return []
     with open(path, "rb") as f:
         f.seek(start)
-        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        lines = f.read().decode().splitlines()
+    return [record for record in map(json_record, lines) if record is not None]

@@ -130,6 +130,11 @@ def check_run_sections(cfg) -> None:
         raise ConfigError(f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
                           f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
     trainer = cfg.get("trainer") or {}
+    if trainer.get("n_epochs", 1) < 1:
+        raise ConfigError(f"trainer.n_epochs={trainer['n_epochs']}; it must be at least 1 (or set trainer.total_steps)")
+    if trainer.get("total_steps") is not None and trainer["total_steps"] < 1:
+        raise ConfigError(f"trainer.total_steps={trainer['total_steps']}; give at least 1 step, or null for "
+                          f"trainer.n_epochs' worth")
     for key in ("save_freq", "test_freq"):
         value = trainer.get(key)
         if value is not None and value < 0:

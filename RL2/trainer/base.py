@@ -86,21 +86,30 @@ class Trainer:
         trainer = self.cfg.trainer
         return trainer.total_steps or trainer.n_epochs * steps_per_epoch
 
-    def resume(self) -> int:
+    def resume(self, n_steps: int) -> int:
         """Restore the checkpoint named by trainer.load_ckpt_from; returns the step to continue after."""
         path = self.resume_from
         if path is None:
             return 0
         state = load_checkpoint(path, self.workers())
+        if state["step"] > n_steps and not self.cfg.trainer.eval_only:
+            raise ConfigError(f"trainer.load_ckpt_from: {path} is step {state['step']}, past this run's {n_steps} "
+                              f"steps (another run's checkpoint in trainer.save_dir?); raise trainer.total_steps "
+                              f"or name the checkpoint to resume from")
         self.load_trainer_state(state)
-        self.sink.truncate_after(state["step"])
+        if not self.cfg.trainer.eval_only:  # an evaluation adds to the history; a resume redoes its end
+            self.truncate_outputs_after(state["step"])
         log_rank0(f"resumed from {path} at step {state['step']}")
         return state["step"]
+
+    def truncate_outputs_after(self, step: int) -> None:
+        """Drop what the steps after `step` wrote, which the resumed run writes again."""
+        self.sink.truncate_after(step)
 
     def run(self, n_steps: int) -> None:
         """The loop: train, log, evaluate, save; then export the final models."""
         trainer = self.cfg.trainer
-        start = self.resume()
+        start = self.resume(n_steps)
         if trainer.eval_only:
             metrics = self.evaluate()
             if not metrics:
@@ -116,15 +125,14 @@ class Trainer:
             began = time.perf_counter()
             metrics = self.train_step(step)
             metrics["perf/step_s"] = time.perf_counter() - began
-            if trainer.test_freq and step % trainer.test_freq == 0:
+            # The last step is evaluated too, before its checkpoint: a resume from it has nothing to redo.
+            if trainer.test_freq and (step % trainer.test_freq == 0 or step == n_steps):
                 metrics.update(self.evaluate())
             self.sink.log(metrics, step)
             progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k.endswith("loss")})
             if trainer.save_freq and step % trainer.save_freq == 0:
                 save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state())
                 self.save_learning_curve()  # a long run shows its curve so far
-        if trainer.test_freq and n_steps % trainer.test_freq:
-            self.sink.log(self.evaluate(), n_steps)
         self.save_final()
         self.save_learning_curve()
         self.sink.close()

@@ -25,7 +25,7 @@ from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
-from RL2.utils.logging import is_rank0, log_rank0
+from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
 from RL2.utils.memory import max_over_ranks, measured
 from RL2.utils.plot import CurvePanel
 from RL2.workers.actor import Actor, BaseModelReference, n_mini_batches, per_token_pass
@@ -237,6 +237,11 @@ class PPOTrainer(Trainer):
         by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
                           for name, value in source_metrics.items() if name not in COUNTS}
+
+    def truncate_outputs_after(self, step: int) -> None:
+        super().truncate_outputs_after(step)
+        if is_rank0():
+            truncate_jsonl_after(f"{self.cfg.trainer.save_dir}/samples.jsonl", step)
 
     def load_trainer_state(self, state: dict) -> None:
         self.cursor = state.get("cursor", state["step"])

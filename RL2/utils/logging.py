@@ -18,6 +18,47 @@ def log_rank0(message: str) -> None:
         print(f"[RL2] {message}", flush=True)
 
 
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line, on a line of its own even after a run that was killed mid-line."""
+    with open(path, "ab+") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON records of a file; a line that is not one whole record (a killed run's last) is skipped."""
+    return [record for record in map(json_record, Path(path).read_text().splitlines()) if record is not None]
+
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step` (a resume redoes the later ones), and only whole lines.
+
+    The file is replaced in one rename, so a crash here leaves either the old file or the new one.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [(line, json_record(line)) for line in lines]
+    if any(record is None for _, record in records):
+        log_rank0(f"{path}: dropped the incomplete lines an interrupted run left")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line, record in records if record is not None and record["step"] <= step))
+    os.replace(tmp, path)
+
+
+def json_record(line: str) -> dict | None:
+    """The JSON object on one line of a JSONL file, or None for a line that is not one whole object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class MetricsSink:
     """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb and to
     TensorBoard event files in `<save_dir>/tensorboard` if enabled.
@@ -54,41 +95,19 @@ class MetricsSink:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
         record = {"step": step, **values}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.path, record)
         if self.wandb is not None:
             self.wandb.log(record, step=step)
         if self.tensorboard is not None:
             self.tensorboard.log(values, step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps that the resumed run will redo.
-
-        A line that is not a whole JSON record is what a crash mid-write leaves; it is dropped too. The
-        file is replaced in one rename, so a crash here leaves either the old file or the new one.
-        """
+        """On resume, drop records of steps that the resumed run will redo."""
         if not self.enabled:
             return
         if self.tensorboard is not None:
             self.tensorboard.truncate_after(step)
-        if not self.path.exists():
-            return
-        kept, torn = [], 0
-        for line in self.path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                torn += 1
-                continue
-            if record["step"] <= step:
-                kept.append(line)
-        if torn:
-            log_rank0(f"{self.path}: dropped {torn} incomplete line(s) left by an interrupted run")
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        truncate_jsonl_after(self.path, step)
 
     def close(self) -> None:
         if self.wandb is not None:

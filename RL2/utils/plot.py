@@ -4,14 +4,13 @@ Each trainer names its curve as panels (`CurvePanel`): SFT its train and test lo
 trainers their loss, preference accuracy and margin, PPO its reward, score and response length.
 """
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from RL2.utils.logging import log_rank0
+from RL2.utils.logging import log_rank0, read_jsonl
 
 Series = tuple[list[int], list[float]]  # (steps, values)
 
@@ -34,7 +33,7 @@ class CurvePanel:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def curve_series(rows: list[dict], panels: tuple[CurvePanel, ...]) -> list[tuple[CurvePanel, dict[str, Series]]]:

@@ -213,8 +213,11 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
     assert state["cursor"] == sum(m["rollout/sampling_rounds"] for m in metrics[:2])
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "step2", resumed / "step2")
+    shutil.copy(straight / "samples.jsonl", resumed)  # as a run killed after its last step left it
     run_ranks(2, ppo_args(repeat_model, rl_data, resumed, *args, "trainer.load_ckpt_from=latest"))
     assert rewards(resumed) == rewards(straight)[2:]
+    # The steps redone replace their samples rather than add to them.
+    assert (resumed / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
     expected = load_file(f"{straight}/final/actor/model.safetensors")
     for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
         torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)

@@ -110,6 +110,8 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     (["trainer.save_freq=-1"], r"trainer\.save_freq=-1; give a number of steps \(null or 0: never\)"),
     (["trainer.test_freq=-5"], r"trainer\.test_freq=-5; give a number of steps"),
     (["actor.max_length_per_device=0"], r"actor\.max_length_per_device=0; .*token budget"),
+    (["trainer.n_epochs=0"], r"trainer\.n_epochs=0; it must be at least 1"),
+    (["trainer.total_steps=-3"], r"trainer\.total_steps=-3; give at least 1 step"),
 ])
 def test_out_of_range_values_name_the_key(argv, message):
     with pytest.raises(ConfigError, match=message):
