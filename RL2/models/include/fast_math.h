@@ -22,7 +22,11 @@ static inline float exp_clamped(float x) {
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
-    union { float f; int32_t i; } scale = { .i = ((int32_t)n + 127) << 23 };
+    /* 2^n from n's bits: n + 1.5 * 2^23 holds n in its low mantissa bits, exactly for these n. Not a
+     * float-to-int conversion, which is undefined for the NaN that x passes the clamp as; then these
+     * bits are junk, but unsigned arithmetic on them is defined, and p, thus the result, is NaN. */
+    union { float f; uint32_t i; } shifted = { .f = n + 12582912.0f };
+    union { float f; uint32_t i; } scale = { .i = (shifted.i - 0x4B400000u + 127u) << 23 };
     return p * scale.f;
 }
 
