@@ -21,6 +21,9 @@ import torch.distributed.checkpoint as dcp
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
+# The newest checkpoint this save_dir's runs wrote: after a resume from an older step, the folders
+# of later steps the earlier run left are not what `latest` means.
+LATEST = "latest.txt"
 
 
 @contextmanager
@@ -68,15 +71,23 @@ def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        pointer = final.with_name(f".{LATEST}.tmp")
+        pointer.write_text(final.name)
+        os.replace(pointer, final.with_name(LATEST))
     dist.barrier()
     return final
 
 
 def latest_checkpoint(save_dir: str) -> Path | None:
-    """The complete step<N> folder with the largest N, if any."""
+    """The complete step<N> folder saved last (`latest.txt`), else the one with the largest N, if any."""
     root = Path(save_dir)
     if not root.is_dir():
         return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if STEP_DIR.match(named.name) and (named / COMPLETE).exists():
+            return named
     steps = [
         (int(m.group(1)), p)
         for p in root.iterdir()
