@@ -60,12 +60,14 @@ def pair_row_tokenizer(tokenizer):
     def for_split(split_cfg):
         def tokenize_row(row: dict) -> dict:
             shared = shared_messages(row.get(split_cfg.chosen_key), row.get(split_cfg.rejected_key))
-            pair = {
-                side: truncate(tokenize_side(tokenizer, row, key, split_cfg, shared), split_cfg.max_length)
-                for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))
-            }
+            whole = {side: tokenize_side(tokenizer, row, key, split_cfg, shared)
+                     for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))}
+            pair = {side: truncate(example, split_cfg.max_length) for side, example in whole.items()}
             if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
-                raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical")
+                where = "" if whole["chosen"]["input_ids"] == whole["rejected"]["input_ids"] else (
+                    f" in their first max_length={split_cfg.max_length} tokens, where nothing tells them apart; "
+                    f"raise data.*.max_length")
+                raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical{where}")
             return pair
 
         return tokenize_row

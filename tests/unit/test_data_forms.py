@@ -275,6 +275,8 @@ def test_numbers_in_typed_text_columns_are_their_text(tok, tmp_path):
         ("rm", {"chosen": CHINA, "rejected": CHINA}, "key 'chosen' has no assistant message"),
         ("rm", {"messages": CHINA, "chosen": "Beijing.", "rejected": "Beijing."},
          "'chosen' and 'rejected' are identical"),
+        ("dpo", {"prompt": "q", "chosen": "word " * 2100 + "Beijing.", "rejected": "word " * 2100 + "Shanghai."},
+         "'chosen' and 'rejected' are identical in their first max_length=2048 tokens"),
         ("sft", {"messages": CHINA}, "key 'messages' has no assistant message"),
         ("sft", {"prompt": {"text": "q"}, "response": "a"}, "key 'prompt' should be a string, got dict"),
     ],
