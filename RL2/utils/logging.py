@@ -1,11 +1,13 @@
 """Rank-aware printing and the one metrics sink: JSONL always, wandb and TensorBoard when asked."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 
+from RL2.config.errors import ConfigError
 from RL2.utils.tensorboard import TensorBoardLog, require_tensorboard
 
 
@@ -78,6 +80,9 @@ class MetricsSink:
                  use_tensorboard: bool = False):
         if use_tensorboard:
             require_tensorboard()  # on every rank, so that all of them stop
+        if use_wandb and os.environ.get("WANDB_MODE") != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.use_wandb=true needs the wandb package: run `pip install wandb`, or set "
+                              "trainer.use_wandb=false (trainer.use_tensorboard=true logs without an account)")
         self.enabled = is_rank0()
         self.path = Path(save_dir) / "metrics.jsonl"
         self.wandb = None

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from RL2.utils.logging import MetricsSink
+from RL2.config import ConfigError
+from RL2.utils.logging import MetricsSink, read_jsonl
 
 
 def test_jsonl_records_and_resume_truncation(tmp_path):
@@ -51,6 +52,24 @@ def test_wandb_without_login_runs_offline(tmp_path, monkeypatch):
     sink.log({"train/loss": 1.5}, 1)
     sink.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))  # logged offline instead of prompting
+
+
+def test_a_new_run_after_a_killed_one_logs_on_lines_of_its_own(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/lo')
+    MetricsSink(str(tmp_path)).log({"train/loss": 0.5}, 1)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines()[-2:] == ['{"step": 2, "train/lo',
+                                                                        '{"step": 1, "train/loss": 0.5}']
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "train/loss": 1.0}, {"step": 1, "train/loss": 0.5}]
+
+
+def test_wandb_asked_for_but_not_installed_stops_at_start_naming_the_key(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"trainer\.use_wandb=true needs the wandb package: run `pip install wandb`"):
+        MetricsSink(str(tmp_path), use_wandb=True)
 
 
 def test_wandb_disabled_by_environment(tmp_path, monkeypatch):
