@@ -126,6 +126,18 @@ def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
     return out.to(query.dtype)
 
 
+def sliding_window_of(config) -> int | None:
+    """The attention window of a model's sliding-window layers (Mistral v0.1, Gemma 2/3, Qwen2/3 with
+    use_sliding_window); None when every layer attends to the whole sequence."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 def tokens_major_cat(outputs: list[torch.Tensor]) -> torch.Tensor:
     """SDPA outputs `[1, H, L_i, D]` of consecutive pieces of a row -> `[1, sum L_i, H, D]`, contiguous
     (SDPA lays its output out tokens-major, so each transpose is free and the caller's reshape is a view)."""

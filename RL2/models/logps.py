@@ -27,11 +27,23 @@ class ModelLayout:
         cp_group: the context-parallel group, None without context parallelism.
         share_prefixes: compute a prefix that consecutive packed sequences share once
             (`RL2.models.shared_prefix`); not under context parallelism.
+        sliding_window: the window of the model's sliding-window layers (`sliding_window_of`), which
+            RL2's attention does not apply: a longer sequence is refused rather than scored wrongly.
     """
 
     vocab: VocabShard = field(default_factory=VocabShard)
     cp_group: dist.ProcessGroup | None = None
     share_prefixes: bool = False
+    sliding_window: int | None = None
+
+
+def check_window(window: int, longest: int) -> None:
+    if longest > window:
+        raise NotImplementedError(
+            f"a sequence of {longest} tokens is longer than the model's attention window "
+            f"(sliding_window={window}), which RL2's packed attention does not apply: its "
+            f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
+            f"the window, or use a model without one")
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:
@@ -144,6 +156,8 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
     per token. Per-token results then read 0.0 at the other tokens.
     """
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
+    if layout.sliding_window is not None:
+        check_window(layout.sliding_window, max(mb.seq_lens))
     length = mb.input_ids.shape[1]
     if layout.cp_group is None:
         # The row the model runs on: the packed one, or the one with shared prefixes stored once.

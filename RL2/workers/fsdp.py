@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
 from RL2.models import lora
-from RL2.models.attention import ATTN_NAME, varlen_backend
+from RL2.models.attention import ATTN_NAME, sliding_window_of, varlen_backend
 from RL2.models.checkpointing import enable_activation_checkpointing
 from RL2.models.default_model import resolve_model_path
 from RL2.models.fused_layers import install_fused_layers
@@ -198,6 +198,7 @@ class FSDPWorker(Stateful):
         if self.dims.cp > 1:
             layout.cp_group = self.dims.cp_mesh.get_group()
         layout.share_prefixes = self._shares_prefixes(model.config)
+        layout.sliding_window = sliding_window_of(model.config)
         if train and self.cfg.enable_gradient_checkpointing:
             enable_activation_checkpointing(model, self.cfg.checkpoint_every_n_layers)
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)

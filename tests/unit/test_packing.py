@@ -116,3 +116,39 @@ def test_packed_logits_equal_per_sequence_logits(family, tiny_model_path, tiny_q
         logps = token_logps(packed, mb.labels)
         direct = packed.log_softmax(-1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logps, direct)
+
+
+def test_a_sequence_past_a_sliding_window_is_refused_not_scored_wrongly(tok, tmp_path):
+    """RL2's packed attention attends to the whole sequence: within a Mistral's window that is the
+    model's own attention; past it, log-probabilities would not be the model's."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
+
+    from RL2.models.attention import sliding_window_of
+    from RL2.models.logps import ModelLayout
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="rl2_varlen")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    model.parallel_layout = ModelLayout(sliding_window=sliding_window_of(model.config))
+    assert model.parallel_layout.sliding_window == 8
+    within = [{"input_ids": list(range(100, 109)), "loss_mask": [0] * 3 + [1] * 6}]  # 8 positions scored
+    (mb,) = pack(SequenceBatch.from_examples(within), 0, 1, max_tokens=100)
+    with torch.no_grad():
+        torch.testing.assert_close(forward_packed(model, mb).logits[0],
+                                   reference(input_ids=mb.input_ids).logits[0], atol=1e-4, rtol=1e-4)
+    past = [{"input_ids": list(range(100, 110)), "loss_mask": [0] * 3 + [1] * 7}]
+    (mb,) = pack(SequenceBatch.from_examples(past), 0, 1, max_tokens=100)
+    with pytest.raises(NotImplementedError, match=r"sequence of 9 tokens is longer than the model's attention "
+                                                  r"window \(sliding_window=8\)"):
+        forward_packed(model, mb)
+    assert sliding_window_of(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    from RL2.engine.embedded.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(reference.eval(), tok)  # samples no further than its attention is the model's
+    try:
+        assert engine.context_len == 8
+    finally:
+        engine.shutdown()

@@ -41,6 +41,7 @@ from RL2.engine.embedded.sampling import (
     sample_next_tokens,
     stop_tokens_to_ban,
 )
+from RL2.models.attention import sliding_window_of
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192
@@ -99,6 +100,10 @@ class EmbeddedEngine:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         # Positions the model was trained for: SGLang refuses a request that could run past them.
         self.context_len = getattr(model.config, "max_position_embeddings", None)
+        # The engine's attention has no window: past a sliding-window model's, it would not sample the model.
+        window = sliding_window_of(model.config)
+        if window is not None:
+            self.context_len = min(self.context_len or window, window)
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
@@ -258,8 +263,9 @@ class EmbeddedEngine:
                                              or len(request.input_ids) >= self.context_len):
             raise ValueError(
                 f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"model's context length of {self.context_len} tokens (max_position_embeddings), which SGLang "
-                f"refuses too; shorten the prompt or lower max_new_tokens (rollout.max_total_tokens caps both)"
+                f"model's context length of {self.context_len} tokens (max_position_embeddings, or the sliding "
+                f"window that this engine does not apply), which SGLang refuses too; shorten the prompt or lower "
+                f"max_new_tokens (rollout.max_total_tokens caps both)"
             )
         if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
             raise ValueError(
