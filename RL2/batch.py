@@ -230,6 +230,9 @@ class MicroBatch:
             every micro-batch of every rank gives the configured average over the global batch.
         sequence_ids: the positions in their `SequenceBatch` of the packed sequences, in order.
         extras: the batch's other per-token tensors, `[1, T]` like `labels`.
+        unit_starts: the packed sequences (indices in this row) that begin a packing unit sized by its
+            own shared-prefix length (`prompt_group_units`): a shared-prefix run starts anew there, so
+            that the row the model runs is no longer than the packer planned.
     """
 
     input_ids: Tensor
@@ -240,11 +243,12 @@ class MicroBatch:
     loss_weights: Tensor
     sequence_ids: list[int]
     extras: dict[str, Tensor] = field(default_factory=dict)
+    unit_starts: list[int] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
         extras = {k: v.to(device) for k, v in self.extras.items()}
-        return MicroBatch(**moved, sequence_ids=self.sequence_ids, extras=extras)
+        return MicroBatch(**moved, sequence_ids=self.sequence_ids, extras=extras, unit_starts=self.unit_starts)
 
     def extra(self, name: str) -> Tensor:
         """A per-token extra; zeros for the padding micro-batch, which has none."""

@@ -88,10 +88,17 @@ def pack(
         units = [[i] for i in range(len(batch.input_ids))]
     if weights is None:
         weights = torch.zeros(batch.n_labels)
+    compressed = unit_sizes is not None  # sizes of rows with shared prefixes stored once
     if unit_sizes is None:
         unit_sizes = [sum(batch.label_counts[i] for i in unit) for unit in units]
     plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel)
-    return [_pack(batch, weights, [i for u in unit_ids for i in units[u]]) for unit_ids in plan[dp_rank]]
+    micro_batches = []
+    for unit_ids in plan[dp_rank]:
+        mb = _pack(batch, weights, [i for u in unit_ids for i in units[u]])
+        if compressed:
+            mb.unit_starts = [int(n) for n in torch.tensor([0] + [len(units[u]) for u in unit_ids[:-1]]).cumsum(0)]
+        micro_batches.append(mb)
+    return micro_batches
 
 
 def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[list[list[int]], list[int]]:

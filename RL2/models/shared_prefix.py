@@ -76,7 +76,7 @@ class SharedPrefixRow:
         bounds = mb.cu_seqlens.tolist()
         # A sequence as its full tokens: positions agree up to t while tokens 0..t+1 do.
         sequences = [inputs[a:b] + labels[b - 1 : b] for a, b in zip(bounds[:-1], bounds[1:])]
-        runs = _runs_with_shared_prefix(sequences)
+        runs = _runs_with_shared_prefix(sequences, set(mb.unit_starts))
         if all(len(run) == 1 for run, _ in runs):
             return None
         keep, source, blocks = [], [], []  # the packed tokens the compressed row stores; where each packed one is
@@ -170,16 +170,16 @@ def compressed_length(sequences: list[list[int]]) -> int:
                for run, shared in _runs_with_shared_prefix(sequences))
 
 
-def _runs_with_shared_prefix(sequences: list[list[int]]) -> list[tuple[list[int], int]]:
+def _runs_with_shared_prefix(sequences: list[list[int]], starts: set[int] = frozenset()) -> list[tuple[list[int], int]]:
     """Split consecutive sequences into runs, each with the number of positions its sequences share.
 
     A sequence of n+1 tokens has n positions (inputs); a run of one shares all of them. A sequence
     joins the current run while the run's shared positions times the sequences that reuse them does
-    not drop, and the run shares at least `MIN_SHARED_TOKENS`.
+    not drop, and the run shares at least `MIN_SHARED_TOKENS`; a sequence in `starts` begins a new one.
     """
     runs: list[tuple[list[int], int]] = []
     for index, tokens in enumerate(sequences):
-        if runs:
+        if runs and index not in starts:
             run, shared = runs[-1]
             first = sequences[run[0]]
             with_this = min(shared, common_prefix_length([first, tokens]) - 1, len(tokens) - 1)

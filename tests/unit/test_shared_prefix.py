@@ -146,3 +146,24 @@ def test_prompt_groups_go_into_micro_batches_whole_with_their_prompt_counted_onc
     # A budget below one sequence: one unit per sequence (pack then says it does not fit).
     units, sizes = prompt_group_units(batch, dp_size=1, budget=PROMPT)
     assert units == [[i] for i in range(12)] and sizes == [PROMPT + 3] * 12
+
+
+def test_a_micro_batch_of_prompt_groups_runs_no_longer_than_planned():
+    """Two groups whose prompts open alike (a chat template) but go on differently: the second's
+    sequences must not join the first's run over the template, which would store its long prompt once
+    per response and make the row longer than the packer planned."""
+    from RL2.batch import RolloutBatch
+    from RL2.datasets.packing import pack, prompt_group_units
+    from RL2.models.shared_prefix import SharedPrefixRow
+
+    template = list(range(500, 524))
+    prompts = [template + list(range(600, 608)), template + list(range(700, 796))]  # 32 and 120 tokens
+    examples = [{"input_ids": p + [10 * k + t for t in range(1, 9)], "loss_mask": [0] * len(p) + [1] * 8}
+                for p in prompts for k in range(2)]
+    batch = RolloutBatch.single_turn(examples, [0, 0, 1, 1])
+    units, sizes = prompt_group_units(batch, dp_size=1, budget=1000)
+    # each group: its prompt's positions but the last once, then 8 per response (by hand: 31 + 16, 119 + 16)
+    assert units == [[0, 1], [2, 3]] and sizes == [47, 135]
+    [mb] = pack(batch, 0, 1, sum(sizes), units=units, unit_sizes=sizes)
+    row = SharedPrefixRow.build(mb)
+    assert row.length == 47 + 135 and [(b.prefix, b.branches) for b in row.blocks] == [(31, [8, 8]), (119, [8, 8])]
