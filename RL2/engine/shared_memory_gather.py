@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from RL2.utils.logging import log_rank0
 from RL2.utils.shared_memory import (
     SHM_DIR,
     SPARE_SHM_BYTES,
@@ -123,6 +124,9 @@ class SharedMemoryGather:
         fits = min(free for _, _, free in info) >= size * ranks + SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
         if not everyone(usable):
+            if not fits:  # the weight sync goes on over gloo, slower: say why
+                log_rank0(f"weight sync over gloo: {SHM_DIR} has {min(free for _, _, free in info)} bytes free, "
+                          f"{size * ranks + SPARE_SHM_BYTES} needed (docker run --shm-size=...)")
             return None
         paths = [os.path.join(SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
         if rank == 0:

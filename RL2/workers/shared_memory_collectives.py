@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from RL2.utils.logging import log_rank0
 from RL2.utils.shared_memory import (
     SHM_DIR,
     SPARE_SHM_BYTES,
@@ -128,6 +129,10 @@ class SharedMemoryCollectives:
             os.unlink(path)
         if not ok:
             self.usable = False
+            if self.rank == 0:  # the same work goes on over gloo, slower: say why once
+                log_rank0(f"FSDP collectives go through gloo from now on: no shared-memory segment of {size} bytes "
+                          f"({error or 'another rank could not map it'}; a container's {SHM_DIR} is often 64 MB: "
+                          f"docker run --shm-size=...)")
             return None
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
