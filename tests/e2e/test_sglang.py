@@ -301,7 +301,8 @@ def perturbed_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 @sglang_test
 def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
     """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
-    cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path))
+    cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path),
+                          request_timeout=600.0)
     engine = SGLangEngine.connect(cfg, tiny_model_path)
     new_model = perturbed_copy(hf_model, seed=1)
     before = [r["output_ids"] for r in generate(server.url, prompts)]
@@ -366,7 +367,7 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
     partial output, while another client's request on the same server runs to its end; requests
     made while paused wait for continue_generation."""
     engine = SGLangEngine.connect(SimpleNamespace(server_url=server.url, weight_sync="none", weight_bucket_mb=1.0,
-                                                  weights_dir=None), "unused")
+                                                  weights_dir=None, request_timeout=600.0), "unused")
     other = HTTPEngineClient([server.url])
     n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
     params = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
