@@ -15,6 +15,7 @@ sit in the optimizer and fill the checkpoints. The export is merged, plus a PEFT
 """
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -310,7 +311,11 @@ class FSDPWorker(Stateful):
             log_rank0(f"skipped optimizer step {self.updates + 1}: the gradient norm is {grad_norm.item()}, "
                       f"not finite (a loss or an input gave inf or nan)")
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped step advances the schedule too (it counts the steps planned); torch warns of that
+            # as of a mistake when the first step is the one skipped.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
         self.updates += 1
         if self.cfg.offload_optimizer and self.device.type == "cuda":
             self.move_state(torch.device("cpu"), params=False)
