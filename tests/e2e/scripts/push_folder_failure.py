@@ -1,5 +1,6 @@
 """Two ranks push weights to SGLang through a folder, and the writing rank's disk fills up mid-write
-(a file-size limit: the write fails with EFBIG). Each rank prints what it raised, as JSON."""
+(a file-size limit: the write fails with EFBIG). Each rank writes what it raised, as JSON, to
+`<folder>/rank<N>.json` (ranks printing at once could share a line of torchrun's output)."""
 
 import json
 import resource
@@ -37,7 +38,7 @@ def main() -> None:
         raised = None
     except Exception as e:  # noqa: BLE001 (the test reads which)
         raised = f"{type(e).__name__}: {e}"
-    print(json.dumps({"rank": rank, "raised": raised}), flush=True)
+    Path(sys.argv[2], f"rank{rank}.json").write_text(json.dumps({"rank": rank, "raised": raised}))
     dist.destroy_process_group()
 
 
