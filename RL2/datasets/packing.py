@@ -11,6 +11,7 @@ never crosses a sequence boundary: `cu_seqlens` marks the boundaries for the var
 
 import heapq
 import math
+from itertools import accumulate
 
 import torch
 
@@ -96,7 +97,7 @@ def pack(
     for unit_ids in plan[dp_rank]:
         mb = _pack(batch, weights, [i for u in unit_ids for i in units[u]])
         if compressed:
-            mb.unit_starts = [int(n) for n in torch.tensor([0] + [len(units[u]) for u in unit_ids[:-1]]).cumsum(0)]
+            mb.unit_starts = list(accumulate((len(units[u]) for u in unit_ids[:-1]), initial=0))
         micro_batches.append(mb)
     return micro_batches
 
