@@ -12,12 +12,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run in hardware: on CUDA, or on CPUs with AVX512-BF16 / AMX.
+    """Whether bf16 matmuls run in hardware: on Ampere GPUs and newer, or on CPUs with AVX512-BF16 / AMX.
 
-    Without it torch emulates bf16 on the CPU, far slower than float32.
+    Without it torch emulates bf16, far slower than float32. On a V100 or T4 (compute capability 7)
+    `torch.cuda.is_bf16_supported()` says True all the same, as it counts emulation by default.
     """
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -51,7 +52,11 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     float32."""
     if name == "auto":
         return torch.bfloat16 if bf16_pays_off(device) else torch.float32
-    if name == "bfloat16" and not native_bf16(device):
+    if name == "bfloat16" and not native_bf16(device) and device.type == "cuda":
+        _warn_once("warning: this GPU has no native bf16 matmul (it needs compute capability 8.0, Ampere, or newer); "
+                   "bf16 compute will be emulated, far slower than float32 or float16. Set actor.dtype=float16 or "
+                   "auto (float32).")
+    elif name == "bfloat16" and not native_bf16(device):
         _warn_once("warning: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 compute will be "
                    "far slower than float32. Set actor.dtype=auto or float32.")
     elif name == "bfloat16" and not bf16_pays_off(device):

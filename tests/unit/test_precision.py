@@ -1,5 +1,7 @@
 """`dtype=auto`: bf16 where the hardware runs it faster than float32, by a rule on the hardware."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -56,3 +58,23 @@ def test_the_vendor_is_read_from_cpuinfo():
     if len(vendors) != 1:
         pytest.skip("no single vendor_id in /proc/cpuinfo")
     assert precision._cpu_vendor() == vendors.pop()
+
+
+@pytest.mark.parametrize("major, native", [(7, False), (8, True), (9, True)])
+def test_gpus_before_ampere_have_no_native_bf16(monkeypatch, major, native):
+    """A V100 or T4 (compute capability 7.x) has no bf16 tensor cores, yet a bf16 tensor can be made on it,
+    and torch's `is_bf16_supported()` then says True by default (emulation counts). The CUDA queries
+    describe such a GPU to torch's own check: `auto` must stay float32 there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=major, minor=0))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulated bf16 works
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda", 0)
+    assert precision.native_bf16(cuda) is native
+    assert precision.compute_dtype("auto", cuda) is (torch.bfloat16 if native else torch.float32)
+    said = []
+    monkeypatch.setattr(precision, "log_rank0", said.append)
+    precision._warn_once.cache_clear()
+    assert precision.compute_dtype("bfloat16", cuda) is torch.bfloat16  # asked for: obeyed, with a warning
+    assert bool(said) is not native and all("GPU" in s and "Ampere" in s for s in said)
