@@ -3,7 +3,7 @@
 A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
 down to every attention layer by transformers) marks where each starts. No token attends across a
 boundary. Three kernels compute it, picked per call by `varlen_backend` (the choice is logged once):
-- "flash_attn": flash-attn's varlen kernel, on CUDA in fp16/bf16 when `flash_attn` imports;
+- "flash_attn": flash-attn's varlen kernel, on CUDA in fp16/bf16 on Ampere or newer when `flash_attn` imports;
 - "torch_varlen": torch's own varlen kernel (`torch.nn.attention.varlen`, flash-attention built into
   torch), on CUDA in fp16/bf16 on Ampere or newer when this torch has it;
 - "sdpa": causal SDPA on each sequence in turn, exact in any dtype on any device; it costs
@@ -56,6 +56,13 @@ def torch_varlen_attention():
     return varlen_attn
 
 
+def flash_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether flash-attention kernels (flash-attn's, ring-flash-attn's on top of them, torch's own varlen
+    kernel) can run here: on CUDA in fp16 or bf16, on Ampere (compute capability 8.0) or newer. flash-attn
+    refuses older GPUs (V100, T4) at the first call: "FlashAttention only supports Ampere GPUs or newer"."""
+    return device.type == "cuda" and dtype in HALF_DTYPES and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel packed attention runs here: "flash_attn", "torch_varlen" or "sdpa".
 
@@ -63,11 +70,11 @@ def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
         device: where the query lives.
         dtype: the query's dtype (the flash kernels take only fp16 and bf16).
     """
-    if device.type != "cuda" or dtype not in HALF_DTYPES:
+    if not flash_kernels_run(device, dtype):
         return "sdpa"
     if flash_attn_varlen() is not None:
         return "flash_attn"
-    if torch_varlen_attention() is not None and torch.cuda.get_device_capability(device)[0] >= 8:
+    if torch_varlen_attention() is not None:
         return "torch_varlen"
     return "sdpa"
 

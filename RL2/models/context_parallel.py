@@ -7,10 +7,10 @@ and the same attention work. Padding sits at the end of its sequence, where caus
 every real token, and its outputs are dropped.
 
 Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks.
-- On CUDA in fp16/bf16 with ring-flash-attn and flash-attn installed, ring-flash-attention's
+- On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn installed, ring-flash-attention's
   `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring, overlapping communication with
   flash-attn's varlen kernel.
-- Otherwise (CPU, float32, or either package missing), an exact torch version of the same
+- Otherwise (CPU, float32, an older GPU, or either package missing), an exact torch version of the same
   computation on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of
   each local chunk against its whole sequence. The all-gather's backward sums every rank's K/V
   gradients and keeps this rank's part (a reduce-scatter), so gradients are those of unsharded
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from RL2.models.attention import HALF_DTYPES, flash_attn_varlen, log_backend_once
+from RL2.models.attention import flash_attn_varlen, flash_kernels_run, log_backend_once
 
 
 def _gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -146,8 +146,9 @@ class ContextShard:
 
 
 def context_parallel_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """"ring_flash_attn" on CUDA in fp16/bf16 when ring-flash-attn and flash-attn load, else "all_gather_kv"."""
-    if device.type == "cuda" and dtype in HALF_DTYPES and flash_attn_varlen() is not None and _ring_flash_attn_module():
+    """"ring_flash_attn" on CUDA in fp16/bf16 on Ampere or newer when ring-flash-attn and flash-attn load, else
+    "all_gather_kv"."""
+    if flash_kernels_run(device, dtype) and flash_attn_varlen() is not None and _ring_flash_attn_module():
         return "ring_flash_attn"
     return "all_gather_kv"
 

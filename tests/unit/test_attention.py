@@ -73,6 +73,8 @@ def _varlen_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, 
     (True, _VarlenWithGQA(), (9, 0), torch.float32, "sdpa"),  # flash kernels take fp16/bf16 only
     (False, _VarlenWithGQA(), (9, 0), torch.float16, "torch_varlen"),
     (False, _VarlenWithGQA(), (7, 5), torch.bfloat16, "sdpa"),  # torch's flash kernel needs Ampere
+    (True, _VarlenWithGQA(), (7, 0), torch.float16, "sdpa"),  # so does flash-attn's (a V100 or T4 fails the call)
+    (True, None, (8, 0), torch.float16, "flash_attn"),
     (False, _varlen_without_gqa, (8, 0), torch.bfloat16, "torch_varlen"),  # grouped heads are repeated for it
     (False, None, (9, 0), torch.bfloat16, "sdpa"),
 ])
@@ -139,12 +141,16 @@ def test_cpu_always_takes_the_exact_path():
 def test_context_parallel_falls_back_without_ring_flash_attn(monkeypatch):
     from RL2.models import context_parallel
 
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(context_parallel, "flash_attn_varlen", lambda: object())
     monkeypatch.setattr(context_parallel, "_ring_flash_attn_module", lambda: None)
     assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
     monkeypatch.setattr(context_parallel, "_ring_flash_attn_module", lambda: object())
     assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "ring_flash_attn"
     assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.float32) == "all_gather_kv"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # flash-attn refuses it
+    assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(context_parallel, "flash_attn_varlen", lambda: None)
     assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
 
