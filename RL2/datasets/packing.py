@@ -32,21 +32,31 @@ def balanced_partition(sizes: list[int], n_parts: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int,
-                       seq_parallel: int = 1) -> list[list[list[int]]]:
+def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq_parallel: int = 1,
+                       budget_key: str = "actor.max_length_per_device",
+                       unit_lengths: list[int] | None = None) -> list[list[list[int]]]:
     """Assign units to ranks, then to micro-batches of at most `max_tokens * seq_parallel`, the same count
     on every rank.
+
+    Args:
+        budget_key: the config key that set `max_tokens`, for the error of a unit that cannot fit.
+        unit_lengths: the sequences of each unit (default one each), for the same error.
 
     Returns:
         plan[rank][micro_batch] = unit indices.
     """
     budget = max_tokens * seq_parallel
-    too_long = [s for s in unit_sizes if s > budget]
+    too_long = [i for i, s in enumerate(unit_sizes) if s > budget]
     if too_long:
+        longest = max(too_long, key=lambda i: unit_sizes[i])
         shared = f" x cp_size * tp_size={seq_parallel}" if seq_parallel > 1 else ""
+        # A preference pair's two sides share a micro-batch: together they may not fit where each would.
+        what = (f"{unit_lengths[longest]} sequences that must share a micro-batch (e.g. a preference pair's two "
+                f"sides) hold {unit_sizes[longest]} tokens together, which do" if unit_lengths and unit_lengths[longest] > 1
+                else f"a sequence of {unit_sizes[longest]} tokens does")
         raise ConfigError(
-            f"a sequence of {max(too_long)} tokens does not fit in actor.max_length_per_device={max_tokens}{shared}; "
-            f"raise actor.max_length_per_device (or cp_size) or lower data.*.max_length"
+            f"{what} not fit in {budget_key}={max_tokens}{shared}; raise {budget_key} (or cp_size) or lower "
+            f"data.*.max_length"
         )
     max_tokens = budget
     ranks = balanced_partition(unit_sizes, dp_size)
@@ -70,6 +80,7 @@ def pack(
     units: list[list[int]] | None = None,
     seq_parallel: int = 1,
     unit_sizes: list[int] | None = None,
+    budget_key: str = "actor.max_length_per_device",
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one global batch.
 
@@ -84,6 +95,8 @@ def pack(
         seq_parallel: ranks that share each micro-batch (`cp * tp`, `ParallelDims.seq_parallel`); a
             micro-batch holds up to `max_tokens * seq_parallel` tokens.
         unit_sizes: the tokens each unit costs; default its labels (see `prompt_group_units`).
+        budget_key: the config key of `max_tokens` (e.g. `critic.max_length_per_device`), named by the
+            error of a unit that cannot fit.
     """
     if units is None:
         units = [[i] for i in range(len(batch.input_ids))]
@@ -92,7 +105,7 @@ def pack(
     compressed = unit_sizes is not None  # sizes of rows with shared prefixes stored once
     if unit_sizes is None:
         unit_sizes = [sum(batch.label_counts[i] for i in unit) for unit in units]
-    plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel)
+    plan = plan_micro_batches(unit_sizes, dp_size, max_tokens, seq_parallel, budget_key, [len(u) for u in units])
     micro_batches = []
     for unit_ids in plan[dp_rank]:
         mb = _pack(batch, weights, [i for u in unit_ids for i in units[u]])

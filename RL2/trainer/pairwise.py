@@ -69,7 +69,7 @@ class PairwiseTrainer(Trainer):
         examples, units = flatten_pairs(pairs)
         micro_batches = pack(SequenceBatch.from_examples(examples), self.dims.dp_rank, self.dims.dp,
                              self.cfg[self.model_key].max_length_per_device, units=units,
-                             seq_parallel=self.dims.seq_parallel)
+                             seq_parallel=self.dims.seq_parallel, budget_key=f"{self.model_key}.max_length_per_device")
 
         def loss_fn(mb):
             scores = self.sequence_scores(mb)

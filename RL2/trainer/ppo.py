@@ -221,7 +221,7 @@ class PPOTrainer(Trainer):
         of the trajectory's last sequence (the final state), as it was trained."""
         model = self.reward_model.model
         per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device, model,
-                                   lambda mb: forward_packed(model, mb).values())
+                                   lambda mb: forward_packed(model, mb).values(), "critic.max_length_per_device")
         last = batch.sample_offsets[1:] - 1
         has_tokens = batch.sample_offsets.diff() > 0
         return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)

@@ -79,29 +79,31 @@ def n_mini_batches(n_prompts: int, mini_batch_size: int | None) -> int:
 
 
 def pack_for(model: torch.nn.Module, batch: SequenceBatch, dims: ParallelDims, max_tokens: int,
-             weights: torch.Tensor | None = None, units: list[list[int]] | None = None) -> list[MicroBatch]:
-    """This rank's micro-batches of `batch` for `model` (`pack`). Where the model's forward stores shared
-    prefixes once, a rollout's prompt groups go into micro-batches whole where they fit
-    (`prompt_group_units`, which keeps trajectories whole: `units` are then implied)."""
+             weights: torch.Tensor | None = None, units: list[list[int]] | None = None,
+             budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
+    """This rank's micro-batches of `batch` for `model` (`pack`; `budget_key` names `max_tokens` in its
+    errors). Where the model's forward stores shared prefixes once, a rollout's prompt groups go into
+    micro-batches whole where they fit (`prompt_group_units`, which keeps trajectories whole: `units` are
+    then implied)."""
     sizes = None
     if shares_prefixes(model) and isinstance(batch, RolloutBatch):
         units, sizes = prompt_group_units(batch, dims.dp, max_tokens * dims.seq_parallel)
     return pack(batch, dims.dp_rank, dims.dp, max_tokens, weights, units=units, seq_parallel=dims.seq_parallel,
-                unit_sizes=sizes)
+                unit_sizes=sizes, budget_key=budget_key)
 
 
 def per_token_pass(
     dims: ParallelDims, batch: SequenceBatch, max_tokens: int, device: torch.device, model: torch.nn.Module,
-    fn: Callable[[MicroBatch], torch.Tensor],
+    fn: Callable[[MicroBatch], torch.Tensor], budget_key: str = "actor.max_length_per_device",
 ) -> torch.Tensor:
     """Run `fn` (micro-batch -> `[1, T]` values of `model`) on this rank's share; every rank gets every
-    label's value.
+    label's value. `budget_key` is the config key of `max_tokens`, for `pack`'s errors.
 
     Returns:
         `[n_labels]` float32 on the CPU, aligned with the batch's labels.
     """
     values = torch.zeros(batch.n_labels, device=device)
-    for mb in pack_for(model, batch, dims, max_tokens):
+    for mb in pack_for(model, batch, dims, max_tokens, budget_key=budget_key):
         out = fn(mb.to(device)).detach().float()
         for i, chunk in zip(mb.sequence_ids, mb.unpack(out)):
             values[batch.offsets[i] : batch.offsets[i + 1]] = chunk

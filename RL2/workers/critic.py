@@ -14,6 +14,8 @@ from RL2.parallel import ParallelDims
 from RL2.workers.actor import pack_for, per_token_pass, update_passes, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
 
+BUDGET_KEY = "critic.max_length_per_device"  # the critic's micro-batch budget, named in packing errors
+
 
 class Critic:
     """Args as `RL2.workers.actor.Actor`; `cfg` is the `critic` config."""
@@ -36,7 +38,7 @@ class Critic:
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_labels]` the value of the state before each label."""
         return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
-                              self.forward_values)
+                              self.forward_values, BUDGET_KEY)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Regress `values` towards `returns` (both per token in the batch), clipped around the old values."""
@@ -44,7 +46,7 @@ class Critic:
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
         weights = train_weights(batch, self.cfg.avg_level, self.response_budget)
-        micro = pack_for(self.model, batch, self.dims, self.cfg.max_length_per_device, weights)
+        micro = pack_for(self.model, batch, self.dims, self.cfg.max_length_per_device, weights, budget_key=BUDGET_KEY)
         totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
         stats = self.worker.optimizer_step()
         return weighted_means(totals) | {"grad_norm": stats["grad_norm"]}

@@ -101,6 +101,14 @@ def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_
         torch.testing.assert_close(final(resumed, kind)[key], value, atol=1e-6, rtol=1e-5)
 
 
+def test_a_pair_over_the_reward_models_budget_names_its_key(tiny_model_path, pair_data, tmp_path):
+    """The reward model is configured under critic.*: a pair too long for its micro-batches names that key."""
+    over = [a for a in args("rm", tiny_model_path, pair_data, tmp_path) if "max_length_per_device" not in a]
+    with pytest.raises(AssertionError, match=r"RL2 rm: .* not fit in critic.max_length_per_device=16; raise "
+                                             r"critic.max_length_per_device"):
+        run_ranks(1, over + ["critic.max_length_per_device=16"])
+
+
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
 def test_packed_loss_equals_formula_on_separate_forwards(kind, tiny_model_path, pair_data, tmp_path):
     result = run_ranks(1, ["tests/e2e/scripts/preference_formulas.py", kind,

@@ -50,6 +50,34 @@ def test_too_long_sequence_is_a_clear_error():
         plan_micro_batches([5, 11], 1, max_tokens=10)
 
 
+def test_a_pair_too_long_together_is_called_a_pair():
+    """A DPO pair (29 + 24 labels) whose sides each fit actor.max_length_per_device=40 but not together: no
+    sequence of 53 tokens exists, the pair holds them."""
+    batch = SequenceBatch(input_ids=[[1] * 30, [2] * 25], tokens={"loss_mask": torch.ones(53)})
+    with pytest.raises(ConfigError, match=r"^2 sequences that must share a micro-batch \(e.g. a preference pair's two "
+                                          r"sides\) hold 53 tokens together, which do not fit in "
+                                          r"actor.max_length_per_device=40; raise actor.max_length_per_device"):
+        pack(batch, 0, 1, max_tokens=40, units=[[0, 1]])
+
+
+def test_a_sequence_too_long_for_the_critic_names_the_critics_key(tiny_model_path, one_rank):
+    """PPO's critic packs with its own budget, which may be below the actor's: its error names critic.*."""
+    from omegaconf import OmegaConf
+
+    from RL2.batch import RolloutBatch
+    from RL2.config.ppo_schema import CriticConfig
+    from RL2.parallel import ParallelDims
+    from RL2.workers.critic import Critic
+
+    cfg = OmegaConf.merge(OmegaConf.structured(CriticConfig), {"model_name": tiny_model_path, "dtype": "float32",
+                                                                "max_length_per_device": 8})
+    critic = Critic(cfg, ParallelDims(1), torch.device("cpu"), total_steps=1)
+    batch = RolloutBatch.single_turn([{"input_ids": list(range(20)), "loss_mask": [0] * 5 + [1] * 15}], [0])
+    with pytest.raises(ConfigError, match=r"a sequence of 19 tokens does not fit in critic.max_length_per_device=8; "
+                                          r"raise critic.max_length_per_device"):
+        critic.values(batch)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_weights_sum_to_one_over_all_ranks(level):
     batch = SequenceBatch.from_examples(random_examples(11))
