@@ -7,7 +7,9 @@ boundary. Three kernels compute it, picked per call by `varlen_backend` (the cho
 - "torch_varlen": torch's own varlen kernel (`torch.nn.attention.varlen`, flash-attention built into
   torch), on CUDA in fp16/bf16 on Ampere or newer when this torch has it;
 - "sdpa": causal SDPA on each sequence in turn, exact in any dtype on any device; it costs
-  sum(L_i^2) rather than T^2 for a block-diagonal mask, but one kernel launch per sequence.
+  sum(L_i^2) rather than T^2 for a block-diagonal mask, but one kernel launch per sequence;
+- "softcapped": plain products per sequence, for models that cap attention scores (Gemma 2), which
+  SDPA and torch's varlen kernel cannot do (flash-attn can, and takes them where it runs).
 
 Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
 model's forward like `cu_seq_lens_q`) says how; attention then goes through
@@ -90,11 +92,13 @@ def log_backend_once(kind: str, backend: str, device: torch.device, dtype: torch
         log_rank0(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
 
 
-def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
-    # flash-attn takes (tokens, heads, head_dim) and handles grouped-query heads itself.
+def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=None):
+    # flash-attn takes (tokens, heads, head_dim) and handles grouped-query heads itself; it caps scores
+    # from version 2.6 on, so the keyword goes only to models that need it.
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))
+    capped = {"softcap": softcap} if softcap else {}
     out = flash_attn_varlen()(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True, **capped
     )
     return out.unsqueeze(0)
 
@@ -133,6 +137,31 @@ def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
     return out.to(query.dtype)
 
 
+def softcap_of(config) -> float | None:
+    """Gemma 2's attention-score cap (`attn_logit_softcapping`): scores become cap * tanh(scores / cap)
+    before the softmax. None for models without one."""
+    return getattr(config, "attn_logit_softcapping", None) or None
+
+
+def softcapped_attention(query, key, value, scaling: float, softcap: float, mask=None) -> torch.Tensor:
+    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain
+    products, scores and softmax in float32 (as the model's own eager attention).
+
+    query `[B, H, q, D]`, key/value `[B, H_kv, k, D]`; `mask` boolean, True where a key is visible,
+    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions.
+    Returns `[B, H, q, D]` in the query's dtype.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
+    scores = torch.matmul(query.float() * scaling, key.transpose(-1, -2))
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), value).to(query.dtype)
+
+
 def sliding_window_of(config) -> int | None:
     """The attention window of a model's sliding-window layers (Mistral v0.1, Gemma 2/3, Qwen2/3 with
     use_sliding_window); None when every layer attends to the whole sequence."""
@@ -159,12 +188,23 @@ def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
     return tokens_major_cat([sdpa(q, k, v, scaling) for q, k, v in pieces])
 
 
+def _softcapped_per_sequence(query, key, value, cu_seqlens, scaling, softcap):
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
+    return tokens_major_cat([softcapped_attention(q, k, v, scaling, softcap) for q, k, v in pieces])
+
+
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: query `[1, H, T, D]`, key/value `[1, H_kv, T, D]` -> `[1, T, H, D]`."""
     context_shard = kwargs.get("context_shard")
+    shared_prefixes = kwargs.get("shared_prefixes")
+    softcap = kwargs.get("softcap")
+    if softcap and (context_shard is not None or shared_prefixes is not None):
+        # FSDPWorker refuses context parallelism and turns shared prefixes off for such models.
+        raise NotImplementedError("capped attention scores (Gemma 2's attn_logit_softcapping) are computed "
+                                  "only on whole packed rows: not under context parallelism or shared prefixes")
     if context_shard is not None:
         return context_shard.attention(query, key, value, scaling), None
-    shared_prefixes = kwargs.get("shared_prefixes")
     if shared_prefixes is not None:
         return shared_prefixes.attention(query, key, value, scaling or query.shape[-1] ** -0.5), None
     if query.shape[2] != key.shape[2]:
@@ -175,12 +215,17 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     backend = varlen_backend(query.device, query.dtype)
+    if softcap and backend != "flash_attn":  # flash-attn caps scores itself; SDPA and torch's kernel cannot
+        backend = "softcapped"
     log_backend_once("packed", backend, query.device, query.dtype)
+    if backend == "softcapped":
+        return _softcapped_per_sequence(query, key, value, cu_seqlens, scaling, softcap), None
     if backend == "sdpa":
         return _sdpa_per_sequence(query, key, value, cu_seqlens, scaling), None
     max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    kernel = _flash_varlen if backend == "flash_attn" else _torch_varlen
-    return kernel(query, key, value, cu_seqlens, max_seqlen, scaling), None
+    if backend == "flash_attn":
+        return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap), None
+    return _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling), None
 
 
 AttentionInterface.register(ATTN_NAME, varlen_attention)

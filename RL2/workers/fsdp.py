@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
 from RL2.models import lora
-from RL2.models.attention import ATTN_NAME, sliding_window_of, varlen_backend
+from RL2.models.attention import ATTN_NAME, sliding_window_of, softcap_of, varlen_backend
 from RL2.models.checkpointing import enable_activation_checkpointing
 from RL2.models.default_model import resolve_model_path
 from RL2.models.fused_layers import install_fused_layers
@@ -182,6 +182,11 @@ class FSDPWorker(Stateful):
             )
         if self.dims.tp > 1:
             check_tp_degree(config, self.dims.tp)
+        if self.dims.cp > 1 and softcap_of(config):
+            raise ValueError(
+                f"{self._config_name()} caps its attention scores (attn_logit_softcapping={softcap_of(config)}), "
+                f"which RL2's context-parallel attention does not apply; set cp_size=1 in every model section"
+            )
 
     def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
         """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root."""
@@ -216,8 +221,9 @@ class FSDPWorker(Stateful):
 
     def _shares_prefixes(self, config) -> bool:
         """`share_prefixes` where it applies: its attention runs on SDPA (the flash kernels keep the packed
-        row), and a context-parallel split cuts sequences apart."""
-        if not getattr(self.cfg, "share_prefixes", False) or self.dims.cp > 1:
+        row), and a context-parallel split cuts sequences apart. Not for capped attention scores, which
+        only the whole-row kernels apply."""
+        if not getattr(self.cfg, "share_prefixes", False) or self.dims.cp > 1 or softcap_of(config):
             return False
         return varlen_backend(self.device, self.dtype) == "sdpa"
 

@@ -121,3 +121,21 @@ def test_a_lora_base_that_resets_change_keeps_every_update_of_the_adapters(tiny_
         assert dtypes == {torch.float32} and change < 1e-3  # float32 rounding of the merge only
     else:
         assert dtypes == {torch.bfloat16} and change > 0.1  # most of each update rounded away
+
+
+def test_capped_attention_scores_keep_whole_rows_and_refuse_context_parallelism(tmp_path, one_rank):
+    """Gemma 2's capped scores are applied by the whole-row kernels only: no shared prefixes, no cp."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+                          num_attention_heads=4, num_key_value_heads=2, attn_logit_softcapping=50.0)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    w = worker(str(tmp_path), share_prefixes=True)
+    assert not w.model.parallel_layout.share_prefixes
+    two_way_cp = SimpleNamespace(dims=ParallelDims(2, cp=2), cfg=SimpleNamespace(tp_size=1, cp_size=2, ddp_size=1),
+                                 _config_name=lambda: "actor.model_name=gemma-2")
+    with pytest.raises(ValueError, match=r"actor.model_name=gemma-2 caps its attention scores "
+                                         r"\(attn_logit_softcapping=50.0\).*set cp_size=1"):
+        FSDPWorker._check_layout(two_way_cp, config)

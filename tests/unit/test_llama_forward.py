@@ -9,7 +9,7 @@ plain forward over the whole sequence so far.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from RL2.engine.embedded import llama_forward, packed_linear
 from RL2.engine.embedded.decode_kernels import load_decode_kernels
@@ -31,6 +31,8 @@ FAMILIES = {
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32),  # per-head q/k norms, head_dim != hidden/heads
     # Not a Llama (scaled embeddings, (1 + w) norms): HF's modules with the engine's attention and linears.
     "gemma": lambda: GemmaConfig(**SIZES, head_dim=16),
+    # Capped attention scores (cap * tanh(scores / cap)), which SDPA cannot apply; a low cap, so that it shows.
+    "gemma2": lambda: Gemma2Config(**SIZES, head_dim=16, attn_logit_softcapping=1.0, query_pre_attn_scalar=16),
 }
 
 
@@ -65,7 +67,7 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode, monk
         for module in (llama_forward, packed_linear):
             monkeypatch.setattr(module, "load_decode_kernels", lambda: None)
     runner = ModelRunner(model, max_rows=8)
-    assert (runner.llama is not None) == (family != "gemma"), "Llama families take the engine's own forward"
+    assert (runner.llama is not None) == (not family.startswith("gemma")), "Llama families take the engine's own forward"
     if runner.llama is not None:
         assert (runner.llama.decode_kernels is not None) == (decode == "c-kernels")
     # float32 everywhere the library builds, bf16 with AVX512-BF16: the C products; else oneDNN's or plain ones

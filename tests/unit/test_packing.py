@@ -146,6 +146,26 @@ def test_packed_logits_equal_per_sequence_logits(family, tiny_model_path, tiny_q
         torch.testing.assert_close(logps, direct)
 
 
+def test_capped_attention_scores_are_the_models_own(tmp_path):
+    """Gemma 2 caps attention scores (cap * tanh(scores / cap)), which SDPA cannot apply: packed rows
+    must still give the logits of the model's own eager attention, sequence by sequence."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+                          num_attention_heads=4, num_key_value_heads=2, attn_logit_softcapping=1.0,
+                          query_pre_attn_scalar=16, initializer_range=0.2)  # large weights: the cap bites
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="rl2_varlen")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    examples = random_examples(4, seed=5)
+    (mb,) = pack(SequenceBatch.from_examples(examples), 0, 1, max_tokens=1000)
+    with torch.no_grad():
+        for example, logits in zip(examples, mb.unpack(forward_packed(model, mb).logits)):
+            alone = reference(input_ids=torch.tensor([example["input_ids"][:-1]])).logits[0]
+            torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+
+
 def test_a_sequence_past_a_sliding_window_is_refused_not_scored_wrongly(tok, tmp_path):
     """RL2's packed attention attends to the whole sequence: within a Mistral's window that is the
     model's own attention; past it, log-probabilities would not be the model's."""

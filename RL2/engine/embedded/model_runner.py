@@ -33,6 +33,7 @@ from RL2.engine.embedded.packed_linear import (
     onednn_packing_works,
     panel_kernels_for,
 )
+from RL2.models.attention import softcapped_attention
 from RL2.models.shared_prefix import common_prefix_length
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
@@ -50,6 +51,13 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
     `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
     """
+    softcap = kwargs.pop("softcap", None)
+    if softcap:  # Gemma 2 caps its scores, which SDPA cannot
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:  # an additive mask: 0 where a key is visible
+            mask = mask == 0
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return softcapped_attention(query, key, value, scale, softcap, mask).transpose(1, 2), None
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
         key = key.to(query.dtype)  # the cache holds keys in float32
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
