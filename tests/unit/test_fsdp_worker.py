@@ -139,3 +139,32 @@ def test_capped_attention_scores_keep_whole_rows_and_refuse_context_parallelism(
     with pytest.raises(ValueError, match=r"actor.model_name=gemma-2 caps its attention scores "
                                          r"\(attn_logit_softcapping=50.0\).*set cp_size=1"):
         FSDPWorker._check_layout(two_way_cp, config)
+
+
+def test_a_critic_keeps_the_trained_head_of_the_checkpoint_it_starts_from(tiny_model_path, one_rank, tmp_path):
+    """PPO's critic starts its head at zero on a causal LM, but a checkpoint saved with a head (a reward model
+    or a critic RL2 exported; InstructGPT starts the value function from the reward model) keeps it: the
+    values are then that checkpoint's own forward."""
+    from transformers import AutoModelForTokenClassification
+
+    from RL2.batch import RolloutBatch
+    from RL2.config.ppo_schema import CriticConfig
+    from RL2.workers.critic import Critic
+
+    trained = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        trained.score.weight.copy_(torch.randn(trained.score.weight.shape, generator=torch.Generator().manual_seed(0)))
+        trained.score.bias.fill_(0.5)
+    trained.save_pretrained(tmp_path / "critic")
+
+    def critic_values(path) -> torch.Tensor:
+        cfg = OmegaConf.merge(OmegaConf.structured(CriticConfig), {"model_name": str(path), "dtype": "float32"})
+        return Critic(cfg, ParallelDims(1), torch.device("cpu"), total_steps=1).values(batch)
+
+    example = {"input_ids": list(range(3, 23)), "loss_mask": [0] * 5 + [1] * 15}
+    batch = RolloutBatch.single_turn([example], [0])
+    with torch.no_grad():  # the value before each label: the head at the position that predicts it
+        direct = trained(input_ids=torch.tensor([example["input_ids"][:-1]])).logits[0, :, 0]
+    assert direct.abs().min() > 0
+    torch.testing.assert_close(critic_values(tmp_path / "critic"), direct, atol=1e-5, rtol=1e-4)
+    assert torch.count_nonzero(critic_values(tiny_model_path)) == 0  # a causal LM's new head starts at zero
