@@ -43,7 +43,7 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.shared_memory_gather import SharedMemoryGather
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
-from RL2.rollout.env import Env, load_env
+from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory
@@ -76,8 +76,13 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
 
 def load_rollout_env(rollout_cfg) -> Env:
     """The environment of a run: `rollout.reward_fn` wrapped as a one-turn environment, else the
-    script at `rollout.env_path`."""
-    return load_reward_env(rollout_cfg.reward_fn) if rollout_cfg.reward_fn else load_env(rollout_cfg.env_path)
+    script at `rollout.env_path`; an error names the key (`load_reward_env`'s name rollout.reward_fn)."""
+    if rollout_cfg.reward_fn:
+        return load_reward_env(rollout_cfg.reward_fn)
+    try:
+        return load_env(rollout_cfg.env_path)
+    except EnvError as e:
+        raise EnvError(f"rollout.env_path={rollout_cfg.env_path}: {e}") from None
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:

@@ -13,6 +13,7 @@ from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
 from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
+from RL2.rollout.env import EnvError
 from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
@@ -160,13 +161,14 @@ def quiet_third_party_progress() -> None:
 
 
 def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | None = None) -> None:
-    """Entry point of `python -m RL2.trainer.<name>`: config and data errors end with a message, not a traceback."""
+    """Entry point of `python -m RL2.trainer.<name>`: config, data and environment-script errors end with a
+    message, not a traceback."""
     finished = False
     try:
         cfg = parse_config(schema, name, argv)
         trainer_cls(cfg).train()
         finished = True
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, EnvError) as e:
         sys.exit(f"RL2 {name}: {e}")
     finally:
         close_process_groups(finished)

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from RL2.config import ConfigError, parse_config
@@ -153,3 +155,33 @@ def test_resume_without_a_checkpoint_fails_before_any_model_is_built(tmp_path, m
         sft.main(argv + ["trainer.load_ckpt_from=lastest"])
     with pytest.raises(SystemExit, match=r"trainer\.load_ckpt_from=step2: .*step2 is not a complete checkpoint"):
         sft.main(argv + ["trainer.load_ckpt_from=step2"])
+
+
+# ---- a student's mistakes at start end with a message naming the key, before any model is loaded ----
+
+
+@pytest.fixture
+def one_process():
+    """`main()` called in this process: the one-rank group it makes sets RANK, LOCAL_RANK and WORLD_SIZE, which
+    must not make the next call think it runs under torchrun."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("rollout.env_path=envs/aritmetic.py",
+     r"rollout\.env_path=envs/aritmetic\.py: environment script envs/aritmetic\.py does not exist"),
+    ("rollout.reward_fn=my_reward.py:reward", r"rollout\.reward_fn: my_reward\.py does not exist"),
+])
+def test_a_missing_environment_or_reward_file_names_the_key(arg, message, tmp_path, monkeypatch, one_process):
+    from RL2.trainer import ppo
+
+    monkeypatch.setattr(ppo, "load_tokenizer", lambda cfg: None)
+    with pytest.raises(SystemExit, match=rf"RL2 ppo: {message}"):
+        ppo.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", arg])
