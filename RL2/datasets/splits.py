@@ -18,6 +18,8 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int) -> tuple[list,
         make_tokenize_row: split config -> function turning one row into one example.
         seed: holds out the same `test_ratio` rows on every rank and every run.
     """
+    if not data_cfg.train.path:
+        raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
     train_rows = load_table(data_cfg.train.path)
     test_rows, test_cfg = None, data_cfg.test
     if data_cfg.test.path:

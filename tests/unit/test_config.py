@@ -174,6 +174,15 @@ def one_process():
             os.environ[name] = value
 
 
+def test_an_unset_train_path_names_the_key(tmp_path, monkeypatch, tok, one_process):
+    from RL2.trainer import sft
+
+    monkeypatch.setattr(sft, "load_tokenizer", lambda cfg: tok)
+    monkeypatch.setattr(sft, "FSDPWorker", lambda *args, **kwargs: pytest.fail("the model was built without data"))
+    with pytest.raises(SystemExit, match=r"RL2 sft: data\.train\.path is not set; give the training rows"):
+        sft.main([f"trainer.save_dir={tmp_path / 'run'}"])
+
+
 @pytest.mark.parametrize("arg,message", [
     ("rollout.env_path=envs/aritmetic.py",
      r"rollout\.env_path=envs/aritmetic\.py: environment script envs/aritmetic\.py does not exist"),
