@@ -174,6 +174,20 @@ def one_process():
             os.environ[name] = value
 
 
+def refuse_models(monkeypatch):
+    """Make loading a tokenizer or a model fail the test: the mistake must be caught before either."""
+    import importlib
+
+    def build(*args, **kwargs):
+        raise AssertionError("a tokenizer or model was loaded before the mistake was caught")
+
+    for trainer in ("sft", "pairwise", "dpo", "orpo", "rm", "distill"):
+        module = importlib.import_module(f"RL2.trainer.{trainer}")
+        for name in ("load_tokenizer", "FSDPWorker"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, build)
+
+
 def test_an_unset_train_path_names_the_key(tmp_path, monkeypatch, tok, one_process):
     from RL2.trainer import sft
 
@@ -194,3 +208,18 @@ def test_a_missing_environment_or_reward_file_names_the_key(arg, message, tmp_pa
     monkeypatch.setattr(ppo, "load_tokenizer", lambda cfg: None)
     with pytest.raises(SystemExit, match=rf"RL2 ppo: {message}"):
         ppo.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", arg])
+
+
+@pytest.mark.parametrize("trainer,argv,message", [
+    ("dpo", ["actor.label_smoothing=0.5"], r"actor\.label_smoothing=0\.5; .*in \[0, 0\.5\)"),
+    ("dpo", ["actor.beta=0"], r"actor\.beta=0\.0; .*positive"),
+    ("dpo", ["actor.beta=-0.1", "actor.loss_type=ipo"], r"actor\.beta=-0\.1; .*positive"),
+    ("distill", ["actor.temperature=0"], r"actor\.temperature=0\.0; .*positive"),
+])
+def test_loss_settings_that_cannot_train_fail_at_start(trainer, argv, message, tmp_path, monkeypatch, one_process):
+    import importlib
+
+    module = importlib.import_module(f"RL2.trainer.{trainer}")
+    refuse_models(monkeypatch)
+    with pytest.raises(SystemExit, match=rf"RL2 {trainer}: {message}"):
+        module.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", *argv])
