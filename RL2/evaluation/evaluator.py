@@ -75,6 +75,11 @@ class Evaluator:
         if cfg.data.max_prompts is not None:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
         self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
+        try:  # now, not after the sampling, whose results would be lost
+            Path(cfg.eval.save_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only place, or a file where a folder of the path should be
+            raise ConfigError(f"eval.save_dir={cfg.eval.save_dir}: cannot create it ({e.strerror}: {e.filename}); "
+                              f"give a folder this user can write") from None
         self.device = pick_device(cfg.eval.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # sampling allocates rows of the same sizes every step; before any thread starts

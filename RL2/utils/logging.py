@@ -89,7 +89,11 @@ class MetricsSink:
         self.tensorboard = None
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only place, or a file where a folder of the path should be
+            raise ConfigError(f"trainer.save_dir={save_dir}: cannot create it ({e.strerror}: {e.filename}); give a "
+                              f"folder this user can write") from None
         if use_wandb and os.environ.get("WANDB_MODE") != "disabled":
             self.wandb = _init_wandb(project, name, save_dir, config)
         if use_tensorboard:

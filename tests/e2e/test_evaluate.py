@@ -262,3 +262,17 @@ def test_bad_config_fails_at_start_naming_the_key(args, words):
         main(args)
     assert exit_info.value.code.startswith("RL2 evaluate: ")
     assert re.search(words, exit_info.value.code), exit_info.value.code
+
+
+def test_a_save_dir_that_cannot_be_made_fails_before_sampling(test_data, tmp_path, monkeypatch):
+    """The samples and metrics are written at the end: an unusable eval.save_dir must stop the run before
+    any model is sampled, not lose the samples after it."""
+    from RL2.evaluation import evaluator
+
+    monkeypatch.setattr(evaluator, "load_tokenizer", lambda cfg: pytest.fail("a model was loaded"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit, match=rf"^RL2 evaluate: eval\.save_dir={blocker}/out: cannot create it \(Not a "
+                                         r"directory: .*\); give a folder this user can write$"):
+        main([f"data.test.path={test_data}", "rollout.reward_fn=RL2.rewards:math_reward",
+              f"eval.save_dir={blocker}/out"])

@@ -223,3 +223,14 @@ def test_loss_settings_that_cannot_train_fail_at_start(trainer, argv, message, t
     refuse_models(monkeypatch)
     with pytest.raises(SystemExit, match=rf"RL2 {trainer}: {message}"):
         module.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", *argv])
+
+
+def test_a_save_dir_that_cannot_be_made_names_the_key(tmp_path, monkeypatch, one_process):
+    from RL2.trainer import sft
+
+    refuse_models(monkeypatch)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit, match=rf"RL2 sft: trainer\.save_dir={blocker}/run: cannot create it "
+                                         r"\(Not a directory: .*\); give a folder this user can write"):
+        sft.main(["data.train.path=unused.jsonl", f"trainer.save_dir={blocker}/run"])
