@@ -23,11 +23,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from RL2.config.errors import ConfigError
 
-def pick_device(requested: str = "auto") -> torch.device:
-    """cuda when asked for or available (auto), else cpu. The backend follows: nccl on cuda, gloo on cpu."""
+
+def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.device:
+    """cuda when asked for or available (auto), else cpu. The backend follows: nccl on cuda, gloo on cpu.
+
+    Args:
+        requested: auto, cpu or cuda.
+        key: the config key that asked for it, named by the error when CUDA is not there.
+    """
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu")
+        raise ConfigError(f"{key}=cuda but CUDA is not available; use {key}=auto or cpu")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         visible = torch.cuda.device_count()

@@ -80,7 +80,7 @@ class Evaluator:
         except OSError as e:  # a read-only place, or a file where a folder of the path should be
             raise ConfigError(f"eval.save_dir={cfg.eval.save_dir}: cannot create it ({e.strerror}: {e.filename}); "
                               f"give a folder this user can write") from None
-        self.device = pick_device(cfg.eval.device)
+        self.device = pick_device(cfg.eval.device, key="eval.device")
         if self.device.type == "cpu":
             keep_freed_memory()  # sampling allocates rows of the same sizes every step; before any thread starts
         init_distributed(self.device)

@@ -97,3 +97,16 @@ def test_more_ranks_than_gpus_fails_naming_both(monkeypatch):
         pick_device("auto")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pick_device("cuda") == torch.device("cuda", 1)
+
+
+def test_cuda_asked_for_without_cuda_names_the_key_that_asked(monkeypatch, tmp_path):
+    """The evaluator's switch is eval.device: its error must not send the user to trainer.device."""
+    from RL2.evaluate import main
+    from tests.helpers import REPO
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "test.jsonl").write_text('{"prompt": "1 + 1?", "extra_info": {"answer": "2"}}\n')
+    with pytest.raises(SystemExit, match=r"^RL2 evaluate: eval\.device=cuda but CUDA is not available; use "
+                                         r"eval\.device=auto or cpu$"):
+        main([f"data.test.path={tmp_path / 'test.jsonl'}", f"rollout.env_path={REPO / 'envs' / 'arithmetic.py'}",
+              "eval.device=cuda"])
