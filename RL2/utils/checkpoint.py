@@ -18,6 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from RL2.config.errors import ConfigError
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
@@ -117,7 +120,13 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
 
 def load_checkpoint(path: Path, workers: dict) -> dict:
     """Collective: restore every worker and this rank's RNG. Returns the trainer state."""
-    dcp.load(dict(workers), checkpoint_id=str(path))
+    try:
+        dcp.load(dict(workers), checkpoint_id=str(path))
+    except CheckpointException as e:  # raised on every rank (DCP gathers the ranks' load plans)
+        reasons = sorted({f"{type(error).__name__}: {error}" for error, _ in e.failures.values()})
+        raise ConfigError(f"trainer.load_ckpt_from: {path} does not hold what this run's models are made of "
+                          f"({'; '.join(reasons)}); resume with the model settings of the run that saved it "
+                          f"(model_name, lora.*), or start afresh in another trainer.save_dir") from None
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.exists():  # absent when resuming on a different number of ranks
         set_rng_state(torch.load(rng_file, weights_only=False))
