@@ -46,6 +46,21 @@ def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
     return metrics
 
 
+def fault_summary(groups: list[list[Trajectory]]) -> str | None:
+    """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
+    None when none did. A fault ends one trajectory with reward 0, never the run, so the log is where its
+    reason shows: a `step` that fails on every action would otherwise train on zeros unexplained.
+
+    Args:
+        groups: trajectories grouped by prompt.
+    """
+    trajectories = [t for group in groups for t in group]
+    faults = [t.fault for t in trajectories if t.fault is not None]
+    if not faults:
+        return None
+    return f"{len(faults)} of {len(trajectories)} trajectories ended by a fault (reward 0), the first: {faults[0]}"
+
+
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) -> None:
     """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection."""
     path = Path(path)

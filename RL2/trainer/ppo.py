@@ -20,7 +20,7 @@ from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
 from RL2.rollout.env import Env
 from RL2.rollout.loop import filter_groups
-from RL2.rollout.metrics import COUNTS, evaluation_metrics, rollout_metrics, save_samples
+from RL2.rollout.metrics import COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
@@ -108,6 +108,8 @@ class PPOTrainer(Trainer):
         with measured(metrics, "rollout"):
             groups, rolled_out = self.collect_groups(step, metrics)
         metrics |= rollout_metrics(rolled_out)
+        if faults := fault_summary(rolled_out):
+            log_rank0(f"step {step}: {faults} ({self.env.path})")
         metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
         if cfg.rollout.save_samples and is_rank0():
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
@@ -233,6 +235,8 @@ class PPOTrainer(Trainer):
         groups = self.rollout.rollout(self.test_data, rollout.test_sampling_params, rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value for key, value in rollout_metrics(groups).items()}
+        if faults := fault_summary(groups):
+            log_rank0(f"test rollout: {faults} ({self.env.path})")
         sources = [str(group[0].extra_info.get("data_source", "default")) for group in groups]
         by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()

@@ -151,6 +151,19 @@ def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
         run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=grpo"))
 
 
+def test_an_environment_that_fails_every_step_says_why_in_the_log(repeat_model, tmp_path):
+    """A failing `step` ends its trajectory with reward 0 and the run goes on: the log must carry the
+    environment's own error, not only the count in rollout/faults."""
+    rows = [{"prompt": f"question {k}", "extra_info": {"fault": "raise"}} for k in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"train": tmp_path / "train.jsonl", "test": ""}
+    result = run_ranks(1, ppo_args(repeat_model, data, tmp_path / "run", f"rollout.env_path={ENVS / 'faulty.py'}",
+                                   "trainer.total_steps=1"))
+    assert read_metrics(tmp_path / "run")[0]["rollout/faults"] == 16.0  # 4 prompts x 4 responses, the run went on
+    assert (f"step 1: 16 of 16 trajectories ended by a fault (reward 0), the first: step raised KeyError: "
+            f"'broken env' ({ENVS / 'faulty.py'})") in result.stdout
+
+
 def test_a_rollout_error_on_one_rank_stops_every_rank_with_its_message(repeat_model, tmp_path):
     """Rank 1's second prompt is too long for rollout.max_total_tokens: rank 0, whose rollout succeeds,
     must not wait for rank 1's results; both stop, naming rank 1's error."""
