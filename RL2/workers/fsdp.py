@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
@@ -116,7 +117,10 @@ class FSDPWorker(Stateful):
         self.optimizer = self._build_optimizer() if train else None
         self.scheduler = self._build_scheduler(total_steps) if train else None
         # float16's narrow range underflows small gradients: scale the loss up, the gradients back down.
-        self.scaler = torch.amp.GradScaler(device.type) if train and self.dtype == torch.float16 else None
+        # Every rank must skip a step whose gradients overflowed anywhere: the sharded scaler all-reduces
+        # the overflow check. torch.amp.GradScaler reduces it only over the mesh of the first gradient,
+        # which under LoRA with tensor parallelism (lora_A is replicated over tp) leaves out the tp ranks.
+        self.scaler = ShardedGradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
         self.host_copies: PinnedHostCopies | None = None  # page-locked buffers of the first offload on CUDA
@@ -303,7 +307,9 @@ class FSDPWorker(Stateful):
         """
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients
+            with warnings.catch_warnings():  # the sharded scaler's overflow flag is a [1] tensor, not a scalar
+                warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.cfg.offload_optimizer and self.device.type == "cuda":

@@ -240,3 +240,13 @@ def test_shared_memory_gather_equals_gloo_all_gather():
     """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
     result = run_ranks(2, ["tests/e2e/scripts/shared_gather.py"])
     assert "shared gather OK" in result.stdout
+
+
+def test_float16_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tiny_model_path):
+    """float16 LoRA under tp=2, an inf in one rank's shard of a column-parallel lora_B: as on one process,
+    the step is skipped and the loss scale halved, on both ranks (a rank that stepped alone would leave
+    the tp-replicated lora_A, the optimizer's step count and the loss scale differing between ranks)."""
+    result = run_ranks(2, ["tests/e2e/scripts/float16_overflow_on_one_rank.py", tiny_model_path])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["first_trained"].endswith("q_proj.lora_A.weight")  # replicated over tp
+    assert report["ranks"] == [{"scale": 2.0**15, "stepped": False, "changed": False}] * 2
