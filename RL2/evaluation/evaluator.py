@@ -94,7 +94,7 @@ class Evaluator:
                                                             "tokenizer_name": cfg.compare.tokenizer_name})
         metrics, records, first_prompts = {}, [], None
         for role, model_cfg in models.items():
-            prompts, groups = self.sample(model_cfg)
+            prompts, groups = self.sample(model_cfg, role)
             if first_prompts is not None and [p["extra_info"] for p in prompts] != first_prompts:
                 raise ConfigError("model.model_name and compare.model_name keep different test rows (their tokenizers "
                                   "tokenize the prompts differently and data.skip_bad_rows drops different rows); "
@@ -111,9 +111,9 @@ class Evaluator:
             print(format_table(metrics, difference), flush=True)
         return result
 
-    def sample(self, model_cfg) -> tuple[list[dict], list[list[Trajectory]]]:
+    def sample(self, model_cfg, role: str = "model") -> tuple[list[dict], list[list[Trajectory]]]:
         """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
-        tokenizer = load_tokenizer(model_cfg)
+        tokenizer = load_tokenizer(model_cfg, role)  # the compared model's section is a copy of model's
         prompts = self.prompts(tokenizer)
         worker = RolloutWorker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, env=self.env,
                                seed=self.cfg.eval.seed)

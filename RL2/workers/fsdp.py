@@ -18,6 +18,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
 from RL2.batch import MicroBatch
+from RL2.config.errors import ConfigError
 from RL2.models import lora
 from RL2.models.attention import ATTN_NAME, sliding_window_of, softcap_of, varlen_backend
 from RL2.models.checkpointing import enable_activation_checkpointing
@@ -54,11 +56,34 @@ from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
-def load_tokenizer(model_cfg):
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_cfg.tokenizer_name or model_cfg.model_name))
+def load_tokenizer(model_cfg, section: str | None = None):
+    """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`).
+
+    Args:
+        model_cfg: the section (actor, critic, model, ...).
+        section: its name in an error; default: its key in the config.
+    """
+    field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
+    name = model_cfg[field]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    except OSError as e:
+        key_in_parent = getattr(model_cfg, "_key", None)
+        section = section or (key_in_parent() if callable(key_in_parent) else None)
+        raise model_not_found(f"{section}.{field}={name}" if section else name, name, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_not_found(what: str, name: str, error: OSError) -> ConfigError:
+    """The error for a model name that loads nothing. transformers reads a folder that is not there as a
+    malformed hub id ('Repo id must be in the form ...'), which sends the user the wrong way."""
+    reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    if not Path(name).expanduser().exists():
+        reason = f"no such folder, nor a model of that name in the local Hugging Face cache ({reason})"
+    return ConfigError(f"{what}: cannot load it: {reason}; give a Hugging Face model folder (e.g. a run's "
+                       f"<save_dir>/final/actor), the name of a model in the local cache, or smollm2-135m-instruct")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -141,7 +166,10 @@ class FSDPWorker(Stateful):
         # memory of a float32 copy. LoRA's adapters are float32, and so is a base that resets change.
         self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
-        config = AutoConfig.from_pretrained(path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except OSError as e:
+            raise model_not_found(self._config_name(), self.model_name, e) from None
         for key, value in config_overrides.items():  # set directly: from_pretrained drops unknown keys
             setattr(config, key, value)
         self._check_layout(config)

@@ -276,3 +276,12 @@ def test_a_save_dir_that_cannot_be_made_fails_before_sampling(test_data, tmp_pat
                                          r"directory: .*\); give a folder this user can write$"):
         main([f"data.test.path={test_data}", "rollout.reward_fn=RL2.rewards:math_reward",
               f"eval.save_dir={blocker}/out"])
+
+
+def test_a_compared_model_that_is_not_there_is_named_as_the_compared_one(tiny_model_path, test_data, tmp_path):
+    """The compared model's section is a copy of model's: its error must still name compare.model_name."""
+    missing = tmp_path / "baseline"
+    with pytest.raises(AssertionError, match=rf"RL2 evaluate: compare\.model_name={missing}: cannot load it: no such "
+                                             r"folder"):
+        run_ranks(1, ["-m", "RL2.evaluate", *eval_args(tiny_model_path, test_data, tmp_path / "out",
+                                                       f"compare.model_name={missing}")])

@@ -234,3 +234,26 @@ def test_a_save_dir_that_cannot_be_made_names_the_key(tmp_path, monkeypatch, one
     with pytest.raises(SystemExit, match=rf"RL2 sft: trainer\.save_dir={blocker}/run: cannot create it "
                                          r"\(Not a directory: .*\); give a folder this user can write"):
         sft.main(["data.train.path=unused.jsonl", f"trainer.save_dir={blocker}/run"])
+
+
+def test_a_model_folder_that_is_not_there_names_the_key(tmp_path, one_process):
+    """transformers reads a missing folder as a malformed hub id ('Repo id must be in the form ...')."""
+    from RL2.trainer import sft
+
+    missing = tmp_path / "ckpts" / "sft" / "final" / "actr"
+    with pytest.raises(SystemExit, match=rf"^RL2 sft: actor\.model_name={missing}: cannot load it: no such folder, "
+                                         r"nor a model of that name in the local Hugging Face cache \(.*\); give a "
+                                         r"Hugging Face model folder"):
+        sft.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}",
+                  f"actor.model_name={missing}"])
+
+
+def test_a_teacher_folder_that_is_not_there_names_it(tiny_model_path, tmp_path, one_process):
+    from RL2.trainer import distill
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "response": "2"}\n')
+    missing = tmp_path / "teacher"
+    with pytest.raises(SystemExit, match=rf"^RL2 distill: the model {missing}: cannot load it: no such folder"):
+        distill.main([f"data.train.path={data}", "data.train.batch_size=1", f"actor.model_name={tiny_model_path}",
+                      f"actor.teacher_name={missing}", "actor.dtype=float32", f"trainer.save_dir={tmp_path / 'run'}"])
