@@ -178,9 +178,7 @@ class FSDPWorker(Stateful):
         if self.device.type == "cpu":  # before loading: a model that cannot fit fails now, not minutes later
             check_model_fits_host(model, self._config_name(), train and self.lora is None, self.param_dtype,
                                   dist.get_world_size() // self.dims.ddp)
-        loaded = model_cls.from_pretrained(path, config=config, **kwargs) if dist.get_rank() == 0 else None
-        if loaded is not None and self.lora is not None:
-            self._add_adapters(loaded)  # rank 0 initialises them; every rank receives them with the weights
+        loaded = self._load_on_rank0(model_cls, path, config, kwargs) if dist.get_rank() == 0 else None
         # Training never reuses a KV cache; the exported config gets the model's own setting back.
         self.exported_use_cache = getattr(model.config, "use_cache", True)
         model.config.use_cache = False
@@ -195,6 +193,21 @@ class FSDPWorker(Stateful):
         if not train:
             model.requires_grad_(False)
         return model
+
+    def _load_on_rank0(self, model_cls, path: str, config, kwargs: dict) -> torch.nn.Module:
+        """The checkpoint in CPU memory, with LoRA's adapters initialised (every rank receives them).
+
+        What is random here (the adapters, weights the checkpoint lacks such as a scalar head) is drawn
+        on a fork of the CPU generator, so that rank 0's random stream stays the one every other rank
+        has. Tensor-parallel ranks share a column-parallel layer's input and must draw the same dropout
+        mask for it (LoRA's dropout): they do so as long as their streams agree (as Megatron-LM keeps
+        them). On CUDA dropout draws from the device's generator, which this does not touch.
+        """
+        with torch.random.fork_rng(devices=[]):
+            loaded = model_cls.from_pretrained(path, config=config, **kwargs)
+            if self.lora is not None:
+                self._add_adapters(loaded)
+        return loaded
 
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
