@@ -17,6 +17,7 @@ extra_info too). Train on it with `rollout.reward_fn=RL2.rewards:math_reward`.
 import argparse
 import json
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -166,8 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--subset", default=None, help="configuration of a cached hub dataset (e.g. main)")
     parser.add_argument("--skip-bad-rows", action="store_true", help="skip rows without a question or answer")
     args = parser.parse_args(argv)
-    rows, skipped = math_rows(load_rows(args.source, args.subset), args.format, args.prompt, args.data_source,
-                              args.skip_bad_rows, source=args.source)
+    try:
+        rows, skipped = math_rows(load_rows(args.source, args.subset), args.format, args.prompt, args.data_source,
+                                  args.skip_bad_rows, source=args.source)
+    except DataError as e:  # it names the file, the row and what to do
+        sys.exit(f"math_rows: {e}")
     write_jsonl(rows, args.out)
     print(f"wrote {len(rows)} rows to {args.out}" + (f" (skipped {skipped} bad rows)" if skipped else ""))
 

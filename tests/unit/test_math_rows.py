@@ -131,3 +131,14 @@ def test_rows_feed_the_ppo_row_tokeniser(tok):
     example = prompt_row_tokenizer(tok)(split_cfg)(row)
     assert example["extra_info"]["answer"] == "72"
     assert example["prompt"].endswith("<|im_start|>assistant\n") and DEFAULT_PROMPT.split("\n")[-1] in example["prompt"]
+
+
+def test_command_line_bad_input_ends_with_the_message(tmp_path):
+    """A row without a final answer, or a source that is not there: the file, row and what to do, as a
+    message and exit status, not a traceback."""
+    source = write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K[0], {"question": "q", "answer": "no final answer"}])
+    with pytest.raises(SystemExit, match=rf"^math_rows: {source} row 1: 'answer' has no '#### N' final answer "
+                                         r"\(gsm8k format\); fix it or pass --skip-bad-rows$"):
+        main([str(source), str(tmp_path / "out.jsonl")])
+    with pytest.raises(SystemExit, match=rf"^math_rows: could not load '{tmp_path}/missing\.jsonl'"):
+        main([str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl")])
