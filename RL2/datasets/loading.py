@@ -44,7 +44,13 @@ def load_table(spec: str) -> datasets.Dataset:
             raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
         table = _read_file(local, fmt, split)
     elif local.is_dir():
-        table = datasets.load_from_disk(str(local))
+        try:
+            table = datasets.load_from_disk(str(local))
+        except FileNotFoundError:  # a folder of data files (no dataset_info.json / state.json)
+            files = sorted(p.name for p in local.iterdir() if p.suffix.lower() in FILE_FORMATS)
+            listed = f" ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''})" if files else ""
+            raise DataError(f"{local}: a folder that datasets' save_to_disk did not write; give a file in it{listed} "
+                            f"or a save_to_disk folder") from None
         if isinstance(table, datasets.DatasetDict):
             table = _pick_split(table, split, str(local))
     else:

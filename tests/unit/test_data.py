@@ -177,6 +177,15 @@ def test_a_file_has_only_the_train_split(tmp_path):
     assert [dict(r) for r in load_table(f"train[:1]@{tmp_path / 'd.jsonl'}")] == [ROWS[0]]
 
 
+def test_a_folder_of_files_is_named_with_the_files_to_pick(tmp_path):
+    """A folder that save_to_disk did not write (data/arith of the examples) holds files to name one by one."""
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path}: a folder that datasets' save_to_disk did not write; give a "
+                                        r"file in it \(test\.jsonl, train\.jsonl\) or a save_to_disk folder$"):
+        load_table(str(tmp_path))
+
+
 def test_sampler_visits_every_example_once_per_epoch():
     sampler = EpochSampler(10, 3, shuffle=True, seed=0)
     assert sampler.steps_per_epoch == 3
