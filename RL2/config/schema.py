@@ -105,6 +105,7 @@ def check_model_sections(cfg) -> None:
         if every < 1:
             raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
                               f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
+        check_optimizer(section, value.optimizer, value.scheduler)
         key = f"{section}.lora"
         if lora.rank < 0:
             raise ConfigError(f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
@@ -114,6 +115,20 @@ def check_model_sections(cfg) -> None:
             raise ConfigError(f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
         if lora.rank and not lora.target_modules:
             raise ConfigError(f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
+
+
+def check_optimizer(section: str, optimizer, scheduler) -> None:
+    """Fail on AdamW settings torch would refuse (or misread) when the optimizer is built, naming the key."""
+    key = f"{section}.optimizer"
+    if optimizer.lr < 0 or optimizer.eps < 0 or optimizer.weight_decay < 0:
+        raise ConfigError(f"{key}.lr={optimizer.lr}, eps={optimizer.eps}, weight_decay={optimizer.weight_decay}; "
+                          f"none of them can be negative")
+    betas = list(optimizer.betas)
+    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+        raise ConfigError(f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
+    if not 0 <= scheduler.warmup_ratio <= 1:
+        raise ConfigError(f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the fraction of the "
+                          f"run's steps spent warming up: set it in [0, 1]")
 
 
 def check_run_sections(cfg) -> None:

@@ -114,6 +114,10 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     (["actor.max_length_per_device=0"], r"actor\.max_length_per_device=0; .*token budget"),
     (["trainer.n_epochs=0"], r"trainer\.n_epochs=0; it must be at least 1"),
     (["trainer.total_steps=-3"], r"trainer\.total_steps=-3; give at least 1 step"),
+    (["actor.optimizer.lr=-1"], r"actor\.optimizer\.lr=-1\.0, eps=1e-08, weight_decay=0\.0; none of them can be negative"),
+    (["actor.optimizer.betas=[0.9]"], r"actor\.optimizer\.betas=\[0\.9\]; AdamW takes two decay rates, each in \[0, 1\)"),
+    (["actor.optimizer.betas=[0.9,1.5]"], r"actor\.optimizer\.betas=\[0\.9, 1\.5\]; AdamW takes two"),
+    (["actor.scheduler.warmup_ratio=2"], r"actor\.scheduler\.warmup_ratio=2\.0; .*set it in \[0, 1\]"),
 ])
 def test_out_of_range_values_name_the_key(argv, message):
     with pytest.raises(ConfigError, match=message):
