@@ -92,7 +92,7 @@ class Trainer:
         path = self.resume_from
         if path is None:
             return 0
-        state = load_checkpoint(path, self.workers())
+        state = load_checkpoint(path, self.workers(), rng_group=self.dims.tp_mesh.get_group())
         if state["step"] > n_steps and not self.cfg.trainer.eval_only:
             raise ConfigError(f"trainer.load_ckpt_from: {path} is step {state['step']}, past this run's {n_steps} "
                               f"steps (another run's checkpoint in trainer.save_dir?); raise trainer.total_steps "

@@ -118,8 +118,15 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, workers: dict) -> dict:
-    """Collective: restore every worker and this rank's RNG. Returns the trainer state."""
+def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | None = None) -> dict:
+    """Collective: restore every worker and this rank's RNG. Returns the trainer state.
+
+    Args:
+        rng_group: ranks that must go on with one random stream, the tensor-parallel group (its ranks
+            share inputs, and so dropout masks): each takes the stream of the group's first rank. Under
+            the layout that saved the checkpoint they held the same one; under another (2 data-parallel
+            ranks resumed as tp=2) they would go on with different streams. None: this rank's own.
+    """
     try:
         dcp.load(dict(workers), checkpoint_id=str(path))
     except CheckpointException as e:  # raised on every rank (DCP gathers the ranks' load plans)
@@ -127,7 +134,8 @@ def load_checkpoint(path: Path, workers: dict) -> dict:
         raise ConfigError(f"trainer.load_ckpt_from: {path} does not hold what this run's models are made of "
                           f"({'; '.join(reasons)}); resume with the model settings of the run that saved it "
                           f"(model_name, lora.*), or start afresh in another trainer.save_dir") from None
-    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    source = dist.get_global_rank(rng_group, 0) if rng_group is not None else dist.get_rank()
+    rng_file = path / f"rng_rank{source}.pt"
     if rng_file.exists():  # absent when resuming on a different number of ranks
         set_rng_state(torch.load(rng_file, weights_only=False))
     return json.loads((path / COMPLETE).read_text())

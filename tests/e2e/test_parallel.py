@@ -268,3 +268,21 @@ def test_lora_dropout_under_tp_equals_one_process(tiny_model_path, tmp_path):
             if name.endswith("lora_A.weight"):  # replicated over tp: every rank holds all of it
                 torch.testing.assert_close(local, one["full"][name], atol=1e-5, rtol=1e-4,
                                            msg=lambda m: f"rank {rank}'s {name}: {m}")
+
+
+def test_lora_dropout_after_a_resume_under_tp_equals_one_process(tiny_model_path, tmp_path):
+    """A checkpoint of 2 data-parallel ranks (whose random streams differ, as their data does) resumed
+    under tp=2: both tp ranks continue the random stream of the group's first rank, so their dropout masks
+    agree and the adapters equal those of one process resumed from the same checkpoint."""
+    script, folder = "tests/e2e/scripts/lora_dropout_steps.py", str(tmp_path / "ckpt")
+    run_ranks(2, [script, tiny_model_path, "-", "1", "save", folder])
+    run_ranks(1, [script, tiny_model_path, str(tmp_path / "one.pt"), "1", "load", folder])
+    run_ranks(2, [script, tiny_model_path, str(tmp_path / "two.pt"), "2", "load", folder])
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for name, value in one["full"].items():
+        torch.testing.assert_close(two["full"][name], value, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    for rank, copies in enumerate(two["copies"]):
+        for name, local in copies.items():
+            if name.endswith("lora_A.weight"):
+                torch.testing.assert_close(local, one["full"][name], atol=1e-5, rtol=1e-4,
+                                           msg=lambda m: f"rank {rank}'s {name}: {m}")

@@ -1,14 +1,18 @@
 """Two optimizer steps of a LoRA model with adapter dropout on column-parallel layers; saves every rank's
 copy of each adapter.
 
-    torchrun --nproc_per_node=N tests/e2e/scripts/lora_dropout_steps.py MODEL OUT.pt TP
+    torchrun --nproc_per_node=N tests/e2e/scripts/lora_dropout_steps.py MODEL OUT.pt TP [save|load CKPT]
 
 Under tensor parallelism a column-parallel layer's input, and so the dropout mask of its adapter, is
 the same on every tp rank; lora_A is replicated over them. Rank 0 saves `{rank: {name: local tensor}}`
 for every rank and the full adapters: run on one process and under tp=2 they must agree.
+
+`save CKPT`: one step, then a checkpoint (step1 in CKPT) instead of the two steps; `load CKPT`: resume
+from it, then the two steps.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,10 +23,11 @@ from RL2.config.schema import ModelConfig
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device, shard_of
+from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
 from RL2.workers.fsdp import FSDPWorker
 
 
-def main(model_path: str, out: str, tp: int) -> None:
+def main(model_path: str, out: str, tp: int, mode: str | None = None, folder: str | None = None) -> None:
     device = pick_device("cpu")
     init_distributed(device)
     torch.manual_seed(0)
@@ -34,10 +39,16 @@ def main(model_path: str, out: str, tp: int) -> None:
     generator = torch.Generator().manual_seed(0)
     batch = SequenceBatch.from_examples([{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(),
                                           "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (20, 33, 9)])
-    for _ in range(2):
+    if mode == "load":
+        load_checkpoint(Path(folder) / "step1", {"actor": worker}, rng_group=dims.tp_mesh.get_group())
+    for _ in range(1 if mode == "save" else 2):
         for mb in pack(batch, dims.dp_rank, dims.dp, 4096, train_weights(batch, "token"), seq_parallel=dims.seq_parallel):
             worker.backward(-(packed_logps(worker.model, mb.to(device)) * mb.loss_weights).sum())
         worker.optimizer_step()
+    if mode == "save":
+        save_checkpoint(folder, 1, {"actor": worker}, {})
+        close_process_groups()
+        return
     local = {name: shard_of(p).detach().clone() for name, p in worker.model.named_parameters() if p.requires_grad}
     copies = [None] * dist.get_world_size()
     dist.all_gather_object(copies, local)
@@ -48,4 +59,4 @@ def main(model_path: str, out: str, tp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:6])
