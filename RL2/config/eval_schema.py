@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from RL2.config.errors import ConfigError
-from RL2.config.ppo_schema import RolloutConfig, TestSamplingConfig
+from RL2.config.ppo_schema import RolloutConfig, TestSamplingConfig, check_rollout
 from RL2.config.schema import opt
 
 # RolloutConfig keys that mean nothing in an evaluation: training's sampling and shaping, and the
@@ -87,6 +87,7 @@ def check_eval_config(cfg) -> None:
     n = cfg.rollout.responses_per_prompt
     if n < 1:
         raise ConfigError(f"rollout.responses_per_prompt is {n}; it must be at least 1")
+    check_rollout(cfg.rollout, ("sampling_params",))
     bad = [k for k in cfg.eval.k if not 1 <= k <= n]
     if bad:
         raise ConfigError(f"eval.k has {bad}: pass@k needs 1 <= k <= rollout.responses_per_prompt={n}; "

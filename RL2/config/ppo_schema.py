@@ -159,11 +159,32 @@ def check_ppo_config(cfg) -> None:
                           f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
     if rollout.max_sampling_rounds < 1:
         raise ConfigError("rollout.max_sampling_rounds must be at least 1")
+    check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     if cfg.adv.estimator in ("reinforce", "rloo") and cfg.rollout.responses_per_prompt < 2:
         raise ConfigError(
             f"adv.estimator={cfg.adv.estimator} compares responses to the same prompt; "
             f"set rollout.responses_per_prompt >= 2"
         )
+
+
+def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
+    """Fail at start, naming the key, on a turn limit or sampling settings that the engines refuse mid-run
+    (a negative temperature, top_p outside (0, 1]) or that sample nothing (max_new_tokens < 1).
+
+    Args:
+        rollout: the `rollout` section.
+        sampling_keys: its sampling sections (the trainer's train and test ones, the evaluator's one).
+    """
+    if rollout.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
+    for name in sampling_keys:
+        params, key = rollout[name], f"rollout.{name}"
+        if params.max_new_tokens < 1:
+            raise ConfigError(f"{key}.max_new_tokens={params.max_new_tokens}; an action needs at least 1 new token")
+        if params.temperature < 0:
+            raise ConfigError(f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
+        if not 0 < params.top_p <= 1:
+            raise ConfigError(f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
 
 
 def check_algorithm(adv, kl) -> None:

@@ -256,6 +256,7 @@ def test_help_lists_the_keys(capsys):
     (["rollout.responses_per_prompt=2"], "data.test.path is not set"),
     (["data.test.path=x.jsonl", "rollout.responses_per_prompt=2", "eval.k=[1,4]"], r"eval.k has \[4\]"),
     (["data.test.path=does/not/exist.jsonl", "rollout.reward_fn=RL2.rewards:math_reward"], "does/not/exist.jsonl"),
+    (["data.test.path=x.jsonl", "rollout.sampling_params.top_p=1.5"], r"rollout\.sampling_params\.top_p=1\.5; .*\(0, 1\]"),
 ])
 def test_bad_config_fails_at_start_naming_the_key(args, words):
     with pytest.raises(SystemExit) as exit_info:

@@ -66,6 +66,11 @@ def ppo_config(argv):
     (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
     (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
     (["adv.estimator=gae", "critic.update_per_rollout=0"], "critic.update_per_rollout must be at least 1"),
+    (["rollout.max_turns=0"], r"rollout\.max_turns=0; a trajectory takes at least 1 action"),
+    (["rollout.train_sampling_params.max_new_tokens=0"],
+     r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
+    (["rollout.train_sampling_params.temperature=-1"], r"rollout\.train_sampling_params\.temperature=-1\.0; give 0"),
+    (["rollout.test_sampling_params.top_p=0"], r"rollout\.test_sampling_params\.top_p=0\.0; .*set it in \(0, 1\]"),
 ])
 def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):
