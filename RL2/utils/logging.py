@@ -87,13 +87,13 @@ class MetricsSink:
         self.path = Path(save_dir) / "metrics.jsonl"
         self.wandb = None
         self.tensorboard = None
-        if not self.enabled:
-            return
-        try:
+        try:  # on every rank (they all write checkpoints there), so that all of them stop
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a read-only place, or a file where a folder of the path should be
             raise ConfigError(f"trainer.save_dir={save_dir}: cannot create it ({e.strerror}: {e.filename}); give a "
                               f"folder this user can write") from None
+        if not self.enabled:
+            return
         if use_wandb and os.environ.get("WANDB_MODE") != "disabled":
             self.wandb = _init_wandb(project, name, save_dir, config)
         if use_tensorboard:
