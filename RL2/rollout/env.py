@@ -92,9 +92,15 @@ def load_env(path: str) -> Env:
             f"{file} defines no `step`; add `async def step(state: str, action: str, extra_info: dict) -> dict`"
         )
     reset = getattr(module, "reset", None)
-    for name, fn in (("step", step), ("reset", reset)):
-        if fn is not None and not inspect.iscoroutinefunction(fn):
+    for name, fn, params in (("step", step, "state, action, extra_info"), ("reset", reset, "extra_info")):
+        if fn is None:
+            continue
+        if not inspect.iscoroutinefunction(fn):
             raise EnvError(f"{file}: `{name}` must be async (`async def {name}`) so that trajectories run concurrently")
+        try:  # now, rather than a fault on every action of the run
+            inspect.signature(fn).bind(*params.split(", "))
+        except TypeError as e:
+            raise EnvError(f"{file}: `{name}` must accept ({params}): {e}") from None
     return Env(path=str(file), step_fn=step, reset_fn=reset)
 
 

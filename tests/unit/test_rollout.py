@@ -187,6 +187,13 @@ def test_load_env_errors(tmp_path):
     (tmp_path / "sync_step.py").write_text("def step(state, action, extra_info):\n    return {}\n")
     with pytest.raises(EnvError, match="must be async"):
         load_env(tmp_path / "sync_step.py")
+    (tmp_path / "two_args.py").write_text("async def step(state, action):\n    return {}\n")
+    with pytest.raises(EnvError, match=r"two_args\.py: `step` must accept \(state, action, extra_info\): "
+                                       r"too many positional arguments"):
+        load_env(tmp_path / "two_args.py")
+    (tmp_path / "no_reset_arg.py").write_text("async def step(s, a, info):\n    return {}\nasync def reset():\n    return ''\n")
+    with pytest.raises(EnvError, match=r"no_reset_arg\.py: `reset` must accept \(extra_info\)"):
+        load_env(tmp_path / "no_reset_arg.py")
     with pytest.raises(EnvError, match="defines no `reset`"):
         asyncio.run(load_env(ENVS / "echo.py").reset({}))
 
