@@ -7,6 +7,22 @@ multi-turn game continues one sequence. Needs GEM: pip install 'RL2[gem]'.
 
 import asyncio
 import os
+import threading
+
+# GEM draws its problems (and some games their moves, e.g. 2048's new tiles) from the global `random` and
+# `numpy.random`, seeded by `reset(seed)`. Trajectories run GEM calls in threads at once: another thread's
+# seeding or draws in the middle of a reset would change the problem its seed picks. One call at a time.
+GEM_LOCK = threading.Lock()
+
+
+async def call(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` in a thread (GEM is synchronous), while no other GEM call runs."""
+
+    def locked():
+        with GEM_LOCK:
+            return fn(*args, **kwargs)
+
+    return await asyncio.to_thread(locked)
 
 
 def make(env_id: str, seed: int):
@@ -34,15 +50,15 @@ async def reset(extra_info: dict) -> list[dict]:
     if not env_id or "seed" not in extra_info:
         raise ValueError("envs/gem.py needs extra_info['seed'] and an env id (extra_info['env_id'] or RL2_GEM_ENV)")
     # GEM is synchronous: threads keep its work off the event loop that runs the other trajectories.
-    env = await asyncio.to_thread(make, env_id, extra_info["seed"])
-    observation, info = await asyncio.to_thread(env.reset, seed=extra_info["seed"])
+    env = await call(make, env_id, extra_info["seed"])
+    observation, info = await call(env.reset, seed=extra_info["seed"])
     # Every trajectory has its own copy of extra_info: it holds this trajectory's env and conversation.
     extra_info["gem_env"], extra_info["messages"] = env, [user_message(observation, info)]
     return extra_info["messages"]
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:
-    observation, reward, terminated, truncated, info = await asyncio.to_thread(extra_info["gem_env"].step, action)
+    observation, reward, terminated, truncated, info = await call(extra_info["gem_env"].step, action)
     turn = [{"role": "assistant", "content": action}, user_message(observation, info)]
     extra_info["messages"] = extra_info["messages"] + turn  # a new list: earlier states stay as they were
     reward, done = float(reward), bool(terminated or truncated)

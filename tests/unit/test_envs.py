@@ -128,6 +128,24 @@ def test_gem_sudoku_keeps_the_conversation():
     assert invalid.done and "did not provide a valid guess" in invalid.next_state[-1]["content"]
 
 
+def test_gem_trajectories_reset_at_once_get_the_problem_of_their_seed():
+    gem = pytest.importorskip("gem", reason="GEM is not installed (pip install 'RL2[gem]')")
+    env = load_env(ENVS / "gem.py")
+    env_id, seeds = "game:Sokoban-v0-easy", [1, 2, 1, 2, 1, 2, 1, 2]
+
+    async def resets():  # as a rollout batch runs them: all at once, in threads
+        states = await asyncio.gather(*(env.reset({"env_id": env_id, "seed": seed}) for seed in seeds))
+        return [state[0]["content"] for state in states]
+
+    def alone(seed: int) -> str:  # GEM's own API, one env at a time
+        observation, info = gem.make(env_id, seed=seed).reset(seed=seed)
+        return observation + info.get("suffix", "")
+
+    expected = {seed: alone(seed) for seed in set(seeds)}
+    assert expected[1] != expected[2]
+    assert asyncio.run(resets()) == [expected[seed] for seed in seeds]
+
+
 def test_gem_missing_download_and_env_id_are_explained(monkeypatch):
     pytest.importorskip("gem", reason="GEM is not installed (pip install 'RL2[gem]')")
     env = load_env(ENVS / "gem.py")
