@@ -69,6 +69,9 @@ class Env:
         state = await self.reset_fn(extra_info)
         if not _is_state(state):
             raise EnvError(f"{self.path}: reset returned {type(state).__name__}, not a str or a list of messages")
+        if not state:  # the engine cannot sample after no tokens
+            raise EnvError(f"{self.path}: reset returned an empty state for extra_info={extra_info!r:.200}; "
+                           f"return the first prompt the policy answers")
         return state
 
 
@@ -123,6 +126,9 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
     next_state = result.get("next_state")
     if not result["done"] and not _is_state(next_state):
         raise EnvFault(f"step result next_state={next_state!r:.80} is not a str or a list of messages (done is False)")
+    if not result["done"] and not next_state:  # it does not extend state + action: a new sequence of no tokens
+        raise EnvFault("step result next_state is empty (done is False); to go on without an observation "
+                       "return state + action, else done=True")
     new_info = result.get("extra_info", extra_info)
     if not isinstance(new_info, dict):
         raise EnvFault(f"step result extra_info is {type(new_info).__name__}, not a dict")

@@ -15,4 +15,6 @@ async def step(state: str, action: str, extra_info: dict) -> dict:
         return {"reward": "high", "done": True}
     if extra_info["fault"] == "unrenderable":  # messages the chat template cannot render (content not text)
         return {"next_state": [{"role": "user", "content": 5}], "reward": 1.0, "done": False}
+    if extra_info["fault"] == "empty":  # a new sequence of no tokens: nothing to sample after
+        return {"next_state": "", "reward": 1.0, "done": False}
     return {"next_state": state + action, "reward": 1.0, "done": True}

@@ -159,6 +159,7 @@ def test_max_turns_and_token_budget_stop(engine, model, tok, prompt):
         ("sleep", "timed out after 0.05 s"),
         ("malformed", "reward='high'"),
         ("unrenderable", "the chat template raised TypeError"),
+        ("empty", "next_state is empty (done is False)"),
     ],
 )
 def test_env_faults_end_one_trajectory_with_reward_0(engine, tok, prompt, fault, message):
@@ -196,6 +197,9 @@ def test_load_env_errors(tmp_path):
         load_env(tmp_path / "no_reset_arg.py")
     with pytest.raises(EnvError, match="defines no `reset`"):
         asyncio.run(load_env(ENVS / "echo.py").reset({}))
+    (tmp_path / "empty_reset.py").write_text("async def step(s, a, info):\n    return {}\nasync def reset(info):\n    return ''\n")
+    with pytest.raises(EnvError, match=r"empty_reset\.py: reset returned an empty state for extra_info=\{'id': 3\}"):
+        asyncio.run(load_env(tmp_path / "empty_reset.py").reset({"id": 3}))
 
 
 # ---- batches, filtering, metrics, samples ----
