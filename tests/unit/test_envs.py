@@ -82,6 +82,21 @@ def test_calculator_tool_turns_merge_then_answer():
     assert step("calculator", "I give up.", {"answer": 15})["done"]
 
 
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1234 * 5678", "7006652"),  # every digit, not 7.00665e+06
+        ("99999999 * 99999999", "9999999800000001"),
+        ("7 / 2", "3.5"),
+        ("10 / 4 * 2", "5"),
+        ("1 / 3", "0.333333333333333"),
+    ],
+)
+def test_calculator_results_keep_their_digits(expression, value):
+    result = step("calculator", f"<calculate>{expression}</calculate>", {"answer": "0"}, state="Q:")
+    assert result["next_state"].endswith(f"\n<result>{value}</result>\n")
+
+
 def test_math_verify():
     pytest.importorskip("math_verify", reason="math-verify is not installed (pip install math-verify)")
     assert step("math_verify", "So the answer is $\\boxed{\\frac{1}{2}}$.", {"answer": "0.5"})["reward"] == 1.0
