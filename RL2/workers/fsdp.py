@@ -209,11 +209,15 @@ class FSDPWorker(Stateful):
                 self._add_adapters(loaded)
         return loaded
 
-    def _config_name(self) -> str:
-        """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
+    def _config_key(self, name: str) -> str:
+        """A key of this model's config section as the user writes it: `actor.<name>`, `critic.<name>`."""
         key_in_parent = getattr(self.cfg, "_key", None)  # an OmegaConf node's name in its parent config
         section = key_in_parent() if callable(key_in_parent) else None
-        key = f"{section}.model_name" if section else "model_name"
+        return f"{section}.{name}" if section else name
+
+    def _config_name(self) -> str:
+        """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
+        key = self._config_key("model_name")
         return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
 
     def _check_layout(self, config) -> None:
@@ -461,7 +465,12 @@ class FSDPWorker(Stateful):
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=not self.only_adapters_change))
+        configured = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler.base_lrs != configured:  # as in HF's Trainer, the run goes on as it was saved
+            log_rank0(f"resuming with the checkpoint's learning rates {self.scheduler.base_lrs}, not "
+                      f"{configured} from {self._config_key('optimizer.lr')} "
+                      f"(the checkpoint's optimizer and schedule go on as saved; start a new run to change them)")
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
 

@@ -168,3 +168,17 @@ def test_a_critic_keeps_the_trained_head_of_the_checkpoint_it_starts_from(tiny_m
     assert direct.abs().min() > 0
     torch.testing.assert_close(critic_values(tmp_path / "critic"), direct, atol=1e-5, rtol=1e-4)
     assert torch.count_nonzero(critic_values(tiny_model_path)) == 0  # a causal LM's new head starts at zero
+
+
+def test_a_resume_with_another_learning_rate_says_the_checkpoints_rate_goes_on(tiny_model_path, one_rank, capsys):
+    saved = worker(tiny_model_path, optimizer={"lr": 1e-3})
+    backward_nll(saved)
+    saved.optimizer_step()
+    state = saved.state_dict()
+    resumed = worker(tiny_model_path, optimizer={"lr": 1e-5})
+    resumed.load_state_dict(state)
+    assert resumed.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+    assert ("resuming with the checkpoint's learning rates [0.001], not [1e-05] from optimizer.lr"
+            in capsys.readouterr().out)
+    worker(tiny_model_path, optimizer={"lr": 1e-3}).load_state_dict(state)
+    assert "resuming with" not in capsys.readouterr().out
