@@ -76,12 +76,28 @@ class LoRALinear(nn.Module):
             linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, weight.device_mesh, [split],
                                                            src_data_rank=None))
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the adapter's input, as one process would draw it.
+
+        Tensor-parallel ranks draw from the same random stream (`FSDPWorker` keeps them so). Column-wise
+        they hold the same whole input and draw the same mask for it, as they must. Row-wise each holds a
+        slice of the input features: the mask of the whole input is drawn, the same on every rank, and
+        each keeps its slice of it, so the slices are not dropped alike and every feature is dropped
+        independently, as on one process.
+        """
+        if not isinstance(self.input_placement, Shard) or not isinstance(self.lora_dropout, nn.Dropout):
+            return self.lora_dropout(x)
+        mesh, width, p = self.lora_A.weight.device_mesh, x.shape[-1], self.lora_dropout.p  # mesh: the tp mesh
+        keep = torch.empty(*x.shape[:-1], width * mesh.size(), dtype=x.dtype, device=x.device)
+        keep = keep.bernoulli_(1 - p).div_(1 - p)  # as torch's dropout draws and scales its mask
+        return x * keep.narrow(-1, mesh.get_local_rank() * width, width)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         if not self.enabled:
             return out
         if torch.is_grad_enabled():  # only passes that train: log-probs for the loss's ratios stay exact
-            x = self.lora_dropout(x)
+            x = self._dropout(x)
         if self.input_placement is None:
             return out + self.lora_B(self.lora_A(x)) * self.scaling
         a, b = self.lora_A.weight, self.lora_B.weight

@@ -33,8 +33,8 @@ def main(model_path: str, out: str, tp: int, mode: str | None = None, folder: st
     torch.manual_seed(0)
     dims = ParallelDims(dist.get_world_size(), tp=tp, device_type=device.type)
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "model_name": model_path, "dtype": "float32", "tp_size": tp, "optimizer": {"lr": 1e-2},
-        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5, "target_modules": ["q_proj", "v_proj"]}})
+        "model_name": model_path, "dtype": "float32", "tp_size": tp, "optimizer": {"lr": 1e-3},
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5, "target_modules": ["q_proj", "v_proj", "o_proj"]}})
     worker = FSDPWorker(cfg, dims, device, total_steps=10)
     generator = torch.Generator().manual_seed(0)
     batch = SequenceBatch.from_examples([{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(),
