@@ -53,11 +53,25 @@ async def reset(extra_info: dict) -> list[dict]:
     env = await call(make, env_id, extra_info["seed"])
     observation, info = await call(env.reset, seed=extra_info["seed"])
     # Every trajectory has its own copy of extra_info: it holds this trajectory's env and conversation.
-    extra_info["gem_env"], extra_info["messages"] = env, [user_message(observation, info)]
+    extra_info["env_id"], extra_info["gem_env"], extra_info["messages"] = env_id, env, [user_message(observation, info)]
     return extra_info["messages"]
 
 
+def replay(extra_info: dict):
+    """The env of a trajectory restored from a checkpoint, which keeps the conversation but not the env
+    (`Trajectory.to_dict`): made, reset and stepped through the actions again (the same game where
+    GEM's steps draw no random numbers)."""
+    env = make(extra_info["env_id"], extra_info["seed"])
+    env.reset(seed=extra_info["seed"])
+    for message in extra_info["messages"]:
+        if message["role"] == "assistant":
+            env.step(message["content"])
+    return env
+
+
 async def step(state: str, action: str, extra_info: dict) -> dict:
+    if extra_info.get("gem_env") is None:
+        extra_info["gem_env"] = await call(replay, extra_info)
     observation, reward, terminated, truncated, info = await call(extra_info["gem_env"].step, action)
     turn = [{"role": "assistant", "content": action}, user_message(observation, info)]
     extra_info["messages"] = extra_info["messages"] + turn  # a new list: earlier states stay as they were

@@ -9,7 +9,8 @@ trainer would then compute log-probabilities, ratios and KL for tokens the polic
 environment's text is tokenised here, and it is masked out of the loss.
 """
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import dataclass, field, is_dataclass
 
 import torch
 
@@ -80,8 +81,13 @@ class Trajectory:
     env_info: dict | None = None
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout)."""
-        return asdict(self)
+        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).
+
+        A value of the environment's `extra_info` that JSON cannot hold (a live object, such as the game
+        of envs/gem.py) becomes None: an environment that keeps one rebuilds it when it finds None.
+        """
+        # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
+        return json.loads(json.dumps(self, default=lambda value: vars(value) if is_dataclass(value) else None))
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trajectory":

@@ -1,6 +1,7 @@
 """The environment scripts in envs/ on hand-written actions (and GEM on the tiny engine)."""
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from RL2.rollout.env import load_env
 from RL2.rollout.loop import run_trajectory
+from RL2.rollout.trajectory import Trajectory
 from tests.helpers import REPO
 
 ENVS = REPO / "envs"  # the environments RL2 ships
@@ -159,6 +161,32 @@ def test_gem_trajectories_reset_at_once_get_the_problem_of_their_seed():
     expected = {seed: alone(seed) for seed in set(seeds)}
     assert expected[1] != expected[2]
     assert asyncio.run(resets()) == [expected[seed] for seed in seeds]
+
+
+def test_gem_game_carried_through_a_checkpoint_goes_on_where_it_was():
+    gem = pytest.importorskip("gem", reason="GEM is not installed (pip install 'RL2[gem]')")
+    env = load_env(ENVS / "gem.py")
+    env_id, moves = "game:Sudoku-v0-easy", ["\\boxed{1 2 1}", "\\boxed{1 4 3}", "\\boxed{1 1 4}"]
+
+    async def first_move():
+        extra_info = {"env_id": env_id, "seed": 3}
+        await env.reset(extra_info)
+        await env.step("state", moves[0], extra_info)
+        return extra_info
+
+    # A partial rollout's checkpoint keeps the unfinished trajectory as JSON (trainer_state.json).
+    extra_info = asyncio.run(first_move())
+    saved = json.dumps(Trajectory(extra_info=extra_info, env_info=extra_info).to_dict())
+    restored = Trajectory.from_dict(json.loads(saved)).env_info
+    second, third = asyncio.run(env.step("state", moves[1], restored)), asyncio.run(env.step("state", moves[2], restored))
+
+    game = gem.make(env_id, seed=3)  # GEM's own API, one game played through
+    game.reset(seed=3)
+    expected = [game.step(move) for move in moves][1:]
+    assert "R1  4  1 |  2  3" in expected[-1][4]["suffix"]  # every move placed a number
+    for result, (observation, reward, terminated, truncated, info) in zip([second, third], expected):
+        assert result.next_state[-1]["content"] == observation + info.get("suffix", "")
+        assert (result.reward, result.done) == (float(reward), terminated or truncated)
 
 
 def test_gem_missing_download_and_env_id_are_explained(monkeypatch):
