@@ -170,10 +170,11 @@ class ParallelDims:
     def __post_init__(self):
         for name in ("tp", "cp", "ddp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} degree must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}_size={getattr(self, name)}: a parallel degree is at least 1; set "
+                                  f"actor.{name}_size (critic.{name}_size likewise) to 1 or more")
         model_parallel = self.tp * self.cp * self.ddp
         if self.world_size % model_parallel:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot lay out {self.world_size} ranks as ddp x fsdp x cp x tp: ddp_size={self.ddp} x "
                 f"cp_size={self.cp} x tp_size={self.tp} = {model_parallel} does not divide the world size "
                 f"(fsdp, the sharded data-parallel degree, takes the rest: world size = ddp * fsdp * cp * tp). "

@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from RL2.config.errors import ConfigError
+
 # style name -> a fresh ParallelStyle.
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
@@ -63,7 +65,7 @@ TP_PLANS = {
 def check_tp_degree(config, tp: int) -> None:
     """Fail early, naming the key, when the model cannot be split `tp` ways."""
     if config.model_type not in TP_PLANS:
-        raise ValueError(
+        raise ConfigError(
             f"tp_size={tp}: no tensor-parallel plan for model type '{config.model_type}' (known: "
             f"{', '.join(sorted(TP_PLANS))}); add one to TP_PLANS in RL2/models/tensor_parallel.py or set tp_size=1"
         )
@@ -72,7 +74,7 @@ def check_tp_degree(config, tp: int) -> None:
              "intermediate_size": config.intermediate_size}
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
-        raise ValueError(f"tp_size={tp} must divide the model's {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+        raise ConfigError(f"tp_size={tp} must divide the model's {', '.join(f'{k}={v}' for k, v in bad.items())}; "
                          f"choose a tp_size that divides them")
 
 

@@ -224,7 +224,7 @@ class FSDPWorker(Stateful):
         degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}
         differ = {k: getattr(self.cfg, k) for k, v in degrees.items() if getattr(self.cfg, k) != v}
         if differ:
-            raise ValueError(
+            raise ConfigError(
                 f"every model of a run shares one parallel layout ({self.dims.describe()}), but this model's config "
                 f"sets {', '.join(f'{k}={v}' for k, v in differ.items())}; set the same tp_size, cp_size and ddp_size "
                 f"in every model section (e.g. actor.* and critic.*)"
@@ -232,7 +232,7 @@ class FSDPWorker(Stateful):
         if self.dims.tp > 1:
             check_tp_degree(config, self.dims.tp)
         if self.dims.cp > 1 and softcap_of(config):
-            raise ValueError(
+            raise ConfigError(
                 f"{self._config_name()} caps its attention scores (attn_logit_softcapping={softcap_of(config)}), "
                 f"which RL2's context-parallel attention does not apply; set cp_size=1 in every model section"
             )

@@ -11,6 +11,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.unit.test_config import one_process, refuse_models  # noqa: F401  (one_process: a fixture)
+
 SCRIPT = "tests/e2e/scripts/parallel_equivalence.py"
 
 
@@ -110,3 +112,18 @@ def test_cuda_asked_for_without_cuda_names_the_key_that_asked(monkeypatch, tmp_p
                                          r"eval\.device=auto or cpu$"):
         main([f"data.test.path={tmp_path / 'test.jsonl'}", f"rollout.env_path={REPO / 'envs' / 'arithmetic.py'}",
               "eval.device=cuda"])
+
+
+@pytest.mark.parametrize("degree, message", [
+    ("actor.tp_size=0", r"^RL2 sft: tp_size=0: a parallel degree is at least 1; set actor\.tp_size .* to 1 or more$"),
+    ("actor.cp_size=2", r"^RL2 sft: cannot lay out 1 ranks as ddp x fsdp x cp x tp: ddp_size=1 x cp_size=2 x "
+                        r"tp_size=1 = 2 does not divide the world size .* Set actor\.ddp_size, actor\.cp_size"),
+])
+def test_a_layout_that_does_not_fit_ends_the_run_with_a_message(degree, message, tmp_path, monkeypatch, one_process):
+    """Like every config error, a parallel layout that cannot be built ends the run with one line naming the
+    keys, not with a traceback on every rank."""
+    from RL2.trainer import sft
+
+    refuse_models(monkeypatch)
+    with pytest.raises(SystemExit, match=message):
+        sft.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", degree])
