@@ -60,6 +60,17 @@ class TokenSequence:
         return ids
 
 
+def _jsonable(value):
+    """What JSON writes for a value it cannot hold itself (`Trajectory.to_dict`)."""
+    if is_dataclass(value):
+        return vars(value)
+    if hasattr(value, "tolist"):  # numpy arrays and scalars (a Parquet row's numbers), tensors
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return None
+
+
 @dataclass
 class Trajectory:
     """Everything one prompt's rollout produced: one or more token sequences.
@@ -83,11 +94,12 @@ class Trajectory:
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).
 
-        A value of the environment's `extra_info` that JSON cannot hold (a live object, such as the game
-        of envs/gem.py) becomes None: an environment that keeps one rebuilds it when it finds None.
+        numpy and torch values become lists and numbers, sets lists. Any other value of the environment's
+        `extra_info` that JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None:
+        an environment that keeps one rebuilds it when it finds None.
         """
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
-        return json.loads(json.dumps(self, default=lambda value: vars(value) if is_dataclass(value) else None))
+        return json.loads(json.dumps(self, default=_jsonable))
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trajectory":

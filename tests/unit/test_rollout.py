@@ -504,3 +504,14 @@ def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, pro
             asyncio.run(rollout_batch(refusing, env, tok, [{"prompt": prompt}], 1, params))
     finally:
         refusing.shutdown()
+
+
+def test_a_checkpointed_trajectory_keeps_numpy_and_torch_values_of_its_row():
+    """A Parquet row's numbers arrive as numpy values: a partial rollout's checkpoint (JSON) keeps them."""
+    import numpy as np
+
+    extra_info = {"answer": np.int64(5), "ids": np.array([1, 2]), "tags": {"b", "a"}, "score": torch.tensor(2.5),
+                  "live": object()}
+    saved = json.loads(json.dumps(Trajectory(extra_info=extra_info).to_dict()))
+    assert Trajectory.from_dict(saved).extra_info == {"answer": 5, "ids": [1, 2], "tags": ["a", "b"], "score": 2.5,
+                                                      "live": None}
