@@ -207,6 +207,9 @@ def main() -> None:
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--trl-mode", default="checkpointing", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: give at least 2; the tables are medians of the steps after the first, "
+                     "which also starts up")
     run_with_isa(args.isa)  # before RL2 is imported: TRL gets the caller's huge-page setting
     if args.trl_worker:
         return trl_worker(args)
