@@ -1,4 +1,5 @@
-"""Generation throughput of SGLang on CPU for the embedded model, through RL2's HTTP client.
+"""Generation throughput of SGLang on CPU for the embedded model, through RL2's HTTP client, against RL2's
+embedded engine on the same workload in the same run.
 
     RL2_SGLANG_PYTHON=~/.cache/rl2/sglang-venv/bin/python python benchmarks/bench_sglang_cpu.py [--repeats 3]
 
@@ -6,8 +7,10 @@ The same workload as benchmarks/bench_engine.py: SmolLM2-135M-Instruct, 32 chat-
 sent concurrently, exactly 64 new tokens each (ignore_eos) at temperature 1, with log-probabilities,
 as RL rollouts ask for them. The server runs from the SGLang environment (RL2_SGLANG_PYTHON) on CPU,
 with tests/sglang_stub on its path (SGLang's CPU path imports one vLLM op it never calls), and its
-own thread count (`--threads`, default: every core). Also timed: one weight
-update from disk (the trainer's disk weight sync: writing the folder and the server loading it).
+own thread count (`--threads`, default: every core). The baseline, once the server has stopped: the
+embedded engine in this process, in float32 on as many threads, the same requests (the median of as
+many repeats). Also timed: one weight update from disk (the trainer's disk weight sync: writing the
+folder and the server loading it).
 """
 
 import argparse
@@ -19,13 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from RL2.engine.sglang.engine import control_request
-from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer
-from RL2.engine.sglang.weight_transfer import buckets, write_hf_folder
-from RL2.models.default_model import resolve_model_path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import engine_generate  # noqa: E402
+from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
+from RL2.engine.sglang.engine import control_request  # noqa: E402
+from RL2.engine.sglang.http_client import HTTPEngineClient  # noqa: E402
+from RL2.engine.sglang.server import SGLangServer  # noqa: E402
+from RL2.engine.sglang.weight_transfer import buckets, write_hf_folder  # noqa: E402
+from RL2.models.default_model import resolve_model_path  # noqa: E402
 
 STUB = Path(__file__).resolve().parent.parent / "tests" / "sglang_stub"
 
@@ -48,6 +55,22 @@ def generate(client: HTTPEngineClient, prompts: list[list[int]], new_tokens: int
     results = asyncio.run(main())
     assert all(len(r["meta_info"]["output_token_logprobs"]) == new_tokens for r in results)
     return sum(r["meta_info"]["completion_tokens"] for r in results)
+
+
+def embedded_rates(model_path: str, tokenizer, prompts: list[list[int]], new_tokens: int, repeats: int) -> list[float]:
+    """Tokens/s of the embedded engine on the same requests, float32, after the same warm-up."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    engine = EmbeddedEngine(model, tokenizer, max_running_requests=max(64, len(prompts)))
+    try:
+        engine_generate(engine, prompts[:2], 4)  # warm-up
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = engine_generate(engine, prompts, new_tokens)
+            rates.append(tokens / (time.perf_counter() - start))
+    finally:
+        engine.shutdown()
+    return rates
 
 
 def main() -> None:
@@ -85,10 +108,15 @@ def main() -> None:
             sync_s = time.perf_counter() - start
     finally:
         server.shutdown()
+    torch.set_num_threads(args.threads)
+    baseline = embedded_rates(model_path, tokenizer, prompts, args.new_tokens, args.repeats)
     print(f"| engine | requests x new tokens | tokens/s (median of {args.repeats}) | all runs |")
     print("|---|---|---|---|")
-    print(f"| SGLang {args.threads} threads, float32, CPU | {args.requests} x {args.new_tokens} | "
-          f"{statistics.median(rates):.0f} | {', '.join(f'{r:.0f}' for r in rates)} |")
+    for name, runs in ((f"SGLang {args.threads} threads, float32, CPU", rates),
+                       (f"embedded engine {args.threads} threads, float32", baseline)):
+        print(f"| {name} | {args.requests} x {args.new_tokens} | {statistics.median(runs):.0f} | "
+              f"{', '.join(f'{r:.0f}' for r in runs)} |")
+    print(f"SGLang / embedded engine: {statistics.median(rates) / statistics.median(baseline):.2f}x")
     print(f"weight update from disk (write folder + server load): {sync_s:.2f} s")
 
 

@@ -2,9 +2,12 @@
 tables' figures are computed."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -22,3 +25,22 @@ def test_w1_refuses_a_single_step_before_running():
     result = run_script("bench_ppo_w1.py", "--steps", "1", "--skip-trl")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--steps 1: give at least 2" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.skipif(not os.environ.get("RL2_SGLANG_PYTHON"), reason="RL2_SGLANG_PYTHON is not set")
+def test_sglang_cpu_measures_the_embedded_engine_in_the_same_run():
+    """bench_sglang_cpu printed SGLang's tokens/s alone, its baseline being a figure of another run; now a
+    row of the embedded engine on the same requests, and the ratio of the two rows' medians."""
+    result = run_script("bench_sglang_cpu.py", "--repeats", "1", "--requests", "2", "--new-tokens", "4",
+                        "--threads", "1", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {cells[0]: float(cells[2]) for line in result.stdout.splitlines() if line.startswith("| ")
+            and (cells := [c.strip() for c in line.strip("|").split("|")])[2].replace(".", "").isdigit()}
+    sglang = next(rate for name, rate in rows.items() if name.startswith("SGLang"))
+    embedded = next(rate for name, rate in rows.items() if name.startswith("embedded engine"))
+    assert embedded > 0
+    ratio = float(re.search(r"SGLang / embedded engine: ([0-9.]+)x", result.stdout).group(1))
+    # the rows are rounded to whole tokens/s, the ratio is not
+    assert abs(ratio - sglang / embedded) <= 0.01 + (0.5 / embedded) * (1 + sglang / embedded)
