@@ -20,6 +20,7 @@ least figure); one that fails otherwise (killed for memory) is reported as faile
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -119,13 +120,22 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--switches", nargs="*", default=[], help="RL2 config overrides for every run (key=value)")
     args = parser.parse_args()
+    # Checked before the first run: a bad entry would otherwise end the grid in a traceback where it comes.
+    models, rollouts, ranks_list = args.models.split(","), args.rollouts.split(","), args.ranks.split(",")
+    if unknown := [m for m in models if m != "135m" and m not in SHAPES]:
+        parser.error(f"--models {args.models}: unknown {unknown}; choose from 135m, {', '.join(SHAPES)}")
+    if bad := [r for r in rollouts if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*x[1-9][0-9]*", r)]:
+        parser.error(f"--rollouts {args.rollouts}: {bad} not PROMPTSxRESPONSESxTOKENS, three positive integers "
+                     "such as 8x4x64")
+    if bad := [r for r in ranks_list if not re.fullmatch(r"[1-9][0-9]*", r)]:
+        parser.error(f"--ranks {args.ranks}: {bad} not a positive number of ranks")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for name in args.models.split(","):
+        for name in models:
             n_params = n_parameters(model_config(name))
-            for rollout in args.rollouts.split(","):
-                for ranks in (int(r) for r in args.ranks.split(",")):
+            for rollout in rollouts:
+                for ranks in (int(r) for r in ranks_list):
                     least = least_memory_gb(n_params, ranks, trains_lora(args.switches))
                     if least > machine_memory_gb():  # not run: it cannot fit
                         result = {"failed": f"needs at least {least:.0f} GB (weights, gradients, AdamW, engine)"}

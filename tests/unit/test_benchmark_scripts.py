@@ -44,3 +44,16 @@ def test_sglang_cpu_measures_the_embedded_engine_in_the_same_run():
     ratio = float(re.search(r"SGLang / embedded engine: ([0-9.]+)x", result.stdout).group(1))
     # the rows are rounded to whole tokens/s, the ratio is not
     assert abs(ratio - sglang / embedded) <= 0.01 + (0.5 / embedded) * (1 + sglang / embedded)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--models", "7b"], "--models 7b: unknown ['7b']"),
+    (["--models", "135m", "--rollouts", "8x4"], "--rollouts 8x4: ['8x4'] not PROMPTSxRESPONSESxTOKENS"),
+    (["--models", "135m", "--rollouts", "1x1x1", "--ranks", "0"], "--ranks 0: ['0'] not a positive number"),
+])
+def test_ppo_memory_checks_its_grid_before_the_first_run(flags, named):
+    """bench_ppo_memory's grid: an unknown model or a malformed rollout or rank count used to end in a
+    KeyError or ValueError traceback where it came in the grid, after the runs before it."""
+    result = run_script("bench_ppo_memory.py", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in result.stderr
