@@ -1,10 +1,10 @@
 """SFT step throughput of the embedded model on CPU, against the machine's matmul peak measured in the same run.
 
-    python benchmarks/bench_sft.py [--steps 3] [--seqs 8] [--seq-len 256]
+    python benchmarks/bench_sft.py [--dtype float32] [--steps 3] [--seqs 8] [--seq-len 256]
 
-For fp32 and bf16, at 1 and 2 ranks: tokens/s, seconds per step, achieved FLOP/s of the training step
-(6 x matmul parameters x tokens + causal attention), that as a fraction of the matmul peak of the same
-dtype, and peak resident memory per rank.
+For fp32 and bf16 (or the one `--dtype` names), at 1 and 2 ranks: tokens/s, seconds per step, achieved
+FLOP/s of the training step (6 x matmul parameters x tokens + causal attention), that as a fraction of
+the matmul peak of the same dtype, and peak resident memory per rank.
 """
 
 import argparse
@@ -82,7 +82,8 @@ def run(nproc: int, dtype: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="only this dtype (default: float32, and bfloat16 where the CPU has native bf16 matmuls)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -90,10 +91,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
     dtypes = {"float32": torch.float32}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if args.dtype == "bfloat16" or (args.dtype is None and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         dtypes["bfloat16"] = torch.bfloat16
-    else:  # emulated bf16 runs ~100x slower than fp32: nothing to learn from timing it
+    elif args.dtype is None:  # emulated bf16 runs ~100x slower than fp32: nothing to learn from timing it
         print("bf16: this CPU has no native bf16 matmul (AVX512-BF16 or AMX); bf16 rows skipped")
+    if args.dtype:
+        dtypes = {args.dtype: dtypes[args.dtype]}
     peaks = {name: matmul_peak(dtype) for name, dtype in dtypes.items()}
     print("matmul peak: " + ", ".join(f"{name} {peak / 1e9:.0f} GFLOP/s" for name, peak in peaks.items()))
     print(f"workload: SmolLM2-135M, {args.seqs} x {args.seq_len} tokens per step, median of {args.steps} steps")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -57,3 +58,27 @@ def test_ppo_memory_checks_its_grid_before_the_first_run(flags, named):
     result = run_script("bench_ppo_memory.py", *flags)
     assert result.returncode == 2, result.stderr[-2000:]
     assert named in result.stderr
+
+
+@pytest.mark.slow
+def test_sft_runs_the_dtype_asked_for_and_counts_its_flops():
+    """bench_sft --dtype float32 also ran the bf16 rows (main ignored the flag). The GFLOP/s column
+    against the step's FLOPs counted from the model's own parameters: 6 per parameter and token (the
+    tied embedding once, as the LM head) plus causal attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from RL2.models.default_model import resolve_model_path
+
+    seqs, seq_len = 2, 64
+    result = run_script("bench_sft.py", "--dtype", "float32", "--steps", "1", "--seqs", str(seqs),
+                        "--seq-len", str(seq_len), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["float32"], ["bfloat16"])]
+    assert [row[:2] for row in rows] == [["float32", "1"], ["float32", "2"]], result.stdout
+    config = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    attention = config.num_hidden_layers * seqs * 2 * seq_len**2 * config.hidden_size  # QK^T and AV, half
+    flops = 6 * n_params * seqs * seq_len + 3 * attention
+    for _, _, step_s, _, gflops, *_ in rows:
+        assert float(gflops) == pytest.approx(flops / float(step_s) / 1e9, rel=0.02, abs=0.06)
