@@ -31,6 +31,7 @@ TRL is not a dependency of RL2: `pip install trl` to include it.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -50,6 +51,7 @@ TRL_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
 
 N_PROMPTS, N_RESPONSES, NEW_TOKENS = 8, 4, 64
 PHASES = ("rollout", "old_logps", "actor_update", "sync")
+TRL_MODES = ("checkpointing", "no-checkpointing")
 # name -> (RL2 command-line overrides, environment)
 VARIANTS = {
     "default": ([], {}),
@@ -217,6 +219,10 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if bad := [m for m in args.trl_modes.split(",") if m not in TRL_MODES]:
+        parser.error(f"--trl-modes {args.trl_modes}: unknown {bad}; choose from {', '.join(TRL_MODES)}")
+    if not args.skip_trl and importlib.util.find_spec("trl") is None:  # else RL2's runs end in TRL's ImportError
+        parser.error("TRL is not installed: `pip install trl` to compare with it, or pass --skip-trl")
     from RL2.models.default_model import resolve_model_path
     from RL2.models.precision import compute_dtype
 

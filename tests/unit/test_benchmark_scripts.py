@@ -1,6 +1,7 @@
 """The benchmark scripts' own checks and arithmetic: what they refuse before running, and how their
 tables' figures are computed."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -82,3 +83,19 @@ def test_sft_runs_the_dtype_asked_for_and_counts_its_flops():
     flops = 6 * n_params * seqs * seq_len + 3 * attention
     for _, _, step_s, _, gflops, *_ in rows:
         assert float(gflops) == pytest.approx(flops / float(step_s) / 1e9, rel=0.02, abs=0.06)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="TRL is installed here")
+def test_w1_without_trl_says_so_before_running():
+    """Without TRL, bench_ppo_w1 (which compares with it unless --skip-trl) ran RL2's workload and then
+    ended in a traceback from TRL's worker, the RL2 figures unprinted."""
+    result = run_script("bench_ppo_w1.py", "--steps", "2", timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "TRL is not installed: `pip install trl` to compare with it, or pass --skip-trl" in result.stderr
+
+
+def test_w1_refuses_an_unknown_trl_mode():
+    """A misspelt TRL mode ran TRL without gradient checkpointing under the misspelt name."""
+    result = run_script("bench_ppo_w1.py", "--skip-trl", "--trl-modes", "checkpointing,no_checkpointing")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--trl-modes checkpointing,no_checkpointing: unknown ['no_checkpointing']" in result.stderr
