@@ -55,12 +55,16 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, rounds: int = 5, repeats: int
 
 def run_worker(script: str, nproc: int, flags: list[str]) -> dict:
     """Run `script --worker FLAGS` on `nproc` ranks (the cores split between them); returns the JSON
-    object the worker prints last."""
+    object the worker prints last. Where the ranks fail, ends the benchmark after their errors, which
+    show as they come (only their standard output is read)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, "--worker", *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    if result.returncode:
+        sys.exit(f"{Path(script).name} --worker {' '.join(flags)} on {nproc} ranks failed (exit code "
+                 f"{result.returncode}): the ranks' errors are above")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def local_bytes(tensors) -> int:

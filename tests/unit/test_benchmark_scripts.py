@@ -15,6 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 
+def benchmark_module(name: str):
+    """A module of benchmarks/ (not a package), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_script(name: str, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, str(BENCHMARKS / name), *flags], cwd=REPO, env=env, capture_output=True,
@@ -99,3 +107,14 @@ def test_w1_refuses_an_unknown_trl_mode():
     result = run_script("bench_ppo_w1.py", "--skip-trl", "--trl-modes", "checkpointing,no_checkpointing")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--trl-modes checkpointing,no_checkpointing: unknown ['no_checkpointing']" in result.stderr
+
+
+def test_a_failing_worker_shows_its_error(tmp_path, capfd):
+    """common.run_worker (bench_lora, bench_parallel_memory, bench_sft) captured the ranks' standard error
+    and raised CalledProcessError, so a worker's own error never showed."""
+    common = benchmark_module("common")
+    script = tmp_path / "failing.py"
+    script.write_text("import sys\nsys.exit('the worker could not start: no such dtype')\n")
+    with pytest.raises(SystemExit, match="failing.py --worker --flag on 1 ranks failed"):
+        common.run_worker(str(script), 1, ["--flag"])
+    assert "the worker could not start: no such dtype" in capfd.readouterr().err
