@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--seqs", type=int, default=4, help="sequences per step")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
-    parser.add_argument("--dtype", default="auto", help="compute dtype (actor.dtype)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype (actor.dtype)")
     args = parser.parse_args()
     if args.worker:
         worker(args)

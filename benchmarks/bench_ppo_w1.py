@@ -200,7 +200,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system this many times, alternating, and report each round's speed-ups")
     parser.add_argument("--nproc", type=int, default=2, help="RL2 ranks")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 where native, else float32), bfloat16, float32")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto (bfloat16 where native, else float32), bfloat16, float32")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--trl-modes", default="checkpointing,no-checkpointing",

@@ -118,3 +118,12 @@ def test_a_failing_worker_shows_its_error(tmp_path, capfd):
     with pytest.raises(SystemExit, match="failing.py --worker --flag on 1 ranks failed"):
         common.run_worker(str(script), 1, ["--flag"])
     assert "the worker could not start: no such dtype" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["bench_lora.py", "bench_engine.py", "bench_ppo_w1.py"])
+def test_an_unknown_dtype_is_refused_naming_the_choices(script):
+    """`--dtype` took any string: a typo ended in a KeyError from compute_dtype (in bench_lora, inside a
+    torchrun worker, after the launch)."""
+    result = run_script(script, "--dtype", "fp8")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "argument --dtype: invalid choice: 'fp8' (choose from 'auto'" in result.stderr
