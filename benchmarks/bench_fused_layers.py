@@ -88,8 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"SmolLM2-135M decoder layers, {args.tokens} tokens, {args.dtype}, one core; per layer, forward and backward, "
           f"best of {args.repeats}\n")
-    print("| setting | norms and activation (ms) | saved for backward (MB) | whole layer (ms) | saved for backward (MB) "
-          "| peak RSS (GB) |")
+    print("| setting | norms and activation (ms) | saved for backward (MiB) | whole layer (ms) | saved for backward (MiB) "
+          "| peak RSS (GiB) |")
     print("|---|---|---|---|---|---|")
     for name, switch in SETTINGS.items():
         env = dict(os.environ, RL2_FUSED_LAYERS=switch)

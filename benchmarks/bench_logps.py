@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(f"{args.tokens} tokens x {args.vocab} vocabulary, float32, one core; best of {args.repeats}\n")
-    print("| setting | forward (s) | backward (s) | forward + backward (s) | peak RSS (GB) |")
+    print("| setting | forward (s) | backward (s) | forward + backward (s) | peak RSS (GiB) |")
     print("|---|---|---|---|---|")
     for name, (chunk, overwrite) in SETTINGS.items():
         out = subprocess.run([sys.executable, "-c", WORKER,

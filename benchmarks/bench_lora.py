@@ -50,8 +50,8 @@ def main() -> None:
         return
     flags = [f"--seq-len={args.seq_len}", f"--seqs={args.seqs}", f"--steps={args.steps}", f"--dtype={args.dtype}"]
     print(f"SFT step of SmolLM2-135M-Instruct, {args.seqs} x {args.seq_len} tokens; per rank, the most loaded one")
-    print("| mode | ranks | compute dtype | trained params | params MB | grads MB | AdamW state MB | "
-          "params + grads + AdamW MB | peak RSS MB | s/step | tokens/s |")
+    print("| mode | ranks | compute dtype | trained params | params MiB | grads MiB | AdamW state MiB | "
+          "params + grads + AdamW MiB | peak RSS MiB | s/step | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = {}
     for nproc in (1, 2):

@@ -53,14 +53,14 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print("| layout | ranks | params MB/rank | grads MB/rank | AdamW state MB/rank | peak RSS MB/rank |")
+    print("| layout | ranks | params MiB/rank | grads MiB/rank | AdamW state MiB/rank | peak RSS MiB/rank |")
     print("|---|---|---|---|---|---|")
     for name, nproc, tp in (("fsdp=1", 1, 1), ("fsdp=2", 2, 1), ("fsdp=4", 4, 1), ("tp=3", 3, 3)):
         r = run(nproc, tp, 1, args.mem_seq_len, 4, args.steps)
         print(f"| {name} | {nproc} | {r['params_mb']:.0f} | {r['grads_mb']:.0f} | {r['optim_mb']:.0f} | "
               f"{r['peak_rss_mb']:.0f} |", flush=True)
     print()
-    print(f"| context parallel, 1 sequence of {args.cp_seq_len} tokens | ranks | s/step | tokens/s | peak RSS MB/rank |")
+    print(f"| context parallel, 1 sequence of {args.cp_seq_len} tokens | ranks | s/step | tokens/s | peak RSS MiB/rank |")
     print("|---|---|---|---|---|")
     for cp in (1, 2):
         r = run(cp, 1, cp, args.cp_seq_len, 1, args.steps)

@@ -100,13 +100,13 @@ def main() -> None:
     peaks = {name: matmul_peak(dtype) for name, dtype in dtypes.items()}
     print("matmul peak: " + ", ".join(f"{name} {peak / 1e9:.0f} GFLOP/s" for name, peak in peaks.items()))
     print(f"workload: SmolLM2-135M, {args.seqs} x {args.seq_len} tokens per step, median of {args.steps} steps")
-    header = f"{'dtype':<9} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'peak RSS/rank MB':>17}"
+    header = f"{'dtype':<9} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'peak RSS/rank MiB':>18}"
     print(header + "\n" + "-" * len(header))
     for dtype in dtypes:
         for nproc in (1, 2):
             r = run(nproc, dtype, args)
             print(f"{dtype:<9} {nproc:>5} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} {r['flops_per_s'] / 1e9:>8.1f} "
-                  f"{100 * r['flops_per_s'] / peaks[dtype]:>6.1f}% {r['peak_rss_mb']:>17.0f}", flush=True)
+                  f"{100 * r['flops_per_s'] / peaks[dtype]:>6.1f}% {r['peak_rss_mb']:>18.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -127,3 +127,33 @@ def test_an_unknown_dtype_is_refused_naming_the_choices(script):
     result = run_script(script, "--dtype", "fp8")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "argument --dtype: invalid choice: 'fp8' (choose from 'auto'" in result.stderr
+
+
+@pytest.mark.slow
+def test_lora_memory_table_counts_mib_of_the_models_own_parameters():
+    """bench_lora's memory columns divide bytes by 2**20 but were headed MB (the same in bench_sft,
+    bench_parallel_memory, bench_fused_layers, and GB for 2**30 in bench_logps): checked here against
+    the parameters of the model itself and LoRA's count, rank x (in + out) per adapted projection."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from RL2.models.default_model import resolve_model_path
+
+    result = run_script("bench_lora.py", "--rank", "4", "--seq-len", "8", "--seqs", "1", "--steps", "1", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    assert header[4:9] == ["params MiB", "grads MiB", "AdamW state MiB", "params + grads + AdamW MiB", "peak RSS MiB"]
+    rows = {(cells[0], cells[1]): cells for line in lines[1:] if (cells := [c.strip() for c in line.strip("|").split("|")])}
+    config = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    full = rows["full fine-tuning", "1"]
+    assert float(full[3].removesuffix(" M")) == pytest.approx(n_params / 1e6, abs=0.005)
+    assert float(full[4]) == pytest.approx(4 * n_params / 2**20, abs=0.5)  # float32 master weights
+    assert float(full[5]) == pytest.approx(4 * n_params / 2**20, abs=0.05)
+    assert float(full[6]) == pytest.approx(8 * n_params / 2**20, abs=0.05)  # AdamW's two moments
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    per_layer = 4 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k and v, o, gate and up, down
+    lora = rows["LoRA r=4", "1"]
+    assert float(lora[3].removesuffix(" M")) == pytest.approx(config.num_hidden_layers * per_layer / 1e6, abs=0.005)
