@@ -100,7 +100,8 @@ def main() -> None:
     peaks = {name: matmul_peak(dtype) for name, dtype in dtypes.items()}
     print("matmul peak: " + ", ".join(f"{name} {peak / 1e9:.0f} GFLOP/s" for name, peak in peaks.items()))
     print(f"workload: SmolLM2-135M, {args.seqs} x {args.seq_len} tokens per step, median of {args.steps} steps")
-    header = f"{'dtype':<9} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} {'peak RSS/rank MiB':>18}"
+    header = (f"{'dtype':<9} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'% peak':>7} "
+              f"{'peak RSS/rank MiB':>18}")
     print(header + "\n" + "-" * len(header))
     for dtype in dtypes:
         for nproc in (1, 2):

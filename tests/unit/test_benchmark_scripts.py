@@ -143,7 +143,8 @@ def test_lora_memory_table_counts_mib_of_the_models_own_parameters():
     lines = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     assert header[4:9] == ["params MiB", "grads MiB", "AdamW state MiB", "params + grads + AdamW MiB", "peak RSS MiB"]
-    rows = {(cells[0], cells[1]): cells for line in lines[1:] if (cells := [c.strip() for c in line.strip("|").split("|")])}
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    rows = {(row[0], row[1]): row for row in cells}
     config = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     with torch.device("meta"):
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
