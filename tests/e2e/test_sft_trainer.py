@@ -87,7 +87,8 @@ def test_resume_with_other_model_settings_names_the_checkpoint_and_the_differenc
     message = (rf"RL2 sft: trainer\.load_ckpt_from: {tmp_path}/step1 does not hold what this run's models are made of "
                r"\(RuntimeError: Missing key in checkpoint state_dict: actor\.model\.model\.layers\.0\..*lora_A\.weight\."
                r"\); resume with the model settings of the run that saved it \(model_name, lora\.\*\)")
-    assert len(re.findall(message, str(failure.value))) == 2, str(failure.value)[-3000:]  # on both ranks
+    # Each rank finds the mismatch itself; torchrun may stop the slower rank before it prints its message.
+    assert re.search(message, str(failure.value)), str(failure.value)[-3000:]
     assert "CheckpointException" not in str(failure.value)
 
 
