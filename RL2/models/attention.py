@@ -180,18 +180,13 @@ def tokens_major_cat(outputs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([out.transpose(1, 2) for out in outputs], dim=1)
 
 
-def _sdpa_per_sequence(query, key, value, cu_seqlens, scaling):
+def _per_sequence(attend, query, key, value, cu_seqlens):
+    """`attend(q, k, v)` (causal, `[1, H, L, D]` each) on each packed sequence in turn -> `[1, T, H, D]`."""
     # One split per input: a slice per sequence would cost, in backward, a zero-filled gradient of the
     # whole row per slice; a split's backward is one concatenation.
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
-    return tokens_major_cat([sdpa(q, k, v, scaling) for q, k, v in pieces])
-
-
-def _softcapped_per_sequence(query, key, value, cu_seqlens, scaling, softcap):
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
-    return tokens_major_cat([softcapped_attention(q, k, v, scaling, softcap) for q, k, v in pieces])
+    return tokens_major_cat([attend(q, k, v) for q, k, v in pieces])
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -219,9 +214,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         backend = "softcapped"
     log_backend_once("packed", backend, query.device, query.dtype)
     if backend == "softcapped":
-        return _softcapped_per_sequence(query, key, value, cu_seqlens, scaling, softcap), None
+        capped = functools.partial(softcapped_attention, scaling=scaling, softcap=softcap)
+        return _per_sequence(capped, query, key, value, cu_seqlens), None
     if backend == "sdpa":
-        return _sdpa_per_sequence(query, key, value, cu_seqlens, scaling), None
+        return _per_sequence(functools.partial(sdpa, scaling=scaling), query, key, value, cu_seqlens), None
     max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if backend == "flash_attn":
         return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap), None
