@@ -5,12 +5,10 @@ the head's output at the position that predicts it.
 """
 
 import torch
-from transformers import AutoConfig
 
 from RL2.algs.value_loss import value_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import train_weights
-from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import pack_for, per_token_pass, update_passes, weighted_means
@@ -19,10 +17,11 @@ from RL2.workers.fsdp import scalar_head_worker
 BUDGET_KEY = "critic.max_length_per_device"  # the critic's micro-batch budget, named in packing errors
 
 
-def has_scalar_head(model_name: str) -> bool:
+def has_scalar_head(config) -> bool:
     """Whether a checkpoint was saved with a head on every token (`...ForTokenClassification`, as RL2 exports
-    critics and reward models), rather than as a causal LM whose head `scalar_head_worker` initialises."""
-    architectures = AutoConfig.from_pretrained(resolve_model_path(model_name)).architectures or []
+    critics and reward models), rather than as a causal LM whose head `scalar_head_worker` initialises.
+    `config` is the loaded model's: its `architectures` are those the checkpoint was saved as."""
+    architectures = config.architectures or []
     return any(name.endswith("ForTokenClassification") for name in architectures)
 
 
@@ -37,7 +36,7 @@ class Critic:
         # A random head would start GAE from noisy values (large when the hidden states are); from
         # zero, the first advantages are the plain returns and the head learns from there. A head the
         # checkpoint holds (a critic or reward model RL2 exported) was trained: it stays.
-        if not has_scalar_head(self.worker.model_name):
+        if not has_scalar_head(self.model.config):
             with torch.no_grad():
                 for param in self.model.score.parameters():
                     param.zero_()
