@@ -56,6 +56,14 @@ from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
+def section_key(model_cfg, name: str, section: str | None = None) -> str:
+    """A key of a model section as the user writes it (`actor.<name>`, `critic.<name>`): the section is
+    `section`, else the node's name in its parent config, else none is known."""
+    key_in_parent = getattr(model_cfg, "_key", None)  # an OmegaConf node's name in its parent config
+    section = section or (key_in_parent() if callable(key_in_parent) else None)
+    return f"{section}.{name}" if section else name
+
+
 def load_tokenizer(model_cfg, section: str | None = None):
     """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`).
 
@@ -68,9 +76,8 @@ def load_tokenizer(model_cfg, section: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
     except OSError as e:
-        key_in_parent = getattr(model_cfg, "_key", None)
-        section = section or (key_in_parent() if callable(key_in_parent) else None)
-        raise model_not_found(f"{section}.{field}={name}" if section else name, name, e) from None
+        key = section_key(model_cfg, field, section)
+        raise model_not_found(f"{key}={name}" if key != field else name, name, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -211,9 +218,7 @@ class FSDPWorker(Stateful):
 
     def _config_key(self, name: str) -> str:
         """A key of this model's config section as the user writes it: `actor.<name>`, `critic.<name>`."""
-        key_in_parent = getattr(self.cfg, "_key", None)  # an OmegaConf node's name in its parent config
-        section = key_in_parent() if callable(key_in_parent) else None
-        return f"{section}.{name}" if section else name
+        return section_key(self.cfg, name)
 
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
