@@ -176,9 +176,6 @@ _ROLLOUT = [
     Renamed("rollout.gpu_memory_utilization", ("rollout.server_args.mem_fraction_static",)),
     Renamed("rollout.dtype", ("rollout.server_args.dtype",)),
     Renamed("rollout.bucket_size", ("rollout.weight_bucket_mb",)),
-    *[Dropped(f"rollout.{split}_sampling_params.{key}", why) for split in ("train", "test") for key, why in (
-        ("stop", "RL2 has no stop strings: an action ends at EOS or max_new_tokens; the environment may cut it"),
-        ("no_stop_trim", "RL2 keeps every sampled token (token in, token out); drop it"))],
     Dropped("rollout.model_name", "the engines run the actor's weights (actor.model_name)"),
     Dropped("rollout.base_port", "RL2 picks free ports for the servers it launches"),
     Dropped("rollout.group_filtering.",

@@ -19,6 +19,9 @@ class SamplingConfig:
     top_k: int = opt(-1, "keep the k most likely tokens (-1: all)")
     max_new_tokens: int = opt(256, "the most tokens of one action")
     ignore_eos: bool = opt(False, "keep sampling past end-of-sequence tokens (fixed-length benchmarks)")
+    stop: Any = opt(None, "stop strings: an action ends with the first one it writes, e.g. ['</search>', '</answer>'] (the action passed to step ends with it; every sampled token is trained)")
+    stop_token_ids: list[int] = opt([], "token ids that end an action besides the model's end-of-sequence tokens")
+    no_stop_trim: bool = opt(True, "keep the matched stop string at the end of the action (the original RL2's spelling; RL2 always does, as the action's tokens are all trained)")
 
 
 @dataclass
@@ -185,6 +188,20 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
             raise ConfigError(f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
         if not 0 < params.top_p <= 1:
             raise ConfigError(f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
+        check_stops(params, key)
+
+
+def check_stops(params, key: str) -> None:
+    """Stop strings are a string or a list of non-empty strings; `no_stop_trim=false` cannot be honoured."""
+    stop = params.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"{key}.stop={stop!r}; give a string or a list of non-empty strings, e.g. "
+                          f"{key}.stop=['</search>','</answer>']")
+    if not params.no_stop_trim:
+        raise ConfigError(f"{key}.no_stop_trim=false would cut the stop string out of the action text while its "
+                          f"tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action "
+                          f"passed to step always ends with the matched stop string")
 
 
 def check_algorithm(adv, kl) -> None:

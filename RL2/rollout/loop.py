@@ -310,7 +310,7 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
     if not trajectory.unfinished:
-        turn = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        turn, _ = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
         trajectory.add_turn(turn)
         return turn
     partial = trajectory.turns[-1]
@@ -321,8 +321,8 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
         partial.finish_reason = "length"
         return partial
     # current_ids already end with the partial action, so the engine samples on after it.
-    rest = await _act(engine, tokenizer, trajectory.current_ids, params, room)
-    trajectory.extend_last_action(rest, tokenizer.decode(partial.action_ids + rest.action_ids, skip_special_tokens=True))
+    rest, matched = await _act(engine, tokenizer, trajectory.current_ids, params, room)
+    trajectory.extend_last_action(rest, action_text(tokenizer, partial.action_ids + rest.action_ids, matched))
     return partial
 
 
@@ -333,8 +333,10 @@ async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
 
 
-async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict, room: int | None) -> Turn:
-    """Sample one action after `input_ids`, with at most `room` new tokens."""
+async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
+               room: int | None) -> tuple[Turn, str | int | None]:
+    """Sample one action after `input_ids`, with at most `room` new tokens; also returns the stop string
+    or token that ended it (None when none did)."""
     params = dict(sampling_params)
     if room is not None:
         requested = params.get("max_new_tokens")
@@ -345,9 +347,22 @@ async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params:
         raise EngineError("the engine's response has no meta_info.output_token_logprobs; it must honour return_logprob")
     ids = [int(token) for _, token, _ in meta["output_token_logprobs"]]
     logps = [float(logp) for logp, _, _ in meta["output_token_logprobs"]]
-    # Every sampled token is in the text (stop strings too), so the text matches the tokens trained on.
+    reason = meta["finish_reason"]
+    matched = reason.get("matched")
+    return Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"]), matched
+
+
+def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
+    """The text of sampled tokens, as the environment gets it.
+
+    Every sampled token is in the text, so the text matches the tokens trained on; a matched stop
+    string stays in (the action ends with it), and what the token that completed it wrote after it is
+    cut, as SGLang's own text does.
+    """
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    return Turn(ids, logps, text, meta["finish_reason"]["type"])
+    if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+        text = text[: pos + len(matched)]
+    return text
 
 
 async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None) -> StepResult | str:

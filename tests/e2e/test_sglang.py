@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from RL2.config.errors import ConfigError
+from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.engine import (
     SGLangEngine,
@@ -44,6 +45,7 @@ from RL2.engine.sglang.weight_transfer import (
     serialize_flat_bucket,
     write_hf_folder,
 )
+from RL2.rollout.loop import action_text
 from tests.helpers import SGLANG_STUB
 from tests.helpers.launch import read_metrics, run_ranks
 
@@ -250,6 +252,46 @@ def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, tem
         logps = [logp for logp, _, _ in response["meta_info"]["output_token_logprobs"]]
         assert tokens == response["output_ids"]
         assert logps == pytest.approx(model_logps(hf_model, prompt, tokens), abs=1e-3)
+
+
+def first_stop_index(tok, output: list[int], stop: dict) -> int:
+    """How many of `output` a request with `stop` samples, found by decoding every prefix."""
+    strings = [stop["stop"]] if isinstance(stop.get("stop"), str) else stop.get("stop", [])
+    for k in range(1, len(output) + 1):
+        if output[k - 1] in stop.get("stop_token_ids", []) or any(s in tok.decode(output[:k]) for s in strings):
+            return k
+    return len(output)
+
+
+@sglang_test
+def test_stops_end_requests_alike_on_both_engines(server, hf_model, tok):
+    """Stop strings (one completed inside a token), a single stop string and a stop token: SGLang and the
+    embedded engine sample the same tokens, stop at the same one with the same finish reason, and the
+    action the environment gets ends with the stop string."""
+    cases = [("Once upon a time", {"stop": ["e ti", "never written"]}), ("def f(x):", {"stop": "):)"}),
+             ("12 + 7 =", {"stop_token_ids": [tok.encode(" =", add_special_tokens=False)[0]]})]
+    embedded = EmbeddedEngine(copy.deepcopy(hf_model), tok)
+    client = HTTPEngineClient([server.url])
+
+    async def both(payload: dict) -> list[dict]:
+        return [await client.generate(copy.deepcopy(payload)), await embedded.generate(copy.deepcopy(payload))]
+
+    for text, stop in cases:
+        prompt = tok.encode(text, add_special_tokens=False)
+        free, _ = hf_greedy(hf_model, prompt, 16)
+        n = first_stop_index(tok, free, stop)
+        assert n < 16, f"{text!r}: the greedy output {tok.decode(free)!r} never stops"
+        payload = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 16} | stop,
+                   "return_logprob": True}
+        on_server, on_embedded = asyncio.run(both(payload))
+        for response in (on_server, on_embedded):
+            assert [token for _, token, _ in response["meta_info"]["output_token_logprobs"]] == free[:n]
+        reasons = [r["meta_info"]["finish_reason"] for r in (on_server, on_embedded)]
+        assert reasons[0] == reasons[1] and reasons[0]["type"] == "stop", reasons
+        matched = reasons[0]["matched"]
+        if isinstance(matched, str):
+            assert action_text(tok, free[:n], matched).endswith(matched)
+    embedded.shutdown()
 
 
 def still_running_when_paused(url: str, prompt: list[int]) -> tuple[int, float]:

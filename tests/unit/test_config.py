@@ -71,6 +71,8 @@ def ppo_config(argv):
      r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
     (["rollout.train_sampling_params.temperature=-1"], r"rollout\.train_sampling_params\.temperature=-1\.0; give 0"),
     (["rollout.test_sampling_params.top_p=0"], r"rollout\.test_sampling_params\.top_p=0\.0; .*set it in \(0, 1\]"),
+    (["rollout.train_sampling_params.stop=['</a>','']"], r"rollout\.train_sampling_params\.stop=.*non-empty strings"),
+    (["rollout.test_sampling_params.no_stop_trim=false"], r"rollout\.test_sampling_params\.no_stop_trim=false.*drop it"),
 ])
 def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -82,6 +84,20 @@ def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
                                   ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"]])
 def test_policy_loss_recipes_pass(argv):
     ppo_config(argv)
+
+
+def test_stop_strings_reach_the_engines_in_the_original_spellings():
+    from RL2.rollout.worker import engine_sampling_params
+
+    # The original RL2's Search-R1 lines, key for key.
+    cfg = ppo_config(["rollout.train_sampling_params.stop=['</search>','</answer>']",
+                      "rollout.train_sampling_params.no_stop_trim=true", "rollout.test.sampling_params.stop=</answer>"])
+    train = engine_sampling_params(cfg.rollout.train_sampling_params)
+    assert (train["stop"], "no_stop_trim" in train, "stop_token_ids" in train) == (["</search>", "</answer>"], False, False)
+    assert engine_sampling_params(cfg.rollout.test_sampling_params)["stop"] == ["</answer>"]
+    cfg = ppo_config(["rollout.train_sampling_params.stop_token_ids=[2,7]"])
+    assert engine_sampling_params(cfg.rollout.train_sampling_params)["stop_token_ids"] == [2, 7]
+    assert "stop" not in engine_sampling_params(cfg.rollout.test_sampling_params)
 
 
 def test_gspo_and_cispo_defaults_are_the_papers():

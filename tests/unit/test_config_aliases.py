@@ -193,7 +193,6 @@ def test_current_keys_print_nothing(capsys):
         ("ppo", "actor.lora.use_rslora=true", r"'actor.lora.use_rslora'.*actor.lora.alpha to alpha x sqrt\(rank\)"),
         ("ppo", "ref_actor.model_name=x", "'ref_actor.model_name'.*the actor's initial weights"),
         ("ppo", "test_data.prompts_per_rollout=8", "tests on every prompt of data.test.path"),
-        ("ppo", "rollout.train.sampling_params.stop=[a]", "'rollout.train.sampling_params.stop'.*no stop strings"),
         ("ppo", "actor.rollout.reward_fn_path=r.py", "rollout.env_path=FILE"),
         ("dpo", "data.batch_size_per_device=2", "global data.train.batch_size"),
     ],
