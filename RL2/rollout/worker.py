@@ -28,13 +28,13 @@ optimizer state and the frozen models have left the GPU to make room for the ser
 `RL2.engine.memory_plan` for the memory of each phase).
 """
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
@@ -44,6 +44,7 @@ from RL2.engine.shared_memory_gather import SharedMemoryGather
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
 from RL2.rollout.env import Env, EnvError, load_env
+from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory
@@ -83,6 +84,22 @@ def load_rollout_env(rollout_cfg) -> Env:
         return load_env(rollout_cfg.env_path)
     except EnvError as e:
         raise EnvError(f"rollout.env_path={rollout_cfg.env_path}: {e}") from None
+
+
+def engine_sampling_params(params) -> dict:
+    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params.
+
+    Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
+    the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
+    """
+    params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params)
+    params.pop("no_stop_trim", None)
+    stop = params.pop("stop", None)
+    if stop:
+        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if not params.get("stop_token_ids"):
+        params.pop("stop_token_ids", None)
+    return params
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -212,7 +229,7 @@ class RolloutWorker:
 
         Args:
             prompts: the global batch of rows (`prompt`, `prompt_ids`, `extra_info`), the same on every rank.
-            sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens).
+            sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens, stop, ...).
             responses_per_prompt: trajectories per prompt.
             seed: seeds this rank's sampling (see `rollout_seed`).
         """
@@ -220,7 +237,7 @@ class RolloutWorker:
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: rollout_batch(
             self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt,
-            dict(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            engine_sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
         ) if mine else _nothing([]))
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
@@ -240,7 +257,7 @@ class RolloutWorker:
         n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: partial_rollout_batch(
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
-            dict(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            engine_sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
         ) if n_needed else _nothing(([], [], [])))
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
@@ -256,7 +273,7 @@ class RolloutWorker:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 try:
-                    result = asyncio.run(make_coroutine())
+                    result = run_on_rank_loop(make_coroutine())
                 except Exception as e:
                     failure = e
                     error = (isinstance(e, EngineError), f"rank {dist.get_rank()}: {type(e).__name__}: {e}")

@@ -17,6 +17,7 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
+from RL2.rollout.event_loop import rank_loop, run_on_rank_loop
 from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory, Turn
@@ -150,6 +151,47 @@ def test_max_turns_and_token_budget_stop(engine, model, tok, prompt):
     assert len(trajectory.token_sequences()[0]["input_ids"]) == budget
     with pytest.raises(ValueError, match="leaves no room"):
         roll(engine, tok, "echo", prompt, {}, max_total_tokens=prompt_len)
+
+
+def first_stop(tok, ids: list[int], stop: str) -> int:
+    """How many of `ids` a request stopped by `stop` samples: the shortest prefix whose text holds it."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7}  # the tiny model's greedy text is all newlines
+
+
+def test_a_stop_string_ends_the_action_which_ends_with_it(engine, tok, prompt):
+    free = roll(engine, tok, "echo", prompt, {}, max_turns=1, sampling_params=SAMPLED).turns[0].action_ids
+    plain = [j for j in range(3, 10) if not {free[j], free[j + 1]} & set(tok.all_special_ids)
+             and len(tok.decode(free[j:j + 2]).strip()) > 2]
+    # One character short of two tokens' text: the token that completes the stop writes more after it.
+    stop = tok.decode(free[plain[0]:plain[0] + 2])[:-1]
+    n = first_stop(tok, free, stop)
+    trajectory = roll(engine, tok, "echo", prompt, {}, max_turns=1,
+                      sampling_params=SAMPLED | {"stop": [stop, "never written"]})
+    [turn] = trajectory.turns
+    assert turn.action_ids == free[:n] and turn.finish_reason == "stop"  # every sampled token, the stop's too
+    written = tok.decode(free[:n], skip_special_tokens=True)
+    assert turn.action_text == written[: written.index(stop) + len(stop)] and turn.action_text.endswith(stop)
+    assert written != turn.action_text
+    assert trajectory.token_sequences()[0]["loss_mask"][-n:] == [1] * n
+
+
+def test_a_stop_token_ends_the_action(engine, tok, prompt):
+    free = roll(engine, tok, "echo", prompt, {}, max_turns=1, sampling_params=SAMPLED).turns[0].action_ids
+    n = next(k for k, token in enumerate(free, 1) if token == free[3] or token == tok.eos_token_id)
+    params = SAMPLED | {"stop_token_ids": [free[3]]}
+    [turn] = roll(engine, tok, "echo", prompt, {}, max_turns=1, sampling_params=params).turns
+    assert turn.action_ids == free[:n] and turn.finish_reason == "stop"
+
+
+def test_rollouts_run_on_one_event_loop_so_module_level_asyncio_objects_keep_working(engine, tok, prompt):
+    env = load_env(ENVS / "emit_token.py")  # its steps queue for a semaphore made at import
+    for _ in range(3):
+        [group] = run_on_rank_loop(rollout_batch(engine, env, tok, [{"prompt": prompt}], 4, GREEDY))
+        assert [t.fault for t in group] == [None] * 4
+    assert env.step_fn.__globals__["ONE_AT_A_TIME"]._loop is rank_loop()
 
 
 @pytest.mark.parametrize(
