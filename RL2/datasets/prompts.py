@@ -29,13 +29,15 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
     return columns | extra_info
 
 
-def prompt_row_tokenizer(tokenizer, env_resets: bool = False):
+def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None):
     """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`.
 
     Args:
         tokenizer: the policy's tokenizer.
         env_resets: the environment defines `reset`: a row with neither a prompt nor messages gets
             `prompt` None, and `reset(extra_info)` makes its first state at rollout time.
+        tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: the prompt shows
+            them, and the row keeps its chat messages as `messages` (tool results are appended to them).
     """
 
     def for_split(split_cfg):
@@ -44,11 +46,16 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False):
         def tokenize_row(row: dict) -> dict:
             if env_resets and all(is_missing(row.get(key)) for key in used):
                 return {"prompt": None, "prompt_ids": None, "extra_info": extra_info_of(row, used)}
-            text = render_prompt(tokenizer, context_of(row, split_cfg))
+            context = context_of(row, split_cfg)
+            if tool_use is not None and not isinstance(context, list):
+                raise BadRow("the environment declares TOOLS, which the chat template shows: the prompt must be "
+                             "chat messages, or text with apply_chat_template=true")
+            text = tool_use.render(context, tokenizer) if tool_use is not None else render_prompt(tokenizer, context)
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > split_cfg.max_length:
                 raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
-            return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)}
+            kept = {"messages": context} if tool_use is not None else {}
+            return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)} | kept
 
         return tokenize_row
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.errors import ConfigError
+from RL2.agents.tool_use import tool_use_of
 from RL2.config.eval_schema import TRAINING_ONLY, check_eval_config
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
@@ -71,6 +72,7 @@ class Evaluator:
         self.cfg = cfg
         # Bad input fails before any process group or engine is started.
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
+        self.uses_tools = bool(self.env.tool_specs)
         self.rows = load_table(cfg.data.test.path)
         if cfg.data.max_prompts is not None:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
@@ -101,7 +103,7 @@ class Evaluator:
                                   "compare models with one tokenizer, or raise data.test.max_length")
             first_prompts = [p["extra_info"] for p in prompts]
             sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
-            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold)
+            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold, tools=self.uses_tools)
             records += sample_records(groups, prompts, sources, role, model_cfg.model_name, cfg.eval.threshold)
         difference = metrics_difference(metrics["model"], metrics["compare"]) if "compare" in metrics else None
         result = EvalResult(metrics["model"], metrics.get("compare"), difference, Path(cfg.eval.save_dir))
@@ -128,7 +130,8 @@ class Evaluator:
     def prompts(self, tokenizer) -> list[dict]:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
-        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None)
+        tool_use = tool_use_of(self.env, engine_config(self.cfg.rollout), tokenizer)
+        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None, tool_use=tool_use)
         prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")

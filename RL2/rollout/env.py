@@ -6,7 +6,7 @@ The file defines
         # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
 and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a
-prompt row has no prompt. `state` is the text the policy saw, `action` the text it wrote, and
+prompt row has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`). `state` is the text the policy saw, `action` the text it wrote, and
 `extra_info` the row's `extra_info` (answers, ids), carried from step to step. `reward` trains;
 `score` is what evaluation reports (e.g. correctness without format bonuses; default: reward).
 An optional `reward_parts` dict (name -> number) is logged as `rollout/reward/<name>`, e.g. the
@@ -53,11 +53,15 @@ class Env:
         path: the script.
         step_fn: its `step` coroutine function.
         reset_fn: its `reset` coroutine function, if any.
+        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.agents.tool_use`).
+        call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
     """
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
+    tool_specs: list = field(default_factory=list)
+    call_tool: Callable | None = None
 
     async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
         """Run the script's `step`; raises `EnvFault` when its result is malformed."""
@@ -104,7 +108,11 @@ def load_env(path: str) -> Env:
             inspect.signature(fn).bind(*params.split(", "))
         except TypeError as e:
             raise EnvError(f"{file}: `{name}` must accept ({params}): {e}") from None
-    return Env(path=str(file), step_fn=step, reset_fn=reset)
+    tools = getattr(module, "TOOLS", None) or []
+    if not isinstance(tools, (list, tuple)):
+        raise EnvError(f"{file}: TOOLS is {type(tools).__name__}; make it a list of functions or OpenAI schema dicts")
+    return Env(path=str(file), step_fn=step, reset_fn=reset, tool_specs=list(tools),
+               call_tool=getattr(module, "call_tool", None))
 
 
 def parse_step_result(result: object, extra_info: dict) -> StepResult:
@@ -114,13 +122,7 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
     missing = [key for key in ("reward", "done") if key not in result]
     if missing:
         raise EnvFault(f"step result has no {missing}; it has {sorted(result)}")
-    reward, score = result["reward"], result.get("score", result["reward"])
-    parts = result.get("reward_parts") or {}
-    if not isinstance(parts, dict):
-        raise EnvFault(f"step result reward_parts is {type(parts).__name__}, not a dict of name -> number")
-    for key, value in (("reward", reward), ("score", score), *((f"reward_parts[{n!r}]", v) for n, v in parts.items())):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise EnvFault(f"step result {key}={value!r} is not a finite number")
+    reward, score, parts = parse_reward(result, "step result")
     if not isinstance(result["done"], bool):
         raise EnvFault(f"step result done={result['done']!r} is not a bool")
     next_state = result.get("next_state")
@@ -132,8 +134,25 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
     new_info = result.get("extra_info", extra_info)
     if not isinstance(new_info, dict):
         raise EnvFault(f"step result extra_info is {type(new_info).__name__}, not a dict")
-    parts = {str(name): float(value) for name, value in parts.items()}
-    return StepResult(next_state, float(reward), float(score), result["done"], new_info, parts)
+    return StepResult(next_state, reward, score, result["done"], new_info, parts)
+
+
+def parse_reward(result: dict, what: str) -> tuple[float, float, dict[str, float]]:
+    """A result's `reward`, `score` (default: reward) and `reward_parts` (default: none), checked to be
+    finite numbers; raises `EnvFault` otherwise.
+
+    Args:
+        result: a dict holding `reward`.
+        what: names the result in errors ("step result", "agent result").
+    """
+    reward, score = result["reward"], result.get("score", result["reward"])
+    parts = result.get("reward_parts") or {}
+    if not isinstance(parts, dict):
+        raise EnvFault(f"{what} reward_parts is {type(parts).__name__}, not a dict of name -> number")
+    for key, value in (("reward", reward), ("score", score), *((f"reward_parts[{n!r}]", v) for n, v in parts.items())):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise EnvFault(f"{what} {key}={value!r} is not a finite number")
+    return float(reward), float(score), {str(name): float(value) for name, value in parts.items()}
 
 
 def _is_state(state: object) -> bool:

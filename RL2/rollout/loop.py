@@ -12,6 +12,7 @@ reward 0 and are counted; engine errors propagate and stop the rollout.
 
 import asyncio
 import copy
+import time
 
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
@@ -36,6 +37,7 @@ async def run_trajectory(
     prompt_ids: list[int] | None = None,
     resume: Trajectory | None = None,
     stop: asyncio.Event | None = None,
+    tool_use=None,
 ) -> Trajectory:
     """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
@@ -56,11 +58,14 @@ async def run_trajectory(
             the rollout goes on as usual. `state`, `extra_info` and `prompt_ids` are ignored.
         stop: once set, no new action is requested: the trajectory ends "abort" with an empty
             action, to be resumed later (partial rollout pauses the engine after setting it).
+        tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: an action that
+            calls tools gets their results as the next state, and only one that calls none is stepped.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be at least 1, got {max_turns}")
     if resume is None:
-        trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout)
+        trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout,
+                                  tool_use)
     else:
         trajectory = resume
     while True:
@@ -76,7 +81,7 @@ async def run_trajectory(
         # A resumed action is whole again: from here on the trajectory runs as any other (its next
         # action is a new one, and a pause may stop it before that action).
         trajectory.stop_reason = ""
-        result = await _step(env, trajectory.state, turn.action_text, trajectory.env_info, env_timeout)
+        result = await _answer(env, tool_use, trajectory, turn.action_text, env_timeout)
         if isinstance(result, str):
             trajectory.fail(result)
             return trajectory
@@ -89,7 +94,7 @@ async def run_trajectory(
             trajectory.stop_reason = "max_turns"
             return trajectory
         try:
-            next_state = render_state(result.next_state, tokenizer)
+            next_state = render_state(result.next_state, tokenizer, tool_use)
         except Exception as e:  # messages of the environment's making that the chat template rejects
             trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
             return trajectory
@@ -97,6 +102,7 @@ async def run_trajectory(
             trajectory.stop_reason = "budget"
             return trajectory
         trajectory.state = next_state
+        trajectory.messages = result.next_state if isinstance(result.next_state, list) else None
 
 
 async def rollout_batch(
@@ -109,6 +115,7 @@ async def rollout_batch(
     max_turns: int = 1,
     max_total_tokens: int | None = None,
     env_timeout: float | None = None,
+    tool_use=None,
 ) -> list[list[Trajectory]]:
     """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
 
@@ -120,7 +127,7 @@ async def rollout_batch(
             neither on the ranks nor on the other requests of the batch (evaluation sets it).
         responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
             the row's `extra_info`.
-        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout:
+        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout, tool_use:
             as in `run_trajectory`.
 
     Returns:
@@ -134,8 +141,9 @@ async def rollout_batch(
 
         def run(resume: Trajectory | None):
             return run_trajectory(
-                engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
+                engine, env, tokenizer, _first_state(row), copy.deepcopy(row.get("extra_info") or {}),
                 params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"), resume=resume,
+                tool_use=tool_use,
             )
 
         # Another client of a shared server may pause it: the cut action carries on, rather than the
@@ -159,6 +167,7 @@ async def partial_rollout_batch(
     max_turns: int = 1,
     max_total_tokens: int | None = None,
     env_timeout: float | None = None,
+    tool_use=None,
 ) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
@@ -185,9 +194,9 @@ async def partial_rollout_batch(
 
         def run(resume: Trajectory | None):
             return run_trajectory(
-                engine, env, tokenizer, row.get("prompt"), copy.deepcopy(row.get("extra_info") or {}),
+                engine, env, tokenizer, _first_state(row), copy.deepcopy(row.get("extra_info") or {}),
                 sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
-                resume=resume, stop=stop,
+                resume=resume, stop=stop, tool_use=tool_use,
             )
 
         # Another client of a shared server may pause it: resume at once unless this batch is full.
@@ -261,11 +270,18 @@ def _turn_params(sampling_params: dict, turn: int) -> dict:
     return {**sampling_params, "sampling_seed": sample_seed(sampling_params["sampling_seed"], turn)}
 
 
-def render_state(state: State, tokenizer) -> str:
-    """A state as text: chat messages go through the tokenizer's chat template."""
+def render_state(state: State, tokenizer, tool_use=None) -> str:
+    """A state as text: chat messages go through the tokenizer's chat template (with the tools, if any)."""
     if isinstance(state, str):
         return state
+    if tool_use is not None:
+        return tool_use.render(state, tokenizer)
     return tokenizer.apply_chat_template(state, add_generation_prompt=True, tokenize=False)
+
+
+def _first_state(row: dict) -> State | None:
+    """A row's first state: its conversation where it keeps one (environments with tools), else its prompt."""
+    return row.get("messages") or row.get("prompt")
 
 
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
@@ -289,18 +305,19 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 
 
 async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, prompt_ids: list[int] | None,
-                 max_total_tokens: int | None, env_timeout: float | None) -> Trajectory:
+                 max_total_tokens: int | None, env_timeout: float | None, tool_use=None) -> Trajectory:
     """A new trajectory holding just its prompt (from the row, or from the environment's `reset`)."""
     if state is None:
         state = await _reset(env, extra_info, env_timeout)
-    state = render_state(state, tokenizer)
+    messages = state if isinstance(state, list) else None
+    state = render_state(state, tokenizer, tool_use)
     ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
     if not _fits(len(ids), max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
             f"{max_total_tokens}; raise it or shorten the prompts"
         )
-    trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info)
+    trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info, messages=messages)
     trajectory.start_sequence(state, ids)
     return trajectory
 
@@ -310,7 +327,8 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
     if not trajectory.unfinished:
-        turn, _ = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        turn, _, seconds = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        trajectory.generate_seconds += seconds
         trajectory.add_turn(turn)
         return turn
     partial = trajectory.turns[-1]
@@ -321,7 +339,8 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
         partial.finish_reason = "length"
         return partial
     # current_ids already end with the partial action, so the engine samples on after it.
-    rest, matched = await _act(engine, tokenizer, trajectory.current_ids, params, room)
+    rest, matched, seconds = await _act(engine, tokenizer, trajectory.current_ids, params, room)
+    trajectory.generate_seconds += seconds
     trajectory.extend_last_action(rest, action_text(tokenizer, partial.action_ids + rest.action_ids, matched))
     return partial
 
@@ -334,14 +353,16 @@ async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
 
 
 async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
-               room: int | None) -> tuple[Turn, str | int | None]:
+               room: int | None) -> tuple[Turn, str | int | None, float]:
     """Sample one action after `input_ids`, with at most `room` new tokens; also returns the stop string
-    or token that ended it (None when none did)."""
+    or token that ended it (None when none did) and the seconds the engine took."""
     params = dict(sampling_params)
     if room is not None:
         requested = params.get("max_new_tokens")
         params["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS if requested is None else requested, room)
+    began = time.perf_counter()
     response = await engine.generate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+    seconds = time.perf_counter() - began
     meta = response["meta_info"]
     if "output_token_logprobs" not in meta:
         raise EngineError("the engine's response has no meta_info.output_token_logprobs; it must honour return_logprob")
@@ -349,7 +370,7 @@ async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params:
     logps = [float(logp) for logp, _, _ in meta["output_token_logprobs"]]
     reason = meta["finish_reason"]
     matched = reason.get("matched")
-    return Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"]), matched
+    return Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"]), matched, seconds
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
@@ -363,6 +384,18 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
     if isinstance(matched, str) and (pos := text.find(matched)) != -1:
         text = text[: pos + len(matched)]
     return text
+
+
+async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeout: float | None) -> StepResult | str:
+    """What follows an action: its tool calls' results (no reward yet), else the environment's step; or
+    the reason the trajectory ends as a fault."""
+    if tool_use is not None:
+        reply = await tool_use.respond(trajectory.messages, action, trajectory.env_info, trajectory)
+        if isinstance(reply, str):
+            return reply
+        if reply is not None:
+            return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
+    return await _step(env, trajectory.state, action, trajectory.env_info, timeout)
 
 
 async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None) -> StepResult | str:

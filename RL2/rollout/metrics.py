@@ -10,6 +10,7 @@ prompts, each sample one trajectory:
 - `response_length`: mean sampled tokens per sample; `truncated`: share cut at max_new_tokens;
 - `faults`: samples ended by a failing environment or reward (scored 0);
 - `reward/<name>`: mean of each reward part (0 where a sample has none);
+- `tool_calls`, `tool_errors`: mean tool calls (and failed ones) per sample, where the policy may call tools;
 - `n_prompts`, `n_samples`.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from RL2.rollout.trajectory import Trajectory
 
 
-def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
     """Means over trajectories, namespaced `rollout/...`.
 
     The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
@@ -30,6 +31,7 @@ def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
 
     Args:
         groups: trajectories grouped by prompt.
+        tools: the policy may call tools (an environment with TOOLS, an agent script): add `tool_metrics`.
     """
     trajectories = [t for group in groups for t in group]
     if not trajectories:
@@ -43,7 +45,25 @@ def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
     }
     metrics |= _reward_part_metrics(trajectories)
+    if tools:
+        metrics |= {f"rollout/{name}": value for name, value in tool_metrics(trajectories).items()}
     return metrics
+
+
+def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """How a rollout used tools, per trajectory: `tool_calls` parsed, `tool_parse_errors` (call blocks that
+    could not be parsed), `tool_errors` (calls that failed), and the mean seconds in tools (`tool_s`; an
+    agent script's own code for agents) and waiting for the engine (`generate_s`), with the tools' share
+    of the two (`tool_time_share`)."""
+    tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
+    return {
+        "tool_calls": _mean(t.tool_calls for t in trajectories),
+        "tool_parse_errors": _mean(t.parse_errors for t in trajectories),
+        "tool_errors": _mean(t.tool_errors for t in trajectories),
+        "tool_s": _mean(t.tool_seconds for t in trajectories),
+        "generate_s": _mean(t.generate_seconds for t in trajectories),
+        "tool_time_share": tool_s / (tool_s + generate_s) if tool_s + generate_s > 0 else 0.0,
+    }
 
 
 def fault_summary(groups: list[list[Trajectory]]) -> str | None:
@@ -114,7 +134,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is taken
 
 
-def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float) -> dict:
+def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
+                       tools: bool = False) -> dict:
     """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples.
 
     Args:
@@ -122,17 +143,18 @@ def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: l
         sources: each prompt's `data_source`.
         ks: pass@k for each k (at most the samples of any prompt).
         threshold: a sample passes when its score is at least this.
+        tools: the policy may call tools: add `tool_calls` and `tool_errors` (means per sample).
     """
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)
     return {
-        "overall": group_metrics(groups, ks, threshold),
-        "by_source": {source: group_metrics(by_source[source], ks, threshold) for source in sorted(by_source)},
+        "overall": group_metrics(groups, ks, threshold, tools),
+        "by_source": {source: group_metrics(by_source[source], ks, threshold, tools) for source in sorted(by_source)},
     }
 
 
-def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float) -> dict[str, float]:
+def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float, tools: bool = False) -> dict[str, float]:
     """The metrics of the module docstring over `groups` (the samples of each prompt)."""
     samples = [t for group in groups for t in group]
     metrics = {
@@ -150,6 +172,9 @@ def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: floa
     parts = [reward_parts(t) for t in samples]
     for name in sorted({name for p in parts for name in p}):
         metrics[f"reward/{name}"] = _mean(p.get(name, 0.0) for p in parts)
+    if tools:
+        metrics["tool_calls"] = _mean(t.tool_calls for t in samples)
+        metrics["tool_errors"] = _mean(t.tool_errors for t in samples)
     return metrics
 
 

@@ -82,6 +82,11 @@ class Trajectory:
         fault: why the environment failed (exception, timeout, malformed result), or None.
         state: the environment's current state text, kept for resuming an aborted trajectory.
         env_info: the `extra_info` the environment returned last (what its next `step` gets).
+        messages: the conversation so far as chat messages, when the state is one (tools append to it).
+        tool_calls: tool calls the policy made; tool_errors: those that failed (unknown tool, bad
+            arguments, raised, timed out); parse_errors: call blocks it wrote that could not be parsed.
+        tool_seconds, generate_seconds: time spent running tools (an agent script's own code, for
+            agents) and waiting for the engine.
     """
 
     extra_info: dict
@@ -90,6 +95,12 @@ class Trajectory:
     fault: str | None = None
     state: str = ""
     env_info: dict | None = None
+    messages: list[dict] | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    parse_errors: int = 0
+    tool_seconds: float = 0.0
+    generate_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
+from RL2.agents.tool_use import tool_use_of
 from RL2.engine import start_engine
 from RL2.engine.protocol import EngineError
 from RL2.engine.shared_memory_gather import SharedMemoryGather
@@ -219,10 +220,16 @@ class RolloutWorker:
                                  colocated if self.engine.releases_memory else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
+        self.tool_use = tool_use_of(self.env, rollout_cfg, tokenizer)
         # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
         # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
         self.max_total_tokens = rollout_cfg.max_total_tokens or context_length(
             resolve_model_path(model_cfg.model_name), rollout_cfg.server_args)
+
+    @property
+    def uses_tools(self) -> bool:
+        """The policy may call tools: the rollout's tool metrics mean something."""
+        return self.tool_use is not None
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
@@ -237,7 +244,8 @@ class RolloutWorker:
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: rollout_batch(
             self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt,
-            engine_sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            self.tool_use,
         ) if mine else _nothing([]))
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
@@ -257,10 +265,15 @@ class RolloutWorker:
         n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: partial_rollout_batch(
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
-            engine_sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
+            self.tool_use,
         ) if n_needed else _nothing(([], [], [])))
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
+
+    def _sampling_params(self, sampling_params) -> dict:
+        params = engine_sampling_params(sampling_params)
+        return self.tool_use.sampling_params(params) if self.tool_use else params
 
     def _on_this_rank(self, seed: int, make_coroutine):
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from RL2.agents.tool_use import tool_use_of
 from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.datasets.prompts import prompt_row_tokenizer
@@ -50,8 +51,8 @@ class PPOTrainer(Trainer):
         self.tokenizer = load_tokenizer(cfg.actor)
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
         env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
-        self.train_data, self.test_data = load_splits(cfg.data, prompt_row_tokenizer(self.tokenizer, env_resets),
-                                                      cfg.trainer.seed)
+        make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer))
+        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
         # Rollout state that a resume restores: prompt batches drawn so far (dynamic filtering may
@@ -107,7 +108,7 @@ class PPOTrainer(Trainer):
         cfg, metrics = self.cfg, {}
         with measured(metrics, "rollout"):
             groups, rolled_out = self.collect_groups(step, metrics)
-        metrics |= rollout_metrics(rolled_out)
+        metrics |= rollout_metrics(rolled_out, tools=self.rollout.uses_tools)
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
         metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
@@ -234,7 +235,8 @@ class PPOTrainer(Trainer):
         rollout = self.cfg.rollout
         groups = self.rollout.rollout(self.test_data, rollout.test_sampling_params, rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
-        metrics = {key.replace("rollout/", "test/", 1): value for key, value in rollout_metrics(groups).items()}
+        metrics = {key.replace("rollout/", "test/", 1): value
+                   for key, value in rollout_metrics(groups, tools=self.rollout.uses_tools).items()}
         if faults := fault_summary(groups):
             log_rank0(f"test rollout: {faults} ({self.env.path})")
         sources = [str(group[0].extra_info.get("data_source", "default")) for group in groups]

@@ -1,0 +1,126 @@
+"""Tools in the environment loop: an environment script that declares tools gets the model's calls run
+for it, and is asked to `step` only on an action that calls none (the answer).
+
+    TOOLS = [calculate]          # Python functions (sync or async, typed, with docstrings) or OpenAI schema dicts
+
+    async def step(state, action, extra_info): ...   # scores the answer, as any environment
+
+An action's calls, written in the model's own format (`RL2.agents.tool_calls`), run concurrently; the
+conversation then goes on with the action as the assistant's message and the results as tool messages,
+rendered by the chat template (`RL2.agents.tools.render_conversation`). A tool turn earns no reward
+itself: the answer's step scores the whole trajectory. What the model sampled is what is trained; what
+the template adds is masked out; when the template re-renders earlier turns differently, the rollout
+starts a new sequence of the same trajectory (see `RL2.rollout.loop`).
+
+A call that cannot be parsed, names no tool, does not fit its tool, raises or outlasts
+`rollout.tool_timeout` is shown to the model as an "Error: ..." result and counted (or, with
+`rollout.tool_error=end`, ends the trajectory as a fault).
+"""
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from RL2.agents.tool_calls import ToolCallParser, tool_call_parser
+from RL2.agents.tools import Tool, build_tools, render_conversation, run_tool, template_renders_tools, tool_result_messages
+
+
+@dataclass
+class ToolUse:
+    """The tools of an environment, and how the policy sees and calls them.
+
+    Attributes:
+        tools: the tools, by name (`build_tools`).
+        call_tool: the environment's runner of schema-only tools, if any.
+        parser: the policy's tool-call format.
+        native: the chat template renders tools itself; otherwise RL2's default format is written into
+            the messages.
+        timeout: seconds one call may take (None: no limit).
+        on_error: "observe" (the error is the call's result) or "end" (the trajectory ends as a fault).
+        stop_after_call: end an action at the format's end of a call, so that the model's own guess of
+            the result is never sampled.
+    """
+
+    tools: dict[str, Tool]
+    call_tool: Callable | None
+    parser: ToolCallParser
+    native: bool
+    timeout: float | None = None
+    on_error: str = "observe"
+    stop_after_call: bool = True
+
+    @property
+    def schemas(self) -> list[dict]:
+        return [tool.schema for tool in self.tools.values()]
+
+    def render(self, state, tokenizer) -> str:
+        """A state as the policy sees it: chat messages with the tools; text as it is."""
+        if isinstance(state, str):
+            return state
+        return render_conversation(tokenizer, state, self.schemas, self.parser, self.native)
+
+    def sampling_params(self, params: dict) -> dict:
+        """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
+        end = self.parser.call_end
+        if not (self.stop_after_call and end):
+            return params
+        stops = list(params.get("stop") or [])
+        return params | {"stop": stops + [end] if end not in stops else stops}
+
+    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict, counts) -> list[dict] | str | None:
+        """Run the calls of `action`, if it makes any.
+
+        Args:
+            messages: the conversation the action answers (None: the state was text).
+            action: the action's text.
+            extra_info: the trajectory's, for tools that take it.
+            counts: the trajectory, whose `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`
+                grow by this action's.
+
+        Returns:
+            None when the action calls no tool (the environment's step answers it); else the conversation
+            with the action and the results; or, where the trajectory must end, the reason.
+        """
+        parsed = self.parser.parse(action)
+        if not parsed.calls and not parsed.errors:
+            return None
+        counts.tool_calls += len(parsed.calls)
+        counts.parse_errors += len(parsed.errors)
+        if messages is None:
+            return "the model called a tool, but the state is text: an environment with tools needs chat messages"
+        if parsed.errors and self.on_error == "end":
+            return f"a tool call could not be parsed ({parsed.errors[0]}) and rollout.tool_error=end"
+        began = time.perf_counter()
+        results = await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
+                                         for call in parsed.calls))
+        counts.tool_seconds += time.perf_counter() - began
+        failed = [result for result in results if result.error]
+        counts.tool_errors += len(failed)
+        if failed and self.on_error == "end":
+            return f"a tool call failed ({failed[0].content}) and rollout.tool_error=end"
+        unparsed = [{"role": "tool", "name": "", "tool_call_id": f"unparsed_{i}",
+                     "content": f"Error: the tool call could not be parsed: {error}"}
+                    for i, error in enumerate(parsed.errors)]
+        # The assistant's message is the text it sampled, so that the template's rendering of it is what the
+        # model wrote and the conversation stays one token sequence.
+        return [*messages, {"role": "assistant", "content": action}, *tool_result_messages(results), *unparsed]
+
+
+def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:
+    """The `ToolUse` of an environment whose script declares `TOOLS`, under the `rollout` config; else None.
+
+    Args:
+        env: the loaded environment (`RL2.rollout.env.Env`).
+        rollout_cfg: the `rollout` section (tool_parser, tool_timeout, tool_error, tool_call_stop).
+        tokenizer: the policy's tokenizer: its chat template decides the format.
+    """
+    if not getattr(env, "tool_specs", None):
+        return None
+    tools = build_tools(env.tool_specs, env.path, env.call_tool)
+    try:
+        parser = tool_call_parser(rollout_cfg.tool_parser, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"rollout.tool_parser: {e}") from None
+    return ToolUse(tools, env.call_tool, parser, template_renders_tools(tokenizer), rollout_cfg.tool_timeout,
+                   rollout_cfg.tool_error, rollout_cfg.tool_call_stop)
