@@ -67,10 +67,27 @@ def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
+def deviations(x: Tensor, dim: int = -1) -> Tensor:
+    """x - mean(x) along `dim`, exactly 0 along a slice whose values are all equal.
+
+    In floating point the mean of equal values need not equal them (eight float32 0.7s average one
+    ulp above 0.7), and dividing that error by a spread of the same size turns it into a large
+    advantage for the whole group. Measuring every value from the slice's first one first makes an
+    all-equal slice all zeros, and x - mean is shift-invariant, so nothing else changes.
+
+    Args:
+        x: values.
+        dim: the dimension along which the mean is taken.
+    """
+    shifted = x - x.narrow(dim, 0, 1)
+    return shifted - shifted.mean(dim, keepdim=True)
+
+
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x - mean) / (std + eps) over the masked entries of the whole tensor (any shape); 0 where `mask` is 0.
 
-    Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++.
+    Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++. When
+    every masked entry is equal the result is exactly 0 (see `deviations`).
 
     Args:
         x: values.
@@ -78,9 +95,11 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
         eps: added to the standard deviation.
     """
     count = mask.sum().clamp(min=1.0)
-    mean = (x * mask).sum() / count
-    var = ((x - mean).pow(2) * mask).sum() / count
-    return (x - mean) / (var.sqrt() + eps) * mask
+    # Measured from one masked entry (argmax finds the first 1.0) so that equal entries give exact zeros.
+    shifted = x - x.flatten()[mask.flatten().argmax()]
+    centered = shifted - (shifted * mask).sum() / count
+    var = (centered.pow(2) * mask).sum() / count
+    return centered / (var.sqrt() + eps) * mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +141,7 @@ def grpo(scores: Tensor, norm_var: bool) -> Tensor:
 
     A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
     unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
-    or all wrong. A group of one sample gets advantage 0.
+    or all wrong. A group whose scores are all equal (one sample, or every sample alike) gets exactly 0.
 
     Args:
         scores: `[G, n]` the scores of the n samples of each of G prompts.
@@ -131,9 +150,11 @@ def grpo(scores: Tensor, norm_var: bool) -> Tensor:
     Returns:
         `[G, n]` advantages.
     """
-    advantages = scores - scores.mean(-1, keepdim=True)
+    advantages = deviations(scores)
     if norm_var and scores.shape[-1] > 1:
-        advantages = advantages / (scores.std(-1, keepdim=True) + GROUP_STD_EPS)
+        # The std from the same deviations: 0 for an all-equal group, whose advantages are 0 / eps = 0.
+        std = (advantages.pow(2).sum(-1, keepdim=True) / (scores.shape[-1] - 1)).sqrt()
+        advantages = advantages / (std + GROUP_STD_EPS)
     return advantages
 
 
@@ -141,7 +162,8 @@ def rloo(scores: Tensor) -> Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
 
     The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1). A group of one sample gets advantage 0.
+    A_i = s_i - (sum_group - s_i) / (n - 1). A group whose scores are all equal (one sample, or every
+    sample alike) gets exactly 0.
 
     Args:
         scores: `[G, n]` the scores of the n samples of each of G prompts.
@@ -152,6 +174,8 @@ def rloo(scores: Tensor) -> Tensor:
     n = scores.shape[-1]
     if n < 2:
         return torch.zeros_like(scores)
+    # The baseline is shift-invariant: measured from the group's first score, equal scores give exact zeros.
+    scores = scores - scores[..., :1]
     return scores - (scores.sum(-1, keepdim=True) - scores) / (n - 1)
 
 

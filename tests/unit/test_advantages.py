@@ -104,6 +104,41 @@ def test_a_group_of_one_sample_gets_no_advantage():
         torch.testing.assert_close(advantages, torch.zeros(2, 1))
 
 
+# Shaped rewards (0.1 for the format, 0.7 for a partly right answer) are not dyadic: the float32
+# mean of eight equal ones is one ulp off, and dividing that by a std of the same size gave every
+# sample of the group +0.056 (0.7) or -0.0147 (0.2) instead of 0.
+EQUAL_GROUPS = [[0.7] * 8, [0.2] * 8, [0.1] * 8]
+# An ordinary group: mean 3.4 / 8 = 0.425, deviations 0.275, -0.225, -0.325, sum of squares
+# 4 * 0.275^2 + 2 * 0.225^2 + 2 * 0.325^2 = 0.615, unbiased std sqrt(0.615 / 7) (GRPO, eq. of sec. 4.1.2).
+MIXED = [0.7, 0.2, 0.1, 0.7, 0.1, 0.2, 0.7, 0.7]
+MIXED_DEVIATIONS = [0.275, -0.225, -0.325, 0.275, -0.325, -0.225, 0.275, 0.275]
+MIXED_STD = math.sqrt(0.615 / 7)
+
+
+def test_a_group_of_equal_non_dyadic_scores_gets_exactly_zero():
+    scores = _t(EQUAL_GROUPS + [MIXED])
+    for advantages in (grpo(scores, norm_var=True), grpo(scores, norm_var=False), rloo(scores)):
+        assert torch.equal(advantages[:3], torch.zeros(3, 8)), advantages[:3]
+    torch.testing.assert_close(grpo(scores, norm_var=True)[3], _t([d / (MIXED_STD + 1e-6) for d in MIXED_DEVIATIONS]))
+    torch.testing.assert_close(grpo(scores, norm_var=False)[3], _t(MIXED_DEVIATIONS))
+    # RLOO: s_i - (3.4 - s_i) / 7 = (8 s_i - 3.4) / 7 = 8 / 7 of the deviation from the group mean.
+    torch.testing.assert_close(rloo(scores)[3], _t([d * 8 / 7 for d in MIXED_DEVIATIONS]))
+
+
+def test_whitening_equal_non_dyadic_values_gives_exactly_zero():
+    # Eight masked entries (prompt tokens and a gap left out): their float32 mean is one ulp off
+    # `value`, and the old whitening turned 0.7s into 0.856 each.
+    mask = _t([[0.0, 1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]])
+    for value in (0.7, 0.2, 0.1):
+        x = torch.full((2, 6), value)
+        x[0, 0] = 5.0  # unmasked entries take no part
+        assert torch.equal(masked_whiten(x, mask), torch.zeros(2, 6))
+        # REINFORCE++ with gamma = 1 and the same outcome reward on every row: every return is `value`.
+        rewards = torch.zeros(2, 6)
+        rewards[:, -1] = value
+        assert torch.equal(reinforce_plus_plus(rewards, mask, gamma=1.0), torch.zeros(2, 6))
+
+
 # ------------------------------------------------------------------------------------ REINFORCE++
 
 

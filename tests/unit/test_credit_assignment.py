@@ -167,6 +167,22 @@ def test_global_norm_whitens_every_estimator_over_the_sampled_tokens(estimator):
     assert sampled(normed) == [pytest.approx(seq, abs=1e-5) for seq in expected]
 
 
+@pytest.mark.parametrize("estimator,overrides", [
+    ("reinforce", {"norm_var": True}), ("reinforce", {}), ("rloo", {}), ("reinforce", {"global_norm": True}),
+    ("reinforce_plus_plus", {}),
+])
+def test_a_group_of_equal_shaped_rewards_gets_exactly_zero(estimator, overrides):
+    # Sixteen trajectories scored 0.7 each (0.6 for the answer plus 0.1 for the format): the old
+    # float32 group mean was one ulp off, and GRPO's division by the group std gave each +0.056.
+    # REINFORCE++ whitens per-token returns, so there every trajectory is one turn (return 0.7
+    # everywhere); the group estimators score whole trajectories, so the first group has two turns.
+    turns = ([1], dict(rewards=[0.7])) if estimator == "reinforce_plus_plus" else ([2], [1], dict(rewards=[0.6, 0.1]))
+    group = [trajectory(*turns[:-1], **turns[-1]) for _ in range(8)]
+    batch = training_batch([group, [trajectory([1], rewards=[0.7]) for _ in range(8)]])
+    add_advantages(batch, adv_cfg(estimator, **overrides), KL_OFF)
+    assert all(v == 0.0 for seq in sampled(batch) for v in seq), sampled(batch)
+
+
 def test_shaping_is_added_once_per_trajectory():
     cfg = OmegaConf.create({"train_sampling_params": {"max_new_tokens": 4}, "overlong_buffer_len": 2,
                             "overlong_penalty_factor": 1.0, "length_penalty_coef": 0.8})
