@@ -1,0 +1,712 @@
+"""An OpenAI-compatible HTTP endpoint over a rank's inference engine that records what it samples.
+
+Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and
+ART): during a rollout each trajectory gets a session, and its client's `base_url` points at
+`/sessions/{id}/v1` of this server, which runs on the rank's event loop and serves
+
+    POST /sessions/{id}/v1/chat/completions   chat.completion (tools, logprobs, n, stop, seed...)
+    POST /sessions/{id}/v1/completions        text_completion of a text prompt
+    GET  /sessions/{id}/v1/models             the one model served
+
+Every call samples through `engine.generate` (SGLang's `/generate`), and the session's `Trajectory`
+records the exact prompt and sampled token ids with the engine's log-probabilities: the trainer
+trains on those, never on a re-tokenisation of the text the agent sees (see `trajectory.py`).
+
+How calls become sequences. A chat client sends the whole conversation every time, so a call's
+prompt usually extends an earlier call's prompt and answer. As the environment loop does
+(`RL2.rollout.loop.continuation`), the match is made on text: a session keeps, per sequence, its text
+so far; a prompt that starts with it continues that sequence (only the new text is tokenised and
+appended, masked), any other prompt starts a new sequence. For the text to match, an assistant
+message the client sends back must render as exactly what the model sampled: the session maps each
+message it returned (content and tool calls) to the sampled text, and renders such a message as
+that text, without tool calls. An agent that edits its history, or runs several conversations, makes
+several sequences of one trajectory.
+
+Sampling fields OpenAI has and the engine does not implement (penalties, logit_bias,
+response_format, streaming, forced tool calls...) are refused with HTTP 400 naming the field, rather
+than ignored: the policy trained would not be the one the agent asked for.
+"""
+
+import asyncio
+import itertools
+import json
+import math
+import socket
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from RL2.agents.tool_calls import ToolCallParser
+from RL2.agents.tools import render_conversation
+from RL2.engine.protocol import Engine, EngineError
+from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, sample_seed
+from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
+
+# The model id `models.list()` shows; requests may name any model.
+MODEL_ID = "rl2-policy"
+# OpenAI's limit on choices per request; each is an engine request.
+MAX_CHOICES = 128
+# Request bodies carry whole conversations: well above aiohttp's 1 MiB default.
+MAX_BODY_BYTES = 256 * 2**20
+
+# Fields accepted at these values only (OpenAI's defaults), and why other values are refused.
+_CHANGES_SAMPLING = ("would change how the policy samples, which RL2's engine does not do (the trainer "
+                     "trains on what the policy samples as it is)")
+_DEFAULT_ONLY = {
+    "stream": ((False,), "streaming is not implemented; send stream=false"),
+    "top_logprobs": ((None, 0), "the engine returns the sampled tokens' log-probabilities only; send 0"),
+    "presence_penalty": ((0,), _CHANGES_SAMPLING),
+    "frequency_penalty": ((0,), _CHANGES_SAMPLING),
+    "logit_bias": ((None, {}), _CHANGES_SAMPLING),
+    "response_format": ((None, {"type": "text"}), _CHANGES_SAMPLING + "; ask for the format in the prompt"),
+    "prediction": ((None,), _CHANGES_SAMPLING),
+    "reasoning_effort": ((None,), "the chat template decides how the policy reasons"),
+    "functions": ((None, []), "use tools"),
+    "function_call": ((None, "auto", "none"), "use tool_choice 'auto' or 'none'"),
+    "modalities": ((None, ["text"]), "the policy writes text only"),
+    "audio": ((None,), "the policy writes text only"),
+    "web_search_options": ((None,), "the agent runs its own tools"),
+}
+_COMPLETION_DEFAULT_ONLY = {
+    key: _DEFAULT_ONLY[key] for key in ("stream", "presence_penalty", "frequency_penalty", "logit_bias")
+} | {
+    "echo": ((False,), "the prompt is not sent back"),
+    "suffix": ((None,), "the policy writes after the prompt only"),
+    "best_of": ((None, 1), "use n"),
+}
+# Fields that change nothing here (bookkeeping of OpenAI's service, or streaming options).
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls",
+            "safety_identifier", "prompt_cache_key"}
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed",
+             "logprobs"}
+_CHAT_FIELDS = {"messages", "tools", "tool_choice"} | _SAMPLING | _IGNORED | set(_DEFAULT_ONLY)
+_COMPLETION_FIELDS = {"prompt"} | _SAMPLING | _IGNORED | set(_COMPLETION_DEFAULT_ONLY)
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses, answered in OpenAI's error shape.
+
+    Args:
+        message: what is wrong and what to send instead.
+        param: the request field at fault, if one is.
+        status: the HTTP status.
+        code: OpenAI's error code, if it has one for this ("context_length_exceeded").
+    """
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> web.Response:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return web.json_response({"error": error}, status=self.status)
+
+
+@dataclass
+class _Tip:
+    """Where one sequence of a session stands: its text so far (a call's prompt that starts with it
+    continues the sequence) and the special token its last action ended with, if any."""
+
+    sequence: TokenSequence
+    text: str
+    end_text: str
+    turns: int
+
+
+@dataclass
+class _Prompt:
+    """A call's prompt as token ids, and the sequence it continues (`tip`; None: a new sequence)."""
+
+    text: str
+    ids: list[int]
+    tip: _Tip | None = None
+    added: str = ""
+    added_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Call:
+    """A request's sampling, checked.
+
+    Attributes:
+        params: the SGLang sampling params the request sets, over the run's defaults.
+        stops: the request's stop strings (cut from the text it gets back, as OpenAI does).
+        n: choices, each one engine request.
+        logprobs: return the sampled tokens' log-probabilities.
+        seed: the request's own seed (else the session's, if any).
+        model: the model the request named, echoed back.
+    """
+
+    params: dict
+    stops: list[str]
+    n: int
+    logprobs: bool
+    seed: int | None
+    model: str
+
+
+@dataclass
+class _Choice:
+    """One sampled choice: its turn (as recorded) and the stop string or token that ended it."""
+
+    turn: Turn
+    matched: str | int | None
+
+
+class Session:
+    """One trajectory's calls; its agent's client talks to `OpenAIEndpoint.base_url_of(session)`.
+
+    Attributes:
+        id: the id in the session's URL.
+        trajectory: what the calls sampled.
+        sampling_seed: call k samples with `sample_seed(sampling_seed, k)` unless it gives `seed`.
+        error: the engine's failure, if a call met one (the rollout raises it).
+    """
+
+    def __init__(self, session_id: str, sampling_seed: int | None):
+        self.id = session_id
+        self.trajectory = Trajectory(extra_info={})
+        self.sampling_seed = sampling_seed
+        self.error: BaseException | None = None
+        self.closed = False
+        self.calls = 0
+        self._tips: list[_Tip] = []
+        self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
+
+    def prompt(self, text: str, tokenizer) -> _Prompt:
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one."""
+        best, added = None, ""
+        for tip in self._tips:
+            rest = _continuation(tip, text)
+            if rest is not None and (best is None or len(tip.text) > len(best.text)):
+                best, added = tip, rest
+        if best is None:
+            return _Prompt(text, _encode(tokenizer, text))
+        added_ids = _encode(tokenizer, added)
+        return _Prompt(text, best.sequence.input_ids + added_ids, best, added, added_ids)
+
+    def record(self, prompt: _Prompt, turns: list[Turn], tokenizer) -> None:
+        """Add a call's turns, one per choice: the first continues the prompt's sequence, if it still can,
+        the others (and the first when another call continued that sequence meanwhile) start their own."""
+        for i, turn in enumerate(turns):
+            tip = prompt.tip if i == 0 else None
+            if tip is not None and tip.turns == len(tip.sequence.turns):
+                last = tip.sequence.turns[-1]
+                last.env_text, last.env_ids = prompt.added, list(prompt.added_ids)
+                tip.sequence.turns.append(turn)
+            else:
+                self.trajectory.start_sequence(prompt.text, prompt.ids)
+                self.trajectory.add_turn(turn)
+                tip = _Tip(self.trajectory.sequences[-1], "", "", 0)
+                self._tips.append(tip)
+            tip.text = prompt.text + turn.action_text
+            tip.end_text = _end_text(tokenizer, turn.action_ids)
+            tip.turns = len(tip.sequence.turns)
+
+    def remember(self, message: dict, sampled_text: str) -> None:
+        """A returned assistant message renders as `sampled_text` when the client sends it back."""
+        self._sampled.setdefault(_message_key(message), sampled_text)
+
+    def as_sampled(self, messages: list[dict]) -> list[dict]:
+        """The conversation with each assistant message this session returned as its sampled text."""
+        out = []
+        for message in messages:
+            if message.get("role") == "assistant":
+                sampled = self._sampled.get(_message_key(message))
+                if sampled is not None:
+                    message = {"role": "assistant", "content": sampled}
+            out.append(message)
+        return out
+
+
+class OpenAIEndpoint:
+    """An OpenAI-compatible HTTP server on 127.0.0.1 over one inference engine, recording per session.
+
+    Args:
+        engine: serves SGLang `/generate` payloads (the embedded engine, or SGLang servers).
+        tokenizer: the policy's tokenizer (chat template, tokenising prompts, decoding actions).
+        parser: the tool-call format the model writes; parses the calls of requests that have tools.
+        native_tools: the chat template renders tools itself (else RL2's tool system prompt is used,
+            see `RL2.agents.tools.render_conversation`).
+        default_sampling: the run's SGLang sampling params (`rollout.train_sampling_params`); a
+            request's fields override them.
+        max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
+            left. None: no limit.
+        stop_after_call: a request with tools stops at the format's end of a call (`parser.call_end`),
+            so that the model's own guess of the result is never sampled (`rollout.tool_call_stop`).
+    """
+
+    def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
+                 default_sampling: dict, max_total_tokens: int | None, stop_after_call: bool = True):
+        self.engine, self.tokenizer, self.parser = engine, tokenizer, parser
+        self.native_tools, self.stop_after_call = native_tools, stop_after_call
+        self.default_sampling = dict(default_sampling)
+        self.max_total_tokens = max_total_tokens
+        self._sessions: dict[str, Session] = {}
+        self._ids = itertools.count()
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port: int | None = None
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Serve on a free port of 127.0.0.1, on the running event loop (once; again after `stop`)."""
+        loop = asyncio.get_running_loop()
+        if self._runner is not None:
+            if loop is not self._loop:
+                raise RuntimeError("the OpenAI endpoint serves on the event loop it was started on; "
+                                   "stop() it there before starting it on another one")
+            return
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
+        app.router.add_route("*", "/{path:.*}", self._unknown_path)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        self._runner, self._loop, self.port = runner, loop, sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop serving; every session is closed."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for session in self._sessions.values():
+            session.closed = True
+        self._sessions.clear()
+        self._runner = self._loop = self.port = None
+
+    def open_session(self, sampling_seed: int | None = None) -> Session:
+        """A new session, holding an empty trajectory.
+
+        Args:
+            sampling_seed: call k of the session samples with `sample_seed(sampling_seed, k)` (its
+                choice j > 0 with `sample_seed(that, j)`) unless the request gives `seed`.
+        """
+        session = Session(str(next(self._ids)), sampling_seed)
+        self._sessions[session.id] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Forget a session: later calls get 404, and calls still in flight record nothing."""
+        session.closed = True
+        self._sessions.pop(session.id, None)
+
+    def base_url_of(self, session: Session) -> str:
+        """The base URL to give `openai.AsyncOpenAI(base_url=..., api_key=...)` for this session."""
+        if self.port is None:
+            raise RuntimeError("the OpenAI endpoint is not serving; await endpoint.start() first")
+        return f"http://127.0.0.1:{self.port}/sessions/{session.id}/v1"
+
+    # ---- routes ----
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request)
+            body = await _json_body(request)
+            call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
+            schemas, parsing = _tools(body)
+            messages = session.as_sampled(_messages(body))
+            try:
+                text = render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
+            except Exception as e:  # the agent's messages, which the chat template may reject
+                raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                   "messages") from e
+            prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None)
+            if session.closed:
+                raise RequestError(f"session {session.id} was closed while the call ran", status=404)
+            return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
+        except RequestError as e:
+            return e.response()
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request)
+            body = await _json_body(request)
+            call = _parse_call(body, _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, None)
+            call.logprobs = _completion_logprobs(body.get("logprobs"))
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise RequestError(f"prompt must be a non-empty string, not {_show(prompt)}; send one prompt "
+                                   f"per request", "prompt")
+            prompt, choices, k = await self._sample(session, prompt, call, "prompt", None)
+            if session.closed:
+                raise RequestError(f"session {session.id} was closed while the call ran", status=404)
+            return web.json_response(self._completion_response(session, k, prompt, choices, call))
+        except RequestError as e:
+            return e.response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session(request)
+        except RequestError as e:
+            return e.response()
+        model = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "rl2"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _unknown_path(self, request: web.Request) -> web.Response:
+        return RequestError(
+            f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
+            f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
+            f"/sessions/<id>/v1/models", status=404,
+        ).response()
+
+    def _session(self, request: web.Request) -> Session:
+        session = self._sessions.get(request.match_info["sid"])
+        if session is None:
+            raise RequestError(f"session {request.match_info['sid']} does not exist (it ended, or its rollout "
+                               f"is over); use the base_url the rollout gave this run", status=404)
+        if session.error is not None:  # the engine failed: the rollout is stopping
+            raise RequestError(f"the inference engine failed: {session.error}", status=500)
+        return session
+
+    # ---- sampling ----
+
+    async def _sample(self, session: Session, text: str, call: _Call, prompt_field: str,
+                      parser: ToolCallParser | None) -> tuple[_Prompt, list[_Choice], int]:
+        """Sample a call's choices after `text` and record them on the session's trajectory; also returns
+        the call's number in the session."""
+        prompt = session.prompt(text, self.tokenizer)
+        params = self._params(call, len(prompt.ids), prompt_field, parser)
+        k, session.calls = session.calls, session.calls + 1
+        seed = call.seed
+        if seed is None and session.sampling_seed is not None:
+            seed = sample_seed(session.sampling_seed, k)
+        start = time.perf_counter()
+        choices = await asyncio.gather(*(
+            self._generate(session, prompt.ids, params if seed is None else
+                           {**params, "sampling_seed": seed if j == 0 else sample_seed(seed, j)})
+            for j in range(call.n)
+        ))
+        session.trajectory.generate_seconds += time.perf_counter() - start
+        if not session.closed:  # a run that timed out is over: what its last calls sample is not its
+            session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
+        return prompt, choices, k
+
+    def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
+        """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
+        params = {**self.default_sampling, **call.params}
+        if parser is not None and parser.call_end and self.stop_after_call:
+            # The action ends right after a call, as the environment loop samples tool calls.
+            stops = params.get("stop") or []
+            stops = [stops] if isinstance(stops, str) else list(stops)
+            params["stop"] = stops if parser.call_end in stops else [*stops, parser.call_end]
+        requested = params.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+        if self.max_total_tokens is not None:
+            room = self.max_total_tokens - prompt_len
+            if room < 1:
+                raise RequestError(
+                    f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                    f"max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten the "
+                    f"conversation", prompt_field, code="context_length_exceeded",
+                )
+            requested = min(requested, room)
+        params["max_new_tokens"] = requested
+        return params
+
+    async def _generate(self, session: Session, ids: list[int], params: dict) -> _Choice:
+        """One choice; an action an engine pause cut short (another client of a shared server) is
+        sampled on, as `RL2.rollout.loop` resumes it, rather than returned cut."""
+        out_ids, out_logps, idle = [], [], 0
+        while True:
+            left = params["max_new_tokens"] - len(out_ids)
+            if left < 1:  # cut at its very last token
+                reason = {"type": "length"}
+                break
+            payload = {"input_ids": ids + out_ids, "sampling_params": {**params, "max_new_tokens": left},
+                       "return_logprob": True}
+            try:
+                meta = (await self.engine.generate(payload))["meta_info"]
+                pairs = meta["output_token_logprobs"]
+                reason = meta["finish_reason"]
+            except Exception as e:  # the engine, not the agent, failed: the rollout must stop
+                if isinstance(e, KeyError):
+                    e = EngineError(f"the engine's response has no meta_info.{e.args[0]}; it must answer as "
+                                    f"SGLang's /generate with return_logprob")
+                if session.error is None:
+                    session.error = e
+                raise RequestError(f"the inference engine failed: {type(e).__name__}: {e}", status=500) from e
+            out_ids += [int(token) for _, token, _ in pairs]
+            out_logps += [float(logp) for logp, _, _ in pairs]
+            if reason["type"] != "abort":
+                break
+            idle = 0 if pairs else idle + 1
+            if idle == MAX_IDLE_RESUMES:
+                error = EngineError(f"the engine aborted a request {idle} times in a row before it sampled a token")
+                session.error = session.error or error
+                raise RequestError(f"the inference engine failed: {error}", status=500)
+        matched = reason.get("matched")
+        return _Choice(Turn(out_ids, out_logps, action_text(self.tokenizer, out_ids, matched), reason["type"]),
+                       matched)
+
+    # ---- responses ----
+
+    def _chat_response(self, session: Session, k: int, prompt: _Prompt, choices: list[_Choice], call: _Call,
+                       parsing: bool) -> dict:
+        out = []
+        for j, choice in enumerate(choices):
+            text = _returned_text(choice, call.stops)
+            message, parsed = assistant_message(text, self.parser if parsing else None, f"{k}_{j}")
+            if parsed is not None:
+                session.trajectory.tool_calls += len(parsed.calls)
+                session.trajectory.parse_errors += len(parsed.errors)
+            session.remember(message, choice.turn.action_text)
+            finish = "tool_calls" if message.get("tool_calls") else _finish_reason(choice.turn)
+            logprobs = {"content": self._token_logprobs(choice.turn), "refusal": None} if call.logprobs else None
+            out.append({"index": j, "message": message, "finish_reason": finish, "logprobs": logprobs})
+        return {"id": f"chatcmpl-{session.id}-{k}", "object": "chat.completion",
+                "created": int(time.time()), "model": call.model, "choices": out,
+                "usage": _usage(prompt, choices)}
+
+    def _completion_response(self, session: Session, k: int, prompt: _Prompt, choices: list[_Choice],
+                             call: _Call) -> dict:
+        out = []
+        for j, choice in enumerate(choices):
+            logprobs = None
+            if call.logprobs:
+                tokens = self._token_strings(choice.turn.action_ids)
+                offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=len(prompt.text)))
+                logprobs = {"tokens": tokens, "token_logprobs": choice.turn.action_logps, "top_logprobs": None,
+                            "text_offset": offsets if tokens else []}
+            out.append({"index": j, "text": _returned_text(choice, call.stops),
+                        "finish_reason": _finish_reason(choice.turn), "logprobs": logprobs})
+        return {"id": f"cmpl-{session.id}-{k}", "object": "text_completion",
+                "created": int(time.time()), "model": call.model, "choices": out,
+                "usage": _usage(prompt, choices)}
+
+    def _token_logprobs(self, turn: Turn) -> list[dict]:
+        return [{"token": token, "logprob": logp, "bytes": list(token.encode()), "top_logprobs": []}
+                for token, logp in zip(self._token_strings(turn.action_ids), turn.action_logps, strict=True)]
+
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode([[token] for token in ids])
+
+
+def assistant_message(text: str, parser: ToolCallParser | None, call_tag: str = "0"):
+    """The assistant message OpenAI's API returns for a sampled text.
+
+    With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`) and the rest
+    `content` (None when empty). A text holding a call block that does not parse is all content, with
+    no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.
+
+    Args:
+        text: the sampled text (without the request's stop string).
+        parser: the run's tool-call format; None when the request has no tools or tool_choice "none".
+        call_tag: makes the calls' ids unique in the session.
+
+    Returns:
+        (message, the parsed action or None without a parser).
+    """
+    if parser is None:
+        return {"role": "assistant", "content": text}, None
+    parsed = parser.parse(text)
+    if parsed.errors or not parsed.calls:
+        return {"role": "assistant", "content": text}, parsed
+    calls = [{"id": f"call_{call_tag}_{i}", "type": "function",
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+             for i, c in enumerate(parsed.calls)]
+    return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, parsed
+
+
+# ---- matching prompts to sequences ----
+
+
+def _continuation(tip: _Tip, text: str) -> str | None:
+    """The text a prompt adds after a sequence, or None when it does not extend it.
+
+    A chat template re-rendering the conversation writes the end-of-turn token the action already
+    sampled (an action's text skips special tokens); then the prompt must go on with exactly that
+    token, which is not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on
+    otherwise does not extend the tokens sampled, whatever its text.
+    """
+    prefix = tip.text + tip.end_text
+    return text[len(prefix):] if text.startswith(prefix) else None
+
+
+def _end_text(tokenizer, action_ids: list[int]) -> str:
+    last = action_ids[-1:]
+    return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
+
+
+def _message_key(message: dict) -> str:
+    """An assistant message as the client may send it back: content, and calls with arguments compared as JSON."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        function = function if isinstance(function, dict) else {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append([function.get("name"), arguments])
+    return json.dumps([_text_of(message.get("content")), calls], sort_keys=True, default=str)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # Chat templates write their special tokens (and BOS, if any) into the text itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- reading requests ----
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_show(body)}")
+    return body
+
+
+def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field: str | None) -> _Call:
+    """A request's sampling fields, checked; unknown fields and unsupported values are refused."""
+    for key in body:
+        if key not in known:
+            raise RequestError(f"unknown field {key!r}; RL2's endpoint takes {', '.join(sorted(known))}", key)
+    for key, (accepted, why) in default_only.items():
+        value = body.get(key)
+        if value is not None and value not in accepted:
+            raise RequestError(f"{key}={_show(value)} is not supported: {why}; or leave {key} out", key)
+    params = {}
+    for key, name, low, high, integer in (("temperature", "temperature", 0.0, None, False),
+                                          ("top_p", "top_p", 0.0, 1.0, False), ("min_p", "min_p", 0.0, 1.0, False),
+                                          ("top_k", "top_k", -1, None, True)):
+        value = _number(body, key, low, high, integer)
+        if value is not None:
+            params[name] = value
+    if params.get("top_p") == 0:
+        raise RequestError("top_p=0 keeps no token; give a value in (0, 1]", "top_p")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, 1, None, True)
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    stops = _stops(body.get("stop"))
+    if body.get("stop") is not None:
+        params["stop"] = stops
+    n = _number(body, "n", 1, MAX_CHOICES, True)
+    seed = _number(body, "seed", None, None, True)
+    logprobs = body.get(logprobs_field) if logprobs_field else None
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs must be true or false, not {_show(logprobs)}", "logprobs")
+    if body.get("top_logprobs") and not logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    model = body.get("model")
+    model = model if isinstance(model, str) else MODEL_ID
+    return _Call(params, stops, 1 if n is None else n, bool(logprobs), seed, model)
+
+
+def _number(body: dict, key: str, low: float | None, high: float | None, integer: bool) -> float | int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        raise RequestError(f"{key}={_show(value)} is not {'an integer' if integer else 'a number'}", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise RequestError(f"{key}={value} must be {bounds}", key)
+    return value
+
+
+def _stops(stop: object) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them, not {_show(stop)}", "stop")
+    return stops
+
+
+def _completion_logprobs(value: object) -> bool:
+    """/v1/completions' `logprobs` is the number of alternatives per token: 0 returns the sampled
+    tokens' log-probabilities, alternatives are not computed."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, int) or value != 0:
+        raise RequestError(f"logprobs={_show(value)} is not supported: the engine returns the sampled tokens' "
+                           f"log-probabilities only; send logprobs=0 (or leave it out)", "logprobs")
+    return True
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """The request's tool schemas (None without tools), and whether to parse calls out of the answer."""
+    tools, choice = body.get("tools") or None, body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise RequestError('tools must be a list of {"type": "function", "function": {"name": ..., '
+                               '"parameters": ...}}', "tools")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(f"tool_choice={_show(choice)} is not supported: the policy is sampled as it is, and "
+                           f"nothing forces it to call a tool; send 'auto' (or 'none') and check its answer",
+                           "tool_choice")
+    return tools, tools is not None and choice != "none"
+
+
+def _messages(body: dict) -> list[dict]:
+    """The request's messages, each content as one string (the chat template's input)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"messages must be a non-empty list of messages, not {_show(messages)}", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user",
+                                                                          "assistant", "tool"):
+            raise RequestError(f"messages[{i}] must be an object with role system, developer, user, assistant "
+                               f"or tool, not {_show(message)}", f"messages[{i}]")
+        message = {key: value for key, value in message.items() if value is not None}
+        if message["role"] == "developer":  # OpenAI's newer name for system
+            message["role"] = "system"
+        if "content" in message:
+            try:
+                message["content"] = _text_of(message["content"])
+            except ValueError as e:
+                raise RequestError(f"messages[{i}].content: {e}", f"messages[{i}].content") from None
+        out.append(message)
+    return out
+
+
+def _text_of(content: object) -> str:
+    """A message's content as text: a string, or a list of text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(part["text"] for part in content)
+    raise ValueError(f"{_show(content)} is neither a string nor a list of text parts; the policy reads text only")
+
+
+def _returned_text(choice: _Choice, stops: list[str]) -> str:
+    """The text the client gets: without the request's stop string that ended it, as OpenAI returns it
+    (the sampled text, and the tokens trained, keep it)."""
+    text = choice.turn.action_text
+    if isinstance(choice.matched, str) and choice.matched in stops and text.endswith(choice.matched):
+        return text[: -len(choice.matched)]
+    return text
+
+
+def _finish_reason(turn: Turn) -> str:
+    return "length" if turn.finish_reason == "length" else "stop"
+
+
+def _usage(prompt: _Prompt, choices: list[_Choice]) -> dict:
+    completion = sum(len(choice.turn.action_ids) for choice in choices)
+    return {"prompt_tokens": len(prompt.ids), "completion_tokens": completion,
+            "total_tokens": len(prompt.ids) + completion}
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
