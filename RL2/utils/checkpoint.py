@@ -42,19 +42,52 @@ def atomic_dir(path: str | Path):
     os.replace(tmp, path)
 
 
+# ---- RNG state: tensors and plain numbers only, so that a resume reads it with weights_only=True ----
+
+
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers.
+
+    `torch.load(weights_only=True)` reads them back and runs no code from the file. A pickled object
+    (NumPy's state tuple holds an ndarray) would need `weights_only=False`, under which a planted
+    `rng_rank*.pt` runs whatever it names at resume.
+    """
+    version, mt, gauss = random.getstate()
+    numpy = np.random.get_state(legacy=False)  # MT19937: {"state": {"key", "pos"}, "has_gauss", "gauss"}
+    state = {
+        "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)), "pos": int(numpy["state"]["pos"]),
+                  "has_gauss": int(numpy["has_gauss"]), "gauss": float(numpy["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore the streams `rng_state` returned."""
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["mt"].tolist()), python["gauss"]))
+    np.random.set_state({"bit_generator": "MT19937",
+                         "state": {"key": numpy["key"].numpy().astype(np.uint32), "pos": numpy["pos"]},
+                         "has_gauss": numpy["has_gauss"], "gauss": numpy["gauss"]})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_rng_state(path: Path) -> dict:
+    """The state in RNG file `path` (`rng_rank<r>.pt`), read with weights_only=True: nothing in it runs."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # UnpicklingError for a pickled object; RuntimeError, EOFError for a damaged file
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"trainer.load_ckpt_from: {path} holds more than random-number state in tensors "
+                          f"({type(e).__name__}: {reason}), so it is not loaded: it was written by an older RL2, "
+                          f"damaged or planted. It holds only this rank's random streams: delete it to resume "
+                          f"without them (weights and optimizer still load), or resume from another "
+                          f"checkpoint") from None
 
 
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict) -> Path:
@@ -137,5 +170,5 @@ def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | No
     source = dist.get_global_rank(rng_group, 0) if rng_group is not None else dist.get_rank()
     rng_file = path / f"rng_rank{source}.pt"
     if rng_file.exists():  # absent when resuming on a different number of ranks
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_state(rng_file))
     return json.loads((path / COMPLETE).read_text())
