@@ -42,10 +42,14 @@ class Agent:
     Attributes:
         path: the script.
         run_fn: its `run` coroutine function.
+        reset_fn, tool_specs: what an environment script may define and an agent never does (its runs start
+            from the row's prompt, and it runs its own tools), so that a trainer reads either alike.
     """
 
     path: str
     run_fn: Callable[[openai.AsyncOpenAI, dict], Awaitable[float | dict]]
+    reset_fn = None
+    tool_specs = ()
 
 
 def load_agent(path: str) -> Agent:

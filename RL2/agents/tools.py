@@ -299,7 +299,7 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
                                              tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer.apply_chat_template(_fallback_messages(messages, schemas, parser), tokenize=False,
+    return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 
 
@@ -314,7 +314,9 @@ def _native_message(message: dict) -> dict:
     return message
 
 
-def _fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
+def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
+    """OpenAI-style messages with tools as plain chat messages in RL2's default format (what
+    `render_conversation` renders for a template that shows no tools; also SFT data for such a model)."""
     out = []
     for is_tool, run in itertools.groupby(messages, key=lambda m: m["role"] == "tool"):
         if is_tool:

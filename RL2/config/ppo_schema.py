@@ -38,6 +38,8 @@ class RolloutConfig:
     max_turns: int = opt(1, "the most actions of one trajectory")
     max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
     env_timeout: float | None = opt(None, "seconds one environment step may take before the trajectory fails")
+    agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, client an openai.AsyncOpenAI served by the rollout engine, instead of rollout.env_path: every call's tokens are recorded, one run is one trajectory")
+    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its trajectory fails")
     tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a RL2.agents.tool_calls.ToolCallParser)")
     tool_timeout: float | None = opt(60.0, "seconds one tool call may take; one that takes longer gives the model an error result")
     tool_error: str = opt("observe", "a tool call that cannot be parsed, names no tool or fails: observe (the model gets the error as the result) | end (the trajectory ends as a fault)", choices=("observe", "end"))
@@ -167,6 +169,9 @@ def check_ppo_config(cfg) -> None:
     if rollout.max_sampling_rounds < 1:
         raise ConfigError("rollout.max_sampling_rounds must be at least 1")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
+    if rollout.agent_path and rollout.partial_rollout:
+        raise ConfigError("rollout.partial_rollout pauses and resumes environment trajectories; an agent script's run "
+                          "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")
     if cfg.adv.estimator in ("reinforce", "rloo") and cfg.rollout.responses_per_prompt < 2:
         raise ConfigError(
             f"adv.estimator={cfg.adv.estimator} compares responses to the same prompt; "
@@ -184,6 +189,8 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     """
     if rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
+    if rollout.get("agent_path") and rollout.get("reward_fn"):
+        raise ConfigError("rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
         if params.max_new_tokens < 1:

@@ -29,7 +29,7 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
     return columns | extra_info
 
 
-def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None):
+def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, keep_messages: bool = False):
     """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`.
 
     Args:
@@ -38,6 +38,7 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None):
             `prompt` None, and `reset(extra_info)` makes its first state at rollout time.
         tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: the prompt shows
             them, and the row keeps its chat messages as `messages` (tool results are appended to them).
+        keep_messages: the row keeps its chat messages as `messages` anyway (an agent script gets them).
     """
 
     def for_split(split_cfg):
@@ -54,7 +55,7 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None):
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > split_cfg.max_length:
                 raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
-            kept = {"messages": context} if tool_use is not None else {}
+            kept = {"messages": context} if tool_use is not None or keep_messages else {}
             return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)} | kept
 
         return tokenize_row

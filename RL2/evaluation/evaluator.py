@@ -28,7 +28,7 @@ from RL2.rollout.env import Env
 from RL2.rollout.loop import sample_seed
 from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory
-from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
+from RL2.rollout.worker import RolloutWorker, is_agent, load_rollout_env, rollout_seed
 from RL2.trainer.base import quiet_third_party_progress
 from RL2.utils.logging import is_rank0, log_rank0
 from RL2.workers.fsdp import load_tokenizer
@@ -72,7 +72,7 @@ class Evaluator:
         self.cfg = cfg
         # Bad input fails before any process group or engine is started.
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
-        self.uses_tools = bool(self.env.tool_specs)
+        self.uses_tools = bool(self.env.tool_specs) or is_agent(self.env)
         self.rows = load_table(cfg.data.test.path)
         if cfg.data.max_prompts is not None:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
@@ -131,7 +131,8 @@ class Evaluator:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
         tool_use = tool_use_of(self.env, engine_config(self.cfg.rollout), tokenizer)
-        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None, tool_use=tool_use)
+        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None, tool_use=tool_use,
+                                        keep_messages=is_agent(self.env))
         prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")

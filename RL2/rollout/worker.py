@@ -34,11 +34,12 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
+from RL2.agents.tool_calls import tool_call_parser
 from RL2.agents.tool_use import tool_use_of
+from RL2.agents.tools import template_renders_tools
 from RL2.engine import start_engine
 from RL2.engine.protocol import EngineError
 from RL2.engine.shared_memory_gather import SharedMemoryGather
@@ -76,11 +77,25 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def load_rollout_env(rollout_cfg) -> Env:
-    """The environment of a run: `rollout.reward_fn` wrapped as a one-turn environment, else the
-    script at `rollout.env_path`; an error names the key (`load_reward_env`'s name rollout.reward_fn)."""
+def is_agent(env) -> bool:
+    """Whether what `load_rollout_env` gave is an agent script (`RL2.agents.agent.Agent`): anything that is not
+    an environment. (The agent's modules, which need openai and aiohttp, are imported only for agents.)"""
+    return not isinstance(env, Env)
+
+
+def load_rollout_env(rollout_cfg):
+    """The environment of a run: `rollout.reward_fn` wrapped as a one-turn environment, the agent script
+    at `rollout.agent_path`, else the script at `rollout.env_path`; an error names the key
+    (`load_reward_env`'s name rollout.reward_fn)."""
     if rollout_cfg.reward_fn:
         return load_reward_env(rollout_cfg.reward_fn)
+    if rollout_cfg.get("agent_path"):
+        from RL2.agents.agent import load_agent
+
+        try:
+            return load_agent(rollout_cfg.agent_path)
+        except EnvError as e:
+            raise EnvError(f"rollout.agent_path={rollout_cfg.agent_path}: {e}") from None
     try:
         return load_env(rollout_cfg.env_path)
     except EnvError as e:
@@ -93,13 +108,14 @@ def engine_sampling_params(params) -> dict:
     Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
     the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
     """
-    params = OmegaConf.to_container(params) if isinstance(params, DictConfig) else dict(params)
+    params = dict(params.items())  # a config section holds lists as its own list type: made plain below
     params.pop("no_stop_trim", None)
     stop = params.pop("stop", None)
     if stop:
-        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if not params.get("stop_token_ids"):
-        params.pop("stop_token_ids", None)
+        params["stop"] = [stop] if isinstance(stop, str) else [str(s) for s in stop]
+    stop_token_ids = params.pop("stop_token_ids", None)
+    if stop_token_ids:
+        params["stop_token_ids"] = [int(token) for token in stop_token_ids]
     return params
 
 
@@ -225,11 +241,18 @@ class RolloutWorker:
         # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
         self.max_total_tokens = rollout_cfg.max_total_tokens or context_length(
             resolve_model_path(model_cfg.model_name), rollout_cfg.server_args)
+        self.endpoint = None
+        if is_agent(self.env):  # its calls reach this rank's engine through an OpenAI endpoint
+            from RL2.agents.openai_server import OpenAIEndpoint
+
+            parser = tool_call_parser(rollout_cfg.tool_parser, tokenizer)
+            self.endpoint = OpenAIEndpoint(self.engine, tokenizer, parser, template_renders_tools(tokenizer), {},
+                                           self.max_total_tokens, rollout_cfg.tool_call_stop)
 
     @property
     def uses_tools(self) -> bool:
         """The policy may call tools: the rollout's tool metrics mean something."""
-        return self.tool_use is not None
+        return self.tool_use is not None or self.endpoint is not None
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
@@ -242,10 +265,8 @@ class RolloutWorker:
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
-        groups = self._on_this_rank(seed, lambda: rollout_batch(
-            self.engine, self.env, self.tokenizer, [prompts[i] for i in mine], responses_per_prompt,
-            self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
-            self.tool_use,
+        groups = self._on_this_rank(seed, lambda: self._rollout_batch(
+            [prompts[i] for i in mine], self._sampling_params(sampling_params), responses_per_prompt,
         ) if mine else _nothing([]))
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
@@ -270,6 +291,16 @@ class RolloutWorker:
         ) if n_needed else _nothing(([], [], [])))
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
+
+    def _rollout_batch(self, prompts: list[dict], sampling_params: dict, responses_per_prompt: int):
+        """The coroutine rolling out `prompts` on this rank: an agent's runs, or environment trajectories."""
+        if self.endpoint is not None:
+            from RL2.agents.agent import agent_rollout_batch
+
+            self.endpoint.default_sampling = sampling_params
+            return agent_rollout_batch(self.endpoint, self.env, prompts, responses_per_prompt, self.cfg.agent_timeout)
+        return rollout_batch(self.engine, self.env, self.tokenizer, prompts, responses_per_prompt, sampling_params,
+                             self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout, self.tool_use)
 
     def _sampling_params(self, sampling_params) -> dict:
         params = engine_sampling_params(sampling_params)

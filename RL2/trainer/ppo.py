@@ -23,7 +23,7 @@ from RL2.rollout.env import Env
 from RL2.rollout.loop import filter_groups
 from RL2.rollout.metrics import COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples
 from RL2.rollout.trajectory import Trajectory, training_batch
-from RL2.rollout.worker import RolloutWorker, load_rollout_env, rollout_seed
+from RL2.rollout.worker import RolloutWorker, is_agent, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
@@ -51,7 +51,8 @@ class PPOTrainer(Trainer):
         self.tokenizer = load_tokenizer(cfg.actor)
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
         env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
-        make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer))
+        make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer),
+                                        keep_messages=is_agent(self.env))
         self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)

@@ -1,5 +1,5 @@
-"""The lent GPU machines have torch and transformers but not omegaconf, datasets or wandb: the CUDA
-test suite, the GPU benchmark and the modules they reach must import without them."""
+"""The lent GPU machines have torch and transformers but not omegaconf, datasets, wandb, openai or aiohttp:
+the CUDA test suite, the GPU benchmark and the modules they reach must import without them."""
 
 import subprocess
 import sys
@@ -15,7 +15,7 @@ MODULES = ["RL2", "RL2.workers.fsdp", "RL2.rollout.worker", "RL2.engine.embedded
 # libraries such as transformers probe) and importing them fails.
 PROGRAM = f"""
 import importlib, importlib.util, sys
-MISSING = ("omegaconf", "datasets", "wandb")
+MISSING = ("omegaconf", "datasets", "wandb", "openai", "aiohttp")
 real_find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] in MISSING else real_find_spec(name, *a, **k)
 class Missing:
@@ -28,6 +28,6 @@ for module in {MODULES!r}:
 """
 
 
-def test_the_gpu_suite_imports_without_omegaconf_datasets_or_wandb():
+def test_the_gpu_suite_imports_without_omegaconf_datasets_wandb_openai_or_aiohttp():
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
