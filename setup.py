@@ -24,6 +24,9 @@ setup(
         "accelerate",
         # The learning-curve PNG of every run.
         "matplotlib",
+        # Agents: the OpenAI-compatible endpoint each rank serves during rollouts, and the client agents use.
+        "aiohttp",
+        "openai",
     ],
     extras_require={
         # Optional kernels: without them attention runs torch's own varlen kernel or exact SDPA.
