@@ -154,6 +154,9 @@ def check_run_sections(cfg) -> None:
         value = trainer.get(key)
         if value is not None and value < 0:
             raise ConfigError(f"trainer.{key}={value}; give a number of steps (null or 0: never)")
+    keep = trainer.get("keep_last_n")
+    if keep is not None and keep < 1:
+        raise ConfigError(f"trainer.keep_last_n={keep}; keep at least 1 checkpoint (the latest), or null to keep all")
 
 
 @dataclass
@@ -164,6 +167,7 @@ class TrainerConfig:
     total_steps: int | None = opt(None, "stop after this many optimizer steps (default: n_epochs worth)")
     save_dir: str = opt("ckpts/${trainer.experiment_name}", "folder for checkpoints, metrics.jsonl and final models")
     save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps (null or 0: never)")
+    keep_last_n: int | None = opt(None, "keep only the newest this many step checkpoints in save_dir, never the one latest.txt names (null: keep all)")
     load_ckpt_from: str | None = opt(None, "resume from 'latest' (in save_dir) or a step<N> folder")
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
     use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard (pip install tensorboard)")

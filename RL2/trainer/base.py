@@ -14,7 +14,7 @@ from RL2.datasets.loading import DataError
 from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 from RL2.rollout.env import EnvError
-from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
 
@@ -39,6 +39,8 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_memory()  # tensors of the same sizes come and go every step; before any thread starts
         init_distributed(self.device)
+        # Before anything is written there: a second run with this save_dir stops here, naming the first.
+        self.release_save_dir = claim_save_dir(cfg.trainer.save_dir)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
@@ -108,7 +110,13 @@ class Trainer:
         self.sink.truncate_after(step)
 
     def run(self, n_steps: int) -> None:
-        """The loop: train, log, evaluate, save; then export the final models."""
+        """The loop: train, log, evaluate, save; then export the final models. Releases trainer.save_dir."""
+        try:
+            self._run(n_steps)
+        finally:
+            self.release_save_dir()
+
+    def _run(self, n_steps: int) -> None:
         trainer = self.cfg.trainer
         start = self.resume(n_steps)
         if trainer.eval_only:
@@ -132,7 +140,7 @@ class Trainer:
             self.sink.log(metrics, step)
             progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k.endswith("loss")})
             if trainer.save_freq and step % trainer.save_freq == 0:
-                save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state())
+                save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state(), trainer.keep_last_n)
                 self.save_learning_curve()  # a long run shows its curve so far
         self.save_final()
         self.save_learning_curve()

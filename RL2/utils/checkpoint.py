@@ -1,16 +1,27 @@
-"""Resumable checkpoints, written atomically.
+"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time.
 
 `<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG
 state and `trainer_state.json` (step and anything else the trainer needs to continue). Everything
 is written to a hidden temporary folder first and renamed into place at the end, so a crash
-mid-save leaves the last complete checkpoint as it was.
+mid-save leaves the last complete checkpoint as it was; a save that fails removes its temporary
+folder. The small files (`trainer_state.json`, `latest.txt`) and the renames are fsynced, so a
+power loss right after a save does not leave `latest.txt` naming a folder the disk never got.
+
+`<save_dir>/run.lock` names the run that writes there (`claim_save_dir`): two runs with one save_dir
+would overwrite each other's checkpoints and `latest.txt`, and a resume could load the other run's
+weights.
 """
 
+import atexit
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,25 +32,58 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from RL2.config.errors import ConfigError
+from RL2.utils.logging import log_rank0
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
 # The newest checkpoint this save_dir's runs wrote: after a resume from an older step, the folders
 # of later steps the earlier run left are not what `latest` means.
 LATEST = "latest.txt"
+LOCK = "run.lock"
 
 
 @contextmanager
 def atomic_dir(path: str | Path):
-    """Yield a temporary folder that replaces `path` only if the block finishes (single process)."""
+    """Yield a temporary folder that replaces `path` only if the block finishes (single process); if it
+    fails, the temporary folder is removed (a full disk is left no fuller than before)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
-    if path.exists():
-        shutil.rmtree(path)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:  # KeyboardInterrupt and torch's CheckpointException too
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder `path` (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write `text` to `path` and fsync the file."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_synced(path: Path, text: str) -> None:
+    """Replace `path` by a file holding `text`, atomically and durably: readers see the old file or the
+    new one, never a half-written one, and after a power loss the new one if this returned."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_synced(tmp, text)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 # ---- RNG state: tensors and plain numbers only, so that a resume reads it with weights_only=True ----
@@ -90,28 +134,240 @@ def load_rng_state(path: Path) -> dict:
                           f"checkpoint") from None
 
 
-def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict) -> Path:
-    """Collective: every rank writes its shards. Returns the final folder."""
+# ---- saving ----
+
+
+def _on_every_rank(action: Callable[[], None]) -> None:
+    """Run `action` on this rank; when it fails on any rank, raise on every rank. Collective.
+
+    Each rank writes files of its own; a rank that failed alone (a full local disk) would otherwise
+    leave the others waiting at the next collective. An interrupt (KeyboardInterrupt, SystemExit) is
+    not shared: it ends this process at once.
+    """
+    error = None
+    try:
+        action()
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = e
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if error is None else _reason(error))
+    if error is not None:
+        raise error
+    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
+    if failed:
+        rank, reason = failed[0]
+        raise RuntimeError(f"saving the checkpoint failed on rank {rank} ({reason})")
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, CheckpointException):  # its str holds every rank's traceback: name the errors
+        return "; ".join(sorted({f"{type(e).__name__}: {e}" for e, _ in error.failures.values()}))
+    return f"{type(error).__name__}: {error}"
+
+
+def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
+                    keep_last_n: int | None = None) -> Path:
+    """Collective: every rank writes its shards and RNG state into `<save_dir>/step<step>`.
+
+    A save that fails on any rank (a full disk, torch's CheckpointException, an interrupt) removes its
+    temporary folder and raises on every rank; the checkpoints saved before stay as they were.
+
+    Args:
+        save_dir: trainer.save_dir.
+        step: the optimizer step the checkpoint is taken after.
+        workers: name -> Stateful worker: what the shards hold.
+        trainer_state: what `trainer_state.json` holds beside the step.
+        keep_last_n: then delete all but the newest n step folders, never the one `latest.txt` names
+            (trainer.keep_last_n); None keeps every one.
+
+    Returns:
+        the final folder.
+    """
     final = Path(save_dir) / f"step{step}"
     tmp = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(dict(workers), checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+
+    def write_shards() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(dict(workers), checkpoint_id=str(tmp))  # its FileSystemWriter fsyncs the shards
+        with open(tmp / f"rng_rank{rank}.pt", "wb") as f:
+            torch.save(rng_state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        write_synced(tmp / COMPLETE, json.dumps({"step": step, **trainer_state}, indent=2))
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = final.with_name(f".{LATEST}.tmp")
-        pointer.write_text(final.name)
-        os.replace(pointer, final.with_name(LATEST))
-    dist.barrier()
+        fsync_dir(final.parent)
+        replace_synced(final.with_name(LATEST), final.name)
+        remove_old_checkpoints(final.parent, keep_last_n)
+
+    try:
+        _on_every_rank(write_shards)
+        _on_every_rank(publish)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+def remove_old_checkpoints(root: Path, keep_last_n: int | None) -> None:
+    """Delete the temporary folders of saves that never finished (a run killed mid-save) and, with
+    `keep_last_n`, every complete step folder but the newest n (by step), always keeping the one
+    `latest.txt` names. Only the run that holds the save_dir's lock calls this."""
+    for leftover in root.glob(".step*.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep_last_n is None:
+        return
+    latest = latest_checkpoint(str(root))
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir()
+                    if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()), reverse=True)
+    kept = [latest] if latest is not None else []
+    for _, path in steps:
+        if path in kept:
+            continue
+        if len(kept) < keep_last_n:
+            kept.append(path)
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as e:  # the new checkpoint is saved; a folder left behind only costs disk
+            log_rank0(f"trainer.keep_last_n={keep_last_n}: could not delete {path} ({e.strerror}); delete it by hand")
+
+
+# ---- one run per save_dir ----
+
+
+def claim_save_dir(save_dir: str) -> Callable[[], None]:
+    """Collective: hold `<save_dir>/run.lock` for this run (rank 0 writes it), or raise a ConfigError on
+    every rank that names the run holding it and what to do.
+
+    A lock whose process is gone (on this host; or its pid now belongs to another process) is stale
+    and taken over. One written on another host cannot be checked from here: it holds until removed.
+
+    Returns:
+        a function that releases the lock (also called at the process's exit; a no-op on other ranks).
+    """
+    problem, release = None, lambda: None
+    if dist.get_rank() == 0:
+        try:
+            release = _take_lock(Path(save_dir))
+        except ConfigError as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ConfigError(box[0])
+    return release
+
+
+def _take_lock(root: Path) -> Callable[[], None]:
+    path = root / LOCK
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only place, or a file where a folder of the path should be
+        raise ConfigError(f"trainer.save_dir={root}: cannot create it ({e.strerror}: {e.filename}); give a "
+                          f"folder this user can write") from None
+    me = _this_process()
+    for _ in range(3):  # a stale lock is removed, then created afresh (another run may win that race)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is not None and _same_process(holder, me):
+                break  # this process's previous trainer (the Python API runs one after another)
+            if holder is not None and not _alive(holder):
+                log_rank0(f"trainer.save_dir: removing the stale lock {path} of process {holder.get('pid')}, "
+                          f"which is gone")
+                path.unlink(missing_ok=True)
+                continue
+            raise ConfigError(_held_message(root, path, holder)) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(root)
+        break
+    else:
+        raise ConfigError(_held_message(root, path, _read_lock(path)))
+
+    def release() -> None:
+        atexit.unregister(release)
+        holder = _read_lock(path)
+        if holder is not None and _same_process(holder, me):
+            path.unlink(missing_ok=True)
+
+    atexit.register(release)  # a run that fails before its end leaves no lock behind either
+    return release
+
+
+def _this_process() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot, field 22 of /proc/<pid>/stat): tells the
+    process that wrote a lock from a later one given the same pid. None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # the fields after the command name begin at field 3
+
+
+def _read_lock(path: Path) -> dict | None:
+    """The holder a lock file names; None when it cannot be read or is empty (being written, or damaged)."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _same_process(holder: dict, me: dict) -> bool:
+    return holder.get("host") == me["host"] and holder.get("pid") == me["pid"] and \
+        holder.get("process_start") == me["process_start"]
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process that wrote lock `holder` still runs, as far as this host can tell: one on
+    another host is taken to be alive."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    started = holder.get("process_start")
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _held_message(root: Path, path: Path, holder: dict | None) -> str:
+    if holder is None:
+        who = f"another run ({path} names no process: it is being written, or damaged)"
+    else:
+        who = (f"process {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')} "
+               f"({holder.get('command')})")
+    if holder is not None and holder.get("host") == socket.gethostname():
+        stale = "or wait for that run to end (or stop it)"
+    else:
+        stale = f"or, if no run uses this save_dir any more (one on another host cannot be checked from here), remove {path}"
+    return (f"trainer.save_dir={root} is in use by {who}: two runs in one save_dir overwrite each other's "
+            f"checkpoints and latest.txt. Give this run another trainer.save_dir (or trainer.experiment_name), "
+            f"{stale}")
 
 
 def latest_checkpoint(save_dir: str) -> Path | None:

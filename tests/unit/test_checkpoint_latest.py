@@ -1,4 +1,4 @@
-"""Which checkpoint `trainer.load_ckpt_from=latest` resumes from."""
+"""Which checkpoint `trainer.load_ckpt_from=latest` resumes from, and which ones `trainer.keep_last_n` keeps."""
 
 from RL2.utils.checkpoint import latest_checkpoint, resolve_checkpoint, save_checkpoint
 
@@ -14,3 +14,32 @@ def test_latest_is_the_checkpoint_saved_last_not_the_largest_step(tmp_path, one_
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step4"
     (tmp_path / "latest.txt").write_text("step9")  # names no complete checkpoint: the largest step
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step4"
+
+
+def step_folders(save_dir) -> list[str]:
+    return sorted((p.name for p in save_dir.iterdir() if p.name.startswith(("step", ".step"))), key=lambda name: (len(name), name))
+
+
+def test_keep_last_n_keeps_the_newest_steps(tmp_path, one_rank):
+    for step in range(1, 6):
+        save_checkpoint(str(tmp_path), step, {}, {}, keep_last_n=2)
+        assert step_folders(tmp_path) == [f"step{s}" for s in range(max(1, step - 1), step + 1)]
+    assert resolve_checkpoint("latest", str(tmp_path)) == tmp_path / "step5"
+
+
+def test_keep_last_n_never_deletes_the_latest_and_counts_it(tmp_path, one_rank):
+    for step in (2, 4, 6):
+        save_checkpoint(str(tmp_path), step, {}, {})  # keep_last_n unset: all kept
+    # Resumed from step 2, the run saves step 3, which latest.txt names: kept although 4 and 6 are larger.
+    # Of the others the largest, step 6, fills the second place; 2 and 4 go.
+    save_checkpoint(str(tmp_path), 3, {}, {}, keep_last_n=2)
+    assert sorted(step_folders(tmp_path)) == ["step3", "step6"]
+    save_checkpoint(str(tmp_path), 4, {}, {}, keep_last_n=1)
+    assert step_folders(tmp_path) == ["step4"]
+
+
+def test_a_save_removes_what_a_killed_save_left(tmp_path, one_rank):
+    (tmp_path / ".step7.tmp").mkdir()  # a run killed (SIGKILL, power loss) while writing step 7
+    (tmp_path / ".step7.tmp" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    save_checkpoint(str(tmp_path), 8, {}, {})
+    assert step_folders(tmp_path) == ["step8"]

@@ -1,14 +1,26 @@
-"""What a checkpoint save and resume may and may not do: RNG files that load without running code."""
+"""What a checkpoint save and resume may and may not do: RNG files that load without running code,
+failed saves that leave nothing behind, fsynced small files, and one run per save_dir."""
 
 import builtins
+import errno
+import json
+import os
 import random
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from RL2.config import ConfigError
-from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
+from RL2.config.schema import SFTConfig
+from RL2.trainer.base import Trainer
+from RL2.utils import checkpoint
+from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, save_checkpoint
 
 
 def draws() -> tuple:
@@ -47,3 +59,139 @@ def test_a_planted_rng_file_does_not_run_on_resume(tmp_path, one_rank):
     with pytest.raises(ConfigError, match=r"rng_rank0\.pt holds more than random-number state .* delete it to resume"):
         load_checkpoint(path, {})
     assert not marker.exists()
+
+
+# ---- failed saves ----
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def dcp_fails(*args, **kwargs):
+    # What torch.distributed.checkpoint raises when a rank's write fails: a BaseException, not an Exception.
+    raise CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), [])})
+
+
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("target,failure,raised", [
+    ("dcp.save", dcp_fails, CheckpointException),
+    ("dcp.save", interrupted, KeyboardInterrupt),
+    ("rng_state", no_space, OSError),  # the RNG file
+    ("write_synced", no_space, OSError),  # trainer_state.json
+])
+def test_a_failed_save_leaves_nothing_behind(tmp_path, one_rank, monkeypatch, target, failure, raised):
+    save_checkpoint(str(tmp_path), 1, {}, {})
+    owner, name = (checkpoint.dcp, "save") if target == "dcp.save" else (checkpoint, target)
+    monkeypatch.setattr(owner, name, failure)
+    with pytest.raises(raised):
+        save_checkpoint(str(tmp_path), 2, {}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.txt", "step1"]
+    assert (tmp_path / "latest.txt").read_text() == "step1"
+
+
+def test_a_failed_export_removes_its_temporary_folder(tmp_path):
+    with pytest.raises(CheckpointException):
+        with checkpoint.atomic_dir(tmp_path / "final"):
+            dcp_fails()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_small_files_and_their_folders_are_fsynced(tmp_path, one_rank, monkeypatch):
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_checkpoint(str(tmp_path), 1, {}, {})
+    tmp = tmp_path / ".step1.tmp"  # the names at the time: everything is renamed into place after
+    for path in (tmp / "rng_rank0.pt", tmp / "trainer_state.json", tmp, tmp_path, tmp_path / ".latest.txt.tmp"):
+        assert str(path) in synced, path
+    # latest.txt is renamed into place after its content is on disk, and the folder after the rename.
+    assert synced.index(str(tmp_path / ".latest.txt.tmp")) < len(synced) - 1 and synced[-1] == str(tmp_path)
+
+
+# ---- one run per save_dir ----
+
+
+@pytest.fixture
+def other_process():
+    """A live process of this host other than this one, as the first run would be."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def plant_lock(save_dir, pid: int, host: str | None = None, process_start: str | None = None):
+    save_dir.mkdir(parents=True, exist_ok=True)
+    holder = {"pid": pid, "host": host or socket.gethostname(), "started": "2025-01-01 00:00:00",
+              "command": "-m RL2.trainer.sft", "process_start": process_start or checkpoint._process_start(pid)}
+    (save_dir / "run.lock").write_text(json.dumps(holder))
+
+
+def test_the_run_holds_save_dir_until_it_releases_it(tmp_path, one_rank):
+    release = claim_save_dir(str(tmp_path / "run"))
+    holder = json.loads((tmp_path / "run" / "run.lock").read_text())
+    assert (holder["pid"], holder["host"]) == (os.getpid(), socket.gethostname())
+    release()
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def test_a_second_run_refuses_naming_the_first(tmp_path, one_rank, other_process):
+    plant_lock(tmp_path, other_process.pid)
+    message = (rf"trainer\.save_dir={tmp_path} is in use by process {other_process.pid} on host "
+               rf"{socket.gethostname()}, started .*Give this run another trainer\.save_dir .*or wait for that run")
+    with pytest.raises(ConfigError, match=message):
+        claim_save_dir(str(tmp_path))
+    # The first run is gone (killed: no chance to remove its lock): its lock blocks no one.
+    other_process.kill()
+    other_process.wait()
+    claim_save_dir(str(tmp_path))()
+
+
+def test_a_lock_whose_pid_now_names_another_process_is_stale(tmp_path, one_rank, other_process):
+    plant_lock(tmp_path, other_process.pid, process_start="1")  # the pid came back for a later process
+    claim_save_dir(str(tmp_path))()
+
+
+def test_a_lock_from_another_host_says_how_to_clear_it(tmp_path, one_rank):
+    plant_lock(tmp_path, 12345, host="node-7")
+    with pytest.raises(ConfigError, match=rf"process 12345 on host node-7, .* remove {tmp_path}/run\.lock"):
+        claim_save_dir(str(tmp_path))
+
+
+def test_a_trainer_refuses_a_save_dir_in_use_before_writing_to_it(tmp_path, one_rank, other_process):
+    plant_lock(tmp_path, other_process.pid)
+    cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), {"trainer": {"save_dir": str(tmp_path), "device": "cpu"}})
+    with pytest.raises(ConfigError, match=f"in use by process {other_process.pid}"):
+        Trainer(cfg, cfg.actor)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.lock"]  # no metrics.jsonl of the second run
+    other_process.kill()
+    other_process.wait()
+    Trainer(cfg, cfg.actor).release_save_dir()
+
+
+class Counting(Trainer):
+    """A trainer with no model: the run loop, its checkpoints and its save_dir alone."""
+
+    def workers(self) -> dict:
+        return {}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        return {"train/loss": 1.0 / step}
+
+
+def test_the_run_loop_keeps_the_last_n_checkpoints_and_releases_save_dir(tmp_path, one_rank):
+    cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig),
+                          {"trainer": {"save_dir": str(tmp_path), "device": "cpu", "save_freq": 1, "keep_last_n": 2}})
+    run = Counting(cfg, cfg.actor)
+    assert (tmp_path / "run.lock").exists()
+    run.run(4)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step")) == ["step3", "step4"]
+    assert not (tmp_path / "run.lock").exists()

@@ -132,6 +132,7 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     (["data.test_ratio=-0.2"], r"data\.test_ratio=-0\.2; .*set it in \[0, 1\)"),
     (["trainer.save_freq=-1"], r"trainer\.save_freq=-1; give a number of steps \(null or 0: never\)"),
     (["trainer.test_freq=-5"], r"trainer\.test_freq=-5; give a number of steps"),
+    (["trainer.keep_last_n=0"], r"trainer\.keep_last_n=0; keep at least 1 checkpoint \(the latest\), or null"),
     (["actor.max_length_per_device=0"], r"actor\.max_length_per_device=0; .*token budget"),
     (["trainer.n_epochs=0"], r"trainer\.n_epochs=0; it must be at least 1"),
     (["trainer.total_steps=-3"], r"trainer\.total_steps=-3; give at least 1 step"),
