@@ -421,28 +421,26 @@ class OpenAIEndpoint:
             payload = {"input_ids": ids + out_ids, "sampling_params": {**params, "max_new_tokens": left},
                        "return_logprob": True}
             try:
-                meta = (await self.engine.generate(payload))["meta_info"]
-                pairs = meta["output_token_logprobs"]
-                reason = meta["finish_reason"]
+                response = await self.engine.generate(payload)
             except Exception as e:  # the engine, not the agent, failed: the rollout must stop
-                if isinstance(e, KeyError):
-                    e = EngineError(f"the engine's response has no meta_info.{e.args[0]}; it must answer as "
-                                    f"SGLang's /generate with return_logprob")
-                if session.error is None:
-                    session.error = e
-                raise RequestError(f"the inference engine failed: {type(e).__name__}: {e}", status=500) from e
+                raise _engine_failed(session, e) from e
+            meta = response.get("meta_info") or {}
+            if "output_token_logprobs" not in meta or "finish_reason" not in meta:
+                raise _engine_failed(session, EngineError(
+                    "the engine's response has no meta_info.output_token_logprobs or finish_reason; it must "
+                    "answer as SGLang's /generate does with return_logprob"))
+            pairs, reason = meta["output_token_logprobs"], meta["finish_reason"]
             out_ids += [int(token) for _, token, _ in pairs]
             out_logps += [float(logp) for logp, _, _ in pairs]
             if reason["type"] != "abort":
                 break
             idle = 0 if pairs else idle + 1
             if idle == MAX_IDLE_RESUMES:
-                error = EngineError(f"the engine aborted a request {idle} times in a row before it sampled a token")
-                session.error = session.error or error
-                raise RequestError(f"the inference engine failed: {error}", status=500)
+                raise _engine_failed(session, EngineError(
+                    f"the engine aborted a request {idle} times in a row before it sampled a token"))
         matched = reason.get("matched")
-        return _Choice(Turn(out_ids, out_logps, action_text(self.tokenizer, out_ids, matched), reason["type"]),
-                       matched)
+        turn = Turn(out_ids, out_logps, action_text(self.tokenizer, out_ids, matched), reason["type"])
+        return _Choice(turn, matched)
 
     # ---- responses ----
 
@@ -453,7 +451,7 @@ class OpenAIEndpoint:
             text = _returned_text(choice, call.stops)
             message, parsed = assistant_message(text, self.parser if parsing else None, f"{k}_{j}")
             if parsed is not None:
-                session.trajectory.tool_calls += len(parsed.calls)
+                session.trajectory.tool_calls += len(message.get("tool_calls") or [])
                 session.trajectory.parse_errors += len(parsed.errors)
             session.remember(message, choice.turn.action_text)
             finish = "tool_calls" if message.get("tool_calls") else _finish_reason(choice.turn)
@@ -485,6 +483,13 @@ class OpenAIEndpoint:
 
     def _token_strings(self, ids: list[int]) -> list[str]:
         return self.tokenizer.batch_decode([[token] for token in ids])
+
+
+def _engine_failed(session: Session, error: Exception) -> RequestError:
+    """Keep the engine's failure on the session (the rollout raises it) and answer the call with 500."""
+    if session.error is None:
+        session.error = error
+    return RequestError(f"the inference engine failed: {type(error).__name__}: {error}", status=500)
 
 
 def assistant_message(text: str, parser: ToolCallParser | None, call_tag: str = "0"):

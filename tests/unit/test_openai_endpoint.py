@@ -443,6 +443,46 @@ def test_an_engine_failure_answers_500_and_is_kept_for_the_rollout(tok):
     assert isinstance(session.error, EngineError) and session.trajectory.sequences == []
 
 
+class CutOnce(EmbeddedEngine):
+    """The real engine, whose first request comes back aborted after two tokens, as when another client
+    of a shared server pauses it; `always` aborts every request before its first token."""
+
+    def __init__(self, *args, always: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.always, self.calls = always, 0
+
+    async def generate(self, payload: dict) -> dict:
+        self.calls += 1
+        if self.always:
+            return {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}}}
+        if self.calls > 1:
+            return await super().generate(payload)
+        response = await super().generate({**payload, "sampling_params": {**payload["sampling_params"],
+                                                                          "max_new_tokens": 2}})
+        response["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused by another client"}
+        return response
+
+
+def test_an_answer_cut_by_someone_elses_pause_is_sampled_on(model, tok):
+    async def talk(client):
+        return await client.chat.completions.create(model="m", messages=QUESTION)
+
+    cutting, refusing = CutOnce(model, tok), CutOnce(model, tok, always=True)
+    try:
+        reply, session = serve(cutting, tok, talk)
+        with pytest.raises(openai.InternalServerError, match="aborted a request 3 times in a row"):
+            serve(refusing, tok, talk)
+    finally:
+        cutting.shutdown()
+        refusing.shutdown()
+    ids = encode(tok, chat(tok, QUESTION))
+    action = greedy(model, ids, 4)
+    [turn] = session.trajectory.turns
+    assert cutting.calls == 2 and (turn.action_ids, turn.finish_reason) == (action, "length")
+    assert turn.action_logps == pytest.approx(token_logps(model, ids + action)[len(ids):], abs=1e-4)
+    assert reply.choices[0].message.content == tok.decode(action, skip_special_tokens=True)
+
+
 # ---- agents ----
 
 AGENT = '''
