@@ -158,3 +158,14 @@ def test_lora_memory_table_counts_mib_of_the_models_own_parameters():
     per_layer = 4 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k and v, o, gate and up, down
     lora = rows["LoRA r=4", "1"]
     assert float(lora[3].removesuffix(" M")) == pytest.approx(config.num_hidden_layers * per_layer / 1e6, abs=0.005)
+
+
+def test_agent_endpoint_bench_samples_the_same_tokens_both_ways():
+    """bench_agent_endpoint times agents through the OpenAI endpoint against direct engine calls with the
+    same seeds: the two must sample the same tokens, or its overhead figure compares different work."""
+    result = run_script("bench_agent_endpoint.py", "--tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "3",
+                        "--repeats", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"trajectories with identical token ids +\| 4/4\n", result.stdout), result.stdout
+    refused = run_script("bench_agent_endpoint.py", "--tiny", "--repeats", "0")
+    assert refused.returncode == 2 and "--repeats 0: give at least 1" in refused.stderr

@@ -1,0 +1,166 @@
+"""What the OpenAI endpoint costs an agent rollout: the same rollout through it and through direct engine calls.
+
+    python benchmarks/bench_agent_endpoint.py [--prompts 8] [--samples 4] [--new-tokens 32] [--repeats 3] [--tiny]
+
+Workload: N prompts x k samples, each a two-turn chat (the question, the model's answer, a follow-up,
+its second answer), on the embedded engine serving SmolLM2-135M-Instruct (`--tiny`: a tiny random
+Llama, a check of the script itself), exactly `--new-tokens` tokens per answer at temperature 1.
+
+- endpoint: `agent_rollout_batch` runs this file's `run` (an agent written against
+  `openai.AsyncOpenAI`) once per sample; every call goes over HTTP to `RL2.agents.openai_server`,
+  which renders the messages, matches them to the session's sequence and samples.
+- direct: the same conversations as the environment loop drives them: render, tokenise what the
+  next prompt adds (`RL2.rollout.loop.continuation`), `engine.generate` with the token ids.
+
+Both sample with the same per-call seeds, so they generate the same tokens (checked: the table
+counts the trajectories whose token ids agree); the difference in time is the endpoint's (HTTP,
+JSON, the openai client). The two run back to back in each repeat, in alternating order; the table
+shows medians, so a machine shared with other processes slows both alike. Target: at most 5%.
+Peak RSS is per phase (the kernel's high-water mark is reset before each phase where Linux allows).
+"""
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from RL2.agents.agent import agent_rollout_batch, load_agent  # noqa: E402
+from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
+from RL2.agents.tool_calls import tool_call_parser  # noqa: E402
+from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
+from RL2.models.default_model import resolve_model_path  # noqa: E402
+from RL2.rollout.loop import continuation, sample_seed  # noqa: E402
+from RL2.utils.memory import peak_rss_gb, reset_peak_rss  # noqa: E402
+from tests.helpers.tiny import make_tiny_model  # noqa: E402
+
+FOLLOW_UP = "Check your answer, then give it again."
+QUESTIONS = ["What is {a} + {b}?", "Name a word that rhymes with 'cat' ({a}).", "Write a haiku about the number {b}."]
+
+
+async def run(client, extra_info):
+    """The agent: two calls of one conversation."""
+    messages = [{"role": "user", "content": extra_info["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [first.choices[0].message, {"role": "user", "content": FOLLOW_UP}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4, help="trajectories per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2-135M-Instruct")
+    args = parser.parse_args()
+    for flag in ("prompts", "samples", "new_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    if args.tiny:
+        with tempfile.TemporaryDirectory(prefix="rl2_bench_tiny_") as folder:
+            asyncio.run(measure(args, make_tiny_model(Path(folder)), "a tiny random Llama"))
+    else:
+        asyncio.run(measure(args, resolve_model_path("smollm2-135m-instruct"), "SmolLM2-135M-Instruct"))
+
+
+async def measure(args, path: str, name: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = EmbeddedEngine(model, tokenizer, max_running_requests=max(64, args.prompts * args.samples))
+    params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    endpoint = OpenAIEndpoint(engine, tokenizer, tool_call_parser("auto", tokenizer), False, params, None)
+    await endpoint.start()
+    agent = load_agent(__file__)
+    rows = [{"prompt": QUESTIONS[i % 3].format(a=3 * i + 4, b=7 * i + 9), "sampling_seed": i}
+            for i in range(args.prompts)]
+
+    async def endpoint_rollout():
+        groups = await agent_rollout_batch(endpoint, agent, rows, args.samples, None)
+        faults = [t.fault for g in groups for t in g if t.fault]
+        if faults:
+            sys.exit(f"an agent run failed: {faults[0]}")
+        return [[t.token_sequences()[0]["input_ids"] for t in g] for g in groups]
+
+    async def direct():
+        return await direct_rollout(engine, tokenizer, rows, args.samples, params)
+
+    await endpoint_rollout()  # warm-up: lazy initialisation of both paths
+    await direct()
+    phases = {"direct": [], "endpoint": []}
+    tokens = {}
+    for repeat in range(args.repeats):
+        order = [("direct", direct), ("endpoint", endpoint_rollout)]
+        for label, rollout in order if repeat % 2 == 0 else order[::-1]:
+            reset_peak_rss()
+            start = time.perf_counter()
+            tokens[label] = await rollout()
+            phases[label].append((time.perf_counter() - start, peak_rss_gb() * 1e3))
+        print(f"repeat {repeat + 1}: direct {phases['direct'][-1][0]:.2f} s, "
+              f"endpoint {phases['endpoint'][-1][0]:.2f} s", flush=True)
+    await endpoint.stop()
+    engine.shutdown()
+    report(args, name, phases, tokens, torch.get_num_threads())
+
+
+async def direct_rollout(engine, tokenizer, rows: list[dict], samples: int, params: dict) -> list[list[list[int]]]:
+    """The agent's conversations through `engine.generate`, seeded as the endpoint seeds each call; the
+    token ids of each trajectory's one sequence."""
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def sample(ids, seed):
+        response = await engine.generate({"input_ids": ids, "sampling_params": {**params, "sampling_seed": seed},
+                                          "return_logprob": True})
+        return [int(token) for _, token, _ in response["meta_info"]["output_token_logprobs"]]
+
+    async def trajectory(row, j):
+        seed = sample_seed(row["sampling_seed"], j)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        prompt = render(messages)
+        ids = encode(prompt)
+        answer = await sample(ids, sample_seed(seed, 0))
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        end = tokenizer.decode(answer[-1:]) if answer[-1] in tokenizer.all_special_ids else ""
+        later = render(messages + [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}])
+        ids = ids + answer + encode(continuation(prompt, text, later, end))
+        return ids + await sample(ids, sample_seed(seed, 1))
+
+    tasks = [[asyncio.create_task(trajectory(row, j)) for j in range(samples)] for row in rows]
+    return [[await task for task in group] for group in tasks]
+
+
+def report(args, name: str, phases: dict, tokens: dict, threads: int) -> None:
+    direct = statistics.median(s for s, _ in phases["direct"])
+    served = statistics.median(s for s, _ in phases["endpoint"])
+    overhead = statistics.median(100 * (e[0] / d[0] - 1) for e, d in zip(phases["endpoint"], phases["direct"]))
+    pairs = [(e, d) for ge, gd in zip(tokens["endpoint"], tokens["direct"]) for e, d in zip(ge, gd)]
+    calls = 2 * len(pairs)
+    print(f"\n{args.prompts} prompts x {args.samples} samples x 2 calls x {args.new_tokens} new tokens, {name} "
+          f"float32 on the embedded engine, {threads} threads, median of {args.repeats}")
+    rows = [
+        ("direct engine.generate rollout s", f"{direct:.2f}"),
+        ("endpoint (openai client) rollout s", f"{served:.2f}"),
+        ("endpoint overhead % (median of repeats)", f"{overhead:.1f}"),
+        ("endpoint overhead ms per call", f"{1e3 * (served - direct) / calls:.1f}"),
+        ("trajectories with identical token ids", f"{sum(e == d for e, d in pairs)}/{len(pairs)}"),
+        ("peak RSS MB (direct; endpoint)", f"{max(r for _, r in phases['direct']):.0f}; "
+                                           f"{max(r for _, r in phases['endpoint']):.0f}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}} | {value}")
+
+
+if __name__ == "__main__":
+    main()
