@@ -22,8 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from RL2.agents.tool_calls import ToolCallParser, tool_call_parser
-from RL2.agents.tools import Tool, build_tools, render_conversation, run_tool, template_renders_tools, tool_result_messages
+from RL2.agents.tool_calls import ToolCall, ToolCallParser, tool_call_parser
+from RL2.agents.tools import (Tool, ToolResult, build_tools, render_conversation, run_tool, template_renders_tools,
+                              tool_result_messages)
+from RL2.rollout.event_loop import on_env_loop
+
+# Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.
+BLOCKED_GRACE_S = 1.0
 
 
 @dataclass
@@ -92,8 +97,7 @@ class ToolUse:
         if parsed.errors and self.on_error == "end":
             return f"a tool call could not be parsed ({parsed.errors[0]}) and rollout.tool_error=end"
         began = time.perf_counter()
-        results = await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
-                                         for call in parsed.calls))
+        results = await self._run(parsed.calls, extra_info)
         counts.tool_seconds += time.perf_counter() - began
         failed = [result for result in results if result.error]
         counts.tool_errors += len(failed)
@@ -105,6 +109,21 @@ class ToolUse:
         # The assistant's message is the text it sampled, so that the template's rendering of it is what the
         # model wrote and the conversation stays one token sequence.
         return [*messages, {"role": "assistant", "content": action}, *tool_result_messages(results), *unparsed]
+
+
+    async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
+        """The calls' results, run on the environments' loop with the script's other code. `run_tool` times
+        out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here."""
+        async def run_all() -> list[ToolResult]:  # gathered on the environments' loop
+            return await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
+                                          for call in calls))
+
+        try:
+            return await asyncio.wait_for(on_env_loop(run_all()),
+                                          None if self.timeout is None else self.timeout + BLOCKED_GRACE_S)
+        except TimeoutError:
+            return [ToolResult(call, f"Error: {call.name} did not return within {self.timeout} s", "timeout",
+                               self.timeout) for call in calls]
 
 
 def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:

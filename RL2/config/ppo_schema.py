@@ -37,7 +37,7 @@ class RolloutConfig:
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
     max_turns: int = opt(1, "the most actions of one trajectory")
     max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
-    env_timeout: float | None = opt(None, "seconds one environment step may take before the trajectory fails")
+    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own")
     agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, client an openai.AsyncOpenAI served by the rollout engine, instead of rollout.env_path: every call's tokens are recorded, one run is one trajectory")
     agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its trajectory fails")
     tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a RL2.agents.tool_calls.ToolCallParser)")

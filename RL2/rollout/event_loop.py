@@ -1,17 +1,29 @@
-"""The one event loop of a rank's rollouts, kept for the whole run.
+"""The event loops of a rank's rollouts, each kept for the whole run.
 
-Every rollout, evaluation and partial-rollout round of a process runs on this loop, so what an
-environment script or an agent makes at import or in its first rollout (an `asyncio.Lock`, a
-semaphore, an HTTP client session, the OpenAI endpoint's server) still works in the next one. A new
-loop per rollout (`asyncio.run`) would leave such objects bound to a closed loop ("... is bound to a
-different event loop" on the second rollout).
+Every rollout, evaluation and partial-rollout round of a process runs on one loop (`rank_loop`), so what
+an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
+still works in the next one. A new loop per rollout (`asyncio.run`) would leave such objects bound to a
+closed loop ("... is bound to a different event loop" on the second rollout).
+
+Environment code (`step`, `reset`, tools) runs on a second loop of its own, in a thread of its own
+(`on_env_loop`), also kept for the whole run, so that module-level asyncio objects of an environment
+script (a lock, a semaphore, a client session) work across rollouts too. Blocking code in an async step
+(`time.sleep`, a sync HTTP call) then stops only the environments' loop: the engine goes on sampling,
+and the rollout's timeout of the step still fires.
 """
 
 import asyncio
 import atexit
+import threading
 from collections.abc import Coroutine
 
 _loop: asyncio.AbstractEventLoop | None = None
+_env_loop: asyncio.AbstractEventLoop | None = None
+
+
+class Escaped(Exception):
+    """What environment code raised that is not an `Exception` (`sys.exit()`, `KeyboardInterrupt`): it ends
+    one trajectory, as an exception of the script does, instead of the trainer."""
 
 
 def rank_loop() -> asyncio.AbstractEventLoop:
@@ -41,3 +53,40 @@ def close_rank_loop() -> None:
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()
+
+
+def env_loop() -> asyncio.AbstractEventLoop:
+    """The environments' loop, running in a daemon thread of its own; made at the first call."""
+    global _env_loop
+    if _env_loop is None or _env_loop.is_closed():
+        _env_loop = asyncio.new_event_loop()
+        threading.Thread(target=_env_loop.run_forever, name="rl2-env-loop", daemon=True).start()
+    return _env_loop
+
+
+async def on_env_loop(coroutine: Coroutine):
+    """Await `coroutine` run on the environments' loop. What it raises is raised here; a `BaseException`
+    that is not an `Exception` (other than cancellation) as `Escaped`. Cancelling the caller (a timeout)
+    cancels the coroutine at its next await."""
+    future = asyncio.run_coroutine_threadsafe(_captured(coroutine), env_loop())
+    try:
+        value, error = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if isinstance(error, Exception):
+        raise error
+    if error is not None:
+        raise Escaped(f"{type(error).__name__}: {error}")
+    return value
+
+
+async def _captured(coroutine: Coroutine) -> tuple:
+    # Inside the environments' loop a SystemExit would stop the loop itself (asyncio re-raises it out of
+    # run_forever), so everything but cancellation comes back as a value.
+    try:
+        return await coroutine, None
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- the script's sys.exit() must not end the thread or the run
+        return None, e

@@ -6,16 +6,20 @@ until `done`, `max_turns` or the token budget. When the next state extends `stat
 text (upstream RL2's rule), only the new text is tokenised and appended, so the sampled tokens are
 kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
 
-Faults of the environment (an exception, a timeout, a malformed result) end one trajectory with
-reward 0 and are counted; engine errors propagate and stop the rollout.
+Faults of the environment (an exception or `sys.exit()` in `step` or `reset`, a timeout, a malformed
+result) end one trajectory with reward 0 and are counted; engine errors propagate and stop the rollout.
+Environment code runs on the environments' own loop (`RL2.rollout.event_loop.on_env_loop`), so that a
+step that blocks does not stop the engine and its timeout still fires.
 """
 
 import asyncio
 import copy
+import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
+from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.trajectory import Trajectory, Turn
 
 # SGLang's default when a request gives no max_new_tokens.
@@ -66,6 +70,8 @@ async def run_trajectory(
     if resume is None:
         trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout,
                                   tool_use)
+        if trajectory.fault is not None:  # its reset failed
+            return trajectory
     else:
         trajectory = resume
     while True:
@@ -306,9 +312,16 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 
 async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, prompt_ids: list[int] | None,
                  max_total_tokens: int | None, env_timeout: float | None, tool_use=None) -> Trajectory:
-    """A new trajectory holding just its prompt (from the row, or from the environment's `reset`)."""
+    """A new trajectory holding just its prompt (from the row, or from the environment's `reset`); a
+    trajectory ended by a fault, without a sequence, when `reset` fails."""
     if state is None:
-        state = await _reset(env, extra_info, env_timeout)
+        try:
+            state = await _reset(env, extra_info, env_timeout)
+        except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
+            trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
+            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
+                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
+            return trajectory
     messages = state if isinstance(state, list) else None
     state = render_state(state, tokenizer, tool_use)
     ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
@@ -347,7 +360,7 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
 
 async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
     try:
-        return await asyncio.wait_for(env.reset(extra_info), timeout)
+        return await asyncio.wait_for(on_env_loop(env.reset(extra_info)), timeout)
     except TimeoutError as e:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
 
@@ -401,11 +414,13 @@ async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeo
 async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None) -> StepResult | str:
     """The environment's answer to `action`, or a description of its fault."""
     try:
-        return await asyncio.wait_for(env.step(state, action, extra_info), timeout)
+        return await asyncio.wait_for(on_env_loop(env.step(state, action, extra_info)), timeout)
     except TimeoutError:
         return f"step timed out after {timeout} s"
     except EnvFault as e:
         return f"malformed step result: {e}"
+    except Escaped as e:
+        return f"step raised {e}"
     except Exception as e:  # the script runs on untrusted model output: whatever it raises ends this trajectory only
         return f"step raised {type(e).__name__}: {e}"
 
@@ -415,6 +430,9 @@ def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_sta
     last = turn.action_ids[-1:]
     end_text = tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
     added = continuation(state, turn.action_text, next_state, end_text)
+    room = None if budget is None else budget - len(trajectory.current_ids)
+    if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
+        return False
     if added is not None:
         env_ids = _encode(tokenizer, added)
         if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
@@ -431,6 +449,18 @@ def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_sta
 def _encode(tokenizer, text: str) -> list[int]:
     # Chat templates write their special tokens (and BOS, if any) into the text itself.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _may_fit(tokenizer, text: str, room: int | None) -> bool:
+    """False when `text` has more characters than `room` tokens could hold: a huge observation is refused
+    without tokenising it (tens of MB would take minutes and GBs, all to be cut)."""
+    return room is None or len(text) < room * _longest_token_chars(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer) -> int:
+    # No token decodes to more characters than its vocabulary string has (one per byte for byte-level BPE).
+    return max(len(token) for token in tokenizer.get_vocab())
 
 
 def _fits(n_tokens: int, budget: int | None) -> bool:

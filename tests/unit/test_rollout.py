@@ -17,10 +17,10 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
-from RL2.rollout.event_loop import rank_loop, run_on_rank_loop
+from RL2.rollout.event_loop import env_loop, run_on_rank_loop
 from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples
-from RL2.rollout.trajectory import Trajectory, Turn
+from RL2.rollout.trajectory import Trajectory, Turn, training_batch
 from tests.helpers import ENVS
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
@@ -186,12 +186,12 @@ def test_a_stop_token_ends_the_action(engine, tok, prompt):
     assert turn.action_ids == free[:n] and turn.finish_reason == "stop"
 
 
-def test_rollouts_run_on_one_event_loop_so_module_level_asyncio_objects_keep_working(engine, tok, prompt):
+def test_environment_code_runs_on_one_loop_so_module_level_asyncio_objects_keep_working(engine, tok, prompt):
     env = load_env(ENVS / "emit_token.py")  # its steps queue for a semaphore made at import
-    for _ in range(3):
-        [group] = run_on_rank_loop(rollout_batch(engine, env, tok, [{"prompt": prompt}], 4, GREEDY))
+    for run in (run_on_rank_loop, run_on_rank_loop, asyncio.run):  # a caller's own loop too
+        [group] = run(rollout_batch(engine, env, tok, [{"prompt": prompt}], 4, GREEDY))
         assert [t.fault for t in group] == [None] * 4
-    assert env.step_fn.__globals__["ONE_AT_A_TIME"]._loop is rank_loop()
+    assert env.step_fn.__globals__["ONE_AT_A_TIME"]._loop is env_loop()
 
 
 @pytest.mark.parametrize(
@@ -202,6 +202,8 @@ def test_rollouts_run_on_one_event_loop_so_module_level_asyncio_objects_keep_wor
         ("malformed", "reward='high'"),
         ("unrenderable", "the chat template raised TypeError"),
         ("empty", "next_state is empty (done is False)"),
+        ("exit", "step raised SystemExit: 3"),  # sys.exit() in a step ends the trajectory, not the trainer
+        ("block", "timed out after 0.05 s"),  # a timeout holds for blocking code in an async step
     ],
 )
 def test_env_faults_end_one_trajectory_with_reward_0(engine, tok, prompt, fault, message):
@@ -210,6 +212,50 @@ def test_env_faults_end_one_trajectory_with_reward_0(engine, tok, prompt, fault,
     assert trajectory.n_turns == 2 and trajectory.reward == 0.0  # the first turn's reward 1 is dropped too
     assert [t.reward for t in trajectory.turns] == [0.0, 0.0]
     assert rollout_metrics([[trajectory]])["rollout/faults"] == 1.0
+
+
+def test_a_blocking_step_stops_neither_the_engine_nor_the_other_trajectories_timeouts(engine, tok, prompt):
+    # Three steps that each block for 1 s under a 0.2 s limit, and a fourth trajectory that never blocks.
+    env = load_env(ENVS / "faulty.py")
+    rows = [{"prompt": prompt, "extra_info": {"fault": "block", "block_s": 1.0}}] * 3 + [
+        {"prompt": prompt, "extra_info": {"fault": "none"}}]
+    groups = asyncio.run(rollout_batch(engine, env, tok, rows, 1, GREEDY, max_turns=2, env_timeout=0.2))
+    faults = [group[0].fault for group in groups]
+    assert faults[:3] == ["step timed out after 0.2 s"] * 3  # in series they would have scored 1.0 each
+    assert groups[3][0].reward == 1.0 or faults[3] == "step timed out after 0.2 s"  # it may queue behind them
+
+
+@pytest.mark.parametrize("reset_fault, message", [("raise", "reset raised ConnectionError: no game server"),
+                                                   ("exit", "reset raised SystemExit: 4")])
+def test_a_failing_reset_ends_its_own_trajectory(engine, tok, reset_fault, message):
+    env = load_env(ENVS / "faulty.py")
+    rows = [{"prompt": None, "extra_info": {"reset_fault": reset_fault}}, {"prompt": None, "extra_info": {"fault": "none"}}]
+    [[failed], [fine]] = asyncio.run(rollout_batch(engine, env, tok, rows, 1, GREEDY, max_turns=2))
+    assert (failed.fault, failed.n_turns, failed.sequences) == (message, 0, [])
+    assert fine.fault is None and fine.reward == 1.0
+    assert training_batch([[failed, fine]]).n_samples == 2  # the failed one still counts as a sample (reward 0)
+
+
+class EncodeRecorder:
+    """The tokenizer, recording the longest text it was asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def encode(self, text, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return self.tok.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_an_observation_past_the_token_budget_is_cut_before_it_is_tokenised(engine, tok, prompt):
+    recorder = EncodeRecorder(tok)
+    budget = len(encode(tok, prompt)) + 64
+    trajectory = roll(engine, recorder, "faulty", prompt, {"fault": "huge"}, max_total_tokens=budget)
+    assert (trajectory.stop_reason, trajectory.n_turns) == ("budget", 1)
+    assert recorder.longest < 100_000  # not the 20 MB observation
 
 
 def test_step_result_validation():
