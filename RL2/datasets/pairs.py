@@ -31,15 +31,16 @@ def tokenize_side(tokenizer, row: dict, key: str, split_cfg, shared: int = 0) ->
     Args:
         shared: how many messages this side begins with that the other side has too (context).
     """
+    max_length = split_cfg.max_length  # the example is truncated to it: far longer texts are cut before tokenizing
     if not isinstance(row.get(key), list):
-        return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key))
+        return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key), max_length)
     turns = require_messages(row, key)
     if not has_context(row, split_cfg):
-        return tokenize_messages(tokenizer, turns, train_from=shared)  # a whole conversation
+        return tokenize_messages(tokenizer, turns, train_from=shared, max_length=max_length)  # a whole conversation
     # Chat messages always go through the chat template, so a text prompt before them is a user turn.
     context = context_of(row, split_cfg)
     context = context if isinstance(context, list) else [{"role": "user", "content": context}]
-    return tokenize_messages(tokenizer, context + turns, train_from=len(context) + shared)
+    return tokenize_messages(tokenizer, context + turns, train_from=len(context) + shared, max_length=max_length)
 
 
 def shared_messages(chosen: object, rejected: object) -> int:
@@ -64,7 +65,10 @@ def pair_row_tokenizer(tokenizer):
                      for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))}
             pair = {side: truncate(example, split_cfg.max_length) for side, example in whole.items()}
             if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
-                where = "" if whole["chosen"]["input_ids"] == whole["rejected"]["input_ids"] else (
+                # `whole` is cut far beyond max_length (`text_budget`): texts that part after the cut differ.
+                same = whole["chosen"]["input_ids"] == whole["rejected"]["input_ids"] and \
+                    row.get(split_cfg.chosen_key) == row.get(split_cfg.rejected_key)
+                where = "" if same else (
                     f" in their first max_length={split_cfg.max_length} tokens, where nothing tells them apart; "
                     f"raise data.*.max_length")
                 raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical{where}")

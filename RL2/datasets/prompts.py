@@ -7,7 +7,7 @@ column reach the environment as `extra_info["answer"]` just as `{"prompt": ..., 
 {"answer": 46}}` does.
 """
 
-from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt
+from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
 
 EXTRA_INFO_KEY = "extra_info"
 
@@ -52,6 +52,9 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, kee
                 raise BadRow("the environment declares TOOLS, which the chat template shows: the prompt must be "
                              "chat messages, or text with apply_chat_template=true")
             text = tool_use.render(context, tokenizer) if tool_use is not None else render_prompt(tokenizer, context)
+            if len(text) > text_budget(tokenizer, split_cfg.max_length):  # refused unread: it has more tokens
+                raise BadRow(f"the prompt has {len(text)} characters, more than max_length={split_cfg.max_length} "
+                             f"tokens can hold")
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > split_cfg.max_length:
                 raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")

@@ -19,10 +19,12 @@ def sft_row_tokenizer(tokenizer):
         def tokenize_row(row: dict) -> dict:
             if is_missing(row.get(split_cfg.response_key)) and not is_missing(row.get(split_cfg.messages_key)):
                 # A whole conversation has roles, so it always goes through the chat template.
-                example = tokenize_messages(tokenizer, require_messages(row, split_cfg.messages_key))
+                example = tokenize_messages(tokenizer, require_messages(row, split_cfg.messages_key),
+                                            max_length=split_cfg.max_length)
             else:
                 context = context_of(row, split_cfg)
-                example = tokenize_prompt_response(tokenizer, context, require_text(row, split_cfg.response_key))
+                example = tokenize_prompt_response(tokenizer, context, require_text(row, split_cfg.response_key),
+                                                   split_cfg.max_length)
             return truncate(example, split_cfg.max_length)
 
         return tokenize_row

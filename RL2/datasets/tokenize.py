@@ -2,10 +2,14 @@
 
 A tokenized example is `{"input_ids": list[int], "loss_mask": list[int]}`: `loss_mask[i] == 1` when
 token i is one the model is trained to produce (the response, or the assistant turns).
+
+A text far longer than `max_length` tokens is cut by characters before it is tokenized (`text_budget`):
+tokenizing a 10 MB response in full took seconds and gigabytes for tokens that truncation drops.
 """
 
 import math
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 from RL2.datasets.loading import DataError
 
@@ -63,6 +67,24 @@ def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[d
     return checked
 
 
+# tokenizer -> the most characters one of its tokens stands for (see `text_budget`)
+_LONGEST_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def text_budget(tokenizer, max_tokens: int) -> int:
+    """Characters of text beyond which its first `max_tokens` tokens are already fixed.
+
+    No token stands for more characters than its vocabulary string has (a byte-level BPE string has
+    one character per byte, a SentencePiece one per character), so the first `max_tokens` tokens of a
+    text come from its first `max_tokens * L` characters, L the longest string of the vocabulary. The
+    budget is twice that: a cut changes only the tokens of the word it falls in, far beyond the ones
+    kept. For the default model's tokenizer (L = 81) and max_length 2048, 332k characters.
+    """
+    if tokenizer not in _LONGEST_TOKEN:
+        _LONGEST_TOKEN[tokenizer] = max(map(len, tokenizer.get_vocab()))
+    return 2 * (max_tokens + 1) * _LONGEST_TOKEN[tokenizer]
+
+
 def context_of(row: dict, split_cfg) -> list[dict] | str:
     """What comes before the model's turn: the `messages_key` column (chat messages), else the
     `prompt_key` column (text, or chat messages).
@@ -82,7 +104,7 @@ def context_of(row: dict, split_cfg) -> list[dict] | str:
     return [{"role": "user", "content": text}] if split_cfg.apply_chat_template else text
 
 
-def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0) -> dict:
+def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_length: int | None = None) -> dict:
     """Apply the chat template turn by turn; only assistant turns are in the loss.
 
     Each turn's tokens are the text the template adds for that turn, so the concatenation equals the
@@ -94,10 +116,17 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0) -> d
         messages: `{role, content}` chat messages.
         train_from: index of the first message that may be trained on; the assistant turns before
             it are context (the conversation so far before a response).
+        max_length: the example is truncated to this many tokens afterwards: longer contents are cut
+            (`text_budget`) and the turns after the first `max_length` tokens are not tokenized.
     """
+    if max_length is not None:
+        budget = text_budget(tokenizer, max_length)
+        messages = [m | {"content": m["content"][:budget]} if len(m["content"]) > budget else m for m in messages]
     input_ids, loss_mask = [], []
     previous = ""
     for i, message in enumerate(messages):
+        if max_length is not None and len(input_ids) >= max_length:
+            break
         is_assistant = message["role"] == "assistant"
         next_is_assistant = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
         text = tokenizer.apply_chat_template(
@@ -112,14 +141,19 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0) -> d
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str) -> dict:
+def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str, max_length: int | None = None) -> dict:
     """Context + response as one example, loss on the response (and its end-of-turn tokens).
 
     Chat messages get the response as an assistant turn through the chat template; raw text is
-    followed by the response text and an EOS token.
+    followed by the response text and an EOS token. With `max_length` (the example is truncated to it
+    afterwards) texts far longer are cut first (`text_budget`).
     """
     if isinstance(context, list):
-        return tokenize_messages(tokenizer, context + [{"role": "assistant", "content": response}], len(context))
+        return tokenize_messages(tokenizer, context + [{"role": "assistant", "content": response}], len(context),
+                                 max_length)
+    if max_length is not None:
+        budget = text_budget(tokenizer, max_length)
+        context, response = context[:budget], response[:budget]
     prompt_ids = tokenizer.encode(context, add_special_tokens=False)
     response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
     return {"input_ids": prompt_ids + response_ids, "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
@@ -149,8 +183,10 @@ def tokenize_rows(
         (examples, number of skipped rows)
     """
     examples, skipped = [], 0
-    for index, row in enumerate(rows):
+    for index, row in enumerate(decoded_rows(rows)):
         try:
+            if isinstance(row, BadRow):
+                raise row
             examples.append(tokenize_row(row))
         except BadRow as e:
             if not skip_bad_rows:
@@ -159,3 +195,38 @@ def tokenize_rows(
     if not examples:
         raise DataError(f"{source}: every row is bad ({skipped} skipped)")
     return examples, skipped
+
+
+def decoded_rows(rows: Iterable[dict]) -> Iterator[dict | BadRow]:
+    """The rows in order; a row with a string that is not valid UTF-8 comes as a BadRow naming its key.
+
+    Arrow keeps the strings of a JSON file as the bytes read and decodes them only when a row becomes
+    Python objects: the table loads, and iterating it raises UnicodeDecodeError at the bad row, which
+    ends the iteration. The rows after it are read on from the next one.
+    """
+    start = 0
+    while True:
+        remaining = rows if start == 0 else rows.select(range(start, len(rows)))  # only a Dataset raises
+        try:
+            for row in remaining:
+                start += 1
+                yield row
+            return
+        except UnicodeDecodeError as e:
+            yield BadRow(f"{_undecodable(rows, start)} is not valid UTF-8 (byte {e.object[e.start:e.start + 1]!r} at "
+                         f"offset {e.start}: {e.reason}); write the file as UTF-8")
+            start += 1
+            if start == len(rows):  # the bad row was the last
+                return
+
+
+def _undecodable(rows, index: int) -> str:
+    """The keys of row `index` of Dataset `rows` whose text cannot be decoded, as "key 'prompt'"."""
+    row = rows.with_format("arrow")[index]  # a one-row Arrow table: nothing decoded yet
+    bad = []
+    for name in row.column_names:
+        try:
+            row.column(name).to_pylist()
+        except UnicodeDecodeError:
+            bad.append(f"'{name}'")
+    return f"key {', '.join(bad)}" if bad else "a string"

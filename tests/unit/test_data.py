@@ -1,6 +1,7 @@
 """Loading every supported source, the SFT formats, loss masks, truncation and bad rows."""
 
 import json
+import random
 
 import datasets
 import pytest
@@ -11,7 +12,7 @@ from RL2.config.schema import DataConfig
 from RL2.datasets.loading import DataError, load_table
 from RL2.datasets.sft import sft_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
-from RL2.datasets.tokenize import tokenize_rows
+from RL2.datasets.tokenize import text_budget, tokenize_messages, tokenize_prompt_response, tokenize_rows, truncate
 
 ROWS = [
     {"prompt": "What is 2+2?", "response": "4"},
@@ -117,6 +118,74 @@ def test_bad_row_names_file_row_and_key(tok, row, message):
         tokenize_rows(rows, tokenize_row, "data.jsonl", skip_bad_rows=False)
     examples, skipped = tokenize_rows(rows, tokenize_row, "data.jsonl", skip_bad_rows=True)
     assert len(examples) == 1 and skipped == 1
+
+
+def write_with_bad_utf8(path):
+    """Four JSONL rows; row 1's prompt and row 2's second message hold bytes that are not UTF-8 (Latin-1 text)."""
+    lines = [b'{"prompt": "q0", "response": "a0"}',
+             b'{"prompt": "caf\xe9 \xff", "response": "a1"}',
+             b'{"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "na\xefve"}]}',
+             b'{"prompt": "q3", "response": "a3"}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_invalid_utf8_names_the_file_row_and_key_and_is_skipped_on_request(tok, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    write_with_bad_utf8(path)
+    rows = load_table(str(path))
+    tokenize_row = sft_row_tokenizer(tok)(split_cfg())
+    message = (rf"{path} row 1: key 'prompt' is not valid UTF-8 \(byte b'\\xe9' at offset 3: invalid continuation "
+               rf"byte\); write the file as UTF-8 \(set data\.skip_bad_rows=true")
+    with pytest.raises(DataError, match=message):
+        tokenize_rows(rows, tokenize_row, str(path), skip_bad_rows=False)
+    examples, skipped = tokenize_rows(rows, tokenize_row, str(path), skip_bad_rows=True)
+    # Rows 1 and 2 skipped; the rows after each bad one are still read, and read right.
+    assert skipped == 2 and [trained_text(tok, e) for e in examples] == ["a0<|im_end|>\n", "a3<|im_end|>\n"]
+    with pytest.raises(DataError, match=r"row 1: key 'messages' is not valid UTF-8"):  # row 2 of the file
+        tokenize_rows(rows.select([0, 2, 3]), tokenize_row, str(path), skip_bad_rows=False)
+    assert tokenize_rows(rows.select([0, 1]), tokenize_row, str(path), skip_bad_rows=True)[1] == 1  # the last row
+    # Held-out rows (a split with an index mapping) too, through the trainers' loader.
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig),
+                          {"train": {"path": str(path), "batch_size": 1}, "test_ratio": 0.5, "skip_bad_rows": True})
+    train, test = load_splits(cfg, sft_row_tokenizer(tok), seed=0)
+    assert len(train) + len(test) == 2
+
+
+def recorded_encode(tok, monkeypatch) -> list[int]:
+    """The length of every text `tok.encode` is given from now on."""
+    lengths, encode = [], tok.encode
+
+    def recording(text, **kwargs):
+        lengths.append(len(text))
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", recording)
+    return lengths
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "3.14159", "\n", "x=y+1;", "  ", "über", "😀"]
+
+
+@pytest.mark.parametrize("form", ["chat", "raw", "messages", "one_long_word"])
+def test_a_huge_row_is_cut_before_it_is_tokenized_into_the_same_example(tok, monkeypatch, form):
+    random.seed(0)
+    huge = " ".join(random.choice(WORDS) for _ in range(60_000))  # ~330k characters
+    if form == "one_long_word":  # no space, nothing to split on: BPE over one word
+        huge = "".join(random.choice("abcdefghij") for _ in range(300_000))
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": huge}]} \
+        if form == "messages" else {"prompt": "q", "response": huge}
+    cfg = split_cfg(max_length=64, apply_chat_template=form != "raw")
+    # The budget of the default tokenizer at max_length 64: 2 * 65 * 81 characters (its longest token is 81).
+    assert text_budget(tok, 64) == 10_530
+    lengths = recorded_encode(tok, monkeypatch)
+    example = sft_row_tokenizer(tok)(cfg)(row)
+    assert max(lengths) <= 10_530 + 100  # the budget plus the chat template's own text
+    # The same tokens as tokenizing the whole text and truncating, as before.
+    context = [{"role": "user", "content": "q"}] if form != "raw" else "q"
+    whole = tokenize_prompt_response(tok, context, huge) if form != "messages" else \
+        tokenize_messages(tok, row["messages"])
+    assert max(lengths) > 250_000  # the whole text went to encode this time
+    assert example == truncate(whole, 64)
 
 
 def test_test_ratio_holds_out_rows(tok, tmp_path):

@@ -207,6 +207,21 @@ def test_ppo_rows_without_a_prompt_when_the_environment_resets(tok, tmp_path):
         load_splits(data_cfg(path), prompt_row_tokenizer(tok), seed=0)
 
 
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(tok, monkeypatch):
+    from RL2.datasets.prompts import prompt_row_tokenizer
+    from RL2.datasets.tokenize import BadRow
+
+    encoded, encode = [], tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kwargs: encoded.append(len(text)) or encode(text, **kwargs))
+    tokenize_row = prompt_row_tokenizer(tok)(data_cfg("x").train)
+    # 350,000 characters, more than 2 * 2049 * 81 (the default tokenizer's longest token is 81 characters):
+    # certainly more than 2048 tokens, so nothing is tokenized (it took 9 s and 2 GB for 9 MB).
+    with pytest.raises(BadRow, match=r"the prompt has 350\d{3} characters, more than max_length=2048 tokens can hold"):
+        tokenize_row({"prompt": "word " * 70_000})
+    assert encoded == []
+    assert tokenize_row({"prompt": "word " * 1000})["prompt_ids"] and encoded  # an ordinary one is tokenized
+
+
 # ---- CSV and typed sources: text columns stay text ------------------------------------------------
 
 
@@ -276,6 +291,9 @@ def test_numbers_in_typed_text_columns_are_their_text(tok, tmp_path):
         ("rm", {"messages": CHINA, "chosen": "Beijing.", "rejected": "Beijing."},
          "'chosen' and 'rejected' are identical"),
         ("dpo", {"prompt": "q", "chosen": "word " * 2100 + "Beijing.", "rejected": "word " * 2100 + "Shanghai."},
+         "'chosen' and 'rejected' are identical in their first max_length=2048 tokens"),
+        # Parting after the characters tokenized (`text_budget`, 331,938 at max_length 2048): still told apart.
+        ("dpo", {"prompt": "q", "chosen": "word " * 70_000 + "Beijing.", "rejected": "word " * 70_000 + "Shanghai."},
          "'chosen' and 'rejected' are identical in their first max_length=2048 tokens"),
         ("sft", {"messages": CHINA}, "key 'messages' has no assistant message"),
         ("sft", {"prompt": {"text": "q"}, "response": "a"}, "key 'prompt' should be a string, got dict"),
