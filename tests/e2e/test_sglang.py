@@ -442,6 +442,20 @@ def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
     assert not server.alive()
 
 
+def test_a_python_named_by_its_command_runs_the_server(tiny_model_path, tmp_path, monkeypatch):
+    """rollout.server_python=python3 (a command on PATH, not a path): the wrapper that makes the server die
+    with the trainer re-executes it with os.execv, which searches no PATH. Here RL2's own Python, found on
+    PATH under its bare name, gets as far as importing sglang; an unknown name is refused naming the key."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    server = SGLangServer(Path(sys.executable).name, tiny_model_path, CPU_ARGS, log_dir=str(tmp_path)).start()
+    assert Path(server.command[0]).is_absolute()
+    with pytest.raises(EngineError, match="(?s)exited with code 1.*No module named 'sglang'"):
+        server.wait_ready(timeout=60)
+    with pytest.raises(ConfigError, match="rollout.server_python.*'no-such-python3'"):
+        resolve_engine(SimpleNamespace(engine="auto", server_url=None, server_python="no-such-python3"),
+                       torch.device("cuda"))
+
+
 # ---- the PPO trainer with SGLang as its engine ------------------------------------------------
 
 # Rewards that differ within most groups of a random model's answers, so that GRPO updates the weights.

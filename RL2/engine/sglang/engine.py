@@ -52,7 +52,7 @@ from RL2.config.errors import ConfigError
 from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer, check_server_args
+from RL2.engine.sglang.server import SGLangServer, check_server_args, resolve_python
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,
@@ -100,7 +100,9 @@ def server_urls(value) -> list[str]:
 
 
 def server_python(cfg) -> str:
-    return cfg.server_python or sys.executable
+    """The absolute path of the Python that runs launched servers: `rollout.server_python` (a path or a
+    command on PATH), else the trainer's own."""
+    return resolve_python(cfg.server_python) if cfg.server_python else sys.executable
 
 
 def python_has_sglang(python: str) -> bool:

@@ -8,6 +8,7 @@ talks to it over HTTP. Its output goes to a log file whose tail is quoted when i
 import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +78,20 @@ def server_command(python: str, model_path: str, port: int, server_args: dict) -
     return command
 
 
+def resolve_python(python: str, key: str = "rollout.server_python") -> str:
+    """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`).
+
+    The server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a
+    path and does not search PATH as `subprocess.Popen` does: a bare name would start the wrapper and
+    then fail at its exec.
+    """
+    found = shutil.which(str(python))
+    if found is None:
+        raise ConfigError(f"config key '{key}' is {python!r}, which is neither an executable file nor a command on "
+                          f"PATH; give the path of the Python that has sglang, e.g. ~/sglang-venv/bin/python")
+    return os.path.abspath(found)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now (another process could still take it before the server does)."""
     with socket.socket() as s:
@@ -88,7 +103,8 @@ class SGLangServer:
     """A launched `sglang.launch_server` process.
 
     Args:
-        python: the interpreter that runs SGLang (its own virtual environment if need be).
+        python: the interpreter that runs SGLang (its own virtual environment if need be): a path, or a
+            command on PATH (`resolve_python`).
         model_path: HF folder of the weights to serve.
         server_args: checked `rollout.server_args` plus RL2's defaults (see `check_server_args`).
         env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
@@ -101,7 +117,7 @@ class SGLangServer:
         self.port = free_port(host if host != "0.0.0.0" else "127.0.0.1")
         connect_host = "127.0.0.1" if host == "0.0.0.0" else host
         self.url = f"http://{connect_host}:{self.port}"
-        self.command = server_command(python, model_path, self.port, {"host": host} | server_args)
+        self.command = server_command(resolve_python(python), model_path, self.port, {"host": host} | server_args)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rl2-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"sglang-{self.port}.log"
