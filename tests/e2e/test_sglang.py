@@ -113,6 +113,21 @@ def test_tensor_sync_needs_a_server_version_whose_format_rl2_writes():
         _launched_weight_sync("tensor", cuda, set())
 
 
+def test_a_gpu_server_without_the_memory_saver_needs_its_share_set(tiny_model_path):
+    """enable_memory_saver=false on a GPU: the server could not release RL2's 85% of the GPU while the trainer
+    trains beside it. Refused at launch, before any process group or server is touched, unless
+    mem_fraction_static says how much it may keep."""
+    cfg = lambda **args: SimpleNamespace(server_args=args, server_python=sys.executable)
+    with pytest.raises(ConfigError, match=r"enable_memory_saver=false.*mem_fraction_static=0\.85.*set "
+                                          r"rollout\.server_args\.mem_fraction_static"):
+        SGLangEngine.launch(cfg(enable_memory_saver=False), tiny_model_path, torch.float32, torch.device("cuda"), 0)
+    # Sized by the user, or on the CPU (never colocated): past the check, to the process group, absent here.
+    for args, device in (({"enable_memory_saver": False, "mem_fraction_static": 0.3}, "cuda"),
+                         ({"enable_memory_saver": False}, "cpu")):
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            SGLangEngine.launch(cfg(**args), tiny_model_path, torch.float32, torch.device(device), 0)
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not SGLANG_PYTHON, reason="RL2_SGLANG_PYTHON is not set")
 def test_bucket_payload_is_read_by_sglangs_own_classes(tmp_path):

@@ -171,8 +171,9 @@ class SGLangEngine:
             device: this rank's device; servers run on the same kind.
             seed: the run's seed (each server adds its index).
         """
-        rank, world = dist.get_rank(), dist.get_world_size()
         args = check_server_args(cfg.server_args)
+        _check_memory_saver(args, device)
+        rank, world = dist.get_rank(), dist.get_world_size()
         tp = int(args.get("tp_size", 1))
         if tp < 1 or world % tp:
             raise ConfigError(f"rollout.server_args.tp_size={tp} must divide the number of ranks ({world}): "
@@ -408,6 +409,24 @@ def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: in
     else:
         defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
     return defaults
+
+
+def _check_memory_saver(server_args: dict, device: torch.device) -> None:
+    """Refuse a GPU server that would keep RL2's share of the GPU while the trainer trains beside it.
+
+    Without `enable_memory_saver` a server cannot release its memory, so training runs next to its
+    weights and KV cache; RL2's `mem_fraction_static` (`COLOCATED_MEM_FRACTION` of the free memory) is
+    sized for a server that gives it back, and would leave training a few GB. A user who sets
+    `mem_fraction_static` too has sized the server's share themselves.
+    """
+    if device.type != "cuda" or server_args.get("enable_memory_saver", True) or "mem_fraction_static" in server_args:
+        return
+    raise ConfigError(
+        f"rollout.server_args.enable_memory_saver=false: the SGLang server would keep mem_fraction_static="
+        f"{COLOCATED_MEM_FRACTION} of the free GPU memory while the trainer's models come back to the same GPU to "
+        f"train. Drop enable_memory_saver=false (the server then releases its memory while the trainer trains), "
+        f"or also set rollout.server_args.mem_fraction_static to the share of the free memory the server may keep "
+        f"for good (training needs the rest; see the memory plan in the README)")
 
 
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
