@@ -263,6 +263,9 @@ def claim_save_dir(save_dir: str) -> Callable[[], None]:
             release = _take_lock(Path(save_dir))
         except ConfigError as e:
             problem = str(e)
+        except OSError as e:  # a full disk, a read-only folder: every rank stops, not rank 0 alone
+            problem = (f"trainer.save_dir={save_dir}: cannot write {LOCK} ({e.strerror}); give a folder this user "
+                       f"can write")
     box = [problem]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
@@ -291,11 +294,15 @@ def _take_lock(root: Path) -> Callable[[], None]:
                 path.unlink(missing_ok=True)
                 continue
             raise ConfigError(_held_message(root, path, holder)) from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(root)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(root)
+        except OSError:  # an empty lock would name no one and hold the save_dir for good
+            path.unlink(missing_ok=True)
+            raise
         break
     else:
         raise ConfigError(_held_message(root, path, _read_lock(path)))
