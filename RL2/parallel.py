@@ -49,13 +49,52 @@ def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.d
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
+# Seconds a rank waits in a collective for the others before the run fails (torch's default for gloo).
+COLLECTIVE_TIMEOUT = 1800.0
+# Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
+# gather of a rollout: their environment steps and the requests they make after it.
+REQUEST_TIMEOUT_MARGIN = 600.0
+
+
+def collective_timeout(cfg) -> float:
+    """Seconds every process group waits in a collective: `trainer.collective_timeout`, by default
+    `COLLECTIVE_TIMEOUT` and, for a config with a rollout, at least `rollout.request_timeout` plus
+    `REQUEST_TIMEOUT_MARGIN`: a rank whose rollout is done waits in the gather while another rank's
+    request may run for the whole request timeout, and a shorter wait would end the run (NCCL's
+    watchdog aborts the process) before that request fails or finishes.
+
+    Args:
+        cfg: a trainer's or the evaluator's config (`trainer` and `rollout` sections, where it has them).
+    """
+    trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
+    chosen = trainer.get("collective_timeout") if trainer is not None else None
+    request = rollout.get("request_timeout") if rollout is not None else None
+    least = request + REQUEST_TIMEOUT_MARGIN if request is not None else 0.0
+    if chosen is None:
+        return max(COLLECTIVE_TIMEOUT, least)
+    if chosen <= 0:
+        raise ConfigError(f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: "
+                          f"the default)")
+    if chosen < least:
+        raise ConfigError(
+            f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout={request} s plus "
+            f"{REQUEST_TIMEOUT_MARGIN:.0f} s: ranks waiting for another rank's rollout would be stopped before its "
+            f"request times out. Raise trainer.collective_timeout to at least {least:.0f}, or lower "
+            f"rollout.request_timeout")
+    return float(chosen)
+
+
+def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) -> None:
     """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group.
 
     Keeping a process group at world size 1 lets the same code (FSDP2, DCP checkpoints) run everywhere.
     On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
     process could take it first), and no TCP store server whose thread outlives the group until the
     interpreter's teardown (see `close_process_groups`).
+
+    Args:
+        device: this rank's device (its backend: nccl on cuda, gloo on cpu).
+        timeout: seconds a collective of any group waits for the other ranks (`collective_timeout`).
     """
     if dist.is_initialized():
         return
@@ -70,11 +109,17 @@ def init_distributed(device: torch.device, timeout_minutes: int = 30) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A dead peer makes collectives fail after this timeout instead of hanging forever.
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    timeout = datetime.timedelta(seconds=timeout)
     if single and backend == "gloo":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+    # Groups made later (the device mesh's, a server's tensor-parallel group) do not inherit the world's
+    # timeout: `new_group` without one takes c10d's default for the backend (30 min for gloo, 10 for
+    # NCCL), which these module attributes hold. torchtitan sets each group's instead (`set_pg_timeouts`);
+    # here every group RL2 or torch makes afterwards gets it.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def _print_stacks_on_crash() -> None:

@@ -175,6 +175,7 @@ class TrainerConfig:
     test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end; null or 0: never)")
     eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    collective_timeout: float | None = opt(None, "seconds a rank waits in a collective (a gather of rollouts, an all-reduce) for the others before the run stops with an error; default 1800, and with a rollout at least rollout.request_timeout + 600, as ranks wait in the gather while another rank's requests run")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import tokenize_rows
 from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
-from RL2.parallel import init_distributed, pick_device
+from RL2.parallel import collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import Env
 from RL2.rollout.loop import sample_seed
 from RL2.rollout.metrics import evaluation_metrics, metrics_difference
@@ -85,7 +85,7 @@ class Evaluator:
         self.device = pick_device(cfg.eval.device, key="eval.device")
         if self.device.type == "cpu":
             keep_freed_memory()  # sampling allocates rows of the same sizes every step; before any thread starts
-        init_distributed(self.device)
+        init_distributed(self.device, collective_timeout(cfg))
 
     def run(self) -> EvalResult:
         """Evaluate the model (and the one to compare with); write the samples and metrics; print a table."""
