@@ -10,11 +10,12 @@ from typing import Any
 
 from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
+from RL2.engine.embedded.sampling import GREEDY_TEMPERATURE
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = opt(1.0, "sampling temperature (0 is greedy)")
+    temperature: float = opt(1.0, "sampling temperature (0 is greedy; training needs a positive one: the trained policy is softmax(logits / temperature))")
     top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens covering this probability")
     top_k: int = opt(-1, "keep the k most likely tokens (-1: all)")
     max_new_tokens: int = opt(256, "the most tokens of one action")
@@ -169,6 +170,12 @@ def check_ppo_config(cfg) -> None:
     if rollout.max_sampling_rounds < 1:
         raise ConfigError("rollout.max_sampling_rounds must be at least 1")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
+    if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
+        raise ConfigError(
+            f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
+            f"greedily, but the trained policy is softmax(logits / temperature), which has no log-probabilities "
+            f"at 0 (and every response to a prompt would be the same). Give a positive temperature (1: the "
+            f"model's own distribution); rollout.test_sampling_params may stay greedy")
     if rollout.agent_path and rollout.partial_rollout:
         raise ConfigError("rollout.partial_rollout pauses and resumes environment trajectories; an agent script's run "
                           "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")

@@ -70,6 +70,8 @@ def ppo_config(argv):
     (["rollout.train_sampling_params.max_new_tokens=0"],
      r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
     (["rollout.train_sampling_params.temperature=-1"], r"rollout\.train_sampling_params\.temperature=-1\.0; give 0"),
+    (["rollout.train_sampling_params.temperature=0"],
+     r"rollout\.train_sampling_params\.temperature=0\.0 samples greedily.*Give a positive temperature"),
     (["rollout.test_sampling_params.top_p=0"], r"rollout\.test_sampling_params\.top_p=0\.0; .*set it in \(0, 1\]"),
     (["rollout.train_sampling_params.stop=['</a>','']"], r"rollout\.train_sampling_params\.stop=.*non-empty strings"),
     (["rollout.test_sampling_params.no_stop_trim=false"], r"rollout\.test_sampling_params\.no_stop_trim=false.*drop it"),
