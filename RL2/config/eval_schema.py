@@ -16,7 +16,8 @@ from RL2.config.schema import opt
 # RolloutConfig keys that mean nothing in an evaluation: training's sampling and shaping, and the
 # weight sync (the evaluated weights never change; the engine gets `weight_sync=none`).
 TRAINING_ONLY = frozenset({
-    "responses_per_prompt", "test_responses_per_prompt", "train_sampling_params", "test_sampling_params",
+    "responses_per_prompt", "test_responses_per_prompt", "test_prompts_per_rollout", "train_sampling_params",
+    "test_sampling_params",
     "dynamic_filtering", "max_sampling_rounds", "partial_rollout", "overlong_buffer_len", "overlong_penalty_factor",
     "length_penalty_coef", "reward_model", "save_samples", "weight_sync", "weight_bucket_mb", "weights_dir",
 })

@@ -116,7 +116,6 @@ _ACTOR = [
     Renamed("actor.tis_coef", ("actor.tis_coef",), _tis_coef),
     Renamed("critic.clip", ("critic.value_clip",)),
     Renamed("trainer.beta", ("actor.beta",)),
-    Dropped("actor.freeze_steps", "RL2 updates the actor from the first step"),
     Dropped("actor.ref_model_name", "the reference is the actor's initial weights (actor.model_name)"),
     Dropped("ref_actor.", "the reference is the actor's initial weights and follows actor.* (model, dtype, layout)"),
 ]
@@ -154,10 +153,8 @@ _RL_SPLITS = [  # the original's per-split RL data sections
     Renamed("rollout.train.partial_rollout", ("rollout.partial_rollout",)),
     Renamed("rollout.test_ratio", ("data.test_ratio",)),
     _both_splits("rollout.apply_chat_template", "apply_chat_template"),
-    *[Dropped(key, "RL2 tests on every prompt of data.test.path (or the data.test_ratio held out); "
-                   "use a smaller test file to test on fewer")
-      for key in ("test_data.prompts_per_rollout", "rollout.test.prompts_per_rollout",
-                  "rollout.test_prompts_per_rollout")],
+    *[Renamed(f"{old}.prompts_per_rollout", ("rollout.test_prompts_per_rollout",))
+      for old in ("test_data", "rollout.test")],
     *[Dropped(key, "rollout.save_samples=true writes every trajectory to <trainer.save_dir>/samples.jsonl")
       for key in ("rollout.train.save_dir", "rollout.test.save_dir")],
 ]

@@ -36,6 +36,7 @@ class RolloutConfig:
     reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` (sync or async) instead of rollout.env_path: 'path/to/file.py:name' or 'package.module:name', e.g. RL2.rewards:math_reward")
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
+    test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test split in a shuffled order (seeded by trainer.seed) that successive evaluations walk through; None: every test prompt")
     max_turns: int = opt(1, "the most actions of one trajectory")
     max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
     env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own")
@@ -116,6 +117,7 @@ class ActorConfig(ModelConfig):
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
     kl: KLConfig = opt(KLConfig, "KL to the reference")
+    freeze_steps: int = opt(0, "PPO's critic warm-up: the actor is not updated for the first this many steps, while the critic learns the values of the initial policy (adv.estimator=gae); its learning-rate schedule starts after them")
     entropy: EntropyConfig = opt(EntropyConfig, "entropy bonus")
     teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation")
 
@@ -154,6 +156,7 @@ def check_ppo_config(cfg) -> None:
         raise ConfigError("rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout "
                           "must be at least 1")
     kl, rollout = cfg.actor.kl, cfg.rollout
+    check_warm_up(cfg.actor, cfg.adv)
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
@@ -170,6 +173,9 @@ def check_ppo_config(cfg) -> None:
     if rollout.max_sampling_rounds < 1:
         raise ConfigError("rollout.max_sampling_rounds must be at least 1")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
+    if rollout.test_prompts_per_rollout is not None and rollout.test_prompts_per_rollout < 1:
+        raise ConfigError(f"rollout.test_prompts_per_rollout={rollout.test_prompts_per_rollout}; test on at least 1 "
+                          f"prompt, or leave it null to test on every prompt")
     if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
         raise ConfigError(
             f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
@@ -187,6 +193,16 @@ def check_ppo_config(cfg) -> None:
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
+def check_warm_up(actor, adv) -> None:
+    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) the frozen
+    steps would only sample."""
+    if actor.freeze_steps < 0:
+        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps}; give the number of steps the actor waits (0: none)")
+    if actor.freeze_steps and adv.estimator != "gae":
+        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps} lets PPO's critic learn before the actor moves, but "
+                          f"adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
+
+
     """Fail at start, naming the key, on a turn limit or sampling settings that the engines refuse mid-run
     (a negative temperature, top_p outside (0, 1]) or that sample nothing (max_new_tokens < 1).
 

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from RL2.agents.tool_use import tool_use_of
 from RL2.batch import RolloutBatch, SequenceBatch
+from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
@@ -56,10 +57,15 @@ class PPOTrainer(Trainer):
         self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        if cfg.actor.freeze_steps >= self.n_steps:
+            raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
+                              f"{self.n_steps} steps; lower it or raise trainer.total_steps")
+        self.test_sampler = test_sampler(len(self.test_data), cfg.rollout.test_prompts_per_rollout, cfg.trainer.seed)
         # Rollout state that a resume restores: prompt batches drawn so far (dynamic filtering may
-        # draw several per step) and the groups a partial rollout left unfinished.
+        # draw several per step), the groups a partial rollout left unfinished and the evaluations done.
         self.cursor = 0
         self.carried: list[list[Trajectory]] = []
+        self.test_cursor = 0
         self._build_workers()
 
     def _build_workers(self) -> None:
@@ -67,7 +73,8 @@ class PPOTrainer(Trainer):
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
         lora = cfg.actor.lora.rank > 0
         resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
-        self.actor = Actor(cfg.actor, *args, self.optimizer_steps(cfg.actor), response_budget=budget,
+        actor_steps = self.optimizer_steps(cfg.actor, frozen_steps=cfg.actor.freeze_steps)
+        self.actor = Actor(cfg.actor, *args, actor_steps, response_budget=budget,
                            base_changes=resets_merge)
         self.ref = None
         if cfg.actor.kl.coef > 0:  # under LoRA, the actor's own base with the adapters off: no second copy
@@ -84,9 +91,11 @@ class PPOTrainer(Trainer):
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
                                      colocated=on_gpu, env=self.env, seed=cfg.trainer.seed)
 
-    def optimizer_steps(self, model_cfg) -> int:
+    def optimizer_steps(self, model_cfg, frozen_steps: int = 0) -> int:
+        """A model's optimizer steps over the run (its learning-rate schedule's length), the first
+        `frozen_steps` steps, in which it is not updated, left out."""
         per_rollout = model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)
-        return self.n_steps * per_rollout
+        return (self.n_steps - frozen_steps) * per_rollout
 
     def workers(self) -> dict:
         workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
@@ -100,7 +109,8 @@ class PPOTrainer(Trainer):
                 worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
 
     def trainer_state(self) -> dict:
-        return {"cursor": self.cursor, "carried": [[t.to_dict() for t in group] for group in self.carried]}
+        return {"cursor": self.cursor, "carried": [[t.to_dict() for t in group] for group in self.carried],
+                "test_cursor": self.test_cursor}
 
     def train(self) -> None:
         self.run(self.n_steps)
@@ -116,7 +126,8 @@ class PPOTrainer(Trainer):
         if cfg.rollout.save_samples and is_rank0():
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
         if groups:  # dynamic filtering may leave nothing to learn from
-            metrics |= self.learn(training_batch(groups))
+            # PPO's critic warm-up: for the first actor.freeze_steps steps only the critic learns.
+            metrics |= self.learn(training_batch(groups), update_actor=step > cfg.actor.freeze_steps)
         with measured(metrics, "sync"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
@@ -126,8 +137,9 @@ class PPOTrainer(Trainer):
         max_over_ranks(metrics, self.device)
         return metrics
 
-    def learn(self, batch: RolloutBatch) -> dict[str, float]:
-        """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates."""
+    def learn(self, batch: RolloutBatch, update_actor: bool = True) -> dict[str, float]:
+        """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates
+        (the actor's only with `update_actor`)."""
         cfg, metrics = self.cfg, {}
         metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
@@ -147,9 +159,11 @@ class PPOTrainer(Trainer):
                 batch.tokens["old_logps"] = self.actor.logps(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
         n_tokens = sum(len(ids) for ids in batch.input_ids)
-        with measured(metrics, "actor_update"):
-            metrics |= self.actor.update(batch)
-        metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
+        if update_actor:
+            with measured(metrics, "actor_update"):
+                metrics |= self.actor.update(batch)
+            metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
+        metrics["actor/frozen"] = float(not update_actor)
         if self.critic:
             with measured(metrics, "critic_update"):
                 metrics |= self.critic.update(batch)
@@ -234,7 +248,7 @@ class PPOTrainer(Trainer):
         if not self.test_data:
             return {}
         rollout = self.cfg.rollout
-        groups = self.rollout.rollout(self.test_data, rollout.test_sampling_params, rollout.test_responses_per_prompt,
+        groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params, rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
                    for key, value in rollout_metrics(groups, tools=self.rollout.uses_tools).items()}
@@ -245,6 +259,14 @@ class PPOTrainer(Trainer):
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
                           for name, value in source_metrics.items() if name not in COUNTS}
 
+    def test_prompts(self) -> list[dict]:
+        """The prompts of this evaluation: every test prompt, or with rollout.test_prompts_per_rollout the
+        next batch of them (each batch of a shuffled pass in turn, then those of another pass)."""
+        if self.test_sampler is None:
+            return self.test_data
+        self.test_cursor += 1
+        return [self.test_data[i] for i in self.test_sampler.batch(self.test_cursor - 1)]
+
     def truncate_outputs_after(self, step: int) -> None:
         super().truncate_outputs_after(step)
         if is_rank0():
@@ -253,6 +275,7 @@ class PPOTrainer(Trainer):
     def load_trainer_state(self, state: dict) -> None:
         self.cursor = state.get("cursor", state["step"])
         self.carried = [[Trajectory.from_dict(t) for t in group] for group in state.get("carried", [])]
+        self.test_cursor = state.get("test_cursor", 0)
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.sync_weights(self.actor.model, f"step{state['step']}")
 
@@ -269,6 +292,14 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def test_sampler(n_prompts: int, per_evaluation: int | None, seed: int) -> EpochSampler | None:
+    """Which test prompts evaluation k takes (`EpochSampler.batch(k)`); None for all of them, which is also
+    what a test split of at most `per_evaluation` prompts gives."""
+    if per_evaluation is None or per_evaluation >= n_prompts:
+        return None
+    return EpochSampler(n_prompts, per_evaluation, shuffle=True, seed=seed + 1)  # not the training order's seed
 
 
 def sum_lengths(groups: list[list[Trajectory]]) -> int:

@@ -66,6 +66,9 @@ def ppo_config(argv):
     (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
     (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
     (["adv.estimator=gae", "critic.update_per_rollout=0"], "critic.update_per_rollout must be at least 1"),
+    (["actor.freeze_steps=4"], r"actor\.freeze_steps=4 lets PPO's critic learn.*adv\.estimator=reinforce trains no critic"),
+    (["adv.estimator=gae", "actor.freeze_steps=-1"], r"actor\.freeze_steps=-1; give the number of steps"),
+    (["rollout.test_prompts_per_rollout=0"], r"rollout\.test_prompts_per_rollout=0; test on at least 1 prompt"),
     (["rollout.max_turns=0"], r"rollout\.max_turns=0; a trajectory takes at least 1 action"),
     (["rollout.train_sampling_params.max_new_tokens=0"],
      r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
@@ -83,7 +86,8 @@ def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
 
 @pytest.mark.parametrize("argv", [GSPO_RECIPE, CISPO_RECIPE, ["actor.policy_loss=gspo_token", "actor.gspo.clip_high=0.001"],
                                   ["actor.clip_high=0.28", "actor.dual_clip=3"],
-                                  ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"]])
+                                  ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"],
+                                  ["adv.estimator=gae", "actor.freeze_steps=4", "rollout.test_prompts_per_rollout=8"]])
 def test_policy_loss_recipes_pass(argv):
     ppo_config(argv)
 

@@ -42,6 +42,8 @@ CASES = [
     ("ppo", "train_data.responses_per_prompt=8", {"rollout.responses_per_prompt": 8}),
     ("ppo", "test_data.path=test.jsonl", {"data.test.path": "test.jsonl"}),
     ("ppo", "test_data.responses_per_prompt=4", {"rollout.test_responses_per_prompt": 4}),
+    ("ppo", "test_data.prompts_per_rollout=8", {"rollout.test_prompts_per_rollout": 8}),
+    ("ppo", "rollout.test.prompts_per_rollout=32", {"rollout.test_prompts_per_rollout": 32}),
     ("ppo", "actor.lr=2e-6", {"actor.optimizer.lr": 2e-6}),
     ("ppo", "critic.lr=3e-6", {"critic.optimizer.lr": 3e-6}),
     ("ppo", "actor.sp_size=2", {"actor.cp_size": 2}),
@@ -189,10 +191,8 @@ def test_current_keys_print_nothing(capsys):
     [
         ("sft", "actor.use_liger_kernel=true", "'actor.use_liger_kernel' is from RL2's original releases and has no "
                                                "counterpart here: RL2 has no Liger-kernel switch"),
-        ("ppo", "actor.freeze_steps=5", "'actor.freeze_steps'.*updates the actor from the first step"),
         ("ppo", "actor.lora.use_rslora=true", r"'actor.lora.use_rslora'.*actor.lora.alpha to alpha x sqrt\(rank\)"),
         ("ppo", "ref_actor.model_name=x", "'ref_actor.model_name'.*the actor's initial weights"),
-        ("ppo", "test_data.prompts_per_rollout=8", "tests on every prompt of data.test.path"),
         ("ppo", "actor.rollout.reward_fn_path=r.py", "rollout.env_path=FILE"),
         ("dpo", "data.batch_size_per_device=2", "global data.train.batch_size"),
     ],
