@@ -116,8 +116,8 @@ class ActorConfig(ModelConfig):
     tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off)")
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
-    kl: KLConfig = opt(KLConfig, "KL to the reference")
     freeze_steps: int = opt(0, "PPO's critic warm-up: the actor is not updated for the first this many steps, while the critic learns the values of the initial policy (adv.estimator=gae); its learning-rate schedule starts after them")
+    kl: KLConfig = opt(KLConfig, "KL to the reference")
     entropy: EntropyConfig = opt(EntropyConfig, "entropy bonus")
     teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation")
 
@@ -155,8 +155,8 @@ def check_ppo_config(cfg) -> None:
     if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1 or cfg.critic.update_per_rollout < 1:
         raise ConfigError("rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout "
                           "must be at least 1")
-    kl, rollout = cfg.actor.kl, cfg.rollout
     check_warm_up(cfg.actor, cfg.adv)
+    kl, rollout = cfg.actor.kl, cfg.rollout
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
@@ -172,10 +172,10 @@ def check_ppo_config(cfg) -> None:
                           f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
     if rollout.max_sampling_rounds < 1:
         raise ConfigError("rollout.max_sampling_rounds must be at least 1")
-    check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     if rollout.test_prompts_per_rollout is not None and rollout.test_prompts_per_rollout < 1:
         raise ConfigError(f"rollout.test_prompts_per_rollout={rollout.test_prompts_per_rollout}; test on at least 1 "
                           f"prompt, or leave it null to test on every prompt")
+    check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
         raise ConfigError(
             f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
@@ -192,7 +192,6 @@ def check_ppo_config(cfg) -> None:
         )
 
 
-def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
 def check_warm_up(actor, adv) -> None:
     """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) the frozen
     steps would only sample."""
@@ -203,6 +202,7 @@ def check_warm_up(actor, adv) -> None:
                           f"adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
 
 
+def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     """Fail at start, naming the key, on a turn limit or sampling settings that the engines refuse mid-run
     (a negative temperature, top_p outside (0, 1]) or that sample nothing (max_new_tokens < 1).
 
