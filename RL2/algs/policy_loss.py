@@ -8,9 +8,29 @@ averaging weights of `RL2.algs.averaging`.
 
 Policy losses (`actor.policy_loss`): `ppo_loss` (the clipped surrogate on per-token ratios, with
 dual clip and clip-higher), `gspo_loss` (one clipped ratio per sample) and `cispo_loss` (a
-clipped, detached weight on each token's log-prob). All three take the same truncated importance
-sampling correction between the rollout engine and the trainer.
+clipped, detached weight on each token's log-prob). All three take the same correction between the
+rollout engine and the trainer (`actor.correction`, `CORRECTIONS`).
+
+Engine corrections. Each sampled token has the engine's log-probability (the behaviour policy mu that
+sampled it) and the trainer's before the update (`old_logps`, the proximal policy of decoupled PPO,
+Hilton et al. 2021, arXiv 2110.00641). Their ratio rho = pi_old / mu leaves 1 for two reasons: the
+engine's kernels and precision differ from the trainer's (Yao et al. 2025), and, in a partial rollout,
+the token may have been sampled by weights one or more updates older (staleness). A correction turns
+rho into a detached per-token multiplier of the loss (the decoupled objective's importance weight):
+- `tis`: truncated importance sampling, min(rho, high) (Yao et al.; AReaL's decoupled PPO in clamp
+  mode); `actor.tis_coef` is its short form;
+- `icepop`: rho inside [low, high], 0 outside: tokens whose probabilities the two disagree on are
+  masked rather than truncated (IcePop: Ling Team, Ring-1T, arXiv 2510.18855, whose [0.5, 5] are the
+  defaults);
+- `seq_mask`: every token of a trajectory 1 when the product of its rho (the sequence-level ratio) is
+  inside [low, high], else 0 (verl's sequence-level rejection sampling);
+- `geo_mask`: the same test on the geometric mean of the trajectory's rho, which does not grow with its
+  length (verl's geometric rejection sampling; its bounds are tight: 1.001 by default).
+A trajectory is one sample, so the two masks need all of its tokens in one call (the actor packs them so).
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -40,18 +60,153 @@ def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: floa
     return torch.exp(old_logps - engine_logps).clamp(max=tis_coef).detach()
 
 
-def _engine_correction(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tensor,
-                       engine_logps: Tensor | None, tis_coef: float | None) -> Tensor:
-    """Every policy loss's last step: log KL(engine || old) and apply truncated importance sampling."""
-    if tis_coef is not None and engine_logps is None:
-        raise ValueError("tis_coef is set but engine_logps is None: pass the rollout logprobs.")
+def icepop_weights(old_logps: Tensor, engine_logps: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """IcePop's masked importance weights: rho = pi_old / pi_engine where it is in [low, high], else 0.
+
+    Returns:
+        (`[B, T]` detached weights, `[B, T]` bool: the tokens masked).
+    """
+    ratio = torch.exp(old_logps - engine_logps).detach()
+    kept = (ratio >= low) & (ratio <= high)
+    return torch.where(kept, ratio, 0.0), ~kept
+
+
+def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor, low: float,
+                            high: float, geometric: bool = False) -> tuple[Tensor, Tensor]:
+    """1 on every token of a trajectory whose ratio is in [low, high], 0 on those of the others.
+
+    The trajectory's ratio is the product of its tokens' rho = pi_old / pi_engine, or with `geometric`
+    their geometric mean; compared in log space, where a long trajectory's product cannot overflow.
+
+    Args:
+        mask: `[B, T]`; the tokens with mask > 0 make up each trajectory.
+        sample_ids: `[B, T]` long, the trajectory of each token.
+
+    Returns:
+        (`[B, T]` weights, `[B, T]` bool: the tokens masked).
+    """
+    log_ratio = (old_logps - engine_logps).detach()
+    per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
+    kept = (per_trajectory >= math.log(low)) & (per_trajectory <= math.log(high))
+    return kept.to(old_logps.dtype), ~kept
+
+
+def _tis(old_logps, engine_logps, mask, sample_ids, low, high):
+    weights = truncated_is_weights(old_logps, engine_logps, high)
+    return weights, (old_logps - engine_logps).detach() > math.log(high)
+
+
+# actor.correction.type -> (old_logps, engine_logps, mask, sample_ids, low, high) -> (weights, tokens
+# truncated or masked); the choices are declared in RL2/config/ppo_schema.py.
+CORRECTIONS = {
+    "tis": _tis,
+    "icepop": lambda old, engine, mask, samples, low, high: icepop_weights(old, engine, low, high),
+    "seq_mask": trajectory_mask_weights,
+    "geo_mask": lambda *args: trajectory_mask_weights(*args, geometric=True),
+}
+# Bounds where actor.correction.low / high are unset: (low, high); a low of None is 1 / high.
+CORRECTION_BOUNDS = {"tis": (None, 2.0), "icepop": (0.5, 5.0), "seq_mask": (None, 2.0), "geo_mask": (None, 1.001)}
+# Corrections that read a whole trajectory at once (like GSPO's ratio).
+TRAJECTORY_LEVEL_CORRECTIONS = ("seq_mask", "geo_mask")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """An engine correction of the policy loss (`CORRECTIONS`), with its bounds.
+
+    Args:
+        name: tis, icepop, seq_mask or geo_mask.
+        low, high: the bounds of rho (`tis` reads `high` only); None: `CORRECTION_BOUNDS`.
+    """
+
+    name: str
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        low, high = CORRECTION_BOUNDS[self.name]
+        high = high if self.high is None else self.high
+        low = (1.0 / high if low is None else low) if self.low is None else self.low
+        return low, high
+
+    def weights(self, old_logps: Tensor, engine_logps: Tensor, mask: Tensor,
+                sample_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(`[B, T]` detached weights, `[B, T]` bool: the tokens truncated or masked)."""
+        if self.name in TRAJECTORY_LEVEL_CORRECTIONS and sample_ids is None:
+            raise ValueError(f"the {self.name} correction masks whole trajectories: pass sample_ids")
+        return CORRECTIONS[self.name](old_logps, engine_logps, mask, sample_ids, *self.bounds)
+
+
+def _engine_correction(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tensor, engine_logps: Tensor | None,
+                       tis_coef: float | None, correction: Correction | None = None, mask: Tensor | None = None,
+                       sample_ids: Tensor | None = None) -> Tensor:
+    """Every policy loss's last step: log KL(engine || old) and apply the engine correction, if any
+    (`tis_coef` is `Correction("tis", high=tis_coef)`)."""
+    if tis_coef is not None:
+        if correction is not None:
+            raise ValueError("give tis_coef or correction, not both: tis_coef is the correction tis")
+        correction = Correction("tis", high=tis_coef)
+    if correction is not None and engine_logps is None:
+        raise ValueError(f"the {correction.name} correction is set but engine_logps is None: pass the rollout "
+                         f"logprobs.")
     if engine_logps is not None:
         metrics["engine_kl"] = k3(engine_logps, old_logps)
-    if tis_coef is not None:
-        weights = truncated_is_weights(old_logps, engine_logps, tis_coef)
-        metrics["tis_weight"] = weights
+    if correction is not None:
+        weights, corrected = correction.weights(old_logps, engine_logps, mask, sample_ids)
+        if correction.name == "tis":
+            metrics["tis_weight"] = weights
+        metrics |= {"correction_weight": weights, "correction_weight_min": weights,
+                    "correction_weight_max": weights, "correction_frac": corrected.float()}
         loss = loss * weights
     return loss
+
+
+def _reduce(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """Per-token metrics -> detached scalars over the masked tokens: the min or max for names ending so
+    (+inf or -inf without a masked token), else the weighted mean."""
+    counted = mask > 0
+    reduced = {}
+    for name, values in metrics.items():
+        values = values.detach()
+        if name.endswith("_min"):
+            reduced[name] = torch.where(counted, values, torch.inf).amin()
+        elif name.endswith("_max"):
+            reduced[name] = torch.where(counted, values, -torch.inf).amax()
+        else:
+            reduced[name] = _masked_mean(values, mask)
+    return reduced
+
+
+def engine_kl_by_lag(old_logps: Tensor, engine_logps: Tensor, lags: Tensor, weights: Tensor) -> dict[str, Tensor]:
+    """The engine-vs-trainer KL (k3 of KL(engine || old)) of the tokens sampled by the weights being
+    trained (`lag0`: the engine's kernels and precision alone) and of those sampled by older weights
+    (`lagged`: that plus the policy's drift since), as weighted sums with their weights; `lag_means`
+    turns the sums, added up over micro-batches and ranks, into means.
+
+    Args:
+        lags: `[B, T]` long, how many versions behind the trained weights each token was sampled.
+        weights: `[B, T]` token weights (0 off the trained tokens).
+    """
+    kl, lag0 = k3(engine_logps, old_logps).detach(), lags == 0
+    sums = {}
+    for part, tokens in (("lag0", lag0), ("lagged", ~lag0)):
+        token_weights = weights * tokens
+        sums[f"engine_kl_{part}"] = (kl * token_weights).sum()
+        sums[f"weight_{part}"] = token_weights.sum()
+    return sums
+
+
+def lag_means(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """`engine_kl_by_lag`'s sums (under `prefix`) -> `engine_kl_lag0` and `engine_kl_lagged` means; a part
+    without tokens (a synchronous run has no lagged ones) is left out."""
+    metrics = dict(metrics)
+    for part in ("lag0", "lagged"):
+        weight = metrics.pop(f"{prefix}weight_{part}", None)
+        kl = metrics.pop(f"{prefix}engine_kl_{part}", None)
+        if weight:
+            metrics[f"{prefix}engine_kl_{part}"] = kl / weight
+    return metrics
 
 
 def ppo_loss(
@@ -64,6 +219,8 @@ def ppo_loss(
     dual_clip: float | None = None,
     engine_logps: Tensor | None = None,
     tis_coef: float | None = None,
+    correction: Correction | None = None,
+    sample_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), per token.
 
@@ -83,15 +240,19 @@ def ppo_loss(
         clip_low: lower clip range, the ratio is clipped at 1 - clip_low.
         clip_high: upper clip range, the ratio is clipped at 1 + clip_high.
         dual_clip: the dual-clip constant c (> 1), or None.
-        engine_logps: `[B, T]` rollout-engine logprobs, for truncated importance sampling.
-        tis_coef: cap of the truncated importance weight; None disables it.
+        engine_logps: `[B, T]` rollout-engine logprobs, for the engine correction.
+        tis_coef: cap of the truncated importance weight (`Correction("tis", high=tis_coef)`); None disables it.
+        correction: the engine correction (`Correction`), instead of `tis_coef`; None: none.
+        sample_ids: `[B, T]` long, the trajectory of each token (for the trajectory masks).
 
     Returns:
         `(per_token_loss [B, T], metrics)`. Metrics are detached scalars averaged over the masked
         tokens: `clip_frac_low` (A < 0 and the ratio below 1 - clip_low: no gradient),
         `clip_frac_high` (A > 0 and the ratio above 1 + clip_high: no gradient), `dual_clip_frac`,
         `approx_kl` (k3 estimate of KL(old || current)) and, when `engine_logps` is given,
-        `engine_kl` (k3 estimate of KL(engine || old)) and, with TIS, `tis_weight`.
+        `engine_kl` (k3 estimate of KL(engine || old)); with a correction, `correction_weight` (the
+        mean weight; `tis_weight` too for tis), `correction_weight_min` and `_max` (over the masked
+        tokens) and `correction_frac` (the share of tokens truncated or masked).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is a common choice), got {dual_clip}.")
@@ -107,9 +268,8 @@ def ppo_loss(
         loss = torch.where(negative, torch.minimum(loss, bound), loss)
 
     metrics |= {"dual_clip_frac": dual_clipped.float(), "approx_kl": k3(old_logps, logps)}
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
-    metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
-    return loss * (mask > 0), metrics
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
+    return loss * (mask > 0), _reduce(metrics, mask)
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
@@ -135,12 +295,24 @@ def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
         mask: `[B, T]`; tokens with mask > 0 count, each once.
         sample_ids: `[B, T]` long, the sample of each token (any integers).
     """
+    sums, counts, index = _per_sample(values, mask, sample_ids)
+    return (sums / counts.clamp(min=1.0))[index].view_as(values)
+
+
+def sample_sum(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
+    """Each token's sample's sum of `values` over that sample's masked tokens (as `sample_mean`)."""
+    sums, _, index = _per_sample(values, mask, sample_ids)
+    return sums[index].view_as(values)
+
+
+def _per_sample(values: Tensor, mask: Tensor, sample_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sum of `values` over each sample's masked tokens, their count, each token's sample index)."""
     _, index = torch.unique(sample_ids.flatten(), return_inverse=True)
     n_samples = int(index.max()) + 1 if index.numel() else 0
     counted = (mask > 0).flatten().to(values.dtype)
     sums = values.new_zeros(n_samples).index_add(0, index, values.flatten() * counted)
     counts = counted.new_zeros(n_samples).index_add(0, index, counted)
-    return (sums / counts.clamp(min=1.0))[index].view_as(values)
+    return sums, counts, index
 
 
 def gspo_loss(
@@ -154,6 +326,7 @@ def gspo_loss(
     token_level: bool = False,
     engine_logps: Tensor | None = None,
     tis_coef: float | None = None,
+    correction: Correction | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), per token.
 
@@ -179,12 +352,12 @@ def gspo_loss(
         sample_ids: `[B, T]` long, the sample (trajectory) of each token.
         clip_low, clip_high: the sequence ratio is clipped to [1 - clip_low, 1 + clip_high].
         token_level: GSPO-token instead of GSPO.
-        engine_logps, tis_coef: truncated importance sampling, as in `ppo_loss`.
+        engine_logps, tis_coef, correction: the engine correction, as in `ppo_loss`.
 
     Returns:
         `(per_token_loss [B, T], metrics)`: `clip_frac_low` and `clip_frac_high` (the tokens of
         samples whose ratio was clipped on that side against their advantage's sign: no gradient),
-        `seq_ratio` (s_i, averaged over tokens), `approx_kl`, and `engine_kl`/`tis_weight` as in `ppo_loss`.
+        `seq_ratio` (s_i, averaged over tokens), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
     """
     sequence_log_ratio = sample_mean(logps - old_logps, mask, sample_ids)
     if token_level:
@@ -195,9 +368,8 @@ def gspo_loss(
     ratio = torch.exp(log_ratio)
     loss, metrics = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     metrics |= {"seq_ratio": ratio.detach(), "approx_kl": k3(old_logps, logps)}
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
-    metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
-    return loss * (mask > 0), metrics
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
+    return loss * (mask > 0), _reduce(metrics, mask)
 
 
 def cispo_loss(
@@ -209,6 +381,8 @@ def cispo_loss(
     clip_high: float = 3.0,
     engine_logps: Tensor | None = None,
     tis_coef: float | None = None,
+    correction: Correction | None = None,
+    sample_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): a clipped, detached importance weight times the log-prob.
 
@@ -225,12 +399,12 @@ def cispo_loss(
         mask: `[B, T]` 1.0 on action tokens, or non-negative token weights.
         clip_low: the weight is at least 1 - clip_low; None: no lower bound.
         clip_high: the weight is at most 1 + clip_high.
-        engine_logps, tis_coef: truncated importance sampling, as in `ppo_loss`.
+        engine_logps, tis_coef, correction, sample_ids: the engine correction, as in `ppo_loss`.
 
     Returns:
         `(per_token_loss [B, T], metrics)`: `clip_frac_low`/`clip_frac_high` (tokens whose weight was
         raised to 1 - clip_low or cut to 1 + clip_high; their gradient stays), `is_weight` (the
-        clipped weight), `approx_kl`, and `engine_kl`/`tis_weight` as in `ppo_loss`.
+        clipped weight), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
     """
     ratio = torch.exp(logps - old_logps).detach()
     low = None if clip_low is None else 1.0 - clip_low
@@ -242,6 +416,5 @@ def cispo_loss(
         "is_weight": weight,
         "approx_kl": k3(old_logps, logps),
     }
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef)
-    metrics = {k: _masked_mean(v.detach(), mask) for k, v in metrics.items()}
-    return loss * (mask > 0), metrics
+    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
+    return loss * (mask > 0), _reduce(metrics, mask)

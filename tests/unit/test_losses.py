@@ -1,4 +1,5 @@
-"""KL estimators, the PPO, GSPO and CISPO policy losses, the value loss, loss averaging and entropy on
+"""KL estimators, the PPO, GSPO and CISPO policy losses, their engine corrections (truncation, IcePop,
+trajectory masks) and the engine KL split by lag, the value loss, loss averaging and entropy on
 hand-made tensors."""
 
 import math
@@ -8,7 +9,8 @@ import torch
 
 from RL2.algs.averaging import AVERAGING_LEVELS, loss_weights
 from RL2.algs.kl import KL_ESTIMATORS, compute_kl, k1, k2, k3
-from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss, truncated_is_weights
+from RL2.algs.policy_loss import (Correction, cispo_loss, engine_kl_by_lag, gspo_loss, lag_means, ppo_loss,
+                                  truncated_is_weights)
 from RL2.algs.value_loss import value_loss
 from RL2.models.chunked_logps import entropy
 
@@ -126,6 +128,109 @@ def test_policy_loss_gradients_follow_mask():
     # d/dlogp of -A * exp(logp - old) at ratio 1 is -A / n_tokens.
     torch.testing.assert_close(logps.grad, -adv * mask / mask.sum())
     assert (logps.grad[mask == 1] != 0).all() and (logps.grad[mask == 0] == 0).all()
+
+
+# ------------------------------------------------------------------------------ engine corrections
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "gspo", "cispo"])
+def test_tis_coef_is_the_tis_correction_and_todays_truncation_bit_for_bit(loss_fn):
+    """actor.tis_coef=C, actor.correction.type=tis with high=C and the loss times min(rho, C) (what the
+    losses computed before corrections had names) give the same bits, loss and gradient."""
+    old = _t([[-1.0, -2.0, -0.5, -3.0, -1.2, -0.7]])
+    engine = old - _t([[math.log(w) for w in [0.5, 1.0, 2.0, 3.0, 1.7, 1.0]]])
+    adv, mask, samples = _t([ADVS]), _t([MASK]), torch.tensor([[0, 0, 0, 1, 1, 1]])
+
+    def run(**correction):
+        logps = (old + _t([[0.1, -0.2, 0.05, 0.3, -0.1, 0.0]])).requires_grad_()
+        if loss_fn == "gspo":
+            loss, metrics = gspo_loss(logps, old, adv, mask, samples, 0.2, 0.2, **correction)
+        else:
+            loss, metrics = (ppo_loss if loss_fn == "ppo" else cispo_loss)(logps, old, adv, mask, **correction)
+        loss.sum().backward()
+        return loss.detach(), logps.grad, metrics
+
+    short = run(engine_logps=engine, tis_coef=2.0)
+    by_name = run(engine_logps=engine, correction=Correction("tis", high=2.0))
+    plain_loss, _, _ = run()
+    assert torch.equal(short[0], by_name[0]) and torch.equal(short[1], by_name[1])
+    assert torch.equal(short[0], plain_loss * truncated_is_weights(old, engine, 2.0))
+    # rho = [0.5, 1, 2, 3, 1.7] on the trained tokens: truncated at 2 -> [0.5, 1, 2, 2, 1.7].
+    assert short[2]["tis_weight"].item() == pytest.approx(7.2 / 5)
+    assert short[2]["correction_weight"].item() == pytest.approx(7.2 / 5)
+    assert short[2]["correction_weight_min"].item() == pytest.approx(0.5)
+    assert short[2]["correction_weight_max"].item() == pytest.approx(2.0)
+    assert short[2]["correction_frac"].item() == pytest.approx(1 / 5)  # only rho = 3 was truncated
+    with pytest.raises(ValueError, match="not both"):
+        ppo_loss(*_ppo_inputs(), engine_logps=engine, tis_coef=2.0, correction=Correction("tis"))
+
+
+def test_icepop_masks_tokens_outside_its_band_and_weighs_the_others_by_rho():
+    # rho = exp(old - engine) = [0.4, 1, 2, 6, 5, 9 (not trained)], band [0.5, 5]: tokens 0 and 3 masked.
+    logps, old, adv, mask = _ppo_inputs()
+    engine = old - _t([[math.log(r) for r in [0.4, 1.0, 2.0, 6.0, 5.0, 9.0]]])
+    plain, _ = ppo_loss(logps, old, adv, mask, 0.2, 0.28)
+    loss, metrics = ppo_loss(logps, old, adv, mask, 0.2, 0.28, engine_logps=engine,
+                             correction=Correction("icepop", low=0.5, high=5.0))
+    weights = _t([[0.0, 1.0, 2.0, 0.0, 5.0, 0.0]])
+    torch.testing.assert_close(loss, plain.detach() * weights)
+    loss.sum().backward()
+    assert logps.grad[0, 0] == 0 and logps.grad[0, 3] == 0 and logps.grad[0, 2] != 0
+    assert metrics["correction_frac"].item() == pytest.approx(2 / 5)
+    assert metrics["correction_weight"].item() == pytest.approx(8 / 5)
+    assert metrics["correction_weight_min"].item() == 0.0
+    assert metrics["correction_weight_max"].item() == pytest.approx(5.0)
+    assert "tis_weight" not in metrics
+    assert Correction("icepop").bounds == (0.5, 5.0)  # IcePop's published band
+
+
+# Three trajectories in one row, the first token a prompt whose huge log-ratio must not count:
+#   sample     0    0    0     1     1    2 (x8)
+#   mask       0    1    1     1     1    1
+#   log rho    9   0.5  0.3  -0.2   0.1   0.09
+# products:  e^0.8 = 2.23,  e^-0.1 = 0.905,  e^0.72 = 2.05
+# geometric: e^0.4 = 1.49,  e^-0.05 = 0.951, e^0.09 = 1.094
+MASK_SAMPLES = [[0, 0, 0, 1, 1] + [2] * 8]
+MASK_MASK = [[0.0] + [1.0] * 12]
+MASK_LOG_RHO = [[9.0, 0.5, 0.3, -0.2, 0.1] + [0.09] * 8]
+
+
+@pytest.mark.parametrize("name,high,kept,masked_share", [
+    ("seq_mask", 2.0, [1], 10 / 12),  # the long trajectory's product passes 2: masked with the first
+    ("geo_mask", 1.1, [1, 2], 2 / 12),  # its geometric mean stays under 1.1: only the first is masked
+])
+def test_trajectory_masks_keep_or_drop_whole_trajectories(name, high, kept, masked_share):
+    old = torch.full((1, 13), -1.0)
+    logps = old.clone().requires_grad_()  # ratio 1: the plain loss is -A = -1 on every trained token
+    engine, samples, mask = old - _t(MASK_LOG_RHO), torch.tensor(MASK_SAMPLES), _t(MASK_MASK)
+    loss, metrics = ppo_loss(logps, old, torch.ones(1, 13), mask, engine_logps=engine,
+                             correction=Correction(name, high=high), sample_ids=samples)
+    weights = torch.isin(samples, torch.tensor(kept)).float() * mask
+    torch.testing.assert_close(loss, -weights)
+    assert metrics["correction_frac"].item() == pytest.approx(masked_share)
+    assert (metrics["correction_weight_min"].item(), metrics["correction_weight_max"].item()) == (0.0, 1.0)
+    low, _ = Correction(name, high=high).bounds
+    assert low == pytest.approx(1 / high)  # the band is symmetric in log space unless low is set
+    with pytest.raises(ValueError, match="sample_ids"):
+        ppo_loss(logps, old, torch.ones(1, 13), mask, engine_logps=engine, correction=Correction(name))
+
+
+def test_engine_kl_splits_into_the_current_weights_tokens_and_older_ones():
+    """Summed over two micro-batches, then divided: the weighted mean of k3 over each lag class."""
+    old = _t([[-1.0, -2.0, -1.0, -3.0, -0.5]])
+    gaps = [0.1, 0.2, -0.1, 0.3, 0.7]  # engine - old
+    engine = old + _t([gaps])
+    lags, weights = torch.tensor([[0, 1, 0, 2, 0]]), _t([[0.25, 0.25, 0.25, 0.25, 0.0]])  # the last not trained
+    k = [math.exp(-d) - 1 + d for d in gaps]  # k3 of KL(engine || old) per token
+    halves = [engine_kl_by_lag(old[:, part], engine[:, part], lags[:, part], weights[:, part])
+              for part in (slice(0, 2), slice(2, 5))]
+    summed = {name: float(halves[0][name] + halves[1][name]) for name in halves[0]}
+    means = lag_means({f"actor/{name}": value for name, value in summed.items()} | {"actor/loss": 1.0}, "actor/")
+    assert means["actor/engine_kl_lag0"] == pytest.approx((k[0] + k[2]) / 2)
+    assert means["actor/engine_kl_lagged"] == pytest.approx((k[1] + k[3]) / 2)
+    assert set(means) == {"actor/engine_kl_lag0", "actor/engine_kl_lagged", "actor/loss"}
+    fresh = engine_kl_by_lag(old, engine, torch.zeros_like(lags), weights)  # a synchronous step
+    assert "engine_kl_lagged" not in lag_means({name: float(v) for name, v in fresh.items()})
 
 
 # ------------------------------------------------------------------------------------------- GSPO
