@@ -5,9 +5,9 @@ this engine serves the same protocol as an async Python API: `generate` takes an
 exact JSON shapes of SGLang's native `/generate`, so one rollout client works with both.
 
 How it works:
-- Continuous batching. Every `generate` call queues a request; one scheduler task per event
-  loop admits waiting requests (one batched prefill), then decodes all running requests one
-  token per step. Requests join and leave between steps (see `model_runner.py` for the cache).
+- Continuous batching. Every `generate` call queues a request; while there are requests, one
+  scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
+  running requests one token per step. Requests join and leave between steps (see `model_runner.py` for the cache).
 - Where the forwards run depends on the cores. With torch's OpenMP backend (libgomp) every
   thread that runs torch ops gets its own OpenMP pool, and once a process holds more OpenMP
   threads than cores libgomp stops spin-waiting between parallel regions. So when this process's
@@ -294,7 +294,11 @@ class EmbeddedEngine:
             await self._wait_for_step()  # a step started by an earlier event loop may still run
             while True:
                 self._drop_abandoned()
-                if self._paused or not (self._waiting or self._running):
+                if not (self._paused or self._waiting or self._running):
+                    # Idle: the scheduler ends, and the next request starts another. One left waiting
+                    # would outlive the engine on the run's event loop (and be destroyed pending).
+                    return
+                if self._paused:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
