@@ -44,6 +44,9 @@ class PPOTrainer(Trainer):
     learning_curve = (
         CurvePanel("reward and score", ("rollout/reward", "rollout/score", "test/*/score")),
         CurvePanel("response length", ("rollout/response_length", "test/response_length"), ylabel="tokens"),
+        # Where the policy calls tools (an environment's TOOLS, an agent); left out of other runs' curves.
+        CurvePanel("tool use", ("rollout/tool_calls", "test/tool_calls", "rollout/tool_parse_errors",
+                                "rollout/tool_errors"), ylabel="per trajectory"),
     )
 
     def __init__(self, cfg, env: Env | None = None):
