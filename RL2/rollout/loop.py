@@ -20,7 +20,7 @@ import time
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
 from RL2.rollout.event_loop import Escaped, on_env_loop
-from RL2.rollout.trajectory import Trajectory, Turn
+from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -181,8 +181,9 @@ async def partial_rollout_batch(
     go first, then one new group per prompt. Once `n_needed` groups have every trajectory finished,
     no new action is requested and the engine is paused with abort, which returns the in-flight
     requests with what they sampled so far. Long responses thus no longer hold up a whole step.
-    The carried tokens keep the log-probabilities of the weights that sampled them (off-policy by
-    a step or more; `actor.tis_coef` corrects for it).
+    The carried tokens keep the log-probabilities and the version of the weights that sampled them
+    (off-policy by a step or more: the trainer bounds that with `rollout.max_staleness`, and the
+    policy loss corrects for it with `actor.correction`).
 
     Returns:
         (finished groups, unfinished groups, newly finished groups), carried ones first, then in
@@ -256,6 +257,22 @@ async def _resume_while_cut(run, trajectory: Trajectory, stop: asyncio.Event | N
         if idle == MAX_IDLE_RESUMES:
             raise EngineError(f"the engine aborted a request {idle} times in a row before it sampled a token")
     return trajectory
+
+
+def drop_stale_groups(groups: list[list[Trajectory]], version: int,
+                      max_staleness: int) -> tuple[list[list[Trajectory]], int]:
+    """Drop the groups whose oldest sampled token is more than `max_staleness` versions behind `version`
+    (AReaL's `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept,
+    in order; how many were dropped). A group without a token of known version is kept.
+
+    Args:
+        groups: carried groups, finished or not.
+        version: the version of the weights the next update trains (and the next rollout samples with).
+        max_staleness: the most versions a kept token may lag behind `version` (`rollout.max_staleness`).
+    """
+    kept = [group for group in groups if version - min((v for t in group for v in t.versions), default=version)
+            <= max_staleness]
+    return kept, len(groups) - len(kept)
 
 
 def filter_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
@@ -383,7 +400,12 @@ async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params:
     logps = [float(logp) for logp, _, _ in meta["output_token_logprobs"]]
     reason = meta["finish_reason"]
     matched = reason.get("matched")
-    return Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"]), matched, seconds
+    # One request samples all its tokens with one set of weights: pushes happen between rollouts, while
+    # no request runs. An engine that does not name them leaves the tokens to the worker's version.
+    version = weight_version_number(meta.get("weight_version"))
+    versions = [] if version is None else [version] * len(ids)
+    turn = Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"], action_versions=versions)
+    return turn, matched, seconds
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:

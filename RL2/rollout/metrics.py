@@ -50,6 +50,34 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
     return metrics
 
 
+def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
+    """How old the trained tokens are, namespaced `staleness/...`.
+
+    - `lag_<k>`: the share of trained tokens sampled by weights k versions behind `version`, for k from 0
+      to the largest lag seen or `max_lag` (a synchronous run has `lag_0` = 1);
+    - `mean_lag`: their mean lag;
+    - `max_span`: the most versions the tokens of one trajectory span (a partial rollout resumes a cut
+      action, and the turns after it, under newer weights).
+    Tokens of unknown version are left out.
+
+    Args:
+        groups: the trained groups.
+        version: the version of the weights trained.
+        max_lag: report the shares up to this lag at least (`rollout.max_staleness`), so that every
+            step has the same keys.
+    """
+    trajectories = [t for group in groups for t in group]
+    lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
+    counts = [0] * (max(lags + [max_lag]) + 1)
+    for lag in lags:
+        counts[lag] += 1
+    metrics = {f"staleness/lag_{k}": count / max(len(lags), 1) for k, count in enumerate(counts)}
+    metrics["staleness/mean_lag"] = _mean(lags)
+    metrics["staleness/max_span"] = float(max((max(t.versions) - min(t.versions) for t in trajectories if t.versions),
+                                              default=0))
+    return metrics
+
+
 def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """How a rollout used tools, per trajectory: `tool_calls` parsed, `tool_parse_errors` (call blocks that
     could not be parsed), `tool_errors` (calls that failed), and the mean seconds in tools (`tool_s`; an

@@ -7,9 +7,15 @@ differently (e.g. a `<think>` the model spelled in pieces comes back as one spec
 trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled
 (verl's and upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the
 environment's text is tokenised here, and it is masked out of the loss.
+
+Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`, from
+the engine's `weight_version`): a partial rollout resumes a cut action under newer weights, so one
+action, and one trajectory, may span versions. The trainer reads each token's lag from them (how many
+updates behind the weights being trained it was sampled), to bound and correct staleness.
 """
 
 import json
+import re
 from dataclasses import dataclass, field, is_dataclass
 
 import torch
@@ -31,6 +37,9 @@ class Turn:
         env_ids: observation tokens appended after the action when the next turn continues the
             same sequence (empty when the trajectory ends here or starts a new sequence).
         env_text: the text `env_ids` were tokenised from.
+        action_versions: the version of the weights that sampled each action token
+            (`weight_version_number`); empty, or shorter than `action_ids`, where the engine did not say
+            (the rollout worker fills them in with the version it pushed, `Trajectory.fill_versions`).
     """
 
     action_ids: list[int]
@@ -42,6 +51,24 @@ class Turn:
     env_ids: list[int] = field(default_factory=list)
     env_text: str = ""
     reward_parts: dict[str, float] = field(default_factory=dict)
+    action_versions: list[int] = field(default_factory=list)
+
+
+# The weight_version RL2 gives each push ("step3": the weights after step 3's update).
+_PUSHED = re.compile(r"step(\d+)")
+
+
+def weight_version_number(weight_version: str | None) -> int | None:
+    """The version of weights an engine names `weight_version`: the trainer step whose update made them.
+
+    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they
+    started with (the policy's initial ones), -> 0; anything else (an engine that does not say, a
+    name RL2 did not give) -> None.
+    """
+    if weight_version == "default":
+        return 0
+    match = _PUSHED.fullmatch(weight_version) if isinstance(weight_version, str) else None
+    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -113,12 +140,22 @@ class Trajectory:
         return json.loads(json.dumps(self, default=_jsonable))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Trajectory":
+    def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
+        """The trajectory `to_dict` wrote.
+
+        Args:
+            data: what `to_dict` returned (after a JSON round trip).
+            version: the weights' version given to sampled tokens that a checkpoint written before
+                versions were kept leaves without one (None leaves them without).
+        """
         sequences = [
             TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
             for seq in data["sequences"]
         ]
-        return cls(**(data | {"sequences": sequences}))
+        trajectory = cls(**(data | {"sequences": sequences}))
+        if version is not None:
+            trajectory.fill_versions(version)
+        return trajectory
 
     # ---- building ----
 
@@ -138,7 +175,15 @@ class Trajectory:
         last = self.sequences[-1].turns[-1]
         last.action_ids += turn.action_ids
         last.action_logps += turn.action_logps
+        last.action_versions += turn.action_versions  # the rest may be of newer weights than the start
         last.action_text, last.finish_reason = text, turn.finish_reason
+
+    def fill_versions(self, version: int) -> None:
+        """Give `version` to every sampled token that has none yet (those an engine sampled without
+        naming its weights). A turn's tokens without one are its last ones: earlier parts of an action
+        were filled in by the rollout that sampled them."""
+        for turn in self.turns:
+            turn.action_versions += [version] * (len(turn.action_ids) - len(turn.action_versions))
 
     @property
     def unfinished(self) -> bool:
@@ -187,6 +232,11 @@ class Trajectory:
         return turns[-1].finish_reason if turns else ""
 
     @property
+    def versions(self) -> list[int]:
+        """The weights' version of every sampled token that has one, in order."""
+        return [v for turn in self.turns for v in turn.action_versions]
+
+    @property
     def prompt_text(self) -> str:
         return self.sequences[0].prompt_text if self.sequences else ""
 
@@ -200,34 +250,43 @@ class Trajectory:
 
         Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps`
         the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole
-        trajectory each sampled token belongs to (-1 elsewhere).
+        trajectory each sampled token belongs to (-1 elsewhere), `versions` the version of the
+        weights that sampled it (-1 elsewhere, and where it is not known).
         """
         sequences, turn_index = [], 0
         for seq in self.sequences:
-            record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": []}
-            _extend(record, seq.prompt_ids, 0, [0.0] * len(seq.prompt_ids), -1)
+            record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
+            _extend(record, seq.prompt_ids, 0, [0.0] * len(seq.prompt_ids), -1, [])
             for turn in seq.turns:
-                _extend(record, turn.action_ids, 1, turn.action_logps, turn_index)
-                _extend(record, turn.env_ids, 0, [0.0] * len(turn.env_ids), -1)
+                _extend(record, turn.action_ids, 1, turn.action_logps, turn_index, turn.action_versions)
+                _extend(record, turn.env_ids, 0, [0.0] * len(turn.env_ids), -1, [])
                 turn_index += 1
             sequences.append(record)
         return sequences
 
 
-def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id: int) -> None:
+def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id: int, versions: list[int]) -> None:
     record["input_ids"] += ids
     record["loss_mask"] += [mask] * len(ids)
     record["engine_logps"] += list(logps)
     record["turn_ids"] += [turn_id] * len(ids)
+    record["versions"] += list(versions[: len(ids)]) + [-1] * (len(ids) - len(versions))
 
 
-def training_batch(groups: list[list[Trajectory]]) -> RolloutBatch:
+def training_batch(groups: list[list[Trajectory]], version: int | None = None) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
     Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too
     short to have a label (a lone prompt) is left out, while its trajectory still counts.
+
+    Args:
+        groups: the trajectories, grouped by prompt.
+        version: the version of the weights being trained. Given, the batch has per-token `lags`:
+            how many versions behind it each sampled token was sampled (0 for a token of unknown
+            version, and at the others).
     """
-    input_ids, sample_ids, per_token = [], [], {"loss_mask": [], "engine_logps": [], "turn_ids": []}
+    input_ids, sample_ids = [], []
+    per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]
     for sample, trajectory in enumerate(trajectories):
         for record in trajectory.token_sequences():
@@ -243,13 +302,17 @@ def training_batch(groups: list[list[Trajectory]]) -> RolloutBatch:
     for sample, trajectory in enumerate(trajectories):
         turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
         turn_mask[sample, : trajectory.n_turns] = 1.0
+    tokens = {
+        "loss_mask": torch.tensor(per_token["loss_mask"], dtype=torch.float32),
+        "engine_logps": torch.tensor(per_token["engine_logps"], dtype=torch.float32),
+        "turn_ids": torch.tensor(per_token["turn_ids"], dtype=torch.long),
+    }
+    if version is not None:
+        versions = torch.tensor(per_token["versions"], dtype=torch.long)
+        tokens["lags"] = torch.where(versions >= 0, version - versions, 0)
     return RolloutBatch(
         input_ids=input_ids,
-        tokens={
-            "loss_mask": torch.tensor(per_token["loss_mask"], dtype=torch.float32),
-            "engine_logps": torch.tensor(per_token["engine_logps"], dtype=torch.float32),
-            "turn_ids": torch.tensor(per_token["turn_ids"], dtype=torch.long),
-        },
+        tokens=tokens,
         sample_ids=torch.tensor(sample_ids, dtype=torch.long),
         n_samples=len(trajectories),
         group_ids=torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long),

@@ -49,7 +49,7 @@ from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
 from RL2.rollout.reward_env import load_reward_env
-from RL2.rollout.trajectory import Trajectory
+from RL2.rollout.trajectory import Trajectory, weight_version_number
 
 
 def context_length(model_path: str, server_args) -> int | None:
@@ -96,6 +96,9 @@ def load_rollout_env(rollout_cfg):
             return load_agent(rollout_cfg.agent_path)
         except EnvError as e:
             raise EnvError(f"rollout.agent_path={rollout_cfg.agent_path}: {e}") from None
+    if not rollout_cfg.env_path:  # no default: a run must say what scores it
+        raise EnvError("rollout.env_path is not set; give the environment script that scores the actions, e.g. "
+                       "rollout.env_path=envs/arithmetic.py (or rollout.reward_fn=FILE:NAME, rollout.agent_path=FILE)")
     try:
         return load_env(rollout_cfg.env_path)
     except EnvError as e:
@@ -268,14 +271,20 @@ class RolloutWorker:
         groups = self._on_this_rank(seed, lambda: self._rollout_batch(
             [prompts[i] for i in mine], self._sampling_params(sampling_params), responses_per_prompt,
         ) if mine else _nothing([]))
+        self._fill_versions(groups)
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
 
     def partial_rollout(
         self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int,
+        n_needed: int | None = None,
     ) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
-        `prompts`, stopping once it has finished as many groups as it got new prompts.
+        `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one).
+
+        Args:
+            n_needed: the groups to finish over all ranks; default: one per prompt. Fewer than the groups
+                started (`rollout.over_sampling`) cuts the slowest ones.
 
         Returns:
             (finished, unfinished, newly finished) groups of every rank, the same on every rank (see
@@ -283,12 +292,14 @@ class RolloutWorker:
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
-        n_needed = max(len(my_prompts), 1) if my_carried or my_prompts else 0
+        total = len(prompts) if n_needed is None else n_needed
+        my_needed = max(len(range(rank, total, world)), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: partial_rollout_batch(
-            self.engine, self.env, self.tokenizer, my_carried, my_prompts, n_needed, responses_per_prompt,
+            self.engine, self.env, self.tokenizer, my_carried, my_prompts, my_needed, responses_per_prompt,
             self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
             self.tool_use,
-        ) if n_needed else _nothing(([], [], [])))
+        ) if my_needed else _nothing(([], [], [])))
+        self._fill_versions(result[0] + result[1])
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
 
@@ -301,6 +312,14 @@ class RolloutWorker:
             return agent_rollout_batch(self.endpoint, self.env, prompts, responses_per_prompt, self.cfg.agent_timeout)
         return rollout_batch(self.engine, self.env, self.tokenizer, prompts, responses_per_prompt, sampling_params,
                              self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout, self.tool_use)
+
+    def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
+        """Tokens sampled without the engine naming its weights (an agent's, an SGLang server older than
+        its `weight_version`) get the version of the weights this rollout sampled with."""
+        version = weight_version_number(self.state.label) if self.state.follows_policy else 0
+        if version is not None:
+            for trajectory in (t for group in groups for t in group):
+                trajectory.fill_versions(version)
 
     def _sampling_params(self, sampling_params) -> dict:
         params = engine_sampling_params(sampling_params)

@@ -18,9 +18,10 @@ from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.event_loop import env_loop, run_on_rank_loop
-from RL2.rollout.loop import continuation, filter_groups, partial_rollout_batch, rollout_batch, run_trajectory
-from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples
-from RL2.rollout.trajectory import Trajectory, Turn, training_batch
+from RL2.rollout.loop import (continuation, drop_stale_groups, filter_groups, partial_rollout_batch, rollout_batch,
+                              run_trajectory)
+from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples, staleness_metrics
+from RL2.rollout.trajectory import Trajectory, Turn, training_batch, weight_version_number
 from tests.helpers import ENVS
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
@@ -449,7 +450,9 @@ def test_http_client_errors_name_the_server(engine):
 def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     """Trajectories cut by the pause and resumed (after a JSON round trip, as a checkpoint keeps them)
     end with the tokens, masks, rewards and log-probabilities of an uninterrupted greedy rollout, also
-    when the pause cut them in an earlier turn than their last."""
+    when the pause cut them in an earlier turn than their last. Every token keeps the weight_version the
+    engine named when it sampled it (renamed before each resume, as a push does): an action cut by the
+    pause spans two versions."""
     env = load_env(ENVS / "echo.py")
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     # The one-turn row finishes first and so sets off the pause while the others are in turn 1 or 2.
@@ -460,8 +463,10 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
         assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
         assert any(t.n_turns < 3 for g in carried for t in g), "the pause should cut a trajectory before its last turn"
+        assert all(set(t.versions) == {0} for g in finished + carried for t in g)  # "default": the first weights
         rounds = 0
         while carried:
+            engine.weight_version = f"step{rounds + 1}"  # as the push after an update names the weights
             carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
             more, carried, _ = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
             finished += more
@@ -469,10 +474,15 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         assert rounds >= 1 and len(finished) == len(rows)
     finally:
         engine.shutdown()
+    spans = [turn.action_versions for g in finished for turn in g[0].turns if len(set(turn.action_versions)) > 1]
+    assert spans, "an action cut by the pause and resumed should span two versions"
+    for versions in spans:
+        assert versions == sorted(versions) and versions[-1] == versions[0] + 1  # resumed by the next round
     for group in finished:
         [trajectory] = group
         turns = trajectory.extra_info["turns"]
         assert (trajectory.n_turns, trajectory.stop_reason) == (turns, "done")
+        assert all(len(turn.action_versions) == len(turn.action_ids) for turn in trajectory.turns)
         assert [turn.reward for turn in trajectory.turns] == [1.0] * turns
         expected = roll_fresh(model, tok, env, trajectory.prompt_text, params, turns)
         [got], [want] = trajectory.token_sequences(), expected.token_sequences()
@@ -481,6 +491,60 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         reference = token_logps(model, got["input_ids"])
         for logp, ref, mask in zip(got["engine_logps"], reference, got["loss_mask"]):
             assert logp == (pytest.approx(ref, abs=1e-4) if mask else 0.0)
+
+
+def versioned(*turns: list[int]) -> Trajectory:
+    """A one-sequence trajectory of a 2-token prompt and one turn per list of token versions (one token
+    each; -1: a token the engine sampled without naming its weights)."""
+    trajectory = Trajectory(extra_info={})
+    trajectory.start_sequence("p", [1, 2])
+    for versions in turns:
+        known = [v for v in versions if v >= 0]
+        trajectory.add_turn(Turn([7] * len(versions), [-0.5] * len(versions), "a", "stop", action_versions=known))
+    return trajectory
+
+
+def test_weight_versions_are_the_trainer_steps_that_made_the_weights():
+    assert [weight_version_number(name) for name in ("step0", "step12", "default")] == [0, 12, 0]
+    assert [weight_version_number(name) for name in (None, "step", "v3", "step3b")] == [None] * 4
+
+
+def test_token_versions_survive_resumes_and_checkpoints_and_become_lags():
+    cut = versioned([3, 3])
+    cut.extend_last_action(Turn([8], [-0.1], "", "stop", action_versions=[4]), "ab")  # resumed after a push
+    cut.add_turn(Turn([9, 9], [-0.2, -0.2], "c", "stop"))  # an engine that did not name its weights
+    cut.fill_versions(5)
+    assert [t.action_versions for t in cut.turns] == [[3, 3, 4], [5, 5]] and cut.versions == [3, 3, 4, 5, 5]
+    assert Trajectory.from_dict(json.loads(json.dumps(cut.to_dict()))).versions == cut.versions
+    # A checkpoint written before versions were kept: its tokens get the version the loader gives.
+    older = cut.to_dict()
+    for turn in older["sequences"][0]["turns"]:
+        del turn["action_versions"]
+    assert Trajectory.from_dict(older, version=2).versions == [2] * 5
+    assert Trajectory.from_dict(older).versions == []
+    # Labels: the prompt's second token, then the five sampled ones; at version 5 the lags are 2, 2, 1, 0, 0.
+    batch = training_batch([[cut, versioned([-1])]], version=5)
+    assert batch.tokens["lags"].tolist() == [0, 2, 2, 1, 0, 0] + [0, 0]  # the unknown token counts as lag 0
+    assert "lags" not in training_batch([[cut]]).tokens
+
+
+def test_a_bound_on_staleness_drops_whole_groups_by_their_oldest_token():
+    fresh, mixed, old = [versioned([4, 4])], [versioned([4]), versioned([2, 4])], [versioned([3])]
+    unknown = [versioned([-1])]
+    assert drop_stale_groups([fresh, mixed, old, unknown], version=4, max_staleness=1) == ([fresh, old, unknown], 1)
+    assert drop_stale_groups([fresh, mixed, old], version=4, max_staleness=2) == ([fresh, mixed, old], 0)
+    # 0 keeps only what the weights being trained sampled: everything carried from an earlier step goes.
+    assert drop_stale_groups([mixed, old], version=4, max_staleness=0) == ([], 2)
+
+
+def test_staleness_metrics_by_hand():
+    # At version 4: tokens at lags 0, 0, 2, 0, 1, 1 and one of unknown version; spans 2 (versions 2-4) and 1.
+    groups = [[versioned([4, 4], [2]), versioned([-1])], [versioned([4, 3, 3])]]
+    metrics = staleness_metrics(groups, version=4, max_lag=3)
+    assert metrics == {"staleness/lag_0": 3 / 6, "staleness/lag_1": 2 / 6, "staleness/lag_2": 1 / 6,
+                       "staleness/lag_3": 0.0, "staleness/mean_lag": 4 / 6, "staleness/max_span": 2.0}
+    synchronous = staleness_metrics([[versioned([4, 4])]], version=4)
+    assert synchronous == {"staleness/lag_0": 1.0, "staleness/mean_lag": 0.0, "staleness/max_span": 0.0}
 
 
 def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajectory:
