@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.errors import ConfigError
-from RL2.config.original_keys import ALIASES, ORIGINAL_LORA_RANK, Dropped, KLEstimator, LoRASwitch
+from RL2.config.original_keys import ALIASES, BACKENDS, ORIGINAL_LORA_RANK, Dropped, Ignored, KLEstimator, LoRASwitch
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,12 @@ class Translation:
         kl_estimators: place ("reward" | "loss") -> (original key, estimator) from the command line;
             `apply_kl_estimators` takes the one of the place `actor.kl.type` chooses.
         explicit: current keys given on the command line under their current name.
+        given: current keys the command line sets, under their current or an original name.
         lora_switches: model section -> (original key, value) of `{model}.use_lora`;
             `apply_lora_switches` sets the rank.
+        original: the command line's keys that only RL2's original releases had: when there is any, the
+            line was written for the original, and `RL2.config.original_lines` gives the keys it shares
+            with RL2 the original's meaning.
     """
 
     argv: list[str] = field(default_factory=list)
@@ -57,6 +61,8 @@ class Translation:
     kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
     lora_switches: dict[str, tuple[str, str]] = field(default_factory=dict)
     explicit: set[str] = field(default_factory=set)
+    given: set[str] = field(default_factory=set)
+    original: list[str] = field(default_factory=list)
 
 
 def translate(argv: list[str], keys: SchemaKeys) -> Translation:
@@ -69,15 +75,21 @@ def translate(argv: list[str], keys: SchemaKeys) -> Translation:
     """
     result, origin = Translation(), {}  # origin: current key -> (the argument that set it, through an alias)
     for arg in argv:
-        key, raw = arg.split("=", 1)
+        key, _, raw = arg.partition("=")
+        key = _hydra_key(key, result)
         found = resolve(key, keys)
-        if found is None:
+        if found is None and key not in keys and ("." not in key or keys.has_section(key + ".")):
+            _section_value(key, raw, keys, result)  # a value for a whole section
+        elif found is None:
             _claim(origin, key, arg, alias=False)
             result.explicit.add(key)
-            result.argv.append(arg)
+            result.argv.append(f"{key}={raw}")
         elif isinstance(found, Dropped):
             raise ConfigError(f"config key '{key}' is from RL2's original releases and has no counterpart here: "
                               f"{found.instead}")
+        elif isinstance(found, Ignored):
+            result.original.append(key)
+            result.lines.append(f"config key '{key}={raw}' (RL2's original name) is ignored: {found.why}")
         elif isinstance(found, KLEstimator):
             _claim(origin, f"actor.kl.{found.place}_estimator", arg, alias=True)
             result.kl_estimators[found.place] = (key, raw)
@@ -90,9 +102,45 @@ def translate(argv: list[str], keys: SchemaKeys) -> Translation:
             for new_key in new_keys:
                 _claim(origin, new_key, arg, alias=True)
                 result.argv.append(f"{new_key}={new_raw}")
+            if new_keys != (key,):
+                result.original.append(key)
             if new_keys != (key,) or new_raw != raw:
                 result.lines.append(_alias_line(key, raw, new_keys, new_raw))
+    result.given = set(origin)
     return result
+
+
+def _hydra_key(key: str, result: Translation) -> str:
+    """A key without Hydra's prefixes: `+key` and `++key` (which add a key the original's config lacked) are
+    set as `key`; `~key` (which deletes one) has no meaning in a typed config and fails."""
+    if key.startswith("~"):
+        raise ConfigError(f"config key '{key}': Hydra's '~' deletes a key of the original's config; RL2's typed "
+                          f"config keeps every key, so leave it out (its default stays) or set {key[1:]}=VALUE")
+    if key.startswith("+"):
+        bare = key.lstrip("+")
+        result.original.append(key)
+        result.lines.append(f"config key '{key}' (Hydra's '{key[:len(key) - len(bare)]}', which adds a key to the "
+                            f"original's config) is set as '{bare}'")
+        return bare
+    return key
+
+
+def _section_value(key: str, raw: str, keys: SchemaKeys, result: Translation) -> None:
+    """A value for a section, or a top-level key that is none: the original's choice of a model's backend
+    (`actor=fsdp`, a config group of its Hydra config) is accepted when it is RL2's own (FSDP) and fails
+    saying why otherwise; anything else fails naming the key."""
+    is_model = key in ("actor", "critic", "ref_actor")
+    if not keys.has_section(key + ".") and not (key == "ref_actor" and raw in BACKENDS):
+        raise ConfigError(f"unknown config key '{key}' from the command line; run with --help to list the keys")
+    if not (is_model and raw in BACKENDS):
+        raise ConfigError(f"config key '{key}={raw}' gives a value to a whole section; set its keys instead, e.g. "
+                          f"{key}.<key>=... (run with --help to list them)")
+    if BACKENDS[raw] is not None:
+        raise ConfigError(f"config key '{key}={raw}' is from RL2's original releases and has no counterpart here: "
+                          f"{BACKENDS[raw]}")
+    result.original.append(key)
+    result.lines.append(f"config key '{key}={raw}' (the original's backend choice) is what RL2 does: FSDP2 is its "
+                        f"one backend")
 
 
 def apply_kl_estimators(cfg: DictConfig, translation: Translation) -> None:
@@ -141,7 +189,7 @@ def resolve(key: str, keys: SchemaKeys):
         entry, rest = _lookup(current[0]) if len(current) == 1 else (None, "")
         if entry is None:
             break
-        if isinstance(entry, Dropped):
+        if isinstance(entry, (Dropped, Ignored)):
             return entry
         if isinstance(entry, KLEstimator):
             return entry if "actor.kl.estimator" in keys else None
@@ -179,6 +227,9 @@ def _alias_line(key: str, raw: str, new_keys: tuple[str, ...], new_raw: str) -> 
 
 def _claim(origin: dict, key: str, arg: str, alias: bool) -> None:
     """Refuse two arguments for one current key when one of them is an original name."""
+    if key in origin and alias and origin[key][0].split("=")[0] == arg.split("=")[0]:
+        raise ConfigError(f"config key '{arg.split('=')[0]}' is given twice ('{origin[key][0]}' and '{arg}'), which "
+                          f"both set '{key}'; keep one")
     if key in origin and (alias or origin[key][1]):
         raise ConfigError(f"'{origin[key][0]}' and '{arg}' both set config key '{key}' (one under RL2's original "
                           f"name); keep one")
@@ -210,11 +261,13 @@ def _dump(value: Any) -> str:
 
 def describe_aliases(keys: SchemaKeys) -> str:
     """The `--help` section: the original keys this trainer accepts, and those that fail."""
-    renamed, dropped = [], []
+    renamed, dropped, ignored = [], [], []
     for entry in ALIASES:
         star = "*" if entry.old.endswith(".") else ""
         if isinstance(entry, Dropped):
             dropped.append(entry.old + star)
+        elif isinstance(entry, Ignored):
+            ignored.append(entry.old + star)
         elif isinstance(entry, KLEstimator):
             if "actor.kl.estimator" in keys:
                 renamed.append(f"  {entry.old} -> actor.kl.estimator, when actor.kl.type={entry.place}")
@@ -226,5 +279,7 @@ def describe_aliases(keys: SchemaKeys) -> str:
             renamed.append(f"  {entry.old}{star} -> {', '.join(n + star for n in entry.new)}")
     return ("RL2's original key names (accepted; each one used is printed with its current key):\n"
             + "\n".join(renamed)
+            + "\nOriginal memory and speed switches RL2 has no use for (accepted, and said to be ignored):\n  "
+            + ", ".join(ignored)
             + "\nOriginal keys with no counterpart here (they fail at start, saying what to use instead):\n  "
             + ", ".join(dropped))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from RL2.config.aliases import SchemaKeys, apply_kl_estimators, apply_lora_switches, describe_aliases, translate
 from RL2.config.errors import ConfigError
+from RL2.config.original_lines import apply_original_meanings
 from RL2.config.schema import check_model_sections, check_run_sections
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
@@ -24,28 +26,22 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
         trainer: name of the YAML file holding the trainer's defaults.
         argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
             original key names are accepted (`RL2.config.aliases`); each one used is printed with
-            its current key.
+            its current key, and a command line written for the original keeps the original's meaning
+            of the keys it shares with RL2 (`RL2.config.original_lines`).
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(describe(schema))
         sys.exit(0)
-    bad = [arg for arg in argv if "=" not in arg]
+    bad = [arg for arg in argv if "=" not in arg and not arg.startswith("~")]  # Hydra's ~key: refused by name
     if bad:
         raise ConfigError(f"arguments must look like key=value, got {bad}; see --help for the keys")
     translation = translate(argv, schema_keys(schema))
-    base = OmegaConf.structured(schema)
-    layers = [OmegaConf.load(CONFIG_DIR / f"{trainer}.yaml"), OmegaConf.from_dotlist(translation.argv)]
-    for layer, source in zip(layers, (f"{trainer}.yaml", "the command line")):
-        try:
-            base = OmegaConf.merge(base, layer)
-        except ConfigKeyError as e:
-            raise ConfigError(_unknown_key_message(e, schema, source)) from None
-        except ValidationError as e:
-            reason = str(e.msg).splitlines()[0]
-            raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
+    base = _merged(trainer_defaults(schema, trainer), OmegaConf.from_dotlist(translation.argv), schema,
+                   "the command line")
     apply_kl_estimators(base, translation)
     apply_lora_switches(base, translation)
+    apply_original_meanings(base, translation, trainer)
     OmegaConf.resolve(base)
     check_choices(base, schema)
     check_model_sections(base)
@@ -54,6 +50,25 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)
     return base
+
+
+@functools.cache
+def trainer_defaults(schema: type, trainer: str) -> DictConfig:
+    """The schema's defaults merged with `<trainer>.yaml`, built once per process (a command line is merged
+    onto a copy: building a structured config is the slow part of parsing one)."""
+    return _merged(OmegaConf.structured(schema), OmegaConf.load(CONFIG_DIR / f"{trainer}.yaml"), schema,
+                   f"{trainer}.yaml")
+
+
+def _merged(base: DictConfig, layer: DictConfig, schema: type, source: str) -> DictConfig:
+    """`base` updated with `layer` (a new config); an unknown key or a bad value fails naming the key."""
+    try:
+        return OmegaConf.merge(base, layer)
+    except ConfigKeyError as e:
+        raise ConfigError(_unknown_key_message(e, schema, source)) from None
+    except ValidationError as e:
+        reason = str(e.msg).splitlines()[0]
+        raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
 
 
 def check_choices(cfg: DictConfig, schema: type) -> None:

@@ -29,6 +29,15 @@ class Dropped:
 
 
 @dataclass(frozen=True)
+class Ignored:
+    """An original key for a memory or speed switch RL2 has no counterpart of, which changes nothing that is
+    trained: accepted, and `why` printed."""
+
+    old: str
+    why: str
+
+
+@dataclass(frozen=True)
 class LoRASwitch:
     """The original `{model}.use_lora`: here LoRA is on when `{model}.lora.rank` > 0, so `true` sets the
     original's default rank unless a rank is given (`RL2.config.aliases.apply_lora_switches`)."""
@@ -38,6 +47,11 @@ class LoRASwitch:
 
 
 ORIGINAL_LORA_RANK = 16  # the original's default `lora.r`
+MEGATRON = ("RL2 trains with FSDP2 only (the original's Megatron backend is not here): drop it; actor.tp_size, "
+            "actor.cp_size and actor.ddp_size set the layout")
+# The original's config groups (`actor=fsdp`, `critic=megatron`, written without a dot) and what each choice
+# means here: None is RL2's own backend, accepted; a string is why the choice fails.
+BACKENDS = {"fsdp": None, "megatron": MEGATRON}
 
 
 @dataclass(frozen=True)
@@ -54,7 +68,14 @@ def _scheduler_name(name: Any) -> Any:
 
 
 def _avg_level(mode: Any) -> Any:
-    return {"token_mean": "token", "seq_mean": "sequence"}.get(mode, mode)
+    # agg_mode's names over its releases: token_mean/seq_mean, then all_token_mean/seq_mean_seq_token_mean
+    return {"token_mean": "token", "all_token_mean": "token", "seq_mean": "sequence",
+            "seq_mean_seq_token_mean": "sequence"}.get(mode, mode)
+
+
+def _as_list(value: Any) -> Any:
+    # The original passed target_modules to peft, which takes one string ("all-linear") or a list.
+    return [value] if isinstance(value, str) else value
 
 
 def _tis_coef(coef: Any) -> Any:
@@ -89,18 +110,21 @@ _PER_MODEL = [
     Renamed("{model}.agg_mode", ("{model}.avg_level",), _avg_level),
     Renamed("{model}.save_freq", ("trainer.save_freq",)),
     Renamed("{model}.save_dir", ("trainer.save_dir",)),
-    Dropped("{model}.max_inference_length_per_device",
+    Ignored("{model}.max_inference_length_per_device",
             "RL2 packs every pass, with or without gradients, into {model}.max_length_per_device tokens per rank"),
-    Dropped("{model}.use_liger_kernel", "RL2 has no Liger-kernel switch; drop it"),
-    Dropped("{model}.offload_model",
-            "RL2 keeps the model on its device; {model}.offload_optimizer=true offloads the optimizer state"),
+    Ignored("{model}.use_liger_kernel", "RL2 has no Liger kernels; the loss and its gradient are the same without them"),
+    Ignored("{model}.offload_model", "RL2 keeps the model on its device ({model}.offload_optimizer=true moves the "
+                                     "optimizer state off it)"),
     LoRASwitch("{model}.use_lora", "{model}"),
     Renamed("{model}.lora.r", ("{model}.lora.rank",)),
     Renamed("{model}.lora.lora_alpha", ("{model}.lora.alpha",)),
     Renamed("{model}.lora.lora_dropout", ("{model}.lora.dropout",)),
+    Renamed("{model}.lora.target_modules", ("{model}.lora.target_modules",), _as_list),
     Dropped("{model}.lora.use_rslora", "RL2 scales adapters by {model}.lora.alpha / rank; for rsLoRA's alpha / "
                                        "sqrt(rank) set {model}.lora.alpha to alpha x sqrt(rank) and drop use_rslora"),
     Dropped("{model}.backend", "RL2 has one training backend, FSDP2; drop it"),
+    *[Dropped(f"{{model}}.{key}", MEGATRON) for key in ("tf_config.", "ddp_config.", "optimizer.min_lr",
+                                                       "optimizer.clip_grad", "scheduler.lr_decay_style")],
     Dropped("{model}.fsdp_size", "set {model}.ddp_size (replicas) instead: FSDP shards over the rest, so "
                                  "ddp_size = world size / fsdp_size"),
     Dropped("{model}.load_ckpt", "resume with trainer.load_ckpt_from=latest or a step<N> folder"),
@@ -117,7 +141,9 @@ _ACTOR = [
     Renamed("critic.clip", ("critic.value_clip",)),
     Renamed("trainer.beta", ("actor.beta",)),
     Dropped("actor.ref_model_name", "the reference is the actor's initial weights (actor.model_name)"),
-    Dropped("ref_actor.", "the reference is the actor's initial weights and follows actor.* (model, dtype, layout)"),
+    Dropped("ref_actor.model_name", "the reference is the actor's initial weights (actor.model_name); drop it"),
+    Ignored("ref_actor.", "the reference is the actor's initial weights and follows actor.* (dtype, layout, "
+                          "temperature)"),
 ]
 _DATA = [
     Renamed("data.path", ("data.train.path",)),
@@ -128,10 +154,12 @@ _DATA = [
     Renamed("data.responses_per_prompt", ("rollout.responses_per_prompt",)),
     _both_splits("data.max_length", "max_length"),
     *[_both_splits(f"data.{key}", key) for key in _SPLIT_KEYS],
-    Dropped("data.batch_size_per_device", "RL2 takes the global data.train.batch_size and packs micro-batches "
-                                          "by tokens (actor.max_length_per_device)"),
+    Ignored("data.batch_size_per_device", "RL2 packs micro-batches by tokens (<model>.max_length_per_device); the "
+                                          "optimizer step still takes data.train.batch_size examples"),
 ]
 _RL_SPLITS = [  # the original's per-split RL data sections
+    # November 2025 kept a split's sampling under `experience`
+    *[Renamed(f"{split}.experience.", (f"{split}.",)) for split in ("train_data", "test_data")],
     *[Renamed(f"{old}.path", (f"data.{new}.path",)) for old, new in
       (("train_data", "train"), ("test_data", "test"), ("rollout.train", "train"), ("rollout.test", "test"))],
     *[Renamed(f"{old}.prompts_per_rollout", ("data.train.batch_size",)) for old in ("train_data", "rollout.train")],
@@ -165,16 +193,20 @@ _ROLLOUT = [
     Renamed("actor.rollout.test_temperature", ("rollout.test_sampling_params.temperature",)),
     Renamed("actor.rollout.max_response_length", ("rollout.train_sampling_params.max_new_tokens",
                                                   "rollout.test_sampling_params.max_new_tokens")),
+    Dropped("actor.rollout.reward_fn_path", "its reward_fn(messages, answer) becomes rollout.reward_fn=FILE:NAME with "
+                                            "def NAME(response, extra_info) (the answer is extra_info['answer'])"),
     *[Dropped(f"actor.rollout.{key}", "RL2 scores with an environment script: rollout.env_path=FILE defining "
                                       "`async def step(state, action, extra_info)`")
-      for key in ("reward_fn_path", "env_url", "tool_path")],
-    Dropped("actor.rollout.multi_thread_scoring", "environment steps run concurrently as coroutines; drop it"),
+      for key in ("env_url", "tool_path")],
+    Ignored("actor.rollout.multi_thread_scoring", "environment steps run concurrently, on a thread of their own"),
     Renamed("rollout.tp_size", ("rollout.server_args.tp_size",)),
     Renamed("rollout.gpu_memory_utilization", ("rollout.server_args.mem_fraction_static",)),
     Renamed("rollout.dtype", ("rollout.server_args.dtype",)),
     Renamed("rollout.bucket_size", ("rollout.weight_bucket_mb",)),
     Dropped("rollout.model_name", "the engines run the actor's weights (actor.model_name)"),
-    Dropped("rollout.base_port", "RL2 picks free ports for the servers it launches"),
+    # The model the original's servers ran (the actor's unless set): here the engines run the actor's weights.
+    Renamed("rollout.server_args.model_path", ("actor.model_name",)),
+    Ignored("rollout.base_port", "RL2 picks free ports for the servers it launches"),
     Dropped("rollout.group_filtering.",
             "use rollout.dynamic_filtering=true (drops groups whose rewards are all equal)"),
 ]
@@ -196,6 +228,8 @@ def _expand(entry):
             expanded.append(Renamed(entry.old.format(model=model), new, entry.value))
         elif isinstance(entry, LoRASwitch):
             expanded.append(LoRASwitch(entry.old.format(model=model), model))
+        elif isinstance(entry, Ignored):
+            expanded.append(Ignored(entry.old.format(model=model), entry.why.format(model=model)))
         else:
             expanded.append(Dropped(entry.old.format(model=model), entry.instead.format(model=model)))
     return expanded

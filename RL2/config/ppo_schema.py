@@ -32,7 +32,7 @@ class TestSamplingConfig(SamplingConfig):
 
 @dataclass
 class RolloutConfig:
-    env_path: str = opt("envs/arithmetic.py", "environment script defining `async def step(state, action, extra_info)`")
+    env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. envs/arithmetic.py (one of rollout.env_path, rollout.reward_fn and rollout.agent_path is needed)")
     reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` (sync or async) instead of rollout.env_path: 'path/to/file.py:name' or 'package.module:name', e.g. RL2.rewards:math_reward")
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
@@ -135,6 +135,7 @@ class AdvConfig:
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
     norm_var: bool = opt(False, "reinforce only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
+    baseline: str = opt("group", "reinforce only: the mean a score is compared with: group (of its prompt's responses, GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var divides by the same set's std", choices=("group", "batch"))
     global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
     truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 
@@ -185,11 +186,12 @@ def check_ppo_config(cfg) -> None:
     if rollout.agent_path and rollout.partial_rollout:
         raise ConfigError("rollout.partial_rollout pauses and resumes environment trajectories; an agent script's run "
                           "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")
-    if cfg.adv.estimator in ("reinforce", "rloo") and cfg.rollout.responses_per_prompt < 2:
-        raise ConfigError(
-            f"adv.estimator={cfg.adv.estimator} compares responses to the same prompt; "
-            f"set rollout.responses_per_prompt >= 2"
-        )
+    estimator = cfg.adv.estimator
+    if cfg.rollout.responses_per_prompt < 2 and (estimator == "rloo" or (
+            estimator == "reinforce" and cfg.adv.baseline == "group")):
+        hint = " or adv.baseline=batch" if estimator == "reinforce" else ""
+        raise ConfigError(f"adv.estimator={estimator} compares responses to the same prompt; set "
+                          f"rollout.responses_per_prompt >= 2{hint}")
 
 
 def check_warm_up(actor, adv) -> None:
@@ -244,6 +246,9 @@ def check_algorithm(adv, kl) -> None:
     if adv.norm_var and estimator != "reinforce":
         raise ConfigError(f"adv.norm_var divides GRPO's group baseline by the group std; it means nothing for "
                           f"adv.estimator={estimator}. Drop it, or use adv.estimator=reinforce")
+    if adv.get("baseline", "group") != "group" and estimator != "reinforce":
+        raise ConfigError(f"adv.baseline={adv.baseline} is the baseline of adv.estimator=reinforce; "
+                          f"adv.estimator={estimator} has its own. Drop it, or use adv.estimator=reinforce")
     if adv.global_norm and estimator == "reinforce_plus_plus":
         raise ConfigError("adv.estimator=reinforce_plus_plus already whitens its returns over the batch; "
                           "leave adv.global_norm=false")

@@ -38,6 +38,11 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
         from transformers import AutoModelForCausalLM
 
         from RL2.engine.embedded.engine import EmbeddedEngine
+        from RL2.utils.logging import log_rank0
+
+        if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
+            log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
+                      f"engine runs without them (rollout.engine=sglang launches servers with them)")
 
         # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")

@@ -107,8 +107,10 @@ def _by_group(batch: RolloutBatch, scores: Tensor) -> Tensor:
 
 
 def grpo_advantages(batch, adv_cfg, penalties):
-    advantages = grpo(_by_group(batch, _scores(batch, penalties)), adv_cfg.norm_var)
-    return _trajectory_level(batch, advantages.flatten()), None
+    scores = _scores(batch, penalties)
+    # adv.baseline=batch: the whole batch is one group (REINFORCE with the batch mean as baseline).
+    rows = scores.view(1, -1) if adv_cfg.baseline == "batch" else _by_group(batch, scores)
+    return _trajectory_level(batch, grpo(rows, adv_cfg.norm_var).flatten()), None
 
 
 def rloo_advantages(batch, adv_cfg, penalties):

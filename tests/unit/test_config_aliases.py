@@ -11,9 +11,10 @@ from omegaconf import OmegaConf
 from RL2.config import ConfigError, parse_config
 from RL2.config.cli import all_keys, schema_keys
 from RL2.config.eval_schema import EvalConfig
-from RL2.config.original_keys import ALIASES, Dropped, KLEstimator, LoRASwitch, Renamed
+from RL2.config.original_keys import ALIASES, Dropped, Ignored, KLEstimator, LoRASwitch, Renamed
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
+from RL2.engine.sglang.server import RESERVED_ARGS
 from tests.helpers import REPO
 
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
@@ -96,6 +97,11 @@ CASES = [
     ("ppo", "actor.lora.lora_alpha=16", {"actor.lora.alpha": 16.0}),
     ("sft", "actor.lora.lora_dropout=0.05", {"actor.lora.dropout": 0.05}),
     ("ppo", "actor.use_lora=true", {"actor.lora.rank": 16}),  # the original's default lora.r
+    ("ppo", "actor.lora.target_modules=all-linear", {"actor.lora.target_modules": ["all-linear"]}),  # peft's string
+    ("ppo", "actor.agg_mode=all_token_mean", {"actor.avg_level": "token"}),
+    ("sft", "actor.agg_mode=seq_mean_seq_token_mean", {"actor.avg_level": "sequence"}),
+    ("ppo", "train_data.experience.max_new_tokens=64", {"rollout.train_sampling_params.max_new_tokens": 64}),
+    ("ppo", "rollout.server_args.model_path=m", {"actor.model_name": "m"}),
     ("rm", "critic.use_lora=false", {"critic.lora.rank": 0}),
 ]
 
@@ -107,9 +113,9 @@ def test_original_key_maps_to_current_key_and_value(trainer, arg, expected, caps
         got = value(cfg, key)
         assert got == (pytest.approx(want) if isinstance(want, float) else want), key
     old_key = arg.split("=")[0]
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines() if f"'{old_key}" in line]
     if expected.keys() != {old_key}:  # a renamed key: one line naming every current key
-        assert len(lines) == 1 and f"'{old_key}" in lines[0] and "RL2's original name" in lines[0]
+        assert len(lines) == 1 and "RL2's original name" in lines[0]
         assert all(f"'{key}" in lines[0] for key in expected)
 
 
@@ -131,7 +137,8 @@ def test_original_ppo_command_line_of_the_issue(capsys):
     assert (cfg.actor.kl.type, cfg.actor.kl.estimator, cfg.actor.kl.coef) == ("reward", "k1", 0.01)
     assert cfg.actor.enable_gradient_checkpointing and cfg.actor.scheduler.name == "cosine"
     assert cfg.actor.scheduler.warmup_ratio == 0.1
-    lines = capsys.readouterr().out.splitlines()
+    *lines, defaults = capsys.readouterr().out.splitlines()
+    assert defaults.startswith("[RL2] RL2's defaults differ from the original's for keys this command line leaves out")
     assert lines == [
         "[RL2] config key 'train_data.path' (RL2's original name) is now 'data.train.path'",
         "[RL2] config key 'train_data.prompts_per_rollout' (RL2's original name) is now 'data.train.batch_size'",
@@ -178,7 +185,8 @@ def test_alias_lines_are_printed_by_rank_zero_only(capsys, monkeypatch):
     assert cfg.actor.optimizer.lr == 3e-6 and capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "0")
     parse_config(PPOConfig, "ppo", ["actor.lr=3e-6"])
-    assert capsys.readouterr().out == "[RL2] config key 'actor.lr' (RL2's original name) is now 'actor.optimizer.lr'\n"
+    assert capsys.readouterr().out.startswith(
+        "[RL2] config key 'actor.lr' (RL2's original name) is now 'actor.optimizer.lr'\n")
 
 
 def test_current_keys_print_nothing(capsys):
@@ -189,17 +197,55 @@ def test_current_keys_print_nothing(capsys):
 @pytest.mark.parametrize(
     "trainer, arg, message",
     [
-        ("sft", "actor.use_liger_kernel=true", "'actor.use_liger_kernel' is from RL2's original releases and has no "
-                                               "counterpart here: RL2 has no Liger-kernel switch"),
         ("ppo", "actor.lora.use_rslora=true", r"'actor.lora.use_rslora'.*actor.lora.alpha to alpha x sqrt\(rank\)"),
         ("ppo", "ref_actor.model_name=x", "'ref_actor.model_name'.*the actor's initial weights"),
-        ("ppo", "actor.rollout.reward_fn_path=r.py", "rollout.env_path=FILE"),
-        ("dpo", "data.batch_size_per_device=2", "global data.train.batch_size"),
+        ("ppo", "actor.rollout.reward_fn_path=r.py", r"becomes rollout.reward_fn=FILE:NAME with def NAME\(response"),
+        ("ppo", "actor.rollout.env_url=http://x", "rollout.env_path=FILE"),
+        ("ppo", "actor=megatron", "'actor=megatron'.*RL2 trains with FSDP2 only.*actor.tp_size"),
+        ("ppo", "critic=megatron", "'critic=megatron'.*FSDP2 only"),
+        ("ppo", "actor.tf_config.tensor_model_parallel_size=2", "FSDP2 only"),
+        ("ppo", "actor=foo", "'actor=foo' gives a value to a whole section; set its keys"),
+        ("ppo", "actor.kl=3", "'actor.kl=3' gives a value to a whole section"),
+        ("sft", "critic=fsdp", "unknown config key 'critic'"),
+        ("ppo", "~actor.lr", "'~actor.lr': Hydra's '~' deletes a key.*set actor.lr=VALUE"),
+        ("ppo", "~actor.lr=1e-6", "'~actor.lr': Hydra's '~'"),
     ],
 )
 def test_original_keys_without_counterpart_fail_saying_what_to_do(trainer, arg, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(SCHEMAS[trainer], trainer, [arg])
+
+
+@pytest.mark.parametrize("trainer, arg, why", [
+    ("sft", "actor.use_liger_kernel=true", "RL2 has no Liger kernels"),
+    ("ppo", "actor.use_liger_kernel=false", "RL2 has no Liger kernels"),
+    ("ppo", "actor.offload_model=true", "keeps the model on its device"),
+    ("rm", "critic.max_inference_length_per_device=4096", "critic.max_length_per_device"),
+    ("ppo", "ref_actor.sp_size=2", "follows actor.*"),
+    ("dpo", "data.batch_size_per_device=2", "packs micro-batches by tokens"),
+    ("ppo", "rollout.base_port=30000", "picks free ports"),
+    ("ppo", "actor.rollout.multi_thread_scoring=false", "run concurrently"),
+])
+def test_original_memory_and_speed_switches_are_ignored_with_a_line(trainer, arg, why, capsys):
+    default = parse_config(SCHEMAS[trainer], trainer, [])
+    capsys.readouterr()
+    cfg = parse_config(SCHEMAS[trainer], trainer, [arg])
+    lines = capsys.readouterr().out.splitlines()
+    assert f"config key '{arg}' (RL2's original name) is ignored: " in lines[0] and why in lines[0]
+    assert OmegaConf.to_container(cfg) == OmegaConf.to_container(default)  # nothing that is trained changes
+
+
+@pytest.mark.parametrize("prefix", ["+", "++"])
+def test_hydra_plus_sets_the_key(prefix, capsys):
+    cfg = parse_config(PPOConfig, "ppo", [f"{prefix}rollout.train_sampling_params.stop=['</search>']"])
+    assert list(cfg.rollout.train_sampling_params.stop) == ["</search>"]
+    assert f"config key '{prefix}rollout.train_sampling_params.stop' (Hydra's '{prefix}'" in capsys.readouterr().out
+
+
+def test_original_backend_choice_fsdp_is_accepted(capsys):
+    cfg = parse_config(PPOConfig, "ppo", ["actor=fsdp", "critic=fsdp", "ref_actor=fsdp"])
+    assert cfg.actor.model_name == parse_config(PPOConfig, "ppo", []).actor.model_name
+    assert "config key 'actor=fsdp' (the original's backend choice) is what RL2 does" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -234,6 +280,8 @@ def test_unknown_keys_still_fail_with_a_suggestion(trainer, arg, message):
         ("ppo", ["trainer.disable_wandb=maybe"], "config key 'trainer.disable_wandb': expected true or false"),
         ("ppo", ["actor.use_lora=true", "actor.lora.rank=0"], "'actor.use_lora=true' and 'actor.lora.rank=0' disagree"),
         ("sft", ["actor.lora.r=8", "actor.lora.rank=4"], "both set config key 'actor.lora.rank'"),
+        ("ppo", ["rollout.train.path=a.jsonl", "rollout.train.path=b.jsonl"],
+         "config key 'rollout.train.path' is given twice ('rollout.train.path=a.jsonl' and 'rollout.train.path=b.jsonl')"),
     ],
 )
 def test_contradicting_original_and_current_keys_fail(trainer, argv, message):
@@ -249,24 +297,31 @@ def test_help_lists_the_original_keys(capsys):
     for line in ("train_data.path -> data.train.path", "actor.lr -> actor.optimizer.lr", "kl.* -> actor.kl.*",
                  "actor.kl.reward_estimator -> actor.kl.estimator, when actor.kl.type=reward"):
         assert line in text
-    assert "actor.use_liger_kernel" in text.split("no counterpart here")[1]
+    ignored, dropped = text.split("has no use for")[1].split("no counterpart here")
+    assert "actor.use_liger_kernel" in ignored and "ref_actor.*" in ignored
+    assert "actor.lora.use_rslora" in dropped and "actor.tf_config.*" in dropped
 
 
 def test_alias_table_never_shadows_a_current_key():
     """An original key that is also a current key would change what a current command line means;
     only value aliases (same key, e.g. actor.tis_coef=0) may name one. Every target exists somewhere."""
     keys = [schema_keys(schema) for schema in SCHEMAS.values()]
+    # Server flags RL2 sets itself are refused under their own name (rollout.server_args.model_path).
+    refused = {f"rollout.server_args.{name}" for name in RESERVED_ARGS}
     for entry in ALIASES:
         if isinstance(entry, Renamed) and entry.new == (entry.old,):
             assert any(entry.old in k for k in keys), entry
             continue
+        if entry.old in refused:
+            continue
         prefix = entry.old.endswith(".")
         assert not any(k.has_section(entry.old) if prefix else entry.old in k for k in keys), entry
-        if isinstance(entry, Renamed):
+        if isinstance(entry, Renamed):  # to current keys, or to another original section (train_data.experience.)
             for new in entry.new:
-                assert any(k.has_section(new) if prefix else new in k for k in keys), (entry, new)
+                assert any(k.has_section(new) if prefix else new in k for k in keys) or any(
+                    other.old.startswith(new) for other in ALIASES), (entry, new)
         else:
-            assert isinstance(entry, (Dropped, KLEstimator, LoRASwitch))
+            assert isinstance(entry, (Dropped, Ignored, KLEstimator, LoRASwitch))
 
 
 def test_default_algorithm_is_dr_grpo():

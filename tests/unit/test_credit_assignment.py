@@ -23,7 +23,7 @@ PROMPT, OBSERVATION = [1, 2, 3], [7, 7]
 
 def adv_cfg(estimator: str, **overrides):
     defaults = {"estimator": estimator, "gamma": 1.0, "lamda": 1.0, "norm_var": False, "global_norm": False,
-                "truncation": None}
+                "truncation": None, "baseline": "group"}
     return OmegaConf.create(defaults | overrides)
 
 
@@ -167,8 +167,22 @@ def test_global_norm_whitens_every_estimator_over_the_sampled_tokens(estimator):
     assert sampled(normed) == [pytest.approx(seq, abs=1e-5) for seq in expected]
 
 
+@pytest.mark.parametrize("norm_var,expected", [
+    # Scores 1, 0 | 1, 1: the batch mean 0.75 is every trajectory's baseline (the group's would give
+    # 0.5, -0.5 | 0, 0), and with norm_var the batch's unbiased std 0.5 divides, as the original RL2 did.
+    (False, [0.25, -0.75, 0.25, 0.25]),
+    (True, [0.25 / (0.5 + 1e-6), -0.75 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6)]),
+])
+def test_batch_baseline_compares_every_score_with_the_batch(norm_var, expected):
+    batch = training_batch([[trajectory([1], rewards=[1.0]), trajectory([1], rewards=[0.0])],
+                            [trajectory([1], rewards=[1.0]), trajectory([1], rewards=[1.0])]])
+    add_advantages(batch, adv_cfg("reinforce", baseline="batch", norm_var=norm_var), KL_OFF)
+    assert sampled(batch) == [pytest.approx([v], rel=1e-5) for v in expected]
+
+
 @pytest.mark.parametrize("estimator,overrides", [
     ("reinforce", {"norm_var": True}), ("reinforce", {}), ("rloo", {}), ("reinforce", {"global_norm": True}),
+    ("reinforce", {"baseline": "batch", "norm_var": True}),
     ("reinforce_plus_plus", {}),
 ])
 def test_a_group_of_equal_shaped_rewards_gets_exactly_zero(estimator, overrides):
