@@ -110,19 +110,19 @@ def cuda_kernels():
     return triton_logps
 
 
-def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor, overwrite_logits: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy, both float32 `[...]`.
-    `overwrite_logits`: see `LogpsAndEntropy`."""
-    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True, 1.0,
-                                           overwrite_logits)
+def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor, overwrite_logits: bool = False,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy of softmax(logits /
+    temperature), both float32 `[...]`. `overwrite_logits`: see `LogpsAndEntropy`."""
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True,
+                                           temperature, overwrite_logits)
     return logps.view(labels.shape), entropy.view(labels.shape)
 
 
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The entropy of softmax(logits), float32 `[...]`, for logits `[..., V]`."""
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy of softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`."""
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)  # any label: only the entropy is read
-    return logps_and_entropy(logits, labels)[1]
+    return logps_and_entropy(logits, labels, temperature=temperature)[1]
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,

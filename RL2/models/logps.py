@@ -111,14 +111,15 @@ class PackedForward:
         return self.gather(self.vocab.token_logps(self._logits(last_use), self.local_labels, temperature,
                                                   overwrite_logits=last_use))
 
-    def entropy(self) -> torch.Tensor:
-        """Entropy of each next-token distribution, float32 `[1, T]`."""
+    def entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        """Entropy of each next-token distribution softmax(logits / temperature), float32 `[1, T]`."""
         if self.vocab.split:
-            return self.gather(self.vocab.entropy(self._logits(False)))
-        return self.gather(chunked_logps.entropy(self._logits(False)))
+            return self.gather(self.vocab.entropy(self._logits(False), temperature))
+        return self.gather(chunked_logps.entropy(self._logits(False), temperature))
 
-    def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logps()` and `entropy()` (temperature 1) in one pass over the logits.
+    def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False, temperature: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logps()` and `entropy()` of softmax(logits / temperature) in one pass over the logits.
 
         The `[tokens, vocabulary]` float32 passes are the largest memory traffic of a small model's
         step: without tensor parallelism both come from `RL2.models.chunked_logps`, a few tokens at a
@@ -127,10 +128,10 @@ class PackedForward:
         """
         if self.vocab.split:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = self.entropy()
-            return self.logps(last_use=last_use), entropy
+                entropy = self.entropy(temperature)
+            return self.logps(temperature, last_use=last_use), entropy
         logps, entropy = chunked_logps.logps_and_entropy(self._logits(last_use), self.local_labels,
-                                                         overwrite_logits=last_use)
+                                                         overwrite_logits=last_use, temperature=temperature)
         return self.gather(logps), self.gather(entropy if entropy_grad else entropy.detach())
 
     def _logits(self, last_use: bool) -> torch.Tensor:

@@ -110,9 +110,11 @@ class VocabShard:
             logits = logits / temperature
         return self.pick(logits, labels) - self.logsumexp(logits)
 
-    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of the softmax, `lse - sum_v p_v z_v`, in float32."""
+    def entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Entropy of softmax(logits / temperature), `lse - sum_v p_v z_v` of the scaled logits z, in float32."""
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
         lse = self.logsumexp(logits)
         probs = (logits - self._to_local(lse).unsqueeze(-1)).exp()
         return lse - self.sum(probs * logits)

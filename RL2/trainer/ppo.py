@@ -74,16 +74,20 @@ class PPOTrainer(Trainer):
     def _build_workers(self) -> None:
         cfg, args = self.cfg, (self.dims, self.device)
         budget = cfg.rollout.train_sampling_params.max_new_tokens  # the normaliser of avg_level=constant
+        # The policy, its reference and the teacher are all the distributions at the sampling temperature.
+        temperature = cfg.rollout.train_sampling_params.temperature
         lora = cfg.actor.lora.rank > 0
         resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
         actor_steps = self.optimizer_steps(cfg.actor, frozen_steps=cfg.actor.freeze_steps)
         self.actor = Actor(cfg.actor, *args, actor_steps, response_budget=budget,
-                           base_changes=resets_merge)
+                           base_changes=resets_merge, temperature=temperature)
         self.ref = None
         if cfg.actor.kl.coef > 0:  # under LoRA, the actor's own base with the adapters off: no second copy
-            self.ref = BaseModelReference(self.actor) if lora else Actor(cfg.actor, *args, train=False)
+            self.ref = BaseModelReference(self.actor) if lora else Actor(cfg.actor, *args, train=False,
+                                                                         temperature=temperature)
         teacher = cfg.actor.teacher.model_name
-        self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher) if teacher else None
+        self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher, temperature=temperature) if (
+            teacher) else None
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (
             cfg.rollout.reward_model) else None
         self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), response_budget=budget) if (

@@ -146,29 +146,37 @@ class BaseModelReference:
 class Actor:
     """The policy being trained (or, with `train=False`, the frozen reference).
 
+    The policy is the distribution the rollouts sample from, softmax(logits / temperature) at the training
+    temperature: every log-probability and entropy here (the ratio, the KL to the reference, TIS, the
+    entropy bonus) is of that distribution, whose log-probabilities the engines report too, and the
+    gradient is its policy gradient (verl, OpenRLHF and the original RL2 divide the logits alike).
+
     Args:
         cfg: the `actor` config.
         dims, device: the parallel layout and where computation runs.
         total_steps: optimizer steps of the run (for the learning-rate schedule).
         response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
         train: False for the reference: no optimizer.
-        base_changes: see `FSDPWorker` (LoRA with reference resets).
         model_name: other weights than `cfg.model_name` (the on-policy distillation teacher).
+        base_changes: see `FSDPWorker` (LoRA with reference resets).
+        temperature: the sampling temperature of the training rollouts
+            (`rollout.train_sampling_params.temperature`).
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  response_budget: int | None = None, train: bool = True, model_name: str | None = None,
-                 base_changes: bool = False):
+                 base_changes: bool = False, temperature: float = 1.0):
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
+        self.temperature = temperature
         self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name,
                                  base_changes=base_changes)
         self.model = self.worker.model
 
     @torch.no_grad()
     def logps(self, batch: SequenceBatch) -> torch.Tensor:
-        """`[n_labels]` log p(label | prefix) of every trained label (0.0 at the others)."""
+        """`[n_labels]` log p(label | prefix) at `temperature` of every trained label (0.0 at the others)."""
         return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
-                              lambda mb: forward_packed(self.model, mb, trained_only=True).logps())
+                              lambda mb: forward_packed(self.model, mb, trained_only=True).logps(self.temperature))
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
@@ -195,7 +203,8 @@ class Actor:
         cfg = self.cfg
         weights = mb.loss_weights  # sum to 1 over the (mini-)batch on all ranks
         output = forward_packed(self.model, mb, trained_only=True)
-        logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0, last_use=True)
+        logps, entropy = output.logps_and_entropy(entropy_grad=cfg.entropy.coef > 0, last_use=True,
+                                                  temperature=self.temperature)
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = mb.extra("engine_logps")
         losses, metrics = POLICY_LOSSES[cfg.policy_loss](

@@ -185,6 +185,8 @@ PPO_UPDATE = ["actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_lengt
               "actor.dual_clip=3", "actor.tis_coef=2", "actor.clip_high=0.28", "actor.avg_level=sequence",
               "adv.estimator=gae", "critic.value_clip=0.2", "critic.mini_batch_size=3", "critic.optimizer.lr=1e-3",
               "critic.dtype=float32", "critic.max_length_per_device=48",
+              # The policy at a sampling temperature: a vocabulary split over tp ranks divides its logits too.
+              "rollout.train_sampling_params.temperature=0.7",
               # Adam with eps=1e-8 turns round-off in the near-zero gradients of unused embedding rows into
               # steps of +-lr; a larger eps keeps the weight comparison about the real gradients.
               "actor.optimizer.eps=1e-4", "critic.optimizer.eps=1e-4"]

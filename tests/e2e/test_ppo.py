@@ -89,6 +89,18 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
     assert (grpo_run / "learning_curve.png").stat().st_size > 0
 
 
+def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(repeat_model, rl_data, tmp_path):
+    """At temperature 0.7 the engine samples from softmax(logits / 0.7) and reports its log-probabilities; the
+    trainer's old log-probabilities (two passes over the rollout), its reference's and its ratio are of the
+    same distribution: engine_mismatch stays at float32 round-off (it is ~0.3 nats against temperature 1's)."""
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "rollout.train_sampling_params.temperature=0.7",
+                          "actor.update_per_rollout=2", "actor.kl.coef=0.01", "trainer.total_steps=2"))
+    metrics = [m for m in read_metrics(tmp_path) if "actor/engine_mismatch" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics), metrics
+    assert metrics[1]["actor/kl"] > 0  # to the reference, at the same temperature
+
+
 def test_resume_equals_uninterrupted(grpo_run, repeat_model, rl_data, tmp_path):
     # A run killed after step 5: only the step-4 checkpoint survives.
     resumed = tmp_path / "resumed"

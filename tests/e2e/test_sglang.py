@@ -51,8 +51,8 @@ from tests.helpers.launch import read_metrics, run_ranks
 
 SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
 STUB = SGLANG_STUB
-# As RL2 launches its servers: log-probabilities of the untempered distribution.
-SERVER_ENV = {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+# As RL2 launches its servers: log-probabilities of the distribution at the sampling temperature (SGLang's default).
+SERVER_ENV = {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
 CPU_ARGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True}
 needs_sglang = [
     pytest.mark.sglang,
@@ -113,11 +113,18 @@ def test_tensor_sync_needs_a_server_version_whose_format_rl2_writes():
         _launched_weight_sync("tensor", cuda, set())
 
 
+def test_a_server_environment_asking_for_untempered_logprobs_is_refused(tiny_model_path):
+    cfg = SimpleNamespace(server_args={}, server_python=sys.executable,
+                          server_env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "true"})
+    with pytest.raises(ConfigError, match="rollout.server_env.SGLANG_RETURN_ORIGINAL_LOGPROB .*remove it"):
+        SGLangEngine.launch(cfg, tiny_model_path, torch.float32, torch.device("cpu"), 0)
+
+
 def test_a_gpu_server_without_the_memory_saver_needs_its_share_set(tiny_model_path):
     """enable_memory_saver=false on a GPU: the server could not release RL2's 85% of the GPU while the trainer
     trains beside it. Refused at launch, before any process group or server is touched, unless
     mem_fraction_static says how much it may keep."""
-    cfg = lambda **args: SimpleNamespace(server_args=args, server_python=sys.executable)
+    cfg = lambda **args: SimpleNamespace(server_args=args, server_python=sys.executable, server_env={})
     with pytest.raises(ConfigError, match=r"enable_memory_saver=false.*mem_fraction_static=0\.85.*set "
                                           r"rollout\.server_args\.mem_fraction_static"):
         SGLangEngine.launch(cfg(enable_memory_saver=False), tiny_model_path, torch.float32, torch.device("cuda"), 0)
@@ -189,11 +196,12 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]
     return ids[len(prompt):], logps
 
 
-def model_logps(model, prompt: list[int], output: list[int]) -> list[float]:
-    """The model's log-probability of each output token after the prompt and the tokens before it."""
+def model_logps(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """The log-probability of each output token after the prompt and the tokens before it, under the
+    model's own logits divided by `temperature`."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)
     return logp.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
@@ -257,8 +265,8 @@ def test_greedy_equals_hf_greedy(server, hf_model, prompts):
 @sglang_test
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, temperature):
-    """The policy's own log-probabilities (temperature 1) at any sampling temperature, as the trainer
-    and the embedded engine compute them: launched with SGLANG_RETURN_ORIGINAL_LOGPROB=1."""
+    """log softmax(logits / T) at the sampling temperature T, the policy the trainer trains, as the trainer
+    and the embedded engine compute them: SGLang's default, which RL2's servers keep."""
     responses = generate(server.url, prompts * 2, temperature=temperature, max_new_tokens=24)
     outputs = [r["output_ids"] for r in responses]
     assert len({tuple(o) for o in outputs}) > 1  # really sampled
@@ -266,7 +274,7 @@ def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, tem
         tokens = [token for _, token, _ in response["meta_info"]["output_token_logprobs"]]
         logps = [logp for logp, _, _ in response["meta_info"]["output_token_logprobs"]]
         assert tokens == response["output_ids"]
-        assert logps == pytest.approx(model_logps(hf_model, prompt, tokens), abs=1e-3)
+        assert logps == pytest.approx(model_logps(hf_model, prompt, tokens, temperature), abs=1e-3)
 
 
 def first_stop_index(tok, output: list[int], stop: dict) -> int:
@@ -378,25 +386,23 @@ def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompt
 
 
 @sglang_test
-def test_probe_sees_untempered_logprobs(server):
-    assert returns_original_logprobs(server.url, 0.7) is True
+def test_probe_sees_tempered_logprobs(server):
+    assert returns_original_logprobs(server.url, 0.7) is False
 
 
 @sglang_test
 @pytest.mark.slow
-def test_probe_sees_tempered_logprobs_of_a_default_server(tiny_model_path, hf_model, prompts, tmp_path):
-    """Without SGLANG_RETURN_ORIGINAL_LOGPROB, SGLang returns log-probabilities of softmax(logits / T):
-    the probe says so (the trainer then warns that engine_mismatch and tis are biased)."""
-    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS, {"PYTHONPATH": str(STUB)}).start()
+def test_probe_sees_untempered_logprobs_of_a_server_run_with_the_switch(tiny_model_path, hf_model, prompts):
+    """With SGLANG_RETURN_ORIGINAL_LOGPROB=1, SGLang returns log-probabilities of softmax(logits) at any
+    temperature: the probe says so (the trainer then warns that engine_mismatch and tis are biased)."""
+    server = SGLangServer(SGLANG_PYTHON, tiny_model_path, CPU_ARGS,
+                          {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}).start()
     try:
         server.wait_ready(timeout=600)
-        assert returns_original_logprobs(server.url, 0.7) is False
+        assert returns_original_logprobs(server.url, 0.7) is True
         response = generate(server.url, prompts[:1], temperature=0.7, max_new_tokens=8)[0]
-        tokens = response["output_ids"]
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1:-1].float()
-        tempered = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(tempered, abs=1e-3)
+        untempered = model_logps(hf_model, prompts[0], response["output_ids"])
+        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(untempered, abs=1e-3)
     finally:
         server.shutdown()
 
@@ -507,7 +513,7 @@ def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
 def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
     """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
     0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
-    trainer's (engine_mismatch near 0), as with the embedded engine. (Runs after the tests that read the
+    trainer's at that temperature (engine_mismatch near 0), as with the embedded engine. (Runs after the tests that read the
     server's initial weights: it leaves the trained weights in the server.)"""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}",
                           "rollout.train_sampling_params.temperature=0.7"), timeout=600)
@@ -528,8 +534,8 @@ def test_ppo_with_lora_pushes_merged_weights(server, tiny_model_path, tmp_path):
 @sglang_test
 @pytest.mark.slow
 def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
-    """rollout.engine=sglang: the trainer launches a server from the SGLang environment (with untempered
-    log-probabilities: engine_mismatch near 0 at temperature 0.7), pushes the weights in buckets through
+    """rollout.engine=sglang: the trainer launches a server from the SGLang environment (log-probabilities at
+    the sampling temperature, as the trainer's: engine_mismatch near 0 at temperature 0.7), pushes the weights in buckets through
     a folder after each update, and stops the server at exit."""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
                           f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",

@@ -66,6 +66,26 @@ def test_chunked_logps_at_a_temperature(monkeypatch):
     torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-6)
 
 
+def test_chunked_entropy_at_a_temperature(monkeypatch):
+    """The entropy of softmax(logits / T) and its gradient, with the log-probs' (the actor's entropy bonus
+    at the sampling temperature), against float64 autograd of the formula."""
+    monkeypatch.setattr(chunked_logps, "CHUNK_ELEMENTS", 4 * 30)
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(9, 30, generator=generator, dtype=torch.float64).float().requires_grad_()
+    labels = torch.randint(0, 30, (9,), generator=generator)
+    logps, entropy = chunked_logps.logps_and_entropy(logits, labels, temperature=0.7)
+    leaf = logits.detach().double().requires_grad_()
+    log_probs = torch.log_softmax(leaf / 0.7, -1)
+    expected_logps = log_probs.gather(-1, labels[:, None])[:, 0]
+    expected_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    torch.testing.assert_close(entropy.double(), expected_entropy, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked_logps.entropy(logits, temperature=0.7).double(), expected_entropy,
+                               atol=1e-6, rtol=1e-6)
+    (grad,) = torch.autograd.grad((logps + 0.3 * entropy).sum(), logits)
+    (expected_grad,) = torch.autograd.grad((expected_logps + 0.3 * expected_entropy).sum(), leaf)
+    torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradient_written_over_the_logits(monkeypatch, dtype):
     """`overwrite_logits`: the same gradient as into a tensor of its own, stored in the logits' memory."""

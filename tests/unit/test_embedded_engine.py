@@ -120,13 +120,15 @@ def test_the_callers_model_keeps_its_own_kernels(monkeypatch, model, tokenizer):
     assert engine.runner.packed, "the engine packs its linear layers on a CPU"
 
 
-def test_logprobs_are_raw_model_logprobs(engine, model):
+def test_logprobs_are_the_models_at_the_sampling_temperature(engine, model):
+    """log softmax(logits / T) of the sampled tokens, the model's own logits divided by T: the policy the
+    trainer trains at that temperature (SGLang's default too)."""
     prompt = PROMPTS[2]
-    for temperature in (1.0, 0.7):
+    for temperature in (1.0, 0.7, 1.5):
         result = generate(engine, payload(prompt, temperature=temperature, max_new_tokens=16))[0]
         logprobs = result["meta_info"]["output_token_logprobs"]
         assert [token for _, token, _ in logprobs] == result["output_ids"]
-        expected = torch.log_softmax(full_logits(model, prompt, result["output_ids"]), dim=-1)
+        expected = torch.log_softmax(full_logits(model, prompt, result["output_ids"]) / temperature, dim=-1)
         expected = expected.gather(1, torch.tensor(result["output_ids"])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor([lp for lp, _, _ in logprobs]), expected, atol=1e-4, rtol=0)
 
@@ -295,7 +297,8 @@ def test_sampler_draws_from_the_requested_distribution():
         tokens, logprobs = sample_next_tokens(batch, [params] * rows, [[]] * rows, [None] * rows, generator)
         frequencies = torch.bincount(tokens, minlength=5) / rows
         torch.testing.assert_close(frequencies, expected, atol=0.015, rtol=0)
-        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
+        # The distribution at the row's temperature, before top-k/top-p/min-p (as SGLang reports it).
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits / params.temperature, -1)[tokens])
 
 
 def sample_frequencies(logits, params, rows=20000, chunk=4000, seed=0) -> torch.Tensor:
@@ -322,7 +325,23 @@ def test_low_temperatures_sample_the_dominant_token():
             torch.Generator().manual_seed(1),
         )
         assert tokens.tolist() == [top] * rows, temperature
-        torch.testing.assert_close(logprobs, torch.log_softmax(logits.double(), -1)[tokens].float())
+        scale = temperature if temperature >= 1e-6 else 1.0  # below SGLang's epsilon: greedy, temperature 1's
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits.double() / scale, -1)[tokens].float())
+
+
+def test_a_banned_likely_token_counts_in_the_logprob_and_is_never_sampled():
+    """min_new_tokens bans the stop token, here the likeliest by far: the others are sampled at T = 0.3, and
+    their log-probabilities are of the whole distribution at T = 0.3, the banned token included (the
+    trainer's), though its power (p / peak) ** (1 / T) over the allowed peak is past float32's range."""
+    logits = torch.tensor([0.0, -0.5, -1.0, -8.0, 30.0])
+    rows, temperature = 4000, 0.3
+    tokens, logprobs = sample_next_tokens(logits.expand(rows, -1), [SamplingParams(temperature=temperature)] * rows,
+                                          [[4]] * rows, [None] * rows, torch.Generator().manual_seed(0))
+    assert 4 not in tokens.tolist()
+    allowed = torch.softmax(logits[:4].double() / temperature, -1)
+    torch.testing.assert_close((torch.bincount(tokens, minlength=5)[:4] / rows).double(), allowed, atol=0.03, rtol=0)
+    torch.testing.assert_close(logprobs.double(), torch.log_softmax(logits.double() / temperature, -1)[tokens],
+                               atol=1e-4, rtol=0)
 
 
 def test_a_low_temperature_samples_softmax_of_the_scaled_logits():

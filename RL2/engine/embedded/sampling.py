@@ -95,11 +95,11 @@ def sample_next_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row, all rows at once.
 
-    The returned log-probability is the log-softmax of the raw logits (temperature 1, no
-    top-k/top-p/min-p filtering, no bans) at the sampled token, i.e. the policy's own probability,
-    which is what the trainer recomputes. SGLang by default returns the log-probability after
-    temperature scaling (still before top-k/top-p); it returns the raw one, like here, only when
-    started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`. The two agree at temperature 1.
+    The returned log-probability is that of the sampled token under softmax(logits / temperature), the
+    distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it
+    (unless started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns temperature 1's). That
+    distribution is the policy the trainer trains and recomputes (`RL2.workers.actor.Actor`). Greedy
+    rows (temperature 0, or top_k=1) give temperature 1's, as a greedy batch does in SGLang.
 
     Args:
         logits: [rows, vocab] next-token logits, any float dtype (sampling runs in float32).
@@ -127,10 +127,15 @@ def sample_next_tokens(
         tokens = allowed.argmax(dim=-1)
     else:
         tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    tempered = None
     if sampled:
         rows = torch.tensor(sampled, device=device)
         everything = len(sampled) == len(params)
-        weights = _sampling_weights(allowed if everything else allowed[rows], [params[r] for r in sampled])
+        sampled_params = [params[r] for r in sampled]
+        tempered = _Tempered.of(allowed if everything else allowed[rows], sampled_params)
+        if tempered.scaled and any(banned[r] for r in sampled):
+            tempered.add_banned(probs if everything else probs[rows], [banned[r] for r in sampled])
+        weights = _sampling_weights(tempered.weights, sampled_params)
         # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
         # own generator inside any batch, and no per-token noise is needed (50k random numbers
         # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
@@ -141,15 +146,68 @@ def sample_next_tokens(
                 uniform[i] = torch.rand(1, generator=generators[r])
         picked = torch.searchsorted(cdf, (uniform.to(device) * cdf[:, -1])[:, None], right=True)
         tokens[rows] = picked[:, 0].clamp_max(logits.shape[-1] - 1)
-    return tokens, probs.gather(1, tokens[:, None])[:, 0].log()
+    logprobs = probs.gather(1, tokens[:, None])[:, 0].log()
+    if tempered is not None and tempered.scaled:
+        logprobs[rows] = tempered.logprobs(logprobs[rows])
+    return tokens, logprobs
 
 
-def _sampling_weights(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+@dataclass
+class _Tempered:
+    """softmax(logits / T) of each row, unnormalised, computed from the probabilities at T = 1.
+
+    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its
+    largest (allowed) probability first, so that its top token keeps weight 1: at a low temperature the
+    powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by
+    1, which leaves them exactly as they are.
+
+    Attributes:
+        weights: [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0.
+        temperature: [rows].
+        log_peak: [rows] log of the largest allowed probability (0 at T = 1).
+        log_sum: [rows] log of the sum of (p / peak) ** (1 / T) over the whole vocabulary, banned tokens
+            included (`add_banned`): log softmax(logits / T) at token y is (log p_y - log_peak) / T - log_sum.
+        scaled: whether any row has T != 1 (else `weights` are the probabilities themselves).
+    """
+
+    weights: torch.Tensor
+    temperature: torch.Tensor
+    log_peak: torch.Tensor | None = None
+    log_sum: torch.Tensor | None = None
+
+    @property
+    def scaled(self) -> bool:
+        return self.log_sum is not None
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, params: list[SamplingParams]) -> "_Tempered":
+        temperature = torch.tensor([p.temperature for p in params], device=probs.device)
+        if (temperature == 1).all():
+            return cls(probs, temperature)
+        peak = torch.where(temperature[:, None] == 1, 1.0, probs.amax(dim=-1, keepdim=True))
+        weights = (probs / peak).pow((1 / temperature)[:, None])
+        return cls(weights, temperature, peak[:, 0].log(), weights.sum(dim=-1).log())
+
+    def add_banned(self, probs: torch.Tensor, banned: list[list[int]]) -> None:
+        """Count the banned tokens (0 in `weights`) into `log_sum`, in logs: a banned token may be far
+        likelier than the allowed peak. `probs` are the rows' probabilities at T = 1 before the bans."""
+        for row, ids in enumerate(banned):
+            if ids:
+                scaled = (probs[row, ids].log() - self.log_peak[row]) / self.temperature[row]
+                self.log_sum[row] = torch.logaddexp(self.log_sum[row], scaled.logsumexp(0))
+
+    def logprobs(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities at T = 1 of one token per row -> at each row's temperature."""
+        at_temperature = (logprobs - self.log_peak) / self.temperature - self.log_sum
+        return torch.where(self.temperature == 1, logprobs, at_temperature)
+
+
+def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
 
-    First the temperature. Then, for a row without min-p, top-k and top-p together on that
-    distribution: a token stays if it is among the top_k and the tokens likelier than it hold at
-    most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
+    The temperature is already applied (`_Tempered`). Then, for a row without min-p, top-k and top-p
+    together on that distribution: a token stays if it is among the top_k and the tokens likelier than
+    it hold at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
     `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised
     top-k tokens, then min-p (`top_k_renorm_prob`, `top_p_renorm_prob`,
     `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
@@ -157,22 +215,13 @@ def _sampling_weights(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     in any batch.
 
     Args:
-        probs: the probabilities at temperature 1 (banned tokens at 0).
+        weights: the unnormalised probabilities at each row's temperature (banned tokens at 0).
         params: each row's sampling parameters.
     """
-    device = probs.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
-    weights = probs
-    if not (temperature == 1).all():
-        # softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by
-        # its largest probability first, so that its top token keeps weight 1: at a low temperature
-        # the powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1
-        # are divided by 1, which leaves them exactly as they are.
-        peak = torch.where(temperature[:, None] == 1, 1.0, probs.amax(dim=-1, keepdim=True))
-        weights = (probs / peak).pow((1 / temperature)[:, None])
     drop = None  # tokens top-k and top-p filter out
     if top_k.any():
         k_max = min(int(top_k.max()), weights.shape[-1])

@@ -23,10 +23,12 @@ cache (`RL2.engine.memory_plan`); `RL2.rollout.worker` then releases and resumes
 (`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
 endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
-Log-probabilities: SGLang returns those of the temperature-scaled distribution unless its servers
-run with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`; the trainer and the embedded engine use the policy's
-own (temperature 1). Launched servers get the variable; servers of `rollout.server_url` are probed
-at start when the training temperature is not 0 or 1, with a warning if they scale.
+Log-probabilities: SGLang returns those of softmax(logits / temperature), the distribution it samples
+from before top-k/top-p (`sglang/srt/layers/sampler.py`), unless its servers run with
+`SGLANG_RETURN_ORIGINAL_LOGPROB=1` (then temperature 1's). The trainer trains that distribution and
+the embedded engine reports the same. Launched servers get the variable switched off; servers of
+`rollout.server_url` are probed at start when the training temperature is not 1, with a warning if
+they return temperature 1's.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -173,6 +175,10 @@ class SGLangEngine:
         """
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
+        if str((cfg.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
+            raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
+                              f"at temperature 1, but the trained policy is the distribution at the sampling "
+                              f"temperature, whose log-probabilities SGLang returns by default; remove it")
         rank, world = dist.get_rank(), dist.get_world_size()
         tp = int(args.get("tp_size", 1))
         if tp < 1 or world % tp:
@@ -186,7 +192,7 @@ class SGLangEngine:
         args = _server_defaults(device, dtype, seed + rank // tp, tp, one_host) | args
         server, url, version, error = None, None, None, None
         if rank == leader:
-            env = {ORIGINAL_LOGPROB_ENV: "1"} | dict(cfg.server_env or {})
+            env = dict(cfg.server_env or {}) | {ORIGINAL_LOGPROB_ENV: "0"}  # whatever the trainer's environment says
             if device.type == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in places[leader:leader + tp])
             server = SGLangServer(server_python(cfg), model_path, args, env, cfg.server_log_dir)
@@ -226,7 +232,7 @@ class SGLangEngine:
             for url in urls:
                 try:
                     control_request(url, "/health", timeout=30.0)
-                    _warn_if_logprobs_scaled(url, _train_temperature(cfg))
+                    _warn_if_logprobs_unscaled(url, _train_temperature(cfg))
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
         _raise_any(_all_gather(error))
@@ -476,18 +482,19 @@ def returns_original_logprobs(url: str, temperature: float) -> bool | None:
     return abs(ratio - 1) < abs(ratio - 1 / temperature)
 
 
-def _warn_if_logprobs_scaled(url: str, temperature: float) -> None:
-    if temperature in (0.0, 1.0):
+def _warn_if_logprobs_unscaled(url: str, temperature: float) -> None:
+    if temperature == 1.0:
         return
     original = returns_original_logprobs(url, temperature)
-    if original is False:
-        log_rank0(f"WARNING: {url} returns log-probabilities of the distribution at temperature {temperature}, the "
-                  f"trainer those of the policy itself (temperature 1): actor/engine_mismatch and actor.tis_coef are "
-                  f"biased. Restart the server with {ORIGINAL_LOGPROB_ENV}=1 in its environment.")
+    if original is True:
+        log_rank0(f"WARNING: {url} returns log-probabilities at temperature 1, the trainer those of the policy it "
+                  f"trains, the distribution at temperature {temperature} that the rollouts sample from: "
+                  f"actor/engine_mismatch and actor.tis_coef are biased. Restart the server without "
+                  f"{ORIGINAL_LOGPROB_ENV}=1 in its environment.")
     elif original is None:
-        log_rank0(f"WARNING: could not tell whether {url} returns tempered log-probabilities; unless it runs with "
-                  f"{ORIGINAL_LOGPROB_ENV}=1, actor/engine_mismatch and actor.tis_coef are biased at temperature "
-                  f"{temperature}")
+        log_rank0(f"WARNING: could not tell whether {url} returns log-probabilities at the sampling temperature; if it "
+                  f"runs with {ORIGINAL_LOGPROB_ENV}=1, actor/engine_mismatch and actor.tis_coef are biased at "
+                  f"temperature {temperature}")
 
 
 def _disk_roles(cfg, weight_sync: str, hosts: list[str], leader_ranks) -> tuple[Path | None, list[Path]]:

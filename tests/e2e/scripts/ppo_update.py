@@ -56,8 +56,9 @@ def main() -> None:
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg.actor, device)
     dims.build_mesh()
-    actor = Actor(cfg.actor, dims, device, total_steps=10, response_budget=8)
-    ref = Actor(cfg.actor, dims, device, train=False)
+    temperature = cfg.rollout.train_sampling_params.temperature  # of the policy, as the PPO trainer passes it
+    actor = Actor(cfg.actor, dims, device, total_steps=10, response_budget=8, temperature=temperature)
+    ref = Actor(cfg.actor, dims, device, train=False, temperature=temperature)
     critic = Critic(cfg.critic, dims, device, total_steps=10, response_budget=8) if cfg.adv.estimator == "gae" else None
     batch = fixed_rollout(1000)
     if critic:
