@@ -71,6 +71,7 @@ class RolloutConfig:
 
 
 @dataclass
+    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its parameters (its /weights_checker randomizes them before the push and compares checksums after); a parameter left unwritten stops the run")
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
     type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)", choices=("loss", "reward"))

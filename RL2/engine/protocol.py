@@ -50,8 +50,10 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Load new weights, full tensors under the model's parameter names. Collective: every rank
-        calls it (the tensors are gathered from the trainer's shards as they are iterated)."""
+        """Load new weights, full tensors under the names of the trainer's model (transformers' memory
+        layout; an engine that loads checkpoints maps them to the checkpoint's, see
+        `RL2.engine.checkpoint_layout`). Collective: every rank calls it (the tensors are gathered from
+        the trainer's shards as they are iterated)."""
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:

@@ -518,8 +518,9 @@ class FSDPWorker(Stateful):
         dist.barrier()
 
     def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The full tensors of this model's parameters as an inference engine loads them: with LoRA,
-        merged under the base model's names (`lora.merge_adapters`); else as they are."""
+        """The full tensors of this model's parameters as an inference engine takes them: with LoRA,
+        merged under the base model's names (`lora.merge_adapters`); else as they are. Either way in
+        transformers' memory layout (an engine that loads checkpoints maps them, `RL2.engine.checkpoint_layout`)."""
         if self.lora is None:
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)

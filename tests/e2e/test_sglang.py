@@ -48,6 +48,7 @@ from RL2.engine.sglang.weight_transfer import (
 from RL2.rollout.loop import action_text
 from tests.helpers import SGLANG_STUB
 from tests.helpers.launch import read_metrics, run_ranks
+from tests.helpers.tiny import make_tiny_moe
 
 SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
 STUB = SGLANG_STUB
@@ -422,6 +423,52 @@ def test_weight_update_from_tensor_buckets_serves_the_new_weights(server, hf_mod
         assert response["meta_info"]["weight_version"] == "tensor1"
     engine.update_weights(hf_model.named_parameters(), weight_version="tensor2")
     assert [r["output_ids"] for r in generate(server.url, prompts)] == before
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+def moe(request, tmp_path_factory):
+    """A server of a tiny mixture-of-experts model (SGLang runs them on CPU too) and that model."""
+    path = make_tiny_moe(tmp_path_factory.mktemp(request.param), request.param)
+    server = SGLangServer(SGLANG_PYTHON, path, CPU_ARGS, SERVER_ENV).start()
+    try:
+        server.wait_ready(timeout=600)
+        yield SimpleNamespace(server=server, path=path,
+                              model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    finally:
+        server.shutdown()
+
+
+@sglang_test
+@pytest.mark.parametrize("weight_sync", ["tensor", "disk"])
+def test_moe_pushes_reach_every_expert(moe, prompts, weight_sync, one_rank, tmp_path):
+    """The policy's experts, fused in transformers' memory, reach the server, which loads them one per
+    expert: it then serves the pushed model's greedy tokens and log-probabilities. Before each push the
+    server's weights are randomized (the check), so none of this comes from weights it already had."""
+    engine = SGLangEngine([moe.server.url], [moe.server.url], weight_sync, 2**16, moe.path,
+                          weights_dir=tmp_path, weights_dirs=[tmp_path])
+    policy = perturbed_copy(moe.model, seed=3)
+    engine.update_weights(policy.named_parameters(), weight_version="moe1")
+    for prompt, response in zip(prompts, generate(moe.server.url, prompts, max_new_tokens=8)):
+        tokens = response["output_ids"]
+        assert tokens == hf_greedy(policy, prompt, 8)[0]
+        served = [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]]
+        assert served == pytest.approx(model_logps(policy, prompt, tokens), abs=1e-3)
+    engine.update_weights(moe.model.named_parameters(), weight_version="moe2")
+    assert [r["output_ids"] for r in generate(moe.server.url, prompts[:1], max_new_tokens=8)] == [
+        hf_greedy(moe.model, prompts[0], 8)[0]]
+
+
+@sglang_test
+def test_a_push_that_misses_parameters_names_them(moe, prompts, one_rank):
+    """A push without the experts (as when their names were transformers' own, which SGLang's loader skips
+    while it answers success) stops the run naming the server's parameters it left unwritten."""
+    engine = SGLangEngine([moe.server.url], [moe.server.url], "tensor", 2**16, moe.path)
+    no_experts = [(name, p) for name, p in moe.model.named_parameters() if ".experts." not in name]
+    with pytest.raises(EngineError, match=r"did not write 4 parameters.*layers\.0\.(mlp|block_sparse_moe)\.experts\.w13_weight"):
+        engine.update_weights(no_experts, weight_version="partial")
+    engine.update_weights(moe.model.named_parameters(), weight_version="whole")  # the server is whole again
+    assert generate(moe.server.url, prompts[:1], max_new_tokens=4)[0]["output_ids"] == hf_greedy(
+        moe.model, prompts[0], 4)[0]
 
 
 @sglang_test

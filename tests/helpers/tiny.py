@@ -72,3 +72,28 @@ def sharpened_copy(path: str, folder: Path) -> str:
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(path).save_pretrained(folder)
     return str(folder)
+
+
+def make_tiny_moe(folder: Path, family: str = "qwen3_moe", seed: int = 0) -> str:
+    """A tiny mixture-of-experts model, Qwen3-MoE (q/k norms, `mlp.experts.{e}.gate_proj`) or Mixtral
+    (`block_sparse_moe.experts.{e}.w1`): 4 experts, 2 per token, untied embeddings. transformers holds
+    their experts fused (`mlp.experts.gate_up_proj [E, 2I, H]`); the folder has them per expert."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+                  num_experts_per_tok=2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True,
+                                **common)
+        model_cls = Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        config, model_cls = MixtralConfig(num_local_experts=4, intermediate_size=32, **common), MixtralForCausalLM
+    else:
+        raise ValueError(f"make_tiny_moe: family is qwen3_moe or mixtral, not {family!r}")
+    torch.manual_seed(seed)
+    model_cls(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

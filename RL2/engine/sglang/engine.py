@@ -16,6 +16,12 @@ Weight sync after each update (`rollout.weight_sync`):
 - disk: the lowest rank of each host writes a Hugging Face folder that the servers of that host
   read with `/update_weights_from_disk`.
 - none: the servers keep their weights (e.g. a frozen policy or an evaluation).
+Both pushes send the tensors under the names and in the layout of the model's checkpoint, which is
+what SGLang's loaders read (`RL2.engine.checkpoint_layout`: transformers holds a mixture of experts
+fused, the checkpoint one tensor per expert). A loader skips a name it does not know and still
+answers success, so with `rollout.check_weight_sync` each push is checked on the servers: SGLang's
+`/weights_checker` overwrites every parameter with random values before it and reports checksums
+before and after, and a parameter whose checksum did not change was not written.
 
 Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
 trainer's state is off the GPU and take `mem_fraction_static` of the free memory for weights and KV
@@ -51,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
+from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
 from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
@@ -69,6 +76,8 @@ CPU_MAX_TOTAL_TOKENS = 16384
 # Seconds one control request (weight update, memory release) may take.
 CONTROL_TIMEOUT = 600.0
 # SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
+# SGLang's endpoint that randomizes a server's weights and reports their checksums (sglang/srt/utils/weight_checker.py).
+WEIGHTS_CHECKER = "/weights_checker"
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 # The least KV cache (bytes per GPU) a launched server may be left with before the run stops at start.
 MIN_KV_CACHE_BYTES = GIB
@@ -132,19 +141,25 @@ class SGLangEngine:
         server: the server this rank launched, if any.
         colocated: the servers share GPUs with training and release their memory while it trains.
         tp_group: the ranks of this rank's server (tensor weight sync), or None.
+        request_timeout: seconds one generation request may take.
+        check_weights: after each push, confirm on the servers that it wrote every parameter
+            (`rollout.check_weight_sync`).
     """
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
                  weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,
                  server: SGLangServer | None = None, colocated: bool = False, tp_group=None,
-                 request_timeout: float = 3600.0):
+                 request_timeout: float = 3600.0, check_weights: bool = True):
         self.urls, self.controlled, self.weight_sync = urls, controlled, weight_sync
         self.bucket_bytes, self.model_path = bucket_bytes, model_path
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
         self.server, self.colocated, self.tp_group = server, colocated, tp_group
+        self.check_weights = check_weights
         self.client = HTTPEngineClient(urls, timeout=request_timeout)
         self._resumed: asyncio.Event | None = None  # while paused: set by continue_generation
         self._folder: Path | None = None  # the newest weights folder written by this rank
+        self._layout: CheckpointLayout | None = None  # built at the first push
+        self._unchecked: set[str] = set()  # controlled servers without /weights_checker (warned once)
         atexit.register(self.shutdown)
 
     @property
@@ -213,7 +228,8 @@ class SGLangEngine:
         writes, dirs = _disk_roles(cfg, weight_sync, [host for host, _ in places], leader_ranks=range(0, world, tp))
         engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
                      server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
-                     tp_group=tp_group, request_timeout=cfg.request_timeout)
+                     tp_group=tp_group, request_timeout=cfg.request_timeout,
+                     check_weights=getattr(cfg, "check_weight_sync", True))
         if dist.get_rank() == 0:
             print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
                   + (f"; logs in {server.log_path.parent}" if server else ""), flush=True)
@@ -239,7 +255,7 @@ class SGLangEngine:
         writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
         controlled = urls if dist.get_rank() == 0 else []
         return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled),
-                   request_timeout=cfg.request_timeout)
+                   request_timeout=cfg.request_timeout, check_weights=getattr(cfg, "check_weight_sync", True))
 
     # ---- generation ----
 
@@ -269,13 +285,40 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Push the actor's full tensors to every server (whose weight memory must be resident).
-        Collective, like the iteration of `named_tensors` itself (each full tensor is all-gathered
-        from the FSDP shards)."""
+        """Push the actor's full tensors to every server (whose weight memory must be resident), in the
+        layout of the model's checkpoint; with `check_weights`, an EngineError names any parameter of a
+        server that the push did not write. Collective, like the iteration of `named_tensors` itself
+        (each full tensor is all-gathered from the FSDP shards).
+
+        Args:
+            named_tensors: full tensors under the names of the trainer's model (transformers' memory layout).
+            weight_version: the name of these weights (the servers report it as `weight_version`).
+        """
+        if self.weight_sync == "none":
+            return
+        named_tensors = self.checkpoint_layout().to_checkpoint(named_tensors)
+        before = self._weight_checksums(randomize=True) if self.check_weights else None
         if self.weight_sync == "tensor":
             self._push_tensors(named_tensors, weight_version)
-        elif self.weight_sync == "disk":
+        else:
             self._push_folder(named_tensors, weight_version)
+        if before is not None:
+            self._check_written(before, self._weight_checksums(randomize=False), weight_version)
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """How the trainer's parameters map to the checkpoint's names (the same on every rank).
+
+        Built at the first push; a name it gives that the served checkpoint does not have is logged,
+        as SGLang's loader would skip it.
+        """
+        if self._layout is None:
+            self._layout = CheckpointLayout.from_folder(self.model_path)
+            on_disk = checkpoint_tensor_names(self.model_path)
+            unknown = sorted(self._layout.checkpoint_names() - on_disk) if on_disk is not None else []
+            if unknown:
+                log_rank0(f"WARNING: {len(unknown)} weights pushed to the SGLang servers have names that "
+                          f"{self.model_path} does not have, which SGLang's loader may skip: {_listed(unknown)}")
+        return self._layout
 
     def release_memory(self, tags: Iterable[str]) -> None:
         """Free the servers' GPU memory of `tags` (SGLang's "weights", "kv_cache", "cuda_graph"); the
@@ -303,8 +346,11 @@ class SGLangEngine:
             error = f"rank {dist.get_rank()} could not write the weights to {folder}: {e}"
         # Every rank takes every full tensor, the writer too after a failed write: they come from
         # all-gathers that involve every rank, which must stay in step to reach the error's gather.
-        for _ in named_tensors:
-            pass
+        try:
+            for _ in named_tensors:
+                pass
+        except ValueError as e:  # the checkpoint layout's, at the end of the stream: every rank's alike
+            error = error or f"rank {dist.get_rank()}: {e}"
         _raise_any(_all_gather(error))
         self._control_all("/update_weights_from_disk", lambda i: {
             "model_path": str(self.weights_dirs[i] / version), "flush_cache": True, "weight_version": version})
@@ -333,25 +379,62 @@ class SGLangEngine:
         self._control_all("/end_weight_update", {})
         self._control_all("/flush_cache", None)
 
-    def _control_all(self, endpoint: str, payload) -> None:
-        """POST to every server this rank controls, then agree with all ranks that it worked."""
+    def _weight_checksums(self, randomize: bool) -> list[dict | None]:
+        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after
+        overwriting them with random values if `randomize`: a push must then write every one of them
+        for its checksum to change, even where the new value equals the old (a LoRA policy's frozen
+        base). None for a server without the endpoint (an SGLang older than 0.5.23), whose pushes go
+        unchecked, with a warning."""
+        # The target model only: a speculative-decoding draft model is not what RL2 pushes.
+        if randomize:
+            self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
+        bodies = self._control_all(WEIGHTS_CHECKER, {"action": "checksum", "selector": "target"}, absent_ok=True)
+        for url, body in zip(self.controlled, bodies):
+            if body is None and url not in self._unchecked:
+                self._unchecked.add(url)
+                log_rank0(f"WARNING: {url} has no {WEIGHTS_CHECKER} (SGLang 0.5.23 has it): whether a weight push "
+                          f"reaches every parameter of that server is not checked")
+        return bodies
+
+    def _check_written(self, before: list[dict | None], after: list[dict | None], version: str) -> None:
+        """EngineError on every rank when a controlled server has a parameter the push did not write."""
         error = None
+        for url, old, new in zip(self.controlled, before, after):
+            unwritten = unwritten_weights(old, new) if old is not None and new is not None else []
+            if unwritten:
+                error = (f"rank {dist.get_rank()}: the weight push {version!r} did not write {len(unwritten)} "
+                         f"parameters of the SGLang server at {url}, which now hold random values: "
+                         f"{_listed(unwritten)}. Its loader skips names it does not know; RL2 sends the names of "
+                         f"{self.model_path}'s checkpoint (RL2.engine.checkpoint_layout). If the server derives "
+                         f"these tensors itself instead of loading them, set rollout.check_weight_sync=false.")
+                break
+        _raise_any(_all_gather(error))
+
+    def _control_all(self, endpoint: str, payload, absent_ok: bool = False) -> list[dict | None]:
+        """POST to every server this rank controls, then agree with all ranks that it worked.
+
+        Returns:
+            each controlled server's answer; with `absent_ok`, None for a server that does not have `endpoint`.
+        """
+        error, answers = None, []
         for i, url in enumerate(self.controlled):
             body = payload(i) if callable(payload) else payload
             try:
-                control_request(url, endpoint, body)
+                answers.append(control_request(url, endpoint, body, absent_ok=absent_ok))
             except EngineError as e:
                 error = f"rank {dist.get_rank()}: {e}" + (f"\n{self.server.describe()}" if self.server else "")
                 break
         _raise_any(_all_gather(error))
+        return answers
 
 
 # ---- helpers ----
 
 
-def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT) -> dict:
+def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
+                    absent_ok: bool = False) -> dict | None:
     """One control request (GET without a payload, else POST); EngineError if the server does not
-    answer 200 or reports a failure."""
+    answer 200 or reports a failure. With `absent_ok`, None if the server has no such endpoint (404)."""
     try:
         if payload is None:
             response = httpx.get(f"{url}{endpoint}", timeout=timeout)
@@ -359,6 +442,8 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
             response = httpx.post(f"{url}{endpoint}", json=payload, timeout=timeout)
     except httpx.HTTPError as e:
         raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
+    if absent_ok and response.status_code == 404:
+        return None
     if response.status_code != 200:
         raise EngineError(f"{url}{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
     try:
@@ -369,6 +454,38 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
     if isinstance(body, dict) and body.get("success") is False:
         raise EngineError(f"{url}{endpoint} failed: {body.get('message', body)}")
     return body if isinstance(body, dict) else {}
+
+
+def unwritten_weights(before: dict, after: dict) -> list[str]:
+    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's
+    `/weights_checker` checksum action (before the push, the weights randomized; after it).
+
+    Each answer lists every GPU (scheduler rank) of the server under `ranks`: the checksum of each of its
+    parameters and its `parallelism_info` (a list of one entry per model role on that GPU, the first
+    the target model's); a parameter of a tensor-parallel shard is named with its rank.
+    """
+    old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
+    unwritten = set()
+    for rank in after.get("ranks") or []:
+        old, info = old_ranks.get(_rank_key(rank), {}), _rank_info(rank)
+        for name, checksum in rank["checksums"].items():
+            if old.get(name) == checksum:
+                unwritten.add(name if info.get("tp_size", 1) == 1 else f"{name} (tp rank {info['tp_rank']})")
+    return sorted(unwritten)
+
+
+def _rank_info(rank: dict) -> dict:
+    info = rank["parallelism_info"]
+    return info[0] if isinstance(info, list) else info
+
+
+def _rank_key(rank: dict) -> tuple:
+    info = _rank_info(rank)
+    return info.get("rank"), info.get("tp_rank"), info.get("dp_rank"), info.get("pp_rank")
+
+
+def _listed(names: list[str], most: int = 12) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def server_version(url: str) -> str | None:

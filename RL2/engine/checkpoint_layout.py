@@ -1,0 +1,121 @@
+"""The trainer's parameters under the names and in the layout of the model's checkpoint.
+
+transformers 5 holds some models otherwise than their checkpoints store them. A mixture-of-experts
+layer (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE, OLMoE, ...) keeps its experts fused,
+`mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, where the checkpoint has
+one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.{e}.w1.weight`); `from_pretrained` converts on the way in, `save_pretrained`
+converts back (transformers' `conversion_mapping.py`, `core_model_loading.py`).
+
+The trainer's (FSDP) parameters carry the in-memory names. An engine that loads checkpoints, such as
+SGLang's servers (from a folder or from tensors), needs the checkpoint's names, and SGLang's loaders
+skip a name they do not know without an error. `CheckpointLayout.to_checkpoint` maps a stream of full
+tensors back with transformers' own reverse conversion, the one `save_pretrained` applies
+(`revert_weight_conversion`), one group of tensors at a time: a group is what one reverse converter
+needs (both halves of a layer's experts are one tensor each, so a group is usually one tensor), so
+no more than a layer's experts are held beyond the caller's buckets. A model without conversions
+(every dense model so far) passes through unchanged. The embedded engine holds transformers' model
+itself and takes the in-memory names as they are.
+"""
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters, revert_weight_conversion
+
+
+class CheckpointLayout:
+    """Args:
+        model: a transformers model of the trained class, on any device (the meta device does: only its
+            structure and config are read). `from_folder` builds one from a checkpoint's config.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        conversions = getattr(model, "_weight_conversions", None)  # those of `from_pretrained`, if it loaded the model
+        if conversions is None:
+            # What `revert_weight_conversion` reverses for a model built from its config (as the trainer builds
+            # its own): the model's mapping without the legacy renamings and prefix changes, which depend on
+            # how a particular checkpoint was loaded. Kept on the model, where `revert_weight_conversion`
+            # reads it, instead of being rebuilt at each call.
+            conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                           if not isinstance(c, PrefixChange)]
+            model._weight_conversions = conversions or None
+        self.model, self.conversions = model, list(conversions)
+        reverse = [c.reverse_transform() for c in conversions[::-1]]
+        converters = [c for c in reverse if isinstance(c, WeightConverter)]
+        # Which in-memory parameters one reverse converter takes together: those it renames to the same key.
+        self.group_of: dict[str, str] = {}
+        self.members: dict[str, set[str]] = {}
+        for name, _ in model.named_parameters():
+            key, pattern = apply_converters(name, converters)
+            if pattern is not None:
+                self.group_of[name] = key
+                self.members.setdefault(key, set()).add(name)
+
+    @classmethod
+    def from_folder(cls, model_path: str | Path) -> "CheckpointLayout":
+        """The layout of the causal LM whose Hugging Face folder is `model_path` (built on the meta device)."""
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            return cls(AutoModelForCausalLM.from_config(config))
+
+    @property
+    def converts(self) -> bool:
+        """Whether any name or tensor differs between the model's memory and its checkpoint."""
+        return bool(self.conversions)
+
+    def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the model's memory layout, as the checkpoint holds them.
+
+        Args:
+            named_tensors: full tensors under the model's parameter names (`named_parameters`), in any order.
+
+        Returns:
+            `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor),
+            each group converted once its last tensor has arrived. Raises ValueError at the end when a
+            group stayed incomplete (a converter would have been given part of its tensors).
+        """
+        if not self.converts:
+            return named_tensors
+        return self._converted(named_tensors)
+
+    def checkpoint_names(self) -> set[str]:
+        """The names `to_checkpoint` gives this model's parameters (computed on the meta device)."""
+        params = ((name, torch.empty(p.shape, dtype=p.dtype, device="meta")) for name, p in self.model.named_parameters())
+        return {name for name, _ in self.to_checkpoint(params)}
+
+    def _converted(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in named_tensors:
+            key = self.group_of.get(name)
+            if key is None:  # renamed at most
+                yield from revert_weight_conversion(self.model, {name: tensor}).items()
+                continue
+            group = pending.setdefault(key, {})
+            group[name] = tensor
+            if len(group) == len(self.members[key]):
+                del pending[key]
+                yield from revert_weight_conversion(self.model, group).items()
+        if pending:
+            missing = sorted(n for key, group in pending.items() for n in self.members[key] - group.keys())
+            raise ValueError(f"CheckpointLayout: {len(missing)} parameters of {type(self.model).__name__} never came, "
+                             f"so the tensors converted with them could not be: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+
+def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:
+    """The tensor names of a Hugging Face folder's safetensors files; None when it has none (e.g. `.bin` files)."""
+    folder = Path(model_path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
