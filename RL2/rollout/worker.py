@@ -20,7 +20,9 @@ current version, pushing them again when they were released or are stale, then m
 models off the GPU and resumes the engine's cache; afterwards the engine releases its memory and the
 trainer's models come back. A rollout on stale or released weights therefore cannot happen. With
 `rollout.weight_sync=none` the engine keeps the weights it has (they are never released) and
-policy updates do not reach it.
+policy updates do not reach it. Inside `holding()` (the rollouts of one step: its dynamic-filtering
+rounds) the engine stays ready from the first rollout to the end of the scope: the policy cannot change
+in between, so the weights are pushed and the trainer's state moved once per step, not once per round.
 
 `synced(label)` is called after each update: it pushes at once when the engine's weights are resident
 (external servers, the embedded engine on a GPU), else at the start of the next rollout, when the
@@ -149,6 +151,8 @@ class EngineState:
         self.weights_resident = self.cache_resident = True
         self.version: int | None = policy.updates if policy else None  # it starts from the policy's initial weights
         self.label = "step0"  # weight_version of the newest push
+        self.ready = False  # set up for sampling: weights current, the trainer's models off the GPU, cache resumed
+        self.holds = 0  # open `holding()` scopes
 
     @property
     def current(self) -> bool:
@@ -164,19 +168,40 @@ class EngineState:
 
     @contextmanager
     def sampling(self) -> Iterator[None]:
-        """The engine is ready to sample the policy's current weights inside; the trainer's afterwards."""
-        self._make_current()
-        for worker in self.colocated:
-            worker.offload()
-        if self.releases_memory and not self.cache_resident:
-            self.engine.resume_memory(CACHE_TAGS)
-            self.cache_resident = True
+        """The engine is ready to sample the policy's current weights inside; the trainer's afterwards
+        (inside `holding()`: at the end of that scope)."""
+        if not self.ready:
+            self._make_current()
+            for worker in self.colocated:
+                worker.offload()
+            if self.releases_memory and not self.cache_resident:
+                self.engine.resume_memory(CACHE_TAGS)
+                self.cache_resident = True
+            self.ready = True
         try:
             yield
         except BaseException:
             self._onload_trainer()  # the run is failing: the trainer's state must still be reachable
             raise
-        self.to_trainer()
+        if not self.holds:
+            self.to_trainer()
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
+        the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
+        Nothing inside may update the policy or need the trainer's models on the GPU."""
+        self.holds += 1
+        try:
+            yield
+        except BaseException:
+            if self.holds == 1 and self.ready:
+                self._onload_trainer()  # failing between rollouts: as `sampling` does
+            raise
+        finally:
+            self.holds -= 1
+        if not self.holds and self.ready:
+            self.to_trainer()
 
     def to_trainer(self) -> None:
         """Give the GPU to the trainer: the engine releases its memory (its weights too, unless they are
@@ -209,6 +234,7 @@ class EngineState:
         self.version = self.policy.updates
 
     def _onload_trainer(self) -> None:
+        self.ready = False
         for worker in self.colocated:
             worker.onload()
 
@@ -251,6 +277,11 @@ class RolloutWorker:
             parser = tool_call_parser(rollout_cfg.tool_parser, tokenizer)
             self.endpoint = OpenAIEndpoint(self.engine, tokenizer, parser, template_renders_tools(tokenizer), {},
                                            self.max_total_tokens, rollout_cfg.tool_call_stop)
+
+    def held(self):
+        """A context in which the engine stays ready across rollouts (`EngineState.holding`): the rounds of
+        one step's dynamic filtering push the weights and move the trainer's state once, not each."""
+        return self.state.holding()
 
     @property
     def uses_tools(self) -> bool:

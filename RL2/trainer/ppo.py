@@ -124,7 +124,7 @@ class PPOTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
-        with measured(metrics, "rollout"):
+        with measured(metrics, "rollout"), self.rollout.held():  # one push for all of the step's rounds
             groups, rolled_out = self.collect_groups(step, metrics)
         metrics |= rollout_metrics(rolled_out, tools=self.rollout.uses_tools)
         if faults := fault_summary(rolled_out):

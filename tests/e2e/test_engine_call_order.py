@@ -31,15 +31,16 @@ def blocks(calls: list[str]) -> list[list[str]]:
 
 def test_ppo_never_samples_stale_or_released_weights(tiny_model_path, tmp_path):
     """Evaluations every step, dynamic filtering (up to 3 rounds) and partial rollouts, 3 steps: the
-    double found the engine's weights equal to the actor's current ones at every request."""
+    double found the engine's weights equal to the actor's current ones at every request, and each step
+    pushed them once for all its rounds."""
     result = engine_calls(tmp_path, tiny_model_path, "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=3",
                           "rollout.partial_rollout=true", "trainer.test_freq=1")
     assert result["violations"] == []
     calls = result["calls"]
     assert calls[0] == RELEASE_ALL
     rollouts = blocks(calls)
-    rounds = sum(result["sampling_rounds"])
-    assert len(rollouts) == rounds + 4  # train rounds plus evaluations at steps 0 to 3
+    assert sum(result["sampling_rounds"]) > 3  # some step took more than one round
+    assert len(rollouts) == 3 + 4  # one per step, whatever its rounds, plus evaluations at steps 0 to 3
     for block in rollouts:
         # Weights back and pushed, then the cache; requests (partial rollouts may pause) only after that.
         assert block[:3] == ["resume weights", block[1], "resume kv_cache,cuda_graph"] and block[1].startswith("push")

@@ -9,6 +9,7 @@ trainer with the real embedded engine wrapped by such a recording double
 holds equal the actor's current ones.
 """
 
+from contextlib import nullcontext
 
 import pytest
 
@@ -96,21 +97,66 @@ def update(state, policy, label):
 
 
 def test_colocated_engine_gets_the_current_weights_back_before_every_rollout():
-    """Evaluation, train rollout, update, evaluation, two dynamic-filtering rounds: each rollout finds
-    the weights released by the previous one and pushes the policy's current weights first."""
+    """Evaluation, train rollout, update, evaluation, train rollout: each rollout finds the weights
+    released by the previous one and pushes the policy's current weights first."""
     log = []
     state, engine, policy, ref = build(log)
     assert rollout(state, engine, policy, ref) == "step0@0"  # evaluation before training
     assert rollout(state, engine, policy, ref) == "step0@0"  # step 1's rollout
     update(state, policy, "step1")  # weights released: the push waits for the next rollout
     assert rollout(state, engine, policy, ref) == "step1@1"  # evaluation after step 1
-    assert rollout(state, engine, policy, ref) == "step1@1"  # step 2, first dynamic-filtering round
-    assert rollout(state, engine, policy, ref) == "step1@1"  # second round
+    assert rollout(state, engine, policy, ref) == "step1@1"  # step 2's rollout
     expected = [RELEASE_ALL]
-    for content in ("step0@0", "step0@0", "step1@1", "step1@1", "step1@1"):
+    for content in ("step0@0", "step0@0", "step1@1", "step1@1"):
         expected += ["resume weights", f"push {content}", "resume kv_cache,cuda_graph", f"generate on {content}",
                      RELEASE_ALL]
     assert log == expected
+
+
+def held_rounds(state, engine, policy, ref, rounds: int) -> list[str]:
+    """One step's dynamic-filtering rounds inside `holding()`: the trainer stays off the GPU between them."""
+    sampled = []
+    with state.holding():
+        for _ in range(rounds):
+            with state.sampling():
+                sampled.append(engine.generate())
+            assert not policy.params_on_gpu and not ref.params_on_gpu and not ref.optimizer_on_gpu
+    assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu
+    return sampled
+
+
+def test_the_rounds_of_one_step_push_the_weights_once():
+    """Three dynamic-filtering rounds in each of two steps: one push, one move of the trainer's state off
+    the GPU and one release per step, not per round; the next step's rounds get the updated weights."""
+    log = []
+    state, engine, policy, ref = build(log)
+    assert held_rounds(state, engine, policy, ref, 3) == ["step0@0"] * 3
+    update(state, policy, "step1")
+    assert held_rounds(state, engine, policy, ref, 3) == ["step1@1"] * 3
+    expected = [RELEASE_ALL]
+    for content in ("step0@0", "step1@1"):
+        expected += ["resume weights", f"push {content}", "resume kv_cache,cuda_graph"] + [
+            f"generate on {content}"] * 3 + [RELEASE_ALL]
+    assert log == expected
+    assert [entry for entry in log if entry.startswith("push")] == ["push step0@0", "push step1@1"]  # one a step
+
+
+@pytest.mark.parametrize("where", ["in a round", "between rounds"])
+def test_a_hold_that_fails_leaves_the_trainer_on_the_gpu(where):
+    """A rollout that raises, or an error between two rounds (filtering the groups): the trainer's models
+    come back; the next step finds the engine's memory as it was and releases it after sampling."""
+    log = []
+    state, engine, policy, ref = build(log)
+    with pytest.raises(RuntimeError, match="failed"):
+        with state.holding():
+            with state.sampling():
+                engine.generate()
+            with state.sampling() if where == "in a round" else nullcontext():
+                raise RuntimeError("failed")
+    assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu
+    assert held_rounds(state, engine, policy, ref, 2) == ["step0@0"] * 2
+    assert log == [RELEASE_ALL, "resume weights", "push step0@0", "resume kv_cache,cuda_graph", "generate on step0@0",
+                   "generate on step0@0", "generate on step0@0", RELEASE_ALL]
 
 
 def test_an_update_without_a_sync_is_pushed_at_the_next_rollout():
