@@ -20,7 +20,7 @@ TRAINING_ONLY = frozenset({
     "test_sampling_params",
     "dynamic_filtering", "max_sampling_rounds", "partial_rollout", "overlong_buffer_len", "overlong_penalty_factor",
     "length_penalty_coef", "reward_model", "save_samples", "weight_sync", "weight_bucket_mb", "weights_dir",
-    "check_weight_sync",
+    "check_weight_sync", "over_sampling", "max_staleness",
 })
 
 

@@ -8,6 +8,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from RL2.algs.policy_loss import Correction
 from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 from RL2.engine.embedded.sampling import GREEDY_TEMPERATURE
@@ -48,7 +49,9 @@ class RolloutConfig:
     tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's own guess of the result is never sampled")
     dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO's dynamic sampling)")
     max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step may use to fill its batch")
-    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the unfinished ones carry on in the next step")
+    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the unfinished ones carry on in the next step (under newer weights: see rollout.max_staleness and actor.correction)")
+    over_sampling: int = opt(0, "partial rollout: groups kept in flight beyond data.train.batch_size (slime's over_sampling_batch_size less the batch): a step trains on the first batch_size groups to finish, and the slowest are cut and carried into the next; 0: only what dynamic filtering leaves over is carried")
+    max_staleness: int | None = opt(None, "partial rollout: a carried group whose oldest token was sampled by weights more than this many updates behind those being trained is dropped before training and its prompt slot refilled (AReaL's max_head_offpolicyness; 0 drops every carried group); None: no bound")
     overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before max_new_tokens (None: off)")
     overlong_penalty_factor: float = opt(1.0, "the overlong penalty at max_new_tokens, in units of reward")
     length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens from the reward")
@@ -106,6 +109,13 @@ class CISPOConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", "tis", "icepop", "seq_mask", "geo_mask"))
+    low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 for icepop, else 1 / high")
+    high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
+
+
+@dataclass
 class ActorConfig(ModelConfig):
     policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=("ppo", "gspo", "gspo_token", "cispo"))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
@@ -114,7 +124,8 @@ class ActorConfig(ModelConfig):
     dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of negative-advantage tokens")
     gspo: GSPOConfig = opt(GSPOConfig, "GSPO's clip ranges (policy_loss=gspo or gspo_token)")
     cispo: CISPOConfig = opt(CISPOConfig, "CISPO's weight bounds (policy_loss=cispo)")
-    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off)")
+    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off); the short form of actor.correction.type=tis actor.correction.high=C")
+    correction: CorrectionConfig = opt(CorrectionConfig, "engine-vs-trainer correction of the policy loss (truncation or masking)")
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
     freeze_steps: int = opt(0, "PPO's critic warm-up: the actor is not updated for the first this many steps, while the critic learns the values of the initial policy (adv.estimator=gae); its learning-rate schedule starts after them")
@@ -178,6 +189,7 @@ def check_ppo_config(cfg) -> None:
         raise ConfigError(f"rollout.test_prompts_per_rollout={rollout.test_prompts_per_rollout}; test on at least 1 "
                           f"prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
+    check_staleness(rollout, cfg.actor)
     if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
         raise ConfigError(
             f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
@@ -203,6 +215,57 @@ def check_warm_up(actor, adv) -> None:
     if actor.freeze_steps and adv.estimator != "gae":
         raise ConfigError(f"actor.freeze_steps={actor.freeze_steps} lets PPO's critic learn before the actor moves, but "
                           f"adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
+
+
+def check_staleness(rollout, actor) -> None:
+    """A partial rollout trains on tokens of older weights: the over-sampling that cuts the slowest groups, the
+    bound on their staleness and the correction of the loss must fit together."""
+    if rollout.over_sampling < 0:
+        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling}; give the groups started beyond the batch "
+                          f"(0: none)")
+    if rollout.over_sampling and not rollout.partial_rollout:
+        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling} starts groups beyond the batch for a partial "
+                          f"rollout to cut; set rollout.partial_rollout=true or drop it")
+    eta = rollout.max_staleness
+    if eta is not None:
+        if eta < 0:
+            raise ConfigError(f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
+        if not rollout.partial_rollout:
+            raise ConfigError(f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may "
+                              f"be; without rollout.partial_rollout=true every token is sampled by the weights trained")
+        if rollout.weight_sync == "none":
+            raise ConfigError(f"rollout.max_staleness={eta} with rollout.weight_sync=none: the engine keeps its first "
+                              f"weights, so every token falls further behind each step; drop one of them")
+    check_correction(actor)
+    corrected = actor.tis_coef is not None or actor.correction.type != "none"
+    if rollout.partial_rollout and eta != 0 and not corrected:
+        raise ConfigError(
+            f"rollout.partial_rollout trains on tokens sampled by weights up to "
+            f"{'any number of' if eta is None else eta} updates old, with no correction for it: set "
+            f"actor.correction.type (tis, icepop, seq_mask or geo_mask; actor.tis_coef=2 is tis), or "
+            f"rollout.max_staleness=0 to train on tokens of the current weights only")
+
+
+def check_correction(actor) -> None:
+    """The engine correction's bounds: set for the correction chosen, and low < high."""
+    correction = actor.correction
+    if actor.tis_coef is not None and correction.type != "none":
+        raise ConfigError(f"actor.tis_coef={actor.tis_coef} is the short form of actor.correction.type=tis "
+                          f"actor.correction.high={actor.tis_coef}; keep one of actor.tis_coef and "
+                          f"actor.correction.type")
+    if correction.type in ("none", "tis") and correction.low is not None:
+        raise ConfigError(f"actor.correction.low={correction.low} means nothing for actor.correction.type="
+                          f"{correction.type}; it bounds icepop, seq_mask and geo_mask")
+    if correction.type == "none" and correction.high is not None:
+        raise ConfigError(f"actor.correction.high={correction.high} bounds a correction; set actor.correction.type")
+    if (correction.high is not None and correction.high <= 0) or (correction.low is not None and correction.low < 0):
+        raise ConfigError(f"actor.correction.low={correction.low} and high={correction.high} bound a ratio of "
+                          f"probabilities: high must be positive and low at least 0")
+    if correction.type not in ("none", "tis"):
+        low, high = Correction(correction.type, correction.low, correction.high).bounds
+        if low >= high:
+            raise ConfigError(f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
+                              f"actor.correction.high")
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:

@@ -21,8 +21,9 @@ from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
 from RL2.rollout.env import Env
-from RL2.rollout.loop import filter_groups
-from RL2.rollout.metrics import COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples
+from RL2.rollout.loop import drop_stale_groups, filter_groups
+from RL2.rollout.metrics import (COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples,
+                                 staleness_metrics)
 from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import RolloutWorker, is_agent, load_rollout_env, rollout_seed
 from RL2.trainer.base import Trainer, launch
@@ -48,6 +49,12 @@ class PPOTrainer(Trainer):
         CurvePanel("tool use", ("rollout/tool_calls", "test/tool_calls", "rollout/tool_parse_errors",
                                 "rollout/tool_errors"), ylabel="per trajectory"),
     )
+    # With a partial rollout, how old the trained tokens are and how far the engine's log-probabilities
+    # are from the trainer's, of the current weights' tokens and of older ones.
+    partial_rollout_curve = (
+        CurvePanel("staleness", ("staleness/lag_*",), ylabel="share of trained tokens", ylim=(0.0, 1.0)),
+        CurvePanel("engine vs trainer KL", ("actor/engine_kl_lag0", "actor/engine_kl_lagged"), ylabel="KL"),
+    )
 
     def __init__(self, cfg, env: Env | None = None):
         check_ppo_config(cfg)
@@ -64,9 +71,13 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
         self.test_sampler = test_sampler(len(self.test_data), cfg.rollout.test_prompts_per_rollout, cfg.trainer.seed)
-        # Rollout state that a resume restores: prompt batches drawn so far (dynamic filtering may
-        # draw several per step), the groups a partial rollout left unfinished and the evaluations done.
+        if cfg.rollout.partial_rollout:
+            self.learning_curve = self.learning_curve + self.partial_rollout_curve
+        # Rollout state that a resume restores: rollouts of prompts so far (dynamic filtering may draw
+        # several per step), prompts drawn (rollout.over_sampling draws more than a batch), the groups
+        # a partial rollout left unfinished and the evaluations done.
         self.cursor = 0
+        self.drawn = 0
         self.carried: list[list[Trajectory]] = []
         self.test_cursor = 0
         self._build_workers()
@@ -116,8 +127,8 @@ class PPOTrainer(Trainer):
                 worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
 
     def trainer_state(self) -> dict:
-        return {"cursor": self.cursor, "carried": [[t.to_dict() for t in group] for group in self.carried],
-                "test_cursor": self.test_cursor}
+        return {"cursor": self.cursor, "drawn": self.drawn,
+                "carried": [[t.to_dict() for t in group] for group in self.carried], "test_cursor": self.test_cursor}
 
     def train(self) -> None:
         self.run(self.n_steps)
@@ -132,9 +143,12 @@ class PPOTrainer(Trainer):
         metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
         if cfg.rollout.save_samples and is_rank0():
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
+        # The weights trained (and sampled with) at this step are those of step - 1's update.
+        metrics |= staleness_metrics(groups, step - 1, cfg.rollout.max_staleness or 0)
         if groups:  # dynamic filtering may leave nothing to learn from
             # PPO's critic warm-up: for the first actor.freeze_steps steps only the critic learns.
-            metrics |= self.learn(training_batch(groups), update_actor=step > cfg.actor.freeze_steps)
+            batch = training_batch(groups, version=step - 1)
+            metrics |= self.learn(batch, update_actor=step > cfg.actor.freeze_steps)
         with measured(metrics, "sync"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
@@ -182,18 +196,25 @@ class PPOTrainer(Trainer):
         Draws `data.train.batch_size` prompts at a time. With dynamic filtering, groups whose rewards
         are all equal are dropped and more prompts are drawn until the batch is full again or
         `rollout.max_sampling_rounds` is reached (DAPO); with partial rollout, the groups left
-        unfinished are carried into the next step.
+        unfinished are carried into the next step. `rollout.over_sampling` keeps that many groups in
+        flight beyond the batch, so that a rollout stops at the first `batch_size` to finish and cuts the
+        slowest; `rollout.max_staleness` first drops the carried groups that lag too far behind the
+        weights (their slots are refilled with new prompts).
         """
         rollout, batch_size = self.cfg.rollout, self.cfg.data.train.batch_size
+        if rollout.max_staleness is not None:  # before they are resumed: they could only get older
+            self.carried, metrics["staleness/dropped_groups"] = drop_stale_groups(self.carried, step - 1,
+                                                                                  rollout.max_staleness)
         kept, rolled_out, rounds = [], [], 0
         while len(kept) < batch_size and rounds < (rollout.max_sampling_rounds if rollout.dynamic_filtering else 1):
-            prompts = [self.train_data[i] for i in self.sampler.batch(self.cursor)]
+            prompts = self.draw_prompts(batch_size + max(0, rollout.over_sampling - len(self.carried)))
             seed = rollout_seed(self.cfg.trainer.seed, self.cursor + 1, dist.get_rank())
             self.cursor += 1
             rounds += 1
             params, n = rollout.train_sampling_params, rollout.responses_per_prompt
             if rollout.partial_rollout:
-                groups, self.carried, new = self.rollout.partial_rollout(self.carried, prompts, params, n, seed)
+                groups, self.carried, new = self.rollout.partial_rollout(self.carried, prompts, params, n, seed,
+                                                                         n_needed=batch_size)
             else:
                 groups = new = self.rollout.rollout(prompts, params, n, seed)
             rolled_out += new  # a group finished beyond an earlier batch was reported then
@@ -204,6 +225,18 @@ class PPOTrainer(Trainer):
         if rollout.dynamic_filtering:
             metrics |= {"rollout/kept_groups": min(len(kept), batch_size), "rollout/sampling_rounds": rounds}
         return kept[:batch_size], rolled_out
+
+    def draw_prompts(self, n: int) -> list[dict]:
+        """The next `n` prompts of the training order (the sampler's batches one after another): a step's
+        batch, or with `rollout.over_sampling` more, the rest of a batch waiting for the next draw."""
+        size, batches, indices = self.sampler.batch_size, {}, []
+        for position in range(self.drawn, self.drawn + n):
+            k = position // size
+            if k not in batches:
+                batches[k] = self.sampler.batch(k)
+            indices.append(batches[k][position % size])
+        self.drawn += n
+        return [self.train_data[i] for i in indices]
 
     def resets_reference(self) -> bool:
         kl = self.cfg.actor.kl
@@ -281,7 +314,11 @@ class PPOTrainer(Trainer):
 
     def load_trainer_state(self, state: dict) -> None:
         self.cursor = state.get("cursor", state["step"])
-        self.carried = [[Trajectory.from_dict(t) for t in group] for group in state.get("carried", [])]
+        # Before rollout.over_sampling, each rollout drew one batch.
+        self.drawn = state.get("drawn", self.cursor * self.sampler.batch_size)
+        # Tokens carried by a checkpoint from before weight versions were kept: taken to be of the last weights.
+        self.carried = [[Trajectory.from_dict(t, version=state["step"] - 1) for t in group]
+                        for group in state.get("carried", [])]
         self.test_cursor = state.get("test_cursor", 0)
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.sync_weights(self.actor.model, f"step{state['step']}")

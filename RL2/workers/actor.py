@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from RL2.algs.kl import compute_kl
-from RL2.algs.policy_loss import cispo_loss, gspo_loss, ppo_loss
+from RL2.algs.policy_loss import (TRAJECTORY_LEVEL_CORRECTIONS, Correction, cispo_loss, engine_kl_by_lag, gspo_loss,
+                                  lag_means, ppo_loss)
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.datasets.packing import pack, prompt_group_units, train_weights
 from RL2.models.logps import forward_packed, shares_prefixes
@@ -31,7 +32,7 @@ def _ppo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
     return ppo_loss(logps, old_logps, advantages, weights,
                     clip_low=cfg.clip if cfg.clip_low is None else cfg.clip_low,
                     clip_high=cfg.clip if cfg.clip_high is None else cfg.clip_high,
-                    dual_clip=cfg.dual_clip, **engine)
+                    dual_clip=cfg.dual_clip, sample_ids=sample_ids, **engine)
 
 
 def _gspo(cfg, logps, old_logps, advantages, weights, sample_ids, token_level=False, **engine):
@@ -40,7 +41,8 @@ def _gspo(cfg, logps, old_logps, advantages, weights, sample_ids, token_level=Fa
 
 
 def _cispo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
-    return cispo_loss(logps, old_logps, advantages, weights, cfg.cispo.clip_low, cfg.cispo.clip_high, **engine)
+    return cispo_loss(logps, old_logps, advantages, weights, cfg.cispo.clip_low, cfg.cispo.clip_high,
+                      sample_ids=sample_ids, **engine)
 
 
 POLICY_LOSSES: dict[str, Callable] = {
@@ -51,6 +53,17 @@ POLICY_LOSSES: dict[str, Callable] = {
 }
 # One importance ratio per trajectory: all of a trajectory's sequences must be in the same micro-batch.
 TRAJECTORY_LEVEL_LOSSES = ("gspo", "gspo_token")
+# Metrics that are a micro-batch's smallest or largest value, not a weighted mean (`policy_loss._reduce`).
+EXTREMES = ("correction_weight_min", "correction_weight_max")
+
+
+def engine_correction(cfg) -> Correction | None:
+    """The actor config's engine correction: `actor.correction`, or `actor.tis_coef` (its short form)."""
+    if cfg.tis_coef is not None:
+        return Correction("tis", high=cfg.tis_coef)
+    correction = cfg.get("correction")
+    return Correction(correction.type, correction.low, correction.high) if (
+        correction and correction.type != "none") else None
 
 
 def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[int]]:
@@ -114,9 +127,28 @@ def per_token_pass(
 
 def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict], prefix: str) -> dict[str, float]:
     """`cfg.update_per_rollout` passes over a rollout, one optimizer step (`step`) per mini-batch of
-    `cfg.mini_batch_size` prompt groups; each metric averaged over the steps, under `prefix/`."""
+    `cfg.mini_batch_size` prompt groups; each metric averaged over the steps (a `_min` or `_max` one: the
+    smallest or largest), under `prefix/`."""
     steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in batch.mini_batches(cfg.mini_batch_size)]
-    return {f"{prefix}/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+    def over_steps(values: list[float], name: str) -> float:
+        if name.endswith(("_min", "_max")):
+            return min(values) if name.endswith("_min") else max(values)
+        return sum(values) / len(values)
+
+    return {f"{prefix}/{k}": over_steps([s[k] for s in steps], k) for k in steps[0]}
+
+
+def extremes_over_ranks(extremes: dict[str, list[float]], names: tuple[str, ...],
+                        device: torch.device) -> dict[str, float]:
+    """The smallest of every rank's values of each `_min` metric and the largest of each `_max` one (`names`,
+    the same on every rank; 0.0 where no rank had a token). Collective."""
+    # Negated, a largest value is a smallest one: one MIN reduction covers both.
+    sign = {n: 1.0 if n.endswith("_min") else -1.0 for n in names}
+    values = torch.tensor([min((sign[n] * v for v in extremes.get(n, [])), default=torch.inf)
+                           for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return {n: sign[n] * v if v != torch.inf else 0.0 for n, v in zip(names, values.tolist())}
 
 
 def weighted_means(summed: dict[str, float]) -> dict[str, float]:
@@ -168,6 +200,7 @@ class Actor:
                  base_changes: bool = False, temperature: float = 1.0):
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
         self.temperature = temperature
+        self.correction = engine_correction(cfg)
         self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name,
                                  base_changes=base_changes)
         self.model = self.worker.model
@@ -183,20 +216,34 @@ class Actor:
 
         Needs `advantages` and `engine_logps` per token, `old_logps` unless a single step covers the
         rollout (then the policy has not moved yet and old = current), and `ref_logps` with a KL loss.
+        With `lags` per token, the engine-vs-trainer KL is split by lag (`engine_kl_lag0`, `engine_kl_lagged`).
         """
-        return update_passes(self.cfg, batch, self._step, "actor")
+        return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
         weights = train_weights(batch, cfg.avg_level, self.response_budget)
-        units = trajectory_units(batch, cfg.max_length_per_device * self.dims.seq_parallel, cfg.policy_loss) if (
-            cfg.policy_loss in TRAJECTORY_LEVEL_LOSSES) else None
+        whole = cfg.policy_loss if cfg.policy_loss in TRAJECTORY_LEVEL_LOSSES else (
+            f"{cfg.policy_loss} with actor.correction.type={self.correction.name}" if self.correction is not None and
+            self.correction.name in TRAJECTORY_LEVEL_CORRECTIONS else None)  # what reads whole trajectories
+        units = trajectory_units(batch, cfg.max_length_per_device * self.dims.seq_parallel, whole) if whole else None
         # Each token's trajectory travels with it into the micro-batches (a trajectory-level loss reads it).
         batch = replace(batch, tokens=batch.tokens | {"sample_of_label": batch.sample_of_label})
         micro = pack_for(self.model, batch, self.dims, cfg.max_length_per_device, weights, units)
-        totals = self.worker.run_micro_batches(micro, self._micro_batch_loss)
+        extremes: dict[str, list[float]] = {}
+
+        def loss_fn(mb: MicroBatch):  # a micro-batch's smallest and largest values are kept apart, not summed
+            loss, metrics = self._micro_batch_loss(mb)
+            for name in EXTREMES:
+                if name in metrics:
+                    extremes.setdefault(name, []).append(float(metrics.pop(name)))
+            return loss, metrics
+
+        totals = self.worker.run_micro_batches(micro, loss_fn)
         stats = self.worker.optimizer_step()
-        return weighted_means(totals) | {"grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        names = EXTREMES if self.correction is not None else ()
+        return weighted_means(totals) | extremes_over_ranks(extremes, names, self.device) | {
+            "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""
@@ -209,10 +256,12 @@ class Actor:
         engine_logps = mb.extra("engine_logps")
         losses, metrics = POLICY_LOSSES[cfg.policy_loss](
             cfg, logps, old_logps, mb.extra("advantages"), weights, mb.extra("sample_of_label").long(),
-            engine_logps=engine_logps, tis_coef=cfg.tis_coef)
+            engine_logps=engine_logps, correction=self.correction)
         # The loss gives means over this micro-batch under `weights`; times the weight sum they add up
         # over micro-batches and ranks (see `weighted_means`).
-        metrics = {k: v * weights.sum() for k, v in metrics.items()}
+        metrics = {k: v if k in EXTREMES else v * weights.sum() for k, v in metrics.items()}
+        if "lags" in mb.extras:
+            metrics |= engine_kl_by_lag(old_logps, engine_logps, mb.extra("lags"), weights)
         metrics["loss_pg"] = (losses * weights).sum().detach()
         metrics["engine_mismatch"] = ((old_logps - engine_logps).abs() * weights).sum()
         if cfg.kl.coef > 0 and cfg.kl.type == "loss":

@@ -34,7 +34,7 @@ def test_ppo_never_samples_stale_or_released_weights(tiny_model_path, tmp_path):
     double found the engine's weights equal to the actor's current ones at every request, and each step
     pushed them once for all its rounds."""
     result = engine_calls(tmp_path, tiny_model_path, "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=3",
-                          "rollout.partial_rollout=true", "trainer.test_freq=1")
+                          "rollout.partial_rollout=true", "actor.tis_coef=2", "trainer.test_freq=1")
     assert result["violations"] == []
     calls = result["calls"]
     assert calls[0] == RELEASE_ALL

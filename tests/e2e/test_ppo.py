@@ -83,6 +83,10 @@ def test_grpo_raises_reward(grpo_run, repeat_model):
     # The trainer recomputes the engine's log-probabilities of the sampled tokens (both float32): at
     # every step, so the weights synced into the engines after each update are the actor's.
     assert all(m["actor/engine_mismatch"] < 1e-4 for m in metrics if "actor/engine_mismatch" in m)
+    # Synchronous: every trained token was sampled by the weights trained (lag 0, which the engines named).
+    trained = [m for m in metrics if "actor/loss" in m]
+    assert all(m["staleness/lag_0"] == 1.0 and m["staleness/max_span"] == 0 for m in trained)
+    assert all(m["actor/engine_kl_lag0"] < 1e-4 and "actor/engine_kl_lagged" not in m for m in trained)
     tests = [m for m in metrics if "test/emit/score" in m]
     assert [m["step"] for m in tests] == [0, 4, 8]  # before training, at test_freq and at the end
     assert tests[-1]["test/emit/score"] >= tests[0]["test/emit/score"]
@@ -223,9 +227,11 @@ def test_eval_only_evaluates_and_stops(repeat_model, rl_data, tmp_path):
 
 
 def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_data, tmp_path):
-    """Partial rollout carries unfinished groups across steps and dynamic filtering draws extra prompts;
-    both are rollout state that a checkpoint keeps: a resumed run ends where an uninterrupted one does."""
-    args = ["rollout.partial_rollout=true", "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=2",
+    """Partial rollout carries unfinished groups across steps (two groups beyond the batch kept in flight,
+    none trained more than one update stale, IcePop correcting them) and dynamic filtering draws extra
+    prompts; both are rollout state that a checkpoint keeps: a resumed run ends where an uninterrupted one does."""
+    args = ["rollout.partial_rollout=true", "rollout.over_sampling=2", "rollout.max_staleness=1",
+            "actor.correction.type=icepop", "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=2",
             "rollout.max_running_requests=4", "rollout.train_sampling_params.max_new_tokens=6",
             "trainer.total_steps=4", "trainer.save_freq=2", "rollout.save_samples=true"]
     straight = tmp_path / "straight"
@@ -234,18 +240,44 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
     assert any(m["rollout/carried_groups"] > 0 for m in metrics), "some groups should be cut by the pause"
     for m in metrics:
         assert m["rollout/kept_groups"] <= 4 and (m["rollout/kept_groups"] == 4 or m["rollout/sampling_rounds"] == 2)
+    # Carried tokens are trained one update late, never two; the engine's log-probabilities of those drifted.
+    assert any(m["staleness/lag_1"] > 0 for m in metrics) and not any("staleness/lag_2" in m for m in metrics)
+    lagged = [m for m in metrics if "actor/engine_kl_lagged" in m]
+    assert lagged and all(m["actor/engine_kl_lag0"] < 1e-4 < m["actor/engine_kl_lagged"] for m in lagged)
+    assert all({"actor/correction_frac", "actor/correction_weight_min", "actor/correction_weight_max"} <= set(m)
+               for m in metrics if "actor/loss" in m)
     state = json.loads((straight / "step2" / "trainer_state.json").read_text())
     assert state["cursor"] == sum(m["rollout/sampling_rounds"] for m in metrics[:2])
+    assert state["drawn"] > 4 * state["cursor"]  # the first step drew 2 prompts beyond its batch
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "step2", resumed / "step2")
     shutil.copy(straight / "samples.jsonl", resumed)  # as a run killed after its last step left it
     run_ranks(2, ppo_args(repeat_model, rl_data, resumed, *args, "trainer.load_ckpt_from=latest"))
     assert rewards(resumed) == rewards(straight)[2:]
+    stale = [[m[k] for k in sorted(m) if k.startswith("staleness/")] for m in read_metrics(straight)[2:]]
+    assert [[m[k] for k in sorted(m) if k.startswith("staleness/")] for m in read_metrics(resumed)] == stale
     # The steps redone replace their samples rather than add to them.
     assert (resumed / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
     expected = load_file(f"{straight}/final/actor/model.safetensors")
     for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
         torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)
+
+
+def test_max_staleness_0_drops_every_group_a_partial_rollout_carried(repeat_model, rl_data, tmp_path):
+    """A bound of 0 updates: the next step first drops every carried group that holds a sampled token (those
+    of the checkpoint's trainer state after step 1), refills the slots with new prompts, and trains on
+    tokens of the current weights only, which needs no correction."""
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "rollout.partial_rollout=true", "rollout.over_sampling=4",
+                          "rollout.max_staleness=0", "rollout.max_running_requests=4",
+                          "rollout.train_sampling_params.max_new_tokens=6", "trainer.total_steps=2",
+                          "trainer.save_freq=1"))
+    metrics = read_metrics(tmp_path)
+    carried = json.loads((tmp_path / "step1" / "trainer_state.json").read_text())["carried"]
+    sampled = sum(any(turn["action_versions"] for t in group for seq in t["sequences"] for turn in seq["turns"])
+                  for group in carried)
+    assert sampled > 0, "the pause should cut some groups after they sampled"
+    assert [m["staleness/dropped_groups"] for m in metrics] == [0, sampled]
+    assert all(m["staleness/lag_0"] == 1.0 and "actor/engine_kl_lagged" not in m for m in metrics)
 
 
 # ---- policy losses: GSPO and CISPO ----

@@ -92,6 +92,46 @@ def test_policy_loss_recipes_pass(argv):
     ppo_config(argv)
 
 
+PARTIAL = ["rollout.partial_rollout=true"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (PARTIAL, r"rollout\.partial_rollout trains on tokens sampled by weights up to any number of updates old, with "
+              r"no correction for it: set actor\.correction\.type .*actor\.tis_coef=2 is tis.*rollout\.max_staleness=0"),
+    (PARTIAL + ["rollout.max_staleness=2"], r"up to 2 updates old, with no correction"),
+    (["rollout.over_sampling=4"], r"rollout\.over_sampling=4 starts groups beyond the batch for a partial rollout"),
+    (PARTIAL + ["rollout.over_sampling=-1"], r"rollout\.over_sampling=-1; give the groups"),
+    (["rollout.max_staleness=1"], r"rollout\.max_staleness=1 bounds how old the groups a partial rollout carries"),
+    (PARTIAL + ["rollout.max_staleness=-1"], r"rollout\.max_staleness=-1; give the most updates"),
+    (PARTIAL + ["rollout.max_staleness=1", "actor.tis_coef=2", "rollout.weight_sync=none"],
+     r"rollout\.max_staleness=1 with rollout\.weight_sync=none"),
+    (["actor.tis_coef=2", "actor.correction.type=icepop"], r"actor\.tis_coef=2\.0 is the short form of "
+                                                           r"actor\.correction\.type=tis"),
+    (["actor.correction.type=tis", "actor.correction.low=0.5"], r"actor\.correction\.low=0\.5 means nothing for "
+                                                                 r"actor\.correction\.type=tis"),
+    (["actor.correction.high=3"], r"actor\.correction\.high=3\.0 bounds a correction; set actor\.correction\.type"),
+    (["actor.correction.type=icepop", "actor.correction.low=6"],
+     r"actor\.correction bounds \[6\.0, 5\.0\] keep no ratio"),
+    (["actor.correction.type=seq_mask", "actor.correction.high=-1"], r"high must be positive and low at least 0"),
+    (["actor.correction.type=ice"],
+     r"'actor\.correction\.type' is 'ice'; choose one of none, tis, icepop, seq_mask"),
+])
+def test_staleness_and_correction_settings_that_cannot_apply_fail(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        ppo_config(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    PARTIAL + ["actor.tis_coef=2"],  # today's partial rollout with today's correction
+    PARTIAL + ["rollout.max_staleness=0"],  # nothing older than the current weights is trained: nothing to correct
+    PARTIAL + ["rollout.over_sampling=8", "rollout.max_staleness=1", "actor.correction.type=icepop"],
+    PARTIAL + ["rollout.max_staleness=2", "actor.correction.type=geo_mask", "actor.correction.high=1.01"],
+    ["actor.correction.type=seq_mask", "actor.correction.low=0", "actor.correction.high=2"],
+])
+def test_bounded_and_corrected_partial_rollouts_pass(argv):
+    ppo_config(argv)
+
+
 def test_stop_strings_reach_the_engines_in_the_original_spellings():
     from RL2.rollout.worker import engine_sampling_params
 
@@ -115,6 +155,7 @@ def test_gspo_and_cispo_defaults_are_the_papers():
 def test_every_registry_serves_exactly_the_choices_its_key_declares():
     """Where a config string meets code, the registry and the schema's choices name the same things."""
     from RL2.algs.kl import KL_ESTIMATORS
+    from RL2.algs.policy_loss import CORRECTION_BOUNDS, CORRECTIONS
     from RL2.config.cli import all_keys
     from RL2.config.ppo_schema import PPOConfig
     from RL2.trainer.ppo_advantages import ESTIMATORS
@@ -124,6 +165,7 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     assert choices["adv.estimator"] == set(ESTIMATORS)
     assert choices["actor.policy_loss"] == set(POLICY_LOSSES)
     assert choices["actor.kl.estimator"] == set(KL_ESTIMATORS)
+    assert choices["actor.correction.type"] - {"none"} == set(CORRECTIONS) == set(CORRECTION_BOUNDS)
 
 
 # ---- values out of range fail at start, naming the key; documented "off" values pass ----
