@@ -1,5 +1,6 @@
-"""How long each phase of a training step takes, and the most resident memory (RSS) this process
-held during it.
+"""How long each phase of a training step takes, the most resident memory (RSS) this process held
+during it and, on a GPU, the most GPU memory its tensors held (`torch.cuda.max_memory_allocated`; a
+colocated SGLang server's memory is its own process's, not counted here).
 
 The peak of a phase is the kernel's high-water mark of the process's RSS, reset at the start of the
 phase (`/proc/self/clear_refs`, Linux 4.0 and later). Elsewhere the mark cannot be reset and each
@@ -35,25 +36,38 @@ def peak_rss_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
+# The key ending of a phase's GPU peak (`perf/{phase}_gpu_peak_gb`), beside its RSS peak (`perf/{phase}_peak_gb`).
+GPU_PEAK = "_gpu_peak_gb"
+
+
 @contextmanager
 def measured(metrics: dict, phase: str):
-    """Record `perf/{phase}_s` (seconds) and `perf/{phase}_peak_gb` (this rank's peak RSS) of the block."""
+    """Record `perf/{phase}_s` (seconds) and `perf/{phase}_peak_gb` (this rank's peak RSS) of the block and,
+    once this process uses CUDA, `perf/{phase}_gpu_peak_gb` (the peak of its tensors on its current GPU)."""
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     reset_peak_rss()
     began = time.perf_counter()
     yield
     metrics[f"perf/{phase}_s"] = time.perf_counter() - began
     metrics[f"perf/{phase}_peak_gb"] = peak_rss_gb()
+    if gpu:
+        metrics[f"perf/{phase}{GPU_PEAK}"] = torch.cuda.max_memory_allocated() / 1e9
 
 
-def max_over_ranks(metrics: dict, device: torch.device, suffix: str = "_peak_gb") -> None:
-    """Replace each metric whose key ends with `suffix` by its maximum over all ranks, in place, and add
-    `perf/peak_gb`, the largest of them: the memory the busiest rank needed. Collective: every rank
-    must have measured the same phases."""
-    keys = sorted(key for key in metrics if key.endswith(suffix))
+def max_over_ranks(metrics: dict, device: torch.device) -> None:
+    """Replace each `*_peak_gb` metric by its maximum over all ranks, in place, and add `perf/peak_gb`, the
+    largest RSS peak, and, where GPU peaks were measured, `perf/gpu_peak_gb`, the largest of those: the
+    memory the busiest rank needed. Collective: every rank must have measured the same phases."""
+    keys = sorted(key for key in metrics if key.endswith("_peak_gb"))
     if not keys:
         return
     values = torch.tensor([metrics[key] for key in keys], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     metrics.update(zip(keys, values.tolist(), strict=True))
-    metrics["perf/peak_gb"] = max(values.tolist())
+    for total, on_gpu in (("perf/peak_gb", False), ("perf/gpu_peak_gb", True)):
+        peaks = [metrics[key] for key in keys if key.endswith(GPU_PEAK) == on_gpu]
+        if peaks:
+            metrics[total] = max(peaks)

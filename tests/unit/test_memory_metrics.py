@@ -42,3 +42,23 @@ def test_max_over_ranks_adds_the_step_peak_at_world_size_one():
     max_over_ranks(metrics, torch.device("cpu"))
     assert metrics == {"perf/rollout_peak_gb": 1.5, "perf/actor_update_peak_gb": 2.5, "perf/rollout_s": 9.0,
                        "perf/peak_gb": 2.5}
+
+
+def test_gpu_peaks_have_a_step_peak_of_their_own():
+    """GPU peaks (`*_gpu_peak_gb`) beside the RSS ones: each kind's step peak is the largest of its own kind."""
+    metrics = {"perf/rollout_peak_gb": 1.5, "perf/actor_update_peak_gb": 2.5, "perf/rollout_gpu_peak_gb": 60.0,
+               "perf/actor_update_gpu_peak_gb": 30.0}
+    max_over_ranks(metrics, torch.device("cpu"))
+    assert (metrics["perf/peak_gb"], metrics["perf/gpu_peak_gb"]) == (2.5, 60.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's peak needs a GPU")
+def test_each_phase_reports_its_gpu_peak():
+    torch.cuda.init()
+    metrics = {}
+    with measured(metrics, "big"):
+        block = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.27 GB
+        del block
+    with measured(metrics, "small"):
+        pass
+    assert metrics["perf/big_gpu_peak_gb"] >= 0.268 > metrics["perf/small_gpu_peak_gb"] + 0.2
