@@ -52,10 +52,16 @@ def torch_varlen_attention():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = inspect.signature(varlen_attn).parameters
-    if "scale" not in params or not ({"window_size", "is_causal"} & set(params)):
+    params = _keywords(varlen_attn)
+    if "scale" not in params or not ({"window_size", "is_causal"} & params):
         return None
     return varlen_attn
+
+
+@functools.cache
+def _keywords(fn) -> frozenset[str]:
+    """The parameter names of `fn`, read once (every attention call of every layer asks)."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def flash_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
@@ -105,7 +111,7 @@ def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=No
 
 def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     varlen_attn = torch_varlen_attention()
-    params = inspect.signature(varlen_attn).parameters
+    params = _keywords(varlen_attn)
     kwargs = {"scale": scaling}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # causal: no key after the query
