@@ -16,7 +16,6 @@ sit in the optimizer and fill the checkpoints. The export is merged, plus a PEFT
 
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -338,16 +337,20 @@ class FSDPWorker(Stateful):
             loss_fn: the loss and metric partial sums of one micro-batch.
             train: backward each loss; False runs without autograd.
         """
-        totals = defaultdict(float)
+        totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
             with torch.set_grad_enabled(train):
                 loss, metrics = loss_fn(mb)
             if train:
                 self.backward(loss)
+            # Summed where they are: reading each back (`float`) would wait for the GPU once per metric
+            # and micro-batch; all are read at once below.
             for key, value in metrics.items():
-                totals[key] += float(value)
-        return self.dims.sum_over_data(totals, self.device)
+                value = torch.as_tensor(value).detach().to(self.device, torch.float64)
+                totals[key] = totals[key] + value if key in totals else value
+        summed = dict(zip(totals, torch.stack(list(totals.values())).tolist())) if totals else {}
+        return self.dims.sum_over_data(summed, self.device)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`.

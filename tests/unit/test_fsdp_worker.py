@@ -51,6 +51,27 @@ def test_move_state_covers_parameters_gradients_and_optimizer_state(tiny_model_p
     assert w.resident_bytes().keys() == {"meta"}
 
 
+def test_micro_batch_metrics_are_summed_over_the_batch(tiny_model_path, one_rank):
+    """Tensors (what losses return, summed on their device) and plain numbers alike, a metric that only some
+    micro-batches report included; the loss's gradient reaches the model as before."""
+    w = worker(tiny_model_path)
+    batch = SequenceBatch.from_examples(examples())
+    micro = pack(batch, 0, 1, 40, train_weights(batch, "token"))
+    assert len(micro) > 1
+
+    def loss_fn(mb):
+        logps = packed_logps(w.model, mb)
+        metrics = {"tokens": mb.loss_mask.sum(), "count": 1, "nll": -(logps * mb.loss_mask).sum()}
+        return -(logps * mb.loss_weights).sum(), metrics | ({"long": 2.5} if mb.input_ids.shape[1] > 20 else {})
+
+    expected = {"tokens": float(batch.tokens["loss_mask"].sum()), "count": float(len(micro)),
+                "nll": sum(float(loss_fn(mb)[1]["nll"].detach()) for mb in micro),
+                "long": 2.5 * sum(mb.input_ids.shape[1] > 20 for mb in micro)}
+    totals = w.run_micro_batches(micro, loss_fn)
+    assert totals == pytest.approx(expected, rel=1e-6)
+    assert all(p.grad is not None for p in w.model.parameters() if p.requires_grad)
+
+
 def test_offload_is_a_no_op_on_cpu(tiny_model_path, one_rank):
     w = worker(tiny_model_path)
     before = {k: v.clone() for k, v in w.model.state_dict().items()}
