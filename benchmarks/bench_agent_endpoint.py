@@ -1,6 +1,7 @@
 """What the OpenAI endpoint costs an agent rollout: the same rollout through it and through direct engine calls.
 
-    python benchmarks/bench_agent_endpoint.py [--prompts 8] [--samples 4] [--new-tokens 32] [--repeats 3] [--tiny]
+    python benchmarks/bench_agent_endpoint.py [--prompts 8] [--samples 4] [--new-tokens 32] [--repeats 3]
+                                              [--threads N] [--tiny]
 
 Workload: N prompts x k samples, each a two-turn chat (the question, the model's answer, a follow-up,
 its second answer), on the embedded engine serving SmolLM2-135M-Instruct (`--tiny`: a tiny random
@@ -15,7 +16,9 @@ Llama, a check of the script itself), exactly `--new-tokens` tokens per answer a
 Both sample with the same per-call seeds, so they generate the same tokens (checked: the table
 counts the trajectories whose token ids agree); the difference in time is the endpoint's (HTTP,
 JSON, the openai client). The two run back to back in each repeat, in alternating order; the table
-shows medians, so a machine shared with other processes slows both alike. Target: at most 5%.
+shows medians, so a machine shared with other processes slows both alike, and the CPU seconds of
+this process beside the wall time: on a busy machine a phase's wall time depends on what else runs,
+its CPU time much less (with `--threads 1` no OpenMP thread spins either). Target: at most 5%.
 Peak RSS is per phase (the kernel's high-water mark is reset before each phase where Linux allows).
 """
 
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +43,15 @@ from RL2.models.default_model import resolve_model_path  # noqa: E402
 from RL2.rollout.loop import continuation, sample_seed  # noqa: E402
 from RL2.utils.memory import peak_rss_gb, reset_peak_rss  # noqa: E402
 from tests.helpers.tiny import make_tiny_model  # noqa: E402
+
+@dataclass
+class Phase:
+    """One timed rollout: wall seconds, CPU seconds of this process (all its threads), peak RSS."""
+
+    wall: float
+    cpu: float
+    rss_mb: float
+
 
 FOLLOW_UP = "Check your answer, then give it again."
 QUESTIONS = ["What is {a} + {b}?", "Name a word that rhymes with 'cat' ({a}).", "Write a haiku about the number {b}."]
@@ -59,11 +72,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="trajectories per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens of each answer")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2-135M-Instruct")
     args = parser.parse_args()
     for flag in ("prompts", "samples", "new_tokens", "repeats"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.tiny:
         with tempfile.TemporaryDirectory(prefix="rl2_bench_tiny_") as folder:
             asyncio.run(measure(args, make_tiny_model(Path(folder)), "a tiny random Llama"))
@@ -100,11 +116,12 @@ async def measure(args, path: str, name: str) -> None:
         order = [("direct", direct), ("endpoint", endpoint_rollout)]
         for label, rollout in order if repeat % 2 == 0 else order[::-1]:
             reset_peak_rss()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             tokens[label] = await rollout()
-            phases[label].append((time.perf_counter() - start, peak_rss_gb() * 1e3))
-        print(f"repeat {repeat + 1}: direct {phases['direct'][-1][0]:.2f} s, "
-              f"endpoint {phases['endpoint'][-1][0]:.2f} s", flush=True)
+            phases[label].append(Phase(time.perf_counter() - start, time.process_time() - cpu, peak_rss_gb() * 1e3))
+        print(f"repeat {repeat + 1}: " + ", ".join(f"{label} {phases[label][-1].wall:.2f} s "
+                                                   f"({phases[label][-1].cpu:.2f} CPU s)" for label in phases),
+              flush=True)
     await endpoint.stop()
     engine.shutdown()
     report(args, name, phases, tokens, torch.get_num_threads())
@@ -141,21 +158,26 @@ async def direct_rollout(engine, tokenizer, rows: list[dict], samples: int, para
 
 
 def report(args, name: str, phases: dict, tokens: dict, threads: int) -> None:
-    direct = statistics.median(s for s, _ in phases["direct"])
-    served = statistics.median(s for s, _ in phases["endpoint"])
-    overhead = statistics.median(100 * (e[0] / d[0] - 1) for e, d in zip(phases["endpoint"], phases["direct"]))
+    def median(label: str, field: str) -> float:
+        return statistics.median(getattr(phase, field) for phase in phases[label])
+
+    def overhead(field: str) -> float:
+        pairs = zip(phases["endpoint"], phases["direct"])
+        return statistics.median(100 * (getattr(e, field) / getattr(d, field) - 1) for e, d in pairs)
+
+    direct, served = median("direct", "wall"), median("endpoint", "wall")
     pairs = [(e, d) for ge, gd in zip(tokens["endpoint"], tokens["direct"]) for e, d in zip(ge, gd)]
     calls = 2 * len(pairs)
     print(f"\n{args.prompts} prompts x {args.samples} samples x 2 calls x {args.new_tokens} new tokens, {name} "
           f"float32 on the embedded engine, {threads} threads, median of {args.repeats}")
     rows = [
-        ("direct engine.generate rollout s", f"{direct:.2f}"),
-        ("endpoint (openai client) rollout s", f"{served:.2f}"),
-        ("endpoint overhead % (median of repeats)", f"{overhead:.1f}"),
-        ("endpoint overhead ms per call", f"{1e3 * (served - direct) / calls:.1f}"),
+        ("direct engine.generate rollout s (CPU s)", f"{direct:.2f} ({median('direct', 'cpu'):.2f})"),
+        ("endpoint (openai client) rollout s (CPU s)", f"{served:.2f} ({median('endpoint', 'cpu'):.2f})"),
+        ("endpoint overhead %, wall (CPU)", f"{overhead('wall'):.1f} ({overhead('cpu'):.1f})"),
+        ("endpoint CPU ms per call", f"{1e3 * (median('endpoint', 'cpu') - median('direct', 'cpu')) / calls:.1f}"),
         ("trajectories with identical token ids", f"{sum(e == d for e, d in pairs)}/{len(pairs)}"),
-        ("peak RSS MB (direct; endpoint)", f"{max(r for _, r in phases['direct']):.0f}; "
-                                           f"{max(r for _, r in phases['endpoint']):.0f}"),
+        ("peak RSS MB (direct; endpoint)", f"{max(p.rss_mb for p in phases['direct']):.0f}; "
+                                           f"{max(p.rss_mb for p in phases['endpoint']):.0f}"),
     ]
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
