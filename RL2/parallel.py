@@ -38,6 +38,12 @@ def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.d
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         visible = torch.cuda.device_count()
+        assigned = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible == 1 and assigned and "," not in assigned:
+            # A scheduler that gives each task a GPU of its own (SLURM's --gpus-per-task=1) shows each rank
+            # one device, index 0, whatever its LOCAL_RANK. (Ranks made to share one, a single
+            # CUDA_VISIBLE_DEVICES for all, stop at their first collective: NCCL's "Duplicate GPU detected".)
+            return torch.device("cuda", 0)
         if local_rank >= visible:
             raise RuntimeError(
                 f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s) "

@@ -101,6 +101,21 @@ def test_more_ranks_than_gpus_fails_naming_both(monkeypatch):
     assert pick_device("cuda") == torch.device("cuda", 1)
 
 
+def test_a_task_given_one_gpu_of_its_own_uses_it(monkeypatch):
+    """SLURM's --gpus-per-task=1: each rank sees one GPU, its own (CUDA_VISIBLE_DEVICES names it), at index 0
+    whatever its LOCAL_RANK; one GPU seen without such an assignment is still refused for LOCAL_RANK 1."""
+    from RL2.parallel import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert pick_device("auto") == torch.device("cuda", 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 but this process sees 1 GPU\(s\)"):
+        pick_device("cuda")
+
+
 def test_cuda_asked_for_without_cuda_names_the_key_that_asked(monkeypatch, tmp_path):
     """The evaluator's switch is eval.device: its error must not send the user to trainer.device."""
     from RL2.evaluate import main
