@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from RL2.agents.tool_calls import ToolCallParser
+from RL2.agents.tool_calls import ParsedAction, ToolCallParser
 from RL2.agents.tools import render_conversation
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, sample_seed
@@ -492,7 +492,8 @@ def _engine_failed(session: Session, error: Exception) -> RequestError:
     return RequestError(f"the inference engine failed: {type(error).__name__}: {error}", status=500)
 
 
-def assistant_message(text: str, parser: ToolCallParser | None, call_tag: str = "0"):
+def assistant_message(text: str, parser: ToolCallParser | None,
+                      call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
     """The assistant message OpenAI's API returns for a sampled text.
 
     With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`) and the rest
