@@ -11,10 +11,12 @@ log-softmax), which SGLang in float32 on CPU reproduces.
 
 import asyncio
 import copy
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +121,30 @@ def test_a_server_environment_asking_for_untempered_logprobs_is_refused(tiny_mod
                           server_env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "true"})
     with pytest.raises(ConfigError, match="rollout.server_env.SGLANG_RETURN_ORIGINAL_LOGPROB .*remove it"):
         SGLangEngine.launch(cfg, tiny_model_path, torch.float32, torch.device("cpu"), 0)
+
+
+def test_a_tensor_push_lets_each_bucket_of_full_tensors_go_before_sending_it(tiny_model_path):
+    """While a bucket's flat copy is sent, the full tensors gathered for it are freed: at most the flat copy
+    and the next bucket's first tensor (already gathered to know the bucket was full) are held."""
+    engine = SGLangEngine(["http://unused:1"], [], "tensor", 4096, tiny_model_path)  # controls no server
+    handed = []  # a weak reference to every full tensor handed to the push, in order
+    held_while_sending = []
+
+    def gathered():
+        for i in range(7):  # 2 kB each: buckets of two
+            tensor = torch.randn(512)
+            handed.append(weakref.ref(tensor))
+            yield f"w{i}", tensor
+            del tensor
+
+    def control(endpoint, payload):
+        if endpoint == "/update_weights_from_tensor":
+            gc.collect()
+            held_while_sending.append([i for i, ref in enumerate(handed[:-1]) if ref() is not None])
+
+    engine._control_all = control
+    engine._push_tensors(gathered(), "v1")
+    assert len(held_while_sending) == 4 and held_while_sending[:3] == [[], [], []], held_while_sending
 
 
 def test_a_gpu_server_without_the_memory_saver_needs_its_share_set(tiny_model_path):

@@ -364,7 +364,9 @@ class SGLangEngine:
         self._control_all("/begin_weight_update", {})
         for bucket in buckets(named_tensors, self.bucket_bytes):
             flat, metadata = flatten_bucket(bucket)
-            del bucket  # the flat copy is what the server reads; the gathered full tensors can go
+            # The flat copy is what the server reads: the gathered full tensors can go. `buckets` still holds
+            # this list until it builds the next one, so `del bucket` would free nothing; emptying it does.
+            bucket.clear()
             payload = serialize_flat_bucket(flat, metadata)
             per_rank = [payload]
             if self.tp_group is not None:  # server rank i maps the copy of tensor-parallel rank i (its own GPU)
