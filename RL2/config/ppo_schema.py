@@ -71,10 +71,10 @@ class RolloutConfig:
     weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
     weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
+    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its parameters (its /weights_checker randomizes them before the push and compares checksums after); a parameter left unwritten stops the run")
 
 
 @dataclass
-    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its parameters (its /weights_checker randomizes them before the push and compares checksums after); a parameter left unwritten stops the run")
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
     type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)", choices=("loss", "reward"))
