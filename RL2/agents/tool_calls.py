@@ -13,12 +13,11 @@ Each model family was trained on its own format, written by its chat template:
 format is a `ToolCallParser` subclass named as "path/to/file.py:ClassName" or "package.module:ClassName".
 """
 
-import importlib
-import importlib.util
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from RL2.utils.imports import import_file_or_module
 
 # How much of a malformed block an error message quotes.
 QUOTE_CHARS = 60
@@ -223,18 +222,12 @@ def _detect(chat_template: str | dict | None) -> str:
 def _load_class(spec: str) -> type[ToolCallParser]:
     """The class of a "path/to/file.py:ClassName" or "package.module:ClassName" spec."""
     where, _, class_name = spec.rpartition(":")
-    if where.endswith(".py"):
-        file = Path(where).expanduser()
-        if not file.is_file():
-            raise ValueError(f"tool-call parser {spec!r}: {file} does not exist; {_choices()}")
-        module_spec = importlib.util.spec_from_file_location(f"rl2_tool_parser_{file.stem}", file)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
+    try:
+        module = import_file_or_module(where, "rl2_tool_parser_")
+    except FileNotFoundError as e:
+        raise ValueError(f"tool-call parser {spec!r}: {e}; {_choices()}") from None
+    except ImportError as e:
+        raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
     parser_cls = getattr(module, class_name, None)
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {spec!r}: {where} defines no ToolCallParser subclass named "

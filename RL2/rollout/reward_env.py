@@ -11,14 +11,12 @@ any other numbers as parts, logged as `rollout/reward/<name>`. A reward function
 that trajectory with reward 0, counted in `rollout/faults`, like a failing environment.
 """
 
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 
 from RL2.rewards.composite import call_reward, reward_step
 from RL2.rollout.env import Env, EnvError
+from RL2.utils.imports import import_file_or_module
 
 
 def reward_env(function: Callable, name: str = "reward function") -> Env:
@@ -43,19 +41,13 @@ def load_reward_fn(spec: str) -> Callable:
     """
     where, name = spec.rsplit(":", 1) if ":" in spec else (spec, "reward")
     name = name or "reward"
-    if where.endswith(".py") or "/" in where:
-        file = Path(where).expanduser()
-        if not file.is_file():
-            raise EnvError(f"rollout.reward_fn: {file} does not exist; give 'path/to/file.py:function_name'")
-        module_spec = importlib.util.spec_from_file_location(f"rl2_reward_{file.stem}", file)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise EnvError(f"rollout.reward_fn: cannot import module '{where}' ({e}); give "
-                           f"'path/to/file.py:function_name' or 'package.module:function_name'") from e
+    try:
+        module = import_file_or_module(where, "rl2_reward_")
+    except FileNotFoundError as e:
+        raise EnvError(f"rollout.reward_fn: {e}; give 'path/to/file.py:function_name'") from None
+    except ImportError as e:
+        raise EnvError(f"rollout.reward_fn: cannot import module '{where}' ({e}); give "
+                       f"'path/to/file.py:function_name' or 'package.module:function_name'") from e
     function = getattr(module, name, None)
     if not callable(function):
         raise EnvError(f"rollout.reward_fn: {where} has no function '{name}'")
