@@ -17,9 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from RL2.engine.protocol import EngineError
-from RL2.engine.sglang.engine import SGLangEngine
-from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.checkpoint_layout import CheckpointLayout
+from RL2.engine.sglang.weight_transfer import buckets, write_hf_folder
 from tests.helpers.tiny import make_tiny_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -53,12 +52,12 @@ def logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_tensors_pushed_to_a_folder_load_as_the_policy(moe_path, tmp_path, one_rank, dtype):
-    """The disk push of the policy's CUDA parameters: transformers loads the folder with the same weights,
-    expert by expert (and, in float32, the same logits)."""
+def test_cuda_tensors_pushed_to_a_folder_load_as_the_policy(moe_path, tmp_path, dtype):
+    """The disk push's steps on the policy's CUDA parameters (mapped, in 64 kB buckets, written): transformers
+    loads the folder with the same weights, expert by expert (and, in float32, the same logits)."""
     policy = trained(moe_path, dtype)
-    engine = SGLangEngine(["http://127.0.0.1:9"], [], "disk", 2**16, moe_path, weights_dir=tmp_path)
-    engine.update_weights(policy.named_parameters(), weight_version="step1")
+    mapped = CheckpointLayout.from_folder(moe_path).to_checkpoint(policy.named_parameters())
+    write_hf_folder(buckets(mapped, 2**16), tmp_path / "step1", moe_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "step1", dtype=dtype).to(DEVICE).eval()
     for (name, expected), (_, got) in zip(policy.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(expected, got), name
@@ -70,6 +69,11 @@ def test_cuda_tensors_pushed_to_a_folder_load_as_the_policy(moe_path, tmp_path, 
 
 @pytest.mark.skipif(not SGLANG_PYTHON, reason="RL2_SGLANG_PYTHON is not set (a Python with sglang 0.5.23)")
 def test_a_launched_gpu_server_serves_the_pushed_experts(moe_path, tmp_path, one_rank):
+    # The trainer's modules that reach SGLang need omegaconf, which a GPU machine without SGLang may lack.
+    from RL2.engine.protocol import EngineError
+    from RL2.engine.sglang.engine import SGLangEngine
+    from RL2.engine.sglang.http_client import HTTPEngineClient
+
     cfg = SimpleNamespace(server_args={"mem_fraction_static": 0.5}, server_python=SGLANG_PYTHON, server_env={},
                           server_log_dir=str(tmp_path / "logs"), server_timeout=900.0, weight_sync="auto",
                           weights_dir=str(tmp_path), weight_bucket_mb=512.0, request_timeout=600.0,

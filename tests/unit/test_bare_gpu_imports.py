@@ -9,7 +9,8 @@ from tests.helpers import REPO
 MODULES = ["RL2", "RL2.workers.fsdp", "RL2.rollout.worker", "RL2.engine.embedded.engine", "RL2.models.lora",
            "tests.gpu.conftest", "tests.gpu.test_cuda_attention", "tests.gpu.test_cuda_engine",
            "tests.gpu.test_cuda_fsdp", "tests.gpu.test_cuda_ipc", "tests.gpu.test_cuda_logps",
-           "tests.gpu.test_cuda_precision", "benchmarks.bench_gpu", "benchmarks.bench_offload"]
+           "tests.gpu.test_cuda_moe_push", "tests.gpu.test_cuda_precision", "benchmarks.bench_gpu",
+           "benchmarks.bench_offload"]
 
 # As if the packages a bare GPU machine lacks were not installed: `find_spec` does not find them (what
 # libraries such as transformers probe) and importing them fails.
