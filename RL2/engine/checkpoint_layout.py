@@ -64,7 +64,7 @@ class CheckpointLayout:
 
     @property
     def converts(self) -> bool:
-        """Whether any name or tensor differs between the model's memory and its checkpoint."""
+        """Whether transformers converts this model between memory and checkpoint (else names pass through)."""
         return bool(self.conversions)
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
