@@ -43,6 +43,19 @@ def test_grpo_on_cuda_raises_reward_with_the_engine_on_the_same_gpu(repeat_model
            for m in metrics if "perf/step_s" in m})
 
 
+def test_engine_and_trainer_agree_at_a_sampling_temperature_on_cuda(repeat_model, rl_data, tmp_path):  # noqa: F811
+    """At temperature 0.7 the embedded engine on the GPU reports log softmax(logits / 0.7) and the trainer
+    (Triton's log-prob kernels where Triton imports) computes the same distribution's: engine_mismatch stays
+    at float32 round-off over two passes with a reference. Each phase reports its GPU peak beside its RSS."""
+    run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "trainer.device=cuda", "actor.dtype=float32",
+                          "rollout.train_sampling_params.temperature=0.7", "actor.kl.coef=0.01",
+                          "actor.update_per_rollout=2", "trainer.total_steps=2"), timeout=600, device="cuda")
+    metrics = [m for m in read_metrics(tmp_path) if "actor/engine_mismatch" in m]
+    assert [m["step"] for m in metrics] == [1, 2], metrics
+    assert max(m["actor/engine_mismatch"] for m in metrics) < MISMATCH["float32"], metrics
+    assert all(m["perf/gpu_peak_gb"] >= m["perf/actor_update_gpu_peak_gb"] > 0 for m in metrics), metrics
+
+
 def test_shared_prefixes_on_cuda_equal_each_sequence_alone(tiny_model_path, tmp_path):
     """A PPO update (two epochs, KL, entropy, critic) on CUDA in float32 with shared prefixes, against the
     same update with each sequence's prompt computed on its own."""
