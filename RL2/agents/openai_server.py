@@ -391,6 +391,14 @@ class OpenAIEndpoint:
     def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
         """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
         params = {**self.default_sampling, **call.params}
+        run_temperature = self.default_sampling.get("temperature", 1.0)
+        if "temperature" in call.params and call.params["temperature"] != run_temperature:
+            # The trainer computes the policy's log-probabilities at the run's temperature (softmax(z / T)):
+            # tokens sampled at another would be trained as if they were not.
+            raise RequestError(
+                f"temperature={call.params['temperature']} differs from the run's sampling temperature "
+                f"{run_temperature} (rollout.train_sampling_params.temperature, or the test one), at which the "
+                f"policy is trained; leave temperature out, or set the run's", "temperature")
         if parser is not None and parser.call_end and self.stop_after_call:
             # The action ends right after a call, as the environment loop samples tool calls.
             stops = params.get("stop") or []

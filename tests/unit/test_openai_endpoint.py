@@ -316,6 +316,7 @@ def test_a_tool_format_with_an_end_tag_stops_the_action_there(engine, tok):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stream": True}, "stream"),
     ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 0.7}, "temperature"),  # the run samples (and trains) at its own temperature, here 0
     ({"max_tokens": 0}, "max_tokens"),
     ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
 ])
