@@ -49,6 +49,9 @@ class CodeLimits:
         memory_mb: address space (RLIMIT_AS); a bigger allocation raises MemoryError.
         max_processes: processes and threads of the solution, itself included (RLIMIT_NPROC).
         max_file_mb: the largest file it may write (RLIMIT_FSIZE).
+        max_disk_mb: all it may write, its working directory and /dev/shm each (a tmpfs of that size,
+            which counts as memory of the machine while the test runs).
+        max_files: files and folders in its working directory and in /dev/shm, each.
         max_output_kb: standard output kept; more fails the test.
     """
 
@@ -56,6 +59,8 @@ class CodeLimits:
     memory_mb: int = 1024
     max_processes: int = 16
     max_file_mb: int = 16
+    max_disk_mb: int = 64
+    max_files: int = 1000
     max_output_kb: int = 1024
 
 
@@ -190,6 +195,8 @@ class Sandbox:
                 "memory_bytes": limits.memory_mb * 2**20,
                 "file_bytes": limits.max_file_mb * 2**20,
                 "processes": limits.max_processes,
+                "disk_bytes": limits.max_disk_mb * 2**20,
+                "files": limits.max_files,
                 # A backstop only: the wall-clock limit below comes first.
                 "cpu_seconds": math.ceil(limits.timeout_s) + 1,
             },

@@ -33,14 +33,31 @@ import traceback
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x20000000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
-SYS_MOUNT_SETATTR = 442  # Linux >= 5.12; the same number on every architecture but alpha
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 0x1, 0x4
+# Linux >= 5.12; the same numbers on every architecture but alpha
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 22, 24, 28, 38
+# Folders where the host keeps Unix sockets and private files, each covered by an empty tmpfs (the
+# Python installation under one of them is bound back, read-only).
+HIDDEN = ("/tmp", "/var/tmp", "/run", "/var/run", "/root", "/home", "/mnt", "/media", "/srv")
+# The device nodes a program needs; the host's others (disks, loop devices, the console) are not there.
+DEVICES = ("null", "zero", "full", "random", "urandom")
 # SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS_LOCKED and the locks of the first two:
 # executing a program as uid 0 gives no capabilities back, and nobody can undo it.
 SECURE_BITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 CAPABILITY_VERSION_3 = 0x20080522
-# Root's sandboxes run with real uid OWN_UID_BASE + the launcher's pid: unused ids, one per sandbox.
+# Root's sandboxes run as uid and gid OWN_UID_BASE + the launcher's pid (real, effective and saved,
+# no supplementary groups): unused ids, one per sandbox, owning nothing on the host.
 OWN_UID_BASE = 2_000_000_000
+# seccomp: socket(AF_UNIX, ...) fails (a Unix socket on the host, such as an inference server's
+# ipc:// socket, docker.sock or dbus, would be a way out), and so does io_uring_setup (io_uring
+# makes sockets without the socket system call). Abstract Unix sockets belong to the network
+# namespace, which is the sandbox's own; socketpair() (a connected pair, no name) stays allowed.
+AF_UNIX, EAFNOSUPPORT, ENOSYS = 1, 97, 38
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}  # audit arch, socket, io_uring_setup
+X32_SYSCALL_BIT = 0x40000000
+SECCOMP_MODE_FILTER, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 2, 0x7FFF0000, 0x00050000, 0x80000000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 EXIT_SETUP_FAILED = 121
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -49,6 +66,14 @@ libc = ctypes.CDLL(None, use_errno=True)
 class MountAttr(ctypes.Structure):
     _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
 
 
 class CapHeader(ctypes.Structure):
@@ -92,18 +117,83 @@ def enter_namespaces() -> None:
 # ---- the namespace's first process: view, limits, privileges ----
 
 
-def read_only_view(workdir: str) -> bool:
-    """Everything read-only but `workdir`; a /proc of this PID namespace. Returns whether /proc was mounted."""
+def own_view(workdir: str, limits: dict, owner: int) -> bool:
+    """The file system the solution sees. Returns whether a /proc of this PID namespace was mounted.
+
+    Everything read-only; the host's socket and home folders (`HIDDEN`) covered by empty tmpfs, the
+    Python installation bound back where it lay under one of them; a /dev of its own with the
+    harmless device nodes only; and as the only writable places a working directory and a /dev/shm,
+    each a tmpfs of at most `limits["disk_bytes"]` and `limits["files"]` files, owned by `owner`.
+    """
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
-    check(libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None), "bind the working directory")
+    hide_host_folders(python_folders())
+    os.makedirs(workdir, exist_ok=True)  # in a tmpfs that now covers its parent
+    private_tmpfs(workdir, limits, owner, 0o700)
+    private_dev(limits, owner)
     try:  # hides the host's processes; a container that masks parts of /proc refuses it to a user namespace
         check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
         own_proc = True
     except OSError:
         own_proc = False
     set_mount_attr(b"/", AT_RECURSIVE, MountAttr(attr_set=MOUNT_ATTR_RDONLY))
-    set_mount_attr(workdir.encode(), 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
+    for writable in (workdir, "/dev/shm"):
+        set_mount_attr(writable.encode(), 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
     return own_proc
+
+
+def python_folders() -> list[str]:
+    """The folders this Python imports from (the solution imports after the host's folders are hidden)."""
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    found.update(path for path in sys.path if path and os.path.isdir(path))
+    return sorted({os.path.realpath(path) for path in found})
+
+
+def hide_host_folders(keep: list[str]) -> None:
+    """Cover each folder of `HIDDEN` with an empty read-only tmpfs, binding back the folders of `keep` under it."""
+    covered: list[str] = []
+    for folder in sorted({os.path.realpath(f) for f in HIDDEN if os.path.isdir(f)}):
+        if any(folder == c or folder.startswith(c + "/") for c in covered) or any(k == folder or folder.startswith(k + "/") for k in keep):
+            continue  # already covered, or the Python installation itself
+        inside = [k for k in keep if k.startswith(folder + "/")]
+        clones = [(k, tree_clone(k)) for k in inside]  # taken before the tmpfs hides them
+        check(libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m"),
+              f"cover {folder}")
+        for path, fd in clones:
+            os.makedirs(path, 0o755, exist_ok=True)
+            move_mount(fd, path)
+        covered.append(folder)
+
+
+def private_tmpfs(path: str, limits: dict, owner: int, mode: int) -> None:
+    options = f"mode={mode:o},uid={owner},gid={owner},size={limits['disk_bytes']},nr_inodes={limits['files']}"
+    check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), f"mount a tmpfs on {path}")
+
+
+def private_dev(limits: dict, owner: int) -> None:
+    """A /dev with null, zero, full, random and urandom bound from the host's, the usual links and a /dev/shm."""
+    nodes = [(name, tree_clone(f"/dev/{name}")) for name in DEVICES if os.path.exists(f"/dev/{name}")]
+    check(libc.mount(b"tmpfs", b"/dev", b"tmpfs", MS_NOSUID, b"mode=0755,size=64k"), "mount a tmpfs on /dev")
+    for name, fd in nodes:
+        open(f"/dev/{name}", "w").close()
+        move_mount(fd, f"/dev/{name}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/shm")
+    private_tmpfs("/dev/shm", limits, owner, 0o1777)
+
+
+def tree_clone(path: str) -> int:
+    """A detached copy of the mount at `path` (with those under it), to attach elsewhere with `move_mount`."""
+    fd = libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | AT_RECURSIVE)
+    if fd < 0:
+        check(-1, f"open_tree {path}")
+    return fd
+
+
+def move_mount(fd: int, path: str) -> None:
+    check(libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH), f"move_mount {path}")
+    os.close(fd)
 
 
 def set_mount_attr(path: bytes, flags: int, attr: MountAttr) -> None:
@@ -126,19 +216,52 @@ def set_limits(limits: dict, counted_before: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"] + counted_before,) * 2)
 
 
-def take_own_uid(launcher_pid: int) -> None:
-    """Root: a real uid of our own (effective uid stays 0 to read root's files, without capabilities)."""
-    check(libc.setresuid(OWN_UID_BASE + launcher_pid, 0, 0), "setresuid")
-
-
-def drop_capabilities() -> None:
-    """Give up every capability for good, also across exec of a program as uid 0."""
+def drop_privileges(own_id: int | None, keep_root: bool = False) -> None:
+    """Give up every capability for good, also across exec of a program as uid 0; with `own_id`
+    (root of the machine), also uid 0 itself: real, effective and saved uid and gid become `own_id`
+    and the supplementary groups go, so that no root-only file, device or process is reachable and
+    RLIMIT_NPROC counts this sandbox's processes alone (Linux exempts real uid 0 from that limit)."""
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
+    # The securebits first (they need CAP_SETPCAP); SECBIT_NO_SETUID_FIXUP keeps CAP_SETUID through
+    # the change of uid until capset empties every set below.
+    check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "set securebits")
     for cap in range(last_cap + 1):
         check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
-    check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "set securebits")
+    if own_id is not None and keep_root:
+        # Without a mount namespace the Python installation may sit in root-only folders (/root):
+        # only the real uid changes (the weak mode, which the user opted into).
+        check(libc.setresuid(own_id, 0, 0), "setresuid")
+    elif own_id is not None:
+        os.setgroups([])
+        os.setresgid(own_id, own_id, own_id)
+        os.setresuid(own_id, own_id, own_id)
     check(libc.capset(ctypes.byref(CapHeader(CAPABILITY_VERSION_3, 0)), (CapData * 2)()), "capset")
+
+
+def refuse_unix_sockets() -> None:
+    """A seccomp filter (see SECCOMP_ARCH); needs no_new_privs. A call from another architecture's
+    system call table (x32, 32-bit) kills the process: its numbers are not the ones checked here."""
+    arch, socket_nr, io_uring_nr = SECCOMP_ARCH[os.uname().machine]
+    program = [
+        SockFilter(BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        SockFilter(BPF_JEQ_K, 1, 0, arch),
+        SockFilter(BPF_RET_K, 0, 0, RET_KILL_PROCESS),
+        SockFilter(BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+        SockFilter(BPF_JGE_K, 0, 1, X32_SYSCALL_BIT),
+        SockFilter(BPF_RET_K, 0, 0, RET_KILL_PROCESS),
+        SockFilter(BPF_JEQ_K, 0, 1, io_uring_nr),
+        SockFilter(BPF_RET_K, 0, 0, RET_ERRNO | ENOSYS),
+        SockFilter(BPF_JEQ_K, 1, 0, socket_nr),
+        SockFilter(BPF_RET_K, 0, 0, RET_ALLOW),
+        SockFilter(BPF_LD_W_ABS, 0, 0, 16),  # the low 32 bits of the first argument (little-endian)
+        SockFilter(BPF_JEQ_K, 0, 1, AF_UNIX),
+        SockFilter(BPF_RET_K, 0, 0, RET_ERRNO | EAFNOSUPPORT),
+        SockFilter(BPF_RET_K, 0, 0, RET_ALLOW),
+    ]
+    filters = (SockFilter * len(program))(*program)
+    fprog = SockFprog(len(program), ctypes.cast(filters, ctypes.POINTER(SockFilter)))
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "install the seccomp filter")
 
 
 def in_initial_user_namespace() -> bool:
@@ -254,21 +377,24 @@ def main() -> None:
         exit_like(wait_for(first))
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed on timeout: all go
+        # The kernel's out-of-memory killer takes a solution first, never the trainer for it.
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        own_uid = os.getuid() == 0 and in_initial_user_namespace()
+        own_id = OWN_UID_BASE + launcher_pid if own_uid else None
         read_only = own_proc = False
         if namespaces:
             try:
-                own_proc = read_only_view(spec["workdir"])
+                own_proc = own_view(spec["workdir"], spec["limits"], own_id or 0)
                 read_only = True
             except OSError as e:
                 why = f"no read-only view ({e})"
         os.chdir(spec["workdir"])  # the writable mount on top, not the directory under it
-        own_uid = os.getuid() == 0 and in_initial_user_namespace()
-        if own_uid:
-            take_own_uid(launcher_pid)
         set_limits(spec["limits"], 1 if own_uid else 2 if namespaces else None)
         if own_uid or namespaces:
-            drop_capabilities()
+            drop_privileges(own_id, keep_root=not read_only)
         check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
+        refuse_unix_sockets()
     except OSError as e:
         os.write(result_fd, (json.dumps({"setup_failed": str(e)}) + "\n").encode())
         os._exit(EXIT_SETUP_FAILED)
