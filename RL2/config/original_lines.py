@@ -14,7 +14,8 @@ printed line for each (`apply_original_meanings`):
 - `rollout.dynamic_filtering=true`: groups whose rewards are all equal are dropped, not replaced by more
   prompts (`rollout.max_sampling_rounds=1`);
 - `actor.kl.type` without an estimator: that place's original default, k1 in the reward and k2 in the loss;
-- the test split's keys the line leaves out follow the train split's (`FOLLOWS`).
+- the test split's keys the line leaves out follow the train split's, and the critic's the actor's
+  (`FOLLOWS`).
 
 RL2's defaults stay; one printed line names those that differ from the original's where the line leaves
 them out (`defaults_note`).
@@ -26,11 +27,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.aliases import Translation
 
-# (test key, train key): the original's test split took the train split's value unless the line gave one.
-FOLLOWS = [(f"data.test.{key}", f"data.train.{key}") for key in (
-    "apply_chat_template", "prompt_key", "messages_key", "response_key", "chosen_key", "rejected_key", "max_length")] + [
-    (f"rollout.test_sampling_params.{key}", f"rollout.train_sampling_params.{key}")
-    for key in ("max_new_tokens", "stop", "no_stop_trim")]
+# What took another key's value in the original's config unless the line gave one: {what: [(key, from key)]}.
+FOLLOWS = {
+    "the test split follows the train split's settings": [
+        *[(f"data.test.{key}", f"data.train.{key}") for key in ("apply_chat_template", "prompt_key", "messages_key",
+                                                               "response_key", "chosen_key", "rejected_key",
+                                                               "max_length")],
+        *[(f"rollout.test_sampling_params.{key}", f"rollout.train_sampling_params.{key}")
+          for key in ("max_new_tokens", "stop", "no_stop_trim")]],
+    "the critic follows the actor's settings": [(f"critic.{key}", f"actor.{key}") for key in (
+        "cp_size", "tp_size", "ddp_size", "enable_gradient_checkpointing", "max_grad_norm", "offload_optimizer",
+        "avg_level", "optimizer.weight_decay", "scheduler.name", "scheduler.warmup_ratio")],
+}
 
 ORIGINAL_KL_ESTIMATORS = {"reward": "k1", "loss": "k2"}  # the original's kl.reward_estimator, kl.loss_estimator
 
@@ -66,7 +74,7 @@ def apply_original_meanings(cfg: DictConfig, translation: Translation, trainer: 
     if "adv" in cfg:
         lines += _updates(cfg, given) + _advantages(cfg, given) + _filtering(cfg, given)
         lines += _kl_estimator(cfg, translation)
-    lines += _test_split(cfg, given)
+    lines += _followers(cfg, given)
     if note := defaults_note(cfg, given, trainer):
         lines.append(note)
 
@@ -119,18 +127,21 @@ def _kl_estimator(cfg, translation: Translation) -> list[str]:
             f"actor.kl.estimator={kl.estimator}"]
 
 
-def _test_split(cfg, given: set[str]) -> list[str]:
-    followed = []
-    for test_key, train_key in FOLLOWS:
-        value = OmegaConf.select(cfg, train_key, default=_ABSENT)
-        if value is _ABSENT or train_key not in given or test_key in given:
-            continue
-        if OmegaConf.select(cfg, test_key) != value:
-            OmegaConf.update(cfg, test_key, value, merge=False)
-            followed.append(f"{test_key}={_shown(value)}")
-    if not followed:
-        return []
-    return [f"the test split follows the train split's settings, as in the original: {', '.join(followed)}"]
+def _followers(cfg, given: set[str]) -> list[str]:
+    lines = []
+    for what, pairs in FOLLOWS.items():
+        followed = []
+        for key, leader in pairs:
+            value = OmegaConf.select(cfg, leader, default=_ABSENT)
+            if value is _ABSENT or leader not in given or key in given or (
+                    OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT):  # the trainer has no such key
+                continue
+            if OmegaConf.select(cfg, key) != value:
+                OmegaConf.update(cfg, key, value, merge=False)
+                followed.append(f"{key}={_shown(value)}")
+        if followed:
+            lines.append(f"{what}, as in the original: {', '.join(followed)}")
+    return lines
 
 
 def defaults_note(cfg, given: set[str], trainer: str) -> str | None:

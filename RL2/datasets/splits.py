@@ -10,21 +10,26 @@ from RL2.datasets.tokenize import tokenize_rows
 from RL2.utils.logging import log_rank0
 
 
-def load_splits(data_cfg, make_tokenize_row: Callable, seed: int) -> tuple[list, list]:
+def load_splits(data_cfg, make_tokenize_row: Callable, seed: int,
+                blank_rows: dict[str, tuple[str, int | None]] | None = None) -> tuple[list, list]:
     """Tokenized train and test examples.
 
     Args:
         data_cfg: the `data` config.
         make_tokenize_row: split config -> function turning one row into one example.
         seed: holds out the same `test_ratio` rows on every rank and every run.
+        blank_rows: split ("train", "test") -> (config key, n): a split whose path is unset is n rows with no
+            prompt, for an environment whose `reset` makes every prompt (the original RL2's Gym-like
+            environments, which trained with no data); n None or no entry: the path is needed.
     """
-    if not data_cfg.train.path:
+    blank_rows = blank_rows or {}
+    train_rows = _rows_of(data_cfg.train.path, "train", blank_rows)
+    if train_rows is None:
         raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
-    train_rows = load_table(data_cfg.train.path)
     test_rows, test_cfg = None, data_cfg.test
     if data_cfg.test.path:
         test_rows = load_table(data_cfg.test.path)
-    elif data_cfg.test_ratio > 0:
+    elif data_cfg.test_ratio > 0 and data_cfg.train.path:
         try:
             parts = train_rows.train_test_split(test_size=data_cfg.test_ratio, seed=seed)
         except ValueError as e:  # e.g. so few rows that one side would be empty
@@ -34,18 +39,32 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int) -> tuple[list,
         train_rows, test_rows = parts["train"], parts["test"]
         # Held-out rows are rows of the train file: read them with the train file's keys and settings.
         test_cfg = data_cfg.train
-    train, skipped = tokenize_rows(
-        train_rows, make_tokenize_row(data_cfg.train), data_cfg.train.path, data_cfg.skip_bad_rows
-    )
+    else:
+        test_rows = _rows_of(None, "test", blank_rows)
+    source = data_cfg.train.path or "rows with no prompt"
+    train, skipped = tokenize_rows(train_rows, make_tokenize_row(data_cfg.train), source, data_cfg.skip_bad_rows)
     test = []
     if test_rows is not None:
-        source = data_cfg.test.path or f"{data_cfg.train.path} (held-out {data_cfg.test_ratio:.0%})"
+        source = data_cfg.test.path or (f"{data_cfg.train.path} (held-out {data_cfg.test_ratio:.0%})" if (
+            data_cfg.train.path) else "rows with no prompt")
         test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(test_cfg), source, data_cfg.skip_bad_rows)
         skipped += test_skipped
     if skipped:
         log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
     log_rank0(f"data: {len(train)} train examples, {len(test)} test examples")
     return train, test
+
+
+def _rows_of(path: str | None, split: str, blank_rows: dict) -> list | None:
+    """The rows at `path`; with no path, the split's blank rows (`load_splits`), or None."""
+    if path:
+        return load_table(path)
+    key, n = blank_rows.get(split, (None, None))
+    if not n:
+        return None
+    log_rank0(f"data.{split}.path is unset: the {split} split is {key}={n} rows with no prompt, each made by the "
+              f"environment's reset (as the original RL2 did)")
+    return [{} for _ in range(n)]
 
 
 class EpochSampler:

@@ -6,19 +6,25 @@ The file defines
         # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
 and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a
-prompt row has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`). `state` is the text the policy saw, `action` the text it wrote, and
-`extra_info` the row's `extra_info` (answers, ids), carried from step to step. `reward` trains;
+prompt row has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`).
+`state` is the text the policy saw, `action` the text it wrote, and `extra_info` the row's
+`extra_info` (answers, ids), carried from step to step. `reward` trains;
 `score` is what evaluation reports (e.g. correctness without format bonuses; default: reward).
 An optional `reward_parts` dict (name -> number) is logged as `rollout/reward/<name>`, e.g. the
 parts of a weighted sum of rewards (`RL2.rewards.composite`).
 
 A state (`next_state`, or what `reset` returns) may also be a list of chat messages, which the
 rollout renders with the tokenizer's chat template. See `envs/` for examples.
+
+The env scripts of RL2's original releases run as they are (`OriginalProtocol`).
 """
 
 import importlib.util
 import inspect
+import itertools
 import math
+import sys
+import threading
 import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -62,21 +68,85 @@ class Env:
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
+    original: "OriginalProtocol" = field(default_factory=lambda: OriginalProtocol())
 
     async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
         """Run the script's `step`; raises `EnvFault` when its result is malformed."""
-        return parse_step_result(await self.step_fn(state, action, extra_info), extra_info)
+        self.original.number(extra_info)
+        result = self.original.step_result(await self.step_fn(state, action, extra_info))
+        return parse_step_result(result, extra_info)
 
     async def reset(self, extra_info: dict) -> State:
         if self.reset_fn is None:
             raise EnvError(f"{self.path} defines no `reset`, so every prompt row needs a prompt")
-        state = await self.reset_fn(extra_info)
+        self.original.number(extra_info)
+        state = self.original.reset_result(await self.reset_fn(extra_info), extra_info)
         if not _is_state(state):
             raise EnvError(f"{self.path}: reset returned {type(state).__name__}, not a str or a list of messages")
         if not state:  # the engine cannot sample after no tokens
             raise EnvError(f"{self.path}: reset returned an empty state for extra_info={extra_info!r:.200}; "
                            f"return the first prompt the policy answers")
         return state
+
+
+class OriginalProtocol:
+    """What the env scripts of RL2's original releases (`envs/*.py` of 0.0.1.post1 and 0.0.2) expect
+    beyond RL2's protocol, so that they run unchanged:
+
+    - `extra_info["idx"]`: the original numbered every row (its index in the data); scripts use it to
+      pick a pooled environment (`ENV_POOL[extra_info["idx"] % NUM_ENVS]`). A trajectory whose row has
+      no `idx` gets a number of its own before its first reset or step.
+    - `reset` may return `(state, extra_info)` (0.0.2): that extra_info is the trajectory's from then on.
+    - `done` may be a NumPy bool (a GEM environment's `terminated or truncated`).
+    """
+
+    def __init__(self):
+        self.numbers = itertools.count()
+
+    def number(self, extra_info: dict) -> None:
+        if "idx" not in extra_info:
+            extra_info["idx"] = next(self.numbers)
+
+    @staticmethod
+    def reset_result(result: object, extra_info: dict) -> object:
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            result, new_info = result
+            if new_info is not extra_info:  # the trajectory holds `extra_info`: update it in place
+                extra_info.clear()
+                extra_info.update(new_info)
+        return result
+
+    @staticmethod
+    def step_result(result: object) -> object:
+        done = result.get("done") if isinstance(result, dict) else None
+        if hasattr(done, "item") and isinstance(done.item(), bool):
+            result = {**result, "done": done.item()}
+        return result
+
+
+def math_verify_off_the_main_thread() -> None:
+    """Let math-verify's `parse` and `verify` run with their default timeouts in environment code.
+
+    math-verify bounds its time with SIGALRM, which Python allows only in the main thread, and raises in
+    any other unless called with timeout None; environment code runs on a thread of its own
+    (`RL2.rollout.event_loop`), where a step's time is bounded by rollout.env_timeout instead. Off the main
+    thread its timeouts are turned off, as `RL2.rewards.math_reward` calls it, so that scripts written for
+    the main thread (the original RL2's envs/orz.py: `verify(parse(answer), parse(action))`) run as they are.
+    """
+    import math_verify.grader
+    import math_verify.parser
+
+    for module in (math_verify.parser, math_verify.grader):
+        bounded = module.timeout
+        if getattr(bounded, "rl2_thread_aware", False):
+            continue
+
+        def timeout(timeout_seconds=10, bounded=bounded):
+            main = threading.current_thread() is threading.main_thread()
+            return bounded(timeout_seconds=timeout_seconds if main else None)
+
+        timeout.rl2_thread_aware = True
+        module.timeout = timeout
 
 
 def load_env(path: str) -> Env:
@@ -93,6 +163,8 @@ def load_env(path: str) -> Env:
     spec = importlib.util.spec_from_file_location(f"rl2_env_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if "math_verify.parser" in sys.modules:  # the script imported math-verify (the original's envs/orz.py)
+        math_verify_off_the_main_thread()
     step = getattr(module, "step", None)
     if step is None:
         raise EnvError(

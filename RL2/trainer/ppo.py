@@ -64,7 +64,10 @@ class PPOTrainer(Trainer):
         env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
         make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer),
                                         keep_messages=is_agent(self.env))
-        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed)
+        # An environment that makes every prompt may run with no data: a split of rows with no prompt.
+        blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
+                 "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
+        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank if env_resets else None)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
         if cfg.actor.freeze_steps >= self.n_steps:

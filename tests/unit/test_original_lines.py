@@ -135,6 +135,7 @@ def test_orz_ppo_of_the_releases_warms_up_its_critic_and_whitens_gae():
     # compute_gae: `advantages = (gaes - action_gaes.mean()) ... / (action_gaes.std() + eps)`, always
     assert cfg.adv.global_norm
     assert (cfg.data.train.batch_size, cfg.rollout.responses_per_prompt) == (128, 64)
+    assert cfg.critic.cp_size == 2  # critic.sp_size: ${actor.sp_size}; RL2 needs one layout for both
 
 
 def test_gem_of_the_releases_takes_the_batch_as_baseline():

@@ -287,7 +287,9 @@ def test_load_env_errors(tmp_path):
     with pytest.raises(EnvError, match="defines no `reset`"):
         asyncio.run(load_env(ENVS / "echo.py").reset({}))
     (tmp_path / "empty_reset.py").write_text("async def step(s, a, info):\n    return {}\nasync def reset(info):\n    return ''\n")
-    with pytest.raises(EnvError, match=r"empty_reset\.py: reset returned an empty state for extra_info=\{'id': 3\}"):
+    # the row's extra_info with the number the original RL2's scripts read (`idx`)
+    with pytest.raises(EnvError, match=r"empty_reset\.py: reset returned an empty state for "
+                                       r"extra_info=\{'id': 3, 'idx': 0\}"):
         asyncio.run(load_env(tmp_path / "empty_reset.py").reset({"id": 3}))
 
 
