@@ -13,10 +13,12 @@ crashes, floods its output or exhausts its limits fails its test; only a sandbox
 at all raises `SandboxError`.
 """
 
+import ast
 import asyncio
 import json
 import logging
 import math
+import operator
 import os
 import selectors
 import shutil
@@ -143,19 +145,19 @@ class Sandbox:
     def run_blocking(self, code: str, test: CodeTest) -> TestResult:
         """Run `code` against `test` in this thread."""
         workdir = tempfile.mkdtemp(prefix="rl2-sandbox-")
-        read_end, write_end = os.pipe()  # the child's report, and the assert test's token
-        token = os.urandom(16).hex()
+        read_end, write_end = os.pipe()  # the child's report, and the assert test's values
+        steps, checks = assert_plan(test.assert_code) if test.assert_code is not None else ([], [])
         try:
             try:
                 spec_path = Path(workdir) / ".spec.json"
-                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, token)))
+                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, steps)))
                 began = time.monotonic()
                 process = self._start(spec_path, test, workdir, write_end)
             finally:
                 os.close(write_end)  # the child has its copy
             stdout, stderr, status = self._wait(process, test, began)
             seconds = time.monotonic() - began
-            report, token_seen = _read_report(read_end, token)
+            report, values = _read_report(read_end)
         finally:
             os.close(read_end)
             _remove(workdir)
@@ -167,7 +169,10 @@ class Sandbox:
         if report and not self._warned:
             self._warn_about(report)
         if status is None:
-            status = _verdict(test, stdout, process.returncode, token_seen)
+            status = _verdict(test, stdout, process.returncode, checks, values)
+            failed = _failed_check(checks, values) if values is not None and status == "error" else None
+            if failed:
+                stderr += f"AssertionError: {failed}\n"
         return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown")
 
     def _warn_about(self, report: dict) -> None:
@@ -181,15 +186,14 @@ class Sandbox:
             log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
                         "namespace): a solution's processes are bounded by its time limit only")
 
-    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, token: str) -> dict:
+    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, steps: list) -> dict:
         limits = self.limits
         return {
             "code": code,
             "kind": "assert" if test.assert_code is not None else "stdio",
-            "test": test.assert_code,
+            "steps": steps,
             "workdir": workdir,
             "result_fd": result_fd,
-            "token": token,
             "namespaces": self.namespaces,
             "limits": {
                 "memory_bytes": limits.memory_mb * 2**20,
@@ -277,12 +281,92 @@ def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_ou
     return out, err, None
 
 
-def _verdict(test: CodeTest, stdout: str, returncode: int, token_seen: bool) -> str:
+def _verdict(test: CodeTest, stdout: str, returncode: int, checks: list, values: list | None) -> str:
     if test.assert_code is not None:
-        return "passed" if returncode == 0 and token_seen else "error"
+        return "passed" if returncode == 0 and values is not None and _failed_check(checks, values) is None else "error"
     if returncode != 0:
         return "error"
     return "passed" if normalise_output(stdout) == normalise_output(test.output) else "wrong_answer"
+
+
+COMPARISONS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+               ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+               ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+
+
+def assert_plan(assert_code: str) -> tuple[list, list]:
+    """Split an assert test into the child's steps and the checks made here on the values it returns.
+
+    Each top-level `assert` becomes expressions for the child to evaluate: both sides of a comparison
+    (a literal side such as `3` or `[1, 2]` stays here, unseen by the solution) or the whole test.
+    Other statements run in the child as they are, asserts nested in them (a loop's) included.
+
+    Returns (steps, checks): steps are ("exec", source) or ("eval", source); a check is
+    ("compare", ops, operands), each operand ("value", index in the child's values) or ("literal",
+    value), or ("true", index).
+    """
+    try:
+        module = ast.parse(assert_code)
+    except SyntaxError:  # the child reports it as the test's error
+        return [("exec", assert_code)], []
+    steps, checks = [], []
+
+    def evaluated(node: ast.expr) -> tuple:
+        try:
+            return ("literal", ast.literal_eval(node))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            steps.append(("eval", ast.unparse(node)))
+            return ("value", sum(kind == "eval" for kind, _ in steps) - 1)
+
+    for statement in module.body:
+        if not isinstance(statement, ast.Assert):
+            steps.append(("exec", ast.unparse(statement)))
+        elif isinstance(statement.test, ast.Compare):
+            compare = statement.test
+            operands = [evaluated(node) for node in (compare.left, *compare.comparators)]
+            checks.append(("compare", [type(op) for op in compare.ops], operands, ast.unparse(statement)))
+        else:
+            checks.append(("true", evaluated(statement.test), ast.unparse(statement)))
+    return steps, checks
+
+
+def _failed_check(checks: list, values: list) -> str | None:
+    """The first assert that does not hold on the child's values (rebuilt from their serialised
+    form), or None when all hold."""
+    try:
+        rebuilt = [_rebuild(value) for value in values]
+
+        def operand(item: tuple):
+            kind, value = item
+            return rebuilt[value] if kind == "value" else value
+
+        for check in checks:
+            source = check[-1]
+            if check[0] == "true":
+                holds = bool(operand(check[1]))
+            else:
+                sides = [operand(item) for item in check[2]]
+                holds = all(COMPARISONS[op](a, b) for op, a, b in zip(check[1], sides, sides[1:]))
+            if not holds:
+                return source
+        return None
+    except Exception as e:  # values the solution wrote itself, malformed, or that do not compare
+        return f"the test's values could not be compared ({type(e).__name__}: {e})"
+
+
+def _rebuild(node: list):
+    """A value from `sandbox_child.plain`'s tagged JSON: built-in types only."""
+    kind, payload = node
+    if kind in ("NoneType", "bool", "int", "float", "str"):
+        if type(payload).__name__ != kind and not (kind == "float" and type(payload) is int):
+            raise ValueError(f"a {kind} tagged value holds a {type(payload).__name__}")
+        return float(payload) if kind == "float" else payload
+    if kind == "bytes":
+        return bytes.fromhex(payload)
+    if kind == "dict":
+        return {_rebuild(k): _rebuild(v) for k, v in payload}
+    container = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind]
+    return container(_rebuild(item) for item in payload)
 
 
 def normalise_output(text: str) -> str:
@@ -290,11 +374,13 @@ def normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def _read_report(read_end: int, token: str) -> tuple[dict | None, bool]:
-    """The child's report and whether the assert test's token came back.
+def _read_report(read_end: int) -> tuple[dict | None, list | None]:
+    """The child's report and, for an assert test, the values it evaluated.
 
-    The report is the first line: the isolation in effect, or {"setup_failed": why}; a second report
-    line can only be a failure to start the solution (written before anything of it runs).
+    The report is the first line: the isolation in effect, or {"setup_failed": why}; a later report
+    line can only be a failure to start the solution (written before anything of it runs). The values
+    are the last {"values": [...]} line (a solution can write such a line too, but only with values
+    it computed: the expected ones never leave this process).
     """
     os.set_blocking(read_end, False)
     data = b""
@@ -306,18 +392,18 @@ def _read_report(read_end: int, token: str) -> tuple[dict | None, bool]:
         if not chunk:
             break
         data += chunk
-    lines = data.decode("utf-8", "replace").splitlines()
-    report = _json_dict(lines[0]) if lines else None
-    second = _json_dict(lines[1]) if len(lines) > 1 else None
-    if second and "setup_failed" in second:
-        report = second
-    return report, token in lines[1:]
+    lines = [_json_dict(line) for line in data.decode("utf-8", "replace").splitlines()]
+    report = lines[0] if lines else None
+    if len(lines) > 1 and lines[1] and "setup_failed" in lines[1]:
+        report = lines[1]
+    values = [line["values"] for line in lines[1:] if line and isinstance(line.get("values"), list)]
+    return report, values[-1] if values else None
 
 
 def _json_dict(line: str) -> dict | None:
     try:
         value = json.loads(line)
-    except json.JSONDecodeError:  # the token, or whatever the solution wrote
+    except (json.JSONDecodeError, RecursionError):  # whatever the solution wrote
         return None
     return value if isinstance(value, dict) else None
 

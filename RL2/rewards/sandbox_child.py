@@ -316,22 +316,42 @@ def install_guard(workdir: str) -> None:
 
 # The grader's own references, taken before any solution runs: a solution that replaces
 # `builtins.exec` or `os.write` changes what its own code calls, not what runs and reports its test.
-_exec, _compile, _write = builtins.exec, builtins.compile, os.write
+_exec, _eval, _compile, _write, _dumps = builtins.exec, builtins.eval, builtins.compile, os.write, json.dumps
+PLAIN = (type(None), bool, int, float, str)
+
+
+def plain(value, depth: int = 0) -> list:
+    """`value` as JSON, tagged with its exact type, for the launcher to rebuild and compare.
+
+    Only built-in values pass (None, bool, int, float, str, bytes, and lists, tuples, sets and dicts
+    of them): an object of the solution's own class, whose `==` could say anything, fails its test.
+    """
+    kind = type(value)
+    if depth > 100:
+        raise ValueError("the test's value is nested more than 100 deep")
+    if kind in PLAIN:
+        return [kind.__name__, value]
+    if kind is bytes:
+        return ["bytes", value.hex()]
+    if kind in (list, tuple, set, frozenset):
+        return [kind.__name__, [plain(item, depth + 1) for item in value]]
+    if kind is dict:
+        return ["dict", [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in value.items()]]
+    raise TypeError(f"the test compares a {kind.__name__}, not a built-in value (int, str, list, ...)")
 
 
 def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
-    """Run the solution (and an assert test after it) in this process; never returns.
+    """Run the solution (and an assert test's steps after it) in this process; never returns.
 
-    The test and the pass token leave `spec` before the solution runs, so that a solution reading the
-    spec from a frame above its own finds neither. They stay in this frame's locals: the test runs in
-    the solution's process, so code that walks its interpreter's frames can still forge a pass. The
-    sandbox keeps such code off the machine; a grade proof against it needs the test in a process of
-    its own, which assert tests (they call the solution's functions) cannot have.
+    An assert test arrives as steps: statements to run, and expressions to evaluate (the
+    solution-dependent sides of its asserts; the expected values stay in the launcher). The values,
+    serialised by `plain`, are written to the result pipe once every step ran, and the launcher
+    compares them: nothing the solution can read here (the steps are in this frame) or return (an
+    object whose `==` is always true) makes a test pass without the right values.
     """
     is_assert = spec["kind"] == "assert"
     solution = _compile(spec.pop("code"), "solution.py", "exec")
-    test = _compile(spec.pop("test"), "test.py", "exec") if is_assert else None
-    passed = (spec.pop("token") + "\n").encode()
+    steps = [(kind, _compile(source, "test.py", "exec" if kind == "exec" else "eval")) for kind, source in spec.pop("steps")]
     if guard:
         install_guard(spec["workdir"])
     namespace = {"__name__": "solution" if is_assert else "__main__", "__builtins__": builtins}
@@ -339,10 +359,15 @@ def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
     try:
         _exec(solution, namespace)
         if is_assert:
-            _exec(test, namespace)
+            values = []
+            for kind, step in steps:
+                if kind == "exec":
+                    _exec(step, namespace)
+                else:
+                    values.append(plain(_eval(step, namespace)))
             sys.stdout.flush()
             # Written only once the test ran to its end: exiting early (sys.exit(0)) does not pass.
-            _write(result_fd, passed)
+            _write(result_fd, (_dumps({"values": values}) + "\n").encode())
     except SystemExit as e:
         status = 1 if is_assert or e.code not in (None, 0) else 0
         if is_assert:
