@@ -119,12 +119,19 @@ class Sandbox:
         limits: the limits of each test run.
         max_concurrency: test runs at once (default: `default_concurrency()`).
         namespaces: isolate with Linux namespaces when the system allows it; False runs with the
-            in-process guard only (for systems where `unshare` is refused, and to test that guard).
+            in-process guard only (to test that guard; needs `allow_unisolated`).
+        allow_unisolated: where namespaces are refused (Docker's default seccomp profile, most
+            Kubernetes pods), run solutions with only an in-process audit hook, which gives up the
+            isolation: code that reaches C goes around it to the network, the host's files and
+            sockets and other processes, and outlives the run. False (the default) raises
+            `SandboxError` there instead.
     """
 
-    def __init__(self, limits: CodeLimits | None = None, max_concurrency: int | None = None, namespaces: bool = True):
+    def __init__(self, limits: CodeLimits | None = None, max_concurrency: int | None = None, namespaces: bool = True,
+                 allow_unisolated: bool = False):
         self.limits = limits or CodeLimits()
         self.namespaces = namespaces
+        self.allow_unisolated = allow_unisolated
         self.max_concurrency = max_concurrency or default_concurrency()
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rl2-sandbox")
         self._warned = False
@@ -166,6 +173,11 @@ class Sandbox:
                 why = report["setup_failed"] if report else f"status {process.returncode}: {stderr.strip()[-500:]}"
                 raise SandboxError(f"the code sandbox could not start the solution ({why})")
             report = None
+        if report and report["isolation"] == "guard" and not self.allow_unisolated:
+            raise SandboxError(f"the code sandbox cannot isolate solutions here ({report.get('why')}): allow user "
+                               "namespaces (Docker: --security-opt seccomp=unconfined, or run as root with "
+                               "CAP_SYS_ADMIN), or pass Sandbox(allow_unisolated=True) to run model-written code "
+                               "with an in-process guard only, which is not a security boundary")
         if report and not self._warned:
             self._warn_about(report)
         if status is None:

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from RL2.rewards import CodeLimits, CodeTest, Sandbox, code_reward, parse_tests
+from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError, code_reward, parse_tests
 from RL2.rewards.sandbox import default_concurrency, normalise_output
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
@@ -30,7 +30,7 @@ def sandbox() -> Sandbox:
 
 @pytest.fixture(scope="module")
 def guarded() -> Sandbox:
-    return Sandbox(LIMITS, max_concurrency=2, namespaces=False)
+    return Sandbox(LIMITS, max_concurrency=2, namespaces=False, allow_unisolated=True)
 
 
 def run(sandbox: Sandbox, code: str, test: CodeTest | None = None):
@@ -48,6 +48,11 @@ def sandbox_processes(marker: str) -> list[int]:
         except OSError:  # ended meanwhile
             pass
     return found
+
+
+def test_the_unisolated_guard_needs_an_opt_in():
+    with pytest.raises(SandboxError, match="allow_unisolated=True"):
+        Sandbox(LIMITS, namespaces=False).run_blocking("print('hi')", CodeTest(output="hi"))
 
 
 # ---- right and wrong ----
