@@ -8,10 +8,11 @@ It uses the standard library only, so that it runs before anything else is impor
 2. Enter new network, mount and PID namespaces (inside a user namespace of its own unless root of
    the machine): the solution sees no network but a loopback that is down, and its processes end
    with this sandbox.
-3. Fork the namespace's first process, which makes the whole file system read-only except the
-   working directory, mounts a /proc showing only the sandbox's processes (where allowed), sets the
-   resource limits, gives up every capability and (as root) takes a real user id of its own so that
-   RLIMIT_NPROC counts the sandbox's processes alone (Linux exempts real uid 0 from that limit).
+3. Fork the namespace's first process, which builds the solution's view of the file system
+   (`own_view`: read-only, the host's socket and home folders hidden, a /dev of its own, a tmpfs
+   working directory), mounts a /proc showing only the sandbox's processes (where allowed), sets
+   the resource limits and oom_score_adj, gives up every capability and (as root) uid 0 itself for a
+   uid and gid of its own, and installs a seccomp filter against Unix sockets.
 4. Fork the solution's process. Its exit status becomes this program's.
 
 When namespaces are unavailable (a container that forbids `unshare`), step 2 is skipped and an audit
