@@ -15,14 +15,23 @@ from RL2.rewards.extract import extract_code
 from RL2.rewards.sandbox import CodeTest, Sandbox
 
 _default_sandbox: Sandbox | None = None
+_allow_unisolated = False  # rollout.code_sandbox_unisolated
 
 
 def default_sandbox() -> Sandbox:
     """The sandbox `code_reward` uses unless given one: default limits, shared by all calls of this process."""
     global _default_sandbox
     if _default_sandbox is None:
-        _default_sandbox = Sandbox()
+        _default_sandbox = Sandbox(allow_unisolated=_allow_unisolated)
     return _default_sandbox
+
+
+def allow_unisolated_default_sandbox(allow: bool) -> None:
+    """Whether the default sandbox may run solutions with the in-process guard only where namespaces are
+    refused (`rollout.code_sandbox_unisolated`; see `Sandbox`'s `allow_unisolated`)."""
+    global _allow_unisolated, _default_sandbox
+    if allow != _allow_unisolated:
+        _allow_unisolated, _default_sandbox = allow, None
 
 
 async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool = False, tests_key: str = "tests",

@@ -176,8 +176,9 @@ class Sandbox:
         if report and report["isolation"] == "guard" and not self.allow_unisolated:
             raise SandboxError(f"the code sandbox cannot isolate solutions here ({report.get('why')}): allow user "
                                "namespaces (Docker: --security-opt seccomp=unconfined, or run as root with "
-                               "CAP_SYS_ADMIN), or pass Sandbox(allow_unisolated=True) to run model-written code "
-                               "with an in-process guard only, which is not a security boundary")
+                               "CAP_SYS_ADMIN), or set rollout.code_sandbox_unisolated=true (or pass "
+                               "Sandbox(allow_unisolated=True)) to run model-written code with an in-process guard "
+                               "only, which is not a security boundary")
         if report and not self._warned:
             self._warn_about(report)
         if status is None:

@@ -50,6 +50,7 @@ from RL2.models.precision import compute_dtype
 from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
+from RL2.rewards.code_reward import allow_unisolated_default_sandbox
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory, weight_version_number
 
@@ -122,6 +123,12 @@ def engine_sampling_params(params) -> dict:
     if stop_token_ids:
         params["stop_token_ids"] = [int(token) for token in stop_token_ids]
     return params
+
+
+def configure_rewards(rollout_cfg) -> None:
+    """What the `rollout` config says of the rewards the environment may call: whether the code sandbox's
+    in-process guard may stand in for isolation (`rollout.code_sandbox_unisolated`)."""
+    allow_unisolated_default_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -265,6 +272,7 @@ class RolloutWorker:
                                  colocated if self.engine.releases_memory else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
+        configure_rewards(rollout_cfg)
         self.tool_use = tool_use_of(self.env, rollout_cfg, tokenizer)
         # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
         # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.

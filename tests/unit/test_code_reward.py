@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from RL2.config import parse_config
 from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError, code_reward, parse_tests
 from RL2.rewards.sandbox import default_concurrency, normalise_output
 
@@ -51,8 +52,18 @@ def sandbox_processes(marker: str) -> list[int]:
 
 
 def test_the_unisolated_guard_needs_an_opt_in():
-    with pytest.raises(SandboxError, match="allow_unisolated=True"):
+    with pytest.raises(SandboxError, match=r"rollout\.code_sandbox_unisolated=true .*allow_unisolated=True"):
         Sandbox(LIMITS, namespaces=False).run_blocking("print('hi')", CodeTest(output="hi"))
+
+
+def test_the_config_key_opts_the_default_sandbox_in():
+    from RL2.config.ppo_schema import PPOConfig
+    from RL2.rewards.code_reward import default_sandbox
+    from RL2.rollout.worker import configure_rewards
+
+    for value in ("true", "false"):
+        configure_rewards(parse_config(PPOConfig, "ppo", [f"rollout.code_sandbox_unisolated={value}"]).rollout)
+        assert default_sandbox().allow_unisolated is (value == "true")
 
 
 # ---- right and wrong ----
