@@ -133,12 +133,9 @@ def math_verify_off_the_main_thread() -> None:
     thread its timeouts are turned off, as `RL2.rewards.math_reward` calls it, so that scripts written for
     the main thread (the original RL2's envs/orz.py: `verify(parse(answer), parse(action))`) run as they are.
     """
-    import math_verify.grader
-    import math_verify.parser
-
-    for module in (math_verify.parser, math_verify.grader):
-        bounded = module.timeout
-        if getattr(bounded, "rl2_thread_aware", False):
+    for name in ("math_verify.parser", "math_verify.grader"):  # where parse and verify look up `timeout`
+        bounded = getattr(sys.modules.get(name), "timeout", None)
+        if bounded is None or getattr(bounded, "rl2_thread_aware", False):
             continue
 
         def timeout(timeout_seconds=10, bounded=bounded):
@@ -146,7 +143,7 @@ def math_verify_off_the_main_thread() -> None:
             return bounded(timeout_seconds=timeout_seconds if main else None)
 
         timeout.rl2_thread_aware = True
-        module.timeout = timeout
+        sys.modules[name].timeout = timeout
 
 
 def load_env(path: str) -> Env:
@@ -163,8 +160,7 @@ def load_env(path: str) -> Env:
     spec = importlib.util.spec_from_file_location(f"rl2_env_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if "math_verify.parser" in sys.modules:  # the script imported math-verify (the original's envs/orz.py)
-        math_verify_off_the_main_thread()
+    math_verify_off_the_main_thread()  # if the script imported math-verify (the original's envs/orz.py)
     step = getattr(module, "step", None)
     if step is None:
         raise EnvError(
