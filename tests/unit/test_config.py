@@ -275,6 +275,8 @@ def test_an_unset_train_path_names_the_key(tmp_path, monkeypatch, tok, one_proce
     ("rollout.env_path=envs/aritmetic.py",
      r"rollout\.env_path=envs/aritmetic\.py: environment script envs/aritmetic\.py does not exist"),
     ("rollout.reward_fn=my_reward.py:reward", r"rollout\.reward_fn: my_reward\.py does not exist"),
+    # no default environment: a run that names none stops before any model is built
+    ("trainer.seed=1", r"rollout\.env_path is not set; give the environment script.*rollout\.reward_fn=FILE:NAME"),
 ])
 def test_a_missing_environment_or_reward_file_names_the_key(arg, message, tmp_path, monkeypatch, one_process):
     from RL2.trainer import ppo
