@@ -112,7 +112,8 @@ _PER_MODEL = [
     Renamed("{model}.save_dir", ("trainer.save_dir",)),
     Ignored("{model}.max_inference_length_per_device",
             "RL2 packs every pass, with or without gradients, into {model}.max_length_per_device tokens per rank"),
-    Ignored("{model}.use_liger_kernel", "RL2 has no Liger kernels; the loss and its gradient are the same without them"),
+    Ignored("{model}.use_liger_kernel", "RL2 has no Liger kernels; the loss and its gradient are the same without "
+                                        "them"),
     Ignored("{model}.offload_model", "RL2 keeps the model on its device ({model}.offload_optimizer=true moves the "
                                      "optimizer state off it)"),
     LoRASwitch("{model}.use_lora", "{model}"),

@@ -120,7 +120,8 @@ def _filtering(cfg, given: set[str]) -> list[str]:
 
 def _kl_estimator(cfg, translation: Translation) -> list[str]:
     kl = cfg.actor.kl
-    if "actor.kl.type" not in translation.given or translation.kl_estimators or "actor.kl.estimator" in translation.given:
+    given = translation.given
+    if "actor.kl.type" not in given or translation.kl_estimators or "actor.kl.estimator" in given:
         return []
     kl.estimator = ORIGINAL_KL_ESTIMATORS[kl.type]
     return [f"actor.kl.type={kl.type} without an estimator takes the original's default for the {kl.type}: "

@@ -67,7 +67,8 @@ class PPOTrainer(Trainer):
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
-        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank if env_resets else None)
+        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed,
+                                                      blank if env_resets else None)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
         if cfg.actor.freeze_steps >= self.n_steps:
@@ -186,7 +187,8 @@ class PPOTrainer(Trainer):
         if update_actor:
             with measured(metrics, "actor_update"):
                 metrics |= self.actor.update(batch)
-            metrics["perf/actor_update_tokens_per_s"] = n_tokens * cfg.actor.update_per_rollout / metrics["perf/actor_update_s"]
+            metrics["perf/actor_update_tokens_per_s"] = (n_tokens * cfg.actor.update_per_rollout
+                                                         / metrics["perf/actor_update_s"])
         metrics["actor/frozen"] = float(not update_actor)
         if self.critic:
             with measured(metrics, "critic_update"):
@@ -291,7 +293,8 @@ class PPOTrainer(Trainer):
         if not self.test_data:
             return {}
         rollout = self.cfg.rollout
-        groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params, rollout.test_responses_per_prompt,
+        groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
+                                      rollout.test_responses_per_prompt,
                                       rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
                    for key, value in rollout_metrics(groups, tools=self.rollout.uses_tools).items()}

@@ -137,7 +137,11 @@ def test_original_ppo_command_line_of_the_issue(capsys):
     assert (cfg.actor.kl.type, cfg.actor.kl.estimator, cfg.actor.kl.coef) == ("reward", "k1", 0.01)
     assert cfg.actor.enable_gradient_checkpointing and cfg.actor.scheduler.name == "cosine"
     assert cfg.actor.scheduler.warmup_ratio == 0.1
-    *lines, defaults = capsys.readouterr().out.splitlines()
+    *lines, critic, defaults = capsys.readouterr().out.splitlines()
+    # the original's critic section took the actor's values (critic.sp_size: ${actor.sp_size}, ...)
+    assert critic == ("[RL2] the critic follows the actor's settings, as in the original: critic.cp_size=2, "
+                      "critic.enable_gradient_checkpointing=true, critic.scheduler.name=cosine, "
+                      "critic.scheduler.warmup_ratio=0.1")
     assert defaults.startswith("[RL2] RL2's defaults differ from the original's for keys this command line leaves out")
     assert lines == [
         "[RL2] config key 'train_data.path' (RL2's original name) is now 'data.train.path'",
