@@ -95,7 +95,7 @@ def test_a_launched_gpu_server_serves_the_pushed_experts(moe_path, tmp_path, one
             return time.perf_counter() - began
 
         checked = push(policy.named_parameters(), "step1")
-        response = asyncio.run(HTTPEngineClient(engine.urls).generate({
+        response = asyncio.run(HTTPEngineClient(engine.urls, api_key=engine.api_key).generate({
             "input_ids": PROMPT, "return_logprob": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}}))
         tokens = response["output_ids"]

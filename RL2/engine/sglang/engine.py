@@ -43,7 +43,9 @@ Every control step ends with all ranks agreeing that it worked: one rank's failu
 import asyncio
 import atexit
 import importlib.util
+import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -141,7 +143,8 @@ class SGLangEngine:
         server: the server this rank launched, if any.
         colocated: the servers share GPUs with training and release their memory while it trains.
         tp_group: the ranks of this rank's server (tensor weight sync), or None.
-        request_timeout: seconds one generation request may take.
+        request_timeout: seconds one generation request may take, its whole answer included.
+        api_key: the servers' key (`rollout.api_key`), sent with every request; None sends none.
         check_weights: after each push, confirm on the servers that it wrote every parameter
             (`rollout.check_weight_sync`).
     """
@@ -149,13 +152,14 @@ class SGLangEngine:
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
                  weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,
                  server: SGLangServer | None = None, colocated: bool = False, tp_group=None,
-                 request_timeout: float = 3600.0, check_weights: bool = True):
+                 request_timeout: float = 3600.0, check_weights: bool = True, api_key: str | None = None):
         self.urls, self.controlled, self.weight_sync = urls, controlled, weight_sync
         self.bucket_bytes, self.model_path = bucket_bytes, model_path
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
         self.server, self.colocated, self.tp_group = server, colocated, tp_group
-        self.check_weights = check_weights
-        self.client = HTTPEngineClient(urls, timeout=request_timeout)
+        self.check_weights, self.api_key = check_weights, api_key
+        self.client = HTTPEngineClient(urls, timeout=request_timeout, api_key=api_key,
+                                       vocab_size=model_vocab_size(model_path))
         self._resumed: asyncio.Event | None = None  # while paused: set by continue_generation
         self._folder: Path | None = None  # the newest weights folder written by this rank
         self._layout: CheckpointLayout | None = None  # built at the first push
@@ -205,6 +209,10 @@ class SGLangEngine:
             raise ConfigError(f"rollout.server_args.tp_size={tp} spans hosts; a server's ranks must share one host")
         one_host = len({host for host, _ in places}) == 1
         args = _server_defaults(device, dtype, seed + rank // tp, tp, one_host) | args
+        # Every launched server takes a key, even on one host: whoever reaches its port could push weights.
+        # One for all servers, since every rank sends requests to every one; rank 0's random one if unset.
+        api_key = getattr(cfg, "api_key", None) or _all_gather(secrets.token_urlsafe(24))[0]
+        args["api_key"] = api_key
         server, url, version, error = None, None, None, None
         if rank == leader:
             env = dict(cfg.server_env or {}) | {ORIGINAL_LOGPROB_ENV: "0"}  # whatever the trainer's environment says
@@ -216,7 +224,7 @@ class SGLangEngine:
                     _check_kv_cache_room(model_path, dtype, device, tp, float(args["mem_fraction_static"]))
                 server.start().wait_ready(cfg.server_timeout)
                 url = server.url
-                version = server_version(url)
+                version = server_version(url, api_key)
             except Exception as e:  # this rank's alone: every rank must reach the gather below to raise it
                 error = f"rank {rank}: {e}" if isinstance(e, (EngineError, ConfigError)) else (
                     f"rank {rank}: {type(e).__name__}: {e}")
@@ -229,7 +237,7 @@ class SGLangEngine:
         engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
                      server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
                      tp_group=tp_group, request_timeout=cfg.request_timeout,
-                     check_weights=getattr(cfg, "check_weight_sync", True))
+                     check_weights=getattr(cfg, "check_weight_sync", True), api_key=api_key)
         if dist.get_rank() == 0:
             print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
                   + (f"; logs in {server.log_path.parent}" if server else ""), flush=True)
@@ -238,7 +246,7 @@ class SGLangEngine:
     @classmethod
     def connect(cls, cfg, model_path: str) -> "SGLangEngine":
         """Use the servers of `rollout.server_url`; rank 0 checks they answer and controls them."""
-        urls = server_urls(cfg.server_url)
+        urls, api_key = server_urls(cfg.server_url), getattr(cfg, "api_key", None)
         weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"
         if weight_sync == "tensor":
             raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
@@ -247,15 +255,16 @@ class SGLangEngine:
         if dist.get_rank() == 0:
             for url in urls:
                 try:
-                    control_request(url, "/health", timeout=30.0)
-                    _warn_if_logprobs_unscaled(url, _train_temperature(cfg))
+                    control_request(url, "/health", timeout=30.0, api_key=api_key)
+                    _warn_if_logprobs_unscaled(url, _train_temperature(cfg), api_key)
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
         _raise_any(_all_gather(error))
         writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
         controlled = urls if dist.get_rank() == 0 else []
         return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled),
-                   request_timeout=cfg.request_timeout, check_weights=getattr(cfg, "check_weight_sync", True))
+                   request_timeout=cfg.request_timeout, check_weights=getattr(cfg, "check_weight_sync", True),
+                   api_key=api_key)
 
     # ---- generation ----
 
@@ -422,7 +431,7 @@ class SGLangEngine:
         for i, url in enumerate(self.controlled):
             body = payload(i) if callable(payload) else payload
             try:
-                answers.append(control_request(url, endpoint, body, absent_ok=absent_ok))
+                answers.append(control_request(url, endpoint, body, absent_ok=absent_ok, api_key=self.api_key))
             except EngineError as e:
                 error = f"rank {dist.get_rank()}: {e}" + (f"\n{self.server.describe()}" if self.server else "")
                 break
@@ -434,18 +443,23 @@ class SGLangEngine:
 
 
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
-                    absent_ok: bool = False) -> dict | None:
+                    absent_ok: bool = False, api_key: str | None = None) -> dict | None:
     """One control request (GET without a payload, else POST); EngineError if the server does not
-    answer 200 or reports a failure. With `absent_ok`, None if the server has no such endpoint (404)."""
+    answer 200 or reports a failure. With `absent_ok`, None if the server has no such endpoint (404).
+    `api_key`, if any, goes as `Authorization: Bearer`."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
         if payload is None:
-            response = httpx.get(f"{url}{endpoint}", timeout=timeout)
+            response = httpx.get(f"{url}{endpoint}", timeout=timeout, headers=headers)
         else:
-            response = httpx.post(f"{url}{endpoint}", json=payload, timeout=timeout)
+            response = httpx.post(f"{url}{endpoint}", json=payload, timeout=timeout, headers=headers)
     except httpx.HTTPError as e:
         raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
     if absent_ok and response.status_code == 404:
         return None
+    if response.status_code in (401, 403):
+        raise EngineError(f"{url}{endpoint} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
+                          f"set rollout.api_key to the key the server was started with (--api-key)")
     if response.status_code != 200:
         raise EngineError(f"{url}{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
     try:
@@ -490,16 +504,27 @@ def _listed(names: list[str], most: int = 12) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def server_version(url: str) -> str | None:
+def server_version(url: str, api_key: str | None = None) -> str | None:
     """The SGLang version a server reports (`/server_info`, `/get_server_info` before it), or None."""
     for endpoint in ("/server_info", "/get_server_info"):
         try:
-            version = control_request(url, endpoint, timeout=30.0).get("version")
+            version = control_request(url, endpoint, timeout=30.0, api_key=api_key).get("version")
         except EngineError:
             continue
         if version:
             return str(version)
     return None
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size in a model folder's config.json (its text model's, for a multimodal one): the
+    rows of its embedding, which every sampled token id indexes. None where the folder has none."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
 
 
 def _launched_weight_sync(requested: str, device: torch.device, versions: set[str]) -> str:
@@ -581,7 +606,7 @@ def _train_temperature(cfg) -> float:
     return float(getattr(sampling, "temperature", 1.0)) if sampling is not None else 1.0
 
 
-def returns_original_logprobs(url: str, temperature: float) -> bool | None:
+def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
     """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True),
     of the tempered one (False), or cannot be told apart on this probe (None).
 
@@ -592,7 +617,7 @@ def returns_original_logprobs(url: str, temperature: float) -> bool | None:
     for t in (1.0, temperature):
         body = control_request(url, "/generate", {
             "input_ids": list(range(1, 17)), "return_logprob": True, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": 1, "temperature": t}}, timeout=60.0)
+            "sampling_params": {"max_new_tokens": 1, "temperature": t}}, timeout=60.0, api_key=api_key)
         first, second = body["meta_info"]["output_top_logprobs"][0][:2]
         gaps.append(first[0] - second[0])
     if gaps[0] < 1e-4:
@@ -601,10 +626,10 @@ def returns_original_logprobs(url: str, temperature: float) -> bool | None:
     return abs(ratio - 1) < abs(ratio - 1 / temperature)
 
 
-def _warn_if_logprobs_unscaled(url: str, temperature: float) -> None:
+def _warn_if_logprobs_unscaled(url: str, temperature: float, api_key: str | None) -> None:
     if temperature == 1.0:
         return
-    original = returns_original_logprobs(url, temperature)
+    original = returns_original_logprobs(url, temperature, api_key)
     if original is True:
         log_rank0(f"WARNING: {url} returns log-probabilities at temperature 1, the trainer those of the policy it "
                   f"trains, the distribution at temperature {temperature} that the rollouts sample from: "

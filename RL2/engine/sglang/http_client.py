@@ -1,6 +1,9 @@
 """The HTTP client of SGLang servers: `/generate` requests go to the least busy server.
 
-Requests and responses are SGLang's `POST /generate` JSON (`RL2.engine.protocol`).
+Requests and responses are SGLang's `POST /generate` JSON (`RL2.engine.protocol`). A server is not
+trusted further than that: each request has one deadline for the whole answer (a server trickling
+bytes does not extend it), the token ids it returns must lie in the model's vocabulary, and a server
+that drops its connections is given up, its requests sent again to the others.
 """
 
 import asyncio
@@ -9,6 +12,7 @@ import uuid
 import httpx
 
 from RL2.engine.protocol import EngineError
+from RL2.utils.logging import log_rank0
 
 # Seconds to open a connection: a server that does not accept within this is taken as down.
 CONNECT_TIMEOUT = 10.0
@@ -17,33 +21,52 @@ CONNECT_TIMEOUT = 10.0
 class HTTPEngineClient:
     """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight.
 
+    A server that cannot be reached (connection refused, reset or closed mid-answer) is given up for
+    the life of the client, with a warning naming it; its requests go to the others, and when none is
+    left the request fails with an EngineError naming them. A server that accepts but does not answer
+    within `timeout` is not given up: the request fails naming it, as a slow server is not a dead one.
+
     Args:
         urls: server base URLs, e.g. ["http://10.0.0.1:30000"].
-        timeout: seconds to wait for one response (generation included) before failing.
+        timeout: seconds one request may take from its sending to the end of its answer (generation
+            included) before it fails.
+        api_key: sent as `Authorization: Bearer <api_key>` (SGLang's `--api-key`); None sends none.
+        vocab_size: the served model's vocabulary size: a `/generate` answer with a token id outside
+            [0, vocab_size) is an EngineError. None checks nothing.
     """
 
-    def __init__(self, urls: list[str], timeout: float = 600.0):
+    def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,
+                 vocab_size: int | None = None):
         if not urls:
             raise ValueError("HTTPEngineClient needs at least one server URL")
         self.urls = [url.rstrip("/") for url in urls]
-        self.timeout = timeout
+        self.timeout, self.api_key, self.vocab_size = timeout, api_key, vocab_size
+        self.lost: dict[str, str] = {}  # server URL -> why it was given up
         self._inflight = dict.fromkeys(self.urls, 0)
         self._own: dict[str, str] = {}  # request id -> server, of this client's requests in flight
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, payload: dict) -> dict:
-        """POST `payload` to `{url}/generate` on the least busy server; raises `EngineError`."""
-        url = min(self.urls, key=self._inflight.__getitem__)
+        """POST `payload` to `{url}/generate` on the least busy server, again on another one if that
+        server is lost; raises `EngineError`."""
         # A request id of our own, so that `abort_own` can stop this client's requests and no others.
         payload = {"rid": uuid.uuid4().hex} | payload
-        self._inflight[url] += 1
-        self._own[payload["rid"]] = url
-        try:
-            return await self._post(f"{url}/generate", payload)
-        finally:
-            self._inflight[url] -= 1
-            self._own.pop(payload["rid"], None)
+        while True:
+            url = self._least_busy()
+            self._inflight[url] += 1
+            self._own[payload["rid"]] = url
+            try:
+                answer = await self._post(f"{url}/generate", payload)
+            except _Unreachable as e:
+                # Sampling holds no state on the server: the request can start over on another one.
+                self._give_up(url, str(e))
+                continue
+            finally:
+                self._inflight[url] -= 1
+                self._own.pop(payload["rid"], None)
+            self._check_token_ids(url, answer)
+            return answer
 
     async def abort_own(self) -> None:
         """Abort this client's requests in flight (SGLang `/abort_request` by id): they return at once
@@ -53,23 +76,65 @@ class HTTPEngineClient:
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pause every server (SGLang `/pause_generation`). With "abort", in-flight requests return at
         once with finish_reason abort and their partial output; "retract" and "in_place" hold them."""
-        await asyncio.gather(*(self._post(f"{url}/pause_generation", {"mode": mode}) for url in self.urls))
+        await asyncio.gather(*(self._post(f"{url}/pause_generation", {"mode": mode}) for url in self._live()))
 
     async def continue_generation(self) -> None:
-        await asyncio.gather(*(self._post(f"{url}/continue_generation", {}) for url in self.urls))
+        await asyncio.gather(*(self._post(f"{url}/continue_generation", {}) for url in self._live()))
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
+    def _live(self) -> list[str]:
+        return [url for url in self.urls if url not in self.lost]
+
+    def _least_busy(self) -> str:
+        live = self._live()
+        if not live:
+            why = "; ".join(f"{url}: {reason}" for url, reason in self.lost.items())
+            raise EngineError(f"no SGLang server is left to generate with, all were lost ({why}). Check that the "
+                              f"servers run and are reachable from this host (rollout.server_url, or the logs of "
+                              f"launched servers in rollout.server_log_dir)")
+        return min(live, key=self._inflight.__getitem__)
+
+    def _give_up(self, url: str, reason: str) -> None:
+        if url not in self.lost:
+            self.lost[url] = reason
+            left = len(self.urls) - len(self.lost)
+            log_rank0(f"WARNING: SGLang server {url} is lost ({reason}); "
+                      + (f"its requests go to the {left} other(s)" if left else "no other server is left"))
+
+    def _check_token_ids(self, url: str, answer: dict) -> None:
+        """EngineError naming the server when an answer holds a token id outside the vocabulary: it would
+        index past the trainer's embedding (an error far from its cause, or on GPU a device assert)."""
+        if self.vocab_size is None:
+            return
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        ids = list(answer.get("output_ids") or []) if isinstance(answer, dict) else []
+        ids += [entry[1] for entry in (meta or {}).get("output_token_logprobs") or []
+                if isinstance(entry, (list, tuple)) and len(entry) > 1]
+        # output_ids and the log-probabilities' ids are the same tokens: each bad one listed once
+        bad = list(dict.fromkeys(i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+                                 or not 0 <= i < self.vocab_size))
+        if bad:
+            raise EngineError(f"{url}/generate returned token ids outside the model's vocabulary of {self.vocab_size}: "
+                              f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. The server does not serve the actor's "
+                              f"model (check rollout.server_url and the model it was started with)")
+
     async def _post(self, endpoint: str, payload: dict) -> dict:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            response = await self._http().post(endpoint, json=payload)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"{endpoint}: no answer within {self.timeout} s ({type(e).__name__})") from e
+            # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
+            response = await asyncio.wait_for(self._http().post(endpoint, json=payload, headers=headers), self.timeout)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
+            raise EngineError(f"{endpoint}: no answer within {self.timeout} s ({type(e).__name__}); a request may "
+                              f"take rollout.request_timeout seconds") from e
         except httpx.TransportError as e:
-            raise EngineError(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
+            raise _Unreachable(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
+        if response.status_code in (401, 403):
+            raise EngineError(f"{endpoint} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
+                              f"set rollout.api_key to the key the server was started with (--api-key)")
         if response.status_code != 200:
             raise EngineError(f"{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
         if not response.content:  # control endpoints may answer with an empty body
@@ -90,3 +155,7 @@ class HTTPEngineClient:
             self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
             self._loop = loop
         return self._client
+
+
+class _Unreachable(EngineError):
+    """The server could not be reached or dropped the connection: it is lost, not just slow."""

@@ -25,6 +25,10 @@ from RL2.engine.protocol import EngineError
 # Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
 RESERVED_ARGS = ("model_path", "port")
 
+# SGLang's keys: RL2 passes rollout.api_key as --api-key and sends it with every request. An admin key
+# would make SGLang refuse that key at the weight-update endpoints.
+KEY_ARGS = ("api_key", "admin_api_key")
+
 # Environment variables of torchrun that would make the server think it is a rank of the trainer.
 TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -53,6 +57,9 @@ def check_server_args(server_args: dict) -> dict:
             raise ConfigError(f"config key '{where}' is not a flag name of sglang.launch_server")
         if name in RESERVED_ARGS:
             raise ConfigError(f"config key '{where}' is set by RL2 (the actor's weights, a free port); remove it")
+        if name in KEY_ARGS:
+            raise ConfigError(f"config key '{where}' is set by RL2 from rollout.api_key (a random key if unset), "
+                              f"which it also sends with its requests; remove it and set rollout.api_key")
         values = value if isinstance(value, (list, tuple)) else [value]
         if value is None or not all(isinstance(v, (str, int, float, bool)) for v in values):
             raise ConfigError(f"config key '{where}' must be a string, number, bool or list of them, got {value!r}")
@@ -127,7 +134,7 @@ class SGLangServer:
 
     def start(self) -> "SGLangServer":
         with open(self.log_path, "w") as log:
-            log.write(" ".join(self.command) + "\n")
+            log.write(self.shown_command() + "\n")
             log.flush()
             # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer
             # processes too; and it dies with this process even when this one is killed.
@@ -162,7 +169,12 @@ class SGLangServer:
 
     def describe(self) -> str:
         """The command and the last lines of the log, for error messages."""
-        return f"command: {' '.join(self.command)}\nlog {self.log_path} ends with:\n{self.log_tail()}"
+        return f"command: {self.shown_command()}\nlog {self.log_path} ends with:\n{self.log_tail()}"
+
+    def shown_command(self) -> str:
+        """The command line with its API key hidden, for logs and error messages."""
+        hidden = ["***" if i > 0 and self.command[i - 1] == "--api-key" else arg for i, arg in enumerate(self.command)]
+        return " ".join(hidden)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
