@@ -150,3 +150,19 @@ def test_an_environment_that_resets_trains_without_data(tok):
     assert [row["prompt"] for row in train] == [None] * 3 and [row["prompt"] for row in test] == [None] * 2
     with pytest.raises(ConfigError, match="data.train.path is not set"):  # an env without reset needs its data
         load_splits(data, prompt_row_tokenizer(tok), 0, None)
+
+
+def test_the_embedded_engine_says_it_runs_without_server_args(tiny_model_path, tok, capsys):
+    """The original's lines set SGLang flags (`rollout.server_args.tp_size=4`, `rollout.tp_size`); the
+    embedded engine has no use for them, and says so rather than dropping them without a word."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from RL2.engine import start_engine
+
+    rollout = OmegaConf.create({"engine": "embedded", "server_url": None, "max_running_requests": 2,
+                                "server_args": {"tp_size": 4, "mem_fraction_static": 0.6}})
+    engine = start_engine(rollout, tiny_model_path, torch.float32, torch.device("cpu"), tok)
+    engine.shutdown()
+    assert ("rollout.server_args {'tp_size': 4, 'mem_fraction_static': 0.6} are flags of SGLang servers; the "
+            "embedded engine runs without them") in capsys.readouterr().out
