@@ -52,7 +52,7 @@ run -m RL2.trainer.ppo \
     actor.model_name=ckpts/tool_use_sft/final/actor \
     actor.dtype=auto \
     actor.max_length_per_device=4096 \
-    actor.optimizer.lr=2e-6 \
+    actor.optimizer.lr=5e-6 \
     actor.max_grad_norm=1.0 \
     adv.estimator=reinforce \
     adv.norm_var=true \
