@@ -142,7 +142,9 @@ def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict]
 def extremes_over_ranks(extremes: dict[str, list[float]], names: tuple[str, ...],
                         device: torch.device) -> dict[str, float]:
     """The smallest of every rank's values of each `_min` metric and the largest of each `_max` one (`names`,
-    the same on every rank; 0.0 where no rank had a token). Collective."""
+    the same on every rank; 0.0 where no rank had a token). Collective, unless `names` is empty."""
+    if not names:
+        return {}
     # Negated, a largest value is a smallest one: one MIN reduction covers both.
     sign = {n: 1.0 if n.endswith("_min") else -1.0 for n in names}
     values = torch.tensor([min((sign[n] * v for v in extremes.get(n, [])), default=torch.inf)

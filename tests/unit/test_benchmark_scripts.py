@@ -169,3 +169,34 @@ def test_agent_endpoint_bench_samples_the_same_tokens_both_ways():
     assert re.search(r"trajectories with identical token ids +\| 4/4\n", result.stdout), result.stdout
     refused = run_script("bench_agent_endpoint.py", "--tiny", "--repeats", "0")
     assert refused.returncode == 2 and "--repeats 0: give at least 1" in refused.stderr
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--steps", "1"], "--steps 1: give at least 2"),
+    (["--etas", "1,x"], "--etas 1,x: give comma-separated whole numbers"),
+    (["--etas", "-1"], "--etas -1: a staleness bound is at least 0"),
+])
+def test_async_bench_checks_its_flags_before_the_first_run(flags, named):
+    result = run_script("bench_async.py", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert named in result.stderr
+
+
+def test_async_bench_workload_has_a_long_tail_and_scores_each_answer():
+    """bench_async's long-tail workload: one prompt in `long_every` asks several questions in one
+    conversation; each right answer is worth 1 / (its prompt's questions), a wrong number in the tags a
+    tenth of that, and the next question follows the answer as a user turn."""
+    import asyncio
+
+    from RL2.rollout.env import load_env
+
+    rows = benchmark_module("bench_async").rows(8, long_every=4, long_questions=3, seed=0)
+    assert [len(r["extra_info"]["answers"]) for r in rows] == [1, 1, 1, 3] * 2
+    env, info = load_env(BENCHMARKS / "envs" / "long_tail.py"), rows[3]["extra_info"]
+    first = asyncio.run(env.step("", f"so <answer>{info['answers'][0]}</answer>", info))
+    assert (first.reward, first.score, first.done) == (pytest.approx(1 / 3), pytest.approx(1 / 3), False)
+    assert first.next_state[-1] == {"role": "user", "content": info["questions"][1]}
+    second = asyncio.run(env.step("", "<answer>-1000</answer>", first.extra_info))
+    assert (second.reward, second.score, second.done) == (pytest.approx(0.1 / 3), 0.0, False)
+    last = asyncio.run(env.step("", "no tags", second.extra_info))
+    assert (last.reward, last.done) == (0.0, True)

@@ -432,6 +432,26 @@ def test_http_client_balances_and_matches_the_engine(engine, tok, prompt):
         assert logprob[1:] == expected[1:] and logprob[0] == pytest.approx(expected[0], abs=1e-5)
 
 
+def test_tokens_keep_the_weight_version_a_server_names(engine, tok, prompt):
+    """An SGLang server names the weights that answered in meta_info.weight_version (the name of its last
+    push), as the embedded engine does: a rollout over HTTP gives it to every sampled token."""
+
+    async def main():
+        async with GenerateServer(engine) as server:
+            client = HTTPEngineClient([server.url], timeout=30)
+            groups = await rollout_batch(client, load_env(ENVS / "echo.py"), tok, [{"prompt": prompt, "extra_info": {
+                "turns": 2}}], 2, GREEDY, max_turns=2)
+            await client.aclose()
+            return groups
+
+    engine.weight_version = "step7"
+    try:
+        [group] = asyncio.run(main())
+    finally:
+        engine.weight_version = "default"
+    assert all(t.versions == [7] * t.response_length and t.response_length == 8 for t in group)
+
+
 def test_http_client_errors_name_the_server(engine):
     async def main():
         async with GenerateServer(engine) as ok, GenerateServer(engine, delay=10) as slow:
