@@ -22,6 +22,7 @@ from RL2.engine.protocol import EngineError
 from RL2.rollout.env import EnvError, EnvFault
 from RL2.rollout.loop import sample_seed
 from RL2.rollout.trajectory import Turn
+from tests.helpers.engines import CutOnce
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -442,26 +443,6 @@ def test_an_engine_failure_answers_500_and_is_kept_for_the_rollout(tok):
     errors, session = serve(DeadEngine(), tok, talk)
     assert all(e.status_code == 500 and "unreachable" in e.message for e in errors)
     assert isinstance(session.error, EngineError) and session.trajectory.sequences == []
-
-
-class CutOnce(EmbeddedEngine):
-    """The real engine, whose first request comes back aborted after two tokens, as when another client
-    of a shared server pauses it; `always` aborts every request before its first token."""
-
-    def __init__(self, *args, always: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.always, self.calls = always, 0
-
-    async def generate(self, payload: dict) -> dict:
-        self.calls += 1
-        if self.always:
-            return {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}}}
-        if self.calls > 1:
-            return await super().generate(payload)
-        response = await super().generate({**payload, "sampling_params": {**payload["sampling_params"],
-                                                                          "max_new_tokens": 2}})
-        response["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused by another client"}
-        return response
 
 
 def test_an_answer_cut_by_someone_elses_pause_is_sampled_on(model, tok):

@@ -23,6 +23,7 @@ from RL2.rollout.loop import (continuation, drop_stale_groups, filter_groups, pa
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples, staleness_metrics
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch, weight_version_number
 from tests.helpers import ENVS
+from tests.helpers.engines import CutOnce
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
@@ -636,26 +637,6 @@ def test_a_pause_that_fails_leaves_the_engine_ready_for_the_next_rollout(model, 
         assert trajectory.stop_reason == "done"
     finally:
         engine.shutdown()
-
-
-class CutOnce(EmbeddedEngine):
-    """The real engine, whose first request comes back aborted after two tokens, as when another client
-    of a shared server pauses it; `always` aborts every request before its first token."""
-
-    def __init__(self, *args, always: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.always, self.calls = always, 0
-
-    async def generate(self, payload: dict) -> dict:
-        self.calls += 1
-        if self.always:
-            return {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}}}
-        if self.calls > 1:
-            return await super().generate(payload)
-        cut = {**payload, "sampling_params": {**payload["sampling_params"], "max_new_tokens": 2}}
-        response = await super().generate(cut)
-        response["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused by another client"}
-        return response
 
 
 def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, prompt):
