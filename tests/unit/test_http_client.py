@@ -17,6 +17,7 @@ from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.engine import SGLangEngine, control_request
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import SGLangServer, check_server_args
+from tests.helpers.http import LocalServer, response_head
 
 
 def answer(ids: list[int]) -> dict:
@@ -24,7 +25,7 @@ def answer(ids: list[int]) -> dict:
                                              "finish_reason": {"type": "length"}}}
 
 
-class Server:
+class Server(LocalServer):
     """A local HTTP/1.1 server whose answer to every request `behaviour` decides.
 
     Args:
@@ -38,18 +39,7 @@ class Server:
         self.behaviour, self.body, self.api_key = behaviour, body or answer([1, 2, 3]), api_key
         self.hits, self.authorizations = 0, []
 
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-
-    async def handle(self, reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
-        await reader.readexactly(int(length.group(1)) if length else 0)
+    async def respond(self, head: bytes, body: bytes, writer) -> None:
         authorization = re.search(rb"authorization: *([^\r\n]*)", head, re.IGNORECASE)
         self.authorizations.append(authorization.group(1).decode() if authorization else None)
         self.hits += 1
@@ -59,8 +49,7 @@ class Server:
         if self.behaviour == "drop":
             writer.close()
             return
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode())
+        writer.write(response_head(status, len(body)))
         if self.behaviour == "trickle":
             for i in range(len(body)):
                 writer.write(body[i:i + 1])

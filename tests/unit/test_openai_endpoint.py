@@ -23,6 +23,7 @@ from RL2.rollout.env import EnvError, EnvFault
 from RL2.rollout.loop import sample_seed
 from RL2.rollout.trajectory import Turn
 from tests.helpers.engines import CutOnce
+from tests.helpers.reference import greedy, token_logps
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -83,21 +84,6 @@ class NeverParses(ToolCallParser):
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         return ""
-
-
-@torch.no_grad()
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
-
-
-@torch.no_grad()
-def token_logps(model, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t >= 1 (0.0 at t = 0), from one full forward."""
-    logps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return [0.0] + logps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 def encode(tok, text: str) -> list[int]:

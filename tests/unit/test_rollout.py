@@ -6,7 +6,6 @@ expected log-probabilities from one full forward over the finished sequence.
 
 import asyncio
 import json
-import re
 
 import pytest
 import torch
@@ -24,6 +23,8 @@ from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, 
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch, weight_version_number
 from tests.helpers import ENVS
 from tests.helpers.engines import CutOnce
+from tests.helpers.http import LocalServer, response_head
+from tests.helpers.reference import greedy, token_logps
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
@@ -44,21 +45,6 @@ def engine(model, tok):
 def prompt(tok) -> str:
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-@torch.no_grad()
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
-
-
-@torch.no_grad()
-def token_logps(model, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t >= 1 (0.0 at t = 0), from one full forward."""
-    logps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return [0.0] + logps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 def roll(engine, tok, env_name, state, extra_info, **kwargs) -> Trajectory:
@@ -380,24 +366,14 @@ def test_save_samples_appends_jsonl(tmp_path):
 # ---- HTTP client against a real HTTP server speaking /generate ----
 
 
-class GenerateServer:
+class GenerateServer(LocalServer):
     """A minimal HTTP/1.1 server that answers `POST /generate` with the embedded engine."""
 
     def __init__(self, engine, delay: float = 0.0):
         self.engine, self.delay, self.hits = engine, delay, 0
 
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-
-    async def handle(self, reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
-        payload = json.loads(await reader.readexactly(length))
+    async def respond(self, head: bytes, body: bytes, writer) -> None:
+        payload = json.loads(body)
         self.hits += 1
         await asyncio.sleep(self.delay)
         try:
@@ -405,10 +381,7 @@ class GenerateServer:
         except ValueError as e:  # SGLang answers a bad request with 400 and a message
             status, reply = 400, {"error": {"message": str(e)}}
         body = json.dumps(reply).encode()
-        writer.write(
-            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n".encode() + body
-        )
+        writer.write(response_head(status, len(body)) + body)
         await writer.drain()
         writer.close()
 
