@@ -32,7 +32,7 @@ run -m RL2.trainer.sft \
     actor.model_name=smollm2-135m-instruct \
     actor.dtype=auto \
     actor.max_length_per_device=4096 \
-    actor.optimizer.lr=5e-5 \
+    actor.optimizer.lr=1e-4 \
     actor.scheduler.name=cosine \
     actor.scheduler.warmup_ratio=0.1 \
     trainer.experiment_name=tool_use_sft \
