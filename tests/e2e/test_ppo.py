@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
@@ -249,6 +250,8 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
     state = json.loads((straight / "step2" / "trainer_state.json").read_text())
     assert state["cursor"] == sum(m["rollout/sampling_rounds"] for m in metrics[:2])
     assert state["drawn"] > 4 * state["cursor"]  # the first step drew 2 prompts beyond its batch
+    # Reward, response length, and for a partial rollout staleness and the engine KL: 5 x 3.8 inches a panel.
+    assert Image.open(straight / "learning_curve.png").size == (500 * 4, 380)
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "step2", resumed / "step2")
     shutil.copy(straight / "samples.jsonl", resumed)  # as a run killed after its last step left it
