@@ -119,7 +119,12 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
     if single and backend == "gloo":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        # `device_id` binds the group to this GPU: NCCL makes the world's communicator now, and every group
+        # made later (the device mesh's, a server's tensor-parallel group) its own at creation, split from
+        # it. Lazily they would come at the first collective, after colocated servers have sized their KV
+        # cache from the free memory, and take memory the servers counted on (`empty_cache` cannot return it).
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     # Groups made later (the device mesh's, a server's tensor-parallel group) do not inherit the world's
     # timeout: `new_group` without one takes c10d's default for the backend (30 min for gloo, 10 for
     # NCCL), which these module attributes hold. torchtitan sets each group's instead (`set_pg_timeouts`);

@@ -128,19 +128,53 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     return out.unsqueeze(0)
 
 
+def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                         masked: bool) -> bool:
+    """Whether SDPA gets grouped key/value heads repeated to the query's head count.
+
+    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no
+    mask; its memory-efficient kernel takes fp32 and masks but not grouped heads
+    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp). Grouped heads with fp32
+    or a mask would fall to the math kernel, which materializes `[H, q, k]` scores (some 90 GB for
+    one 8k sequence of a 0.5B model in fp32, forward and backward). Repeated heads, `[H, k, D]` per
+    call, let the efficient kernel run. On CPU the math kernel is the only one, so nothing changes.
+
+    Args:
+        device: where the query lives.
+        dtype: the query's dtype.
+        heads, kv_heads: query and key/value head counts.
+        masked: whether the call passes an explicit mask (flash refuses any).
+    """
+    if device.type != "cuda" or heads == kv_heads:
+        return False
+    return masked or not flash_kernels_run(device, dtype)
+
+
 def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
     """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it.
 
     On CPU, bf16 and fp16 inputs are upcast for the call (one sequence at a time, while it is in
     cache): torch's CPU SDPA kernel runs forward and backward faster in float32 than in bf16 and
     accumulates in float32 either way. On CUDA the native dtype goes to SDPA's own kernels, which
-    accumulate in float32 as well.
+    accumulate in float32 as well; grouped key/value heads are repeated where only then a fused kernel
+    takes the call (`sdpa_repeats_kv_heads`).
     """
     upcast = not query.is_cuda and query.dtype in HALF_DTYPES
     q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
+    k, v = repeat_kv_heads_for_sdpa(q, k, v, masked=mask is not None)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.to(query.dtype)
+
+
+def repeat_kv_heads_for_sdpa(query, key, value, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """key and value `[B, H_kv, k, D]`, repeated to the query's H heads where `sdpa_repeats_kv_heads`
+    says so (query head h reads key/value head h // (H / H_kv), as SDPA's `enable_gqa`); else as given.
+    Autograd sums the copies' gradients back into each key/value head."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if not sdpa_repeats_kv_heads(query.device, query.dtype, heads, kv_heads, masked):
+        return key, value
+    return key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
 
 
 def softcap_of(config) -> float | None:

@@ -14,7 +14,8 @@ Attention: each rank's queries need the keys and values of the earlier chunks he
   computation on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of
   each local chunk against its whole sequence. The all-gather's backward sums every rank's K/V
   gradients and keeps this rank's part (a reduce-scatter), so gradients are those of unsharded
-  attention.
+  attention. On CUDA, grouped K/V heads are repeated for the masked SDPA call, so that its
+  memory-efficient kernel takes it instead of the math kernel (`RL2.models.attention.sdpa_repeats_kv_heads`).
 Which of the two runs is logged once.
 
 Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from RL2.models.attention import flash_attn_varlen, flash_kernels_run, log_backend_once
+from RL2.models.attention import flash_attn_varlen, flash_kernels_run, log_backend_once, repeat_kv_heads_for_sdpa
 
 
 def _gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -193,6 +194,8 @@ def _gathered_kv_attention(query, key, value, shard: ContextShard, scaling):
         k, v = (x[order].transpose(0, 1).unsqueeze(0) for x in kv)  # [1, Hkv, P, D]
         q_pos = shard.positions[start:end]
         mask = torch.arange(k.shape[2], device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+        # With the mask, grouped heads would take SDPA's math kernel on CUDA (`[H, t, P]` scores).
+        k, v = repeat_kv_heads_for_sdpa(query, k, v, masked=True)
         outputs.append(F.scaled_dot_product_attention(
             query[:, :, start:end], k, v, attn_mask=mask, scale=scaling,
             enable_gqa=query.shape[1] != k.shape[1],

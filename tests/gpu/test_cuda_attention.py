@@ -1,10 +1,15 @@
 """Packed varlen attention on CUDA, forward and backward, against causal SDPA on each sequence alone."""
 
+import socket
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from RL2.models.attention import varlen_attention, varlen_backend
+from RL2.models.context_parallel import ContextShard, _gathered_kv_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -61,3 +66,87 @@ def test_half_precision_takes_a_flash_kernel_when_torch_has_one():
     else:
         assert backend == "sdpa"
     print(f"bf16 packed attention on this machine: {backend}")
+
+
+# One long sequence (and a short one): SDPA's math kernel would hold [H, L, L] fp32 scores, 512 MiB here
+# per call, more in backward; the efficient kernel holds none.
+LONG_LENGTHS = [4096, 100]
+
+
+def _leaves(dtype, lengths, seed=0):
+    device = torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(seed)
+    return [torch.randn(1, h, sum(lengths), DIM, device=device, generator=generator, dtype=dtype, requires_grad=True)
+            for h in (HEADS, KV_HEADS, KV_HEADS)]
+
+
+def _check_against_per_sequence(out, leaves, lengths, tolerance):
+    expected = per_sequence(*leaves, lengths, DIM**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    weights = torch.randn(out.shape, device=out.device)
+    ours = torch.autograd.grad((out.float() * weights).sum(), leaves)
+    theirs = torch.autograd.grad((expected * weights).sum(), leaves)
+    for name, a, b in zip(("query", "key", "value"), ours, theirs):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), atol=tolerance * scale, rtol=tolerance,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def _attend_with_only_the_efficient_kernel(attend, leaves):
+    """Forward and backward of `attend()` with SDPA's math and flash kernels switched off (a call only
+    they take raises "No available kernel"), and the peak memory above what was allocated before."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = attend()
+        torch.autograd.grad(out.float().sum(), leaves)
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+def test_fp32_grouped_heads_run_the_efficient_kernel_at_4096():
+    """fp32 packed attention with grouped key/value heads (the per-sequence SDPA path) is taken by the
+    memory-efficient kernel: the key/value heads are repeated, as `sdpa_repeats_kv_heads` decides."""
+    leaves = _leaves(torch.float32, LONG_LENGTHS)
+    cu_seqlens = torch.tensor([0, *torch.tensor(LONG_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    assert varlen_backend(torch.device("cuda"), torch.float32) == "sdpa"
+    out, peak = _attend_with_only_the_efficient_kernel(
+        lambda: varlen_attention(None, *leaves, None, scaling=DIM**-0.5, cu_seq_lens_q=cu_seqlens)[0], leaves)
+    scores = HEADS * LONG_LENGTHS[0] ** 2 * 4
+    print(f"fp32 packed attention at L={LONG_LENGTHS[0]}: peak {peak / 2**20:.0f} MiB above the inputs "
+          f"(math kernel scores: {scores / 2**20:.0f} MiB)")
+    assert peak < scores / 4
+    _check_against_per_sequence(out, leaves, LONG_LENGTHS, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank NCCL group for the context-parallel fallback (its all-gather is then a copy)."""
+    made = not dist.is_initialized()
+    if made:
+        torch.cuda.set_device(0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    yield dist.new_group([0])
+    if made:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_context_parallel_fallback_runs_the_efficient_kernel_at_4096(one_rank_group, dtype, tolerance):
+    """The all-gather fallback of context parallelism passes a mask, which SDPA's flash kernel refuses,
+    and grouped heads, which its efficient kernel refuses: with the heads repeated the efficient kernel
+    takes it, in fp32 and bf16."""
+    leaves = _leaves(dtype, LONG_LENGTHS, seed=1)
+    cu_seqlens = torch.tensor([0, *torch.tensor(LONG_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    shard = ContextShard.build(cu_seqlens, one_rank_group)
+    assert shard.local_rows.tolist() == list(range(sum(LONG_LENGTHS)))  # even lengths: no padding at cp=1
+    out, peak = _attend_with_only_the_efficient_kernel(
+        lambda: _gathered_kv_attention(*leaves, shard, DIM**-0.5), leaves)
+    print(f"context-parallel fallback, {dtype}, L={LONG_LENGTHS[0]}: peak {peak / 2**20:.0f} MiB above the inputs")
+    assert peak < HEADS * LONG_LENGTHS[0] ** 2 * dtype.itemsize / 2  # the math kernel holds at least this twice
+    _check_against_per_sequence(out, leaves, LONG_LENGTHS, tolerance)

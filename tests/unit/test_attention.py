@@ -155,6 +155,56 @@ def test_context_parallel_falls_back_without_ring_flash_attn(monkeypatch):
     assert context_parallel.context_parallel_backend(torch.device("cuda", 0), torch.bfloat16) == "all_gather_kv"
 
 
+@pytest.mark.parametrize("device, dtype, heads, kv_heads, masked, capability, repeats", [
+    ("cuda", torch.float32, 8, 2, False, (9, 0), True),  # flash refuses fp32, efficient refuses grouped heads
+    ("cuda", torch.float32, 8, 2, True, (9, 0), True),
+    ("cuda", torch.bfloat16, 8, 2, True, (9, 0), True),  # flash refuses any mask (the CP fallback's)
+    ("cuda", torch.bfloat16, 8, 2, False, (9, 0), False),  # flash takes grouped heads itself
+    ("cuda", torch.float16, 8, 2, False, (7, 5), True),  # no flash kernel before Ampere
+    ("cuda", torch.float32, 8, 8, True, (9, 0), False),  # nothing to repeat
+    ("cpu", torch.float32, 8, 2, True, (9, 0), False),  # the CPU's math kernel is the only one: as before
+    ("cpu", torch.bfloat16, 8, 2, False, (9, 0), False),
+])
+def test_sdpa_repeats_kv_heads_where_only_the_math_kernel_would_take_grouped_heads(
+        monkeypatch, device, dtype, heads, kv_heads, masked, capability, repeats):
+    """The choice SDPA's callers make on CUDA (the kernels' constraints are in torch's sdp_utils.cpp;
+    tests/gpu/test_cuda_attention.py runs the call with only the efficient kernel allowed)."""
+    from RL2.models.attention import sdpa_repeats_kv_heads
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert sdpa_repeats_kv_heads(torch.device(device), dtype, heads, kv_heads, masked) is repeats
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_repeated_kv_heads_give_the_grouped_attention(monkeypatch, masked):
+    """`sdpa` with key/value heads repeated (what a CUDA fp32 or masked call does) gives the output and
+    the key/value gradients of grouped attention (`enable_gqa`), checked on CPU by forcing the repeat."""
+    from RL2.models import attention
+
+    generator = torch.Generator().manual_seed(2)
+    n = 23
+    leaves = [torch.randn(1, heads, n, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
+              for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    mask = torch.rand(n, n, generator=generator).tril() > 0.3 if masked else None
+    if masked:
+        mask.diagonal().fill_(True)  # every query sees a key
+    grouped = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=not masked, scale=0.3,
+                                             enable_gqa=True)
+    repeated_calls = []
+    real = attention.sdpa_repeats_kv_heads
+    monkeypatch.setattr(attention, "sdpa_repeats_kv_heads",
+                        lambda *args: repeated_calls.append(args) or real(*args) or True)
+    out = attention.sdpa(*leaves, scaling=0.3, mask=mask)
+    assert repeated_calls
+    torch.testing.assert_close(out, grouped, atol=1e-12, rtol=1e-12)
+    weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    ours = torch.autograd.grad((out * weights).sum(), leaves)
+    theirs = torch.autograd.grad((grouped * weights).sum(), leaves)
+    for name, a, b in zip(("query", "key", "value"), ours, theirs):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 def test_the_choice_is_logged_once(capsys):
     from RL2.models import attention
 

@@ -7,7 +7,8 @@ import sys
 from tests.helpers import REPO
 
 MODULES = ["RL2", "RL2.workers.fsdp", "RL2.rollout.worker", "RL2.engine.embedded.engine", "RL2.models.lora",
-           "tests.gpu.conftest", "tests.gpu.test_cuda_attention", "tests.gpu.test_cuda_engine",
+           "tests.gpu.conftest", "tests.gpu.test_cuda_attention", "tests.gpu.test_cuda_communicators",
+           "tests.gpu.test_cuda_engine",
            "tests.gpu.test_cuda_fsdp", "tests.gpu.test_cuda_ipc", "tests.gpu.test_cuda_logps",
            "tests.gpu.test_cuda_moe_push", "tests.gpu.test_cuda_precision", "benchmarks.bench_gpu",
            "benchmarks.bench_offload"]
