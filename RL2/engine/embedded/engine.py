@@ -292,6 +292,9 @@ class EmbeddedEngine:
     async def _schedule(self) -> None:
         try:
             await self._wait_for_step()  # a step started by an earlier event loop may still run
+            # One turn of the loop before the first step: requests arriving together (a batch of agents' HTTP
+            # calls, read from their sockets over successive turns) share its prefill instead of splitting it.
+            await asyncio.sleep(0)
             while True:
                 self._drop_abandoned()
                 if not (self._paused or self._waiting or self._running):
