@@ -28,7 +28,7 @@ import openai
 
 from RL2.agents.openai_server import OpenAIEndpoint, Session
 from RL2.rollout.env import EnvError, EnvFault, parse_reward
-from RL2.rollout.loop import _gather_or_cancel, sample_seed
+from RL2.rollout.loop import gather_or_cancel, sample_seed
 from RL2.rollout.trajectory import Trajectory
 
 # What an agent's result dict may hold.
@@ -110,7 +110,7 @@ async def agent_rollout_batch(
             [asyncio.create_task(_run(endpoint, agent, row, j, timeout, http)) for j in range(responses_per_prompt)]
             for row in prompts
         ]
-        await _gather_or_cancel([task for group in tasks for task in group])
+        await gather_or_cancel([task for group in tasks for task in group])
     finally:
         await http.aclose()
     return [[task.result() for task in group] for group in tasks]

@@ -8,10 +8,10 @@ tokenizing a 10 MB response in full took seconds and gigabytes for tokens that t
 """
 
 import math
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 from RL2.datasets.loading import DataError
+from RL2.utils.tokens import longest_token_chars
 
 
 class BadRow(DataError):
@@ -67,10 +67,6 @@ def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[d
     return checked
 
 
-# tokenizer -> the most characters one of its tokens stands for (see `text_budget`)
-_LONGEST_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def text_budget(tokenizer, max_tokens: int) -> int:
     """Characters of text beyond which its first `max_tokens` tokens are already fixed.
 
@@ -80,9 +76,7 @@ def text_budget(tokenizer, max_tokens: int) -> int:
     budget is twice that: a cut changes only the tokens of the word it falls in, far beyond the ones
     kept. For the default model's tokenizer (L = 81) and max_length 2048, 332k characters.
     """
-    if tokenizer not in _LONGEST_TOKEN:
-        _LONGEST_TOKEN[tokenizer] = max(map(len, tokenizer.get_vocab()))
-    return 2 * (max_tokens + 1) * _LONGEST_TOKEN[tokenizer]
+    return 2 * (max_tokens + 1) * longest_token_chars(tokenizer)
 
 
 def context_of(row: dict, split_cfg) -> list[dict] | str:

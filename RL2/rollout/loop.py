@@ -14,13 +14,13 @@ step that blocks does not stop the engine and its timeout still fires.
 
 import asyncio
 import copy
-import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
+from RL2.utils.tokens import longest_token_chars
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -157,7 +157,7 @@ async def rollout_batch(
         return await _resume_while_cut(run, await run(None))
 
     tasks = [[asyncio.create_task(trajectory(row, j)) for j in range(responses_per_prompt)] for row in prompts]
-    await _gather_or_cancel([task for group in tasks for task in group])
+    await gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
 
@@ -220,7 +220,7 @@ async def partial_rollout_batch(
 
     tasks = [asyncio.create_task(group([trajectory(None, t) if t.unfinished else _ready(t) for t in g])) for g in carried]
     tasks += [asyncio.create_task(group([trajectory(row, None) for _ in range(responses_per_prompt)])) for row in prompts]
-    all_done = asyncio.ensure_future(_gather_or_cancel(tasks))
+    all_done = asyncio.ensure_future(gather_or_cancel(tasks))
     enough = asyncio.create_task(done_groups.wait())
     await asyncio.wait([all_done, enough], return_when=asyncio.FIRST_COMPLETED)
     enough.cancel()
@@ -476,13 +476,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _may_fit(tokenizer, text: str, room: int | None) -> bool:
     """False when `text` has more characters than `room` tokens could hold: a huge observation is refused
     without tokenising it (tens of MB would take minutes and GBs, all to be cut)."""
-    return room is None or len(text) < room * _longest_token_chars(tokenizer)
-
-
-@functools.lru_cache(maxsize=8)
-def _longest_token_chars(tokenizer) -> int:
-    # No token decodes to more characters than its vocabulary string has (one per byte for byte-level BPE).
-    return max(len(token) for token in tokenizer.get_vocab())
+    return room is None or len(text) < room * longest_token_chars(tokenizer)
 
 
 def _fits(n_tokens: int, budget: int | None) -> bool:
@@ -490,7 +484,7 @@ def _fits(n_tokens: int, budget: int | None) -> bool:
     return budget is None or n_tokens < budget
 
 
-async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
+async def gather_or_cancel(tasks: list[asyncio.Task]) -> None:
     """Wait for every task; on the first error cancel the rest and raise that error."""
     try:
         await asyncio.gather(*tasks)
