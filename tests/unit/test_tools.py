@@ -224,7 +224,7 @@ TOOLS = build_tools([add, lookup, secret, weather, boom, own_timeout, nothing, o
 def test_run_tool_results_as_text(tool_call, content):
     result = run(TOOLS, tool_call, {"table": {"fr": "Paris"}, "secret": "Zürich"})
     assert (result.call, result.content, result.error) == (tool_call, content, None)
-    assert 0 <= result.seconds < 2
+    assert result.seconds >= 0
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_async_tool_timeout():
 
     result = run(build_tools([hang], "envs/t.py"), call("hang", x=1), timeout=0.1)
     assert (result.content, result.error) == ("Error: hang did not return within 0.1 s", "timeout")
-    assert 0.1 <= result.seconds < 2
+    assert 0.1 <= result.seconds < 10  # the tool hangs for 30 s
 
 
 def test_blocking_sync_tool_times_out():
@@ -280,7 +280,7 @@ def test_blocking_sync_tool_times_out():
 
     result, elapsed = asyncio.run(main())
     assert (result.content, result.error) == ("Error: stuck did not return within 0.2 s", "timeout")
-    assert 0.2 <= result.seconds < 2 and elapsed < 2
+    assert 0.2 <= result.seconds < 10 and elapsed < 10  # the tool blocks for 30 s
 
 
 def test_a_sleeping_sync_tool_leaves_the_event_loop_free():
@@ -309,7 +309,7 @@ def test_a_sleeping_sync_tool_leaves_the_event_loop_free():
 
     result, ticks = asyncio.run(main())
     assert (result.content, result.error) == ("awake", None)
-    assert 0.3 <= result.seconds < 2
+    assert result.seconds >= 0.3
     # About 30 ticks while the tool sleeps; none if the sleep had held the event loop.
     assert ticks >= 5
 
