@@ -44,7 +44,8 @@ class DistillTrainer(SFTTrainer):
             raise ConfigError(f"actor.temperature={cfg.actor.temperature}; it softens both distributions before the "
                               f"KL: set a positive temperature (1: the models' own)")
         super().__init__(cfg)
-        self.teacher = FSDPWorker(cfg.actor, self.dims, self.device, train=False, model_name=cfg.actor.teacher_name)
+        self.teacher = FSDPWorker(cfg.actor, self.dims, self.device, train=False, model_name=cfg.actor.teacher_name,
+                                   section="actor")
         self.vocab_size = shared_vocabulary(self.actor.model.config.vocab_size, self.teacher.model.config.vocab_size,
                                             len(self.tokenizer), self.dims.tp)
 

@@ -22,7 +22,8 @@ class DPOTrainer(PairwiseTrainer):
     def __init__(self, cfg):
         check_dpo_settings(cfg.actor)
         super().__init__(cfg)
-        self.ref = None if self.worker.lora else FSDPWorker(cfg.actor, self.dims, self.device, train=False)
+        self.ref = None if self.worker.lora else FSDPWorker(cfg.actor, self.dims, self.device, train=False,
+                                                            section="actor")
 
     @torch.no_grad()
     def reference_logps(self, mb):

@@ -43,7 +43,7 @@ class PairwiseTrainer(Trainer):
             raise ConfigError(f"{self.model_key}.avg_level={model_cfg.avg_level}: a preference loss is one number "
                               f"per pair, averaged over the batch's pairs, so the key has no effect here; leave it out")
         super().__init__(cfg, model_cfg)
-        self.tokenizer = load_tokenizer(model_cfg)
+        self.tokenizer = load_tokenizer(model_cfg, self.model_key)
         self.train_data, self.test_data = load_splits(cfg.data, pair_row_tokenizer(self.tokenizer), cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
@@ -51,7 +51,7 @@ class PairwiseTrainer(Trainer):
 
     # --- what a preference trainer defines ------------------------------------------------------
     def build_worker(self, model_cfg) -> FSDPWorker:
-        return FSDPWorker(model_cfg, self.dims, self.device, self.n_steps)
+        return FSDPWorker(model_cfg, self.dims, self.device, self.n_steps, section=self.model_key)
 
     def sequence_scores(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """Per-sequence tensors `[n_sequences]` in packing order (chosen, rejected, chosen, ...)."""

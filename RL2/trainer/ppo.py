@@ -59,7 +59,7 @@ class PPOTrainer(Trainer):
     def __init__(self, cfg, env: Env | None = None):
         check_ppo_config(cfg)
         super().__init__(cfg, cfg.actor)
-        self.tokenizer = load_tokenizer(cfg.actor)
+        self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.env = env if env is not None else load_rollout_env(cfg.rollout)
         env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
         make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer),
@@ -103,7 +103,8 @@ class PPOTrainer(Trainer):
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher, temperature=temperature) if (
             teacher) else None
-        self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model) if (
+        self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model,
+                                               section="critic") if (
             cfg.rollout.reward_model) else None
         self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), response_budget=budget) if (
             cfg.adv.estimator == "gae") else None

@@ -27,7 +27,7 @@ class RMTrainer(PairwiseTrainer):
     model_key = "critic"
 
     def build_worker(self, model_cfg) -> FSDPWorker:
-        worker = scalar_head_worker(model_cfg, self.dims, self.device, self.n_steps)
+        worker = scalar_head_worker(model_cfg, self.dims, self.device, self.n_steps, section=self.model_key)
         # The Bradley-Terry loss does not change when every reward shifts by a constant, so the head's
         # bias gets only round-off gradients, which Adam would amplify into a random walk. Pin it at 0.
         bias = worker.model.score.bias

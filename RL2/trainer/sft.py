@@ -24,11 +24,11 @@ class SFTTrainer(Trainer):
             raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "
                               "use token or sequence")
         super().__init__(cfg, cfg.actor)
-        self.tokenizer = load_tokenizer(cfg.actor)
+        self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.train_data, self.test_data = load_splits(cfg.data, sft_row_tokenizer(self.tokenizer), cfg.trainer.seed)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
-        self.actor = FSDPWorker(cfg.actor, self.dims, self.device, self.n_steps)
+        self.actor = FSDPWorker(cfg.actor, self.dims, self.device, self.n_steps, section="actor")
 
     def workers(self) -> dict:
         return {"actor": self.actor}

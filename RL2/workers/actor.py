@@ -186,7 +186,7 @@ class Actor:
     gradient is its policy gradient (verl, OpenRLHF and the original RL2 divide the logits alike).
 
     Args:
-        cfg: the `actor` config.
+        cfg: the `actor` config (errors name its keys `actor.*`).
         dims, device: the parallel layout and where computation runs.
         total_steps: optimizer steps of the run (for the learning-rate schedule).
         response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
@@ -204,7 +204,7 @@ class Actor:
         self.temperature = temperature
         self.correction = engine_correction(cfg)
         self.worker = FSDPWorker(cfg, dims, device, total_steps, train=train, model_name=model_name,
-                                 base_changes=base_changes)
+                                 base_changes=base_changes, section="actor")
         self.model = self.worker.model
 
     @torch.no_grad()

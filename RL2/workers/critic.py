@@ -31,7 +31,7 @@ class Critic:
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int,
                  response_budget: int | None = None):
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
-        self.worker = scalar_head_worker(cfg, dims, device, total_steps)
+        self.worker = scalar_head_worker(cfg, dims, device, total_steps, section="critic")
         self.model = self.worker.model
         # A random head would start GAE from noisy values (large when the hidden states are); from
         # zero, the first advantages are the plain returns and the head learns from there. A head the

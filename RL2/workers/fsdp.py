@@ -55,11 +55,9 @@ from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
-def section_key(model_cfg, name: str, section: str | None = None) -> str:
-    """A key of a model section as the user writes it (`actor.<name>`, `critic.<name>`): the section is
-    `section`, else the node's name in its parent config, else none is known."""
-    key_in_parent = getattr(model_cfg, "_key", None)  # an OmegaConf node's name in its parent config
-    section = section or (key_in_parent() if callable(key_in_parent) else None)
+def section_key(name: str, section: str | None) -> str:
+    """A key of a model section as the user writes it (`actor.<name>`, `critic.<name>`); the bare name
+    when the section is not known."""
     return f"{section}.{name}" if section else name
 
 
@@ -68,14 +66,14 @@ def load_tokenizer(model_cfg, section: str | None = None):
 
     Args:
         model_cfg: the section (actor, critic, model, ...).
-        section: its name in an error; default: its key in the config.
+        section: its key in the config (`actor`), for an error naming the key; None: the bare key.
     """
     field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
     name = model_cfg[field]
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
     except OSError as e:
-        key = section_key(model_cfg, field, section)
+        key = section_key(field, section)
         raise model_not_found(f"{key}={name}" if key != field else name, name, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -128,13 +126,14 @@ class FSDPWorker(Stateful):
         base_changes: with LoRA, PPO's reference resets will merge the adapters into the base
             (`lora.merge_into_base`): the base is then kept in float32, as a merge into bf16 weights
             would round away the adapters' small updates and so change the policy.
+        section: the config's key of `model_cfg` (`actor`, `critic`), for errors naming the key; None: bare keys.
         config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
     """
 
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
-                 base_changes: bool = False, **config_overrides):
-        self.cfg, self.dims, self.device = model_cfg, dims, device
+                 base_changes: bool = False, section: str | None = None, **config_overrides):
+        self.cfg, self.dims, self.device, self.section = model_cfg, dims, device, section
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
         # Adapters on a frozen base; frozen models (train=False) never get them.
@@ -217,7 +216,7 @@ class FSDPWorker(Stateful):
 
     def _config_key(self, name: str) -> str:
         """A key of this model's config section as the user writes it: `actor.<name>`, `critic.<name>`."""
-        return section_key(self.cfg, name)
+        return section_key(name, self.section)
 
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
@@ -548,13 +547,13 @@ def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
 
 
 def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
-                       train: bool = True, model_name: str | None = None) -> FSDPWorker:
+                       train: bool = True, model_name: str | None = None, section: str | None = None) -> FSDPWorker:
     """A causal LM with a scalar head on every token: the reward model and PPO's critic.
 
     No dropout before the head: rewards and values must be deterministic functions of the text.
     """
     return FSDPWorker(model_cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
-                      train=train, model_name=model_name, num_labels=1, classifier_dropout=0.0)
+                      train=train, model_name=model_name, section=section, num_labels=1, classifier_dropout=0.0)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

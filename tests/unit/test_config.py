@@ -265,7 +265,7 @@ def refuse_models(monkeypatch):
 def test_an_unset_train_path_names_the_key(tmp_path, monkeypatch, tok, one_process):
     from RL2.trainer import sft
 
-    monkeypatch.setattr(sft, "load_tokenizer", lambda cfg: tok)
+    monkeypatch.setattr(sft, "load_tokenizer", lambda cfg, section: tok)
     monkeypatch.setattr(sft, "FSDPWorker", lambda *args, **kwargs: pytest.fail("the model was built without data"))
     with pytest.raises(SystemExit, match=r"RL2 sft: data\.train\.path is not set; give the training rows"):
         sft.main([f"trainer.save_dir={tmp_path / 'run'}"])
@@ -281,7 +281,7 @@ def test_an_unset_train_path_names_the_key(tmp_path, monkeypatch, tok, one_proce
 def test_a_missing_environment_or_reward_file_names_the_key(arg, message, tmp_path, monkeypatch, one_process):
     from RL2.trainer import ppo
 
-    monkeypatch.setattr(ppo, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(ppo, "load_tokenizer", lambda cfg, section: None)
     with pytest.raises(SystemExit, match=rf"RL2 ppo: {message}"):
         ppo.main(["data.train.path=unused.jsonl", f"trainer.save_dir={tmp_path / 'run'}", arg])
 

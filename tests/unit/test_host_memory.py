@@ -42,4 +42,4 @@ def test_the_worker_refuses_a_model_too_large_for_this_host_before_reading_weigh
     cfg = OmegaConf.create({"actor": OmegaConf.structured(ModelConfig)})
     cfg.actor.model_name = str(tmp_path)
     with pytest.raises(MemoryError, match=rf"actor.model_name={tmp_path} has 70.\d\dB parameters.*LoRA"):
-        FSDPWorker(cfg.actor, ParallelDims(1), torch.device("cpu"), total_steps=1)
+        FSDPWorker(cfg.actor, ParallelDims(1), torch.device("cpu"), total_steps=1, section="actor")
