@@ -87,7 +87,7 @@ def expected_raw_example(tok, prompt, response):
 def test_trained_tokens_are_the_response_and_its_end_of_turn(tok):
     example = expected_chat_example(tok, CHINA, "Beijing.")
     trained = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
-    assert tok.decode(trained) == "Beijing.<|im_end|>\n"  # the expectation itself is what the README says
+    assert tok.decode(trained) == "Beijing.<|im_end|>\n"  # the expectation itself is what docs/data.md says
 
 
 @pytest.mark.parametrize("kind", ["sft", "distill"])
@@ -310,13 +310,12 @@ def test_bad_rows_name_file_row_and_key(tok, kind, row, message):
 
 
 
-# ---- the README's own examples ---------------------------------------------------------------------
+# ---- the examples of docs/data.md --------------------------------------------------------------------
 
 
-def readme_examples() -> list[tuple[str, list[dict]]]:
-    """(trainers, rows) of every JSON example in the README's Data section."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Data\n", 1)[1].split("\n## ", 1)[0]
+def data_page_examples() -> list[tuple[str, list[dict]]]:
+    """(trainers, rows) of every JSON example in docs/data.md."""
+    section = (REPO / "docs" / "data.md").read_text()
     examples = []
     for part in section.split("**")[1::2]:  # each bold header names the trainers of the blocks after it
         block = section.split(f"**{part}**", 1)[1].split("**", 1)[0]
@@ -325,8 +324,8 @@ def readme_examples() -> list[tuple[str, list[dict]]]:
     return examples
 
 
-def test_every_readme_example_loads_in_its_trainers(tok, tmp_path):
-    examples = readme_examples()
+def test_every_data_page_example_loads_in_its_trainers(tok, tmp_path):
+    examples = data_page_examples()
     assert {kind for kind, _ in examples} == {"sft", "distill", "dpo", "orpo", "rm", "ppo"}
     for kind, rows in examples:
         loaded = load(tok, kind, write_json(tmp_path, rows))

@@ -1,5 +1,5 @@
 """The memory plan of colocated training and SGLang servers: parameter counts, the phases' bytes (with and without
-LoRA), the README's tables."""
+LoRA), the tables of docs/gpus.md and docs/lora.md."""
 
 
 import pytest
@@ -15,7 +15,7 @@ from RL2.engine.memory_plan import (
 )
 from tests.helpers import REPO
 
-README = REPO / "README.md"
+DOCS = REPO / "docs"
 
 
 def qwen2_parameters(vocab, hidden, inter, layers, heads, kv_heads) -> int:
@@ -70,8 +70,8 @@ def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
     assert plan.train - offloaded.train == 8 * p // 8  # one model's moments on the GPU at a time
 
 
-def test_readme_has_the_plans_table():
-    assert readme_table() in README.read_text()
+def test_gpus_page_has_the_plans_table():
+    assert readme_table() in (DOCS / "gpus.md").read_text()
 
 
 def test_lora_phases_of_7b_on_one_24gb_gpu(shapes):
@@ -92,5 +92,5 @@ def test_lora_phases_of_7b_on_one_24gb_gpu(shapes):
     assert full.train == 16 * p + 2 * p > 24 * GIB
 
 
-def test_readme_has_the_small_gpu_table():
-    assert readme_table(24, SMALL_GPU_ROWS) in README.read_text()
+def test_lora_page_has_the_small_gpu_table():
+    assert readme_table(24, SMALL_GPU_ROWS) in (DOCS / "lora.md").read_text()
