@@ -3,9 +3,11 @@
 Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation): new network,
 mount and PID namespaces, the whole file system read-only except a temporary working directory that
 is removed afterwards, limits on address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes
-(RLIMIT_NPROC) and CPU time, no capabilities, an environment without the trainer's variables. The
-wall-clock limit is enforced from here: on timeout the process group is killed, and with it the PID
-namespace (every process the solution started, even one that left the group).
+(RLIMIT_NPROC) and CPU time, no capabilities, an environment without the trainer's variables. Where
+the machine allows it (`sandbox_cgroup.py`), a memory cgroup of its own also bounds the memory of all
+its processes together. The wall-clock limit is enforced from here: on timeout the process group is
+killed, and with it the PID namespace (every process the solution started, even one that left the
+group).
 
 The waiting happens in a thread pool of `max_concurrency` threads, so an event loop stays free
 (`await sandbox.run(...)`) and at most that many solutions run at once. A solution that hangs,
@@ -31,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from RL2.rewards.sandbox_cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
+
 CHILD = Path(__file__).with_name("sandbox_child.py")
 STDERR_TAIL = 4096
 READ_CHUNK = 65536
@@ -48,7 +52,10 @@ class CodeLimits:
 
     Attributes:
         timeout_s: wall-clock seconds, Python's start included.
-        memory_mb: address space (RLIMIT_AS); a bigger allocation raises MemoryError.
+        memory_mb: the memory of the whole sandbox, all its processes and the files they write
+            together (a cgroup's limit, without swap; past it the kernel kills one of them), where a
+            cgroup can be made; and each process's address space (RLIMIT_AS): a bigger allocation
+            raises MemoryError.
         max_processes: processes and threads of the solution, itself included (RLIMIT_NPROC).
         max_file_mb: the largest file it may write (RLIMIT_FSIZE).
         max_disk_mb: all it may write, its working directory and /dev/shm each (a tmpfs of that size,
@@ -92,6 +99,9 @@ class TestResult:
         stdout: what the solution printed (at most max_output_kb).
         stderr: the end of its standard error (tracebacks).
         isolation: "namespaces", or "guard" when only the in-process guard was available.
+        memory_scope: "sandbox" when a cgroup bounded the memory of all its processes together,
+            "process" when only each process's address space was bounded (RLIMIT_AS), "unknown"
+            when the run was cut short before the sandbox reported.
     """
 
     __test__ = False  # not a pytest test class
@@ -101,6 +111,7 @@ class TestResult:
     stdout: str
     stderr: str
     isolation: str
+    memory_scope: str = "unknown"
 
     @property
     def passed(self) -> bool:
@@ -125,16 +136,24 @@ class Sandbox:
             isolation: code that reaches C goes around it to the network, the host's files and
             sockets and other processes, and outlives the run. False (the default) raises
             `SandboxError` there instead.
+        cgroup_root: where the cgroup file systems are mounted; each test run gets a memory cgroup
+            under the trainer's own (`sandbox_cgroup.py`). Where none can be made (not root, a
+            read-only cgroupfs, no memory controller), or with None, memory is bounded per process
+            only (a warning says so once).
     """
 
     def __init__(self, limits: CodeLimits | None = None, max_concurrency: int | None = None, namespaces: bool = True,
-                 allow_unisolated: bool = False):
+                 allow_unisolated: bool = False, cgroup_root: str | None = DEFAULT_ROOT):
         self.limits = limits or CodeLimits()
         self.namespaces = namespaces
         self.allow_unisolated = allow_unisolated
         self.max_concurrency = max_concurrency or default_concurrency()
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rl2-sandbox")
         self._warned = False
+        self._memory_warned = False
+        self._cgroup_parent, why = find_parent(cgroup_root) if cgroup_root else (None, "switched off")
+        if self._cgroup_parent is None:
+            self._warn_memory_per_process(why)
 
     async def run(self, code: str, test: CodeTest) -> TestResult:
         """Run `code` against `test` without blocking the event loop."""
@@ -154,10 +173,12 @@ class Sandbox:
         workdir = tempfile.mkdtemp(prefix="rl2-sandbox-")
         read_end, write_end = os.pipe()  # the child's report, and the assert test's values
         steps, checks = assert_plan(test.assert_code) if test.assert_code is not None else ([], [])
+        cgroup = self._new_cgroup(Path(workdir).name)
+        oom_kills = 0
         try:
             try:
                 spec_path = Path(workdir) / ".spec.json"
-                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, steps)))
+                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, steps, cgroup)))
                 began = time.monotonic()
                 process = self._start(spec_path, test, workdir, write_end)
             finally:
@@ -167,6 +188,8 @@ class Sandbox:
             report, values = _read_report(read_end)
         finally:
             os.close(read_end)
+            if cgroup is not None:
+                oom_kills = cgroup.remove()  # with whatever the solution left behind
             _remove(workdir)
         if report is None or "setup_failed" in report:
             if status is None:  # not cut short by a limit: it ended before the solution could start
@@ -181,12 +204,38 @@ class Sandbox:
                                "only, which is not a security boundary")
         if report and not self._warned:
             self._warn_about(report)
+        if report and cgroup is not None and not report.get("memory_cgroup"):
+            self._warn_memory_per_process(f"the sandbox could not join {cgroup.path}")
         if status is None:
             status = _verdict(test, stdout, process.returncode, checks, values)
             failed = _failed_check(checks, values) if values is not None and status == "error" else None
             if failed:
                 stderr += f"AssertionError: {failed}\n"
-        return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown")
+        if oom_kills:
+            stderr += (f"sandbox: out of memory: its processes together reached memory_mb ({self.limits.memory_mb} "
+                       f"MB) and the kernel killed {oom_kills} of them\n")
+        memory_scope = ("sandbox" if report.get("memory_cgroup") else "process") if report else "unknown"
+        return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown", memory_scope)
+
+    def _new_cgroup(self, name: str) -> SandboxCgroup | None:
+        """A memory cgroup for one test run, or None where none can be made (said once)."""
+        if self._cgroup_parent is None:
+            return None
+        try:
+            # pids.max also counts the launcher and the PID namespace's first process.
+            return SandboxCgroup.create(self._cgroup_parent, name, self.limits.memory_mb * 2**20,
+                                        self.limits.max_processes + 2)
+        except OSError as e:
+            self._warn_memory_per_process(f"no cgroup under {self._cgroup_parent.path}: {e}")
+            return None
+
+    def _warn_memory_per_process(self, why: str) -> None:
+        """Say once that memory is bounded per process only."""
+        if not self._memory_warned:
+            self._memory_warned = True
+            log.warning("code sandbox without a memory cgroup (%s): memory_mb bounds each process's address space "
+                        "only (RLIMIT_AS), so a solution's max_processes processes can together use that many times "
+                        "memory_mb", why)
 
     def _warn_about(self, report: dict) -> None:
         """Say once what this system does not isolate."""
@@ -199,10 +248,12 @@ class Sandbox:
             log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
                         "namespace): a solution's processes are bounded by its time limit only")
 
-    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, steps: list) -> dict:
+    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, steps: list,
+              cgroup: SandboxCgroup | None) -> dict:
         limits = self.limits
         return {
             "code": code,
+            "cgroup_procs": str(cgroup.procs_file) if cgroup is not None else None,
             "kind": "assert" if test.assert_code is not None else "stdio",
             "steps": steps,
             "workdir": workdir,

@@ -4,7 +4,9 @@
 
 It uses the standard library only, so that it runs before anything else is imported. In order:
 
-1. Read the spec (the solution, one test, the limits) and delete its file, so the solution cannot.
+1. Read the spec (the solution, one test, the limits) and delete its file, so the solution cannot;
+   join the sandbox's memory cgroup where the caller made one (`sandbox_cgroup.py`: one limit on
+   the memory of all the processes below).
 2. Enter new network, mount and PID namespaces (inside a user namespace of its own unless root of
    the machine): the solution sees no network but a loopback that is down, and its processes end
    with this sandbox.
@@ -389,6 +391,7 @@ def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
 
 def main() -> None:
     spec = read_spec(sys.argv[1])
+    memory_cgroup = join_cgroup(spec.get("cgroup_procs"))  # before anything else: every process after is counted
     launcher_pid, result_fd = os.getpid(), spec["result_fd"]
     namespaces = bool(spec["namespaces"])
     why = None if namespaces else "switched off"
@@ -426,7 +429,7 @@ def main() -> None:
         os._exit(EXIT_SETUP_FAILED)
     guard = not (namespaces and read_only)
     report = {"isolation": "guard" if guard else "namespaces", "why": why, "own_proc": own_proc,
-              "process_limit": own_uid or (namespaces and not root_outside)}
+              "process_limit": own_uid or (namespaces and not root_outside), "memory_cgroup": memory_cgroup}
     os.write(result_fd, (json.dumps(report) + "\n").encode())  # first, before the solution can write
     try:
         solution = os.fork()
@@ -436,6 +439,19 @@ def main() -> None:
     if solution == 0:
         run_solution(spec, result_fd, guard)
     exit_like(wait_for(solution))
+
+
+def join_cgroup(procs_file: str | None) -> bool:
+    """Move this process into the sandbox's memory cgroup (made by the launcher's caller, see
+    `sandbox_cgroup.py`); its children are born in it. Returns whether it joined."""
+    if procs_file is None:
+        return False
+    try:
+        with open(procs_file, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    except OSError:  # the caller then limits memory per process only, and says so
+        return False
 
 
 def wait_for(pid: int) -> int:
