@@ -83,7 +83,7 @@ def run_arm(args, data_dir: Path, name: str, overrides: list[str]) -> dict:
         f"rollout.max_turns={args.long_questions}", f"rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
         f"rollout.test_sampling_params.max_new_tokens={args.new_tokens}", f"actor.model_name={args.model}",
         f"actor.dtype={args.dtype}", f"actor.optimizer.lr={args.lr}", "actor.max_grad_norm=1.0",
-        "adv.estimator=reinforce", "adv.norm_var=true", f"trainer.total_steps={args.steps}",
+        "adv.estimator=grpo", "adv.norm_var=true", f"trainer.total_steps={args.steps}",
         f"trainer.test_freq={args.steps}", f"trainer.save_dir={save_dir}", "trainer.save_freq=0",
         *overrides, *extra,
     ]

@@ -54,7 +54,7 @@ run -m RL2.trainer.ppo \
     actor.max_length_per_device=4096 \
     actor.optimizer.lr=5e-6 \
     actor.max_grad_norm=1.0 \
-    adv.estimator=reinforce \
+    adv.estimator=grpo \
     adv.norm_var=true \
     trainer.experiment_name=tool_use_grpo \
     trainer.total_steps=16 \

@@ -39,6 +39,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     translation = translate(argv, schema_keys(schema))
     base = _merged(trainer_defaults(schema, trainer), OmegaConf.from_dotlist(translation.argv), schema,
                    "the command line")
+    apply_value_aliases(base, schema)
     apply_kl_estimators(base, translation)
     apply_lora_switches(base, translation)
     apply_original_meanings(base, translation, trainer)
@@ -71,6 +72,13 @@ def _merged(base: DictConfig, layer: DictConfig, schema: type, source: str) -> D
         raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
 
 
+def apply_value_aliases(cfg: DictConfig, schema: type) -> None:
+    """Replace another spelling of a choice (a field's `aliases`, e.g. adv.estimator=reinforce) with the choice."""
+    for key in all_keys(schema):
+        if key.aliases and (value := OmegaConf.select(cfg, key.name)) in key.aliases:
+            OmegaConf.update(cfg, key.name, key.aliases[value])
+
+
 def check_choices(cfg: DictConfig, schema: type) -> None:
     """Fail on a value outside its field's `choices` (declared with `opt`), naming the full key."""
     for key in all_keys(schema):
@@ -85,6 +93,7 @@ class Key(NamedTuple):
     default: Any
     help: str
     choices: tuple | None
+    aliases: dict[str, str] | None
 
 
 def all_keys(schema: type, prefix: str = "") -> list[Key]:
@@ -95,7 +104,8 @@ def all_keys(schema: type, prefix: str = "") -> list[Key]:
         if dataclasses.is_dataclass(default):
             rows += all_keys(type(default), f"{prefix}{f.name}.")
         else:
-            rows.append(Key(prefix + f.name, default, f.metadata.get("help", ""), f.metadata.get("choices")))
+            rows.append(Key(prefix + f.name, default, f.metadata.get("help", ""), f.metadata.get("choices"),
+                            f.metadata.get("aliases")))
     return rows
 
 

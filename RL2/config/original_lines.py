@@ -7,7 +7,7 @@ printed line for each (`apply_original_meanings`):
 
 - `actor.update_per_rollout=N`: one pass over the rollout in N optimizer steps (here: N passes), which is
   `mini_batch_size` = batch / N, for the critic too (its value followed the actor's);
-- `adv.global_norm=true` with `adv.estimator=reinforce`, and one response per prompt: the batch's mean
+- `adv.global_norm=true` with `adv.estimator=reinforce` (grpo here), and one response per prompt: the batch's mean
   score is every response's baseline, `adv.baseline=batch` (here global_norm whitens the advantages);
 - `adv.estimator=gae`: the advantages whitened over the batch, as the original always did
   (`adv.global_norm=true`);
@@ -95,7 +95,7 @@ def _updates(cfg, given: set[str]) -> list[str]:
 def _advantages(cfg, given: set[str]) -> list[str]:
     adv, lines = cfg.adv, []
     one_response = cfg.rollout.responses_per_prompt == 1
-    if adv.estimator == "reinforce" and "adv.baseline" not in given and (one_response or (
+    if adv.estimator == "grpo" and "adv.baseline" not in given and (one_response or (
             adv.global_norm and "adv.global_norm" in given)):
         why = "rollout.responses_per_prompt=1" if one_response else "adv.global_norm=true"
         adv.baseline, adv.global_norm = "batch", False

@@ -145,11 +145,21 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    estimator: str = opt("reinforce", "advantage estimator: gae (PPO, trains a critic) | reinforce (GRPO) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)", choices=("gae", "reinforce", "rloo", "reinforce_plus_plus", "raw", "mc"))
+    """Advantage estimation. `estimator=grpo` (the default; `reinforce`, its name in the original RL2, means
+    the same) is the group-relative estimator: each response's score minus the mean score of its prompt's
+    responses. By default it runs as Dr. GRPO (arXiv 2503.20783) proposes for the advantage: no division by
+    the group std (`adv.norm_var=false`), with the loss averaged over every trained token of the batch
+    (`actor.avg_level=token`, DAPO's token-level loss). DeepSeek's GRPO (arXiv 2402.03300) is
+    `adv.norm_var=true actor.avg_level=sequence` (std division, mean over each response's tokens, then over
+    responses); Dr. GRPO's own loss normaliser, the token sum over max_new_tokens x responses, is
+    `actor.avg_level=constant`.
+    """
+
+    estimator: str = opt("grpo", "advantage estimator: gae (PPO, trains a critic) | grpo (group mean baseline, no std division unless adv.norm_var=true; reinforce is the same) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)", choices=("gae", "grpo", "rloo", "reinforce_plus_plus", "raw", "mc"), aliases={"reinforce": "grpo"})
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
-    norm_var: bool = opt(False, "reinforce only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
-    baseline: str = opt("group", "reinforce only: the mean a score is compared with: group (of its prompt's responses, GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var divides by the same set's std", choices=("group", "batch"))
+    norm_var: bool = opt(False, "grpo only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
+    baseline: str = opt("group", "grpo only: the mean a score is compared with: group (of its prompt's responses, GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var divides by the same set's std", choices=("group", "batch"))
     global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
     truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 
@@ -203,8 +213,8 @@ def check_ppo_config(cfg) -> None:
                           "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")
     estimator = cfg.adv.estimator
     if cfg.rollout.responses_per_prompt < 2 and (estimator == "rloo" or (
-            estimator == "reinforce" and cfg.adv.baseline == "group")):
-        hint = " or adv.baseline=batch" if estimator == "reinforce" else ""
+            estimator == "grpo" and cfg.adv.baseline == "group")):
+        hint = " or adv.baseline=batch" if estimator == "grpo" else ""
         raise ConfigError(f"adv.estimator={estimator} compares responses to the same prompt; set "
                           f"rollout.responses_per_prompt >= 2{hint}")
 
@@ -309,12 +319,12 @@ def check_stops(params, key: str) -> None:
 def check_algorithm(adv, kl) -> None:
     """Fail on a combination that cannot do what it says, saying why."""
     estimator = adv.estimator
-    if adv.norm_var and estimator != "reinforce":
+    if adv.norm_var and estimator != "grpo":
         raise ConfigError(f"adv.norm_var divides GRPO's group baseline by the group std; it means nothing for "
-                          f"adv.estimator={estimator}. Drop it, or use adv.estimator=reinforce")
-    if adv.get("baseline", "group") != "group" and estimator != "reinforce":
-        raise ConfigError(f"adv.baseline={adv.baseline} is the baseline of adv.estimator=reinforce; "
-                          f"adv.estimator={estimator} has its own. Drop it, or use adv.estimator=reinforce")
+                          f"adv.estimator={estimator}. Drop it, or use adv.estimator=grpo")
+    if adv.get("baseline", "group") != "group" and estimator != "grpo":
+        raise ConfigError(f"adv.baseline={adv.baseline} is the baseline of adv.estimator=grpo; "
+                          f"adv.estimator={estimator} has its own. Drop it, or use adv.estimator=grpo")
     if adv.global_norm and estimator == "reinforce_plus_plus":
         raise ConfigError("adv.estimator=reinforce_plus_plus already whitens its returns over the batch; "
                           "leave adv.global_norm=false")

@@ -11,10 +11,12 @@ from typing import Any
 from RL2.config.errors import ConfigError
 
 
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+def opt(default: Any, help: str, choices: tuple | None = None, aliases: dict[str, str] | None = None) -> Any:
     """A config field with a default, a one-line help text (shown by `--help`) and, for a field that
-    names one of a few things, its `choices` (the command line rejects any other value at start)."""
-    metadata = {"help": help} | ({"choices": tuple(choices)} if choices else {})
+    names one of a few things, its `choices` (the command line rejects any other value at start) and
+    `aliases`, other spellings of a choice that the command line replaces with it."""
+    metadata = {"help": help} | ({"choices": tuple(choices)} if choices else {}) | (
+        {"aliases": dict(aliases)} if aliases else {})
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if isinstance(default, type):  # a nested config: build a fresh instance each time

@@ -2,7 +2,7 @@
 scores, KL penalties in the reward, and each estimator's per-token advantages.
 
 A trajectory is one sample however many sequences it spans (`RL2.batch.RolloutBatch`):
-- reinforce (GRPO), rloo and raw score each trajectory once and compare it with its group;
+- grpo, rloo and raw score each trajectory once and compare it with its group;
 - gae and reinforce_plus_plus run over a trajectory's action tokens in one row, its sequences one
   after the other, so the return (or value) at the start of a later sequence is what an earlier one
   bootstraps from;
@@ -148,7 +148,7 @@ def monte_carlo_advantages(batch, adv_cfg, penalties):
 # adv.estimator -> the function above; the choices are declared in RL2/config/ppo_schema.py.
 ESTIMATORS: dict[str, Callable] = {
     "gae": gae_advantages,
-    "reinforce": grpo_advantages,
+    "grpo": grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
     "raw": raw_advantages,

@@ -29,7 +29,7 @@ def run_multiturn_step(nproc, model, data, save_dir, *extra) -> list[list[dict]]
 
 
 def test_end_to_end_grpo_counts_each_multi_sequence_trajectory_once(tiny_model_path, restart_data, tmp_path):
-    groups = run_multiturn_step(2, tiny_model_path, restart_data, tmp_path, "adv.estimator=reinforce")
+    groups = run_multiturn_step(2, tiny_model_path, restart_data, tmp_path, "adv.estimator=grpo")
     assert len(groups) == 2 and all(len(group) == 4 for group in groups)
     rewards = [[sum(t["turn_rewards"]) for t in group] for group in groups]
     assert len({r for group in rewards for r in group}) > 1, "the environment should give different rewards"

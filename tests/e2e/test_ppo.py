@@ -164,8 +164,8 @@ def test_update_two_ranks_equal_one_rank(tiny_model_path, tmp_path):
 
 
 def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
-    with pytest.raises(AssertionError, match="config key 'adv.estimator' is 'grpo'; choose one of gae, reinforce"):
-        run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=grpo"))
+    with pytest.raises(AssertionError, match="config key 'adv.estimator' is 'ppo'; choose one of gae, grpo"):
+        run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=ppo"))
 
 
 def test_an_environment_that_fails_every_step_says_why_in_the_log(repeat_model, tmp_path):

@@ -66,7 +66,7 @@ def ppo_config(argv):
     (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
     (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
     (["adv.estimator=gae", "critic.update_per_rollout=0"], "critic.update_per_rollout must be at least 1"),
-    (["actor.freeze_steps=4"], r"actor\.freeze_steps=4 lets PPO's critic learn.*adv\.estimator=reinforce trains no critic"),
+    (["actor.freeze_steps=4"], r"actor\.freeze_steps=4 lets PPO's critic learn.*adv\.estimator=grpo trains no critic"),
     (["adv.estimator=gae", "actor.freeze_steps=-1"], r"actor\.freeze_steps=-1; give the number of steps"),
     (["rollout.test_prompts_per_rollout=0"], r"rollout\.test_prompts_per_rollout=0; test on at least 1 prompt"),
     (["rollout.max_turns=0"], r"rollout\.max_turns=0; a trajectory takes at least 1 action"),

@@ -331,7 +331,7 @@ def test_alias_table_never_shadows_a_current_key():
 def test_default_algorithm_is_dr_grpo():
     """Dr. GRPO (arXiv 2503.20783): group-mean baseline, no division by the group std, token-level average."""
     for cfg in (OmegaConf.structured(PPOConfig), parse_config(PPOConfig, "ppo", [])):
-        assert (cfg.adv.estimator, cfg.adv.norm_var, cfg.actor.avg_level) == ("reinforce", False, "token")
+        assert (cfg.adv.estimator, cfg.adv.norm_var, cfg.actor.avg_level) == ("grpo", False, "token")
     help_text = {key.name: key.help for key in all_keys(PPOConfig)}["adv.norm_var"]
     assert "Dr. GRPO" in help_text
 
@@ -352,4 +352,4 @@ def test_examples_parse_and_grpo_example_is_grpo(script, capsys):
     cfg = parse_config(SCHEMAS[trainer], trainer, argv)
     assert capsys.readouterr().out == ""  # the examples use current keys only
     if script.name == "grpo_smollm2.sh":  # GRPO divides by the group std; it must say so now that it is not the default
-        assert (cfg.adv.estimator, cfg.adv.norm_var) == ("reinforce", True)
+        assert (cfg.adv.estimator, cfg.adv.norm_var) == ("grpo", True)

@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from RL2.config.errors import ConfigError
-from RL2.config.ppo_schema import check_algorithm
+from RL2.config.cli import parse_config
+from RL2.config.ppo_schema import PPOConfig, check_algorithm
 from RL2.datasets.packing import train_weights
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
@@ -77,9 +78,9 @@ WHITE_HIGH, WHITE_LOW = (1 - 2 / 3) / (2 / 9) ** 0.5, (0 - 2 / 3) / (2 / 9) ** 0
 
 @pytest.mark.parametrize("estimator,overrides,expected", [
     # Dr. GRPO: A is one of the group's G = 2 outputs: 1 - 0.5 and 0 - 0.5.
-    ("reinforce", {}, [0.5, 0.5, -0.5]),
+    ("grpo", {}, [0.5, 0.5, -0.5]),
     # GRPO: divided by the group's unbiased std sqrt(0.5).
-    ("reinforce", {"norm_var": True}, [0.5 / (0.5**0.5 + 1e-6)] * 2 + [-0.5 / (0.5**0.5 + 1e-6)]),
+    ("grpo", {"norm_var": True}, [0.5 / (0.5**0.5 + 1e-6)] * 2 + [-0.5 / (0.5**0.5 + 1e-6)]),
     # RLOO: the baseline of A leaves out all of A's sequences: 1 - 0 and 0 - 1.
     ("rloo", {}, [1.0, 1.0, -1.0]),
     ("raw", {}, [1.0, 1.0, 0.0]),
@@ -93,6 +94,21 @@ def test_every_estimator_treats_a_trajectory_as_one_sample(estimator, overrides,
     batch = with_zero_values(training_batch(issue_example()))
     add_advantages(batch, adv_cfg(estimator, **overrides), KL_OFF)
     assert sampled(batch) == [pytest.approx([v, v], rel=1e-5) for v in expected]
+
+
+@pytest.mark.parametrize("norm_var,high,low", [
+    ("false", 0.5, -0.5),  # A and B minus the group mean 0.5
+    ("true", 0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6)),  # divided by the unbiased std sqrt(0.5)
+])
+def test_reinforce_is_another_spelling_of_grpo(norm_var, high, low):
+    """adv.estimator=reinforce (the original RL2's name) selects GRPO: both spellings give the same advantages."""
+    for spelling in ("grpo", "reinforce"):
+        cfg = parse_config(PPOConfig, "ppo", [f"adv.estimator={spelling}", f"adv.norm_var={norm_var}"])
+        assert cfg.adv.estimator == "grpo"
+        batch = training_batch(issue_example())
+        add_advantages(batch, cfg.adv, cfg.actor.kl)
+        assert sampled(batch) == [pytest.approx([high, high], rel=1e-5), pytest.approx([high, high], rel=1e-5),
+                                  pytest.approx([low, low], rel=1e-5)], spelling
 
 
 def test_gae_bootstraps_a_sequence_from_the_next_one():
@@ -156,7 +172,7 @@ def test_monte_carlo_returns_per_turn_across_sequences():
     assert sampled(batch) == [[1.0, 1.0], [2.0], [4.0, 4.0]]
 
 
-@pytest.mark.parametrize("estimator", ["reinforce", "rloo", "raw", "gae", "mc"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "raw", "gae", "mc"])
 def test_global_norm_whitens_every_estimator_over_the_sampled_tokens(estimator):
     plain, normed = (with_zero_values(training_batch(issue_example())) for _ in range(2))
     add_advantages(plain, adv_cfg(estimator), KL_OFF)
@@ -176,13 +192,13 @@ def test_global_norm_whitens_every_estimator_over_the_sampled_tokens(estimator):
 def test_batch_baseline_compares_every_score_with_the_batch(norm_var, expected):
     batch = training_batch([[trajectory([1], rewards=[1.0]), trajectory([1], rewards=[0.0])],
                             [trajectory([1], rewards=[1.0]), trajectory([1], rewards=[1.0])]])
-    add_advantages(batch, adv_cfg("reinforce", baseline="batch", norm_var=norm_var), KL_OFF)
+    add_advantages(batch, adv_cfg("grpo", baseline="batch", norm_var=norm_var), KL_OFF)
     assert sampled(batch) == [pytest.approx([v], rel=1e-5) for v in expected]
 
 
 @pytest.mark.parametrize("estimator,overrides", [
-    ("reinforce", {"norm_var": True}), ("reinforce", {}), ("rloo", {}), ("reinforce", {"global_norm": True}),
-    ("reinforce", {"baseline": "batch", "norm_var": True}),
+    ("grpo", {"norm_var": True}), ("grpo", {}), ("rloo", {}), ("grpo", {"global_norm": True}),
+    ("grpo", {"baseline": "batch", "norm_var": True}),
     ("reinforce_plus_plus", {}),
 ])
 def test_a_group_of_equal_shaped_rewards_gets_exactly_zero(estimator, overrides):
@@ -224,7 +240,7 @@ def test_reward_model_scores_are_added_once_per_trajectory():
 
 def test_kl_and_teacher_penalties_in_the_reward():
     """Per-token penalties: the KL (k1, in the reward) and the teacher's reverse KL, summed per
-    trajectory for reinforce and per turn for mc."""
+    trajectory for grpo and per turn for mc."""
     batch = training_batch([[trajectory([2], [1], rewards=[0.0, 1.0]), trajectory([1], rewards=[0.0])]])
     mask = batch.tokens["loss_mask"]
     positions = mask.nonzero()[:, 0]  # sampled tokens: A's 2 + 1, then B's 1
@@ -265,11 +281,11 @@ def test_mini_batches_keep_whole_groups():
 @pytest.mark.parametrize("adv,kl,message", [
     ({"estimator": "rloo", "norm_var": True}, {}, "adv.norm_var divides GRPO's group baseline"),
     ({"estimator": "reinforce_plus_plus", "global_norm": True}, {}, "already whitens"),
-    ({"estimator": "reinforce", "lamda": 0.95}, {}, "adv.lamda is GAE's lambda"),
+    ({"estimator": "grpo", "lamda": 0.95}, {}, "adv.lamda is GAE's lambda"),
     ({"estimator": "rloo", "gamma": 0.9}, {}, "nothing to discount"),
     ({"estimator": "gae", "truncation": 2}, {}, "adv.truncation"),
     ({"estimator": "reinforce_plus_plus"}, {"coef": 0.01, "type": "reward", "estimator": "k3"}, "biased KL gradient"),
-    ({"estimator": "reinforce"}, {"coef": 0.01, "type": "loss", "estimator": "k1"}, "zero gradient in expectation"),
+    ({"estimator": "grpo"}, {"coef": 0.01, "type": "loss", "estimator": "k1"}, "zero gradient in expectation"),
 ])
 def test_contradictory_settings_fail_with_the_reason(adv, kl, message):
     kl = OmegaConf.create({"coef": 0.0, "type": "loss", "estimator": "k3"} | kl)
@@ -279,7 +295,7 @@ def test_contradictory_settings_fail_with_the_reason(adv, kl, message):
 
 @pytest.mark.parametrize("adv,kl", [
     ({"estimator": "gae", "lamda": 0.95, "global_norm": True}, {"coef": 0.05, "type": "reward", "estimator": "k1"}),
-    ({"estimator": "reinforce", "norm_var": True}, {"coef": 0.04, "type": "loss", "estimator": "k3"}),
+    ({"estimator": "grpo", "norm_var": True}, {"coef": 0.04, "type": "loss", "estimator": "k3"}),
     ({"estimator": "reinforce_plus_plus", "gamma": 0.99}, {"coef": 0.01, "type": "reward", "estimator": "k1"}),
     ({"estimator": "mc", "gamma": 0.9, "truncation": 2}, {"coef": 0.01, "type": "reward", "estimator": "k1"}),
 ])
