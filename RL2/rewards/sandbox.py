@@ -235,7 +235,8 @@ class Sandbox:
             self._memory_warned = True
             log.warning("code sandbox without a memory cgroup (%s): memory_mb bounds each process's address space "
                         "only (RLIMIT_AS), so a solution's max_processes processes can together use that many times "
-                        "memory_mb", why)
+                        "memory_mb; bounding their sum takes a cgroup file system with the memory controller that "
+                        "the trainer may write to (as root)", why)
 
     def _warn_about(self, report: dict) -> None:
         """Say once what this system does not isolate."""

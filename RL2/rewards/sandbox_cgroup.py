@@ -10,7 +10,8 @@ root of the hierarchy: cgroup v1's memory controller (memory.limit_in_bytes, and
 memory.memsw.limit_in_bytes at the same value where swap is accounted: no swap), or cgroup v2's
 (memory.max, memory.swap.max = 0, and pids.max where the pids controller is enabled). Making one
 needs write access to that cgroup (root, or a delegated subtree) and, in v2, the memory controller
-enabled for its children.
+enabled for its children, which v2 allows a cgroup that holds processes (the trainer) only at the
+root of the hierarchy: a trainer in any other v2 cgroup keeps the per-process limit only.
 """
 
 import logging
@@ -80,7 +81,8 @@ def _usable(parent: CgroupParent) -> tuple[CgroupParent | None, str]:
                 (parent.path / "cgroup.subtree_control").write_text(f"+{controller}")
             except OSError as e:  # v2 refuses it to a cgroup that holds processes itself
                 if controller == "memory":
-                    return None, f"cannot enable the memory controller under {parent.path} ({e})"
+                    return None, (f"cgroup v2 cannot enable the memory controller under {parent.path}, which "
+                                  f"holds the trainer's processes ({e})")
     return parent, ""
 
 
