@@ -576,7 +576,7 @@ def _check_memory_saver(server_args: dict, device: torch.device) -> None:
         f"{COLOCATED_MEM_FRACTION} of the free GPU memory while the trainer's models come back to the same GPU to "
         f"train. Drop enable_memory_saver=false (the server then releases its memory while the trainer trains), "
         f"or also set rollout.server_args.mem_fraction_static to the share of the free memory the server may keep "
-        f"for good (training needs the rest; see the memory plan in the README)")
+        f"for good (training needs the rest; see the memory plan in docs/gpus.md)")
 
 
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
@@ -598,7 +598,7 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
             f"the SGLang server on {device} would get {fraction:.2f} x {free / GIB:.1f} GiB free "
             f"(of {total / GIB:.1f} GiB) for its weights ({weights / GIB:.1f} GiB per GPU at tp_size={tp}) and KV "
             f"cache, leaving {kv_cache / GIB:.1f} GiB for the KV cache; raise rollout.server_args.tp_size or "
-            f"rollout.server_args.mem_fraction_static, or free the GPU (see the memory plan in the README)")
+            f"rollout.server_args.mem_fraction_static, or free the GPU (see the memory plan in docs/gpus.md)")
 
 
 def _train_temperature(cfg) -> float:
