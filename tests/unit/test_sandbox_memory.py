@@ -165,3 +165,19 @@ def test_find_parent_reads_cgroup_v2(tmp_path):
     (own / "cgroup.subtree_control").write_text("memory\n")
     parent, _ = find_parent(str(tmp_path), str(own_cgroups))
     assert (parent.path, parent.version) == (own, 2)
+
+
+def test_a_cgroup_the_sandbox_cannot_join_leaves_the_per_process_limit(cgroup_parent, monkeypatch, caplog):
+    spec = Sandbox._spec
+
+    def unjoinable(self, *args):
+        return {**spec(self, *args), "cgroup_procs": "/proc/no-such-cgroup/cgroup.procs"}
+
+    monkeypatch.setattr(Sandbox, "_spec", unjoinable)
+    box = namespaced(Sandbox(LIMITS, max_concurrency=1))
+    before = sandbox_cgroups(cgroup_parent.path)
+    with caplog.at_level(logging.WARNING, logger="RL2.rewards.sandbox"):
+        together = box.run_blocking(TOGETHER, ALL_HELD)
+    assert (together.status, together.memory_scope) == ("passed", "process")
+    assert any("could not join" in record.message for record in caplog.records)
+    assert sandbox_cgroups(cgroup_parent.path) == before  # made, unused, removed all the same
