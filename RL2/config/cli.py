@@ -19,7 +19,8 @@ from RL2.config.schema import check_model_sections, check_run_sections
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
 def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> DictConfig:
-    """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` and `key=value` arguments.
+    """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` (where the trainer's defaults differ
+    from the schema's) and `key=value` arguments.
 
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
@@ -31,7 +32,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(describe(schema))
+        print(describe(schema, trainer))
         sys.exit(0)
     bad = [arg for arg in argv if "=" not in arg and not arg.startswith("~")]  # Hydra's ~key: refused by name
     if bad:
@@ -55,10 +56,12 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
 
 @functools.cache
 def trainer_defaults(schema: type, trainer: str) -> DictConfig:
-    """The schema's defaults merged with `<trainer>.yaml`, built once per process (a command line is merged
-    onto a copy: building a structured config is the slow part of parsing one)."""
-    return _merged(OmegaConf.structured(schema), OmegaConf.load(CONFIG_DIR / f"{trainer}.yaml"), schema,
-                   f"{trainer}.yaml")
+    """The schema's defaults merged with `<trainer>.yaml`, if the trainer has one, built once per process (a
+    command line is merged onto a copy: building a structured config is the slow part of parsing one)."""
+    path = CONFIG_DIR / f"{trainer}.yaml"
+    if not path.exists():
+        return OmegaConf.structured(schema)
+    return _merged(OmegaConf.structured(schema), OmegaConf.load(path), schema, path.name)
 
 
 def _merged(base: DictConfig, layer: DictConfig, schema: type, source: str) -> DictConfig:
@@ -115,11 +118,19 @@ def schema_keys(schema: type) -> SchemaKeys:
     return SchemaKeys(frozenset(key.name for key in rows), frozenset(key.name for key in rows if isinstance(key.default, dict)))
 
 
-def describe(schema: type) -> str:
-    keys = all_keys(schema)
+def describe(schema: type, trainer: str) -> str:
+    """`--help`: every key with its help text and this trainer's default."""
+    keys, defaults = all_keys(schema), trainer_defaults(schema, trainer)
     width = max(len(key.name) for key in keys)
-    lines = [f"{key.name:<{width}}  {key.help} (default: {key.default})" for key in keys]
+    lines = [f"{key.name:<{width}}  {key.help} (default: {_default_of(defaults, key.name)})" for key in keys]
     return "Config keys (set as key=value):\n" + "\n".join(lines) + "\n\n" + describe_aliases(schema_keys(schema))
+
+
+def _default_of(defaults: DictConfig, key: str) -> Any:
+    """A key's default as the trainer's defaults hold it: `${actor.dtype}` for one that follows another key."""
+    *path, name = key.split(".")
+    node = OmegaConf.select(defaults, ".".join(path)) if path else defaults
+    return OmegaConf.to_container(node, resolve=False)[name]
 
 
 def _unknown_key_message(error: ConfigKeyError, schema: type, source: str) -> str:

@@ -1,8 +1,9 @@
 """Typed config schemas shared by every trainer.
 
-The YAML files in `RL2/trainer/config/` choose values per trainer; these dataclasses fix the key
-names, types and help texts. `RL2.config.cli.parse_config` merges schema <- YAML <- command line,
-so an unknown key or a value of the wrong type fails at start with the key's full name.
+These dataclasses fix the key names, types, help texts and defaults; the YAML file of a trainer in
+`RL2/trainer/config/` holds only the values where its defaults differ (a trainer without one has none).
+`RL2.config.cli.parse_config` merges schema <- YAML <- command line, so an unknown key or a value of the
+wrong type fails at start with the key's full name.
 """
 
 from dataclasses import dataclass, field
