@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Ray Less Reinforcement Learning: SFT, DPO, reward modelling and RL for language models under torchrun",
     packages=find_packages(include=["RL2", "RL2.*"]),
-    package_data={"RL2": ["trainer/config/*.yaml", "engine/embedded/*.c", "models/*.c", "models/include/*.h"]},
+    package_data={"RL2": ["trainer/config/*.yaml", "native/*.c", "native/include/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         # A range, so that `pip install -e .` keeps the torch a machine has (a CUDA build on GPUs; SGLang

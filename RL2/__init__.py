@@ -3,16 +3,9 @@
 From Python: `RL2.train("ppo", {...}, reward=fn)` and `RL2.evaluate({...})` (see `RL2.api`).
 """
 
-import os
-
-# Large CPU tensors on transparent huge pages: torch reads this once, at its first CPU allocation, so
-# it is set here, before any RL2 module imports torch. A step's fresh blocks (logits, their gradient,
-# activations) then fault 2 MB at a time instead of 4 KB. Linux only; a value the user set wins
-# (0 turns it off).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 __version__ = "0.1.0"
-from RL2.config.errors import ConfigError  # noqa: E402
+
+from RL2.config.errors import ConfigError
 
 __all__ = ["ConfigError", "EvalResult", "TrainResult", "evaluate", "parse_config", "train"]
 

@@ -16,6 +16,7 @@ import functools
 import gc
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,16 @@ def _print_stacks_on_crash() -> None:
         faulthandler.enable(all_threads=True)
 
 
+_PER_GROUP_CACHES: list[Callable[[], None]] = []
+
+
+def clear_on_close(clear: Callable[[], None]) -> None:
+    """Have `close_process_groups` call `clear` after a finished run: the `cache_clear` of a cache whose
+    entries hold process groups (one object per group)."""
+    if clear not in _PER_GROUP_CACHES:
+        _PER_GROUP_CACHES.append(clear)
+
+
 def close_process_groups(finished: bool = True) -> None:
     """Destroy every process group; after a finished run, free them now, while the interpreter is whole.
 
@@ -150,10 +161,11 @@ def close_process_groups(finished: bool = True) -> None:
     gloo threads (a run loop per group and a TCP event loop), until the interpreter's teardown, where they
     run on beside the C++ destructors. Finished runs have aborted there, rarely, with "terminate called
     without an active exception"; threads left that late are the suspect. Two holders live as long as the
-    process: RL2's shared-memory collectives (one per group) and torch's DTensor caches, which keep the
-    device meshes, and a mesh keeps its groups. Both are emptied here, so the groups and their threads go
-    at once (tests/e2e/test_process_group_teardown.py counts the threads left). A group's destructor
-    releases the GIL while it joins its threads, so one still finishing a collective can take it.
+    process: caches of objects made per group (RL2's shared-memory collectives, which register theirs with
+    `clear_on_close`) and torch's DTensor caches, which keep the device meshes, and a mesh keeps its groups.
+    Both are emptied here, so the groups and their threads go at once
+    (tests/e2e/test_process_group_teardown.py counts the threads left). A group's destructor releases the
+    GIL while it joins its threads, so one still finishing a collective can take it.
 
     After an error (`finished=False`) gloo groups are only forgotten: freeing one waits for its queued
     collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
@@ -164,9 +176,8 @@ def close_process_groups(finished: bool = True) -> None:
         return
     dist.destroy_process_group()
     if finished:
-        from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
-
-        SharedMemoryCollectives.for_group.cache_clear()
+        for clear in _PER_GROUP_CACHES:
+            clear()
         _clear_dtensor_caches()
         gc.collect()
 

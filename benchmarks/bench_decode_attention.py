@@ -1,5 +1,5 @@
 """Decode attention of one step of the embedded model: the engine's C kernel (`decode_attention` of
-`RL2/engine/embedded/decode_kernels.c`) against the torch ops that run where it cannot be built
+`RL2/native/decode_kernels.c`) against the torch ops that run where it cannot be built
 (`attend_one_token`), in the same run, on one core.
 
     python benchmarks/bench_decode_attention.py [--rows 16,32] [--lengths 64,128] [--steps 20] [--dtype float32]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import add_isa_argument, run_with_isa  # noqa: E402
 
-from RL2.engine.embedded.decode_kernels import load_decode_kernels  # noqa: E402
+from RL2.native.decode_kernels import load_decode_kernels  # noqa: E402
 from RL2.engine.embedded.kv_cache import RowGroups  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
 from RL2.utils.memory import peak_rss_gb  # noqa: E402

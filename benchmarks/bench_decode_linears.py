@@ -1,5 +1,5 @@
 """The linear layers of one decode step of the embedded model: the engine's product (`panel_linear` of
-`RL2/engine/embedded/decode_kernels.c`) against oneDNN's packed GEMM, which the engine used before, and
+`RL2/native/decode_kernels.c`) against oneDNN's packed GEMM, which the engine used before, and
 the plain `F.linear`, in the same run.
 
     python benchmarks/bench_decode_linears.py [--rows 16,32] [--steps 20] [--dtype float32]
@@ -36,7 +36,7 @@ PRODUCTS = ("panel_linear", "oneDNN packed", "F.linear")
 
 def step_function(product: str, rows: int, dtype: torch.dtype):
     """A callable running one decode step's linear layers with `product`."""
-    from RL2.engine.embedded.decode_kernels import load_decode_kernels
+    from RL2.native.decode_kernels import load_decode_kernels
 
     torch.manual_seed(0)
     shapes = LAYER * LAYERS + [HEAD]
@@ -84,7 +84,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.worker:
         return worker(args.worker, int(args.rows), args.steps, dtype)
-    from RL2.engine.embedded.decode_kernels import load_decode_kernels
+    from RL2.native.decode_kernels import load_decode_kernels
 
     kernels = load_decode_kernels()
     if kernels is None:

@@ -1,4 +1,4 @@
-"""RMSNorm and the SwiGLU activation as fused C passes (`RL2/models/fused_layers.c`) against HF's torch
+"""RMSNorm and the SwiGLU activation as fused C passes (`RL2/native/fused_layers.c`) against HF's torch
 ops, in the same run.
 
     python benchmarks/bench_fused_layers.py [--tokens 1232] [--layers 4] [--repeats 5] [--dtype float32]
@@ -25,7 +25,7 @@ import json, resource, sys, time
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from RL2.models.fused_layers import install_fused_layers, silu_mul
+from RL2.native.fused_layers import install_fused_layers, silu_mul
 torch.set_num_threads(1)
 tokens, n_layers, repeats, dtype = json.loads(sys.argv[1])
 dtype = getattr(torch, dtype)

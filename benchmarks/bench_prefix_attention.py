@@ -1,4 +1,4 @@
-"""Shared-prefix attention of one decoder layer on CPU: the C kernel (`RL2/models/prefix_attention.c`)
+"""Shared-prefix attention of one decoder layer on CPU: the C kernel (`RL2/native/prefix_attention.c`)
 against one SDPA call per prefix and per branch (`RL2_PREFIX_ATTENTION=0`), in the same run.
 
     python benchmarks/bench_prefix_attention.py [--groups 4] [--prompt 48] [--responses 4] [--response 64] [--isa avx2]
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_isa_argument, run_with_isa  # noqa: E402
-from RL2.engine.embedded.allocator import keep_freed_memory  # noqa: E402
+from RL2.native.allocator import keep_freed_memory  # noqa: E402
 from RL2.models import shared_prefix  # noqa: E402
 from RL2.models.shared_prefix import Block, SharedPrefixRow  # noqa: E402
 

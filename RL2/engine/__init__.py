@@ -4,7 +4,6 @@
   for float32 decode steps on CPU, a sampler and stop rules that follow SGLang's);
 - `sglang/`: SGLang servers, launched on the trainer's GPUs or already running, with their weight
   transfer;
-- `shared_memory_gather.py`: how ranks on one CPU host exchange their FSDP shards for a weight sync;
 - `checkpoint_layout.py`: the trainer's parameters under the names and in the layout of the model's
   checkpoint, which SGLang loads (transformers holds a mixture of experts fused, checkpoints per expert);
 - `memory_plan.py`: the GPU memory of training colocated with SGLang servers, phase by phase.

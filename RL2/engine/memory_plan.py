@@ -15,7 +15,7 @@ copy is split over a server's S GPUs (bf16 serving, float32 master weights):
     rollout  served weights 2P/S + KV cache
     host     the trainer's state while the engine samples: 12P/N for each trained model (float32 weights
              and Adam moments; gradients are freed at the step) + 2P/N for a reference; on CUDA it stays
-             in page-locked buffers for the run (`RL2.workers.pinned_host`), and a node holds it for each
+             in page-locked buffers for the run (`RL2.native.pinned_host`), and a node holds it for each
              of its ranks
 With LoRA adapters of L parameters on the actor (`actor.lora.rank > 0`, `RL2.models.lora`), the frozen
 base is stored in bf16 and only the adapters train, and the reference is that base (adapters off):

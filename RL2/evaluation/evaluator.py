@@ -21,8 +21,8 @@ from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import tokenize_rows
-from RL2.engine.embedded.allocator import keep_freed_memory
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
+from RL2.native import prepare_process
 from RL2.parallel import collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import Env
 from RL2.rollout.loop import sample_seed
@@ -68,6 +68,9 @@ class Evaluator:
 
     def __init__(self, cfg: DictConfig, env: Env | None = None):
         check_eval_config(cfg)
+        self.device = pick_device(cfg.eval.device, key="eval.device")
+        # Huge pages before the environment's script can allocate; malloc tuned before any thread starts.
+        prepare_process(self.device)
         quiet_third_party_progress()
         self.cfg = cfg
         # Bad input fails before any process group or engine is started.
@@ -82,9 +85,6 @@ class Evaluator:
         except OSError as e:  # a read-only place, or a file where a folder of the path should be
             raise ConfigError(f"eval.save_dir={cfg.eval.save_dir}: cannot create it ({e.strerror}: {e.filename}); "
                               f"give a folder this user can write") from None
-        self.device = pick_device(cfg.eval.device, key="eval.device")
-        if self.device.type == "cpu":
-            keep_freed_memory()  # sampling allocates rows of the same sizes every step; before any thread starts
         init_distributed(self.device, collective_timeout(cfg))
 
     def run(self) -> EvalResult:

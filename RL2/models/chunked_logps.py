@@ -13,10 +13,10 @@ builds of torch; `RL2_TRITON_LOGPS=0` keeps the chunked path there.
 """
 
 import functools
-import os
 
 import torch
 
+from RL2.native import switches
 from RL2.utils.logging import log_rank0
 
 # float32 elements per chunk on CPU: 1 MB, so that a chunk and the temporaries of its passes stay in a
@@ -99,7 +99,7 @@ class LogpsAndEntropy(torch.autograd.Function):
 @functools.cache
 def cuda_kernels():
     """`RL2.models.triton_logps`, or None where Triton does not import or `RL2_TRITON_LOGPS=0`."""
-    if os.environ.get("RL2_TRITON_LOGPS", "1") == "0":
+    if not switches.triton_logps():
         return None
     try:
         from RL2.models import triton_logps

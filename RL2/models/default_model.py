@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from RL2.native.switches import cache_root
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,9 +51,6 @@ CONVERSION_MARKER = "rl2_conversion.json"
 CONVERSION_FORMAT = 2
 
 
-def cache_root() -> Path:
-    """Where converted models live: $RL2_CACHE, else ~/.cache/rl2."""
-    return Path(os.environ.get("RL2_CACHE", Path.home() / ".cache" / "rl2"))
 
 
 def is_embedded(name: str) -> bool:

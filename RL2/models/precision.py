@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from RL2.models.native import cpuinfo
+from RL2.native.build import cpuinfo
 from RL2.utils.logging import log_rank0
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

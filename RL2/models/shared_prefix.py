@@ -26,7 +26,7 @@ import torch
 
 from RL2.batch import MicroBatch
 from RL2.models.attention import log_backend_once, sdpa, tokens_major_cat
-from RL2.models.prefix_attention import prefix_attention, usable
+from RL2.native.prefix_attention import prefix_attention, usable
 
 MIN_SHARED_TOKENS = 16
 

@@ -44,9 +44,9 @@ from RL2.agents.tool_use import tool_use_of
 from RL2.agents.tools import template_renders_tools
 from RL2.engine import start_engine
 from RL2.engine.protocol import EngineError
-from RL2.engine.shared_memory_gather import SharedMemoryGather
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
+from RL2.native import SharedMemoryGather, shared_weight_gather
 from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
@@ -419,8 +419,7 @@ class RolloutWorker:
         """
         model = self.policy.model
         if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
-            on_cpu = self.device.type == "cpu"
-            self._shared_gather = (on_cpu and SharedMemoryGather.build(model, self.dtype)) or False
+            self._shared_gather = shared_weight_gather(model, self.dtype, self.device) or False
         began = time.perf_counter()
         tensors = self._shared_gather.full_tensors() if self._shared_gather else full_tensors(model, self.dtype)
         self.engine.update_weights(self.policy.engine_weights(tensors), weight_version=version)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
-from RL2.engine.embedded.allocator import keep_freed_memory
+from RL2.native import prepare_process
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
 from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -36,8 +36,7 @@ class Trainer:
         self.resume_from = find_checkpoint(cfg.trainer)
         quiet_third_party_progress()
         self.device = pick_device(cfg.trainer.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # tensors of the same sizes come and go every step; before any thread starts
+        prepare_process(self.device)  # huge pages, and malloc keeping freed memory: before any thread starts
         init_distributed(self.device, collective_timeout(cfg))
         # Before anything is written there: a second run with this save_dir stops here, naming the first.
         self.release_save_dir = claim_save_dir(cfg.trainer.save_dir)

@@ -40,17 +40,13 @@ from RL2.models import lora
 from RL2.models.attention import ATTN_NAME, sliding_window_of, softcap_of, varlen_backend
 from RL2.models.checkpointing import enable_activation_checkpointing
 from RL2.models.default_model import resolve_model_path
-from RL2.models.fused_layers import install_fused_layers
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
-from RL2.models.tied_embeddings import add_embedding_rows_into_tied_gradient
 from RL2.models.vocab_parallel import VocabShard
+from RL2.native import PinnedHostCopies, check_fits_host, pinned_offload, share_fsdp_buffers, state_to_host, tune_model
 from RL2.parallel import ParallelDims, shard_of
 from RL2.utils.logging import log_rank0
-from RL2.workers.host_memory import check_model_fits_host
-from RL2.workers.pinned_host import PinnedHostCopies, pinned_offload_enabled, state_to_host
-from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
 
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
@@ -180,17 +176,15 @@ class FSDPWorker(Stateful):
         self._check_layout(config)
         with torch.device("meta"):
             model = model_cls.from_config(config, **kwargs)
-        if self.device.type == "cpu":  # before loading: a model that cannot fit fails now, not minutes later
-            check_model_fits_host(model, self._config_name(), train and self.lora is None, self.param_dtype,
-                                  dist.get_world_size() // self.dims.ddp)
+        # Before loading: a model that cannot fit fails now, not minutes later.
+        check_fits_host(model, self.device, self._config_name(), train and self.lora is None, self.param_dtype,
+                        dist.get_world_size() // self.dims.ddp)
         loaded = self._load_on_rank0(model_cls, path, config, kwargs) if dist.get_rank() == 0 else None
         # Training never reuses a KV cache; the exported config gets the model's own setting back.
         self.exported_use_cache = getattr(model.config, "use_cache", True)
         model.config.use_cache = False
-        if self.device.type == "cpu":
-            install_fused_layers(model)  # RMSNorm and the MLP's activation in one C pass each (float32, bfloat16)
-            if train and self.lora is None and self.dims.tp == 1:  # a trained, plain (not DTensor) tied embedding
-                add_embedding_rows_into_tied_gradient(model)
+        # A trained, plain (not DTensor) tied embedding may take sparse gradients.
+        tune_model(model, self.device, sparse_tied_embedding=train and self.lora is None and self.dims.tp == 1)
         model.parallel_layout = self._parallelize(model, train)
         self._fill_from_rank0(model, loaded)
         del loaded
@@ -265,10 +259,7 @@ class FSDPWorker(Stateful):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         sum_gradients_over_ranks(model)
-        if self.device.type == "cpu" and mesh.ndim == 1:  # ranks on one host trade shards through memory
-            collectives = SharedMemoryCollectives.for_group(mesh.get_group())
-            if collectives is not None:
-                collectives.attach(model)
+        share_fsdp_buffers(model, mesh, self.device)  # ranks on one CPU host trade shards through memory
         return layout
 
     def _shares_prefixes(self, config) -> bool:
@@ -416,7 +407,7 @@ class FSDPWorker(Stateful):
         FSDP2 supports `module._apply` (what `module.to` calls): it re-points each sharded parameter's
         padded storage at the moved tensor, and parameters keep their identity (the optimizer's
         references stay valid). From a CUDA device to the CPU, parameters and optimizer state go into
-        page-locked buffers kept for the run (`RL2.workers.pinned_host`).
+        page-locked buffers kept for the run (`RL2.native.pinned_offload`).
         """
         copies = self._pinned_copies(device)
         if copies is not None:
@@ -429,7 +420,7 @@ class FSDPWorker(Stateful):
 
     def _pinned_copies(self, device: torch.device) -> PinnedHostCopies | None:
         """The page-locked buffers of a move from CUDA to the CPU, made at the first; None otherwise."""
-        if device.type != "cpu" or self.device.type != "cuda" or not pinned_offload_enabled():
+        if not pinned_offload(self.device, device):
             return None
         if self.host_copies is None:
             self.host_copies = PinnedHostCopies()

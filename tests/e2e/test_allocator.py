@@ -22,7 +22,7 @@ STEPS = 100
 VOCAB = 49152
 MEASURE = """
 import resource, torch
-from RL2.engine.embedded.allocator import keep_freed_memory
+from RL2.native.allocator import keep_freed_memory
 print(keep_freed_memory())
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -2,7 +2,7 @@
 
 import torch
 
-from RL2.workers.pinned_host import PAGE
+from RL2.native.pinned_host import PAGE
 
 
 class RecordingLock:

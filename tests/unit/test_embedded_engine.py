@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from RL2.engine.embedded import decode_kernels
+from RL2.native import decode_kernels
 from RL2.engine.embedded import engine as embedded_engine
 from RL2.engine.embedded import model_runner
 from RL2.engine.embedded.engine import EmbeddedEngine

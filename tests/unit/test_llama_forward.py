@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from RL2.engine.embedded import llama_forward, packed_linear
-from RL2.engine.embedded.decode_kernels import load_decode_kernels
+from RL2.native.decode_kernels import load_decode_kernels
 from RL2.engine.embedded.model_runner import MIN_SHARED_PREFIX, ModelRunner
 from RL2.engine.embedded.packed_linear import PanelLinear
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from RL2.engine.embedded.allocator import keep_freed_memory
+from RL2.native.allocator import keep_freed_memory
 from RL2.engine.embedded.model_runner import ModelRunner
 from RL2.engine.embedded.sampling import (
     SamplingParams,

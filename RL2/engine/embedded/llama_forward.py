@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from RL2.engine.embedded.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kernels
+from RL2.native.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kernels
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -15,7 +15,7 @@ where neither applies (GPU).
 import torch
 import torch.nn.functional as F
 
-from RL2.engine.embedded.decode_kernels import DecodeKernels, load_decode_kernels
+from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
 
 
 class PackedLinear:

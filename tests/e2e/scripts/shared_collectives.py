@@ -25,8 +25,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.parallel import close_process_groups
-from RL2.workers import shared_memory_collectives
-from RL2.workers.shared_memory_collectives import SharedMemoryCollectives
+from RL2.native import shared_memory_collectives
+from RL2.native.shared_memory_collectives import SharedMemoryCollectives
 from tests.helpers.launch import separate_hosts
 
 

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from RL2.engine import shared_memory_gather
-from RL2.engine.shared_memory_gather import SharedMemoryGather
+from RL2.native import shared_memory_gather
+from RL2.native.shared_memory_gather import SharedMemoryGather
 from RL2.parallel import close_process_groups
-from RL2.utils.shared_memory import shm_free_bytes
+from RL2.native.shared_memory import shm_free_bytes
 from tests.helpers.launch import separate_hosts
 
 

@@ -1,11 +1,11 @@
-"""Shared-prefix attention in one C call (RL2/models/prefix_attention.c) against the same attention computed
+"""Shared-prefix attention in one C call (RL2/native/prefix_attention.c) against the same attention computed
 in float64 as one SDPA call per prefix and per branch (the path it replaces on CPU, checked against each
 sequence alone in test_shared_prefix.py)."""
 
 import pytest
 import torch
 
-from RL2.models import prefix_attention as kernel
+from RL2.native import prefix_attention as kernel
 from RL2.models import shared_prefix
 from RL2.models.shared_prefix import Block, SharedPrefixRow
 

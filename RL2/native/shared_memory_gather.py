@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from RL2.utils.logging import log_rank0
-from RL2.utils.shared_memory import (
+from RL2.native.shared_memory import (
     SHM_DIR,
     SPARE_SHM_BYTES,
     create_segment,
@@ -38,6 +37,7 @@ from RL2.utils.shared_memory import (
     segment_name,
     shm_free_bytes,
 )
+from RL2.utils.logging import log_rank0
 
 PREFIX = "rl2-shards"
 _ALIGN = 64  # bytes: every shard starts on a cache line, and any dtype's view of it is aligned

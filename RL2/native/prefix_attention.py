@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from RL2.models.native import load_library
+from RL2.native import switches
+from RL2.native.build import load_library
 
 SOURCE = Path(__file__).with_name("prefix_attention.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -27,7 +28,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "RL2_PREFIX_ATTENTION", "shared-prefix attention runs as SDPA calls", SIGNATURES,
+    return load_library(SOURCE, switches.prefix_attention(), "shared-prefix attention runs as SDPA calls", SIGNATURES,
                         RETURNS)
 
 

@@ -1,4 +1,4 @@
-"""Page-locked host buffers of an offloaded worker (`RL2.workers.pinned_host`), on the CPU.
+"""Page-locked host buffers of an offloaded worker (`RL2.native.pinned_host`), on the CPU.
 
 Page-locking needs CUDA (tests/gpu/test_cuda_fsdp.py runs it there); here a recording lock stands in
 for `cudaHostRegister` and records which address ranges would be locked, and the copies go from CPU to
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from RL2.workers.pinned_host import SMALL_BYTES, PinnedHostCopies, state_to_host
+from RL2.native.pinned_host import SMALL_BYTES, PinnedHostCopies, state_to_host
 from tests.helpers.recording_lock import RecordingLock
 from tests.unit.test_fsdp_worker import backward_nll, local, worker
 

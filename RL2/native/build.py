@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from RL2.models.default_model import cache_root
+from RL2.native import switches
 
 HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources include
 # Not -ffast-math: results must stay IEEE. Without trapping math and errno, gcc may vectorise the
@@ -31,7 +31,7 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fope
 
 def build_flags() -> list[str]:
     """`FLAGS`, for the target `RL2_MARCH` names where it is set."""
-    march = os.environ.get("RL2_MARCH", "native")
+    march = switches.march()
     return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
 
 
@@ -53,7 +53,7 @@ def _build(source: Path, compiler: str) -> Path:
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
     flags = build_flags()
     key = hashlib.sha256(text + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    library = switches.cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -70,16 +70,16 @@ def _build(source: Path, compiler: str) -> Path:
     return library
 
 
-def load_library(source: Path, switch: str, fallback: str, signatures: dict, returns: dict) -> ctypes.CDLL | None:
+def load_library(source: Path, enabled: bool, fallback: str, signatures: dict, returns: dict) -> ctypes.CDLL | None:
     """`source` built (if needed) and loaded with its functions typed; None, with a warning saying why
-    and what runs instead (`fallback`), where it cannot be built, or when the environment variable
-    `switch` is "0".
+    and what runs instead (`fallback`), where it cannot be built; None when its switch is off (`enabled`,
+    from `RL2.native.switches`).
 
     Args:
         signatures: function name -> ctypes argument types.
         returns: function name -> ctypes return type, for those that return something.
     """
-    if os.environ.get(switch, "1") == "0":
+    if not enabled:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

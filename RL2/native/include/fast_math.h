@@ -1,4 +1,4 @@
-/* Math shared by RL2's C kernels (RL2/models/native.py adds this folder to the include path). */
+/* Math shared by RL2's C kernels (RL2/native/build.py adds this folder to the include path). */
 #ifndef RL2_FAST_MATH_H
 #define RL2_FAST_MATH_H
 

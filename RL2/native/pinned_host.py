@@ -11,13 +11,13 @@ swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
 """
 
 import mmap
-import os
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from RL2.native import switches
 from RL2.parallel import shard_of
 
 PAGE = mmap.PAGESIZE
@@ -25,7 +25,7 @@ SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied t
 
 
 def pinned_offload_enabled() -> bool:
-    return os.environ.get("RL2_PINNED_OFFLOAD", "1") != "0"
+    return switches.pinned_offload()
 
 
 class PinnedHostCopies:

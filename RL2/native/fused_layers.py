@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from RL2.models.native import load_library
+from RL2.native import switches
+from RL2.native.build import load_library
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -41,7 +42,7 @@ INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "RL2_FUSED_LAYERS", "the trainer's RMSNorm and MLP run as torch ops", SIGNATURES,
+    return load_library(SOURCE, switches.fused_layers(), "the trainer's RMSNorm and MLP run as torch ops", SIGNATURES,
                         RETURNS)
 
 

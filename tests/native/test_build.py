@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from RL2.models import prefix_attention
+from RL2.native import prefix_attention
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None or not torch.cpu._is_avx2_supported(), reason="needs cc and an x86 CPU with AVX2"

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from RL2.models import fused_layers
-from RL2.models.fused_layers import install_fused_layers
+from RL2.native import fused_layers
+from RL2.native.fused_layers import install_fused_layers
 
 pytestmark = pytest.mark.skipif(
     fused_layers._library() is None,

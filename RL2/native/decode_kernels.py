@@ -1,5 +1,5 @@
 """The C decode kernels (`decode_kernels.c`): built once per machine with the system C compiler
-(`RL2.models.native`), called through ctypes.
+(`RL2.native.build`), called through ctypes.
 
 Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the engine
 computes the same step with torch ops, slower.
@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from RL2.models.native import load_library
+from RL2.native import switches
+from RL2.native.build import load_library
 
 if TYPE_CHECKING:
     from RL2.engine.embedded.kv_cache import RowGroups
@@ -43,7 +44,7 @@ RETURNS = {name: ctypes.c_int for name in ("panel_linear", "panel_linear_bf16", 
 @functools.cache
 def load_decode_kernels() -> "DecodeKernels | None":
     """The kernels, built if needed; None (with a warning saying why) where they cannot be built."""
-    library = load_library(SOURCE, "RL2_DECODE_KERNELS", "the embedded engine's decode runs on torch ops, slower",
+    library = load_library(SOURCE, switches.decode_kernels(), "the embedded engine's decode runs on torch ops, slower",
                            SIGNATURES, RETURNS)
     return None if library is None else DecodeKernels(library)
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from RL2.utils.logging import log_rank0
-from RL2.utils.shared_memory import (
+from RL2.native import switches
+from RL2.native.shared_memory import (
     SHM_DIR,
     SPARE_SHM_BYTES,
     create_segment,
@@ -44,6 +44,8 @@ from RL2.utils.shared_memory import (
     segment_name,
     shm_free_bytes,
 )
+from RL2.parallel import clear_on_close
+from RL2.utils.logging import log_rank0
 
 PREFIX = "rl2-collectives"
 _ALIGN = 2**21  # each rank's part starts on a 2 MB boundary: aligned for any dtype, and few regrowths
@@ -69,7 +71,7 @@ class SharedMemoryCollectives:
     def for_group(cls, group) -> "SharedMemoryCollectives | None":
         """The group's collectives (one per process and group, shared by every model on it); None where they
         do not apply. Collective over `group`."""
-        if os.environ.get("RL2_SHARED_MEMORY_COLLECTIVES", "1") == "0" or dist.get_world_size(group) == 1:
+        if not switches.shared_memory_collectives() or dist.get_world_size(group) == 1:
             return None
         info = [None] * dist.get_world_size(group)
         name = segment_name(PREFIX)
@@ -211,6 +213,10 @@ class SharedMemoryCollectives:
             flat.add_(part)
         self.calls += 1
         return True
+
+
+# The cache keeps every group it was asked about: emptied when the run's groups are destroyed.
+clear_on_close(SharedMemoryCollectives.for_group.cache_clear)
 
 
 class Slots:

@@ -20,7 +20,8 @@ run as freed blocks are left in pieces too small for the next step's tensors (RE
 
 import ctypes
 import ctypes.util
-import os
+
+from RL2.native import switches
 
 # mallopt parameters, from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
@@ -39,7 +40,7 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("RL2_KEEP_FREED_MEMORY", "1") == "0":
+    if not switches.keep_freed_memory():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -1,0 +1,89 @@
+"""RL2's compiled and hardware-tuned code: C kernels built on first use, memory tricks for CPU hosts and
+page-locked offload on GPUs. Nothing here changes what is computed, only how fast and in how much memory.
+
+What lives here:
+- `build.py` compiles the C sources (`*.c`, `include/*.h`) for this CPU into the RL2 cache;
+- `fused_layers.py` (C): RMSNorm and SwiGLU for CPU training; `prefix_attention.py` (C): the CPU
+  attention of shared-prefix rows; `decode_kernels.py` (C): the embedded engine's decode step and
+  its packed linear product;
+- `allocator.py`: glibc malloc keeps freed memory; `tied_embeddings.py`: a tied embedding's sparse
+  gradient; `host_memory.py`: refuse a CPU model that cannot fit the host;
+- `shared_memory.py`, `shared_memory_collectives.py`, `shared_memory_gather.py`: ranks on one CPU host
+  trade FSDP shards and weight syncs through /dev/shm instead of gloo;
+- `pinned_host.py`: a GPU worker's state offloaded into page-locked host buffers;
+- `switches.py`: the `RL2_*` environment variables that turn each of these off.
+
+The rest of RL2 reaches this package through the hooks below (and the embedded engine through its
+kernels and allocator); each is a no-op where it does not apply. docs/native.md has the details.
+"""
+
+import os
+
+import torch
+
+from RL2.native import switches
+from RL2.native.allocator import keep_freed_memory
+from RL2.native.fused_layers import install_fused_layers
+from RL2.native.host_memory import check_model_fits_host
+from RL2.native.pinned_host import PinnedHostCopies, state_to_host
+from RL2.native.shared_memory_collectives import SharedMemoryCollectives
+from RL2.native.shared_memory_gather import SharedMemoryGather
+from RL2.native.tied_embeddings import add_embedding_rows_into_tied_gradient
+
+__all__ = ["PinnedHostCopies", "SharedMemoryGather", "check_fits_host", "pinned_offload", "prepare_process", "share_fsdp_buffers",
+           "shared_weight_gather", "state_to_host", "tune_model"]
+
+
+def prepare_process(device: torch.device) -> None:
+    """Tune this process's memory, at the start of a trainer's or evaluator's run: before torch's first
+    large CPU allocation and before any thread that allocates (a process group's).
+
+    Large CPU tensors go on transparent huge pages: a step's fresh blocks (logits, their gradient,
+    activations) then fault 2 MB at a time instead of 4 KB. torch reads `THP_MEM_ALLOC_ENABLE` once, at
+    its first CPU allocation; a value the user set wins (0 turns it off). Linux only. On CPU, malloc
+    also keeps freed memory (`keep_freed_memory`): tensors of the same sizes come and go every step.
+    """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if device.type == "cpu":
+        keep_freed_memory()
+
+
+def check_fits_host(model: torch.nn.Module, device: torch.device, name: str, trained: bool,
+                    param_dtype: torch.dtype, shards: int) -> None:
+    """On CPU, raise before loading a model (on the meta device) whose memory cannot fit this host
+    (`host_memory.check_model_fits_host`, whose arguments these are)."""
+    if device.type == "cpu":
+        check_model_fits_host(model, name, trained, param_dtype, shards)
+
+
+def tune_model(model: torch.nn.Module, device: torch.device, sparse_tied_embedding: bool) -> None:
+    """On CPU, before the model is sharded: RMSNorm and the MLP's activation in one C pass each, and
+    with `sparse_tied_embedding` (a trained model with a plain tied embedding) the embedding's gradient
+    added into the output projection's at the batch's rows only."""
+    if device.type != "cpu":
+        return
+    install_fused_layers(model)
+    if sparse_tied_embedding:
+        add_embedding_rows_into_tied_gradient(model)
+
+
+def share_fsdp_buffers(model: torch.nn.Module, mesh, device: torch.device) -> None:
+    """On CPU, with a one-dimensional FSDP mesh: the ranks on this host run FSDP's all-gathers and
+    reduce-scatters of `model` through shared memory. Collective over the mesh's group."""
+    if device.type != "cpu" or mesh.ndim != 1:
+        return
+    collectives = SharedMemoryCollectives.for_group(mesh.get_group())
+    if collectives is not None:
+        collectives.attach(model)
+
+
+def shared_weight_gather(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> SharedMemoryGather | None:
+    """On CPU, full weights of `model` in `dtype` gathered through shared memory between the ranks of one
+    host (`SharedMemoryGather.full_tensors`); None where that does not apply. Collective."""
+    return SharedMemoryGather.build(model, dtype) if device.type == "cpu" else None
+
+
+def pinned_offload(source: torch.device, target: torch.device) -> bool:
+    """Whether moving a worker's state from `source` to `target` goes into page-locked host buffers
+    (`PinnedHostCopies`, `state_to_host`): from a CUDA device to the CPU, unless RL2_PINNED_OFFLOAD=0."""
+    return source.type == "cuda" and target.type == "cpu" and switches.pinned_offload()
