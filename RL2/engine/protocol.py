@@ -2,9 +2,12 @@
 
 Requests and responses are SGLang's `POST /generate` JSON, so one rollout loop serves both engines:
 `EmbeddedEngine` (in-process, `RL2.engine.embedded`) answers them directly, `SGLangEngine`
-(`RL2.engine.sglang`) sends them to SGLang servers. The memory calls matter only for SGLang servers
-that share the trainer's GPUs; the embedded engine answers them as no-ops, so the loop never asks
-which engine it drives.
+(`RL2.engine.sglang`) sends them to SGLang servers. Two kinds of engine give memory back between
+rollouts (`releases_memory`): SGLang servers launched on the trainer's GPUs free their weights, KV
+cache and CUDA graphs so that the trainer's state can come back to the GPU, and the embedded engine on
+CPU frees its weights and KV cache so that the trainer's update has the RAM. `RL2.rollout.worker.EngineState`
+makes the memory calls and the pushes from what an engine says of itself (`releases_memory`,
+`follows_policy`), so the loop never asks which one it drives.
 """
 
 from collections.abc import Iterable
@@ -20,9 +23,10 @@ class EngineError(RuntimeError):
 @runtime_checkable
 class Engine(Protocol):
     """Attributes:
-        releases_memory: the engine gives its memory to the trainer between rollouts (SGLang servers
-            on the trainer's GPUs, the embedded engine on CPU); its weights are then lost and must be
-            pushed again.
+        releases_memory: the engine frees memory when asked (`release_memory`) and takes it back
+            (`resume_memory`): SGLang servers on the trainer's GPUs, the embedded engine on CPU. Released
+            weights are lost and must be pushed again. False (SGLang servers elsewhere, the embedded
+            engine on a GPU): the engine keeps its memory and is never asked.
         follows_policy: the engine takes the policy's weights after each update (False for SGLang
             with `rollout.weight_sync=none`: it keeps the weights it started with).
     """
@@ -42,8 +46,14 @@ class Engine(Protocol):
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating until `continue_generation`; with "abort", requests in flight return at once
-        with finish_reason abort and their partial output."""
+        """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile.
+
+        Args:
+            mode: "abort": this rank's requests in flight return at once with finish_reason abort and
+                their partial output. "retract" and "in_place": the embedded engine re-prefills its
+                requests after `continue_generation`, or holds them; SGLang servers serve every rank and
+                are not paused, so this rank's requests run to their end.
+        """
         ...
 
     async def continue_generation(self) -> None:
@@ -52,16 +62,26 @@ class Engine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
         """Load new weights, full tensors under the names of the trainer's model (transformers' memory
         layout; an engine that loads checkpoints maps them to the checkpoint's, see
-        `RL2.engine.checkpoint_layout`). Collective: every rank calls it (the tensors are gathered from
-        the trainer's shards as they are iterated)."""
+        `RL2.engine.checkpoint_layout`). The weight memory must be resident (`resume_memory` after a
+        release). Call it between rollouts: requests still running would go on with the new weights (the
+        embedded engine waits only for its current step). Collective: every rank calls it
+        (the tensors are gathered from the trainer's shards as they are iterated).
+
+        Args:
+            weight_version: the name of these weights, which the engine reports with each response.
+        """
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Give memory to the trainer, by SGLang's tags: "weights", "kv_cache", "cuda_graph"."""
+        """Free memory for the trainer, by SGLang's tags: "weights" (their content is lost until
+        `update_weights` writes them all again), "kv_cache", "cuda_graph" (the embedded engine has none).
+        Asked only of an engine that `releases_memory`, between rollouts."""
         ...
 
     def resume_memory(self, tags: Iterable[str]) -> None:
-        """Take back memory released under `tags`."""
+        """Take back memory released under `tags`, before pushing weights or sampling. SGLang servers
+        allocate it again (and fail on a tag that is not released); the embedded engine has nothing to
+        do: its weights come back with `update_weights`, its cache as requests run."""
         ...
 
     def shutdown(self) -> None:
