@@ -185,8 +185,8 @@ def phase_table(rl2: dict, body: int, head: int, peak: float, prompt_work: int) 
         rate = flops[phase] / seconds
         print(f"| {phase} | {seconds:.2f} | {seconds / step_s:.0%} | {flops[phase] / 1e12:.2f} | "
               f"{rate / 1e9:.0f} | {rate / peak:.0%} | {rl2.get(f'perf/{phase}_peak_gb', 0.0):.2f} |")
-    push_s = rl2.get("perf/weight_push_s", 0.0)
-    print(f"| of which weight push (in the rollout or the sync) | {push_s:.2f} | {push_s / step_s:.0%} | | | | |")
+    push_s = rl2.get("perf/weight_push_s", 0.0) + rl2.get("perf/rollout_weight_push_s", 0.0)
+    print(f"| of which weight push (in the sync, or the rollout) | {push_s:.2f} | {push_s / step_s:.0%} | | | | |")
     print(f"| other (advantages, logging, gathers) | {other_s:.2f} | {other_s / step_s:.0%} | | | | |")
     floor = (flops["rollout"] + flops["actor_update"]) / peak
     print(f"\nFLOP floor of a step (rollout + update at the matmul peak): {floor:.1f} s; "

@@ -23,11 +23,14 @@ trainer's models come back. A rollout on stale or released weights therefore can
 policy updates do not reach it. Inside `holding()` (the rollouts of one step: its dynamic-filtering
 rounds) the engine stays ready from the first rollout to the end of the scope: the policy cannot change
 in between, so the weights are pushed and the trainer's state moved once per step, not once per round.
+`holding(give_back=False)` (an evaluation) leaves it ready after the scope too, for the next step's
+rollout, which samples the same weights: an evaluation pushes nothing the next rollout would push again.
 
-`synced(label)` is called after each update: it pushes at once when the engine's weights are resident
-(external servers, the embedded engine on a GPU), else at the start of the next rollout, when the
-optimizer state and the frozen models have left the GPU to make room for the servers' weights (see
-`RL2.engine.memory_plan` for the memory of each phase).
+`synced(label)` is called after each update and pushes at once (the embedded engine, external servers),
+resuming the engine's weight memory if it was released: the push belongs to the step that trained the
+weights. Only an engine colocated with the trainer's models on a GPU (launched SGLang servers) waits
+for the start of the next rollout, when the optimizer state and the frozen models have left the GPU to
+make room for the servers' weights (see `RL2.engine.memory_plan` for the memory of each phase).
 """
 
 import time
@@ -148,7 +151,8 @@ class EngineState:
         policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
             None: the engine samples the weights it loaded (an evaluation of a fixed model).
         push: `push(label)` sends the policy's current weights to the engine (collective).
-        colocated: the trainer's models that leave the GPU while the engine samples (empty: none do).
+        colocated: the trainer's models that leave the GPU while the engine samples (empty: none do); with
+            any, a push waits for the next rollout, as the push needs their GPU memory.
     """
 
     def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
@@ -167,17 +171,21 @@ class EngineState:
         return self.weights_resident and (not self.follows_policy or self.version == self.policy.updates)
 
     def synced(self, label: str) -> None:
-        """The policy was updated (`label` names its weights): push now if the engine's weights are
-        resident, else at the next rollout."""
+        """The policy was updated (`label` names its weights): push now, unless the push needs the GPU that
+        the trainer's models hold (a colocated engine): then at the start of the next rollout."""
         self.label = label
-        if self.follows_policy and self.weights_resident and not self.current:
-            self._push()
+        if not self.follows_policy or self.current or self.colocated:
+            return
+        if not self.weights_resident:
+            self.engine.resume_memory(WEIGHT_TAGS)
+            self.weights_resident = True
+        self._push()
 
     @contextmanager
     def sampling(self) -> Iterator[None]:
         """The engine is ready to sample the policy's current weights inside; the trainer's afterwards
         (inside `holding()`: at the end of that scope)."""
-        if not self.ready:
+        if not (self.ready and self.current):
             self._make_current()
             for worker in self.colocated:
                 worker.offload()
@@ -194,10 +202,16 @@ class EngineState:
             self.to_trainer()
 
     @contextmanager
-    def holding(self) -> Iterator[None]:
+    def holding(self, give_back: bool = True) -> Iterator[None]:
         """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
         the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
-        Nothing inside may update the policy or need the trainer's models on the GPU."""
+        Nothing inside may update the policy or need the trainer's models on the GPU.
+
+        Args:
+            give_back: False keeps the engine ready after the scope too (an evaluation, whose weights the
+                next step's rollout samples again); whatever needs the trainer's models before that rollout
+                calls `to_trainer_if_lent` first.
+        """
         self.holds += 1
         try:
             yield
@@ -207,7 +221,13 @@ class EngineState:
             raise
         finally:
             self.holds -= 1
-        if not self.holds and self.ready:
+        if not self.holds and self.ready and give_back:
+            self.to_trainer()
+
+    def to_trainer_if_lent(self) -> None:
+        """The trainer needs its models outside a step (a checkpoint save): if an evaluation left a
+        colocated engine holding the GPU, give it back. An engine beside the trainer keeps its weights."""
+        if self.ready and self.colocated:
             self.to_trainer()
 
     def to_trainer(self) -> None:
@@ -268,8 +288,10 @@ class RolloutWorker:
         self.engine = start_engine(rollout_cfg, resolve_model_path(model_cfg.model_name), self.dtype, device,
                                    tokenizer, colocated, seed)
         self.push_seconds = 0.0  # spent pushing weights since `take_push_seconds` last read it
-        self.state = EngineState(self.engine, policy, self._push_weights,
-                                 colocated if self.engine.releases_memory else [])
+        # The trainer's models move off only for an engine that releases GPU memory (on CPU, offloading is
+        # nothing and the embedded engine's pushes need not wait for it).
+        shares_gpu = self.engine.releases_memory and device.type == "cuda"
+        self.state = EngineState(self.engine, policy, self._push_weights, colocated if shares_gpu else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
         configure_rewards(rollout_cfg)
@@ -286,10 +308,17 @@ class RolloutWorker:
             self.endpoint = OpenAIEndpoint(self.engine, tokenizer, parser, template_renders_tools(tokenizer), {},
                                            self.max_total_tokens, rollout_cfg.tool_call_stop)
 
-    def held(self):
+    def held(self, give_back: bool = True):
         """A context in which the engine stays ready across rollouts (`EngineState.holding`): the rounds of
-        one step's dynamic filtering push the weights and move the trainer's state once, not each."""
-        return self.state.holding()
+        one step's dynamic filtering push the weights and move the trainer's state once, not each. With
+        `give_back=False` (an evaluation) it stays ready for the next rollout, which samples the same
+        weights; call `to_trainer_if_lent` before using the trainer's models in between."""
+        return self.state.holding(give_back)
+
+    def to_trainer_if_lent(self) -> None:
+        """Bring the trainer's models back to the GPU if an evaluation left a colocated engine on it
+        (before a checkpoint save)."""
+        self.state.to_trainer_if_lent()
 
     @property
     def uses_tools(self) -> bool:
@@ -406,7 +435,7 @@ class RolloutWorker:
 
     def take_push_seconds(self) -> float:
         """Seconds spent pushing weights into the engine since the last call: a push happens at the
-        sync when the engine's weights are resident, else at the start of the next rollout."""
+        sync, or for a colocated engine at the start of the next rollout (see `EngineState.synced`)."""
         seconds, self.push_seconds = self.push_seconds, 0.0
         return seconds
 

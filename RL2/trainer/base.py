@@ -61,6 +61,10 @@ class Trainer:
         """One optimizer step (1-based `step`); returns metrics."""
         raise NotImplementedError
 
+    def reclaim_devices(self) -> None:
+        """Bring every model's state back to its device before it is read outside a step (a checkpoint,
+        the final export): PPO's evaluation may leave a colocated engine on the GPU."""
+
     def evaluate(self) -> dict[str, float]:
         return {}
 
@@ -139,8 +143,10 @@ class Trainer:
             self.sink.log(metrics, step)
             progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k.endswith("loss")})
             if trainer.save_freq and step % trainer.save_freq == 0:
+                self.reclaim_devices()
                 save_checkpoint(trainer.save_dir, step, self.workers(), self.trainer_state(), trainer.keep_last_n)
                 self.save_learning_curve()  # a long run shows its curve so far
+        self.reclaim_devices()
         self.save_final()
         self.save_learning_curve()
         self.sink.close()

@@ -131,6 +131,9 @@ class PPOTrainer(Trainer):
             if name != "ref":
                 worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
 
+    def reclaim_devices(self) -> None:
+        self.rollout.to_trainer_if_lent()
+
     def trainer_state(self) -> dict:
         return {"cursor": self.cursor, "drawn": self.drawn,
                 "carried": [[t.to_dict() for t in group] for group in self.carried], "test_cursor": self.test_cursor}
@@ -142,6 +145,8 @@ class PPOTrainer(Trainer):
         cfg, metrics = self.cfg, {}
         with measured(metrics, "rollout"), self.rollout.held():  # one push for all of the step's rounds
             groups, rolled_out = self.collect_groups(step, metrics)
+        if pushed := self.rollout.take_push_seconds():  # weights that no step's end pushed (see the sync below)
+            metrics["perf/rollout_weight_push_s"] = pushed
         metrics |= rollout_metrics(rolled_out, tools=self.rollout.uses_tools)
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
@@ -154,6 +159,11 @@ class PPOTrainer(Trainer):
             # PPO's critic warm-up: for the first actor.freeze_steps steps only the critic learns.
             batch = training_batch(groups, version=step - 1)
             metrics |= self.learn(batch, update_actor=step > cfg.actor.freeze_steps)
+        # The weights trained at this step are pushed here and timed as its `perf/weight_push_s`. Only an
+        # engine on the trainer's GPUs (colocated SGLang servers) defers the push until the trainer's state
+        # leaves the GPU: to this step's evaluation, which then reports the time with this step, or else to
+        # the next step's rollout, which reports it as `perf/rollout_weight_push_s` (as it does the first
+        # step's push of the initial weights).
         with measured(metrics, "sync"):
             self.rollout.sync_weights(self.actor.model, f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
@@ -294,11 +304,15 @@ class PPOTrainer(Trainer):
         if not self.test_data:
             return {}
         rollout = self.cfg.rollout
-        groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
-                                      rollout.test_responses_per_prompt,
-                                      rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
+        # The engine keeps the weights for the next step's rollout, which samples them again.
+        with self.rollout.held(give_back=False):
+            groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
+                                          rollout.test_responses_per_prompt,
+                                          rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
                    for key, value in rollout_metrics(groups, tools=self.rollout.uses_tools).items()}
+        if pushed := self.rollout.take_push_seconds():  # the push a colocated engine deferred from the step
+            metrics["perf/weight_push_s"] = pushed
         if faults := fault_summary(groups):
             log_rank0(f"test rollout: {faults} ({self.env.path})")
         sources = [str(group[0].extra_info.get("data_source", "default")) for group in groups]
@@ -329,6 +343,7 @@ class PPOTrainer(Trainer):
         self.test_cursor = state.get("test_cursor", 0)
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.sync_weights(self.actor.model, f"step{state['step']}")
+        self.rollout.take_push_seconds()  # that push is of no step's weights
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -59,8 +59,10 @@ class RecordingModel:
     def __init__(self, name: str, log: list[str]):
         self.name, self.log, self.updates = name, log, 0
         self.params_on_gpu = self.optimizer_on_gpu = True
+        self.moves_off = 0  # times its state left the GPU
 
     def offload(self, keep_params: bool = False):
+        self.moves_off += self.optimizer_on_gpu
         self.optimizer_on_gpu = False
         self.params_on_gpu = self.params_on_gpu and keep_params
 
@@ -68,23 +70,26 @@ class RecordingModel:
         self.params_on_gpu = self.optimizer_on_gpu = True
 
 
-def build(log, releases_memory=True, follows_policy=True):
+def build(log, releases_memory=True, follows_policy=True, colocated=None):
+    """`colocated` (default: `releases_memory`): the trainer's models share the engine's GPU, as with
+    launched SGLang servers; an engine that releases memory without them is the embedded one on CPU."""
+    colocated = releases_memory if colocated is None else colocated
     engine, policy, ref = RecordingEngine(log, releases_memory, follows_policy), RecordingModel("actor", log), (
         RecordingModel("ref", log))
 
     def push(label):
         # The push reads the policy's parameters while the rest of the trainer is off the GPU.
-        assert policy.params_on_gpu and not (releases_memory and ref.optimizer_on_gpu)
+        assert policy.params_on_gpu and not (colocated and ref.optimizer_on_gpu)
         engine.push(f"{label}@{policy.updates}")
 
-    state = EngineState(engine, policy, push, [policy, ref] if releases_memory else [])
+    state = EngineState(engine, policy, push, [policy, ref] if colocated else [])
     state.to_trainer()
     return state, engine, policy, ref
 
 
 def rollout(state, engine, policy, ref) -> str:
     with state.sampling():
-        if state.releases_memory:
+        if state.colocated:
             assert not policy.params_on_gpu and not ref.params_on_gpu, "the trainer stayed on the GPU"
         sampled = engine.generate()
     assert policy.params_on_gpu and ref.params_on_gpu
@@ -120,7 +125,8 @@ def held_rounds(state, engine, policy, ref, rounds: int) -> list[str]:
         for _ in range(rounds):
             with state.sampling():
                 sampled.append(engine.generate())
-            assert not policy.params_on_gpu and not ref.params_on_gpu and not ref.optimizer_on_gpu
+            if state.colocated:
+                assert not policy.params_on_gpu and not ref.params_on_gpu and not ref.optimizer_on_gpu
     assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu
     return sampled
 
@@ -157,6 +163,62 @@ def test_a_hold_that_fails_leaves_the_trainer_on_the_gpu(where):
     assert held_rounds(state, engine, policy, ref, 2) == ["step0@0"] * 2
     assert log == [RELEASE_ALL, "resume weights", "push step0@0", "resume kv_cache,cuda_graph", "generate on step0@0",
                    "generate on step0@0", "generate on step0@0", RELEASE_ALL]
+
+
+def evaluation(state, engine) -> str:
+    """A test rollout, as PPO's evaluation runs it: the engine stays ready for the next step's rollout."""
+    with state.holding(give_back=False):
+        with state.sampling():
+            return engine.generate()
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "beside_the_trainer"])
+def test_evaluations_push_nothing_and_leave_the_trainer_in_place(colocated):
+    """An evaluation before training, two steps of two rounds each followed by an evaluation, one step
+    without: each version of the weights is pushed once, and a colocated trainer's state leaves the GPU
+    once per step's rollout, not once more per evaluation (which samples what the next rollout samples)."""
+    log = []
+    state, engine, policy, ref = build(log, colocated=colocated)
+    assert evaluation(state, engine) == "step0@0"
+    for step in (1, 2):
+        assert held_rounds(state, engine, policy, ref, 2) == [f"step{step - 1}@{step - 1}"] * 2
+        update(state, policy, f"step{step}")
+        assert evaluation(state, engine) == f"step{step}@{step}"
+    assert held_rounds(state, engine, policy, ref, 2) == ["step2@2"] * 2
+    update(state, policy, "step3")
+    assert held_rounds(state, engine, policy, ref, 2) == ["step3@3"] * 2
+    assert [entry for entry in log if entry.startswith("push")] == [f"push step{k}@{k}" for k in range(4)]
+    # After the build's release, the weights go only at the end of each training rollout (four).
+    assert log.count(RELEASE_ALL) == 1 + 4
+    assert ref.moves_off == (4 if colocated else 0)
+
+
+def test_an_engine_beside_the_trainer_is_pushed_at_the_sync():
+    """The embedded engine on CPU releases its memory for the update, but the push needs no GPU of the
+    trainer's: it comes back and takes the new weights at the sync, the step that trained them."""
+    log = []
+    state, engine, policy, ref = build(log, colocated=False)
+    assert rollout(state, engine, policy, ref) == "step0@0"
+    update(state, policy, "step1")
+    assert log[-2:] == ["resume weights", "push step1@1"]
+    assert rollout(state, engine, policy, ref) == "step1@1"
+    assert log == [RELEASE_ALL, "resume weights", "push step0@0", "resume kv_cache,cuda_graph", "generate on step0@0",
+                   RELEASE_ALL, "resume weights", "push step1@1", "resume kv_cache,cuda_graph", "generate on step1@1",
+                   RELEASE_ALL]
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "beside_the_trainer"])
+def test_a_checkpoint_after_an_evaluation_gets_the_trainers_models_back(colocated):
+    """`to_trainer_if_lent` (before a checkpoint save): a colocated engine left ready by an evaluation
+    gives the GPU back, and the next rollout pushes again; an engine beside the trainer keeps its weights."""
+    log = []
+    state, engine, policy, ref = build(log, colocated=colocated)
+    evaluation(state, engine)
+    assert ref.optimizer_on_gpu == (not colocated)
+    state.to_trainer_if_lent()
+    assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu
+    assert rollout(state, engine, policy, ref) == "step0@0"
+    assert [entry for entry in log if entry.startswith("push")] == ["push step0@0"] * (2 if colocated else 1)
 
 
 def test_an_update_without_a_sync_is_pushed_at_the_next_rollout():

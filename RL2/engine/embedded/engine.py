@@ -130,8 +130,9 @@ class EmbeddedEngine:
 
     @property
     def releases_memory(self) -> bool:
-        """On CPU the engine's memory is the RAM the trainer's update needs: between rollouts the engine
-        frees its weights (`EngineState` pushes the policy's before the next rollout) and its KV cache.
+        """On CPU the engine's memory is the RAM the trainer's update needs: after a training rollout the
+        engine frees its weights (`EngineState` pushes the updated policy's at the end of the step) and
+        its KV cache.
         On a GPU it keeps them: releasing would also move the trainer's state to the CPU around every
         rollout (`EngineState`), which pays only for SGLang servers' share of the GPU."""
         return self.runner.device.type == "cpu"

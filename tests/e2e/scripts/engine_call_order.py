@@ -1,6 +1,6 @@
 """The PPO trainer on one CPU rank with a recording test double around its real embedded engine.
 
-    python tests/e2e/scripts/engine_call_order.py OUT.json MODEL WORKDIR [key=value ...]
+    python tests/e2e/scripts/engine_call_order.py OUT.json MODEL WORKDIR [--as-built] [key=value ...]
 
 The double (`RecordingEngine`) forwards generation and weight updates to the real `EmbeddedEngine`
 and behaves, for memory, like a colocated SGLang server: it has weights, KV cache and CUDA graph
@@ -9,8 +9,12 @@ into the engine through its own `update_weights`). It records the order of the c
 the first request after any change it checks, independently of RL2's bookkeeping, that every region
 is resident, that the engine's weights equal the actor's current full weights (or, with
 `rollout.weight_sync=none`, the initial ones) and that the trainer's models are off the "GPU". The
-trainer's models record their moves. OUT.json gets the calls, the violations found and the metrics'
-sampling rounds.
+trainer's models record their moves. OUT.json gets the calls, the violations found and the metrics
+of every step.
+
+With `--as-built` the double passes the memory calls on to the real engine (which on CPU frees its
+weights and cache) and stands in the trainer's own `EngineState`, as the trainer built it: it records
+the calls of the embedded engine on CPU and checks the weights at every request as above.
 """
 
 import json
@@ -31,11 +35,11 @@ ENV = ENVS / "emit_token.py"
 class RecordingEngine:
     """A recording test double around the real embedded engine (see the module docstring)."""
 
-    releases_memory = True  # as colocated SGLang servers do
-
-    def __init__(self, inner, engine_runner, expected_weights, colocated, follows_policy: bool):
+    def __init__(self, inner, engine_runner, expected_weights, policy, colocated, follows_policy: bool,
+                 as_built: bool = False):
         self.inner, self.engine_runner, self.follows_policy = inner, engine_runner, follows_policy
-        self.expected_weights, self.colocated = expected_weights, colocated
+        self.expected_weights, self.policy, self.colocated, self.as_built = expected_weights, policy, colocated, as_built
+        self.releases_memory = inner.releases_memory if as_built else True  # as colocated SGLang servers do
         self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
         self.content = "initial"
         self.calls: list[str] = []
@@ -50,9 +54,12 @@ class RecordingEngine:
         self._record("release " + ",".join(tags))
         for tag in tags:
             self.resident[tag] = False
-        if "weights" in tags:  # SGLang's memory saver keeps no copy of released weights
+        if self.as_built:
+            self.inner.release_memory(tags)
+        elif "weights" in tags:  # SGLang's memory saver keeps no copy of released weights
             self.inner.update_weights((name, torch.full_like(p, float("nan")))
                                       for name, p in self.engine_runner.state_dict().items())
+        if "weights" in tags:
             self.content = None
         self._checked = False
 
@@ -62,6 +69,8 @@ class RecordingEngine:
             if self.resident[tag]:
                 self.violations.append(f"resume of {tag}, which was not released")
             self.resident[tag] = True
+        if self.as_built:
+            self.inner.resume_memory(tags)
         self._checked = False
 
     def update_weights(self, named_tensors, weight_version):
@@ -71,7 +80,7 @@ class RecordingEngine:
             self.violations.append("the push found the policy's parameters off the GPU")
         self.inner.update_weights(named_tensors, weight_version)
         self.content = weight_version
-        self._record(f"push {weight_version}@{self.colocated[0].worker.updates}")
+        self._record(f"push {weight_version}@{self.policy.updates}")
         self._checked = False
 
     async def generate(self, payload):
@@ -121,6 +130,8 @@ class RecordingModel:
 
 
 def main(out: str, model: str, workdir: str, *overrides: str) -> None:
+    as_built = "--as-built" in overrides
+    overrides = tuple(o for o in overrides if o != "--as-built")
     work = Path(workdir)
     for split, n in (("train", 16), ("test", 4)):
         rows = [{"prompt": f"{split} question {k}", "extra_info": {}} for k in range(n)]
@@ -135,24 +146,28 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
     rollout = trainer.rollout
     follows = cfg.rollout.weight_sync != "none"
     initial = {name: t.clone() for name, t in full_tensors(trainer.actor.model, rollout.dtype)}
-    # The double replaces the trainer's engine bookkeeping: the engine starts from the initial weights
-    # (the real embedded engine released its own when the trainer was built).
-    rollout.engine.update_weights(initial.items(), "initial")
 
     def expected_weights():
         return full_tensors(trainer.actor.model, rollout.dtype) if follows else initial.items()
 
-    colocated = [RecordingModel(trainer.actor.worker)]
-    double = RecordingEngine(rollout.engine, rollout.engine.runner, expected_weights, colocated, follows)
-    rollout.engine = double
-    rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker])
-    rollout.state.to_trainer()
+    if as_built:  # the trainer's state, which released the engine's weights and cache when it was built
+        double = RecordingEngine(rollout.engine, rollout.engine.runner, expected_weights, trainer.actor.worker, [],
+                                 follows, as_built=True)
+        double.resident = {"weights": False, "kv_cache": False, "cuda_graph": False}
+        rollout.engine = rollout.state.engine = double
+    else:
+        # The double replaces the trainer's engine bookkeeping: the engine starts from the initial weights
+        # (the real embedded engine released its own when the trainer was built).
+        rollout.engine.update_weights(initial.items(), "initial")
+        colocated = [RecordingModel(trainer.actor.worker)]
+        double = RecordingEngine(rollout.engine, rollout.engine.runner, expected_weights, trainer.actor.worker,
+                                 colocated, follows)
+        rollout.engine = double
+        rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker])
+        rollout.state.to_trainer()
     trainer.train()
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    rounds = [m.get("rollout/sampling_rounds", 1) for m in metrics if "rollout/reward" in m]
-    partial = sum("rollout/carried_groups" in m for m in metrics)
-    Path(out).write_text(json.dumps({"calls": double.calls, "violations": double.violations,
-                                     "sampling_rounds": rounds, "partial_rollouts": partial}))
+    Path(out).write_text(json.dumps({"calls": double.calls, "violations": double.violations, "metrics": metrics}))
 
 
 if __name__ == "__main__":
