@@ -18,7 +18,7 @@ import torch
 from RL2.algs.averaging import loss_weights
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.config.errors import ConfigError
-from RL2.models.shared_prefix import compressed_length
+from RL2.utils.shared_prefixes import compressed_length
 
 
 def balanced_partition(sizes: list[int], n_parts: int) -> list[list[int]]:

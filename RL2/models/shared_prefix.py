@@ -16,8 +16,8 @@ prefix token add up on it). A position is shared only while inputs and labels ag
 the last shared position is the same for every sequence of the run (the next token is where they
 first differ, or the end of the shorter sequence).
 
-A run grows while it saves at least as many tokens as before; a prefix of fewer than
-`MIN_SHARED_TOKENS` is not worth the extra attention calls.
+Which sequences form a run is `RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
+too to size a row.
 """
 
 from dataclasses import dataclass, field
@@ -27,8 +27,7 @@ import torch
 from RL2.batch import MicroBatch
 from RL2.models.attention import log_backend_once, sdpa, tokens_major_cat
 from RL2.native.prefix_attention import prefix_attention, usable
-
-MIN_SHARED_TOKENS = 16
+from RL2.utils.shared_prefixes import runs_with_shared_prefix
 
 
 @dataclass
@@ -76,7 +75,7 @@ class SharedPrefixRow:
         bounds = mb.cu_seqlens.tolist()
         # A sequence as its full tokens: positions agree up to t while tokens 0..t+1 do.
         sequences = [inputs[a:b] + labels[b - 1 : b] for a, b in zip(bounds[:-1], bounds[1:])]
-        runs = _runs_with_shared_prefix(sequences, set(mb.unit_starts))
+        runs = runs_with_shared_prefix(sequences, set(mb.unit_starts))
         if all(len(run) == 1 for run, _ in runs):
             return None
         keep, source, blocks = [], [], []  # the packed tokens the compressed row stores; where each packed one is
@@ -153,38 +152,3 @@ class SharedPrefixRow:
         if key not in self._masks:
             self._masks[key] = torch.ones(length, prefix + length, dtype=torch.bool, device=device).tril(prefix)
         return self._masks[key]
-
-
-def common_prefix_length(sequences: list[list[int]]) -> int:
-    """How many leading tokens all `sequences` share."""
-    first = sequences[0]
-    length = min(len(s) for s in sequences)
-    for other in sequences[1:]:
-        length = next((i for i in range(length) if other[i] != first[i]), length)
-    return length
-
-
-def compressed_length(sequences: list[list[int]]) -> int:
-    """Positions of the compressed row of these sequences, packed in this order (full token lists)."""
-    return sum(shared + sum(len(sequences[i]) - 1 - shared for i in run)
-               for run, shared in _runs_with_shared_prefix(sequences))
-
-
-def _runs_with_shared_prefix(sequences: list[list[int]], starts: set[int] = frozenset()) -> list[tuple[list[int], int]]:
-    """Split consecutive sequences into runs, each with the number of positions its sequences share.
-
-    A sequence of n+1 tokens has n positions (inputs); a run of one shares all of them. A sequence
-    joins the current run while the run's shared positions times the sequences that reuse them does
-    not drop, and the run shares at least `MIN_SHARED_TOKENS`; a sequence in `starts` begins a new one.
-    """
-    runs: list[tuple[list[int], int]] = []
-    for index, tokens in enumerate(sequences):
-        if runs and index not in starts:
-            run, shared = runs[-1]
-            first = sequences[run[0]]
-            with_this = min(shared, common_prefix_length([first, tokens]) - 1, len(tokens) - 1)
-            if with_this >= MIN_SHARED_TOKENS and with_this * len(run) >= shared * (len(run) - 1):
-                runs[-1] = (run + [index], with_this)
-                continue
-        runs.append(([index], len(tokens) - 1))
-    return runs

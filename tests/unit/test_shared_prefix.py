@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 from RL2.batch import SequenceBatch
 from RL2.datasets.packing import pack
 from RL2.models.logps import ModelLayout, forward_packed
-from RL2.models.shared_prefix import MIN_SHARED_TOKENS, SharedPrefixRow, _runs_with_shared_prefix
+from RL2.models.shared_prefix import SharedPrefixRow
+from RL2.utils.shared_prefixes import MIN_SHARED_TOKENS, runs_with_shared_prefix
 
 PROMPT = 24  # > MIN_SHARED_TOKENS
 
@@ -39,7 +40,7 @@ def test_runs_share_while_the_saving_does_not_drop():
     d = prompt[:18] + [7] * 5  # would cut it to 17: three reuses of 17 save less than two of 29: a new run
     e = prompt[:18] + [7] * 3 + [8]  # shares 20 positions with d
     f = prompt[:MIN_SHARED_TOKENS] + [6]  # shares 15 positions with e: too few to share
-    runs = _runs_with_shared_prefix([a, b, c, d, e, f])
+    runs = runs_with_shared_prefix([a, b, c, d, e, f])
     assert runs == [([0, 1, 2], 29), ([3, 4], 20), ([5], MIN_SHARED_TOKENS)]
 
 

@@ -34,7 +34,7 @@ from RL2.engine.embedded.packed_linear import (
     panel_kernels_for,
 )
 from RL2.models.attention import softcapped_attention
-from RL2.models.shared_prefix import common_prefix_length
+from RL2.utils.shared_prefixes import common_prefix_length
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
 # of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
