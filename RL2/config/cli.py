@@ -14,7 +14,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from RL2.config.aliases import SchemaKeys, apply_kl_estimators, apply_lora_switches, describe_aliases, translate
 from RL2.config.errors import ConfigError
 from RL2.config.original_lines import apply_original_meanings
-from RL2.config.schema import check_model_sections, check_run_sections
+from RL2.config.validation import check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
@@ -24,11 +24,14 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
 
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
-        trainer: name of the YAML file holding the trainer's defaults.
+        trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file and its checks.
         argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
             original key names are accepted (`RL2.config.aliases`); each one used is printed with
             its current key, and a command line written for the original keeps the original's meaning
             of the keys it shares with RL2 (`RL2.config.original_lines`).
+
+    Every check of the values (`RL2.config.validation`) runs here, once: a bad value fails before anything
+    is loaded.
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -46,8 +49,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     apply_original_meanings(base, translation, trainer)
     OmegaConf.resolve(base)
     check_choices(base, schema)
-    check_model_sections(base)
-    check_run_sections(base)
+    check_config(base, trainer)
     if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)

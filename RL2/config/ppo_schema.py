@@ -1,7 +1,8 @@
 """Typed config of the RL trainer (`RL2.trainer.ppo`): PPO with a critic, GRPO and relatives.
 
 Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at start (the `choices`
-of each field), and so do combinations that cannot do what they say (`check_ppo_config`), naming the key.
+of each field), and so do combinations that cannot do what they say (`check_ppo_config`, which
+`RL2.config.validation` runs when the command line is parsed), naming the key.
 """
 
 import functools
@@ -12,6 +13,7 @@ from RL2.algs.policy_loss import Correction
 from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 from RL2.engine.embedded.sampling import GREEDY_TEMPERATURE
+from RL2.engine.memory_plan import COLOCATED_MARGIN_GB
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RolloutConfig:
     engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded", choices=("auto", "embedded", "sglang"))
     server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
     server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
+    gpu_memory_margin_gb: float = opt(COLOCATED_MARGIN_GB, "GiB of each GPU that SGLang servers launched beside the trainer leave free when they size their KV cache, besides SGLang's own headroom: what the trainer's memory left on the GPU (its state offloaded) grows by after the servers start; ignored when rollout.server_args sets mem_fraction_static")
     server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
@@ -292,6 +295,9 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
         raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
     if rollout.get("agent_path") and rollout.get("reward_fn"):
         raise ConfigError("rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
+    if rollout.get("gpu_memory_margin_gb", 0.0) < 0:
+        raise ConfigError(f"rollout.gpu_memory_margin_gb={rollout.gpu_memory_margin_gb}; give the GiB of each GPU "
+                          f"that colocated SGLang servers leave free (0 or more)")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
         if params.max_new_tokens < 1:
@@ -335,6 +341,9 @@ def check_algorithm(adv, kl) -> None:
                           f"discount; adv.gamma applies to gae, reinforce_plus_plus and mc")
     if adv.truncation is not None and estimator != "mc":
         raise ConfigError("adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
+    if adv.truncation is not None and adv.truncation < 1:
+        raise ConfigError(f"adv.truncation={adv.truncation}; give a positive number of turns, or null for returns to "
+                          f"the end of the trajectory")
     if kl.coef > 0 and kl.type == "reward" and kl.estimator != "k1":
         # A penalty in the reward is multiplied by grad log p: only k1 then gives grad KL in
         # expectation (E[k3 grad log p] != grad KL), as REINFORCE++ and OpenAI's PPO use it.
@@ -364,6 +373,9 @@ def check_policy_loss(actor) -> None:
                 owner = "gspo (or gspo_token)" if loss == "gspo" else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
                                   f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
+    if actor.dual_clip is not None and actor.dual_clip <= 1:
+        raise ConfigError(f"actor.dual_clip={actor.dual_clip}; it bounds the loss of a negative-advantage token at "
+                          f"dual_clip times its advantage: set it above 1 (3 is a common choice), or null for none")
     gspo, cispo = actor.gspo, actor.cispo
     if not (0 <= gspo.clip_low < 1 and gspo.clip_high >= 0):
         raise ConfigError(f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) and actor.gspo.clip_high="

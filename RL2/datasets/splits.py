@@ -75,8 +75,6 @@ class EpochSampler:
     """
 
     def __init__(self, n_examples: int, batch_size: int, shuffle: bool, seed: int):
-        if batch_size < 1:
-            raise ConfigError(f"data.train.batch_size={batch_size}; it must be at least 1")
         if n_examples < batch_size:
             raise ConfigError(
                 f"the training set has {n_examples} examples, fewer than data.train.batch_size={batch_size}; "

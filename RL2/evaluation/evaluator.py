@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.errors import ConfigError
 from RL2.agents.tool_use import tool_use_of
-from RL2.config.eval_schema import TRAINING_ONLY, check_eval_config
+from RL2.config.eval_schema import TRAINING_ONLY
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.prompts import prompt_row_tokenizer
@@ -67,7 +67,6 @@ class Evaluator:
     """
 
     def __init__(self, cfg: DictConfig, env: Env | None = None):
-        check_eval_config(cfg)
         self.device = pick_device(cfg.eval.device, key="eval.device")
         # Huge pages before the environment's script can allocate; malloc tuned before any thread starts.
         prepare_process(self.device)

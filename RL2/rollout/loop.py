@@ -52,7 +52,7 @@ async def run_trajectory(
         state: the prompt text or chat messages; None asks the environment's `reset`.
         extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
         sampling_params: SGLang sampling params of every request.
-        max_turns: the most actions.
+        max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
         max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
             each request's max_new_tokens is cut to what is left. None: no limit.
         env_timeout: seconds one `step` (or `reset`) may take. None: no limit.
@@ -65,8 +65,6 @@ async def run_trajectory(
         tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: an action that
             calls tools gets their results as the next state, and only one that calls none is stepped.
     """
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be at least 1, got {max_turns}")
     if resume is None:
         trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout,
                                   tool_use)

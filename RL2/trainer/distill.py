@@ -40,9 +40,6 @@ class DistillTrainer(SFTTrainer):
     learning_curve = (CurvePanel("loss", ("train/loss", "test/loss"), ylabel="KL to the teacher per token"),)
 
     def __init__(self, cfg):
-        if cfg.actor.temperature <= 0:  # both distributions are divided by it
-            raise ConfigError(f"actor.temperature={cfg.actor.temperature}; it softens both distributions before the "
-                              f"KL: set a positive temperature (1: the models' own)")
         super().__init__(cfg)
         self.teacher = FSDPWorker(cfg.actor, self.dims, self.device, train=False, model_name=cfg.actor.teacher_name,
                                    section="actor")

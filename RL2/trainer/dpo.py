@@ -9,7 +9,6 @@ the initial weights, without a second copy.
 import torch
 
 from RL2.algs.preference import dpo_loss
-from RL2.config import ConfigError
 from RL2.config.schema import DPOConfig
 from RL2.models.logps import packed_logps
 from RL2.models.lora import adapters_disabled
@@ -20,7 +19,6 @@ from RL2.workers.fsdp import FSDPWorker
 
 class DPOTrainer(PairwiseTrainer):
     def __init__(self, cfg):
-        check_dpo_settings(cfg.actor)
         super().__init__(cfg)
         self.ref = None if self.worker.lora else FSDPWorker(cfg.actor, self.dims, self.device, train=False,
                                                             section="actor")
@@ -54,16 +52,6 @@ class DPOTrainer(PairwiseTrainer):
         metrics["chosen_logps"] = chosen["logps"].detach()
         metrics["rejected_logps"] = rejected["logps"].detach()
         return losses, metrics
-
-
-def check_dpo_settings(actor) -> None:
-    """Fail at start, naming the key, on a beta or label smoothing the loss cannot train with."""
-    if actor.beta <= 0:  # 0: no gradient (sigmoid) or a target margin of 1 / 0 (ipo); below 0: prefers rejected
-        raise ConfigError(f"actor.beta={actor.beta}; DPO needs a positive beta, the strength of the KL to the "
-                          f"reference (e.g. 0.1)")
-    if not 0 <= actor.label_smoothing < 0.5:
-        raise ConfigError(f"actor.label_smoothing={actor.label_smoothing}; it is the assumed share of flipped "
-                          f"labels: set it in [0, 0.5) (0: plain DPO)")
 
 
 def main(argv: list[str] | None = None) -> None:

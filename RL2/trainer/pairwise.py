@@ -10,7 +10,6 @@ from collections import defaultdict
 import torch
 
 from RL2.batch import MicroBatch, SequenceBatch
-from RL2.config import ConfigError
 from RL2.datasets.packing import pack
 from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
 from RL2.datasets.splits import EpochSampler, batches, load_splits
@@ -39,9 +38,6 @@ class PairwiseTrainer(Trainer):
 
     def __init__(self, cfg):
         model_cfg = cfg[self.model_key]
-        if model_cfg.avg_level != "token":  # the shared schema's default, which no preference loss reads
-            raise ConfigError(f"{self.model_key}.avg_level={model_cfg.avg_level}: a preference loss is one number "
-                              f"per pair, averaged over the batch's pairs, so the key has no effect here; leave it out")
         super().__init__(cfg, model_cfg)
         self.tokenizer = load_tokenizer(model_cfg, self.model_key)
         self.train_data, self.test_data = load_splits(cfg.data, pair_row_tokenizer(self.tokenizer), cfg.trainer.seed)

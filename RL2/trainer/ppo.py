@@ -3,7 +3,7 @@
 One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share, on its
 own embedded engine), score the trajectories with the environment, compute reference log-probs
 (KL), values (PPO's critic) and old log-probs when needed, turn rewards into advantages with the
-estimator named by `adv.estimator` (GRPO: `reinforce`; PPO: `gae`), update the actor (and critic),
+estimator named by `adv.estimator` (GRPO: `grpo`; PPO: `gae`), update the actor (and critic),
 and copy the new weights into the engines.
 """
 
@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from RL2.agents.tool_use import tool_use_of
 from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.config.errors import ConfigError
-from RL2.config.ppo_schema import PPOConfig, check_ppo_config
+from RL2.config.ppo_schema import PPOConfig
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.models.logps import forward_packed
@@ -57,7 +57,6 @@ class PPOTrainer(Trainer):
     )
 
     def __init__(self, cfg, env: Env | None = None):
-        check_ppo_config(cfg)
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.env = env if env is not None else load_rollout_env(cfg.rollout)

@@ -5,7 +5,6 @@ import time
 import torch
 
 from RL2.batch import SequenceBatch
-from RL2.config import ConfigError
 from RL2.config.schema import SFTConfig
 from RL2.datasets.packing import pack, train_weights
 from RL2.datasets.sft import sft_row_tokenizer
@@ -20,9 +19,6 @@ class SFTTrainer(Trainer):
     learning_curve = (CurvePanel("loss", ("train/loss", "test/loss"), ylabel="negative log-likelihood"),)
 
     def __init__(self, cfg):
-        if cfg.actor.avg_level == "constant":
-            raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "
-                              "use token or sequence")
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.train_data, self.test_data = load_splits(cfg.data, sft_row_tokenizer(self.tokenizer), cfg.trainer.seed)

@@ -264,5 +264,3 @@ def test_sampler_visits_every_example_once_per_epoch():
     assert sampler.batch(4) == EpochSampler(10, 3, shuffle=True, seed=0).batch(4)  # a pure function of the step
     with pytest.raises(ConfigError, match="fewer than data.train.batch_size=20; lower the batch size"):
         EpochSampler(10, 20, shuffle=True, seed=0)
-    with pytest.raises(ConfigError, match="data.train.batch_size=0; it must be at least 1"):
-        EpochSampler(10, 0, shuffle=True, seed=0)

@@ -1,7 +1,7 @@
 """Command lines written for RL2's original releases.
 
 Every example line of the original's history (`tests/data/original_example_lines.txt`, verbatim) goes
-through the real command line (`parse_config`) and the RL trainer's start checks (`check_ppo_config`):
+through the real command line (`parse_config`, which runs every trainer's start checks):
 it parses and starts, or fails naming the key and what to do (the lines that cannot run are listed in
 `CANNOT_RUN`, with why). A line written for the original keeps the original's meaning of the keys it
 shares with RL2 (`RL2.config.original_lines`), which the tests below compare with the original's own
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from RL2.config import ConfigError, parse_config
 from RL2.config.original_lines import ORIGINAL_DEFAULTS
-from RL2.config.ppo_schema import PPOConfig, check_ppo_config
+from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DPOConfig, RMConfig, SFTConfig
 from tests.helpers import TESTS
 
@@ -76,11 +76,8 @@ def failure_of(line: OriginalLine) -> str | None:
 
 
 def start(line: OriginalLine, capsys=None):
-    """The line's config as the trainer would start with it (the RL trainer's start checks passed)."""
-    cfg = parse_config(SCHEMAS[line.trainer], line.trainer, line.args)
-    if line.trainer == "ppo":
-        check_ppo_config(cfg)
-    return cfg
+    """The line's config as the trainer would start with it (its start checks passed)."""
+    return parse_config(SCHEMAS[line.trainer], line.trainer, line.args)
 
 
 def test_the_history_is_all_there():
@@ -174,9 +171,7 @@ ORIGINAL = ["train_data.path=rl.jsonl"]  # a key only the original had: the line
 
 
 def ppo(argv, capsys=None):
-    cfg = parse_config(PPOConfig, "ppo", argv)
-    check_ppo_config(cfg)
-    return cfg
+    return parse_config(PPOConfig, "ppo", argv)
 
 
 def test_update_per_rollout_is_one_pass_in_that_many_steps(capsys):

@@ -24,8 +24,9 @@ answers success, so with `rollout.check_weight_sync` each push is checked on the
 before and after, and a parameter whose checksum did not change was not written.
 
 Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
-trainer's state is off the GPU and take `mem_fraction_static` of the free memory for weights and KV
-cache (`RL2.engine.memory_plan`); `RL2.rollout.worker` then releases and resumes their memory
+trainer's state is off the GPU and take `COLOCATED_MEM_FRACTION` of the free memory, less
+`rollout.gpu_memory_margin_gb`, for weights and KV cache (the `mem_fraction_static` RL2 gives them,
+`RL2.engine.memory_plan`); `RL2.rollout.worker` then releases and resumes their memory
 (`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
 endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
@@ -59,8 +60,9 @@ import torch
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
+from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
-from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
+from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import SGLangServer, check_server_args, resolve_python
@@ -77,10 +79,8 @@ from RL2.utils.logging import log_rank0
 CPU_MAX_TOTAL_TOKENS = 16384
 # Seconds one control request (weight update, memory release) may take.
 CONTROL_TIMEOUT = 600.0
-# SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
 # SGLang's endpoint that randomizes a server's weights and reports their checksums (sglang/srt/utils/weight_checker.py).
 WEIGHTS_CHECKER = "/weights_checker"
-ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 # The least KV cache (bytes per GPU) a launched server may be left with before the run stops at start.
 MIN_KV_CACHE_BYTES = GIB
 
@@ -88,28 +88,14 @@ MIN_KV_CACHE_BYTES = GIB
 def resolve_engine(cfg, device: torch.device) -> str:
     """`rollout.engine` made concrete: "embedded" or "sglang".
 
-    auto: SGLang when `rollout.server_url` is set, or on CUDA when the server Python can import
-    sglang; the embedded engine otherwise (always on CPU).
+    auto: SGLang when `rollout.server_url` is set (the config refuses it with engine=embedded), or on CUDA
+    when the server Python can import sglang; the embedded engine otherwise (always on CPU).
     """
     if server_urls(cfg.server_url):
-        if cfg.engine == "embedded":
-            raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")
         return "sglang"
     if cfg.engine != "auto":
         return cfg.engine
     return "sglang" if device.type == "cuda" and python_has_sglang(server_python(cfg)) else "embedded"
-
-
-def server_urls(value) -> list[str]:
-    """`rollout.server_url` as a list: one URL, a comma-separated string or a list."""
-    if value is None:
-        return []
-    urls = value.split(",") if isinstance(value, str) else list(value)
-    urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"config key 'rollout.server_url' has {url!r}; give URLs like http://host:30000")
-    return urls
 
 
 def server_python(cfg) -> str:
@@ -194,10 +180,6 @@ class SGLangEngine:
         """
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
-        if str((cfg.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
-            raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
-                              f"at temperature 1, but the trained policy is the distribution at the sampling "
-                              f"temperature, whose log-probabilities SGLang returns by default; remove it")
         rank, world = dist.get_rank(), dist.get_world_size()
         tp = int(args.get("tp_size", 1))
         if tp < 1 or world % tp:
@@ -209,6 +191,8 @@ class SGLangEngine:
             raise ConfigError(f"rollout.server_args.tp_size={tp} spans hosts; a server's ranks must share one host")
         one_host = len({host for host, _ in places}) == 1
         args = _server_defaults(device, dtype, seed + rank // tp, tp, one_host) | args
+        if device.type == "cuda" and "mem_fraction_static" not in args:
+            args["mem_fraction_static"] = _colocated_fraction(cfg, device, tp)
         # Every launched server takes a key, even on one host: whoever reaches its port could push weights.
         # One for all servers, since every rank sends requests to every one; rank 0's random one if unset.
         api_key = getattr(cfg, "api_key", None) or _all_gather(secrets.token_urlsafe(24))[0]
@@ -247,10 +231,7 @@ class SGLangEngine:
     def connect(cls, cfg, model_path: str) -> "SGLangEngine":
         """Use the servers of `rollout.server_url`; rank 0 checks they answer and controls them."""
         urls, api_key = server_urls(cfg.server_url), getattr(cfg, "api_key", None)
-        weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"
-        if weight_sync == "tensor":
-            raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
-                              "use disk (the servers must read this machine's files) or none")
+        weight_sync = cfg.weight_sync if cfg.weight_sync != "auto" else "disk"  # the config refuses tensor here
         error = None
         if dist.get_rank() == 0:
             for url in urls:
@@ -555,10 +536,23 @@ def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: in
                 # An idle scheduler otherwise polls at full speed, taking a core from training.
                 "sleep_on_idle": True}
     if device.type == "cuda":
-        defaults |= {"enable_memory_saver": True, "mem_fraction_static": COLOCATED_MEM_FRACTION}
+        defaults["enable_memory_saver"] = True  # and `_colocated_fraction`'s mem_fraction_static
     else:
         defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
     return defaults
+
+
+def _colocated_fraction(cfg, device: torch.device, tp: int) -> float:
+    """`mem_fraction_static` of this rank's server: `colocated_mem_fraction` of the least memory free on
+    its GPUs, the margin `rollout.gpu_memory_margin_gb`, rounded down. Collective: each rank measures its GPU."""
+    margin = float(getattr(cfg, "gpu_memory_margin_gb", COLOCATED_MARGIN_GB)) * GIB
+    free = _all_gather(torch.cuda.mem_get_info(device)[0])
+    fractions = [colocated_mem_fraction(min(free[start:start + tp]), margin) for start in range(0, len(free), tp)]
+    if min(fractions) <= 0:  # the same on every rank: all raise
+        raise ConfigError(f"rollout.gpu_memory_margin_gb={margin / GIB:g} leaves the SGLang servers nothing: a GPU has "
+                          f"{min(free) / GIB:.1f} GiB free, of which they would take {COLOCATED_MEM_FRACTION} less the "
+                          f"margin; lower the margin or free the GPU")
+    return int(fractions[dist.get_rank() // tp] * 1000) / 1000
 
 
 def _check_memory_saver(server_args: dict, device: torch.device) -> None:
@@ -679,8 +673,6 @@ def _physical_gpu(device: torch.device) -> str:
 
 
 def _bucket_bytes(cfg) -> int:
-    if cfg.weight_bucket_mb <= 0:
-        raise ConfigError(f"config key 'rollout.weight_bucket_mb' must be positive, got {cfg.weight_bucket_mb}")
     return int(cfg.weight_bucket_mb * 2**20)
 
 

@@ -1,0 +1,103 @@
+"""Every check of config values alone, run once by `parse_config` before anything is loaded.
+
+`check_config` runs the checks every trainer shares (`schema.py`), then those of the trainer or the
+evaluator (`TRAINER_CHECKS`). Checks that need what only a run knows (the data's rows, the model's
+vocabulary, the world size, an installed package) stay where that is known.
+"""
+
+from collections.abc import Callable
+from functools import partial
+
+from RL2.config.errors import ConfigError
+from RL2.config.eval_schema import check_eval_config
+from RL2.config.ppo_schema import check_ppo_config
+from RL2.config.schema import check_model_sections, check_run_sections
+
+# SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def check_config(cfg, trainer: str) -> None:
+    """Fail on a value, or a combination of values, that cannot run, naming the key.
+
+    Args:
+        cfg: the merged config.
+        trainer: the trainer's name (`sft`, `ppo`, ...; `eval` for the evaluator).
+    """
+    check_model_sections(cfg)
+    check_run_sections(cfg)
+    for check in TRAINER_CHECKS.get(trainer, ()):
+        check(cfg)
+
+
+def check_token_averaging(cfg) -> None:
+    """SFT and distillation average over tokens or sequences; `constant` needs RL's generation budget."""
+    if cfg.actor.avg_level == "constant":
+        raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "
+                          "use token or sequence")
+
+
+def check_pair_averaging(cfg, section: str) -> None:
+    """A preference loss is one number per pair: `avg_level` other than the shared default has no effect."""
+    level = cfg[section].avg_level
+    if level != "token":
+        raise ConfigError(f"{section}.avg_level={level}: a preference loss is one number per pair, averaged over "
+                          f"the batch's pairs, so the key has no effect here; leave it out")
+
+
+def check_dpo(cfg) -> None:
+    """A beta or label smoothing the DPO loss cannot train with."""
+    actor = cfg.actor
+    if actor.beta <= 0:  # 0: no gradient (sigmoid) or a target margin of 1 / 0 (ipo); below 0: prefers rejected
+        raise ConfigError(f"actor.beta={actor.beta}; DPO needs a positive beta, the strength of the KL to the "
+                          f"reference (e.g. 0.1)")
+    if not 0 <= actor.label_smoothing < 0.5:
+        raise ConfigError(f"actor.label_smoothing={actor.label_smoothing}; it is the assumed share of flipped "
+                          f"labels: set it in [0, 0.5) (0: plain DPO)")
+
+
+def check_distill(cfg) -> None:
+    if cfg.actor.temperature <= 0:  # both distributions are divided by it
+        raise ConfigError(f"actor.temperature={cfg.actor.temperature}; it softens both distributions before the "
+                          f"KL: set a positive temperature (1: the models' own)")
+
+
+def server_urls(value) -> list[str]:
+    """`rollout.server_url` as a list: one URL, a comma-separated string or a list."""
+    if value is None:
+        return []
+    urls = value.split(",") if isinstance(value, str) else list(value)
+    urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"config key 'rollout.server_url' has {url!r}; give URLs like http://host:30000")
+    return urls
+
+
+def check_engine(cfg) -> None:
+    """The rollout engine's keys: external servers, the servers' environment and the weight sync."""
+    rollout = cfg.rollout
+    external = server_urls(rollout.server_url)
+    if external and rollout.engine == "embedded":
+        raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")
+    if str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
+        raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
+                          f"at temperature 1, but the trained policy is the distribution at the sampling "
+                          f"temperature, whose log-probabilities SGLang returns by default; remove it")
+    if external and rollout.get("weight_sync") == "tensor":
+        raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
+                          "use disk (the servers must read this machine's files) or none")
+    if rollout.get("weight_bucket_mb", 1) <= 0:
+        raise ConfigError(f"config key 'rollout.weight_bucket_mb' must be positive, got {rollout.weight_bucket_mb}")
+
+
+# trainer -> the checks of its own keys, after the shared ones.
+TRAINER_CHECKS: dict[str, tuple[Callable, ...]] = {
+    "sft": (check_token_averaging,),
+    "distill": (check_token_averaging, check_distill),
+    "dpo": (partial(check_pair_averaging, section="actor"), check_dpo),
+    "orpo": (partial(check_pair_averaging, section="actor"),),
+    "rm": (partial(check_pair_averaging, section="critic"),),
+    "ppo": (check_ppo_config, check_engine),
+    "eval": (check_eval_config, check_engine),
+}
