@@ -15,7 +15,7 @@ two ranks on one machine, the kernel's page zeroing in one rank held up the othe
 blocks mapped, as glibc's per-thread heaps cannot hold them.
 
 The price is that the resident size stays at the heap's high-water mark, and that mark creeps up over a
-run as freed blocks are left in pieces too small for the next step's tensors (README, "Memory on CPU").
+run as freed blocks are left in pieces too small for the next step's tensors (docs/cpu.md, "Memory on CPU").
 """
 
 import ctypes

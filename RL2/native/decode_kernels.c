@@ -5,7 +5,7 @@
  * layer works on a few dozen rows. As torch ops that is some 25 small kernels per layer, each costing
  * more in dispatch and threading overhead than in arithmetic, and attention over the cache runs as
  * thousands of tiny batched GEMMs. Here the same arithmetic is four calls per layer (the gain is in
- * the README's table of `benchmarks/bench_engine.py`).
+ * docs/benchmarks.md's rows of `benchmarks/bench_engine.py`).
  * Built and loaded by decode_kernels.py; the torch code in llama_forward.py computes the same values
  * and is what runs when this library cannot be built.
  *
@@ -380,7 +380,7 @@ void decode_attention_bf16(const float *q, const bf16 *keys, const bf16 *values,
 #define PANELS_AT_ONCE 2 /* panel_block_pair where two panels remain */
 #define TOKEN_CHUNK 64 /* rows of x per pass over the weights: their transpose (k x 64) stays in L2 */
 /* With the hardware prefetcher alone the product waited on memory, most of all with two ranks streaming
- * their weights at once (the README's engine figures), so the weights are requested ahead of use, by the
+ * their weights at once (docs/benchmarks.md's decode_linears figures), so the weights are requested ahead of use, by the
  * first pass over a pair of panels (the passes over its other rows of x find it in cache). A fixed
  * distance ahead lands, for most k, in the panel the other stream is reading already: each weight
  * requests the one at its place in the next pair instead, read one pair's time later whatever k, into L2

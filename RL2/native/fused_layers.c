@@ -4,7 +4,7 @@
  * As torch ops, HF's RMSNorm is some ten kernels forward and backward, and silu(gate) * up five; each
  * reads and writes whole [tokens, width] tensors (in bfloat16, each also converting to float32 and
  * back), so between the matmuls of a decoder layer the core mostly waits on memory. Here each is one
- * pass over its inputs (the gain is in the README's table of `benchmarks/bench_fused_layers.py`).
+ * pass over its inputs (the gain is in docs/benchmarks.md's rows of `benchmarks/bench_fused_layers.py`).
  * Built and loaded by fused_layers.py; where it cannot be built, the models run HF's own code.
  *
  * All tensors are C-contiguous and of one dtype (rstd is float32 in both): x, out, grad_x, grad_out

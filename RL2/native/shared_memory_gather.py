@@ -2,9 +2,9 @@
 
 A weight sync gives every rank's engine the whole model, so every FSDP shard goes to every rank of
 its group. On CPU that all-gather runs over gloo's loopback TCP, several times slower than copying
-memory (the README's weight-sync figures). Ranks that share a host instead each write their shards
-into a shared-memory segment of their own, wait for one another, and read the other segments
-directly: then a sync is two memory copies and a few barriers.
+memory (docs/cpu.md, the embedded engine's weight sync). Ranks that share a host instead each write
+their shards into a shared-memory segment of their own, wait for one another, and read the other
+segments directly: then a sync is two memory copies and a few barriers.
 
 The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its
 own), each written, read by every rank, then overwritten by the next. So the segments hold one chunk,
