@@ -21,10 +21,10 @@ from RL2.batch import SequenceBatch
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.models.lora import LoRALinear, adapter_modules
+from RL2.native.pinned_host import SMALL_BYTES
 from RL2.parallel import ParallelDims
 from RL2.rollout.worker import full_tensors
 from RL2.workers.fsdp import FSDPWorker
-from RL2.native.pinned_host import SMALL_BYTES
 from tests.gpu.cuda_models import model_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

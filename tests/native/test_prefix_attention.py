@@ -5,9 +5,9 @@ sequence alone in test_shared_prefix.py)."""
 import pytest
 import torch
 
-from RL2.native import prefix_attention as kernel
 from RL2.models import shared_prefix
 from RL2.models.shared_prefix import Block, SharedPrefixRow
+from RL2.native import prefix_attention as kernel
 
 pytestmark = pytest.mark.skipif(kernel._library() is None, reason="needs a C compiler")
 SCALE = 0.125

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from RL2.native import decode_kernels
 from RL2.engine.embedded import engine as embedded_engine
 from RL2.engine.embedded import model_runner
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.embedded.sampling import SamplingParams, sample_next_tokens
 from RL2.models.default_model import resolve_model_path
+from RL2.native import decode_kernels
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [520, 9531], [4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 42, 77], [3365]]
 

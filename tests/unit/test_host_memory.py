@@ -6,9 +6,9 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig
 
 from RL2.config.schema import ModelConfig
+from RL2.native.host_memory import check_model_fits_host, host_capacity_bytes, least_host_bytes
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
-from RL2.native.host_memory import check_model_fits_host, host_capacity_bytes, least_host_bytes
 
 
 def test_least_host_bytes_is_this_hosts_share_of_the_shards():

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from RL2.engine.embedded import llama_forward, packed_linear
-from RL2.native.decode_kernels import load_decode_kernels
 from RL2.engine.embedded.model_runner import MIN_SHARED_PREFIX, ModelRunner
 from RL2.engine.embedded.packed_linear import PanelLinear
+from RL2.native.decode_kernels import load_decode_kernels
 
 SIZES = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

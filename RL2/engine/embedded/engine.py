@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from RL2.native.allocator import keep_freed_memory
 from RL2.engine.embedded.model_runner import ModelRunner
 from RL2.engine.embedded.sampling import (
     SamplingParams,
@@ -42,6 +41,7 @@ from RL2.engine.embedded.sampling import (
     stop_tokens_to_ban,
 )
 from RL2.models.attention import sliding_window_of
+from RL2.native.allocator import keep_freed_memory
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from RL2.parallel import close_process_groups
 from RL2.native.pinned_host import PinnedHostCopies, state_to_host
+from RL2.parallel import close_process_groups
 from tests.helpers.recording_lock import RecordingLock
 
 

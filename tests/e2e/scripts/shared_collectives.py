@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from RL2.parallel import close_process_groups
 from RL2.native import shared_memory_collectives
 from RL2.native.shared_memory_collectives import SharedMemoryCollectives
+from RL2.parallel import close_process_groups
 from tests.helpers.launch import separate_hosts
 
 

@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from RL2.native import shared_memory_gather
+from RL2.native.shared_memory import shm_free_bytes
 from RL2.native.shared_memory_gather import SharedMemoryGather
 from RL2.parallel import close_process_groups
-from RL2.native.shared_memory import shm_free_bytes
 from tests.helpers.launch import separate_hosts
 
 
