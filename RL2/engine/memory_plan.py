@@ -26,9 +26,13 @@ base is stored in bf16 and only the adapters train, and the reference is that ba
 Activations of a micro-batch (bounded by `max_length_per_device`) come on top of the train phase.
 
 Servers are launched once the trainer's state is on the CPU, and SGLang gives weights plus KV cache
-`mem_fraction_static` of the memory free at its start; RL2 sets it to `COLOCATED_MEM_FRACTION`,
-leaving the rest to SGLang's activations, CUDA graphs and sampling buffers (SGLang's own default
-sets aside at least 10 GB on GPUs over 60 GB).
+`mem_fraction_static` of the memory free at its start. RL2 sets it so that they take
+`COLOCATED_MEM_FRACTION` of that memory less a margin (`rollout.gpu_memory_margin_gb`,
+`colocated_mem_fraction`): the rest of the fraction's complement is SGLang's, for activations, CUDA
+graphs and sampling buffers (SGLang's own default sets aside at least 10 GB on GPUs over 60 GB), and
+the margin is what the trainer's memory left on the GPU, its state offloaded, may grow by once the
+servers have started (CUDA kernels loaded at their first launch, cuBLAS workspaces, NCCL buffers; the
+communicators themselves are made at start, `RL2.parallel.init_distributed`).
 
 `python -m RL2.engine.memory_plan` prints the README's table.
 """
@@ -39,8 +43,17 @@ import torch
 
 GIB = 2**30
 COLOCATED_MEM_FRACTION = 0.85
+# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
+# model's steps keep within it.
+COLOCATED_MARGIN_GB = 1.0
 # Memory a GPU loses to CUDA contexts and communication buffers of the trainer and the server (for the table).
 CONTEXT_BYTES = 2 * GIB
+
+
+def colocated_mem_fraction(free_bytes: int, margin_bytes: int) -> float:
+    """`mem_fraction_static` of a server launched beside the trainer: `COLOCATED_MEM_FRACTION` of the
+    `free_bytes` it starts with, less `margin_bytes` left to the trainer (0 or less: no room)."""
+    return COLOCATED_MEM_FRACTION - margin_bytes / free_bytes
 
 
 @dataclass
@@ -97,7 +110,8 @@ class PhaseMemory:
 
 def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp: int, reference: bool, critic: bool,
                      bucket_bytes: int = 512 * 2**20, offload_optimizer: bool = False,
-                     mem_fraction: float = COLOCATED_MEM_FRACTION, lora_params: int = 0) -> PhaseMemory:
+                     mem_fraction: float = COLOCATED_MEM_FRACTION, lora_params: int = 0,
+                     margin_bytes: int = int(COLOCATED_MARGIN_GB * GIB)) -> PhaseMemory:
     """The memory of one rank at each phase.
 
     Args:
@@ -110,6 +124,8 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
         offload_optimizer: Adam moments live on the CPU between steps.
         mem_fraction: the servers' `mem_fraction_static`.
         lora_params: parameters of the actor's LoRA adapters (`lora_parameters`); 0: every parameter trains.
+        margin_bytes: `rollout.gpu_memory_margin_gb` in bytes, which the servers leave free besides
+            their share.
     """
     p, lora = model.n_params, lora_params > 0
     # Trained parameters: float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with
@@ -127,7 +143,7 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
     # were freed at the optimizer step) and the bf16 frozen weights.
     host = 12 * sum(trained) // n_ranks + frozen
     return PhaseMemory(train=train, sync=sync, served_weights=served,
-                       kv_cache=int(mem_fraction * free_at_launch) - served, host=host)
+                       kv_cache=int(mem_fraction * free_at_launch) - margin_bytes - served, host=host)
 
 
 def kv_cache_tokens(model: ModelShape, kv_cache_bytes: int, server_tp: int) -> int:

@@ -5,8 +5,10 @@ LoRA), the tables of docs/gpus.md and docs/lora.md."""
 import pytest
 
 from RL2.engine.memory_plan import (
+    COLOCATED_MARGIN_GB,
     GIB,
     SMALL_GPU_ROWS,
+    colocated_mem_fraction,
     colocated_memory,
     kv_cache_tokens,
     lora_parameters,
@@ -61,13 +63,27 @@ def test_phases_of_7b_with_reference_and_critic_on_8_gpus(shapes):
     assert plan.train == 2 * (16 * p // 8) + 2 * p // 8
     assert plan.sync == 4 * p // 8 + 2 * p + 2 * (2 * 152064 * 3584)  # the embedding outweighs a 512 MB bucket
     assert plan.served_weights == 2 * p
-    assert plan.kv_cache == int(0.85 * 78 * GIB) - 2 * p
+    assert plan.kv_cache == int(0.85 * 78 * GIB) - GIB - 2 * p  # rollout.gpu_memory_margin_gb's 1 GiB kept free
     assert kv_cache_tokens(shapes["7B"], plan.kv_cache, 1) == plan.kv_cache // (2 * 28 * 4 * 128 * 2)
     # On the host for the rollout: fp32 weights and Adam moments of actor and critic (no gradients after
     # the step), the bf16 reference; an eighth each.
     assert plan.host == 2 * ((4 + 8) * p // 8) + 2 * p // 8
     offloaded = colocated_memory(shapes["7B"], 80 * GIB, 8, 1, True, True, offload_optimizer=True)
     assert plan.train - offloaded.train == 8 * p // 8  # one model's moments on the GPU at a time
+
+
+def test_the_margin_is_kept_free_beside_the_servers_share():
+    """A server given `colocated_mem_fraction` of the memory free at its start takes 0.85 of it less the margin;
+    the margin's default is the config's."""
+    from RL2.config.ppo_schema import RolloutConfig
+
+    assert RolloutConfig().gpu_memory_margin_gb == COLOCATED_MARGIN_GB == 1.0
+    free, margin = 70 * GIB, 3 * GIB
+    taken = colocated_mem_fraction(free, margin) * free
+    assert taken == pytest.approx(0.85 * 70 * GIB - 3 * GIB)
+    assert free - taken == pytest.approx(0.15 * 70 * GIB + 3 * GIB)  # SGLang's headroom and the margin
+    assert colocated_mem_fraction(free, 0) == 0.85
+    assert colocated_mem_fraction(GIB, GIB) <= 0  # no room: the launch refuses it
 
 
 def test_gpus_page_has_the_plans_table():
