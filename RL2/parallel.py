@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from RL2.config.errors import ConfigError
+from RL2.config.validation import REQUEST_TIMEOUT_MARGIN
 
 
 def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.device:
@@ -58,9 +59,6 @@ def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.d
 
 # Seconds a rank waits in a collective for the others before the run fails (torch's default for gloo).
 COLLECTIVE_TIMEOUT = 1800.0
-# Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
-# gather of a rollout: their environment steps and the requests they make after it.
-REQUEST_TIMEOUT_MARGIN = 600.0
 
 
 def collective_timeout(cfg) -> float:
@@ -68,7 +66,8 @@ def collective_timeout(cfg) -> float:
     `COLLECTIVE_TIMEOUT` and, for a config with a rollout, at least `rollout.request_timeout` plus
     `REQUEST_TIMEOUT_MARGIN`: a rank whose rollout is done waits in the gather while another rank's
     request may run for the whole request timeout, and a shorter wait would end the run (NCCL's
-    watchdog aborts the process) before that request fails or finishes.
+    watchdog aborts the process) before that request fails or finishes. A chosen timeout shorter than
+    that is refused when the config is parsed (`RL2.config.validation.check_collective_timeout`).
 
     Args:
         cfg: a trainer's or the evaluator's config (`trainer` and `rollout` sections, where it has them).
@@ -77,18 +76,7 @@ def collective_timeout(cfg) -> float:
     chosen = trainer.get("collective_timeout") if trainer is not None else None
     request = rollout.get("request_timeout") if rollout is not None else None
     least = request + REQUEST_TIMEOUT_MARGIN if request is not None else 0.0
-    if chosen is None:
-        return max(COLLECTIVE_TIMEOUT, least)
-    if chosen <= 0:
-        raise ConfigError(f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: "
-                          f"the default)")
-    if chosen < least:
-        raise ConfigError(
-            f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout={request} s plus "
-            f"{REQUEST_TIMEOUT_MARGIN:.0f} s: ranks waiting for another rank's rollout would be stopped before its "
-            f"request times out. Raise trainer.collective_timeout to at least {least:.0f}, or lower "
-            f"rollout.request_timeout")
-    return float(chosen)
+    return max(COLLECTIVE_TIMEOUT, least) if chosen is None else float(chosen)
 
 
 def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) -> None:

@@ -12,9 +12,13 @@ from RL2.config.errors import ConfigError
 from RL2.config.eval_schema import check_eval_config
 from RL2.config.ppo_schema import check_ppo_config
 from RL2.config.schema import check_model_sections, check_run_sections
+from RL2.config.server_args import check_server_args
 
 # SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
+# gather of a rollout: their environment steps and the requests they make after it.
+REQUEST_TIMEOUT_MARGIN = 600.0
 
 
 def check_config(cfg, trainer: str) -> None:
@@ -26,8 +30,28 @@ def check_config(cfg, trainer: str) -> None:
     """
     check_model_sections(cfg)
     check_run_sections(cfg)
+    check_collective_timeout(cfg)
     for check in TRAINER_CHECKS.get(trainer, ()):
         check(cfg)
+
+
+def check_collective_timeout(cfg) -> None:
+    """`trainer.collective_timeout`, where set: positive, and with a rollout longer than one generation request
+    plus `REQUEST_TIMEOUT_MARGIN` (`RL2.parallel.collective_timeout` says why)."""
+    trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
+    chosen = trainer.get("collective_timeout") if trainer is not None else None
+    if chosen is None:
+        return
+    if chosen <= 0:
+        raise ConfigError(f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: "
+                          f"the default)")
+    request = rollout.get("request_timeout") if rollout is not None else None
+    if request is not None and chosen < request + REQUEST_TIMEOUT_MARGIN:
+        raise ConfigError(
+            f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout={request} s plus "
+            f"{REQUEST_TIMEOUT_MARGIN:.0f} s: ranks waiting for another rank's rollout would be stopped before its "
+            f"request times out. Raise trainer.collective_timeout to at least {request + REQUEST_TIMEOUT_MARGIN:.0f}, "
+            f"or lower rollout.request_timeout")
 
 
 def check_token_averaging(cfg) -> None:
@@ -75,8 +99,9 @@ def server_urls(value) -> list[str]:
 
 
 def check_engine(cfg) -> None:
-    """The rollout engine's keys: external servers, the servers' environment and the weight sync."""
+    """The rollout engine's keys: launched servers' flags and environment, external servers, the weight sync."""
     rollout = cfg.rollout
+    check_server_args(rollout.server_args)
     external = server_urls(rollout.server_url)
     if external and rollout.engine == "embedded":
         raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")

@@ -33,4 +33,4 @@ def test_the_default_outlasts_a_generation_request():
     assert collective_timeout(evaluation) == 7800
     with pytest.raises(ConfigError, match=r"trainer\.collective_timeout=1800.0 s is shorter than "
                                           r"rollout\.request_timeout=3600.0 s plus 600 s.*at least 4200"):
-        collective_timeout(parse_config(PPOConfig, "ppo", ["trainer.collective_timeout=1800"]))
+        parse_config(PPOConfig, "ppo", ["trainer.collective_timeout=1800"])

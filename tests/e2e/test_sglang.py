@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from RL2.config.errors import ConfigError
+from RL2.config.server_args import check_server_args
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.engine import (
@@ -39,7 +40,7 @@ from RL2.engine.sglang.engine import (
     server_version,
 )
 from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer, check_server_args, server_command
+from RL2.engine.sglang.server import SGLangServer, server_command
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,

@@ -14,7 +14,7 @@ from RL2.config.eval_schema import EvalConfig
 from RL2.config.original_keys import ALIASES, Dropped, Ignored, KLEstimator, LoRASwitch, Renamed
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
-from RL2.engine.sglang.server import RESERVED_ARGS
+from RL2.config.server_args import RESERVED_ARGS
 from tests.helpers import REPO
 
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,

@@ -26,6 +26,11 @@ SERVER = "rollout.server_url=http://localhost:30000"
     ("ppo", ["rollout.server_env.SGLANG_RETURN_ORIGINAL_LOGPROB=true"],
      r"rollout\.server_env\.SGLANG_RETURN_ORIGINAL_LOGPROB would make the servers .*remove it"),
     ("ppo", [SERVER, "rollout.weight_sync=tensor"], r"rollout\.weight_sync=tensor needs servers launched by RL2"),
+    ("ppo", ["rollout.server_args.port=30000"], r"'rollout\.server_args\.port' is set by RL2 .*remove it"),
+    ("ppo", ["rollout.server_args.api-key=x"], r"'rollout\.server_args\.api-key' is set by RL2 from rollout\.api_key"),
+    ("sft", ["trainer.collective_timeout=0"], r"trainer\.collective_timeout=0\.0; give the seconds a collective may wait"),
+    ("ppo", ["trainer.collective_timeout=1800"],
+     r"trainer\.collective_timeout=1800\.0 s is shorter than rollout\.request_timeout=3600\.0 s plus 600 s"),
     ("ppo", ["rollout.weight_bucket_mb=0"], r"'rollout\.weight_bucket_mb' must be positive, got 0\.0"),
     ("eval", ["data.test.path=t.jsonl", SERVER, "rollout.engine=embedded"],
      r"rollout\.server_url is set but rollout\.engine=embedded"),
@@ -41,7 +46,9 @@ def test_a_bad_value_fails_when_the_command_line_is_parsed(trainer, argv, messag
 @pytest.mark.parametrize("trainer,argv", [
     ("sft", ["actor.avg_level=sequence"]),
     ("dpo", ["actor.beta=0.5", "actor.label_smoothing=0.1"]),
-    ("ppo", [SERVER, "rollout.weight_sync=disk", "actor.dual_clip=3", "rollout.max_turns=4"]),
+    ("ppo", [SERVER, "rollout.weight_sync=disk", "actor.dual_clip=3", "rollout.max_turns=4",
+             "rollout.server_args.tp-size=2", "trainer.collective_timeout=4200"]),
+    ("sft", ["trainer.collective_timeout=5"]),
     ("ppo", ["adv.estimator=mc", "adv.truncation=2"]),
     ("eval", ["data.test.path=t.jsonl", SERVER]),
 ])

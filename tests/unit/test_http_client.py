@@ -13,10 +13,11 @@ import time
 import pytest
 
 from RL2.config.errors import ConfigError
+from RL2.config.server_args import check_server_args
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.engine import SGLangEngine, control_request
 from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer, check_server_args
+from RL2.engine.sglang.server import SGLangServer
 from tests.helpers.http import LocalServer, response_head
 
 

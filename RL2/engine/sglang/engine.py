@@ -60,12 +60,13 @@ import torch
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
+from RL2.config.server_args import check_server_args
 from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
 from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient
-from RL2.engine.sglang.server import SGLangServer, check_server_args, resolve_python
+from RL2.engine.sglang.server import SGLangServer, resolve_python
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
     buckets,

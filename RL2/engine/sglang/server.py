@@ -7,7 +7,6 @@ talks to it over HTTP. Its output goes to a log file whose tail is quoted when i
 
 import atexit
 import os
-import re
 import shutil
 import signal
 import socket
@@ -17,56 +16,17 @@ import time
 from pathlib import Path
 
 import httpx
-from omegaconf import OmegaConf
 
 from RL2.config.errors import ConfigError
 from RL2.engine.protocol import EngineError
-
-# Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
-RESERVED_ARGS = ("model_path", "port")
-
-# SGLang's keys: RL2 passes rollout.api_key as --api-key and sends it with every request. An admin key
-# would make SGLang refuse that key at the weight-update endpoints.
-KEY_ARGS = ("api_key", "admin_api_key")
 
 # Environment variables of torchrun that would make the server think it is a rank of the trainer.
 TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-_FLAG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
-
 # SGLang's load-snapshot file in /dev/shm: its processes close it at exit but never unlink it (SGLang
 # sweeps such files only in its own CI), so every launch would leave one behind.
 SGLANG_SHM_PREFIX = "/dev/shm/sglang_loads_"
-
-
-def check_server_args(server_args: dict) -> dict:
-    """`rollout.server_args` with keys in SGLang's snake_case, or a ConfigError naming the bad key.
-
-    Values are scalars (a bool is a switch: true passes `--key`, false leaves it out) or lists of
-    scalars (`--key v1 v2`). Whether SGLang knows a flag is its own business: an unknown one makes
-    the server exit at once, and its log is quoted in the error.
-    """
-    if OmegaConf.is_config(server_args):
-        server_args = OmegaConf.to_container(server_args)
-    checked = {}
-    for key, value in dict(server_args).items():
-        name = str(key).replace("-", "_")
-        where = f"rollout.server_args.{key}"
-        if not _FLAG.match(str(key)):
-            raise ConfigError(f"config key '{where}' is not a flag name of sglang.launch_server")
-        if name in RESERVED_ARGS:
-            raise ConfigError(f"config key '{where}' is set by RL2 (the actor's weights, a free port); remove it")
-        if name in KEY_ARGS:
-            raise ConfigError(f"config key '{where}' is set by RL2 from rollout.api_key (a random key if unset), "
-                              f"which it also sends with its requests; remove it and set rollout.api_key")
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if value is None or not all(isinstance(v, (str, int, float, bool)) for v in values):
-            raise ConfigError(f"config key '{where}' must be a string, number, bool or list of them, got {value!r}")
-        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in values):
-            raise ConfigError(f"config key '{where}' is a list of bools; SGLang switches take one true/false")
-        checked[name] = list(value) if isinstance(value, (list, tuple)) else value
-    return checked
 
 
 def server_command(python: str, model_path: str, port: int, server_args: dict) -> list[str]:
@@ -113,7 +73,7 @@ class SGLangServer:
         python: the interpreter that runs SGLang (its own virtual environment if need be): a path, or a
             command on PATH (`resolve_python`).
         model_path: HF folder of the weights to serve.
-        server_args: checked `rollout.server_args` plus RL2's defaults (see `check_server_args`).
+        server_args: checked `rollout.server_args` plus RL2's defaults (see `RL2.config.server_args.check_server_args`).
         env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
         log_dir: where the server's output goes; a temporary folder when None.
     """
