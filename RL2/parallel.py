@@ -223,10 +223,7 @@ class ParallelDims:
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("tp", "cp", "ddp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}_size={getattr(self, name)}: a parallel degree is at least 1; set "
-                                  f"actor.{name}_size (critic.{name}_size likewise) to 1 or more")
+        # Each degree is at least 1: the config refuses others when it is parsed (`check_model_sections`).
         model_parallel = self.tp * self.cp * self.ddp
         if self.world_size % model_parallel:
             raise ConfigError(

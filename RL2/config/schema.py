@@ -104,6 +104,10 @@ def check_model_sections(cfg) -> None:
         if budget < 1:
             raise ConfigError(f"{section}.max_length_per_device={budget}; it is a micro-batch's token budget: "
                               f"set it at least as long as the longest sequence (data.*.max_length)")
+        for degree in ("tp_size", "cp_size", "ddp_size"):
+            if value.get(degree, 1) < 1:
+                raise ConfigError(f"{section}.{degree}={value[degree]}: a parallel degree is at least 1; set it to 1 "
+                                  f"or more")
         every = value.get("checkpoint_every_n_layers", 1)
         if every < 1:
             raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "

@@ -28,6 +28,7 @@ SERVER = "rollout.server_url=http://localhost:30000"
     ("ppo", [SERVER, "rollout.weight_sync=tensor"], r"rollout\.weight_sync=tensor needs servers launched by RL2"),
     ("ppo", ["rollout.server_args.port=30000"], r"'rollout\.server_args\.port' is set by RL2 .*remove it"),
     ("ppo", ["rollout.server_args.api-key=x"], r"'rollout\.server_args\.api-key' is set by RL2 from rollout\.api_key"),
+    ("ppo", ["critic.cp_size=0"], r"critic\.cp_size=0: a parallel degree is at least 1; set it to 1 or more"),
     ("sft", ["trainer.collective_timeout=0"], r"trainer\.collective_timeout=0\.0; give the seconds a collective may wait"),
     ("ppo", ["trainer.collective_timeout=1800"],
      r"trainer\.collective_timeout=1800\.0 s is shorter than rollout\.request_timeout=3600\.0 s plus 600 s"),
