@@ -40,6 +40,7 @@ from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
 from RL2.agents.tool_calls import tool_call_parser  # noqa: E402
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
+from RL2.native import use_huge_pages  # noqa: E402
 from RL2.rollout.loop import continuation, sample_seed  # noqa: E402
 from RL2.utils.memory import peak_rss_gb, reset_peak_rss  # noqa: E402
 from tests.helpers.tiny import make_tiny_model  # noqa: E402
@@ -67,6 +68,7 @@ async def run(client, extra_info):
 
 
 def main() -> None:
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4, help="trajectories per prompt")

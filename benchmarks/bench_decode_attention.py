@@ -30,6 +30,7 @@ from common import add_isa_argument, run_with_isa  # noqa: E402
 
 from RL2.engine.embedded.kv_cache import RowGroups  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
+from RL2.native import use_huge_pages  # noqa: E402
 from RL2.native.decode_kernels import load_decode_kernels  # noqa: E402
 from RL2.utils.memory import peak_rss_gb  # noqa: E402
 
@@ -92,6 +93,7 @@ def time_step(step, steps: int) -> float:
 
 
 def main() -> None:
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="16,32", help="comma-separated rows per step (running requests)")
     parser.add_argument("--lengths", default="64,128", help="comma-separated cached positions a row attends over")

@@ -54,7 +54,10 @@ def step_function(product: str, rows: int, dtype: torch.dtype):
 
 def worker(product: str, rows: int, steps: int, dtype: torch.dtype) -> None:
     """Time `steps` decode steps in this process; print seconds per step and peak RSS as JSON."""
+    from RL2.native import use_huge_pages
     from RL2.utils.memory import peak_rss_gb
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     step = step_function(product, rows, dtype)
     for _ in range(3):
@@ -84,7 +87,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.worker:
         return worker(args.worker, int(args.rows), args.steps, dtype)
+    from RL2.native import use_huge_pages
     from RL2.native.decode_kernels import load_decode_kernels
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     kernels = load_decode_kernels()
     if kernels is None:

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
+from RL2.native import use_huge_pages
 from RL2.utils.memory import peak_rss_gb, reset_peak_rss
 
 
@@ -72,6 +73,7 @@ def timed(fn, *args) -> tuple[float, float]:
 
 
 def main() -> None:
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32)

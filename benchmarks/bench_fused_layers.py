@@ -25,7 +25,9 @@ import json, resource, sys, time
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from RL2.native import use_huge_pages
 from RL2.native.fused_layers import install_fused_layers, silu_mul
+use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 torch.set_num_threads(1)
 tokens, n_layers, repeats, dtype = json.loads(sys.argv[1])
 dtype = getattr(torch, dtype)

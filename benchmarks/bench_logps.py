@@ -29,6 +29,8 @@ import json, resource, sys, time
 import torch
 torch.set_num_threads(1)
 import RL2.models.chunked_logps as chunked
+from RL2.native import use_huge_pages
+use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 tokens, vocab, repeats, chunk, overwrite = json.loads(sys.argv[1])
 generator = torch.Generator().manual_seed(0)
 source = 3 * torch.randn(tokens, vocab, generator=generator)

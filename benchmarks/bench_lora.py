@@ -24,7 +24,10 @@ def worker(args) -> None:
     """Runs under torchrun: one mode, `args.steps` timed steps after a warm-up step."""
     import torch.distributed as dist
 
+    from RL2.native import use_huge_pages
     from RL2.parallel import close_process_groups
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     model, figures = measure_sft_steps({"dtype": args.dtype, "max_length_per_device": args.seq_len * args.seqs,
                                         "lora": {"rank": args.lora_rank}}, args.seq_len, args.seqs, args.steps)

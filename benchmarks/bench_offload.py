@@ -40,8 +40,11 @@ def worker(args) -> dict:
     from RL2.config.ppo_schema import ActorConfig
     from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
+    from RL2.native import use_huge_pages
     from RL2.parallel import ParallelDims, init_distributed
     from RL2.workers.fsdp import FSDPWorker
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     device = torch.device("cuda", 0)
     init_distributed(device)

@@ -23,7 +23,10 @@ def worker(args) -> None:
     """Runs under torchrun: one layout, `args.steps` training steps on synthetic tokens."""
     import torch.distributed as dist
 
+    from RL2.native import use_huge_pages
     from RL2.parallel import close_process_groups
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     seq_parallel = args.tp * args.cp
     _, figures = measure_sft_steps({"dtype": "float32", "tp_size": args.tp, "cp_size": args.cp,

@@ -39,6 +39,9 @@ def model_config(name: str):
     from transformers import AutoConfig
 
     from RL2.models.default_model import resolve_model_path
+    from RL2.native import use_huge_pages
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     config = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     if name != "135m":
@@ -77,6 +80,9 @@ def model_path(name: str, folder: Path) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from RL2.models.default_model import resolve_model_path
+    from RL2.native import use_huge_pages
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     path = folder / name
     if not path.exists():

@@ -114,6 +114,9 @@ def trl_worker(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from RL2.models.default_model import resolve_model_path
+    from RL2.native import use_huge_pages
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     path = resolve_model_path("smollm2-135m-instruct")
     step_ends = []
@@ -226,6 +229,9 @@ def main() -> None:
         parser.error("TRL is not installed: `pip install trl` to compare with it, or pass --skip-trl")
     from RL2.models.default_model import resolve_model_path
     from RL2.models.precision import compute_dtype
+    from RL2.native import use_huge_pages
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     dtype = compute_dtype(args.dtype, torch.device("cpu"))
     args.dtype = str(dtype).removeprefix("torch.")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_isa_argument, run_with_isa  # noqa: E402
 from RL2.models import shared_prefix  # noqa: E402
 from RL2.models.shared_prefix import Block, SharedPrefixRow  # noqa: E402
+from RL2.native import use_huge_pages  # noqa: E402
 from RL2.native.allocator import keep_freed_memory  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -55,6 +56,7 @@ def one_round(row: SharedPrefixRow, inputs, grad_out, kernel: bool) -> tuple[flo
 
 
 def main() -> None:
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=48)

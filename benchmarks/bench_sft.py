@@ -36,8 +36,11 @@ def worker(args) -> None:
     from RL2.config.schema import ModelConfig
     from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
+    from RL2.native import use_huge_pages
     from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
     from RL2.workers.fsdp import FSDPWorker
+
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
 
     device = pick_device("cpu")
     init_distributed(device)

@@ -33,6 +33,7 @@ from RL2.engine.sglang.http_client import HTTPEngineClient  # noqa: E402
 from RL2.engine.sglang.server import SGLangServer  # noqa: E402
 from RL2.engine.sglang.weight_transfer import buckets, write_hf_folder  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
+from RL2.native import use_huge_pages  # noqa: E402
 
 STUB = Path(__file__).resolve().parent.parent / "tests" / "sglang_stub"
 
@@ -74,6 +75,7 @@ def embedded_rates(model_path: str, tokenizer, prompts: list[list[int]], new_tok
 
 
 def main() -> None:
+    use_huge_pages()  # before torch's first CPU allocation here, as RL2's runs do
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32)

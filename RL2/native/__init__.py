@@ -30,22 +30,26 @@ from RL2.native.shared_memory_collectives import SharedMemoryCollectives
 from RL2.native.shared_memory_gather import SharedMemoryGather
 from RL2.native.tied_embeddings import add_embedding_rows_into_tied_gradient
 
-__all__ = ["PinnedHostCopies", "SharedMemoryGather", "check_fits_host", "pinned_offload", "prepare_process", "share_fsdp_buffers",
-           "shared_weight_gather", "state_to_host", "tune_model"]
+__all__ = ["PinnedHostCopies", "SharedMemoryGather", "check_fits_host", "pinned_offload", "prepare_process",
+           "share_fsdp_buffers", "shared_weight_gather", "state_to_host", "tune_model", "use_huge_pages"]
 
 
 def prepare_process(device: torch.device) -> None:
     """Tune this process's memory, at the start of a trainer's or evaluator's run: before torch's first
-    large CPU allocation and before any thread that allocates (a process group's).
-
-    Large CPU tensors go on transparent huge pages: a step's fresh blocks (logits, their gradient,
-    activations) then fault 2 MB at a time instead of 4 KB. torch reads `THP_MEM_ALLOC_ENABLE` once, at
-    its first CPU allocation; a value the user set wins (0 turns it off). Linux only. On CPU, malloc
-    also keeps freed memory (`keep_freed_memory`): tensors of the same sizes come and go every step.
-    """
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    CPU allocation and before any thread that allocates (a process group's). Huge pages
+    (`use_huge_pages`), and on CPU malloc keeping freed memory (`keep_freed_memory`): tensors of the same
+    sizes come and go every step."""
+    use_huge_pages()
     if device.type == "cpu":
         keep_freed_memory()
+
+
+def use_huge_pages() -> None:
+    """Put torch's large CPU tensors on transparent huge pages, in this process and those it starts: a
+    step's fresh blocks (logits, their gradient, activations) then fault 2 MB at a time instead of 4 KB.
+    torch reads `THP_MEM_ALLOC_ENABLE` once, at its first CPU allocation, so this must come before it; a
+    value the user set wins (0 turns it off). Linux only."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def check_fits_host(model: torch.nn.Module, device: torch.device, name: str, trained: bool,
