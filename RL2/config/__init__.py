@@ -1,5 +1,6 @@
-"""Typed configs (`schema.py`, `ppo_schema.py`: plain dataclasses) and the key=value command line
-(`cli.py`, which needs omegaconf: imported on first use, so that the schemas work without it)."""
+"""Typed configs (`schema.py`, `ppo_schema.py`, `eval_schema.py`: plain dataclasses holding every default), the
+key=value command line (`cli.py`, which needs omegaconf: imported on first use, so that the schemas work
+without it) and the checks of the values it runs once, before anything is loaded (`validation.py`)."""
 
 from RL2.config.errors import ConfigError
 
