@@ -34,7 +34,7 @@ the margin is what the trainer's memory left on the GPU, its state offloaded, ma
 servers have started (CUDA kernels loaded at their first launch, cuBLAS workspaces, NCCL buffers; the
 communicators themselves are made at start, `RL2.parallel.init_distributed`).
 
-`python -m RL2.engine.memory_plan` prints the README's table.
+`python -m RL2.engine.memory_plan` prints the table of docs/gpus.md.
 """
 
 from dataclasses import dataclass
@@ -176,7 +176,7 @@ def qwen25(size: str) -> ModelShape:
     return ModelShape.from_config(config, f"Qwen2.5-{size}")
 
 
-# The README's rows: (model size, GPUs, server tp, reference, critic, LoRA rank of the actor; 0: full training).
+# The rows of docs/gpus.md's table: (model size, GPUs, server tp, reference, critic, LoRA rank of the actor; 0: full training).
 README_ROWS = [("7B", 8, 1, False, False, 0), ("7B", 8, 1, True, False, 0), ("7B", 8, 1, True, True, 0),
                ("32B", 8, 2, False, False, 0), ("32B", 8, 2, True, False, 0), ("32B", 8, 2, True, True, 0),
                ("32B", 16, 2, True, True, 0)]
