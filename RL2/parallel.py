@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from RL2.config.errors import ConfigError
-from RL2.config.validation import REQUEST_TIMEOUT_MARGIN
+from RL2.config.schema import REQUEST_TIMEOUT_MARGIN
 
 
 def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.device:

@@ -166,6 +166,11 @@ def check_run_sections(cfg) -> None:
         raise ConfigError(f"trainer.keep_last_n={keep}; keep at least 1 checkpoint (the latest), or null to keep all")
 
 
+# Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
+# gather of a rollout: their environment steps and the requests they make after it.
+REQUEST_TIMEOUT_MARGIN = 600.0
+
+
 @dataclass
 class TrainerConfig:
     project: str = opt("RL2", "project name (wandb project)")

@@ -2,8 +2,6 @@
 
 import re
 
-from omegaconf import OmegaConf
-
 from RL2.config.errors import ConfigError
 
 # Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
@@ -23,7 +21,9 @@ def check_server_args(server_args: dict) -> dict:
     scalars (`--key v1 v2`). Whether SGLang knows a flag is its own business: an unknown one makes
     the server exit at once, and its log is quoted in the error.
     """
-    if OmegaConf.is_config(server_args):
+    if not isinstance(server_args, dict):  # a config node (only omegaconf makes one): plain containers from here
+        from omegaconf import OmegaConf
+
         server_args = OmegaConf.to_container(server_args)
     checked = {}
     for key, value in dict(server_args).items():

@@ -11,14 +11,11 @@ from functools import partial
 from RL2.config.errors import ConfigError
 from RL2.config.eval_schema import check_eval_config
 from RL2.config.ppo_schema import check_ppo_config
-from RL2.config.schema import check_model_sections, check_run_sections
+from RL2.config.schema import REQUEST_TIMEOUT_MARGIN, check_model_sections, check_run_sections
 from RL2.config.server_args import check_server_args
 
 # SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
-# Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
-# gather of a rollout: their environment steps and the requests they make after it.
-REQUEST_TIMEOUT_MARGIN = 600.0
 
 
 def check_config(cfg, trainer: str) -> None:
