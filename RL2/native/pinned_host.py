@@ -17,15 +17,10 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from RL2.native import switches
 from RL2.parallel import shard_of
 
 PAGE = mmap.PAGESIZE
 SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied to pageable memory: as fast
-
-
-def pinned_offload_enabled() -> bool:
-    return switches.pinned_offload()
 
 
 class PinnedHostCopies:

@@ -49,10 +49,6 @@ def answers_equal(answer: str, gold: str) -> bool:
     return _verify(math_verify, f"\\boxed{{{gold}}}", f"\\boxed{{{answer}}}")
 
 
-def has_math_verify() -> bool:
-    return _math_verify() is not None
-
-
 def require_math_verify() -> None:
     """Raise a clear ImportError when math-verify is missing (for scripts that need its extraction)."""
     if _math_verify() is None:
