@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and getrusage faults")
 
-STEPS = 100
+STEPS = 40
 VOCAB = 49152
 MEASURE = """
 import resource, torch
@@ -68,7 +68,7 @@ def count_faulting_steps(workload: str, keep: str) -> tuple[str, int]:
 def test_steps_reuse_freed_blocks_without_page_faults(workload):
     applied, faulted = count_faulting_steps(workload, "1")
     assert applied == "True"
-    assert faulted <= STEPS // 20, f"{faulted} of {STEPS} steps faulted on fresh pages"
+    assert faulted <= 2, f"{faulted} of {STEPS} steps faulted on fresh pages"  # a rare step lands on new heap
     applied, faulted = count_faulting_steps(workload, "0")  # glibc's fixed threshold: steps fault again and again
     assert applied == "False"
-    assert faulted >= STEPS // 10, f"only {faulted} of {STEPS} steps faulted: the measurement sees no churn"
+    assert faulted >= STEPS // 2, f"only {faulted} of {STEPS} steps faulted: the measurement sees no churn"

@@ -59,15 +59,35 @@ def teacher_path(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("teacher"), seed=1)
 
 
+def data_and_extra(kind, pair_data, sft_like_data, teacher_path):
+    if kind == "distill":
+        return sft_like_data, [f"actor.teacher_name={teacher_path}"]
+    return pair_data, []
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path_factory):
+    """kind -> the folder of its 2-rank run, saving at step 2, run once on first use: the 2-rank side of
+    the equality test and the uninterrupted run of the resume test."""
+    folders = {}
+
+    def run(kind):
+        if kind not in folders:
+            data, extra = data_and_extra(kind, pair_data, sft_like_data, teacher_path)
+            folders[kind] = tmp_path_factory.mktemp(f"{kind}_two_ranks")
+            run_ranks(2, args(kind, tiny_model_path, data, folders[kind], "trainer.save_freq=2", *extra))
+        return folders[kind]
+
+    return run
+
+
 @pytest.mark.parametrize("kind", ["dpo", "orpo", "rm", "distill"])
-def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
-    data = sft_like_data if kind == "distill" else pair_data
-    extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []
-    runs = {}
-    for nproc in (1, 2):
-        save_dir = tmp_path / f"ranks{nproc}"
-        run_ranks(nproc, args(kind, tiny_model_path, data, save_dir, *extra))
-        runs[nproc] = (read_metrics(save_dir), final(save_dir, kind))
+def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, two_rank_run,
+                                  tmp_path):
+    data, extra = data_and_extra(kind, pair_data, sft_like_data, teacher_path)
+    run_ranks(1, args(kind, tiny_model_path, data, tmp_path, *extra))
+    runs = {nproc: (read_metrics(save_dir), final(save_dir, kind))
+            for nproc, save_dir in ((1, tmp_path), (2, two_rank_run(kind)))}
     (metrics1, weights1), (metrics2, weights2) = runs[1], runs[2]
     for m1, m2 in zip(metrics1, metrics2):
         assert m1.keys() == m2.keys()
@@ -87,14 +107,14 @@ def test_two_ranks_equal_one_rank(kind, tiny_model_path, pair_data, sft_like_dat
         assert after["test/loss"] < before["test/loss"] and after["test/accuracy"] == 1.0
 
 
-# ORPO and distillation resume through the same Trainer code as DPO: in the slow run only.
+# The uninterrupted run is the equality test's 2-rank run: a resume costs one run more. ORPO and
+# distillation resume through the same Trainer code as DPO: in the slow run only.
 @pytest.mark.parametrize("kind", ["dpo", pytest.param("orpo", marks=pytest.mark.slow), "rm",
                                   pytest.param("distill", marks=pytest.mark.slow)])
-def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, tmp_path):
-    data = sft_like_data if kind == "distill" else pair_data
-    extra = [f"actor.teacher_name={teacher_path}"] if kind == "distill" else []
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_ranks(2, args(kind, tiny_model_path, data, straight, "trainer.save_freq=2", *extra))
+def test_resume_equals_uninterrupted(kind, tiny_model_path, pair_data, sft_like_data, teacher_path, two_rank_run,
+                                     tmp_path):
+    data, extra = data_and_extra(kind, pair_data, sft_like_data, teacher_path)
+    straight, resumed = two_rank_run(kind), tmp_path / "resumed"
     shutil.copytree(straight / "step2", resumed / "step2")
     run_ranks(2, args(kind, tiny_model_path, data, resumed, "trainer.load_ckpt_from=latest", *extra))
     for key, value in final(straight, kind).items():

@@ -37,17 +37,32 @@ def final_weights(save_dir):
     return load_file(str(save_dir / "final" / "actor" / "model.safetensors"))
 
 
+def layout_args(nproc, avg_level):
+    # The 1-rank sequence-level run recomputes every layer's activations, the 2-rank token-level run
+    # only the first layer's (of two): neither may change the result.
+    checkpointing = (nproc, avg_level) in ((1, "sequence"), (2, "token"))
+    return [f"actor.avg_level={avg_level}", f"actor.enable_gradient_checkpointing={checkpointing}",
+            f"actor.checkpoint_every_n_layers={nproc}"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
+    """The 2-rank token-level run, saving at step 2: the 2-rank side of the token-level equality test and
+    the uninterrupted run of the resume test."""
+    save_dir = tmp_path_factory.mktemp("two_ranks")
+    run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2"))
+    return save_dir
+
+
 @pytest.mark.parametrize("avg_level", ["token", "sequence"])
-def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level):
+def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level, request):
     runs = {}
     for nproc in (1, 2):
-        save_dir = tmp_path / f"ranks{nproc}"
-        # The 1-rank sequence-level run recomputes every layer's activations, the 2-rank token-level run
-        # only the first layer's (of two): neither may change the result.
-        checkpointing = (nproc, avg_level) in ((1, "sequence"), (2, "token"))
-        run_ranks(nproc, sft_args(tiny_model_path, sft_data, save_dir, f"actor.avg_level={avg_level}",
-                                  f"actor.enable_gradient_checkpointing={checkpointing}",
-                                  f"actor.checkpoint_every_n_layers={nproc}"))
+        if (nproc, avg_level) == (2, "token"):
+            save_dir = request.getfixturevalue("two_rank_run")
+        else:
+            save_dir = tmp_path / f"ranks{nproc}"
+            run_ranks(nproc, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(nproc, avg_level)))
         runs[nproc] = (read_metrics(save_dir), final_weights(save_dir))
     (metrics1, weights1), (metrics2, weights2) = runs[1], runs[2]
     losses1 = [m["train/loss"] for m in metrics1]
@@ -59,9 +74,8 @@ def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level
     assert any(not torch.equal(initial[k], weights1[k]) for k in initial)  # training changed the weights
 
 
-def test_resume_equals_uninterrupted(tiny_model_path, sft_data, tmp_path):
-    straight = tmp_path / "straight"
-    run_ranks(2, sft_args(tiny_model_path, sft_data, straight, "trainer.save_freq=2"))
+def test_resume_equals_uninterrupted(tiny_model_path, sft_data, two_rank_run, tmp_path):
+    straight = two_rank_run
     assert (straight / "step2" / "trainer_state.json").exists()
     # Simulate a run killed after step 3: only the step-2 checkpoint survives, plus a half-written save.
     resumed = tmp_path / "resumed"
@@ -69,7 +83,8 @@ def test_resume_equals_uninterrupted(tiny_model_path, sft_data, tmp_path):
     (resumed / ".step4.tmp").mkdir()
     (resumed / "metrics.jsonl").write_text("".join(
         json.dumps(m) + "\n" for m in read_metrics(straight)[:3]))
-    run_ranks(2, sft_args(tiny_model_path, sft_data, resumed, "trainer.save_freq=2", "trainer.load_ckpt_from=latest"))
+    run_ranks(2, sft_args(tiny_model_path, sft_data, resumed, *layout_args(2, "token"), "trainer.save_freq=2",
+                          "trainer.load_ckpt_from=latest"))
     for key, value in final_weights(straight).items():
         torch.testing.assert_close(final_weights(resumed)[key], value, atol=1e-6, rtol=1e-5)
     assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
