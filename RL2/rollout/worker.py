@@ -226,9 +226,13 @@ class EngineState:
 
     def to_trainer_if_lent(self) -> None:
         """The trainer needs its models outside a step (a checkpoint save): if an evaluation left a
-        colocated engine holding the GPU, give it back. An engine beside the trainer keeps its weights."""
+        colocated engine holding the GPU, give it back. An engine beside the trainer that releases memory
+        (the embedded one on CPU) gives back its cache and keeps the weights the next rollout samples."""
         if self.ready and self.colocated:
             self.to_trainer()
+        elif self.releases_memory and self.cache_resident:
+            self.engine.release_memory(CACHE_TAGS)
+            self.ready = self.cache_resident = False
 
     def to_trainer(self) -> None:
         """Give the GPU to the trainer: the engine releases its memory (its weights too, unless they are

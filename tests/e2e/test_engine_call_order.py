@@ -89,7 +89,8 @@ def test_ppo_on_cpu_pushes_each_steps_weights_once_at_its_end(tiny_model_path, t
     """The embedded engine on CPU as the trainer builds it, dynamic filtering (up to 3 rounds),
     evaluations before training and after steps 2 and 3, a checkpoint every step: the initial weights are
     pushed for the first evaluation, then each step's updated weights once, at the end of that step (after
-    the release that gives the update its memory); no evaluation pushes or releases anything."""
+    the release that gives the update its memory); no evaluation pushes or releases anything, and a
+    checkpoint frees only the cache an evaluation left."""
     result = engine_calls(tmp_path, tiny_model_path, "--as-built", f"rollout.env_path={half_filtered_env(tmp_path)}",
                           "rollout.dynamic_filtering=true", "rollout.max_sampling_rounds=3", "trainer.test_freq=2",
                           "trainer.save_freq=1")
@@ -97,10 +98,15 @@ def test_ppo_on_cpu_pushes_each_steps_weights_once_at_its_end(tiny_model_path, t
     calls = result["calls"]
     pushes = [call for call in calls if call.startswith("push")]
     assert pushed_versions(pushes) == [f"step{k}" for k in range(4)]
-    expected = []
-    for k in range(4):
-        expected += ["resume weights", pushes[k], "resume kv_cache,cuda_graph", f"generate on step{k}", RELEASE_ALL]
-    assert calls == expected[:-1]  # the last evaluation's cache stays
+    def pushed_then_sampled(k):
+        return ["resume weights", pushes[k], "resume kv_cache,cuda_graph", f"generate on step{k}"]
+
+    # Step 2's and step 3's checkpoints follow an evaluation: each frees the cache that evaluation filled,
+    # keeping the weights, which step 3's rollout samples without a push.
+    assert calls == (pushed_then_sampled(0) + [RELEASE_ALL] + pushed_then_sampled(1) + [RELEASE_ALL]
+                     + pushed_then_sampled(2) + [RELEASE_CACHE, "resume kv_cache,cuda_graph", "generate on step2",
+                                                 RELEASE_ALL]
+                     + pushed_then_sampled(3) + [RELEASE_CACHE])
     metrics = result["metrics"]
     assert [m["step"] for m in metrics if "test/response_length" in m] == [0, 2, 3]
     steps = [m for m in metrics if "perf/step_s" in m]

@@ -210,15 +210,20 @@ def test_an_engine_beside_the_trainer_is_pushed_at_the_sync():
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "beside_the_trainer"])
 def test_a_checkpoint_after_an_evaluation_gets_the_trainers_models_back(colocated):
     """`to_trainer_if_lent` (before a checkpoint save): a colocated engine left ready by an evaluation
-    gives the GPU back, and the next rollout pushes again; an engine beside the trainer keeps its weights."""
+    gives the GPU back, and the next rollout pushes again; an engine beside the trainer frees its cache
+    for the save and keeps its weights, which the next rollout samples without a push."""
     log = []
     state, engine, policy, ref = build(log, colocated=colocated)
     evaluation(state, engine)
     assert ref.optimizer_on_gpu == (not colocated)
     state.to_trainer_if_lent()
     assert policy.params_on_gpu and ref.params_on_gpu and ref.optimizer_on_gpu
+    if not colocated:
+        assert log[-1] == RELEASE_CACHE
     assert rollout(state, engine, policy, ref) == "step0@0"
     assert [entry for entry in log if entry.startswith("push")] == ["push step0@0"] * (2 if colocated else 1)
+    if not colocated:
+        assert log[-3:] == ["resume kv_cache,cuda_graph", "generate on step0@0", RELEASE_ALL]
 
 
 def test_an_update_without_a_sync_is_pushed_at_the_next_rollout():
