@@ -24,7 +24,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
 
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
-        trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file and its checks.
+        trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file.
         argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
             original key names are accepted (`RL2.config.aliases`); each one used is printed with
             its current key, and a command line written for the original keeps the original's meaning
@@ -49,7 +49,7 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     apply_original_meanings(base, translation, trainer)
     OmegaConf.resolve(base)
     check_choices(base, schema)
-    check_config(base, trainer)
+    check_config(base, schema)
     if os.environ.get("RANK", "0") == "0":  # every rank parses the same command line: say it once
         for line in translation.lines:
             print(f"[RL2] {line}", flush=True)

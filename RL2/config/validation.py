@@ -1,7 +1,7 @@
 """Every check of config values alone, run once by `parse_config` before anything is loaded.
 
-`check_config` runs the checks every trainer shares (`schema.py`), then those of the trainer or the
-evaluator (`TRAINER_CHECKS`). Checks that need what only a run knows (the data's rows, the model's
+`check_config` runs the checks every trainer shares (`schema.py`), then those of the trainer's or the
+evaluator's schema (`SCHEMA_CHECKS`, found through a subclass too). Checks that need what only a run knows (the data's rows, the model's
 vocabulary, the world size, an installed package) stay where that is known.
 """
 
@@ -9,26 +9,36 @@ from collections.abc import Callable
 from functools import partial
 
 from RL2.config.errors import ConfigError
-from RL2.config.eval_schema import check_eval_config
-from RL2.config.ppo_schema import check_ppo_config
-from RL2.config.schema import REQUEST_TIMEOUT_MARGIN, check_model_sections, check_run_sections
+from RL2.config.eval_schema import EvalConfig, check_eval_config
+from RL2.config.ppo_schema import PPOConfig, check_ppo_config
+from RL2.config.schema import (
+    REQUEST_TIMEOUT_MARGIN,
+    DistillConfig,
+    DPOConfig,
+    ORPOConfig,
+    RMConfig,
+    SFTConfig,
+    check_model_sections,
+    check_run_sections,
+)
 from RL2.config.server_args import check_server_args
 
 # SGLang's switch to return log-probabilities of the untempered distribution (sglang/srt/layers/sampler.py).
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
-def check_config(cfg, trainer: str) -> None:
+def check_config(cfg, schema: type) -> None:
     """Fail on a value, or a combination of values, that cannot run, naming the key.
 
     Args:
         cfg: the merged config.
-        trainer: the trainer's name (`sft`, `ppo`, ...; `eval` for the evaluator).
+        schema: its dataclass (`SFTConfig`, `PPOConfig`, ..., `EvalConfig`, or a subclass of one).
     """
     check_model_sections(cfg)
     check_run_sections(cfg)
     check_collective_timeout(cfg)
-    for check in TRAINER_CHECKS.get(trainer, ()):
+    own = next((SCHEMA_CHECKS[cls] for cls in schema.__mro__ if cls in SCHEMA_CHECKS), ())
+    for check in own:
         check(cfg)
 
 
@@ -98,11 +108,14 @@ def server_urls(value) -> list[str]:
 def check_engine(cfg) -> None:
     """The rollout engine's keys: launched servers' flags and environment, external servers, the weight sync."""
     rollout = cfg.rollout
-    check_server_args(rollout.server_args)
     external = server_urls(rollout.server_url)
     if external and rollout.engine == "embedded":
         raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")
-    if str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
+    # The launched servers' own keys: ignored where no server is launched, as a GPU config run on CPU is.
+    launches = not external and rollout.engine != "embedded"
+    if launches:
+        check_server_args(rollout.server_args)
+    if launches and str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
         raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
                           f"at temperature 1, but the trained policy is the distribution at the sampling "
                           f"temperature, whose log-probabilities SGLang returns by default; remove it")
@@ -113,13 +126,13 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"config key 'rollout.weight_bucket_mb' must be positive, got {rollout.weight_bucket_mb}")
 
 
-# trainer -> the checks of its own keys, after the shared ones.
-TRAINER_CHECKS: dict[str, tuple[Callable, ...]] = {
-    "sft": (check_token_averaging,),
-    "distill": (check_token_averaging, check_distill),
-    "dpo": (partial(check_pair_averaging, section="actor"), check_dpo),
-    "orpo": (partial(check_pair_averaging, section="actor"),),
-    "rm": (partial(check_pair_averaging, section="critic"),),
-    "ppo": (check_ppo_config, check_engine),
-    "eval": (check_eval_config, check_engine),
+# schema -> the checks of its own keys, after the shared ones.
+SCHEMA_CHECKS: dict[type, tuple[Callable, ...]] = {
+    SFTConfig: (check_token_averaging,),
+    DistillConfig: (check_token_averaging, check_distill),
+    DPOConfig: (partial(check_pair_averaging, section="actor"), check_dpo),
+    ORPOConfig: (partial(check_pair_averaging, section="actor"),),
+    RMConfig: (partial(check_pair_averaging, section="critic"),),
+    PPOConfig: (check_ppo_config, check_engine),
+    EvalConfig: (check_eval_config, check_engine),
 }

@@ -1,10 +1,13 @@
 """Checks of config values alone fail when the command line is parsed, before any trainer, model, engine
 or environment is built: `parse_config` is all these tests call."""
 
+import dataclasses
+
 import pytest
 
 from RL2.api import SCHEMAS
 from RL2.config import ConfigError, parse_config
+from RL2.config.ppo_schema import PPOConfig
 
 SERVER = "rollout.server_url=http://localhost:30000"
 
@@ -52,6 +55,19 @@ def test_a_bad_value_fails_when_the_command_line_is_parsed(trainer, argv, messag
     ("sft", ["trainer.collective_timeout=5"]),
     ("ppo", ["adv.estimator=mc", "adv.truncation=2"]),
     ("eval", ["data.test.path=t.jsonl", SERVER]),
+    # Launched servers' keys where no server is launched (a GPU config run on the embedded engine): ignored.
+    ("ppo", ["rollout.engine=embedded", "rollout.server_args.port=30000",
+             "rollout.server_env.SGLANG_RETURN_ORIGINAL_LOGPROB=true"]),
 ])
 def test_values_that_can_run_pass(trainer, argv):
     parse_config(SCHEMAS[trainer], trainer, argv)
+
+
+def test_a_trainer_of_its_own_gets_the_checks_of_the_schema_it_extends():
+    """A user's trainer with a schema derived from PPOConfig, under a name of its own (no YAML file)."""
+    @dataclasses.dataclass
+    class MyPPOConfig(PPOConfig):
+        pass
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns=0; a trajectory takes at least 1 action"):
+        parse_config(MyPPOConfig, "my_ppo", ["rollout.max_turns=0"])
