@@ -155,9 +155,14 @@ class SandboxCgroup:
         deadline = time.monotonic() + REMOVE_TIMEOUT_S
         while True:
             for pid in map(int, _lines(self.procs_file)):
+                # cgroup v2 lists a process of another pid namespace as 0, which os.kill would read as our
+                # own process group; the trainer itself is never in the cgroup, but a kill must not be able
+                # to reach it.
+                if pid <= 0 or pid == os.getpid():
+                    continue
                 try:
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:  # ended meanwhile
+                except OSError:  # ended meanwhile, or not ours to kill: the removal below says so
                     pass
             try:
                 self.path.rmdir()

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
-from RL2.native import prepare_process
+from RL2.native import prepare_process, use_huge_pages
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
 from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -31,6 +31,7 @@ class Trainer:
     learning_curve: tuple[CurvePanel, ...] = (CurvePanel("loss", ("train/loss", "test/loss")),)
 
     def __init__(self, cfg, model_cfg):
+        use_huge_pages()  # first: torch reads it at its first CPU allocation, whatever allocates it
         self.cfg = cfg
         # Before any model is built: a resume with nothing to resume from fails in seconds.
         self.resume_from = find_checkpoint(cfg.trainer)
