@@ -92,14 +92,15 @@ def test_resume_equals_uninterrupted(tiny_model_path, sft_data, two_rank_run, tm
         [m["train/loss"] for m in read_metrics(straight)], rel=1e-5)
 
 
-def test_resume_with_other_model_settings_names_the_checkpoint_and_the_difference(tiny_model_path, sft_data, tmp_path):
-    """A checkpoint of full fine-tuning resumed with LoRA on: every rank stops with a message, not DCP's
-    traceback of its load plan."""
-    run_ranks(1, sft_args(tiny_model_path, sft_data, tmp_path, "trainer.total_steps=1", "trainer.save_freq=1"))
+def test_resume_with_other_model_settings_names_the_checkpoint_and_the_difference(tiny_model_path, sft_data,
+                                                                                   two_rank_run, tmp_path):
+    """A checkpoint of full fine-tuning (the 2-rank run's) resumed with LoRA on: every rank stops with a
+    message, not DCP's traceback of its load plan."""
+    shutil.copytree(two_rank_run / "step2", tmp_path / "step2")
     with pytest.raises(AssertionError) as failure:
         run_ranks(2, sft_args(tiny_model_path, sft_data, tmp_path, "trainer.load_ckpt_from=latest", "actor.lora.rank=4"),
                   timeout=120)
-    message = (rf"RL2 sft: trainer\.load_ckpt_from: {tmp_path}/step1 does not hold what this run's models are made of "
+    message = (rf"RL2 sft: trainer\.load_ckpt_from: {tmp_path}/step2 does not hold what this run's models are made of "
                r"\(RuntimeError: Missing key in checkpoint state_dict: actor\.model\.model\.layers\.0\..*lora_A\.weight\."
                r"\); resume with the model settings of the run that saved it \(model_name, lora\.\*\)")
     # Each rank finds the mismatch itself; torchrun may stop the slower rank before it prints its message.
