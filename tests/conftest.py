@@ -1,8 +1,17 @@
-import pytest
-import torch.distributed as dist
+import os
 
-from RL2.parallel import close_process_groups
-from tests.helpers.tiny import make_tiny_model
+# Under pytest-xdist every worker, and every process a test starts, gets one torch thread: each worker then
+# has a core to itself (on two cores, two workers), where torch's default of a thread per core would put twice
+# as many threads as cores to work, spinning on each other. Set before torch is imported; torchrun gives its
+# ranks one thread anyway, and a value the caller set wins.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from RL2.parallel import close_process_groups  # noqa: E402
+from tests.helpers.tiny import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
