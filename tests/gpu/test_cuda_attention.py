@@ -30,25 +30,14 @@ def per_sequence(query, key, value, lengths, scale):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)])
 def test_varlen_attention_forward_and_backward(dtype, tolerance):
     device = torch.device("cuda")
-    generator = torch.Generator(device).manual_seed(0)
-    total = sum(LENGTHS)
-    leaves = [torch.randn(1, h, total, DIM, device=device, generator=generator, dtype=dtype, requires_grad=True)
-              for h in (HEADS, KV_HEADS, KV_HEADS)]
+    leaves = _leaves(dtype, LENGTHS)
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=device)
     backend = varlen_backend(device, dtype)
     print(f"{dtype}: {backend}")
     out, _ = varlen_attention(None, *leaves, None, scaling=DIM**-0.5, cu_seq_lens_q=cu_seqlens,
                               max_length_q=max(LENGTHS))
-    assert out.dtype == dtype and out.shape == (1, total, HEADS, DIM)
-    expected = per_sequence(*leaves, LENGTHS, DIM**-0.5)
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
-    weights = torch.randn(out.shape, device=device, generator=generator)
-    ours = torch.autograd.grad((out.float() * weights).sum(), leaves)
-    theirs = torch.autograd.grad((expected * weights).sum(), leaves)
-    for name, a, b in zip(("query", "key", "value"), ours, theirs):
-        scale = b.abs().max().item()
-        torch.testing.assert_close(a.float(), b.float(), atol=tolerance * scale, rtol=tolerance,
-                                   msg=lambda m, name=name: f"d{name}: {m}")
+    assert out.dtype == dtype and out.shape == (1, sum(LENGTHS), HEADS, DIM)
+    _check_against_per_sequence(out, leaves, LENGTHS, tolerance)
 
 
 def test_half_precision_takes_a_flash_kernel_when_torch_has_one():
