@@ -32,14 +32,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "examples" / "data")]
 from common import run_measured  # noqa: E402
+from make_arithmetic import EXAMPLE, INSTRUCTION  # noqa: E402  (the answer format, shown once)
 
 ENV = REPO / "benchmarks" / "envs" / "long_tail.py"
-INSTRUCTION = "Put the final answer in <answer></answer> tags."
-# The answer format, shown once, as examples/data/make_arithmetic.py does.
-EXAMPLE = [{"role": "user", "content": f"What is 7 + 5? {INSTRUCTION}"},
-           {"role": "assistant", "content": "7 + 5 = 12. <answer>12</answer>"}]
 
 
 def question(rng: random.Random) -> tuple[str, int]:
