@@ -1,13 +1,9 @@
 """A model trained with FSDP2: loading, sharding, mixed precision, optimizer, scheduler, clipping.
 
-Parallelism is applied in one place and in a fixed order (as torchtitan does): tensor parallelism,
-then activation checkpointing, then `fully_shard` on every decoder layer, then on the root (which
-holds the embeddings and LM head, so tied weights stay one parameter).
-
-Rank 0 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time.
-float16 compute trains through a gradient scaler (`FSDPWorker.backward`). While a colocated rollout
-engine samples, `offload` moves parameters, gradients and optimizer state to the CPU and `onload`
-brings them back (`RL2.rollout.worker` calls both).
+Parallelism is applied in one place and in a fixed order (as torchtitan does; `_parallelize`). Rank 0
+reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time. While a
+colocated rollout engine samples, `offload` moves the training state to the CPU and `onload` brings it
+back (`RL2.rollout.worker` calls both).
 
 With `lora.rank > 0` (`RL2.models.lora`) the base weights are frozen and stored in the compute dtype;
 adapters go into the decoder layers after tensor parallelism, and only they (and a scalar head) train,
@@ -52,18 +48,13 @@ from RL2.utils.logging import log_rank0
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 def section_key(name: str, section: str | None) -> str:
-    """A key of a model section as the user writes it (`actor.<name>`, `critic.<name>`); the bare name
-    when the section is not known."""
+    """A key of a model section as the user writes it (`actor.<name>`); the bare name without a section."""
     return f"{section}.{name}" if section else name
 
 
 def load_tokenizer(model_cfg, section: str | None = None):
-    """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`).
-
-    Args:
-        model_cfg: the section (actor, critic, model, ...).
-        section: its key in the config (`actor`), for an error naming the key; None: the bare key.
-    """
+    """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`); `section` is the
+    section's config key (`actor`), for errors."""
     field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
     name = model_cfg[field]
     try:
@@ -122,7 +113,7 @@ class FSDPWorker(Stateful):
         base_changes: with LoRA, PPO's reference resets will merge the adapters into the base
             (`lora.merge_into_base`): the base is then kept in float32, as a merge into bf16 weights
             would round away the adapters' small updates and so change the policy.
-        section: the config's key of `model_cfg` (`actor`, `critic`), for errors naming the key; None: bare keys.
+        section: the config's key of `model_cfg` (`actor`, `critic`), for errors; None: bare keys.
         config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
     """
 
@@ -135,9 +126,7 @@ class FSDPWorker(Stateful):
         # Adapters on a frozen base; frozen models (train=False) never get them.
         lora_cfg = getattr(model_cfg, "lora", None)
         self.lora = lora_cfg if train and lora_cfg is not None and lora_cfg.rank > 0 else None
-        # A LoRA model's base stays the loaded weights, unless PPO's reference reset merges adapters into
-        # it: then checkpoints hold the base too, and no adapter of the loaded model expresses the
-        # trained one.
+        # Else checkpoints hold the base too, and no adapter of the loaded model expresses the trained one.
         self.base_is_loaded = not base_changes
         self.model = self._build_model(model_cls, train, **config_overrides)
         self.optimizer = self._build_optimizer() if train else None
@@ -152,14 +141,9 @@ class FSDPWorker(Stateful):
         self.host_copies: PinnedHostCopies | None = None  # page-locked buffers of the first offload on CUDA
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
-        """Load on rank 0's CPU, build sharded on every rank, and fill the shards from rank 0.
-
-        Only rank 0 reads the checkpoint, into CPU memory; every rank builds the model on the meta device
-        (no memory), shards it, allocates its shards on the device and receives them from rank 0 one
-        full tensor at a time. So no device ever holds more than one full tensor beyond its shards, and
-        a 70B model needs one CPU copy per node rather than one per rank. Tied embeddings stay one
-        parameter: both the embedding and the LM head live in the root FSDP group.
-        """
+        """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards
+        from rank 0 one full tensor at a time: no device holds more than one full tensor beyond its
+        shards, and a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
         # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
         # precision; frozen ones (reference, teacher, reward model) and a LoRA model's frozen base are
@@ -208,13 +192,9 @@ class FSDPWorker(Stateful):
                 self._add_adapters(loaded)
         return loaded
 
-    def _config_key(self, name: str) -> str:
-        """A key of this model's config section as the user writes it: `actor.<name>`, `critic.<name>`."""
-        return section_key(name, self.section)
-
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
-        key = self._config_key("model_name")
+        key = section_key("model_name", self.section)
         return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
 
     def _check_layout(self, config) -> None:
@@ -235,7 +215,8 @@ class FSDPWorker(Stateful):
             )
 
     def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
-        """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root."""
+        """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root
+        (which holds the embeddings and LM head, so tied weights stay one parameter)."""
         layers = decoder_layers(model)
         layout = ModelLayout()
         if self.dims.tp > 1:
@@ -318,9 +299,7 @@ class FSDPWorker(Stateful):
         """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
         every micro-batch of this rank, then sum each metric over the whole global batch. Collective.
 
-        Every micro-batch's loss is already weighted for the global batch (`RL2.algs.averaging`), so the
-        losses of all micro-batches of all ranks add up to the batch's loss and their gradients to its
-        gradient: FSDP sums the ranks' gradients (`sum_gradients_over_ranks`) and no loss is rescaled.
+        Losses are already weighted for the global batch, so no loss is rescaled (`sum_gradients_over_ranks`).
 
         Args:
             micro_batches: this rank's share of the global batch (`RL2.datasets.packing.pack`).
@@ -409,22 +388,18 @@ class FSDPWorker(Stateful):
         references stay valid). From a CUDA device to the CPU, parameters and optimizer state go into
         page-locked buffers kept for the run (`RL2.native.pinned_offload`).
         """
-        copies = self._pinned_copies(device)
-        if copies is not None:
-            state_to_host(copies, self.model if params else None, self.optimizer if optimizer else None)
+        if pinned_offload(self.device, device):
+            if self.host_copies is None:  # page-locked buffers for the run, made at the first move
+                self.host_copies = PinnedHostCopies()
+            state_to_host(self.host_copies, self.model if params else None, self.optimizer if optimizer else None)
             return
         if params:
             self.model.to(device)
-        if optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, device)
-
-    def _pinned_copies(self, device: torch.device) -> PinnedHostCopies | None:
-        """The page-locked buffers of a move from CUDA to the CPU, made at the first; None otherwise."""
-        if not pinned_offload(self.device, device):
-            return None
-        if self.host_copies is None:
-            self.host_copies = PinnedHostCopies()
-        return self.host_copies
+        if optimizer and self.optimizer is not None:  # the moments and step counts
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(device)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, by the device type holding them."""
@@ -467,7 +442,7 @@ class FSDPWorker(Stateful):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scheduler.base_lrs != configured:  # as in HF's Trainer, the run goes on as it was saved
             log_rank0(f"resuming with the checkpoint's learning rates {self.scheduler.base_lrs}, not "
-                      f"{configured} from {self._config_key('optimizer.lr')} "
+                      f"{configured} from {section_key('optimizer.lr', self.section)} "
                       f"(the checkpoint's optimizer and schedule go on as saved; start a new run to change them)")
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
@@ -504,7 +479,9 @@ class FSDPWorker(Stateful):
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 if adapter is not None and self.base_is_loaded:
-                    self._save_adapter(tmp / "adapter", adapter)
+                    task = "TOKEN_CLS" if hasattr(self.model, "score") else "CAUSAL_LM"
+                    lora.save_adapter(tmp / "adapter", adapter, self.lora.rank, self.lora.alpha, self.lora.dropout,
+                                      task, resolve_model_path(self.model_name))
                 elif adapter is not None:
                     log_rank0(f"{path}: reference resets merged the adapters into the base weights, so no "
                               f"adapter of {self.model_name} expresses the model: saved merged weights only")
@@ -518,18 +495,12 @@ class FSDPWorker(Stateful):
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
 
-    def _save_adapter(self, folder, adapter: dict[str, torch.Tensor]) -> None:
-        cfg = self.lora
-        task = "TOKEN_CLS" if hasattr(self.model, "score") else "CAUSAL_LM"
-        lora.save_adapter(folder, adapter, cfg.rank, cfg.alpha, cfg.dropout, task, resolve_model_path(self.model_name))
-
 
 def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
     """Make FSDP sum the ranks' gradients instead of averaging them.
 
     Every loss is already weighted for the whole global batch (`RL2.algs.averaging`), so the sum of
-    the ranks' gradients is the batch's gradient; FSDP's default average would divide it by the number
-    of ranks that shard the model. Sums only: gloo has no pre-scaled reduction.
+    the ranks' gradients is the batch's gradient. Sums only: gloo has no pre-scaled reduction.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -566,11 +537,3 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move the optimizer's moments and step counts (upstream RL2's offload_optimizer moves them between steps)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(device)
