@@ -1,29 +1,19 @@
 """An OpenAI-compatible HTTP endpoint over a rank's inference engine that records what it samples.
 
 Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and
-ART): during a rollout each trajectory gets a session, and its client's `base_url` points at
-`/sessions/{id}/v1` of this server, which runs on the rank's event loop and serves
-
-    POST /sessions/{id}/v1/chat/completions   chat.completion (tools, logprobs, n, stop, seed...)
-    POST /sessions/{id}/v1/completions        text_completion of a text prompt
-    GET  /sessions/{id}/v1/models             the one model served
-
-Every call samples through `engine.generate` (SGLang's `/generate`), and the session's `Trajectory`
-records the exact prompt and sampled token ids with the engine's log-probabilities: the trainer
-trains on those, never on a re-tokenisation of the text the agent sees (see `trajectory.py`).
+ART): each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of this
+server (chat/completions, completions and models; the fields served: docs/agents.md). Every call
+samples through `engine.generate`, and the session's `Trajectory` records the exact prompt and sampled
+token ids with the engine's log-probabilities (token in, token out: see `trajectory.py`).
 
 How calls become sequences. A chat client sends the whole conversation every time, so a call's
-prompt usually extends an earlier call's prompt and answer. As the environment loop does
-(`RL2.rollout.loop.continuation`), the match is made on text: a session keeps, per sequence, its text
-so far; a prompt that starts with it continues that sequence (only the new text is tokenised and
-appended, masked), any other prompt starts a new sequence. For the text to match, an assistant
-message the client sends back must render as exactly what the model sampled: the session maps each
-message it returned (content and tool calls) to the sampled text, and renders such a message as
-that text, without tool calls. An agent that edits its history, or runs several conversations, makes
-several sequences of one trajectory.
+prompt usually extends an earlier call's prompt and answer. As in the environment loop
+(`RL2.rollout.loop.continuation`), the match is made on text: a prompt that starts with a sequence's
+text so far continues it (only the new text is tokenised and appended, masked), any other prompt
+starts a new sequence. For the text to match, an assistant message the client sends back renders as
+exactly what the model sampled: the session maps each message it returned to the sampled text.
 
-Sampling fields OpenAI has and the engine does not implement (penalties, logit_bias,
-response_format, streaming, forced tool calls...) are refused with HTTP 400 naming the field, rather
+Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather
 than ignored: the policy trained would not be the one the agent asked for.
 """
 
@@ -40,7 +30,7 @@ from aiohttp import web
 from RL2.agents.tool_calls import ParsedAction, ToolCallParser
 from RL2.agents.tools import render_conversation
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, sample_seed
+from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, encode, end_text, sample_seed
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
 
 # The model id `models.list()` shows; requests may name any model.
@@ -183,8 +173,8 @@ class Session:
             if rest is not None and (best is None or len(tip.text) > len(best.text)):
                 best, added = tip, rest
         if best is None:
-            return _Prompt(text, _encode(tokenizer, text))
-        added_ids = _encode(tokenizer, added)
+            return _Prompt(text, encode(tokenizer, text))
+        added_ids = encode(tokenizer, added)
         return _Prompt(text, best.sequence.input_ids + added_ids, best, added, added_ids)
 
     def record(self, prompt: _Prompt, turns: list[Turn], tokenizer) -> None:
@@ -202,7 +192,7 @@ class Session:
                 tip = _Tip(self.trajectory.sequences[-1], "", "", 0)
                 self._tips.append(tip)
             tip.text = prompt.text + turn.action_text
-            tip.end_text = _end_text(tokenizer, turn.action_ids)
+            tip.end_text = end_text(tokenizer, turn.action_ids)
             tip.turns = len(tip.sequence.turns)
 
     def remember(self, message: dict, sampled_text: str) -> None:
@@ -318,8 +308,6 @@ class OpenAIEndpoint:
                 raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                    "messages") from e
             prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None)
-            if session.closed:
-                raise RequestError(f"session {session.id} was closed while the call ran", status=404)
             return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
         except RequestError as e:
             return e.response()
@@ -335,8 +323,6 @@ class OpenAIEndpoint:
                 raise RequestError(f"prompt must be a non-empty string, not {_show(prompt)}; send one prompt "
                                    f"per request", "prompt")
             prompt, choices, k = await self._sample(session, prompt, call, "prompt", None)
-            if session.closed:
-                raise RequestError(f"session {session.id} was closed while the call ran", status=404)
             return web.json_response(self._completion_response(session, k, prompt, choices, call))
         except RequestError as e:
             return e.response()
@@ -370,7 +356,7 @@ class OpenAIEndpoint:
     async def _sample(self, session: Session, text: str, call: _Call, prompt_field: str,
                       parser: ToolCallParser | None) -> tuple[_Prompt, list[_Choice], int]:
         """Sample a call's choices after `text` and record them on the session's trajectory; also returns
-        the call's number in the session."""
+        the call's number in the session. A session closed meanwhile (its run timed out) records nothing."""
         prompt = session.prompt(text, self.tokenizer)
         params = self._params(call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
@@ -384,8 +370,9 @@ class OpenAIEndpoint:
             for j in range(call.n)
         ))
         session.trajectory.generate_seconds += time.perf_counter() - start
-        if not session.closed:  # a run that timed out is over: what its last calls sample is not its
-            session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
+        if session.closed:
+            raise RequestError(f"session {session.id} was closed while the call ran", status=404)
+        session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
         return prompt, choices, k
 
     def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
@@ -399,11 +386,8 @@ class OpenAIEndpoint:
                 f"temperature={call.params['temperature']} differs from the run's sampling temperature "
                 f"{run_temperature} (rollout.train_sampling_params.temperature, or the test one), at which the "
                 f"policy is trained; leave temperature out, or set the run's", "temperature")
-        if parser is not None and parser.call_end and self.stop_after_call:
-            # The action ends right after a call, as the environment loop samples tool calls.
-            stops = params.get("stop") or []
-            stops = [stops] if isinstance(stops, str) else list(stops)
-            params["stop"] = stops if parser.call_end in stops else [*stops, parser.call_end]
+        if parser is not None and self.stop_after_call:  # as the environment loop samples tool calls
+            params = parser.stop_at_call_end(params)
         requested = params.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - prompt_len
@@ -542,11 +526,6 @@ def _continuation(tip: _Tip, text: str) -> str | None:
     return text[len(prefix):] if text.startswith(prefix) else None
 
 
-def _end_text(tokenizer, action_ids: list[int]) -> str:
-    last = action_ids[-1:]
-    return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-
-
 def _message_key(message: dict) -> str:
     """An assistant message as the client may send it back: content, and calls with arguments compared as JSON."""
     calls = []
@@ -561,11 +540,6 @@ def _message_key(message: dict) -> str:
                 pass
         calls.append([function.get("name"), arguments])
     return json.dumps([_text_of(message.get("content")), calls], sort_keys=True, default=str)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # Chat templates write their special tokens (and BOS, if any) into the text itself.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # ---- reading requests ----
@@ -591,12 +565,11 @@ def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field:
         if value is not None and value not in accepted:
             raise RequestError(f"{key}={_show(value)} is not supported: {why}; or leave {key} out", key)
     params = {}
-    for key, name, low, high, integer in (("temperature", "temperature", 0.0, None, False),
-                                          ("top_p", "top_p", 0.0, 1.0, False), ("min_p", "min_p", 0.0, 1.0, False),
-                                          ("top_k", "top_k", -1, None, True)):
+    for key, low, high, integer in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, False),
+                                    ("min_p", 0.0, 1.0, False), ("top_k", -1, None, True)):
         value = _number(body, key, low, high, integer)
         if value is not None:
-            params[name] = value
+            params[key] = value
     if params.get("top_p") == 0:
         raise RequestError("top_p=0 keeps no token; give a value in (0, 1]", "top_p")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -74,6 +74,15 @@ class ToolCallParser:
         """The text a model writes in this format to make `calls`."""
         raise NotImplementedError
 
+    def stop_at_call_end(self, params: dict) -> dict:
+        """Sampling `params` with `call_end` among the stop strings, so that an action ends right after a
+        call and the model's own guess of the result is never sampled."""
+        if not self.call_end:
+            return params
+        stops = params.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        return params | {"stop": stops if self.call_end in stops else [*stops, self.call_end]}
+
 
 class HermesParser(ToolCallParser):
     name = "hermes"

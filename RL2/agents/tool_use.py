@@ -67,11 +67,7 @@ class ToolUse:
 
     def sampling_params(self, params: dict) -> dict:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
-        end = self.parser.call_end
-        if not (self.stop_after_call and end):
-            return params
-        stops = list(params.get("stop") or [])
-        return params | {"stop": stops + [end] if end not in stops else stops}
+        return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
     async def respond(self, messages: list[dict] | None, action: str, extra_info: dict, counts) -> list[dict] | str | None:
         """Run the calls of `action`, if it makes any.

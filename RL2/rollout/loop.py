@@ -339,7 +339,7 @@ async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, pro
             return trajectory
     messages = state if isinstance(state, list) else None
     state = render_state(state, tokenizer, tool_use)
-    ids = _encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
+    ids = encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
     if not _fits(len(ids), max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
@@ -447,28 +447,32 @@ async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: fl
 
 def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_state: str, budget: int | None) -> bool:
     """Add the next state to the trajectory; False when it leaves no room for another action."""
-    last = turn.action_ids[-1:]
-    end_text = tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-    added = continuation(state, turn.action_text, next_state, end_text)
+    added = continuation(state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     room = None if budget is None else budget - len(trajectory.current_ids)
     if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
         return False
     if added is not None:
-        env_ids = _encode(tokenizer, added)
+        env_ids = encode(tokenizer, added)
         if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
             return False
         trajectory.continue_sequence(added, env_ids)
     else:
-        ids = _encode(tokenizer, next_state)
+        ids = encode(tokenizer, next_state)
         if not _fits(len(ids), budget):
             return False
         trajectory.start_sequence(next_state, ids)
     return True
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer, text: str) -> list[int]:
     # Chat templates write their special tokens (and BOS, if any) into the text itself.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def end_text(tokenizer, action_ids: list[int]) -> str:
+    """The text of the special token that ended an action (its decoded text skips it), or ""."""
+    last = action_ids[-1:]
+    return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
 
 
 def _may_fit(tokenizer, text: str, room: int | None) -> bool:
