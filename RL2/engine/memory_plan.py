@@ -1,38 +1,14 @@
 """GPU memory of one rank when the trainer and colocated SGLang servers share the GPUs, and the servers' sizing.
 
-A PPO step on shared GPUs goes through three phases (`RL2.rollout.worker` drives them):
-- train: the trainer's models are on the GPU; the servers have released their weights, KV cache and
-  CUDA graphs (SGLang's `--enable-memory-saver`).
-- sync: the servers' weights come back and the policy's parameters are gathered into them, bucket by
-  bucket; the rest of the trainer's state (optimizer, frozen models, critic) waits on the CPU.
-- rollout: the trainer's state is all on the CPU; the servers hold their weights and KV cache.
-
-Per rank, for a model of P parameters whose trainer copies are sharded over N ranks and whose served
-copy is split over a server's S GPUs (bf16 serving, float32 master weights):
-    train    actor 16P/N (weights 4, gradients 4, Adam moments 8 bytes a parameter)
-             + reference 2P/N (stored in bf16) + critic 16P/N, each when the run has one
-    sync     actor weights 4P/N + served weights 2P/S + two buckets (gathered tensors and their flat copy)
-    rollout  served weights 2P/S + KV cache
-    host     the trainer's state while the engine samples: 12P/N for each trained model (float32 weights
-             and Adam moments; gradients are freed at the step) + 2P/N for a reference; on CUDA it stays
-             in page-locked buffers for the run (`RL2.native.pinned_host`), and a node holds it for each
-             of its ranks
-With LoRA adapters of L parameters on the actor (`actor.lora.rank > 0`, `RL2.models.lora`), the frozen
-base is stored in bf16 and only the adapters train, and the reference is that base (adapters off):
-    train    actor 2P/N + 16L/N, + critic 16P/N when the run has one (no separate reference)
-    host     2P/N + 12L/N, + critic 12P/N
-    sync     served weights 2P/S + two buckets + one full tensor being merged: the base waits on the CPU
-             and comes to the GPU one tensor at a time (`RL2.rollout.worker.full_tensors`)
-Activations of a micro-batch (bounded by `max_length_per_device`) come on top of the train phase.
+docs/gpus.md ("Memory plan") explains the three phases of a colocated step (train, sync, rollout), the host
+memory while the engine samples and their formulas, with and without LoRA; `colocated_memory` computes them.
 
 Servers are launched once the trainer's state is on the CPU, and SGLang gives weights plus KV cache
 `mem_fraction_static` of the memory free at its start. RL2 sets it so that they take
 `COLOCATED_MEM_FRACTION` of that memory less a margin (`rollout.gpu_memory_margin_gb`,
 `colocated_mem_fraction`): the rest of the fraction's complement is SGLang's, for activations, CUDA
-graphs and sampling buffers (SGLang's own default sets aside at least 10 GB on GPUs over 60 GB), and
-the margin is what the trainer's memory left on the GPU, its state offloaded, may grow by once the
-servers have started (CUDA kernels loaded at their first launch, cuBLAS workspaces, NCCL buffers; the
-communicators themselves are made at start, `RL2.parallel.init_distributed`).
+graphs and sampling buffers, and the margin is what the trainer's memory left on the GPU may grow by
+once the servers have started (CUDA kernels loaded at their first launch, cuBLAS workspaces, NCCL buffers).
 
 `python -m RL2.engine.memory_plan` prints the table of docs/gpus.md.
 """
@@ -95,7 +71,7 @@ class ModelShape:
 @dataclass
 class PhaseMemory:
     """Bytes of one rank at each phase of a colocated step: on its GPU, and on the host while the engine
-    samples (see the module docstring)."""
+    samples (see docs/gpus.md)."""
 
     train: int
     sync: int

@@ -1,41 +1,14 @@
 """SGLang servers as the rollout engine of every rank: launched by the trainer or already running.
 
-Launched (`rollout.engine=sglang`): the ranks form groups of `rollout.server_args.tp_size`
-consecutive ranks; the first rank of each group starts one server on the group's GPUs (or on the
-CPU), so the world holds `world_size / tp_size` servers. Every rank learns every server's URL and
-sends its requests to the least busy one.
+Launched (`rollout.engine=sglang`): the first rank of each group of `rollout.server_args.tp_size`
+consecutive ranks starts one server on the group's GPUs (or on the CPU), and every rank sends its
+requests to the least busy server. External (`rollout.server_url`): servers the user runs; nothing is
+launched and rank 0 alone sends them control requests.
 
-External (`rollout.server_url`): servers the user runs; nothing is launched and rank 0 alone sends
-them control requests (weight updates from disk, or none with `rollout.weight_sync=none`).
-
-Weight sync after each update (`rollout.weight_sync`):
-- tensor: `/update_weights_from_tensor`, bucket by bucket, each tensor-parallel rank handing its own
-  GPU's copy to its server rank as a CUDA IPC handle (launched servers; by value on CPU). The payload
-  is written by `RL2.engine.sglang.weight_transfer` without importing sglang, in the format of the server
-  versions it lists; a launched server's version is checked at start.
-- disk: the lowest rank of each host writes a Hugging Face folder that the servers of that host
-  read with `/update_weights_from_disk`.
-- none: the servers keep their weights (e.g. a frozen policy or an evaluation).
-Both pushes send the tensors under the names and in the layout of the model's checkpoint, which is
-what SGLang's loaders read (`RL2.engine.checkpoint_layout`: transformers holds a mixture of experts
-fused, the checkpoint one tensor per expert). A loader skips a name it does not know and still
-answers success, so with `rollout.check_weight_sync` each push is checked on the servers: SGLang's
-`/weights_checker` overwrites every parameter with random values before it and reports checksums
-before and after, and a parameter whose checksum did not change was not written.
-
-Memory: launched GPU servers share the GPUs with training (`colocated`). They start once the
-trainer's state is off the GPU and take `COLOCATED_MEM_FRACTION` of the free memory, less
-`rollout.gpu_memory_margin_gb`, for weights and KV cache (the `mem_fraction_static` RL2 gives them,
-`RL2.engine.memory_plan`); `RL2.rollout.worker` then releases and resumes their memory
-(`/release_memory_occupation`, `/resume_memory_occupation`) around each rollout. On CPU those
-endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
-
-Log-probabilities: SGLang returns those of softmax(logits / temperature), the distribution it samples
-from before top-k/top-p (`sglang/srt/layers/sampler.py`), unless its servers run with
-`SGLANG_RETURN_ORIGINAL_LOGPROB=1` (then temperature 1's). The trainer trains that distribution and
-the embedded engine reports the same. Launched servers get the variable switched off; servers of
-`rollout.server_url` are probed at start when the training temperature is not 1, with a warning if
-they return temperature 1's.
+docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the
+servers, the memory of servers colocated with training (`RL2.engine.memory_plan`) and the
+log-probabilities they return. On CPU the memory endpoints crash the server (they call torch.cuda), so
+CPU servers are never colocated.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -256,10 +229,8 @@ class SGLangEngine:
         return await self.client.generate(payload)
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop this rank's generation until `continue_generation`, as `EmbeddedEngine` does. The
-        servers are shared by every rank, so they are not paused: with "abort" this rank's requests
-        in flight return at once with finish_reason abort and their partial output; with "retract"
-        or "in_place" they run to their end. New requests of this rank wait meanwhile."""
+        """See `Engine.pause_generation`: the servers serve every rank and are not paused, so with
+        "retract" or "in_place" this rank's requests in flight run to their end."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
         if self._resumed is None:  # pausing again keeps the requests already waiting
@@ -276,15 +247,8 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Push the actor's full tensors to every server (whose weight memory must be resident), in the
-        layout of the model's checkpoint; with `check_weights`, an EngineError names any parameter of a
-        server that the push did not write. Collective, like the iteration of `named_tensors` itself
-        (each full tensor is all-gathered from the FSDP shards).
-
-        Args:
-            named_tensors: full tensors under the names of the trainer's model (transformers' memory layout).
-            weight_version: the name of these weights (the servers report it as `weight_version`).
-        """
+        """See `Engine.update_weights`: pushed in the layout of the model's checkpoint; with
+        `check_weights`, an EngineError names any parameter of a server that the push did not write."""
         if self.weight_sync == "none":
             return
         named_tensors = self.checkpoint_layout().to_checkpoint(named_tensors)
@@ -312,12 +276,9 @@ class SGLangEngine:
         return self._layout
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Free the servers' GPU memory of `tags` (SGLang's "weights", "kv_cache", "cuda_graph"); the
-        content of released weights is lost. Only for colocated servers, when no request runs."""
         self._control_all("/release_memory_occupation", {"tags": list(tags)})
 
     def resume_memory(self, tags: Iterable[str]) -> None:
-        """Take back the released memory of `tags` (SGLang fails on a tag that is not released)."""
         self._control_all("/resume_memory_occupation", {"tags": list(tags)})
 
     def shutdown(self) -> None:
@@ -557,13 +518,8 @@ def _colocated_fraction(cfg, device: torch.device, tp: int) -> float:
 
 
 def _check_memory_saver(server_args: dict, device: torch.device) -> None:
-    """Refuse a GPU server that would keep RL2's share of the GPU while the trainer trains beside it.
-
-    Without `enable_memory_saver` a server cannot release its memory, so training runs next to its
-    weights and KV cache; RL2's `mem_fraction_static` (`COLOCATED_MEM_FRACTION` of the free memory) is
-    sized for a server that gives it back, and would leave training a few GB. A user who sets
-    `mem_fraction_static` too has sized the server's share themselves.
-    """
+    """Refuse a GPU server that would keep RL2's share of the GPU (sized for a server that releases it)
+    while the trainer trains beside it, unless the user sized that share (`mem_fraction_static`)."""
     if device.type != "cuda" or server_args.get("enable_memory_saver", True) or "mem_fraction_static" in server_args:
         return
     raise ConfigError(
