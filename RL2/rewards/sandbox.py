@@ -1,13 +1,11 @@
 """Run a policy's Python code against one test in a separate, isolated, limited process.
 
-Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation): new network,
-mount and PID namespaces, the whole file system read-only except a temporary working directory that
-is removed afterwards, limits on address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes
-(RLIMIT_NPROC) and CPU time, no capabilities, an environment without the trainer's variables. Where
-the machine allows it (`sandbox_cgroup.py`), a memory cgroup of its own also bounds the memory of all
-its processes together. The wall-clock limit is enforced from here: on timeout the process group is
-killed, and with it the PID namespace (every process the solution started, even one that left the
-group).
+Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation, and
+docs/rewards.md): namespaces, a read-only file system but for a temporary working directory,
+resource limits, no capabilities, none of the trainer's variables and, where the machine allows it
+(`sandbox_cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
+timeout the process group is killed, and with it the PID namespace (every process the solution
+started, even one that left the group).
 
 The waiting happens in a thread pool of `max_concurrency` threads, so an event loop stays free
 (`await sandbox.run(...)`) and at most that many solutions run at once. A solution that hangs,
@@ -132,14 +130,11 @@ class Sandbox:
         namespaces: isolate with Linux namespaces when the system allows it; False runs with the
             in-process guard only (to test that guard; needs `allow_unisolated`).
         allow_unisolated: where namespaces are refused (Docker's default seccomp profile, most
-            Kubernetes pods), run solutions with only an in-process audit hook, which gives up the
-            isolation: code that reaches C goes around it to the network, the host's files and
-            sockets and other processes, and outlives the run. False (the default) raises
+            Kubernetes pods), run solutions with only an in-process audit hook, which is no
+            isolation (code that reaches C goes around it); False (the default) raises
             `SandboxError` there instead.
-        cgroup_root: where the cgroup file systems are mounted; each test run gets a memory cgroup
-            under the trainer's own (`sandbox_cgroup.py`). Where none can be made (not root, a
-            read-only cgroupfs, no memory controller), or with None, memory is bounded per process
-            only (a warning says so once).
+        cgroup_root: where the cgroup file systems are mounted (`sandbox_cgroup.py`); where no
+            cgroup can be made, or with None, memory is bounded per process only (said once).
     """
 
     def __init__(self, limits: CodeLimits | None = None, max_concurrency: int | None = None, namespaces: bool = True,
@@ -207,9 +202,9 @@ class Sandbox:
         if report and cgroup is not None and not report.get("memory_cgroup"):
             self._warn_memory_per_process(f"the sandbox could not join {cgroup.path}")
         if status is None:
-            status = _verdict(test, stdout, process.returncode, checks, values)
-            failed = _failed_check(checks, values) if values is not None and status == "error" else None
-            if failed:
+            failed = _failed_check(checks, values) if values is not None else None
+            status = _verdict(test, stdout, process.returncode, values is not None and failed is None)
+            if failed and status == "error":
                 stderr += f"AssertionError: {failed}\n"
         if oom_kills:
             stderr += (f"sandbox: out of memory: its processes together reached memory_mb ({self.limits.memory_mb} "
@@ -346,11 +341,11 @@ def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_ou
     return out, err, None
 
 
-def _verdict(test: CodeTest, stdout: str, returncode: int, checks: list, values: list | None) -> str:
-    if test.assert_code is not None:
-        return "passed" if returncode == 0 and values is not None and _failed_check(checks, values) is None else "error"
-    if returncode != 0:
+def _verdict(test: CodeTest, stdout: str, returncode: int, asserts_hold: bool) -> str:
+    if returncode != 0 or (test.assert_code is not None and not asserts_hold):
         return "error"
+    if test.assert_code is not None:
+        return "passed"
     return "passed" if normalise_output(stdout) == normalise_output(test.output) else "wrong_answer"
 
 

@@ -1,17 +1,12 @@
-"""A memory cgroup per code sandbox: one limit on the memory of all its processes together.
-
-RLIMIT_AS bounds each process's address space, so a solution that starts `max_processes` processes
-can use that many times `memory_mb`. A cgroup bounds their sum, as a container's limit does: the
-sandbox's first process joins it before it runs anything of the solution, every process it starts is
-counted in it, and the kernel's OOM killer acts inside it when the sum reaches the limit.
+"""A memory cgroup per code sandbox: one limit on the memory of all its processes together (see
+docs/rewards.md), where RLIMIT_AS bounds each process alone.
 
 The cgroup is made under the trainer's own cgroup (as /proc/self/cgroup names it), never at the
-root of the hierarchy: cgroup v1's memory controller (memory.limit_in_bytes, and
-memory.memsw.limit_in_bytes at the same value where swap is accounted: no swap), or cgroup v2's
-(memory.max, memory.swap.max = 0, and pids.max where the pids controller is enabled). Making one
-needs write access to that cgroup (root, or a delegated subtree) and, in v2, the memory controller
-enabled for its children, which v2 allows a cgroup that holds processes (the trainer) only at the
-root of the hierarchy: a trainer in any other v2 cgroup keeps the per-process limit only.
+root of the hierarchy: cgroup v1's memory controller, or cgroup v2's (with pids.max where the pids
+controller is enabled). Making one needs write access to that cgroup (root, or a delegated subtree)
+and, in v2, the memory controller enabled for its children, which v2 allows a cgroup that holds
+processes (the trainer) only at the root of the hierarchy: a trainer in any other v2 cgroup keeps
+the per-process limit only.
 """
 
 import logging
@@ -49,18 +44,17 @@ def find_parent(root: str = DEFAULT_ROOT, own_cgroups: str = "/proc/self/cgroup"
     """
     try:
         with open(own_cgroups) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
+            lines = [fields for line in f if len(fields := line.rstrip("\n").split(":", 2)) == 3]
     except OSError as e:
         return None, f"cannot read {own_cgroups}: {e}"
-    for _, controllers, own_path in (line for line in lines if len(line) == 3):
+    for _, controllers, own_path in lines:
         if "memory" in controllers.split(","):
             return _usable(CgroupParent(Path(root, "memory", own_path.lstrip("/")), 1))
-    unified = [own_path for hierarchy, controllers, own_path in (line for line in lines if len(line) == 3)
-               if hierarchy == "0" and not controllers]
+    unified = [own_path for hierarchy, controllers, own_path in lines if hierarchy == "0" and not controllers]
     for base in (Path(root), Path(root, "unified")):
         for own_path in unified:
             path = base / own_path.lstrip("/")
-            if "memory" in _words(path / "cgroup.controllers"):
+            if "memory" in _read(path / "cgroup.controllers").split():
                 return _usable(CgroupParent(path, 2))
     return None, f"no cgroup hierarchy with the memory controller under {root}"
 
@@ -73,9 +67,9 @@ def _usable(parent: CgroupParent) -> tuple[CgroupParent | None, str]:
     if not os.access(parent.path, os.W_OK):
         return None, f"{parent.path} is not writable here"
     if parent.version == 2:
-        enabled = _words(parent.path / "cgroup.subtree_control")
+        enabled = _read(parent.path / "cgroup.subtree_control").split()
         for controller in ("memory", "pids"):
-            if controller in enabled or controller not in _words(parent.path / "cgroup.controllers"):
+            if controller in enabled or controller not in _read(parent.path / "cgroup.controllers").split():
                 continue
             try:
                 (parent.path / "cgroup.subtree_control").write_text(f"+{controller}")
@@ -84,13 +78,6 @@ def _usable(parent: CgroupParent) -> tuple[CgroupParent | None, str]:
                     return None, (f"cgroup v2 cannot enable the memory controller under {parent.path}, which "
                                   f"holds the trainer's processes ({e})")
     return parent, ""
-
-
-def _words(path: Path) -> list[str]:
-    try:
-        return path.read_text().split()
-    except OSError:
-        return []
 
 
 class SandboxCgroup:
@@ -139,7 +126,7 @@ class SandboxCgroup:
     def oom_kills(self) -> int:
         """Processes the kernel's OOM killer took in this cgroup (v1: memory.oom_control, v2: memory.events)."""
         events = "memory.oom_control" if self.version == 1 else "memory.events"
-        for line in _lines(self.path / events):
+        for line in _read(self.path / events).splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)
@@ -154,7 +141,7 @@ class SandboxCgroup:
         oom_kills = self.oom_kills()
         deadline = time.monotonic() + REMOVE_TIMEOUT_S
         while True:
-            for pid in map(int, _lines(self.procs_file)):
+            for pid in map(int, _read(self.procs_file).splitlines()):
                 # cgroup v2 lists a process of another pid namespace as 0, which os.kill would read as our
                 # own process group; the trainer itself is never in the cgroup, but a kill must not be able
                 # to reach it.
@@ -176,8 +163,8 @@ class SandboxCgroup:
                 time.sleep(0.01)
 
 
-def _lines(path: Path) -> list[str]:
+def _read(path: Path) -> str:
     try:
-        return path.read_text().splitlines()
-    except OSError:  # removed, or never made
-        return []
+        return path.read_text()
+    except OSError:  # removed, never made, or not a cgroup's file
+        return ""

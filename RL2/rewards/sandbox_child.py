@@ -403,7 +403,7 @@ def main() -> None:
             namespaces, why = False, f"no namespaces ({e})"
     first = os.fork()  # with namespaces: process 1 of the new PID namespace
     if first:
-        exit_like(wait_for(first))
+        exit_like(os.waitpid(first, 0)[1])  # retried on EINTR (PEP 475)
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher killed on timeout: all go
         # The kernel's out-of-memory killer takes a solution first, never the trainer for it.
@@ -438,7 +438,7 @@ def main() -> None:
         os._exit(EXIT_SETUP_FAILED)
     if solution == 0:
         run_solution(spec, result_fd, guard)
-    exit_like(wait_for(solution))
+    exit_like(os.waitpid(solution, 0)[1])
 
 
 def join_cgroup(procs_file: str | None) -> bool:
@@ -452,14 +452,6 @@ def join_cgroup(procs_file: str | None) -> bool:
         return True
     except OSError:  # the caller then limits memory per process only, and says so
         return False
-
-
-def wait_for(pid: int) -> int:
-    while True:
-        try:
-            return os.waitpid(pid, 0)[1]
-        except InterruptedError:
-            continue
 
 
 def exit_like(status: int) -> None:
