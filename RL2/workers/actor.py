@@ -1,10 +1,8 @@
 """The policy: log-probabilities of packed rollouts and the policy update over mini-batches.
 
-A rollout is a `RolloutBatch` (`RL2.batch`): per-token tensors aligned with the labels, grouped into
-trajectories and prompt groups. Every rank holds the whole rollout; each packs and processes its own
-share (`pack`), and per-token results are summed over the data-parallel ranks so that every rank can
-compute advantages on the whole batch, with the pure functions of `RL2.algs`. The update's loss is
-the one `actor.policy_loss` names (`POLICY_LOSSES`).
+Every rank holds the whole rollout (`RL2.batch.RolloutBatch`); each packs and processes its own share
+(`pack`), and per-token results are summed over the data-parallel ranks so that every rank can compute
+advantages on the whole batch. The update's loss is the one `actor.policy_loss` names (`POLICY_LOSSES`).
 """
 
 from collections.abc import Callable
@@ -67,13 +65,8 @@ def engine_correction(cfg) -> Correction | None:
 
 
 def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[int]]:
-    """Packing units (`pack(units=...)`) that keep each trajectory's sequences together.
-
-    Args:
-        batch: the (mini-)batch to pack.
-        budget: the most labels of one micro-batch (`max_length_per_device * cp_size * tp_size`).
-        loss: the policy loss's name, for the error message.
-    """
+    """Packing units (`pack(units=...)`) that keep each trajectory's sequences together; `budget` is the
+    most labels of one micro-batch, `loss` what reads whole trajectories (for the error)."""
     units: list[list[int]] = [[] for _ in range(batch.n_samples)]
     for sequence, sample in enumerate(batch.sample_ids.tolist()):
         units[sample].append(sequence)
@@ -96,8 +89,7 @@ def pack_for(model: torch.nn.Module, batch: SequenceBatch, dims: ParallelDims, m
              budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
     """This rank's micro-batches of `batch` for `model` (`pack`; `budget_key` names `max_tokens` in its
     errors). Where the model's forward stores shared prefixes once, a rollout's prompt groups go into
-    micro-batches whole where they fit (`prompt_group_units`, which keeps trajectories whole: `units` are
-    then implied)."""
+    micro-batches whole where they fit (`prompt_group_units`, which keeps trajectories whole too)."""
     sizes = None
     if shares_prefixes(model) and isinstance(batch, RolloutBatch):
         units, sizes = prompt_group_units(batch, dims.dp, max_tokens * dims.seq_parallel)
@@ -110,11 +102,7 @@ def per_token_pass(
     fn: Callable[[MicroBatch], torch.Tensor], budget_key: str = "actor.max_length_per_device",
 ) -> torch.Tensor:
     """Run `fn` (micro-batch -> `[1, T]` values of `model`) on this rank's share; every rank gets every
-    label's value. `budget_key` is the config key of `max_tokens`, for `pack`'s errors.
-
-    Returns:
-        `[n_labels]` float32 on the CPU, aligned with the batch's labels.
-    """
+    label's value, `[n_labels]` float32 on the CPU. `budget_key`: as in `pack_for`."""
     values = torch.zeros(batch.n_labels, device=device)
     for mb in pack_for(model, batch, dims, max_tokens, budget_key=budget_key):
         out = fn(mb.to(device)).detach().float()
@@ -154,19 +142,15 @@ def extremes_over_ranks(extremes: dict[str, list[float]], names: tuple[str, ...]
 
 
 def weighted_means(summed: dict[str, float]) -> dict[str, float]:
-    """Sums over the batch of loss-weighted figures -> their weighted means over the batch.
-
-    Losses stay as they are (the objective); other metrics are divided by the total weight, which is
-    1 except for avg_level=constant.
-    """
+    """Sums over the batch of loss-weighted figures -> their weighted means. Losses stay as they are (the
+    objective); other metrics are divided by the total weight, which is 1 except for avg_level=constant."""
     weight = max(summed.pop("weight"), 1e-12)
     return {k: v if k.startswith("loss") else v / weight for k, v in summed.items()}
 
 
 class BaseModelReference:
     """The reference of a LoRA policy: the policy's own base model with its adapters switched off (the
-    initial weights until a ProRL reset moves adapters into it; no second copy, as verl and TRL do).
-    `worker` and `model` are the policy's."""
+    initial weights until a ProRL reset moves adapters into it; no second copy, as verl and TRL do)."""
 
     def __init__(self, actor: "Actor"):
         self.actor, self.worker, self.model = actor, actor.worker, actor.model
@@ -181,20 +165,14 @@ class Actor:
     """The policy being trained (or, with `train=False`, the frozen reference).
 
     The policy is the distribution the rollouts sample from, softmax(logits / temperature) at the training
-    temperature: every log-probability and entropy here (the ratio, the KL to the reference, TIS, the
-    entropy bonus) is of that distribution, whose log-probabilities the engines report too, and the
-    gradient is its policy gradient (verl, OpenRLHF and the original RL2 divide the logits alike).
+    temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
+    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike).
 
     Args:
-        cfg: the `actor` config (errors name its keys `actor.*`).
-        dims, device: the parallel layout and where computation runs.
-        total_steps: optimizer steps of the run (for the learning-rate schedule).
+        cfg: the `actor` config.
+        total_steps, train, model_name, base_changes: as for `FSDPWorker`.
         response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
-        train: False for the reference: no optimizer.
-        model_name: other weights than `cfg.model_name` (the on-policy distillation teacher).
-        base_changes: see `FSDPWorker` (LoRA with reference resets).
-        temperature: the sampling temperature of the training rollouts
-            (`rollout.train_sampling_params.temperature`).
+        temperature: `rollout.train_sampling_params.temperature`.
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
@@ -217,9 +195,8 @@ class Actor:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
 
         Needs `advantages` and `engine_logps` per token, `old_logps` unless a single step covers the
-        rollout (then the policy has not moved yet and old = current), and `ref_logps` with a KL loss.
-        With `lags` per token, the engine-vs-trainer KL is split by lag (`engine_kl_lag0`, `engine_kl_lagged`).
-        """
+        rollout (old = current then), and `ref_logps` with a KL loss; with `lags`, the engine-vs-trainer
+        KL is split by lag."""
         return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
