@@ -1,36 +1,18 @@
 """Each rank's inference engine: rollouts of its share of the prompts, and weight syncs from the actor.
 
-Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine`, rolls
-out `prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with
-the whole rollout in prompt order (the packing of the update needs the global batch everywhere).
-With `rollout.engine=sglang` the engine is a set of SGLang servers instead (see
-`RL2/engine/sglang/engine.py`): every rank still rolls out its share, over HTTP.
+Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine` (or, with
+`rollout.engine=sglang`, talks to SGLang servers over HTTP: `RL2/engine/sglang/engine.py`), rolls out
+`prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with the whole
+rollout in prompt order (the packing of the update needs the global batch everywhere).
 
-Whether the engine may sample is decided in one place, `EngineState`, from three things:
-- the engine's memory: resident, or released to the trainer (colocated SGLang servers release their
-  weights, KV cache and CUDA graphs while the trainer computes, the embedded engine on CPU its weights
-  and KV cache; released weights lose their content: SGLang's memory saver keeps no copy);
-- the version of its weights: which update of the policy they hold (`FSDPWorker.updates`, which every
-  optimizer step and checkpoint load advances);
-- the trainer's models: on the GPU, or moved to the CPU while a colocated engine samples.
-
-`sampling()` is the only way to a rollout (training rollouts, evaluations, every dynamic-filtering
-round, partial rollouts all go through it): it first brings the engine's weights to the policy's
-current version, pushing them again when they were released or are stale, then moves the trainer's
-models off the GPU and resumes the engine's cache; afterwards the engine releases its memory and the
-trainer's models come back. A rollout on stale or released weights therefore cannot happen. With
-`rollout.weight_sync=none` the engine keeps the weights it has (they are never released) and
-policy updates do not reach it. Inside `holding()` (the rollouts of one step: its dynamic-filtering
-rounds) the engine stays ready from the first rollout to the end of the scope: the policy cannot change
-in between, so the weights are pushed and the trainer's state moved once per step, not once per round.
-`holding(give_back=False)` (an evaluation) leaves it ready after the scope too, for the next step's
-rollout, which samples the same weights: an evaluation pushes nothing the next rollout would push again.
-
-`synced(label)` is called after each update and pushes at once (the embedded engine, external servers),
-resuming the engine's weight memory if it was released: the push belongs to the step that trained the
-weights. Only an engine colocated with the trainer's models on a GPU (launched SGLang servers) waits
-for the start of the next rollout, when the optimizer state and the frozen models have left the GPU to
-make room for the servers' weights (see `RL2.engine.memory_plan` for the memory of each phase).
+Whether the engine may sample is decided in one place, `EngineState`, from the engine's memory (resident,
+or released to the trainer: released weights lose their content), the version of its weights (which update
+of the policy they hold, `FSDPWorker.updates`) and where the trainer's models are (on the GPU, or on the
+CPU while a colocated engine samples). `sampling()` is the only way to a rollout: it first brings the
+weights to the policy's current version, so that a rollout on stale or released weights cannot happen.
+`holding()` keeps the engine ready across the rollouts of one step, so the weights are pushed and the
+trainer's state moved once per step. The whole cycle: docs/gpus.md; the memory of each phase:
+`RL2.engine.memory_plan`.
 """
 
 import time
@@ -174,12 +156,8 @@ class EngineState:
         """The policy was updated (`label` names its weights): push now, unless the push needs the GPU that
         the trainer's models hold (a colocated engine): then at the start of the next rollout."""
         self.label = label
-        if not self.follows_policy or self.current or self.colocated:
-            return
-        if not self.weights_resident:
-            self.engine.resume_memory(WEIGHT_TAGS)
-            self.weights_resident = True
-        self._push()
+        if self.follows_policy and not self.colocated:
+            self._make_current()
 
     @contextmanager
     def sampling(self) -> Iterator[None]:
@@ -313,15 +291,11 @@ class RolloutWorker:
                                            self.max_total_tokens, rollout_cfg.tool_call_stop)
 
     def held(self, give_back: bool = True):
-        """A context in which the engine stays ready across rollouts (`EngineState.holding`): the rounds of
-        one step's dynamic filtering push the weights and move the trainer's state once, not each. With
-        `give_back=False` (an evaluation) it stays ready for the next rollout, which samples the same
-        weights; call `to_trainer_if_lent` before using the trainer's models in between."""
+        """A context in which the engine stays ready across rollouts (see `EngineState.holding`)."""
         return self.state.holding(give_back)
 
     def to_trainer_if_lent(self) -> None:
-        """Bring the trainer's models back to the GPU if an evaluation left a colocated engine on it
-        (before a checkpoint save)."""
+        """See `EngineState.to_trainer_if_lent`."""
         self.state.to_trainer_if_lent()
 
     @property
