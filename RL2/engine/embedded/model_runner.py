@@ -71,21 +71,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(DECODE_ATTN, decode_attention)
 
 
-@contextmanager
-def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Run the model's attention layers with `name` for the duration (HF reads it at every forward).
-
-    Scoped rather than set once: the engine may be handed a model its caller also uses.
-    """
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def _file_mappings() -> list[tuple[int, int]]:
     """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
     try:
@@ -206,18 +191,21 @@ class ModelRunner:
 
         Scoped rather than set once: the engine may be handed a model its caller also uses.
         """
+        config = self.model.config
+        attention = config._attn_implementation  # HF reads it at every forward
         own = {linear: linear.__dict__.get("forward") for linear in self.packed}  # e.g. accelerate's hooks
-        with attention_implementation(self.model, DECODE_ATTN):
-            for linear, packed in self.packed.items():
-                linear.forward = packed  # an instance attribute: found before the class's forward
-            try:
-                yield
-            finally:
-                for linear, forward in own.items():
-                    if forward is None:
-                        del linear.forward
-                    else:
-                        linear.forward = forward
+        config._attn_implementation = DECODE_ATTN
+        for linear, packed in self.packed.items():
+            linear.forward = packed  # an instance attribute: found before the class's forward
+        try:
+            yield
+        finally:
+            config._attn_implementation = attention
+            for linear, forward in own.items():
+                if forward is None:
+                    del linear.forward
+                else:
+                    linear.forward = forward
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
