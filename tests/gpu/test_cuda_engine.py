@@ -66,7 +66,7 @@ def test_engine_on_cuda_equals_generate_and_follows_weight_updates(sharp_model_p
             assert updated == new_expected
 
         with_cache = torch.cuda.memory_allocated()
-        asyncio.run(engine.flush_cache())
+        engine.release_memory(["kv_cache"])
         assert not engine.runner.cache.keys and torch.cuda.memory_allocated() < with_cache  # the KV cache is freed
     finally:
         engine.shutdown()

@@ -1,8 +1,7 @@
 """An inference engine that runs inside the trainer process and speaks SGLang's `/generate`.
 
-On GPU, RL2's rollouts talk to SGLang over HTTP. On CPU there is no SGLang worth starting, so
-this engine serves the same protocol as an async Python API: `generate` takes and returns the
-exact JSON shapes of SGLang's native `/generate`, so one rollout client works with both.
+It serves `RL2.engine.protocol` as an async Python API: `generate` takes and returns the JSON
+shapes of SGLang's native `/generate`, so one rollout loop works with both engines.
 
 How it works:
 - Continuous batching. Every `generate` call queues a request; while there are requests, one
@@ -76,12 +75,11 @@ class EmbeddedEngine:
         model: an HF `AutoModelForCausalLM` in eval mode on its device, any dtype. The engine
             keeps this reference and runs it as is; change its weights through `update_weights`.
             Attention must be plain causal (Llama, Qwen2/3, Mistral...): sliding windows are not
-            applied. The KV cache holds rows x longest sequence; `flush_cache` frees it.
+            applied. The KV cache holds rows x longest sequence; `release_memory(["kv_cache"])` frees it.
         tokenizer: the model's tokenizer (decodes `text`, finds stop strings).
         max_running_requests: the most requests decoded together.
         max_total_tokens: if set, the running requests' prompt + max_new_tokens must fit in it;
             the rest wait. None: no limit beyond max_running_requests.
-        seed: seeds the sampling of requests without their own `sampling_seed`.
         owns_model: the model is the engine's alone, so the engine may keep its linear layers' weights
             only in the layout its CPU kernels read (their parameters become empty tensors; read the
             weights with `runner.state_dict()`): one copy of the weights on CPU instead of two.
@@ -93,7 +91,6 @@ class EmbeddedEngine:
         tokenizer,
         max_running_requests: int = 64,
         max_total_tokens: int | None = None,
-        seed: int | None = None,
         owns_model: bool = False,
     ):
         # Rows of the input embedding: the valid token ids. Read now, as released weights are empty.
@@ -112,7 +109,6 @@ class EmbeddedEngine:
         self.max_total_tokens = max_total_tokens
         self.eos_ids = _eos_token_ids(model, tokenizer)
         self.weight_version = "default"
-        self._generator = None if seed is None else torch.Generator().manual_seed(seed)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # running[i] owns cache row i
         self._paused = False
@@ -161,15 +157,8 @@ class EmbeddedEngine:
         return self._executor is None
 
     async def generate(self, payload: dict) -> dict:
-        """Serve one SGLang `/generate` payload with `input_ids`.
-
-        Args:
-            payload: {"input_ids": [...], "sampling_params": {...}, "return_logprob": bool}.
-
-        Returns:
-            {"text", "output_ids", "meta_info": {"finish_reason", "prompt_tokens",
-            "completion_tokens", "weight_version", "output_token_logprobs" (if asked)}}.
-        """
+        """See `Engine.generate`; `meta_info` has "finish_reason", "prompt_tokens", "completion_tokens",
+        "cached_tokens", "weight_version" and, if asked, "output_token_logprobs"."""
         if self._error is not None:
             raise self._error
         if self.runner.unwritten:
@@ -222,12 +211,6 @@ class EmbeddedEngine:
             self.runner.load_weights(named_tensors)
         if weight_version is not None:
             self.weight_version = weight_version
-
-    async def flush_cache(self) -> None:
-        """Free the KV cache memory when nothing runs (there is no prefix cache to flush)."""
-        await self._wait_for_step()
-        if not self._running:
-            self.runner.cache.clear()
 
     def shutdown(self) -> None:
         """Fail whatever is still queued and stop the worker thread."""
@@ -409,7 +392,6 @@ class EmbeddedEngine:
             [r.params for r in batch],
             [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch],
             [r.generator for r in batch],
-            self._generator,
         )
         for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
             request.output_ids.append(token)
