@@ -61,12 +61,10 @@ def last_match(text: str, pattern: str | re.Pattern) -> str | None:
         pattern: a regular expression (`.` matches newlines too when it is a string).
     """
     regex = re.compile(pattern, re.DOTALL) if isinstance(pattern, str) else pattern
-    last = None
-    for last in regex.finditer(text):
-        pass
-    if last is None:
+    matches = list(regex.finditer(text))
+    if not matches:
         return None
-    return last.group(1) if regex.groups else last.group(0)
+    return matches[-1].group(1) if regex.groups else matches[-1].group(0)
 
 
 def extract_code(text: str) -> str:

@@ -1,10 +1,8 @@
 """Math answers: the response's final answer against `extra_info["answer"]`.
 
-The answer is the last `\\boxed{...}` (or the last match of a pattern) and is compared with
-Hugging Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'), which parses both sides as
-LaTeX or expressions and compares them symbolically (1/2 = 0.5 = \\frac{1}{2}, {1,2} = {2,1}).
-Without it, both sides are normalised (spaces, $, \\left/\\right, \\text{}, thousands separators,
-numbers and simple fractions by value) and compared as strings.
+The answer is the last `\\boxed{...}` (or the last match of a pattern), compared symbolically by
+Hugging Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'); without it, as normalised
+strings (`normalise_answer`). See docs/rewards.md.
 """
 
 import re
@@ -31,7 +29,7 @@ def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED,
         raise KeyError(f"extra_info has no '{answer_key}' (the reference answer); it has {sorted(extra_info)}")
     gold = str(extra_info[answer_key])
     if pattern is None:
-        return float(_equal_texts(response, gold))
+        return float(_equal(response, gold, response, f"${gold}$"))
     answer = last_boxed(response) if pattern == BOXED else last_match(response, pattern)
     return float(answer is not None and answers_equal(answer, gold))
 
@@ -43,10 +41,7 @@ def answers_equal(answer: str, gold: str) -> bool:
         answer: the extracted answer (no \\boxed around it).
         gold: the reference answer.
     """
-    math_verify = _math_verify()
-    if math_verify is None:
-        return normalise_answer(answer) == normalise_answer(gold)
-    return _verify(math_verify, f"\\boxed{{{gold}}}", f"\\boxed{{{answer}}}")
+    return _equal(answer, gold, f"\\boxed{{{answer}}}", f"\\boxed{{{gold}}}")
 
 
 def require_math_verify() -> None:
@@ -79,14 +74,11 @@ def normalise_answer(text: str) -> str:
     return str(int(value)) if value.denominator == 1 else repr(float(value))
 
 
-def _equal_texts(response: str, gold: str) -> bool:
+def _equal(answer: str, gold: str, answer_text: str, gold_text: str) -> bool:
+    """math-verify on `answer_text` and `gold_text` when installed, else `answer` and `gold` normalised."""
     math_verify = _math_verify()
     if math_verify is None:
-        return normalise_answer(response) == normalise_answer(gold)
-    return _verify(math_verify, f"${gold}$", response)
-
-
-def _verify(math_verify, gold_text: str, answer_text: str) -> bool:
+        return normalise_answer(answer) == normalise_answer(gold)
     # math-verify bounds its time with SIGALRM, which Python allows only in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = math_verify.parse(gold_text, parsing_timeout=timeout)
