@@ -29,12 +29,8 @@ from RL2.config.schema import REQUEST_TIMEOUT_MARGIN
 
 
 def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.device:
-    """cuda when asked for or available (auto), else cpu. The backend follows: nccl on cuda, gloo on cpu.
-
-    Args:
-        requested: auto, cpu or cuda.
-        key: the config key that asked for it, named by the error when CUDA is not there.
-    """
+    """cuda when `requested` (auto, cpu or cuda) asks for it or, for auto, has it; else cpu. `key` is the
+    config key that asked, for the error when CUDA is not there."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}=cuda but CUDA is not available; use {key}=auto or cpu")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
@@ -66,11 +62,7 @@ def collective_timeout(cfg) -> float:
     `COLLECTIVE_TIMEOUT` and, for a config with a rollout, at least `rollout.request_timeout` plus
     `REQUEST_TIMEOUT_MARGIN`: a rank whose rollout is done waits in the gather while another rank's
     request may run for the whole request timeout, and a shorter wait would end the run (NCCL's
-    watchdog aborts the process) before that request fails or finishes. A chosen timeout shorter than
-    that is refused when the config is parsed (`RL2.config.validation.check_collective_timeout`).
-
-    Args:
-        cfg: a trainer's or the evaluator's config (`trainer` and `rollout` sections, where it has them).
+    watchdog aborts the process) before that request fails or finishes.
     """
     trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
     chosen = trainer.get("collective_timeout") if trainer is not None else None
@@ -80,16 +72,13 @@ def collective_timeout(cfg) -> float:
 
 
 def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) -> None:
-    """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group.
+    """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group,
+    so that the same code (FSDP2, DCP checkpoints) runs everywhere. The backend is nccl on cuda, gloo on
+    cpu; `timeout` is every group's (`collective_timeout`).
 
-    Keeping a process group at world size 1 lets the same code (FSDP2, DCP checkpoints) run everywhere.
     On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
     process could take it first), and no TCP store server whose thread outlives the group until the
     interpreter's teardown (see `close_process_groups`).
-
-    Args:
-        device: this rank's device (its backend: nccl on cuda, gloo on cpu).
-        timeout: seconds a collective of any group waits for the other ranks (`collective_timeout`).
     """
     if dist.is_initialized():
         return
@@ -114,10 +103,8 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
         # cache from the free memory, and take memory the servers counted on (`empty_cache` cannot return it).
         device_id = device if device.type == "cuda" else None
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-    # Groups made later (the device mesh's, a server's tensor-parallel group) do not inherit the world's
-    # timeout: `new_group` without one takes c10d's default for the backend (30 min for gloo, 10 for
-    # NCCL), which these module attributes hold. torchtitan sets each group's instead (`set_pg_timeouts`);
-    # here every group RL2 or torch makes afterwards gets it.
+    # Groups made later do not inherit the world's timeout: `new_group` without one takes c10d's default
+    # for the backend, which these module attributes hold.
     dist.distributed_c10d.default_pg_timeout = timeout
     dist.distributed_c10d.default_pg_nccl_timeout = timeout
 
@@ -146,19 +133,14 @@ def close_process_groups(finished: bool = True) -> None:
     """Destroy every process group; after a finished run, free them now, while the interpreter is whole.
 
     `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
-    gloo threads (a run loop per group and a TCP event loop), until the interpreter's teardown, where they
-    run on beside the C++ destructors. Finished runs have aborted there, rarely, with "terminate called
-    without an active exception"; threads left that late are the suspect. Two holders live as long as the
-    process: caches of objects made per group (RL2's shared-memory collectives, which register theirs with
-    `clear_on_close`) and torch's DTensor caches, which keep the device meshes, and a mesh keeps its groups.
-    Both are emptied here, so the groups and their threads go at once
-    (tests/e2e/test_process_group_teardown.py counts the threads left). A group's destructor releases the
-    GIL while it joins its threads, so one still finishing a collective can take it.
+    gloo threads, until the interpreter's teardown, where finished runs have aborted, rarely, with
+    "terminate called without an active exception". Two holders live as long as the process: caches of
+    objects made per group (registered with `clear_on_close`) and torch's DTensor caches, which keep the
+    device meshes, and a mesh keeps its groups. Both are emptied here
+    (tests/e2e/test_process_group_teardown.py counts the threads left).
 
     After an error (`finished=False`) gloo groups are only forgotten: freeing one waits for its queued
     collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
-    NCCL groups are shut down (their communicators aborted or flushed) by `destroy_process_group` itself,
-    either way.
     """
     if not dist.is_initialized():
         return
@@ -171,11 +153,9 @@ def close_process_groups(finished: bool = True) -> None:
 
 
 def _clear_dtensor_caches() -> None:
-    """Empty torch's DTensor caches (sharding decisions, tensor metadata, redistribution plans, mesh
-    topologies), whose entries hold device meshes. They are torch internals that move between versions,
-    so every functools cache of a `torch.distributed` module is emptied (the price: recomputed entries,
-    and FSDP's once-only warnings may show once more), then the caches torch names for clearing. A cache
-    that moved is skipped, and the teardown test finds the groups it keeps."""
+    """Empty torch's DTensor caches, whose entries hold device meshes. They are torch internals that move
+    between versions, so every functools cache of a `torch.distributed` module is emptied, then the caches
+    torch names for clearing; a cache that moved is skipped (and the teardown test finds its groups)."""
     for obj in gc.get_objects():
         if type(obj) is functools._lru_cache_wrapper and str(obj.__module__).startswith("torch.distributed"):
             obj.cache_clear()
@@ -205,15 +185,8 @@ def _free_port() -> int:
 
 @dataclass
 class ParallelDims:
-    """Degrees of each kind of parallelism, checked once, with the device meshes built from them.
-
-    Args:
-        world_size: number of ranks.
-        tp: tensor-parallel degree.
-        cp: context-parallel degree.
-        ddp: replicas for hybrid sharding.
-        device_type: "cpu" or "cuda".
-    """
+    """Degrees of each kind of parallelism (see the module docstring), checked once, with the device
+    meshes built from them; `device_type` is "cpu" or "cuda"."""
 
     world_size: int
     tp: int = 1
@@ -277,10 +250,8 @@ class ParallelDims:
 
     @property
     def seq_parallel(self) -> int:
-        """How many ranks share one micro-batch: cp ranks split its tokens, tp ranks its matrices.
-
-        A micro-batch may therefore hold `cp * tp * max_length_per_device` tokens (as upstream RL2).
-        """
+        """How many ranks share one micro-batch (cp ranks split its tokens, tp ranks its matrices), so it
+        may hold `cp * tp * max_length_per_device` tokens (as upstream RL2)."""
         return self.cp * self.tp
 
     @property

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from RL2.config import ConfigError, parse_config
@@ -48,10 +47,7 @@ class Trainer:
             cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg,
             use_tensorboard=cfg.trainer.use_tensorboard,
         )
-        log_rank0(
-            f"world size {dist.get_world_size()} on {self.device.type}: "
-            f"dp={self.dims.dp} (ddp={self.dims.ddp} x fsdp={self.dims.fsdp}), cp={self.dims.cp}, tp={self.dims.tp}"
-        )
+        log_rank0(f"{self.dims.describe()} on {self.device.type}")
 
     # --- to implement -------------------------------------------------------------------------
     def workers(self) -> dict:
