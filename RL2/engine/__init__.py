@@ -1,12 +1,8 @@
-"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`):
-
-- `embedded/`: the in-process engine (continuous batching over the model's own forward, C kernels
-  for float32 decode steps on CPU, a sampler and stop rules that follow SGLang's);
-- `sglang/`: SGLang servers, launched on the trainer's GPUs or already running, with their weight
-  transfer;
-- `checkpoint_layout.py`: the trainer's parameters under the names and in the layout of the model's
-  checkpoint, which SGLang loads (transformers holds a mixture of experts fused, checkpoints per expert);
-- `memory_plan.py`: the GPU memory of training colocated with SGLang servers, phase by phase.
+"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`): `embedded/`, the
+in-process engine (continuous batching, C kernels for CPU decode steps, SGLang's sampling and stop rules),
+and `sglang/`, SGLang servers with their weight transfer. `checkpoint_layout.py` gives the trainer's
+parameters the names and layout of the model's checkpoint, which SGLang loads; `memory_plan.py` plans the
+GPU memory of training colocated with SGLang servers.
 
 `start_engine` picks and builds one; everything after that goes through the protocol.
 """

@@ -2,12 +2,9 @@
 
 Requests and responses are SGLang's `POST /generate` JSON, so one rollout loop serves both engines:
 `EmbeddedEngine` (in-process, `RL2.engine.embedded`) answers them directly, `SGLangEngine`
-(`RL2.engine.sglang`) sends them to SGLang servers. Two kinds of engine give memory back between
-rollouts (`releases_memory`): SGLang servers launched on the trainer's GPUs free their weights, KV
-cache and CUDA graphs so that the trainer's state can come back to the GPU, and the embedded engine on
-CPU frees its weights and KV cache so that the trainer's update has the RAM. `RL2.rollout.worker.EngineState`
-makes the memory calls and the pushes from what an engine says of itself (`releases_memory`,
-`follows_policy`), so the loop never asks which one it drives.
+(`RL2.engine.sglang`) sends them to SGLang servers. `RL2.rollout.worker.EngineState` makes the memory
+calls and the pushes from what an engine says of itself (`releases_memory`, `follows_policy`), so the
+loop never asks which one it drives.
 """
 
 from collections.abc import Iterable
@@ -24,9 +21,10 @@ class EngineError(RuntimeError):
 class Engine(Protocol):
     """Attributes:
         releases_memory: the engine frees memory when asked (`release_memory`) and takes it back
-            (`resume_memory`): SGLang servers on the trainer's GPUs, the embedded engine on CPU. Released
-            weights are lost and must be pushed again. False (SGLang servers elsewhere, the embedded
-            engine on a GPU): the engine keeps its memory and is never asked.
+            (`resume_memory`): SGLang servers on the trainer's GPUs, so that the trainer's state can come
+            back to the GPU, and the embedded engine on CPU, so that the trainer's update has the RAM.
+            Released weights are lost and must be pushed again. False (SGLang servers elsewhere, the
+            embedded engine on a GPU): the engine keeps its memory and is never asked.
         follows_policy: the engine takes the policy's weights after each update (False for SGLang
             with `rollout.weight_sync=none`: it keeps the weights it started with).
     """
