@@ -1,15 +1,7 @@
 """Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`.
 
-Overrides are the command line's `key=value` pairs as a dict, with nested dicts and dotted keys
-alike (`{"actor": {"optimizer": {"lr": 1e-6}}}` is `{"actor.optimizer.lr": 1e-6}`), or a dataclass
-(nested dataclasses are sections). They are written as `key=value` arguments and parsed by the
-command line's own parser, so validation, errors, RL2's original key names and `${...}`
-interpolations are the command line's. A Python reward function `(response, extra_info) -> float |
-dict`, sync or async, may be passed instead of `rollout.reward_fn`.
-
-At world size 1 a plain Python process gets a process group of its own for each call, destroyed when
-the call returns. Under torchrun every rank calls the function with the same arguments; the process
-group of the first call serves the next ones.
+Overrides are the command line's `key=value` pairs as a dict (nested dicts and dotted keys alike) or a
+dataclass, written as `key=value` arguments for the command line's own parser. See docs/python-api.md.
 """
 
 import atexit
@@ -56,17 +48,7 @@ RewardFn = Callable[[str, dict], Any]
 
 @dataclass
 class TrainResult:
-    """What `RL2.train` returns (the same on every rank).
-
-    Attributes:
-        save_dir: the run folder (`trainer.save_dir`): checkpoints, metrics.jsonl, final models.
-        model_path: the exported model a next step loads (`final/actor`; `final/critic` for a reward
-            model), or None when nothing was exported (`trainer.eval_only`).
-        models: every exported model: name -> Hugging Face folder.
-        metrics: the latest value of every metric the run logged (`train/loss`, `test/score`, ...).
-        history: every record the run wrote to metrics.jsonl (`{"step": N, metric: value, ...}`).
-        config: the config the run used.
-    """
+    """What `RL2.train` returns (the same on every rank; fields described in docs/python-api.md)."""
 
     save_dir: Path
     model_path: Path | None
@@ -188,10 +170,10 @@ def _leaves(overrides: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def _yaml(value: Any, key: str) -> str:
     """`value` as YAML flow text (JSON is YAML, but for the floats JSON has no words for)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if value is None or isinstance(value, (bool, str)):
         return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, os.PathLike):
-        return json.dumps(os.fspath(value), ensure_ascii=False)
     if isinstance(value, numbers.Integral):
         return str(int(value))
     if isinstance(value, numbers.Real):
@@ -226,13 +208,10 @@ _a_call_failed = False  # then the group made under torchrun is only forgotten a
 
 @contextmanager
 def _process_group():
-    """Run the call in a process group.
-
-    A plain Python process (no RANK in the environment) gets a one-rank group for the call, destroyed
-    when it returns together with the variables that described it, so that a next call makes a fresh
-    one with a store of its own. Under torchrun the group the first call makes stays for the next calls and is
-    destroyed at exit: torchrun's store keeps the keys of a destroyed group, which a new group (whose
-    keys restart from the same names) would read, joining peers that are gone.
+    """Run the call in a process group: in a plain Python process (no RANK in the environment), a one-rank
+    group destroyed when the call returns, with the variables that described it. Under torchrun the group
+    the first call makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys
+    of a destroyed group, which a new group (whose keys restart from the same names) would read.
     """
     global _a_call_failed
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
