@@ -1,15 +1,12 @@
-"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time.
+"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time (see
+docs/outputs.md).
 
 `<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG
-state and `trainer_state.json` (step and anything else the trainer needs to continue). Everything
-is written to a hidden temporary folder first and renamed into place at the end, so a crash
-mid-save leaves the last complete checkpoint as it was; a save that fails removes its temporary
-folder. The small files (`trainer_state.json`, `latest.txt`) and the renames are fsynced, so a
-power loss right after a save does not leave `latest.txt` naming a folder the disk never got.
-
-`<save_dir>/run.lock` names the run that writes there (`claim_save_dir`): two runs with one save_dir
-would overwrite each other's checkpoints and `latest.txt`, and a resume could load the other run's
-weights.
+state and, written last, `trainer_state.json`. Everything goes to a hidden temporary folder first,
+renamed into place at the end. The small files and the renames are fsynced, so a power loss right
+after a save does not leave `latest.txt` naming a folder the disk never got. `<save_dir>/run.lock`
+names the run that writes there (`claim_save_dir`): two runs with one save_dir would overwrite each
+other's checkpoints, and a resume could load the other run's weights.
 """
 
 import atexit
@@ -229,10 +226,8 @@ def remove_old_checkpoints(root: Path, keep_last_n: int | None) -> None:
     if keep_last_n is None:
         return
     latest = latest_checkpoint(str(root))
-    steps = sorted(((int(m.group(1)), p) for p in root.iterdir()
-                    if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()), reverse=True)
     kept = [latest] if latest is not None else []
-    for _, path in steps:
+    for _, path in sorted(_complete_steps(root), reverse=True):
         if path in kept:
             continue
         if len(kept) < keep_last_n:
@@ -387,12 +382,13 @@ def latest_checkpoint(save_dir: str) -> Path | None:
         named = root / pointer.read_text().strip()
         if STEP_DIR.match(named.name) and (named / COMPLETE).exists():
             return named
-    steps = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()
-    ]
+    steps = _complete_steps(root)
     return max(steps)[1] if steps else None
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """(N, folder) of every complete step<N> folder of `root`."""
+    return [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
 
 
 def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
@@ -426,9 +422,8 @@ def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | No
     try:
         dcp.load(dict(workers), checkpoint_id=str(path))
     except CheckpointException as e:  # raised on every rank (DCP gathers the ranks' load plans)
-        reasons = sorted({f"{type(error).__name__}: {error}" for error, _ in e.failures.values()})
         raise ConfigError(f"trainer.load_ckpt_from: {path} does not hold what this run's models are made of "
-                          f"({'; '.join(reasons)}); resume with the model settings of the run that saved it "
+                          f"({_reason(e)}); resume with the model settings of the run that saved it "
                           f"(model_name, lora.*), or start afresh in another trainer.save_dir") from None
     source = dist.get_global_rank(rng_group, 0) if rng_group is not None else dist.get_rank()
     rng_file = path / f"rng_rank{source}.pt"
