@@ -32,19 +32,12 @@ class CurvePanel:
     ylim: tuple[float, float] | None = None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return read_jsonl(path)
-
-
 def curve_series(rows: list[dict], panels: tuple[CurvePanel, ...]) -> list[tuple[CurvePanel, dict[str, Series]]]:
-    """The points of every panel: for each metric matching one of its keys, its (steps, values).
+    """The points of every panel: for each metric of `rows` (metrics.jsonl records) matching one of its
+    keys, its (steps, values).
 
     Panels with no matching metric are left out; a metric matching two patterns of a panel is
     plotted once. Non-numeric values are skipped.
-
-    Args:
-        rows: metrics.jsonl records, each with a `step`.
-        panels: the trainer's curve.
     """
     names = list(dict.fromkeys(k for row in rows for k in row if k != "step"))
     result = []
@@ -63,13 +56,7 @@ def curve_series(rows: list[dict], panels: tuple[CurvePanel, ...]) -> list[tuple
 
 
 def draw_learning_curve(panels: list[tuple[CurvePanel, dict[str, Series]]], path: Path, title: str) -> None:
-    """Draw the panels side by side and write them to `path` as a PNG, atomically.
-
-    Args:
-        panels: what `curve_series` returns.
-        path: the PNG to write (replaced only once the new one is complete).
-        title: the figure's title.
-    """
+    """Draw the panels (`curve_series`) side by side and write them to `path` as a PNG, atomically."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -105,23 +92,13 @@ def draw_learning_curve(panels: list[tuple[CurvePanel, dict[str, Series]]], path
         tmp.unlink(missing_ok=True)
 
 
-def plot_learning_curve(save_dir: str, panels: tuple[CurvePanel, ...], title: str | None = None,
-                        filename: str = "learning_curve.png") -> Path | None:
-    """Write `<save_dir>/<filename>` from `<save_dir>/metrics.jsonl`.
-
-    Args:
-        save_dir: the run folder.
-        panels: the trainer's curve.
-        title: the figure's title; default the run folder's name.
-        filename: the PNG's name.
-
-    Returns:
-        The path, or None when there is nothing to plot.
-    """
+def plot_learning_curve(save_dir: str, panels: tuple[CurvePanel, ...], title: str | None = None) -> Path | None:
+    """Write `<save_dir>/learning_curve.png` from `<save_dir>/metrics.jsonl`, titled `title` (default: the run
+    folder's name). Returns its path, or None when there is nothing to plot."""
     metrics_path = Path(save_dir) / "metrics.jsonl"
     if not metrics_path.exists():
         return None
-    data = curve_series(read_metrics(metrics_path), panels)
+    data = curve_series(read_jsonl(metrics_path), panels)
     if not data:
         return None
     try:
@@ -129,7 +106,7 @@ def plot_learning_curve(save_dir: str, panels: tuple[CurvePanel, ...], title: st
     except ImportError:
         log_rank0("matplotlib is not installed: no learning-curve plot (pip install matplotlib)")
         return None
-    out = Path(save_dir) / filename
+    out = Path(save_dir) / "learning_curve.png"
     draw_learning_curve(data, out, title or Path(save_dir).name)
     return out
 
