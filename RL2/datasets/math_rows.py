@@ -31,11 +31,7 @@ MATH_METADATA = ("level", "type", "subject", "unique_id")
 
 
 def detect_format(columns: Iterable[str]) -> str:
-    """"gsm8k" or "math" from a table's column names.
-
-    Args:
-        columns: the column names.
-    """
+    """"gsm8k" or "math" from a table's column names."""
     columns = set(columns)
     if {"question", "answer"} <= columns:
         return "gsm8k"
@@ -46,11 +42,8 @@ def detect_format(columns: Iterable[str]) -> str:
 
 
 def gsm8k_answer(answer: str) -> str:
-    """The final answer of a GSM8K `answer` text: what follows its last `####`, without thousands separators.
-
-    Args:
-        answer: the worked solution ending in `#### N`.
-    """
+    """The final answer of a GSM8K `answer` text (the worked solution ending in `#### N`): what follows
+    its last `####`, without thousands separators."""
     if "####" not in answer:
         raise ValueError("'answer' has no '#### N' final answer")
     final = answer.rsplit("####", 1)[1].strip()
@@ -61,11 +54,7 @@ def gsm8k_answer(answer: str) -> str:
 
 
 def math_answer(row: dict) -> str:
-    """A MATH row's final answer: its `answer` column, else the last \\boxed{...} of its `solution`.
-
-    Args:
-        row: the row.
-    """
+    """A MATH row's final answer: its `answer` column, else the last \\boxed{...} of its `solution`."""
     answer = row.get("answer")
     if isinstance(answer, (int, float)) and not is_missing(answer):
         answer = as_text(answer, "key 'answer'")  # a number is its text, as the trainers read it (204 -> "204")

@@ -21,10 +21,6 @@ from RL2.datasets.tokenize import (
 )
 
 
-def has_context(row: dict, split_cfg) -> bool:
-    return not (is_missing(row.get(split_cfg.messages_key)) and is_missing(row.get(split_cfg.prompt_key)))
-
-
 def tokenize_side(tokenizer, row: dict, key: str, split_cfg, shared: int = 0) -> dict:
     """One side of a pair (`key` is the chosen or the rejected column) as an example.
 
@@ -35,7 +31,7 @@ def tokenize_side(tokenizer, row: dict, key: str, split_cfg, shared: int = 0) ->
     if not isinstance(row.get(key), list):
         return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key), max_length)
     turns = require_messages(row, key)
-    if not has_context(row, split_cfg):
+    if is_missing(row.get(split_cfg.messages_key)) and is_missing(row.get(split_cfg.prompt_key)):
         return tokenize_messages(tokenizer, turns, train_from=shared, max_length=max_length)  # a whole conversation
     # Chat messages always go through the chat template, so a text prompt before them is a user turn.
     context = context_of(row, split_cfg)
@@ -47,12 +43,7 @@ def shared_messages(chosen: object, rejected: object) -> int:
     """How many messages two message lists begin with alike (0 unless both are lists)."""
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         return 0
-    shared = 0
-    for a, b in zip(chosen, rejected):
-        if a != b:
-            break
-        shared += 1
-    return shared
+    return next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
 
 
 def pair_row_tokenizer(tokenizer):

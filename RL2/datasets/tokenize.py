@@ -3,8 +3,8 @@
 A tokenized example is `{"input_ids": list[int], "loss_mask": list[int]}`: `loss_mask[i] == 1` when
 token i is one the model is trained to produce (the response, or the assistant turns).
 
-A text far longer than `max_length` tokens is cut by characters before it is tokenized (`text_budget`):
-tokenizing a 10 MB response in full took seconds and gigabytes for tokens that truncation drops.
+A text far longer than `max_length` tokens is cut by characters before it is tokenized (`text_budget`),
+so that no time or memory goes to tokens that truncation drops.
 """
 
 import math
@@ -74,7 +74,7 @@ def text_budget(tokenizer, max_tokens: int) -> int:
     one character per byte, a SentencePiece one per character), so the first `max_tokens` tokens of a
     text come from its first `max_tokens * L` characters, L the longest string of the vocabulary. The
     budget is twice that: a cut changes only the tokens of the word it falls in, far beyond the ones
-    kept. For the default model's tokenizer (L = 81) and max_length 2048, 332k characters.
+    kept.
     """
     return 2 * (max_tokens + 1) * longest_token_chars(tokenizer)
 
