@@ -347,7 +347,7 @@ def still_running_when_paused(url: str, prompt: list[int]) -> tuple[int, float]:
 
 
 @sglang_test
-def test_pause_abort_returns_partial_output(server, hf_model, prompts):
+def test_an_aborted_request_returns_its_partial_output(server, hf_model, prompts):
     client = HTTPEngineClient([server.url])
     n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
 
@@ -356,10 +356,8 @@ def test_pause_abort_returns_partial_output(server, hf_model, prompts):
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}}
         task = asyncio.create_task(client.generate(long))
         await asyncio.sleep(pause_after)
-        await client.pause_generation("abort")
-        aborted = await asyncio.wait_for(task, 60)
-        await client.continue_generation()
-        return aborted
+        await client.abort_own()
+        return await asyncio.wait_for(task, 60)
 
     aborted = asyncio.run(main())
     meta = aborted["meta_info"]
@@ -368,7 +366,7 @@ def test_pause_abort_returns_partial_output(server, hf_model, prompts):
     assert 0 < n < n_tokens and meta["completion_tokens"] == n
     check = min(n, 24)
     assert aborted["output_ids"][:check] == hf_greedy(hf_model, prompts[0], check)[0]
-    # After continue_generation the server serves new requests to the end.
+    # Only the aborted request ended: the server serves new requests to the end.
     assert generate(server.url, prompts[:1], max_new_tokens=4)[0]["meta_info"]["finish_reason"]["type"] == "length"
 
 

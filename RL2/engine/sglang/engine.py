@@ -38,7 +38,7 @@ from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
 from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
-from RL2.engine.sglang.http_client import HTTPEngineClient
+from RL2.engine.sglang.http_client import HTTPEngineClient, check_status
 from RL2.engine.sglang.server import SGLangServer, resolve_python
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
@@ -400,11 +400,7 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
         raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
     if absent_ok and response.status_code == 404:
         return None
-    if response.status_code in (401, 403):
-        raise EngineError(f"{url}{endpoint} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
-                          f"set rollout.api_key to the key the server was started with (--api-key)")
-    if response.status_code != 200:
-        raise EngineError(f"{url}{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
+    check_status(f"{url}{endpoint}", response)
     try:
         body = response.json()
     except ValueError:

@@ -73,14 +73,6 @@ class HTTPEngineClient:
         with finish_reason abort and their partial output. Other clients' requests go on."""
         await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in list(self._own.items())))
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """Pause every server (SGLang `/pause_generation`). With "abort", in-flight requests return at
-        once with finish_reason abort and their partial output; "retract" and "in_place" hold them."""
-        await asyncio.gather(*(self._post(f"{url}/pause_generation", {"mode": mode}) for url in self._live()))
-
-    async def continue_generation(self) -> None:
-        await asyncio.gather(*(self._post(f"{url}/continue_generation", {}) for url in self._live()))
-
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
@@ -132,11 +124,7 @@ class HTTPEngineClient:
                               f"take rollout.request_timeout seconds") from e
         except httpx.TransportError as e:
             raise _Unreachable(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
-        if response.status_code in (401, 403):
-            raise EngineError(f"{endpoint} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
-                              f"set rollout.api_key to the key the server was started with (--api-key)")
-        if response.status_code != 200:
-            raise EngineError(f"{endpoint} returned HTTP {response.status_code}: {response.text[:500]}")
+        check_status(endpoint, response)
         if not response.content:  # control endpoints may answer with an empty body
             return {}
         try:
@@ -155,6 +143,15 @@ class HTTPEngineClient:
             self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
             self._loop = loop
         return self._client
+
+
+def check_status(where: str, response: httpx.Response) -> None:
+    """EngineError unless the server answered the request to `where` (its URL) with 200."""
+    if response.status_code in (401, 403):
+        raise EngineError(f"{where} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
+                          f"set rollout.api_key to the key the server was started with (--api-key)")
+    if response.status_code != 200:
+        raise EngineError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
 
 
 class _Unreachable(EngineError):
