@@ -45,7 +45,7 @@ def server_command(python: str, model_path: str, port: int, server_args: dict) -
     return command
 
 
-def resolve_python(python: str, key: str = "rollout.server_python") -> str:
+def resolve_python(python: str) -> str:
     """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`).
 
     The server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a
@@ -54,7 +54,7 @@ def resolve_python(python: str, key: str = "rollout.server_python") -> str:
     """
     found = shutil.which(str(python))
     if found is None:
-        raise ConfigError(f"config key '{key}' is {python!r}, which is neither an executable file nor a command on "
+        raise ConfigError(f"config key 'rollout.server_python' is {python!r}, which is neither an executable file nor a command on "
                           f"PATH; give the path of the Python that has sglang, e.g. ~/sglang-venv/bin/python")
     return os.path.abspath(found)
 
@@ -81,8 +81,8 @@ class SGLangServer:
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
         host = str(server_args.get("host", "127.0.0.1"))
-        self.port = free_port(host if host != "0.0.0.0" else "127.0.0.1")
         connect_host = "127.0.0.1" if host == "0.0.0.0" else host
+        self.port = free_port(connect_host)
         self.url = f"http://{connect_host}:{self.port}"
         self.command = server_command(resolve_python(python), model_path, self.port, {"host": host} | server_args)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rl2-sglang-"))
