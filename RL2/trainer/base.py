@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
+from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.native import prepare_process, use_huge_pages
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
@@ -19,7 +20,8 @@ from RL2.utils.plot import CurvePanel, plot_learning_curve
 
 
 class Trainer:
-    """Base class. Subclasses build their workers, then implement `train_step(step)` and `evaluate()`.
+    """Base class. Subclasses load their data (`load_data`), build their workers, then implement
+    `train_step(step)` and `evaluate()`.
 
     Args:
         cfg: the merged, typed config.
@@ -66,9 +68,10 @@ class Trainer:
         return {}
 
     def save_final(self) -> None:
-        """Export every trained worker as a Hugging Face folder `<save_dir>/final/<name>`."""
+        """Export every trained worker (not PPO's reference) as a Hugging Face folder `<save_dir>/final/<name>`."""
         for name, worker in self.workers().items():
-            worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", getattr(self, "tokenizer", None))
+            if name != "ref":
+                worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", getattr(self, "tokenizer", None))
 
     def save_learning_curve(self) -> None:
         """Plot `learning_curve`'s metrics from metrics.jsonl into `<save_dir>/learning_curve.png` (rank 0)."""
@@ -85,9 +88,16 @@ class Trainer:
         pass
 
     # --- shared loop ---------------------------------------------------------------------------
-    def total_steps(self, steps_per_epoch: int) -> int:
-        trainer = self.cfg.trainer
-        return trainer.total_steps or trainer.n_epochs * steps_per_epoch
+    def load_data(self, make_row: Callable, blank_rows: dict | None = None) -> None:
+        """The tokenized splits (`train_data`, `test_data`; `load_splits`), the training order (`sampler`)
+        and the run's length (`n_steps`)."""
+        cfg = self.cfg
+        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank_rows)
+        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.n_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.sampler.steps_per_epoch
+
+    def train(self) -> None:
+        self.run(self.n_steps)
 
     def resume(self, n_steps: int) -> int:
         """Restore the checkpoint named by trainer.load_ckpt_from; returns the step to continue after."""

@@ -12,7 +12,7 @@ import torch
 from RL2.batch import MicroBatch, SequenceBatch
 from RL2.datasets.packing import pack
 from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
-from RL2.datasets.splits import EpochSampler, batches, load_splits
+from RL2.datasets.splits import batches
 from RL2.trainer.base import Trainer
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
@@ -40,9 +40,7 @@ class PairwiseTrainer(Trainer):
         model_cfg = cfg[self.model_key]
         super().__init__(cfg, model_cfg)
         self.tokenizer = load_tokenizer(model_cfg, self.model_key)
-        self.train_data, self.test_data = load_splits(cfg.data, pair_row_tokenizer(self.tokenizer), cfg.trainer.seed)
-        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
-        self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        self.load_data(pair_row_tokenizer(self.tokenizer))
         self.worker = self.build_worker(model_cfg)
 
     # --- what a preference trainer defines ------------------------------------------------------
@@ -60,9 +58,6 @@ class PairwiseTrainer(Trainer):
     # --- shared ---------------------------------------------------------------------------------
     def workers(self) -> dict:
         return {self.model_key: self.worker}
-
-    def train(self) -> None:
-        self.run(self.n_steps)
 
     def pairs_pass(self, pairs: list[dict], train: bool) -> dict[str, float]:
         """Loss (and backward when training) over a global batch of pairs; metrics averaged over pairs."""

@@ -16,7 +16,7 @@ from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import PPOConfig
 from RL2.datasets.prompts import prompt_row_tokenizer
-from RL2.datasets.splits import EpochSampler, load_splits
+from RL2.datasets.splits import EpochSampler
 from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
@@ -66,10 +66,7 @@ class PPOTrainer(Trainer):
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
-        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed,
-                                                      blank if env_resets else None)
-        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
-        self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        self.load_data(make_row, blank if env_resets else None)
         if cfg.actor.freeze_steps >= self.n_steps:
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
@@ -92,7 +89,8 @@ class PPOTrainer(Trainer):
         temperature = cfg.rollout.train_sampling_params.temperature
         lora = cfg.actor.lora.rank > 0
         resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
-        actor_steps = self.optimizer_steps(cfg.actor, frozen_steps=cfg.actor.freeze_steps)
+        # Each model's optimizer steps over the run (its learning-rate schedule's length).
+        actor_steps = (self.n_steps - cfg.actor.freeze_steps) * self.steps_per_rollout(cfg.actor)
         self.actor = Actor(cfg.actor, *args, actor_steps, response_budget=budget,
                            base_changes=resets_merge, temperature=temperature)
         self.ref = None
@@ -105,7 +103,7 @@ class PPOTrainer(Trainer):
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model,
                                                section="critic") if (
             cfg.rollout.reward_model) else None
-        self.critic = Critic(cfg.critic, *args, self.optimizer_steps(cfg.critic), response_budget=budget) if (
+        self.critic = Critic(cfg.critic, *args, self.n_steps * self.steps_per_rollout(cfg.critic), response_budget=budget) if (
             cfg.adv.estimator == "gae") else None
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
             [self.reward_model] if self.reward_model else [])
@@ -113,11 +111,9 @@ class PPOTrainer(Trainer):
         self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
                                      colocated=on_gpu, env=self.env, seed=cfg.trainer.seed)
 
-    def optimizer_steps(self, model_cfg, frozen_steps: int = 0) -> int:
-        """A model's optimizer steps over the run (its learning-rate schedule's length), the first
-        `frozen_steps` steps, in which it is not updated, left out."""
-        per_rollout = model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)
-        return (self.n_steps - frozen_steps) * per_rollout
+    def steps_per_rollout(self, model_cfg) -> int:
+        """A model's optimizer steps per rollout: `update_per_rollout` passes, a step per mini-batch."""
+        return model_cfg.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, model_cfg.mini_batch_size)
 
     def workers(self) -> dict:
         workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
@@ -125,20 +121,12 @@ class PPOTrainer(Trainer):
             workers["ref"] = self.ref.worker  # no longer the initial weights: checkpoint it
         return workers
 
-    def save_final(self) -> None:
-        for name, worker in self.workers().items():
-            if name != "ref":
-                worker.save_hf(f"{self.cfg.trainer.save_dir}/final/{name}", self.tokenizer)
-
     def reclaim_devices(self) -> None:
         self.rollout.to_trainer_if_lent()
 
     def trainer_state(self) -> dict:
         return {"cursor": self.cursor, "drawn": self.drawn,
                 "carried": [[t.to_dict() for t in group] for group in self.carried], "test_cursor": self.test_cursor}
-
-    def train(self) -> None:
-        self.run(self.n_steps)
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
@@ -149,7 +137,8 @@ class PPOTrainer(Trainer):
         metrics |= rollout_metrics(rolled_out, tools=self.rollout.uses_tools)
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
-        metrics["perf/rollout_tokens_per_s"] = sum_lengths(rolled_out) / metrics["perf/rollout_s"]
+        sampled = sum(t.response_length for group in rolled_out for t in group)
+        metrics["perf/rollout_tokens_per_s"] = sampled / metrics["perf/rollout_s"]
         if cfg.rollout.save_samples and is_rank0():
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
         # The weights trained (and sampled with) at this step are those of step - 1's update.
@@ -285,8 +274,8 @@ class PPOTrainer(Trainer):
     def needs_old_logps(self) -> bool:
         """Old log-probs equal the current ones (detached) when one optimizer step covers the rollout."""
         actor = self.cfg.actor
-        steps = actor.update_per_rollout * n_mini_batches(self.cfg.data.train.batch_size, actor.mini_batch_size)
-        return steps > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward") or self.teacher is not None
+        return (self.steps_per_rollout(actor) > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward")
+                or self.teacher is not None)
 
     @torch.no_grad()
     def reward_model_scores(self, batch: SequenceBatch) -> torch.Tensor:
@@ -348,8 +337,6 @@ class PPOTrainer(Trainer):
 # ---- helpers --------------------------------------------------------------------------------------
 
 
-
-
 def reshard(model: torch.nn.Module) -> None:
     """Put every FSDP module's sharded parameters back in place. After a forward FSDP may keep a module's
     gathered copies registered instead (the root's, always); writes to those would be lost at the next
@@ -365,10 +352,6 @@ def test_sampler(n_prompts: int, per_evaluation: int | None, seed: int) -> Epoch
     if per_evaluation is None or per_evaluation >= n_prompts:
         return None
     return EpochSampler(n_prompts, per_evaluation, shuffle=True, seed=seed + 1)  # not the training order's seed
-
-
-def sum_lengths(groups: list[list[Trajectory]]) -> int:
-    return sum(t.response_length for group in groups for t in group)
 
 
 def main(argv: list[str] | None = None) -> None:

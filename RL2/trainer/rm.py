@@ -10,17 +10,11 @@ a text by running it on `input_ids[:, :-1]` and taking `logits[0, -1, 0]`.
 import torch
 
 from RL2.algs.preference import bradley_terry_loss
-from RL2.batch import MicroBatch
 from RL2.config.schema import RMConfig
 from RL2.models.logps import forward_packed
 from RL2.trainer.base import launch
 from RL2.trainer.pairwise import PairwiseTrainer, last_token
 from RL2.workers.fsdp import FSDPWorker, scalar_head_worker
-
-
-def sequence_rewards(model, mb: MicroBatch):
-    """Reward of every packed sequence: the scalar head at its last position."""
-    return last_token(forward_packed(model, mb).values(), mb)
 
 
 class RMTrainer(PairwiseTrainer):
@@ -38,7 +32,7 @@ class RMTrainer(PairwiseTrainer):
         return worker
 
     def sequence_scores(self, mb):
-        return {"rewards": sequence_rewards(self.worker.model, mb)}
+        return {"rewards": last_token(forward_packed(self.worker.model, mb).values(), mb)}
 
     def pair_losses(self, chosen, rejected):
         margin = (chosen["rewards"] - rejected["rewards"]).detach()

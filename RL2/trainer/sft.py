@@ -8,7 +8,7 @@ from RL2.batch import SequenceBatch
 from RL2.config.schema import SFTConfig
 from RL2.datasets.packing import pack, train_weights
 from RL2.datasets.sft import sft_row_tokenizer
-from RL2.datasets.splits import EpochSampler, batches, load_splits
+from RL2.datasets.splits import batches
 from RL2.models.logps import packed_logps
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.plot import CurvePanel
@@ -21,16 +21,11 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg):
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
-        self.train_data, self.test_data = load_splits(cfg.data, sft_row_tokenizer(self.tokenizer), cfg.trainer.seed)
-        self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
-        self.n_steps = self.total_steps(self.sampler.steps_per_epoch)
+        self.load_data(sft_row_tokenizer(self.tokenizer))
         self.actor = FSDPWorker(cfg.actor, self.dims, self.device, self.n_steps, section="actor")
 
     def workers(self) -> dict:
         return {"actor": self.actor}
-
-    def train(self) -> None:
-        self.run(self.n_steps)
 
     def token_losses(self, mb) -> torch.Tensor:
         """Per-token loss `[1, T]`: the negative log-likelihood of each label."""
