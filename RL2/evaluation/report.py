@@ -10,16 +10,9 @@ from RL2.rollout.trajectory import Trajectory
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
                    threshold: float) -> list[dict]:
-    """One JSON-able record per sample.
-
-    Args:
-        groups: the samples of each prompt.
-        prompts: the prompt rows, in the order of `groups`.
-        sources: each prompt's `data_source`.
-        role: "model" or "compare".
-        model: the model's name or folder.
-        threshold: a sample passes when its score is at least this.
-    """
+    """One JSON-able record per sample of `groups` (the samples of each of `prompts`, whose
+    `data_source`s are `sources`); `role` is "model" or "compare", and a sample passes when its score
+    is at least `threshold`."""
     records = []
     for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
         for sample, t in enumerate(group):

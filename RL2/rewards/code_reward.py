@@ -40,7 +40,6 @@ async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool =
 
     Args:
         response: the policy's text; its code is the last ```python fence, else the whole text.
-        extra_info: the row's extra_info, holding the tests (see the module docstring).
         all_or_nothing: 1.0 only when every test passes (stops at the first failure), else 0.0.
         tests_key: where the tests are in `extra_info`.
         sandbox: limits and concurrency (default: `default_sandbox()`).

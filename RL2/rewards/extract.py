@@ -15,9 +15,6 @@ def last_boxed(text: str) -> str | None:
     `\\{` and `\\}` are literal braces and do not open or close a group. `\\boxed 5` (no braces) gives
     the word after it. The last box left unclosed (a response cut at max_new_tokens) gives None: the
     final answer was never finished.
-
-    Args:
-        text: the response.
     """
     position, command = max((text.rfind(command), command) for command in BOX_COMMANDS)
     if position < 0:
@@ -43,23 +40,14 @@ def last_boxed(text: str) -> str | None:
 
 
 def last_tag(text: str, tag: str) -> str | None:
-    """The stripped content of the last `<tag>...</tag>`.
-
-    Args:
-        text: the response.
-        tag: the tag name, e.g. "answer".
-    """
+    """The stripped content of the last `<tag>...</tag>` (`tag` e.g. "answer")."""
     matches = re.findall(f"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, re.DOTALL)
     return matches[-1].strip() if matches else None
 
 
 def last_match(text: str, pattern: str | re.Pattern) -> str | None:
     """The last match of a regular expression: its first group if it has groups, else the whole match.
-
-    Args:
-        text: the response.
-        pattern: a regular expression (`.` matches newlines too when it is a string).
-    """
+    In a `pattern` given as a string, `.` matches newlines too."""
     regex = re.compile(pattern, re.DOTALL) if isinstance(pattern, str) else pattern
     matches = list(regex.finditer(text))
     if not matches:
@@ -69,11 +57,7 @@ def last_match(text: str, pattern: str | re.Pattern) -> str | None:
 
 def extract_code(text: str) -> str:
     """The Python code of a response: its last ```python fence, else its last unlabelled fence, else
-    the whole text.
-
-    Args:
-        text: the response.
-    """
+    the whole text."""
     fences = _FENCE.findall(text)
     for wanted in (PYTHON_FENCES, ("",)):
         blocks = [code for language, code in fences if language.lower() in wanted]

@@ -12,12 +12,7 @@ def tags_reward(response: str, extra_info: dict | None = None, *, tags: tuple[st
     `<t>` followed later by exactly one `</t>`. The other half is for the whole structure: the tags
     in this order and nothing but whitespace around and between them. So `<think>a</think>
     <answer>b</answer>` gives 1.0, the same with text before it 0.5, and a lone
-    `<think>a</think>` 0.25.
-
-    Args:
-        response: the policy's text.
-        extra_info: unused (the signature of a reward function).
-        tags: the tag names, in order.
+    `<think>a</think>` 0.25. `extra_info` is unused (the signature of a reward function).
     """
     if not tags:
         raise ValueError("tags_reward needs at least one tag")
@@ -33,13 +28,7 @@ def _once_in_order(text: str, opening: str, closing: str) -> bool:
 
 
 def regex_reward(response: str, extra_info: dict | None = None, *, pattern: str, fullmatch: bool = False) -> float:
-    """1.0 when the response matches `pattern` (`.` matches newlines), else 0.0.
-
-    Args:
-        response: the policy's text.
-        extra_info: unused (the signature of a reward function).
-        pattern: a regular expression.
-        fullmatch: the whole response must match, not just a part of it.
-    """
+    """1.0 when the response matches the regular expression `pattern` (`.` matches newlines; with
+    `fullmatch`, the whole response must match), else 0.0."""
     match = re.fullmatch if fullmatch else re.search
     return float(match(pattern, response, re.DOTALL) is not None)

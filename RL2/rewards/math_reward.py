@@ -18,8 +18,6 @@ def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED,
     """1.0 when the response's final answer equals `extra_info[answer_key]`, else 0.0.
 
     Args:
-        response: the policy's text.
-        extra_info: the row's extra_info, holding the reference answer.
         pattern: `BOXED` (default): the last \\boxed{...}; a regular expression: its last match
             (first group if any); None: the whole response, from which math-verify picks the answer
             itself (its last \\boxed, else the last expression).
@@ -35,12 +33,8 @@ def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED,
 
 
 def answers_equal(answer: str, gold: str) -> bool:
-    """Whether two final answers are the same: math-verify when installed, else normalised strings.
-
-    Args:
-        answer: the extracted answer (no \\boxed around it).
-        gold: the reference answer.
-    """
+    """Whether an extracted answer (no \\boxed around it) and the reference answer are the same:
+    math-verify when installed, else normalised strings."""
     return _equal(answer, gold, f"\\boxed{{{answer}}}", f"\\boxed{{{gold}}}")
 
 
@@ -56,9 +50,6 @@ def normalise_answer(text: str) -> str:
     Drops spaces, `$`, `\\left`/`\\right`, thin spaces, `\\text{...}` markers, degree and percent
     signs, a trailing period and thousands separators; `\\dfrac`/`\\tfrac` become `\\frac`; a number or
     a fraction of integers becomes its value (`0.50`, `1/2` and `\\frac{1}{2}` all become `0.5`).
-
-    Args:
-        text: the answer.
     """
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
     for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "\\%", "%", "\\$", "$"):

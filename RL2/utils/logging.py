@@ -62,18 +62,11 @@ def json_record(line: str) -> dict | None:
 
 
 class MetricsSink:
-    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb and to
-    TensorBoard event files in `<save_dir>/tensorboard` if enabled.
+    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb (`project`,
+    `name`, recording `config`) and to TensorBoard event files in `<save_dir>/tensorboard` if enabled.
 
     Only rank 0 writes. wandb honours WANDB_MODE; without credentials it runs offline rather than
     waiting for a login prompt.
-
-    Args:
-        save_dir: the run folder.
-        use_wandb: also log to wandb.
-        project, name: the wandb project and run names.
-        config: the run's config, recorded by wandb.
-        use_tensorboard: also write TensorBoard event files (needs the `tensorboard` package).
     """
 
     def __init__(self, save_dir: str, use_wandb: bool = False, project: str = "RL2", name: str = "run", config=None,

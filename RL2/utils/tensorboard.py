@@ -31,9 +31,6 @@ class TensorBoardLog:
 
     The writer opens at the first record, so a resume truncates the earlier files before the new
     one starts; each step is flushed to disk as soon as it is logged.
-
-    Args:
-        folder: where the event files go (`<save_dir>/tensorboard`).
     """
 
     def __init__(self, folder: Path):
