@@ -85,10 +85,9 @@ class PhaseMemory:
 
 
 def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp: int, reference: bool, critic: bool,
-                     bucket_bytes: int = 512 * 2**20, offload_optimizer: bool = False,
-                     mem_fraction: float = COLOCATED_MEM_FRACTION, lora_params: int = 0,
-                     margin_bytes: int = int(COLOCATED_MARGIN_GB * GIB)) -> PhaseMemory:
-    """The memory of one rank at each phase.
+                     offload_optimizer: bool = False, lora_params: int = 0) -> PhaseMemory:
+    """The memory of one rank at each phase, with the defaults of `rollout.weight_bucket_mb` (512) and
+    `rollout.gpu_memory_margin_gb`, and the `mem_fraction_static` RL2 gives the servers.
 
     Args:
         model: the policy (the critic and reference are the same size).
@@ -96,12 +95,8 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
         n_ranks: ranks that shard the trainer's models (the fsdp degree times cp).
         server_tp: GPUs of one server.
         reference, critic: whether the run has them.
-        bucket_bytes: `rollout.weight_bucket_mb` in bytes.
         offload_optimizer: Adam moments live on the CPU between steps.
-        mem_fraction: the servers' `mem_fraction_static`.
         lora_params: parameters of the actor's LoRA adapters (`lora_parameters`); 0: every parameter trains.
-        margin_bytes: `rollout.gpu_memory_margin_gb` in bytes, which the servers leave free besides
-            their share.
     """
     p, lora = model.n_params, lora_params > 0
     # Trained parameters: float32 weights and gradients (4 + 4 bytes) and Adam's two moments (8); with
@@ -111,15 +106,14 @@ def colocated_memory(model: ModelShape, gpu_bytes: int, n_ranks: int, server_tp:
     frozen = 2 * p // n_ranks if lora or reference else 0  # bf16: a LoRA actor's base, else the reference
     train = 8 * sum(trained) // n_ranks + moments + frozen
     served = 2 * p // server_tp
-    bucket = max(bucket_bytes, 2 * model.largest)
+    bucket = max(512 * 2**20, 2 * model.largest)
     # The actor's weights stay on the GPU for the gather; a LoRA base comes from the CPU a tensor at a time.
     sync = served + 2 * bucket + (2 * model.largest if lora else 4 * p // n_ranks)
-    free_at_launch = gpu_bytes - CONTEXT_BYTES
     # Offloaded for the rollout: float32 weights and both moments of each trained model (its gradients
     # were freed at the optimizer step) and the bf16 frozen weights.
     host = 12 * sum(trained) // n_ranks + frozen
-    return PhaseMemory(train=train, sync=sync, served_weights=served,
-                       kv_cache=int(mem_fraction * free_at_launch) - margin_bytes - served, host=host)
+    kv_cache = int(COLOCATED_MEM_FRACTION * (gpu_bytes - CONTEXT_BYTES)) - int(COLOCATED_MARGIN_GB * GIB) - served
+    return PhaseMemory(train=train, sync=sync, served_weights=served, kv_cache=kv_cache, host=host)
 
 
 def kv_cache_tokens(model: ModelShape, kv_cache_bytes: int, server_tp: int) -> int:
@@ -161,9 +155,9 @@ SMALL_GPU_ROWS = [("7B", 1, 1, True, False, 0), ("7B", 1, 1, True, False, 16), (
                   ("32B", 4, 4, True, False, 0), ("32B", 4, 4, True, False, 16)]
 
 
-def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS, gpus_per_node: int = 8) -> str:
+def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS) -> str:
     """The table of GPU memory per rank on GPUs of `gpu_gb` GiB, one trainer rank per GPU, and of the host
-    memory of a node of up to `gpus_per_node` GPUs."""
+    memory of a node of up to 8 GPUs."""
     lines = ["| model | GPUs | server tp | trainer models | train | sync | rollout: weights + KV cache | "
              "KV cache tokens / server | host / node |", "|---|---|---|---|---|---|---|---|---|"]
     shapes = {size: qwen25(size) for size in ("7B", "32B")}
@@ -182,7 +176,7 @@ def readme_table(gpu_gb: int = 80, rows: list[tuple] = README_ROWS, gpus_per_nod
         lines.append(f"| {model.name} ({model.n_params / 1e9:.2f}B) | {n_gpus} | {tp} | {models} | "
                      f"{shown(plan.train)} | {shown(plan.sync)} | "
                      f"{plan.served_weights / GIB:.1f} + {plan.kv_cache / GIB:.1f} GiB | {kv} | "
-                     f"{plan.host * min(n_gpus, gpus_per_node) / GIB:.0f} GiB |")
+                     f"{plan.host * min(n_gpus, 8) / GIB:.0f} GiB |")
     return "\n".join(lines)
 
 
