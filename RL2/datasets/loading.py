@@ -2,10 +2,8 @@
 
 `path` may be a local JSON/JSONL/CSV/Parquet/Arrow file, a folder written by `Dataset.save_to_disk`,
 or a Hugging Face dataset name (served from the local cache; nothing is downloaded when offline).
-`split@path` picks a split, e.g. `test@my_org/my_data` or `validation@data/folder`.
-
-CSV has no types, so every CSV column is read as text (`46` stays "46", not the number 46); only an
-empty cell is a missing value.
+`split@path` picks a split, e.g. `test@my_org/my_data` or `validation@data/folder`. Every CSV column
+is read as text (`_csv_as_text`).
 """
 
 import csv

@@ -2,16 +2,9 @@
 
     python -m RL2.datasets.math_rows SOURCE OUT.jsonl [--format auto|gsm8k|math] [--prompt TEMPLATE]
 
-SOURCE is anything `data.train.path` takes (a local JSON/JSONL/CSV/Parquet/Arrow file, a
-`save_to_disk` folder, a dataset in the local Hugging Face cache, `split@...`); `--subset` names a
-configuration of a cached hub dataset (`--subset main` for openai/gsm8k). Two schemas are read:
-
-- GSM8K: `question`, and `answer` ending in `#### N` (N, without thousands separators, is the answer);
-- MATH: `problem`, and `answer`, or else `solution` whose last \\boxed{...} is the answer.
-
-Each row becomes `{"prompt": TEMPLATE with {question} replaced, "extra_info": {"answer": ...,
-"data_source": ..., "index": ...}}` (MATH's `level`, `type`, `subject` and `unique_id` are kept in
-extra_info too). Train on it with `rollout.reward_fn=RL2.rewards:math_reward`.
+SOURCE is anything `data.train.path` takes. GSM8K rows (`question`, `answer` ending in `#### N`) and
+MATH rows (`problem`, and `answer` or a `solution` with a \\boxed{} answer) each become
+`{"prompt": ..., "extra_info": {"answer": ..., "data_source": ..., "index": ...}}`; see docs/data.md.
 """
 
 import argparse

@@ -1,10 +1,5 @@
 """Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far),
-and what the environment gets as `extra_info`.
-
-`extra_info` is the row's `extra_info` dict together with the row's other columns (the dict wins
-where both hold a value for a key), so `{"prompt": ..., "answer": 46}` and a CSV with an `answer`
-column reach the environment as `extra_info["answer"]` just as `{"prompt": ..., "extra_info":
-{"answer": 46}}` does.
+and what the environment gets as `extra_info` (`extra_info_of`; see docs/data.md).
 """
 
 from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
