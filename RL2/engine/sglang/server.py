@@ -115,7 +115,7 @@ class SGLangServer:
                                   f"ready.\n{self.describe()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    self.shm_files |= shm_files_of_group(self.process.pid, SGLANG_SHM_PREFIX)
+                    self.shm_files |= sglang_shm_files(self.process.pid)
                     return
             except httpx.TransportError:
                 pass  # not listening yet
@@ -129,35 +129,33 @@ class SGLangServer:
 
     def describe(self) -> str:
         """The command and the last lines of the log, for error messages."""
-        return f"command: {self.shown_command()}\nlog {self.log_path} ends with:\n{self.log_tail()}"
+        try:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+        except OSError:
+            tail = "(no log)"
+        return f"command: {self.shown_command()}\nlog {self.log_path} ends with:\n{tail}"
 
     def shown_command(self) -> str:
         """The command line with its API key hidden, for logs and error messages."""
         hidden = ["***" if i > 0 and self.command[i - 1] == "--api-key" else arg for i, arg in enumerate(self.command)]
         return " ".join(hidden)
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def shutdown(self, grace: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds; then remove the
-        files SGLang leaves in /dev/shm."""
+    def shutdown(self) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after 10 s; then remove the files
+        SGLang leaves in /dev/shm."""
         if self.process is None:
             return
         if self.process.poll() is None or _group_alive(self.process.pid):
-            self.shm_files |= shm_files_of_group(self.process.pid, SGLANG_SHM_PREFIX)
-            self._stop_group(grace)
+            self.shm_files |= sglang_shm_files(self.process.pid)
+            self._stop_group()
         for path in self.shm_files:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
 
-    def _stop_group(self, grace: float) -> None:
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+    def _stop_group(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
@@ -177,8 +175,8 @@ def _server_env(extra: dict) -> dict:
     return env | {str(key): str(value) for key, value in extra.items()}
 
 
-def shm_files_of_group(pgid: int, prefix: str) -> set[str]:
-    """Paths starting with `prefix` that a process of group `pgid` has mapped (Linux; empty elsewhere)."""
+def sglang_shm_files(pgid: int) -> set[str]:
+    """SGLang's files in /dev/shm that a process of group `pgid` has mapped (Linux; empty elsewhere)."""
     found = set()
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
@@ -191,7 +189,7 @@ def shm_files_of_group(pgid: int, prefix: str) -> set[str]:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith(prefix):
+                    if len(fields) == 6 and fields[5].startswith(SGLANG_SHM_PREFIX):
                         found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
         except OSError:  # gone meanwhile, or not ours to read
             continue
