@@ -2,7 +2,7 @@
 
 A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
 down to every attention layer by transformers) marks where each starts. No token attends across a
-boundary. Three kernels compute it, picked per call by `varlen_backend` (the choice is logged once):
+boundary. The kernel is picked per call by `varlen_backend` (the choice is logged once):
 - "flash_attn": flash-attn's varlen kernel, on CUDA in fp16/bf16 on Ampere or newer when `flash_attn` imports;
 - "torch_varlen": torch's own varlen kernel (`torch.nn.attention.varlen`, flash-attention built into
   torch), on CUDA in fp16/bf16 on Ampere or newer when this torch has it;
@@ -65,19 +65,13 @@ def _keywords(fn) -> frozenset[str]:
 
 
 def flash_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether flash-attention kernels (flash-attn's, ring-flash-attn's on top of them, torch's own varlen
-    kernel) can run here: on CUDA in fp16 or bf16, on Ampere (compute capability 8.0) or newer. flash-attn
-    refuses older GPUs (V100, T4) at the first call: "FlashAttention only supports Ampere GPUs or newer"."""
+    """Whether flash-attention kernels (flash-attn's, ring-flash-attn's, torch's own varlen kernel) can run
+    here: on CUDA in fp16 or bf16, on Ampere (compute capability 8.0) or newer."""
     return device.type == "cuda" and dtype in HALF_DTYPES and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel packed attention runs here: "flash_attn", "torch_varlen" or "sdpa".
-
-    Args:
-        device: where the query lives.
-        dtype: the query's dtype (the flash kernels take only fp16 and bf16).
-    """
+    """Which kernel packed attention of a `dtype` query on `device` runs: "flash_attn", "torch_varlen" or "sdpa"."""
     if not flash_kernels_run(device, dtype):
         return "sdpa"
     if flash_attn_varlen() is not None:
@@ -130,20 +124,13 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                          masked: bool) -> bool:
-    """Whether SDPA gets grouped key/value heads repeated to the query's head count.
+    """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count.
 
     On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no
-    mask; its memory-efficient kernel takes fp32 and masks but not grouped heads
+    mask (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
     (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp). Grouped heads with fp32
-    or a mask would fall to the math kernel, which materializes `[H, q, k]` scores (some 90 GB for
-    one 8k sequence of a 0.5B model in fp32, forward and backward). Repeated heads, `[H, k, D]` per
-    call, let the efficient kernel run. On CPU the math kernel is the only one, so nothing changes.
-
-    Args:
-        device: where the query lives.
-        dtype: the query's dtype.
-        heads, kv_heads: query and key/value head counts.
-        masked: whether the call passes an explicit mask (flash refuses any).
+    or a mask would fall to the math kernel, which materializes `[H, q, k]` scores. Repeated heads let
+    the efficient kernel run. On CPU the math kernel is the only one, so nothing changes.
     """
     if device.type != "cuda" or heads == kv_heads:
         return False
@@ -153,11 +140,8 @@ def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, 
 def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
     """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it.
 
-    On CPU, bf16 and fp16 inputs are upcast for the call (one sequence at a time, while it is in
-    cache): torch's CPU SDPA kernel runs forward and backward faster in float32 than in bf16 and
-    accumulates in float32 either way. On CUDA the native dtype goes to SDPA's own kernels, which
-    accumulate in float32 as well; grouped key/value heads are repeated where only then a fused kernel
-    takes the call (`sdpa_repeats_kv_heads`).
+    On CPU, bf16 and fp16 inputs are upcast for the call: torch's CPU SDPA kernel runs faster in float32
+    than in bf16 and accumulates in float32 either way.
     """
     upcast = not query.is_cuda and query.dtype in HALF_DTYPES
     q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
@@ -169,8 +153,7 @@ def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
 
 def repeat_kv_heads_for_sdpa(query, key, value, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """key and value `[B, H_kv, k, D]`, repeated to the query's H heads where `sdpa_repeats_kv_heads`
-    says so (query head h reads key/value head h // (H / H_kv), as SDPA's `enable_gqa`); else as given.
-    Autograd sums the copies' gradients back into each key/value head."""
+    says so (query head h reads key/value head h // (H / H_kv), as SDPA's `enable_gqa`); else as given."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if not sdpa_repeats_kv_heads(query.device, query.dtype, heads, kv_heads, masked):
         return key, value

@@ -1,11 +1,10 @@
 """Log-probabilities of the labels and entropies from logits, a few tokens at a time.
 
-A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a small model's step
-(1k tokens x a 49k vocabulary is 200 MB), and every elementwise pass over it (the cast, the
-log-softmax, exp, the product of the entropy, and each of their backward passes) streams it
-through memory. Here each chunk of rows is cast, reduced and, in backward, turned into its
-gradient while it sits in the CPU's cache; only the log-sum-exp and entropy of each token are kept
-between forward and backward. Logits of -inf (masked vocabulary entries) count as probability 0.
+A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a small model's step, and
+every elementwise pass over it streams it through memory. Here each chunk of rows is cast, reduced and,
+in backward, turned into its gradient while it sits in the CPU's cache; only the log-sum-exp and entropy
+of each token are kept between forward and backward. Logits of -inf (masked vocabulary entries) count
+as probability 0.
 
 On CUDA the same function runs as two Triton kernels (`RL2.models.triton_logps`: one read of the
 logits in forward, one read and one write in backward) where Triton imports, as it does with CUDA
@@ -20,7 +19,7 @@ from RL2.native import switches
 from RL2.utils.logging import log_rank0
 
 # float32 elements per chunk on CPU: 1 MB, so that a chunk and the temporaries of its passes stay in a
-# core's L2 cache (1-2 MB on current x86); 4 MB chunks spill to the shared L3 (`benchmarks/bench_logps.py`).
+# core's L2 cache (`benchmarks/bench_logps.py`).
 CHUNK_ELEMENTS = 1 << 18
 # On a GPU the gain is memory (no float32 copy of all logits), and small chunks would cost kernel launches.
 CUDA_CHUNK_ELEMENTS = 1 << 26
@@ -31,10 +30,9 @@ class LogpsAndEntropy(torch.autograd.Function):
     float dtype; the entropy is zeros unless `with_entropy`.
 
     With `overwrite_logits`, the chunked path's backward writes the logits' gradient over the logits
-    instead of into a new `[N, V]` tensor: the caller promises that nothing reads the logits after this
-    function's backward (the output projection that made them needs its input and weight, not its
-    output). That saves the largest buffer of a small model's backward on CPU, and the page faults of
-    allocating it afresh each time. The Triton kernels write their own gradient tensor.
+    instead of into a new `[N, V]` tensor (the largest buffer of a small model's backward on CPU): the
+    caller promises that nothing reads the logits after this function's backward (the output projection
+    that made them needs its input and weight, not its output).
     """
 
     @staticmethod
@@ -56,7 +54,7 @@ class LogpsAndEntropy(torch.autograd.Function):
         for rows in _chunks(logits):
             # One exp per logit serves the log-sum-exp and the entropy: with s = z - max and S = sum e^s,
             # log p = s - log S and H = log S - sum(e^s s) / S.
-            chunk = _scaled(logits[rows], temperature)
+            chunk = scaled(logits[rows], temperature)
             top = chunk.amax(-1, keepdim=True)
             top.masked_fill_(top.isinf(), 0.0)  # a row of -inf (or +inf) logits: as logsumexp treats it
             shifted = (chunk - top).clamp_(min=torch.finfo(torch.float32).min)  # p log p is 0, not nan, at -inf
@@ -86,7 +84,7 @@ class LogpsAndEntropy(torch.autograd.Function):
         # logits, which are not read again.
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)
         for rows in _chunks(logits):
-            log_probs = _log_probs(_scaled(logits[rows], ctx.temperature), lse[rows])
+            log_probs = _log_probs(scaled(logits[rows], ctx.temperature), lse[rows])
             scale = grad_logps[rows, None]
             if grad_entropy is not None and ctx.with_entropy:
                 scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
@@ -111,10 +109,10 @@ def cuda_kernels():
 
 
 def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor, overwrite_logits: bool = False,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy of softmax(logits /
-    temperature), both float32 `[...]`. `overwrite_logits`: see `LogpsAndEntropy`."""
-    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), True,
+                      temperature: float = 1.0, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits `[..., V]` and labels `[...]`: log p(labels) and the entropy (zeros unless `with_entropy`)
+    of softmax(logits / temperature), both float32 `[...]`. `overwrite_logits`: see `LogpsAndEntropy`."""
+    logps, entropy = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), with_entropy,
                                            temperature, overwrite_logits)
     return logps.view(labels.shape), entropy.view(labels.shape)
 
@@ -129,12 +127,11 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
                 overwrite_logits: bool = False) -> torch.Tensor:
     """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`.
     `overwrite_logits`: see `LogpsAndEntropy`."""
-    logps, _ = LogpsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), False, temperature,
-                                     overwrite_logits)
-    return logps.view(labels.shape)
+    return logps_and_entropy(logits, labels, overwrite_logits, temperature, with_entropy=False)[0]
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32."""
     chunk = logits.float()
     return chunk / temperature if temperature != 1.0 else chunk
 

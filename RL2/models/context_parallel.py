@@ -8,15 +8,11 @@ every real token, and its outputs are dropped.
 
 Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks.
 - On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn installed, ring-flash-attention's
-  `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring, overlapping communication with
-  flash-attn's varlen kernel.
-- Otherwise (CPU, float32, an older GPU, or either package missing), an exact torch version of the same
-  computation on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of
-  each local chunk against its whole sequence. The all-gather's backward sums every rank's K/V
-  gradients and keeps this rank's part (a reduce-scatter), so gradients are those of unsharded
-  attention. On CUDA, grouped K/V heads are repeated for the masked SDPA call, so that its
-  memory-efficient kernel takes it instead of the math kernel (`RL2.models.attention.sdpa_repeats_kv_heads`).
-Which of the two runs is logged once.
+  `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring (`context_parallel_backend`).
+- Otherwise, an exact torch version of the same computation on the same shards: one all-gather of K/V
+  (the llama3 scheme), then causal attention of each local chunk against its whole sequence. The
+  all-gather's backward sums every rank's K/V gradients and keeps this rank's part (a reduce-scatter),
+  so gradients are those of unsharded attention.
 
 Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
 callers see whole `[1, T]` tensors, the same on every cp rank.
@@ -67,17 +63,12 @@ class _AllGatherSharded(torch.autograd.Function):
         return grad.chunk(size)[rank].clone(), None
 
 
-class _AllGatherReplicated(torch.autograd.Function):
+class _AllGatherReplicated(_AllGatherSharded):
     """Concatenate every rank's tensor along dim 0. Backward: keep our part of the gradient.
 
     For per-token outputs that feed a loss every cp rank computes identically from the gathered row:
     the gradient of that one loss with respect to our part is already in our copy.
     """
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _gather_cat(tensor, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -11,12 +11,10 @@ half-written (an interrupted copy, a full disk, a killed writer) is recognised b
 truncated files and converted again; temporary folders of killed conversions are removed.
 
 The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks
-put 8% of them exactly halfway between two bf16 values; in bf16 compute (fp32 master weights cast to
-bf16) any update, however small, then moves such a weight a whole bf16 step, so a run at lr 1e-6
-learned as if its step were far larger, and bf16 and float32 machines disagreed. On a bf16 value a
-weight only changes its bf16 copy once its updates add up to half a bf16 step. The rounding moves a
-weight by at most 0.2%, far below the 4-bit quantization step. A folder records the format it was
-converted in (`CONVERSION_MARKER`); one converted in an earlier format is converted again.
+put many of them exactly halfway between two bf16 values, where in bf16 compute (fp32 master weights
+cast to bf16) any update, however small, moves the weight a whole bf16 step; on a bf16 value it takes
+updates adding up to half a step. The rounding is far below the 4-bit quantization step. A folder
+records the format it was converted in (`CONVERSION_MARKER`); one in an earlier format is converted again.
 """
 
 import fcntl
@@ -26,8 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,19 +48,13 @@ CONVERSION_MARKER = "rl2_conversion.json"
 CONVERSION_FORMAT = 2
 
 
-
-
-def is_embedded(name: str) -> bool:
-    return name.lower() in EMBEDDED_MODELS
-
-
 def resolve_model_path(name: str) -> str:
     """Map a model name to something `from_pretrained` can load without a hub.
 
     Embedded names become their converted local folder (converted on first use); anything else
     (a local folder, or a hub id the user has cached) is returned unchanged.
     """
-    if not is_embedded(name):
+    if name.lower() not in EMBEDDED_MODELS:
         return name
     target = cache_root() / "models" / name.lower()
     convert = functools.partial(_convert_gguf, name.lower())
@@ -86,7 +77,9 @@ def ensure_converted(target: Path, convert: Callable[[Path], None], version: int
     if _is_current(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        # flock is released by the kernel when its holder dies, so a killed conversion never blocks the next.
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_current(target, version):  # converted by the process that held the lock before us
             return target
         _remove_leftovers(target)
@@ -140,14 +133,6 @@ def _safetensors_complete(path: Path) -> bool:
         return False
 
 
-@contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    # flock is released by the kernel when its holder dies, so a killed conversion never blocks the next.
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _remove_leftovers(target: Path) -> None:
     """Temporary folders of earlier conversions: only the lock holder converts, so they are dead."""
     for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*", f"{target.name}.tmp*"):
@@ -198,12 +183,8 @@ def _convert_gguf(name: str, folder: Path) -> None:
 
 
 def round_to_bfloat16(model: "torch.nn.Module") -> None:
-    """Round every floating-point parameter of `model` in place to the nearest bfloat16 value,
-    keeping its dtype: see the module docstring for why the default model needs it.
-
-    Args:
-        model: a model whose parameters are float32 (or any float dtype holding bf16 values).
-    """
+    """Round every floating-point parameter of `model` in place to the nearest bfloat16 value, keeping
+    its dtype: see the module docstring for why the default model needs it."""
     import torch
 
     with torch.no_grad():

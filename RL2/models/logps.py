@@ -26,24 +26,15 @@ class ModelLayout:
         vocab: the vocabulary slice of this rank's logits (tensor parallelism).
         cp_group: the context-parallel group, None without context parallelism.
         share_prefixes: compute a prefix that consecutive packed sequences share once
-            (`RL2.models.shared_prefix`); not under context parallelism.
-        sliding_window: the window of the model's sliding-window layers (`sliding_window_of`), which
-            RL2's attention does not apply: a longer sequence is refused rather than scored wrongly.
+            (`RL2.models.shared_prefix`).
+        sliding_window: the window of the model's sliding-window layers, which RL2's attention does not
+            apply: a longer sequence is refused rather than scored wrongly.
     """
 
     vocab: VocabShard = field(default_factory=VocabShard)
     cp_group: dist.ProcessGroup | None = None
     share_prefixes: bool = False
     sliding_window: int | None = None
-
-
-def check_window(window: int, longest: int) -> None:
-    if longest > window:
-        raise NotImplementedError(
-            f"a sequence of {longest} tokens is longer than the model's attention window "
-            f"(sliding_window={window}), which RL2's packed attention does not apply: its "
-            f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
-            f"the window, or use a model without one")
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:
@@ -102,12 +93,8 @@ class PackedForward:
         return logits if self.shared is None else self.shared.expand(logits)
 
     def logps(self, temperature: float = 1.0, last_use: bool = False) -> torch.Tensor:
-        """log p(labels[t] | prefix), float32 `[1, T]`.
-
-        `last_use`: nothing reads these logits after this call, so backward writes their gradient over
-        them rather than into a new `[tokens, vocabulary]` tensor (`chunked_logps.LogpsAndEntropy`),
-        and this object lets go of them.
-        """
+        """log p(labels[t] | prefix), float32 `[1, T]`. `last_use`: nothing reads these logits after this
+        call, so backward writes their gradient over them (`chunked_logps.LogpsAndEntropy`)."""
         return self.gather(self.vocab.token_logps(self._logits(last_use), self.local_labels, temperature,
                                                   overwrite_logits=last_use))
 
@@ -119,13 +106,9 @@ class PackedForward:
 
     def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False, temperature: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logps()` and `entropy()` of softmax(logits / temperature) in one pass over the logits.
-
-        The `[tokens, vocabulary]` float32 passes are the largest memory traffic of a small model's
-        step: without tensor parallelism both come from `RL2.models.chunked_logps`, a few tokens at a
-        time. The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise
-        it is a metric. `last_use`: as in `logps()`.
-        """
+        """`logps()` and `entropy()` of softmax(logits / temperature) in one pass over the logits
+        (`RL2.models.chunked_logps` without tensor parallelism). The entropy carries a gradient only with
+        `entropy_grad` (an entropy bonus); otherwise it is a metric. `last_use`: as in `logps()`."""
         if self.vocab.split:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self.entropy(temperature)
@@ -151,14 +134,16 @@ class PackedForward:
 def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = False) -> PackedForward:
     """Run the model on one packed row; attention stays within each sequence (see RL2.models.attention).
 
-    With `trained_only`, the output projection runs only at the tokens whose label is trained
-    (`mb.loss_mask`): a prompt's logits are never used by a loss, and with a vocabulary of ~50k-150k
-    the projection (and the float32 log-softmax after it) is a fifth or more of a small model's work
-    per token. Per-token results then read 0.0 at the other tokens.
+    With `trained_only`, the output projection (a large share of a small model's work per token) runs
+    only at the tokens whose label is trained (`mb.loss_mask`); per-token results read 0.0 elsewhere.
     """
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
-    if layout.sliding_window is not None:
-        check_window(layout.sliding_window, max(mb.seq_lens))
+    if layout.sliding_window is not None and max(mb.seq_lens) > layout.sliding_window:
+        raise NotImplementedError(
+            f"a sequence of {max(mb.seq_lens)} tokens is longer than the model's attention window "
+            f"(sliding_window={layout.sliding_window}), which RL2's packed attention does not apply: its "
+            f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
+            f"the window, or use a model without one")
     length = mb.input_ids.shape[1]
     if layout.cp_group is None:
         # The row the model runs on: the packed one, or the one with shared prefixes stored once.
@@ -195,11 +180,6 @@ def _keep(kept: torch.Tensor | None) -> dict:
 
 def _pick(row: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     return row if kept is None else row[:, kept]
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels[t] | prefix) in float32, `[1, T]`, from full-vocabulary logits."""
-    return VocabShard().token_logps(logits, labels, temperature)
 
 
 def packed_logps(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:

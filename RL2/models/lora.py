@@ -8,10 +8,8 @@ which has no base weights to adapt. Module and parameter names follow PEFT's
 is PEFT's key names plus its prefix.
 
 `FSDPWorker` calls `add_adapters` after tensor parallelism and before `fully_shard` (the adapters
-are sharded with their layer). The rest of RL2 sees the base model's names through three functions:
-`merge_adapters` turns a stream of full tensors into merged weights for the rollout engine,
-`split_for_export` turns a full state dict into a merged Hugging Face state dict and a PEFT adapter,
-and `adapters_disabled` runs the base model (the reference of DPO and PPO) without a second copy.
+are sharded with their layer). The rollout engine and the export see the base model's names, with the
+adapters merged (`merge_adapters`, `split_for_export`).
 """
 
 import json
@@ -46,15 +44,15 @@ class LoRALinear(nn.Module):
     Args:
         base: the linear layer (on any device, meta included; possibly tensor-parallel).
         rank, alpha, dropout: the adapter's rank r, its scale alpha / r and the dropout on its input.
-        dtype: of the adapter's weights (float32: they are trained).
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, dtype: torch.dtype = torch.float32):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
         self.base_layer = base
         device = base.weight.device
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
+        # float32 weights: they are trained.
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's initialisation
         nn.init.zeros_(self.lora_B.weight)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -125,15 +123,10 @@ def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]
 
 def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
                  targets: list[str], key: str = "lora") -> list[str]:
-    """Wrap the target linear layers in `LoRALinear` and freeze everything but the adapters and the
-    scalar head (which is made float32, as the adapters are). Returns the wrapped module paths.
-
-    Args:
-        model: an HF model (plain or tensor-parallel, not yet FSDP-sharded).
-        layers: its decoder layers (`RL2.workers.fsdp.decoder_layers`).
-        rank, alpha, dropout, targets: the `lora` config.
-        key: the config section, for the error (a `ConfigError`) when nothing matches (e.g. `actor.lora`).
-    """
+    """Wrap the target linear layers inside `layers` (the decoder layers) of an HF model, not yet
+    FSDP-sharded, in `LoRALinear`, and freeze everything but the adapters and the scalar head (made
+    float32, as the adapters are). Returns the wrapped module paths; `key` names the config section in
+    the error when nothing matches."""
     found = target_linears(model, layers, targets)
     if not found:
         names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
@@ -210,14 +203,8 @@ def split_for_export(state: dict[str, torch.Tensor],
 
 def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float,
                  task_type: str, base_model: str) -> None:
-    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained(base_model, folder)` loads it).
-
-    Args:
-        adapter: from `split_for_export`.
-        rank, alpha, dropout: the `lora` config.
-        task_type: PEFT's: CAUSAL_LM, or TOKEN_CLS for a scalar-head model (its head is saved in full).
-        base_model: the base model's name or folder, recorded for the reader.
-    """
+    """Write a PEFT adapter folder (`peft.PeftModel.from_pretrained(base_model, folder)` loads it) of an
+    `adapter` from `split_for_export`; `task_type` is PEFT's (CAUSAL_LM, or TOKEN_CLS for a scalar head)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -28,13 +28,8 @@ def _cpu_vendor() -> str:
 
 def bf16_pays_off(device: torch.device) -> bool:
     """Whether bf16 compute is the faster choice here: wherever it is native, except on Intel CPUs
-    without AMX.
-
-    There AVX512-BF16 is all bf16 has: its dot products issue on one port where float32 FMAs issue on
-    two, so bf16 matmuls run at about half the float32 rate (a Xeon whose hypervisor hides AMX, for one;
-    `benchmarks/bench_sft.py` prints both rates). With AMX, on AMD Zen 4 and later, and on Arm, bf16 is
-    the faster. A rule on the hardware rather than a timing, so that every rank, and every run on the
-    same machine, computes in the same dtype.
+    without AMX, where AVX512-BF16's dot products run at about half the float32 rate. A rule on the
+    hardware rather than a timing, so that every rank, and every run on the machine, computes alike.
     """
     if device.type == "cuda" or not native_bf16(device):
         return native_bf16(device)

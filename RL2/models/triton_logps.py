@@ -1,12 +1,9 @@
 """Log-probabilities of the labels and entropies of logits rows on CUDA, one Triton program per row.
 
-The chunked path of `RL2.models.chunked_logps` streams a `[tokens, vocabulary]` tensor through memory
-eight times in forward (the float32 cast, the log-sum-exp's two passes, the log-probabilities, exp,
-the product and its sum) and seven in backward. These kernels read each row once in forward, in its
-own dtype, keeping a running maximum, the sum of exp and the sum of exp times the logit (for the
-entropy); backward reads it once more and writes the gradient. Both compute in float32 and follow the
-chunked path's conventions: logits are divided by the temperature, and -inf logits (masked vocabulary
-entries) count as probability 0 in the entropy.
+Where the chunked path of `RL2.models.chunked_logps` streams a `[tokens, vocabulary]` tensor through
+memory several times, these kernels read each row once in forward, in its own dtype, keeping a running
+maximum, the sum of exp and the sum of exp times the logit (for the entropy); backward reads it once
+more and writes the gradient. Both compute in float32 and follow the chunked path's conventions.
 """
 
 import torch

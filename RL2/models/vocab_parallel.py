@@ -6,11 +6,9 @@ whole vocabulary; here each rank reduces its slice and one all-reduce of a `[...
 them, so the full `[..., V]` logits never exist on any rank (Megatron-LM's vocab-parallel
 cross-entropy does the same).
 
-Every tp rank then holds the same per-token values and computes the same loss from them. The
-all-reduce's backward is therefore the identity: the gradient reaching each rank's partial sum is the
-gradient of that one loss (Megatron's "g" operator). A replicated value that goes back into a
-partial sum (the log-sum-exp inside a log-softmax) gets the opposite pair: identity forward, summed
-gradients backward.
+Every tp rank then holds the same per-token values and computes the same loss from them, so the
+all-reduce's backward is the identity (Megatron's "g" operator, `_SumOverRanks`); a replicated value
+that goes back into a partial sum gets the opposite pair (`_ReplicatedToLocal`).
 """
 
 from dataclasses import dataclass
@@ -58,12 +56,8 @@ class _ReplicatedToLocal(torch.autograd.Function):
 
 @dataclass
 class VocabShard:
-    """The slice of the vocabulary whose logits this rank holds.
-
-    Args:
-        group: the tp process group; None when one rank holds the whole vocabulary.
-        offset: the first token id of the slice.
-    """
+    """The slice of the vocabulary whose logits this rank holds, from token id `offset`; `group` is the tp
+    process group, None when one rank holds the whole vocabulary."""
 
     group: dist.ProcessGroup | None = None
     offset: int = 0
@@ -105,16 +99,12 @@ class VocabShard:
         `chunked_logps.LogpsAndEntropy`."""
         if not self.split:  # a few tokens at a time: no [T, V] float32 copy (RL2.models.chunked_logps)
             return chunked_logps.token_logps(logits, labels, temperature, overwrite_logits)
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = chunked_logps.scaled(logits, temperature)
         return self.pick(logits, labels) - self.logsumexp(logits)
 
     def entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of softmax(logits / temperature), `lse - sum_v p_v z_v` of the scaled logits z, in float32."""
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = chunked_logps.scaled(logits, temperature)
         lse = self.logsumexp(logits)
         probs = (logits - self._to_local(lse).unsqueeze(-1)).exp()
         return lse - self.sum(probs * logits)
