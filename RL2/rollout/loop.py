@@ -14,6 +14,7 @@ step that blocks does not stop the engine and its timeout still fires.
 
 import asyncio
 import copy
+import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
@@ -137,24 +138,16 @@ async def rollout_batch(
     Returns:
         One group of trajectories per prompt, in order.
     """
+    run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
+                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use)
 
-    async def trajectory(row: dict, index: int) -> Trajectory:
-        params = sampling_params
-        if row.get("sampling_seed") is not None:
-            params = {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
+    def params_of(row: dict, index: int) -> dict:
+        if row.get("sampling_seed") is None:
+            return sampling_params
+        return {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
 
-        def run(resume: Trajectory | None):
-            return run_trajectory(
-                engine, env, tokenizer, _first_state(row), copy.deepcopy(row.get("extra_info") or {}),
-                params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"), resume=resume,
-                tool_use=tool_use,
-            )
-
-        # Another client of a shared server may pause it: the cut action carries on, rather than the
-        # trajectory being trained on as if it had ended there.
-        return await _resume_while_cut(run, await run(None))
-
-    tasks = [[asyncio.create_task(trajectory(row, j)) for j in range(responses_per_prompt)] for row in prompts]
+    tasks = [[asyncio.create_task(_row_trajectory(run, row, params_of(row, j))) for j in range(responses_per_prompt)]
+             for row in prompts]
     await gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
@@ -193,19 +186,11 @@ async def partial_rollout_batch(
     stop = asyncio.Event()
     done_groups = asyncio.Event()
     finished_count = 0
+    run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
+                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use)
 
-    async def trajectory(row: dict | None, resume: Trajectory | None) -> Trajectory:
-        row = row or {}
-
-        def run(resume: Trajectory | None):
-            return run_trajectory(
-                engine, env, tokenizer, _first_state(row), copy.deepcopy(row.get("extra_info") or {}),
-                sampling_params, max_turns, max_total_tokens, env_timeout, row.get("prompt_ids"),
-                resume=resume, stop=stop, tool_use=tool_use,
-            )
-
-        # Another client of a shared server may pause it: resume at once unless this batch is full.
-        return await _resume_while_cut(run, resume if resume is not None else await run(None), stop)
+    def trajectory(row: dict, resume: Trajectory | None = None):
+        return _row_trajectory(run, row, sampling_params, resume, stop)
 
     async def group(members: list) -> list[Trajectory]:
         nonlocal finished_count
@@ -216,8 +201,8 @@ async def partial_rollout_batch(
                 done_groups.set()
         return results
 
-    tasks = [asyncio.create_task(group([trajectory(None, t) if t.unfinished else _ready(t) for t in g])) for g in carried]
-    tasks += [asyncio.create_task(group([trajectory(row, None) for _ in range(responses_per_prompt)])) for row in prompts]
+    tasks = [asyncio.create_task(group([trajectory({}, t) if t.unfinished else _ready(t) for t in g])) for g in carried]
+    tasks += [asyncio.create_task(group([trajectory(row) for _ in range(responses_per_prompt)])) for row in prompts]
     all_done = asyncio.ensure_future(gather_or_cancel(tasks))
     enough = asyncio.create_task(done_groups.wait())
     await asyncio.wait([all_done, enough], return_when=asyncio.FIRST_COMPLETED)
@@ -243,14 +228,23 @@ async def _ready(trajectory: Trajectory) -> Trajectory:
     return trajectory
 
 
-async def _resume_while_cut(run, trajectory: Trajectory, stop: asyncio.Event | None = None) -> Trajectory:
-    """Carry on a trajectory an engine pause cut short (`run(trajectory)` resumes it) until its action
-    is whole, or `stop` is set. A request aborted again and again before it samples a token is
-    refused, not paused: that raises, where resuming it would loop for ever."""
-    idle = 0
+async def _row_trajectory(run, row: dict, sampling_params: dict, resume: Trajectory | None = None,
+                          stop: asyncio.Event | None = None) -> Trajectory:
+    """A trajectory of `row` (`run` is `run_trajectory` with the batch's settings), or `resume` carried on.
+
+    Another client of a shared server may pause it: the cut action carries on until it is whole (or `stop`
+    is set), rather than the trajectory being trained on as if it had ended there. A request aborted again
+    and again before it samples a token is refused, not paused: that raises, where resuming would loop for ever.
+    """
+
+    def attempt(resume: Trajectory | None):
+        return run(_first_state(row), copy.deepcopy(row.get("extra_info") or {}), sampling_params,
+                   prompt_ids=row.get("prompt_ids"), resume=resume, stop=stop)
+
+    trajectory, idle = resume if resume is not None else await attempt(None), 0
     while trajectory.unfinished and not (stop is not None and stop.is_set()):
         sampled = trajectory.response_length
-        trajectory = await run(trajectory)
+        trajectory = await attempt(trajectory)
         idle = idle + 1 if trajectory.response_length == sampled else 0
         if idle == MAX_IDLE_RESUMES:
             raise EngineError(f"the engine aborted a request {idle} times in a row before it sampled a token")
