@@ -1,18 +1,5 @@
 """What a rollout is measured by and leaves behind: metrics per step, the metrics of an evaluation
-per data source, and the JSONL dump of its samples.
-
-Evaluation metrics (`evaluation_metrics`: the evaluator's, and PPO's test rollouts'), per group of
-prompts, each sample one trajectory:
-- `accuracy`: the share of samples that pass;
-- `score`, `reward`: mean over samples;
-- `pass@k`: mean over prompts of the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
-  with n samples of which c pass;
-- `response_length`: mean sampled tokens per sample; `truncated`: share cut at max_new_tokens;
-- `faults`: samples ended by a failing environment or reward (scored 0);
-- `reward/<name>`: mean of each reward part (0 where a sample has none);
-- `tool_calls`, `tool_errors`: mean tool calls (and failed ones) per sample, where the policy may call tools;
-- `n_prompts`, `n_samples`.
-"""
+per data source (each listed in docs/evaluation.md), and the JSONL dump of its samples."""
 
 import json
 import math
@@ -44,7 +31,7 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
         "rollout/n_turns": _mean(t.n_turns for t in trajectories),
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
     }
-    metrics |= _reward_part_metrics(trajectories)
+    metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
     if tools:
         metrics |= {f"rollout/{name}": value for name, value in tool_metrics(trajectories).items()}
     return metrics
@@ -143,10 +130,10 @@ def reward_parts(trajectory: Trajectory) -> dict[str, float]:
     return parts
 
 
-def _reward_part_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+def _reward_part_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     per_trajectory = [reward_parts(t) for t in trajectories]
     names = sorted({name for parts in per_trajectory for name in parts})
-    return {f"rollout/reward/{name}": _mean(parts.get(name, 0.0) for parts in per_trajectory) for name in names}
+    return {f"{prefix}{name}": _mean(parts.get(name, 0.0) for parts in per_trajectory) for name in names}
 
 
 def _mean(values) -> float:
@@ -155,7 +142,8 @@ def _mean(values) -> float:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k of the n samples (c of them correct) is correct."""
+    """Probability that at least one of k of the n samples (c of them correct) is correct: the unbiased
+    estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
@@ -183,7 +171,7 @@ def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: l
 
 
 def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float, tools: bool = False) -> dict[str, float]:
-    """The metrics of the module docstring over `groups` (the samples of each prompt)."""
+    """The evaluation metrics (docs/evaluation.md) over `groups` (the samples of each prompt)."""
     samples = [t for group in groups for t in group]
     metrics = {
         "n_prompts": len(groups),
@@ -197,9 +185,7 @@ def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: floa
     metrics["response_length"] = _mean(t.response_length for t in samples)
     metrics["truncated"] = _mean(t.finish_reason == "length" for t in samples)
     metrics["faults"] = sum(t.fault is not None for t in samples)
-    parts = [reward_parts(t) for t in samples]
-    for name in sorted({name for p in parts for name in p}):
-        metrics[f"reward/{name}"] = _mean(p.get(name, 0.0) for p in parts)
+    metrics |= _reward_part_metrics(samples, "reward/")
     if tools:
         metrics["tool_calls"] = _mean(t.tool_calls for t in samples)
         metrics["tool_errors"] = _mean(t.tool_errors for t in samples)
