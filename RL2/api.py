@@ -106,13 +106,8 @@ def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> 
     """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0).
 
     Args:
-        overrides: config keys and values (see the module docstring), e.g. `model.model_name`,
-            `data.test.path`, `rollout.responses_per_prompt`, `compare.model_name`.
-        reward: a `(response, extra_info) -> float | dict` function (sync or async) that scores each
-            response, used as `rollout.reward_fn` would be (which must then be unset).
-
-    Returns:
-        metrics per data source and overall (and the compared model's and the difference).
+        overrides: config keys and values, e.g. `model.model_name`, `data.test.path`, `compare.model_name`.
+        reward: a `(response, extra_info) -> float | dict` function that scores each response, as for `train`.
     """
     cfg = build_config("eval", overrides)
     env = _reward_env(reward, cfg)
@@ -121,12 +116,7 @@ def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> 
 
 
 def build_config(name: str, overrides: Overrides = None) -> DictConfig:
-    """The config `train(name, overrides)` (or `evaluate(overrides)` for name "eval") runs with.
-
-    Args:
-        name: a trainer's name, or "eval".
-        overrides: as for `train`.
-    """
+    """The config `train(name, overrides)` (or `evaluate(overrides)` for name "eval") runs with."""
     if name not in SCHEMAS:
         raise ConfigError(f"unknown trainer {name!r}; choose one of {', '.join(SCHEMAS)}")
     return parse_config(SCHEMAS[name], name, override_args(overrides))

@@ -165,8 +165,8 @@ class RolloutBatch(SequenceBatch):
 
     @classmethod
     def single_turn(cls, examples: list[dict], group_ids: list[int], rewards: list[float] | None = None) -> "RolloutBatch":
-        """One-turn trajectories written as tokenized examples (see `SequenceBatch.from_examples`), e.g.
-        for benchmarks and tests of the update; `group_ids` non-decreasing from 0."""
+        """One-turn trajectories written as tokenized examples (`SequenceBatch.from_examples`), for
+        benchmarks and tests of the update."""
         n = len(examples)
         rewards = torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32)
         batch = SequenceBatch.from_examples(examples)
@@ -231,8 +231,7 @@ class MicroBatch:
         sequence_ids: the positions in their `SequenceBatch` of the packed sequences, in order.
         extras: the batch's other per-token tensors, `[1, T]` like `labels`.
         unit_starts: the packed sequences (indices in this row) that begin a packing unit sized by its
-            own shared-prefix length (`prompt_group_units`): a shared-prefix run starts anew there, so
-            that the row the model runs is no longer than the packer planned.
+            own shared-prefix length (`prompt_group_units`): a shared-prefix run starts anew there.
     """
 
     input_ids: Tensor

@@ -101,20 +101,16 @@ def _scores(batch: RolloutBatch, penalties: Tensor) -> Tensor:
     return batch.rewards - batch.sample_sums(penalties)
 
 
-def _by_group(batch: RolloutBatch, scores: Tensor) -> Tensor:
-    """`[n_samples]` -> `[n_groups, group_size]`: each prompt's trajectories in one row."""
-    return scores.view(batch.n_groups, batch.group_size)
-
-
 def grpo_advantages(batch, adv_cfg, penalties):
     scores = _scores(batch, penalties)
     # adv.baseline=batch: the whole batch is one group (REINFORCE with the batch mean as baseline).
-    rows = scores.view(1, -1) if adv_cfg.baseline == "batch" else _by_group(batch, scores)
+    rows = scores.view(1, -1) if adv_cfg.baseline == "batch" else scores.view(batch.n_groups, batch.group_size)
     return _trajectory_level(batch, grpo(rows, adv_cfg.norm_var).flatten()), None
 
 
 def rloo_advantages(batch, adv_cfg, penalties):
-    return _trajectory_level(batch, rloo(_by_group(batch, _scores(batch, penalties))).flatten()), None
+    rows = _scores(batch, penalties).view(batch.n_groups, batch.group_size)  # each prompt's trajectories
+    return _trajectory_level(batch, rloo(rows).flatten()), None
 
 
 def raw_advantages(batch, adv_cfg, penalties):

@@ -32,11 +32,8 @@ class SFTTrainer(Trainer):
         return -packed_logps(self.actor.model, mb)
 
     def batch_loss(self, examples: list[dict], train: bool) -> tuple[float, int]:
-        """`token_losses` averaged over the global batch as actor.avg_level says; backward when training.
-
-        Returns:
-            (the loss, the tokens of the batch).
-        """
+        """(loss, tokens) of a global batch: `token_losses` averaged as actor.avg_level says; backward when
+        training."""
         batch = SequenceBatch.from_examples(examples)
         micro_batches = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device,
                              train_weights(batch, self.cfg.actor.avg_level), seq_parallel=self.dims.seq_parallel)

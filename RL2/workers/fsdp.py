@@ -256,11 +256,8 @@ class FSDPWorker(Stateful):
         lora.add_adapters(model, decoder_layers(model), cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules))
 
     def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
-        """Allocate the shards on the device and copy rank 0's CPU weights into them, one tensor at a time.
-
-        torch's `broadcast_from_rank0` moves each full tensor of rank 0's state dict to the device,
-        broadcasts it and keeps every rank's shard of it before the next one.
-        """
+        """Allocate the shards on the device and copy rank 0's CPU weights into them, one tensor at a time
+        (torch's `broadcast_from_rank0`)."""
         model.to_empty(device=self.device)
         full_state = loaded.state_dict() if loaded is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -322,11 +319,8 @@ class FSDPWorker(Stateful):
         return self.dims.sum_over_data(summed, self.device)
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `lr`.
-
-        A step whose gradients are not finite is skipped (in float16 the gradient scaler then lowers
-        its scale).
-        """
+        """Clip, step, advance the schedule; a step whose gradients are not finite is skipped. Returns
+        `grad_norm` (before clipping) and `lr`."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         if self.scaler is not None:
             with warnings.catch_warnings():  # the sharded scaler's overflow flag is a [1] tensor, not a scalar
@@ -359,12 +353,8 @@ class FSDPWorker(Stateful):
 
     def offload(self, keep_params: bool = False) -> None:
         """Move parameters, gradients and optimizer state to the CPU and return the freed GPU memory to
-        the driver, so that a colocated engine can take it. No-op on CPU.
-
-        Args:
-            keep_params: move only the optimizer state (the parameters are about to be read, e.g. by a
-                weight sync).
-        """
+        the driver, so that a colocated engine can take it. No-op on CPU. `keep_params`: move only the
+        optimizer state (the parameters are about to be read, e.g. by a weight sync)."""
         if self.device.type == "cpu" or self.offloaded:
             return
         self.move_state(torch.device("cpu"), params=not keep_params)
@@ -383,10 +373,8 @@ class FSDPWorker(Stateful):
     def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
         """Move parameters with their gradients and/or the optimizer state to `device`.
 
-        FSDP2 supports `module._apply` (what `module.to` calls): it re-points each sharded parameter's
-        padded storage at the moved tensor, and parameters keep their identity (the optimizer's
-        references stay valid). From a CUDA device to the CPU, parameters and optimizer state go into
-        page-locked buffers kept for the run (`RL2.native.pinned_offload`).
+        FSDP2's `module.to` keeps the parameters' identity (the optimizer's references stay valid). From
+        a CUDA device to the CPU, the state goes into page-locked buffers (`RL2.native.pinned_offload`).
         """
         if pinned_offload(self.device, device):
             if self.host_copies is None:  # page-locked buffers for the run, made at the first move
@@ -456,9 +444,8 @@ class FSDPWorker(Stateful):
     def save_hf(self, path: str, tokenizer=None) -> None:
         """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective.
 
-        With LoRA the folder holds the merged weights (W + alpha / r B A) under the base model's names,
-        and `<path>/adapter` the PEFT adapter folder (`peft.PeftModel.from_pretrained(base, <path>/adapter)`)
-        while the base is the loaded model.
+        With LoRA the folder holds the merged weights under the base model's names, and, while the base is
+        the loaded model, `<path>/adapter` the PEFT adapter folder.
         """
         from RL2.utils.checkpoint import atomic_dir
 
@@ -488,9 +475,8 @@ class FSDPWorker(Stateful):
         dist.barrier()
 
     def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The full tensors of this model's parameters as an inference engine takes them: with LoRA,
-        merged under the base model's names (`lora.merge_adapters`); else as they are. Either way in
-        transformers' memory layout (an engine that loads checkpoints maps them, `RL2.engine.checkpoint_layout`)."""
+        """The full tensors of this model's parameters as an inference engine takes them, in transformers'
+        layout: with LoRA, merged under the base model's names (`lora.merge_adapters`); else as they are."""
         if self.lora is None:
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
@@ -522,8 +508,8 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """Clip gradients by their global L2 norm; returns the norm before clipping.
 
     With tensor parallelism some gradients live on the (fsdp, tp) mesh and the replicated ones (norms)
-    on the fsdp mesh alone; torch's `clip_grad_norm_` cannot stack norms of different meshes, so each
-    mesh's norm is completed (`full_tensor`) before they are combined.
+    on the fsdp mesh alone, which torch's `clip_grad_norm_` cannot combine: each mesh's norm is
+    completed (`full_tensor`) first.
     """
     by_mesh: dict = {}  # torch's foreach kernels cannot mix DTensors of different meshes either
     for param in params:
