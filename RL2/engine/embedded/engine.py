@@ -4,21 +4,16 @@ It serves `RL2.engine.protocol` as an async Python API: `generate` takes and ret
 shapes of SGLang's native `/generate`, so one rollout loop works with both engines.
 
 How it works:
-- Continuous batching. Every `generate` call queues a request; while there are requests, one
-  scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
-  running requests one token per step. Requests join and leave between steps (see `model_runner.py` for the cache).
-- Where the forwards run depends on the cores. With torch's OpenMP backend (libgomp) every
-  thread that runs torch ops gets its own OpenMP pool, and once a process holds more OpenMP
-  threads than cores libgomp stops spin-waiting between parallel regions. So when this process's
-  torch threads, times the ranks on this machine, fit in the cores it may use, the forwards run
-  on the event loop between its other work (environments, rewards, new requests wait at most one
-  step), and the pool stays hot, which decodes markedly faster than a worker thread. With more
-  threads than cores, spinning threads fight each other and the loop becomes the slower place, so
-  then the forwards run in a one-thread executor, where torch releases the GIL inside its kernels
-  and the loop keeps serving coroutines while a step runs. Either way, request state is touched by
-  one step or by the loop between steps, never both at once.
-- Sampling and stop rules are SGLang's; see `sampling.py` (including which log-probabilities
-  are returned).
+- Continuous batching. One scheduler task per event loop admits waiting requests (one batched
+  prefill), then decodes all running requests one token per step; requests join and leave between
+  steps (see `model_runner.py` for the cache).
+- Where the forwards run depends on the cores. With torch's OpenMP backend (libgomp) every thread
+  that runs torch ops gets its own OpenMP pool, and libgomp stops spin-waiting once a process holds
+  more OpenMP threads than cores. So when the torch threads of this machine's ranks fit in the cores,
+  the forwards run on the event loop between its other work, and the pool stays hot (markedly faster
+  than a worker thread); else in a one-thread executor, where torch releases the GIL inside its
+  kernels. Either way, request state is touched by one step or by the loop between steps, never both.
+- Sampling and stop rules are SGLang's (`sampling.py`).
 """
 
 import asyncio
@@ -126,11 +121,8 @@ class EmbeddedEngine:
 
     @property
     def releases_memory(self) -> bool:
-        """On CPU the engine's memory is the RAM the trainer's update needs: after a training rollout the
-        engine frees its weights (`EngineState` pushes the updated policy's at the end of the step) and
-        its KV cache.
-        On a GPU it keeps them: releasing would also move the trainer's state to the CPU around every
-        rollout (`EngineState`), which pays only for SGLang servers' share of the GPU."""
+        """On CPU: the engine's weights and KV cache are RAM the trainer's update needs. On a GPU releasing
+        would also move the trainer's state to the CPU around every rollout, which pays only for SGLang."""
         return self.runner.device.type == "cpu"
 
     def release_memory(self, tags: Iterable[str]) -> None:

@@ -1,10 +1,5 @@
-"""The HTTP client of SGLang servers: `/generate` requests go to the least busy server.
-
-Requests and responses are SGLang's `POST /generate` JSON (`RL2.engine.protocol`). A server is not
-trusted further than that: each request has one deadline for the whole answer (a server trickling
-bytes does not extend it), the token ids it returns must lie in the model's vocabulary, and a server
-that drops its connections is given up, its requests sent again to the others.
-"""
+"""The HTTP client of SGLang servers: `/generate` requests (`RL2.engine.protocol`) go to the least busy
+server, which is trusted no further than that protocol (see `HTTPEngineClient`)."""
 
 import asyncio
 import uuid
