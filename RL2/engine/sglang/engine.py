@@ -140,17 +140,11 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
-        """Start one server per group of `tp_size` ranks and connect every rank to all of them.
+        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the
+        arguments are `start_engine`'s; servers run on this rank's kind of device).
 
         On GPU, call it while the trainer's state is off the GPU: a server sizes its KV cache from the
         memory free at its start (see `RL2.engine.memory_plan`).
-
-        Args:
-            cfg: the `rollout` config.
-            model_path: the actor's initial weights (a Hugging Face folder).
-            dtype: the servers' dtype (the actor's compute dtype).
-            device: this rank's device; servers run on the same kind.
-            seed: the run's seed (each server adds its index).
         """
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
@@ -211,7 +205,7 @@ class SGLangEngine:
             for url in urls:
                 try:
                     control_request(url, "/health", timeout=30.0, api_key=api_key)
-                    _warn_if_logprobs_unscaled(url, _train_temperature(cfg), api_key)
+                    _warn_if_logprobs_unscaled(url, cfg, api_key)
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
         _raise_any(_all_gather(error))
@@ -548,11 +542,6 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
             f"rollout.server_args.mem_fraction_static, or free the GPU (see the memory plan in docs/gpus.md)")
 
 
-def _train_temperature(cfg) -> float:
-    sampling = getattr(cfg, "train_sampling_params", None)
-    return float(getattr(sampling, "temperature", 1.0)) if sampling is not None else 1.0
-
-
 def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
     """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True),
     of the tempered one (False), or cannot be told apart on this probe (None).
@@ -573,7 +562,8 @@ def returns_original_logprobs(url: str, temperature: float, api_key: str | None 
     return abs(ratio - 1) < abs(ratio - 1 / temperature)
 
 
-def _warn_if_logprobs_unscaled(url: str, temperature: float, api_key: str | None) -> None:
+def _warn_if_logprobs_unscaled(url: str, cfg, api_key: str | None) -> None:
+    temperature = float(getattr(getattr(cfg, "train_sampling_params", None), "temperature", 1.0))
     if temperature == 1.0:
         return
     original = returns_original_logprobs(url, temperature, api_key)

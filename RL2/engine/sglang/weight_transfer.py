@@ -59,9 +59,8 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
     """Write a Hugging Face folder, one safetensors shard per bucket, atomically.
 
     Args:
-        tensor_buckets: lists of (name, tensor), e.g. from `buckets`, under the names and in the layout of
-            the model's checkpoint, which loaders read (`RL2.engine.checkpoint_layout.CheckpointLayout.to_checkpoint`
-            gives them from the trainer's parameters).
+        tensor_buckets: lists of (name, tensor), e.g. from `buckets`, in the checkpoint's layout
+            (`RL2.engine.checkpoint_layout`).
         folder: the folder to create; an existing one is replaced.
         config_from: a Hugging Face folder whose config files are copied (the served model's).
 
