@@ -131,14 +131,6 @@ def load_rows(source: str, subset: str | None = None):
                         f"({type(e).__name__}: {e})") from e
 
 
-def write_jsonl(rows: list[dict], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m RL2.datasets.math_rows", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="GSM8K or MATH rows: a file, a save_to_disk folder or a cached dataset name")
@@ -154,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
                                   args.skip_bad_rows, source=args.source)
     except DataError as e:  # it names the file, the row and what to do
         sys.exit(f"math_rows: {e}")
-    write_jsonl(rows, args.out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     print(f"wrote {len(rows)} rows to {args.out}" + (f" (skipped {skipped} bad rows)" if skipped else ""))
 
 

@@ -1,11 +1,11 @@
 """What an evaluation leaves behind: every sample as a JSON line, the metrics as JSON, and a table."""
 
 import json
-import os
 from pathlib import Path
 
 from RL2.rollout.metrics import COUNTS, reward_parts
 from RL2.rollout.trajectory import Trajectory
+from RL2.utils.logging import write_atomic
 
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
@@ -28,18 +28,11 @@ def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources:
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
     """Write `records` one per line, atomically (a crash leaves the previous file or none)."""
-    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
 
 
 def write_json(path: Path, value: dict) -> None:
-    _write_atomic(path, json.dumps(value, indent=2, ensure_ascii=False, default=str) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    write_atomic(path, json.dumps(value, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 def format_table(columns: dict[str, dict], difference: dict | None = None) -> str:

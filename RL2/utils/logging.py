@@ -35,11 +35,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return [record for record in map(json_record, Path(path).read_text().splitlines()) if record is not None]
 
 
-def truncate_jsonl_after(path: Path, step: int) -> None:
-    """Keep the records of steps up to `step` (a resume redoes the later ones), and only whole lines.
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` (and make its folder) in one rename: a crash leaves the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
-    The file is replaced in one rename, so a crash here leaves either the old file or the new one.
-    """
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step` (a resume redoes the later ones), and only whole lines."""
     path = Path(path)
     if not path.exists():
         return
@@ -47,9 +53,7 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
     records = [(line, json_record(line)) for line in lines]
     if any(record is None for _, record in records):
         log_rank0(f"{path}: dropped the incomplete lines an interrupted run left")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line, record in records if record is not None and record["step"] <= step))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line, record in records if record is not None and record["step"] <= step))
 
 
 def json_record(line: str) -> dict | None:
