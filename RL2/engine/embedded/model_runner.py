@@ -124,9 +124,7 @@ class ModelRunner:
     Args:
         model: an HF causal LM in eval mode.
         max_rows: the most requests that can run at once (cache rows).
-        owns_model: the model is the runner's alone: where the runner's own Llama forward and the C kernels
-            run it, the weights of its linear layers are kept only in the kernels' packed layout (the layers'
-            own parameters become empty tensors; `state_dict` reads them back). One copy instead of two.
+        owns_model: see `EmbeddedEngine` (applies where the runner's own Llama forward runs the model).
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, owns_model: bool = False):

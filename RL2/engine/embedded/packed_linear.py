@@ -5,11 +5,9 @@ which costs as much as the product for the vocabulary projection; weights packed
 Layers that read the same input (q, k, v; gate, up) go through one product, one pass over the input
 instead of two or three.
 
-Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` for float32, and for bf16 on CPUs with
-AVX512-BF16 but no AMX (it streams the weights once per call, the most a decode step can ask of memory),
-and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels for (bf16 on CPUs with AMX or other native
-support; torch.compile's CPU freezing pass uses the same ops). `ConcatLinear` is the plain product
-where neither applies (GPU).
+Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` (float32, and bf16 on CPUs with
+AVX512-BF16 but no AMX; see docs/cpu.md), and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels
+for. `ConcatLinear` is the plain product where neither applies (GPU).
 """
 
 import torch
