@@ -1,17 +1,11 @@
 """Agent scripts: agent code written against the `openai` client, rolled out as trajectories.
 
-The file defines
-
-    async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict
-        # a reward, or {"reward": float, "score": float (default: reward), "reward_parts": {name: float}}
-
-`client` talks to the rollout's OpenAI-compatible endpoint (`RL2.agents.openai_server`), which
-samples the policy and records every call's tokens; `extra_info` is a copy of the prompt row's
-`extra_info` with the row's `prompt` under "prompt". The agent calls the model as often as it
-likes, runs its own tools, and returns how well it did. Its reward goes on its last turn.
-
-An agent that raises, runs past the timeout, returns a malformed result or never calls the model
-ends its own trajectory with reward 0 (a fault); a failure of the engine stops the rollout.
+The file defines `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict` (a reward,
+or {"reward", "score", "reward_parts"}). `client` talks to the rollout's OpenAI-compatible endpoint
+(`RL2.agents.openai_server`), which records every call's tokens; `extra_info` is a copy of the row's
+`extra_info` with its prompt under "prompt". The reward goes on the trajectory's last turn. An agent that
+raises, runs past the timeout, returns a malformed result or never calls the model ends its own
+trajectory with reward 0; a failure of the engine stops the rollout. See docs/agents.md.
 """
 
 import asyncio
@@ -26,7 +20,7 @@ from pathlib import Path
 
 import openai
 
-from RL2.agents.openai_server import OpenAIEndpoint, Session
+from RL2.agents.openai_server import OpenAIEndpoint
 from RL2.rollout.env import EnvError, EnvFault, parse_reward
 from RL2.rollout.loop import gather_or_cancel, sample_seed
 from RL2.rollout.trajectory import Trajectory
@@ -133,7 +127,8 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
         fault = await _outcome(agent, client, extra_info, timeout, trajectory)
     finally:
         endpoint.close_session(session)
-    _raise_engine_error(session)
+    if session.error is not None:  # the engine failed, not the agent: the rollout stops
+        raise session.error
     trajectory.tool_seconds = max(0.0, time.perf_counter() - start - trajectory.generate_seconds)
     if fault is None and not trajectory.turns:
         fault = "the agent made no model call"
@@ -176,9 +171,3 @@ def parse_agent_result(result: object) -> tuple[float, float, dict[str, float]]:
     if unknown:
         raise EnvFault(f"run's result has unknown keys {unknown}; it may hold {', '.join(RESULT_KEYS)}")
     return parse_reward(result, "run's result")
-
-
-def _raise_engine_error(session: Session) -> None:
-    """A call of the session met an engine failure: the rollout stops (rather than blaming the agent)."""
-    if session.error is not None:
-        raise session.error

@@ -1,20 +1,8 @@
-"""Tools in the environment loop: an environment script that declares tools gets the model's calls run
-for it, and is asked to `step` only on an action that calls none (the answer).
-
-    TOOLS = [calculate]          # Python functions (sync or async, typed, with docstrings) or OpenAI schema dicts
-
-    async def step(state, action, extra_info): ...   # scores the answer, as any environment
-
-An action's calls, written in the model's own format (`RL2.agents.tool_calls`), run concurrently; the
-conversation then goes on with the action as the assistant's message and the results as tool messages,
-rendered by the chat template (`RL2.agents.tools.render_conversation`). A tool turn earns no reward
-itself: the answer's step scores the whole trajectory. What the model sampled is what is trained; what
-the template adds is masked out; when the template re-renders earlier turns differently, the rollout
-starts a new sequence of the same trajectory (see `RL2.rollout.loop`).
-
-A call that cannot be parsed, names no tool, does not fit its tool, raises or outlasts
-`rollout.tool_timeout` is shown to the model as an "Error: ..." result and counted (or, with
-`rollout.tool_error=end`, ends the trajectory as a fault).
+"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls
+(in its own format, `RL2.agents.tool_calls`) run for it, and is asked to `step` only on an action that
+calls none (the answer). A tool turn earns no reward itself; its results go on as tool messages rendered
+by the chat template, and a call that fails is shown to the model as an "Error: ..." result and counted
+(or, with `rollout.tool_error=end`, ends the trajectory as a fault). See docs/agents.md.
 """
 
 import asyncio
@@ -106,7 +94,6 @@ class ToolUse:
         # model wrote and the conversation stays one token sequence.
         return [*messages, {"role": "assistant", "content": action}, *tool_result_messages(results), *unparsed]
 
-
     async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
         """The calls' results, run on the environments' loop with the script's other code. `run_tool` times
         out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here."""
@@ -130,7 +117,7 @@ def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:
         rollout_cfg: the `rollout` section (tool_parser, tool_timeout, tool_error, tool_call_stop).
         tokenizer: the policy's tokenizer: its chat template decides the format.
     """
-    if not getattr(env, "tool_specs", None):
+    if not env.tool_specs:
         return None
     tools = build_tools(env.tool_specs, env.path, env.call_tool)
     try:

@@ -1,25 +1,12 @@
 """Tools an environment declares: their schemas, running them, and conversations that show them.
 
-A tool is a plain Python function, sync or async, with type hints and a Google-style docstring:
-
-    async def search(query: str, k: int = 3) -> list[str]:
-        \"""Search the corpus.
-
-        Args:
-            query: what to look for.
-            k: how many passages to return.
-        \"""
-
-Its OpenAI schema comes from the docstring (`transformers.utils.get_json_schema`). A parameter named
-`extra_info` is not shown to the model: RL2 passes the trajectory's `extra_info` in it. A tool may also
-be an OpenAI schema dict that the environment's `call_tool(name, arguments, extra_info)` runs.
-
-A tool's failures (unknown name, arguments that do not fit, an exception, a timeout) are shown to the
-model as an "Error: ..." result, as a tool-calling API would, so that it can try again.
-
-The conversation is rendered by the tokenizer's chat template with `tools=` when the template shows
-tools (native); otherwise RL2 writes its default format, Hermes style (`tool_system_prompt`), into the
-messages, which any chat template then renders.
+A tool is a plain Python function, sync or async, with type hints and a Google-style docstring, from
+which its OpenAI schema comes (`transformers.utils.get_json_schema`); a parameter named `extra_info` is
+RL2's to fill, not the model's. A tool may also be an OpenAI schema dict that the environment's
+`call_tool(name, arguments, extra_info)` runs. A tool's failures are shown to the model as an
+"Error: ..." result, as a tool-calling API would, so that it can try again. The conversation is rendered
+by the chat template with `tools=` when the template shows tools, else in RL2's default format
+(`tool_system_prompt`). See docs/agents.md.
 """
 
 import asyncio
