@@ -1,4 +1,4 @@
-"""Process-group setup and the one object that holds the parallel layout.
+"""Process-group setup and the one object that holds the parallel layout (docs/parallelism.md).
 
 Every rank runs the same program (SPMD). The world is a 4-D grid `(ddp, fsdp, cp, tp)`:
 - `ddp`  replicas for hybrid sharding (parameters replicated across, sharded within);

@@ -2,14 +2,10 @@
 
 A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
 down to every attention layer by transformers) marks where each starts. No token attends across a
-boundary. The kernel is picked per call by `varlen_backend` (the choice is logged once):
-- "flash_attn": flash-attn's varlen kernel, on CUDA in fp16/bf16 on Ampere or newer when `flash_attn` imports;
-- "torch_varlen": torch's own varlen kernel (`torch.nn.attention.varlen`, flash-attention built into
-  torch), on CUDA in fp16/bf16 on Ampere or newer when this torch has it;
-- "sdpa": causal SDPA on each sequence in turn, exact in any dtype on any device; it costs
-  sum(L_i^2) rather than T^2 for a block-diagonal mask, but one kernel launch per sequence;
-- "softcapped": plain products per sequence, for models that cap attention scores (Gemma 2), which
-  SDPA and torch's varlen kernel cannot do (flash-attn can, and takes them where it runs).
+boundary. The kernel is picked per call by `varlen_backend` (docs/gpus.md): flash-attn's or torch's
+varlen kernel on CUDA in fp16/bf16, else causal SDPA on each sequence in turn (exact in any dtype, at a
+cost of sum(L_i^2) rather than T^2), or plain products per sequence for models that cap attention
+scores (Gemma 2), which SDPA and torch's varlen kernel cannot do.
 
 Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
 model's forward like `cu_seq_lens_q`) says how; attention then goes through

@@ -5,10 +5,7 @@ GGUF-loaded model refuses `save_pretrained`, and dequantizing is slow. So the fi
 it once into a plain Hugging Face folder under the RL2 cache; every later use, by any rank or
 process, loads that folder like any other checkpoint. Nothing here talks to a model hub.
 
-The conversion is atomic: it is written into a temporary folder and renamed into place, by one
-process at a time (an exclusive file lock; the others wait and find it done). A folder left
-half-written (an interrupted copy, a full disk, a killed writer) is recognised by its missing or
-truncated files and converted again; temporary folders of killed conversions are removed.
+The conversion is atomic, by one process at a time (`ensure_converted`).
 
 The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks
 put many of them exactly halfway between two bf16 values, where in bf16 compute (fp32 master weights
@@ -64,9 +61,10 @@ def resolve_model_path(name: str) -> str:
 def ensure_converted(target: Path, convert: Callable[[Path], None], version: int | None = None) -> Path:
     """`target`, written by `convert(folder)` first unless a complete one is already there.
 
-    Safe when several ranks or processes start at once: one converts, the others wait for its lock
-    and then find the folder complete. A half-written `target`, one converted in another format and
-    the temporary folders of killed conversions are removed before converting.
+    Safe when several ranks or processes start at once: one converts (into a temporary folder renamed
+    into place), the others wait for its lock and then find the folder complete. A half-written `target`
+    (recognised by missing or truncated files), one converted in another format and the temporary
+    folders of killed conversions are removed before converting.
 
     Args:
         target: the folder that should hold a Hugging Face model.

@@ -1,15 +1,10 @@
-"""LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685).
+"""LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685; see docs/lora.md).
 
 A target linear layer `y = W x + b` becomes `y = W x + b + (alpha / r) B A dropout(x)` with `A` `[r, in]`
-initialised like PEFT's (Kaiming uniform) and `B` `[out, r]` at zero, so training starts from the base
-model exactly. Only the adapters train, and a scalar head (`score`, of reward models and critics),
-which has no base weights to adapt. Module and parameter names follow PEFT's
-(`q_proj.base_layer.weight`, `q_proj.lora_A.weight`, `q_proj.lora_B.weight`), so an adapter folder
-is PEFT's key names plus its prefix.
-
-`FSDPWorker` calls `add_adapters` after tensor parallelism and before `fully_shard` (the adapters
-are sharded with their layer). The rollout engine and the export see the base model's names, with the
-adapters merged (`merge_adapters`, `split_for_export`).
+initialised like PEFT's and `B` `[out, r]` at zero, so training starts from the base model exactly.
+Module and parameter names follow PEFT's (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`), so an
+adapter folder is PEFT's key names plus its prefix. The rollout engine and the export see the base
+model's names, with the adapters merged (`merge_adapters`, `split_for_export`).
 """
 
 import json
@@ -36,14 +31,8 @@ PEFT_PREFIX = "base_model.model."
 class LoRALinear(nn.Module):
     """A linear layer plus a low-rank adapter: `base_layer(x) + scaling * lora_B(lora_A(dropout(x)))`.
 
-    Under tensor parallelism the base layer is split column-wise (its input whole, its output a slice)
-    or row-wise (its input a slice, its output summed over ranks). The adapter follows it as DTensors:
-    column-wise, A is replicated and B split like W's rows; row-wise, A is split like W's columns, its
-    rank-r output summed over ranks (a small all-reduce), and B replicated.
-
-    Args:
-        base: the linear layer (on any device, meta included; possibly tensor-parallel).
-        rank, alpha, dropout: the adapter's rank r, its scale alpha / r and the dropout on its input.
+    `base` may be on any device (meta included) and tensor-parallel: the adapter then follows its split
+    as DTensors (`_split_like_base`).
     """
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):

@@ -197,13 +197,8 @@ class PPOTrainer(Trainer):
     def collect_groups(self, step: int, metrics: dict) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
         """The step's training groups, and every group rolled out for it (for metrics and samples).
 
-        Draws `data.train.batch_size` prompts at a time. With dynamic filtering, groups whose rewards
-        are all equal are dropped and more prompts are drawn until the batch is full again or
-        `rollout.max_sampling_rounds` is reached (DAPO); with partial rollout, the groups left
-        unfinished are carried into the next step. `rollout.over_sampling` keeps that many groups in
-        flight beyond the batch, so that a rollout stops at the first `batch_size` to finish and cuts the
-        slowest; `rollout.max_staleness` first drops the carried groups that lag too far behind the
-        weights (their slots are refilled with new prompts).
+        Draws `data.train.batch_size` prompts at a time, under the rollout controls of docs/rl.md: dynamic
+        filtering (DAPO), partial rollout, over-sampling and a staleness bound.
         """
         rollout, batch_size = self.cfg.rollout, self.cfg.data.train.batch_size
         if rollout.max_staleness is not None:  # before they are resumed: they could only get older

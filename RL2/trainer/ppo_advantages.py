@@ -1,15 +1,9 @@
 """From a scored rollout to what the policy update reads: rewards with their shaping and reward-model
 scores, KL penalties in the reward, and each estimator's per-token advantages.
 
-A trajectory is one sample however many sequences it spans (`RL2.batch.RolloutBatch`):
-- grpo, rloo and raw score each trajectory once and compare it with its group;
-- gae and reinforce_plus_plus run over a trajectory's action tokens in one row, its sequences one
-  after the other, so the return (or value) at the start of a later sequence is what an earlier one
-  bootstraps from;
-- mc runs over the trajectory's turns.
-Shaping and reward-model scores are added once per trajectory, to its last turn.
-
-The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
+A trajectory is one sample however many sequences it spans (docs/rl.md): grpo, rloo and raw score it
+once; gae and reinforce_plus_plus run over its action tokens in one row (`RolloutBatch.sample_rows`);
+mc over its turns. The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
 """
 
 from collections.abc import Callable

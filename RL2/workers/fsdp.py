@@ -4,10 +4,7 @@ Parallelism is applied in one place and in a fixed order (as torchtitan does; `_
 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time. While a
 colocated rollout engine samples, `offload` moves the training state to the CPU and `onload` brings it
 back (`RL2.rollout.worker` calls both).
-
-With `lora.rank > 0` (`RL2.models.lora`) the base weights are frozen and stored in the compute dtype;
-adapters go into the decoder layers after tensor parallelism, and only they (and a scalar head) train,
-sit in the optimizer and fill the checkpoints. The export is merged, plus a PEFT adapter folder.
+With `lora.rank > 0` the base weights are frozen and only adapters train (docs/lora.md).
 """
 
 import math
@@ -110,9 +107,8 @@ class FSDPWorker(Stateful):
         model_cls: the transformers auto class to load with.
         train: False for a frozen model (reference, teacher): no optimizer.
         model_name: load these weights instead of `model_cfg.model_name` (e.g. a teacher).
-        base_changes: with LoRA, PPO's reference resets will merge the adapters into the base
-            (`lora.merge_into_base`): the base is then kept in float32, as a merge into bf16 weights
-            would round away the adapters' small updates and so change the policy.
+        base_changes: with LoRA, PPO's reference resets will merge the adapters into the base: it is then
+            kept in float32 (docs/lora.md).
         section: the config's key of `model_cfg` (`actor`, `critic`), for errors; None: bare keys.
         config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
     """
