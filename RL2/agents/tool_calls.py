@@ -1,16 +1,10 @@
 """The formats in which models write tool calls: parsed out of an action, and written for these calls.
 
-Each model family was trained on its own format, written by its chat template:
-
-- `hermes` (alias `qwen`): Hermes, Qwen2.5, Qwen3 and RL2's default format (`tools.tool_system_prompt`):
-  one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block per call.
-- `llama3`: Llama 3.1/3.2/3.3 JSON tool calling: the whole message is `{"name": ..., "parameters": {...}}`,
-  optionally after `<|python_tag|>`; several calls are separated by `;`.
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer templates
-  `[TOOL_CALLS]name[ARGS]{...}` once per call.
-
-`tool_call_parser("auto", tokenizer)` picks the format from the tokenizer's chat template; a user's own
-format is a `ToolCallParser` subclass named as "path/to/file.py:ClassName" or "package.module:ClassName".
+Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`,
+also RL2's default format, `tools.tool_system_prompt`), `llama3` and `mistral`; each parser's class shows
+its format. `tool_call_parser("auto", tokenizer)` picks the format from the tokenizer's chat template; a
+user's own format is a `ToolCallParser` subclass named as "path/to/file.py:ClassName" or
+"package.module:ClassName". See docs/agents.md.
 """
 
 import json
@@ -25,13 +19,8 @@ QUOTE_CHARS = 60
 
 @dataclass
 class ToolCall:
-    """One call of a tool.
-
-    Attributes:
-        name: the tool's name.
-        arguments: its arguments by name.
-        id: "call_0", "call_1", ... in the order the calls are written in one action.
-    """
+    """One call of a tool: its name, its arguments by name, and its id ("call_0", "call_1", ... in the
+    order the calls are written in one action)."""
 
     name: str
     arguments: dict
@@ -85,6 +74,9 @@ class ToolCallParser:
 
 
 class HermesParser(ToolCallParser):
+    """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block
+    per call."""
+
     name = "hermes"
     call_end = "</tool_call>"
 
@@ -102,6 +94,9 @@ class HermesParser(ToolCallParser):
 
 
 class Llama3Parser(ToolCallParser):
+    """Llama 3.1/3.2/3.3 JSON tool calling: the whole message is `{"name": ..., "parameters": {...}}`, optionally
+    after `<|python_tag|>`; several calls are separated by `;`."""
+
     name = "llama3"
     call_end = None  # the call ends with <|eom_id|>, a stop token
 
@@ -124,6 +119,9 @@ class Llama3Parser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer templates `[TOOL_CALLS]name[ARGS]{...}`
+    once per call."""
+
     name = "mistral"
     call_end = None  # the call ends with </s>, the end-of-sequence token
 
@@ -173,6 +171,7 @@ class MistralParser(ToolCallParser):
 
 
 _DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
 
 _PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
@@ -337,9 +336,7 @@ def _json_type(value: object) -> str:
 
 
 def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
+    return _SPACE.match(text, pos).end()
 
 
 def _dumps(value: object) -> str:
