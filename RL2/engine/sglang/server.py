@@ -55,7 +55,8 @@ def resolve_python(python: str) -> str:
     found = shutil.which(str(python))
     if found is None:
         raise ConfigError(f"config key 'rollout.server_python' is {python!r}, which is neither an executable file nor "
-                          f"a command on PATH; give the path of the Python that has sglang, e.g. ~/sglang-venv/bin/python")
+                          f"a command on PATH; give the path of the Python that has sglang, "
+                          f"e.g. ~/sglang-venv/bin/python")
     return os.path.abspath(found)
 
 
