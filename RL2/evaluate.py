@@ -1,9 +1,7 @@
 """Evaluate a model on test prompts: `python -m RL2.evaluate model.model_name=... data.test.path=... rollout.reward_fn=...`
 
-Under torchrun every rank samples its share of the prompts. Reports accuracy, mean score, pass@k and
-response length per data source, optionally against a second model (`compare.model_name`); writes
-every sample to `<eval.save_dir>/samples.jsonl` and the metrics to `metrics.json`. Every key:
-`python -m RL2.evaluate --help`. The evaluator itself is `RL2/evaluation/`.
+What it reports and writes: docs/evaluation.md; every key: `python -m RL2.evaluate --help`. The
+evaluator itself is `RL2/evaluation/`.
 """
 
 import sys

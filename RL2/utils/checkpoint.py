@@ -164,21 +164,14 @@ def _reason(error: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
                     keep_last_n: int | None = None) -> Path:
-    """Collective: every rank writes its shards and RNG state into `<save_dir>/step<step>`.
+    """Collective: every rank writes the shards of `workers` (name -> Stateful worker) and its RNG state
+    into `<save_dir>/step<step>`, beside `trainer_state.json` (`trainer_state` and the step). Returns
+    that folder.
 
     A save that fails on any rank (a full disk, torch's CheckpointException, an interrupt) removes its
-    temporary folder and raises on every rank; the checkpoints saved before stay as they were.
-
-    Args:
-        save_dir: trainer.save_dir.
-        step: the optimizer step the checkpoint is taken after.
-        workers: name -> Stateful worker: what the shards hold.
-        trainer_state: what `trainer_state.json` holds beside the step.
-        keep_last_n: then delete all but the newest n step folders, never the one `latest.txt` names
-            (trainer.keep_last_n); None keeps every one.
-
-    Returns:
-        the final folder.
+    temporary folder and raises on every rank; the checkpoints saved before stay as they were. Then
+    `keep_last_n` (trainer.keep_last_n) deletes all but the newest n step folders, never the one
+    `latest.txt` names; None keeps every one.
     """
     final = Path(save_dir) / f"step{step}"
     tmp = final.with_name(f".{final.name}.tmp")
