@@ -5,18 +5,14 @@ The file defines
     async def step(state: str, action: str, extra_info: dict) -> dict
         # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
-and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a
-prompt row has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`).
-`state` is the text the policy saw, `action` the text it wrote, and `extra_info` the row's
-`extra_info` (answers, ids), carried from step to step. `reward` trains;
-`score` is what evaluation reports (e.g. correctness without format bonuses; default: reward).
-An optional `reward_parts` dict (name -> number) is logged as `rollout/reward/<name>`, e.g. the
-parts of a weighted sum of rewards (`RL2.rewards.composite`).
+and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a prompt row
+has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`). `state` is the text
+the policy saw, `action` what it wrote; the row's `extra_info` is carried from step to step. `reward` trains;
+`score` is what evaluation reports (default: reward); an optional `reward_parts` dict (name -> number) is
+logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
+with the chat template. See docs/rl.md and `envs/` for examples.
 
-A state (`next_state`, or what `reset` returns) may also be a list of chat messages, which the
-rollout renders with the tokenizer's chat template. See `envs/` for examples.
-
-The env scripts of RL2's original releases run as they are (`OriginalProtocol`).
+The env scripts of RL2's original releases run as they are (`OriginalProtocol`, docs/compatibility.md).
 """
 
 import importlib.util
@@ -91,14 +87,8 @@ class Env:
 
 class OriginalProtocol:
     """What the env scripts of RL2's original releases (`envs/*.py` of 0.0.1.post1 and 0.0.2) expect
-    beyond RL2's protocol, so that they run unchanged:
-
-    - `extra_info["idx"]`: the original numbered every row (its index in the data); scripts use it to
-      pick a pooled environment (`ENV_POOL[extra_info["idx"] % NUM_ENVS]`). A trajectory whose row has
-      no `idx` gets a number of its own before its first reset or step.
-    - `reset` may return `(state, extra_info)` (0.0.2): that extra_info is the trajectory's from then on.
-    - `done` may be a NumPy bool (a GEM environment's `terminated or truncated`).
-    """
+    beyond RL2's protocol, so that they run unchanged (each listed in docs/compatibility.md): a numbered
+    `extra_info["idx"]`, a `reset` that returns `(state, extra_info)`, a NumPy bool `done`."""
 
     def __init__(self):
         self.numbers = itertools.count()
@@ -128,10 +118,9 @@ def math_verify_off_the_main_thread() -> None:
     """Let math-verify's `parse` and `verify` run with their default timeouts in environment code.
 
     math-verify bounds its time with SIGALRM, which Python allows only in the main thread, and raises in
-    any other unless called with timeout None; environment code runs on a thread of its own
-    (`RL2.rollout.event_loop`), where a step's time is bounded by rollout.env_timeout instead. Off the main
-    thread its timeouts are turned off, as `RL2.rewards.math_reward` calls it, so that scripts written for
-    the main thread (the original RL2's envs/orz.py: `verify(parse(answer), parse(action))`) run as they are.
+    any other unless called with timeout None. Environment code runs on a thread of its own, where
+    rollout.env_timeout bounds a step instead: there its timeouts are turned off, so that scripts written
+    for the main thread (the original RL2's envs/orz.py) run as they are.
     """
     for name in ("math_verify.parser", "math_verify.grader"):  # where parse and verify look up `timeout`
         bounded = getattr(sys.modules.get(name), "timeout", None)

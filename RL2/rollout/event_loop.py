@@ -2,14 +2,11 @@
 
 Every rollout, evaluation and partial-rollout round of a process runs on one loop (`rank_loop`), so what
 an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
-still works in the next one. A new loop per rollout (`asyncio.run`) would leave such objects bound to a
-closed loop ("... is bound to a different event loop" on the second rollout).
-
-Environment code (`step`, `reset`, tools) runs on a second loop of its own, in a thread of its own
-(`on_env_loop`), also kept for the whole run, so that module-level asyncio objects of an environment
-script (a lock, a semaphore, a client session) work across rollouts too. Blocking code in an async step
-(`time.sleep`, a sync HTTP call) then stops only the environments' loop: the engine goes on sampling,
-and the rollout's timeout of the step still fires.
+still works in the next one; a new loop per rollout (`asyncio.run`) would leave such objects bound to a
+closed loop. Environment code (`step`, `reset`, tools) runs on a second loop in a thread of its own
+(`on_env_loop`), also kept for the whole run: module-level asyncio objects of a script work across
+rollouts, and blocking code in an async step stops only that loop, so the engine goes on sampling and
+the step's timeout still fires.
 """
 
 import asyncio

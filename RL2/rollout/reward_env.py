@@ -1,14 +1,7 @@
-"""Training on a plain reward function: the function as a one-turn environment.
-
-`rollout.reward_fn=path/to/file.py:name` (or `package.module:name`; the name defaults to `reward`)
-trains single-turn on
-
-    def reward(response: str, extra_info: dict) -> float      # or async def; or -> dict
-
-without an environment script: `reward_env` wraps it as one whose `step` scores the response and
-ends the trajectory. A dict result holds the trained total under "reward", optionally "score", and
-any other numbers as parts, logged as `rollout/reward/<name>`. A reward function that raises ends
-that trajectory with reward 0, counted in `rollout/faults`, like a failing environment.
+"""Training on a plain reward function (`rollout.reward_fn=path/to/file.py:name`, or
+`package.module:name`; the name defaults to `reward`): the function, `(response, extra_info) -> float |
+dict`, sync or async, wrapped as a one-turn environment whose `step` scores the response and ends the
+trajectory. See docs/rewards.md.
 """
 
 import inspect
