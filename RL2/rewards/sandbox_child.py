@@ -121,13 +121,9 @@ def enter_namespaces() -> None:
 
 
 def own_view(workdir: str, limits: dict, owner: int) -> bool:
-    """The file system the solution sees. Returns whether a /proc of this PID namespace was mounted.
-
-    Everything read-only; the host's socket and home folders (`HIDDEN`) covered by empty tmpfs, the
-    Python installation bound back where it lay under one of them; a /dev of its own with the
-    harmless device nodes only; and as the only writable places a working directory and a /dev/shm,
-    each a tmpfs of at most `limits["disk_bytes"]` and `limits["files"]` files, owned by `owner`.
-    """
+    """The file system the solution sees (step 3 above); the only writable places are a working directory
+    and a /dev/shm, each a tmpfs of at most `limits["disk_bytes"]` and `limits["files"]` files, owned
+    by `owner`. Returns whether a /proc of this PID namespace was mounted."""
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
     hide_host_folders(python_folders())
     os.makedirs(workdir, exist_ok=True)  # in a tmpfs that now covers its parent
