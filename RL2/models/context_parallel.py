@@ -32,15 +32,9 @@ import torch.nn.functional as F
 from RL2.models.attention import flash_attn_varlen, flash_kernels_run, log_backend_once, repeat_kv_heads_for_sdpa
 
 
-def _gather_cat(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's tensor of the group, concatenated along dim 0 in rank order."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 class _AllGatherSharded(torch.autograd.Function):
-    """Concatenate every rank's tensor along dim 0. Backward: sum the gradients over ranks, keep ours.
+    """Concatenate every rank's tensor along dim 0 in rank order. Backward: sum the gradients over ranks,
+    keep ours.
 
     For K/V: every rank's attention reads every rank's K/V, so each rank's K/V gradient is the sum of
     the contributions computed on all ranks.
@@ -49,7 +43,9 @@ class _AllGatherSharded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        return _gather_cat(tensor, group)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad):
@@ -114,11 +110,10 @@ class ContextShard:
     def local_rows(self) -> torch.Tensor:
         return self.rows[self.rank]
 
-    def shard(self, row: torch.Tensor, fill=0) -> torch.Tensor:
-        """This rank's tokens of a `[1, T]` row (padding slots get `fill`)."""
+    def shard(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a `[1, T]` row (0 at padding slots)."""
         index = self.local_rows
-        local = row[:, index.clamp(min=0)]
-        return local.masked_fill((index < 0).unsqueeze(0), fill)
+        return row[:, index.clamp(min=0)].masked_fill((index < 0).unsqueeze(0), 0)
 
     def gather(self, local: torch.Tensor, total: int) -> torch.Tensor:
         """Per-token `[1, t]` values of every rank -> the `[1, T]` packed row (padding dropped)."""

@@ -182,6 +182,6 @@ def _pick(row: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     return row if kept is None else row[:, kept]
 
 
-def packed_logps(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+def packed_logps(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """log p of the trained labels of one packed row, `[1, T]` (0.0 where `loss_mask` is 0)."""
-    return forward_packed(model, mb, trained_only=True).logps(temperature, last_use=True)
+    return forward_packed(model, mb, trained_only=True).logps(last_use=True)

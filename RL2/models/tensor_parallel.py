@@ -86,17 +86,10 @@ def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module],
     layer_plan, root_plan = TP_PLANS[model.config.model_type]
     for layer in layers:
         parallelize_module(layer, tp_mesh, {k: STYLES[v]() for k, v in layer_plan.items()}, src_data_rank=None)
-    present = {path: style for path, style in root_plan.items() if _has_module(model, path)}
+    modules = dict(model.named_modules())
+    present = {path: style for path, style in root_plan.items() if path in modules}
     parallelize_module(model, tp_mesh, {k: STYLES[v]() for k, v in present.items()}, src_data_rank=None)
     if "lm_head" in present and getattr(model.config, "tie_word_embeddings", False):
         # Both were split by vocabulary row (Shard(0)) on the same mesh: one parameter serves both again.
         model.lm_head.weight = model.get_input_embeddings().weight
     return "lm_head" in present
-
-
-def _has_module(model: torch.nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
