@@ -53,7 +53,8 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
     records = [(line, json_record(line)) for line in lines]
     if any(record is None for _, record in records):
         log_rank0(f"{path}: dropped the incomplete lines an interrupted run left")
-    write_atomic(path, "".join(line + "\n" for line, record in records if record is not None and record["step"] <= step))
+    kept = [line for line, record in records if record is not None and record["step"] <= step]
+    write_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def json_record(line: str) -> dict | None:
@@ -99,7 +100,7 @@ class MetricsSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        values = {k: _plain(v) for k, v in metrics.items()}
+        values = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # tensors as numbers
         record = {"step": step, **values}
         append_jsonl(self.path, record)
         if self.wandb is not None:
@@ -137,7 +138,3 @@ def _init_wandb(project: str, name: str, save_dir: str, config):
 def _has_netrc_login() -> bool:
     netrc = Path.home() / ".netrc"
     return netrc.exists() and "api.wandb.ai" in netrc.read_text()
-
-
-def _plain(value):
-    return value.item() if hasattr(value, "item") else value
