@@ -46,14 +46,12 @@ class SandboxError(RuntimeError):
 
 @dataclass
 class CodeLimits:
-    """Limits of one test run.
+    """Limits of one test run (docs/rewards.md says how each is enforced).
 
     Attributes:
         timeout_s: wall-clock seconds, Python's start included.
-        memory_mb: the memory of the whole sandbox, all its processes and the files they write
-            together (a cgroup's limit, without swap; past it the kernel kills one of them), where a
-            cgroup can be made; and each process's address space (RLIMIT_AS): a bigger allocation
-            raises MemoryError.
+        memory_mb: the memory of all the sandbox's processes and the files they write together, where
+            a cgroup can be made; and each process's address space (RLIMIT_AS).
         max_processes: processes and threads of the solution, itself included (RLIMIT_NPROC).
         max_file_mb: the largest file it may write (RLIMIT_FSIZE).
         max_disk_mb: all it may write, its working directory and /dev/shm each (a tmpfs of that size,
