@@ -75,14 +75,8 @@ _COMPLETION_FIELDS = {"prompt"} | _SAMPLING | _IGNORED | set(_COMPLETION_DEFAULT
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses, answered in OpenAI's error shape.
-
-    Args:
-        message: what is wrong and what to send instead.
-        param: the request field at fault, if one is.
-        status: the HTTP status.
-        code: OpenAI's error code, if it has one for this ("context_length_exceeded").
-    """
+    """A request the endpoint refuses, answered in OpenAI's error shape: `message` says what is wrong and what
+    to send instead, `param` names the request field at fault, `code` is OpenAI's code for it, if any."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
@@ -218,14 +212,11 @@ class OpenAIEndpoint:
         engine: serves SGLang `/generate` payloads (the embedded engine, or SGLang servers).
         tokenizer: the policy's tokenizer (chat template, tokenising prompts, decoding actions).
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
-        native_tools: the chat template renders tools itself (else RL2's tool system prompt is used,
-            see `RL2.agents.tools.render_conversation`).
-        default_sampling: the run's SGLang sampling params (`rollout.train_sampling_params`); a
-            request's fields override them.
+        native_tools: the chat template renders tools itself (`RL2.agents.tools.render_conversation`).
+        default_sampling: the run's SGLang sampling params; a request's fields override them.
         max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
             left. None: no limit.
-        stop_after_call: a request with tools stops at the format's end of a call (`parser.call_end`),
-            so that the model's own guess of the result is never sampled (`rollout.tool_call_stop`).
+        stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
     """
 
     def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
@@ -250,7 +241,7 @@ class OpenAIEndpoint:
                 raise RuntimeError("the OpenAI endpoint serves on the event loop it was started on; "
                                    "stop() it there before starting it on another one")
             return
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_answer_request_errors])
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
@@ -296,51 +287,42 @@ class OpenAIEndpoint:
     # ---- routes ----
 
     async def _chat(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        body = await _json_body(request)
+        call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
+        schemas, parsing = _tools(body)
+        messages = session.as_sampled(_messages(body))
         try:
-            session = self._session(request)
-            body = await _json_body(request)
-            call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
-            schemas, parsing = _tools(body)
-            messages = session.as_sampled(_messages(body))
-            try:
-                text = render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
-            except Exception as e:  # the agent's messages, which the chat template may reject
-                raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                                   "messages") from e
-            prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None)
-            return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
-        except RequestError as e:
-            return e.response()
+            text = render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
+        except Exception as e:  # the agent's messages, which the chat template may reject
+            raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                               "messages") from e
+        prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None)
+        return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
 
     async def _completions(self, request: web.Request) -> web.Response:
-        try:
-            session = self._session(request)
-            body = await _json_body(request)
-            call = _parse_call(body, _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, None)
-            call.logprobs = _completion_logprobs(body.get("logprobs"))
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise RequestError(f"prompt must be a non-empty string, not {_show(prompt)}; send one prompt "
-                                   f"per request", "prompt")
-            prompt, choices, k = await self._sample(session, prompt, call, "prompt", None)
-            return web.json_response(self._completion_response(session, k, prompt, choices, call))
-        except RequestError as e:
-            return e.response()
+        session = self._session(request)
+        body = await _json_body(request)
+        call = _parse_call(body, _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, None)
+        call.logprobs = _completion_logprobs(body.get("logprobs"))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(f"prompt must be a non-empty string, not {_show(prompt)}; send one prompt "
+                               f"per request", "prompt")
+        prompt, choices, k = await self._sample(session, prompt, call, "prompt", None)
+        return web.json_response(self._completion_response(session, k, prompt, choices, call))
 
     async def _models(self, request: web.Request) -> web.Response:
-        try:
-            self._session(request)
-        except RequestError as e:
-            return e.response()
+        self._session(request)
         model = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "rl2"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _unknown_path(self, request: web.Request) -> web.Response:
-        return RequestError(
+        raise RequestError(
             f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
             f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
             f"/sessions/<id>/v1/models", status=404,
-        ).response()
+        )
 
     def _session(self, request: web.Request) -> Session:
         session = self._sessions.get(request.match_info["sid"])
@@ -449,9 +431,7 @@ class OpenAIEndpoint:
             finish = "tool_calls" if message.get("tool_calls") else _finish_reason(choice.turn)
             logprobs = {"content": self._token_logprobs(choice.turn), "refusal": None} if call.logprobs else None
             out.append({"index": j, "message": message, "finish_reason": finish, "logprobs": logprobs})
-        return {"id": f"chatcmpl-{session.id}-{k}", "object": "chat.completion",
-                "created": int(time.time()), "model": call.model, "choices": out,
-                "usage": _usage(prompt, choices)}
+        return _response(f"chatcmpl-{session.id}-{k}", "chat.completion", call, out, prompt, choices)
 
     def _completion_response(self, session: Session, k: int, prompt: _Prompt, choices: list[_Choice],
                              call: _Call) -> dict:
@@ -465,9 +445,7 @@ class OpenAIEndpoint:
                             "text_offset": offsets if tokens else []}
             out.append({"index": j, "text": _returned_text(choice, call.stops),
                         "finish_reason": _finish_reason(choice.turn), "logprobs": logprobs})
-        return {"id": f"cmpl-{session.id}-{k}", "object": "text_completion",
-                "created": int(time.time()), "model": call.model, "choices": out,
-                "usage": _usage(prompt, choices)}
+        return _response(f"cmpl-{session.id}-{k}", "text_completion", call, out, prompt, choices)
 
     def _token_logprobs(self, turn: Turn) -> list[dict]:
         return [{"token": token, "logprob": logp, "bytes": list(token.encode()), "top_logprobs": []}
@@ -475,6 +453,14 @@ class OpenAIEndpoint:
 
     def _token_strings(self, ids: list[int]) -> list[str]:
         return self.tokenizer.batch_decode([[token] for token in ids])
+
+
+@web.middleware
+async def _answer_request_errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return e.response()
 
 
 def _engine_failed(session: Session, error: Exception) -> RequestError:
@@ -486,19 +472,12 @@ def _engine_failed(session: Session, error: Exception) -> RequestError:
 
 def assistant_message(text: str, parser: ToolCallParser | None,
                       call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
-    """The assistant message OpenAI's API returns for a sampled text.
+    """The assistant message OpenAI's API returns for a sampled text (without the request's stop string),
+    and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
 
-    With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`) and the rest
-    `content` (None when empty). A text holding a call block that does not parse is all content, with
-    no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.
-
-    Args:
-        text: the sampled text (without the request's stop string).
-        parser: the run's tool-call format; None when the request has no tools or tool_choice "none".
-        call_tag: makes the calls' ids unique in the session.
-
-    Returns:
-        (message, the parsed action or None without a parser).
+    With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
+    session) and the rest `content` (None when empty). A text holding a call block that does not parse is
+    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.
     """
     if parser is None:
         return {"role": "assistant", "content": text}, None
@@ -688,10 +667,14 @@ def _finish_reason(turn: Turn) -> str:
     return "length" if turn.finish_reason == "length" else "stop"
 
 
-def _usage(prompt: _Prompt, choices: list[_Choice]) -> dict:
+def _response(response_id: str, kind: str, call: _Call, out: list[dict], prompt: _Prompt,
+              choices: list[_Choice]) -> dict:
+    """A response of OpenAI's shape, with its token usage."""
     completion = sum(len(choice.turn.action_ids) for choice in choices)
-    return {"prompt_tokens": len(prompt.ids), "completion_tokens": completion,
-            "total_tokens": len(prompt.ids) + completion}
+    usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": completion,
+             "total_tokens": len(prompt.ids) + completion}
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": call.model, "choices": out,
+            "usage": usage}
 
 
 def _show(value: object) -> str:
