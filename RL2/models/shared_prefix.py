@@ -1,9 +1,8 @@
 """Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses.
 
-GRPO samples several responses per prompt and packs each as [prompt, response]: every forward and
-backward would repeat the prompt's tokens once per response. `SharedPrefixRow` rewrites a packed row
-so that each run of consecutive sequences with a common prefix holds that prefix once, followed by
-each sequence's own remainder (its branch):
+`SharedPrefixRow` rewrites a packed row (docs/cpu.md#shared-prefixes) so that each run of consecutive
+sequences with a common prefix holds that prefix once, followed by each sequence's own remainder (its
+branch):
 
     packed:     [P a1 a2] [P b1 b2 b3] [Q c1]        P: shared tokens
     compressed: [P | a1 a2 | b1 b2 b3] [Q c1]

@@ -3,11 +3,9 @@ distribution on the dataset's response tokens.
 
 `torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`
 
-`actor.kl=forward` minimises KL(teacher || student) (mode covering, classic knowledge distillation);
-`reverse` minimises KL(student || teacher) (mode seeking, as in MiniLLM / on-policy distillation).
-Both models must share a tokenizer. Their output layers may have different numbers of rows (Qwen2.5's
-sizes pad the vocabulary differently): the distributions are then compared over the tokenizer's
-tokens, the rows beyond it being padding that neither model is trained to produce.
+`actor.kl=forward` minimises KL(teacher || student) (mode covering), `reverse` KL(student || teacher)
+(mode seeking, as in MiniLLM). Output layers of different sizes are compared over the tokenizer's
+tokens, the rows beyond it being padding that neither model is trained to produce (docs/trainers.md).
 """
 
 import torch

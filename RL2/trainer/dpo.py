@@ -1,9 +1,7 @@
 """Direct preference optimisation: `torchrun -m RL2.trainer.dpo data.train.path=pairs.jsonl actor.beta=0.1`.
 
-The reference is the actor's initial weights, frozen; its log-probabilities are computed on the same
-packed micro-batch right before the actor's, so they cost one extra forward and no storage. With LoRA
-(`actor.lora.rank > 0`) the reference is the actor's own base model with its adapters switched off:
-the initial weights, without a second copy.
+The reference is the actor's initial weights, frozen (with LoRA, the actor's base with its adapters
+off); its log-probabilities are computed on the same packed micro-batch right before the actor's.
 """
 
 import torch

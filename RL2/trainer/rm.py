@@ -1,10 +1,8 @@
 """Bradley-Terry reward model: `torchrun -m RL2.trainer.rm data.train.path=pairs.jsonl critic.model_name=...`
 
-The model is the causal LM with a scalar head on every token (`AutoModelForTokenClassification`,
-one label), the same shape as PPO's critic. A sequence's reward is the head's output at its last
-input position, the one that predicts its last token (packed inputs are `input_ids[:-1]`). The export
-at `<save_dir>/final/critic` loads with `AutoModelForTokenClassification.from_pretrained(path)`; score
-a text by running it on `input_ids[:, :-1]` and taking `logits[0, -1, 0]`.
+The model is the causal LM with a scalar head on every token, the same shape as PPO's critic. A
+sequence's reward is the head's output at its last input position, the one that predicts its last
+token (packed inputs are `input_ids[:-1]`); docs/trainers.md says how to score with the export.
 """
 
 import torch
