@@ -80,13 +80,13 @@ def _usable(parent: CgroupParent) -> tuple[CgroupParent | None, str]:
     return parent, ""
 
 
+@dataclass
 class SandboxCgroup:
     """One sandbox's cgroup: made with its limits, joined by the sandbox's first process (which writes
     its pid to `procs_file`), removed with whatever is left in it."""
 
-    def __init__(self, path: Path, version: int):
-        self.path = path
-        self.version = version
+    path: Path
+    version: int  # 1 or 2
 
     @property
     def procs_file(self) -> Path:
