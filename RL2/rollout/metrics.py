@@ -3,7 +3,7 @@ per data source (each listed in docs/evaluation.md), and the JSONL dump of its s
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from RL2.rollout.trajectory import Trajectory
@@ -18,7 +18,8 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
     Args:
         groups: trajectories grouped by prompt.
-        tools: the policy may call tools (an environment with TOOLS, an agent script): add `tool_metrics`.
+        tools: the policy may call tools (an environment with TOOLS, an agent script): add how it used them
+            (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
     """
     trajectories = [t for group in groups for t in group]
     if not trajectories:
@@ -33,19 +34,21 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
     }
     metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
     if tools:
-        metrics |= {f"rollout/{name}": value for name, value in tool_metrics(trajectories).items()}
+        tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
+        metrics |= {
+            "rollout/tool_calls": _mean(t.tool_calls for t in trajectories),
+            "rollout/tool_parse_errors": _mean(t.parse_errors for t in trajectories),
+            "rollout/tool_errors": _mean(t.tool_errors for t in trajectories),
+            "rollout/tool_s": _mean(t.tool_seconds for t in trajectories),
+            "rollout/generate_s": _mean(t.generate_seconds for t in trajectories),
+            "rollout/tool_time_share": tool_s / (tool_s + generate_s) if tool_s + generate_s > 0 else 0.0,
+        }
     return metrics
 
 
 def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
-    """How old the trained tokens are, namespaced `staleness/...`.
-
-    - `lag_<k>`: the share of trained tokens sampled by weights k versions behind `version`, for k from 0
-      to the largest lag seen or `max_lag` (a synchronous run has `lag_0` = 1);
-    - `mean_lag`: their mean lag;
-    - `max_span`: the most versions the tokens of one trajectory span (a partial rollout resumes a cut
-      action, and the turns after it, under newer weights).
-    Tokens of unknown version are left out.
+    """How old the trained tokens are, namespaced `staleness/...` (`lag_<k>`, `mean_lag`, `max_span`: see
+    docs/async.md). Tokens of unknown version are left out.
 
     Args:
         groups: the trained groups.
@@ -55,30 +58,12 @@ def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int
     """
     trajectories = [t for group in groups for t in group]
     lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
-    counts = [0] * (max(lags + [max_lag]) + 1)
-    for lag in lags:
-        counts[lag] += 1
-    metrics = {f"staleness/lag_{k}": count / max(len(lags), 1) for k, count in enumerate(counts)}
+    counts = Counter(lags)
+    metrics = {f"staleness/lag_{k}": counts[k] / max(len(lags), 1) for k in range(max(lags + [max_lag]) + 1)}
     metrics["staleness/mean_lag"] = _mean(lags)
     metrics["staleness/max_span"] = float(max((max(t.versions) - min(t.versions) for t in trajectories if t.versions),
                                               default=0))
     return metrics
-
-
-def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """How a rollout used tools, per trajectory: `tool_calls` parsed, `tool_parse_errors` (call blocks that
-    could not be parsed), `tool_errors` (calls that failed), and the mean seconds in tools (`tool_s`; an
-    agent script's own code for agents) and waiting for the engine (`generate_s`), with the tools' share
-    of the two (`tool_time_share`)."""
-    tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
-    return {
-        "tool_calls": _mean(t.tool_calls for t in trajectories),
-        "tool_parse_errors": _mean(t.parse_errors for t in trajectories),
-        "tool_errors": _mean(t.tool_errors for t in trajectories),
-        "tool_s": _mean(t.tool_seconds for t in trajectories),
-        "generate_s": _mean(t.generate_seconds for t in trajectories),
-        "tool_time_share": tool_s / (tool_s + generate_s) if tool_s + generate_s > 0 else 0.0,
-    }
 
 
 def fault_summary(groups: list[list[Trajectory]]) -> str | None:
