@@ -164,13 +164,13 @@ class ConcatLinear:
         return torch.cat([linear(hidden) for linear in self.linears], dim=-1)
 
 
-def panel_kernels_for(linear: torch.nn.Module) -> DecodeKernels | None:
+def panel_kernels_for(linear: torch.nn.Linear) -> DecodeKernels | None:
     """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16
     where it has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tile products oneDNN's bf16 kernels
     use, and the panels do not)."""
-    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
+    if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    kernels = load_decode_kernels() if linear.weight.dtype in (torch.float32, torch.bfloat16) else None
+    kernels = load_decode_kernels()
     if kernels is None:
         return None
     if linear.weight.dtype == torch.bfloat16 and (not kernels.bf16_panel_rows or torch.cpu._is_amx_tile_supported()):
@@ -178,11 +178,9 @@ def panel_kernels_for(linear: torch.nn.Module) -> DecodeKernels | None:
     return kernels
 
 
-def onednn_packing_works(linear: torch.nn.Module) -> bool:
+def onednn_packing_works(linear: torch.nn.Linear) -> bool:
     """Packed oneDNN linears exist for CPU only, and bf16 needs CPU support (avx512/avx_ne_convert)."""
-    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
-        return False
-    if not torch.backends.mkldnn.is_available():
+    if linear.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
         with torch.no_grad():
