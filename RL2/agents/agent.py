@@ -10,18 +10,15 @@ trajectory with reward 0; a failure of the engine stops the rollout. See docs/ag
 
 import asyncio
 import copy
-import importlib.util
-import inspect
 import numbers
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 
 from RL2.agents.openai_server import OpenAIEndpoint
-from RL2.rollout.env import EnvError, EnvFault, parse_reward
+from RL2.rollout.env import EnvError, EnvFault, check_coroutine, load_script, parse_reward
 from RL2.rollout.loop import gather_or_cancel, sample_seed
 from RL2.rollout.trajectory import Trajectory
 
@@ -52,24 +49,14 @@ def load_agent(path: str) -> Agent:
     Args:
         path: the Python file defining `async def run(client, extra_info)`.
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise EnvError(f"agent script {file} does not exist; point to a Python file defining "
-                       f"`async def run(client, extra_info) -> float | dict`")
-    spec = importlib.util.spec_from_file_location(f"rl2_agent_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    file, module = load_script(path, "agent script",
+                               "point to a Python file defining `async def run(client, extra_info) -> float | dict`",
+                               "rl2_agent_")
     run = getattr(module, "run", None)
     if run is None:
         raise EnvError(f"{file} defines no `run`; add `async def run(client, extra_info) -> float | dict`, "
                        f"where client is an openai.AsyncOpenAI")
-    if not inspect.iscoroutinefunction(run):
-        raise EnvError(f"{file}: `run` must be async (`async def run(client, extra_info)`) so that trajectories "
-                       f"run concurrently")
-    try:  # now, rather than a fault on every trajectory of the run
-        inspect.signature(run).bind("client", "extra_info")
-    except TypeError as e:
-        raise EnvError(f"{file}: `run` must accept (client, extra_info): {e}") from None
+    check_coroutine(file, "run", run, "client, extra_info")
     return Agent(path=str(file), run_fn=run)
 
 

@@ -25,6 +25,7 @@ import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 State = str | list[dict]
 
@@ -141,14 +142,8 @@ def load_env(path: str) -> Env:
     Args:
         path: the Python file defining `async def step(...)` (and optionally `async def reset(...)`).
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise EnvError(
-            f"environment script {file} does not exist; point to a Python file such as envs/countdown.py"
-        )
-    spec = importlib.util.spec_from_file_location(f"rl2_env_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    file, module = load_script(path, "environment script", "point to a Python file such as envs/countdown.py",
+                               "rl2_env_")
     math_verify_off_the_main_thread()  # if the script imported math-verify (the original's envs/orz.py)
     step = getattr(module, "step", None)
     if step is None:
@@ -156,20 +151,38 @@ def load_env(path: str) -> Env:
             f"{file} defines no `step`; add `async def step(state: str, action: str, extra_info: dict) -> dict`"
         )
     reset = getattr(module, "reset", None)
-    for name, fn, params in (("step", step, "state, action, extra_info"), ("reset", reset, "extra_info")):
-        if fn is None:
-            continue
-        if not inspect.iscoroutinefunction(fn):
-            raise EnvError(f"{file}: `{name}` must be async (`async def {name}`) so that trajectories run concurrently")
-        try:  # now, rather than a fault on every action of the run
-            inspect.signature(fn).bind(*params.split(", "))
-        except TypeError as e:
-            raise EnvError(f"{file}: `{name}` must accept ({params}): {e}") from None
+    check_coroutine(file, "step", step, "state, action, extra_info")
+    if reset is not None:
+        check_coroutine(file, "reset", reset, "extra_info")
     tools = getattr(module, "TOOLS", None) or []
     if not isinstance(tools, (list, tuple)):
         raise EnvError(f"{file}: TOOLS is {type(tools).__name__}; make it a list of functions or OpenAI schema dicts")
     return Env(path=str(file), step_fn=step, reset_fn=reset, tool_specs=list(tools),
                call_tool=getattr(module, "call_tool", None))
+
+
+def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, ModuleType]:
+    """The file at `path` and the module it defines, imported (named `prefix` + the file's stem); an
+    `EnvError` names `what` and gives `hint` when there is no such file."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EnvError(f"{what} {file} does not exist; {hint}")
+    spec = importlib.util.spec_from_file_location(f"{prefix}{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return file, module
+
+
+def check_coroutine(file: Path, name: str, fn: Callable, params: str) -> None:
+    """Fail at start, rather than on every action of the run, when the script's `name` is not an async
+    function taking `params`."""
+    if not inspect.iscoroutinefunction(fn):
+        raise EnvError(f"{file}: `{name}` must be async (`async def {name}({params})`) so that trajectories run "
+                       f"concurrently")
+    try:
+        inspect.signature(fn).bind(*params.split(", "))
+    except TypeError as e:
+        raise EnvError(f"{file}: `{name}` must accept ({params}): {e}") from None
 
 
 def parse_step_result(result: object, extra_info: dict) -> StepResult:
