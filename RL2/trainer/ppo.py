@@ -103,7 +103,8 @@ class PPOTrainer(Trainer):
         self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model,
                                                section="critic") if (
             cfg.rollout.reward_model) else None
-        self.critic = Critic(cfg.critic, *args, self.n_steps * self.steps_per_rollout(cfg.critic), response_budget=budget) if (
+        critic_steps = self.n_steps * self.steps_per_rollout(cfg.critic)
+        self.critic = Critic(cfg.critic, *args, critic_steps, response_budget=budget) if (
             cfg.adv.estimator == "gae") else None
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
             [self.reward_model] if self.reward_model else [])

@@ -3,8 +3,8 @@
 Parallelism is applied in one place and in a fixed order (as torchtitan does; `_parallelize`). Rank 0
 reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time. While a
 colocated rollout engine samples, `offload` moves the training state to the CPU and `onload` brings it
-back (`RL2.rollout.worker` calls both).
-With `lora.rank > 0` the base weights are frozen and only adapters train (docs/lora.md).
+back (`RL2.rollout.worker` calls both). With `lora.rank > 0` the base weights are frozen and only
+adapters train (docs/lora.md).
 """
 
 import math
