@@ -145,18 +145,13 @@ def _schema_tool(spec: dict, where: str, call_tool: Callable | None) -> Tool:
 
 async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, timeout: float | None,
                    call_tool: Callable | None = None) -> ToolResult:
-    """Run one call; what goes wrong becomes an "Error: ..." result for the model, never an exception.
+    """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
+    model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
+    schema-only tools; `timeout` (None: no limit) bounds the call.
 
     Sync functions run in a worker thread (`asyncio.to_thread`), so that a tool that blocks does not stop
     the other trajectories. A timed-out sync tool's thread runs on to its end (Python cannot stop a
     thread), and threads come from the event loop's default executor, which bounds how many run at once.
-
-    Args:
-        tools: the environment's tools, from `build_tools`.
-        call: the call the model wrote.
-        extra_info: the trajectory's extra_info, passed to tools that take it and to `call_tool`.
-        timeout: seconds the call may take. None: no limit.
-        call_tool: the environment's runner of schema-only tools (required if `tools` has any).
     """
     start = time.perf_counter()
 
@@ -268,8 +263,8 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
-                        native: bool, add_generation_prompt: bool = True) -> str:
-    """A conversation with tools as the text of the prompt.
+                        native: bool) -> str:
+    """A conversation with tools as the text of the prompt, ending with the header of the assistant's next turn.
 
     Args:
         tokenizer: the policy's tokenizer, whose chat template renders the messages.
@@ -281,13 +276,12 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
             of `tool_system_prompt` is prepended to the system message (or makes one), an assistant's
             tool_calls become text in `parser`'s format, and each run of tool messages becomes one user
             message of <tool_response> blocks, as Hermes/Qwen templates render them.
-        add_generation_prompt: end with the header of the assistant's next turn.
     """
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+                                             tokenize=False, add_generation_prompt=True)
     return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=True)
 
 
 def _native_message(message: dict) -> dict:

@@ -1,15 +1,11 @@
 """The multi-turn rollout loop, the batch driver and dynamic filtering (metrics: `RL2.rollout.metrics`).
 
-A trajectory alternates the policy and the environment: the engine samples an action after the
-current token ids, the environment's `step` answers with a reward and the next state, and so on
-until `done`, `max_turns` or the token budget. When the next state extends `state + action` as
-text (upstream RL2's rule), only the new text is tokenised and appended, so the sampled tokens are
-kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
-
-Faults of the environment (an exception or `sys.exit()` in `step` or `reset`, a timeout, a malformed
-result) end one trajectory with reward 0 and are counted; engine errors propagate and stop the rollout.
-Environment code runs on the environments' own loop (`RL2.rollout.event_loop.on_env_loop`), so that a
-step that blocks does not stop the engine and its timeout still fires.
+A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget.
+When the next state extends `state + action` as text (upstream RL2's rule), only the new text is
+tokenised and appended, so the sampled tokens are kept as they are; otherwise the next state starts a
+new sequence (see `trajectory.py`). Faults of the environment end one trajectory with reward 0; engine
+errors propagate and stop the rollout (docs/rl.md). Environment code runs on the environments' own loop
+(`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks does not stop the engine.
 """
 
 import asyncio
@@ -171,10 +167,7 @@ async def partial_rollout_batch(
     The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
     go first, then one new group per prompt. Once `n_needed` groups have every trajectory finished,
     no new action is requested and the engine is paused with abort, which returns the in-flight
-    requests with what they sampled so far. Long responses thus no longer hold up a whole step.
-    The carried tokens keep the log-probabilities and the version of the weights that sampled them
-    (off-policy by a step or more: the trainer bounds that with `rollout.max_staleness`, and the
-    policy loss corrects for it with `actor.correction`).
+    requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
 
     Returns:
         (finished groups, unfinished groups, newly finished groups), carried ones first, then in

@@ -8,10 +8,9 @@ trainer would then compute log-probabilities, ratios and KL for tokens the polic
 (verl's and upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the
 environment's text is tokenised here, and it is masked out of the loss.
 
-Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`, from
-the engine's `weight_version`): a partial rollout resumes a cut action under newer weights, so one
-action, and one trajectory, may span versions. The trainer reads each token's lag from them (how many
-updates behind the weights being trained it was sampled), to bound and correct staleness.
+Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`): a
+partial rollout resumes a cut action under newer weights, so one trajectory may span versions; the
+trainer bounds and corrects each token's lag from them (docs/async.md).
 """
 
 import json

@@ -471,8 +471,8 @@ def test_fallback_rendering_without_a_system_message_or_tools(tok):
     assert render_conversation(tok, user, [SCHEMA], HermesParser(), native=False) == (
         f"<|im_start|>system\n{TOOL_PROMPT}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render_conversation(tok, user, None, HermesParser(), native=False, add_generation_prompt=False) == (
-        SMOL_SYSTEM + "<|im_start|>user\nhi<|im_end|>\n"
+    assert render_conversation(tok, user, None, HermesParser(), native=False) == (
+        SMOL_SYSTEM + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
