@@ -42,16 +42,12 @@ class BM25:
         return [self.passages[i] for i in ranked[:k]]
 
 
-def passage_text(row: dict) -> str:
-    """A corpus row's passage: its "text", or Search-R1's "contents" (the title on the first line)."""
-    return row["text"] if "text" in row else row["contents"]
-
-
 @lru_cache(maxsize=4)
 def bm25_index(corpus_path: str) -> BM25:
-    """The index of a JSONL corpus (`passage_text` of each line), built once per file."""
+    """The index of a JSONL corpus (each line's "text", or Search-R1's "contents"), built once per file."""
     with open(corpus_path) as f:
-        return BM25([passage_text(json.loads(line)) for line in f if line.strip()])
+        rows = [json.loads(line) for line in f if line.strip()]
+    return BM25([row["text"] if "text" in row else row["contents"] for row in rows])
 
 
 def search_r1_passages(corpus_path: str, query: str, k: int = 3) -> str:

@@ -15,6 +15,7 @@ at all raises `SandboxError`.
 
 import ast
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -286,7 +287,8 @@ class Sandbox:
                 except subprocess.TimeoutExpired:
                     status = "timeout"
         finally:
-            _kill_group(process.pid)  # also whatever it left behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+                os.killpg(process.pid, signal.SIGKILL)  # also whatever it left behind
             process.wait()
             for stream in (process.stdin, process.stdout, process.stderr):
                 if stream is not None:
@@ -470,13 +472,6 @@ def _child_env(workdir: str) -> dict[str, str]:
     """A bare environment: none of the trainer's variables (tokens, keys) reach the solution."""
     single_thread = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", **single_thread}
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # already gone
-        pass
 
 
 def _remove(workdir: str) -> None:
