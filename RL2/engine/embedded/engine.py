@@ -364,7 +364,7 @@ class EmbeddedEngine:
                 for i, request in enumerate(admitted):
                     request.row = first_row + i
                 self._running.extend(admitted)
-                self.runner.cache.expect_rows(len(self._running) + len(self._waiting))
+                self.runner.cache.expected_rows = len(self._running) + len(self._waiting)
                 logits = self.runner.prefill(first_row, [r.input_ids + r.output_ids for r in admitted])
                 batch = admitted
             else:

@@ -46,7 +46,9 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._row_index: torch.Tensor | None = None
         self._length = 0
-        self.expected_rows = 0  # requests the engine has been given: rows grow to this at once
+        # Requests running or waiting: the next growth of the rows goes straight to this many (up to
+        # `max_rows`) instead of copying the cache at every doubling.
+        self.expected_rows = 0
         self.share_prompt_reads = True  # False: every row reads all of its own positions (the same results)
         self._shared: dict[int, tuple[int, int]] = {}  # row -> (copy id, positions it holds of that copy)
         self._copy_ids = itertools.count()
@@ -155,11 +157,6 @@ class SlotKVCache:
                 self._shared.pop(dst, None)
             else:
                 self._shared[dst] = shared
-
-    def expect_rows(self, rows: int) -> None:
-        """Requests running or waiting: the next growth of the rows goes straight to this many
-        (capped at `max_rows`) instead of copying the cache at every doubling."""
-        self.expected_rows = min(rows, self.max_rows)
 
     def clear(self) -> None:
         self.keys, self.values = [], []
