@@ -93,13 +93,6 @@ def check(result: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def read_spec(path: str) -> dict:
-    with open(path) as f:
-        spec = json.load(f)
-    os.unlink(path)
-    return spec
-
-
 # ---- launcher: namespaces ----
 
 
@@ -386,7 +379,9 @@ def run_solution(spec: dict, result_fd: int, guard: bool) -> None:
 
 
 def main() -> None:
-    spec = read_spec(sys.argv[1])
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    os.unlink(sys.argv[1])  # before the solution runs, so that it cannot read the spec
     memory_cgroup = join_cgroup(spec.get("cgroup_procs"))  # before anything else: every process after is counted
     launcher_pid, result_fd = os.getpid(), spec["result_fd"]
     namespaces = bool(spec["namespaces"])
