@@ -30,7 +30,8 @@ from aiohttp import web
 from RL2.agents.tool_calls import ParsedAction, ToolCallParser
 from RL2.agents.tools import render_conversation
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, encode, end_text, sample_seed
+from RL2.rollout.loop import (DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, encode, end_text, sample_action,
+                              sample_seed)
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
 
 # The model id `models.list()` shows; requests may name any model.
@@ -386,34 +387,26 @@ class OpenAIEndpoint:
     async def _generate(self, session: Session, ids: list[int], params: dict) -> _Choice:
         """One choice; an action an engine pause cut short (another client of a shared server) is
         sampled on, as `RL2.rollout.loop` resumes it, rather than returned cut."""
-        out_ids, out_logps, idle = [], [], 0
-        while True:
-            left = params["max_new_tokens"] - len(out_ids)
+        turn, matched, idle = Turn([], [], "", "abort"), None, 0
+        while turn.finish_reason == "abort":
+            left = params["max_new_tokens"] - len(turn.action_ids)
             if left < 1:  # cut at its very last token
-                reason = {"type": "length"}
+                turn.finish_reason, matched = "length", None
                 break
-            payload = {"input_ids": ids + out_ids, "sampling_params": {**params, "max_new_tokens": left},
-                       "return_logprob": True}
             try:
-                response = await self.engine.generate(payload)
+                rest, matched, _ = await sample_action(self.engine, self.tokenizer, ids + turn.action_ids,
+                                                       {**params, "max_new_tokens": left}, None)
             except Exception as e:  # the engine, not the agent, failed: the rollout must stop
                 raise _engine_failed(session, e) from e
-            meta = response.get("meta_info") or {}
-            if "output_token_logprobs" not in meta or "finish_reason" not in meta:
-                raise _engine_failed(session, EngineError(
-                    "the engine's response has no meta_info.output_token_logprobs or finish_reason; it must "
-                    "answer as SGLang's /generate does with return_logprob"))
-            pairs, reason = meta["output_token_logprobs"], meta["finish_reason"]
-            out_ids += [int(token) for _, token, _ in pairs]
-            out_logps += [float(logp) for logp, _, _ in pairs]
-            if reason["type"] != "abort":
-                break
-            idle = 0 if pairs else idle + 1
-            if idle == MAX_IDLE_RESUMES:
+            turn.action_ids += rest.action_ids
+            turn.action_logps += rest.action_logps
+            turn.action_versions += rest.action_versions
+            turn.finish_reason = rest.finish_reason
+            idle = 0 if rest.action_ids else idle + 1
+            if turn.finish_reason == "abort" and idle == MAX_IDLE_RESUMES:
                 raise _engine_failed(session, EngineError(
                     f"the engine aborted a request {idle} times in a row before it sampled a token"))
-        matched = reason.get("matched")
-        turn = Turn(out_ids, out_logps, action_text(self.tokenizer, out_ids, matched), reason["type"])
+        turn.action_text = action_text(self.tokenizer, turn.action_ids, matched)
         return _Choice(turn, matched)
 
     # ---- responses ----

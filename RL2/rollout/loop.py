@@ -342,7 +342,7 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
     if not trajectory.unfinished:
-        turn, _, seconds = await _act(engine, tokenizer, trajectory.current_ids, sampling_params, room)
+        turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
         trajectory.generate_seconds += seconds
         trajectory.add_turn(turn)
         return turn
@@ -354,7 +354,7 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
         partial.finish_reason = "length"
         return partial
     # current_ids already end with the partial action, so the engine samples on after it.
-    rest, matched, seconds = await _act(engine, tokenizer, trajectory.current_ids, params, room)
+    rest, matched, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, params, room)
     trajectory.generate_seconds += seconds
     trajectory.extend_last_action(rest, action_text(tokenizer, partial.action_ids + rest.action_ids, matched))
     return partial
@@ -367,7 +367,7 @@ async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
 
 
-async def _act(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
+async def sample_action(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
                room: int | None) -> tuple[Turn, str | int | None, float]:
     """Sample one action after `input_ids`, with at most `room` new tokens; also returns the stop string
     or token that ended it (None when none did) and the seconds the engine took."""

@@ -360,8 +360,8 @@ class RolloutWorker:
                              self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout, self.tool_use)
 
     def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
-        """Tokens sampled without the engine naming its weights (an agent's, an SGLang server older than
-        its `weight_version`) get the version of the weights this rollout sampled with."""
+        """Tokens sampled without the engine naming its weights (an SGLang server older than its
+        `weight_version`) get the version of the weights this rollout sampled with."""
         version = weight_version_number(self.state.label) if self.state.follows_policy else 0
         if version is not None:
             for trajectory in (t for group in groups for t in group):
