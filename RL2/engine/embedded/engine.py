@@ -99,6 +99,9 @@ class EmbeddedEngine:
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
+        # On CPU the engine's weights and KV cache are RAM the trainer's update needs; on a GPU releasing
+        # would also move the trainer's state to the CPU around every rollout, which pays only for SGLang.
+        self.releases_memory = self.runner.device.type == "cpu"
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
         self.max_total_tokens = max_total_tokens
@@ -118,12 +121,6 @@ class EmbeddedEngine:
         self._wakeup: asyncio.Event | None = None
 
     follows_policy = True
-
-    @property
-    def releases_memory(self) -> bool:
-        """On CPU: the engine's weights and KV cache are RAM the trainer's update needs. On a GPU releasing
-        would also move the trainer's state to the CPU around every rollout, which pays only for SGLang."""
-        return self.runner.device.type == "cpu"
 
     def release_memory(self, tags: Iterable[str]) -> None:
         """Free the weights ("weights": their content is lost until `update_weights` writes them all

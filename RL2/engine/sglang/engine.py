@@ -116,7 +116,10 @@ class SGLangEngine:
         self.urls, self.controlled, self.weight_sync = urls, controlled, weight_sync
         self.bucket_bytes, self.model_path = bucket_bytes, model_path
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
-        self.server, self.colocated, self.tp_group = server, colocated, tp_group
+        self.server, self.tp_group = server, tp_group
+        # Servers on the trainer's GPUs give their memory to training between rollouts; with
+        # `rollout.weight_sync=none` they keep the weights they started with.
+        self.releases_memory, self.follows_policy = colocated, weight_sync != "none"
         self.check_weights, self.api_key = check_weights, api_key
         self.client = HTTPEngineClient(urls, timeout=request_timeout, api_key=api_key,
                                        vocab_size=model_vocab_size(model_path))
@@ -125,16 +128,6 @@ class SGLangEngine:
         self._layout: CheckpointLayout | None = None  # built at the first push
         self._unchecked: set[str] = set()  # controlled servers without /weights_checker (warned once)
         atexit.register(self.shutdown)
-
-    @property
-    def releases_memory(self) -> bool:
-        """Servers on the trainer's GPUs give their memory to training between rollouts."""
-        return self.colocated
-
-    @property
-    def follows_policy(self) -> bool:
-        """With `rollout.weight_sync=none` the servers keep the weights they started with."""
-        return self.weight_sync != "none"
 
     # ---- construction (collective) ----
 
