@@ -1,7 +1,7 @@
 """The event loops of a rank's rollouts, each kept for the whole run.
 
-Every rollout, evaluation and partial-rollout round of a process runs on one loop (`rank_loop`), so what
-an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
+Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
+what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
 still works in the next one; a new loop per rollout (`asyncio.run`) would leave such objects bound to a
 closed loop. Environment code (`step`, `reset`, tools) runs on a second loop in a thread of its own
 (`on_env_loop`), also kept for the whole run: module-level asyncio objects of a script work across
@@ -23,18 +23,14 @@ class Escaped(Exception):
     one trajectory, as an exception of the script does, instead of the trainer."""
 
 
-def rank_loop() -> asyncio.AbstractEventLoop:
-    """This process's rollout loop, made at the first call and closed at exit."""
+def run_on_rank_loop(coroutine: Coroutine):
+    """Run `coroutine` to its end on the rank's loop (from outside any running loop), which is made at the
+    first call and closed at exit."""
     global _loop
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()
         atexit.register(close_rank_loop)
-    return _loop
-
-
-def run_on_rank_loop(coroutine: Coroutine):
-    """Run `coroutine` to its end on the rank's loop (from outside any running loop)."""
-    return rank_loop().run_until_complete(coroutine)
+    return _loop.run_until_complete(coroutine)
 
 
 def close_rank_loop() -> None:

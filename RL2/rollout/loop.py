@@ -230,9 +230,12 @@ async def _row_trajectory(run, row: dict, sampling_params: dict, resume: Traject
     and again before it samples a token is refused, not paused: that raises, where resuming would loop for ever.
     """
 
+    # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
+    state = row.get("messages") or row.get("prompt")
+
     def attempt(resume: Trajectory | None):
-        return run(_first_state(row), copy.deepcopy(row.get("extra_info") or {}), sampling_params,
-                   prompt_ids=row.get("prompt_ids"), resume=resume, stop=stop)
+        return run(state, copy.deepcopy(row.get("extra_info") or {}), sampling_params, prompt_ids=row.get("prompt_ids"),
+                   resume=resume, stop=stop)
 
     trajectory, idle = resume if resume is not None else await attempt(None), 0
     while trajectory.unfinished and not (stop is not None and stop.is_set()):
@@ -285,11 +288,6 @@ def render_state(state: State, tokenizer, tool_use=None) -> str:
     if tool_use is not None:
         return tool_use.render(state, tokenizer)
     return tokenizer.apply_chat_template(state, add_generation_prompt=True, tokenize=False)
-
-
-def _first_state(row: dict) -> State | None:
-    """A row's first state: its conversation where it keeps one (environments with tools), else its prompt."""
-    return row.get("messages") or row.get("prompt")
 
 
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
