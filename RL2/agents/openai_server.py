@@ -264,12 +264,8 @@ class OpenAIEndpoint:
         self._runner = self._loop = self.port = None
 
     def open_session(self, sampling_seed: int | None = None) -> Session:
-        """A new session, holding an empty trajectory.
-
-        Args:
-            sampling_seed: call k of the session samples with `sample_seed(sampling_seed, k)` (its
-                choice j > 0 with `sample_seed(that, j)`) unless the request gives `seed`.
-        """
+        """A new session, holding an empty trajectory; with `sampling_seed`, call k samples with
+        `sample_seed(sampling_seed, k)` (its choice j > 0 with `sample_seed(that, j)`) unless it gives `seed`."""
         session = Session(str(next(self._ids)), sampling_seed)
         self._sessions[session.id] = session
         return session

@@ -44,13 +44,9 @@ class ParsedAction:
 
 
 class ToolCallParser:
-    """A tool-call format. Subclasses set `name` and `call_end` and define `parse` and `format_calls`.
-
-    Attributes:
-        name: the format's name.
-        call_end: a stop string that ends an action right after a call ("</tool_call>"), None if the
-            format has none (its calls end with the end-of-turn token).
-    """
+    """A tool-call format. Subclasses set `name` and `call_end` (a stop string that ends an action right
+    after a call, "</tool_call>"; None where calls end with the end-of-turn token) and define `parse` and
+    `format_calls`."""
 
     name: str = ""
     call_end: str | None = None

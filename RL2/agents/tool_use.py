@@ -47,11 +47,9 @@ class ToolUse:
     def schemas(self) -> list[dict]:
         return [tool.schema for tool in self.tools.values()]
 
-    def render(self, state, tokenizer) -> str:
-        """A state as the policy sees it: chat messages with the tools; text as it is."""
-        if isinstance(state, str):
-            return state
-        return render_conversation(tokenizer, state, self.schemas, self.parser, self.native)
+    def render(self, messages: list[dict], tokenizer) -> str:
+        """Chat messages as the policy sees them, with the tools."""
+        return render_conversation(tokenizer, messages, self.schemas, self.parser, self.native)
 
     def sampling_params(self, params: dict) -> dict:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""

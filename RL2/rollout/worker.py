@@ -326,15 +326,9 @@ class RolloutWorker:
         n_needed: int | None = None,
     ) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
-        `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one).
-
-        Args:
-            n_needed: the groups to finish over all ranks; default: one per prompt. Fewer than the groups
-                started (`rollout.over_sampling`) cuts the slowest ones.
-
-        Returns:
-            (finished, unfinished, newly finished) groups of every rank, the same on every rank (see
-            `partial_rollout_batch`).
+        `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
+        default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
+        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank.
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
@@ -400,13 +394,9 @@ class RolloutWorker:
         return gathered
 
     def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
-        """The policy was updated: the engine gets its weights, now or at the start of the next rollout
-        (see `EngineState.synced`). Collective.
-
-        Args:
-            fsdp_model: the policy's model (the one given at construction).
-            version: the name of these weights (the engine reports it as `weight_version`).
-        """
+        """The policy (`fsdp_model`, the one given at construction) was updated: the engine gets its weights,
+        named `version` (its `weight_version`), now or at the start of the next rollout (see
+        `EngineState.synced`). Collective."""
         if fsdp_model is not self.policy.model:
             raise ValueError("RolloutWorker.sync_weights takes the policy it was built with")
         self.state.synced(version)
