@@ -366,7 +366,7 @@ async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
 
 
 async def sample_action(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
-               room: int | None) -> tuple[Turn, str | int | None, float]:
+                        room: int | None) -> tuple[Turn, str | int | None, float]:
     """Sample one action after `input_ids`, with at most `room` new tokens; also returns the stop string
     or token that ended it (None when none did) and the seconds the engine took."""
     params = dict(sampling_params)
