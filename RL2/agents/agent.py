@@ -28,14 +28,9 @@ RESULT_KEYS = ("reward", "score", "reward_parts")
 
 @dataclass
 class Agent:
-    """A loaded agent script.
-
-    Attributes:
-        path: the script.
-        run_fn: its `run` coroutine function.
-        reset_fn, tool_specs: what an environment script may define and an agent never does (its runs start
-            from the row's prompt, and it runs its own tools), so that a trainer reads either alike.
-    """
+    """A loaded agent script and its `run`. `reset_fn` and `tool_specs` are what an environment script may
+    define and an agent never does (it starts from the row's prompt and runs its own tools): a trainer reads
+    either alike."""
 
     path: str
     run_fn: Callable[[openai.AsyncOpenAI, dict], Awaitable[float | dict]]

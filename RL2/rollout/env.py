@@ -209,12 +209,7 @@ def parse_step_result(result: object, extra_info: dict) -> StepResult:
 
 def parse_reward(result: dict, what: str) -> tuple[float, float, dict[str, float]]:
     """A result's `reward`, `score` (default: reward) and `reward_parts` (default: none), checked to be
-    finite numbers; raises `EnvFault` otherwise.
-
-    Args:
-        result: a dict holding `reward`.
-        what: names the result in errors ("step result", "agent result").
-    """
+    finite numbers; raises `EnvFault`, naming the result `what` ("step result"), otherwise."""
     reward, score = result["reward"], result.get("score", result["reward"])
     parts = result.get("reward_parts") or {}
     if not isinstance(parts, dict):

@@ -69,11 +69,7 @@ def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int
 def fault_summary(groups: list[list[Trajectory]]) -> str | None:
     """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
     None when none did. A fault ends one trajectory with reward 0, never the run, so the log is where its
-    reason shows: a `step` that fails on every action would otherwise train on zeros unexplained.
-
-    Args:
-        groups: trajectories grouped by prompt.
-    """
+    reason shows: a `step` that fails on every action would otherwise train on zeros unexplained."""
     trajectories = [t for group in groups for t in group]
     faults = [t.fault for t in trajectories if t.fault is not None]
     if not faults:

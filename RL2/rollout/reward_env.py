@@ -13,12 +13,8 @@ from RL2.utils.imports import import_file_or_module
 
 
 def reward_env(function: Callable, name: str = "reward function") -> Env:
-    """An environment whose single `step` scores the action with `function(action, extra_info)`.
-
-    Args:
-        function: `(response, extra_info) -> float | dict`, sync or async.
-        name: what errors call it.
-    """
+    """An environment whose single `step` scores the action with `function(action, extra_info) -> float | dict`
+    (sync or async); errors call it `name`."""
 
     async def step(state: str, action: str, extra_info: dict) -> dict:
         return reward_step(await call_reward(function, action, extra_info), extra_info)
@@ -49,12 +45,8 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 def check_reward_signature(function: Callable, what: str) -> None:
-    """Fail at start, rather than on every response, when `function` cannot take (response, extra_info).
-
-    Args:
-        function: the reward function.
-        what: how the error names it.
-    """
+    """Fail at start, rather than on every response, when `function` cannot take (response, extra_info);
+    the error names it `what`."""
     try:
         inspect.signature(function).bind("response", {})
     except ValueError:  # no signature to check (some builtins)

@@ -140,13 +140,8 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
-        """The trajectory `to_dict` wrote.
-
-        Args:
-            data: what `to_dict` returned (after a JSON round trip).
-            version: the weights' version given to sampled tokens that a checkpoint written before
-                versions were kept leaves without one (None leaves them without).
-        """
+        """The trajectory `to_dict` wrote; `version`, if given, goes to sampled tokens that a checkpoint
+        written before versions were kept leaves without one."""
         sequences = [
             TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
             for seq in data["sequences"]

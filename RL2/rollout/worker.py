@@ -183,12 +183,9 @@ class EngineState:
     def holding(self, give_back: bool = True) -> Iterator[None]:
         """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
         the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
+        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after
+        the scope; what needs the trainer's models before that rollout calls `to_trainer_if_lent` first.
         Nothing inside may update the policy or need the trainer's models on the GPU.
-
-        Args:
-            give_back: False keeps the engine ready after the scope too (an evaluation, whose weights the
-                next step's rollout samples again); whatever needs the trainer's models before that rollout
-                calls `to_trainer_if_lent` first.
         """
         self.holds += 1
         try:
