@@ -161,14 +161,18 @@ class Session:
         self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
 
     def prompt(self, text: str, tokenizer) -> _Prompt:
-        """The call's prompt: continuing the sequence whose text it extends most, else a new one."""
-        best, added = None, ""
-        for tip in self._tips:
-            rest = _continuation(tip, text)
-            if rest is not None and (best is None or len(tip.text) > len(best.text)):
-                best, added = tip, rest
-        if best is None:
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one.
+
+        A chat template re-rendering the conversation writes the end-of-turn token the action already
+        sampled (an action's text skips special tokens); then the prompt must go on with exactly that
+        token, which is not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on
+        otherwise does not extend the tokens sampled, whatever its text.
+        """
+        extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
+        if not extended:
             return _Prompt(text, encode(tokenizer, text))
+        best = max(extended, key=lambda tip: len(tip.text))
+        added = text[len(best.text + best.end_text):]
         added_ids = encode(tokenizer, added)
         return _Prompt(text, best.sequence.input_ids + added_ids, best, added, added_ids)
 
@@ -480,18 +484,6 @@ def assistant_message(text: str, parser: ToolCallParser | None,
 
 
 # ---- matching prompts to sequences ----
-
-
-def _continuation(tip: _Tip, text: str) -> str | None:
-    """The text a prompt adds after a sequence, or None when it does not extend it.
-
-    A chat template re-rendering the conversation writes the end-of-turn token the action already
-    sampled (an action's text skips special tokens); then the prompt must go on with exactly that
-    token, which is not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on
-    otherwise does not extend the tokens sampled, whatever its text.
-    """
-    prefix = tip.text + tip.end_text
-    return text[len(prefix):] if text.startswith(prefix) else None
 
 
 def _message_key(message: dict) -> str:
