@@ -233,11 +233,8 @@ class EngineState:
             self.engine.resume_memory(WEIGHT_TAGS)
             self.weights_resident = True
         if self.follows_policy:
-            self._push()
-
-    def _push(self) -> None:
-        self.push(self.label)
-        self.version = self.policy.updates
+            self.push(self.label)
+            self.version = self.policy.updates
 
     def _onload_trainer(self) -> None:
         self.ready = False
