@@ -283,7 +283,7 @@ def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str,
 
 def _json_sequence(text: str, separator: str, argument_keys: tuple[str, ...]) -> list[tuple[str, dict] | str]:
     """The calls of JSON objects written one after another, `separator` between them."""
-    found, pos = [], _skip_space(text, 0)
+    found, pos = [], _SPACE.match(text, 0).end()
     while pos < len(text):
         try:
             obj, end = _DECODER.raw_decode(text, pos)
@@ -291,12 +291,12 @@ def _json_sequence(text: str, separator: str, argument_keys: tuple[str, ...]) ->
             found.append(_error(f"is not valid JSON ({e.msg})", text[pos:]))
             break
         found.append(_call(obj, text[pos:end], argument_keys))
-        pos = _skip_space(text, end)
+        pos = _SPACE.match(text, end).end()
         if pos < len(text):
             if text[pos] != separator:
                 found.append(_error(f"follows a call without a {separator!r} between them", text[pos:]))
                 break
-            pos = _skip_space(text, pos + 1)
+            pos = _SPACE.match(text, pos + 1).end()
     return found
 
 
@@ -329,10 +329,6 @@ def _error(problem: str, block: str) -> str:
 def _json_type(value: object) -> str:
     names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
-
-
-def _skip_space(text: str, pos: int) -> int:
-    return _SPACE.match(text, pos).end()
 
 
 def _dumps(value: object) -> str:

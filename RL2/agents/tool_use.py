@@ -108,13 +108,8 @@ class ToolUse:
 
 
 def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:
-    """The `ToolUse` of an environment whose script declares `TOOLS`, under the `rollout` config; else None.
-
-    Args:
-        env: the loaded environment (`RL2.rollout.env.Env`).
-        rollout_cfg: the `rollout` section (tool_parser, tool_timeout, tool_error, tool_call_stop).
-        tokenizer: the policy's tokenizer: its chat template decides the format.
-    """
+    """The `ToolUse` of an environment whose script declares `TOOLS`, else None, under the `rollout` config's
+    tool_parser, tool_timeout, tool_error and tool_call_stop; the tokenizer's chat template decides the format."""
     if not env.tool_specs:
         return None
     tools = build_tools(env.tool_specs, env.path, env.call_tool)
