@@ -4,6 +4,7 @@ Collected from the configs (`RL2/trainer/config/*.yaml`) and example command lin
 original releases. `RL2.config.aliases` applies the table to a command line.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -219,21 +220,17 @@ _TRAINER = [
 
 
 def _expand(entry):
-    """An entry of `_PER_MODEL` once per model section."""
+    """An entry of `_PER_MODEL` once per model section: "{model}" filled in each of its texts."""
     if "{model}" not in entry.old:
         return [entry]
-    expanded = []
-    for model in MODELS:
-        if isinstance(entry, Renamed):
-            new = tuple(n.format(model=model) for n in entry.new)
-            expanded.append(Renamed(entry.old.format(model=model), new, entry.value))
-        elif isinstance(entry, LoRASwitch):
-            expanded.append(LoRASwitch(entry.old.format(model=model), model))
-        elif isinstance(entry, Ignored):
-            expanded.append(Ignored(entry.old.format(model=model), entry.why.format(model=model)))
-        else:
-            expanded.append(Dropped(entry.old.format(model=model), entry.instead.format(model=model)))
-    return expanded
+
+    def filled(value, model: str):
+        if isinstance(value, tuple):
+            return tuple(filled(v, model) for v in value)
+        return value.format(model=model) if isinstance(value, str) else value
+
+    return [dataclasses.replace(entry, **{f.name: filled(getattr(entry, f.name), model)
+                                          for f in dataclasses.fields(entry)}) for model in MODELS]
 
 
 ALIASES = [expanded for entry in _PER_MODEL + _KL + _ACTOR + _DATA + _RL_SPLITS + _ROLLOUT + _TRAINER
