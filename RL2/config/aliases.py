@@ -239,7 +239,7 @@ def _claim(origin: dict, key: str, arg: str, alias: bool) -> None:
 def _mapped(value_map: Callable[[Any], Any], raw: str, key: str) -> str:
     """The current value, as command-line text, of the original value `raw` of `key`."""
     try:
-        return _dump(value_map(_parse(raw, key)))
+        return as_text(value_map(_parse(raw, key)))
     except ValueError as e:
         raise ConfigError(f"config key '{key}': {e}") from None
 
@@ -251,12 +251,11 @@ def _parse(raw: str, key: str) -> Any:
         raise ConfigError(f"config key '{key}': cannot read the value {raw!r} ({e})") from None
 
 
-def _dump(value: Any) -> str:
-    if value is None:
-        return "null"
+def as_text(value: Any) -> str:
+    """A value as a command line writes it (`true`, `null`, `[a, b]`)."""
     if isinstance(value, bool):
         return str(value).lower()
-    return str(value)
+    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
 
 
 def describe_aliases(keys: SchemaKeys) -> str:

@@ -25,7 +25,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from RL2.config.aliases import Translation
+from RL2.config.aliases import Translation, as_text
 
 # What took another key's value in the original's config unless the line gave one: {what: [(key, from key)]}.
 FOLLOWS = {
@@ -139,7 +139,7 @@ def _followers(cfg, given: set[str]) -> list[str]:
                 continue
             if OmegaConf.select(cfg, key) != value:
                 OmegaConf.update(cfg, key, value, merge=False)
-                followed.append(f"{key}={_shown(value)}")
+                followed.append(f"{key}={as_text(value)}")
         if followed:
             lines.append(f"{what}, as in the original: {', '.join(followed)}")
     return lines
@@ -148,16 +148,10 @@ def _followers(cfg, given: set[str]) -> list[str]:
 def defaults_note(cfg, given: set[str], trainer: str) -> str | None:
     """One line naming RL2's defaults that differ from the original's (`ORIGINAL_DEFAULTS`) for the keys the
     command line leaves out, or None."""
-    differ = [f"{key}={_shown(OmegaConf.select(cfg, key))} (original: {_shown(value)})"
+    differ = [f"{key}={as_text(OmegaConf.select(cfg, key))} (original: {as_text(value)})"
               for key, value in ORIGINAL_DEFAULTS.get(trainer, {}).items()
               if key not in given and OmegaConf.select(cfg, key) != value]
     if not differ:
         return None
     return (f"RL2's defaults differ from the original's for keys this command line leaves out: {', '.join(differ)}; "
             f"set them to train as the original did")
-
-
-def _shown(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
