@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import functools
+import operator
 import os
 import sys
 from pathlib import Path
@@ -122,17 +123,13 @@ def schema_keys(schema: type) -> SchemaKeys:
 
 def describe(schema: type, trainer: str) -> str:
     """`--help`: every key with its help text and this trainer's default."""
-    keys, defaults = all_keys(schema), trainer_defaults(schema, trainer)
+    keys = all_keys(schema)
+    # Unresolved: a key that follows another shows it (`${actor.dtype}`).
+    defaults = OmegaConf.to_container(trainer_defaults(schema, trainer), resolve=False)
     width = max(len(key.name) for key in keys)
-    lines = [f"{key.name:<{width}}  {key.help} (default: {_default_of(defaults, key.name)})" for key in keys]
+    lines = [f"{key.name:<{width}}  {key.help} (default: "
+             f"{functools.reduce(operator.getitem, key.name.split('.'), defaults)})" for key in keys]
     return "Config keys (set as key=value):\n" + "\n".join(lines) + "\n\n" + describe_aliases(schema_keys(schema))
-
-
-def _default_of(defaults: DictConfig, key: str) -> Any:
-    """A key's default as the trainer's defaults hold it: `${actor.dtype}` for one that follows another key."""
-    *path, name = key.split(".")
-    node = OmegaConf.select(defaults, ".".join(path)) if path else defaults
-    return OmegaConf.to_container(node, resolve=False)[name]
 
 
 def _unknown_key_message(error: ConfigKeyError, schema: type, source: str) -> str:
