@@ -138,11 +138,11 @@ class Correction:
         return CORRECTIONS[self.name](old_logps, engine_logps, mask, sample_ids, *self.bounds)
 
 
-def _engine_correction(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tensor, engine_logps: Tensor | None,
-                       tis_coef: float | None, correction: Correction | None = None, mask: Tensor | None = None,
-                       sample_ids: Tensor | None = None) -> Tensor:
-    """Every policy loss's last step: log KL(engine || old) and apply the engine correction, if any
-    (`tis_coef` is `Correction("tis", high=tis_coef)`)."""
+def _finish_policy_loss(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tensor, engine_logps: Tensor | None,
+                        tis_coef: float | None, correction: Correction | None, mask: Tensor,
+                        sample_ids: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Every policy loss's last step: log KL(engine || old), apply the engine correction, if any
+    (`tis_coef` is `Correction("tis", high=tis_coef)`), zero the loss off the mask and reduce the metrics."""
     if tis_coef is not None:
         if correction is not None:
             raise ValueError("give tis_coef or correction, not both: tis_coef is the correction tis")
@@ -159,7 +159,7 @@ def _engine_correction(loss: Tensor, metrics: dict[str, Tensor], old_logps: Tens
         metrics |= {"correction_weight": weights, "correction_weight_min": weights,
                     "correction_weight_max": weights, "correction_frac": corrected.float()}
         loss = loss * weights
-    return loss
+    return loss * (mask > 0), _reduce(metrics, mask)
 
 
 def _reduce(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
@@ -268,8 +268,7 @@ def ppo_loss(
         loss = torch.where(negative, torch.minimum(loss, bound), loss)
 
     metrics |= {"dual_clip_frac": dual_clipped.float(), "approx_kl": k3(old_logps, logps)}
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
-    return loss * (mask > 0), _reduce(metrics, mask)
+    return _finish_policy_loss(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
@@ -368,8 +367,7 @@ def gspo_loss(
     ratio = torch.exp(log_ratio)
     loss, metrics = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     metrics |= {"seq_ratio": ratio.detach(), "approx_kl": k3(old_logps, logps)}
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
-    return loss * (mask > 0), _reduce(metrics, mask)
+    return _finish_policy_loss(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
 
 
 def cispo_loss(
@@ -416,5 +414,4 @@ def cispo_loss(
         "is_weight": weight,
         "approx_kl": k3(old_logps, logps),
     }
-    loss = _engine_correction(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
-    return loss * (mask > 0), _reduce(metrics, mask)
+    return _finish_policy_loss(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
