@@ -45,14 +45,11 @@ def cpuinfo(field: str) -> str:
         return ""
 
 
-def _cpu_flags() -> str:
-    return cpuinfo("flags") or platform.processor()
-
-
 def _build(source: Path, compiler: str) -> Path:
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
     flags = build_flags()
-    key = hashlib.sha256(text + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    cpu = cpuinfo("flags") or platform.processor()
+    key = hashlib.sha256(text + " ".join([compiler, *flags, cpu]).encode()).hexdigest()[:16]
     library = switches.cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if library.exists():
         return library
