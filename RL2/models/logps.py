@@ -144,42 +144,27 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
             f"(sliding_window={layout.sliding_window}), which RL2's packed attention does not apply: its "
             f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
             f"the window, or use a model without one")
-    length = mb.input_ids.shape[1]
-    if layout.cp_group is None:
-        # The row the model runs on: the packed one, or the one with shared prefixes stored once.
-        shared = SharedPrefixRow.build(mb) if layout.share_prefixes else None
-        if shared is None:
-            row, mask, max_len = mb, mb.loss_mask, max(mb.seq_lens)
-            attention = dict(cu_seq_lens_q=mb.cu_seqlens, cu_seq_lens_k=mb.cu_seqlens, max_length_q=max_len,
-                             max_length_k=max_len)
-        else:
-            row, mask, attention = shared, shared.compress_mask(mb.loss_mask), dict(shared_prefixes=shared)
-        kept = mask[0].nonzero()[:, 0] if trained_only else None
-        out = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **attention,
-                    **_keep(kept))
-        return PackedForward(out.logits, _pick(row.labels, kept), layout.vocab, None, length, kept,
-                             row.input_ids.shape[1], shared, mb.loss_mask if shared is not None and trained_only else None)
-    shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)
-    local_mask = shard.shard(mb.loss_mask)
-    kept = local_mask[0].nonzero()[:, 0] if trained_only else None
-    out = model(
-        input_ids=shard.shard(mb.input_ids),
-        position_ids=shard.positions.unsqueeze(0),
-        context_shard=shard,
-        use_cache=False,
-        **_keep(kept),
-    )
-    labels = shard.shard(mb.labels)
-    return PackedForward(out.logits, _pick(labels, kept), layout.vocab, shard, length, kept, labels.shape[1])
-
-
-def _keep(kept: torch.Tensor | None) -> dict:
-    """HF's `logits_to_keep` as a 1-D tensor of positions: the output projection runs on those only."""
-    return {} if kept is None else {"logits_to_keep": kept}
-
-
-def _pick(row: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    return row if kept is None else row[:, kept]
+    # The row the model runs on: this rank's share of the packed row (context parallelism), the row with
+    # shared prefixes stored once, or the packed row itself.
+    shard = shared = None
+    if layout.cp_group is not None:
+        shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)
+        input_ids, positions, labels = shard.shard(mb.input_ids), shard.positions.unsqueeze(0), shard.shard(mb.labels)
+        mask, kwargs = shard.shard(mb.loss_mask), dict(context_shard=shard)
+    elif layout.share_prefixes and (shared := SharedPrefixRow.build(mb)) is not None:
+        input_ids, positions, labels = shared.input_ids, shared.position_ids, shared.labels
+        mask, kwargs = shared.compress_mask(mb.loss_mask), dict(shared_prefixes=shared)
+    else:
+        input_ids, positions, labels, mask = mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask
+        max_len = max(mb.seq_lens)
+        kwargs = dict(cu_seq_lens_q=mb.cu_seqlens, cu_seq_lens_k=mb.cu_seqlens, max_length_q=max_len,
+                      max_length_k=max_len)
+    kept = mask[0].nonzero()[:, 0] if trained_only else None
+    if kept is not None:  # HF's `logits_to_keep` as positions: the output projection runs on those only
+        kwargs["logits_to_keep"], labels = kept, labels[:, kept]
+    out = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs)
+    return PackedForward(out.logits, labels, layout.vocab, shard, mb.input_ids.shape[1], kept, input_ids.shape[1],
+                         shared, mb.loss_mask if shared is not None and trained_only else None)
 
 
 def packed_logps(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
