@@ -284,14 +284,6 @@ class RolloutWorker:
             self.endpoint = OpenAIEndpoint(self.engine, tokenizer, parser, template_renders_tools(tokenizer), {},
                                            self.max_total_tokens, rollout_cfg.tool_call_stop)
 
-    def held(self, give_back: bool = True):
-        """A context in which the engine stays ready across rollouts (see `EngineState.holding`)."""
-        return self.state.holding(give_back)
-
-    def to_trainer_if_lent(self) -> None:
-        """See `EngineState.to_trainer_if_lent`."""
-        self.state.to_trainer_if_lent()
-
     @property
     def uses_tools(self) -> bool:
         """The policy may call tools: the rollout's tool metrics mean something."""

@@ -123,7 +123,7 @@ class PPOTrainer(Trainer):
         return workers
 
     def reclaim_devices(self) -> None:
-        self.rollout.to_trainer_if_lent()
+        self.rollout.state.to_trainer_if_lent()
 
     def trainer_state(self) -> dict:
         return {"cursor": self.cursor, "drawn": self.drawn,
@@ -131,7 +131,7 @@ class PPOTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
-        with measured(metrics, "rollout"), self.rollout.held():  # one push for all of the step's rounds
+        with measured(metrics, "rollout"), self.rollout.state.holding():  # one push for all of the step's rounds
             groups, rolled_out = self.collect_groups(step, metrics)
         if pushed := self.rollout.take_push_seconds():  # weights that no step's end pushed (see the sync below)
             metrics["perf/rollout_weight_push_s"] = pushed
@@ -289,7 +289,7 @@ class PPOTrainer(Trainer):
             return {}
         rollout = self.cfg.rollout
         # The engine keeps the weights for the next step's rollout, which samples them again.
-        with self.rollout.held(give_back=False):
+        with self.rollout.state.holding(give_back=False):
             groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
                                           rollout.test_responses_per_prompt,
                                           rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
