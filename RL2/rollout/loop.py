@@ -194,7 +194,9 @@ async def partial_rollout_batch(
                 done_groups.set()
         return results
 
-    tasks = [asyncio.create_task(group([trajectory({}, t) if t.unfinished else _ready(t) for t in g])) for g in carried]
+    # A finished carried trajectory joins its group as it is (`asyncio.sleep(0, t)` only hands it back).
+    tasks = [asyncio.create_task(group([trajectory({}, t) if t.unfinished else asyncio.sleep(0, t) for t in g]))
+             for g in carried]
     tasks += [asyncio.create_task(group([trajectory(row) for _ in range(responses_per_prompt)])) for row in prompts]
     all_done = asyncio.ensure_future(gather_or_cancel(tasks))
     enough = asyncio.create_task(done_groups.wait())
@@ -215,10 +217,6 @@ async def partial_rollout_batch(
     finished = [g for g in groups if not any(t.unfinished for t in g)]
     newly = [g for g in finished if id(g[0]) not in already]
     return finished, [g for g in groups if any(t.unfinished for t in g)], newly
-
-
-async def _ready(trajectory: Trajectory) -> Trajectory:
-    return trajectory
 
 
 async def _row_trajectory(run, row: dict, sampling_params: dict, resume: Trajectory | None = None,

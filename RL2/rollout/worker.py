@@ -15,6 +15,7 @@ trainer's state moved once per step. The whole cycle: docs/gpus.md; the memory o
 `RL2.engine.memory_plan`.
 """
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -302,7 +303,7 @@ class RolloutWorker:
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self._rollout_batch(
             [prompts[i] for i in mine], self._sampling_params(sampling_params), responses_per_prompt,
-        ) if mine else _nothing([]))
+        ) if mine else asyncio.sleep(0, []))
         self._fill_versions(groups)
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
@@ -324,7 +325,7 @@ class RolloutWorker:
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, my_needed, responses_per_prompt,
             self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
             self.tool_use,
-        ) if my_needed else _nothing(([], [], [])))
+        ) if my_needed else asyncio.sleep(0, ([], [], [])))
         self._fill_versions(result[0] + result[1])
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
@@ -408,6 +409,3 @@ class RolloutWorker:
         self.engine.update_weights(self.policy.engine_weights(tensors), weight_version=version)
         self.push_seconds += time.perf_counter() - began
 
-
-async def _nothing(value):
-    return value
