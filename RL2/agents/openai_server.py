@@ -398,10 +398,7 @@ class OpenAIEndpoint:
                                                        {**params, "max_new_tokens": left}, None)
             except Exception as e:  # the engine, not the agent, failed: the rollout must stop
                 raise _engine_failed(session, e) from e
-            turn.action_ids += rest.action_ids
-            turn.action_logps += rest.action_logps
-            turn.action_versions += rest.action_versions
-            turn.finish_reason = rest.finish_reason
+            turn.extend(rest)
             idle = 0 if rest.action_ids else idle + 1
             if turn.finish_reason == "abort" and idle == MAX_IDLE_RESUMES:
                 raise _engine_failed(session, EngineError(

@@ -352,7 +352,8 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     # current_ids already end with the partial action, so the engine samples on after it.
     rest, matched, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, params, room)
     trajectory.generate_seconds += seconds
-    trajectory.extend_last_action(rest, action_text(tokenizer, partial.action_ids + rest.action_ids, matched))
+    partial.extend(rest)
+    partial.action_text = action_text(tokenizer, partial.action_ids, matched)
     return partial
 
 

@@ -52,6 +52,14 @@ class Turn:
     reward_parts: dict[str, float] = field(default_factory=dict)
     action_versions: list[int] = field(default_factory=list)
 
+    def extend(self, rest: "Turn") -> None:
+        """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
+        the caller decodes the whole action's text again."""
+        self.action_ids += rest.action_ids
+        self.action_logps += rest.action_logps
+        self.action_versions += rest.action_versions
+        self.finish_reason = rest.finish_reason
+
 
 # The weight_version RL2 gives each push ("step3": the weights after step 3's update).
 _PUSHED = re.compile(r"step(\d+)")
@@ -163,14 +171,6 @@ class Trajectory:
         """Append the environment's observation to the current sequence, after the last action."""
         last = self.sequences[-1].turns[-1]
         last.env_text, last.env_ids = env_text, list(env_ids)
-
-    def extend_last_action(self, turn: "Turn", text: str) -> None:
-        """Append the rest of an aborted action (sampled after a pause) to the last turn."""
-        last = self.sequences[-1].turns[-1]
-        last.action_ids += turn.action_ids
-        last.action_logps += turn.action_logps
-        last.action_versions += turn.action_versions  # the rest may be of newer weights than the start
-        last.action_text, last.finish_reason = text, turn.finish_reason
 
     def fill_versions(self, version: int) -> None:
         """Give `version` to every sampled token that has none yet (those an engine sampled without

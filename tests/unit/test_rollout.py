@@ -507,7 +507,7 @@ def test_weight_versions_are_the_trainer_steps_that_made_the_weights():
 
 def test_token_versions_survive_resumes_and_checkpoints_and_become_lags():
     cut = versioned([3, 3])
-    cut.extend_last_action(Turn([8], [-0.1], "", "stop", action_versions=[4]), "ab")  # resumed after a push
+    cut.turns[-1].extend(Turn([8], [-0.1], "", "stop", action_versions=[4]))  # resumed after a push
     cut.add_turn(Turn([9, 9], [-0.2, -0.2], "c", "stop"))  # an engine that did not name its weights
     cut.fill_versions(5)
     assert [t.action_versions for t in cut.turns] == [[3, 3, 4], [5, 5]] and cut.versions == [3, 3, 4, 5, 5]
