@@ -104,11 +104,10 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) ->
 
 def reward_parts(trajectory: Trajectory) -> dict[str, float]:
     """A trajectory's reward parts, each summed over its turns."""
-    parts: dict[str, float] = {}
+    parts = Counter()
     for turn in trajectory.turns:
-        for name, value in turn.reward_parts.items():
-            parts[name] = parts.get(name, 0.0) + value
-    return parts
+        parts.update(turn.reward_parts)
+    return dict(parts)
 
 
 def _reward_part_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
