@@ -52,15 +52,12 @@ def shm_free_bytes() -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def create_segment(path: str, size: int, reserve: bool = False) -> None:
-    """A new file of `size` bytes. With `reserve`, its pages are allocated now: a full /dev/shm then
-    fails here with an OSError, instead of killing whichever process first writes past the end."""
+def create_segment(path: str, size: int) -> None:
+    """A new file of `size` bytes, its pages allocated now: a full /dev/shm then fails here with an
+    OSError, instead of killing whichever process first writes past the end."""
     descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        if reserve:
-            os.posix_fallocate(descriptor, 0, max(size, 1))
-        else:
-            os.ftruncate(descriptor, max(size, 1))
+        os.posix_fallocate(descriptor, 0, max(size, 1))
     except OSError:
         os.close(descriptor)
         os.unlink(path)

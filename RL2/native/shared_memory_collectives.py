@@ -92,12 +92,14 @@ class SharedMemoryCollectives:
                 if module is not model:
                     self.slots.fit(_gathered_bytes(module, self.world))
 
-    def _parts(self, nbytes: int) -> torch.Tensor | None:
-        """Every rank's part `[world, nbytes]` of the segment, grown if needed; None: use gloo. Collective."""
+    def _free_parts(self, nbytes: int) -> torch.Tensor | None:
+        """Every rank's part `[world, nbytes]` of the segment, grown if needed, once every rank has read what
+        the previous collective left in it; None: use gloo. Collective."""
         if nbytes > self.part_bytes and self.usable:
             self._grow(-(-nbytes // _ALIGN) * _ALIGN)
         if not self.usable:
             return None
+        self._barrier()
         return self.segment.view(self.world, self.part_bytes)[:, :nbytes]
 
     def _grow(self, part_bytes: int) -> None:
@@ -117,7 +119,7 @@ class SharedMemoryCollectives:
             try:
                 if shm_free_bytes() < size + SPARE_SHM_BYTES:
                     raise OSError(f"{SHM_DIR} has less than {size + SPARE_SHM_BYTES} bytes free")
-                create_segment(path, size, reserve=True)  # fails now rather than when written
+                create_segment(path, size)  # fails now rather than when written
             except OSError as e:
                 error = e
         mapping = None
@@ -143,12 +145,8 @@ class SharedMemoryCollectives:
         comes next, which FSDP writes itself; None where it cannot be (use memory of its own). Collective."""
         if device.type != "cpu":
             return None
-        numel = torch.Size(size).numel()
-        parts = self._parts(numel * dtype.itemsize)
-        if parts is None:
-            return None
-        self._barrier()  # everyone has read what the previous collective left in the segment
-        return parts[self.rank].view(dtype).view(size)
+        parts = self._free_parts(torch.Size(size).numel() * dtype.itemsize)
+        return None if parts is None else parts[self.rank].view(dtype).view(size)
 
     def _holds_my_part(self, tensor: torch.Tensor) -> bool:
         return self.segment is not None and tensor.data_ptr() == self.segment.data_ptr() + self.rank * self.part_bytes
@@ -159,10 +157,9 @@ class SharedMemoryCollectives:
     def _publish(self, input: torch.Tensor) -> torch.Tensor | None:
         """Write this rank's `input` into its part of the segment; every rank's part `[world, numel]` in
         `input`'s dtype once all have written; None: use gloo. Collective."""
-        parts = self._parts(input.numel() * input.element_size())
+        parts = self._free_parts(input.numel() * input.element_size())
         if parts is None:
             return None
-        self._barrier()  # everyone has read what the previous collective left in the segment
         parts[self.rank].view(input.dtype).copy_(input.reshape(-1))
         self._barrier()  # every part is written
         return parts.view(input.dtype)
@@ -196,9 +193,8 @@ class SharedMemoryCollectives:
             self._barrier()  # every rank's input is in place
             parts = self.slots.inputs_of_every_rank(input)
             self.in_place += 1
-        elif self._holds_my_part(input):
-            self._barrier()  # every rank's input is in place
-            parts = self._parts(input.numel() * input.element_size()).view(input.dtype)
+        elif self._holds_my_part(input):  # every rank's input is in place after the barrier of _free_parts
+            parts = self._free_parts(input.numel() * input.element_size()).view(input.dtype)
             self.in_place += 1
             self.in_segment += 1
         else:

@@ -134,7 +134,7 @@ class SharedMemoryGather:
 
         mappings, error = [], None
         try:
-            create_segment(paths[rank], size, reserve=True)
+            create_segment(paths[rank], size)
         except OSError as e:
             error = e
         dist.barrier(group=group)
