@@ -6,6 +6,7 @@ talks to it over HTTP. Its output goes to a log file whose tail is quoted when i
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -150,10 +151,8 @@ class SGLangServer:
             self.shm_files |= sglang_shm_files(self.process.pid)
             self._stop_group()
         for path in self.shm_files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def _stop_group(self) -> None:
         for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
