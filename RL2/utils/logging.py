@@ -78,24 +78,19 @@ class MetricsSink:
                  use_tensorboard: bool = False):
         if use_tensorboard:
             require_tensorboard()  # on every rank, so that all of them stop
-        if use_wandb and os.environ.get("WANDB_MODE") != "disabled" and importlib.util.find_spec("wandb") is None:
+        use_wandb = use_wandb and os.environ.get("WANDB_MODE") != "disabled"
+        if use_wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError("trainer.use_wandb=true needs the wandb package: run `pip install wandb`, or set "
                               "trainer.use_wandb=false (trainer.use_tensorboard=true logs without an account)")
         self.enabled = is_rank0()
         self.path = Path(save_dir) / "metrics.jsonl"
-        self.wandb = None
-        self.tensorboard = None
         try:  # on every rank (they all write checkpoints there), so that all of them stop
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a read-only place, or a file where a folder of the path should be
             raise ConfigError(f"trainer.save_dir={save_dir}: cannot create it ({e.strerror}: {e.filename}); give a "
                               f"folder this user can write") from None
-        if not self.enabled:
-            return
-        if use_wandb and os.environ.get("WANDB_MODE") != "disabled":
-            self.wandb = _init_wandb(project, name, save_dir, config)
-        if use_tensorboard:
-            self.tensorboard = TensorBoardLog(Path(save_dir) / "tensorboard")
+        self.wandb = _init_wandb(project, name, save_dir, config) if self.enabled and use_wandb else None
+        self.tensorboard = TensorBoardLog(Path(save_dir) / "tensorboard") if self.enabled and use_tensorboard else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
