@@ -24,9 +24,7 @@ class RMTrainer(PairwiseTrainer):
         # bias gets only round-off gradients, which Adam would amplify into a random walk. Pin it at 0.
         bias = worker.model.score.bias
         if bias is not None:
-            with torch.no_grad():
-                bias.zero_()
-            bias.requires_grad_(False)
+            torch.nn.init.zeros_(bias).requires_grad_(False)
         return worker
 
     def sequence_scores(self, mb):

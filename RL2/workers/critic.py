@@ -37,9 +37,8 @@ class Critic:
         # zero, the first advantages are the plain returns and the head learns from there. A head the
         # checkpoint holds (a critic or reward model RL2 exported) was trained: it stays.
         if not has_scalar_head(self.model.config):
-            with torch.no_grad():
-                for param in self.model.score.parameters():
-                    param.zero_()
+            for param in self.model.score.parameters():
+                torch.nn.init.zeros_(param)
 
     def forward_values(self, mb: MicroBatch) -> torch.Tensor:
         return forward_packed(self.model, mb).values()
