@@ -273,10 +273,5 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, model_cfg, device: torch.device) -> "ParallelDims":
-        return cls(
-            world_size=dist.get_world_size(),
-            tp=model_cfg.tp_size,
-            cp=model_cfg.cp_size,
-            ddp=model_cfg.ddp_size,
-            device_type=device.type,
-        )
+        return cls(world_size=dist.get_world_size(), tp=model_cfg.tp_size, cp=model_cfg.cp_size,
+                   ddp=model_cfg.ddp_size, device_type=device.type)

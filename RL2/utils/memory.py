@@ -8,6 +8,7 @@ phase reports the process's peak so far. (A reset also lowers what `getrusage` r
 process's `ru_maxrss`: measure a whole run from outside, as `benchmarks/bench_ppo_w1.py` does.)
 """
 
+import contextlib
 import resource
 import sys
 import time
@@ -19,11 +20,8 @@ import torch.distributed as dist
 
 def reset_peak_rss() -> None:
     """Start a new high-water mark of this process's RSS (a no-op where the kernel cannot)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss_gb() -> float:

@@ -9,6 +9,7 @@ adapters train (docs/lora.md).
 
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -387,14 +388,13 @@ class FSDPWorker(Stateful):
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, by the device type holding them."""
-        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        tensors = [*self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.optimizer is not None:
             tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        totals: dict[str, int] = {}
-        for tensor in tensors:
-            local = shard_of(tensor)
-            totals[local.device.type] = totals.get(local.device.type, 0) + local.numel() * local.element_size()
-        return totals
+        totals = Counter()
+        for local in map(shard_of, tensors):
+            totals[local.device.type] += local.numel() * local.element_size()
+        return dict(totals)
 
     @property
     def only_adapters_change(self) -> bool:
