@@ -160,10 +160,8 @@ class DecodeKernels:
 
     def unpack_rows(self, panels: torch.Tensor, first: int, rows: int, k: int) -> torch.Tensor:
         """The weight `[rows, k]` that `pack_rows` wrote at `first` (a copy)."""
-        if panels.dtype == torch.bfloat16:  # [panels, k / 2, width, 2] -> [features, k]
-            weights = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * panels.shape[2], -1)
-        else:  # [panels, k, width] -> [features, k]
-            weights = panels.permute(0, 2, 1).reshape(panels.shape[0] * panels.shape[2], -1)
+        # float32 [panels, k, width] or bf16 [panels, k / 2, width, 2] -> [features, k]
+        weights = panels.transpose(1, 2).reshape(panels.shape[0] * panels.shape[2], -1)
         return weights[first : first + rows, :k].clone()
 
     def panel_linear(
