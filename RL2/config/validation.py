@@ -45,14 +45,13 @@ def check_config(cfg, schema: type) -> None:
 def check_collective_timeout(cfg) -> None:
     """`trainer.collective_timeout`, where set: positive, and with a rollout longer than one generation request
     plus `REQUEST_TIMEOUT_MARGIN` (`RL2.parallel.collective_timeout` says why)."""
-    trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
-    chosen = trainer.get("collective_timeout") if trainer is not None else None
+    chosen = (cfg.get("trainer") or {}).get("collective_timeout")  # the evaluator's config has no trainer
     if chosen is None:
         return
     if chosen <= 0:
         raise ConfigError(f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: "
                           f"the default)")
-    request = rollout.get("request_timeout") if rollout is not None else None
+    request = (cfg.get("rollout") or {}).get("request_timeout")
     if request is not None and chosen < request + REQUEST_TIMEOUT_MARGIN:
         raise ConfigError(
             f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout={request} s plus "
