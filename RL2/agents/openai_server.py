@@ -30,8 +30,7 @@ from aiohttp import web
 from RL2.agents.tool_calls import ParsedAction, ToolCallParser
 from RL2.agents.tools import render_conversation
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rollout.loop import (DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, action_text, encode, end_text, sample_action,
-                              sample_seed)
+from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, encode, end_text, sample_rest, sample_seed
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
 
 # The model id `models.list()` shows; requests may name any model.
@@ -389,21 +388,15 @@ class OpenAIEndpoint:
         sampled on, as `RL2.rollout.loop` resumes it, rather than returned cut."""
         turn, matched, idle = Turn([], [], "", "abort"), None, 0
         while turn.finish_reason == "abort":
-            left = params["max_new_tokens"] - len(turn.action_ids)
-            if left < 1:  # cut at its very last token
-                turn.finish_reason, matched = "length", None
-                break
+            sampled = len(turn.action_ids)
             try:
-                rest, matched, _ = await sample_action(self.engine, self.tokenizer, ids + turn.action_ids,
-                                                       {**params, "max_new_tokens": left}, None)
+                matched, _ = await sample_rest(self.engine, self.tokenizer, ids + turn.action_ids, turn, params, None)
             except Exception as e:  # the engine, not the agent, failed: the rollout must stop
                 raise _engine_failed(session, e) from e
-            turn.extend(rest)
-            idle = 0 if rest.action_ids else idle + 1
+            idle = 0 if len(turn.action_ids) > sampled else idle + 1
             if turn.finish_reason == "abort" and idle == MAX_IDLE_RESUMES:
                 raise _engine_failed(session, EngineError(
                     f"the engine aborted a request {idle} times in a row before it sampled a token"))
-        turn.action_text = action_text(self.tokenizer, turn.action_ids, matched)
         return _Choice(turn, matched)
 
     # ---- responses ----

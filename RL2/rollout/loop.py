@@ -343,17 +343,9 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
         trajectory.add_turn(turn)
         return turn
     partial = trajectory.turns[-1]
-    params = dict(sampling_params)
-    requested = params.get("max_new_tokens")
-    params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(partial.action_ids)
-    if params["max_new_tokens"] < 1 or (room is not None and room < 1):  # it was cut at its very last token
-        partial.finish_reason = "length"
-        return partial
     # current_ids already end with the partial action, so the engine samples on after it.
-    rest, matched, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, params, room)
+    _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, partial, sampling_params, room)
     trajectory.generate_seconds += seconds
-    partial.extend(rest)
-    partial.action_text = action_text(tokenizer, partial.action_ids, matched)
     return partial
 
 
@@ -388,6 +380,23 @@ async def sample_action(engine: Engine, tokenizer, input_ids: list[int], samplin
     versions = [] if version is None else [version] * len(ids)
     turn = Turn(ids, logps, action_text(tokenizer, ids, matched), reason["type"], action_versions=versions)
     return turn, matched, seconds
+
+
+async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Turn, sampling_params: dict,
+                      room: int | None) -> tuple[str | int | None, float]:
+    """Sample into `turn` the rest of an action a pause cut short (all of it when it has no token yet), after
+    `input_ids`, which end with its tokens; returns the stop string or token that ended it and the engine's
+    seconds. The tokens it has count against max_new_tokens: none left ends it with "length"."""
+    params = dict(sampling_params)
+    requested = params.get("max_new_tokens")
+    params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(turn.action_ids)
+    if params["max_new_tokens"] < 1 or (room is not None and room < 1):  # it was cut at its very last token
+        turn.finish_reason = "length"
+        return None, 0.0
+    rest, matched, seconds = await sample_action(engine, tokenizer, input_ids, params, room)
+    turn.extend(rest)
+    turn.action_text = action_text(tokenizer, turn.action_ids, matched)
+    return matched, seconds
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
