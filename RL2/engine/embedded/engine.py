@@ -301,9 +301,8 @@ class EmbeddedEngine:
         width = 0
         while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
             request = self._waiting[0]
-            if self.max_total_tokens is not None:
-                if reserved + request.reserved_tokens > self.max_total_tokens:
-                    break
+            if self.max_total_tokens is not None and reserved + request.reserved_tokens > self.max_total_tokens:
+                break
             new_width = max(width, len(request.input_ids) + len(request.output_ids))
             if admitted and new_width * (len(admitted) + 1) > MAX_PREFILL_TOKENS:
                 break
