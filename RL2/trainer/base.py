@@ -97,11 +97,7 @@ class Trainer:
         self.n_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.sampler.steps_per_epoch
 
     def train(self) -> None:
-        """The loop: train, log, evaluate, save; then export the final models. Releases trainer.save_dir."""
-        try:
-            self._run(self.n_steps)
-        finally:
-            self.release_save_dir()
+        self.run(self.n_steps)
 
     def resume(self, n_steps: int) -> int:
         """Restore the checkpoint named by trainer.load_ckpt_from; returns the step to continue after."""
@@ -122,6 +118,13 @@ class Trainer:
     def truncate_outputs_after(self, step: int) -> None:
         """Drop what the steps after `step` wrote, which the resumed run writes again."""
         self.sink.truncate_after(step)
+
+    def run(self, n_steps: int) -> None:
+        """The loop: train, log, evaluate, save; then export the final models. Releases trainer.save_dir."""
+        try:
+            self._run(n_steps)
+        finally:
+            self.release_save_dir()
 
     def _run(self, n_steps: int) -> None:
         trainer = self.cfg.trainer

@@ -218,14 +218,9 @@ def remove_old_checkpoints(root: Path, keep_last_n: int | None) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     if keep_last_n is None:
         return
-    latest = latest_checkpoint(str(root))
-    kept = [latest] if latest is not None else []
-    for _, path in sorted(_complete_steps(root), reverse=True):
-        if path in kept:
-            continue
-        if len(kept) < keep_last_n:
-            kept.append(path)
-            continue
+    latest = latest_checkpoint(str(root))  # kept, and one of the n
+    others = [path for _, path in sorted(_complete_steps(root), reverse=True) if path != latest]
+    for path in others[max(0, keep_last_n - (latest is not None)):]:
         try:
             shutil.rmtree(path)
         except OSError as e:  # the new checkpoint is saved; a folder left behind only costs disk
