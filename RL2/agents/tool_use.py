@@ -43,13 +43,10 @@ class ToolUse:
     on_error: str = "observe"
     stop_after_call: bool = True
 
-    @property
-    def schemas(self) -> list[dict]:
-        return [tool.schema for tool in self.tools.values()]
-
     def render(self, messages: list[dict], tokenizer) -> str:
         """Chat messages as the policy sees them, with the tools."""
-        return render_conversation(tokenizer, messages, self.schemas, self.parser, self.native)
+        schemas = [tool.schema for tool in self.tools.values()]
+        return render_conversation(tokenizer, messages, schemas, self.parser, self.native)
 
     def sampling_params(self, params: dict) -> dict:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
