@@ -7,6 +7,8 @@ estimator named by `adv.estimator` (GRPO: `grpo`; PPO: `gae`), update the actor 
 and copy the new weights into the engines.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -229,14 +231,10 @@ class PPOTrainer(Trainer):
     def draw_prompts(self, n: int) -> list[dict]:
         """The next `n` prompts of the training order (the sampler's batches one after another): a step's
         batch, or with `rollout.over_sampling` more, the rest of a batch waiting for the next draw."""
-        size, batches, indices = self.sampler.batch_size, {}, []
-        for position in range(self.drawn, self.drawn + n):
-            k = position // size
-            if k not in batches:
-                batches[k] = self.sampler.batch(k)
-            indices.append(batches[k][position % size])
+        batch = functools.cache(self.sampler.batch)  # each batch the prompts span, shuffled once
+        size, first = self.sampler.batch_size, self.drawn
         self.drawn += n
-        return [self.train_data[i] for i in indices]
+        return [self.train_data[batch(p // size)[p % size]] for p in range(first, first + n)]
 
     def resets_reference(self) -> bool:
         kl = self.cfg.actor.kl
