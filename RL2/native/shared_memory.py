@@ -72,3 +72,27 @@ def map_segment(path: str, size: int) -> mmap.mmap:
         return mmap.mmap(descriptor, max(size, 1), mmap.MAP_SHARED)
     finally:
         os.close(descriptor)
+
+
+def map_segments(paths: list[str], own: str | None, size: int, group) -> tuple[list[mmap.mmap] | None, OSError | None]:
+    """Every file of `paths` (`size` bytes each) mapped on every rank of `group`, this rank first creating
+    `own` (one of them; None: none) where /dev/shm has room for it; each file is unlinked once every rank has
+    mapped it. Returns the mappings, or None on every rank where a file could not be made or mapped anywhere,
+    and this rank's error, if any. Collective."""
+    error, mappings = None, None
+    if own is not None:
+        try:
+            if shm_free_bytes() < size + SPARE_SHM_BYTES:
+                raise OSError(f"{SHM_DIR} has less than {size + SPARE_SHM_BYTES} bytes free")
+            create_segment(own, size)  # fails now rather than when written
+        except OSError as e:
+            error = e
+    if everyone(error is None, group):  # every file exists
+        try:
+            mappings = [map_segment(path, size) for path in paths]
+        except OSError as e:  # e.g. ranks on one hostname but separate /dev/shm (containers)
+            error = e
+    ok = everyone(mappings is not None, group)  # everyone has mapped them (or failed): the names can go
+    if own is not None and os.path.exists(own):
+        os.unlink(own)
+    return (mappings if ok else None), error

@@ -34,16 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from RL2.native import switches
-from RL2.native.shared_memory import (
-    SHM_DIR,
-    SPARE_SHM_BYTES,
-    create_segment,
-    everyone,
-    map_segment,
-    remove_orphans,
-    segment_name,
-    shm_free_bytes,
-)
+from RL2.native.shared_memory import SHM_DIR, map_segments, remove_orphans, segment_name
 from RL2.parallel import clear_on_close
 from RL2.utils.logging import log_rank0
 
@@ -114,31 +105,15 @@ class SharedMemoryCollectives:
         anywhere, None everywhere and `usable` turns False. Collective."""
         path = os.path.join(SHM_DIR, f"{self.name}-{self.grown}")
         self.grown += 1
-        error = None
-        if self.rank == 0:
-            try:
-                if shm_free_bytes() < size + SPARE_SHM_BYTES:
-                    raise OSError(f"{SHM_DIR} has less than {size + SPARE_SHM_BYTES} bytes free")
-                create_segment(path, size)  # fails now rather than when written
-            except OSError as e:
-                error = e
-        mapping = None
-        if everyone(error is None, self.group):
-            try:
-                mapping = map_segment(path, size)
-            except OSError as e:
-                error = e
-        ok = everyone(mapping is not None, self.group)  # everyone has mapped it (or failed): the name can go
-        if self.rank == 0 and os.path.exists(path):
-            os.unlink(path)
-        if not ok:
+        mappings, error = map_segments([path], path if self.rank == 0 else None, size, self.group)
+        if mappings is None:
             self.usable = False
             if self.rank == 0:  # the same work goes on over gloo, slower: say why once
                 log_rank0(f"FSDP collectives go through gloo from now on: no shared-memory segment of {size} bytes "
                           f"({error or 'another rank could not map it'}; a container's {SHM_DIR} is often 64 MB: "
                           f"docker run --shm-size=...)")
             return None
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        return torch.frombuffer(mappings[0], dtype=torch.uint8)
 
     def input_part(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """This rank's part of the segment as a `size` tensor, for the input of the reduce-scatter that

@@ -30,9 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from RL2.native.shared_memory import (
     SHM_DIR,
     SPARE_SHM_BYTES,
-    create_segment,
     everyone,
-    map_segment,
+    map_segments,
     remove_orphans,
     segment_name,
     shm_free_bytes,
@@ -132,21 +131,8 @@ class SharedMemoryGather:
         if rank == 0:
             remove_orphans(PREFIX)
 
-        mappings, error = [], None
-        try:
-            create_segment(paths[rank], size)
-        except OSError as e:
-            error = e
-        dist.barrier(group=group)
-        if error is None:
-            try:
-                mappings = [map_segment(path, size) for path in paths]
-            except OSError as e:  # e.g. ranks on one hostname but separate /dev/shm (containers)
-                error = e
-        dist.barrier(group=group)  # everyone has mapped every segment: the names can go
-        if os.path.exists(paths[rank]):
-            os.unlink(paths[rank])
-        if not everyone(error is None):
+        mappings, _ = map_segments(paths, paths[rank], size, group)
+        if not everyone(mappings is not None):  # every group of the world agrees
             return None
         return cls(chunks, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings])
 
