@@ -73,11 +73,8 @@ class HTTPEngineClient:
             await self._client.aclose()
             self._client = None
 
-    def _live(self) -> list[str]:
-        return [url for url in self.urls if url not in self.lost]
-
     def _least_busy(self) -> str:
-        live = self._live()
+        live = [url for url in self.urls if url not in self.lost]
         if not live:
             why = "; ".join(f"{url}: {reason}" for url, reason in self.lost.items())
             raise EngineError(f"no SGLang server is left to generate with, all were lost ({why}). Check that the "
