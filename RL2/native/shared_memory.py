@@ -6,6 +6,7 @@ file right after. A run killed in between leaves the file: its name records the 
 (`remove_orphans`).
 """
 
+import contextlib
 import glob
 import mmap
 import os
@@ -36,15 +37,11 @@ def remove_orphans(prefix: str) -> None:
         try:
             pid = int(os.path.basename(path)[len(prefix) + 1 :].split("-")[0])
             os.kill(pid, 0)
-        except ValueError:
-            continue  # not a name of ours
+        except (ValueError, PermissionError):
+            pass  # not a name of ours, or a live process of another user
         except ProcessLookupError:
-            try:
+            with contextlib.suppress(OSError):  # another run removed it first
                 os.unlink(path)
-            except OSError:
-                pass  # another run removed it first
-        except PermissionError:
-            continue  # alive, another user's
 
 
 def shm_free_bytes() -> int:
