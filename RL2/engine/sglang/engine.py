@@ -580,7 +580,7 @@ def _disk_roles(cfg, weight_sync: str, hosts: list[str], leader_ranks) -> tuple[
     writer = hosts.index(hosts[rank])
     mine = _new_weights_dir(cfg) if rank == writer else None
     dirs = _all_gather(mine)
-    return mine, [dirs[hosts.index(hosts[rank])]] if rank in leader_ranks else []
+    return mine, [dirs[writer]] if rank in leader_ranks else []
 
 
 def _new_weights_dir(cfg) -> Path:
