@@ -15,17 +15,18 @@ with the chat template. See docs/rl.md and `envs/` for examples.
 The env scripts of RL2's original releases run as they are (`OriginalProtocol`, docs/compatibility.md).
 """
 
-import importlib.util
 import inspect
 import itertools
 import math
+import numbers
 import sys
 import threading
-import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+
+from RL2.utils.imports import import_file
 
 State = str | list[dict]
 
@@ -167,10 +168,7 @@ def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, Mod
     file = Path(path).expanduser()
     if not file.is_file():
         raise EnvError(f"{what} {file} does not exist; {hint}")
-    spec = importlib.util.spec_from_file_location(f"{prefix}{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return file, module
+    return file, import_file(file, prefix)
 
 
 def check_coroutine(file: Path, name: str, fn: Callable, params: str) -> None:

@@ -21,8 +21,13 @@ def import_file_or_module(where: str, prefix: str) -> ModuleType:
         file = Path(where).expanduser()
         if not file.is_file():
             raise FileNotFoundError(f"{file} does not exist")
-        spec = importlib.util.spec_from_file_location(f"{prefix}{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return import_file(file, prefix)
     return importlib.import_module(where)
+
+
+def import_file(file: Path, prefix: str) -> ModuleType:
+    """The module the Python file `file` defines, named `prefix` + the file's stem, outside `sys.modules`."""
+    spec = importlib.util.spec_from_file_location(f"{prefix}{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
