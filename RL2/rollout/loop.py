@@ -367,9 +367,10 @@ async def sample_action(engine: Engine, tokenizer, input_ids: list[int], samplin
     began = time.perf_counter()
     response = await engine.generate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
     seconds = time.perf_counter() - began
-    meta = response["meta_info"]
-    if "output_token_logprobs" not in meta:
-        raise EngineError("the engine's response has no meta_info.output_token_logprobs; it must honour return_logprob")
+    meta = response.get("meta_info") or {}
+    if "output_token_logprobs" not in meta or "finish_reason" not in meta:
+        raise EngineError("the engine's response has no meta_info.output_token_logprobs or finish_reason; it must "
+                          "answer as SGLang's /generate does with return_logprob")
     ids = [int(token) for _, token, _ in meta["output_token_logprobs"]]
     logps = [float(logp) for logp, _, _ in meta["output_token_logprobs"]]
     reason = meta["finish_reason"]

@@ -431,6 +431,30 @@ def test_an_engine_failure_answers_500_and_is_kept_for_the_rollout(tok):
     assert isinstance(session.error, EngineError) and session.trajectory.sequences == []
 
 
+class MalformedEngine:
+    """An engine whose answer lacks what SGLang's `/generate` returns with return_logprob."""
+
+    def __init__(self, meta_info: dict | None):
+        self.meta_info = meta_info
+
+    async def generate(self, payload: dict) -> dict:
+        return {"text": "", "output_ids": [5]} | ({} if self.meta_info is None else {"meta_info": self.meta_info})
+
+
+@pytest.mark.parametrize("meta_info", [None, {"output_token_logprobs": [[-0.5, 5, None]]},
+                                       {"finish_reason": {"type": "length"}}])
+def test_a_malformed_engine_answer_is_an_engine_failure(tok, meta_info):
+    # The rollout stops with an EngineError that says what the engine must answer, not a KeyError.
+    async def talk(client):
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="m", messages=QUESTION)
+        return caught.value
+
+    error, session = serve(MalformedEngine(meta_info), tok, talk)
+    assert error.status_code == 500 and "return_logprob" in error.message
+    assert isinstance(session.error, EngineError) and session.trajectory.sequences == []
+
+
 def test_an_answer_cut_by_someone_elses_pause_is_sampled_on(model, tok):
     async def talk(client):
         return await client.chat.completions.create(model="m", messages=QUESTION)
