@@ -252,7 +252,7 @@ def _parse(raw: str, key: str) -> Any:
 
 
 def as_text(value: Any) -> str:
-    """A value as a command line writes it (`true`, `null`, `[a, b]`)."""
+    """A value as command-line text (`true`, `null`, `['a', 'b']`: OmegaConf reads a list's quoted items back)."""
     if isinstance(value, bool):
         return str(value).lower()
     return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
