@@ -45,9 +45,9 @@ class BM25:
 @lru_cache(maxsize=4)
 def bm25_index(corpus_path: str) -> BM25:
     """The index of a JSONL corpus (each line's "text", or Search-R1's "contents"), built once per file."""
-    with open(corpus_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return BM25([row["text"] if "text" in row else row["contents"] for row in rows])
+    with open(corpus_path) as f:  # one parsed row at a time: only the passages stay
+        rows = (json.loads(line) for line in f if line.strip())
+        return BM25([row["text"] if "text" in row else row["contents"] for row in rows])
 
 
 def search_r1_passages(corpus_path: str, query: str, k: int = 3) -> str:
