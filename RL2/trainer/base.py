@@ -14,9 +14,10 @@ from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.native import prepare_process, use_huge_pages
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
-from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, resolve_checkpoint, save_checkpoint
+from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
+from RL2.utils.save_dir_lock import claim_save_dir
 
 
 class Trainer:

@@ -19,8 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from RL2.config import ConfigError
 from RL2.config.schema import SFTConfig
 from RL2.trainer.base import Trainer
-from RL2.utils import checkpoint
-from RL2.utils.checkpoint import claim_save_dir, load_checkpoint, save_checkpoint
+from RL2.utils import checkpoint, save_dir_lock
+from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
+from RL2.utils.save_dir_lock import claim_save_dir
 
 
 def draws() -> tuple:
@@ -131,7 +132,7 @@ def other_process():
 def plant_lock(save_dir, pid: int, host: str | None = None, process_start: str | None = None):
     save_dir.mkdir(parents=True, exist_ok=True)
     holder = {"pid": pid, "host": host or socket.gethostname(), "started": "2025-01-01 00:00:00",
-              "command": "-m RL2.trainer.sft", "process_start": process_start or checkpoint._process_start(pid)}
+              "command": "-m RL2.trainer.sft", "process_start": process_start or save_dir_lock._process_start(pid)}
     (save_dir / "run.lock").write_text(json.dumps(holder))
 
 

@@ -1,0 +1,150 @@
+"""`<save_dir>/run.lock` names the run that writes to a save_dir (`claim_save_dir`): two runs with one
+save_dir would overwrite each other's checkpoints and `latest.txt`, and a resume could load the other
+run's weights."""
+
+import atexit
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from RL2.config.errors import ConfigError
+from RL2.utils.checkpoint import fsync_dir
+from RL2.utils.logging import log_rank0
+
+LOCK = "run.lock"
+
+
+def claim_save_dir(save_dir: str) -> Callable[[], None]:
+    """Collective: hold `<save_dir>/run.lock` for this run (rank 0 writes it), or raise a ConfigError on
+    every rank that names the run holding it and what to do.
+
+    A lock whose process is gone (on this host; or its pid now belongs to another process) is stale
+    and taken over. One written on another host cannot be checked from here: it holds until removed.
+
+    Returns:
+        a function that releases the lock (also called at the process's exit; a no-op on other ranks).
+    """
+    problem, release = None, lambda: None
+    if dist.get_rank() == 0:
+        try:
+            release = _take_lock(Path(save_dir))
+        except ConfigError as e:
+            problem = str(e)
+        except OSError as e:  # a full disk, a read-only folder: every rank stops, not rank 0 alone
+            problem = (f"trainer.save_dir={save_dir}: cannot write {LOCK} ({e.strerror}); give a folder this user "
+                       f"can write")
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ConfigError(box[0])
+    return release
+
+
+def _take_lock(root: Path) -> Callable[[], None]:
+    path = root / LOCK
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only place, or a file where a folder of the path should be
+        raise ConfigError(f"trainer.save_dir={root}: cannot create it ({e.strerror}: {e.filename}); give a "
+                          f"folder this user can write") from None
+    me = _this_process()
+    for _ in range(3):  # a stale lock is removed, then created afresh (another run may win that race)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is not None and _same_process(holder, me):
+                break  # this process's previous trainer (the Python API runs one after another)
+            if holder is not None and not _alive(holder):
+                log_rank0(f"trainer.save_dir: removing the stale lock {path} of process {holder.get('pid')}, "
+                          f"which is gone")
+                path.unlink(missing_ok=True)
+                continue
+            raise ConfigError(_held_message(root, path, holder)) from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(root)
+        except OSError:  # an empty lock would name no one and hold the save_dir for good
+            path.unlink(missing_ok=True)
+            raise
+        break
+    else:
+        raise ConfigError(_held_message(root, path, _read_lock(path)))
+
+    def release() -> None:
+        atexit.unregister(release)
+        holder = _read_lock(path)
+        if holder is not None and _same_process(holder, me):
+            path.unlink(missing_ok=True)
+
+    atexit.register(release)  # a run that fails before its end leaves no lock behind either
+    return release
+
+
+def _this_process() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot, field 22 of /proc/<pid>/stat): tells the
+    process that wrote a lock from a later one given the same pid. None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # the fields after the command name begin at field 3
+
+
+def _read_lock(path: Path) -> dict | None:
+    """The holder a lock file names; None when it cannot be read or is empty (being written, or damaged)."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _same_process(holder: dict, me: dict) -> bool:
+    return holder.get("host") == me["host"] and holder.get("pid") == me["pid"] and \
+        holder.get("process_start") == me["process_start"]
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process that wrote lock `holder` still runs, as far as this host can tell: one on
+    another host is taken to be alive."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    started = holder.get("process_start")
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _held_message(root: Path, path: Path, holder: dict | None) -> str:
+    if holder is None:
+        who = f"another run ({path} names no process: it is being written, or damaged)"
+    else:
+        who = (f"process {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')} "
+               f"({holder.get('command')})")
+    if holder is not None and holder.get("host") == socket.gethostname():
+        stale = "or wait for that run to end (or stop it)"
+    else:
+        stale = f"or, if no run uses this save_dir any more (one on another host cannot be checked from here), remove {path}"
+    return (f"trainer.save_dir={root} is in use by {who}: two runs in one save_dir overwrite each other's "
+            f"checkpoints and latest.txt. Give this run another trainer.save_dir (or trainer.experiment_name), "
+            f"{stale}")
