@@ -11,7 +11,7 @@ from tqdm import tqdm
 from RL2.config import ConfigError, parse_config
 from RL2.datasets.loading import DataError
 from RL2.datasets.splits import EpochSampler, load_splits
-from RL2.native import prepare_process, use_huge_pages
+from RL2.native import prepare_process
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
 from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -33,13 +33,14 @@ class Trainer:
     learning_curve: tuple[CurvePanel, ...] = (CurvePanel("loss", ("train/loss", "test/loss")),)
 
     def __init__(self, cfg, model_cfg):
-        use_huge_pages()  # first: torch reads it at its first CPU allocation, whatever allocates it
+        self.device = pick_device(cfg.trainer.device)
+        # First: huge pages before torch's first CPU allocation, whatever allocates it, and malloc keeping
+        # freed memory before any thread starts.
+        prepare_process(self.device)
         self.cfg = cfg
         # Before any model is built: a resume with nothing to resume from fails in seconds.
         self.resume_from = find_checkpoint(cfg.trainer)
         quiet_third_party_progress()
-        self.device = pick_device(cfg.trainer.device)
-        prepare_process(self.device)  # huge pages, and malloc keeping freed memory: before any thread starts
         init_distributed(self.device, collective_timeout(cfg))
         # Before anything is written there: a second run with this save_dir stops here, naming the first.
         self.release_save_dir = claim_save_dir(cfg.trainer.save_dir)
