@@ -5,20 +5,12 @@ Every rank keeps a plain (unsharded) copy of the policy for generation in an `Em
 `prompts[rank::world_size]`, and all-gathers the trajectories, so that every rank ends with the whole
 rollout in prompt order (the packing of the update needs the global batch everywhere).
 
-Whether the engine may sample is decided in one place, `EngineState`, from the engine's memory (resident,
-or released to the trainer: released weights lose their content), the version of its weights (which update
-of the policy they hold, `FSDPWorker.updates`) and where the trainer's models are (on the GPU, or on the
-CPU while a colocated engine samples). `sampling()` is the only way to a rollout: it first brings the
-weights to the policy's current version, so that a rollout on stale or released weights cannot happen.
-`holding()` keeps the engine ready across the rollouts of one step, so the weights are pushed and the
-trainer's state moved once per step. The whole cycle: docs/gpus.md; the memory of each phase:
-`RL2.engine.memory_plan`.
+Whether the engine may sample is decided in one place, `RL2.rollout.engine_state.EngineState`.
 """
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +25,7 @@ from RL2.engine.protocol import EngineError
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
 from RL2.native import SharedMemoryGather, shared_weight_gather
+from RL2.rollout.engine_state import EngineState
 from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
@@ -120,127 +113,6 @@ def configure_rewards(rollout_cfg) -> None:
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
     return (seed * 1_000_003 + step) * 1_009 + rank
-
-
-# SGLang's tags of the memory regions a colocated server releases.
-WEIGHT_TAGS = ("weights",)
-CACHE_TAGS = ("kv_cache", "cuda_graph")
-
-
-class EngineState:
-    """Args:
-        engine: the rollout engine (`RL2.engine.protocol.Engine`): whether it `releases_memory` and
-            `follows_policy` is its own to say.
-        policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
-            None: the engine samples the weights it loaded (an evaluation of a fixed model).
-        push: `push(label)` sends the policy's current weights to the engine (collective).
-        colocated: the trainer's models that leave the GPU while the engine samples (empty: none do); with
-            any, a push waits for the next rollout, as the push needs their GPU memory.
-    """
-
-    def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
-        self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)
-        self.releases_memory = engine.releases_memory
-        self.follows_policy = policy is not None and engine.follows_policy
-        self.weights_resident = self.cache_resident = True
-        self.version: int | None = policy.updates if policy else None  # it starts from the policy's initial weights
-        self.label = "step0"  # weight_version of the newest push
-        self.ready = False  # set up for sampling: weights current, the trainer's models off the GPU, cache resumed
-        self.holds = 0  # open `holding()` scopes
-
-    @property
-    def current(self) -> bool:
-        """The engine's weights are resident and are the policy's (or stay the engine's own under `none`)."""
-        return self.weights_resident and (not self.follows_policy or self.version == self.policy.updates)
-
-    def synced(self, label: str) -> None:
-        """The policy was updated (`label` names its weights): push now, unless the push needs the GPU that
-        the trainer's models hold (a colocated engine): then at the start of the next rollout."""
-        self.label = label
-        if self.follows_policy and not self.colocated:
-            self._make_current()
-
-    @contextmanager
-    def sampling(self) -> Iterator[None]:
-        """The engine is ready to sample the policy's current weights inside; the trainer's afterwards
-        (inside `holding()`: at the end of that scope)."""
-        if not (self.ready and self.current):
-            self._make_current()
-            for worker in self.colocated:
-                worker.offload()
-            if self.releases_memory and not self.cache_resident:
-                self.engine.resume_memory(CACHE_TAGS)
-                self.cache_resident = True
-            self.ready = True
-        try:
-            yield
-        except BaseException:
-            self._onload_trainer()  # the run is failing: the trainer's state must still be reachable
-            raise
-        if not self.holds:
-            self.to_trainer()
-
-    @contextmanager
-    def holding(self, give_back: bool = True) -> Iterator[None]:
-        """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
-        the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
-        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after
-        the scope; what needs the trainer's models before that rollout calls `to_trainer_if_lent` first.
-        Nothing inside may update the policy or need the trainer's models on the GPU.
-        """
-        self.holds += 1
-        try:
-            yield
-        except BaseException:
-            if self.holds == 1 and self.ready:
-                self._onload_trainer()  # failing between rollouts: as `sampling` does
-            raise
-        finally:
-            self.holds -= 1
-        if not self.holds and self.ready and give_back:
-            self.to_trainer()
-
-    def to_trainer_if_lent(self) -> None:
-        """The trainer needs its models outside a step (a checkpoint save): if an evaluation left a
-        colocated engine holding the GPU, give it back. An engine beside the trainer that releases memory
-        (the embedded one on CPU) gives back its cache and keeps the weights the next rollout samples."""
-        if self.ready and self.colocated:
-            self.to_trainer()
-        elif self.releases_memory and self.cache_resident:
-            self.engine.release_memory(CACHE_TAGS)
-            self.ready = self.cache_resident = False
-
-    def to_trainer(self) -> None:
-        """Give the GPU to the trainer: the engine releases its memory (its weights too, unless they are
-        its own under `none`) and the trainer's models come back."""
-        if self.releases_memory:
-            tags = (WEIGHT_TAGS if self.follows_policy and self.weights_resident else ()) + (
-                CACHE_TAGS if self.cache_resident else ())
-            if tags:
-                self.engine.release_memory(tags)
-            if "weights" in tags:
-                self.weights_resident, self.version = False, None
-            self.cache_resident = False
-        self._onload_trainer()
-
-    def _make_current(self) -> None:
-        if self.current:
-            return
-        # Room for the servers' weights next to the policy's parameters, which the push reads. A LoRA
-        # policy's frozen base is read from the CPU instead, one tensor at a time (`full_tensors`).
-        for worker in self.colocated:
-            worker.offload(keep_params=worker is self.policy and getattr(worker, "lora", None) is None)
-        if not self.weights_resident:
-            self.engine.resume_memory(WEIGHT_TAGS)
-            self.weights_resident = True
-        if self.follows_policy:
-            self.push(self.label)
-            self.version = self.policy.updates
-
-    def _onload_trainer(self) -> None:
-        self.ready = False
-        for worker in self.colocated:
-            worker.onload()
 
 
 class RolloutWorker:

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from RL2.rollout.worker import EngineState
+from RL2.rollout.engine_state import EngineState
 
 RELEASE_ALL = "release weights,kv_cache,cuda_graph"
 RELEASE_CACHE = "release kv_cache,cuda_graph"

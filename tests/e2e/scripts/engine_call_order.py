@@ -25,7 +25,8 @@ import torch
 
 from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
-from RL2.rollout.worker import EngineState, full_tensors
+from RL2.rollout.engine_state import EngineState
+from RL2.rollout.worker import full_tensors
 from RL2.trainer.ppo import PPOTrainer
 from tests.helpers import ENVS
 
