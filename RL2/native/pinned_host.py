@@ -69,11 +69,12 @@ class PinnedHostCopies:
         if key in self.registered:
             self.unlock(self.registered.pop(key))
         nbytes = like.numel() * like.element_size()
-        # Whole pages of its own, so that no page is locked twice by two neighbouring buffers.
+        # Whole pages of its own (an anonymous mapping), so that no page is locked twice by two neighbouring
+        # buffers, and a storage that starts where the locked range starts: torch asks CUDA about a storage's
+        # first byte (`Tensor.is_pinned`, and the copies that choose their path by it), and a buffer carved
+        # out of a larger, unaligned allocation starts before it.
         locked = -(-nbytes // PAGE) * PAGE
-        raw = torch.empty(locked + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        pages = raw[start:start + locked]
+        pages = torch.frombuffer(mmap.mmap(-1, locked), dtype=torch.uint8)
         self.lock(pages.data_ptr(), locked)
         self.registered[key] = pages.data_ptr()
         self.buffers[key] = pages[:nbytes].view(like.dtype).view(like.shape)

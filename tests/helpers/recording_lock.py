@@ -26,5 +26,8 @@ class RecordingLock:
         del self.locked[address]
 
     def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is page-locked as CUDA would see it: its bytes in one locked range, and so is the
+        first byte of its storage, which is what `Tensor.is_pinned` asks CUDA about."""
+        base = tensor.untyped_storage().data_ptr()
         start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        return any(a <= start and end <= a + n for a, n in self.locked.items())
+        return any(a <= base and a <= start and end <= a + n for a, n in self.locked.items())
