@@ -135,7 +135,9 @@ class FSDPWorker(Stateful):
         self.scaler = ShardedGradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
-        self.host_copies: PinnedHostCopies | None = None  # page-locked buffers of the first offload on CUDA
+        # Page-locked buffers the state offloads into: made at the first offload on CUDA; on the CPU, where
+        # there is nothing to offload from, only given by a test (`offload_into`) to run the CUDA path's logic.
+        self.host_copies: PinnedHostCopies | None = None
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards
@@ -325,7 +327,7 @@ class FSDPWorker(Stateful):
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        if self.cfg.offload_optimizer and self.device.type == "cuda":
+        if self.cfg.offload_optimizer and self.moves_state:
             self.move_state(self.device, params=False)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the step when unscale_ found an inf or nan
@@ -342,8 +344,8 @@ class FSDPWorker(Stateful):
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step()
         self.updates += 1
-        if self.cfg.offload_optimizer and self.device.type == "cuda":
-            self.move_state(torch.device("cpu"), params=False)
+        if self.cfg.offload_optimizer and self.moves_state:
+            self.offload_state(params=False)
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     # ---- colocation: the device's memory goes to the rollout engine while it samples ----
@@ -352,32 +354,36 @@ class FSDPWorker(Stateful):
         """Move parameters, gradients and optimizer state to the CPU and return the freed GPU memory to
         the driver, so that a colocated engine can take it. No-op on CPU. `keep_params`: move only the
         optimizer state (the parameters are about to be read, e.g. by a weight sync)."""
-        if self.device.type == "cpu" or self.offloaded:
+        if not self.moves_state or self.offloaded:
             return
-        self.move_state(torch.device("cpu"), params=not keep_params)
+        self.offload_state(params=not keep_params)
         self.offloaded = not keep_params
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Bring back what `offload` moved: parameters and gradients, and the optimizer state unless
         `offload_optimizer` keeps it on the CPU between steps."""
-        if self.device.type == "cpu":
+        if not self.moves_state:
             return
         self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
         self.offloaded = False
 
     @torch.no_grad()
-    def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters with their gradients and/or the optimizer state to `device`.
-
-        FSDP2's `module.to` keeps the parameters' identity (the optimizer's references stay valid). From
-        a CUDA device to the CPU, the state goes into page-locked buffers (`RL2.native.pinned_offload`).
-        """
-        if pinned_offload(self.device, device):
-            if self.host_copies is None:  # page-locked buffers for the run, made at the first move
-                self.host_copies = PinnedHostCopies()
+    def offload_state(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters with their gradients and/or the optimizer state to the host: from CUDA into
+        page-locked buffers made at the first move (`RL2.native.pinned_offload`), else into pageable memory."""
+        host = torch.device("cpu")
+        if self.host_copies is None and pinned_offload(self.device, host):
+            self.host_copies = PinnedHostCopies()
+        if self.host_copies is None:
+            self.move_state(host, params, optimizer)
+        else:
             state_to_host(self.host_copies, self.model if params else None, self.optimizer if optimizer else None)
-            return
+
+    @torch.no_grad()
+    def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters with their gradients and/or the optimizer state to `device`. FSDP2's `module.to`
+        keeps the parameters' identity (the optimizer's references stay valid)."""
         if params:
             self.model.to(device)
         if optimizer and self.optimizer is not None:  # the moments and step counts
@@ -385,6 +391,17 @@ class FSDPWorker(Stateful):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         state[key] = value.to(device)
+
+    @property
+    def moves_state(self) -> bool:
+        """Whether offload and onload move anything: on CUDA, where a colocated engine takes the memory; on
+        the CPU only into buffers given by `offload_into`."""
+        return self.device.type == "cuda" or self.host_copies is not None
+
+    def offload_into(self, copies: PinnedHostCopies) -> None:
+        """Offload into `copies` from now on. On the CPU this runs the CUDA path's moves (every large tensor
+        into a buffer locked once, reused by every later offload) with a lock the caller records."""
+        self.host_copies = copies
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, by the device type holding them."""

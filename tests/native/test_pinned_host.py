@@ -97,3 +97,55 @@ def test_a_failing_lock_leaves_the_state_where_it_was(tiny_model_path, one_rank)
     with pytest.raises(RuntimeError, match="page-lock"):
         state_to_host(copies_with(recorder), w.model, w.optimizer)
     assert [t.data_ptr() for t in tensors()] == before
+
+
+def large_state(w) -> list[torch.Tensor]:
+    """The local tensors of the parameters and Adam moments large enough for locked buffers."""
+    tensors = [local(p) for p in w.model.parameters()]
+    tensors += [local(v) for state in w.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return [t for t in tensors if t.numel() * t.element_size() >= SMALL_BYTES]
+
+
+def test_worker_offload_locks_every_large_tensor_once_and_reuses_its_buffer(tiny_model_path, one_rank):
+    """The CUDA path of `FSDPWorker.offload`/`onload` (tests/gpu/test_cuda_fsdp.py runs it on a GPU), on the
+    CPU with a recording lock: each large tensor in its own locked pages, as `is_pinned` would see them,
+    the same buffers at every offload, and the steps in between the same as a worker's that never moved."""
+    moved, still = worker(tiny_model_path), worker(tiny_model_path)
+    recorder = RecordingLock()
+    moved.offload_into(copies_with(recorder))
+    for w in (moved, still):
+        backward_nll(w)
+        w.optimizer_step()
+    resident = [t.clone() for t in large_state(moved)]
+    moved.offload()
+    first = large_state(moved)
+    assert len(first) == len(resident) > 0 and all(recorder.holds(t) for t in first)
+    assert all(torch.equal(a, b) for a, b in zip(resident, first)) and recorder.calls == len(first)
+    moved.onload()
+    for w in (moved, still):
+        backward_nll(w)
+        w.optimizer_step()
+    moved.offload()
+    assert [t.data_ptr() for t in large_state(moved)] == [t.data_ptr() for t in first]  # the same buffers
+    assert recorder.calls == len(first)  # nothing locked twice
+    moved.onload()
+    for a, b in zip(moved.model.parameters(), still.model.parameters()):
+        assert torch.equal(local(a), local(b))
+
+
+def test_optimizer_offloaded_between_steps_sits_in_locked_buffers_and_takes_the_same_steps(tiny_model_path, one_rank):
+    """`offload_optimizer`: Adam's moments leave for their locked buffers after every step and come back for
+    the next; the steps equal those of a worker that keeps them."""
+    kept, offloaded = worker(tiny_model_path), worker(tiny_model_path, offload_optimizer=True)
+    recorder = RecordingLock()
+    offloaded.offload_into(copies_with(recorder))
+    for _ in range(2):
+        for w in (kept, offloaded):
+            backward_nll(w)
+            w.optimizer_step()
+        moments = [local(v) for s in offloaded.optimizer.state.values() for v in s.values()
+                   if v.numel() * v.element_size() >= SMALL_BYTES]
+        assert moments and all(recorder.holds(m) for m in moments)
+    assert recorder.calls == len(moments)
+    for ours, theirs in zip(offloaded.model.parameters(), kept.model.parameters()):
+        assert torch.equal(local(ours), local(theirs))
