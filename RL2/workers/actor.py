@@ -59,7 +59,7 @@ def engine_correction(cfg) -> Correction | None:
     """The actor config's engine correction: `actor.correction`, or `actor.tis_coef` (its short form)."""
     if cfg.tis_coef is not None:
         return Correction("tis", high=cfg.tis_coef)
-    correction = cfg.get("correction")
+    correction = getattr(cfg, "correction", None)  # an OmegaConf node or the schema's dataclass (bench_gpu.py)
     return Correction(correction.type, correction.low, correction.high) if (
         correction and correction.type != "none") else None
 
