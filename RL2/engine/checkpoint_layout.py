@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters, revert_weight_conversion
+from transformers.core_model_loading import PrefixChange, WeightConverter, revert_weight_conversion
 
 
 class CheckpointLayout:
@@ -44,7 +44,7 @@ class CheckpointLayout:
         self.group_of: dict[str, str] = {}
         self.members: dict[str, set[str]] = {}
         for name, _ in model.named_parameters():
-            key, pattern = apply_converters(name, converters)
+            key, pattern = first_conversion(name, converters)
             if pattern is not None:
                 self.group_of[name] = key
                 self.members.setdefault(key, set()).add(name)
@@ -98,6 +98,18 @@ class CheckpointLayout:
             raise ValueError(f"CheckpointLayout: {len(missing)} parameters of {type(self.model).__name__} never came, "
                              f"so the tensors converted with them could not be: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+
+
+def first_conversion(name: str, converters: list[WeightConverter]) -> tuple[str, str | None]:
+    """`name` as the first of `converters` that matches it renames it, and that converter's source pattern
+    (None when none matches): transformers converts a tensor with one converter at most. Written on
+    `WeightTransform.rename_source_key`, which every transformers release RL2 supports has, not on
+    `core_model_loading.apply_converters`, which only 5.21 and later have."""
+    for converter in converters:
+        key, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return key, pattern
+    return name, None
 
 
 def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:
