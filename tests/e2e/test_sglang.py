@@ -12,6 +12,7 @@ log-softmax), which SGLang in float32 on CPU reproduces.
 import asyncio
 import copy
 import gc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -518,11 +519,16 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
 
 
 def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
-    """A server that exits before it is ready: the error quotes its log (here RL2's own Python, which has
-    no sglang; a bad flag in rollout.server_args ends the same way)."""
-    server = SGLangServer(sys.executable, tiny_model_path, CPU_ARGS, log_dir=str(tmp_path)).start()
-    with pytest.raises(EngineError, match="(?s)exited with code 1.*No module named 'sglang'"):
-        server.wait_ready(timeout=60)
+    """A server that exits before it is ready: the error quotes its log. Here RL2's own Python with a flag
+    SGLang does not know: where sglang is not installed beside RL2 the log says so, where it is (the
+    one-environment install) SGLang's parser refuses the flag."""
+    server = SGLangServer(sys.executable, tiny_model_path, CPU_ARGS | {"no_such_flag": 1}, log_dir=str(tmp_path))
+    if importlib.util.find_spec("sglang") is None:
+        expected = "(?s)exited with code 1.*No module named 'sglang'"
+    else:
+        expected = "(?s)exited with code 2.*unrecognized arguments: --no-such-flag"
+    with pytest.raises(EngineError, match=expected):
+        server.start().wait_ready(timeout=120)
     assert not server.alive()
 
 
