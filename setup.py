@@ -1,4 +1,10 @@
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The supported torch and transformers releases, from the table RL2 checks when imported.
+requirement = runpy.run_path(str(Path(__file__).parent / "RL2" / "versions.py"))["requirement"]
 
 setup(
     name="RL2",
@@ -8,11 +14,12 @@ setup(
     package_data={"RL2": ["trainer/config/*.yaml", "native/*.c", "native/include/*.h"]},
     python_requires=">=3.10",
     install_requires=[
-        # A range, so that `pip install -e .` keeps the torch a machine has (a CUDA build on GPUs; SGLang
-        # 0.5.23 pins 2.14.1, so both share one environment). The CPU quick start installs torch==2.13.0
-        # explicitly: without a torch, pip would pull the newest CUDA build in the range.
-        "torch>=2.11,<2.15",
-        "transformers>=5.0,<6",
+        # Ranges, so that `pip install -e .` keeps the torch a machine has (a CUDA build on GPUs; SGLang
+        # 0.5.23 pins torch 2.14.1 and transformers 5.19.0, so both share one environment). The CPU quick
+        # start installs torch==2.13.0 explicitly: without a torch, pip would pull the newest CUDA build in
+        # the range. The lower bounds are releases the tests ran with (RL2/versions.py).
+        requirement("torch"),
+        requirement("transformers"),
         "datasets>=3.0",
         "omegaconf>=2.3",
         "safetensors",
@@ -27,6 +34,8 @@ setup(
         # Agents: the OpenAI-compatible endpoint each rank serves during rollouts, and the client agents use.
         "aiohttp",
         "openai",
+        # The SGLang engine's client of its servers.
+        "httpx",
     ],
     extras_require={
         # Optional kernels: without them attention runs torch's own varlen kernel or exact SDPA.

@@ -5,7 +5,13 @@ From Python: `RL2.train("ppo", {...}, reward=fn)` and `RL2.evaluate({...})` (see
 
 __version__ = "0.1.0"
 
-from RL2.config.errors import ConfigError
+from RL2.versions import check_supported_versions
+
+# First: a torch or transformers outside the supported range fails here with one line that names it,
+# not later with an ImportError from deep inside a module written for the supported releases.
+check_supported_versions()
+
+from RL2.config.errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "EvalResult", "TrainResult", "evaluate", "parse_config", "train"]
 
