@@ -519,28 +519,36 @@ def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
 
 
 def test_launch_failure_quotes_the_server_log(tiny_model_path, tmp_path):
-    """A server that exits before it is ready: the error quotes its log. Here RL2's own Python with a flag
-    SGLang does not know: where sglang is not installed beside RL2 the log says so, where it is (the
-    one-environment install) SGLang's parser refuses the flag."""
-    server = SGLangServer(sys.executable, tiny_model_path, CPU_ARGS | {"no_such_flag": 1}, log_dir=str(tmp_path))
-    if importlib.util.find_spec("sglang") is None:
-        expected = "(?s)exited with code 1.*No module named 'sglang'"
-    else:
-        expected = "(?s)exited with code 2.*unrecognized arguments: --no-such-flag"
-    with pytest.raises(EngineError, match=expected):
-        server.start().wait_ready(timeout=120)
+    """A server that exits before it is ready: the error quotes its log (here RL2's own Python with a flag
+    SGLang does not know)."""
+    server = SGLangServer(sys.executable, tiny_model_path, BAD_ARGS, log_dir=str(tmp_path)).start()
+    with pytest.raises(EngineError, match=own_python_launch_failure()):
+        server.wait_ready(timeout=120)
     assert not server.alive()
+
+
+# A flag SGLang does not know: RL2's own Python fails on it whether or not sglang is installed beside RL2.
+BAD_ARGS = CPU_ARGS | {"no_such_flag": 1}
+
+
+def own_python_launch_failure() -> str:
+    """What the log of a server started with RL2's own Python and BAD_ARGS ends with: without sglang beside
+    RL2 Python's ModuleNotFoundError, in the one-environment install SGLang's refusal of the flag."""
+    if importlib.util.find_spec("sglang") is None:
+        return "(?s)exited with code 1.*No module named 'sglang'"
+    return "(?s)exited with code 2.*unrecognized arguments: --no-such-flag"
 
 
 def test_a_python_named_by_its_command_runs_the_server(tiny_model_path, tmp_path, monkeypatch):
     """rollout.server_python=python3 (a command on PATH, not a path): the wrapper that makes the server die
     with the trainer re-executes it with os.execv, which searches no PATH. Here RL2's own Python, found on
-    PATH under its bare name, gets as far as importing sglang; an unknown name is refused naming the key."""
+    PATH under its bare name, gets as far as SGLang's launch (see own_python_launch_failure); an unknown name
+    is refused naming the key."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    server = SGLangServer(Path(sys.executable).name, tiny_model_path, CPU_ARGS, log_dir=str(tmp_path)).start()
+    server = SGLangServer(Path(sys.executable).name, tiny_model_path, BAD_ARGS, log_dir=str(tmp_path)).start()
     assert Path(server.command[0]).is_absolute()
-    with pytest.raises(EngineError, match="(?s)exited with code 1.*No module named 'sglang'"):
-        server.wait_ready(timeout=60)
+    with pytest.raises(EngineError, match=own_python_launch_failure()):
+        server.wait_ready(timeout=120)
     with pytest.raises(ConfigError, match="rollout.server_python.*'no-such-python3'"):
         resolve_engine(SimpleNamespace(engine="auto", server_url=None, server_python="no-such-python3"),
                        torch.device("cuda"))
