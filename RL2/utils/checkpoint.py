@@ -231,9 +231,11 @@ def latest_checkpoint(save_dir: str) -> Path | None:
         return None
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if STEP_DIR.match(named.name) and (named / COMPLETE).exists():
-            return named
+        # Only a folder name of this save_dir: a pointer such as "../other_run/step9" or an absolute path
+        # is not this run's checkpoint, whatever its last part is called.
+        name = pointer.read_text().strip()
+        if STEP_DIR.match(name) and (root / name / COMPLETE).exists():
+            return root / name
     steps = _complete_steps(root)
     return max(steps)[1] if steps else None
 

@@ -16,6 +16,18 @@ def test_latest_is_the_checkpoint_saved_last_not_the_largest_step(tmp_path, one_
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step4"
 
 
+def test_a_latest_pointer_out_of_the_save_dir_is_not_followed(tmp_path, one_rank):
+    """latest.txt names a folder of this save_dir or nothing: a planted "../elsewhere/step9" (a complete
+    checkpoint of another folder, whose last part looks like ours) or an absolute path resumes the run's own
+    newest step instead."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    save_checkpoint(str(run), 2, {}, {})
+    save_checkpoint(str(elsewhere), 9, {}, {})
+    for planted in ("../elsewhere/step9", str(elsewhere / "step9"), "step2/../../elsewhere/step9"):
+        (run / "latest.txt").write_text(planted)
+        assert latest_checkpoint(str(run)) == run / "step2", planted
+
+
 def step_folders(save_dir) -> list[str]:
     return sorted((p.name for p in save_dir.iterdir() if p.name.startswith(("step", ".step"))), key=lambda name: (len(name), name))
 
