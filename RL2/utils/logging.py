@@ -122,11 +122,13 @@ def _init_wandb(project: str, name: str, save_dir: str, config):
     import wandb
     from omegaconf import OmegaConf
 
+    from RL2.utils.redaction import redact_config
+
     mode = os.environ.get("WANDB_MODE")
     if mode is None and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
         log_rank0("wandb: no login found, logging offline (set WANDB_API_KEY or WANDB_MODE=online to sync)")
         mode = "offline"
-    plain_config = OmegaConf.to_container(config, resolve=True) if config is not None else None
+    plain_config = redact_config(OmegaConf.to_container(config, resolve=True)) if config is not None else None
     return wandb.init(project=project, name=name, dir=save_dir, config=plain_config, mode=mode)
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from RL2.config.errors import ConfigError
 from RL2.utils.checkpoint import fsync_dir
 from RL2.utils.logging import log_rank0
+from RL2.utils.redaction import redact_command
 
 LOCK = "run.lock"
 
@@ -92,7 +93,7 @@ def _take_lock(root: Path) -> Callable[[], None]:
 
 def _this_process() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(redact_command(sys.argv))[:300]}
 
 
 def _process_start(pid: int) -> str | None:
