@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from RL2.config.errors import ConfigError
+from RL2.utils.checkpoint_metadata import SafeFileSystemReader, read_checkpoint_index
 from RL2.utils.logging import log_rank0
 
 STEP_DIR = re.compile(r"^step(\d+)$")
@@ -273,8 +274,9 @@ def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | No
             the layout that saved the checkpoint they held the same one; under another (2 data-parallel
             ranks resumed as tp=2) they would go on with different streams. None: this rank's own.
     """
+    read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
-        dcp.load(dict(workers), checkpoint_id=str(path))
+        dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))
     except CheckpointException as e:  # raised on every rank (DCP gathers the ranks' load plans)
         raise ConfigError(f"trainer.load_ckpt_from: {path} does not hold what this run's models are made of "
                           f"({_reason(e)}); resume with the model settings of the run that saved it "

@@ -55,3 +55,37 @@ def test_a_save_removes_what_a_killed_save_left(tmp_path, one_rank):
     (tmp_path / ".step7.tmp" / "__0_0.distcp").write_bytes(b"x" * 1000)
     save_checkpoint(str(tmp_path), 8, {}, {})
     assert step_folders(tmp_path) == ["step8"]
+
+
+class _RunsCode:
+    """What a planted index could hold: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_checkpoint_index_is_refused_before_it_runs_anything(tmp_path, one_rank):
+    """torch's reader unpickles `.metadata` as it finds it; RL2 reads it with an allow-list of the classes an
+    index is made of: a planted one stops the resume with the file named, and what it names never runs."""
+    import pickle
+
+    import pytest
+    import torch
+
+    from RL2.config.errors import ConfigError
+    from RL2.utils.checkpoint import load_checkpoint
+
+    path = save_checkpoint(str(tmp_path / "run"), 1, {}, {})
+    assert load_checkpoint(path, {}) is not None  # the index RL2 wrote loads
+    index = torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata()
+    marker = tmp_path / "ran"
+    for planted in (_RunsCode(marker), [index, _RunsCode(marker)]):
+        (path / ".metadata").write_bytes(pickle.dumps(planted))
+        with pytest.raises(ConfigError, match=r"\.metadata is not a checkpoint index RL2 wrote \(it names posix\.system"):
+            load_checkpoint(path, {})
+        assert not marker.exists()
