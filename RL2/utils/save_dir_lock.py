@@ -3,6 +3,7 @@ save_dir would overwrite each other's checkpoints and `latest.txt`, and a resume
 run's weights."""
 
 import atexit
+import fcntl
 import json
 import os
 import socket
@@ -25,8 +26,8 @@ def claim_save_dir(save_dir: str) -> Callable[[], None]:
     """Collective: hold `<save_dir>/run.lock` for this run (rank 0 writes it), or raise a ConfigError on
     every rank that names the run holding it and what to do.
 
-    A lock whose process is gone (on this host; or its pid now belongs to another process) is stale
-    and taken over. One written on another host cannot be checked from here: it holds until removed.
+    The lock is an `flock` the run holds for its life: a run that died left it free. A lock file naming a
+    live process on another host holds until removed (a network folder's locks may not reach this host).
 
     Returns:
         a function that releases the lock (also called at the process's exit; a no-op on other ranks).
@@ -48,6 +49,9 @@ def claim_save_dir(save_dir: str) -> Callable[[], None]:
 
 
 def _take_lock(root: Path) -> Callable[[], None]:
+    """Hold `root/run.lock` with `flock` for this process's life: the kernel lets one process hold it and
+    drops it when the process dies, so a crashed run's lock is free again and two runs that find it free at
+    once cannot both take it. The file names the holder, for the message of a run that is refused."""
     path = root / LOCK
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -55,40 +59,68 @@ def _take_lock(root: Path) -> Callable[[], None]:
         raise ConfigError(f"trainer.save_dir={root}: cannot create it ({e.strerror}: {e.filename}); give a "
                           f"folder this user can write") from None
     me = _this_process()
-    for _ in range(3):  # a stale lock is removed, then created afresh (another run may win that race)
+    _release_held(path)  # this process's previous trainer (the Python API runs one after another)
+    for _ in range(3):  # the holder may release, removing the file, while this process waits for it
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read_lock(path)
-            if holder is not None and _same_process(holder, me):
-                break  # this process's previous trainer (the Python API runs one after another)
-            if holder is not None and not _alive(holder):
-                log_rank0(f"trainer.save_dir: removing the stale lock {path} of process {holder.get('pid')}, "
-                          f"which is gone")
-                path.unlink(missing_ok=True)
-                continue
-            raise ConfigError(_held_message(root, path, holder)) from None
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(root)
-        except OSError:  # an empty lock would name no one and hold the save_dir for good
-            path.unlink(missing_ok=True)
-            raise
-        break
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(_held_message(root, path, _read_lock(path))) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # locked a file its holder removed on release: lock the one at the path now
     else:
         raise ConfigError(_held_message(root, path, _read_lock(path)))
+    holder = _read_lock(path)
+    # A live holder that does not hold the flock: a run on another host (a network folder's locks may not
+    # reach this one) or an RL2 from before the flock.
+    if holder is not None and not _same_process(holder, me) and _alive(holder):
+        os.close(fd)
+        raise ConfigError(_held_message(root, path, holder))
+    if holder is not None and not _same_process(holder, me):
+        log_rank0(f"trainer.save_dir: taking over {path} from process {holder.get('pid')}, which is gone")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        fsync_dir(root)
+    except OSError:
+        os.close(fd)
+        raise
+    _HELD[str(path)] = fd
 
     def release() -> None:
         atexit.unregister(release)
-        holder = _read_lock(path)
-        if holder is not None and _same_process(holder, me):
-            path.unlink(missing_ok=True)
+        _release_held(path)
 
     atexit.register(release)  # a run that fails before its end leaves no lock behind either
     return release
+
+
+# The lock files this process holds (path -> the open file its flock is on): a flock belongs to an open
+# file, so the process must keep it open, and a later trainer of the same process takes it over.
+_HELD: dict[str, int] = {}
+
+
+def _release_held(path: Path) -> None:
+    """Remove and unlock `path` if this process holds it (removed first: a waiting run then locks a fresh file)."""
+    fd = _HELD.pop(str(path), None)
+    if fd is None:
+        return
+    if _same_file(fd, path):
+        path.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether open file `fd` is the file at `path` now (not one removed from it)."""
+    try:
+        current = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino)
 
 
 def _this_process() -> dict:

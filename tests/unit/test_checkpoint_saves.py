@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from RL2.trainer.base import Trainer
 from RL2.utils import checkpoint, save_dir_lock
 from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
 from RL2.utils.save_dir_lock import claim_save_dir
+from tests.helpers import REPO
 
 
 def draws() -> tuple:
@@ -167,6 +169,75 @@ def test_a_lock_from_another_host_says_how_to_clear_it(tmp_path, one_rank):
         claim_save_dir(str(tmp_path))
 
 
+# Another run claiming a save_dir in a process of its own: it says whether it got the lock, then holds it
+# until its standard input closes.
+CLAIM = """
+import sys
+from pathlib import Path
+from RL2.config import ConfigError
+from RL2.utils.save_dir_lock import _take_lock
+try:
+    _take_lock(Path(sys.argv[1]))
+    print("held", flush=True)
+except ConfigError:
+    print("refused", flush=True)
+sys.stdin.read()
+"""
+
+
+def start_claim(save_dir) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-c", CLAIM, str(save_dir)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)})
+    answer = ""
+    while answer not in ("held", "refused") and process.poll() is None:  # after what it logs, if anything
+        answer = process.stdout.readline().strip()
+    return process, answer
+
+
+def test_two_runs_taking_over_a_stale_lock_at_once_cannot_both_win(tmp_path, one_rank, monkeypatch):
+    """A stale lock (its process gone) taken over by two runs at once: another run claims the save_dir
+    between this run's look at the lock and its move. One of them holds it, the other is refused (before the
+    lock was an flock, each removed the file the other had made and both went on)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    plant_lock(tmp_path, gone.pid, process_start="1")
+    other = {}
+    read_lock = save_dir_lock._read_lock
+
+    def read_while_another_run_claims(path):
+        holder = read_lock(path)
+        if not other:
+            other["process"], other["answer"] = start_claim(tmp_path)
+        return holder
+
+    monkeypatch.setattr(save_dir_lock, "_read_lock", read_while_another_run_claims)
+    try:
+        release, won = claim_save_dir(str(tmp_path)), True
+    except ConfigError:
+        release, won = (lambda: None), False
+    try:
+        assert other["answer"] in ("held", "refused")
+        assert won + (other["answer"] == "held") == 1, f"this run won: {won}; the other: {other['answer']}"
+    finally:
+        other["process"].communicate("")
+        release()
+
+
+def test_a_killed_run_leaves_the_save_dir_free_and_a_live_one_holds_it(tmp_path, one_rank):
+    """The lock is held by the process itself: refused while it lives, free once it is killed (its file
+    still naming it), with no stale-lock check involved."""
+    holder, answer = start_claim(tmp_path)
+    assert answer == "held"
+    try:
+        with pytest.raises(ConfigError, match=f"in use by process {holder.pid}"):
+            claim_save_dir(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid
+    claim_save_dir(str(tmp_path))()
+
+
 def test_a_trainer_refuses_a_save_dir_in_use_before_writing_to_it(tmp_path, one_rank, other_process):
     plant_lock(tmp_path, other_process.pid)
     cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), {"trainer": {"save_dir": str(tmp_path), "device": "cpu"}})
@@ -196,3 +267,21 @@ def test_the_run_loop_keeps_the_last_n_checkpoints_and_releases_save_dir(tmp_pat
     run.run(4)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step")) == ["step3", "step4"]
     assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_fresh_run_in_a_finished_runs_save_dir_is_warned(tmp_path, one_rank, capsys):
+    """A second run without trainer.load_ckpt_from in a save_dir with checkpoints would mix its steps into the
+    earlier run's: it says so, naming the earlier run's latest step and both ways out; a resume does not."""
+    settings = {"trainer": {"save_dir": str(tmp_path), "device": "cpu", "save_freq": 1}}
+    cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), settings)
+    first = Counting(cfg, cfg.actor)
+    first.run(2)
+    assert "holds the checkpoints of an earlier run" not in capsys.readouterr().out
+    fresh = Counting(cfg, cfg.actor)
+    fresh.release_save_dir()
+    assert re.search(rf"warning: trainer\.save_dir={tmp_path} holds the checkpoints of an earlier run \(the latest is "
+                     rf"step2\) and this run starts afresh.*trainer\.load_ckpt_from=latest.*another trainer\.save_dir",
+                     capsys.readouterr().out)
+    resumed = OmegaConf.merge(cfg, {"trainer": {"load_ckpt_from": "latest"}})
+    Counting(resumed, resumed.actor).release_save_dir()
+    assert "holds the checkpoints of an earlier run" not in capsys.readouterr().out
