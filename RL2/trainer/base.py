@@ -14,7 +14,7 @@ from RL2.datasets.splits import EpochSampler, load_splits
 from RL2.native import prepare_process
 from RL2.parallel import ParallelDims, close_process_groups, collective_timeout, init_distributed, pick_device
 from RL2.rollout.env import EnvError
-from RL2.utils.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from RL2.utils.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
 from RL2.utils.save_dir_lock import claim_save_dir
@@ -44,6 +44,7 @@ class Trainer:
         init_distributed(self.device, collective_timeout(cfg))
         # Before anything is written there: a second run with this save_dir stops here, naming the first.
         self.release_save_dir = claim_save_dir(cfg.trainer.save_dir)
+        warn_of_an_earlier_run(cfg.trainer.save_dir, self.resume_from)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
@@ -159,6 +160,18 @@ class Trainer:
         self.save_final()
         self.save_learning_curve()
         self.sink.close()
+
+
+def warn_of_an_earlier_run(save_dir: str, resume_from: Path | None) -> None:
+    """A fresh run in a save_dir that holds an earlier run's checkpoints would mix its steps and metrics
+    into that run's: say so (a resume is what is usually meant)."""
+    earlier = latest_checkpoint(save_dir)
+    if resume_from is None and earlier is not None:
+        log_rank0(f"warning: trainer.save_dir={save_dir} holds the checkpoints of an earlier run (the latest is "
+                  f"{earlier.name}) and this run starts afresh: its checkpoints replace those of the same steps, its "
+                  f"metrics follow the earlier run's, and latest.txt will name its own. To go on with the earlier "
+                  f"run set trainer.load_ckpt_from=latest; to keep both, give this run another trainer.save_dir "
+                  f"(or trainer.experiment_name)")
 
 
 def find_checkpoint(trainer_cfg) -> Path | None:
