@@ -297,6 +297,7 @@ def main() -> None:
               f"torch {torch.__version__}")
     else:
         peak, args.size = float("inf"), "smoke"
+    failed = []
     with tempfile.TemporaryDirectory() as folder:
         n_params = make_model(args.size, Path(folder))
         tokens = sum(len(r["input_ids"]) for r in batch(args, "sft"))
@@ -312,6 +313,7 @@ def main() -> None:
                 results[system] = r
                 if isinstance(r, str):
                     print(f"{workload:<9}{label:<12}{r}", flush=True)
+                    failed.append(f"{workload} {label}")
                     continue
                 print(f"{workload:<9}{label:<12}{r['step_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
                       f"{r['flops_per_s'] / 1e12:>9.1f}{100 * r['flops_per_s'] / peak:>6.1f}%{r['peak_gb']:>10.1f}",
@@ -320,6 +322,8 @@ def main() -> None:
                 rl2, hf = results["rl2"], results["hf"]
                 memory = f", {rl2['peak_gb'] / hf['peak_gb']:.2f}x the peak memory" if hf["peak_gb"] else ""
                 print(f"{workload:<9}RL2: {hf['step_s'] / rl2['step_s']:.2f}x HF Trainer's tokens/s{memory}")
+    if failed:  # the table is printed whole, but a run with a failed system is no measurement
+        sys.exit(f"failed: {', '.join(failed)} (the worker's last line is in its row)")
 
 
 if __name__ == "__main__":
