@@ -151,7 +151,24 @@ def rl2_worker(args) -> dict:
         def step():
             actor.update(rollout)
     model = (worker if args.workload == "sft" else actor.worker).model
-    return timed_steps(step, args.steps, model.config, rows, device)
+    result = timed_steps(step, args.steps, model.config, rows, device)
+    if args.profile:
+        profile_step(step, device, Path(args.profile) / f"rl2_{args.workload}.txt")
+    return result
+
+
+def profile_step(step, device: torch.device, path: Path) -> None:
+    """One more step under torch.profiler: its operators by their own time on the device (on the CPU without
+    a GPU), the 30 costliest, into `path`: where the step's time goes when a figure falls short."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
 
 
 def hf_worker(args) -> dict:
@@ -260,7 +277,7 @@ def run_worker(system: str, workload: str, args, model: Path) -> dict | str:
            f"--device={args.device}",
            f"--steps={args.steps}", f"--seqs={args.seqs}", f"--min-len={args.min_len}", f"--max-len={args.max_len}",
            f"--max-tokens={args.max_tokens}", f"--hf-batch={args.hf_batch}"] + (
-        ["--checkpointing"] if args.checkpointing else [])
+        ["--checkpointing"] if args.checkpointing else []) + ([f"--profile={args.profile}"] if args.profile else [])
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -281,6 +298,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="RL2's micro-batch budget (max_length_per_device)")
     parser.add_argument("--hf-batch", type=int, default=8, help="Trainer's sequences per forward (per_device_train_batch_size)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in both systems")
+    parser.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one RL2 step of each "
+                        "workload into DIR/rl2_<workload>.txt (operators by their own time)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a check of this script with a tiny model, no figures")
     args = parser.parse_args()

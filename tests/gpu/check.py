@@ -13,7 +13,8 @@ with that folder to the GPU machine (no network needed there) and run, from the 
 It installs what is missing from the wheels (`pip --no-index`), then runs, each step with its own time limit
 (about 8 minutes in all on one H200):
 - tests: `pytest tests/gpu tests/unit/test_triton_logps.py tests/unit/test_memory_metrics.py`;
-- bench_gpu 0.5B and 1.5B: SFT and the PPO update against Hugging Face's Trainer (`--steps 3`);
+- bench_gpu 0.5B and 1.5B: SFT and the PPO update against Hugging Face's Trainer (`--steps 3`), with one RL2
+  step of each profiled into `--out`'s `profile_<size>/` (where the time goes when a figure falls short);
 - bench_offload: page-locked against pageable offload at 0.5B.
 Each step's output goes to `--out`; the table gives each step's result, seconds and key figures, and the
 exit status is 1 when a step failed. `--device cpu` runs the same steps on the CPU with tiny shapes (the
@@ -57,8 +58,9 @@ class Outcome:
     figures: list[str]
 
 
-def steps(device: str, tokenizer: str | None) -> list[Step]:
-    """The check's steps on `device`: at full size on CUDA, tiny shapes on the CPU."""
+def steps(device: str, tokenizer: str | None, out: Path) -> list[Step]:
+    """The check's steps on `device`: at full size on CUDA, tiny shapes on the CPU. bench_gpu profiles one RL2
+    step of each workload into `out/profile_<size>/`."""
     python = sys.executable
     tests_env = {"RL2_TEST_TOKENIZER": tokenizer} if tokenizer else {}
     test_count = re.compile(r"^=*\s*\d+ (passed|failed).*$|^\d+ (passed|failed).*$")
@@ -76,8 +78,9 @@ def steps(device: str, tokenizer: str | None) -> list[Step]:
     return [
         Step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *GPU_TESTS], limits[0],
              test_count, tests_env),
-        *(Step(f"bench_gpu {flags[1] if flags[0] == '--size' else 'cpu'}",
-               [python, "benchmarks/bench_gpu.py", *flags], limits[1], gpu_figures) for flags in bench_gpu),
+        *(Step(f"bench_gpu {size}", [python, "benchmarks/bench_gpu.py", *flags, f"--profile={out / f'profile_{size}'}"],
+               limits[1], gpu_figures)
+          for flags in bench_gpu for size in [flags[1] if flags[0] == "--size" else "cpu"]),
         Step("bench_offload", [python, "benchmarks/bench_offload.py", *bench_offload], limits[2], offload_figures),
     ]
 
@@ -164,7 +167,8 @@ def main() -> None:
         install_missing(assets)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = assets / "tokenizer"
-    outcomes = [run_step(step, out) for step in steps(args.device, str(tokenizer) if tokenizer.is_dir() else None)]
+    outcomes = [run_step(step, out)
+                for step in steps(args.device, str(tokenizer) if tokenizer.is_dir() else None, out.resolve())]
     table = summary(outcomes)
     (out / "summary.txt").write_text(table + "\n")
     print(table)

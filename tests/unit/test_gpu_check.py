@@ -30,7 +30,10 @@ def test_the_check_runs_every_step_on_the_cpu_and_sums_them_up(tmp_path):
         assert re.search(rf"^    {workload}\s+RL2: [\d.]+x HF Trainer's tokens/s", table, re.MULTILINE), table
     assert re.search(r"^    page-locked\s+\d", table, re.MULTILINE), table
     assert {p.name for p in tmp_path.iterdir()} == {"summary.txt", "tests.log", "bench_gpu_cpu.log",
-                                                    "bench_offload.log"}
+                                                    "bench_offload.log", "profile_cpu"}
+    for workload in ("sft", "ppo"):  # one RL2 step of each profiled: a table of operators and their times
+        profile = (tmp_path / "profile_cpu" / f"rl2_{workload}.txt").read_text()
+        assert re.search(r"Self CPU %.*# of Calls", profile) and "aten::" in profile
 
 
 def test_a_failed_or_overrunning_step_is_named_in_the_table(tmp_path):
