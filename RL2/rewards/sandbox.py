@@ -5,12 +5,14 @@ docs/rewards.md): namespaces, a read-only file system but for a temporary workin
 resource limits, no capabilities, none of the trainer's variables and, where the machine allows it
 (`sandbox_cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
 timeout the process group is killed, and with it the PID namespace (every process the solution
-started, even one that left the group).
+started, even one that left the group). An assert test is judged in the sandbox by a process that
+never runs solution code; only its verdict comes back here, on a pipe the solution never holds.
 
 The waiting happens in a thread pool of `max_concurrency` threads, so an event loop stays free
 (`await sandbox.run(...)`) and at most that many solutions run at once. A solution that hangs,
 crashes, floods its output or exhausts its limits fails its test; only a sandbox that cannot start
-at all raises `SandboxError`.
+at all, or cannot isolate solutions where unisolated runs are not allowed (found once, before the
+first solution runs), raises `SandboxError`.
 """
 
 import ast
@@ -19,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import operator
 import os
 import selectors
 import shutil
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,8 +37,15 @@ from pathlib import Path
 from RL2.rewards.sandbox_cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
+# The child is loaded from its bytecode cache: a script run as __main__ is compiled anew at every start,
+# which for this one costs more than the rest of its start together.
+BOOT = ("import importlib.machinery as machinery\n"
+        f"path = {str(CHILD)!r}\n"
+        "exec(machinery.SourceFileLoader('sandbox_child', path).get_code('sandbox_child'), "
+        "{'__name__': '__main__', '__file__': path})\n")
 STDERR_TAIL = 4096
 READ_CHUNK = 65536
+RESULT_LIMIT = 65536  # of the result pipe's lines (a report and a verdict), kept
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +84,10 @@ class CodeTest:
     """One test: standard input and the expected standard output, or assert code run after the solution.
 
     With `assert_code`, the solution runs as a module named "solution" (its `if __name__ ==
-    "__main__":` block is skipped) and the test passes when the assert code runs to its end.
+    "__main__":` block is skipped) and the test passes when the assert code runs to its end. The
+    assert code runs in a process of its own, where the solution's names stand for its functions and
+    objects, reached only through plain values (`sandbox_child.Remote`); a test that checks nothing
+    (no assert, or none of the solution's names) fails.
     """
 
     input: str = ""
@@ -145,6 +157,10 @@ class Sandbox:
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rl2-sandbox")
         self._warned = False
         self._memory_warned = False
+        self._unverifiable_warned = False
+        self._probe_lock = threading.Lock()
+        self._probed = False
+        self._refusal: str | None = None  # why every run is refused, once the probe found it
         self._cgroup_parent, why = find_parent(cgroup_root) if cgroup_root else (None, "switched off")
         if self._cgroup_parent is None:
             self._warn_memory_per_process(why)
@@ -164,52 +180,100 @@ class Sandbox:
 
     def run_blocking(self, code: str, test: CodeTest) -> TestResult:
         """Run `code` against `test` in this thread."""
+        self._probe()
+        run = self._launch(code, "assert" if test.assert_code is not None else "stdio", test)
+        report = self._report_of(run)
+        status, stderr = run.status, run.stderr
+        if status is None and test.assert_code is not None:
+            status, stderr = self._judged(run.verdict, stderr)
+        elif status is None:
+            status = _verdict(test, run.stdout, run.returncode)
+        if run.oom_kills:
+            stderr += (f"sandbox: out of memory: its processes together reached memory_mb ({self.limits.memory_mb} "
+                       f"MB) and the kernel killed {run.oom_kills} of them\n")
+        memory_scope = ("sandbox" if report.get("memory_cgroup") else "process") if report else "unknown"
+        return TestResult(status, run.seconds, run.stdout, stderr, report["isolation"] if report else "unknown",
+                          memory_scope)
+
+    def _probe(self) -> None:
+        """Once, before the first solution runs: start a sandbox that runs nothing, to learn whether this
+        system isolates solutions. Where it does not and unisolated runs are not allowed, that run and
+        every later one raise the same `SandboxError`, without starting a process."""
+        with self._probe_lock:
+            if not self._probed:
+                run = self._launch("", "probe", None)
+                if run.refused is not None:
+                    self._refusal = _refusal_message(run.refused)
+                    log.error("%s", self._refusal)
+                else:
+                    self._report_of(run)  # raises where the sandbox cannot start: probed again next time
+                self._probed = True
+        if self._refusal is not None:
+            raise SandboxError(self._refusal)
+
+    def _launch(self, code: str, kind: str, test: CodeTest | None) -> "_Run":
+        """Start one sandbox (kind "stdio", "assert" or "probe") and wait for it; its working directory,
+        cgroup and (without a PID namespace) leftover processes are gone when this returns."""
         workdir = tempfile.mkdtemp(prefix="rl2-sandbox-")
-        read_end, write_end = os.pipe()  # the child's report, and the assert test's values
-        steps, checks = assert_plan(test.assert_code) if test.assert_code is not None else ([], [])
+        read_end, write_end = os.pipe()  # the report and the verdict, written by the sandbox's own processes
         cgroup = self._new_cgroup(Path(workdir).name)
         oom_kills = 0
         try:
             try:
-                spec_path = Path(workdir) / ".spec.json"
-                spec_path.write_text(json.dumps(self._spec(code, test, workdir, write_end, steps, cgroup)))
+                files = [Path(workdir) / ".spec.json"]
+                files[0].write_text(json.dumps(self._spec(code, kind, workdir, write_end, cgroup)))
+                if kind == "assert":  # read by the judge only (sandbox_child.py, step 1)
+                    files.append(Path(workdir) / ".test.json")
+                    files[1].write_text(json.dumps(_test_file(test.assert_code)))
+                stdin = test.input if kind == "stdio" else None
                 began = time.monotonic()
-                process = self._start(spec_path, test, workdir, write_end)
+                process = self._start(files, stdin, workdir, write_end)
             finally:
                 os.close(write_end)  # the child has its copy
-            stdout, stderr, status = self._wait(process, test, began)
-            seconds = time.monotonic() - began
-            report, values = _read_report(read_end)
+            stdout, stderr, result, status = self._wait(process, read_end, stdin or "", began)
+            run = _Run(status, stdout, stderr, process.returncode, time.monotonic() - began, _lines(result),
+                       str(cgroup.path) if cgroup is not None else None)
+            if run.report and run.report.get("own_uid"):
+                _kill_processes_of(run.report["own_uid"])
         finally:
             os.close(read_end)
             if cgroup is not None:
                 oom_kills = cgroup.remove()  # with whatever the solution left behind
             _remove(workdir)
-        if report is None or "setup_failed" in report:
-            if status is None:  # not cut short by a limit: it ended before the solution could start
-                why = report["setup_failed"] if report else f"status {process.returncode}: {stderr.strip()[-500:]}"
+        run.oom_kills = oom_kills
+        return run
+
+    def _report_of(self, run: "_Run") -> dict | None:
+        """The sandbox's report of its isolation, or None when a limit cut the run short before it came.
+
+        Raises SandboxError where the sandbox refused to run the solution unisolated, or could not start it."""
+        if run.refused is not None:
+            raise SandboxError(_refusal_message(run.refused))
+        if run.report is None or run.setup_failed is not None:
+            if run.status is None:  # not cut short by a limit: it ended before the solution could start
+                why = run.setup_failed or f"status {run.returncode}: {run.stderr.strip()[-500:]}"
                 raise SandboxError(f"the code sandbox could not start the solution ({why})")
-            report = None
-        if report and report["isolation"] == "guard" and not self.allow_unisolated:
-            raise SandboxError(f"the code sandbox cannot isolate solutions here ({report.get('why')}): allow user "
-                               "namespaces (Docker: --security-opt seccomp=unconfined, or run as root with "
-                               "CAP_SYS_ADMIN), or set rollout.code_sandbox_unisolated=true (or pass "
-                               "Sandbox(allow_unisolated=True)) to run model-written code with an in-process guard "
-                               "only, which is not a security boundary")
-        if report and not self._warned:
-            self._warn_about(report)
-        if report and cgroup is not None and not report.get("memory_cgroup"):
-            self._warn_memory_per_process(f"the sandbox could not join {cgroup.path}")
-        if status is None:
-            failed = _failed_check(checks, values) if values is not None else None
-            status = _verdict(test, stdout, process.returncode, values is not None and failed is None)
-            if failed and status == "error":
-                stderr += f"AssertionError: {failed}\n"
-        if oom_kills:
-            stderr += (f"sandbox: out of memory: its processes together reached memory_mb ({self.limits.memory_mb} "
-                       f"MB) and the kernel killed {oom_kills} of them\n")
-        memory_scope = ("sandbox" if report.get("memory_cgroup") else "process") if report else "unknown"
-        return TestResult(status, seconds, stdout, stderr, report["isolation"] if report else "unknown", memory_scope)
+            return None
+        if not self._warned:
+            self._warn_about(run.report)
+        if run.cgroup is not None and not run.report.get("memory_cgroup"):
+            self._warn_memory_per_process(f"the sandbox could not join {run.cgroup}")
+        return run.report
+
+    def _judged(self, verdict: dict | None, stderr: str) -> tuple[str, str]:
+        """An assert test's status from the judge's verdict, and its stderr with why where the test checks nothing."""
+        if verdict is None:
+            return "error", stderr + "sandbox: the test was not judged (its judge ended without a verdict)\n"
+        if verdict.get("verdict") == "unverifiable":
+            self._warn_unverifiable(str(verdict.get("why")))
+            return "error", stderr + f"sandbox: {verdict.get('why')}: it is not passed\n"
+        return ("passed" if verdict.get("verdict") == "passed" else "error"), stderr
+
+    def _warn_unverifiable(self, why: str) -> None:
+        if not self._unverifiable_warned:
+            self._unverifiable_warned = True
+            log.warning("code sandbox: %s, so it would pass any solution: such tests fail (reward 0) until the "
+                        "data set's tests assert something of the solution's functions", why)
 
     def _new_cgroup(self, name: str) -> SandboxCgroup | None:
         """A memory cgroup for one test run, or None where none can be made (said once)."""
@@ -243,17 +307,16 @@ class Sandbox:
             log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
                         "namespace): a solution's processes are bounded by its time limit only")
 
-    def _spec(self, code: str, test: CodeTest, workdir: str, result_fd: int, steps: list,
-              cgroup: SandboxCgroup | None) -> dict:
+    def _spec(self, code: str, kind: str, workdir: str, result_fd: int, cgroup: SandboxCgroup | None) -> dict:
         limits = self.limits
         return {
             "code": code,
             "cgroup_procs": str(cgroup.procs_file) if cgroup is not None else None,
-            "kind": "assert" if test.assert_code is not None else "stdio",
-            "steps": steps,
+            "kind": kind,
             "workdir": workdir,
             "result_fd": result_fd,
             "namespaces": self.namespaces,
+            "allow_unisolated": self.allow_unisolated,
             "limits": {
                 "memory_bytes": limits.memory_mb * 2**20,
                 "file_bytes": limits.max_file_mb * 2**20,
@@ -265,22 +328,25 @@ class Sandbox:
             },
         }
 
-    def _start(self, spec_path: Path, test: CodeTest, workdir: str, result_fd: int) -> subprocess.Popen:
+    def _start(self, files: list[Path], stdin: str | None, workdir: str, result_fd: int) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-I", str(CHILD), str(spec_path)],
-            stdin=subprocess.PIPE if test.assert_code is None else subprocess.DEVNULL,
+            [sys.executable, "-I", "-c", BOOT, *map(str, files)],
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=_child_env(workdir),
             start_new_session=True, pass_fds=(result_fd,),
         )
 
-    def _wait(self, process: subprocess.Popen, test: CodeTest, began: float) -> tuple[str, str, str | None]:
+    def _wait(self, process: subprocess.Popen, result_fd: int, stdin: str,
+              began: float) -> tuple[str, str, bytes, str | None]:
         """Feed and read the child until it ends or the deadline, then kill its process group.
 
-        Returns (stdout, stderr, status): status "timeout" or "output_limit", or None when it ended by itself.
+        Returns (stdout, stderr, the result pipe's bytes, status): status "timeout" or "output_limit", or
+        None when it ended by itself.
         """
         deadline = began + self.limits.timeout_s
         try:
-            stdout, stderr, status = _communicate(process, test.input.encode(), deadline, self.limits.max_output_kb * 1024)
+            stdout, stderr, result, status = _communicate(process, result_fd, stdin.encode(), deadline,
+                                                          self.limits.max_output_kb * 1024)
             if status is None:
                 try:
                     process.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -293,16 +359,59 @@ class Sandbox:
             for stream in (process.stdin, process.stdout, process.stderr):
                 if stream is not None:
                     stream.close()
-        return stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), status
+        return stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), bytes(result), status
 
 
-def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_output: int):
-    """Write `data` to stdin while reading stdout (at most `max_output` bytes) and stderr's tail.
+@dataclass
+class _Run:
+    """What one sandbox gave: its streams, status and the lines its own processes wrote to the result pipe."""
 
-    Returns (stdout, stderr, status): status is "timeout" or "output_limit" when one of them cut the
-    run short, else None (both streams closed).
+    status: str | None  # "timeout" / "output_limit", or None when it ended by itself
+    stdout: str
+    stderr: str
+    returncode: int
+    seconds: float
+    lines: list[dict]
+    cgroup: str | None  # the memory cgroup made for it
+    oom_kills: int = 0
+
+    def _first(self, key: str) -> dict | None:
+        return next((line for line in self.lines if key in line), None)
+
+    @property
+    def report(self) -> dict | None:
+        return self._first("isolation")
+
+    @property
+    def refused(self) -> str | None:
+        line = self._first("refused")
+        return None if line is None else str(line["refused"])
+
+    @property
+    def setup_failed(self) -> str | None:
+        line = self._first("setup_failed")
+        return None if line is None else str(line["setup_failed"])
+
+    @property
+    def verdict(self) -> dict | None:
+        return self._first("verdict")
+
+
+def _refusal_message(why: str) -> str:
+    return (f"the code sandbox cannot isolate solutions here ({why}): allow user namespaces (Docker: "
+            "--security-opt seccomp=unconfined, or run as root with CAP_SYS_ADMIN), or set "
+            "rollout.code_sandbox_unisolated=true (or pass Sandbox(allow_unisolated=True)) to run model-written "
+            "code with an in-process guard only, which is not a security boundary")
+
+
+def _communicate(process: subprocess.Popen, result_fd: int, data: bytes, deadline: float, max_output: int):
+    """Write `data` to stdin while reading stdout (at most `max_output` bytes), stderr's tail and the result
+    pipe, all at once: a child blocked on a full pipe would otherwise wait for the deadline.
+
+    Returns (stdout, stderr, result, status): status is "timeout" or "output_limit" when one of them cut the
+    run short, else None (every stream closed).
     """
-    out, err = bytearray(), bytearray()
+    out, err, result = bytearray(), bytearray(), bytearray()
     with selectors.DefaultSelector() as selector:
         if process.stdin is not None:
             if data:
@@ -312,11 +421,12 @@ def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_ou
                 process.stdin.close()
         selector.register(process.stdout, selectors.EVENT_READ)
         selector.register(process.stderr, selectors.EVENT_READ)
+        selector.register(result_fd, selectors.EVENT_READ)
         written = 0
         while selector.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return out, err, "timeout"
+                return out, err, result, "timeout"
             for key, _ in selector.select(left):
                 if key.fileobj is process.stdin:
                     try:
@@ -335,98 +445,40 @@ def _communicate(process: subprocess.Popen, data: bytes, deadline: float, max_ou
                 elif key.fileobj is process.stdout:
                     out += chunk
                     if len(out) > max_output:
-                        return out[:max_output], err, "output_limit"
+                        return out[:max_output], err, result, "output_limit"
+                elif key.fileobj is result_fd:
+                    result += chunk[: RESULT_LIMIT - len(result)]
                 else:
                     err = (err + chunk)[-STDERR_TAIL:]
-    return out, err, None
+    return out, err, result, None
 
 
-def _verdict(test: CodeTest, stdout: str, returncode: int, asserts_hold: bool) -> str:
-    if returncode != 0 or (test.assert_code is not None and not asserts_hold):
+def _test_file(assert_code: str) -> dict:
+    """What the judge reads of an assert test: its code, the names it uses (`from solution import f`'s
+    too) and whether it checks anything at all (an assert, a raise, or a call of an assert...() helper)."""
+    try:
+        nodes = list(ast.walk(ast.parse(assert_code)))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the judge reports it as the test's error
+        nodes = []
+    names = {node.id for node in nodes if isinstance(node, ast.Name)}
+    names |= {alias.name for node in nodes if isinstance(node, ast.ImportFrom) for alias in node.names}
+    checks = any(isinstance(node, (ast.Assert, ast.Raise)) or _called(node).startswith("assert") for node in nodes)
+    return {"source": assert_code, "names": sorted(names), "checks": checks}
+
+
+def _called(node: ast.AST) -> str:
+    """The name a call calls (`assertEqual` of `self.assertEqual(...)`), or ""."""
+    function = node.func if isinstance(node, ast.Call) else None
+    if isinstance(function, ast.Attribute):
+        return function.attr
+    return function.id if isinstance(function, ast.Name) else ""
+
+
+def _verdict(test: CodeTest, stdout: str, returncode: int) -> str:
+    """A stdio test's status: its exit status, then its output against the expected one."""
+    if returncode != 0:
         return "error"
-    if test.assert_code is not None:
-        return "passed"
     return "passed" if normalise_output(stdout) == normalise_output(test.output) else "wrong_answer"
-
-
-COMPARISONS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-               ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-               ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-
-
-def assert_plan(assert_code: str) -> tuple[list, list]:
-    """Split an assert test into the child's steps and the checks made here on the values it returns.
-
-    Each top-level `assert` becomes expressions for the child to evaluate: both sides of a comparison
-    (a literal side such as `3` or `[1, 2]` stays here, unseen by the solution) or the whole test.
-    Other statements run in the child as they are, asserts nested in them (a loop's) included.
-
-    Returns (steps, checks): steps are ("exec", source) or ("eval", source); a check is
-    ("compare", ops, operands), each operand ("value", index in the child's values) or ("literal",
-    value), or ("true", index).
-    """
-    try:
-        module = ast.parse(assert_code)
-    except SyntaxError:  # the child reports it as the test's error
-        return [("exec", assert_code)], []
-    steps, checks = [], []
-
-    def evaluated(node: ast.expr) -> tuple:
-        try:
-            return ("literal", ast.literal_eval(node))
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            steps.append(("eval", ast.unparse(node)))
-            return ("value", sum(kind == "eval" for kind, _ in steps) - 1)
-
-    for statement in module.body:
-        if not isinstance(statement, ast.Assert):
-            steps.append(("exec", ast.unparse(statement)))
-        elif isinstance(statement.test, ast.Compare):
-            compare = statement.test
-            operands = [evaluated(node) for node in (compare.left, *compare.comparators)]
-            checks.append(("compare", [type(op) for op in compare.ops], operands, ast.unparse(statement)))
-        else:
-            checks.append(("true", evaluated(statement.test), ast.unparse(statement)))
-    return steps, checks
-
-
-def _failed_check(checks: list, values: list) -> str | None:
-    """The first assert that does not hold on the child's values (rebuilt from their serialised
-    form), or None when all hold."""
-    try:
-        rebuilt = [_rebuild(value) for value in values]
-
-        def operand(item: tuple):
-            kind, value = item
-            return rebuilt[value] if kind == "value" else value
-
-        for check in checks:
-            source = check[-1]
-            if check[0] == "true":
-                holds = bool(operand(check[1]))
-            else:
-                sides = [operand(item) for item in check[2]]
-                holds = all(COMPARISONS[op](a, b) for op, a, b in zip(check[1], sides, sides[1:]))
-            if not holds:
-                return source
-        return None
-    except Exception as e:  # values the solution wrote itself, malformed, or that do not compare
-        return f"the test's values could not be compared ({type(e).__name__}: {e})"
-
-
-def _rebuild(node: list):
-    """A value from `sandbox_child.plain`'s tagged JSON: built-in types only."""
-    kind, payload = node
-    if kind in ("NoneType", "bool", "int", "float", "str"):
-        if type(payload).__name__ != kind and not (kind == "float" and type(payload) is int):
-            raise ValueError(f"a {kind} tagged value holds a {type(payload).__name__}")
-        return float(payload) if kind == "float" else payload
-    if kind == "bytes":
-        return bytes.fromhex(payload)
-    if kind == "dict":
-        return {_rebuild(k): _rebuild(v) for k, v in payload}
-    container = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind]
-    return container(_rebuild(item) for item in payload)
 
 
 def normalise_output(text: str) -> str:
@@ -434,38 +486,35 @@ def normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def _read_report(read_end: int) -> tuple[dict | None, list | None]:
-    """The child's report and, for an assert test, the values it evaluated.
-
-    The report is the first line: the isolation in effect, or {"setup_failed": why}; a later report
-    line can only be a failure to start the solution (written before anything of it runs). The values
-    are the last {"values": [...]} line (a solution can write such a line too, but only with values
-    it computed: the expected ones never leave this process).
-    """
-    os.set_blocking(read_end, False)
-    data = b""
-    while True:
+def _lines(data: bytes) -> list[dict]:
+    """The result pipe's JSON lines, each a dict (only the sandbox's own processes write there)."""
+    lines = []
+    for line in data.decode("utf-8", "replace").splitlines():
         try:
-            chunk = os.read(read_end, READ_CHUNK)
-        except BlockingIOError:  # a leftover process still holds the pipe: what is there is enough
-            break
-        if not chunk:
-            break
-        data += chunk
-    lines = [_json_dict(line) for line in data.decode("utf-8", "replace").splitlines()]
-    report = lines[0] if lines else None
-    if len(lines) > 1 and lines[1] and "setup_failed" in lines[1]:
-        report = lines[1]
-    values = [line["values"] for line in lines[1:] if line and isinstance(line.get("values"), list)]
-    return report, values[-1] if values else None
+            value = json.loads(line)
+        except (ValueError, RecursionError):  # a line cut at RESULT_LIMIT (ValueError: JSONDecodeError, digit limit)
+            continue
+        if isinstance(value, dict):
+            lines.append(value)
+    return lines
 
 
-def _json_dict(line: str) -> dict | None:
-    try:
-        value = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):  # whatever the solution wrote
-        return None
-    return value if isinstance(value, dict) else None
+def _kill_processes_of(uid: int) -> None:
+    """Kill every process whose real uid is `uid`: without a PID namespace, what an unisolated solution
+    left behind, found by the uid of its own it ran as (which its processes cannot change)."""
+    for _ in range(10):  # a process forking meanwhile is found on the next pass
+        found = False
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    real_uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+                if real_uid == uid:
+                    os.kill(int(pid), signal.SIGKILL)
+                    found = True
+            except (OSError, StopIteration, ValueError):  # ended meanwhile
+                pass
+        if not found:
+            return
 
 
 def _child_env(workdir: str) -> dict[str, str]:

@@ -323,3 +323,43 @@ def test_runs_off_the_event_loop_within_the_concurrency_bound(sandbox, monkeypat
     assert all(r.passed for r in results)
     assert most == sandbox.max_concurrency == 2
     assert ticks > 10  # the loop kept running while solutions slept
+
+
+def test_ipc_objects_do_not_outlive_the_run(sandbox):
+    # A System V shared memory segment and a POSIX message queue made by one run: neither is in the
+    # trainer's IPC namespace afterwards, nor in the next run's. The host side removes any it finds.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key, queue = 0x5EED5EED, b"/rl2-sandbox-test"
+    make = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 4096, 0o1666) >= 0, libc.mq_open({queue!r}, 0o102, 0o666, None) >= 0)\n")
+    look = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 0, 0) >= 0, libc.mq_open({queue!r}, 0) >= 0, open('/proc/sys/kernel/hostname').read())\n")
+    try:
+        assert run(sandbox, make).stdout.split() == ["True", "True"]
+        shm_id, mq = libc.shmget(key, 0, 0), libc.mq_open(queue, 0)
+        assert (shm_id, mq) == (-1, -1), "the run's IPC objects are in the trainer's namespace"
+        seen = run(sandbox, look).stdout.split()
+        assert seen[:2] == ["False", "False"] and seen[2] != socket.gethostname(), seen
+    finally:
+        if (shm_id := libc.shmget(key, 0, 0)) >= 0:
+            libc.shmctl(shm_id, 0, None)  # IPC_RMID
+        libc.mq_unlink(queue)
+
+
+def test_the_trainers_files_are_out_of_sight(sandbox):
+    # Training data, checkpoints and caches lie where the trainer keeps them (here: the repository this
+    # test is in, world-readable); the sandbox's root shows the system's folders and Python only.
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    code = (f"import os, decimal\nprint(os.path.exists({str(here)!r}), os.path.exists({str(here.parents[2])!r}))\n"
+            "print(*sorted(os.listdir('/')))\n")
+    seen = run(sandbox, code).stdout.splitlines()
+    assert seen[0].split() == ["False", "False"], seen
+    system = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}
+    python = {Path(folder).resolve().parts[1] for folder in (sys.prefix, sys.base_prefix, tempfile.gettempdir())}
+    assert set(seen[1].split()) <= system | python, seen
