@@ -5,6 +5,11 @@ own embedded engine), score the trajectories with the environment, compute refer
 (KL), values (PPO's critic) and old log-probs when needed, turn rewards into advantages with the
 estimator named by `adv.estimator` (GRPO: `grpo`; PPO: `gae`), update the actor (and critic),
 and copy the new weights into the engines.
+
+The default recipe (`adv.estimator=grpo`): each response's advantage is its score minus the mean of its
+prompt's group, not divided by the group's std (Dr. GRPO; `adv.norm_var=true` divides, as DeepSeek's
+GRPO); PPO's clipped surrogate (`actor.clip=0.2`) averaged over every trained token of the batch
+(`actor.avg_level=token`); no KL term and no reference model (`actor.kl.coef=0`).
 """
 
 import functools
