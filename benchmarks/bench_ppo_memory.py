@@ -15,7 +15,8 @@ RL2 config overrides such as gradient checkpointing), and reports:
 - the second step's seconds.
 A machine "fits" a run when its peak leaves 1 GB to the system. A run whose weights, gradients, AdamW
 state and engine copies alone exceed this machine's memory is not started (the table gives that
-least figure); one that fails otherwise (killed for memory) is reported as failed, not retried.
+least figure); one that fails otherwise (killed for memory) is reported as failed, not retried, and the
+script exits 1 after the table, naming it.
 """
 
 import argparse
@@ -135,7 +136,7 @@ def main() -> None:
                      "such as 8x4x64")
     if bad := [r for r in ranks_list if not re.fullmatch(r"[1-9][0-9]*", r)]:
         parser.error(f"--ranks {args.ranks}: {bad} not a positive number of ranks")
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in models:
@@ -147,6 +148,8 @@ def main() -> None:
                         result = {"failed": f"needs at least {least:.0f} GB (weights, gradients, AdamW, engine)"}
                     else:
                         result = run(model_path(name, folder), rollout, ranks, folder, args.switches)
+                        if "failed" in result:
+                            failed.append(f"{name} {rollout} on {ranks} ranks ({result['failed']})")
                     rows.append((name, rollout, ranks, result))
                     print(json.dumps({"model": name, "rollout": rollout, "ranks": ranks, **result}), flush=True)
     print(f"\nwith {' '.join(args.switches) or 'the defaults'}")
@@ -161,6 +164,8 @@ def main() -> None:
         print(f"| {name} | {rollout} | {ranks} | {r.get('perf/rollout_peak_gb', 0):.1f} | "
               f"{r.get('perf/actor_update_peak_gb', 0):.1f} | {r.get('perf/sync_peak_gb', 0):.1f} | {total:.1f} | "
               f"{'yes' if total < 15 else 'no'} | {'yes' if total < 23 else 'no'} | {r['perf/step_s']:.0f} |")
+    if failed:  # the table is printed whole, but a run that failed is no measurement
+        sys.exit(f"failed: {', '.join(failed)} (their output is above)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """Every benchmark script runs, in a tiny CPU mode, where CI runs it: a benchmark that breaks fails CI.
 
-Each case runs the script with the smallest flags that still go through its real code path and checks that
-it exits 0 and prints a row of its table with figures. The quick ones run in the default suite; the ones
-that start several trainers or torchrun jobs (a minute or more each) are marked slow and run as a step of
-their own in `.ci/run`. A few scripts are run by other tests, named in ELSEWHERE; a new script with no case
-fails `test_every_benchmark_is_run_somewhere`.
+Each case runs a script with the smallest flags that still go through its real code path (tiny shapes, one or
+two steps or repeats) and checks that it exits 0 and prints its table: the header and a row with figures, no
+row "failed" (bench_gpu and bench_ppo_memory print a failed arm's row, then exit 1 naming it). The cheap cases
+run in the default suite (about a minute in all). The slow ones (the embedded model trained in several
+torchrun jobs or on a fixed workload, a dozen timing processes, an SGLang server) take a minute or more each
+on two cores, and no flag makes them cheaper: they are marked slow and run as a step of their own in
+`.ci/run`. A script that another default-suite test already runs, with its own checks of the table, is named
+in ELSEWHERE rather than run twice. `test_every_benchmark_has_a_case` fails for a script in neither, so a new
+benchmark cannot be added unseen.
 """
 
+import ast
 import os
 import re
 import subprocess
@@ -17,73 +22,114 @@ import pytest
 from tests.helpers import REPO
 
 BENCHMARKS = REPO / "benchmarks"
+HELPERS = {"common.py"}  # imported by the scripts, not run
+TINY_MODEL = "{tiny_model}"  # in flags: the tests' tiny random Llama (the `tiny_model_path` fixture)
+RL_PROMPTS = "{rl_prompts}"  # in flags: examples/data/make_arithmetic.py's RL prompts
+SGLANG = [pytest.mark.sglang,
+          pytest.mark.skipif(not os.environ.get("RL2_SGLANG_PYTHON"), reason="RL2_SGLANG_PYTHON is not set")]
 
-# script: (flags, a line of its table with figures)
-QUICK = {
-    "bench_decode_attention.py": (["--rows", "2", "--lengths", "8", "--steps", "2"], r"^\|.*\d"),
-    "bench_fused_layers.py": (["--tokens", "64", "--layers", "1", "--repeats", "1"], r"^\|.*\d"),
-    "bench_logps.py": (["--tokens", "64", "--vocab", "1000", "--repeats", "1"], r"^\|.*\d"),
-    "bench_prefix_attention.py": (["--groups", "1", "--prompt", "8", "--responses", "2", "--response", "8",
-                                   "--repeats", "1"], r"^float32\s+prefix_attention\.c\s+[\d.]+"),
-    "bench_engine.py": (["--repeats", "1", "--requests", "2", "--new-tokens", "4"],
-                        r"^embedded engine tokens/s\s+\|\s+[\d.]+"),
-    "bench_ppo_memory.py": (["--models", "135m", "--rollouts", "2x2x8", "--ranks", "1"],
-                            r"^\| 135m \| 2x2x8 \| 1 \| [\d.]+ \|"),
-}
-SLOW = {
-    "bench_decode_linears.py": (["--rows", "2", "--steps", "2"], r"^\| 2 \|.*\| [\d.]+ \|"),
-    "bench_parallel_memory.py": (["--mem-seq-len", "8", "--cp-seq-len", "32", "--steps", "1"],
-                                 r"^\| cp=2 \| 2 \| [\d.]+"),
-    "bench_sft.py": (["--steps", "1", "--seqs", "2", "--seq-len", "16"], r"^float32\s+2\s+[\d.]+"),
-    "bench_lora.py": (["--rank", "4", "--seq-len", "8", "--seqs", "1", "--steps", "1"], r"^\| LoRA r=4 \|.*\d"),
-    "bench_async.py": (["--steps", "2", "--etas", "1", "--prompts", "2", "--responses", "2", "--new-tokens", "4",
-                        "--test-prompts", "2", "--nproc", "1", "--over-sampling", "1"], r"^\|.*\d"),
-    "bench_ppo_w1.py": (["--steps", "2", "--skip-trl", "--nproc", "1"], r"^\|.*\d"),
-}
-# Run by other tests, each with its own checks of the output.
+
+def case(script: str, flags: list[str], header: str, row: str, timeout: float, *marks):
+    """A script's run: its flags, regular expressions of its table's header and of a row with figures, and
+    the seconds it may take (a few times its run on a busy two-core machine)."""
+    return pytest.param(script, flags, header, row, timeout, marks=marks, id=script)
+
+
+CASES = [
+    case("bench_decode_attention.py", ["--rows", "2", "--lengths", "8", "--steps", "2"],
+         r"^\| rows \| length \| implementation \|", r"^\| 2 \| 8 \| decode_attention \(C\) \| [\d.]+ \|", 120),
+    case("bench_fused_layers.py", ["--tokens", "64", "--layers", "1", "--repeats", "1"],
+         r"^\| setting \| norms and activation \(ms\) \|", r"^\| fused \(default\) \| [\d.]+ \|", 120),
+    case("bench_logps.py", ["--tokens", "64", "--vocab", "1000", "--repeats", "1"],
+         r"^\| setting \| forward \(s\) \|", r"^\| chunked, 1 MB chunks \(default\) \| [\d.]+ \|", 120),
+    case("bench_prefix_attention.py",
+         ["--groups", "1", "--prompt", "8", "--responses", "2", "--response", "8", "--repeats", "1"],
+         r"^dtype\s+path\s+forward ms", r"^float32\s+prefix_attention\.c\s+[\d.]+", 120),
+    case("bench_engine.py", ["--repeats", "1", "--requests", "2", "--new-tokens", "4"],
+         r"^2 requests x 4 new tokens", r"^embedded engine tokens/s\s+\| [\d.]+$", 180),
+    # The tiny model: the same trainer runs, synchronous and asynchronous, for seconds instead of minutes.
+    case("bench_async.py", ["--model", TINY_MODEL, "--steps", "2", "--etas", "1", "--prompts", "2", "--responses",
+                            "2", "--new-tokens", "4", "--test-prompts", "2", "--long-questions", "2", "--nproc", "1",
+                            "--over-sampling", "1"],
+         r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240),
+    case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
+         r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300),
+    case("bench_sft.py", ["--dtype", "float32", "--steps", "1", "--seqs", "2", "--seq-len", "16"],
+         r"^dtype\s+ranks\s+step s", r"^float32\s+2\s+[\d.]+", 400, pytest.mark.slow),
+    case("bench_lora.py", ["--rank", "4", "--seq-len", "8", "--seqs", "1", "--steps", "1"],
+         r"^\| mode \| ranks \|", r"^\| LoRA r=4 \| 2 \|.*\| [\d.]+ \|$", 600, pytest.mark.slow),
+    case("bench_parallel_memory.py", ["--mem-seq-len", "8", "--cp-seq-len", "32", "--steps", "1"],
+         r"^\| layout \| ranks \|", r"^\| cp=2 \| 2 \| [\d.]+ \|", 900, pytest.mark.slow),
+    case("bench_ppo_w1.py", ["--steps", "2", "--skip-trl", "--nproc", "1"],
+         r"^\| system \| s/step \|", r"^\| RL2 default \| [\d.]+ \|", 900, pytest.mark.slow),
+    case("bench_decode_linears.py", ["--rows", "2", "--steps", "2"],
+         r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400,
+         pytest.mark.slow),
+    case("step_files.py", ["--train", RL_PROMPTS], r"^RL path: \d+ files", r"^\s+\d+\s+RL2/trainer/ppo\.py$", 400,
+         pytest.mark.slow),
+    case("bench_sglang_cpu.py", ["--repeats", "1", "--requests", "2", "--new-tokens", "4", "--threads", "1"],
+         r"^\| engine \| requests x new tokens \|", r"^\| embedded engine 1 threads, float32 \| 2 x 4 \| \d+ \|", 900,
+         pytest.mark.slow, *SGLANG),
+]
+# script: the default-suite test that runs it and checks its table ("file::function").
 ELSEWHERE = {
-    "bench_gpu.py": "tests/unit/test_gpu_check.py (the GPU check's CPU mode)",
-    "bench_offload.py": "tests/unit/test_gpu_check.py (the GPU check's CPU mode)",
-    "bench_agent_endpoint.py": "tests/unit/test_benchmark_scripts.py::test_agent_endpoint_bench_samples_the_same_tokens_both_ways",
-    "bench_sglang_cpu.py": "tests/unit/test_benchmark_scripts.py (with the SGLang environment)",
-    "step_files.py": "test_step_files_traces_a_grpo_step (below)",
+    "bench_agent_endpoint.py":
+        "tests/unit/test_benchmark_scripts.py::test_agent_endpoint_bench_samples_the_same_tokens_both_ways",
+    # The GPU check's CPU mode runs `bench_gpu.py --device cpu` and checks both systems' rows of both workloads.
+    "bench_gpu.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
+    # ... and `bench_offload.py --device cpu`, checking its page-locked row.
+    "bench_offload.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
 }
 
 
-def run(script: str, *flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(script: str, flags: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, str(BENCHMARKS / script), *flags], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *flags], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
-def check_table(script: str, flags: list[str], row: str) -> None:
-    result = run(script, *flags)
-    assert result.returncode == 0, f"{script} {' '.join(flags)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert re.search(row, result.stdout, re.MULTILINE), f"{script}: no row like {row!r} in\n{result.stdout[-3000:]}"
-    assert not re.search(r"\bfailed\b", result.stdout), result.stdout[-3000:]
-
-
-def test_every_benchmark_is_run_somewhere():
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"common.py"}
-    assert scripts == set(QUICK) | set(SLOW) | set(ELSEWHERE)
-
-
-@pytest.mark.parametrize("script", sorted(QUICK))
-def test_a_quick_benchmark_prints_its_table(script):
-    check_table(script, *QUICK[script])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(SLOW))
-def test_a_long_benchmark_prints_its_table(script):
-    check_table(script, *SLOW[script])
-
-
-@pytest.mark.slow
-def test_step_files_traces_a_grpo_step(tmp_path):
-    data = subprocess.run([sys.executable, "examples/data/make_arithmetic.py", "--out", str(tmp_path)], cwd=REPO,
+def rl_prompts(folder) -> str:
+    made = subprocess.run([sys.executable, "examples/data/make_arithmetic.py", "--out", str(folder)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-    assert data.returncode == 0, data.stderr[-2000:]
-    result = run("step_files.py", "--train", str(tmp_path / "rl_train.jsonl"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"RL2/trainer/ppo\.py", result.stdout), result.stdout[-3000:]
+    assert made.returncode == 0, made.stderr[-2000:]
+    return str(folder / "rl_train.jsonl")
+
+
+def filled(flags: list[str], request, tmp_path) -> list[str]:
+    """The flags with the files their placeholders stand for, made only for the case that names them."""
+    makers = {TINY_MODEL: lambda: request.getfixturevalue("tiny_model_path"), RL_PROMPTS: lambda: rl_prompts(tmp_path)}
+    return [makers[flag]() if flag in makers else flag for flag in flags]
+
+
+@pytest.mark.parametrize("script, flags, header, row, timeout", CASES)
+def test_a_benchmark_prints_its_table_in_its_tiny_cpu_mode(script, flags, header, row, timeout, request, tmp_path):
+    result = run(script, filled(flags, request, tmp_path), timeout)
+    said = f"{script} {' '.join(flags)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, said
+    assert re.search(header, result.stdout, re.MULTILINE), f"no header like {header!r} in {said}"
+    assert re.search(row, result.stdout, re.MULTILINE), f"no row like {row!r} in {said}"
+    assert not re.search(r"\bfailed\b", result.stdout), said
+
+
+def referenced_test(reference: str) -> ast.FunctionDef | None:
+    """The test function `file::function` names, parsed from its file; None where there is none."""
+    path, name = reference.split("::")
+    tree = ast.parse((REPO / path).read_text())
+    return next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+
+
+def test_every_benchmark_has_a_case():
+    """A script of benchmarks/ with neither a case nor a default-suite test that runs it is one CI would not
+    notice breaking."""
+    scripts = {path.name for path in BENCHMARKS.glob("*.py")} - HELPERS
+    cased = [param.values[0] for param in CASES]
+    assert len(cased) == len(set(cased)), "a script with two cases"
+    assert not set(cased) & set(ELSEWHERE), "a script run here and by another test"
+    assert scripts - set(cased) - set(ELSEWHERE) == set(), "benchmarks with no case here nor in ELSEWHERE"
+    assert set(cased) | set(ELSEWHERE) <= scripts, "a case for a script that is not there"
+    for script, reference in ELSEWHERE.items():
+        test = referenced_test(reference)
+        assert test is not None, f"{script}: {reference} is not there"
+        marks = " ".join(ast.unparse(decorator) for decorator in test.decorator_list)
+        assert "slow" not in marks, f"{script}: {reference} is not in the default suite"
+        assert script.removesuffix(".py") in ast.unparse(test), f"{script}: {reference} does not run it"

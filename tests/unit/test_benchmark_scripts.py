@@ -69,6 +69,37 @@ def test_ppo_memory_checks_its_grid_before_the_first_run(flags, named):
     assert named in result.stderr
 
 
+def test_ppo_memory_prints_a_failed_run_and_then_fails(monkeypatch, capsys):
+    """A trainer run that failed printed `exit code 1` in its row and the script exited 0, so a broken trainer
+    read as a run killed for memory. A run not started because it cannot fit is a figure, not a failure."""
+    bench = benchmark_module("bench_ppo_memory")
+    monkeypatch.setattr(bench, "n_parameters", lambda config: 1)
+    monkeypatch.setattr(bench, "model_config", lambda name: None)
+    monkeypatch.setattr(bench, "run", lambda *args: {"failed": "exit code 1"})
+    monkeypatch.setattr(sys, "argv", ["bench_ppo_memory.py", "--models", "135m", "--rollouts", "1x1x1", "--ranks", "1"])
+    with pytest.raises(SystemExit, match=re.escape("failed: 135m 1x1x1 on 1 ranks (exit code 1)")):
+        bench.main()
+    assert "| 135m | 1x1x1 | 1 | | | | exit code 1 | no | no | |" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "machine_memory_gb", lambda: 0.0)
+    bench.main()
+    assert "| 135m | 1x1x1 | 1 | | | | needs at least 0 GB" in capsys.readouterr().out
+
+
+def test_gpu_bench_prints_a_failed_system_and_then_fails(monkeypatch, capsys):
+    """bench_gpu printed a failed worker's error in its row and exited 0: a broken PPO update went unseen."""
+    bench = benchmark_module("bench_gpu")
+    figures = {"step_s": 1.0, "tokens_per_s": 1.0, "flops_per_s": 1.0, "peak_gb": 0.0, "steps": 1}
+    monkeypatch.setattr(bench, "make_model", lambda size, folder: 0)
+    monkeypatch.setattr(bench, "run_worker", lambda system, workload, *_: "failed: AttributeError: no 'get'" if (
+        system, workload) == ("rl2", "ppo") else figures)
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--device", "cpu"])
+    with pytest.raises(SystemExit, match=r"^failed: ppo RL2 \(the worker's last line is in its row\)$"):
+        bench.main()
+    out = capsys.readouterr().out
+    assert re.search(r"^ppo      RL2         failed: AttributeError: no 'get'$", out, re.MULTILINE), out
+    assert re.search(r"^ppo      HF Trainer     1.000", out, re.MULTILINE), out  # the table is printed whole
+
+
 @pytest.mark.slow
 def test_sft_runs_the_dtype_asked_for_and_counts_its_flops():
     """bench_sft --dtype float32 also ran the bf16 rows (main ignored the flag). The GFLOP/s column
