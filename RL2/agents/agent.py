@@ -3,9 +3,11 @@
 The file defines `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict` (a reward,
 or {"reward", "score", "reward_parts"}). `client` talks to the rollout's OpenAI-compatible endpoint
 (`RL2.agents.openai_server`), which records every call's tokens; `extra_info` is a copy of the row's
-`extra_info` with its prompt under "prompt". The reward goes on the trajectory's last turn. An agent that
-raises, runs past the timeout, returns a malformed result or never calls the model ends its own
-trajectory with reward 0; a failure of the engine stops the rollout. See docs/agents.md.
+`extra_info` with its prompt under "prompt". The reward goes on the trajectory's last turn. Agents run where
+environment code does, on a loop of their own (`RL2.rollout.event_loop.on_env_loop`), so that an agent that
+blocks freezes neither the engine nor the endpoint. An agent that raises (`sys.exit()` too), runs past the
+timeout, returns a malformed result or never calls the model ends its own trajectory with reward 0; a failure
+of the engine stops the rollout. See docs/agents.md.
 """
 
 import asyncio
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 import openai
 
 from RL2.agents.openai_server import OpenAIEndpoint
-from RL2.rollout.env import EnvError, EnvFault, check_coroutine, load_script, parse_reward
-from RL2.rollout.loop import gather_or_cancel, sample_seed
+from RL2.rollout.env import EnvError, EnvFault, TooManyTimeouts, check_coroutine, load_script, parse_reward
+from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
+from RL2.rollout.loop import call_script, gather_or_cancel, sample_seed
 from RL2.rollout.trajectory import Trajectory
 
 # What an agent's result dict may hold.
@@ -30,10 +33,11 @@ RESULT_KEYS = ("reward", "score", "reward_parts")
 class Agent:
     """A loaded agent script and its `run`. `reset_fn` and `tool_specs` are what an environment script may
     define and an agent never does (it starts from the row's prompt and runs its own tools): a trainer reads
-    either alike."""
+    either alike. `timeouts_in_a_row` counts its runs that timed out since one last ended otherwise."""
 
     path: str
     run_fn: Callable[[openai.AsyncOpenAI, dict], Awaitable[float | dict]]
+    timeouts_in_a_row: int = 0
     reset_fn = None
     tool_specs = ()
 
@@ -61,6 +65,7 @@ async def agent_rollout_batch(
     prompts: list[dict],
     responses_per_prompt: int,
     timeout: float | None,
+    max_timeouts: int | None = None,
 ) -> list[list[Trajectory]]:
     """Run the agent `responses_per_prompt` times per prompt, all runs concurrently, each in its own session.
 
@@ -72,28 +77,51 @@ async def agent_rollout_batch(
             `sampling_seed`: run j of a row with a seed samples its call k with
             `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
         responses_per_prompt: runs per prompt (a GRPO group).
-        timeout: seconds one run may take. None: no limit.
+        timeout: seconds one run may take once it has started. None: no limit.
+        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many runs in a row time out
+            (`rollout.max_consecutive_timeouts`). None: never.
 
     Returns:
         One group of trajectories per prompt, in order. The first engine failure met by a call is
         raised once the run that met it ends (the other runs are cancelled).
     """
     await endpoint.start()
-    # One connection pool for every client of the batch: a client of its own would build one per run.
-    http = openai.DefaultAsyncHttpxClient(timeout=None)
+    pools = _Pools()
     try:
         tasks = [
-            [asyncio.create_task(_run(endpoint, agent, row, j, timeout, http)) for j in range(responses_per_prompt)]
+            [asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
+             for j in range(responses_per_prompt)]
             for row in prompts
         ]
         await gather_or_cancel([task for group in tasks for task in group])
     finally:
-        await http.aclose()
+        await pools.aclose()
     return [[task.result() for task in group] for group in tasks]
 
 
+class _Pools:
+    """The HTTP connection pool of a batch's clients on each loop its runs ran on: a client of its own would
+    build one per run, and a pool's connections belong to the loop that opened them."""
+
+    def __init__(self):
+        self.by_loop: dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient] = {}
+
+    def here(self) -> openai.DefaultAsyncHttpxClient:
+        """The pool of the running loop (one of user code)."""
+        loop = asyncio.get_running_loop()
+        if loop not in self.by_loop:
+            self.by_loop[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
+        return self.by_loop[loop]
+
+    async def aclose(self) -> None:
+        # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
+        http = self.by_loop.get(env_loop())
+        if http is not None:
+            await on_env_loop(http.aclose())
+
+
 async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, timeout: float | None,
-               http) -> Trajectory:
+               max_timeouts: int | None, pools: _Pools) -> Trajectory:
     """One run of the agent, as one trajectory."""
     seed = row.get("sampling_seed")
     session = endpoint.open_session(None if seed is None else sample_seed(seed, index))
@@ -102,11 +130,10 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     prompt = row.get("messages") or row.get("prompt")
     extra_info = copy.deepcopy(row.get("extra_info") or {}) | {"prompt": copy.deepcopy(prompt)}
     trajectory.extra_info = extra_info
-    client = openai.AsyncOpenAI(base_url=endpoint.base_url_of(session), api_key="rl2", max_retries=0,
-                                http_client=http)
     start = time.perf_counter()
     try:
-        fault = await _outcome(agent, client, extra_info, timeout, trajectory)
+        fault = await _outcome(agent, _run_agent(agent, endpoint.base_url_of(session), endpoint.api_key, pools,
+                                                 extra_info), timeout, max_timeouts, trajectory)
     finally:
         endpoint.close_session(session)
     if session.error is not None:  # the engine failed, not the agent: the rollout stops
@@ -121,13 +148,24 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     return trajectory
 
 
-async def _outcome(agent: Agent, client: openai.AsyncOpenAI, extra_info: dict, timeout: float | None,
+async def _run_agent(agent: Agent, base_url: str, api_key: str, pools: _Pools, extra_info: dict) -> object:
+    """The agent's `run`, on the loop of user code, with a client of that loop's pool."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=pools.here())
+    return await agent.run_fn(client, extra_info)
+
+
+async def _outcome(agent: Agent, run, timeout: float | None, max_timeouts: int | None,
                    trajectory: Trajectory) -> str | None:
-    """Run the agent and put its reward on the trajectory's last turn; a description of its fault, if any."""
+    """Await `run` (`_run_agent`) and put its reward on the trajectory's last turn; a description of its fault,
+    if any."""
     try:
-        result = await asyncio.wait_for(agent.run_fn(client, extra_info), timeout)
+        result = await call_script(agent, run, timeout, max_timeouts, "rollout.agent_timeout")
+    except TooManyTimeouts:
+        raise
     except TimeoutError:
         return f"the agent did not return within {timeout} s"
+    except Escaped as e:
+        return f"the agent raised {e}"
     except Exception as e:  # the script runs on untrusted model output: whatever it raises ends this trajectory only
         return f"the agent raised {type(e).__name__}: {e}"
     try:

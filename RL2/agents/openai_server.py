@@ -15,12 +15,22 @@ exactly what the model sampled: the session maps each message it returned to the
 
 Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather
 than ignored: the policy trained would not be the one the agent asked for.
+
+Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint, which
+the agent's client is given) as `Authorization: Bearer`, else it gets 401; session ids are random too, so
+no other local process can write into a run's trajectories. Special tokens' text in the messages (an
+agent's, a tool's) is tokenised as text: only the chat template writes role tokens
+(`RL2.utils.tokens.render_plain`). Requests are bounded before they cost much: a body must arrive within
+`read_timeout` and nest at most `MAX_JSON_DEPTH` deep, a prompt with more characters than the token
+budget could hold is refused before it is tokenised, and stop lists are capped.
 """
 
 import asyncio
+import hmac
 import itertools
 import json
 import math
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -30,8 +40,9 @@ from aiohttp import web
 from RL2.agents.tool_calls import ParsedAction, ToolCallParser
 from RL2.agents.tools import render_conversation
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, encode, end_text, sample_rest, sample_seed
+from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, end_text, sample_rest, sample_seed
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
+from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
 # The model id `models.list()` shows; requests may name any model.
 MODEL_ID = "rl2-policy"
@@ -39,6 +50,17 @@ MODEL_ID = "rl2-policy"
 MAX_CHOICES = 128
 # Request bodies carry whole conversations: well above aiohttp's 1 MiB default.
 MAX_BODY_BYTES = 256 * 2**20
+# Seconds a client may take to send a request's headers (from its connection, or its previous answer) and,
+# again, its body: a client that trickles them (slow loris) is cut off instead of holding a connection.
+READ_TIMEOUT = 30.0
+# Seconds the rest of a request answered before it was read whole (401, 408) is read and dropped before its
+# connection closes (aiohttp's lingering close, 10 s by default).
+LINGERING_TIME = 5.0
+# The deepest nesting of a request body's JSON (a tool's schema nests a few levels per property).
+MAX_JSON_DEPTH = 64
+# Stop strings of one request, and characters of each (OpenAI takes up to 4).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 # Fields accepted at these values only (OpenAI's defaults), and why other values are refused.
 _CHANGES_SAMPLING = ("would change how the policy samples, which RL2's engine does not do (the trainer "
@@ -76,16 +98,21 @@ _COMPLETION_FIELDS = {"prompt"} | _SAMPLING | _IGNORED | set(_COMPLETION_DEFAULT
 
 class RequestError(Exception):
     """A request the endpoint refuses, answered in OpenAI's error shape: `message` says what is wrong and what
-    to send instead, `param` names the request field at fault, `code` is OpenAI's code for it, if any."""
+    to send instead, `param` names the request field at fault, `code` is OpenAI's code for it, if any; with
+    `close`, the connection is closed after the answer (the rest of the request is not waited for)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 close: bool = False):
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.close = message, param, status, code, close
 
     def response(self) -> web.Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return web.json_response({"error": error}, status=self.status)
+        response = web.json_response({"error": error}, status=self.status)
+        if self.close:
+            response.force_close()
+        return response
 
 
 @dataclass
@@ -159,8 +186,9 @@ class Session:
         self._tips: list[_Tip] = []
         self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
 
-    def prompt(self, text: str, tokenizer) -> _Prompt:
+    def prompt(self, text: str, tokenizer, plain: Spans = ()) -> _Prompt:
         """The call's prompt: continuing the sequence whose text it extends most, else a new one.
+        `plain`: the spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`).
 
         A chat template re-rendering the conversation writes the end-of-turn token the action already
         sampled (an action's text skips special tokens); then the prompt must go on with exactly that
@@ -169,10 +197,11 @@ class Session:
         """
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
-            return _Prompt(text, encode(tokenizer, text))
+            return _Prompt(text, encode(tokenizer, text, plain))
         best = max(extended, key=lambda tip: len(tip.text))
-        added = text[len(best.text + best.end_text):]
-        added_ids = encode(tokenizer, added)
+        offset = len(best.text + best.end_text)
+        added = text[offset:]
+        added_ids = encode(tokenizer, added, spans_after(plain, offset))
         return _Prompt(text, best.sequence.input_ids + added_ids, best, added, added_ids)
 
     def record(self, prompt: _Prompt, turns: list[Turn], tokenizer) -> None:
@@ -221,16 +250,21 @@ class OpenAIEndpoint:
         max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
             left. None: no limit.
         stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
+        read_timeout: seconds a client may take to send a request's headers, and then its body.
+
+    Attributes:
+        api_key: the key every request must send as `Authorization: Bearer` (random, this endpoint's own).
     """
 
     def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
-                 default_sampling: dict, max_total_tokens: int | None, stop_after_call: bool = True):
+                 default_sampling: dict, max_total_tokens: int | None, stop_after_call: bool = True,
+                 read_timeout: float = READ_TIMEOUT):
         self.engine, self.tokenizer, self.parser = engine, tokenizer, parser
         self.native_tools, self.stop_after_call = native_tools, stop_after_call
         self.default_sampling = dict(default_sampling)
-        self.max_total_tokens = max_total_tokens
+        self.max_total_tokens, self.read_timeout = max_total_tokens, read_timeout
+        self.api_key = secrets.token_urlsafe(32)
         self._sessions: dict[str, Session] = {}
-        self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.port: int | None = None
@@ -245,12 +279,16 @@ class OpenAIEndpoint:
                 raise RuntimeError("the OpenAI endpoint serves on the event loop it was started on; "
                                    "stop() it there before starting it on another one")
             return
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_answer_request_errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_answer_request_errors, self._authorized])
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout
+        # of its opening or of its previous answer: headers sent a byte at a time (slow loris) included.
+        # A body is read within read_timeout (`_json_body`).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=self.read_timeout,
+                               lingering_time=LINGERING_TIME)
         await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -269,7 +307,7 @@ class OpenAIEndpoint:
     def open_session(self, sampling_seed: int | None = None) -> Session:
         """A new session, holding an empty trajectory; with `sampling_seed`, call k samples with
         `sample_seed(sampling_seed, k)` (its choice j > 0 with `sample_seed(that, j)`) unless it gives `seed`."""
-        session = Session(str(next(self._ids)), sampling_seed)
+        session = Session(secrets.token_urlsafe(16), sampling_seed)
         self._sessions[session.id] = session
         return session
 
@@ -279,30 +317,52 @@ class OpenAIEndpoint:
         self._sessions.pop(session.id, None)
 
     def base_url_of(self, session: Session) -> str:
-        """The base URL to give `openai.AsyncOpenAI(base_url=..., api_key=...)` for this session."""
+        """The base URL to give `openai.AsyncOpenAI(base_url=..., api_key=endpoint.api_key)` for this session."""
         if self.port is None:
             raise RuntimeError("the OpenAI endpoint is not serving; await endpoint.start() first")
         return f"http://127.0.0.1:{self.port}/sessions/{session.id}/v1"
 
     # ---- routes ----
 
+    @web.middleware
+    async def _authorized(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every request, whatever its path, must carry this endpoint's key: 401 naming what is wrong."""
+        header = request.headers.get("Authorization")
+        scheme, _, key = (header or "").strip().partition(" ")
+        how = ("send this run's key as 'Authorization: Bearer <key>': the api_key the rollout gave the agent's "
+               "openai.AsyncOpenAI (OpenAIEndpoint.api_key)")
+        if header is None:
+            raise RequestError(f"the request has no Authorization header; {how}", status=401, code="invalid_api_key")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise RequestError(f"the Authorization header is not 'Bearer <key>'; {how}", status=401,
+                               code="invalid_api_key")
+        if not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()):
+            raise RequestError(f"the bearer key is not this run's key (each run's endpoint has a random one); {how}",
+                               status=401, code="invalid_api_key")
+        return await handler(request)
+
     async def _chat(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        body = await _json_body(request)
+        body = await self._json_body(request)
         call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
         schemas, parsing = _tools(body)
         messages = session.as_sampled(_messages(body))
-        try:
-            text = render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
+
+        def render(messages: list[dict], schemas: list[dict] | None) -> str:
+            return render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
+
+        try:  # special tokens' text in the agent's messages and tools tokenises as text
+            text, plain = render_plain(self.tokenizer, render, messages, schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                "messages") from e
-        prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None)
+        prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None,
+                                                plain)
         return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
 
     async def _completions(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        body = await _json_body(request)
+        body = await self._json_body(request)
         call = _parse_call(body, _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, None)
         call.logprobs = _completion_logprobs(body.get("logprobs"))
         prompt = body.get("prompt")
@@ -333,13 +393,36 @@ class OpenAIEndpoint:
             raise RequestError(f"the inference engine failed: {session.error}", status=500)
         return session
 
+    async def _json_body(self, request: web.Request) -> dict:
+        """The request's JSON object; its body must arrive within `read_timeout` and nest at most MAX_JSON_DEPTH."""
+        try:
+            raw = await asyncio.wait_for(request.read(), self.read_timeout)
+        except TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.read_timeout} s", status=408,
+                               close=True) from None
+        too_deep = RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels of JSON; send a "
+                                f"flatter one")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not JSON: {e}") from None
+        except RecursionError:  # the parser's own limit on nesting, far past MAX_JSON_DEPTH
+            raise too_deep from None
+        if _deeper_than(body, MAX_JSON_DEPTH):  # the rest of the endpoint (and the template) may recurse on it
+            raise too_deep
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, not {_show(body)}")
+        return body
+
     # ---- sampling ----
 
     async def _sample(self, session: Session, text: str, call: _Call, prompt_field: str,
-                      parser: ToolCallParser | None) -> tuple[_Prompt, list[_Choice], int]:
-        """Sample a call's choices after `text` and record them on the session's trajectory; also returns
-        the call's number in the session. A session closed meanwhile (its run timed out) records nothing."""
-        prompt = session.prompt(text, self.tokenizer)
+                      parser: ToolCallParser | None, plain: Spans = ()) -> tuple[_Prompt, list[_Choice], int]:
+        """Sample a call's choices after `text` (`plain`: its spans of content's special-token text) and record
+        them on the session's trajectory; also returns the call's number in the session. A session closed
+        meanwhile (its run timed out) records nothing."""
+        self._check_length(text, prompt_field)
+        prompt = session.prompt(text, self.tokenizer, plain)
         params = self._params(call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
         seed = call.seed
@@ -356,6 +439,19 @@ class OpenAIEndpoint:
             raise RequestError(f"session {session.id} was closed while the call ran", status=404)
         session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
         return prompt, choices, k
+
+    def _check_length(self, text: str, prompt_field: str) -> None:
+        """Refuse a prompt with more characters than the token budget could hold, before tokenising it (tens
+        of MB would take tens of seconds and GBs, all to be refused)."""
+        if self.max_total_tokens is None:
+            return
+        at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
+        if at_least >= self.max_total_tokens:
+            raise RequestError(
+                f"the prompt has {len(text)} characters, so at least {at_least} tokens, which leaves no room to "
+                f"generate within max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten "
+                f"the conversation", prompt_field, code="context_length_exceeded",
+            )
 
     def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
         """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
@@ -495,14 +591,16 @@ def _message_key(message: dict) -> str:
 # ---- reading requests ----
 
 
-async def _json_body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_show(body)}")
-    return body
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether JSON `value` nests lists and objects more than `limit` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return False
 
 
 def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field: str | None) -> _Call:
@@ -560,6 +658,11 @@ def _stops(stop: object) -> list[str]:
         return []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"stop must be a non-empty string or a list of them, not {_show(stop)}", "stop")
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"stop has {len(stops)} strings; send at most {MAX_STOPS}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop has a string of {max(map(len, stops))} characters; each may have at most "
+                           f"{MAX_STOP_CHARS}", "stop")
     return stops
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from RL2.agents.tool_calls import ToolCall, ToolCallParser, tool_call_parser
 from RL2.agents.tools import (Tool, ToolResult, build_tools, render_conversation, run_tool, template_renders_tools,
                               tool_result_messages)
-from RL2.rollout.event_loop import on_env_loop
+from RL2.rollout.event_loop import Escaped, on_env_loop
 
 # Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.
 BLOCKED_GRACE_S = 1.0
@@ -91,17 +91,19 @@ class ToolUse:
 
     async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
         """The calls' results, run on the environments' loop with the script's other code. `run_tool` times
-        out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here."""
+        out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here, and
+        one that raises what `run_tool` does not catch (`sys.exit()`, a CancelledError) fails every call."""
         async def run_all() -> list[ToolResult]:  # gathered on the environments' loop
             return await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
                                           for call in calls))
 
         try:
-            return await asyncio.wait_for(on_env_loop(run_all()),
-                                          None if self.timeout is None else self.timeout + BLOCKED_GRACE_S)
+            return await on_env_loop(run_all(), None if self.timeout is None else self.timeout + BLOCKED_GRACE_S)
         except TimeoutError:
             return [ToolResult(call, f"Error: {call.name} did not return within {self.timeout} s", "timeout",
                                self.timeout) for call in calls]
+        except Escaped as e:
+            return [ToolResult(call, f"Error: a tool raised {e}", "raised", 0.0) for call in calls]
 
 
 def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:

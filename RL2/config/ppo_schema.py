@@ -42,9 +42,10 @@ class RolloutConfig:
     test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test split in a shuffled order (seeded by trainer.seed) that successive evaluations walk through; None: every test prompt")
     max_turns: int = opt(1, "the most actions of one trajectory")
     max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
-    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own")
+    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take, from when it starts, before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own, which a step that blocks past it keeps while the other steps go on in a new one")
     agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, client an openai.AsyncOpenAI served by the rollout engine, instead of rollout.env_path: every call's tokens are recorded, one run is one trajectory")
     agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its trajectory fails")
+    max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent runs) of a rank time out in a row, none ending otherwise in between: a script that hangs on every call (a dead server, an endless loop) would otherwise fault every trajectory of every step (null: never stop)")
     code_sandbox_unisolated: bool = opt(False, "where the system refuses namespaces (Docker's default seccomp, most Kubernetes pods), let RL2.rewards.code_reward run model-written code with an in-process guard only: that gives up isolation from the host's files, network, sockets and processes (false: such runs stop with an error)")
     tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a RL2.agents.tool_calls.ToolCallParser)")
     tool_timeout: float | None = opt(60.0, "seconds one tool call may take; one that takes longer gives the model an error result")
@@ -71,7 +72,7 @@ class RolloutConfig:
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
     request_timeout: float = opt(3600.0, "seconds one generation request to an SGLang server may take, queueing and the whole answer included, before the rollout fails (long reasoning at a busy server needs many)")
-    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, passed to launched servers as --api-key (unset: launched servers get a random one)")
+    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, given to launched servers in a private --config file, never on their command line (unset: launched servers get a random one)")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
     weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
     weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
@@ -293,6 +294,9 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     """
     if rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
+    if (limit := rollout.get("max_consecutive_timeouts")) is not None and limit < 1:
+        raise ConfigError(f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that stop the run "
+                          f"(1 or more), or null never to stop")
     if rollout.get("agent_path") and rollout.get("reward_fn"):
         raise ConfigError("rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
     if rollout.get("gpu_memory_margin_gb", 0.0) < 0:

@@ -7,8 +7,8 @@ from RL2.config.errors import ConfigError
 # Chosen by RL2 for every server it launches: the weights are the actor's and the port must be free.
 RESERVED_ARGS = ("model_path", "port")
 
-# SGLang's keys: RL2 passes rollout.api_key as --api-key and sends it with every request. An admin key
-# would make SGLang refuse that key at the weight-update endpoints.
+# SGLang's keys: RL2 gives rollout.api_key to launched servers in a private --config file and sends it with
+# every request. An admin key would make SGLang refuse that key at the weight-update endpoints.
 KEY_ARGS = ("api_key", "admin_api_key")
 
 _FLAG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")

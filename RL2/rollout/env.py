@@ -39,6 +39,10 @@ class EnvFault(Exception):
     """A `step` result that breaks the contract; it ends one trajectory, not the run."""
 
 
+class TooManyTimeouts(RuntimeError):
+    """A script's calls ran out of time `rollout.max_consecutive_timeouts` times in a row: the run stops."""
+
+
 @dataclass
 class StepResult:
     next_state: State | None
@@ -59,6 +63,7 @@ class Env:
         reset_fn: its `reset` coroutine function, if any.
         tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.agents.tool_use`).
         call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
+        timeouts_in_a_row: its steps and resets that ran out of time since one last ended otherwise.
     """
 
     path: str
@@ -67,6 +72,7 @@ class Env:
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
     original: "OriginalProtocol" = field(default_factory=lambda: OriginalProtocol())
+    timeouts_in_a_row: int = 0
 
     async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
         """Run the script's `step`; raises `EnvFault` when its result is malformed."""
@@ -215,7 +221,23 @@ def parse_reward(result: dict, what: str) -> tuple[float, float, dict[str, float
     for key, value in (("reward", reward), ("score", score), *((f"reward_parts[{n!r}]", v) for n, v in parts.items())):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise EnvFault(f"{what} {key}={value!r} is not a finite number")
+    for name in parts:
+        if (bad := not_text(str(name))) is not None:
+            raise EnvFault(f"{what} reward_parts name {name!r} {bad}")
     return float(reward), float(score), {str(name): float(value) for name, value in parts.items()}
+
+
+def not_text(text: str) -> str | None:
+    """Why `text` is no Unicode text (a str may hold a lone surrogate such as "\\ud800", which neither the
+    tokenizer nor a UTF-8 file takes), or None when it is."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"is not valid Unicode text: {text[e.start:e.end]!r} at character {e.start} is a lone surrogate; "
+                f"decode the bytes it came from with errors='replace'")
+    return None
 
 
 def _is_state(state: object) -> bool:

@@ -1,26 +1,39 @@
-"""The event loops of a rank's rollouts, each kept for the whole run.
+"""The event loops of a rank's rollouts.
 
 Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
 what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
 still works in the next one; a new loop per rollout (`asyncio.run`) would leave such objects bound to a
-closed loop. Environment code (`step`, `reset`, tools) runs on a second loop in a thread of its own
-(`on_env_loop`), also kept for the whole run: module-level asyncio objects of a script work across
-rollouts, and blocking code in an async step stops only that loop, so the engine goes on sampling and
-the step's timeout still fires.
+closed loop.
+
+User code (an environment's `step`, `reset` and tools, an agent's `run`) runs on a second loop in a daemon
+thread of its own (`on_env_loop`), kept from call to call: module-level asyncio objects of a script work
+across rollouts, and blocking code (`time.sleep`, a sync HTTP call, `while True`) stops only that loop, never
+the rank's loop, the engine or the agents' OpenAI endpoint. A call's timeout counts from when it starts, not
+while it waits behind another call. A call that runs out of time while it blocks its loop keeps that loop:
+the calls waiting to start move to a new loop and thread, and the blocked one is abandoned (Python cannot
+stop a thread; it ends once what blocks it returns). Only the calls that were already running there,
+awaiting something, wait with the blocked one; a script's module-level asyncio objects stay with the old loop.
 """
 
 import asyncio
 import atexit
+import itertools
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+
+# Seconds the loop of a call that timed out has to answer before the call is taken to block it.
+BLOCKED_AFTER_S = 1.0
 
 _loop: asyncio.AbstractEventLoop | None = None
-_env_loop: asyncio.AbstractEventLoop | None = None
+_lock = threading.Lock()  # guards `_user_loop`, and where each call is sent and whether it has started
+_user_loop: "_UserLoop | None" = None
+_numbers = itertools.count(1)
 
 
 class Escaped(Exception):
-    """What environment code raised that is not an `Exception` (`sys.exit()`, `KeyboardInterrupt`): it ends
-    one trajectory, as an exception of the script does, instead of the trainer."""
+    """What user code raised that is not an `Exception` (`sys.exit()`, `KeyboardInterrupt`, a `CancelledError`
+    of its own): it ends one trajectory, as an exception of the script does, instead of the trainer."""
 
 
 def run_on_rank_loop(coroutine: Coroutine):
@@ -48,38 +61,167 @@ def close_rank_loop() -> None:
     loop.close()
 
 
+class _UserLoop:
+    """A loop for user code and the daemon thread running it; once abandoned, it stops when its calls end."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.waiting: set[_Call] = set()  # sent here, not started yet
+        self.abandoned = False
+        threading.Thread(target=self._run, name=f"rl2-env-loop-{next(_numbers)}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.loop.run_forever()
+                break  # stopped: abandoned, and its calls ended
+            except (SystemExit, KeyboardInterrupt):
+                # Raised in a task that user code made (a child of its gather): asyncio re-raises these out of
+                # run_forever. The call that awaits that task gets it as its outcome; the loop goes on.
+                continue
+        self.loop.close()
+
+
+@dataclass(eq=False)
+class _Call:
+    """One coroutine of user code, awaited from the `caller` loop."""
+
+    coroutine: Coroutine
+    caller: asyncio.AbstractEventLoop
+    started: asyncio.Future  # on the caller's loop, like `done`, which gets (value, what it raised)
+    done: asyncio.Future
+    home: _UserLoop | None = None
+    task: asyncio.Task | None = None  # on `home`, once started
+    given_up: bool = False
+
+
 def env_loop() -> asyncio.AbstractEventLoop:
-    """The environments' loop, running in a daemon thread of its own; made at the first call."""
-    global _env_loop
-    if _env_loop is None or _env_loop.is_closed():
-        _env_loop = asyncio.new_event_loop()
-        threading.Thread(target=_env_loop.run_forever, name="rl2-env-loop", daemon=True).start()
-    return _env_loop
+    """The loop user code runs on now; made at the first call, and again after one is abandoned."""
+    with _lock:
+        return _current().loop
 
 
-async def on_env_loop(coroutine: Coroutine):
-    """Await `coroutine` run on the environments' loop. What it raises is raised here; a `BaseException`
-    that is not an `Exception` (other than cancellation) as `Escaped`. Cancelling the caller (a timeout)
-    cancels the coroutine at its next await."""
-    future = asyncio.run_coroutine_threadsafe(_captured(coroutine), env_loop())
+async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
+    """Await `coroutine` run on the loop of user code, for at most `timeout` seconds once it has started.
+
+    Args:
+        coroutine: user code (a step, a reset, tool calls, an agent's run).
+        timeout: seconds it may run (None: no limit); past them it is cancelled, and its loop left to it when
+            it blocks the loop, and TimeoutError is raised.
+
+    What the coroutine raises is raised here; a `BaseException` that is not an `Exception` as `Escaped`.
+    Cancelling the caller cancels the coroutine.
+    """
+    caller = asyncio.get_running_loop()
+    call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
+    with _lock:
+        _send(call, _current())
     try:
-        value, error = await asyncio.wrap_future(future)
+        await call.started
+        finished, _ = await asyncio.wait([call.done], timeout=timeout)
     except asyncio.CancelledError:
-        future.cancel()
+        _give_up(call)
         raise
+    if not finished:
+        _give_up(call)
+        await _abandon_if_blocked(call.home)
+        raise TimeoutError(f"user code did not return within {timeout} s")
+    value, error = call.done.result()
     if isinstance(error, Exception):
         raise error
     if error is not None:
-        raise Escaped(f"{type(error).__name__}: {error}")
+        raise Escaped(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
     return value
 
 
-async def _captured(coroutine: Coroutine) -> tuple:
-    # Inside the environments' loop a SystemExit would stop the loop itself (asyncio re-raises it out of
-    # run_forever), so everything but cancellation comes back as a value.
+def _current() -> _UserLoop:
+    """The loop new calls go to (with `_lock` held)."""
+    global _user_loop
+    if _user_loop is None:
+        _user_loop = _UserLoop()
+    return _user_loop
+
+
+def _send(call: _Call, home: _UserLoop) -> None:
+    """Queue `call` to start on `home` (with `_lock` held)."""
+    call.home = home
+    home.waiting.add(call)
+    home.loop.call_soon_threadsafe(lambda: home.loop.create_task(_run(call, home)))
+
+
+async def _run(call: _Call, home: _UserLoop) -> None:
+    """Run `call` on `home`'s loop, unless it moved to another loop or its caller gave up meanwhile. It starts
+    here, in the task's first step, not when the task is made: a call made ready behind one that then blocks
+    has not started, and moves."""
+    with _lock:
+        if call.home is not home or call.given_up:
+            return
+        home.waiting.discard(call)
+        call.task = asyncio.current_task()
+    _notify(call.caller, call.started, None)
+    # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself (asyncio re-raises them out of
+    # run_forever), so all the script raises comes back as a value; a CancelledError too, as the caller reads
+    # no value once it has cancelled the call, and one that the script raised itself is its own fault.
     try:
-        return await coroutine, None
-    except asyncio.CancelledError:
-        raise
+        outcome = await call.coroutine, None
     except BaseException as e:  # noqa: BLE001 -- the script's sys.exit() must not end the thread or the run
-        return None, e
+        outcome = None, e
+    _notify(call.caller, call.done, outcome)
+
+
+def _give_up(call: _Call) -> None:
+    """Cancel a call nobody waits for any more; one that has not started never will."""
+    with _lock:
+        call.given_up = True
+        if call.task is None:
+            call.home.waiting.discard(call)
+            call.coroutine.close()
+            return
+    _post(call.home.loop, call.task.cancel)
+
+
+async def _abandon_if_blocked(home: _UserLoop) -> None:
+    """Leave `home` to the call blocking it when its loop does not answer within BLOCKED_AFTER_S: later calls,
+    and those waiting there, go to a new loop; `home` stops once the calls it started have ended."""
+    global _user_loop
+    caller = asyncio.get_running_loop()
+    answer = caller.create_future()
+    if not _post(home.loop, _notify, caller, answer, None):  # closed: it was abandoned and has stopped
+        return
+    answered, _ = await asyncio.wait([answer], timeout=BLOCKED_AFTER_S)
+    if answered:
+        return
+    with _lock:
+        if home.abandoned:
+            return
+        home.abandoned, _user_loop = True, None
+        moved, home.waiting = home.waiting, set()
+        for call in moved:
+            _send(call, _current())
+    _post(home.loop, lambda: home.loop.create_task(_retire(home)))
+
+
+async def _retire(home: _UserLoop) -> None:
+    """On an abandoned loop free again: wait for what it still runs, then stop it (its thread then closes it)."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    await asyncio.gather(*others, return_exceptions=True)
+    home.loop.stop()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
+    """Have `loop` call `fn(*args)`, from any thread; False when the loop is closed (nobody would)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: its caller left (asyncio.run ended), or it was retired
+        return False
+    return True
+
+
+def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    """Give `future`, of `loop`, its result, from any thread."""
+    _post(loop, _resolve, future, value)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():  # a caller that was cancelled cancelled it
+        future.set_result(value)

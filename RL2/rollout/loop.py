@@ -4,8 +4,9 @@ A trajectory alternates the policy and the environment until `done`, `max_turns`
 When the next state extends `state + action` as text (upstream RL2's rule), only the new text is
 tokenised and appended, so the sampled tokens are kept as they are; otherwise the next state starts a
 new sequence (see `trajectory.py`). Faults of the environment end one trajectory with reward 0; engine
-errors propagate and stop the rollout (docs/rl.md). Environment code runs on the environments' own loop
-(`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks does not stop the engine.
+errors propagate and stop the rollout (docs/rl.md), as do `max_timeouts` timeouts of the environment in a
+row. Environment code runs on a loop of its own (`RL2.rollout.event_loop.on_env_loop`), so that a step that
+blocks stops neither the engine nor the other trajectories' steps.
 """
 
 import asyncio
@@ -14,10 +15,10 @@ import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult
+from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
-from RL2.utils.tokens import longest_token_chars
+from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
 # SGLang's default when a request gives no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -39,6 +40,7 @@ async def run_trajectory(
     resume: Trajectory | None = None,
     stop: asyncio.Event | None = None,
     tool_use=None,
+    max_timeouts: int | None = None,
 ) -> Trajectory:
     """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
@@ -52,7 +54,7 @@ async def run_trajectory(
         max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
         max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
             each request's max_new_tokens is cut to what is left. None: no limit.
-        env_timeout: seconds one `step` (or `reset`) may take. None: no limit.
+        env_timeout: seconds one `step` (or `reset`) may take once it has started. None: no limit.
         prompt_ids: the prompt already tokenised (else `state` is tokenised).
         resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
             from where it stopped (the tokens it already has keep their log-probabilities), then
@@ -61,10 +63,12 @@ async def run_trajectory(
             action, to be resumed later (partial rollout pauses the engine after setting it).
         tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: an action that
             calls tools gets their results as the next state, and only one that calls none is stepped.
+        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row
+            time out (`rollout.max_consecutive_timeouts`). None: never.
     """
     if resume is None:
         trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout,
-                                  tool_use)
+                                  tool_use, max_timeouts)
         if trajectory.fault is not None:  # its reset failed
             return trajectory
     else:
@@ -82,7 +86,7 @@ async def run_trajectory(
         # A resumed action is whole again: from here on the trajectory runs as any other (its next
         # action is a new one, and a pause may stop it before that action).
         trajectory.stop_reason = ""
-        result = await _answer(env, tool_use, trajectory, turn.action_text, env_timeout)
+        result = await _answer(env, tool_use, trajectory, turn.action_text, env_timeout, max_timeouts)
         if isinstance(result, str):
             trajectory.fail(result)
             return trajectory
@@ -95,11 +99,14 @@ async def run_trajectory(
             trajectory.stop_reason = "max_turns"
             return trajectory
         try:
-            next_state = render_state(result.next_state, tokenizer, tool_use)
+            next_state, plain = render_state(result.next_state, tokenizer, tool_use)
         except Exception as e:  # messages of the environment's making that the chat template rejects
             trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
             return trajectory
-        if not _observe(trajectory, tokenizer, trajectory.state, turn, next_state, max_total_tokens):
+        if (bad := not_text(next_state)) is not None:  # the tokenizer would raise TypeError
+            trajectory.fail(f"malformed next_state: it {bad}")
+            return trajectory
+        if not _observe(trajectory, tokenizer, trajectory.state, turn, next_state, max_total_tokens, plain):
             trajectory.stop_reason = "budget"
             return trajectory
         trajectory.state = next_state
@@ -117,6 +124,7 @@ async def rollout_batch(
     max_total_tokens: int | None = None,
     env_timeout: float | None = None,
     tool_use=None,
+    max_timeouts: int | None = None,
 ) -> list[list[Trajectory]]:
     """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
 
@@ -128,14 +136,15 @@ async def rollout_batch(
             neither on the ranks nor on the other requests of the batch (evaluation sets it).
         responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
             the row's `extra_info`.
-        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout, tool_use:
+        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout, tool_use, max_timeouts:
             as in `run_trajectory`.
 
     Returns:
         One group of trajectories per prompt, in order.
     """
     run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
-                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use)
+                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use,
+                            max_timeouts=max_timeouts)
 
     def params_of(row: dict, index: int) -> dict:
         if row.get("sampling_seed") is None:
@@ -161,6 +170,7 @@ async def partial_rollout_batch(
     max_total_tokens: int | None = None,
     env_timeout: float | None = None,
     tool_use=None,
+    max_timeouts: int | None = None,
 ) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
@@ -180,7 +190,8 @@ async def partial_rollout_batch(
     done_groups = asyncio.Event()
     finished_count = 0
     run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
-                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use)
+                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use,
+                            max_timeouts=max_timeouts)
 
     def trajectory(row: dict, resume: Trajectory | None = None):
         return _row_trajectory(run, row, sampling_params, resume, stop)
@@ -279,13 +290,16 @@ def _turn_params(sampling_params: dict, turn: int) -> dict:
     return {**sampling_params, "sampling_seed": sample_seed(sampling_params["sampling_seed"], turn)}
 
 
-def render_state(state: State, tokenizer, tool_use=None) -> str:
-    """A state as text: chat messages go through the tokenizer's chat template (with the tools, if any)."""
+def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tuple[int, int]]]:
+    """A state as text: chat messages go through the tokenizer's chat template (with the tools, if any).
+    Also returns where the messages' content wrote special tokens' text, which `encode` keeps as text
+    (`RL2.utils.tokens.render_plain`); a text state is the environment's own rendering, taken as written."""
     if isinstance(state, str):
-        return state
+        return state, []
     if tool_use is not None:
-        return tool_use.render(state, tokenizer)
-    return tokenizer.apply_chat_template(state, add_generation_prompt=True, tokenize=False)
+        return render_plain(tokenizer, lambda messages: tool_use.render(messages, tokenizer), state)
+    return render_plain(tokenizer, lambda messages: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False), state)
 
 
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
@@ -309,20 +323,23 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 
 
 async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, prompt_ids: list[int] | None,
-                 max_total_tokens: int | None, env_timeout: float | None, tool_use=None) -> Trajectory:
+                 max_total_tokens: int | None, env_timeout: float | None, tool_use=None,
+                 max_timeouts: int | None = None) -> Trajectory:
     """A new trajectory holding just its prompt (from the row, or from the environment's `reset`); a
-    trajectory ended by a fault, without a sequence, when `reset` fails."""
+    trajectory ended by a fault, without a sequence, when `reset` fails or its state is no text."""
     if state is None:
         try:
-            state = await _reset(env, extra_info, env_timeout)
+            state = await _reset(env, extra_info, env_timeout, max_timeouts)
+        except TooManyTimeouts:
+            raise
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
-            trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
-            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
-                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
-            return trajectory
+            return _failed(extra_info, f"reset failed: {e}" if isinstance(e, EnvError) else
+                           f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
     messages = state if isinstance(state, list) else None
-    state = render_state(state, tokenizer, tool_use)
-    ids = encode(tokenizer, state) if prompt_ids is None else list(prompt_ids)
+    state, plain = render_state(state, tokenizer, tool_use)
+    if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
+        return _failed(extra_info, f"malformed state: it {bad}")
+    ids = encode(tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
     if not _fits(len(ids), max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
@@ -330,6 +347,13 @@ async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, pro
         )
     trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info, messages=messages)
     trajectory.start_sequence(state, ids)
+    return trajectory
+
+
+def _failed(extra_info: dict, fault: str) -> Trajectory:
+    """A trajectory ended by `fault` before its first state."""
+    trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
+    trajectory.fail(fault)
     return trajectory
 
 
@@ -349,11 +373,34 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     return partial
 
 
-async def _reset(env: Env, extra_info: dict, timeout: float | None) -> State:
+async def _reset(env: Env, extra_info: dict, timeout: float | None, max_timeouts: int | None) -> State:
     try:
-        return await asyncio.wait_for(on_env_loop(env.reset(extra_info)), timeout)
+        return await call_script(env, env.reset(extra_info), timeout, max_timeouts, "rollout.env_timeout")
     except TimeoutError as e:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
+
+
+async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):
+    """`on_env_loop(coroutine, timeout)` for a call of `script` (an `Env` or an agent script), counting in
+    `script.timeouts_in_a_row` its calls that time out in a row; the `max_timeouts`-th raises `TooManyTimeouts`
+    (None: never), as a script that hangs on every call (a dead server, an endless loop) would otherwise fault
+    every trajectory of every step. `timeout_key` is the config key of `timeout`, for the error."""
+    try:
+        value = await on_env_loop(coroutine, timeout)
+    except TimeoutError:
+        script.timeouts_in_a_row += 1
+        if max_timeouts is None or script.timeouts_in_a_row < max_timeouts:
+            raise
+        script.timeouts_in_a_row = 0
+        raise TooManyTimeouts(
+            f"{max_timeouts} calls of {script.path} in a row ran out of time ({timeout_key}={timeout} s), none "
+            f"ending otherwise in between: it seems stuck (a dead server, a lock never released, an endless loop); "
+            f"fix it, or raise rollout.max_consecutive_timeouts (null: never stop)") from None
+    except Exception:  # it ended on its own, if with an error: not stuck
+        script.timeouts_in_a_row = 0
+        raise
+    script.timeouts_in_a_row = 0
+    return value
 
 
 async def sample_action(engine: Engine, tokenizer, input_ids: list[int], sampling_params: dict,
@@ -413,7 +460,8 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
     return text
 
 
-async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeout: float | None) -> StepResult | str:
+async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeout: float | None,
+                  max_timeouts: int | None) -> StepResult | str:
     """What follows an action: its tool calls' results (no reward yet), else the environment's step; or
     the reason the trajectory ends as a fault."""
     if tool_use is not None:
@@ -422,13 +470,17 @@ async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeo
             return reply
         if reply is not None:
             return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
-    return await _step(env, trajectory.state, action, trajectory.env_info, timeout)
+    return await _step(env, trajectory.state, action, trajectory.env_info, timeout, max_timeouts)
 
 
-async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None) -> StepResult | str:
+async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None,
+                max_timeouts: int | None) -> StepResult | str:
     """The environment's answer to `action`, or a description of its fault."""
     try:
-        return await asyncio.wait_for(on_env_loop(env.step(state, action, extra_info)), timeout)
+        return await call_script(env, env.step(state, action, extra_info), timeout, max_timeouts,
+                                 "rollout.env_timeout")
+    except TooManyTimeouts:
+        raise
     except TimeoutError:
         return f"step timed out after {timeout} s"
     except EnvFault as e:
@@ -439,28 +491,25 @@ async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: fl
         return f"step raised {type(e).__name__}: {e}"
 
 
-def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_state: str, budget: int | None) -> bool:
-    """Add the next state to the trajectory; False when it leaves no room for another action."""
+def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_state: str, budget: int | None,
+             plain: Spans = ()) -> bool:
+    """Add the next state to the trajectory (`plain`: its spans of content's special-token text, see
+    `render_state`); False when it leaves no room for another action."""
     added = continuation(state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     room = None if budget is None else budget - len(trajectory.current_ids)
     if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
         return False
     if added is not None:
-        env_ids = encode(tokenizer, added)
+        env_ids = encode(tokenizer, added, spans_after(plain, len(next_state) - len(added)))
         if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
             return False
         trajectory.continue_sequence(added, env_ids)
     else:
-        ids = encode(tokenizer, next_state)
+        ids = encode(tokenizer, next_state, plain)
         if not _fits(len(ids), budget):
             return False
         trajectory.start_sequence(next_state, ids)
     return True
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    # Chat templates write their special tokens (and BOS, if any) into the text itself.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def end_text(tokenizer, action_ids: list[int]) -> str:

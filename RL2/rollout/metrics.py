@@ -81,7 +81,9 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) ->
     """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    # A lone surrogate ("\ud800") that a prompt or an environment's text holds is written as its JSON escape,
+    # which reads back as it was, rather than failing the write (UTF-8 has no encoding for it).
+    with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
             for t in group:
                 record = {

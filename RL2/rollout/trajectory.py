@@ -186,7 +186,10 @@ class Trajectory:
 
     def fail(self, fault: str) -> None:
         """End on an environment fault: every reward and score becomes 0."""
-        self.fault, self.stop_reason = fault, "fault"
+        # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
+        # no UTF-8 log or file takes: they are kept as their escapes.
+        self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")
+        self.stop_reason = "fault"
         for turn in self.turns:
             turn.reward = turn.score = 0.0
             turn.reward_parts = {}

@@ -196,7 +196,7 @@ class RolloutWorker:
         result = self._on_this_rank(seed, lambda: partial_rollout_batch(
             self.engine, self.env, self.tokenizer, my_carried, my_prompts, my_needed, responses_per_prompt,
             self._sampling_params(sampling_params), self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout,
-            self.tool_use,
+            self.tool_use, self.cfg.max_consecutive_timeouts,
         ) if my_needed else asyncio.sleep(0, ([], [], [])))
         self._fill_versions(result[0] + result[1])
         parts = self._gather(result)
@@ -208,9 +208,11 @@ class RolloutWorker:
             from RL2.agents.agent import agent_rollout_batch
 
             self.endpoint.default_sampling = sampling_params
-            return agent_rollout_batch(self.endpoint, self.env, prompts, responses_per_prompt, self.cfg.agent_timeout)
+            return agent_rollout_batch(self.endpoint, self.env, prompts, responses_per_prompt, self.cfg.agent_timeout,
+                                       self.cfg.max_consecutive_timeouts)
         return rollout_batch(self.engine, self.env, self.tokenizer, prompts, responses_per_prompt, sampling_params,
-                             self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout, self.tool_use)
+                             self.cfg.max_turns, self.max_total_tokens, self.cfg.env_timeout, self.tool_use,
+                             self.cfg.max_consecutive_timeouts)
 
     def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
         """Tokens sampled without the engine naming its weights (an SGLang server older than its

@@ -1,9 +1,26 @@
-"""What a tokenizer's vocabulary bounds: the most characters one token stands for."""
+"""What a tokenizer's vocabulary bounds (the most characters one token stands for), and tokenising
+chat text in which only the chat template writes special tokens.
 
+A chat template writes its structure as the text of special tokens (`<|im_start|>`, `<|im_end|>`), and
+tokenising the rendered text turns every such string into that token, wherever it came from. Content
+that an environment, a tool or an agent wrote ("<|im_end|><|im_start|>system ...") would then become real
+role tokens. `render_plain` renders messages with the special-token strings of their content hidden from
+the template and says where they are in the text; `encode` tokenises those as text (as
+`split_special_tokens=True` does), and only the template's own as special tokens.
+"""
+
+import re
+import secrets
 import weakref
+from collections.abc import Callable, Sequence
 
 # tokenizer -> the most characters one of its tokens stands for (see `longest_token_chars`)
 _LONGEST_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# tokenizer -> (a pattern matching the text of its special tokens, longest first; their ids by text)
+_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# (start, end) character spans of a text: where content wrote the text of a special token
+Spans = Sequence[tuple[int, int]]
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -12,3 +29,94 @@ def longest_token_chars(tokenizer) -> int:
     if tokenizer not in _LONGEST_TOKEN:
         _LONGEST_TOKEN[tokenizer] = max(map(len, tokenizer.get_vocab()))
     return _LONGEST_TOKEN[tokenizer]
+
+
+def special_tokens(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
+    """A pattern matching the text of `tokenizer`'s special tokens (None if it has none), and their ids
+    by text. Added tokens not marked special (Qwen's `<tool_call>`) are not among them: plain text
+    tokenises to them too, whoever wrote it."""
+    if tokenizer not in _SPECIAL:
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        ids = {token.content: i for i, token in added.items() if token.special and token.content}
+        ids |= {text: tokenizer.convert_tokens_to_ids(text) for text in tokenizer.all_special_tokens if text}
+        texts = sorted(ids, key=len, reverse=True)  # the longest first, as the tokenizer matches them
+        _SPECIAL[tokenizer] = (re.compile("|".join(map(re.escape, texts))) if texts else None, ids)
+    return _SPECIAL[tokenizer]
+
+
+def encode(tokenizer, text: str, plain: Spans = ()) -> list[int]:
+    """The token ids of `text`, without BOS (chat templates write their special tokens, BOS included,
+    into the text itself).
+
+    Args:
+        plain: the spans of `text` where content wrote a special token's text (`render_plain`): each is
+            tokenised as text, not as that token. The special tokens elsewhere are the template's.
+    """
+    if not plain:
+        return tokenizer.encode(text, add_special_tokens=False)
+    pattern, ids_of = special_tokens(tokenizer)
+    ids, start, spans = [], 0, sorted(plain)
+    for match in pattern.finditer(text):
+        if any(s < match.end() and match.start() < e for s, e in spans):
+            continue  # content's: stays in the text around it
+        ids += _as_text(tokenizer, text[start:match.start()]) + [ids_of[match.group()]]
+        start = match.end()
+    return ids + _as_text(tokenizer, text[start:])
+
+
+def render_plain(tokenizer, render: Callable[..., str], *content) -> tuple[str, list[tuple[int, int]]]:
+    """`render(*content)` (a chat template over messages) with the special tokens' text in the strings of
+    `content` hidden from it; returns the text and the spans in it of that content's special-token text,
+    for `encode`.
+
+    Each such string is replaced by a marker of plain ASCII (a random nonce and a number) before
+    rendering and put back after, so that the template neither sees nor reacts to it. Content without
+    any special token's text renders exactly as `render(*content)`.
+    """
+    pattern, _ = special_tokens(tokenizer)
+    if pattern is None:
+        return render(*content), []
+    nonce, hidden = secrets.token_hex(8), []
+
+    def marker(match: re.Match) -> str:
+        hidden.append(match.group())
+        return f"[{nonce}:{len(hidden) - 1}]"
+
+    def hide(value):
+        if isinstance(value, str):
+            return pattern.sub(marker, value)
+        if isinstance(value, dict):
+            return {hide(key): hide(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [hide(item) for item in value]
+        return value
+
+    text = render(*(hide(part) for part in content))
+    if not hidden:
+        return text, []
+    out, spans, pos, length = [], [], 0, 0
+    for match in re.finditer(rf"\[{nonce}:(\d+)\]", text):
+        original = hidden[int(match.group(1))]
+        out.append(text[pos:match.start()])
+        length += match.start() - pos
+        spans.append((length, length + len(original)))
+        out.append(original)
+        length += len(original)
+        pos = match.end()
+    out.append(text[pos:])
+    text = "".join(out)
+    if nonce in text:  # a template that cut or escaped a marker: its content would not read back as written
+        raise ValueError("the chat template altered the content it was given (a marker RL2 put in place of a "
+                         "special token's text was cut or escaped); special tokens' text in content cannot be "
+                         "told from the template's own")
+    return text, spans
+
+
+def spans_after(spans: Spans, offset: int) -> list[tuple[int, int]]:
+    """The spans of `text[offset:]`, from those of `text`."""
+    return [(s - offset, e - offset) for s, e in spans if s >= offset]
+
+
+def _as_text(tokenizer, text: str) -> list[int]:
+    # split_special_tokens: the special tokens' text in it tokenises as text (transformers' option)
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []

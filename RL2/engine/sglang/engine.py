@@ -16,6 +16,7 @@ Every control step ends with all ranks agreeing that it worked: one rank's failu
 
 import asyncio
 import atexit
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -38,7 +39,7 @@ from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
 from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
-from RL2.engine.sglang.http_client import HTTPEngineClient, check_status
+from RL2.engine.sglang.http_client import HTTPEngineClient, check_status, read_answer
 from RL2.engine.sglang.server import SGLangServer, resolve_python
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
@@ -375,27 +376,44 @@ class SGLangEngine:
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
                     absent_ok: bool = False, api_key: str | None = None) -> dict | None:
     """One control request (GET without a payload, else POST); EngineError if the server does not
-    answer 200 or reports a failure. With `absent_ok`, None if the server has no such endpoint (404).
-    `api_key`, if any, goes as `Authorization: Bearer`."""
+    answer 200 within `timeout` seconds, all of its answer included, or reports a failure, or answers
+    more than `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint
+    (404). `api_key`, if any, goes as `Authorization: Bearer`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    async def send() -> tuple[int, bytes]:
+        # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, headers), timeout)
+
     try:
-        if payload is None:
-            response = httpx.get(f"{url}{endpoint}", timeout=timeout, headers=headers)
-        else:
-            response = httpx.post(f"{url}{endpoint}", json=payload, timeout=timeout, headers=headers)
+        status, answer = _run_blocking(send())
+    except TimeoutError as e:
+        raise EngineError(f"{url}{endpoint} failed (no whole answer within {timeout} s)") from e
     except httpx.HTTPError as e:
         raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
-    if absent_ok and response.status_code == 404:
+    if absent_ok and status == 404:
         return None
-    check_status(f"{url}{endpoint}", response)
+    check_status(f"{url}{endpoint}", status, answer)
     try:
-        body = response.json()
+        body = json.loads(answer)
     except ValueError:
         return {}
     # Weight updates answer 200 with {"success": false, "message": ...} when the weights do not fit.
     if isinstance(body, dict) and body.get("success") is False:
         raise EngineError(f"{url}{endpoint} failed: {body.get('message', body)}")
     return body if isinstance(body, dict) else {}
+
+
+def _run_blocking(coroutine):
+    """Run `coroutine` to its end from sync code: on a loop of its own, in a thread of its own if this
+    thread already runs one."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def unwritten_weights(before: dict, after: dict) -> list[str]:

@@ -2,6 +2,7 @@
 server, which is trusted no further than that protocol (see `HTTPEngineClient`)."""
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -11,6 +12,9 @@ from RL2.utils.logging import log_rank0
 
 # Seconds to open a connection: a server that does not accept within this is taken as down.
 CONNECT_TIMEOUT = 10.0
+# The largest answer body read from a server (a /generate answer of 100k tokens with their
+# log-probabilities is ~10 MB): a larger one is an EngineError, not a trainer out of memory.
+MAX_ANSWER_BYTES = 256 * 2**20
 
 
 class HTTPEngineClient:
@@ -110,19 +114,19 @@ class HTTPEngineClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
             # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
-            response = await asyncio.wait_for(self._http().post(endpoint, json=payload, headers=headers), self.timeout)
+            status, body = await asyncio.wait_for(read_answer(self._http(), endpoint, payload, headers), self.timeout)
         except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             raise EngineError(f"{endpoint}: no answer within {self.timeout} s ({type(e).__name__}); a request may "
                               f"take rollout.request_timeout seconds") from e
         except httpx.TransportError as e:
             raise _Unreachable(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
-        check_status(endpoint, response)
-        if not response.content:  # control endpoints may answer with an empty body
+        check_status(endpoint, status, body)
+        if not body:  # control endpoints may answer with an empty body
             return {}
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError as e:
-            raise EngineError(f"{endpoint} returned a body that is not JSON: {response.text[:200]!r}") from e
+            raise EngineError(f"{endpoint} returned a body that is not JSON: {body[:200]!r}") from e
 
     def _http(self) -> httpx.AsyncClient:
         # An httpx client's connections belong to the event loop that opened them; trainers that call
@@ -137,13 +141,35 @@ class HTTPEngineClient:
         return self._client
 
 
-def check_status(where: str, response: httpx.Response) -> None:
+async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,
+                      headers: dict | None) -> tuple[int, bytes]:
+    """POST `payload` to `url` (GET when None): the answer's status and body, of at most MAX_ANSWER_BYTES
+    (else EngineError, having read no more than that). The caller bounds the time it takes."""
+    method = "GET" if payload is None else "POST"
+    async with client.stream(method, url, json=payload, headers=headers) as response:
+        declared = response.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > MAX_ANSWER_BYTES
+        body = bytearray()
+        if not too_big:
+            async for chunk in response.aiter_bytes():  # decompressed: a small compressed body cannot explode
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    too_big = True
+                    break
+        if too_big:
+            raise EngineError(f"{url} answered with more than {MAX_ANSWER_BYTES} bytes (RL2's cap on an answer); "
+                              f"the server is not an SGLang server answering as RL2 asked")
+        return response.status_code, bytes(body)
+
+
+def check_status(where: str, status: int, body: bytes) -> None:
     """EngineError unless the server answered the request to `where` (its URL) with 200."""
-    if response.status_code in (401, 403):
-        raise EngineError(f"{where} refused the request (HTTP {response.status_code}: {response.text[:200]}): "
+    text = body.decode(errors="replace")
+    if status in (401, 403):
+        raise EngineError(f"{where} refused the request (HTTP {status}: {text[:200]}): "
                           f"set rollout.api_key to the key the server was started with (--api-key)")
-    if response.status_code != 200:
-        raise EngineError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
+    if status != 200:
+        raise EngineError(f"{where} returned HTTP {status}: {text[:500]}")
 
 
 class _Unreachable(EngineError):

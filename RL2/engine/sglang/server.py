@@ -3,10 +3,16 @@
 The server runs as `python -m sglang.launch_server ...` in a child process. The Python that runs it
 may be another virtual environment than the trainer's (SGLang pins its own torch): the trainer only
 talks to it over HTTP. Its output goes to a log file whose tail is quoted when it fails.
+
+Its API key is not on its command line, which every local user can read (`ps`, /proc/<pid>/cmdline): it
+goes in a file only this user can read, given as SGLang's `--config` (a YAML file of flags, read by
+`sglang.srt.server_args.prepare_server_args` in 0.5.x) and removed once the server is up. SGLang writes
+its arguments, key included, to its log, which is made readable by this user only as well.
 """
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -86,6 +92,7 @@ class SGLangServer:
         connect_host = "127.0.0.1" if host == "0.0.0.0" else host
         self.port = free_port(connect_host)
         self.url = f"http://{connect_host}:{self.port}"
+        server_args, self.key_file = _key_in_file(server_args)
         self.command = server_command(resolve_python(python), model_path, self.port, {"host": host} | server_args)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rl2-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +102,8 @@ class SGLangServer:
         self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
-        with open(self.log_path, "w") as log:
+        # SGLang logs its arguments, the API key among them: the log is this user's alone.
+        with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
             log.write(self.shown_command() + "\n")
             log.flush()
             # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer
@@ -118,6 +126,7 @@ class SGLangServer:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
                     self.shm_files |= sglang_shm_files(self.process.pid)
+                    self._remove_key_file()  # read at its start
                     return
             except httpx.TransportError:
                 pass  # not listening yet
@@ -145,6 +154,7 @@ class SGLangServer:
     def shutdown(self) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after 10 s; then remove the files
         SGLang leaves in /dev/shm."""
+        self._remove_key_file()
         if self.process is None:
             return
         if self.process.poll() is None or _group_alive(self.process.pid):
@@ -153,6 +163,11 @@ class SGLangServer:
         for path in self.shm_files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    def _remove_key_file(self) -> None:
+        if self.key_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.key_file)
 
     def _stop_group(self) -> None:
         for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
@@ -166,6 +181,26 @@ class SGLangServer:
                 continue
             if not _group_alive(self.process.pid):
                 break
+
+
+def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
+    """`server_args` with `api_key` (and any `config` of the user's, merged in) moved to a new `--config`
+    file that only this user can read: (the arguments for the command line, the file or None)."""
+    if server_args.get("api_key") is None:
+        return server_args, None
+    args = dict(server_args)
+    flags = {}
+    if args.get("config") is not None:  # SGLang takes one --config: the user's flags go into ours
+        import yaml  # omegaconf's dependency
+
+        with open(args.pop("config")) as f:
+            flags = yaml.safe_load(f) or {}
+    flags = {key: value for key, value in flags.items() if str(key).replace("_", "-") != "api-key"}
+    flags["api-key"] = str(args.pop("api_key"))  # SGLang passes a key on as "--<key>": the flag's own spelling
+    fd, path = tempfile.mkstemp(prefix="rl2-sglang-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        json.dump(flags, f)  # JSON is YAML, with every string quoted
+    return args | {"config": path}, path
 
 
 def _server_env(extra: dict) -> dict:
