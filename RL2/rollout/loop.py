@@ -15,6 +15,7 @@ import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
+from RL2.rewards.sandbox import SandboxError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
@@ -479,7 +480,7 @@ async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: fl
     try:
         return await call_script(env, env.step(state, action, extra_info), timeout, max_timeouts,
                                  "rollout.env_timeout")
-    except TooManyTimeouts:
+    except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:
         return f"step timed out after {timeout} s"

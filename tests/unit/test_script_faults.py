@@ -28,6 +28,7 @@ from RL2.rollout import event_loop
 from RL2.rollout.env import load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import rollout_batch, run_trajectory
+from RL2.rewards import SandboxError
 from RL2.rollout.metrics import fault_summary, rollout_metrics, save_samples
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
@@ -71,6 +72,9 @@ async def step(state, action, extra_info):
             pass
     if kind == "hang":
         await asyncio.sleep(30)
+    if kind == "no_sandbox":  # as code_reward raises where solutions cannot be isolated
+        from RL2.rewards import SandboxError
+        raise SandboxError("the code sandbox cannot isolate solutions here")
     return {"next_state": state + action, "reward": 1.0, "done": extra_info["n"] == extra_info.get("turns", 1)}
 '''
 
@@ -210,6 +214,13 @@ def test_timeouts_in_a_row_stop_the_rollout_naming_the_key(engine, tok, env):
                                         r".*raise rollout\.max_consecutive_timeouts") as raised:
         roll(engine, tok, env, [{"kind": "hang"}], env_timeout=0.5, max_timeouts=3)
     assert type(raised.value).__name__ == "TooManyTimeouts"
+
+
+def test_a_sandbox_that_cannot_isolate_stops_the_rollout_with_its_message(engine, tok, env):
+    """Not a fault of one trajectory: the sandbox refuses every solution (probed once, one message), so the
+    run stops with that message instead of faulting every trajectory of every step."""
+    with pytest.raises(SandboxError, match="cannot isolate solutions here"):
+        roll(engine, tok, env, [{"kind": "no_sandbox"}, {}])
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])
