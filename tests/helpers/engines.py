@@ -1,6 +1,18 @@
 """Engines of the tests: the real embedded engine, made to answer as a shared server sometimes does."""
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from RL2.engine.embedded.engine import EmbeddedEngine
+
+
+def running_engine(model_path: str, tok, max_running_requests: int):
+    """The real embedded engine on the float32 model at `model_path`, for a fixture to `yield from`: shut
+    down when the fixture ends."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    engine = EmbeddedEngine(model, tok, max_running_requests=max_running_requests)
+    yield engine
+    engine.shutdown()
 
 
 class CutOnce(EmbeddedEngine):

@@ -15,6 +15,7 @@ import pytest
 from RL2.config import parse_config
 from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError, code_reward, parse_tests
 from RL2.rewards.sandbox import default_concurrency, normalise_output
+from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -22,11 +23,7 @@ ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
-    sandbox = Sandbox(LIMITS, max_concurrency=2)
-    probe = sandbox.run_blocking("print('hi')", CodeTest(output="hi"))
-    if probe.isolation != "namespaces":
-        pytest.skip(f"this system refuses Linux namespaces (isolation: {probe.isolation}); the guard tests still run")
-    return sandbox
+    return isolated_sandbox(LIMITS, "; the guard tests still run")
 
 
 @pytest.fixture(scope="module")

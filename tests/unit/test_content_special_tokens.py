@@ -9,16 +9,14 @@ chat template and tokenised as usual: the template's structure, and nothing else
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from RL2.agents.tool_calls import ParsedAction, ToolCall, ToolCallParser
 from RL2.agents.tool_use import ToolUse
 from RL2.agents.tools import build_tools
-from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.rollout.env import load_env
 from RL2.rollout.loop import run_trajectory
 from RL2.utils.tokens import encode, render_plain
+from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 # Content that, tokenised with its special tokens matched, would end the turn and open a system turn.
@@ -73,10 +71,7 @@ class CallsOnce(ToolCallParser):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tok):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    engine = EmbeddedEngine(model, tok, max_running_requests=8)
-    yield engine
-    engine.shutdown()
+    yield from running_engine(tiny_model_path, tok, max_running_requests=8)
 
 
 def special_ids(tok) -> set[int]:

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from RL2.rewards import CodeLimits, CodeTest, Sandbox
+from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_disk_mb=4, max_files=50,
                     max_output_kb=64)
@@ -17,11 +18,7 @@ pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="these escapes are thos
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
-    sandbox = Sandbox(LIMITS, max_concurrency=2)
-    probe = sandbox.run_blocking("print('hi')", CodeTest(output="hi"))
-    if probe.isolation != "namespaces":
-        pytest.skip(f"this system refuses Linux namespaces (isolation: {probe.isolation})")
-    return sandbox
+    return isolated_sandbox(LIMITS)
 
 
 def run(sandbox: Sandbox, code: str, test: CodeTest | None = None):

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from RL2.rewards import CodeLimits, CodeTest, Sandbox, code_reward
+from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
 HONEST = "def add(a, b):\n    return a + b\n"
@@ -52,11 +53,7 @@ FORMS = {
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
-    sandbox = Sandbox(LIMITS, max_concurrency=2)
-    probe = sandbox.run_blocking("print('hi')", CodeTest(output="hi"))
-    if probe.isolation != "namespaces":
-        pytest.skip(f"this system refuses Linux namespaces (isolation: {probe.isolation})")
-    return sandbox
+    return isolated_sandbox(LIMITS)
 
 
 def reward(sandbox: Sandbox, code: str, tests: list[str]) -> float:

@@ -9,12 +9,9 @@ not spin on through the other tests of the process.
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from RL2.agents.agent import agent_rollout_batch, load_agent
 from RL2.agents.openai_server import OpenAIEndpoint
@@ -23,13 +20,13 @@ from RL2.agents.tool_use import ToolUse
 from RL2.agents.tools import build_tools
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
-from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.rewards import SandboxError
 from RL2.rollout import event_loop
 from RL2.rollout.env import load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import rollout_batch, run_trajectory
-from RL2.rewards import SandboxError
 from RL2.rollout.metrics import fault_summary, rollout_metrics, save_samples
+from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
@@ -109,10 +106,7 @@ async def run(client, extra_info):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tok):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    engine = EmbeddedEngine(model, tok, max_running_requests=16)
-    yield engine
-    engine.shutdown()
+    yield from running_engine(tiny_model_path, tok, max_running_requests=16)
 
 
 @pytest.fixture

@@ -12,20 +12,18 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from RL2.agents.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
 from RL2.agents.tool_use import ToolUse, tool_use_of
 from RL2.agents.tools import build_tools
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import BadRow
-from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.rollout.env import load_env
 from RL2.rollout.loop import run_trajectory
 from RL2.rollout.metrics import rollout_metrics
 from RL2.rollout.trajectory import Trajectory
 from tests.helpers import ENVS
+from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "How long is this?"}]
@@ -45,10 +43,7 @@ class Scripted(ToolCallParser):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tok):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    engine = EmbeddedEngine(model, tok, max_running_requests=8)
-    yield engine
-    engine.shutdown()
+    yield from running_engine(tiny_model_path, tok, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")
