@@ -274,9 +274,9 @@ def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | No
             the layout that saved the checkpoint they held the same one; under another (2 data-parallel
             ranks resumed as tp=2) they would go on with different streams. None: this rank's own.
     """
-    read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
+    index = read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
-        dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))
+        dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path), index))
     except CheckpointException as e:  # raised on every rank (DCP gathers the ranks' load plans)
         raise ConfigError(f"trainer.load_ckpt_from: {path} does not hold what this run's models are made of "
                           f"({_reason(e)}); resume with the model settings of the run that saved it "

@@ -56,10 +56,23 @@ def read_checkpoint_index(path: Path, file: Path | None = None) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's reader of a checkpoint folder, its index read by `read_checkpoint_index`."""
+    """torch's reader of a checkpoint folder, its index read by `read_checkpoint_index`.
+
+    Args:
+        path: the checkpoint folder.
+        index: its index, when the caller has read it already (read again otherwise).
+    """
+
+    def __init__(self, path: str, index: Metadata | None = None):
+        super().__init__(path)
+        self.index = index
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        index = read_checkpoint_index(Path(self.path), Path(self._get_metadata_path(kwargs.get("rank"))))
+        rank = kwargs.get("rank")
+        if self.index is not None and rank is None:
+            index = self.index
+        else:
+            index = read_checkpoint_index(Path(self.path), Path(self._get_metadata_path(rank)))
         if getattr(index, "storage_meta", None) is None:
             index.storage_meta = StorageMeta()
         index.storage_meta.load_id = self.load_id

@@ -67,20 +67,19 @@ def steps(device: str, tokenizer: str | None, out: Path) -> list[Step]:
     gpu_figures = re.compile(r"^(workload\s+system|(sft|ppo)\s+(RL2|HF Trainer))\b.*$")
     offload_figures = re.compile(r"^(host memory|page-locked|pageable|4 KB pages)\b.*$")
     if device == "cpu":
-        bench_gpu = [["--device", "cpu", "--seqs", "8", "--min-len", "16", "--max-len", "32", "--steps", "1",
-                      "--hf-batch", "4"]]
+        bench_gpu = {"cpu": ["--device", "cpu", "--seqs", "8", "--min-len", "16", "--max-len", "32", "--steps", "1",
+                             "--hf-batch", "4"]}
         bench_offload = ["--device", "cpu", "--rounds", "2"]
         limits = (300, 300, 300)
     else:
-        bench_gpu = [["--size", size, "--steps", "3"] for size in ("0.5B", "1.5B")]
+        bench_gpu = {size: ["--size", size, "--steps", "3"] for size in ("0.5B", "1.5B")}
         bench_offload = ["--size", "0.5B", "--rounds", "4"]
         limits = (210, 120, 75)
     return [
         Step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *GPU_TESTS], limits[0],
              test_count, tests_env),
         *(Step(f"bench_gpu {size}", [python, "benchmarks/bench_gpu.py", *flags, f"--profile={out / f'profile_{size}'}"],
-               limits[1], gpu_figures)
-          for flags in bench_gpu for size in [flags[1] if flags[0] == "--size" else "cpu"]),
+               limits[1], gpu_figures) for size, flags in bench_gpu.items()),
         Step("bench_offload", [python, "benchmarks/bench_offload.py", *bench_offload], limits[2], offload_figures),
     ]
 
