@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import add_isa_argument, run_with_isa  # noqa: E402
 
-from RL2.engine.embedded.kv_cache import RowGroups  # noqa: E402
+from RL2.native.decode_kernels import RowGroups  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402
 from RL2.native.decode_kernels import load_decode_kernels  # noqa: E402

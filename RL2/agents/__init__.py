@@ -1,7 +1,6 @@
-"""Agents: policies that call tools over several turns.
+"""Agents: agent code written against the `openai` client, rolled out as trajectories on top of `RL2.rollout`
+(which never imports this package).
 
-- `tool_calls`: the tool-call formats models write (Hermes/Qwen, Llama 3, Mistral), parsed and written.
-- `tools`: the tools an environment declares: their schemas, running them, rendering conversations with them.
 - `openai_server`: an OpenAI-compatible HTTP endpoint over a rank's engine that records the tokens.
 - `agent`: agent scripts (`async def run(client, extra_info)`) rolled out as trajectories.
 """

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import openai
 
 from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.engine.protocol import engine_sampling_params
 from RL2.rollout.env import EnvError, EnvFault, TooManyTimeouts, check_coroutine, load_script, parse_reward
 from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
 from RL2.rollout.loop import call_script, gather_or_cancel, sample_seed
@@ -31,15 +32,12 @@ RESULT_KEYS = ("reward", "score", "reward_parts")
 
 @dataclass
 class Agent:
-    """A loaded agent script and its `run`. `reset_fn` and `tool_specs` are what an environment script may
-    define and an agent never does (it starts from the row's prompt and runs its own tools): a trainer reads
-    either alike. `timeouts_in_a_row` counts its runs that timed out since one last ended otherwise."""
+    """A loaded agent script and its `run`. It starts from the row's prompt and runs its own tools.
+    `timeouts_in_a_row` counts its runs that timed out since one last ended otherwise."""
 
     path: str
     run_fn: Callable[[openai.AsyncOpenAI, dict], Awaitable[float | dict]]
     timeouts_in_a_row: int = 0
-    reset_fn = None
-    tool_specs = ()
 
 
 def load_agent(path: str) -> Agent:
@@ -57,6 +55,30 @@ def load_agent(path: str) -> Agent:
                        f"where client is an openai.AsyncOpenAI")
     check_coroutine(file, "run", run, "client, extra_info")
     return Agent(path=str(file), run_fn=run)
+
+
+@dataclass(frozen=True)
+class AgentRollout:
+    """An agent script's rollout on a rank (the rollout worker's driver): each run one trajectory, its model
+    calls served by the rank's endpoint under the rollout's sampling config.
+
+    Args:
+        endpoint: the rank's OpenAI endpoint over its engine.
+        agent: the agent script.
+        timeout: seconds one run may take (`rollout.agent_timeout`). None: no limit.
+        max_timeouts: runs in a row that may time out (`rollout.max_consecutive_timeouts`). None: no limit.
+    """
+
+    endpoint: OpenAIEndpoint
+    agent: Agent
+    timeout: float | None = None
+    max_timeouts: int | None = None
+
+    def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
+        """`agent_rollout_batch`, calls without sampling params of their own sampling with `sampling_params`."""
+        self.endpoint.default_sampling = engine_sampling_params(sampling_params)
+        return agent_rollout_batch(self.endpoint, self.agent, prompts, responses_per_prompt, self.timeout,
+                                   self.max_timeouts)
 
 
 async def agent_rollout_batch(

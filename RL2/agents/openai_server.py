@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from RL2.agents.tool_calls import ParsedAction, ToolCallParser
-from RL2.agents.tools import render_conversation
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCallParser
+from RL2.rollout.tools.declared import render_conversation
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, end_text, sample_rest, sample_seed
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
@@ -245,7 +245,7 @@ class OpenAIEndpoint:
         engine: serves SGLang `/generate` payloads (the embedded engine, or SGLang servers).
         tokenizer: the policy's tokenizer (chat template, tokenising prompts, decoding actions).
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
-        native_tools: the chat template renders tools itself (`RL2.agents.tools.render_conversation`).
+        native_tools: the chat template renders tools itself (`RL2.rollout.tools.declared.render_conversation`).
         default_sampling: the run's SGLang sampling params; a request's fields override them.
         max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
             left. None: no limit.

@@ -31,7 +31,7 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, kee
         tokenizer: the policy's tokenizer.
         env_resets: the environment defines `reset`: a row with neither a prompt nor messages gets
             `prompt` None, and `reset(extra_info)` makes its first state at rollout time.
-        tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: the prompt shows
+        tool_use: the environment's tools (`RL2.rollout.tools.tool_use.ToolUse`), or None: the prompt shows
             them, and the row keeps its chat messages as `messages` (tool results are appended to them).
         keep_messages: the row keeps its chat messages as `messages` anyway (an agent script gets them).
     """

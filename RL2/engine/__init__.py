@@ -4,12 +4,14 @@ and `sglang/`, SGLang servers with their weight transfer. `checkpoint_layout.py`
 parameters the names and layout of the model's checkpoint, which SGLang loads; `memory_plan.py` plans the
 GPU memory of training colocated with SGLang servers.
 
-`start_engine` picks and builds one; everything after that goes through the protocol.
+`start_engine` picks and builds one; everything after that goes through the protocol. `context_length` is
+the most tokens a served sequence may hold.
 """
 
 from collections.abc import Sequence
 
 import torch
+from transformers import AutoConfig
 
 from RL2.engine.protocol import Engine
 
@@ -57,3 +59,11 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
         for worker in colocated:
             worker.onload()
     return engine
+
+
+def context_length(model_path: str, server_args) -> int | None:
+    """The most tokens a served sequence may hold: SGLang's `context_length` flag, else the model's
+    `max_position_embeddings` (None when its config has none)."""
+    if server_args and server_args.get("context_length"):
+        return int(server_args["context_length"])
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)

@@ -15,21 +15,19 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.config.errors import ConfigError
-from RL2.agents.tool_use import tool_use_of
 from RL2.config.eval_schema import TRAINING_ONLY
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
-from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import tokenize_rows
 from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
 from RL2.native import prepare_process
 from RL2.parallel import collective_timeout, init_distributed, pick_device
-from RL2.rollout.env import Env
 from RL2.rollout.loop import sample_seed
 from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory
-from RL2.rollout.worker import RolloutWorker, is_agent, load_rollout_env, rollout_seed
+from RL2.rollout.worker import rollout_seed
 from RL2.trainer.base import quiet_third_party_progress
+from RL2.trainer.rollout_setup import RolloutScript, calls_tools, load_rollout_script, prompt_row_maker, rollout_worker
 from RL2.utils.logging import is_rank0, log_rank0
 from RL2.workers.fsdp import load_tokenizer
 
@@ -63,18 +61,17 @@ class EvalResult:
 class Evaluator:
     """Args:
         cfg: the merged, typed config (`EvalConfig`).
-        env: the environment; default: `load_rollout_env(cfg.rollout)` (`RL2.evaluate` passes a Python reward).
+        env: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a Python reward).
     """
 
-    def __init__(self, cfg: DictConfig, env: Env | None = None):
+    def __init__(self, cfg: DictConfig, env: RolloutScript | None = None):
         self.device = pick_device(cfg.eval.device, key="eval.device")
         # Huge pages before the environment's script can allocate; malloc tuned before any thread starts.
         prepare_process(self.device)
         quiet_third_party_progress()
         self.cfg = cfg
         # Bad input fails before any process group or engine is started.
-        self.env = env if env is not None else load_rollout_env(cfg.rollout)
-        self.uses_tools = bool(self.env.tool_specs) or is_agent(self.env)
+        self.env = env if env is not None else load_rollout_script(cfg.rollout)
         self.rows = load_table(cfg.data.test.path)
         if cfg.data.max_prompts is not None:
             self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
@@ -102,7 +99,7 @@ class Evaluator:
                                   "compare models with one tokenizer, or raise data.test.max_length")
             first_prompts = [p["extra_info"] for p in prompts]
             sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
-            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold, tools=self.uses_tools)
+            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold, tools=calls_tools(self.env))
             records += sample_records(groups, prompts, sources, role, model_cfg.model_name, cfg.eval.threshold)
         difference = metrics_difference(metrics["model"], metrics["compare"]) if "compare" in metrics else None
         result = EvalResult(metrics["model"], metrics.get("compare"), difference, Path(cfg.eval.save_dir))
@@ -116,8 +113,8 @@ class Evaluator:
         """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
         tokenizer = load_tokenizer(model_cfg, role)  # the compared model's section is a copy of model's
         prompts = self.prompts(tokenizer)
-        worker = RolloutWorker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, env=self.env,
-                               seed=self.cfg.eval.seed)
+        worker = rollout_worker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, self.env,
+                                seed=self.cfg.eval.seed)
         try:
             seed = rollout_seed(self.cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
             groups = worker.rollout(prompts, self.cfg.rollout.sampling_params, self.cfg.rollout.responses_per_prompt,
@@ -129,9 +126,7 @@ class Evaluator:
     def prompts(self, tokenizer) -> list[dict]:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
-        tool_use = tool_use_of(self.env, engine_config(self.cfg.rollout), tokenizer)
-        make_row = prompt_row_tokenizer(tokenizer, env_resets=self.env.reset_fn is not None, tool_use=tool_use,
-                                        keep_messages=is_agent(self.env))
+        make_row = prompt_row_maker(self.env, engine_config(self.cfg.rollout), tokenizer)
         prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")

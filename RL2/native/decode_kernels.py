@@ -8,15 +8,12 @@ computes the same step with torch ops, slower.
 import ctypes
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from RL2.native import switches
 from RL2.native.build import load_library
-
-if TYPE_CHECKING:
-    from RL2.engine.embedded.kv_cache import RowGroups
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 _int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -47,6 +44,17 @@ def load_decode_kernels() -> "DecodeKernels | None":
     library = load_library(SOURCE, switches.decode_kernels(), "the embedded engine's decode runs on torch ops, slower",
                            SIGNATURES, RETURNS)
     return None if library is None else DecodeKernels(library)
+
+
+@dataclass
+class RowGroups:
+    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses
+    to one prompt), for the decode attention to read those positions once: the rows of group i are
+    `order[starts[i]:starts[i + 1]]`, and they share positions 0..shared[i]-1 (int64 tensors)."""
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    shared: torch.Tensor
 
 
 def _check_cache(like: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -112,7 +120,7 @@ class DecodeKernels:
         return q_out
 
     def decode_attention(
-        self, q, keys, values, positions, scale: float, out: torch.Tensor, groups: "RowGroups | None" = None
+        self, q, keys, values, positions, scale: float, out: torch.Tensor, groups: RowGroups | None = None
     ) -> torch.Tensor:
         """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
         (float32) over cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a

@@ -6,7 +6,7 @@ The file defines
         # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
 and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a prompt row
-has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.agents.tool_use`). `state` is the text
+has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.rollout.tools.tool_use`). `state` is the text
 the policy saw, `action` what it wrote; the row's `extra_info` is carried from step to step. `reward` trains;
 `score` is what evaluation reports (default: reward); an optional `reward_parts` dict (name -> number) is
 logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
@@ -61,7 +61,7 @@ class Env:
         path: the script.
         step_fn: its `step` coroutine function.
         reset_fn: its `reset` coroutine function, if any.
-        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.agents.tool_use`).
+        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.rollout.tools.tool_use`).
         call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
         timeouts_in_a_row: its steps and resets that ran out of time since one last ended otherwise.
     """

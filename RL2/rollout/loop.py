@@ -11,13 +11,14 @@ blocks stops neither the engine nor the other trajectories' steps.
 
 import asyncio
 import copy
-import functools
 import time
+from dataclasses import dataclass
 
-from RL2.engine.protocol import Engine, EngineError
+from RL2.engine.protocol import Engine, EngineError, engine_sampling_params
 from RL2.rewards.sandbox import SandboxError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
+from RL2.rollout.tools.tool_use import ToolUse
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
 from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
@@ -27,49 +28,75 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_IDLE_RESUMES = 3
 
 
-async def run_trajectory(
-    engine: Engine,
-    env: Env,
-    tokenizer,
-    state: State | None,
-    extra_info: dict,
-    sampling_params: dict,
-    max_turns: int = 1,
-    max_total_tokens: int | None = None,
-    env_timeout: float | None = None,
-    prompt_ids: list[int] | None = None,
-    resume: Trajectory | None = None,
-    stop: asyncio.Event | None = None,
-    tool_use=None,
-    max_timeouts: int | None = None,
-) -> Trajectory:
-    """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
+@dataclass(frozen=True)
+class EnvRollout:
+    """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
+    environment (and its tools) that answers them, and the limits. The rollout worker drives it through
+    `batch` and `partial_batch`; `run_trajectory`, `rollout_batch` and `partial_rollout_batch` take it first.
 
     Args:
         engine: serves SGLang `/generate` payloads.
         env: the environment script.
         tokenizer: the policy's tokenizer (decodes actions, tokenises observations).
-        state: the prompt text or chat messages; None asks the environment's `reset`.
-        extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
-        sampling_params: SGLang sampling params of every request.
         max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
         max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
             each request's max_new_tokens is cut to what is left. None: no limit.
         env_timeout: seconds one `step` (or `reset`) may take once it has started. None: no limit.
+        tool_use: the environment's tools, or None: an action that calls tools gets their results as the next
+            state, and only one that calls none is stepped.
+        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row
+            time out (`rollout.max_consecutive_timeouts`). None: never.
+    """
+
+    engine: Engine
+    env: Env
+    tokenizer: object
+    max_turns: int = 1
+    max_total_tokens: int | None = None
+    env_timeout: float | None = None
+    tool_use: ToolUse | None = None
+    max_timeouts: int | None = None
+
+    def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
+        """`rollout_batch` under a sampling config (`rollout.*_sampling_params`, or a plain dict)."""
+        return rollout_batch(self, prompts, responses_per_prompt, self._engine_params(sampling_params))
+
+    def partial_batch(self, carried: list[list[Trajectory]], prompts: list[dict], n_needed: int,
+                      responses_per_prompt: int, sampling_params):
+        """`partial_rollout_batch` under a sampling config."""
+        return partial_rollout_batch(self, carried, prompts, n_needed, responses_per_prompt,
+                                     self._engine_params(sampling_params))
+
+    def _engine_params(self, sampling_params) -> dict:
+        params = engine_sampling_params(sampling_params)
+        return self.tool_use.sampling_params(params) if self.tool_use else params
+
+
+async def run_trajectory(
+    rollout: EnvRollout,
+    state: State | None,
+    extra_info: dict,
+    sampling_params: dict,
+    prompt_ids: list[int] | None = None,
+    resume: Trajectory | None = None,
+    stop: asyncio.Event | None = None,
+) -> Trajectory:
+    """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
+
+    Args:
+        rollout: the engine, environment and limits of the rollout.
+        state: the prompt text or chat messages; None asks the environment's `reset`.
+        extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
+        sampling_params: SGLang sampling params of every request.
         prompt_ids: the prompt already tokenised (else `state` is tokenised).
         resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
             from where it stopped (the tokens it already has keep their log-probabilities), then
             the rollout goes on as usual. `state`, `extra_info` and `prompt_ids` are ignored.
         stop: once set, no new action is requested: the trajectory ends "abort" with an empty
             action, to be resumed later (partial rollout pauses the engine after setting it).
-        tool_use: the environment's tools (`RL2.agents.tool_use.ToolUse`), or None: an action that
-            calls tools gets their results as the next state, and only one that calls none is stepped.
-        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row
-            time out (`rollout.max_consecutive_timeouts`). None: never.
     """
     if resume is None:
-        trajectory = await _start(env, tokenizer, state, extra_info, prompt_ids, max_total_tokens, env_timeout,
-                                  tool_use, max_timeouts)
+        trajectory = await _start(rollout, state, extra_info, prompt_ids)
         if trajectory.fault is not None:  # its reset failed
             return trajectory
     else:
@@ -79,15 +106,14 @@ async def run_trajectory(
             trajectory.add_turn(Turn([], [], "", "abort"))
             trajectory.stop_reason = "abort"
             return trajectory
-        turn = await _next_action(engine, tokenizer, trajectory, _turn_params(sampling_params, trajectory.n_turns),
-                                  max_total_tokens)
+        turn = await _next_action(rollout, trajectory, _turn_params(sampling_params, trajectory.n_turns))
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
         # A resumed action is whole again: from here on the trajectory runs as any other (its next
         # action is a new one, and a pause may stop it before that action).
         trajectory.stop_reason = ""
-        result = await _answer(env, tool_use, trajectory, turn.action_text, env_timeout, max_timeouts)
+        result = await _answer(rollout, trajectory, turn.action_text)
         if isinstance(result, str):
             trajectory.fail(result)
             return trajectory
@@ -96,37 +122,26 @@ async def run_trajectory(
         if result.done:
             trajectory.stop_reason = "done"
             return trajectory
-        if trajectory.n_turns == max_turns:
+        if trajectory.n_turns == rollout.max_turns:
             trajectory.stop_reason = "max_turns"
             return trajectory
         try:
-            next_state, plain = render_state(result.next_state, tokenizer, tool_use)
+            next_state, plain = render_state(result.next_state, rollout.tokenizer, rollout.tool_use)
         except Exception as e:  # messages of the environment's making that the chat template rejects
             trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
             return trajectory
         if (bad := not_text(next_state)) is not None:  # the tokenizer would raise TypeError
             trajectory.fail(f"malformed next_state: it {bad}")
             return trajectory
-        if not _observe(trajectory, tokenizer, trajectory.state, turn, next_state, max_total_tokens, plain):
+        if not _observe(rollout, trajectory, turn, next_state, plain):
             trajectory.stop_reason = "budget"
             return trajectory
         trajectory.state = next_state
         trajectory.messages = result.next_state if isinstance(result.next_state, list) else None
 
 
-async def rollout_batch(
-    engine: Engine,
-    env: Env,
-    tokenizer,
-    prompts: list[dict],
-    responses_per_prompt: int,
-    sampling_params: dict,
-    max_turns: int = 1,
-    max_total_tokens: int | None = None,
-    env_timeout: float | None = None,
-    tool_use=None,
-    max_timeouts: int | None = None,
-) -> list[list[Trajectory]]:
+async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
+                        sampling_params: dict) -> list[list[Trajectory]]:
     """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
 
     Args:
@@ -137,42 +152,30 @@ async def rollout_batch(
             neither on the ranks nor on the other requests of the batch (evaluation sets it).
         responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
             the row's `extra_info`.
-        engine, env, tokenizer, sampling_params, max_turns, max_total_tokens, env_timeout, tool_use, max_timeouts:
-            as in `run_trajectory`.
+        rollout, sampling_params: as in `run_trajectory`.
 
     Returns:
         One group of trajectories per prompt, in order.
     """
-    run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
-                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use,
-                            max_timeouts=max_timeouts)
-
     def params_of(row: dict, index: int) -> dict:
         if row.get("sampling_seed") is None:
             return sampling_params
         return {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
 
-    tasks = [[asyncio.create_task(_row_trajectory(run, row, params_of(row, j))) for j in range(responses_per_prompt)]
+    tasks = [[asyncio.create_task(_row_trajectory(rollout, row, params_of(row, j))) for j in range(responses_per_prompt)]
              for row in prompts]
     await gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
 
 async def partial_rollout_batch(
-    engine: Engine,
-    env: Env,
-    tokenizer,
+    rollout: EnvRollout,
     carried: list[list[Trajectory]],
     prompts: list[dict],
     n_needed: int,
     responses_per_prompt: int,
     sampling_params: dict,
-    max_turns: int = 1,
-    max_total_tokens: int | None = None,
-    env_timeout: float | None = None,
-    tool_use=None,
-    max_timeouts: int | None = None,
-) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
     The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
@@ -190,12 +193,8 @@ async def partial_rollout_batch(
     stop = asyncio.Event()
     done_groups = asyncio.Event()
     finished_count = 0
-    run = functools.partial(run_trajectory, engine, env, tokenizer, max_turns=max_turns,
-                            max_total_tokens=max_total_tokens, env_timeout=env_timeout, tool_use=tool_use,
-                            max_timeouts=max_timeouts)
-
     def trajectory(row: dict, resume: Trajectory | None = None):
-        return _row_trajectory(run, row, sampling_params, resume, stop)
+        return _row_trajectory(rollout, row, sampling_params, resume, stop)
 
     async def group(members: list) -> list[Trajectory]:
         nonlocal finished_count
@@ -220,10 +219,10 @@ async def partial_rollout_batch(
         # server just after a pause; the stop flag keeps new ones from being sent).
         try:
             while not all_done.done():
-                await engine.pause_generation("abort")
+                await rollout.engine.pause_generation("abort")
                 await asyncio.wait([all_done], timeout=1.0)
         finally:  # a pause that failed must not leave the engine paused for the next rollout
-            await engine.continue_generation()
+            await rollout.engine.continue_generation()
     await all_done  # raises the first error of any trajectory
     groups = [task.result() for task in tasks]
     finished = [g for g in groups if not any(t.unfinished for t in g)]
@@ -231,9 +230,9 @@ async def partial_rollout_batch(
     return finished, [g for g in groups if any(t.unfinished for t in g)], newly
 
 
-async def _row_trajectory(run, row: dict, sampling_params: dict, resume: Trajectory | None = None,
+async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict, resume: Trajectory | None = None,
                           stop: asyncio.Event | None = None) -> Trajectory:
-    """A trajectory of `row` (`run` is `run_trajectory` with the batch's settings), or `resume` carried on.
+    """A trajectory of `row`, or `resume` carried on.
 
     Another client of a shared server may pause it: the cut action carries on until it is whole (or `stop`
     is set), rather than the trajectory being trained on as if it had ended there. A request aborted again
@@ -244,8 +243,8 @@ async def _row_trajectory(run, row: dict, sampling_params: dict, resume: Traject
     state = row.get("messages") or row.get("prompt")
 
     def attempt(resume: Trajectory | None):
-        return run(state, copy.deepcopy(row.get("extra_info") or {}), sampling_params, prompt_ids=row.get("prompt_ids"),
-                   resume=resume, stop=stop)
+        return run_trajectory(rollout, state, copy.deepcopy(row.get("extra_info") or {}), sampling_params,
+                              prompt_ids=row.get("prompt_ids"), resume=resume, stop=stop)
 
     trajectory, idle = resume if resume is not None else await attempt(None), 0
     while trajectory.unfinished and not (stop is not None and stop.is_set()):
@@ -323,28 +322,26 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 # ---- one trajectory ----
 
 
-async def _start(env: Env, tokenizer, state: State | None, extra_info: dict, prompt_ids: list[int] | None,
-                 max_total_tokens: int | None, env_timeout: float | None, tool_use=None,
-                 max_timeouts: int | None = None) -> Trajectory:
+async def _start(rollout: EnvRollout, state: State | None, extra_info: dict, prompt_ids: list[int] | None) -> Trajectory:
     """A new trajectory holding just its prompt (from the row, or from the environment's `reset`); a
     trajectory ended by a fault, without a sequence, when `reset` fails or its state is no text."""
     if state is None:
         try:
-            state = await _reset(env, extra_info, env_timeout, max_timeouts)
+            state = await _reset(rollout, extra_info)
         except TooManyTimeouts:
             raise
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
             return _failed(extra_info, f"reset failed: {e}" if isinstance(e, EnvError) else
                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
     messages = state if isinstance(state, list) else None
-    state, plain = render_state(state, tokenizer, tool_use)
+    state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
         return _failed(extra_info, f"malformed state: it {bad}")
-    ids = encode(tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
-    if not _fits(len(ids), max_total_tokens):
+    ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
+    if not _fits(len(ids), rollout.max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
-            f"{max_total_tokens}; raise it or shorten the prompts"
+            f"{rollout.max_total_tokens}; raise it or shorten the prompts"
         )
     trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info, messages=messages)
     trajectory.start_sequence(state, ids)
@@ -358,10 +355,10 @@ def _failed(extra_info: dict, fault: str) -> Trajectory:
     return trajectory
 
 
-async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampling_params: dict,
-                       max_total_tokens: int | None) -> Turn:
+async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_params: dict) -> Turn:
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
-    room = None if max_total_tokens is None else max_total_tokens - len(trajectory.current_ids)
+    engine, tokenizer, budget = rollout.engine, rollout.tokenizer, rollout.max_total_tokens
+    room = None if budget is None else budget - len(trajectory.current_ids)
     if not trajectory.unfinished:
         turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
         trajectory.generate_seconds += seconds
@@ -374,9 +371,10 @@ async def _next_action(engine: Engine, tokenizer, trajectory: Trajectory, sampli
     return partial
 
 
-async def _reset(env: Env, extra_info: dict, timeout: float | None, max_timeouts: int | None) -> State:
+async def _reset(rollout: EnvRollout, extra_info: dict) -> State:
+    env, timeout = rollout.env, rollout.env_timeout
     try:
-        return await call_script(env, env.reset(extra_info), timeout, max_timeouts, "rollout.env_timeout")
+        return await call_script(env, env.reset(extra_info), timeout, rollout.max_timeouts, "rollout.env_timeout")
     except TimeoutError as e:
         raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
 
@@ -461,24 +459,23 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
     return text
 
 
-async def _answer(env: Env, tool_use, trajectory: Trajectory, action: str, timeout: float | None,
-                  max_timeouts: int | None) -> StepResult | str:
+async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> StepResult | str:
     """What follows an action: its tool calls' results (no reward yet), else the environment's step; or
     the reason the trajectory ends as a fault."""
-    if tool_use is not None:
-        reply = await tool_use.respond(trajectory.messages, action, trajectory.env_info, trajectory)
+    if rollout.tool_use is not None:
+        reply = await rollout.tool_use.respond(trajectory.messages, action, trajectory.env_info, trajectory)
         if isinstance(reply, str):
             return reply
         if reply is not None:
             return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
-    return await _step(env, trajectory.state, action, trajectory.env_info, timeout, max_timeouts)
+    return await _step(rollout, trajectory.state, action, trajectory.env_info)
 
 
-async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: float | None,
-                max_timeouts: int | None) -> StepResult | str:
+async def _step(rollout: EnvRollout, state: str, action: str, extra_info: dict) -> StepResult | str:
     """The environment's answer to `action`, or a description of its fault."""
+    env, timeout = rollout.env, rollout.env_timeout
     try:
-        return await call_script(env, env.step(state, action, extra_info), timeout, max_timeouts,
+        return await call_script(env, env.step(state, action, extra_info), timeout, rollout.max_timeouts,
                                  "rollout.env_timeout")
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
@@ -492,11 +489,11 @@ async def _step(env: Env, state: str, action: str, extra_info: dict, timeout: fl
         return f"step raised {type(e).__name__}: {e}"
 
 
-def _observe(trajectory: Trajectory, tokenizer, state: str, turn: Turn, next_state: str, budget: int | None,
-             plain: Spans = ()) -> bool:
+def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state: str, plain: Spans = ()) -> bool:
     """Add the next state to the trajectory (`plain`: its spans of content's special-token text, see
     `render_state`); False when it leaves no room for another action."""
-    added = continuation(state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
+    tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
+    added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     room = None if budget is None else budget - len(trajectory.current_ids)
     if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
         return False

@@ -18,22 +18,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from RL2.agents.tool_use import tool_use_of
 from RL2.batch import RolloutBatch, SequenceBatch
 from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import PPOConfig
-from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.splits import EpochSampler
 from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
-from RL2.rollout.env import Env
 from RL2.rollout.loop import drop_stale_groups, filter_groups
 from RL2.rollout.metrics import (COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples,
                                  staleness_metrics)
 from RL2.rollout.trajectory import Trajectory, training_batch
-from RL2.rollout.worker import RolloutWorker, is_agent, load_rollout_env, rollout_seed
+from RL2.rollout.worker import rollout_seed
 from RL2.trainer.base import Trainer, launch
+from RL2.trainer.rollout_setup import (RolloutScript, calls_tools, load_rollout_script, makes_prompts,
+                                      prompt_row_maker, rollout_worker)
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
 from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
 from RL2.utils.memory import max_over_ranks, measured
@@ -46,7 +45,7 @@ from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
 class PPOTrainer(Trainer):
     """Args:
         cfg: the merged, typed config (`PPOConfig`).
-        env: the environment; default: `load_rollout_env(cfg.rollout)` (`RL2.train` passes a Python reward).
+        env: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.train` passes a Python reward).
     """
 
     learning_curve = (
@@ -63,13 +62,12 @@ class PPOTrainer(Trainer):
         CurvePanel("engine vs trainer KL", ("actor/engine_kl_lag0", "actor/engine_kl_lagged"), ylabel="KL"),
     )
 
-    def __init__(self, cfg, env: Env | None = None):
+    def __init__(self, cfg, env: RolloutScript | None = None):
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
-        self.env = env if env is not None else load_rollout_env(cfg.rollout)
-        env_resets = self.env.reset_fn is not None  # rows may then leave the prompt out
-        make_row = prompt_row_tokenizer(self.tokenizer, env_resets, tool_use_of(self.env, cfg.rollout, self.tokenizer),
-                                        keep_messages=is_agent(self.env))
+        self.env = env if env is not None else load_rollout_script(cfg.rollout)
+        env_resets = makes_prompts(self.env)
+        make_row = prompt_row_maker(self.env, cfg.rollout, self.tokenizer)
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
@@ -116,8 +114,8 @@ class PPOTrainer(Trainer):
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
             [self.reward_model] if self.reward_model else [])
         on_gpu = list(dict.fromkeys(on_gpu))  # a LoRA policy's reference is its own worker
-        self.rollout = RolloutWorker(cfg.rollout, cfg.actor, self.tokenizer, self.device, policy=self.actor.worker,
-                                     colocated=on_gpu, env=self.env, seed=cfg.trainer.seed)
+        self.rollout = rollout_worker(cfg.rollout, cfg.actor, self.tokenizer, self.device, self.env,
+                                      policy=self.actor.worker, colocated=on_gpu, seed=cfg.trainer.seed)
 
     def steps_per_rollout(self, model_cfg) -> int:
         """A model's optimizer steps per rollout: `update_per_rollout` passes, a step per mini-batch."""
@@ -142,7 +140,7 @@ class PPOTrainer(Trainer):
             groups, rolled_out = self.collect_groups(step, metrics)
         if pushed := self.rollout.take_push_seconds():  # weights that no step's end pushed (see the sync below)
             metrics["perf/rollout_weight_push_s"] = pushed
-        metrics |= rollout_metrics(rolled_out, tools=self.rollout.uses_tools)
+        metrics |= rollout_metrics(rolled_out, tools=calls_tools(self.env))
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
         sampled = sum(t.response_length for group in rolled_out for t in group)
@@ -297,7 +295,7 @@ class PPOTrainer(Trainer):
                                           rollout.test_responses_per_prompt,
                                           rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
-                   for key, value in rollout_metrics(groups, tools=self.rollout.uses_tools).items()}
+                   for key, value in rollout_metrics(groups, tools=calls_tools(self.env)).items()}
         if pushed := self.rollout.take_push_seconds():  # the push a colocated engine deferred from the step
             metrics["perf/weight_push_s"] = pushed
         if faults := fault_summary(groups):

@@ -10,7 +10,7 @@ adapters train (docs/lora.md).
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
@@ -38,7 +39,8 @@ from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
-from RL2.native import PinnedHostCopies, check_fits_host, pinned_offload, share_fsdp_buffers, state_to_host, tune_model
+from RL2.native import (PinnedHostCopies, SharedMemoryGather, check_fits_host, pinned_offload, share_fsdp_buffers,
+                        shared_weight_gather, state_to_host, tune_model)
 from RL2.parallel import ParallelDims, shard_of
 from RL2.utils.logging import log_rank0
 
@@ -138,6 +140,7 @@ class FSDPWorker(Stateful):
         # Page-locked buffers the state offloads into: made at the first offload on CUDA; on the CPU, where
         # there is nothing to offload from, only given by a test (`offload_into`) to run the CUDA path's logic.
         self.host_copies: PinnedHostCopies | None = None
+        self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards
@@ -487,12 +490,39 @@ class FSDPWorker(Stateful):
                               f"adapter of {self.model_name} expresses the model: saved merged weights only")
         dist.barrier()
 
+    def full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every parameter in `dtype`, one at a time, for an inference engine. Collective.
+
+        Ranks on one CPU host exchange their shards through shared memory (set up at the first call, for the
+        engine's one dtype); otherwise each parameter is all-gathered on its own (`full_tensors`).
+        """
+        if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
+            self._shared_gather = shared_weight_gather(self.model, dtype, self.device) or False
+        return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
+
     def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The full tensors of this model's parameters as an inference engine takes them, in transformers'
         layout: with LoRA, merged under the base model's names (`lora.merge_adapters`); else as they are."""
         if self.lora is None:
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
+
+
+def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter of an FSDP2 model, one at a time. Collective.
+
+    Each DTensor is all-gathered on its own, so no rank holds more than one full tensor beyond its
+    shards. Shards are cast before the gather, so a bf16 engine moves half the bytes of the float32
+    master weights. FSDP2 keeps the HF parameter names, so they match the engine model's state_dict.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.detach().to(dtype)
+        if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
+            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) goes to the
+            # device of its process group to be gathered, one parameter at a time.
+            tensor = DTensor.from_local(tensor.to_local().to(tensor.device_mesh.device_type), tensor.device_mesh,
+                                        tensor.placements, shape=tensor.shape, stride=tensor.stride())
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def sum_gradients_over_ranks(model: torch.nn.Module) -> None:

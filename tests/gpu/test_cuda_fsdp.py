@@ -23,7 +23,7 @@ from RL2.models.logps import packed_logps
 from RL2.models.lora import LoRALinear, adapter_modules
 from RL2.native.pinned_host import SMALL_BYTES
 from RL2.parallel import ParallelDims
-from RL2.rollout.worker import full_tensors
+from RL2.workers.fsdp import full_tensors
 from RL2.workers.fsdp import FSDPWorker
 from tests.gpu.cuda_models import model_config
 

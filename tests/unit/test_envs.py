@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.rollout.env import load_env
-from RL2.rollout.loop import run_trajectory
+from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.trajectory import Trajectory
 from tests.helpers import REPO
 
@@ -211,7 +211,7 @@ def test_gem_on_the_tiny_engine(tiny_model_path, tok):
     env = load_env(ENVS / "gem.py")
     sampling = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     trajectory = asyncio.run(
-        run_trajectory(engine, env, tok, None, {"env_id": "rg:letter_counting", "seed": 1}, sampling, env_timeout=30)
+        run_trajectory(EnvRollout(engine, env, tok, env_timeout=30), None, {"env_id": "rg:letter_counting", "seed": 1}, sampling)
     )
     engine.shutdown()
     assert trajectory.stop_reason == "done" and trajectory.fault is None

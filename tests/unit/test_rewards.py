@@ -24,7 +24,7 @@ from RL2.rewards import (
 )
 from RL2.rewards.math_reward import answers_equal
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
-from RL2.rollout.loop import run_trajectory
+from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics, save_samples
 from RL2.rollout.reward_env import load_reward_env, load_reward_fn, reward_env
 from RL2.rollout.trajectory import Trajectory, Turn
@@ -270,8 +270,8 @@ def test_reward_fn_on_the_tiny_engine(tiny_model_path, tok, tmp_path):
     sampling = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     log = tmp_path / "seen.txt"
     try:
-        good = asyncio.run(run_trajectory(engine, env, tok, "Say something.", {"log": str(log)}, sampling))
-        bad = asyncio.run(run_trajectory(engine, env, tok, "Say something.", {"fail": True}, sampling))
+        good = asyncio.run(run_trajectory(EnvRollout(engine, env, tok), "Say something.", {"log": str(log)}, sampling))
+        bad = asyncio.run(run_trajectory(EnvRollout(engine, env, tok), "Say something.", {"fail": True}, sampling))
     finally:
         engine.shutdown()
     [turn] = good.turns

@@ -17,7 +17,7 @@ from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.event_loop import env_loop, run_on_rank_loop
-from RL2.rollout.loop import (continuation, drop_stale_groups, filter_groups, partial_rollout_batch, rollout_batch,
+from RL2.rollout.loop import (EnvRollout, continuation, drop_stale_groups, filter_groups, partial_rollout_batch, rollout_batch,
                               run_trajectory)
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples, staleness_metrics
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch, weight_version_number
@@ -47,10 +47,14 @@ def prompt(tok) -> str:
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+SETTINGS = ("max_turns", "max_total_tokens", "env_timeout")  # of `EnvRollout`; the rest are run_trajectory's
+
+
 def roll(engine, tok, env_name, state, extra_info, **kwargs) -> Trajectory:
     kwargs = {"sampling_params": GREEDY, "max_turns": 8} | kwargs
+    settings = {key: kwargs.pop(key) for key in SETTINGS if key in kwargs}
     env = load_env(ENVS / f"{env_name}.py")
-    return asyncio.run(run_trajectory(engine, env, tok, state, extra_info, **kwargs))
+    return asyncio.run(run_trajectory(EnvRollout(engine, env, tok, **settings), state, extra_info, **kwargs))
 
 
 def encode(tok, text: str) -> list[int]:
@@ -177,7 +181,7 @@ def test_a_stop_token_ends_the_action(engine, tok, prompt):
 def test_environment_code_runs_on_one_loop_so_module_level_asyncio_objects_keep_working(engine, tok, prompt):
     env = load_env(ENVS / "emit_token.py")  # its steps queue for a semaphore made at import
     for run in (run_on_rank_loop, run_on_rank_loop, asyncio.run):  # a caller's own loop too
-        [group] = run(rollout_batch(engine, env, tok, [{"prompt": prompt}], 4, GREEDY))
+        [group] = run(rollout_batch(EnvRollout(engine, env, tok), [{"prompt": prompt}], 4, GREEDY))
         assert [t.fault for t in group] == [None] * 4
     assert env.step_fn.__globals__["ONE_AT_A_TIME"]._loop is env_loop()
 
@@ -207,7 +211,7 @@ def test_a_blocking_step_stops_neither_the_engine_nor_the_other_trajectories_tim
     env = load_env(ENVS / "faulty.py")
     rows = [{"prompt": prompt, "extra_info": {"fault": "block", "block_s": 1.0}}] * 3 + [
         {"prompt": prompt, "extra_info": {"fault": "none"}}]
-    groups = asyncio.run(rollout_batch(engine, env, tok, rows, 1, GREEDY, max_turns=2, env_timeout=0.2))
+    groups = asyncio.run(rollout_batch(EnvRollout(engine, env, tok, max_turns=2, env_timeout=0.2), rows, 1, GREEDY))
     faults = [group[0].fault for group in groups]
     assert faults[:3] == ["step timed out after 0.2 s"] * 3  # in series they would have scored 1.0 each
     assert groups[3][0].reward == 1.0  # its time counts from when it starts, on a loop no blocked step holds
@@ -218,7 +222,7 @@ def test_a_blocking_step_stops_neither_the_engine_nor_the_other_trajectories_tim
 def test_a_failing_reset_ends_its_own_trajectory(engine, tok, reset_fault, message):
     env = load_env(ENVS / "faulty.py")
     rows = [{"prompt": None, "extra_info": {"reset_fault": reset_fault}}, {"prompt": None, "extra_info": {"fault": "none"}}]
-    [[failed], [fine]] = asyncio.run(rollout_batch(engine, env, tok, rows, 1, GREEDY, max_turns=2))
+    [[failed], [fine]] = asyncio.run(rollout_batch(EnvRollout(engine, env, tok, max_turns=2), rows, 1, GREEDY))
     assert (failed.fault, failed.n_turns, failed.sequences) == (message, 0, [])
     assert fine.fault is None and fine.reward == 1.0
     assert training_batch([[failed, fine]]).n_samples == 2  # the failed one still counts as a sample (reward 0)
@@ -287,7 +291,7 @@ def test_rollout_batch_groups_with_own_extra_info(engine, tok, prompt):
     prompts = [{"prompt": prompt, "extra_info": {"turns": 2}}, {"prompt": "Count: 1 2 3", "extra_info": {"turns": 1}}]
     sampling = {"temperature": 1.0, "max_new_tokens": 3}
     env = load_env(ENVS / "echo.py")
-    groups = asyncio.run(rollout_batch(engine, env, tok, prompts, 3, sampling, max_turns=4))
+    groups = asyncio.run(rollout_batch(EnvRollout(engine, env, tok, max_turns=4), prompts, 3, sampling))
     assert [[t.n_turns for t in group] for group in groups] == [[2, 2, 2], [1, 1, 1]]
     assert [t.extra_info["seen"] for group in groups for t in group] == [2, 2, 2, 1, 1, 1]
     assert prompts[0]["extra_info"] == {"turns": 2}  # the rows themselves are untouched
@@ -296,10 +300,10 @@ def test_rollout_batch_groups_with_own_extra_info(engine, tok, prompt):
 def test_engine_errors_stop_the_batch(engine, tok, prompt):
     env = load_env(ENVS / "echo.py")
     with pytest.raises(ValueError, match="unknown sampling params"):
-        asyncio.run(rollout_batch(engine, env, tok, [{"prompt": prompt}], 2, {"bogus": 1}))
+        asyncio.run(rollout_batch(EnvRollout(engine, env, tok), [{"prompt": prompt}], 2, {"bogus": 1}))
     dead = HTTPEngineClient([f"http://127.0.0.1:{free_port()}"], timeout=5)
     with pytest.raises(EngineError, match="unreachable"):
-        asyncio.run(rollout_batch(dead, env, tok, [{"prompt": prompt}], 2, GREEDY))
+        asyncio.run(rollout_batch(EnvRollout(dead, env, tok), [{"prompt": prompt}], 2, GREEDY))
 
 
 def test_a_server_that_never_answers_fails_after_rollout_request_timeout(tmp_path):
@@ -413,8 +417,8 @@ def test_tokens_keep_the_weight_version_a_server_names(engine, tok, prompt):
     async def main():
         async with GenerateServer(engine) as server:
             client = HTTPEngineClient([server.url], timeout=30)
-            groups = await rollout_batch(client, load_env(ENVS / "echo.py"), tok, [{"prompt": prompt, "extra_info": {
-                "turns": 2}}], 2, GREEDY, max_turns=2)
+            groups = await rollout_batch(EnvRollout(client, load_env(ENVS / "echo.py"), tok, max_turns=2), [{"prompt": prompt, "extra_info": {
+                "turns": 2}}], 2, GREEDY)
             await client.aclose()
             return groups
 
@@ -455,7 +459,7 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 1 if i == 0 else 3}} for i in range(4)]
     engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
     try:
-        finished, carried, _ = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, params, max_turns=3))
+        finished, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3), [], rows, 1, 1, params))
         assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
         assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
         assert any(t.n_turns < 3 for g in carried for t in g), "the pause should cut a trajectory before its last turn"
@@ -464,7 +468,7 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         while carried:
             engine.weight_version = f"step{rounds + 1}"  # as the push after an update names the weights
             carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
-            more, carried, _ = asyncio.run(partial_rollout_batch(engine, env, tok, carried, [], 1, 1, params, max_turns=3))
+            more, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3), carried, [], 1, 1, params))
             finished += more
             rounds += 1
         assert rounds >= 1 and len(finished) == len(rows)
@@ -546,7 +550,7 @@ def test_staleness_metrics_by_hand():
 def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajectory:
     engine = EmbeddedEngine(model, tok, max_running_requests=1)
     try:
-        return asyncio.run(run_trajectory(engine, env, tok, prompt, {"turns": turns}, params, max_turns=3))
+        return asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3), prompt, {"turns": turns}, params))
     finally:
         engine.shutdown()
 
@@ -554,7 +558,7 @@ def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajec
 def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
     env = load_env(ENVS / "echo.py")
     rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
-    finished, carried, newly = asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 5, 2, GREEDY, max_turns=2))
+    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=2), [], rows, 5, 2, GREEDY))
     assert carried == [] and [len(g) for g in finished] == [2, 2] and newly == finished
     assert all(t.stop_reason == "done" and t.n_turns == 2 for g in finished for t in g)
 
@@ -564,14 +568,14 @@ def test_a_group_carried_finished_counts_for_the_batch_but_is_not_reported_again
     only the groups the call itself finished (a cut one resumed, a new one) are newly finished."""
     env = load_env(ENVS / "echo.py")
     row = {"prompt": prompt, "extra_info": {"turns": 1}}
-    [done], _, _ = asyncio.run(partial_rollout_batch(engine, env, tok, [], [row], 1, 2, GREEDY))
+    [done], _, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok), [], [row], 1, 2, GREEDY))
     cut = []
     for _ in range(2):  # cut by a pause before its first action, as the stop flag leaves it
         trajectory = Trajectory(extra_info={"turns": 1}, state=prompt, env_info={"turns": 1}, stop_reason="abort")
         trajectory.start_sequence(prompt, encode(tok, prompt))
         trajectory.add_turn(Turn([], [], "", "abort"))
         cut.append(trajectory)
-    finished, carried, newly = asyncio.run(partial_rollout_batch(engine, env, tok, [done, cut], [row], 3, 2, GREEDY))
+    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok), [done, cut], [row], 3, 2, GREEDY))
     assert carried == [] and len(finished) == 3 and all(t.stop_reason == "done" for g in finished for t in g)
     assert finished[0][0] is done[0] and [g[0] for g in newly] == [g[0] for g in finished[1:]]
     assert newly[0][0] is cut[0] and len(cut[0].turns[0].action_ids) == GREEDY["max_new_tokens"]
@@ -581,7 +585,7 @@ def test_an_unset_token_budget_is_the_models_context(tmp_path):
     """Past the context SGLang refuses a request (failing the rollout); as the budget, it ends one trajectory."""
     from transformers import LlamaConfig
 
-    from RL2.rollout.worker import context_length
+    from RL2.engine import context_length
 
     LlamaConfig(max_position_embeddings=300).save_pretrained(tmp_path)
     assert context_length(str(tmp_path), {}) == 300
@@ -601,10 +605,10 @@ def test_a_pause_that_fails_leaves_the_engine_ready_for_the_next_rollout(model, 
     engine = PauseThenFail(model, tok, max_running_requests=1)
     try:
         with pytest.raises(EngineError, match="abort request failed"):
-            asyncio.run(partial_rollout_batch(engine, env, tok, [], rows, 1, 1, GREEDY, max_turns=3))
+            asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3), [], rows, 1, 1, GREEDY))
 
         async def next_rollout():  # would wait for ever on a paused engine
-            return await asyncio.wait_for(rollout_batch(engine, env, tok, rows[:1], 1, GREEDY), timeout=60)
+            return await asyncio.wait_for(rollout_batch(EnvRollout(engine, env, tok), rows[:1], 1, GREEDY), timeout=60)
 
         [[trajectory]] = asyncio.run(next_rollout())
         assert trajectory.stop_reason == "done"
@@ -617,8 +621,7 @@ def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, pro
     params = {**GREEDY, "max_new_tokens": 6}
     cutting = CutOnce(model, tok, max_running_requests=4)
     try:
-        [[cut]] = asyncio.run(rollout_batch(cutting, env, tok, [{"prompt": prompt, "extra_info": {"turns": 2}}], 1,
-                                            params, max_turns=2))
+        [[cut]] = asyncio.run(rollout_batch(EnvRollout(cutting, env, tok, max_turns=2), [{"prompt": prompt, "extra_info": {"turns": 2}}], 1, params))
     finally:
         cutting.shutdown()
     assert cutting.calls == 3 and (cut.stop_reason, cut.n_turns) == ("done", 2)
@@ -629,7 +632,7 @@ def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, pro
     refusing = CutOnce(model, tok, always=True)
     try:
         with pytest.raises(EngineError, match="aborted a request 3 times in a row before it sampled a token"):
-            asyncio.run(rollout_batch(refusing, env, tok, [{"prompt": prompt}], 1, params))
+            asyncio.run(rollout_batch(EnvRollout(refusing, env, tok), [{"prompt": prompt}], 1, params))
     finally:
         refusing.shutdown()
 

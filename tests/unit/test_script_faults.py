@@ -15,16 +15,16 @@ import pytest
 
 from RL2.agents.agent import agent_rollout_batch, load_agent
 from RL2.agents.openai_server import OpenAIEndpoint
-from RL2.agents.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
-from RL2.agents.tool_use import ToolUse
-from RL2.agents.tools import build_tools
+from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
+from RL2.rollout.tools.tool_use import ToolUse
+from RL2.rollout.tools.declared import build_tools
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.rewards import SandboxError
 from RL2.rollout import event_loop
 from RL2.rollout.env import load_env
 from RL2.rollout.event_loop import run_on_rank_loop
-from RL2.rollout.loop import rollout_batch, run_trajectory
+from RL2.rollout.loop import EnvRollout, rollout_batch, run_trajectory
 from RL2.rollout.metrics import fault_summary, rollout_metrics, save_samples
 from tests.helpers.engines import running_engine
 
@@ -133,7 +133,7 @@ def quick_to_abandon(monkeypatch):
 
 def roll(engine, tok, env, kinds: list[dict], n: int = 1, **kwargs):
     rows = [{"prompt": "Hi", "extra_info": extra} for extra in kinds]
-    return run_on_rank_loop(rollout_batch(engine, env, tok, rows, n, GREEDY, **{"max_turns": 3} | kwargs))
+    return run_on_rank_loop(rollout_batch(EnvRollout(engine, env, tok, **{"max_turns": 3} | kwargs), rows, n, GREEDY))
 
 
 # ---- item 6: a CancelledError and text that is no Unicode text ----
@@ -142,7 +142,7 @@ def roll(engine, tok, env, kinds: list[dict], n: int = 1, **kwargs):
 def test_a_step_or_reset_that_raises_cancelled_error_ends_its_own_trajectory(engine, tok, env):
     rows = [{"prompt": "Hi", "extra_info": {"kind": "cancel"}}, {"prompt": None, "extra_info": {"reset": "cancel"}},
             {"prompt": "Hi", "extra_info": {}}]
-    [[step], [reset], [fine]] = run_on_rank_loop(rollout_batch(engine, env, tok, rows, 1, GREEDY))
+    [[step], [reset], [fine]] = run_on_rank_loop(rollout_batch(EnvRollout(engine, env, tok), rows, 1, GREEDY))
     assert (step.fault, step.reward) == ("step raised CancelledError", 0.0)
     assert (reset.fault, reset.n_turns) == ("reset raised CancelledError", 0)
     assert fine.fault is None and fine.reward == 1.0
@@ -164,7 +164,7 @@ def test_a_step_whose_own_task_exits_ends_its_own_trajectory(engine, tok, env):
 def test_text_with_a_lone_surrogate_ends_its_own_trajectory_and_everything_stays_writable(engine, tok, env, tmp_path,
                                                                                           extra, fault):
     rows = [{"prompt": None if "reset" in extra else "Hi", "extra_info": extra}, {"prompt": "Hi", "extra_info": {}}]
-    groups = run_on_rank_loop(rollout_batch(engine, env, tok, rows, 1, GREEDY, max_turns=3))
+    groups = run_on_rank_loop(rollout_batch(EnvRollout(engine, env, tok, max_turns=3), rows, 1, GREEDY))
     [[bad], [fine]] = groups
     assert fault in bad.fault and bad.reward == 0.0 and fine.fault is None and fine.reward == 1.0
     save_samples(tmp_path / "samples.jsonl", groups, 1)
@@ -247,8 +247,7 @@ def test_a_tool_that_exits_gives_an_error_result(engine, tok, tmp_path, raised, 
         "TOOLS = [leave]\n\n\nasync def step(state, action, extra_info):\n    return {'reward': 1.0, 'done': True}\n")
     env = load_env(tmp_path / "tools_env.py")
     use = ToolUse(build_tools(env.tool_specs, env.path), None, Scripted("leave"), native=False)
-    trajectory = asyncio.run(run_trajectory(engine, env, tok, [{"role": "user", "content": "Hi"}], {}, GREEDY,
-                                            max_turns=3, tool_use=use))
+    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3, tool_use=use), [{"role": "user", "content": "Hi"}], {}, GREEDY))
     assert (trajectory.fault, trajectory.reward, trajectory.tool_errors) == (None, 1.0, 1)
     assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [f"Error: a tool raised {message}"]
 

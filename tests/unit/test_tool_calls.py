@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from RL2.agents import tool_calls
-from RL2.agents.tool_calls import (
+from RL2.rollout.tools import tool_calls
+from RL2.rollout.tools.tool_calls import (
     HermesParser,
     Llama3Parser,
     MistralParser,
@@ -240,7 +240,7 @@ class Bracketed(ToolCallParser):
 def test_user_parser_from_a_file_a_module_and_the_registry(tmp_path, monkeypatch):
     file = tmp_path / "my_format.py"
     file.write_text(
-        "from RL2.agents.tool_calls import HermesParser\n\n"
+        "from RL2.rollout.tools.tool_calls import HermesParser\n\n"
         "class Tagged(HermesParser):\n"
         "    name = 'tagged'\n"
     )
@@ -251,7 +251,7 @@ def test_user_parser_from_a_file_a_module_and_the_registry(tmp_path, monkeypatch
     monkeypatch.setattr(tool_calls, "_PARSERS", dict(tool_calls._PARSERS))
     register_tool_parser("bracketed", Bracketed)
     assert tool_call_parser("bracketed", None).parse("{{now}}").calls == [ToolCall("now", {}, "call_0")]
-    with pytest.raises(ValueError, match="not a subclass of RL2.agents.tool_calls.ToolCallParser"):
+    with pytest.raises(ValueError, match="not a subclass of RL2.rollout.tools.tool_calls.ToolCallParser"):
         register_tool_parser("bad", dict)
 
 
@@ -262,10 +262,10 @@ def test_user_parser_from_a_file_a_module_and_the_registry(tmp_path, monkeypatch
         ("no/such/file.py:Parser", "tool-call parser 'no/such/file.py:Parser': no/such/file.py does not exist; "),
         ("no_such_package.mod:Parser",
          "tool-call parser 'no_such_package.mod:Parser': cannot import no_such_package.mod"),
-        ("RL2.agents.tool_calls:Nope",
-         "tool-call parser 'RL2.agents.tool_calls:Nope': RL2.agents.tool_calls defines no "
+        ("RL2.rollout.tools.tool_calls:Nope",
+         "tool-call parser 'RL2.rollout.tools.tool_calls:Nope': RL2.rollout.tools.tool_calls defines no "
          "ToolCallParser subclass named 'Nope'; "),
-        ("RL2.agents.tool_calls:ToolCall", "defines no ToolCallParser subclass named 'ToolCall'"),
+        ("RL2.rollout.tools.tool_calls:ToolCall", "defines no ToolCallParser subclass named 'ToolCall'"),
     ],
 )
 def test_bad_specs_name_the_spec_and_the_choices(spec, message):

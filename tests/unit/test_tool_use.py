@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from RL2.agents.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
-from RL2.agents.tool_use import ToolUse, tool_use_of
-from RL2.agents.tools import build_tools
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
+from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
+from RL2.rollout.tools.declared import build_tools
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import BadRow
 from RL2.rollout.env import load_env
-from RL2.rollout.loop import run_trajectory
+from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
 from RL2.rollout.trajectory import Trajectory
 from tests.helpers import ENVS
@@ -57,7 +57,9 @@ def tool_use(env, script: list[ParsedAction], **settings) -> ToolUse:
 
 def roll(engine, tok, env, use: ToolUse, extra_info: dict | None = None, **kwargs) -> Trajectory:
     kwargs = {"sampling_params": GREEDY, "max_turns": 6} | kwargs
-    return asyncio.run(run_trajectory(engine, env, tok, QUESTION, extra_info or {}, tool_use=use, **kwargs))
+    settings = {key: kwargs.pop(key) for key in ("max_turns", "max_total_tokens", "env_timeout") if key in kwargs}
+    return asyncio.run(run_trajectory(EnvRollout(engine, env, tok, tool_use=use, **settings), QUESTION,
+                                      extra_info or {}, **kwargs))
 
 
 def call(name: str, **arguments) -> ToolCall:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from RL2.agents.tool_calls import HermesParser, ToolCall
-from RL2.agents.tools import (
+from RL2.rollout.tools.tool_calls import HermesParser, ToolCall
+from RL2.rollout.tools.declared import (
     Tool,
     ToolResult,
     build_tools,

@@ -2,20 +2,10 @@
 
 import functools
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class RowGroups:
-    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses
-    to one prompt), for the decode attention to read those positions once: the rows of group i are
-    `order[starts[i]:starts[i + 1]]`, and they share positions 0..shared[i]-1 (int64 tensors)."""
-
-    order: torch.Tensor
-    starts: torch.Tensor
-    shared: torch.Tensor
+from RL2.native.decode_kernels import RowGroups
 
 
 class SlotKVCache:

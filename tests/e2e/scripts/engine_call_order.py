@@ -17,6 +17,7 @@ weights and cache) and stands in the trainer's own `EngineState`, as the trainer
 the calls of the embedded engine on CPU and checks the weights at every request as above.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.rollout.engine_state import EngineState
-from RL2.rollout.worker import full_tensors
+from RL2.workers.fsdp import full_tensors
 from RL2.trainer.ppo import PPOTrainer
 from tests.helpers import ENVS
 
@@ -156,6 +157,7 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
                                  follows, as_built=True)
         double.resident = {"weights": False, "kv_cache": False, "cuda_graph": False}
         rollout.engine = rollout.state.engine = double
+        rollout.driver = dataclasses.replace(rollout.driver, engine=double)
     else:
         # The double replaces the trainer's engine bookkeeping: the engine starts from the initial weights
         # (the real embedded engine released its own when the trainer was built).
@@ -164,6 +166,7 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
         double = RecordingEngine(rollout.engine, rollout.engine.runner, expected_weights, trainer.actor.worker,
                                  colocated, follows)
         rollout.engine = double
+        rollout.driver = dataclasses.replace(rollout.driver, engine=double)
         rollout.state = EngineState(double, trainer.actor.worker, rollout._push_weights, [trainer.actor.worker])
         rollout.state.to_trainer()
     trainer.train()

@@ -20,7 +20,7 @@ from RL2.config.schema import ModelConfig
 from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
-from RL2.rollout.worker import full_tensors
+from RL2.workers.fsdp import full_tensors
 from RL2.workers.fsdp import FSDPWorker
 
 LENGTHS = (70, 12, 25, 33, 8, 19)  # the 70-token example exceeds one rank's budget under cp=2

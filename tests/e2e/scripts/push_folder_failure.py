@@ -16,7 +16,7 @@ from RL2.engine.sglang.engine import SGLangEngine
 
 
 def full_tensors():
-    """Like `RL2.rollout.worker.full_tensors`: every tensor comes from an all-gather of every rank."""
+    """Like `RL2.workers.fsdp.full_tensors`: every tensor comes from an all-gather of every rank."""
     for i, n in enumerate([16, 16, 4096, 4096]):
         parts = [torch.empty(n) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, torch.full((n,), float(dist.get_rank())))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from transformers.utils import get_json_schema
 
-from RL2.agents.tool_calls import ToolCall, ToolCallParser
+from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser
 
 # The tool `template_renders_tools` shows the chat template.
 _PROBE_SCHEMA = {

@@ -1,5 +1,5 @@
 """Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls
-(in its own format, `RL2.agents.tool_calls`) run for it, and is asked to `step` only on an action that
+(in its own format, `RL2.rollout.tools.tool_calls`) run for it, and is asked to `step` only on an action that
 calls none (the answer). A tool turn earns no reward itself; its results go on as tool messages rendered
 by the chat template, and a call that fails is shown to the model as an "Error: ..." result and counted
 (or, with `rollout.tool_error=end`, ends the trajectory as a fault). See docs/agents.md.
@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from RL2.agents.tool_calls import ToolCall, ToolCallParser, tool_call_parser
-from RL2.agents.tools import (Tool, ToolResult, build_tools, render_conversation, run_tool, template_renders_tools,
-                              tool_result_messages)
 from RL2.rollout.event_loop import Escaped, on_env_loop
+from RL2.rollout.tools.declared import (Tool, ToolResult, build_tools, render_conversation, run_tool,
+                                        template_renders_tools, tool_result_messages)
+from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser, tool_call_parser
 
 # Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.
 BLOCKED_GRACE_S = 1.0

@@ -186,7 +186,7 @@ def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
     """
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {name!r}: {parser_cls!r} is not a subclass of "
-                         f"RL2.agents.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
+                         f"RL2.rollout.tools.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
     _PARSERS[name] = parser_cls
 
 
@@ -241,7 +241,7 @@ def _load_class(spec: str) -> type[ToolCallParser]:
 
 def _choices() -> str:
     return (f"choose auto, one of {', '.join(sorted(_PARSERS))}, or path/to/file.py:ClassName / "
-            f"package.module:ClassName naming a subclass of RL2.agents.tool_calls.ToolCallParser")
+            f"package.module:ClassName naming a subclass of RL2.rollout.tools.tool_calls.ToolCallParser")
 
 
 # ---- reading calls ----

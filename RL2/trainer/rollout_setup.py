@@ -1,0 +1,100 @@
+"""What a run rolls out, and the rollout worker over it: one place for the PPO trainer and the evaluator.
+
+`load_rollout_script` loads the run's environment script (`rollout.env_path`), reward function
+(`rollout.reward_fn`, as a one-turn environment) or agent script (`rollout.agent_path`) before any process
+group or engine starts, so that bad input fails first; `prompt_row_maker` tokenizes prompt rows as that script
+needs them; `rollout_worker` starts the rank's engine and drives the script on it: an environment through
+`RL2.rollout.loop.EnvRollout`, an agent through `RL2.agents.agent.AgentRollout` and the rank's OpenAI endpoint.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from RL2.agents.agent import Agent, AgentRollout, load_agent
+from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.datasets.prompts import prompt_row_tokenizer
+from RL2.engine import context_length, start_engine
+from RL2.models.default_model import resolve_model_path
+from RL2.models.precision import compute_dtype
+from RL2.rewards.code_reward import allow_unisolated_default_sandbox
+from RL2.rollout.env import Env, EnvError, load_env
+from RL2.rollout.loop import EnvRollout
+from RL2.rollout.reward_env import load_reward_env
+from RL2.rollout.tools.declared import template_renders_tools
+from RL2.rollout.tools.tool_calls import tool_call_parser
+from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
+from RL2.rollout.worker import RolloutWorker
+
+RolloutScript = Env | Agent
+
+
+def load_rollout_script(rollout_cfg) -> RolloutScript:
+    """The run's environment: `rollout.reward_fn` wrapped as a one-turn environment, the agent script at
+    `rollout.agent_path`, else the environment script at `rollout.env_path`; an error names the key."""
+    if rollout_cfg.reward_fn:
+        return load_reward_env(rollout_cfg.reward_fn)
+    key, path = ("rollout.agent_path", rollout_cfg.agent_path) if rollout_cfg.get("agent_path") else (
+        "rollout.env_path", rollout_cfg.env_path)
+    if not path:  # no default: a run must say what scores it
+        raise EnvError("rollout.env_path is not set; give the environment script that scores the actions, e.g. "
+                       "rollout.env_path=envs/arithmetic.py (or rollout.reward_fn=FILE:NAME, rollout.agent_path=FILE)")
+    try:
+        return load_agent(path) if key == "rollout.agent_path" else load_env(path)
+    except EnvError as e:
+        raise EnvError(f"{key}={path}: {e}") from None
+
+
+def calls_tools(script: RolloutScript) -> bool:
+    """Whether the policy may call tools (an environment's TOOLS, an agent): the tool metrics mean something."""
+    return isinstance(script, Agent) or bool(script.tool_specs)
+
+
+def makes_prompts(script: RolloutScript) -> bool:
+    """Whether the script makes a row's first state itself (an environment's `reset`): rows may leave the prompt out."""
+    return not isinstance(script, Agent) and script.reset_fn is not None
+
+
+def tools_of(script: RolloutScript, rollout_cfg, tokenizer) -> ToolUse | None:
+    """The tools the rollout runs for an environment that declares TOOLS; an agent runs its own."""
+    return None if isinstance(script, Agent) else tool_use_of(script, rollout_cfg, tokenizer)
+
+
+def prompt_row_maker(script: RolloutScript, rollout_cfg, tokenizer):
+    """`prompt_row_tokenizer` for `script`: rows may leave the prompt out when an environment resets, show the
+    environment's tools, and keep their chat messages for an agent, which gets them."""
+    return prompt_row_tokenizer(tokenizer, env_resets=makes_prompts(script),
+                                tool_use=tools_of(script, rollout_cfg, tokenizer), keep_messages=isinstance(script, Agent))
+
+
+def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, script: RolloutScript, policy=None,
+                   colocated: Sequence = (), seed: int = 0) -> RolloutWorker:
+    """This rank's engine (collective for SGLang), the driver of `script` on it, and the worker over both.
+
+    Args:
+        rollout_cfg: the `rollout` config.
+        model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
+        tokenizer: the policy's tokenizer.
+        device: where the engine runs.
+        script: what `load_rollout_script` gave (or the Python API's reward environment).
+        policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
+            engine keeps the weights it loaded (an evaluation of a fixed model).
+        colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included.
+        seed: the run's seed, for the engine's own sampling stream (see `start_engine`).
+    """
+    dtype = compute_dtype(model_cfg.dtype, device)
+    model_path = resolve_model_path(model_cfg.model_name)
+    engine = start_engine(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed)
+    # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
+    # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
+    max_total_tokens = rollout_cfg.max_total_tokens or context_length(model_path, rollout_cfg.server_args)
+    allow_unisolated_default_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
+    if isinstance(script, Agent):  # its calls reach this rank's engine through an OpenAI endpoint
+        endpoint = OpenAIEndpoint(engine, tokenizer, tool_call_parser(rollout_cfg.tool_parser, tokenizer),
+                                  template_renders_tools(tokenizer), {}, max_total_tokens, rollout_cfg.tool_call_stop)
+        driver = AgentRollout(endpoint, script, rollout_cfg.agent_timeout, rollout_cfg.max_consecutive_timeouts)
+    else:
+        driver = EnvRollout(engine, script, tokenizer, rollout_cfg.max_turns, max_total_tokens,
+                            rollout_cfg.env_timeout, tools_of(script, rollout_cfg, tokenizer),
+                            rollout_cfg.max_consecutive_timeouts)
+    return RolloutWorker(engine, driver, device, dtype, policy, colocated)
