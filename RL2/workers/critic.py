@@ -9,8 +9,8 @@ import torch
 
 from RL2.algs.value_loss import value_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
-from RL2.datasets.packing import train_weights
 from RL2.models.logps import forward_packed
+from RL2.packing import train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import pack_for, per_token_pass, update_passes, weighted_means
 from RL2.workers.fsdp import scalar_head_worker

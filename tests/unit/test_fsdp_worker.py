@@ -7,8 +7,8 @@ from torch.distributed.tensor import DTensor
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
+from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
