@@ -120,9 +120,9 @@ def actor_config(args):
 
 def rl2_worker(args) -> dict:
     from RL2.batch import RolloutBatch, SequenceBatch
-    from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.native import use_huge_pages
+    from RL2.packing import pack, train_weights
     from RL2.parallel import ParallelDims, init_distributed, pick_device
     from RL2.workers.actor import Actor
     from RL2.workers.fsdp import FSDPWorker

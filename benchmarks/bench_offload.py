@@ -42,9 +42,9 @@ MODES = {"page-locked": {"RL2_PINNED_OFFLOAD": "1"},
 def worker(args) -> dict:
     from RL2.batch import SequenceBatch
     from RL2.config.ppo_schema import ActorConfig
-    from RL2.datasets.packing import pack, train_weights
     from RL2.models.logps import packed_logps
     from RL2.native import use_huge_pages
+    from RL2.packing import pack, train_weights
     from RL2.parallel import ParallelDims, init_distributed
     from RL2.workers.fsdp import FSDPWorker
 

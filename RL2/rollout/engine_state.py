@@ -4,8 +4,7 @@ the policy they hold, `FSDPWorker.updates`) and where the trainer's models are (
 while a colocated engine samples). `sampling()` is the only way to a rollout: it first brings the weights
 to the policy's current version, so that a rollout on stale or released weights cannot happen.
 `holding()` keeps the engine ready across the rollouts of one step, so the weights are pushed and the
-trainer's state moved once per step. The whole cycle: docs/gpus.md; the memory of each phase:
-`RL2.engine.memory_plan`.
+trainer's state moved once per step. The whole cycle and the memory of each phase: docs/gpus.md.
 """
 
 from collections.abc import Callable, Iterator, Sequence

@@ -10,9 +10,9 @@ from collections import defaultdict
 import torch
 
 from RL2.batch import MicroBatch, SequenceBatch
-from RL2.datasets.packing import pack
 from RL2.datasets.pairs import flatten_pairs, pair_row_tokenizer
 from RL2.datasets.splits import batches
+from RL2.packing import pack
 from RL2.trainer.base import Trainer
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer

@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from RL2.batch import RolloutBatch, SequenceBatch
+from RL2.batch import RolloutBatch
 from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import PPOConfig
 from RL2.datasets.splits import EpochSampler
-from RL2.models.logps import forward_packed
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
 from RL2.rollout.loop import drop_stale_groups, filter_groups
@@ -37,9 +36,9 @@ from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, 
 from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
 from RL2.utils.memory import max_over_ranks, measured
 from RL2.utils.plot import CurvePanel
-from RL2.workers.actor import Actor, BaseModelReference, n_mini_batches, per_token_pass
-from RL2.workers.critic import Critic
-from RL2.workers.fsdp import load_tokenizer, scalar_head_worker
+from RL2.workers.actor import Actor, BaseModelReference, n_mini_batches
+from RL2.workers.critic import Critic, RewardModel
+from RL2.workers.fsdp import load_tokenizer
 
 
 class PPOTrainer(Trainer):
@@ -105,14 +104,12 @@ class PPOTrainer(Trainer):
         teacher = cfg.actor.teacher.model_name
         self.teacher = Actor(cfg.actor, *args, train=False, model_name=teacher, temperature=temperature) if (
             teacher) else None
-        self.reward_model = scalar_head_worker(cfg.critic, *args, train=False, model_name=cfg.rollout.reward_model,
-                                               section="critic") if (
-            cfg.rollout.reward_model) else None
+        reward_model = cfg.rollout.reward_model
+        self.reward_model = RewardModel(cfg.critic, *args, reward_model) if reward_model else None
         critic_steps = self.n_steps * self.steps_per_rollout(cfg.critic)
         self.critic = Critic(cfg.critic, *args, critic_steps, response_budget=budget) if (
             cfg.adv.estimator == "gae") else None
-        on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic) if m] + (
-            [self.reward_model] if self.reward_model else [])
+        on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic, self.reward_model) if m]
         on_gpu = list(dict.fromkeys(on_gpu))  # a LoRA policy's reference is its own worker
         self.rollout = rollout_worker(cfg.rollout, cfg.actor, self.tokenizer, self.device, self.env,
                                       policy=self.actor.worker, colocated=on_gpu, seed=cfg.trainer.seed)
@@ -174,7 +171,7 @@ class PPOTrainer(Trainer):
         metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
             with measured(metrics, "reward_model"):
-                metrics |= add_reward_model_scores(batch, self.reward_model_scores(batch))
+                metrics |= add_reward_model_scores(batch, self.reward_model.scores(batch))
         if self.teacher:
             with measured(metrics, "teacher"):
                 batch.tokens["teacher_logps"] = self.teacher.logps(batch)
@@ -273,17 +270,6 @@ class PPOTrainer(Trainer):
         actor = self.cfg.actor
         return (self.steps_per_rollout(actor) > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward")
                 or self.teacher is not None)
-
-    @torch.no_grad()
-    def reward_model_scores(self, batch: SequenceBatch) -> torch.Tensor:
-        """`[n_samples]` the reward model's score of every trajectory: its scalar head at the last position
-        of the trajectory's last sequence (the final state), as it was trained."""
-        model = self.reward_model.model
-        per_token = per_token_pass(self.dims, batch, self.cfg.critic.max_length_per_device, self.device, model,
-                                   lambda mb: forward_packed(model, mb).values(), "critic.max_length_per_device")
-        last = batch.sample_offsets[1:] - 1
-        has_tokens = batch.sample_offsets.diff() > 0
-        return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)
 
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:

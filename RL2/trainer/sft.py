@@ -6,10 +6,10 @@ import torch
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import SFTConfig
-from RL2.datasets.packing import pack, train_weights
 from RL2.datasets.sft import sft_row_tokenizer
 from RL2.datasets.splits import batches
 from RL2.models.logps import packed_logps
+from RL2.packing import pack, train_weights
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer

@@ -16,9 +16,9 @@ from RL2.algs.kl import compute_kl
 from RL2.algs.policy_loss import (TRAJECTORY_LEVEL_CORRECTIONS, Correction, cispo_loss, engine_kl_by_lag, gspo_loss,
                                   lag_means, ppo_loss)
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
-from RL2.datasets.packing import pack, prompt_group_units, train_weights
 from RL2.models.logps import forward_packed, shares_prefixes
 from RL2.models.lora import adapters_disabled
+from RL2.packing import pack, prompt_group_units, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 

@@ -1,4 +1,5 @@
-"""The value model of PPO: a causal LM with a scalar head on every token, loaded like the reward model.
+"""PPO's models with a scalar head on every token: the value model (`Critic`) and the frozen reward model
+(`RewardModel`), loaded alike.
 
 `values[t]` (aligned with the packed labels) is the value of the state before action token t, i.e.
 the head's output at the position that predicts it.
@@ -8,8 +9,8 @@ import torch
 
 from RL2.algs.value_loss import value_loss
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
-from RL2.datasets.packing import train_weights
 from RL2.models.logps import forward_packed
+from RL2.packing import train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.actor import pack_for, per_token_pass, update_passes, weighted_means
 from RL2.workers.fsdp import scalar_head_worker
@@ -66,3 +67,23 @@ class Critic:
         loss = (losses * mb.loss_weights).sum()
         return loss, {"loss": loss.detach(), "value_mean": (values.detach() * mb.loss_weights).sum(),
                       "weight": mb.loss_weights.sum()}
+
+
+class RewardModel:
+    """The frozen reward model of `rollout.reward_model`, whose score PPO adds to the environment's reward.
+    `cfg` is the `critic` config (dtype, micro-batch budget); args otherwise as `Critic`'s."""
+
+    def __init__(self, cfg, dims: ParallelDims, device: torch.device, model_name: str):
+        self.cfg, self.dims, self.device = cfg, dims, device
+        self.worker = scalar_head_worker(cfg, dims, device, train=False, model_name=model_name, section="critic")
+        self.model = self.worker.model
+
+    @torch.no_grad()
+    def scores(self, batch: SequenceBatch) -> torch.Tensor:
+        """`[n_samples]` the score of every trajectory: the scalar head at the last position of the
+        trajectory's last sequence (the final state), as it was trained."""
+        per_token = per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
+                                   lambda mb: forward_packed(self.model, mb).values(), BUDGET_KEY)
+        last = batch.sample_offsets[1:] - 1
+        has_tokens = batch.sample_offsets.diff() > 0
+        return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)

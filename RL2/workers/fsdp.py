@@ -301,7 +301,7 @@ class FSDPWorker(Stateful):
         Losses are already weighted for the global batch, so no loss is rescaled (`sum_gradients_over_ranks`).
 
         Args:
-            micro_batches: this rank's share of the global batch (`RL2.datasets.packing.pack`).
+            micro_batches: this rank's share of the global batch (`RL2.packing.pack`).
             loss_fn: the loss and metric partial sums of one micro-batch.
             train: backward each loss; False runs without autograd.
         """

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from RL2.batch import SequenceBatch
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
 from RL2.models.lora import LoRALinear, adapter_modules
 from RL2.native.pinned_host import SMALL_BYTES
+from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import full_tensors
 from RL2.workers.fsdp import FSDPWorker

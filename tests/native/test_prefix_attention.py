@@ -101,9 +101,9 @@ def test_a_model_with_the_kernel_scores_each_sequence_as_alone(tmp_path, monkeyp
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from RL2.batch import SequenceBatch
-    from RL2.datasets.packing import pack
     from RL2.models.checkpointing import enable_activation_checkpointing
     from RL2.models.logps import ModelLayout, forward_packed
+    from RL2.packing import pack
 
     config = LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)

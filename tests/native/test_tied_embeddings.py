@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from RL2.batch import SequenceBatch
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.chunked_logps import token_logps
 from RL2.models.logps import packed_logps
 from RL2.native.tied_embeddings import add_embedding_rows_into_tied_gradient
+from RL2.packing import pack, train_weights
 from tests.helpers.tiny import make_tiny_qwen
 from tests.unit.test_fsdp_worker import examples, local, worker
 

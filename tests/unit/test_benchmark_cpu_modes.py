@@ -54,6 +54,9 @@ CASES = [
          r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240),
     case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
          r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300),
+    # The memory plan's formulas, on the meta device: no flags, the table of docs/gpus.md.
+    case("memory_plan_table.py", [], r"^\| model \| GPUs \| server tp \|",
+         r"^\| Qwen2\.5-7B \(7\.62B\) \| 8 \| 1 \| actor \| [\d.]+ GiB \|", 120),
     case("bench_sft.py", ["--dtype", "float32", "--steps", "1", "--seqs", "2", "--seq-len", "16"],
          r"^dtype\s+ranks\s+step s", r"^float32\s+2\s+[\d.]+", 400, pytest.mark.slow),
     case("bench_lora.py", ["--rank", "4", "--seq-len", "8", "--seqs", "1", "--steps", "1"],

@@ -7,8 +7,8 @@ from torch.distributed.tensor import DTensor
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
+from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
@@ -189,6 +189,32 @@ def test_a_critic_keeps_the_trained_head_of_the_checkpoint_it_starts_from(tiny_m
     assert direct.abs().min() > 0
     torch.testing.assert_close(critic_values(tmp_path / "critic"), direct, atol=1e-5, rtol=1e-4)
     assert torch.count_nonzero(critic_values(tiny_model_path)) == 0  # a causal LM's new head starts at zero
+
+
+def test_a_reward_model_scores_each_trajectory_at_its_last_token(tiny_model_path, one_rank, tmp_path):
+    """A trajectory's score is the reward model's head at the last position of its last sequence (a
+    trajectory of two sequences is scored on the second), and 0 for a trajectory with no sequence."""
+    from transformers import AutoModelForTokenClassification
+
+    from RL2.config.ppo_schema import CriticConfig
+    from RL2.workers.critic import RewardModel
+
+    trained = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        trained.score.weight.copy_(torch.randn(trained.score.weight.shape, generator=torch.Generator().manual_seed(1)))
+    trained.save_pretrained(tmp_path / "rm")
+
+    sequences = [list(range(3, 20)), list(range(40, 70)), list(range(100, 111))]
+    batch = SequenceBatch(input_ids=sequences, tokens={"loss_mask": torch.ones(sum(len(s) - 1 for s in sequences))},
+                          sample_ids=torch.tensor([0, 0, 2]), n_samples=4)
+    cfg = OmegaConf.merge(OmegaConf.structured(CriticConfig), {"model_name": tiny_model_path, "dtype": "float32",
+                                                                 "max_length_per_device": 32})
+    scores = RewardModel(cfg, ParallelDims(1), torch.device("cpu"), str(tmp_path / "rm")).scores(batch)
+
+    with torch.no_grad():  # the last label's position: the sequence without its last token
+        direct = [trained(input_ids=torch.tensor([ids[:-1]])).logits[0, -1, 0].item() for ids in sequences]
+    assert len({round(x, 4) for x in direct}) == 3
+    torch.testing.assert_close(scores, torch.tensor([direct[1], 0.0, direct[2], 0.0]), atol=1e-5, rtol=1e-4)
 
 
 def test_a_resume_with_another_learning_rate_says_the_checkpoints_rate_goes_on(tiny_model_path, one_rank, capsys):

@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 import RL2.models.attention  # noqa: F401
 from RL2.batch import SequenceBatch
 from RL2.config import ConfigError
-from RL2.datasets.packing import balanced_partition, pack, plan_micro_batches, train_weights
 from RL2.models.chunked_logps import token_logps
 from RL2.models.logps import forward_packed
+from RL2.packing import balanced_partition, pack, plan_micro_batches, train_weights
 
 
 def random_examples(n, seed=0, low=3, high=40):

@@ -55,7 +55,7 @@ def test_layout_errors_name_every_degree():
 
 def test_micro_batch_budget_grows_with_cp_and_tp():
     from RL2.batch import SequenceBatch
-    from RL2.datasets.packing import pack
+    from RL2.packing import pack
 
     batch = SequenceBatch.from_examples([{"input_ids": list(range(71)), "loss_mask": [1] * 71},
                                          {"input_ids": list(range(9)), "loss_mask": [1] * 9}])

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.batch import SequenceBatch
-from RL2.datasets.packing import pack
 from RL2.models.logps import ModelLayout, forward_packed
 from RL2.models.shared_prefix import SharedPrefixRow
+from RL2.packing import pack
 from RL2.utils.shared_prefixes import MIN_SHARED_TOKENS, runs_with_shared_prefix
 
 PROMPT = 24  # > MIN_SHARED_TOKENS
@@ -129,7 +129,7 @@ def rollout(n_groups: int, group_size: int, prompt: int = PROMPT, response: int 
 
 
 def test_prompt_groups_go_into_micro_batches_whole_with_their_prompt_counted_once():
-    from RL2.datasets.packing import prompt_group_units
+    from RL2.packing import prompt_group_units
 
     batch = rollout(3, 4)
     # Positions of one group: the prompt's but the last once, then each response's: the last prompt
@@ -154,8 +154,8 @@ def test_a_micro_batch_of_prompt_groups_runs_no_longer_than_planned():
     sequences must not join the first's run over the template, which would store its long prompt once
     per response and make the row longer than the packer planned."""
     from RL2.batch import RolloutBatch
-    from RL2.datasets.packing import pack, prompt_group_units
     from RL2.models.shared_prefix import SharedPrefixRow
+    from RL2.packing import pack, prompt_group_units
 
     template = list(range(500, 524))
     prompts = [template + list(range(600, 608)), template + list(range(700, 796))]  # 32 and 120 tokens

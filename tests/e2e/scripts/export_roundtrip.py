@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 from RL2.batch import SequenceBatch
 from RL2.config import parse_config
 from RL2.config.schema import SFTConfig
-from RL2.datasets.packing import pack
 from RL2.models.logps import forward_packed
+from RL2.packing import pack
 from RL2.trainer.sft import SFTTrainer
 
 cfg = parse_config(SFTConfig, "sft", sys.argv[1:])

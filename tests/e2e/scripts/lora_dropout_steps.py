@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import packed_logps
+from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device, shard_of
 from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
 from RL2.workers.fsdp import FSDPWorker

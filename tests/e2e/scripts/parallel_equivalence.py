@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from RL2.batch import SequenceBatch
 from RL2.config.schema import ModelConfig
-from RL2.datasets.packing import pack, train_weights
 from RL2.models.logps import forward_packed
+from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
 from RL2.workers.fsdp import full_tensors
 from RL2.workers.fsdp import FSDPWorker

@@ -18,7 +18,7 @@ metrics = trainer.train_step(1)
 
 examples = [{"input_ids": list(range(5 + 3 * i, 30 + 7 * i)), "loss_mask": [0] * 5 + [1] * (20 + 4 * i)}
             for i in range(3)]
-packed = trainer.reward_model_scores(SequenceBatch.from_examples(examples)).tolist()
+packed = trainer.reward_model.scores(SequenceBatch.from_examples(examples)).tolist()
 plain = AutoModelForTokenClassification.from_pretrained(cfg.rollout.reward_model, attn_implementation="eager")
 with torch.no_grad():
     direct = [plain(input_ids=torch.tensor([ex["input_ids"][:-1]])).logits[0, -1, 0].item() for ex in examples]
