@@ -9,11 +9,14 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from RL2.algs.policy_loss import Correction
 from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
-from RL2.engine.embedded.sampling import GREEDY_TEMPERATURE
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB
+
+# A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
+GREEDY_TEMPERATURE = 1e-6
+# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
+# model's steps keep within it.
+COLOCATED_MARGIN_GB = 1.0
 
 
 @dataclass
@@ -114,9 +117,23 @@ class CISPOConfig:
     clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this bound)")
 
 
+# actor.correction.type (the choices besides none) -> its bounds (low, high) of rho where actor.correction.low /
+# high are unset; a low of None is 1 / high. RL2.algs.policy_loss.CORRECTIONS holds the correction of each name.
+CORRECTION_BOUNDS = {"tis": (None, 2.0), "icepop": (0.5, 5.0), "seq_mask": (None, 2.0), "geo_mask": (None, 1.001)}
+
+
+def correction_bounds(name: str, low: float | None = None, high: float | None = None) -> tuple[float, float]:
+    """The bounds (low, high) of rho of the correction `name`: those given, else `CORRECTION_BOUNDS`."""
+    default_low, default_high = CORRECTION_BOUNDS[name]
+    high = default_high if high is None else high
+    if low is None:
+        low = 1.0 / high if default_low is None else default_low
+    return low, high
+
+
 @dataclass
 class CorrectionConfig:
-    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", "tis", "icepop", "seq_mask", "geo_mask"))
+    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", *CORRECTION_BOUNDS))
     low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 for icepop, else 1 / high")
     high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
 
@@ -278,7 +295,7 @@ def check_correction(actor) -> None:
         raise ConfigError(f"actor.correction.low={correction.low} and high={correction.high} bound a ratio of "
                           f"probabilities: high must be positive and low at least 0")
     if correction.type not in ("none", "tis"):
-        low, high = Correction(correction.type, correction.low, correction.high).bounds
+        low, high = correction_bounds(correction.type, correction.low, correction.high)
         if low >= high:
             raise ConfigError(f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
                               f"actor.correction.high")

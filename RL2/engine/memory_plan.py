@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
+
 GIB = 2**30
 COLOCATED_MEM_FRACTION = 0.85
-# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
-# model's steps keep within it.
-COLOCATED_MARGIN_GB = 1.0
 # Memory a GPU loses to CUDA contexts and communication buffers of the trainer and the server (for the table).
 CONTEXT_BYTES = 2 * GIB
 
