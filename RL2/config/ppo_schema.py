@@ -138,9 +138,20 @@ class CorrectionConfig:
     high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
 
 
+# actor.policy_loss (the choices) -> the actor keys only it reads, with their defaults (PPO's are top-level for
+# RL2's original names). RL2.workers.actor.POLICY_LOSSES holds the loss of each name.
+_GSPO_KEYS = {f"gspo.{k}": v for k, v in asdict(GSPOConfig()).items()}
+POLICY_LOSS_KEYS = {
+    "ppo": {"clip": 0.2, "clip_low": None, "clip_high": None, "dual_clip": None},
+    "gspo": _GSPO_KEYS,
+    "gspo_token": _GSPO_KEYS,
+    "cispo": {f"cispo.{k}": v for k, v in asdict(CISPOConfig()).items()},
+}
+
+
 @dataclass
 class ActorConfig(ModelConfig):
-    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=("ppo", "gspo", "gspo_token", "cispo"))
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
     clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
     clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
@@ -376,22 +387,15 @@ def check_algorithm(adv, kl) -> None:
                           "loss (actor.kl.type=loss), or put k1 in the reward (actor.kl.type=reward)")
 
 
-# actor.policy_loss -> the actor keys only that loss reads (PPO's are top-level for RL2's original names).
-POLICY_LOSS_KEYS = {
-    "ppo": {"clip": 0.2, "clip_low": None, "clip_high": None, "dual_clip": None},
-    "gspo": {f"gspo.{k}": v for k, v in asdict(GSPOConfig()).items()},
-    "cispo": {f"cispo.{k}": v for k, v in asdict(CISPOConfig()).items()},
-}
-
-
 def check_policy_loss(actor) -> None:
     """Fail on a key of one policy loss set while another is selected, and on bounds that clip nothing sensible."""
-    selected = "gspo" if actor.policy_loss == "gspo_token" else actor.policy_loss
+    read = POLICY_LOSS_KEYS[actor.policy_loss]
     for loss, keys in POLICY_LOSS_KEYS.items():
         for key, default in keys.items():
             value = functools.reduce(getattr, key.split("."), actor)
-            if loss != selected and value != default:
-                owner = "gspo (or gspo_token)" if loss == "gspo" else loss
+            if key not in read and value != default:
+                others = [name for name, owned in POLICY_LOSS_KEYS.items() if key in owned and name != loss]
+                owner = f"{loss} (or {', '.join(others)})" if others else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
                                   f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
     if actor.dual_clip is not None and actor.dual_clip <= 1:
