@@ -126,8 +126,7 @@ def correction_bounds(name: str, low: float | None = None, high: float | None = 
     """The bounds (low, high) of rho of the correction `name`: those given, else `CORRECTION_BOUNDS`."""
     default_low, default_high = CORRECTION_BOUNDS[name]
     high = default_high if high is None else high
-    if low is None:
-        low = 1.0 / high if default_low is None else default_low
+    low = (1.0 / high if default_low is None else default_low) if low is None else low
     return low, high
 
 
