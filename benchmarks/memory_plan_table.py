@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape
+from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
+from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape
 
 # Memory a GPU loses to CUDA contexts and communication buffers of the trainer and the server (for the table).
 CONTEXT_BYTES = 2 * GIB

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from RL2.algs.kl import k3
+from RL2.config.ppo_schema import correction_bounds
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -97,15 +98,13 @@ def _tis(old_logps, engine_logps, mask, sample_ids, low, high):
 
 
 # actor.correction.type -> (old_logps, engine_logps, mask, sample_ids, low, high) -> (weights, tokens
-# truncated or masked); the choices are declared in RL2/config/ppo_schema.py.
+# truncated or masked); the names and their default bounds are RL2/config/ppo_schema.py's CORRECTION_BOUNDS.
 CORRECTIONS = {
     "tis": _tis,
     "icepop": lambda old, engine, mask, samples, low, high: icepop_weights(old, engine, low, high),
     "seq_mask": trajectory_mask_weights,
     "geo_mask": lambda *args: trajectory_mask_weights(*args, geometric=True),
 }
-# Bounds where actor.correction.low / high are unset: (low, high); a low of None is 1 / high.
-CORRECTION_BOUNDS = {"tis": (None, 2.0), "icepop": (0.5, 5.0), "seq_mask": (None, 2.0), "geo_mask": (None, 1.001)}
 # Corrections that read a whole trajectory at once (like GSPO's ratio).
 TRAJECTORY_LEVEL_CORRECTIONS = ("seq_mask", "geo_mask")
 
@@ -116,7 +115,7 @@ class Correction:
 
     Args:
         name: tis, icepop, seq_mask or geo_mask.
-        low, high: the bounds of rho (`tis` reads `high` only); None: `CORRECTION_BOUNDS`.
+        low, high: the bounds of rho (`tis` reads `high` only); None: the config's defaults (`correction_bounds`).
     """
 
     name: str
@@ -125,10 +124,7 @@ class Correction:
 
     @property
     def bounds(self) -> tuple[float, float]:
-        low, high = CORRECTION_BOUNDS[self.name]
-        high = high if self.high is None else self.high
-        low = (1.0 / high if low is None else low) if self.low is None else self.low
-        return low, high
+        return correction_bounds(self.name, self.low, self.high)
 
     def weights(self, old_logps: Tensor, engine_logps: Tensor, mask: Tensor,
                 sample_ids: Tensor | None) -> tuple[Tensor, Tensor]:

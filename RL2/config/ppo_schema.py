@@ -9,11 +9,14 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from RL2.algs.policy_loss import Correction
 from RL2.config.errors import ConfigError
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
-from RL2.engine.embedded.sampling import GREEDY_TEMPERATURE
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB
+
+# A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
+GREEDY_TEMPERATURE = 1e-6
+# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
+# model's steps keep within it.
+COLOCATED_MARGIN_GB = 1.0
 
 
 @dataclass
@@ -114,16 +117,40 @@ class CISPOConfig:
     clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this bound)")
 
 
+# actor.correction.type (the choices besides none) -> its bounds (low, high) of rho where actor.correction.low /
+# high are unset; a low of None is 1 / high. RL2.algs.policy_loss.CORRECTIONS holds the correction of each name.
+CORRECTION_BOUNDS = {"tis": (None, 2.0), "icepop": (0.5, 5.0), "seq_mask": (None, 2.0), "geo_mask": (None, 1.001)}
+
+
+def correction_bounds(name: str, low: float | None = None, high: float | None = None) -> tuple[float, float]:
+    """The bounds (low, high) of rho of the correction `name`: those given, else `CORRECTION_BOUNDS`."""
+    default_low, default_high = CORRECTION_BOUNDS[name]
+    high = default_high if high is None else high
+    low = (1.0 / high if default_low is None else default_low) if low is None else low
+    return low, high
+
+
 @dataclass
 class CorrectionConfig:
-    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", "tis", "icepop", "seq_mask", "geo_mask"))
+    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", *CORRECTION_BOUNDS))
     low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 for icepop, else 1 / high")
     high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
 
 
+# actor.policy_loss (the choices) -> the actor keys only it reads, with their defaults (PPO's are top-level for
+# RL2's original names). RL2.workers.actor.POLICY_LOSSES holds the loss of each name.
+_GSPO_KEYS = {f"gspo.{k}": v for k, v in asdict(GSPOConfig()).items()}
+POLICY_LOSS_KEYS = {
+    "ppo": {"clip": 0.2, "clip_low": None, "clip_high": None, "dual_clip": None},
+    "gspo": _GSPO_KEYS,
+    "gspo_token": _GSPO_KEYS,
+    "cispo": {f"cispo.{k}": v for k, v in asdict(CISPOConfig()).items()},
+}
+
+
 @dataclass
 class ActorConfig(ModelConfig):
-    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=("ppo", "gspo", "gspo_token", "cispo"))
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
     clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
     clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
@@ -278,7 +305,7 @@ def check_correction(actor) -> None:
         raise ConfigError(f"actor.correction.low={correction.low} and high={correction.high} bound a ratio of "
                           f"probabilities: high must be positive and low at least 0")
     if correction.type not in ("none", "tis"):
-        low, high = Correction(correction.type, correction.low, correction.high).bounds
+        low, high = correction_bounds(correction.type, correction.low, correction.high)
         if low >= high:
             raise ConfigError(f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
                               f"actor.correction.high")
@@ -359,22 +386,15 @@ def check_algorithm(adv, kl) -> None:
                           "loss (actor.kl.type=loss), or put k1 in the reward (actor.kl.type=reward)")
 
 
-# actor.policy_loss -> the actor keys only that loss reads (PPO's are top-level for RL2's original names).
-POLICY_LOSS_KEYS = {
-    "ppo": {"clip": 0.2, "clip_low": None, "clip_high": None, "dual_clip": None},
-    "gspo": {f"gspo.{k}": v for k, v in asdict(GSPOConfig()).items()},
-    "cispo": {f"cispo.{k}": v for k, v in asdict(CISPOConfig()).items()},
-}
-
-
 def check_policy_loss(actor) -> None:
     """Fail on a key of one policy loss set while another is selected, and on bounds that clip nothing sensible."""
-    selected = "gspo" if actor.policy_loss == "gspo_token" else actor.policy_loss
+    read = POLICY_LOSS_KEYS[actor.policy_loss]
     for loss, keys in POLICY_LOSS_KEYS.items():
         for key, default in keys.items():
             value = functools.reduce(getattr, key.split("."), actor)
-            if loss != selected and value != default:
-                owner = "gspo (or gspo_token)" if loss == "gspo" else loss
+            if key not in read and value != default:
+                others = [name for name, owned in POLICY_LOSS_KEYS.items() if key in owned and name != loss]
+                owner = f"{loss} (or {', '.join(others)})" if others else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
                                   f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
     if actor.dual_clip is not None and actor.dual_clip <= 1:

@@ -4,8 +4,8 @@ and `sglang/`, SGLang servers with their weight transfer. `checkpoint_layout.py`
 parameters the names and layout of the model's checkpoint, which SGLang loads; `memory_plan.py` sizes SGLang
 servers that share the GPUs with training.
 
-`start_engine` picks and builds one; everything after that goes through the protocol. `context_length` is
-the most tokens a served sequence may hold.
+`start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol.
+`context_length` is the most tokens a served sequence may hold.
 """
 
 from collections.abc import Sequence
@@ -31,23 +31,31 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
         seed: the run's seed: launched SGLang servers sample from it (`--random-seed`, plus each
             server's index), so runs of different seeds sample differently there too.
     """
-    from RL2.engine.sglang.engine import SGLangEngine, resolve_engine
+    from RL2.engine.sglang.engine import resolve_engine
 
-    if resolve_engine(rollout_cfg, device) == "embedded":
-        from transformers import AutoModelForCausalLM
+    start = ENGINES[resolve_engine(rollout_cfg, device)]
+    return start(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed)
 
-        from RL2.engine.embedded.engine import EmbeddedEngine
-        from RL2.utils.logging import log_rank0
 
-        if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
-            log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
-                      f"engine runs without them (rollout.engine=sglang launches servers with them)")
+def _embedded(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) -> Engine:
+    from transformers import AutoModelForCausalLM
 
-        # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        return EmbeddedEngine(
-            model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests, owns_model=True
-        )
+    from RL2.engine.embedded.engine import EmbeddedEngine
+    from RL2.utils.logging import log_rank0
+
+    if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
+        log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
+                  f"engine runs without them (rollout.engine=sglang launches servers with them)")
+
+    # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    return EmbeddedEngine(model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests,
+                          owns_model=True)
+
+
+def _sglang(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) -> Engine:
+    from RL2.engine.sglang.engine import SGLangEngine
+
     if rollout_cfg.server_url:
         return SGLangEngine.connect(rollout_cfg, model_path)
     # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
@@ -59,6 +67,10 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
         for worker in colocated:
             worker.onload()
     return engine
+
+
+# rollout.engine (the choices besides auto, which `resolve_engine` makes one of these) -> how a rank starts it.
+ENGINES = {"embedded": _embedded, "sglang": _sglang}
 
 
 def context_length(model_path: str, server_args) -> int | None:

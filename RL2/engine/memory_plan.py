@@ -18,9 +18,6 @@ import torch
 
 GIB = 2**30
 COLOCATED_MEM_FRACTION = 0.85
-# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
-# model's steps keep within it.
-COLOCATED_MARGIN_GB = 1.0
 
 
 def colocated_mem_fraction(free_bytes: int, margin_bytes: int) -> float:

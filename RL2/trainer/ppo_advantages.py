@@ -135,7 +135,7 @@ def monte_carlo_advantages(batch, adv_cfg, penalties):
     return per_token * batch.tokens["loss_mask"], None
 
 
-# adv.estimator -> the function above; the choices are declared in RL2/config/ppo_schema.py.
+# adv.estimator -> the function above; its choices in RL2/config/ppo_schema.py are these names (test_registries.py).
 ESTIMATORS: dict[str, Callable] = {
     "gae": gae_advantages,
     "grpo": grpo_advantages,

@@ -22,8 +22,8 @@ from RL2.packing import pack, prompt_group_units, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
-# ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the choices
-# are declared in RL2/config/ppo_schema.py). Each reads its own config keys.
+# ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the names, and the
+# config keys each reads, are RL2/config/ppo_schema.py's POLICY_LOSS_KEYS).
 
 
 def _ppo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):

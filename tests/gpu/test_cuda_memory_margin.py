@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("omegaconf", reason="the trainer's config needs omegaconf (`pip install -e .` installs it)")
 
 from RL2.config.errors import ConfigError  # noqa: E402
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB  # noqa: E402
+from RL2.config.ppo_schema import COLOCATED_MARGIN_GB  # noqa: E402
+from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB  # noqa: E402
 from RL2.engine.sglang.engine import _colocated_fraction  # noqa: E402
 from tests.helpers.launch import run_ranks  # noqa: E402
 

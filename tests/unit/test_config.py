@@ -153,9 +153,9 @@ def test_gspo_and_cispo_defaults_are_the_papers():
 def test_every_registry_serves_exactly_the_choices_its_key_declares():
     """Where a config string meets code, the registry and the schema's choices name the same things."""
     from RL2.algs.kl import KL_ESTIMATORS
-    from RL2.algs.policy_loss import CORRECTION_BOUNDS, CORRECTIONS
+    from RL2.algs.policy_loss import CORRECTIONS
     from RL2.config.cli import all_keys
-    from RL2.config.ppo_schema import PPOConfig
+    from RL2.config.ppo_schema import CORRECTION_BOUNDS, PPOConfig
     from RL2.trainer.ppo_advantages import ESTIMATORS
     from RL2.workers.actor import POLICY_LOSSES
 

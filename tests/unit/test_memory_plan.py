@@ -6,7 +6,8 @@ import pytest
 
 from benchmarks.memory_plan_table import (SMALL_GPU_ROWS, colocated_memory, kv_cache_tokens, lora_parameters, qwen25,
                                           readme_table)
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, GIB, colocated_mem_fraction
+from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
+from RL2.engine.memory_plan import GIB, colocated_mem_fraction
 from tests.helpers import REPO
 
 DOCS = REPO / "docs"

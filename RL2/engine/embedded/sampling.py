@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
-GREEDY_TEMPERATURE = 1e-6
+from RL2.config.ppo_schema import GREEDY_TEMPERATURE
 
 # Keys SGLang accepts that change nothing here as long as they keep their default value.
 _NEUTRAL_DEFAULTS = {

@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
+from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
 from RL2.config.server_args import check_server_args
 from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
-from RL2.engine.memory_plan import COLOCATED_MARGIN_GB, COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
+from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
 from RL2.engine.sglang.http_client import HTTPEngineClient, check_status, read_answer
 from RL2.engine.sglang.server import SGLangServer, resolve_python

@@ -169,6 +169,7 @@ class MistralParser(ToolCallParser):
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"\s*")
 
+# The formats by name: the help of rollout.tool_parser (RL2/config/ppo_schema.py) lists them (test_registries.py).
 _PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "qwen": HermesParser,
