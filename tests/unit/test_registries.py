@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from RL2.agents.tool_calls import _PARSERS, ToolCallParser
+from RL2.rollout.tools.tool_calls import _PARSERS, ToolCallParser
 from RL2.algs.averaging import AVERAGING_LEVELS
 from RL2.algs.kl import KL_ESTIMATORS
 from RL2.algs.policy_loss import CORRECTIONS, TRAJECTORY_LEVEL_CORRECTIONS
