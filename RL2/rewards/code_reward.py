@@ -12,7 +12,7 @@ compared line by line, ignoring trailing spaces and blank lines at either end.
 import json
 
 from RL2.rewards.extract import extract_code
-from RL2.rewards.sandbox import CodeTest, Sandbox
+from RL2.sandbox import CodeTest, Sandbox
 
 _default_sandbox: Sandbox | None = None
 _allow_unisolated = False  # rollout.code_sandbox_unisolated

@@ -15,7 +15,7 @@ import functools
 import time
 
 from RL2.engine.protocol import Engine, EngineError
-from RL2.rewards.sandbox import SandboxError
+from RL2.sandbox import SandboxError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number

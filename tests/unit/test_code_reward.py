@@ -13,8 +13,9 @@ import threading
 import pytest
 
 from RL2.config import parse_config
-from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError, code_reward, parse_tests
-from RL2.rewards.sandbox import default_concurrency, normalise_output
+from RL2.rewards import code_reward, parse_tests
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox, SandboxError
+from RL2.sandbox.runner import default_concurrency, normalise_output
 from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)

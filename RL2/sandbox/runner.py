@@ -1,9 +1,9 @@
 """Run a policy's Python code against one test in a separate, isolated, limited process.
 
-Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation, and
+Each test runs in a fresh process (`child.py`, which describes the isolation, and
 docs/rewards.md): namespaces, a read-only file system but for a temporary working directory,
 resource limits, no capabilities, none of the trainer's variables and, where the machine allows it
-(`sandbox_cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
+(`cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
 timeout the process group is killed, and with it the PID namespace (every process the solution
 started, even one that left the group). An assert test is judged in the sandbox by a process that
 never runs solution code; only its verdict comes back here, on a pipe the solution never holds.
@@ -34,14 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from RL2.rewards.sandbox_cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
+from RL2.sandbox.cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(__file__).with_name("child.py")
 # The child is loaded from its bytecode cache: a script run as __main__ is compiled anew at every start,
 # which for this one costs more than the rest of its start together.
 BOOT = ("import importlib.machinery as machinery\n"
         f"path = {str(CHILD)!r}\n"
-        "exec(machinery.SourceFileLoader('sandbox_child', path).get_code('sandbox_child'), "
+        "exec(machinery.SourceFileLoader('child', path).get_code('child'), "
         "{'__name__': '__main__', '__file__': path})\n")
 STDERR_TAIL = 4096
 READ_CHUNK = 65536
@@ -86,7 +86,7 @@ class CodeTest:
     With `assert_code`, the solution runs as a module named "solution" (its `if __name__ ==
     "__main__":` block is skipped) and the test passes when the assert code runs to its end. The
     assert code runs in a process of its own, where the solution's names stand for its functions and
-    objects, reached only through plain values (`sandbox_child.Remote`); a test that checks nothing
+    objects, reached only through plain values (`child.Remote`); a test that checks nothing
     (no assert, or none of the solution's names) fails.
     """
 
@@ -144,7 +144,7 @@ class Sandbox:
             Kubernetes pods), run solutions with only an in-process audit hook, which is no
             isolation (code that reaches C goes around it); False (the default) raises
             `SandboxError` there instead.
-        cgroup_root: where the cgroup file systems are mounted (`sandbox_cgroup.py`); where no
+        cgroup_root: where the cgroup file systems are mounted (`cgroup.py`); where no
             cgroup can be made, or with None, memory is bounded per process only (said once).
     """
 
@@ -222,7 +222,7 @@ class Sandbox:
             try:
                 files = [Path(workdir) / ".spec.json"]
                 files[0].write_text(json.dumps(self._spec(code, kind, workdir, write_end, cgroup)))
-                if kind == "assert":  # read by the judge only (sandbox_child.py, step 1)
+                if kind == "assert":  # read by the judge only (child.py, step 1)
                     files.append(Path(workdir) / ".test.json")
                     files[1].write_text(json.dumps(_test_file(test.assert_code)))
                 stdin = test.input if kind == "stdio" else None
