@@ -29,9 +29,9 @@ from RL2.rollout.engine_state import EngineState
 from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import partial_rollout_batch, rollout_batch
-from RL2.rewards.code_reward import allow_unisolated_default_sandbox
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.trajectory import Trajectory, weight_version_number
+from RL2.sandbox import run_sandbox, use_sandbox
 
 
 def context_length(model_path: str, server_args) -> int | None:
@@ -104,12 +104,6 @@ def engine_sampling_params(params) -> dict:
     return params
 
 
-def configure_rewards(rollout_cfg) -> None:
-    """What the `rollout` config says of the rewards the environment may call: whether the code sandbox's
-    in-process guard may stand in for isolation (`rollout.code_sandbox_unisolated`)."""
-    allow_unisolated_default_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
-
-
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
     return (seed * 1_000_003 + step) * 1_009 + rank
@@ -143,7 +137,8 @@ class RolloutWorker:
         self.state = EngineState(self.engine, policy, self._push_weights, colocated if shares_gpu else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
         self.env = env if env is not None else load_rollout_env(rollout_cfg)
-        configure_rewards(rollout_cfg)
+        # The sandbox of the environment's code rewards (made at its first use), entered for each rollout.
+        self.sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
         self.tool_use = tool_use_of(self.env, rollout_cfg, tokenizer)
         # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
         # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
@@ -230,7 +225,7 @@ class RolloutWorker:
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
         every rank (rather than leaving the others waiting in the gather of the results), with every
         failing rank's message; an `EngineError` when only engines failed."""
-        with self.state.sampling():
+        with self.state.sampling(), use_sandbox(self.sandbox):
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
             result, error, failure = None, None, None
