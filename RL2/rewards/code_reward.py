@@ -12,26 +12,7 @@ compared line by line, ignoring trailing spaces and blank lines at either end.
 import json
 
 from RL2.rewards.extract import extract_code
-from RL2.rewards.sandbox import CodeTest, Sandbox
-
-_default_sandbox: Sandbox | None = None
-_allow_unisolated = False  # rollout.code_sandbox_unisolated
-
-
-def default_sandbox() -> Sandbox:
-    """The sandbox `code_reward` uses unless given one: default limits, shared by all calls of this process."""
-    global _default_sandbox
-    if _default_sandbox is None:
-        _default_sandbox = Sandbox(allow_unisolated=_allow_unisolated)
-    return _default_sandbox
-
-
-def allow_unisolated_default_sandbox(allow: bool) -> None:
-    """Whether the default sandbox may run solutions with the in-process guard only where namespaces are
-    refused (`rollout.code_sandbox_unisolated`; see `Sandbox`'s `allow_unisolated`)."""
-    global _allow_unisolated, _default_sandbox
-    if allow != _allow_unisolated:
-        _allow_unisolated, _default_sandbox = allow, None
+from RL2.sandbox import CodeTest, Sandbox, current_sandbox
 
 
 async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool = False, tests_key: str = "tests",
@@ -42,10 +23,10 @@ async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool =
         response: the policy's text; its code is the last ```python fence, else the whole text.
         all_or_nothing: 1.0 only when every test passes (stops at the first failure), else 0.0.
         tests_key: where the tests are in `extra_info`.
-        sandbox: limits and concurrency (default: `default_sandbox()`).
+        sandbox: limits and concurrency (default: the run's, `RL2.sandbox.current_sandbox()`).
     """
     tests = parse_tests(extra_info.get(tests_key), tests_key)
-    sandbox = sandbox or default_sandbox()
+    sandbox = sandbox or current_sandbox()
     results = await sandbox.run_tests(extract_code(response), tests, stop_at_failure=all_or_nothing)
     passed = sum(result.passed for result in results)
     if all_or_nothing:

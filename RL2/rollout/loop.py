@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 
 from RL2.engine.protocol import Engine, EngineError, engine_sampling_params
-from RL2.rewards.sandbox import SandboxError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.tools.tool_use import ToolUse
 from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
+from RL2.sandbox import SandboxError
 from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
 # SGLang's default when a request gives no max_new_tokens.

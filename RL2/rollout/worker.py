@@ -22,6 +22,7 @@ from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.engine_state import EngineState
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.trajectory import Trajectory, weight_version_number
+from RL2.sandbox import run_sandbox, use_sandbox
 
 
 class RolloutDriver(Protocol):
@@ -48,11 +49,14 @@ class RolloutWorker:
             engine keeps the weights it loaded (an evaluation of a fixed model).
         colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included:
             they move to the CPU while SGLang servers launched on the same GPUs sample.
+        sandbox: the run's code sandbox (`RL2.sandbox.run_sandbox`), which the `code_reward` calls of its
+            rollouts use; None: one with default limits.
     """
 
     def __init__(self, engine: Engine, driver: RolloutDriver, device: torch.device, dtype: torch.dtype, policy=None,
-                 colocated: Sequence = ()):
+                 colocated: Sequence = (), sandbox=None):
         self.engine, self.driver, self.device, self.dtype, self.policy = engine, driver, device, dtype, policy
+        self.sandbox = sandbox if sandbox is not None else run_sandbox()
         self.push_seconds = 0.0  # spent pushing weights since `take_push_seconds` last read it
         # The trainer's models move off only for an engine that releases GPU memory (on CPU, offloading is
         # nothing and the embedded engine's pushes need not wait for it).
@@ -109,7 +113,7 @@ class RolloutWorker:
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
         every rank (rather than leaving the others waiting in the gather of the results), with every
         failing rank's message; an `EngineError` when only engines failed."""
-        with self.state.sampling():
+        with self.state.sampling(), use_sandbox(self.sandbox):
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
             result, error, failure = None, None, None

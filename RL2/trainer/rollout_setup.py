@@ -17,7 +17,6 @@ from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.engine import context_length, start_engine
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
-from RL2.rewards.code_reward import allow_unisolated_default_sandbox
 from RL2.rollout.env import Env, EnvError, load_env
 from RL2.rollout.loop import EnvRollout
 from RL2.rollout.reward_env import load_reward_env
@@ -25,6 +24,7 @@ from RL2.rollout.tools.declared import template_renders_tools
 from RL2.rollout.tools.tool_calls import tool_call_parser
 from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
 from RL2.rollout.worker import RolloutWorker
+from RL2.sandbox import run_sandbox
 
 RolloutScript = Env | Agent
 
@@ -88,7 +88,6 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
     # Unset, a sequence may grow to the model's context: a request past it is refused (by SGLang and
     # the embedded engine alike), which would fail the rollout, where the budget ends one trajectory.
     max_total_tokens = rollout_cfg.max_total_tokens or context_length(model_path, rollout_cfg.server_args)
-    allow_unisolated_default_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
     if isinstance(script, Agent):  # its calls reach this rank's engine through an OpenAI endpoint
         endpoint = OpenAIEndpoint(engine, tokenizer, tool_call_parser(rollout_cfg.tool_parser, tokenizer),
                                   template_renders_tools(tokenizer), {}, max_total_tokens, rollout_cfg.tool_call_stop)
@@ -97,4 +96,6 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
         driver = EnvRollout(engine, script, tokenizer, rollout_cfg.max_turns, max_total_tokens,
                             rollout_cfg.env_timeout, tools_of(script, rollout_cfg, tokenizer),
                             rollout_cfg.max_consecutive_timeouts)
-    return RolloutWorker(engine, driver, device, dtype, policy, colocated)
+    # The sandbox of the script's code rewards (made at its first use), entered for each rollout.
+    sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
+    return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from RL2.rewards.sandbox import CodeLimits, CodeTest, Sandbox
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox
 
 
 def isolated_sandbox(limits: CodeLimits, skip_note: str = "") -> Sandbox:

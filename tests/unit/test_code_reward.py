@@ -11,10 +11,12 @@ import socket
 import threading
 
 import pytest
+import torch
 
 from RL2.config import parse_config
-from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError, code_reward, parse_tests
-from RL2.rewards.sandbox import default_concurrency, normalise_output
+from RL2.rewards import code_reward, parse_tests
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox, SandboxError, current_sandbox, use_sandbox
+from RL2.sandbox.runner import default_concurrency, normalise_output
 from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
@@ -53,14 +55,62 @@ def test_the_unisolated_guard_needs_an_opt_in():
         Sandbox(LIMITS, namespaces=False).run_blocking("print('hi')", CodeTest(output="hi"))
 
 
-def test_the_config_key_opts_the_default_sandbox_in():
-    from RL2.config.ppo_schema import PPOConfig
-    from RL2.rewards.code_reward import default_sandbox
-    from RL2.rollout.worker import configure_rewards
+def test_code_reward_uses_the_sandbox_of_its_run():
+    solution, tests = "print(1)", {"tests": [{"output": "1"}]}
+    refusing = Sandbox(LIMITS, max_concurrency=1, namespaces=False)  # the guard, not allowed: refuses every run
+    guarded = Sandbox(LIMITS, max_concurrency=1, namespaces=False, allow_unisolated=True)
+    with use_sandbox(refusing):
+        with pytest.raises(SandboxError):
+            asyncio.run(code_reward(solution, tests))
+        with use_sandbox(guarded):
+            assert current_sandbox() is guarded and asyncio.run(code_reward(solution, tests)) == 1.0
+        assert current_sandbox() is refusing
+        assert asyncio.run(code_reward(solution, tests, sandbox=guarded)) == 1.0  # one given to the call wins
+    assert current_sandbox() not in (refusing, guarded) and current_sandbox() is current_sandbox()
 
+
+CODE_ENV = """
+from RL2.rewards import code_reward
+
+
+async def step(state, action, extra_info):
+    return {"reward": await code_reward("print(1)", {"tests": [{"output": "1"}]}), "done": True}
+"""
+
+
+def test_the_config_key_reaches_code_reward_in_each_run_s_rollout(one_rank, tiny_model_path, tok, tmp_path,
+                                                                   monkeypatch):
+    """Two runs of one process, one with rollout.code_sandbox_unisolated=true: the steps of each call code_reward
+    on the environments' loop, and each run's calls go to a sandbox of its own setting, however their rollouts
+    and constructions interleave."""
+    from RL2.config.ppo_schema import PPOConfig
+    from RL2.rollout.env import load_env
+    from RL2.trainer.rollout_setup import rollout_worker
+
+    isolated_sandbox(LIMITS)  # skips where solutions cannot be isolated: the run with false would stop
+    (tmp_path / "env.py").write_text(CODE_ENV)
+    ran_in, run_tests = [], Sandbox.run_tests
+
+    async def recorded(self, *args, **kwargs):
+        ran_in.append(self)
+        return await run_tests(self, *args, **kwargs)
+
+    monkeypatch.setattr(Sandbox, "run_tests", recorded)
+    workers = {}
     for value in ("true", "false"):
-        configure_rewards(parse_config(PPOConfig, "ppo", [f"rollout.code_sandbox_unisolated={value}"]).rollout)
-        assert default_sandbox().allow_unisolated is (value == "true")
+        cfg = parse_config(PPOConfig, "ppo", [f"rollout.code_sandbox_unisolated={value}", "rollout.engine=embedded",
+                                              f"actor.model_name={tiny_model_path}", "actor.dtype=float32"])
+        workers[value] = rollout_worker(cfg.rollout, cfg.actor, tok, torch.device("cpu"), load_env(tmp_path / "env.py"))
+    try:
+        rewards = [workers[value].rollout([{"prompt": "Hi", "extra_info": {}}], {"max_new_tokens": 2}, 1, seed=0)
+                   for value in ("true", "false", "true")]
+    finally:
+        for worker in workers.values():
+            worker.engine.shutdown()
+    assert [group[0].reward for [group] in rewards] == [1.0, 1.0, 1.0]
+    assert [sandbox.allow_unisolated for sandbox in ran_in] == [True, False, True]
+    assert ran_in[0] is ran_in[2] and ran_in[0] is not ran_in[1]  # a sandbox per run, kept from rollout to rollout
+    assert not current_sandbox().allow_unisolated  # outside any run: the default
 
 
 # ---- right and wrong ----

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from RL2.rewards import CodeLimits, CodeTest, Sandbox
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox
 from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_disk_mb=4, max_files=50,

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from RL2.rewards import CodeLimits, CodeTest, Sandbox, code_reward
+from RL2.rewards import code_reward
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox
 from tests.helpers.sandboxes import isolated_sandbox
 
 LIMITS = CodeLimits(timeout_s=3.0, memory_mb=512, max_processes=8, max_file_mb=1, max_output_kb=64)
@@ -124,7 +125,7 @@ def test_the_expected_values_are_not_in_the_solutions_reach(sandbox):
 
 
 def test_a_test_that_checks_nothing_is_not_passed(sandbox, caplog):
-    with caplog.at_level(logging.WARNING, logger="RL2.rewards.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="RL2.sandbox.runner"):
         for test in ("add(1, 2)", "assert True", "x = 1\nassert x == 1"):
             result = sandbox.run_blocking(HONEST, CodeTest(assert_code=test))
             assert result.status == "error" and "checks nothing" in result.stderr, (test, result)

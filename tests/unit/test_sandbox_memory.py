@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from RL2.rewards import CodeLimits, CodeTest, Sandbox
-from RL2.rewards.sandbox_cgroup import DEFAULT_ROOT, find_parent
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox
+from RL2.sandbox.cgroup import DEFAULT_ROOT, find_parent
 
 LIMIT_MB = 128
 LIMITS = CodeLimits(timeout_s=10.0, memory_mb=LIMIT_MB, max_processes=8, max_file_mb=1, max_output_kb=64)
@@ -126,7 +126,7 @@ def test_each_run_has_its_own_cgroup_and_leaves_none(sandbox, cgroup_parent):
 
 def test_without_a_cgroup_each_process_is_still_limited(per_process, caplog):
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="RL2.rewards.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="RL2.sandbox.runner"):
         warned = Sandbox(LIMITS, max_concurrency=1, cgroup_root="/nonexistent")
         big = warned.run_blocking(f"x = bytearray({2 * LIMIT_MB} * 2**20)\nprint('allocated')",
                                   CodeTest(output="allocated"))
@@ -176,7 +176,7 @@ def test_a_cgroup_the_sandbox_cannot_join_leaves_the_per_process_limit(cgroup_pa
     monkeypatch.setattr(Sandbox, "_spec", unjoinable)
     box = namespaced(Sandbox(LIMITS, max_concurrency=1))
     before = sandbox_cgroups(cgroup_parent.path)
-    with caplog.at_level(logging.WARNING, logger="RL2.rewards.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="RL2.sandbox.runner"):
         together = box.run_blocking(TOGETHER, ALL_HELD)
     assert (together.status, together.memory_scope) == ("passed", "process")
     assert any("could not join" in record.message for record in caplog.records)

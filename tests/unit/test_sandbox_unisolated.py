@@ -40,7 +40,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs: what a filter needs without CAP_SYS_ADMIN
 assert libc.prctl(22, 2, ctypes.byref(Program(len(rules), ctypes.cast(array, ctypes.POINTER(Filter)))), 0, 0) == 0
 
-from RL2.rewards import CodeLimits, CodeTest, Sandbox, SandboxError
+from RL2.sandbox import CodeLimits, CodeTest, Sandbox, SandboxError
 
 starts = []
 real_popen = subprocess.Popen

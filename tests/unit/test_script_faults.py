@@ -20,7 +20,7 @@ from RL2.rollout.tools.tool_use import ToolUse
 from RL2.rollout.tools.declared import build_tools
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
-from RL2.rewards import SandboxError
+from RL2.sandbox import SandboxError
 from RL2.rollout import event_loop
 from RL2.rollout.env import load_env
 from RL2.rollout.event_loop import run_on_rank_loop
@@ -70,7 +70,7 @@ async def step(state, action, extra_info):
     if kind == "hang":
         await asyncio.sleep(30)
     if kind == "no_sandbox":  # as code_reward raises where solutions cannot be isolated
-        from RL2.rewards import SandboxError
+        from RL2.sandbox import SandboxError
         raise SandboxError("the code sandbox cannot isolate solutions here")
     return {"next_state": state + action, "reward": 1.0, "done": extra_info["n"] == extra_info.get("turns", 1)}
 '''

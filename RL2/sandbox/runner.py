@@ -1,9 +1,9 @@
 """Run a policy's Python code against one test in a separate, isolated, limited process.
 
-Each test runs in a fresh process (`sandbox_child.py`, which describes the isolation, and
+Each test runs in a fresh process (`child.py`, which describes the isolation, and
 docs/rewards.md): namespaces, a read-only file system but for a temporary working directory,
 resource limits, no capabilities, none of the trainer's variables and, where the machine allows it
-(`sandbox_cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
+(`cgroup.py`), a memory cgroup of its own. The wall-clock limit is enforced from here: on
 timeout the process group is killed, and with it the PID namespace (every process the solution
 started, even one that left the group). An assert test is judged in the sandbox by a process that
 never runs solution code; only its verdict comes back here, on a pipe the solution never holds.
@@ -34,14 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from RL2.rewards.sandbox_cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
+from RL2.sandbox.cgroup import DEFAULT_ROOT, SandboxCgroup, find_parent
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(__file__).with_name("child.py")
 # The child is loaded from its bytecode cache: a script run as __main__ is compiled anew at every start,
 # which for this one costs more than the rest of its start together.
 BOOT = ("import importlib.machinery as machinery\n"
         f"path = {str(CHILD)!r}\n"
-        "exec(machinery.SourceFileLoader('sandbox_child', path).get_code('sandbox_child'), "
+        "exec(machinery.SourceFileLoader('child', path).get_code('child'), "
         "{'__name__': '__main__', '__file__': path})\n")
 STDERR_TAIL = 4096
 READ_CHUNK = 65536
@@ -86,7 +86,7 @@ class CodeTest:
     With `assert_code`, the solution runs as a module named "solution" (its `if __name__ ==
     "__main__":` block is skipped) and the test passes when the assert code runs to its end. The
     assert code runs in a process of its own, where the solution's names stand for its functions and
-    objects, reached only through plain values (`sandbox_child.Remote`); a test that checks nothing
+    objects, reached only through plain values (`child.Remote`); a test that checks nothing
     (no assert, or none of the solution's names) fails.
     """
 
@@ -144,7 +144,7 @@ class Sandbox:
             Kubernetes pods), run solutions with only an in-process audit hook, which is no
             isolation (code that reaches C goes around it); False (the default) raises
             `SandboxError` there instead.
-        cgroup_root: where the cgroup file systems are mounted (`sandbox_cgroup.py`); where no
+        cgroup_root: where the cgroup file systems are mounted (`cgroup.py`); where no
             cgroup can be made, or with None, memory is bounded per process only (said once).
     """
 
@@ -155,9 +155,7 @@ class Sandbox:
         self.allow_unisolated = allow_unisolated
         self.max_concurrency = max_concurrency or default_concurrency()
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rl2-sandbox")
-        self._warned = False
-        self._memory_warned = False
-        self._unverifiable_warned = False
+        self._warned: set[str] = set()  # what has been said once
         self._probe_lock = threading.Lock()
         self._probed = False
         self._refusal: str | None = None  # why every run is refused, once the probe found it
@@ -222,7 +220,7 @@ class Sandbox:
             try:
                 files = [Path(workdir) / ".spec.json"]
                 files[0].write_text(json.dumps(self._spec(code, kind, workdir, write_end, cgroup)))
-                if kind == "assert":  # read by the judge only (sandbox_child.py, step 1)
+                if kind == "assert":  # read by the judge only (child.py, step 1)
                     files.append(Path(workdir) / ".test.json")
                     files[1].write_text(json.dumps(_test_file(test.assert_code)))
                 stdin = test.input if kind == "stdio" else None
@@ -254,8 +252,7 @@ class Sandbox:
                 why = run.setup_failed or f"status {run.returncode}: {run.stderr.strip()[-500:]}"
                 raise SandboxError(f"the code sandbox could not start the solution ({why})")
             return None
-        if not self._warned:
-            self._warn_about(run.report)
+        self._warn_about(run.report)
         if run.cgroup is not None and not run.report.get("memory_cgroup"):
             self._warn_memory_per_process(f"the sandbox could not join {run.cgroup}")
         return run.report
@@ -265,15 +262,11 @@ class Sandbox:
         if verdict is None:
             return "error", stderr + "sandbox: the test was not judged (its judge ended without a verdict)\n"
         if verdict.get("verdict") == "unverifiable":
-            self._warn_unverifiable(str(verdict.get("why")))
+            self._warn_once("unverifiable", "code sandbox: %s, so it would pass any solution: such tests fail (reward "
+                            "0) until the data set's tests assert something of the solution's functions",
+                            verdict.get("why"))
             return "error", stderr + f"sandbox: {verdict.get('why')}: it is not passed\n"
         return ("passed" if verdict.get("verdict") == "passed" else "error"), stderr
-
-    def _warn_unverifiable(self, why: str) -> None:
-        if not self._unverifiable_warned:
-            self._unverifiable_warned = True
-            log.warning("code sandbox: %s, so it would pass any solution: such tests fail (reward 0) until the "
-                        "data set's tests assert something of the solution's functions", why)
 
     def _new_cgroup(self, name: str) -> SandboxCgroup | None:
         """A memory cgroup for one test run, or None where none can be made (said once)."""
@@ -287,44 +280,37 @@ class Sandbox:
             self._warn_memory_per_process(f"no cgroup under {self._cgroup_parent.path}: {e}")
             return None
 
+    def _warn_once(self, topic: str, message: str, *args) -> None:
+        """Log the warning `message` % `args` the first time `topic` comes up."""
+        if topic not in self._warned:
+            self._warned.add(topic)
+            log.warning(message, *args)
+
     def _warn_memory_per_process(self, why: str) -> None:
-        """Say once that memory is bounded per process only."""
-        if not self._memory_warned:
-            self._memory_warned = True
-            log.warning("code sandbox without a memory cgroup (%s): memory_mb bounds each process's address space "
-                        "only (RLIMIT_AS), so a solution's max_processes processes can together use that many times "
-                        "memory_mb; bounding their sum takes a cgroup file system with the memory controller that "
-                        "the trainer may write to (as root)", why)
+        self._warn_once("memory", "code sandbox without a memory cgroup (%s): memory_mb bounds each process's address "
+                        "space only (RLIMIT_AS), so a solution's max_processes processes can together use that many "
+                        "times memory_mb; bounding their sum takes a cgroup file system with the memory controller "
+                        "that the trainer may write to (as root)", why)
 
     def _warn_about(self, report: dict) -> None:
         """Say once what this system does not isolate."""
         if report["isolation"] == "guard":
-            self._warned = True
-            log.warning("code sandbox without Linux namespaces (%s): solutions run with an in-process guard only, "
-                        "which is not a security boundary", report.get("why"))
+            self._warn_once("isolation", "code sandbox without Linux namespaces (%s): solutions run with an "
+                            "in-process guard only, which is not a security boundary", report.get("why"))
         elif not report.get("process_limit"):  # (the guard refuses new processes)
-            self._warned = True
-            log.warning("code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through a user "
-                        "namespace): a solution's processes are bounded by its time limit only")
+            self._warn_once("isolation", "code sandbox: RLIMIT_NPROC does not hold here (the machine's uid 0 through "
+                            "a user namespace): a solution's processes are bounded by its time limit only")
 
     def _spec(self, code: str, kind: str, workdir: str, result_fd: int, cgroup: SandboxCgroup | None) -> dict:
         limits = self.limits
         return {
-            "code": code,
-            "cgroup_procs": str(cgroup.procs_file) if cgroup is not None else None,
-            "kind": kind,
-            "workdir": workdir,
-            "result_fd": result_fd,
-            "namespaces": self.namespaces,
+            "code": code, "cgroup_procs": str(cgroup.procs_file) if cgroup is not None else None, "kind": kind,
+            "workdir": workdir, "result_fd": result_fd, "namespaces": self.namespaces,
             "allow_unisolated": self.allow_unisolated,
             "limits": {
-                "memory_bytes": limits.memory_mb * 2**20,
-                "file_bytes": limits.max_file_mb * 2**20,
-                "processes": limits.max_processes,
-                "disk_bytes": limits.max_disk_mb * 2**20,
-                "files": limits.max_files,
-                # A backstop only: the wall-clock limit below comes first.
-                "cpu_seconds": math.ceil(limits.timeout_s) + 1,
+                "memory_bytes": limits.memory_mb * 2**20, "file_bytes": limits.max_file_mb * 2**20,
+                "processes": limits.max_processes, "disk_bytes": limits.max_disk_mb * 2**20, "files": limits.max_files,
+                "cpu_seconds": math.ceil(limits.timeout_s) + 1,  # a backstop only: the wall-clock limit comes first
             },
         }
 
@@ -378,23 +364,14 @@ class _Run:
     def _first(self, key: str) -> dict | None:
         return next((line for line in self.lines if key in line), None)
 
-    @property
-    def report(self) -> dict | None:
-        return self._first("isolation")
+    def _said(self, key: str) -> str | None:
+        line = self._first(key)
+        return None if line is None else str(line[key])
 
-    @property
-    def refused(self) -> str | None:
-        line = self._first("refused")
-        return None if line is None else str(line["refused"])
-
-    @property
-    def setup_failed(self) -> str | None:
-        line = self._first("setup_failed")
-        return None if line is None else str(line["setup_failed"])
-
-    @property
-    def verdict(self) -> dict | None:
-        return self._first("verdict")
+    report = property(lambda self: self._first("isolation"))  # what the sandbox isolates, once it is set up
+    verdict = property(lambda self: self._first("verdict"))  # of an assert test's judge
+    refused = property(lambda self: self._said("refused"))  # why it would not run the solution unisolated
+    setup_failed = property(lambda self: self._said("setup_failed"))
 
 
 def _refusal_message(why: str) -> str:

@@ -1,15 +1,15 @@
-"""The processes a code reward's solution runs in. Started by `RL2.rewards.sandbox`, never imported:
+"""The processes a code reward's solution runs in. Started by `RL2.sandbox.runner`, never imported:
 
     python -I -c BOOT SPEC_JSON [TEST_JSON]
 
-(`sandbox.BOOT` runs this file as __main__ from its bytecode cache).
+(`runner.BOOT` runs this file as __main__ from its bytecode cache).
 
 It uses the standard library only, so that it runs before anything else is imported. In order:
 
 1. Read the spec (the solution, the limits) and delete its file, so the solution cannot; open an
    assert test's file and delete it too (its text is read only once the solution's process is
    forked, so it is never in that process's memory); join the sandbox's memory cgroup where the
-   caller made one (`sandbox_cgroup.py`: one limit on the memory of all the processes below).
+   caller made one (`cgroup.py`: one limit on the memory of all the processes below).
 2. Enter new network, mount, PID, IPC and UTS namespaces (inside a user namespace of its own unless
    root of the machine): the solution sees no network but a loopback that is down, no System V or
    POSIX IPC object of the host's or of an earlier run, and its processes end with this sandbox.
@@ -936,7 +936,7 @@ def run_test(spec: dict, result_fd: int, test_fd: int | None, guard: bool) -> No
 
 def join_cgroup(procs_file: str | None) -> bool:
     """Move this process into the sandbox's memory cgroup (made by the launcher's caller, see
-    `sandbox_cgroup.py`); its children are born in it. Returns whether it joined."""
+    `cgroup.py`); its children are born in it. Returns whether it joined."""
     if procs_file is None:
         return False
     try:
