@@ -37,13 +37,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from RL2.agents.agent import agent_rollout_batch, load_agent  # noqa: E402
 from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
-from RL2.rollout.tools.tool_calls import tool_call_parser  # noqa: E402
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402
 from RL2.rollout.loop import continuation, sample_seed  # noqa: E402
+from RL2.rollout.tools.tool_calls import tool_call_parser  # noqa: E402
 from RL2.utils.memory import peak_rss_gb, reset_peak_rss  # noqa: E402
 from tests.helpers.tiny import make_tiny_model  # noqa: E402
+
 
 @dataclass
 class Phase:

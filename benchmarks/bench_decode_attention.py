@@ -28,10 +28,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import add_isa_argument, run_with_isa  # noqa: E402
 
-from RL2.native.decode_kernels import RowGroups  # noqa: E402
 from RL2.engine.embedded.llama_forward import attend_one_token, attention_bias  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402
-from RL2.native.decode_kernels import load_decode_kernels  # noqa: E402
+from RL2.native.decode_kernels import RowGroups, load_decode_kernels  # noqa: E402
 from RL2.utils.memory import peak_rss_gb  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_isa_argument, run_with_isa  # noqa: E402
+
 from RL2.models import shared_prefix  # noqa: E402
 from RL2.models.shared_prefix import Block, SharedPrefixRow  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402

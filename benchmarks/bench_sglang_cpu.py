@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import engine_generate  # noqa: E402
+
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.engine.sglang.engine import control_request  # noqa: E402
 from RL2.engine.sglang.http_client import HTTPEngineClient  # noqa: E402

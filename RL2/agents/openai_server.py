@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from RL2.rollout.tools.tool_calls import ParsedAction, ToolCallParser
-from RL2.rollout.tools.declared import render_conversation
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, end_text, sample_rest, sample_seed
+from RL2.rollout.tools.declared import render_conversation
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCallParser
 from RL2.rollout.trajectory import TokenSequence, Trajectory, Turn
 from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 

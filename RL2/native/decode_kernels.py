@@ -7,8 +7,8 @@ computes the same step with torch ops, slower.
 
 import ctypes
 import functools
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 

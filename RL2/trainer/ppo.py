@@ -25,14 +25,26 @@ from RL2.datasets.splits import EpochSampler
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
 from RL2.rollout.loop import drop_stale_groups, filter_groups
-from RL2.rollout.metrics import (COUNTS, evaluation_metrics, fault_summary, rollout_metrics, save_samples,
-                                 staleness_metrics)
+from RL2.rollout.metrics import (
+    COUNTS,
+    evaluation_metrics,
+    fault_summary,
+    rollout_metrics,
+    save_samples,
+    staleness_metrics,
+)
 from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import rollout_seed
 from RL2.trainer.base import Trainer, launch
-from RL2.trainer.rollout_setup import (RolloutScript, calls_tools, load_rollout_script, makes_prompts,
-                                      prompt_row_maker, rollout_worker)
 from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, shape_rewards
+from RL2.trainer.rollout_setup import (
+    RolloutScript,
+    calls_tools,
+    load_rollout_script,
+    makes_prompts,
+    prompt_row_maker,
+    rollout_worker,
+)
 from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
 from RL2.utils.memory import max_over_ranks, measured
 from RL2.utils.plot import CurvePanel

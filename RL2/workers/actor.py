@@ -13,8 +13,15 @@ import torch
 import torch.distributed as dist
 
 from RL2.algs.kl import compute_kl
-from RL2.algs.policy_loss import (TRAJECTORY_LEVEL_CORRECTIONS, Correction, cispo_loss, engine_kl_by_lag, gspo_loss,
-                                  lag_means, ppo_loss)
+from RL2.algs.policy_loss import (
+    TRAJECTORY_LEVEL_CORRECTIONS,
+    Correction,
+    cispo_loss,
+    engine_kl_by_lag,
+    gspo_loss,
+    lag_means,
+    ppo_loss,
+)
 from RL2.batch import MicroBatch, RolloutBatch, SequenceBatch
 from RL2.models.logps import forward_packed, shares_prefixes
 from RL2.models.lora import adapters_disabled

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import RL2.models.attention  # noqa: F401  (registers the varlen attention)
@@ -39,8 +39,16 @@ from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
 from RL2.models.vocab_parallel import VocabShard
-from RL2.native import (PinnedHostCopies, SharedMemoryGather, check_fits_host, pinned_offload, share_fsdp_buffers,
-                        shared_weight_gather, state_to_host, tune_model)
+from RL2.native import (
+    PinnedHostCopies,
+    SharedMemoryGather,
+    check_fits_host,
+    pinned_offload,
+    share_fsdp_buffers,
+    shared_weight_gather,
+    state_to_host,
+    tune_model,
+)
 from RL2.parallel import ParallelDims, shard_of
 from RL2.utils.logging import log_rank0
 

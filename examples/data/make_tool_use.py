@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from RL2.rollout.tools.tool_calls import HermesParser  # noqa: E402
-from RL2.rollout.tools.declared import build_tools, fallback_messages  # noqa: E402
 from RL2.rollout.env import load_env  # noqa: E402
+from RL2.rollout.tools.declared import build_tools, fallback_messages  # noqa: E402
+from RL2.rollout.tools.tool_calls import HermesParser  # noqa: E402
 
 SYLLABLES = ["ka", "lo", "mi", "ra", "te", "vu", "zo", "ne", "pi", "da", "sha", "ul", "or", "bel", "tan", "qui"]
 

@@ -21,8 +21,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from RL2.models.default_model import (CONVERSION_FORMAT, CONVERSION_MARKER, conversion_format, ensure_converted,
-                                      is_complete, resolve_model_path)
+from RL2.models.default_model import (
+    CONVERSION_FORMAT,
+    CONVERSION_MARKER,
+    conversion_format,
+    ensure_converted,
+    is_complete,
+    resolve_model_path,
+)
 from tests.helpers import REPO
 
 # Logs "start", then converts with a stand-in that logs "convert" and writes a small but complete

@@ -23,8 +23,7 @@ from RL2.models.lora import LoRALinear, adapter_modules
 from RL2.native.pinned_host import SMALL_BYTES
 from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims
-from RL2.workers.fsdp import full_tensors
-from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.fsdp import FSDPWorker, full_tensors
 from tests.gpu.cuda_models import model_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from RL2.engine.embedded import llama_forward, packed_linear
-from RL2.native.decode_kernels import RowGroups
-from RL2.native import decode_kernels
-from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
+from RL2.native.decode_kernels import DecodeKernels, RowGroups, load_decode_kernels
 
 KERNELS = load_decode_kernels()
 pytestmark = pytest.mark.skipif(

@@ -7,7 +7,6 @@ of a full forward.
 """
 
 import asyncio
-import copy
 
 import pytest
 import torch

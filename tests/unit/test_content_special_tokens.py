@@ -10,11 +10,11 @@ import asyncio
 
 import pytest
 
-from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser
-from RL2.rollout.tools.tool_use import ToolUse
-from RL2.rollout.tools.declared import build_tools
 from RL2.rollout.env import load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
+from RL2.rollout.tools.declared import build_tools
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser
+from RL2.rollout.tools.tool_use import ToolUse
 from RL2.utils.tokens import encode, render_plain
 from tests.helpers.engines import running_engine
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from RL2.config.errors import ConfigError
 from RL2.config.cli import parse_config
+from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import PPOConfig, check_algorithm
 from RL2.packing import train_weights
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch

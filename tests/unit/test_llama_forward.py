@@ -9,7 +9,15 @@ plain forward over the whole sequence so far.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from RL2.engine.embedded import llama_forward, packed_linear
 from RL2.engine.embedded.model_runner import MIN_SHARED_PREFIX, ModelRunner

@@ -9,8 +9,15 @@ import torch
 
 from RL2.algs.averaging import AVERAGING_LEVELS, loss_weights
 from RL2.algs.kl import KL_ESTIMATORS, compute_kl, k1, k2, k3
-from RL2.algs.policy_loss import (Correction, cispo_loss, engine_kl_by_lag, gspo_loss, lag_means, ppo_loss,
-                                  truncated_is_weights)
+from RL2.algs.policy_loss import (
+    Correction,
+    cispo_loss,
+    engine_kl_by_lag,
+    gspo_loss,
+    lag_means,
+    ppo_loss,
+    truncated_is_weights,
+)
 from RL2.algs.value_loss import value_loss
 from RL2.models.chunked_logps import entropy
 

@@ -4,8 +4,14 @@ LoRA), the tables of docs/gpus.md and docs/lora.md."""
 
 import pytest
 
-from benchmarks.memory_plan_table import (SMALL_GPU_ROWS, colocated_memory, kv_cache_tokens, lora_parameters, qwen25,
-                                          readme_table)
+from benchmarks.memory_plan_table import (
+    SMALL_GPU_ROWS,
+    colocated_memory,
+    kv_cache_tokens,
+    lora_parameters,
+    qwen25,
+    readme_table,
+)
 from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
 from RL2.engine.memory_plan import GIB, colocated_mem_fraction
 from tests.helpers import REPO

@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from RL2.agents.agent import agent_rollout_batch, load_agent, parse_agent_result
 from RL2.agents.openai_server import OpenAIEndpoint, Session, assistant_message
-from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
-from RL2.rollout.tools.declared import render_conversation
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.rollout.env import EnvError, EnvFault
 from RL2.rollout.loop import sample_seed
+from RL2.rollout.tools.declared import render_conversation
+from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
 from RL2.rollout.trajectory import Turn
 from tests.helpers.engines import CutOnce
 from tests.helpers.reference import greedy, token_logps

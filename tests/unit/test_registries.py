@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from RL2.rollout.tools.tool_calls import _PARSERS, ToolCallParser
 from RL2.algs.averaging import AVERAGING_LEVELS
 from RL2.algs.kl import KL_ESTIMATORS
 from RL2.algs.policy_loss import CORRECTIONS, TRAJECTORY_LEVEL_CORRECTIONS
@@ -17,6 +16,7 @@ from RL2.config.cli import all_keys
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.engine import ENGINES
 from RL2.models.precision import DTYPES
+from RL2.rollout.tools.tool_calls import _PARSERS, ToolCallParser
 from RL2.trainer.ppo_advantages import ESTIMATORS
 from RL2.workers.actor import POLICY_LOSSES, TRAJECTORY_LEVEL_LOSSES
 from tests.helpers import REPO

@@ -17,8 +17,15 @@ from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import free_port
 from RL2.rollout.env import EnvError, EnvFault, load_env, parse_step_result
 from RL2.rollout.event_loop import env_loop, run_on_rank_loop
-from RL2.rollout.loop import (EnvRollout, continuation, drop_stale_groups, filter_groups, partial_rollout_batch, rollout_batch,
-                              run_trajectory)
+from RL2.rollout.loop import (
+    EnvRollout,
+    continuation,
+    drop_stale_groups,
+    filter_groups,
+    partial_rollout_batch,
+    rollout_batch,
+    run_trajectory,
+)
 from RL2.rollout.metrics import evaluation_metrics, pass_at_k, rollout_metrics, save_samples, staleness_metrics
 from RL2.rollout.trajectory import Trajectory, Turn, training_batch, weight_version_number
 from tests.helpers import ENVS

@@ -15,17 +15,17 @@ import pytest
 
 from RL2.agents.agent import agent_rollout_batch, load_agent
 from RL2.agents.openai_server import OpenAIEndpoint
-from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
-from RL2.rollout.tools.tool_use import ToolUse
-from RL2.rollout.tools.declared import build_tools
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
-from RL2.sandbox import SandboxError
 from RL2.rollout import event_loop
 from RL2.rollout.env import load_env
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.loop import EnvRollout, rollout_batch, run_trajectory
 from RL2.rollout.metrics import fault_summary, rollout_metrics, save_samples
+from RL2.rollout.tools.declared import build_tools
+from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
+from RL2.rollout.tools.tool_use import ToolUse
+from RL2.sandbox import SandboxError
 from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}

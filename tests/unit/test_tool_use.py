@@ -13,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
-from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
-from RL2.rollout.tools.declared import build_tools
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.datasets.tokenize import BadRow
 from RL2.rollout.env import load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
+from RL2.rollout.tools.declared import build_tools
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
+from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
 from RL2.rollout.trajectory import Trajectory
 from tests.helpers import ENVS
 from tests.helpers.engines import running_engine

@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from RL2.rollout.tools.tool_calls import HermesParser, ToolCall
 from RL2.rollout.tools.declared import (
     Tool,
     ToolResult,
@@ -18,7 +17,7 @@ from RL2.rollout.tools.declared import (
     tool_result_messages,
     tool_system_prompt,
 )
-
+from RL2.rollout.tools.tool_calls import HermesParser, ToolCall
 
 # ---- tools of a test environment ----
 

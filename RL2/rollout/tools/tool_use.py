@@ -11,8 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from RL2.rollout.event_loop import Escaped, on_env_loop
-from RL2.rollout.tools.declared import (Tool, ToolResult, build_tools, render_conversation, run_tool,
-                                        template_renders_tools, tool_result_messages)
+from RL2.rollout.tools.declared import (
+    Tool,
+    ToolResult,
+    build_tools,
+    render_conversation,
+    run_tool,
+    template_renders_tools,
+    tool_result_messages,
+)
 from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser, tool_call_parser
 
 # Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.

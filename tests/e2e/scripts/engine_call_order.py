@@ -27,8 +27,8 @@ import torch
 from RL2.config import parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.rollout.engine_state import EngineState
-from RL2.workers.fsdp import full_tensors
 from RL2.trainer.ppo import PPOTrainer
+from RL2.workers.fsdp import full_tensors
 from tests.helpers import ENVS
 
 ENV = ENVS / "emit_token.py"

@@ -20,8 +20,7 @@ from RL2.config.schema import ModelConfig
 from RL2.models.logps import forward_packed
 from RL2.packing import pack, train_weights
 from RL2.parallel import ParallelDims, close_process_groups, init_distributed, pick_device
-from RL2.workers.fsdp import full_tensors
-from RL2.workers.fsdp import FSDPWorker
+from RL2.workers.fsdp import FSDPWorker, full_tensors
 
 LENGTHS = (70, 12, 25, 33, 8, 19)  # the 70-token example exceeds one rank's budget under cp=2
 BUDGET = 80  # tokens of one micro-batch, whatever the layout: max_length_per_device = BUDGET // (cp * tp)
