@@ -45,7 +45,8 @@ setup(
         # trainer.use_tensorboard=true: TensorBoard event files next to metrics.jsonl.
         "tensorboard": ["tensorboard"],
         # The test run covers the GEM adapter, math-verify answers, TensorBoard files and loading LoRA
-        # adapter folders with peft too; pytest-xdist runs it on two workers (the README's test command).
-        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "peft"],
+        # adapter folders with peft too; pytest-xdist runs it on two workers (the README's test command), after
+        # ruff (a minor release of its own, whose rules ruff.toml's selection keeps).
+        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "peft", "ruff>=0.17,<0.18"],
     },
 )
