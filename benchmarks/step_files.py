@@ -3,7 +3,8 @@
 Runs two steps of `examples/grpo_smollm2.sh`'s job at a small size in this process (world size 1, the
 embedded engine) and traces the second one, after the first has built and warmed everything up. Prints
 the files entered, split into the RL path and the parts a reader of the RL code can skip (the embedded
-engine and `RL2/native/`), with the number of distinct functions called in each.
+engine, `RL2/native/` and the wings: the code sandbox and the original RL2's translation), with the number of
+distinct functions called in each.
 
     python examples/data/make_arithmetic.py --out data/arith
     python benchmarks/step_files.py --train data/arith/rl_train.jsonl
@@ -21,7 +22,8 @@ import RL2
 from RL2.trainer.ppo import PPOTrainer
 
 PACKAGE = Path(RL2.__file__).parent
-SKIPPABLE = ("RL2/engine/embedded/", "RL2/native/")  # what a reader of the RL code need not open
+# What a reader of the RL code need not open.
+SKIPPABLE = ("RL2/engine/embedded/", "RL2/native/", "RL2/sandbox/", "RL2/compat/")
 
 
 def trace_step(train_path: str, traced_step: int = 2) -> Counter:
@@ -65,7 +67,7 @@ def main() -> None:
     functions = Counter(file for file, _ in calls)
     rl_path = sorted(file for file in functions if not file.startswith(SKIPPABLE))
     skippable = sorted(file for file in functions if file.startswith(SKIPPABLE))
-    for title, files in (("RL path", rl_path), ("engine and native code", skippable)):
+    for title, files in (("RL path", rl_path), ("engine, native code and wings", skippable)):
         print(f"\n{title}: {len(files)} files, {sum(functions[f] for f in files)} functions")
         for file in files:
             print(f"  {functions[file]:4d}  {file}")
