@@ -15,8 +15,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from RL2.config.aliases import resolve
-from RL2.config.original_keys import Ignored
+from RL2.compat.aliases import resolve
+from RL2.compat.keys import Ignored
 from RL2.config.cli import schema_keys
 from tests.helpers import REPO, TESTS
 from tests.helpers.launch import read_metrics, run_ranks

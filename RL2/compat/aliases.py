@@ -4,7 +4,7 @@ Command lines written for RL2's original releases keep working: each original ke
 command line is rewritten to its current key (one printed line per alias, naming the current key),
 an original key for something RL2 does not have fails with what to use instead, and any other
 unknown key still fails with a suggestion (`RL2.config.cli`). The keys are in the table of
-`RL2.config.original_keys`.
+`RL2.compat.keys`; what a line written for the original means beyond them, in `RL2.compat.command_lines`.
 
 The original README's switches parse as written, e.g. "To use OpenAI PPO, set `kl.type=reward`,
 `kl.reward_estimator=k1`, and `adv.estimator=gae`": the original had one KL estimator per place
@@ -18,8 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from RL2.compat.command_lines import as_text, original_meanings
+from RL2.compat.keys import ALIASES, BACKENDS, ORIGINAL_LORA_RANK, Dropped, Ignored, KLEstimator, LoRASwitch
 from RL2.config.errors import ConfigError
-from RL2.config.original_keys import ALIASES, BACKENDS, ORIGINAL_LORA_RANK, Dropped, Ignored, KLEstimator, LoRASwitch
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Translation:
 
     Attributes:
         argv: `key=value` arguments with current keys only.
+        trainer: the trainer's name (`ppo`, `sft`, ...).
         lines: one line per alias used, naming the current key (printed on rank 0).
         kl_estimators: place ("reward" | "loss") -> (original key, estimator) from the command line;
             `apply_kl_estimators` takes the one of the place `actor.kl.type` chooses.
@@ -52,11 +54,12 @@ class Translation:
         lora_switches: model section -> (original key, value) of `{model}.use_lora`;
             `apply_lora_switches` sets the rank.
         original: the command line's keys that only RL2's original releases had: when there is any, the
-            line was written for the original, and `RL2.config.original_lines` gives the keys it shares
-            with RL2 the original's meaning.
+            line was written for the original, and `apply` gives the keys it shares with RL2 the original's
+            meaning (`RL2.compat.command_lines`).
     """
 
     argv: list[str] = field(default_factory=list)
+    trainer: str = ""
     lines: list[str] = field(default_factory=list)
     kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
     lora_switches: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -64,16 +67,28 @@ class Translation:
     given: set[str] = field(default_factory=set)
     original: list[str] = field(default_factory=list)
 
+    def apply(self, cfg: DictConfig) -> None:
+        """What the line means once merged into the trainer's config `cfg` (changed in place, adding to `lines`):
+        the KL estimator and the LoRA switches given under original names, and on a line written for the
+        original, the original's meaning of the keys it shares with RL2."""
+        apply_kl_estimators(cfg, self)
+        apply_lora_switches(cfg, self)
+        if self.original:
+            self.lines += original_meanings(cfg, self.given, bool(self.kl_estimators), self.trainer)
 
-def translate(argv: list[str], keys: SchemaKeys) -> Translation:
-    """Rewrite the original keys of `key=value` arguments to current keys.
+
+def translate_original(argv: list[str], keys: SchemaKeys, trainer: str) -> Translation:
+    """Rewrite the original keys of `key=value` arguments to current keys; once the result's `argv` is
+    merged into the trainer's config, its `apply` does the rest.
 
     Args:
         argv: `key=value` arguments.
         keys: the trainer's config keys; an alias applies only when its current keys exist there
             (otherwise the original key is left to fail as unknown, with a suggestion).
+        trainer: the trainer's name (`ppo`, `sft`, ...).
     """
-    result, origin = Translation(), {}  # origin: current key -> (the argument that set it, through an alias)
+    result = Translation(trainer=trainer)
+    origin = {}  # current key -> (the argument that set it, through an alias)
     for arg in argv:
         key, _, raw = arg.partition("=")
         key = _hydra_key(key, result)
@@ -249,13 +264,6 @@ def _parse(raw: str, key: str) -> Any:
         return OmegaConf.from_dotlist([f"value={raw}"]).value
     except Exception as e:  # OmegaConf's grammar errors come in several types
         raise ConfigError(f"config key '{key}': cannot read the value {raw!r} ({e})") from None
-
-
-def as_text(value: Any) -> str:
-    """A value as command-line text (`true`, `null`, `['a', 'b']`: OmegaConf reads a list's quoted items back)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
 
 
 def describe_aliases(keys: SchemaKeys) -> str:

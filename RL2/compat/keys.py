@@ -1,7 +1,7 @@
 """The table of RL2's original config keys: what each one is called now, or why RL2 has no such key.
 
 Collected from the configs (`RL2/trainer/config/*.yaml`) and example command lines of RL2's
-original releases. `RL2.config.aliases` applies the table to a command line.
+original releases. `RL2.compat.aliases` applies the table to a command line.
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ class Ignored:
 @dataclass(frozen=True)
 class LoRASwitch:
     """The original `{model}.use_lora`: here LoRA is on when `{model}.lora.rank` > 0, so `true` sets the
-    original's default rank unless a rank is given (`RL2.config.aliases.apply_lora_switches`)."""
+    original's default rank unless a rank is given (`RL2.compat.aliases.apply_lora_switches`)."""
 
     old: str
     model: str

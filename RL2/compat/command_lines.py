@@ -1,9 +1,9 @@
 """What a command line written for RL2's original releases means here, beyond the new names of its keys.
 
-A command line that uses a key only the original had (`Translation.original`: `train_data.path`,
-`rollout.train.*`, `actor.use_liger_kernel`, `actor=fsdp`, ...) was written for the original. A few keys
-it shares with RL2 meant something else there; on such a line they keep the original's meaning, with a
-printed line for each (`apply_original_meanings`):
+A command line that uses a key only the original had (`RL2.compat.aliases.Translation.original`:
+`train_data.path`, `rollout.train.*`, `actor.use_liger_kernel`, `actor=fsdp`, ...) was written for the original. A
+few keys it shares with RL2 meant something else there; on such a line they keep the original's meaning, with a
+printed line for each (`original_meanings`):
 
 - `actor.update_per_rollout=N`: one pass over the rollout in N optimizer steps (here: N passes), which is
   `mini_batch_size` = batch / N, for the critic too (its value followed the actor's);
@@ -22,10 +22,9 @@ them out (`defaults_note`).
 """
 
 import math
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from RL2.config.aliases import Translation, as_text
 
 # What took another key's value in the original's config unless the line gave one: {what: [(key, from key)]}.
 FOLLOWS = {
@@ -58,25 +57,24 @@ ORIGINAL_DEFAULTS = {
 _ABSENT = object()
 
 
-def apply_original_meanings(cfg: DictConfig, translation: Translation, trainer: str) -> None:
-    """Give a command line written for the original (`translation.original` not empty) the original's
-    meaning of the keys it shares with RL2, adding one line per change to `translation.lines`, and the
-    line of `defaults_note`.
+def original_meanings(cfg: DictConfig, given: set[str], kl_estimators: bool, trainer: str) -> list[str]:
+    """Give a command line written for the original the original's meaning of the keys it shares with RL2;
+    one line per change to print, and the line of `defaults_note`.
 
     Args:
         cfg: the merged config, changed in place.
-        translation: the command line's translation.
+        given: the keys the command line sets, under their current or an original name.
+        kl_estimators: whether the line gave an original per-place KL estimator (`kl.reward_estimator`, ...).
         trainer: the trainer's name ("ppo", "sft", ...).
     """
-    if not translation.original:
-        return
-    given, lines = translation.given, translation.lines
+    lines = []
     if "adv" in cfg:
         lines += _updates(cfg, given) + _advantages(cfg, given) + _filtering(cfg, given)
-        lines += _kl_estimator(cfg, translation)
+        lines += _kl_estimator(cfg, given, kl_estimators)
     lines += _followers(cfg, given)
     if note := defaults_note(cfg, given, trainer):
         lines.append(note)
+    return lines
 
 
 def _updates(cfg, given: set[str]) -> list[str]:
@@ -118,10 +116,9 @@ def _filtering(cfg, given: set[str]) -> list[str]:
             "dropped, not replaced by more prompts (rollout.max_sampling_rounds=1)"]
 
 
-def _kl_estimator(cfg, translation: Translation) -> list[str]:
+def _kl_estimator(cfg, given: set[str], kl_estimators: bool) -> list[str]:
     kl = cfg.actor.kl
-    given = translation.given
-    if "actor.kl.type" not in given or translation.kl_estimators or "actor.kl.estimator" in given:
+    if "actor.kl.type" not in given or kl_estimators or "actor.kl.estimator" in given:
         return []
     kl.estimator = ORIGINAL_KL_ESTIMATORS[kl.type]
     return [f"actor.kl.type={kl.type} without an estimator takes the original's default for the {kl.type}: "
@@ -155,3 +152,10 @@ def defaults_note(cfg, given: set[str], trainer: str) -> str | None:
         return None
     return (f"RL2's defaults differ from the original's for keys this command line leaves out: {', '.join(differ)}; "
             f"set them to train as the original did")
+
+
+def as_text(value: Any) -> str:
+    """A value as command-line text (`true`, `null`, `['a', 'b']`: OmegaConf reads a list's quoted items back)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
