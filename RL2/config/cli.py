@@ -25,10 +25,8 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
         trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file.
-        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
-            original key names are accepted (`RL2.compat`); each one used is printed with its current
-            key, and a command line written for the original keeps the original's meaning of the keys
-            it shares with RL2.
+        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. The original
+            RL2's keys and command lines mean here what they meant there (`RL2.compat`).
 
     Every check of the values (`RL2.config.validation`) runs here, once: a bad value fails before anything
     is loaded.
@@ -40,11 +38,11 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     bad = [arg for arg in argv if "=" not in arg and not arg.startswith("~")]  # Hydra's ~key: refused by name
     if bad:
         raise ConfigError(f"arguments must look like key=value, got {bad}; see --help for the keys")
-    translation = translate_original(argv, schema_keys(schema), trainer)
+    translation = translate_original(argv, schema_keys(schema))
     base = _merged(trainer_defaults(schema, trainer), OmegaConf.from_dotlist(translation.argv), schema,
                    "the command line")
     apply_value_aliases(base, schema)
-    translation.apply(base)
+    translation.apply(base, trainer)
     OmegaConf.resolve(base)
     check_choices(base, schema)
     check_config(base, schema)

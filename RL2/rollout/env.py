@@ -71,8 +71,7 @@ class Env:
     call_tool: Callable | None = None
     timeouts_in_a_row: int = 0
 
-    def __post_init__(self):
-        # What the env scripts of RL2's original releases expect beyond this protocol, adapted once (RL2.compat).
+    def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
         self._step, self._reset = adapt_script(self.step_fn, self.reset_fn)
 
     async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
