@@ -12,9 +12,8 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from RL2.config.aliases import SchemaKeys, apply_kl_estimators, apply_lora_switches, describe_aliases, translate
+from RL2.compat.aliases import SchemaKeys, describe_aliases, translate_original
 from RL2.config.errors import ConfigError
-from RL2.config.original_lines import apply_original_meanings
 from RL2.config.validation import check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
@@ -26,10 +25,8 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
         trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file.
-        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. RL2's
-            original key names are accepted (`RL2.config.aliases`); each one used is printed with
-            its current key, and a command line written for the original keeps the original's meaning
-            of the keys it shares with RL2 (`RL2.config.original_lines`).
+        argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. The original
+            RL2's keys and command lines mean here what they meant there (`RL2.compat`).
 
     Every check of the values (`RL2.config.validation`) runs here, once: a bad value fails before anything
     is loaded.
@@ -41,13 +38,11 @@ def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> D
     bad = [arg for arg in argv if "=" not in arg and not arg.startswith("~")]  # Hydra's ~key: refused by name
     if bad:
         raise ConfigError(f"arguments must look like key=value, got {bad}; see --help for the keys")
-    translation = translate(argv, schema_keys(schema))
+    translation = translate_original(argv, schema_keys(schema))
     base = _merged(trainer_defaults(schema, trainer), OmegaConf.from_dotlist(translation.argv), schema,
                    "the command line")
     apply_value_aliases(base, schema)
-    apply_kl_estimators(base, translation)
-    apply_lora_switches(base, translation)
-    apply_original_meanings(base, translation, trainer)
+    translation.apply(base, trainer)
     OmegaConf.resolve(base)
     check_choices(base, schema)
     check_config(base, schema)

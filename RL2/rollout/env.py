@@ -12,20 +12,18 @@ the policy saw, `action` what it wrote; the row's `extra_info` is carried from s
 logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
 with the chat template. See docs/rl.md and `envs/` for examples.
 
-The env scripts of RL2's original releases run as they are (`OriginalProtocol`, docs/compatibility.md).
+The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
 
 import inspect
-import itertools
 import math
 import numbers
-import sys
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from RL2.compat.env_protocol import adapt_script
 from RL2.utils.imports import import_file
 
 State = str | list[dict]
@@ -71,76 +69,25 @@ class Env:
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
-    original: "OriginalProtocol" = field(default_factory=lambda: OriginalProtocol())
     timeouts_in_a_row: int = 0
+
+    def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
+        self._step, self._reset = adapt_script(self.step_fn, self.reset_fn)
 
     async def step(self, state: str, action: str, extra_info: dict) -> StepResult:
         """Run the script's `step`; raises `EnvFault` when its result is malformed."""
-        self.original.number(extra_info)
-        result = self.original.step_result(await self.step_fn(state, action, extra_info))
-        return parse_step_result(result, extra_info)
+        return parse_step_result(await self._step(state, action, extra_info), extra_info)
 
     async def reset(self, extra_info: dict) -> State:
         if self.reset_fn is None:
             raise EnvError(f"{self.path} defines no `reset`, so every prompt row needs a prompt")
-        self.original.number(extra_info)
-        state = self.original.reset_result(await self.reset_fn(extra_info), extra_info)
+        state = await self._reset(extra_info)
         if not _is_state(state):
             raise EnvError(f"{self.path}: reset returned {type(state).__name__}, not a str or a list of messages")
         if not state:  # the engine cannot sample after no tokens
             raise EnvError(f"{self.path}: reset returned an empty state for extra_info={extra_info!r:.200}; "
                            f"return the first prompt the policy answers")
         return state
-
-
-class OriginalProtocol:
-    """What the env scripts of RL2's original releases (`envs/*.py` of 0.0.1.post1 and 0.0.2) expect
-    beyond RL2's protocol, so that they run unchanged (each listed in docs/compatibility.md): a numbered
-    `extra_info["idx"]`, a `reset` that returns `(state, extra_info)`, a NumPy bool `done`."""
-
-    def __init__(self):
-        self.numbers = itertools.count()
-
-    def number(self, extra_info: dict) -> None:
-        if "idx" not in extra_info:
-            extra_info["idx"] = next(self.numbers)
-
-    @staticmethod
-    def reset_result(result: object, extra_info: dict) -> object:
-        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
-            result, new_info = result
-            if new_info is not extra_info:  # the trajectory holds `extra_info`: update it in place
-                extra_info.clear()
-                extra_info.update(new_info)
-        return result
-
-    @staticmethod
-    def step_result(result: object) -> object:
-        done = result.get("done") if isinstance(result, dict) else None
-        if hasattr(done, "item") and isinstance(done.item(), bool):
-            result = {**result, "done": done.item()}
-        return result
-
-
-def math_verify_off_the_main_thread() -> None:
-    """Let math-verify's `parse` and `verify` run with their default timeouts in environment code.
-
-    math-verify bounds its time with SIGALRM, which Python allows only in the main thread, and raises in
-    any other unless called with timeout None. Environment code runs on a thread of its own, where
-    rollout.env_timeout bounds a step instead: there its timeouts are turned off, so that scripts written
-    for the main thread (the original RL2's envs/orz.py) run as they are.
-    """
-    for name in ("math_verify.parser", "math_verify.grader"):  # where parse and verify look up `timeout`
-        bounded = getattr(sys.modules.get(name), "timeout", None)
-        if bounded is None or getattr(bounded, "rl2_thread_aware", False):
-            continue
-
-        def timeout(timeout_seconds=10, bounded=bounded):
-            main = threading.current_thread() is threading.main_thread()
-            return bounded(timeout_seconds=timeout_seconds if main else None)
-
-        timeout.rl2_thread_aware = True
-        sys.modules[name].timeout = timeout
 
 
 def load_env(path: str) -> Env:
@@ -151,7 +98,6 @@ def load_env(path: str) -> Env:
     """
     file, module = load_script(path, "environment script", "point to a Python file such as envs/countdown.py",
                                "rl2_env_")
-    math_verify_off_the_main_thread()  # if the script imported math-verify (the original's envs/orz.py)
     step = getattr(module, "step", None)
     if step is None:
         raise EnvError(

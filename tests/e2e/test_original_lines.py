@@ -15,9 +15,9 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from RL2.config.aliases import resolve
+from RL2.compat.aliases import resolve
+from RL2.compat.keys import Ignored
 from RL2.config.cli import schema_keys
-from RL2.config.original_keys import Ignored
 from tests.helpers import REPO, TESTS
 from tests.helpers.launch import read_metrics, run_ranks
 from tests.unit.test_original_lines import LINES, SCHEMAS, OriginalLine, line_of, start

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from RL2.compat.keys import ALIASES, Dropped, Ignored, KLEstimator, LoRASwitch, Renamed
 from RL2.config import ConfigError, parse_config
 from RL2.config.cli import all_keys, schema_keys
 from RL2.config.eval_schema import EvalConfig
-from RL2.config.original_keys import ALIASES, Dropped, Ignored, KLEstimator, LoRASwitch, Renamed
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 from RL2.config.server_args import RESERVED_ARGS

@@ -64,7 +64,7 @@ def layer_violations(package: Path, rows: list[str]) -> list[str]:
 
 def test_every_module_imports_only_from_its_row_or_the_rows_above():
     rows = layout_rows((REPO / "README.md").read_text())
-    assert rows[:2] == ["RL2.versions", "RL2.config"] and "RL2.api" in rows
+    assert rows[0] == "RL2.versions" and "RL2.config" in rows and "RL2.api" in rows
     assert layer_violations(REPO / "RL2", rows) == []
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from aiohttp import web
@@ -53,6 +54,39 @@ def test_orz_verifies_math_off_the_main_thread(script):
     env = load_env(script)
     for action, reward in (("so $x = \\boxed{\\frac{1}{2}}$", 1.0), ("so x = 0.5", 1.0), ("so x = \\boxed{2}", 0.0)):
         assert on_a_thread(env.step("prompt", action, {"answer": "\\frac{1}{2}"})).reward == reward, action
+
+
+PACKAGE_SCRIPT = """import math_verify
+
+
+async def step(state, action, extra_info):
+    right = math_verify.verify(math_verify.parse(extra_info["answer"]), math_verify.parse(action))
+    return {"reward": float(right), "done": True}
+"""
+
+
+@pytest.mark.parametrize("script", ["original orz", "import math_verify"])
+def test_loading_a_script_leaves_math_verify_as_other_code_sees_it(script, tmp_path):
+    """Only the script's own names for math-verify's `parse` and `verify` run without timeouts off the main
+    thread: math-verify itself, as any other code calls it, keeps its SIGALRM timeouts, which refuse to run
+    in any other thread, and the script keeps them on the main thread."""
+    math_verify = pytest.importorskip("math_verify", reason="math-verify is not installed (pip install math-verify)")
+    from math_verify import grader, parser
+
+    def seen() -> list:
+        return [math_verify.parse, math_verify.verify, parser.parse, parser.timeout, grader.verify, grader.timeout]
+
+    before = seen()
+    if script == "import math_verify":
+        (tmp_path / "package.py").write_text(PACKAGE_SCRIPT)
+    env = load_env(ORIGINAL / "orz.py" if script == "original orz" else tmp_path / "package.py")
+    assert all(now is then for now, then in zip(seen(), before, strict=True))
+    with ThreadPoolExecutor(1) as other_thread, pytest.raises(ValueError, match="threaded environment"):
+        other_thread.submit(math_verify.parse, "$\\frac{1}{2}$").result()
+    for action, reward in (("so $x = \\boxed{\\frac{1}{2}}$", 1.0), ("so x = \\boxed{2}", 0.0)):
+        info = {"answer": "$\\frac{1}{2}$"}
+        assert on_a_thread(env.step("prompt", action, info)).reward == reward, action
+        assert asyncio.run(env.step("prompt", action, info)).reward == reward, action  # the main thread
 
 
 @pytest.mark.parametrize("release", ["0.0.1.post1", "0.0.2"])

@@ -4,7 +4,7 @@ Every example line of the original's history (`tests/data/original_example_lines
 through the real command line (`parse_config`, which runs every trainer's start checks):
 it parses and starts, or fails naming the key and what to do (the lines that cannot run are listed in
 `CANNOT_RUN`, with why). A line written for the original keeps the original's meaning of the keys it
-shares with RL2 (`RL2.config.original_lines`), which the tests below compare with the original's own
+shares with RL2 (`RL2.compat.command_lines`), which the tests below compare with the original's own
 code, quoted where it matters; a line of RL2's own keys keeps RL2's.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 from omegaconf import OmegaConf
 
+from RL2.compat.command_lines import ORIGINAL_DEFAULTS
 from RL2.config import ConfigError, parse_config
-from RL2.config.original_lines import ORIGINAL_DEFAULTS
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DPOConfig, RMConfig, SFTConfig
 from tests.helpers import TESTS

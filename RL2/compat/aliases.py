@@ -4,22 +4,16 @@ Command lines written for RL2's original releases keep working: each original ke
 command line is rewritten to its current key (one printed line per alias, naming the current key),
 an original key for something RL2 does not have fails with what to use instead, and any other
 unknown key still fails with a suggestion (`RL2.config.cli`). The keys are in the table of
-`RL2.config.original_keys`.
-
-The original README's switches parse as written, e.g. "To use OpenAI PPO, set `kl.type=reward`,
-`kl.reward_estimator=k1`, and `adv.estimator=gae`": the original had one KL estimator per place
-(`reward_estimator` for `kl.type=reward`, `loss_estimator` for `kl.type=loss`); RL2 has one
-`actor.kl.estimator`, which takes the estimator of the place `actor.kl.type` puts the KL in.
+`RL2.compat.keys`; what a line written for the original means beyond them, in `RL2.compat.command_lines`.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from RL2.compat.command_lines import Translation, as_text, parse_value
+from RL2.compat.keys import ALIASES, BACKENDS, ORIGINAL_LORA_RANK, Dropped, Ignored, KLEstimator, LoRASwitch
 from RL2.config.errors import ConfigError
-from RL2.config.original_keys import ALIASES, BACKENDS, ORIGINAL_LORA_RANK, Dropped, Ignored, KLEstimator, LoRASwitch
 
 
 @dataclass(frozen=True)
@@ -38,35 +32,9 @@ class SchemaKeys:
         return any(k.startswith(prefix) for k in self.leaves) or any((k + ".").startswith(prefix) for k in self.open)
 
 
-@dataclass
-class Translation:
-    """A command line with RL2's original keys replaced by the current ones.
-
-    Attributes:
-        argv: `key=value` arguments with current keys only.
-        lines: one line per alias used, naming the current key (printed on rank 0).
-        kl_estimators: place ("reward" | "loss") -> (original key, estimator) from the command line;
-            `apply_kl_estimators` takes the one of the place `actor.kl.type` chooses.
-        explicit: current keys given on the command line under their current name.
-        given: current keys the command line sets, under their current or an original name.
-        lora_switches: model section -> (original key, value) of `{model}.use_lora`;
-            `apply_lora_switches` sets the rank.
-        original: the command line's keys that only RL2's original releases had: when there is any, the
-            line was written for the original, and `RL2.config.original_lines` gives the keys it shares
-            with RL2 the original's meaning.
-    """
-
-    argv: list[str] = field(default_factory=list)
-    lines: list[str] = field(default_factory=list)
-    kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
-    lora_switches: dict[str, tuple[str, str]] = field(default_factory=dict)
-    explicit: set[str] = field(default_factory=set)
-    given: set[str] = field(default_factory=set)
-    original: list[str] = field(default_factory=list)
-
-
-def translate(argv: list[str], keys: SchemaKeys) -> Translation:
-    """Rewrite the original keys of `key=value` arguments to current keys.
+def translate_original(argv: list[str], keys: SchemaKeys) -> Translation:
+    """Rewrite the original keys of `key=value` arguments to current keys; once the result's `argv` is
+    merged into the trainer's config, its `apply` does the rest.
 
     Args:
         argv: `key=value` arguments.
@@ -143,44 +111,6 @@ def _section_value(key: str, raw: str, keys: SchemaKeys, result: Translation) ->
                         f"one backend")
 
 
-def apply_kl_estimators(cfg: DictConfig, translation: Translation) -> None:
-    """Set `actor.kl.estimator` to the original estimator of the place `actor.kl.type` puts the KL in."""
-    place = cfg.actor.kl.type if translation.kl_estimators else None
-    for other, (key, value) in translation.kl_estimators.items():
-        if other != place:
-            translation.lines.append(
-                f"config key '{key}={value}' (RL2's original name) is not used: actor.kl.type={place} puts the KL "
-                f"in the {place}, whose estimator is actor.kl.estimator")
-    if place not in translation.kl_estimators:
-        return
-    key, value = translation.kl_estimators[place]
-    estimator = _parse(value, key)
-    if "actor.kl.estimator" in translation.explicit and cfg.actor.kl.estimator != estimator:
-        raise ConfigError(f"config keys '{key}={value}' and 'actor.kl.estimator={cfg.actor.kl.estimator}' disagree; "
-                          f"keep actor.kl.estimator")
-    cfg.actor.kl.estimator = estimator
-    translation.lines.append(f"config key '{key}={value}' (RL2's original name) is now 'actor.kl.estimator={value}': "
-                             f"actor.kl.type={place} puts the KL in the {place}")
-
-
-def apply_lora_switches(cfg: DictConfig, translation: Translation) -> None:
-    """The original `{model}.use_lora`: false sets `{model}.lora.rank=0`; true keeps a rank given (the
-    original `{model}.lora.r`) or sets the original's default rank."""
-    for model, (key, raw) in translation.lora_switches.items():
-        on, rank_key, lora = _parse(raw, key), f"{model}.lora.rank", cfg[model].lora
-        if not isinstance(on, bool):
-            raise ConfigError(f"config key '{key}': expected true or false, got {raw!r}")
-        if on and lora.rank == 0 and rank_key in translation.explicit:
-            raise ConfigError(f"config keys '{key}=true' and '{rank_key}=0' disagree; LoRA is on when {rank_key} > 0")
-        if not on:
-            lora.rank = 0
-        elif lora.rank == 0:
-            lora.rank = ORIGINAL_LORA_RANK
-        default = " (the original's default lora.r)" if on and lora.rank == ORIGINAL_LORA_RANK else ""
-        translation.lines.append(
-            f"config key '{key}={raw}' (RL2's original name) is now '{rank_key}={lora.rank}'{default}")
-
-
 def resolve(key: str, keys: SchemaKeys):
     """What an original key means here: `(current keys, value map or None)`, a `Dropped`, a
     `KLEstimator`, or None when `key` is no original key (or its current keys are not in `keys`)."""
@@ -239,23 +169,9 @@ def _claim(origin: dict, key: str, arg: str, alias: bool) -> None:
 def _mapped(value_map: Callable[[Any], Any], raw: str, key: str) -> str:
     """The current value, as command-line text, of the original value `raw` of `key`."""
     try:
-        return as_text(value_map(_parse(raw, key)))
+        return as_text(value_map(parse_value(raw, key)))
     except ValueError as e:
         raise ConfigError(f"config key '{key}': {e}") from None
-
-
-def _parse(raw: str, key: str) -> Any:
-    try:
-        return OmegaConf.from_dotlist([f"value={raw}"]).value
-    except Exception as e:  # OmegaConf's grammar errors come in several types
-        raise ConfigError(f"config key '{key}': cannot read the value {raw!r} ({e})") from None
-
-
-def as_text(value: Any) -> str:
-    """A value as command-line text (`true`, `null`, `['a', 'b']`: OmegaConf reads a list's quoted items back)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
 
 
 def describe_aliases(keys: SchemaKeys) -> str:

@@ -1,7 +1,7 @@
 """The table of RL2's original config keys: what each one is called now, or why RL2 has no such key.
 
 Collected from the configs (`RL2/trainer/config/*.yaml`) and example command lines of RL2's
-original releases. `RL2.config.aliases` applies the table to a command line.
+original releases. `RL2.compat.aliases` applies the table to a command line.
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ class Ignored:
 @dataclass(frozen=True)
 class LoRASwitch:
     """The original `{model}.use_lora`: here LoRA is on when `{model}.lora.rank` > 0, so `true` sets the
-    original's default rank unless a rank is given (`RL2.config.aliases.apply_lora_switches`)."""
+    original's default rank unless a rank is given (`RL2.compat.aliases.apply_lora_switches`)."""
 
     old: str
     model: str
@@ -90,15 +90,13 @@ def _negate(flag: Any) -> Any:
     return not flag
 
 
-def _split_keys(old_section: str, keys: tuple[str, ...], new_section: str) -> list[Renamed]:
-    return [Renamed(f"{old_section}.{k}", (f"{new_section}.{k}",)) for k in keys]
-
-
 def _both_splits(old: str, key: str) -> Renamed:
     return Renamed(old, (f"data.train.{key}", f"data.test.{key}"))
 
 
 _SPLIT_KEYS = ("prompt_key", "response_key", "messages_key", "chosen_key", "rejected_key", "apply_chat_template")
+# the original's sections of a split's RL data, over its releases, and the split each one is
+_SPLITS = (("train_data", "train"), ("test_data", "test"), ("rollout.train", "train"), ("rollout.test", "test"))
 _PER_MODEL = [
     Renamed("{model}.lr", ("{model}.optimizer.lr",)),
     Renamed("{model}.weight_decay", ("{model}.optimizer.weight_decay",)),
@@ -162,23 +160,19 @@ _DATA = [
 _RL_SPLITS = [  # the original's per-split RL data sections
     # November 2025 kept a split's sampling under `experience`
     *[Renamed(f"{split}.experience.", (f"{split}.",)) for split in ("train_data", "test_data")],
-    *[Renamed(f"{old}.path", (f"data.{new}.path",)) for old, new in
-      (("train_data", "train"), ("test_data", "test"), ("rollout.train", "train"), ("rollout.test", "test"))],
+    *[Renamed(f"{old}.path", (f"data.{new}.path",)) for old, new in _SPLITS],
     *[Renamed(f"{old}.prompts_per_rollout", ("data.train.batch_size",)) for old in ("train_data", "rollout.train")],
     Renamed("rollout.train_prompts_per_rollout", ("data.train.batch_size",)),
     *[Renamed(f"{old}.responses_per_prompt", ("rollout.responses_per_prompt",))
       for old in ("train_data", "rollout.train")],
     *[Renamed(f"{old}.responses_per_prompt", ("rollout.test_responses_per_prompt",))
       for old in ("test_data", "rollout.test")],
-    *[Renamed(f"{old}.sampling_params.", (f"rollout.{new}_sampling_params.",)) for old, new in
-      (("train_data", "train"), ("test_data", "test"), ("rollout.train", "train"), ("rollout.test", "test"))],
+    *[Renamed(f"{old}.sampling_params.", (f"rollout.{new}_sampling_params.",)) for old, new in _SPLITS],
     Renamed("train_data.max_new_tokens", ("rollout.train_sampling_params.max_new_tokens",)),
     Renamed("test_data.max_new_tokens", ("rollout.test_sampling_params.max_new_tokens",)),
     *[Renamed(f"{old}.max_turns", ("rollout.max_turns",)) for old in ("train_data", "rollout.train")],
-    *_split_keys("train_data", ("prompt_key", "messages_key", "apply_chat_template"), "data.train"),
-    *_split_keys("test_data", ("prompt_key", "messages_key", "apply_chat_template"), "data.test"),
-    *_split_keys("rollout.train", ("prompt_key", "messages_key", "apply_chat_template"), "data.train"),
-    *_split_keys("rollout.test", ("prompt_key", "messages_key", "apply_chat_template"), "data.test"),
+    *[Renamed(f"{old}.{key}", (f"data.{new}.{key}",)) for old, new in _SPLITS
+      for key in ("prompt_key", "messages_key", "apply_chat_template")],
     Renamed("rollout.train.dynamic_filtering", ("rollout.dynamic_filtering",)),
     Renamed("rollout.train.partial_rollout", ("rollout.partial_rollout",)),
     Renamed("rollout.test_ratio", ("data.test_ratio",)),

@@ -1,4 +1,5 @@
-"""What a command line written for RL2's original releases means here, beyond the new names of its keys.
+"""What a command line written for RL2's original releases means here, beyond the new names of its keys
+(`RL2.compat.aliases` renames them into a `Translation`, whose `apply` does the rest once it is merged).
 
 A command line that uses a key only the original had (`Translation.original`: `train_data.path`,
 `rollout.train.*`, `actor.use_liger_kernel`, `actor=fsdp`, ...) was written for the original. A few keys
@@ -22,10 +23,13 @@ them out (`defaults_note`).
 """
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from RL2.config.aliases import Translation, as_text
+from RL2.compat.keys import ORIGINAL_LORA_RANK
+from RL2.config.errors import ConfigError
 
 # What took another key's value in the original's config unless the line gave one: {what: [(key, from key)]}.
 FOLLOWS = {
@@ -56,6 +60,69 @@ ORIGINAL_DEFAULTS = {
            "trainer.use_wandb": True, **{f"critic.{k}": v for k, v in _TRAINING.items()}},
 }
 _ABSENT = object()
+
+
+@dataclass
+class Translation:
+    """A command line with RL2's original keys replaced by the current ones."""
+
+    argv: list[str] = field(default_factory=list)  # `key=value` arguments with current keys only
+    lines: list[str] = field(default_factory=list)  # one per alias used, naming the current key (printed on rank 0)
+    # place ("reward" | "loss") -> (original key, estimator): `apply_kl_estimators` takes actor.kl.type's
+    kl_estimators: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # model section -> (original key, value) of `{model}.use_lora`: `apply_lora_switches` sets the rank
+    lora_switches: dict[str, tuple[str, str]] = field(default_factory=dict)
+    explicit: set[str] = field(default_factory=set)  # current keys given under their current name
+    given: set[str] = field(default_factory=set)  # current keys the line sets, under their current or an original name
+    # The keys only RL2's original releases had: when there is any, the line was written for the original, and
+    # `apply_original_meanings` gives the keys it shares with RL2 the original's meaning.
+    original: list[str] = field(default_factory=list)
+
+    def apply(self, cfg: DictConfig, trainer: str) -> None:
+        """What the line means once merged into the config `cfg` of `trainer` (changed in place, adding to `lines`)."""
+        apply_kl_estimators(cfg, self)
+        apply_lora_switches(cfg, self)
+        apply_original_meanings(cfg, self, trainer)
+
+
+def apply_kl_estimators(cfg: DictConfig, translation: Translation) -> None:
+    """The original README's switches parse as written ("To use OpenAI PPO, set `kl.type=reward`,
+    `kl.reward_estimator=k1`, and `adv.estimator=gae`"): the original had one KL estimator per place; RL2's one
+    `actor.kl.estimator` takes the estimator of the place `actor.kl.type` puts the KL in."""
+    place = cfg.actor.kl.type if translation.kl_estimators else None
+    for other, (key, value) in translation.kl_estimators.items():
+        if other != place:
+            translation.lines.append(
+                f"config key '{key}={value}' (RL2's original name) is not used: actor.kl.type={place} puts the KL "
+                f"in the {place}, whose estimator is actor.kl.estimator")
+    if place not in translation.kl_estimators:
+        return
+    key, value = translation.kl_estimators[place]
+    estimator = parse_value(value, key)
+    if "actor.kl.estimator" in translation.explicit and cfg.actor.kl.estimator != estimator:
+        raise ConfigError(f"config keys '{key}={value}' and 'actor.kl.estimator={cfg.actor.kl.estimator}' disagree; "
+                          f"keep actor.kl.estimator")
+    cfg.actor.kl.estimator = estimator
+    translation.lines.append(f"config key '{key}={value}' (RL2's original name) is now 'actor.kl.estimator={value}': "
+                             f"actor.kl.type={place} puts the KL in the {place}")
+
+
+def apply_lora_switches(cfg: DictConfig, translation: Translation) -> None:
+    """The original `{model}.use_lora`: false sets `{model}.lora.rank=0`; true keeps a rank given (the
+    original `{model}.lora.r`) or sets the original's default rank."""
+    for model, (key, raw) in translation.lora_switches.items():
+        on, rank_key, lora = parse_value(raw, key), f"{model}.lora.rank", cfg[model].lora
+        if not isinstance(on, bool):
+            raise ConfigError(f"config key '{key}': expected true or false, got {raw!r}")
+        if on and lora.rank == 0 and rank_key in translation.explicit:
+            raise ConfigError(f"config keys '{key}=true' and '{rank_key}=0' disagree; LoRA is on when {rank_key} > 0")
+        if not on:
+            lora.rank = 0
+        elif lora.rank == 0:
+            lora.rank = ORIGINAL_LORA_RANK
+        default = " (the original's default lora.r)" if on and lora.rank == ORIGINAL_LORA_RANK else ""
+        translation.lines.append(
+            f"config key '{key}={raw}' (RL2's original name) is now '{rank_key}={lora.rank}'{default}")
 
 
 def apply_original_meanings(cfg: DictConfig, translation: Translation, trainer: str) -> None:
@@ -155,3 +222,18 @@ def defaults_note(cfg, given: set[str], trainer: str) -> str | None:
         return None
     return (f"RL2's defaults differ from the original's for keys this command line leaves out: {', '.join(differ)}; "
             f"set them to train as the original did")
+
+
+def parse_value(raw: str, key: str) -> Any:
+    """The value `raw` of `key` on the command line, as OmegaConf reads it."""
+    try:
+        return OmegaConf.from_dotlist([f"value={raw}"]).value
+    except Exception as e:  # OmegaConf's grammar errors come in several types
+        raise ConfigError(f"config key '{key}': cannot read the value {raw!r} ({e})") from None
+
+
+def as_text(value: Any) -> str:
+    """A value as command-line text (`true`, `null`, `['a', 'b']`: OmegaConf reads a list's quoted items back)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
