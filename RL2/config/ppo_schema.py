@@ -67,6 +67,10 @@ class RolloutConfig:
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
     reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
+    save_sample_tokens: int = opt(0, "with save_samples: also write up to this many tokens of each "
+                                  "trajectory's responses, with their loss mask, log-probabilities (the engine's and "
+                                  "the trainer's, computed then even where one update covers the rollout), advantage "
+                                  "and weight version, which python -m RL2.viewer colours them by (0: none)")
     engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded", choices=("auto", "embedded", "sglang"))
     server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
     server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")

@@ -77,12 +77,19 @@ def fault_summary(groups: list[list[Trajectory]]) -> str | None:
     return f"{len(faults)} of {len(trajectories)} trajectories ended by a fault (reward 0), the first: {faults[0]}"
 
 
-def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) -> None:
-    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection."""
+def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
+                 tokens: list[dict] | None = None) -> None:
+    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`).
+
+    Args:
+        tokens: per trajectory (in order), its `sample_tokens` record, written last on its line (the viewer reads
+            a line's other keys without parsing it).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A lone surrogate ("\ud800") that a prompt or an environment's text holds is written as its JSON escape,
     # which reads back as it was, rather than failing the write (UTF-8 has no encoding for it).
+    trajectories = iter(tokens or [])
     with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
             for t in group:
@@ -101,7 +108,24 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) ->
                 parts = reward_parts(t)
                 if parts:
                     record["reward_parts"] = parts
+                record |= _trajectory_details(t)
+                if tokens:
+                    record["tokens"] = next(trajectories)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def _trajectory_details(t: Trajectory) -> dict:
+    """What a viewer filters and draws by beyond the text: length, source, tools, and each turn of a multi-turn
+    trajectory (its action, what the environment answered, its reward)."""
+    details = {"response_length": t.response_length, "n_sequences": len(t.sequences)}
+    if "data_source" in (t.extra_info or {}):
+        details["data_source"] = str(t.extra_info["data_source"])
+    if t.tool_calls or t.parse_errors:
+        details |= {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors, "parse_errors": t.parse_errors}
+    if t.n_turns > 1 or any(turn.env_text for turn in t.turns):
+        details["turns"] = [{"action": turn.action_text, "observation": turn.env_text, "reward": turn.reward,
+                             "finish_reason": turn.finish_reason} for turn in t.turns]
+    return details
 
 
 def reward_parts(trajectory: Trajectory) -> dict[str, float]:

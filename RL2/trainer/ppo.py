@@ -33,6 +33,7 @@ from RL2.rollout.metrics import (
     save_samples,
     staleness_metrics,
 )
+from RL2.rollout.sample_tokens import sample_tokens
 from RL2.rollout.trajectory import Trajectory, training_batch
 from RL2.rollout.worker import rollout_seed
 from RL2.trainer.base import Trainer, launch
@@ -139,6 +140,11 @@ class PPOTrainer(Trainer):
     def reclaim_devices(self) -> None:
         self.rollout.state.to_trainer_if_lent()
 
+    def save_final(self) -> None:
+        super().save_final()
+        if self.cfg.rollout.save_samples:
+            log_rank0(f"view the trajectories: python -m RL2.viewer {self.cfg.trainer.save_dir}")
+
     def trainer_state(self) -> dict:
         return {"cursor": self.cursor, "drawn": self.drawn,
                 "carried": [[t.to_dict() for t in group] for group in self.carried], "test_cursor": self.test_cursor}
@@ -154,14 +160,17 @@ class PPOTrainer(Trainer):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
         sampled = sum(t.response_length for group in rolled_out for t in group)
         metrics["perf/rollout_tokens_per_s"] = sampled / metrics["perf/rollout_s"]
-        if cfg.rollout.save_samples and is_rank0():
-            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step)
         # The weights trained (and sampled with) at this step are those of step - 1's update.
         metrics |= staleness_metrics(groups, step - 1, cfg.rollout.max_staleness or 0)
+        batch = None
         if groups:  # dynamic filtering may leave nothing to learn from
             # PPO's critic warm-up: for the first actor.freeze_steps steps only the critic learns.
             batch = training_batch(groups, version=step - 1)
             metrics |= self.learn(batch, update_actor=step > cfg.actor.freeze_steps)
+        if cfg.rollout.save_samples and is_rank0():  # after the update: with its advantages and log-probs
+            limit = cfg.rollout.save_sample_tokens
+            tokens = sample_tokens(rolled_out, self.tokenizer, limit, groups, batch) if limit else None
+            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step, tokens)
         # The weights trained at this step are pushed here and timed as its `perf/weight_push_s`. Only an
         # engine on the trainer's GPUs (colocated SGLang servers) defers the push until the trainer's state
         # leaves the GPU: to this step's evaluation, which then reports the time with this step, or else to
@@ -281,7 +290,7 @@ class PPOTrainer(Trainer):
         """Old log-probs equal the current ones (detached) when one optimizer step covers the rollout."""
         actor = self.cfg.actor
         return (self.steps_per_rollout(actor) > 1 or (actor.kl.coef > 0 and actor.kl.type == "reward")
-                or self.teacher is not None)
+                or self.teacher is not None or self.cfg.rollout.save_sample_tokens > 0)  # the latter saves them
 
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
