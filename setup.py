@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Ray Less Reinforcement Learning: SFT, DPO, reward modelling and RL for language models under torchrun",
     packages=find_packages(include=["RL2", "RL2.*"]),
-    package_data={"RL2": ["trainer/config/*.yaml", "native/*.c", "native/include/*.h"]},
+    package_data={"RL2": ["trainer/config/*.yaml", "native/*.c", "native/include/*.h", "viewer/static/*"]},
     python_requires=">=3.10",
     install_requires=[
         # Ranges, so that `pip install -e .` keeps the torch a machine has (a CUDA build on GPUs; SGLang
@@ -46,7 +46,9 @@ setup(
         "tensorboard": ["tensorboard"],
         # The test run covers the GEM adapter, math-verify answers, TensorBoard files and loading LoRA
         # adapter folders with peft too; pytest-xdist runs it on two workers (the README's test command), after
-        # ruff (a minor release of its own, whose rules ruff.toml's selection keeps).
-        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "peft", "ruff>=0.17,<0.18"],
+        # ruff (a minor release of its own, whose rules ruff.toml's selection keeps). Playwright drives the
+        # system's Chromium in the viewer's browser tests (its own browsers are never downloaded).
+        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "peft", "ruff>=0.17,<0.18",
+                 "playwright"],
     },
 )

@@ -54,6 +54,9 @@ CASES = [
          r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240),
     case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
          r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300),
+    # The viewer over a small made-up run: the same server and requests as 10,000 trajectories of 2k tokens.
+    case("bench_viewer.py", ["--samples", "50", "--tokens", "16"], r"^\| request \| s \|",
+         r"^\| open: index, status, curves, steps, first page \| [\d.]+ \|", 60),
     # The memory plan's formulas, on the meta device: no flags, the table of docs/gpus.md.
     case("memory_plan_table.py", [], r"^\| model \| GPUs \| server tp \|",
          r"^\| Qwen2\.5-7B \(7\.62B\) \| 8 \| 1 \| actor \| [\d.]+ GiB \|", 120),
