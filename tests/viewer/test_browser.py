@@ -2,9 +2,11 @@
 over the save_dir of a 2-step CPU PPO run (tests/data/viewer_run: samples.jsonl with tokens and metrics.jsonl, from
 the run whose command its README gives) the page shows a trajectory's text and reward, colours its tokens, keeps a
 `<script>` of the model's or the environment's text as text that never runs, follows new steps, and works as a
-saved page (`--html`). It writes docs/viewer.png, the screenshot of docs/outputs.md."""
+saved page (`--html`). It takes the screenshot of docs/outputs.md: into the test's folder, and into docs/viewer.png
+when RL2_UPDATE_SCREENSHOT=1 (the checkout is left as it was otherwise)."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def open_first_with_markup(page) -> dict:
     return records[int(page.get_attribute("#samples tbody tr >> nth=0", "data-id"))]
 
 
-def test_the_page_shows_a_trajectory_colours_its_tokens_and_runs_none_of_its_text(page, save_dir):
+def test_the_page_shows_a_trajectory_colours_its_tokens_and_runs_none_of_its_text(page, save_dir, tmp_path):
     server = serve(save_dir, 0)
     try:
         ready(page, f"http://127.0.0.1:{server.server_address[1]}/")
@@ -84,7 +86,9 @@ def test_the_page_shows_a_trajectory_colours_its_tokens_and_runs_none_of_its_tex
             coloured = page.locator("#chat .tok").evaluate_all("s => s.filter(x => x.style.background).length")
             assert page.locator("#chat .tok").count() == len(record["tokens"]["text"]) and coloured > 0, mode
         page.check("#mode-adv")
-        page.locator("#detail-section").screenshot(path=str(REPO / "docs" / "viewer.png"))
+        shot = REPO / "docs" / "viewer.png" if os.environ.get("RL2_UPDATE_SCREENSHOT") == "1" else tmp_path / "viewer.png"
+        page.locator("#detail-section").screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
 
         page.click("#show-group")
         page.wait_for_selector("#compare .compare-grid > div")
