@@ -59,7 +59,8 @@ def step_functions(rows: int, length: int, dtype: torch.dtype, group: int, promp
         for first in range(0, rows, group):
             keys[first + 1 : first + group, :, :prompt] = keys[first, :, :prompt]
             values[first + 1 : first + group, :, :prompt] = values[first, :, :prompt]
-    row_groups = RowGroups(order=torch.arange(rows), starts=torch.tensor([min(i * group, rows) for i in range(groups + 1)]),
+    row_groups = RowGroups(order=torch.arange(rows),
+                           starts=torch.tensor([min(i * group, rows) for i in range(groups + 1)]),
                            shared=torch.full((groups,), prompt))
     float32_keys = [keys.float() for keys, _ in caches]
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype).float()
@@ -111,7 +112,8 @@ def main() -> None:
         memory_rate = read_rate()
         print(f"\none core reads {memory_rate / 1e9:.1f} GB/s from memory (a sum over 512 MB, best of 5)")
         print(f"\n{args.dtype} model, {args.isa} instructions")
-        print("\n| rows | length | implementation | ms per step | keys and values read (GB/s) | share of the memory rate |")
+        print("\n| rows | length | implementation | ms per step | keys and values read (GB/s) "
+              "| share of the memory rate |")
         print("|---|---|---|---|---|---|")
         for rows in [int(r) for r in args.rows.split(",")]:
             for length in [int(n) for n in args.lengths.split(",")]:

@@ -6,7 +6,8 @@ the plain `F.linear`, in the same run.
 
 A step multiplies `rows` hidden states with every linear weight of SmolLM2-135M-Instruct's shapes (q/k/v
 and gate/up as one product each, as the engine runs them; the tied output projection last), random
-weights in float32 or bfloat16 (bf16 panels need a CPU with AVX512-BF16). Each product is timed in three settings: one process on one core; two processes on
+weights in float32 or bfloat16 (bf16 panels need a CPU with AVX512-BF16). Each product is timed in three
+settings: one process on one core; two processes on
 one core each at once (two ranks' engines on one host, which compete for memory); one process on every
 core. Prints milliseconds per step, GFLOP/s and the share of the matmul peak of those cores measured
 (in the dtype) in the same run, and each setting's peak resident memory.

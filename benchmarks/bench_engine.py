@@ -33,7 +33,8 @@ from RL2.utils.memory import peak_rss_gb, reset_peak_rss
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     questions = [
-        f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})." for i in range(n)
+        f"What is {3 * i + 4} + {7 * i + 9}?" if i % 2 else f"Name a word that rhymes with 'cat' ({i})."
+        for i in range(n)
     ]
     chats = [[{"role": "user", "content": q}] for q in questions]
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"] for c in chats]
@@ -119,7 +120,8 @@ def main() -> None:
     ratio = statistics.median(o[0] / h[0] for o, h in zip(ours, hf))
     print(
         f"\n{args.requests} requests x {args.new_tokens} new tokens, SmolLM2-135M-Instruct {args.dtype}, "
-        f"{torch.get_num_threads()} threads, forwards on {'the event loop' if engine.steps_on_loop else 'a worker thread'}, "
+        f"{torch.get_num_threads()} threads, "
+        f"forwards on {'the event loop' if engine.steps_on_loop else 'a worker thread'}, "
         f"median of {args.repeats}"
     )
     rows = [

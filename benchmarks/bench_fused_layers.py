@@ -88,14 +88,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    print(f"SmolLM2-135M decoder layers, {args.tokens} tokens, {args.dtype}, one core; per layer, forward and backward, "
+    print(f"SmolLM2-135M decoder layers, {args.tokens} tokens, {args.dtype}, one core; "
+          "per layer, forward and backward, "
           f"best of {args.repeats}\n")
-    print("| setting | norms and activation (ms) | saved for backward (MiB) | whole layer (ms) | saved for backward (MiB) "
+    print("| setting | norms and activation (ms) | saved for backward (MiB) "
+          "| whole layer (ms) | saved for backward (MiB) "
           "| peak RSS (GiB) |")
     print("|---|---|---|---|---|---|")
     for name, switch in SETTINGS.items():
         env = dict(os.environ, RL2_FUSED_LAYERS=switch)
-        out = subprocess.run([sys.executable, "-c", WORKER, json.dumps([args.tokens, args.layers, args.repeats, args.dtype])],
+        out = subprocess.run([sys.executable, "-c", WORKER,
+                              json.dumps([args.tokens, args.layers, args.repeats, args.dtype])],
                              cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
         installed, results, peak_gb = json.loads(out.strip().splitlines()[-1])
         (elem_s, elem_bytes), (layer_s, layer_bytes) = results["norms and activation"], results["whole layers"]

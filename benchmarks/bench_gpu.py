@@ -136,7 +136,8 @@ def rl2_worker(args) -> dict:
     if args.workload == "sft":
         worker = FSDPWorker(cfg, dims, device, total_steps=args.steps + 1)
         sequences = SequenceBatch.from_examples(rows)
-        micro_batches = [mb.to(device) for mb in pack(sequences, 0, 1, args.max_tokens, train_weights(sequences, "token"))]
+        micro_batches = [mb.to(device)
+                         for mb in pack(sequences, 0, 1, args.max_tokens, train_weights(sequences, "token"))]
 
         def step():
             for mb in micro_batches:
@@ -295,8 +296,10 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=64, help="sequences per optimizer step")
     parser.add_argument("--min-len", type=int, default=128)
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, default=16384, help="RL2's micro-batch budget (max_length_per_device)")
-    parser.add_argument("--hf-batch", type=int, default=8, help="Trainer's sequences per forward (per_device_train_batch_size)")
+    parser.add_argument("--max-tokens", type=int, default=16384,
+                        help="RL2's micro-batch budget (max_length_per_device)")
+    parser.add_argument("--hf-batch", type=int, default=8,
+                        help="Trainer's sequences per forward (per_device_train_batch_size)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in both systems")
     parser.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one RL2 step of each "
                         "workload into DIR/rl2_<workload>.txt (operators by their own time)")

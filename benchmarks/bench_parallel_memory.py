@@ -3,7 +3,8 @@
     python benchmarks/bench_parallel_memory.py [--mem-seq-len 64] [--cp-seq-len 1024] [--steps 1]
 
 Memory: the embedded model (135 M parameters, float32 master weights) at 1, 2 and 4 ranks of FSDP and
-at tp=3 (its 9 query and 3 key/value heads split 3 ways, not 2): bytes each rank holds of parameters, gradients and AdamW state (its shards, counted from the
+at tp=3 (its 9 query and 3 key/value heads split 3 ways, not 2): bytes each rank holds of parameters,
+gradients and AdamW state (its shards, counted from the
 tensors after one training step), and its peak resident memory.
 Throughput: one sequence of `--cp-seq-len` tokens trained on 1 rank (cp=1) and split over 2 ranks
 (cp=2): seconds per step, tokens/s and peak resident memory per rank. On this 2-core CPU the ranks
@@ -49,7 +50,8 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--seqs", type=int, default=4, help=argparse.SUPPRESS)
-    parser.add_argument("--mem-seq-len", type=int, default=64, help="tokens per sequence of the memory runs (4 sequences)")
+    parser.add_argument("--mem-seq-len", type=int, default=64,
+                        help="tokens per sequence of the memory runs (4 sequences)")
     parser.add_argument("--cp-seq-len", type=int, default=1024, help="tokens of the one long sequence of the cp runs")
     parser.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step")
     args = parser.parse_args()
@@ -63,7 +65,8 @@ def main() -> None:
         print(f"| {name} | {nproc} | {r['params_mb']:.0f} | {r['grads_mb']:.0f} | {r['optim_mb']:.0f} | "
               f"{r['peak_rss_mb']:.0f} |", flush=True)
     print()
-    print(f"| context parallel, 1 sequence of {args.cp_seq_len} tokens | ranks | s/step | tokens/s | peak RSS MiB/rank |")
+    print(f"| context parallel, 1 sequence of {args.cp_seq_len} tokens "
+          "| ranks | s/step | tokens/s | peak RSS MiB/rank |")
     print("|---|---|---|---|---|")
     for cp in (1, 2):
         r = run(cp, 1, cp, args.cp_seq_len, 1, args.steps)

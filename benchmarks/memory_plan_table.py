@@ -95,7 +95,8 @@ def qwen25(size: str) -> ModelShape:
     return ModelShape.from_config(config, f"Qwen2.5-{size}")
 
 
-# The rows of docs/gpus.md's table: (model size, GPUs, server tp, reference, critic, LoRA rank of the actor; 0: full training).
+# The rows of docs/gpus.md's table: (model size, GPUs, server tp, reference, critic, LoRA rank of the actor;
+# 0: full training).
 README_ROWS = [("7B", 8, 1, False, False, 0), ("7B", 8, 1, True, False, 0), ("7B", 8, 1, True, True, 0),
                ("32B", 8, 2, False, False, 0), ("32B", 8, 2, True, False, 0), ("32B", 8, 2, True, True, 0),
                ("32B", 16, 2, True, True, 0)]

@@ -76,4 +76,5 @@ async def step(state: str, action: str, extra_info: dict) -> dict:
     turn = [{"role": "assistant", "content": action}, user_message(observation, info)]
     extra_info["messages"] = extra_info["messages"] + turn  # a new list: earlier states stay as they were
     reward, done = float(reward), bool(terminated or truncated)
-    return {"next_state": extra_info["messages"], "reward": reward, "score": reward, "done": done, "extra_info": extra_info}
+    return {"next_state": extra_info["messages"], "reward": reward, "score": reward, "done": done,
+            "extra_info": extra_info}

@@ -48,7 +48,8 @@ def test_an_environment_with_tools_shows_them_to_the_policy(tiny_model_path, age
                   "actor.dtype=float32", "actor.max_length_per_device=2048", "trainer.total_steps=1",
                   "rollout.save_samples=true", f"trainer.save_dir={tmp_path}"])
     [metrics] = read_metrics(tmp_path)
-    assert {"rollout/tool_calls", "rollout/tool_errors", "rollout/tool_parse_errors", "rollout/tool_time_share"} <= set(metrics)
+    assert {"rollout/tool_calls", "rollout/tool_errors", "rollout/tool_parse_errors",
+            "rollout/tool_time_share"} <= set(metrics)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     # RL2's default tool block is the system message of every prompt (the tiny model's template shows no tools).
     assert all(s["prompt"].startswith("<|im_start|>system\n# Tools\n") and '"name": "count_chars"' in s["prompt"]

@@ -206,7 +206,8 @@ def test_a_worse_model_shows_negative_differences(tiny_model_path, test_data, tm
     save_dir = tmp_path / "eval"
     run_ranks(1, ["-m", "RL2.evaluate", *eval_args(tiny_model_path, test_data, save_dir, f"compare.model_name={echo}")])
     report = json.loads((save_dir / "metrics.json").read_text())
-    model, compare = metrics_from_samples(read_samples(save_dir)), metrics_from_samples(read_samples(save_dir, "compare"))
+    model, compare = (metrics_from_samples(read_samples(save_dir)),
+                      metrics_from_samples(read_samples(save_dir, "compare")))
     assert_close(report["model"], model)
     assert_close(report["compare"], compare)
     assert compare["overall"]["accuracy"] == 1.0  # newlines only: every prefix matches
@@ -256,7 +257,8 @@ def test_help_lists_the_keys(capsys):
     (["rollout.responses_per_prompt=2"], "data.test.path is not set"),
     (["data.test.path=x.jsonl", "rollout.responses_per_prompt=2", "eval.k=[1,4]"], r"eval.k has \[4\]"),
     (["data.test.path=does/not/exist.jsonl", "rollout.reward_fn=RL2.rewards:math_reward"], "does/not/exist.jsonl"),
-    (["data.test.path=x.jsonl", "rollout.sampling_params.top_p=1.5"], r"rollout\.sampling_params\.top_p=1\.5; .*\(0, 1\]"),
+    (["data.test.path=x.jsonl", "rollout.sampling_params.top_p=1.5"],
+     r"rollout\.sampling_params\.top_p=1\.5; .*\(0, 1\]"),
 ])
 def test_bad_config_fails_at_start_naming_the_key(args, words):
     with pytest.raises(SystemExit) as exit_info:

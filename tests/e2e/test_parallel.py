@@ -195,7 +195,8 @@ PPO_UPDATE = ["actor.dtype=float32", "actor.optimizer.lr=1e-3", "actor.max_lengt
 @pytest.fixture(scope="module")
 def ppo_update_one_rank(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_update") / "one.pt"
-    result = run_ranks(1, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}", *PPO_UPDATE])
+    result = run_ranks(1, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}",
+                           *PPO_UPDATE])
     return json.loads(result.stdout.strip().splitlines()[-1])["metrics"], torch.load(out)
 
 
@@ -205,8 +206,8 @@ def test_ppo_update_with_tp_or_cp_equals_one_rank(tiny_model_path, ppo_update_on
     """Actor (clipped loss, KL, entropy, TIS) and critic (scalar head, value clipping) over two epochs of
     mini-batches: metrics and weights equal the one-rank run."""
     out = tmp_path / "two.pt"
-    result = run_ranks(2, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}", *PPO_UPDATE,
-                           f"actor.{degree}", f"critic.{degree}"])
+    result = run_ranks(2, ["tests/e2e/scripts/ppo_update.py", str(out), f"actor.model_name={tiny_model_path}",
+                           *PPO_UPDATE, f"actor.{degree}", f"critic.{degree}"])
     metrics, weights = json.loads(result.stdout.strip().splitlines()[-1])["metrics"], torch.load(out)
     expected_metrics, expected_weights = ppo_update_one_rank
     assert metrics == pytest.approx(expected_metrics, rel=1e-4, abs=1e-6)

@@ -116,7 +116,8 @@ def test_resume_equals_uninterrupted(grpo_run, repeat_model, rl_data, tmp_path):
                           "trainer.load_ckpt_from=latest"))
     assert rewards(resumed) == rewards(grpo_run)  # the same rollouts: sampling is seeded per rank and step
     straight_loss = [m["actor/loss"] for m in read_metrics(grpo_run) if "actor/loss" in m]
-    assert [m["actor/loss"] for m in read_metrics(resumed) if "actor/loss" in m] == pytest.approx(straight_loss, abs=1e-6)
+    assert [m["actor/loss"] for m in read_metrics(resumed) if "actor/loss" in m] == pytest.approx(
+        straight_loss, abs=1e-6)
     expected = load_file(f"{grpo_run}/final/actor/model.safetensors")
     for key, value in load_file(f"{resumed}/final/actor/model.safetensors").items():
         torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=1e-5)
@@ -189,7 +190,8 @@ def test_a_rollout_error_on_one_rank_stops_every_rank_with_its_message(repeat_mo
     data = {"train": tmp_path / "train.jsonl", "test": ""}
     with pytest.raises(AssertionError, match=r"\[rank0\]: RuntimeError: the rollout failed:\n"
                                                r"\[rank0\]: rank 1: ValueError: a prompt of \d+ tokens leaves"):
-        run_ranks(2, ppo_args(repeat_model, data, tmp_path / "run", "data.shuffle=false", "rollout.max_total_tokens=64"),
+        run_ranks(2, ppo_args(repeat_model, data, tmp_path / "run", "data.shuffle=false",
+                              "rollout.max_total_tokens=64"),
                   timeout=120)
 
 
@@ -327,7 +329,8 @@ def test_gspo_over_multi_sequence_trajectories_matches_the_model(tiny_model_path
     # the loss's own size, sets the tolerance.
     assert metrics["actor/loss"] == pytest.approx(report["expected_loss"], rel=1e-4, abs=1e-6)
     for name, expected in report["expected_grads"].items():
-        torch.testing.assert_close(report["grads"][name], expected, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(report["grads"][name], expected, atol=1e-6, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_trajectory_level_losses_keep_a_trajectory_in_one_micro_batch():

@@ -11,7 +11,8 @@ from tests.helpers.launch import read_metrics, run_ranks
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
     path = tmp_path_factory.mktemp("outputs") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."} for a in range(4) for b in range(3)]
+    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
+            for a in range(4) for b in range(3)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

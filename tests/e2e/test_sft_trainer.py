@@ -98,10 +98,12 @@ def test_resume_with_other_model_settings_names_the_checkpoint_and_the_differenc
     message, not DCP's traceback of its load plan."""
     shutil.copytree(two_rank_run / "step2", tmp_path / "step2")
     with pytest.raises(AssertionError) as failure:
-        run_ranks(2, sft_args(tiny_model_path, sft_data, tmp_path, "trainer.load_ckpt_from=latest", "actor.lora.rank=4"),
+        run_ranks(2, sft_args(tiny_model_path, sft_data, tmp_path, "trainer.load_ckpt_from=latest",
+                              "actor.lora.rank=4"),
                   timeout=120)
     message = (rf"RL2 sft: trainer\.load_ckpt_from: {tmp_path}/step2 does not hold what this run's models are made of "
-               r"\(RuntimeError: Missing key in checkpoint state_dict: actor\.model\.model\.layers\.0\..*lora_A\.weight\."
+               r"\(RuntimeError: Missing key in checkpoint state_dict: "
+               r"actor\.model\.model\.layers\.0\..*lora_A\.weight\."
                r"\); resume with the model settings of the run that saved it \(model_name, lora\.\*\)")
     # Each rank finds the mismatch itself; torchrun may stop the slower rank before it prints its message.
     assert re.search(message, str(failure.value)), str(failure.value)[-3000:]
@@ -161,5 +163,6 @@ def test_test_loss_averages_over_the_whole_test_set(tiny_model_path, sft_data, t
         nll = -logps.gather(-1, ids[0, 1:, None])[:, 0][trained]
         token_losses += nll.tolist()
         example_losses.append(nll.mean().item())
-    expected = sum(token_losses) / len(token_losses) if avg_level == "token" else sum(example_losses) / len(example_losses)
+    expected = (sum(token_losses) / len(token_losses) if avg_level == "token"
+                else sum(example_losses) / len(example_losses))
     assert reported == pytest.approx(expected, rel=1e-4)

@@ -420,7 +420,8 @@ def test_probe_sees_untempered_logprobs_of_a_server_run_with_the_switch(tiny_mod
         assert returns_original_logprobs(server.url, 0.7) is True
         response = generate(server.url, prompts[:1], temperature=0.7, max_new_tokens=8)[0]
         untempered = model_logps(hf_model, prompts[0], response["output_ids"])
-        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(untempered, abs=1e-3)
+        assert [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            untempered, abs=1e-3)
     finally:
         server.shutdown()
 
@@ -481,7 +482,8 @@ def test_a_push_that_misses_parameters_names_them(moe, prompts, one_rank):
     while it answers success) stops the run naming the server's parameters it left unwritten."""
     engine = SGLangEngine([moe.server.url], [moe.server.url], "tensor", 2**16, moe.path)
     no_experts = [(name, p) for name, p in moe.model.named_parameters() if ".experts." not in name]
-    with pytest.raises(EngineError, match=r"did not write 4 parameters.*layers\.0\.(mlp|block_sparse_moe)\.experts\.w13_weight"):
+    with pytest.raises(EngineError, match=r"did not write 4 parameters.*"
+                                          r"layers\.0\.(mlp|block_sparse_moe)\.experts\.w13_weight"):
         engine.update_weights(no_experts, weight_version="partial")
     engine.update_weights(moe.model.named_parameters(), weight_version="whole")  # the server is whole again
     assert generate(moe.server.url, prompts[:1], max_new_tokens=4)[0]["output_ids"] == hf_greedy(
@@ -590,7 +592,8 @@ def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
 def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
     """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
     0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
-    trainer's at that temperature (engine_mismatch near 0), as with the embedded engine. (Runs after the tests that read the
+    trainer's at that temperature (engine_mismatch near 0), as with the embedded engine. (Runs after the
+    tests that read the
     server's initial weights: it leaves the trained weights in the server.)"""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, f"rollout.server_url={server.url}",
                           "rollout.train_sampling_params.temperature=0.7"), timeout=600)
@@ -612,7 +615,8 @@ def test_ppo_with_lora_pushes_merged_weights(server, tiny_model_path, tmp_path):
 @pytest.mark.slow
 def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
     """rollout.engine=sglang: the trainer launches a server from the SGLang environment (log-probabilities at
-    the sampling temperature, as the trainer's: engine_mismatch near 0 at temperature 0.7), pushes the weights in buckets through
+    the sampling temperature, as the trainer's: engine_mismatch near 0 at temperature 0.7), pushes the weights in
+    buckets through
     a folder after each update, and stops the server at exit."""
     run_ranks(1, ppo_args(tiny_model_path, tmp_path, "rollout.engine=sglang",
                           f"rollout.server_python={SGLANG_PYTHON}", f"rollout.server_env.PYTHONPATH={STUB}",

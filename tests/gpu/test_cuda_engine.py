@@ -41,7 +41,8 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_on_cuda_equals_generate_and_follows_weight_updates(sharp_model_path, tokenizer, dtype):
-    model = AutoModelForCausalLM.from_pretrained(sharp_model_path, dtype=dtype, attn_implementation="sdpa").to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(sharp_model_path, dtype=dtype,
+                                                 attn_implementation="sdpa").to(DEVICE).eval()
     reference = copy.deepcopy(model)
     batch = prompts(tokenizer)
     expected = [hf_greedy(reference, p) for p in batch]

@@ -3,7 +3,8 @@
 import torch
 
 
-def expected_merge(base: dict, adapter: dict, scale: float, prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
+def expected_merge(base: dict, adapter: dict, scale: float,
+                   prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
     """The base weights with W + scale * B A at every adapted layer of a PEFT adapter's tensors."""
     merged = dict(base)
     for key, weight in base.items():

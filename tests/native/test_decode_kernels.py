@@ -61,7 +61,8 @@ def test_rope_and_store_rotates_q_and_writes_k_v_at_each_rows_position(norms, ro
     angles = positions[:, None].double() * (10000.0 ** (-torch.arange(0, head_dim, 2).double() / head_dim))
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().float(), angles.sin().float()
-    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=3), randn(cache_rows, kv_heads, cache_len, head_dim, seed=4)
+    keys, values = (randn(cache_rows, kv_heads, cache_len, head_dim, seed=3),
+                    randn(cache_rows, kv_heads, cache_len, head_dim, seed=4))
     expected_keys, expected_values = keys.clone(), values.clone()
 
     q, k, v = qkv.view(rows, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
@@ -128,7 +129,8 @@ def test_decode_attention_matches_float64_attention_over_each_rows_prefix(
     rows, cache_rows, cache_len = 7, 9, 130
     positions = torch.tensor([0, 1, 5, 63, 64, 100, 129])
     q = randn(rows, heads, head_dim, scale=score_scale)
-    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)
+    keys, values = (randn(cache_rows, kv_heads, cache_len, head_dim, seed=1),
+                    randn(cache_rows, kv_heads, cache_len, head_dim, seed=2))
     scale = 1 / math.sqrt(head_dim)
     expected = float64_attention(q, keys, values, positions, scale)
     out = torch.empty(rows, heads * head_dim)
@@ -145,7 +147,8 @@ def test_rows_of_a_group_read_their_shared_prompt_once_with_the_same_results(dty
     of those positions are overwritten with garbage before the grouped call."""
     kernels = KERNELS if build == "native" else request.getfixturevalue("avx2_kernels")
     heads, kv_heads, head_dim, cache_rows, cache_len = 9, 3, 64, 8, 96
-    keys, values = randn(cache_rows, kv_heads, cache_len, head_dim, seed=1), randn(cache_rows, kv_heads, cache_len, head_dim, seed=2)
+    keys, values = (randn(cache_rows, kv_heads, cache_len, head_dim, seed=1),
+                    randn(cache_rows, kv_heads, cache_len, head_dim, seed=2))
     keys, values = keys.to(dtype), values.to(dtype)
     # rows 0, 2, 5 share 37 positions (read once up to 32, a whole number of vectors), rows 6, 1 share 16
     # (listed in that order), rows 3 and 4 have their own prompts; lengths differ inside a group
@@ -388,7 +391,8 @@ def test_rows_written_one_layer_at_a_time_multiply_and_read_back_as_the_weights(
     x = randn(9, k, seed=4).to(dtype)
     expected = x.double() @ torch.cat(weights).double().T
     torch.testing.assert_close(KERNELS.panel_linear(x, panels, sum(widths), None).double(), expected,
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @needs_bf16_panels

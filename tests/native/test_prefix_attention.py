@@ -124,7 +124,8 @@ def test_a_model_with_the_kernel_scores_each_sequence_as_alone(tmp_path, monkeyp
     (mb,) = pack(SequenceBatch.from_examples(examples), 0, 1, max_tokens=1000)
     model.parallel_layout = ModelLayout(share_prefixes=True)
     calls = []
-    monkeypatch.setattr(shared_prefix, "prefix_attention", lambda *args: calls.append(1) or kernel.prefix_attention(*args))
+    monkeypatch.setattr(shared_prefix, "prefix_attention",
+                        lambda *args: calls.append(1) or kernel.prefix_attention(*args))
 
     with torch.no_grad():  # scoring: the kernel's forward without a graph
         scored = forward_packed(model, mb).logps()

@@ -19,7 +19,8 @@ PROGRAM = f"""
 import importlib, importlib.util, sys
 MISSING = ("omegaconf", "datasets", "wandb", "openai", "aiohttp")
 real_find_spec = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] in MISSING else real_find_spec(name, *a, **k)
+importlib.util.find_spec = lambda name, *a, **k: (None if name.split(".")[0] in MISSING
+                                                  else real_find_spec(name, *a, **k))
 class Missing:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in MISSING:

@@ -29,7 +29,8 @@ def test_a_latest_pointer_out_of_the_save_dir_is_not_followed(tmp_path, one_rank
 
 
 def step_folders(save_dir) -> list[str]:
-    return sorted((p.name for p in save_dir.iterdir() if p.name.startswith(("step", ".step"))), key=lambda name: (len(name), name))
+    return sorted((p.name for p in save_dir.iterdir() if p.name.startswith(("step", ".step"))),
+                  key=lambda name: (len(name), name))
 
 
 def test_keep_last_n_keeps_the_newest_steps(tmp_path, one_rank):
@@ -86,6 +87,7 @@ def test_a_planted_checkpoint_index_is_refused_before_it_runs_anything(tmp_path,
     marker = tmp_path / "ran"
     for planted in (_RunsCode(marker), [index, _RunsCode(marker)]):
         (path / ".metadata").write_bytes(pickle.dumps(planted))
-        with pytest.raises(ConfigError, match=r"\.metadata is not a checkpoint index RL2 wrote \(it names posix\.system"):
+        with pytest.raises(ConfigError, match=r"\.metadata is not a checkpoint index RL2 wrote "
+                                              r"\(it names posix\.system"):
             load_checkpoint(path, {})
         assert not marker.exists()

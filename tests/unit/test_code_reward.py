@@ -382,7 +382,8 @@ def test_ipc_objects_do_not_outlive_the_run(sandbox):
     make = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             f"print(libc.shmget({key}, 4096, 0o1666) >= 0, libc.mq_open({queue!r}, 0o102, 0o666, None) >= 0)\n")
     look = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"print(libc.shmget({key}, 0, 0) >= 0, libc.mq_open({queue!r}, 0) >= 0, open('/proc/sys/kernel/hostname').read())\n")
+            f"print(libc.shmget({key}, 0, 0) >= 0, libc.mq_open({queue!r}, 0) >= 0, "
+            "open('/proc/sys/kernel/hostname').read())\n")
     try:
         assert run(sandbox, make).stdout.split() == ["True", "True"]
         shm_id, mq = libc.shmget(key, 0, 0), libc.mq_open(queue, 0)

@@ -58,10 +58,12 @@ def ppo_config(argv):
     (["actor.policy_loss=gspo", "actor.clip_high=0.28"], "actor.clip_high=0.28 belongs to actor.policy_loss=ppo"),
     (["actor.policy_loss=cispo", "actor.dual_clip=3"], "actor.dual_clip=3.0 belongs to actor.policy_loss=ppo"),
     (["actor.gspo.clip_low=0.001"], r"actor.gspo.clip_low=0.001 belongs to actor.policy_loss=gspo \(or gspo_token\)"),
-    (["actor.policy_loss=gspo", "actor.cispo.clip_high=1"], "actor.cispo.clip_high=1.0 belongs to actor.policy_loss=cispo"),
+    (["actor.policy_loss=gspo", "actor.cispo.clip_high=1"],
+     "actor.cispo.clip_high=1.0 belongs to actor.policy_loss=cispo"),
     (["actor.policy_loss=gspo", "actor.gspo.clip_low=1.5"], "actor.gspo.clip_low=1.5 must be in"),
     (["actor.policy_loss=cispo", "actor.cispo.clip_low=2"], "in \\[0, 1\\] or null"),
-    (["actor.kl.reset_entropy_floor=1.0"], "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
+    (["actor.kl.reset_entropy_floor=1.0"],
+     "reset_entropy_floor reset the reference, which exists only with actor.kl.coef > 0"),
     (["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0"], "set a positive floor"),
     (["adv.estimator=gae", "critic.update_per_rollout=0"], "critic.update_per_rollout must be at least 1"),
     (["actor.freeze_steps=4"], r"actor\.freeze_steps=4 lets PPO's critic learn.*adv\.estimator=grpo trains no critic"),
@@ -75,14 +77,16 @@ def ppo_config(argv):
      r"rollout\.train_sampling_params\.temperature=0\.0 samples greedily.*Give a positive temperature"),
     (["rollout.test_sampling_params.top_p=0"], r"rollout\.test_sampling_params\.top_p=0\.0; .*set it in \(0, 1\]"),
     (["rollout.train_sampling_params.stop=['</a>','']"], r"rollout\.train_sampling_params\.stop=.*non-empty strings"),
-    (["rollout.test_sampling_params.no_stop_trim=false"], r"rollout\.test_sampling_params\.no_stop_trim=false.*drop it"),
+    (["rollout.test_sampling_params.no_stop_trim=false"],
+     r"rollout\.test_sampling_params\.no_stop_trim=false.*drop it"),
 ])
 def test_policy_loss_and_reset_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):
         ppo_config(argv)
 
 
-@pytest.mark.parametrize("argv", [GSPO_RECIPE, CISPO_RECIPE, ["actor.policy_loss=gspo_token", "actor.gspo.clip_high=0.001"],
+@pytest.mark.parametrize("argv", [GSPO_RECIPE, CISPO_RECIPE,
+                                  ["actor.policy_loss=gspo_token", "actor.gspo.clip_high=0.001"],
                                   ["actor.clip_high=0.28", "actor.dual_clip=3"],
                                   ["actor.kl.coef=0.01", "actor.kl.reset_entropy_floor=0.3"],
                                   ["adv.estimator=gae", "actor.freeze_steps=4", "rollout.test_prompts_per_rollout=8"]])
@@ -95,7 +99,8 @@ PARTIAL = ["rollout.partial_rollout=true"]
 
 @pytest.mark.parametrize("argv,message", [
     (PARTIAL, r"rollout\.partial_rollout trains on tokens sampled by weights up to any number of updates old, with "
-              r"no correction for it: set actor\.correction\.type .*actor\.tis_coef=2 is tis.*rollout\.max_staleness=0"),
+              r"no correction for it: set actor\.correction\.type .*actor\.tis_coef=2 is tis"
+              r".*rollout\.max_staleness=0"),
     (PARTIAL + ["rollout.max_staleness=2"], r"up to 2 updates old, with no correction"),
     (["rollout.over_sampling=4"], r"rollout\.over_sampling=4 starts groups beyond the batch for a partial rollout"),
     (PARTIAL + ["rollout.over_sampling=-1"], r"rollout\.over_sampling=-1; give the groups"),
@@ -137,7 +142,8 @@ def test_stop_strings_reach_the_engines_in_the_original_spellings():
     cfg = ppo_config(["rollout.train_sampling_params.stop=['</search>','</answer>']",
                       "rollout.train_sampling_params.no_stop_trim=true", "rollout.test.sampling_params.stop=</answer>"])
     train = engine_sampling_params(cfg.rollout.train_sampling_params)
-    assert (train["stop"], "no_stop_trim" in train, "stop_token_ids" in train) == (["</search>", "</answer>"], False, False)
+    assert (train["stop"], "no_stop_trim" in train, "stop_token_ids" in train) == (
+        ["</search>", "</answer>"], False, False)
     assert engine_sampling_params(cfg.rollout.test_sampling_params)["stop"] == ["</answer>"]
     cfg = ppo_config(["rollout.train_sampling_params.stop_token_ids=[2,7]"])
     assert engine_sampling_params(cfg.rollout.train_sampling_params)["stop_token_ids"] == [2, 7]
@@ -182,8 +188,10 @@ def test_every_registry_serves_exactly_the_choices_its_key_declares():
     (["actor.max_length_per_device=0"], r"actor\.max_length_per_device=0; .*token budget"),
     (["trainer.n_epochs=0"], r"trainer\.n_epochs=0; it must be at least 1"),
     (["trainer.total_steps=-3"], r"trainer\.total_steps=-3; give at least 1 step"),
-    (["actor.optimizer.lr=-1"], r"actor\.optimizer\.lr=-1\.0, eps=1e-08, weight_decay=0\.0; none of them can be negative"),
-    (["actor.optimizer.betas=[0.9]"], r"actor\.optimizer\.betas=\[0\.9\]; AdamW takes two decay rates, each in \[0, 1\)"),
+    (["actor.optimizer.lr=-1"],
+     r"actor\.optimizer\.lr=-1\.0, eps=1e-08, weight_decay=0\.0; none of them can be negative"),
+    (["actor.optimizer.betas=[0.9]"],
+     r"actor\.optimizer\.betas=\[0\.9\]; AdamW takes two decay rates, each in \[0, 1\)"),
     (["actor.optimizer.betas=[0.9,1.5]"], r"actor\.optimizer\.betas=\[0\.9, 1\.5\]; AdamW takes two"),
     (["actor.scheduler.warmup_ratio=2"], r"actor\.scheduler\.warmup_ratio=2\.0; .*set it in \[0, 1\]"),
 ])
@@ -195,7 +203,8 @@ def test_out_of_range_values_name_the_key(argv, message):
 def test_off_and_boundary_values_pass():
     cfg = parse_config(SFTConfig, "sft", ["trainer.save_freq=0", "trainer.test_freq=0", "data.test_ratio=0",
                                           "data.train.batch_size=1"])
-    assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.data.test_ratio, cfg.data.train.batch_size) == (0, 0, 0, 1)
+    assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.data.test_ratio, cfg.data.train.batch_size) == (
+        0, 0, 0, 1)
     assert parse_config(SFTConfig, "sft", ["data.test_ratio=0.99"]).data.test_ratio == pytest.approx(0.99)
 
 

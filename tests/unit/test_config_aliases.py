@@ -285,7 +285,8 @@ def test_unknown_keys_still_fail_with_a_suggestion(trainer, arg, message):
         ("ppo", ["actor.use_lora=true", "actor.lora.rank=0"], "'actor.use_lora=true' and 'actor.lora.rank=0' disagree"),
         ("sft", ["actor.lora.r=8", "actor.lora.rank=4"], "both set config key 'actor.lora.rank'"),
         ("ppo", ["rollout.train.path=a.jsonl", "rollout.train.path=b.jsonl"],
-         "config key 'rollout.train.path' is given twice ('rollout.train.path=a.jsonl' and 'rollout.train.path=b.jsonl')"),
+         "config key 'rollout.train.path' is given twice "
+         "('rollout.train.path=a.jsonl' and 'rollout.train.path=b.jsonl')"),
     ],
 )
 def test_contradicting_original_and_current_keys_fail(trainer, argv, message):

@@ -13,7 +13,8 @@ SERVER = "rollout.server_url=http://localhost:30000"
 
 
 @pytest.mark.parametrize("trainer,argv,message", [
-    ("sft", ["actor.avg_level=constant"], r"actor\.avg_level=constant divides by the generation budget, which only RL has"),
+    ("sft", ["actor.avg_level=constant"],
+     r"actor\.avg_level=constant divides by the generation budget, which only RL has"),
     ("distill", ["actor.avg_level=constant"], r"actor\.avg_level=constant divides by the generation budget"),
     ("distill", ["actor.temperature=0"], r"actor\.temperature=0\.0; .*set a positive temperature"),
     ("dpo", ["actor.avg_level=sequence"], r"actor\.avg_level=sequence: a preference loss is one number per pair"),
@@ -32,7 +33,8 @@ SERVER = "rollout.server_url=http://localhost:30000"
     ("ppo", ["rollout.server_args.port=30000"], r"'rollout\.server_args\.port' is set by RL2 .*remove it"),
     ("ppo", ["rollout.server_args.api-key=x"], r"'rollout\.server_args\.api-key' is set by RL2 from rollout\.api_key"),
     ("ppo", ["critic.cp_size=0"], r"critic\.cp_size=0: a parallel degree is at least 1; set it to 1 or more"),
-    ("sft", ["trainer.collective_timeout=0"], r"trainer\.collective_timeout=0\.0; give the seconds a collective may wait"),
+    ("sft", ["trainer.collective_timeout=0"],
+     r"trainer\.collective_timeout=0\.0; give the seconds a collective may wait"),
     ("ppo", ["trainer.collective_timeout=1800"],
      r"trainer\.collective_timeout=1800\.0 s is shorter than rollout\.request_timeout=3600\.0 s plus 600 s"),
     ("ppo", ["rollout.weight_bucket_mb=0"], r"'rollout\.weight_bucket_mb' must be positive, got 0\.0"),

@@ -113,7 +113,8 @@ def test_content_special_tokens_encode_as_text_and_the_rest_as_before(tok):
 def test_an_observations_special_tokens_text_stays_text_over_turns(engine, tok, tmp_path):
     (tmp_path / "chat.py").write_text(CHAT_ENV)
     question = [{"role": "user", "content": "Hi" + INJECTION}]  # the prompt's content too
-    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, load_env(tmp_path / "chat.py"), tok, max_turns=3), question, {"messages": list(question)}, GREEDY))
+    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, load_env(tmp_path / "chat.py"), tok, max_turns=3),
+                                            question, {"messages": list(question)}, GREEDY))
     [record] = trajectory.token_sequences()  # the turns are one sequence
     assert trajectory.n_turns == 2 and tok.decode(record["input_ids"]).count(INJECTION) == 2
     first = trajectory.turns[0].action_text
@@ -128,7 +129,8 @@ def test_a_tool_results_special_tokens_text_stays_text(engine, tok, tmp_path):
     env = load_env(tmp_path / "tools.py")
     use = ToolUse(build_tools(env.tool_specs, env.path), None, CallsOnce(), native=False)
     question = [{"role": "user", "content": "Shout hi."}]
-    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3, tool_use=use), question, {}, GREEDY))
+    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3, tool_use=use),
+                                            question, {}, GREEDY))
     [record] = trajectory.token_sequences()
     assert (trajectory.n_turns, trajectory.tool_calls, trajectory.tool_errors) == (2, 1, 0)
     assert trajectory.messages[-1]["content"] == "HI" + INJECTION

@@ -142,7 +142,8 @@ def test_gae_over_random_multi_sequence_trajectories_matches_a_per_trajectory_lo
     add_advantages(batch, adv_cfg("gae", gamma=gamma, lamda=lamda), KL_OFF)
     for sample, t in enumerate(t for group in groups for t in group):
         sequences = [i for i in range(len(batch.input_ids)) if batch.sample_ids[i] == sample]
-        values = [v for i in sequences for v in batch.sequence("values", i)[batch.sequence("loss_mask", i) > 0].tolist()]
+        values = [v for i in sequences
+                  for v in batch.sequence("values", i)[batch.sequence("loss_mask", i) > 0].tolist()]
         rewards = [0.0] * len(values)
         ends = [sum(len(turn.action_ids) for turn in t.turns[: k + 1]) - 1 for k in range(t.n_turns)]
         for turn, end in zip(t.turns, ends):
@@ -259,8 +260,9 @@ def test_kl_and_teacher_penalties_in_the_reward():
 
 def test_sequence_and_constant_averages_count_trajectories():
     batch = training_batch(issue_example())  # A: 2 + 2 tokens in two sequences; B: 2 tokens
-    by_sequence = [w[m > 0].tolist() for w, m in ((train_weights(batch, "sequence")[batch.offsets[i]:batch.offsets[i + 1]],
-                                                    batch.sequence("loss_mask", i)) for i in range(3))]
+    by_sequence = [w[m > 0].tolist()
+                   for w, m in ((train_weights(batch, "sequence")[batch.offsets[i]:batch.offsets[i + 1]],
+                                 batch.sequence("loss_mask", i)) for i in range(3))]
     assert by_sequence == [pytest.approx([1 / 8] * 2)] * 2 + [pytest.approx([1 / 4] * 2)]
     constant = train_weights(batch, "constant", response_budget=10)
     assert constant[batch.tokens["loss_mask"] > 0].tolist() == pytest.approx([1 / 20] * 6)

@@ -191,7 +191,8 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_into_the_same_example(tok, mon
 def test_test_ratio_holds_out_rows(tok, tmp_path):
     rows = [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(20)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.25})
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig),
+                          {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.25})
     train, test = load_splits(cfg, sft_row_tokenizer(tok), seed=1)
     assert (len(train), len(test)) == (15, 5)
     decoded = {tok.decode(ex["input_ids"]) for ex in train} & {tok.decode(ex["input_ids"]) for ex in test}
@@ -220,8 +221,10 @@ def test_held_out_rows_are_read_with_the_train_settings(tok, tmp_path):
 
 def test_test_ratio_that_leaves_a_split_empty_names_the_key(tok, tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
-    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.5})
-    with pytest.raises(DataError, match=r"d\.jsonl: cannot hold out data\.test_ratio=0\.5 of its 1 rows.*data\.test\.path"):
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig),
+                          {"train": {"path": str(tmp_path / "d.jsonl")}, "test_ratio": 0.5})
+    with pytest.raises(DataError, match=r"d\.jsonl: cannot hold out data\.test_ratio=0\.5 of its 1 rows"
+                                        r".*data\.test\.path"):
         load_splits(cfg, sft_row_tokenizer(tok), seed=1)
 
 

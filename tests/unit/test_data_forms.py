@@ -320,7 +320,8 @@ def data_page_examples() -> list[tuple[str, list[dict]]]:
     for part in section.split("**")[1::2]:  # each bold header names the trainers of the blocks after it
         block = section.split(f"**{part}**", 1)[1].split("**", 1)[0]
         kinds = re.findall(r"RL2\.trainer\.(\w+)", block.split("```", 1)[0])
-        examples += [(kind, json.loads(rows)) for rows in re.findall(r"```json\n(.*?)```", block, re.S) for kind in kinds]
+        examples += [(kind, json.loads(rows))
+                     for rows in re.findall(r"```json\n(.*?)```", block, re.S) for kind in kinds]
     return examples
 
 

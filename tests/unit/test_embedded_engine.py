@@ -189,7 +189,8 @@ def test_a_groups_responses_read_their_prompt_once_with_the_same_outputs(tokeniz
     alone = [system + [198, 1, 4093 + i] * (1 + i) for i in range(3)]  # 1 response each
     requests = [payload(prompt, temperature=1.0, max_new_tokens=3 + 4 * i, sampling_seed=10 * g + i)
                 for g, prompt in enumerate(grouped) for i in range(4)]
-    requests += [payload(prompt, temperature=1.0, max_new_tokens=5 + 2 * i, sampling_seed=i) for i, prompt in enumerate(alone)]
+    requests += [payload(prompt, temperature=1.0, max_new_tokens=5 + 2 * i, sampling_seed=i)
+                 for i, prompt in enumerate(alone)]
     shared_spans = set()
     attention = decode_kernels.DecodeKernels.decode_attention
 
@@ -306,7 +307,8 @@ def sample_frequencies(logits, params, rows=20000, chunk=4000, seed=0) -> torch.
     generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(rows // chunk):
-        tokens, _ = sample_next_tokens(logits.expand(chunk, -1), [params] * chunk, [[]] * chunk, [None] * chunk, generator)
+        tokens, _ = sample_next_tokens(logits.expand(chunk, -1), [params] * chunk, [[]] * chunk, [None] * chunk,
+                                       generator)
         counts += torch.bincount(tokens, minlength=logits.shape[-1])
     return counts / rows
 
@@ -365,7 +367,8 @@ def test_temperatures_below_sglangs_epsilon_are_greedy():
 
     def sample(temperature):
         params = [SamplingParams(temperature=temperature)] * rows
-        return sample_next_tokens(logits.expand(rows, -1), params, [[]] * rows, [None] * rows, torch.Generator().manual_seed(0))[0]
+        return sample_next_tokens(logits.expand(rows, -1), params, [[]] * rows, [None] * rows,
+                                  torch.Generator().manual_seed(0))[0]
 
     assert sample(1e-7).tolist() == [3] * rows  # SGLang: below 1e-6, top_k = 1
     assert set(sample(1e-5).tolist()) == {3, 7}
@@ -626,7 +629,8 @@ def test_invalid_requests_are_rejected(engine):
 def test_requests_that_could_run_past_the_context_are_refused_as_sglang_does(engine, model):
     context = model.config.max_position_embeddings
     prompt = [5] * (context - 10)
-    with pytest.raises(ValueError, match=rf"\({context - 10}\) \+ max_new_tokens \(11\) exceeds the model's context length of {context}"):
+    with pytest.raises(ValueError, match=rf"\({context - 10}\) \+ max_new_tokens \(11\) "
+                                         rf"exceeds the model's context length of {context}"):
         generate(engine, payload(prompt, max_new_tokens=11))
     with pytest.raises(ValueError, match="context length"):
         generate(engine, payload([5] * context, max_new_tokens=0))
@@ -646,7 +650,8 @@ def test_a_request_with_an_id_outside_the_vocabulary_fails_alone(engine, tokeniz
         return await asyncio.gather(running, *bad, return_exceptions=True)
 
     result, too_large, negative = asyncio.run(main())
-    assert isinstance(too_large, ValueError) and f"holds {vocab}," in str(too_large) and f"{vocab} tokens" in str(too_large)
+    assert (isinstance(too_large, ValueError) and f"holds {vocab}," in str(too_large)
+            and f"{vocab} tokens" in str(too_large))
     assert isinstance(negative, ValueError) and "holds -1," in str(negative)
     assert result["output_ids"] == alone
     assert generate(engine, good)[0]["output_ids"] == alone

@@ -178,7 +178,8 @@ def test_gem_game_carried_through_a_checkpoint_goes_on_where_it_was():
     extra_info = asyncio.run(first_move())
     saved = json.dumps(Trajectory(extra_info=extra_info, env_info=extra_info).to_dict())
     restored = Trajectory.from_dict(json.loads(saved)).env_info
-    second, third = asyncio.run(env.step("state", moves[1], restored)), asyncio.run(env.step("state", moves[2], restored))
+    second, third = (asyncio.run(env.step("state", moves[1], restored)),
+                     asyncio.run(env.step("state", moves[2], restored)))
 
     game = gem.make(env_id, seed=3)  # GEM's own API, one game played through
     game.reset(seed=3)
@@ -211,7 +212,8 @@ def test_gem_on_the_tiny_engine(tiny_model_path, tok):
     env = load_env(ENVS / "gem.py")
     sampling = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     trajectory = asyncio.run(
-        run_trajectory(EnvRollout(engine, env, tok, env_timeout=30), None, {"env_id": "rg:letter_counting", "seed": 1}, sampling)
+        run_trajectory(EnvRollout(engine, env, tok, env_timeout=30), None, {"env_id": "rg:letter_counting", "seed": 1},
+                       sampling)
     )
     engine.shutdown()
     assert trajectory.stop_reason == "done" and trajectory.fault is None

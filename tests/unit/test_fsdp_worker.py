@@ -21,7 +21,8 @@ def worker(path: str, dtype: str = "float32", base_changes: bool = False, **over
 
 def examples() -> list[dict]:
     generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+    return [{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(),
+             "loss_mask": [0] * 3 + [1] * (n - 3)}
             for n in (20, 33, 9)]
 
 

@@ -20,7 +20,8 @@ def test_the_check_runs_every_step_on_the_cpu_and_sums_them_up(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     table = (tmp_path / "summary.txt").read_text()
     assert table in result.stdout
-    rows = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^(\S+(?: \S+)?)\s{2,}(passed|failed.*?|timed out.*?)\s+\d+$",
+    rows = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^(\S+(?: \S+)?)\s{2,}"
+                                                                r"(passed|failed.*?|timed out.*?)\s+\d+$",
                                                                 table, re.MULTILINE)}
     assert rows == {"tests": "passed", "bench_gpu cpu": "passed", "bench_offload": "passed"}, table
     assert re.search(r"^    \d+ passed, \d+ skipped", table, re.MULTILINE)  # the GPU tests' CPU variants ran

@@ -26,7 +26,8 @@ def test_the_floor_counts_trained_and_frozen_bytes_and_this_hosts_ranks(monkeypa
     # Twice this host's memory and swap if trained (16 bytes a parameter); half of it if frozen in float32.
     model = meta_model(capacity // 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    with pytest.raises(MemoryError, match=r"actor.model_name=big .*16 bytes a parameter.*1 rank\(s\), 1 of them on this host"):
+    with pytest.raises(MemoryError, match=r"actor.model_name=big .*16 bytes a parameter"
+                                          r".*1 rank\(s\), 1 of them on this host"):
         check_model_fits_host(model, "actor.model_name=big", True, torch.float32, shards=1)
     check_model_fits_host(model, "ref", False, torch.float32, shards=1)
     check_model_fits_host(model, "actor", True, torch.float32, shards=4)  # one host of four holds a quarter

@@ -1,7 +1,8 @@
 """The engine's forwards against the model's own forward: its own for the Llama families, HF's modules for others.
 
 Each model is tiny and random (float32 and bf16; Llama families decode both through the C kernels of
-`decode_kernels.c` and through the torch ops that stand in for them); the runner prefills a batch of prompts of different lengths (two of
+`decode_kernels.c` and through the torch ops that stand in for them); the runner prefills a batch of prompts
+of different lengths (two of
 them sharing a long prefix, which is computed once), then decodes several tokens per row (rows at
 different positions). The prefill's logits and every decode step's must equal the logits of one
 plain forward over the whole sequence so far.
@@ -75,7 +76,8 @@ def test_prefill_and_decode_match_the_models_forward(family, dtype, decode, monk
         for module in (llama_forward, packed_linear):
             monkeypatch.setattr(module, "load_decode_kernels", lambda: None)
     runner = ModelRunner(model, max_rows=8)
-    assert (runner.llama is not None) == (not family.startswith("gemma")), "Llama families take the engine's own forward"
+    assert (runner.llama is not None) == (not family.startswith("gemma")), \
+        "Llama families take the engine's own forward"
     if runner.llama is not None:
         assert (runner.llama.decode_kernels is not None) == (decode == "c-kernels")
     # float32 everywhere the library builds, bf16 with AVX512-BF16: the C products; else oneDNN's or plain ones

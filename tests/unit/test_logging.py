@@ -22,7 +22,8 @@ def test_resume_drops_a_line_torn_by_a_crash(tmp_path):
     sink = MetricsSink(str(tmp_path))
     sink.truncate_after(2)
     sink.log({"train/loss": 0.25}, 3)
-    assert (tmp_path / "metrics.jsonl").read_text() == ('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == ('{"step": 1, "train/loss": 1.0}\n'
+                                                        '{"step": 2, "train/loss": 0.5}\n'
                                                         '{"step": 3, "train/loss": 0.25}\n')
 
 

@@ -61,7 +61,8 @@ def test_micro_batch_budget_grows_with_cp_and_tp():
                                          {"input_ids": list(range(9)), "loss_mask": [1] * 9}])
     with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=40;"):
         pack(batch, 0, 1, 40)
-    with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=30 x cp_size \* tp_size=2"):
+    with pytest.raises(ValueError, match=r"70 tokens does not fit in actor.max_length_per_device=30 "
+                                         r"x cp_size \* tp_size=2"):
         pack(batch, 0, 1, 30, seq_parallel=2)
     micro = pack(batch, 0, 1, 40, seq_parallel=2)  # cp and tp ranks share one 80-token micro-batch
     assert [mb.input_ids.shape[1] for mb in micro] == [78]

@@ -44,5 +44,6 @@ def test_wandb_records_the_config_without_the_key(tmp_path, monkeypatch):
     sink.log({"train/loss": 1.5}, 1)
     sink.close()
     written = [path for path in (tmp_path / "wandb").rglob("*") if path.is_file()]
-    assert any(path.suffix == ".wandb" and REDACTED.encode() in path.read_bytes() for path in written)  # the run's record
+    assert any(path.suffix == ".wandb" and REDACTED.encode() in path.read_bytes()
+               for path in written)  # the run's record
     assert not [path for path in written if SECRET.encode() in path.read_bytes()]

@@ -276,7 +276,8 @@ def test_reward_fn_on_the_tiny_engine(tiny_model_path, tok, tmp_path):
         engine.shutdown()
     [turn] = good.turns
     assert log.read_text() == turn.action_text == tok.decode(turn.action_ids, skip_special_tokens=True)
-    assert (good.reward, good.stop_reason, turn.reward_parts) == (0.25, "done", {"length": float(len(turn.action_text))})
+    assert (good.reward, good.stop_reason, turn.reward_parts) == (
+        0.25, "done", {"length": float(len(turn.action_text))})
     assert (bad.reward, bad.stop_reason) == (0.0, "fault") and "the grader broke" in bad.fault
     assert bad.turns[0].reward_parts == {}
 
@@ -303,7 +304,8 @@ def test_reward_parts_become_metrics(tmp_path):
     # Per trajectory summed over turns, averaged over all four (missing and faulted count 0).
     assert metrics["rollout/reward/format"] == pytest.approx((0.5 + 1.0 + 0.5 + 0.0) / 4)
     assert metrics["rollout/reward/correct"] == pytest.approx((1.0 + 0.0 + 1.0 + 0.0) / 4)
-    assert metrics["rollout/reward"] == pytest.approx(metrics["rollout/reward/format"] + metrics["rollout/reward/correct"])
+    assert metrics["rollout/reward"] == pytest.approx(metrics["rollout/reward/format"]
+                                                      + metrics["rollout/reward/correct"])
     assert not any(key.startswith("rollout/reward/") for key in rollout_metrics([[_trajectory([{}])]]))
     save_samples(tmp_path / "samples.jsonl", groups[:1], step=1)
     assert '"reward_parts": {"format": 0.5, "correct": 1.0}' in (tmp_path / "samples.jsonl").read_text()

@@ -228,7 +228,8 @@ def test_a_blocking_step_stops_neither_the_engine_nor_the_other_trajectories_tim
                                                    ("exit", "reset raised SystemExit: 4")])
 def test_a_failing_reset_ends_its_own_trajectory(engine, tok, reset_fault, message):
     env = load_env(ENVS / "faulty.py")
-    rows = [{"prompt": None, "extra_info": {"reset_fault": reset_fault}}, {"prompt": None, "extra_info": {"fault": "none"}}]
+    rows = [{"prompt": None, "extra_info": {"reset_fault": reset_fault}},
+            {"prompt": None, "extra_info": {"fault": "none"}}]
     [[failed], [fine]] = asyncio.run(rollout_batch(EnvRollout(engine, env, tok, max_turns=2), rows, 1, GREEDY))
     assert (failed.fault, failed.n_turns, failed.sequences) == (message, 0, [])
     assert fine.fault is None and fine.reward == 1.0
@@ -279,12 +280,14 @@ def test_load_env_errors(tmp_path):
     with pytest.raises(EnvError, match=r"two_args\.py: `step` must accept \(state, action, extra_info\): "
                                        r"too many positional arguments"):
         load_env(tmp_path / "two_args.py")
-    (tmp_path / "no_reset_arg.py").write_text("async def step(s, a, info):\n    return {}\nasync def reset():\n    return ''\n")
+    (tmp_path / "no_reset_arg.py").write_text("async def step(s, a, info):\n    return {}\n"
+                                              "async def reset():\n    return ''\n")
     with pytest.raises(EnvError, match=r"no_reset_arg\.py: `reset` must accept \(extra_info\)"):
         load_env(tmp_path / "no_reset_arg.py")
     with pytest.raises(EnvError, match="defines no `reset`"):
         asyncio.run(load_env(ENVS / "echo.py").reset({}))
-    (tmp_path / "empty_reset.py").write_text("async def step(s, a, info):\n    return {}\nasync def reset(info):\n    return ''\n")
+    (tmp_path / "empty_reset.py").write_text("async def step(s, a, info):\n    return {}\n"
+                                             "async def reset(info):\n    return ''\n")
     # the row's extra_info with the number the original RL2's scripts read (`idx`)
     with pytest.raises(EnvError, match=r"empty_reset\.py: reset returned an empty state for "
                                        r"extra_info=\{'id': 3, 'idx': 0\}"):
@@ -424,8 +427,8 @@ def test_tokens_keep_the_weight_version_a_server_names(engine, tok, prompt):
     async def main():
         async with GenerateServer(engine) as server:
             client = HTTPEngineClient([server.url], timeout=30)
-            groups = await rollout_batch(EnvRollout(client, load_env(ENVS / "echo.py"), tok, max_turns=2), [{"prompt": prompt, "extra_info": {
-                "turns": 2}}], 2, GREEDY)
+            groups = await rollout_batch(EnvRollout(client, load_env(ENVS / "echo.py"), tok, max_turns=2),
+                                         [{"prompt": prompt, "extra_info": {"turns": 2}}], 2, GREEDY)
             await client.aclose()
             return groups
 
@@ -466,7 +469,8 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
     rows = [{"prompt": f"Question {i}: count to {i}.", "extra_info": {"turns": 1 if i == 0 else 3}} for i in range(4)]
     engine = EmbeddedEngine(model, tok, max_running_requests=2)  # few at a time: most are cut by the pause
     try:
-        finished, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3), [], rows, 1, 1, params))
+        finished, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3),
+                                                                 [], rows, 1, 1, params))
         assert len(finished) >= 1 and carried, "the pause should leave unfinished trajectories"
         assert all(t.stop_reason == "abort" for g in carried for t in g if t.unfinished)
         assert any(t.n_turns < 3 for g in carried for t in g), "the pause should cut a trajectory before its last turn"
@@ -475,7 +479,8 @@ def test_partial_rollout_resumes_aborted_trajectories_exactly(model, tok):
         while carried:
             engine.weight_version = f"step{rounds + 1}"  # as the push after an update names the weights
             carried = [[Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) for t in g] for g in carried]
-            more, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3), carried, [], 1, 1, params))
+            more, carried, _ = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=3),
+                                                                 carried, [], 1, 1, params))
             finished += more
             rounds += 1
         assert rounds >= 1 and len(finished) == len(rows)
@@ -565,7 +570,8 @@ def roll_fresh(model, tok, env, prompt: str, params: dict, turns: int) -> Trajec
 def test_partial_rollout_without_a_pause_returns_everything(engine, tok, prompt):
     env = load_env(ENVS / "echo.py")
     rows = [{"prompt": prompt, "extra_info": {"turns": 2}}] * 2
-    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=2), [], rows, 5, 2, GREEDY))
+    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok, max_turns=2),
+                                                                 [], rows, 5, 2, GREEDY))
     assert carried == [] and [len(g) for g in finished] == [2, 2] and newly == finished
     assert all(t.stop_reason == "done" and t.n_turns == 2 for g in finished for t in g)
 
@@ -582,7 +588,8 @@ def test_a_group_carried_finished_counts_for_the_batch_but_is_not_reported_again
         trajectory.start_sequence(prompt, encode(tok, prompt))
         trajectory.add_turn(Turn([], [], "", "abort"))
         cut.append(trajectory)
-    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok), [done, cut], [row], 3, 2, GREEDY))
+    finished, carried, newly = asyncio.run(partial_rollout_batch(EnvRollout(engine, env, tok),
+                                                                 [done, cut], [row], 3, 2, GREEDY))
     assert carried == [] and len(finished) == 3 and all(t.stop_reason == "done" for g in finished for t in g)
     assert finished[0][0] is done[0] and [g[0] for g in newly] == [g[0] for g in finished[1:]]
     assert newly[0][0] is cut[0] and len(cut[0].turns[0].action_ids) == GREEDY["max_new_tokens"]
@@ -628,7 +635,8 @@ def test_a_rollout_cut_by_someone_elses_pause_carries_on(engine, model, tok, pro
     params = {**GREEDY, "max_new_tokens": 6}
     cutting = CutOnce(model, tok, max_running_requests=4)
     try:
-        [[cut]] = asyncio.run(rollout_batch(EnvRollout(cutting, env, tok, max_turns=2), [{"prompt": prompt, "extra_info": {"turns": 2}}], 1, params))
+        [[cut]] = asyncio.run(rollout_batch(EnvRollout(cutting, env, tok, max_turns=2),
+                                            [{"prompt": prompt, "extra_info": {"turns": 2}}], 1, params))
     finally:
         cutting.shutdown()
     assert cutting.calls == 3 and (cut.stop_reason, cut.n_turns) == ("done", 2)

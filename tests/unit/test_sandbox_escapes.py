@@ -53,7 +53,8 @@ def test_root_only_files_are_not_readable(sandbox):
     secret = "/etc/shadow" if os.path.exists("/etc/shadow") else None
     if secret is None:
         pytest.skip("no /etc/shadow here")
-    code = f"try:\n    print(len(open({secret!r}).read()))\nexcept OSError as e:\n    print('refused', type(e).__name__)\n"
+    code = (f"try:\n    print(len(open({secret!r}).read()))\n"
+            "except OSError as e:\n    print('refused', type(e).__name__)\n")
     assert run(sandbox, code).stdout.startswith("refused")
 
 

@@ -247,7 +247,8 @@ def test_a_tool_that_exits_gives_an_error_result(engine, tok, tmp_path, raised, 
         "TOOLS = [leave]\n\n\nasync def step(state, action, extra_info):\n    return {'reward': 1.0, 'done': True}\n")
     env = load_env(tmp_path / "tools_env.py")
     use = ToolUse(build_tools(env.tool_specs, env.path), None, Scripted("leave"), native=False)
-    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3, tool_use=use), [{"role": "user", "content": "Hi"}], {}, GREEDY))
+    trajectory = asyncio.run(run_trajectory(EnvRollout(engine, env, tok, max_turns=3, tool_use=use),
+                                            [{"role": "user", "content": "Hi"}], {}, GREEDY))
     assert (trajectory.fault, trajectory.reward, trajectory.tool_errors) == (None, 1.0, 1)
     assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [f"Error: a tool raised {message}"]
 

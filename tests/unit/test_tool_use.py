@@ -78,9 +78,11 @@ def system_block(env) -> str:
 
 
 def test_tool_turns_run_the_calls_and_the_answer_is_stepped_in_one_sequence(engine, tok, env):
-    script = [ParsedAction("", [call("count_chars", text="abc")]), ParsedAction("", [call("count_chars", text="hello")])]
+    script = [ParsedAction("", [call("count_chars", text="abc")]),
+              ParsedAction("", [call("count_chars", text="hello")])]
     trajectory = roll(engine, tok, env, tool_use(env, script), {"offset": 10})
-    assert (trajectory.n_turns, trajectory.stop_reason, trajectory.tool_calls, trajectory.tool_errors) == (3, "done", 2, 0)
+    assert (trajectory.n_turns, trajectory.stop_reason, trajectory.tool_calls, trajectory.tool_errors) == (
+        3, "done", 2, 0)
     assert [turn.reward for turn in trajectory.turns] == [0.0, 0.0, 1.0]  # tool turns earn nothing themselves
     assert trajectory.tool_seconds > 0 and trajectory.generate_seconds > 0
 
@@ -120,7 +122,8 @@ def test_failing_calls_become_error_results_and_are_counted(engine, tok, env):
     assert results[3] == "Error: slow did not return within 0.1 s"
     assert results[4] == "Error: the tool call could not be parsed: tool call is not JSON: <tool_call>{oops"
     metrics = rollout_metrics([[trajectory]], tools=True)
-    assert (metrics["rollout/tool_calls"], metrics["rollout/tool_errors"], metrics["rollout/tool_parse_errors"]) == (4, 4, 1)
+    assert (metrics["rollout/tool_calls"], metrics["rollout/tool_errors"], metrics["rollout/tool_parse_errors"]) == (
+        4, 4, 1)
     assert 0 < metrics["rollout/tool_time_share"] < 1
 
 
@@ -136,7 +139,8 @@ def test_with_tool_error_end_a_failing_call_ends_the_trajectory_as_a_fault(engin
 def test_tool_turns_count_against_max_turns(engine, tok, env):
     script = [ParsedAction("", [call("count_chars", text="a")])] * 3
     trajectory = roll(engine, tok, env, tool_use(env, script), max_turns=2)
-    assert (trajectory.stop_reason, trajectory.n_turns, trajectory.reward, trajectory.tool_calls) == ("max_turns", 2, 0.0, 2)
+    assert (trajectory.stop_reason, trajectory.n_turns, trajectory.reward, trajectory.tool_calls) == (
+        "max_turns", 2, 0.0, 2)
 
 
 def test_an_environment_declares_tools_and_the_run_config_picks_the_format(env, tok):
@@ -145,7 +149,8 @@ def test_an_environment_declares_tools_and_the_run_config_picks_the_format(env, 
     assert list(use.tools) == ["count_chars", "slow", "broken"] and use.parser.name == "hermes" and not use.native
     assert use.sampling_params({"stop": ["</answer>"]})["stop"] == ["</answer>", "</tool_call>"]
     assert use.sampling_params({"stop": ["</tool_call>"]})["stop"] == ["</tool_call>"]
-    assert "stop" not in tool_use_of(env, SimpleNamespace(**vars(cfg) | {"tool_call_stop": False}), tok).sampling_params({})
+    assert "stop" not in tool_use_of(env, SimpleNamespace(**vars(cfg) | {"tool_call_stop": False}),
+                                     tok).sampling_params({})
     assert tool_use_of(load_env(ENVS / "echo.py"), cfg, tok) is None
     with pytest.raises(ValueError, match="rollout.tool_parser: .*nonsense"):
         tool_use_of(env, SimpleNamespace(**vars(cfg) | {"tool_parser": "nonsense"}), tok)
@@ -168,7 +173,8 @@ def test_prompt_rows_show_the_tools_and_keep_their_messages(env, tok):
 def test_a_checkpointed_trajectory_keeps_its_conversation_and_tool_counts():
     trajectory = Trajectory(extra_info={}, messages=QUESTION, tool_calls=2, tool_errors=1, tool_seconds=0.5)
     restored = Trajectory.from_dict(trajectory.to_dict())
-    assert (restored.messages, restored.tool_calls, restored.tool_errors, restored.tool_seconds) == (QUESTION, 2, 1, 0.5)
+    assert (restored.messages, restored.tool_calls, restored.tool_errors, restored.tool_seconds) == (
+        QUESTION, 2, 1, 0.5)
     # A checkpoint written before these fields existed still loads.
     old = {key: value for key, value in trajectory.to_dict().items() if key not in ("messages", "tool_calls")}
     assert Trajectory.from_dict(old).tool_calls == 0

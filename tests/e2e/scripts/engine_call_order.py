@@ -40,7 +40,8 @@ class RecordingEngine:
     def __init__(self, inner, engine_runner, expected_weights, policy, colocated, follows_policy: bool,
                  as_built: bool = False):
         self.inner, self.engine_runner, self.follows_policy = inner, engine_runner, follows_policy
-        self.expected_weights, self.policy, self.colocated, self.as_built = expected_weights, policy, colocated, as_built
+        self.expected_weights, self.policy, self.colocated, self.as_built = (
+            expected_weights, policy, colocated, as_built)
         self.releases_memory = inner.releases_memory if as_built else True  # as colocated SGLang servers do
         self.resident = {"weights": True, "kv_cache": True, "cuda_graph": True}
         self.content = "initial"

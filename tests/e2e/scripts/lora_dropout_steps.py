@@ -42,7 +42,8 @@ def main(model_path: str, out: str, tp: int, mode: str | None = None, folder: st
     if mode == "load":
         load_checkpoint(Path(folder) / "step1", {"actor": worker}, rng_group=dims.tp_mesh.get_group())
     for _ in range(1 if mode == "save" else 2):
-        for mb in pack(batch, dims.dp_rank, dims.dp, 4096, train_weights(batch, "token"), seq_parallel=dims.seq_parallel):
+        for mb in pack(batch, dims.dp_rank, dims.dp, 4096, train_weights(batch, "token"),
+                       seq_parallel=dims.seq_parallel):
             worker.backward(-(packed_logps(worker.model, mb.to(device)) * mb.loss_weights).sum())
         worker.optimizer_step()
     if mode == "save":

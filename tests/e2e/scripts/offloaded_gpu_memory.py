@@ -43,7 +43,8 @@ def main(out: str, model: str, workdir: str, *overrides: str) -> None:
     rows = [{"prompt": f"question {k}", "extra_info": {}} for k in range(8)]
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config(PPOConfig, "ppo", [
-        f"data.train.path={work / 'train.jsonl'}", "data.train.batch_size=4", f"rollout.env_path={ENVS / 'emit_token.py'}",
+        f"data.train.path={work / 'train.jsonl'}", "data.train.batch_size=4",
+        f"rollout.env_path={ENVS / 'emit_token.py'}",
         "rollout.engine=embedded", "rollout.responses_per_prompt=4", "rollout.train_sampling_params.max_new_tokens=8",
         f"actor.model_name={model}", "actor.dtype=float32", "actor.max_length_per_device=512",
         "trainer.device=cuda", f"trainer.save_dir={work / 'run'}", "trainer.total_steps=2", *overrides])

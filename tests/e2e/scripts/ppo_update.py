@@ -76,7 +76,8 @@ def main() -> None:
         state["critic"] = critic.worker.full_state_dict()
     # Tokens that storing shared prefixes once took out of this rank's micro-batches of the update.
     saved = 0
-    for mb in pack_for(actor.model, batch, dims, cfg.actor.max_length_per_device) if shares_prefixes(actor.model) else []:
+    for mb in (pack_for(actor.model, batch, dims, cfg.actor.max_length_per_device)
+               if shares_prefixes(actor.model) else []):
         row = SharedPrefixRow.build(mb)
         saved += mb.input_ids.shape[1] - row.length if row is not None else 0
     if dist.get_rank() == 0:

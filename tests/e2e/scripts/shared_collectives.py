@@ -7,7 +7,8 @@ after the segment grows for a larger buffer (exactly on 2 ranks, where a sum of 
 order; to rounding on 3); a tiny FSDP2-sharded Llama trained through them has the gradients and, after
 each of three AdamW steps, the parameters of its twin trained over gloo, with ranks slowed at random
 so that one runs ahead, and went through shared memory for every layer (the layers' buffers written
-there by FSDP itself, and the root's reduce-scatter input); no segment file stays in /dev/shm, and the files a killed run left (named for a process that no
+there by FSDP itself, and the root's reduce-scatter input); no segment file stays in /dev/shm, and the files
+a killed run left (named for a process that no
 longer exists) are removed while those of a live process stay; ranks that report different hosts get
 None.
 """
