@@ -53,12 +53,12 @@ def write_json(tmp_path, rows, name="data.json"):
 
 def trainer_tokenizers():
     """The row tokenizer each trainer module loads its data with."""
-    from RL2.trainer import distill, dpo, orpo, pairwise, ppo, rm, sft
+    from RL2.trainer import distill, dpo, orpo, pairwise, rm, rollout_setup, sft
 
     assert all(issubclass(t, pairwise.PairwiseTrainer) for t in (dpo.DPOTrainer, orpo.ORPOTrainer, rm.RMTrainer))
     assert issubclass(distill.DistillTrainer, sft.SFTTrainer)
     return {"sft": sft.sft_row_tokenizer, "distill": sft.sft_row_tokenizer, "dpo": pairwise.pair_row_tokenizer,
-            "orpo": pairwise.pair_row_tokenizer, "rm": pairwise.pair_row_tokenizer, "ppo": ppo.prompt_row_tokenizer}
+            "orpo": pairwise.pair_row_tokenizer, "rm": pairwise.pair_row_tokenizer, "ppo": rollout_setup.prompt_row_tokenizer}
 
 
 def load(tok, kind, path, **split):
