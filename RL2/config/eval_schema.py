@@ -9,7 +9,7 @@ of the evaluation is `rollout.sampling_params` with `rollout.responses_per_promp
 import dataclasses
 from dataclasses import dataclass
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import require
 from RL2.config.ppo_schema import RolloutConfig, TestSamplingConfig, check_rollout
 from RL2.config.schema import opt
 
@@ -84,15 +84,12 @@ class EvalConfig:
 
 def check_eval_config(cfg) -> None:
     """Fail at start on a value the evaluator cannot use, naming the key."""
-    if not cfg.data.test.path:
-        raise ConfigError("data.test.path is not set; give the test prompts, e.g. data.test.path=test.jsonl")
-    n = cfg.rollout.responses_per_prompt
-    if n < 1:
-        raise ConfigError(f"rollout.responses_per_prompt is {n}; it must be at least 1")
+    n, max_prompts = cfg.rollout.responses_per_prompt, cfg.data.max_prompts
+    require(cfg.data.test.path, "data.test.path is not set; give the test prompts, e.g. data.test.path=test.jsonl")
+    require(n >= 1, f"rollout.responses_per_prompt is {n}; it must be at least 1")
     check_rollout(cfg.rollout, ("sampling_params",))
     bad = [k for k in cfg.eval.k if not 1 <= k <= n]
-    if bad:
-        raise ConfigError(f"eval.k has {bad}: pass@k needs 1 <= k <= rollout.responses_per_prompt={n}; "
-                          f"raise rollout.responses_per_prompt or lower k")
-    if cfg.data.max_prompts is not None and cfg.data.max_prompts < 1:
-        raise ConfigError(f"data.max_prompts is {cfg.data.max_prompts}; it must be at least 1 (or null: all rows)")
+    require(not bad, f"eval.k has {bad}: pass@k needs 1 <= k <= rollout.responses_per_prompt={n}; raise "
+                     f"rollout.responses_per_prompt or lower k")
+    require(max_prompts is None or max_prompts >= 1,
+            f"data.max_prompts is {max_prompts}; it must be at least 1 (or null: all rows)")

@@ -9,7 +9,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import ConfigError, require
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 
 # A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
@@ -208,81 +208,69 @@ class PPOConfig:
 def check_ppo_config(cfg) -> None:
     """Fail on an inconsistent combination, naming the keys (single values are checked against their
     choices when the command line is parsed)."""
-    if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1 or cfg.critic.update_per_rollout < 1:
-        raise ConfigError("rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout "
-                          "must be at least 1")
+    kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
+    require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
+            "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
     check_warm_up(cfg.actor, cfg.adv)
-    kl, rollout = cfg.actor.kl, cfg.rollout
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
-    if kl.reset_entropy_floor is not None and kl.reset_entropy_floor <= 0:
-        raise ConfigError(f"actor.kl.reset_entropy_floor is {kl.reset_entropy_floor}; an entropy is never below "
-                          f"0, so set a positive floor (in nats per token) or leave it null")
-    if not 0 < kl.reset_alpha <= 1:
-        raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
+    require(kl.reset_entropy_floor is None or kl.reset_entropy_floor > 0, f"actor.kl.reset_entropy_floor is "
+            f"{kl.reset_entropy_floor}; an entropy is never below 0, so set a positive floor (in nats per token) or "
+            f"leave it null")
+    require(0 < kl.reset_alpha <= 1, f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the "
+                                     f"actor)")
     check_algorithm(cfg.adv, kl)
     check_policy_loss(cfg.actor)
-    if rollout.overlong_buffer_len is not None and not 0 < rollout.overlong_buffer_len <= rollout.train_sampling_params.max_new_tokens:
-        raise ConfigError(f"rollout.overlong_buffer_len={rollout.overlong_buffer_len} must be in (0, "
-                          f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
-    if rollout.max_sampling_rounds < 1:
-        raise ConfigError("rollout.max_sampling_rounds must be at least 1")
-    if rollout.test_prompts_per_rollout is not None and rollout.test_prompts_per_rollout < 1:
-        raise ConfigError(f"rollout.test_prompts_per_rollout={rollout.test_prompts_per_rollout}; test on at least 1 "
-                          f"prompt, or leave it null to test on every prompt")
+    overlong = rollout.overlong_buffer_len
+    require(overlong is None or 0 < overlong <= train_sampling.max_new_tokens, f"rollout.overlong_buffer_len="
+            f"{overlong} must be in (0, rollout.train_sampling_params.max_new_tokens={train_sampling.max_new_tokens}]")
+    require(rollout.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be at least 1")
+    test_prompts = rollout.test_prompts_per_rollout
+    require(test_prompts is None or test_prompts >= 1, f"rollout.test_prompts_per_rollout={test_prompts}; test on at "
+                                                       f"least 1 prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     check_staleness(rollout, cfg.actor)
-    if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
-        raise ConfigError(
-            f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
-            f"greedily, but the trained policy is softmax(logits / temperature), which has no log-probabilities "
-            f"at 0 (and every response to a prompt would be the same). Give a positive temperature (1: the "
-            f"model's own distribution); rollout.test_sampling_params may stay greedy")
-    if rollout.agent_path and rollout.partial_rollout:
-        raise ConfigError("rollout.partial_rollout pauses and resumes environment trajectories; an agent script's run "
-                          "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")
+    require(train_sampling.temperature >= GREEDY_TEMPERATURE,
+            f"rollout.train_sampling_params.temperature={train_sampling.temperature} samples greedily, but the "
+            f"trained policy is softmax(logits / temperature), which has no log-probabilities at 0 (and every "
+            f"response to a prompt would be the same). Give a positive temperature (1: the model's own "
+            f"distribution); rollout.test_sampling_params may stay greedy")
+    require(not (rollout.agent_path and rollout.partial_rollout), "rollout.partial_rollout pauses and resumes "
+            "environment trajectories; an agent script's run cannot be resumed: drop rollout.partial_rollout or use "
+            "rollout.env_path")
     estimator = cfg.adv.estimator
-    if cfg.rollout.responses_per_prompt < 2 and (estimator == "rloo" or (
-            estimator == "grpo" and cfg.adv.baseline == "group")):
-        hint = " or adv.baseline=batch" if estimator == "grpo" else ""
-        raise ConfigError(f"adv.estimator={estimator} compares responses to the same prompt; set "
-                          f"rollout.responses_per_prompt >= 2{hint}")
+    by_group = estimator == "rloo" or (estimator == "grpo" and cfg.adv.baseline == "group")
+    hint = " or adv.baseline=batch" if estimator == "grpo" else ""
+    require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "
+            f"the same prompt; set rollout.responses_per_prompt >= 2{hint}")
 
 
 def check_warm_up(actor, adv) -> None:
     """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) the frozen
     steps would only sample."""
-    if actor.freeze_steps < 0:
-        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps}; give the number of steps the actor waits (0: none)")
-    if actor.freeze_steps and adv.estimator != "gae":
-        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps} lets PPO's critic learn before the actor moves, but "
-                          f"adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
+    frozen = actor.freeze_steps
+    require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
+    require(frozen == 0 or adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the "
+            f"actor moves, but adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
 
 
 def check_staleness(rollout, actor) -> None:
     """A partial rollout trains on tokens of older weights: the over-sampling that cuts the slowest groups, the
     bound on their staleness and the correction of the loss must fit together."""
-    if rollout.over_sampling < 0:
-        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling}; give the groups started beyond the batch "
-                          f"(0: none)")
-    if rollout.over_sampling and not rollout.partial_rollout:
-        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling} starts groups beyond the batch for a partial "
-                          f"rollout to cut; set rollout.partial_rollout=true or drop it")
-    eta = rollout.max_staleness
+    extra, partial, eta = rollout.over_sampling, rollout.partial_rollout, rollout.max_staleness
+    require(extra >= 0, f"rollout.over_sampling={extra}; give the groups started beyond the batch (0: none)")
+    require(extra == 0 or partial, f"rollout.over_sampling={extra} starts groups beyond the batch for a partial "
+                                   f"rollout to cut; set rollout.partial_rollout=true or drop it")
     if eta is not None:
-        if eta < 0:
-            raise ConfigError(f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
-        if not rollout.partial_rollout:
-            raise ConfigError(f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may "
-                              f"be; without rollout.partial_rollout=true every token is sampled by the weights trained")
-        if rollout.weight_sync == "none":
-            raise ConfigError(f"rollout.max_staleness={eta} with rollout.weight_sync=none: the engine keeps its first "
-                              f"weights, so every token falls further behind each step; drop one of them")
+        require(eta >= 0, f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
+        require(partial, f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may be; "
+                         f"without rollout.partial_rollout=true every token is sampled by the weights trained")
+        require(rollout.weight_sync != "none", f"rollout.max_staleness={eta} with rollout.weight_sync=none: the "
+                f"engine keeps its first weights, so every token falls further behind each step; drop one of them")
     check_correction(actor)
     corrected = actor.tis_coef is not None or actor.correction.type != "none"
-    if rollout.partial_rollout and eta != 0 and not corrected:
-        raise ConfigError(
+    require(not partial or eta == 0 or corrected,
             f"rollout.partial_rollout trains on tokens sampled by weights up to "
             f"{'any number of' if eta is None else eta} updates old, with no correction for it: set "
             f"actor.correction.type (tis, icepop, seq_mask or geo_mask; actor.tis_coef=2 is tis), or "
@@ -292,23 +280,20 @@ def check_staleness(rollout, actor) -> None:
 def check_correction(actor) -> None:
     """The engine correction's bounds: set for the correction chosen, and low < high."""
     correction = actor.correction
-    if actor.tis_coef is not None and correction.type != "none":
-        raise ConfigError(f"actor.tis_coef={actor.tis_coef} is the short form of actor.correction.type=tis "
-                          f"actor.correction.high={actor.tis_coef}; keep one of actor.tis_coef and "
-                          f"actor.correction.type")
-    if correction.type in ("none", "tis") and correction.low is not None:
-        raise ConfigError(f"actor.correction.low={correction.low} means nothing for actor.correction.type="
-                          f"{correction.type}; it bounds icepop, seq_mask and geo_mask")
-    if correction.type == "none" and correction.high is not None:
-        raise ConfigError(f"actor.correction.high={correction.high} bounds a correction; set actor.correction.type")
-    if (correction.high is not None and correction.high <= 0) or (correction.low is not None and correction.low < 0):
-        raise ConfigError(f"actor.correction.low={correction.low} and high={correction.high} bound a ratio of "
-                          f"probabilities: high must be positive and low at least 0")
-    if correction.type not in ("none", "tis"):
-        low, high = correction_bounds(correction.type, correction.low, correction.high)
-        if low >= high:
-            raise ConfigError(f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
-                              f"actor.correction.high")
+    kind, low, high = correction.type, correction.low, correction.high
+    require(actor.tis_coef is None or kind == "none", f"actor.tis_coef={actor.tis_coef} is the short form of "
+            f"actor.correction.type=tis actor.correction.high={actor.tis_coef}; keep one of actor.tis_coef and "
+            f"actor.correction.type")
+    require(kind not in ("none", "tis") or low is None, f"actor.correction.low={low} means nothing for "
+            f"actor.correction.type={kind}; it bounds icepop, seq_mask and geo_mask")
+    require(kind != "none" or high is None,
+            f"actor.correction.high={high} bounds a correction; set actor.correction.type")
+    require((high is None or high > 0) and (low is None or low >= 0), f"actor.correction.low={low} and high={high} "
+            f"bound a ratio of probabilities: high must be positive and low at least 0")
+    if kind not in ("none", "tis"):
+        low, high = correction_bounds(kind, low, high)
+        require(low < high, f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
+                            f"actor.correction.high")
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
@@ -319,24 +304,23 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
         rollout: the `rollout` section.
         sampling_keys: its sampling sections (the trainer's train and test ones, the evaluator's one).
     """
-    if rollout.max_turns < 1:
-        raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
-    if (limit := rollout.get("max_consecutive_timeouts")) is not None and limit < 1:
-        raise ConfigError(f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that stop the run "
-                          f"(1 or more), or null never to stop")
-    if rollout.get("agent_path") and rollout.get("reward_fn"):
-        raise ConfigError("rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
-    if rollout.get("gpu_memory_margin_gb", 0.0) < 0:
-        raise ConfigError(f"rollout.gpu_memory_margin_gb={rollout.gpu_memory_margin_gb}; give the GiB of each GPU "
-                          f"that colocated SGLang servers leave free (0 or more)")
+    limit = rollout.get("max_consecutive_timeouts")
+    require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
+    require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "
+                                         f"stop the run (1 or more), or null never to stop")
+    require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
+            "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
+    require(rollout.get("gpu_memory_margin_gb", 0.0) >= 0, f"rollout.gpu_memory_margin_gb="
+            f"{rollout.get('gpu_memory_margin_gb')}; give the GiB of each GPU that colocated SGLang servers leave "
+            f"free (0 or more)")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
-        if params.max_new_tokens < 1:
-            raise ConfigError(f"{key}.max_new_tokens={params.max_new_tokens}; an action needs at least 1 new token")
-        if params.temperature < 0:
-            raise ConfigError(f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
-        if not 0 < params.top_p <= 1:
-            raise ConfigError(f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
+        require(params.max_new_tokens >= 1,
+                f"{key}.max_new_tokens={params.max_new_tokens}; an action needs at least 1 new token")
+        require(params.temperature >= 0,
+                f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
+        require(0 < params.top_p <= 1,
+                f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
         check_stops(params, key)
 
 
@@ -344,37 +328,32 @@ def check_stops(params, key: str) -> None:
     """Stop strings are a string or a list of non-empty strings; `no_stop_trim=false` cannot be honoured."""
     stop = params.stop
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stops):
-        raise ConfigError(f"{key}.stop={stop!r}; give a string or a list of non-empty strings, e.g. "
-                          f"{key}.stop=['</search>','</answer>']")
-    if not params.no_stop_trim:
-        raise ConfigError(f"{key}.no_stop_trim=false would cut the stop string out of the action text while its "
-                          f"tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action "
-                          f"passed to step always ends with the matched stop string")
+    require(all(isinstance(s, str) and s for s in stops), f"{key}.stop={stop!r}; give a string or a list of "
+            f"non-empty strings, e.g. {key}.stop=['</search>','</answer>']")
+    require(params.no_stop_trim, f"{key}.no_stop_trim=false would cut the stop string out of the action text while "
+            f"its tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action passed to step "
+            f"always ends with the matched stop string")
 
 
 def check_algorithm(adv, kl) -> None:
     """Fail on a combination that cannot do what it says, saying why."""
     estimator = adv.estimator
-    if adv.norm_var and estimator != "grpo":
-        raise ConfigError(f"adv.norm_var divides GRPO's group baseline by the group std; it means nothing for "
-                          f"adv.estimator={estimator}. Drop it, or use adv.estimator=grpo")
-    if adv.get("baseline", "group") != "group" and estimator != "grpo":
-        raise ConfigError(f"adv.baseline={adv.baseline} is the baseline of adv.estimator=grpo; "
-                          f"adv.estimator={estimator} has its own. Drop it, or use adv.estimator=grpo")
-    if adv.global_norm and estimator == "reinforce_plus_plus":
-        raise ConfigError("adv.estimator=reinforce_plus_plus already whitens its returns over the batch; "
-                          "leave adv.global_norm=false")
-    if adv.lamda != 1.0 and estimator != "gae":
-        raise ConfigError(f"adv.lamda is GAE's lambda; adv.estimator={estimator} has no critic to use it")
-    if adv.gamma != 1.0 and estimator not in ("gae", "reinforce_plus_plus", "mc"):
-        raise ConfigError(f"adv.estimator={estimator} scores a whole trajectory at once, so there is nothing to "
-                          f"discount; adv.gamma applies to gae, reinforce_plus_plus and mc")
-    if adv.truncation is not None and estimator != "mc":
-        raise ConfigError("adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
-    if adv.truncation is not None and adv.truncation < 1:
-        raise ConfigError(f"adv.truncation={adv.truncation}; give a positive number of turns, or null for returns to "
-                          f"the end of the trajectory")
+    require(not adv.norm_var or estimator == "grpo", f"adv.norm_var divides GRPO's group baseline by the group std; "
+            f"it means nothing for adv.estimator={estimator}. Drop it, or use adv.estimator=grpo")
+    require(adv.get("baseline", "group") == "group" or estimator == "grpo", f"adv.baseline={adv.get('baseline')} is "
+            f"the baseline of adv.estimator=grpo; adv.estimator={estimator} has its own. Drop it, or use "
+            f"adv.estimator=grpo")
+    require(not adv.global_norm or estimator != "reinforce_plus_plus", "adv.estimator=reinforce_plus_plus already "
+            "whitens its returns over the batch; leave adv.global_norm=false")
+    require(adv.lamda == 1.0 or estimator == "gae",
+            f"adv.lamda is GAE's lambda; adv.estimator={estimator} has no critic to use it")
+    require(adv.gamma == 1.0 or estimator in ("gae", "reinforce_plus_plus", "mc"), f"adv.estimator={estimator} "
+            f"scores a whole trajectory at once, so there is nothing to discount; adv.gamma applies to gae, "
+            f"reinforce_plus_plus and mc")
+    if adv.truncation is not None:
+        require(estimator == "mc", "adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
+        require(adv.truncation >= 1, f"adv.truncation={adv.truncation}; give a positive number of turns, or null for "
+                                     f"returns to the end of the trajectory")
     if kl.coef > 0 and kl.type == "reward" and kl.estimator != "k1":
         # A penalty in the reward is multiplied by grad log p: only k1 then gives grad KL in
         # expectation (E[k3 grad log p] != grad KL), as REINFORCE++ and OpenAI's PPO use it.
@@ -397,13 +376,12 @@ def check_policy_loss(actor) -> None:
                 owner = f"{loss} (or {', '.join(others)})" if others else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
                                   f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
-    if actor.dual_clip is not None and actor.dual_clip <= 1:
-        raise ConfigError(f"actor.dual_clip={actor.dual_clip}; it bounds the loss of a negative-advantage token at "
-                          f"dual_clip times its advantage: set it above 1 (3 is a common choice), or null for none")
     gspo, cispo = actor.gspo, actor.cispo
-    if not (0 <= gspo.clip_low < 1 and gspo.clip_high >= 0):
-        raise ConfigError(f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) and actor.gspo.clip_high="
-                          f"{gspo.clip_high} at least 0 (the paper: 3e-4 and 4e-4)")
-    if cispo.clip_high < 0 or (cispo.clip_low is not None and not 0 <= cispo.clip_low <= 1):
-        raise ConfigError(f"actor.cispo.clip_high={cispo.clip_high} must be at least 0 and actor.cispo.clip_low="
-                          f"{cispo.clip_low} in [0, 1] or null (no lower bound, as the paper)")
+    require(actor.dual_clip is None or actor.dual_clip > 1, f"actor.dual_clip={actor.dual_clip}; it bounds the loss "
+            f"of a negative-advantage token at dual_clip times its advantage: set it above 1 (3 is a common choice), "
+            f"or null for none")
+    require(0 <= gspo.clip_low < 1 and gspo.clip_high >= 0, f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) "
+            f"and actor.gspo.clip_high={gspo.clip_high} at least 0 (the paper: 3e-4 and 4e-4)")
+    require(cispo.clip_high >= 0 and (cispo.clip_low is None or 0 <= cispo.clip_low <= 1), f"actor.cispo.clip_high="
+            f"{cispo.clip_high} must be at least 0 and actor.cispo.clip_low={cispo.clip_low} in [0, 1] or null (no "
+            f"lower bound, as the paper)")

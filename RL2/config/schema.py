@@ -9,7 +9,7 @@ wrong type fails at start with the key's full name.
 from dataclasses import dataclass, field
 from typing import Any
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import require
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: dict[str, str] | None = None) -> Any:
@@ -100,42 +100,44 @@ def check_model_sections(cfg) -> None:
         lora = value.get("lora") if hasattr(value, "get") else None
         if lora is None:
             continue
-        budget = value.get("max_length_per_device", 1)
-        if budget < 1:
-            raise ConfigError(f"{section}.max_length_per_device={budget}; it is a micro-batch's token budget: "
-                              f"set it at least as long as the longest sequence (data.*.max_length)")
+        require(value.max_length_per_device >= 1, f"{section}.max_length_per_device={value.max_length_per_device}; it "
+                f"is a micro-batch's token budget: set it at least as long as the longest sequence (data.*.max_length)")
         for degree in ("tp_size", "cp_size", "ddp_size"):
-            if value.get(degree, 1) < 1:
-                raise ConfigError(f"{section}.{degree}={value[degree]}: a parallel degree is at least 1; set it to 1 "
-                                  f"or more")
-        every = value.get("checkpoint_every_n_layers", 1)
-        if every < 1:
-            raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
-                              f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
+            require(value[degree] >= 1, f"{section}.{degree}={value[degree]}: a parallel degree is at least 1; set it "
+                                        f"to 1 or more")
+        every = value.checkpoint_every_n_layers
+        require(every >= 1, f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
+                            f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
         check_optimizer(section, value.optimizer, value.scheduler)
         key = f"{section}.lora"
-        if lora.rank < 0:
-            raise ConfigError(f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
-        if lora.rank and lora.alpha <= 0:
-            raise ConfigError(f"{key}.alpha={lora.alpha}; it must be positive (the adapters' scale is alpha / rank)")
-        if not 0 <= lora.dropout < 1:
-            raise ConfigError(f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
-        if lora.rank and not lora.target_modules:
-            raise ConfigError(f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
+        require(lora.rank >= 0, f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
+        require(lora.rank == 0 or lora.alpha > 0,
+                f"{key}.alpha={lora.alpha}; it must be positive (the adapters' scale is alpha / rank)")
+        require(0 <= lora.dropout < 1, f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
+        require(lora.rank == 0 or len(lora.target_modules) > 0,
+                f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
 
 
 def check_optimizer(section: str, optimizer, scheduler) -> None:
     """Fail on AdamW settings torch would refuse (or misread) when the optimizer is built, naming the key."""
     key = f"{section}.optimizer"
-    if optimizer.lr < 0 or optimizer.eps < 0 or optimizer.weight_decay < 0:
-        raise ConfigError(f"{key}.lr={optimizer.lr}, eps={optimizer.eps}, weight_decay={optimizer.weight_decay}; "
-                          f"none of them can be negative")
+    require(min(optimizer.lr, optimizer.eps, optimizer.weight_decay) >= 0, f"{key}.lr={optimizer.lr}, eps="
+            f"{optimizer.eps}, weight_decay={optimizer.weight_decay}; none of them can be negative")
     betas = list(optimizer.betas)
-    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
-        raise ConfigError(f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
-    if not 0 <= scheduler.warmup_ratio <= 1:
-        raise ConfigError(f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the fraction of the "
-                          f"run's steps spent warming up: set it in [0, 1]")
+    require(len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
+            f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
+    require(0 <= scheduler.warmup_ratio <= 1, f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the "
+                                              f"fraction of the run's steps spent warming up: set it in [0, 1]")
+
+
+# trainer.<key> -> its least value, and what to give instead (null always passes).
+TRAINER_MINIMA = {
+    "n_epochs": (1, "it must be at least 1 (or set trainer.total_steps)"),
+    "total_steps": (1, "give at least 1 step, or null for trainer.n_epochs' worth"),
+    "save_freq": (0, "give a number of steps (null or 0: never)"),
+    "test_freq": (0, "give a number of steps (null or 0: never)"),
+    "keep_last_n": (1, "keep at least 1 checkpoint (the latest), or null to keep all"),
+}
 
 
 def check_run_sections(cfg) -> None:
@@ -145,25 +147,14 @@ def check_run_sections(cfg) -> None:
     for name in ("train", "test"):
         split = data.get(name) or {}
         for key, what in (("batch_size", "examples per optimizer step"), ("max_length", "tokens")):
-            if split.get(key, 1) < 1:
-                raise ConfigError(f"data.{name}.{key}={split[key]}; it must be at least 1 ({what})")
+            require(split.get(key, 1) >= 1, f"data.{name}.{key}={split.get(key)}; it must be at least 1 ({what})")
     ratio = data.get("test_ratio", 0.0)
-    if not 0 <= ratio < 1:
-        raise ConfigError(f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
-                          f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
+    require(0 <= ratio < 1, f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
+                            f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
     trainer = cfg.get("trainer") or {}
-    if trainer.get("n_epochs", 1) < 1:
-        raise ConfigError(f"trainer.n_epochs={trainer['n_epochs']}; it must be at least 1 (or set trainer.total_steps)")
-    if trainer.get("total_steps") is not None and trainer["total_steps"] < 1:
-        raise ConfigError(f"trainer.total_steps={trainer['total_steps']}; give at least 1 step, or null for "
-                          f"trainer.n_epochs' worth")
-    for key in ("save_freq", "test_freq"):
+    for key, (least, what) in TRAINER_MINIMA.items():
         value = trainer.get(key)
-        if value is not None and value < 0:
-            raise ConfigError(f"trainer.{key}={value}; give a number of steps (null or 0: never)")
-    keep = trainer.get("keep_last_n")
-    if keep is not None and keep < 1:
-        raise ConfigError(f"trainer.keep_last_n={keep}; keep at least 1 checkpoint (the latest), or null to keep all")
+        require(value is None or value >= least, f"trainer.{key}={value}; {what}")
 
 
 # Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
