@@ -1,9 +1,8 @@
 """Typed config of the evaluator (`python -m RL2.evaluate`, `RL2.evaluate(...)`).
 
-The `rollout` keys are the RL trainer's engine and environment keys under the same names
-(`rollout.env_path`, `rollout.reward_fn`, `rollout.engine`, `rollout.server_args`, ...), so a PPO
-command line's settings carry over; keys that only training uses are left out, and the sampling
-of the evaluation is `rollout.sampling_params` with `rollout.responses_per_prompt` samples.
+The `rollout` keys are the RL trainer's engine and environment keys under the same names (`rollout.env_path`,
+`rollout.engine`, ...), so a PPO command line's settings carry over; keys that only training uses are left out,
+and the evaluation samples `rollout.responses_per_prompt` times with `rollout.sampling_params`.
 """
 
 import dataclasses
@@ -17,10 +16,9 @@ from RL2.config.schema import opt
 # weight sync (the evaluated weights never change; the engine gets `weight_sync=none`).
 TRAINING_ONLY = frozenset({
     "responses_per_prompt", "test_responses_per_prompt", "test_prompts_per_rollout", "train_sampling_params",
-    "test_sampling_params",
-    "dynamic_filtering", "max_sampling_rounds", "partial_rollout", "overlong_buffer_len", "overlong_penalty_factor",
-    "length_penalty_coef", "reward_model", "save_samples", "weight_sync", "weight_bucket_mb", "weights_dir",
-    "check_weight_sync", "over_sampling", "max_staleness",
+    "test_sampling_params", "dynamic_filtering", "max_sampling_rounds", "partial_rollout", "overlong_buffer_len",
+    "overlong_penalty_factor", "length_penalty_coef", "reward_model", "save_samples", "weight_sync",
+    "weight_bucket_mb", "weights_dir", "check_weight_sync", "over_sampling", "max_staleness",
 })
 
 
@@ -30,27 +28,32 @@ def _copy_field(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
 
 EvalRolloutConfig = dataclasses.make_dataclass("EvalRolloutConfig", [
     ("responses_per_prompt", int, opt(1, "samples per prompt (pass@k uses all of them)")),
-    ("sampling_params", TestSamplingConfig, opt(TestSamplingConfig, "sampling of every sample (temperature 0 is greedy)")),
+    ("sampling_params", TestSamplingConfig,
+     opt(TestSamplingConfig, "sampling of every sample (temperature 0 is greedy)")),
     *(_copy_field(f) for f in dataclasses.fields(RolloutConfig) if f.name not in TRAINING_ONLY),
 ])
 
 
 @dataclass
 class EvalModelConfig:
-    model_name: str = opt("smollm2-135m-instruct", "the model: HF folder (e.g. a trainer's <save_dir>/final/actor) or name in the local cache; 'smollm2-135m-instruct' is the bundled default model")
+    model_name: str = opt("smollm2-135m-instruct", "the model: HF folder (e.g. a trainer's <save_dir>/final/actor) or "
+                          "name in the local cache; 'smollm2-135m-instruct' is the bundled default model")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype of the engine: auto (bfloat16 where its matmuls are native and faster than float32, else float32) | bfloat16 | float16 | float32", choices=("auto", "bfloat16", "float16", "float32"))
+    dtype: str = opt("auto", "the engine's dtype: auto (bfloat16 where its matmuls are native and faster than float32, "
+                     "else float32) | bfloat16 | float16 | float32", choices=("auto", "bfloat16", "float16", "float32"))
 
 
 @dataclass
 class CompareConfig:
-    model_name: str | None = opt(None, "a second model, evaluated on the same prompts with the same sampling and seeds; the report shows both and model - compare (None: no comparison)")
+    model_name: str | None = opt(None, "a second model, evaluated on the same prompts with the same sampling and "
+                                 "seeds; the report shows both and model - compare (None: no comparison)")
     tokenizer_name: str | None = opt(None, "its tokenizer; defaults to compare.model_name")
 
 
 @dataclass
 class EvalSplitConfig:
-    path: str | None = opt(None, "test prompts (RL rows: prompt or messages, extra_info): JSON/JSONL/CSV/Parquet/Arrow file, save_to_disk folder or hub name in the local cache; 'split@path' picks a split")
+    path: str | None = opt(None, "test prompts (RL rows: prompt or messages, extra_info): JSON/JSONL/CSV/Parquet/Arrow "
+                           "file, save_to_disk folder or hub name in the local cache; 'split@path' picks a split")
     max_length: int = opt(1024, "prompts longer than this many tokens are bad rows")
     prompt_key: str = opt("prompt", "column holding the prompt (text, or a list of chat messages)")
     messages_key: str = opt("messages", "column holding the conversation so far")
@@ -66,10 +69,12 @@ class EvalDataConfig:
 
 @dataclass
 class EvalSettings:
-    k: list[int] = opt([], "pass@k for each of these k (unbiased estimator of Chen et al. 2021); empty: k = rollout.responses_per_prompt")
-    threshold: float = opt(1.0, "a sample passes when its score is at least this: accuracy is the share of samples that pass")
+    k: list[int] = opt([], "pass@k for each of these k (unbiased estimator of Chen et al. 2021); empty: k = "
+                       "rollout.responses_per_prompt")
+    threshold: float = opt(1.0, "a sample passes when its score is at least this; accuracy is the share that pass")
     save_dir: str = opt("evals/run", "folder of samples.jsonl (every sample) and metrics.json")
-    seed: int = opt(42, "seed of the sampling: sample j of prompt i draws from its own seed, the same for both models and on any number of ranks")
+    seed: int = opt(42, "seed of the sampling: sample j of prompt i draws from its own seed, the same for both models "
+                    "and on any number of ranks")
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 
 
@@ -78,7 +83,8 @@ class EvalConfig:
     model: EvalModelConfig = opt(EvalModelConfig, "the evaluated model")
     compare: CompareConfig = opt(CompareConfig, "a second model to compare with")
     data: EvalDataConfig = opt(EvalDataConfig, "test prompts")
-    rollout: EvalRolloutConfig = opt(EvalRolloutConfig, "environment or reward function, engine and sampling (the RL trainer's rollout keys)")
+    rollout: EvalRolloutConfig = opt(EvalRolloutConfig, "environment or reward function, engine and sampling (the RL "
+                                     "trainer's rollout keys)")
     eval: EvalSettings = opt(EvalSettings, "metrics, outputs and seed")
 
 

@@ -1,8 +1,7 @@
 """Typed config of the RL trainer (`RL2.trainer.ppo`): PPO with a critic, GRPO and relatives.
 
-Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at start (the `choices`
-of each field), and so do combinations that cannot do what they say (`check_ppo_config`, which
-`RL2.config.validation` runs when the command line is parsed), naming the key.
+Key names follow upstream RL2's ppo.yaml. Values outside a field's `choices` fail at start, and so do
+combinations that cannot do what they say (`check_ppo_config`, run by `RL2.config.validation`), naming the key.
 """
 
 import functools
@@ -14,21 +13,23 @@ from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 
 # A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
 GREEDY_TEMPERATURE = 1e-6
-# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
-# model's steps keep within it.
+# rollout.gpu_memory_margin_gb's default; tests/gpu/test_cuda_memory_margin.py checks a tiny model keeps within it.
 COLOCATED_MARGIN_GB = 1.0
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = opt(1.0, "sampling temperature (0 is greedy; training needs a positive one: the trained policy is softmax(logits / temperature))")
+    temperature: float = opt(1.0, "sampling temperature (0 is greedy; training needs a positive one: the trained "
+                             "policy is softmax(logits / temperature))")
     top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens covering this probability")
     top_k: int = opt(-1, "keep the k most likely tokens (-1: all)")
     max_new_tokens: int = opt(256, "the most tokens of one action")
     ignore_eos: bool = opt(False, "keep sampling past end-of-sequence tokens (fixed-length benchmarks)")
-    stop: Any = opt(None, "stop strings: an action ends with the first one it writes, e.g. ['</search>', '</answer>'] (the action passed to step ends with it; every sampled token is trained)")
+    stop: Any = opt(None, "stop strings: an action ends with the first one it writes, e.g. ['</search>', '</answer>'] "
+                    "(the action passed to step ends with it; every sampled token is trained)")
     stop_token_ids: list[int] = opt([], "token ids that end an action besides the model's end-of-sequence tokens")
-    no_stop_trim: bool = opt(True, "keep the matched stop string at the end of the action (the original RL2's spelling; RL2 always does, as the action's tokens are all trained)")
+    no_stop_trim: bool = opt(True, "keep the matched stop string at the end of the action (the original RL2's "
+                             "spelling; RL2 always does, as the action's tokens are all trained)")
 
 
 @dataclass
@@ -38,65 +39,116 @@ class TestSamplingConfig(SamplingConfig):
 
 @dataclass
 class RolloutConfig:
-    env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. envs/arithmetic.py (one of rollout.env_path, rollout.reward_fn and rollout.agent_path is needed)")
-    reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` (sync or async) instead of rollout.env_path: 'path/to/file.py:name' or 'package.module:name', e.g. RL2.rewards:math_reward")
+    env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. "
+                               "envs/arithmetic.py (one of env_path, reward_fn and agent_path is needed)")
+    reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` "
+                                "(sync or async) instead of rollout.env_path: 'path/to/file.py:name' or "
+                                "'package.module:name', e.g. RL2.rewards:math_reward")
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
-    test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test split in a shuffled order (seeded by trainer.seed) that successive evaluations walk through; None: every test prompt")
+    test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test "
+                                               "split in a shuffled order (seeded by trainer.seed) that successive "
+                                               "evaluations walk through; None: every test prompt")
     max_turns: int = opt(1, "the most actions of one trajectory")
-    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
-    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take, from when it starts, before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own, which a step that blocks past it keeps while the other steps go on in a new one")
-    agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, client an openai.AsyncOpenAI served by the rollout engine, instead of rollout.env_path: every call's tokens are recorded, one run is one trajectory")
-    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its trajectory fails")
-    max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent runs) of a rank time out in a row, none ending otherwise in between: a script that hangs on every call (a dead server, an endless loop) would otherwise fault every trajectory of every step (null: never stop)")
-    code_sandbox_unisolated: bool = opt(False, "where the system refuses namespaces (Docker's default seccomp, most Kubernetes pods), let RL2.rewards.code_reward run model-written code with an in-process guard only: that gives up isolation from the host's files, network, sockets and processes (false: such runs stop with an error)")
-    tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a RL2.rollout.tools.tool_calls.ToolCallParser)")
-    tool_timeout: float | None = opt(60.0, "seconds one tool call may take; one that takes longer gives the model an error result")
-    tool_error: str = opt("observe", "a tool call that cannot be parsed, names no tool or fails: observe (the model gets the error as the result) | end (the trajectory ends as a fault)", choices=("observe", "end"))
-    tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's own guess of the result is never sampled")
-    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO's dynamic sampling)")
-    max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step may use to fill its batch")
-    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the unfinished ones carry on in the next step (under newer weights: see rollout.max_staleness and actor.correction)")
-    over_sampling: int = opt(0, "partial rollout: groups kept in flight beyond data.train.batch_size (slime's over_sampling_batch_size less the batch): a step trains on the first batch_size groups to finish, and the slowest are cut and carried into the next; 0: only what dynamic filtering leaves over is carried")
-    max_staleness: int | None = opt(None, "partial rollout: a carried group whose oldest token was sampled by weights more than this many updates behind those being trained is dropped before training and its prompt slot refilled (AReaL's max_head_offpolicyness; 0 drops every carried group); None: no bound")
-    overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before max_new_tokens (None: off)")
+    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: "
+                                       "the model's context (server_args.context_length, else max_position_embeddings)")
+    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take, from its start, before "
+                                    "its trajectory fails (null: no limit); it holds for blocking code too: a step "
+                                    "past it keeps its thread while the others go on in a new one")
+    agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, "
+                                 "client an openai.AsyncOpenAI served by the rollout engine, instead of "
+                                 "rollout.env_path: every call's tokens are recorded, one run is one trajectory")
+    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its "
+                                      "trajectory fails")
+    max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent "
+                                               "runs) of a rank time out in a row: a script hanging on every call (a "
+                                               "dead server, an endless loop) faults every trajectory (null: never)")
+    code_sandbox_unisolated: bool = opt(False, "where the system refuses namespaces (Docker's default seccomp, most "
+                                        "Kubernetes pods), let RL2.rewards.code_reward run model-written code with an "
+                                        "in-process guard only: that gives up isolation from the host's files, "
+                                        "network, sockets and processes (false: such runs stop with an error)")
+    tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the "
+                           "chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | "
+                           "hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a "
+                           "RL2.rollout.tools.tool_calls.ToolCallParser)")
+    tool_timeout: float | None = opt(60.0, "seconds a tool call may take; a slower one gives the model an error result")
+    tool_error: str = opt("observe", "a tool call that cannot be parsed, names no tool or fails: observe (the model "
+                          "gets the error as its result) | end (the trajectory faults)", choices=("observe", "end"))
+    tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's "
+                               "own guess of the result is never sampled")
+    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the "
+                                  "batch is full (DAPO's dynamic sampling)")
+    max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step "
+                                   "may use to fill its batch")
+    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the others carry on "
+                                "in the next step, under newer weights (see max_staleness, actor.correction)")
+    over_sampling: int = opt(0, "partial rollout: groups kept in flight beyond data.train.batch_size (slime's "
+                             "over_sampling_batch_size less the batch): a step trains on the first batch_size groups "
+                             "to finish, and the slowest are cut and carried into the next; 0: only what dynamic "
+                             "filtering leaves over is carried")
+    max_staleness: int | None = opt(None, "partial rollout: a carried group whose oldest token was sampled more than "
+                                    "this many updates before the weights trained is dropped, its prompt slot refilled "
+                                    "(AReaL's max_head_offpolicyness; 0 drops every carried group; None: no bound)")
+    overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before "
+                                          "max_new_tokens (None: off)")
     overlong_penalty_factor: float = opt(1.0, "the overlong penalty at max_new_tokens, in units of reward")
-    length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens from the reward")
+    length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens "
+                                     "from the reward")
     max_running_requests: int = opt(64, "requests the embedded engine decodes together on one rank")
     train_sampling_params: SamplingConfig = opt(SamplingConfig, "sampling of training rollouts")
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
-    reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
+    reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added "
+                                   "to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
-    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded", choices=("auto", "embedded", "sglang"))
-    server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
-    server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
-    gpu_memory_margin_gb: float = opt(COLOCATED_MARGIN_GB, "GiB of each GPU that SGLang servers launched beside the trainer leave free when they size their KV cache, besides SGLang's own headroom: what the trainer's memory left on the GPU (its state offloaded) grows by after the servers start; ignored when rollout.server_args sets mem_fraction_static")
-    server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
+    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when "
+                      "rollout.server_url is set or on CUDA with sglang installed, else embedded",
+                      choices=("auto", "embedded", "sglang"))
+    server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. "
+                                      "{tp_size: 2, mem_fraction_static: 0.6}")
+    server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; "
+                          "nothing is launched")
+    gpu_memory_margin_gb: float = opt(COLOCATED_MARGIN_GB, "GiB of each GPU that SGLang servers launched beside the "
+                                      "trainer leave free when they size their KV cache, besides SGLang's own "
+                                      "headroom: what the trainer's memory left on the GPU (its state offloaded) grows "
+                                      "by after the servers start; ignored when server_args sets mem_fraction_static")
+    server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's "
+                                    "bin/python); default: the trainer's")
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
-    request_timeout: float = opt(3600.0, "seconds one generation request to an SGLang server may take, queueing and the whole answer included, before the rollout fails (long reasoning at a busy server needs many)")
-    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, given to launched servers in a private --config file, never on their command line (unset: launched servers get a random one)")
+    request_timeout: float = opt(3600.0, "seconds one SGLang generation request may take, queueing and the full answer "
+                                 "included, before the rollout fails (long reasoning on busy servers needs many)")
+    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, "
+                              "given to launched servers in a private --config file, never on their command line "
+                              "(unset: launched servers get a random one)")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
-    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
-    weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
-    weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
-    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its parameters (its /weights_checker randomizes them before the push and compares checksums after); a parameter left unwritten stops the run")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | "
+                           "none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, "
+                           "else disk", choices=("auto", "tensor", "disk", "none"))
+    weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at once in a weight sync")
+    weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a "
+                                  "temporary folder")
+    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its "
+                                  "parameters (its /weights_checker randomizes them before the push and compares "
+                                  "checksums after); a parameter left unwritten stops the run")
 
 
 @dataclass
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
-    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)", choices=("loss", "reward"))
+    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)",
+                    choices=("loss", "reward"))
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3", choices=("k1", "k2", "k3"))
     reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
-    reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
-    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy (actor/entropy) fell below this (None: never)")
+    reset_target: float | None = opt(None, "ProRL: reset the reference when the KL to it exceeds this (None: never)")
+    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy "
+                                            "(actor/entropy) fell below this (None: never)")
     reset_alpha: float = opt(1.0, "a reset sets reference = alpha * actor + (1 - alpha) * reference (1: copy)")
 
 
 @dataclass
 class TeacherConfig:
-    model_name: str | None = opt(None, "on-policy distillation: a frozen teacher whose per-token reverse KL to the actor's samples is a penalty on the reward")
+    model_name: str | None = opt(None, "on-policy distillation: a frozen teacher whose per-token reverse KL to the "
+                                 "actor's samples is a penalty on the reward")
     coef: float = opt(1.0, "weight of the teacher's per-token reverse KL in the reward")
 
 
@@ -113,8 +165,9 @@ class GSPOConfig:
 
 @dataclass
 class CISPOConfig:
-    clip_low: float | None = opt(None, "CISPO: the importance weight is at least 1 - clip_low (None: no lower bound, as the paper)")
-    clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this bound)")
+    clip_low: float | None = opt(None, "CISPO: the importance weight is at least 1 - clip_low (None: no lower bound, "
+                                 "as the paper)")
+    clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this)")
 
 
 # actor.correction.type (the choices besides none) -> its bounds (low, high) of rho where actor.correction.low /
@@ -132,9 +185,14 @@ def correction_bounds(name: str, low: float | None = None, high: float | None = 
 
 @dataclass
 class CorrectionConfig:
-    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", *CORRECTION_BOUNDS))
-    low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 for icepop, else 1 / high")
-    high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
+    type: str = opt("none", "corrects the policy loss for tokens the engine sampled from a distribution other than the "
+                    "trainer's (other kernels and precision; older weights in a partial rollout), from each token's "
+                    "rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, "
+                    "high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask "
+                    "trajectories whose product of rho is outside [low, high]) | geo_mask (the same on rho's geometric "
+                    "mean)", choices=("none", *CORRECTION_BOUNDS))
+    low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 (icepop) or 1 / high")
+    high: float | None = opt(None, "upper bound of rho; default: 2 (tis, seq_mask), 5 (icepop), 1.001 (geo_mask)")
 
 
 # actor.policy_loss (the choices) -> the actor keys only it reads, with their defaults (PPO's are top-level for
@@ -150,18 +208,24 @@ POLICY_LOSS_KEYS = {
 
 @dataclass
 class ActorConfig(ModelConfig):
-    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | "
+                           "gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight "
+                           "times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
     clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
-    clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
-    dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of negative-advantage tokens")
+    clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher: ~0.28")
+    dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of "
+                                  "negative-advantage tokens")
     gspo: GSPOConfig = opt(GSPOConfig, "GSPO's clip ranges (policy_loss=gspo or gspo_token)")
     cispo: CISPOConfig = opt(CISPOConfig, "CISPO's weight bounds (policy_loss=cispo)")
-    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off); the short form of actor.correction.type=tis actor.correction.high=C")
-    correction: CorrectionConfig = opt(CorrectionConfig, "engine-vs-trainer correction of the policy loss (truncation or masking)")
+    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off); the "
+                                 "short form of actor.correction.type=tis actor.correction.high=C")
+    correction: CorrectionConfig = opt(CorrectionConfig, "engine-vs-trainer correction of the policy loss (truncation "
+                                       "or masking)")
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
-    freeze_steps: int = opt(0, "PPO's critic warm-up: the actor is not updated for the first this many steps, while the critic learns the values of the initial policy (adv.estimator=gae); its learning-rate schedule starts after them")
+    freeze_steps: int = opt(0, "PPO's critic warm-up: the actor waits this many steps while the critic learns the "
+                            "initial policy's values (adv.estimator=gae); its learning-rate schedule starts after them")
     kl: KLConfig = opt(KLConfig, "KL to the reference")
     entropy: EntropyConfig = opt(EntropyConfig, "entropy bonus")
     teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation")
@@ -176,22 +240,28 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    """Advantage estimation. `estimator=grpo` (the default; `reinforce`, its name in the original RL2, means
-    the same) is the group-relative estimator: each response's score minus the mean score of its prompt's
-    responses. By default it runs as Dr. GRPO (arXiv 2503.20783) proposes for the advantage: no division by
-    the group std (`adv.norm_var=false`), with the loss averaged over every trained token of the batch
-    (`actor.avg_level=token`, DAPO's token-level loss). DeepSeek's GRPO (arXiv 2402.03300) is
-    `adv.norm_var=true actor.avg_level=sequence` (std division, mean over each response's tokens, then over
-    responses); Dr. GRPO's own loss normaliser, the token sum over max_new_tokens x responses, is
-    `actor.avg_level=constant`.
+    """Advantage estimation. `estimator=grpo` (the default; `reinforce`, the original RL2's name, means the same)
+    is the group-relative estimator: each response's score minus the mean score of its prompt's responses. By
+    default it runs as Dr. GRPO (arXiv 2503.20783) proposes: no division by the group std (`adv.norm_var=false`),
+    the loss averaged over every trained token of the batch (`actor.avg_level=token`, DAPO's token-level loss).
+    DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence` (std division, mean over
+    each response's tokens, then over responses); Dr. GRPO's own loss normaliser, the token sum over
+    max_new_tokens x responses, is `actor.avg_level=constant`.
     """
 
-    estimator: str = opt("grpo", "advantage estimator: gae (PPO, trains a critic) | grpo (group mean baseline, no std division unless adv.norm_var=true; reinforce is the same) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)", choices=("gae", "grpo", "rloo", "reinforce_plus_plus", "raw", "mc"), aliases={"reinforce": "grpo"})
+    estimator: str = opt("grpo", "gae (PPO with a critic) | grpo (group mean baseline, no std division unless "
+                         "adv.norm_var=true; alias reinforce) | rloo | reinforce_plus_plus | raw | mc (multi-turn "
+                         "returns)", choices=("gae", "grpo", "rloo", "reinforce_plus_plus", "raw", "mc"),
+                         aliases={"reinforce": "grpo"})
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
     norm_var: bool = opt(False, "grpo only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
-    baseline: str = opt("group", "grpo only: the mean a score is compared with: group (of its prompt's responses, GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var divides by the same set's std", choices=("group", "batch"))
-    global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
+    baseline: str = opt("group", "grpo only: the mean a score is compared with: group (of its prompt's responses, "
+                        "GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original "
+                        "RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var "
+                        "divides by the same set's std", choices=("group", "batch"))
+    global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after "
+                            "any estimator but reinforce_plus_plus, which always does")
     truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 
 
@@ -247,8 +317,7 @@ def check_ppo_config(cfg) -> None:
 
 
 def check_warm_up(actor, adv) -> None:
-    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) the frozen
-    steps would only sample."""
+    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) they would only sample."""
     frozen = actor.freeze_steps
     require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
     require(frozen == 0 or adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the "
@@ -297,13 +366,9 @@ def check_correction(actor) -> None:
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
-    """Fail at start, naming the key, on a turn limit or sampling settings that the engines refuse mid-run
-    (a negative temperature, top_p outside (0, 1]) or that sample nothing (max_new_tokens < 1).
-
-    Args:
-        rollout: the `rollout` section.
-        sampling_keys: its sampling sections (the trainer's train and test ones, the evaluator's one).
-    """
+    """Fail at start, naming the key, on a turn limit, or sampling settings (`sampling_keys`: the trainer's train and
+    test sections, the evaluator's one) that the engines refuse mid-run (a negative temperature, top_p outside
+    (0, 1]) or that sample nothing (max_new_tokens < 1)."""
     limit = rollout.get("max_consecutive_timeouts")
     require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
     require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "

@@ -8,7 +8,7 @@ evaluator's schema (`SCHEMA_CHECKS`, found through a subclass too). Checks that 
 from collections.abc import Callable
 from functools import partial
 
-from RL2.config.errors import ConfigError, require
+from RL2.config.errors import require
 from RL2.config.eval_schema import EvalConfig, check_eval_config
 from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.config.schema import (
@@ -99,13 +99,12 @@ def check_engine(cfg) -> None:
     require(not external or rollout.engine != "embedded",
             "rollout.server_url is set but rollout.engine=embedded; unset one of them")
     # The launched servers' own keys: ignored where no server is launched, as a GPU config run on CPU is.
-    launches = not external and rollout.engine != "embedded"
-    if launches:
+    if not external and rollout.engine != "embedded":
         check_server_args(rollout.server_args)
-    if launches and str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
-        raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
-                          f"at temperature 1, but the trained policy is the distribution at the sampling "
-                          f"temperature, whose log-probabilities SGLang returns by default; remove it")
+        original = str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true")
+        require(not original, f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return "
+                f"log-probabilities at temperature 1, but the trained policy is the distribution at the sampling "
+                f"temperature, whose log-probabilities SGLang returns by default; remove it")
     require(not external or rollout.get("weight_sync") != "tensor", "rollout.weight_sync=tensor needs servers "
             "launched by RL2; with rollout.server_url use disk (the servers must read this machine's files) or none")
     require(rollout.get("weight_bucket_mb", 1) > 0,
