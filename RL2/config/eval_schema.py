@@ -22,15 +22,12 @@ TRAINING_ONLY = frozenset({
 })
 
 
-def _copy_field(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
-    return f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata)
-
-
 EvalRolloutConfig = dataclasses.make_dataclass("EvalRolloutConfig", [
     ("responses_per_prompt", int, opt(1, "samples per prompt (pass@k uses all of them)")),
     ("sampling_params", TestSamplingConfig,
      opt(TestSamplingConfig, "sampling of every sample (temperature 0 is greedy)")),
-    *(_copy_field(f) for f in dataclasses.fields(RolloutConfig) if f.name not in TRAINING_ONLY),
+    *((f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+      for f in dataclasses.fields(RolloutConfig) if f.name not in TRAINING_ONLY),
 ])
 
 

@@ -58,8 +58,7 @@ class RolloutConfig:
     agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, "
                                  "client an openai.AsyncOpenAI served by the rollout engine, instead of "
                                  "rollout.env_path: every call's tokens are recorded, one run is one trajectory")
-    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its "
-                                      "trajectory fails")
+    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, model calls included, before it fails")
     max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent "
                                                "runs) of a rank time out in a row: a script hanging on every call (a "
                                                "dead server, an endless loop) faults every trajectory (null: never)")
@@ -92,8 +91,7 @@ class RolloutConfig:
     overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before "
                                           "max_new_tokens (None: off)")
     overlong_penalty_factor: float = opt(1.0, "the overlong penalty at max_new_tokens, in units of reward")
-    length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens "
-                                     "from the reward")
+    length_penalty_coef: float = opt(0.0, "length shaping: reward -= this x (response length / max_new_tokens)")
     max_running_requests: int = opt(64, "requests the embedded engine decodes together on one rank")
     train_sampling_params: SamplingConfig = opt(SamplingConfig, "sampling of training rollouts")
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
@@ -240,13 +238,10 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    """Advantage estimation. `estimator=grpo` (the default; `reinforce`, the original RL2's name, means the same)
-    is the group-relative estimator: each response's score minus the mean score of its prompt's responses. By
-    default it runs as Dr. GRPO (arXiv 2503.20783) proposes: no division by the group std (`adv.norm_var=false`),
-    the loss averaged over every trained token of the batch (`actor.avg_level=token`, DAPO's token-level loss).
-    DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence` (std division, mean over
-    each response's tokens, then over responses); Dr. GRPO's own loss normaliser, the token sum over
-    max_new_tokens x responses, is `actor.avg_level=constant`.
+    """Advantage estimation. The default, `estimator=grpo` (each response's score minus the mean of its prompt's
+    responses) with `norm_var=false` and `actor.avg_level=token`, is Dr. GRPO's (arXiv 2503.20783) advantage with
+    DAPO's token-level loss; DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence`.
+    docs/rl.md has every recipe, Dr. GRPO's own loss normaliser (`actor.avg_level=constant`) among them.
     """
 
     estimator: str = opt("grpo", "gae (PPO with a critic) | grpo (group mean baseline, no std division unless "

@@ -15,12 +15,9 @@ _FLAG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
 def check_server_args(server_args: dict) -> dict:
-    """`rollout.server_args` with keys in SGLang's snake_case, or a ConfigError naming the bad key.
-
-    Values are scalars (a bool is a switch: true passes `--key`, false leaves it out) or lists of
-    scalars (`--key v1 v2`). Whether SGLang knows a flag is its own business: an unknown one makes
-    the server exit at once, and its log is quoted in the error.
-    """
+    """`rollout.server_args` with keys in SGLang's snake_case, or a ConfigError naming the bad key. Values are
+    scalars (a bool is a switch: true passes `--key`, false leaves it out) or lists of scalars (`--key v1 v2`).
+    Whether SGLang knows a flag is its own business: an unknown one makes the server exit at once, its log quoted."""
     if not isinstance(server_args, dict):  # a config node (only omegaconf makes one): plain containers from here
         from omegaconf import OmegaConf
 
