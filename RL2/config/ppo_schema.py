@@ -271,8 +271,7 @@ class PPOConfig:
 
 
 def check_ppo_config(cfg) -> None:
-    """Fail on an inconsistent combination, naming the keys (single values are checked against their
-    choices when the command line is parsed)."""
+    """Fail on an inconsistent combination, naming the keys (the command line checks single values' choices)."""
     kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
     require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
             "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
@@ -296,11 +295,10 @@ def check_ppo_config(cfg) -> None:
                                                        f"least 1 prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     check_staleness(rollout, cfg.actor)
-    require(train_sampling.temperature >= GREEDY_TEMPERATURE,
-            f"rollout.train_sampling_params.temperature={train_sampling.temperature} samples greedily, but the "
-            f"trained policy is softmax(logits / temperature), which has no log-probabilities at 0 (and every "
-            f"response to a prompt would be the same). Give a positive temperature (1: the model's own "
-            f"distribution); rollout.test_sampling_params may stay greedy")
+    require(train_sampling.temperature >= GREEDY_TEMPERATURE, f"rollout.train_sampling_params.temperature="
+            f"{train_sampling.temperature} samples greedily, but the trained policy is softmax(logits / temperature), "
+            f"which has no log-probabilities at 0 (and every response to a prompt would be the same). Give a positive "
+            f"temperature (1: the model's own distribution); rollout.test_sampling_params may stay greedy")
     require(not (rollout.agent_path and rollout.partial_rollout), "rollout.partial_rollout pauses and resumes "
             "environment trajectories; an agent script's run cannot be resumed: drop rollout.partial_rollout or use "
             "rollout.env_path")
@@ -334,9 +332,8 @@ def check_staleness(rollout, actor) -> None:
                 f"engine keeps its first weights, so every token falls further behind each step; drop one of them")
     check_correction(actor)
     corrected = actor.tis_coef is not None or actor.correction.type != "none"
-    require(not partial or eta == 0 or corrected,
-            f"rollout.partial_rollout trains on tokens sampled by weights up to "
-            f"{'any number of' if eta is None else eta} updates old, with no correction for it: set "
+    require(not partial or eta == 0 or corrected, f"rollout.partial_rollout trains on tokens sampled by weights up "
+            f"to {'any number of' if eta is None else eta} updates old, with no correction for it: set "
             f"actor.correction.type (tis, icepop, seq_mask or geo_mask; actor.tis_coef=2 is tis), or "
             f"rollout.max_staleness=0 to train on tokens of the current weights only")
 
@@ -370,9 +367,9 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
                                          f"stop the run (1 or more), or null never to stop")
     require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
             "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
-    require(rollout.get("gpu_memory_margin_gb", 0.0) >= 0, f"rollout.gpu_memory_margin_gb="
-            f"{rollout.get('gpu_memory_margin_gb')}; give the GiB of each GPU that colocated SGLang servers leave "
-            f"free (0 or more)")
+    margin = rollout.get("gpu_memory_margin_gb", 0.0)
+    require(margin >= 0, f"rollout.gpu_memory_margin_gb={margin}; give the GiB of each GPU that colocated SGLang "
+                         f"servers leave free (0 or more)")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
         require(params.max_new_tokens >= 1,
