@@ -13,31 +13,28 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from RL2.compat.aliases import SchemaKeys, describe_aliases, translate_original
-from RL2.config.errors import ConfigError
+from RL2.config.errors import ConfigError, require
 from RL2.config.validation import check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
 def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> DictConfig:
     """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` (where the trainer's defaults differ
-    from the schema's) and `key=value` arguments.
+    from the schema's) and `key=value` arguments, then run every check of the values (`RL2.config.validation`),
+    once: a bad value fails before anything is loaded.
 
     Args:
         schema: the trainer's config dataclass (e.g. `SFTConfig`).
         trainer: the trainer's name (`sft`, `ppo`, `eval`, ...): its YAML file.
         argv: `key=value` overrides; `sys.argv[1:]` when None. `--help` prints every key. The original
             RL2's keys and command lines mean here what they meant there (`RL2.compat`).
-
-    Every check of the values (`RL2.config.validation`) runs here, once: a bad value fails before anything
-    is loaded.
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(describe(schema, trainer))
         sys.exit(0)
     bad = [arg for arg in argv if "=" not in arg and not arg.startswith("~")]  # Hydra's ~key: refused by name
-    if bad:
-        raise ConfigError(f"arguments must look like key=value, got {bad}; see --help for the keys")
+    require(not bad, f"arguments must look like key=value, got {bad}; see --help for the keys")
     translation = translate_original(argv, schema_keys(schema))
     base = _merged(trainer_defaults(schema, trainer), OmegaConf.from_dotlist(translation.argv), schema,
                    "the command line")
@@ -67,7 +64,9 @@ def _merged(base: DictConfig, layer: DictConfig, schema: type, source: str) -> D
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as e:
-        raise ConfigError(_unknown_key_message(e, schema, source)) from None
+        close = difflib.get_close_matches(e.full_key, [key.name for key in all_keys(schema)], n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help to list the keys"
+        raise ConfigError(f"unknown config key '{e.full_key}' from {source}{hint}") from None
     except ValidationError as e:
         reason = str(e.msg).splitlines()[0]
         raise ConfigError(f"config key '{e.full_key}' from {source}: {reason}") from None
@@ -113,7 +112,8 @@ def all_keys(schema: type, prefix: str = "") -> list[Key]:
 def schema_keys(schema: type) -> SchemaKeys:
     """Every key of a config dataclass; any key under a dict-valued field (`rollout.server_args`) too."""
     rows = all_keys(schema)
-    return SchemaKeys(frozenset(key.name for key in rows), frozenset(key.name for key in rows if isinstance(key.default, dict)))
+    return SchemaKeys(frozenset(key.name for key in rows),
+                      frozenset(key.name for key in rows if isinstance(key.default, dict)))
 
 
 def describe(schema: type, trainer: str) -> str:
@@ -125,11 +125,3 @@ def describe(schema: type, trainer: str) -> str:
     lines = [f"{key.name:<{width}}  {key.help} (default: "
              f"{functools.reduce(operator.getitem, key.name.split('.'), defaults)})" for key in keys]
     return "Config keys (set as key=value):\n" + "\n".join(lines) + "\n\n" + describe_aliases(schema_keys(schema))
-
-
-def _unknown_key_message(error: ConfigKeyError, schema: type, source: str) -> str:
-    key = error.full_key
-    known = [k.name for k in all_keys(schema)]
-    close = difflib.get_close_matches(key, known, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help to list the keys"
-    return f"unknown config key '{key}' from {source}{hint}"

@@ -1,34 +1,35 @@
 """Typed config of the RL trainer (`RL2.trainer.ppo`): PPO with a critic, GRPO and relatives.
 
-Key names follow upstream RL2's ppo.yaml. Values outside their choices fail at start (the `choices`
-of each field), and so do combinations that cannot do what they say (`check_ppo_config`, which
-`RL2.config.validation` runs when the command line is parsed), naming the key.
+Key names follow upstream RL2's ppo.yaml. Values outside a field's `choices` fail at start, and so do
+combinations that cannot do what they say (`check_ppo_config`, run by `RL2.config.validation`), naming the key.
 """
 
 import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import ConfigError, require
 from RL2.config.schema import DataConfig, ModelConfig, TrainerConfig, opt
 
 # A temperature below this samples greedily, as in SGLang (`_SAMPLING_EPS` of its sampling_params.py).
 GREEDY_TEMPERATURE = 1e-6
-# The default of rollout.gpu_memory_margin_gb; tests/gpu/test_cuda_memory_margin.py checks that a tiny
-# model's steps keep within it.
+# rollout.gpu_memory_margin_gb's default; tests/gpu/test_cuda_memory_margin.py checks a tiny model keeps within it.
 COLOCATED_MARGIN_GB = 1.0
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = opt(1.0, "sampling temperature (0 is greedy; training needs a positive one: the trained policy is softmax(logits / temperature))")
+    temperature: float = opt(1.0, "sampling temperature (0 is greedy; training needs a positive one: the trained "
+                             "policy is softmax(logits / temperature))")
     top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens covering this probability")
     top_k: int = opt(-1, "keep the k most likely tokens (-1: all)")
     max_new_tokens: int = opt(256, "the most tokens of one action")
     ignore_eos: bool = opt(False, "keep sampling past end-of-sequence tokens (fixed-length benchmarks)")
-    stop: Any = opt(None, "stop strings: an action ends with the first one it writes, e.g. ['</search>', '</answer>'] (the action passed to step ends with it; every sampled token is trained)")
+    stop: Any = opt(None, "stop strings: an action ends with the first one it writes, e.g. ['</search>', '</answer>'] "
+                    "(the action passed to step ends with it; every sampled token is trained)")
     stop_token_ids: list[int] = opt([], "token ids that end an action besides the model's end-of-sequence tokens")
-    no_stop_trim: bool = opt(True, "keep the matched stop string at the end of the action (the original RL2's spelling; RL2 always does, as the action's tokens are all trained)")
+    no_stop_trim: bool = opt(True, "keep the matched stop string at the end of the action (the original RL2's "
+                             "spelling; RL2 always does, as the action's tokens are all trained)")
 
 
 @dataclass
@@ -38,69 +39,118 @@ class TestSamplingConfig(SamplingConfig):
 
 @dataclass
 class RolloutConfig:
-    env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. envs/arithmetic.py (one of rollout.env_path, rollout.reward_fn and rollout.agent_path is needed)")
-    reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` (sync or async) instead of rollout.env_path: 'path/to/file.py:name' or 'package.module:name', e.g. RL2.rewards:math_reward")
+    env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. "
+                               "envs/arithmetic.py (one of env_path, reward_fn and agent_path is needed)")
+    reward_fn: str | None = opt(None, "train single-turn on a plain `reward(response, extra_info) -> float | dict` "
+                                "(sync or async) instead of rollout.env_path: 'path/to/file.py:name' or "
+                                "'package.module:name', e.g. RL2.rewards:math_reward")
     responses_per_prompt: int = opt(4, "trajectories per prompt (the GRPO group size)")
     test_responses_per_prompt: int = opt(1, "trajectories per test prompt (pass@k uses all of them)")
-    test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test split in a shuffled order (seeded by trainer.seed) that successive evaluations walk through; None: every test prompt")
+    test_prompts_per_rollout: int | None = opt(None, "test prompts of one evaluation: the next this many of the test "
+                                               "split in a shuffled order (seeded by trainer.seed) that successive "
+                                               "evaluations walk through; None: every test prompt")
     max_turns: int = opt(1, "the most actions of one trajectory")
-    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: the model's context (server_args.context_length, else max_position_embeddings)")
-    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take, from when it starts, before its trajectory fails (null: no limit); it holds for blocking code too, as environment code runs on a thread of its own, which a step that blocks past it keeps while the other steps go on in a new one")
-    agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, client an openai.AsyncOpenAI served by the rollout engine, instead of rollout.env_path: every call's tokens are recorded, one run is one trajectory")
-    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, its model calls included, before its trajectory fails")
-    max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent runs) of a rank time out in a row, none ending otherwise in between: a script that hangs on every call (a dead server, an endless loop) would otherwise fault every trajectory of every step (null: never stop)")
-    code_sandbox_unisolated: bool = opt(False, "where the system refuses namespaces (Docker's default seccomp, most Kubernetes pods), let RL2.rewards.code_reward run model-written code with an in-process guard only: that gives up isolation from the host's files, network, sockets and processes (false: such runs stop with an error)")
-    tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a RL2.rollout.tools.tool_calls.ToolCallParser)")
-    tool_timeout: float | None = opt(60.0, "seconds one tool call may take; one that takes longer gives the model an error result")
-    tool_error: str = opt("observe", "a tool call that cannot be parsed, names no tool or fails: observe (the model gets the error as the result) | end (the trajectory ends as a fault)", choices=("observe", "end"))
-    tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's own guess of the result is never sampled")
-    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO's dynamic sampling)")
-    max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step may use to fill its batch")
-    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the unfinished ones carry on in the next step (under newer weights: see rollout.max_staleness and actor.correction)")
-    over_sampling: int = opt(0, "partial rollout: groups kept in flight beyond data.train.batch_size (slime's over_sampling_batch_size less the batch): a step trains on the first batch_size groups to finish, and the slowest are cut and carried into the next; 0: only what dynamic filtering leaves over is carried")
-    max_staleness: int | None = opt(None, "partial rollout: a carried group whose oldest token was sampled by weights more than this many updates behind those being trained is dropped before training and its prompt slot refilled (AReaL's max_head_offpolicyness; 0 drops every carried group); None: no bound")
-    overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before max_new_tokens (None: off)")
+    max_total_tokens: int | None = opt(None, "the most tokens of one sequence (prompt, actions, observations); unset: "
+                                       "the model's context (server_args.context_length, else max_position_embeddings)")
+    env_timeout: float | None = opt(300.0, "seconds one environment step (or reset) may take, from its start, before "
+                                    "its trajectory fails (null: no limit); it holds for blocking code too: a step "
+                                    "past it keeps its thread while the others go on in a new one")
+    agent_path: str | None = opt(None, "an agent script defining `async def run(client, extra_info) -> float | dict`, "
+                                 "client an openai.AsyncOpenAI served by the rollout engine, instead of "
+                                 "rollout.env_path: every call's tokens are recorded, one run is one trajectory")
+    agent_timeout: float | None = opt(600.0, "seconds one agent run may take, model calls included, before it fails")
+    max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent "
+                                               "runs) of a rank time out in a row: a script hanging on every call (a "
+                                               "dead server, an endless loop) faults every trajectory (null: never)")
+    code_sandbox_unisolated: bool = opt(False, "where the system refuses namespaces (Docker's default seccomp, most "
+                                        "Kubernetes pods), let RL2.rewards.code_reward run model-written code with an "
+                                        "in-process guard only: that gives up isolation from the host's files, "
+                                        "network, sockets and processes (false: such runs stop with an error)")
+    tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the "
+                           "chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | "
+                           "hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a "
+                           "RL2.rollout.tools.tool_calls.ToolCallParser)")
+    tool_timeout: float | None = opt(60.0, "seconds a tool call may take; a slower one gives the model an error result")
+    tool_error: str = opt("observe", "a tool call that cannot be parsed, names no tool or fails: observe (the model "
+                          "gets the error as its result) | end (the trajectory faults)", choices=("observe", "end"))
+    tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's "
+                               "own guess of the result is never sampled")
+    dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the "
+                                  "batch is full (DAPO's dynamic sampling)")
+    max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step "
+                                   "may use to fill its batch")
+    partial_rollout: bool = opt(False, "stop a rollout once the batch has enough finished groups; the others carry on "
+                                "in the next step, under newer weights (see max_staleness, actor.correction)")
+    over_sampling: int = opt(0, "partial rollout: groups kept in flight beyond data.train.batch_size (slime's "
+                             "over_sampling_batch_size less the batch): a step trains on the first batch_size groups "
+                             "to finish, and the slowest are cut and carried into the next; 0: only what dynamic "
+                             "filtering leaves over is carried")
+    max_staleness: int | None = opt(None, "partial rollout: a carried group whose oldest token was sampled more than "
+                                    "this many updates before the weights trained is dropped, its prompt slot refilled "
+                                    "(AReaL's max_head_offpolicyness; 0 drops every carried group; None: no bound)")
+    overlong_buffer_len: int | None = opt(None, "DAPO's soft overlong punishment: a ramp of this many tokens before "
+                                          "max_new_tokens (None: off)")
     overlong_penalty_factor: float = opt(1.0, "the overlong penalty at max_new_tokens, in units of reward")
-    length_penalty_coef: float = opt(0.0, "length shaping: subtract this times the response's share of max_new_tokens from the reward")
+    length_penalty_coef: float = opt(0.0, "length shaping: reward -= this x (response length / max_new_tokens)")
     max_running_requests: int = opt(64, "requests the embedded engine decodes together on one rank")
     train_sampling_params: SamplingConfig = opt(SamplingConfig, "sampling of training rollouts")
     test_sampling_params: TestSamplingConfig = opt(TestSamplingConfig, "sampling of test rollouts")
-    reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added to the environment reward")
+    reward_model: str | None = opt(None, "a reward model exported by RL2.trainer.rm (final/critic); its score is added "
+                                   "to the environment reward")
     save_samples: bool = opt(False, "append every trajectory to <save_dir>/samples.jsonl (rank 0)")
     save_sample_tokens: int = opt(0, "with save_samples: also write up to this many tokens of each "
                                   "trajectory's responses, with their loss mask, log-probabilities (the engine's and "
                                   "the trainer's, computed then even where one update covers the rollout), advantage "
                                   "and weight version, which python -m RL2.viewer colours them by (0: none)")
-    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when rollout.server_url is set or on CUDA with sglang installed, else embedded", choices=("auto", "embedded", "sglang"))
-    server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. {tp_size: 2, mem_fraction_static: 0.6}")
-    server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; nothing is launched")
-    gpu_memory_margin_gb: float = opt(COLOCATED_MARGIN_GB, "GiB of each GPU that SGLang servers launched beside the trainer leave free when they size their KV cache, besides SGLang's own headroom: what the trainer's memory left on the GPU (its state offloaded) grows by after the servers start; ignored when rollout.server_args sets mem_fraction_static")
-    server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's bin/python); default: the trainer's")
+    engine: str = opt("auto", "embedded (in-process, one per rank) | sglang (SGLang servers) | auto: sglang when "
+                      "rollout.server_url is set or on CUDA with sglang installed, else embedded",
+                      choices=("auto", "embedded", "sglang"))
+    server_args: dict[str, Any] = opt({}, "flags of `python -m sglang.launch_server` for launched servers, e.g. "
+                                      "{tp_size: 2, mem_fraction_static: 0.6}")
+    server_url: Any = opt(None, "external SGLang server(s) already running: a URL, comma-separated URLs or a list; "
+                          "nothing is launched")
+    gpu_memory_margin_gb: float = opt(COLOCATED_MARGIN_GB, "GiB of each GPU that SGLang servers launched beside the "
+                                      "trainer leave free when they size their KV cache, besides SGLang's own "
+                                      "headroom: what the trainer's memory left on the GPU (its state offloaded) grows "
+                                      "by after the servers start; ignored when server_args sets mem_fraction_static")
+    server_python: str | None = opt(None, "the Python that runs launched servers (e.g. a separate SGLang venv's "
+                                    "bin/python); default: the trainer's")
     server_env: dict[str, str] = opt({}, "extra environment variables of launched servers")
     server_timeout: float = opt(900.0, "seconds a launched server may take to become ready")
-    request_timeout: float = opt(3600.0, "seconds one generation request to an SGLang server may take, queueing and the whole answer included, before the rollout fails (long reasoning at a busy server needs many)")
-    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, given to launched servers in a private --config file, never on their command line (unset: launched servers get a random one)")
+    request_timeout: float = opt(3600.0, "seconds one SGLang generation request may take, queueing and the full answer "
+                                 "included, before the rollout fails (long reasoning on busy servers needs many)")
+    api_key: str | None = opt(None, "key of the SGLang servers: sent as `Authorization: Bearer` to rollout.server_url, "
+                              "given to launched servers in a private --config file, never on their command line "
+                              "(unset: launched servers get a random one)")
     server_log_dir: str | None = opt(None, "folder of the launched servers' logs (default: a temporary folder)")
-    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, else disk", choices=("auto", "tensor", "disk", "none"))
-    weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at a time during a weight sync")
-    weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a temporary folder")
-    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its parameters (its /weights_checker randomizes them before the push and compares checksums after); a parameter left unwritten stops the run")
+    weight_sync: str = opt("auto", "how SGLang servers get new weights: tensor (CUDA IPC buckets) | disk (HF folder) | "
+                           "none | auto: tensor for launched CUDA servers of a version whose bucket format RL2 writes, "
+                           "else disk", choices=("auto", "tensor", "disk", "none"))
+    weight_bucket_mb: float = opt(512.0, "MB of full tensors gathered and sent (or written) at once in a weight sync")
+    weights_dir: str | None = opt(None, "where disk weight syncs write (must be readable by the servers); default: a "
+                                  "temporary folder")
+    check_weight_sync: bool = opt(True, "after each weight push, have every SGLang server confirm it wrote all its "
+                                  "parameters (its /weights_checker randomizes them before the push and compares "
+                                  "checksums after); a parameter left unwritten stops the run")
 
 
 @dataclass
 class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the reference (the initial actor); 0 loads no reference")
-    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)", choices=("loss", "reward"))
+    type: str = opt("loss", "where the KL goes: loss (added to the actor loss) | reward (subtracted from the reward)",
+                    choices=("loss", "reward"))
     estimator: str = opt("k3", "per-token KL estimator: k1 | k2 | k3", choices=("k1", "k2", "k3"))
     reset_every: int | None = opt(None, "ProRL: reset the reference to the actor every this many steps (None: never)")
-    reset_target: float | None = opt(None, "ProRL: reset the reference when the measured KL to it exceeds this (None: never)")
-    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy (actor/entropy) fell below this (None: never)")
+    reset_target: float | None = opt(None, "ProRL: reset the reference when the KL to it exceeds this (None: never)")
+    reset_entropy_floor: float | None = opt(None, "ProRL: reset the reference after a step whose mean policy entropy "
+                                            "(actor/entropy) fell below this (None: never)")
     reset_alpha: float = opt(1.0, "a reset sets reference = alpha * actor + (1 - alpha) * reference (1: copy)")
 
 
 @dataclass
 class TeacherConfig:
-    model_name: str | None = opt(None, "on-policy distillation: a frozen teacher whose per-token reverse KL to the actor's samples is a penalty on the reward")
+    model_name: str | None = opt(None, "on-policy distillation: a frozen teacher whose per-token reverse KL to the "
+                                 "actor's samples is a penalty on the reward")
     coef: float = opt(1.0, "weight of the teacher's per-token reverse KL in the reward")
 
 
@@ -117,8 +167,9 @@ class GSPOConfig:
 
 @dataclass
 class CISPOConfig:
-    clip_low: float | None = opt(None, "CISPO: the importance weight is at least 1 - clip_low (None: no lower bound, as the paper)")
-    clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this bound)")
+    clip_low: float | None = opt(None, "CISPO: the importance weight is at least 1 - clip_low (None: no lower bound, "
+                                 "as the paper)")
+    clip_high: float = opt(3.0, "CISPO: the importance weight is at most 1 + clip_high (the paper tunes only this)")
 
 
 # actor.correction.type (the choices besides none) -> its bounds (low, high) of rho where actor.correction.low /
@@ -136,9 +187,14 @@ def correction_bounds(name: str, low: float | None = None, high: float | None = 
 
 @dataclass
 class CorrectionConfig:
-    type: str = opt("none", "the correction of the policy loss for tokens the engine sampled from another distribution than the trainer's (other kernels and precision; older weights in a partial rollout), from each token's rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask trajectories whose product of rho is outside [low, high]) | geo_mask (the same on the geometric mean of rho)", choices=("none", *CORRECTION_BOUNDS))
-    low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 for icepop, else 1 / high")
-    high: float | None = opt(None, "upper bound of rho; default: 2 for tis and seq_mask, 5 for icepop, 1.001 for geo_mask")
+    type: str = opt("none", "corrects the policy loss for tokens the engine sampled from a distribution other than the "
+                    "trainer's (other kernels and precision; older weights in a partial rollout), from each token's "
+                    "rho = pi_old / pi_engine: none | tis (weight min(rho, high); actor.tis_coef=C is type=tis, "
+                    "high=C) | icepop (mask tokens with rho outside [low, high], weight rho inside) | seq_mask (mask "
+                    "trajectories whose product of rho is outside [low, high]) | geo_mask (the same on rho's geometric "
+                    "mean)", choices=("none", *CORRECTION_BOUNDS))
+    low: float | None = opt(None, "lower bound of rho (icepop, seq_mask, geo_mask); default: 0.5 (icepop) or 1 / high")
+    high: float | None = opt(None, "upper bound of rho; default: 2 (tis, seq_mask), 5 (icepop), 1.001 (geo_mask)")
 
 
 # actor.policy_loss (the choices) -> the actor keys only it reads, with their defaults (PPO's are top-level for
@@ -154,18 +210,24 @@ POLICY_LOSS_KEYS = {
 
 @dataclass
 class ActorConfig(ModelConfig):
-    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
+    policy_loss: str = opt("ppo", "ppo (clipped surrogate on token ratios) | gspo (one clipped ratio per trajectory) | "
+                           "gspo_token (GSPO's ratio with per-token advantages) | cispo (clipped, detached weight "
+                           "times the log-prob)", choices=tuple(POLICY_LOSS_KEYS))
     clip: float = opt(0.2, "policy_loss=ppo: clip range of the ratio (both sides unless clip_low/clip_high are set)")
     clip_low: float | None = opt(None, "policy_loss=ppo: lower clip range (default: clip)")
-    clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher uses ~0.28")
-    dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of negative-advantage tokens")
+    clip_high: float | None = opt(None, "policy_loss=ppo: upper clip range (default: clip); DAPO's clip-higher: ~0.28")
+    dual_clip: float | None = opt(None, "policy_loss=ppo: dual-clip constant c > 1 bounding the loss of "
+                                  "negative-advantage tokens")
     gspo: GSPOConfig = opt(GSPOConfig, "GSPO's clip ranges (policy_loss=gspo or gspo_token)")
     cispo: CISPOConfig = opt(CISPOConfig, "CISPO's weight bounds (policy_loss=cispo)")
-    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off); the short form of actor.correction.type=tis actor.correction.high=C")
-    correction: CorrectionConfig = opt(CorrectionConfig, "engine-vs-trainer correction of the policy loss (truncation or masking)")
+    tis_coef: float | None = opt(None, "cap of the truncated importance weight old/engine probability (None: off); the "
+                                 "short form of actor.correction.type=tis actor.correction.high=C")
+    correction: CorrectionConfig = opt(CorrectionConfig, "engine-vs-trainer correction of the policy loss (truncation "
+                                       "or masking)")
     update_per_rollout: int = opt(1, "passes (PPO epochs) over each rollout")
     mini_batch_size: int | None = opt(None, "prompts per optimizer step; None: the whole rollout in one step")
-    freeze_steps: int = opt(0, "PPO's critic warm-up: the actor is not updated for the first this many steps, while the critic learns the values of the initial policy (adv.estimator=gae); its learning-rate schedule starts after them")
+    freeze_steps: int = opt(0, "PPO's critic warm-up: the actor waits this many steps while the critic learns the "
+                            "initial policy's values (adv.estimator=gae); its learning-rate schedule starts after them")
     kl: KLConfig = opt(KLConfig, "KL to the reference")
     entropy: EntropyConfig = opt(EntropyConfig, "entropy bonus")
     teacher: TeacherConfig = opt(TeacherConfig, "on-policy distillation")
@@ -180,22 +242,25 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    """Advantage estimation. `estimator=grpo` (the default; `reinforce`, its name in the original RL2, means
-    the same) is the group-relative estimator: each response's score minus the mean score of its prompt's
-    responses. By default it runs as Dr. GRPO (arXiv 2503.20783) proposes for the advantage: no division by
-    the group std (`adv.norm_var=false`), with the loss averaged over every trained token of the batch
-    (`actor.avg_level=token`, DAPO's token-level loss). DeepSeek's GRPO (arXiv 2402.03300) is
-    `adv.norm_var=true actor.avg_level=sequence` (std division, mean over each response's tokens, then over
-    responses); Dr. GRPO's own loss normaliser, the token sum over max_new_tokens x responses, is
-    `actor.avg_level=constant`.
+    """Advantage estimation. The default, `estimator=grpo` (each response's score minus the mean of its prompt's
+    responses) with `norm_var=false` and `actor.avg_level=token`, is Dr. GRPO's (arXiv 2503.20783) advantage with
+    DAPO's token-level loss; DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence`.
+    docs/rl.md has every recipe, Dr. GRPO's own loss normaliser (`actor.avg_level=constant`) among them.
     """
 
-    estimator: str = opt("grpo", "advantage estimator: gae (PPO, trains a critic) | grpo (group mean baseline, no std division unless adv.norm_var=true; reinforce is the same) | rloo | reinforce_plus_plus | raw | mc (multi-turn returns)", choices=("gae", "grpo", "rloo", "reinforce_plus_plus", "raw", "mc"), aliases={"reinforce": "grpo"})
+    estimator: str = opt("grpo", "gae (PPO with a critic) | grpo (group mean baseline, no std division unless "
+                         "adv.norm_var=true; alias reinforce) | rloo | reinforce_plus_plus | raw | mc (multi-turn "
+                         "returns)", choices=("gae", "grpo", "rloo", "reinforce_plus_plus", "raw", "mc"),
+                         aliases={"reinforce": "grpo"})
     gamma: float = opt(1.0, "discount per action token (gae, reinforce_plus_plus) or per turn (mc)")
     lamda: float = opt(1.0, "GAE lambda (gae only)")
     norm_var: bool = opt(False, "grpo only: divide by the group std (DeepSeek's GRPO); false (the default) is Dr. GRPO")
-    baseline: str = opt("group", "grpo only: the mean a score is compared with: group (of its prompt's responses, GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var divides by the same set's std", choices=("group", "batch"))
-    global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after any estimator but reinforce_plus_plus, which always does")
+    baseline: str = opt("group", "grpo only: the mean a score is compared with: group (of its prompt's responses, "
+                        "GRPO) | batch (of every response of the batch, REINFORCE with a batch baseline: the original "
+                        "RL2's adv.global_norm=true, and its default for one response per prompt); adv.norm_var "
+                        "divides by the same set's std", choices=("group", "batch"))
+    global_norm: bool = opt(False, "whiten the advantages over every sampled token of the batch (mean 0, std 1), after "
+                            "any estimator but reinforce_plus_plus, which always does")
     truncation: int | None = opt(None, "mc only: turns summed into each return (None: to the end of the trajectory)")
 
 
@@ -210,85 +275,69 @@ class PPOConfig:
 
 
 def check_ppo_config(cfg) -> None:
-    """Fail on an inconsistent combination, naming the keys (single values are checked against their
-    choices when the command line is parsed)."""
-    if cfg.rollout.responses_per_prompt < 1 or cfg.actor.update_per_rollout < 1 or cfg.critic.update_per_rollout < 1:
-        raise ConfigError("rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout "
-                          "must be at least 1")
+    """Fail on an inconsistent combination, naming the keys (the command line checks single values' choices)."""
+    kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
+    require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
+            "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
     check_warm_up(cfg.actor, cfg.adv)
-    kl, rollout = cfg.actor.kl, cfg.rollout
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
-    if kl.reset_entropy_floor is not None and kl.reset_entropy_floor <= 0:
-        raise ConfigError(f"actor.kl.reset_entropy_floor is {kl.reset_entropy_floor}; an entropy is never below "
-                          f"0, so set a positive floor (in nats per token) or leave it null")
-    if not 0 < kl.reset_alpha <= 1:
-        raise ConfigError(f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the actor)")
+    require(kl.reset_entropy_floor is None or kl.reset_entropy_floor > 0, f"actor.kl.reset_entropy_floor is "
+            f"{kl.reset_entropy_floor}; an entropy is never below 0, so set a positive floor (in nats per token) or "
+            f"leave it null")
+    require(0 < kl.reset_alpha <= 1, f"actor.kl.reset_alpha is {kl.reset_alpha}; it must be in (0, 1] (1 copies the "
+                                     f"actor)")
     check_algorithm(cfg.adv, kl)
     check_policy_loss(cfg.actor)
-    if rollout.overlong_buffer_len is not None and not 0 < rollout.overlong_buffer_len <= rollout.train_sampling_params.max_new_tokens:
-        raise ConfigError(f"rollout.overlong_buffer_len={rollout.overlong_buffer_len} must be in (0, "
-                          f"rollout.train_sampling_params.max_new_tokens={rollout.train_sampling_params.max_new_tokens}]")
-    if rollout.max_sampling_rounds < 1:
-        raise ConfigError("rollout.max_sampling_rounds must be at least 1")
-    if rollout.test_prompts_per_rollout is not None and rollout.test_prompts_per_rollout < 1:
-        raise ConfigError(f"rollout.test_prompts_per_rollout={rollout.test_prompts_per_rollout}; test on at least 1 "
-                          f"prompt, or leave it null to test on every prompt")
+    overlong = rollout.overlong_buffer_len
+    require(overlong is None or 0 < overlong <= train_sampling.max_new_tokens, f"rollout.overlong_buffer_len="
+            f"{overlong} must be in (0, rollout.train_sampling_params.max_new_tokens={train_sampling.max_new_tokens}]")
+    require(rollout.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be at least 1")
+    test_prompts = rollout.test_prompts_per_rollout
+    require(test_prompts is None or test_prompts >= 1, f"rollout.test_prompts_per_rollout={test_prompts}; test on at "
+                                                       f"least 1 prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     check_staleness(rollout, cfg.actor)
-    if rollout.train_sampling_params.temperature < GREEDY_TEMPERATURE:
-        raise ConfigError(
-            f"rollout.train_sampling_params.temperature={rollout.train_sampling_params.temperature} samples "
-            f"greedily, but the trained policy is softmax(logits / temperature), which has no log-probabilities "
-            f"at 0 (and every response to a prompt would be the same). Give a positive temperature (1: the "
-            f"model's own distribution); rollout.test_sampling_params may stay greedy")
-    if rollout.agent_path and rollout.partial_rollout:
-        raise ConfigError("rollout.partial_rollout pauses and resumes environment trajectories; an agent script's run "
-                          "cannot be resumed: drop rollout.partial_rollout or use rollout.env_path")
+    require(train_sampling.temperature >= GREEDY_TEMPERATURE, f"rollout.train_sampling_params.temperature="
+            f"{train_sampling.temperature} samples greedily, but the trained policy is softmax(logits / temperature), "
+            f"which has no log-probabilities at 0 (and every response to a prompt would be the same). Give a positive "
+            f"temperature (1: the model's own distribution); rollout.test_sampling_params may stay greedy")
+    require(not (rollout.agent_path and rollout.partial_rollout), "rollout.partial_rollout pauses and resumes "
+            "environment trajectories; an agent script's run cannot be resumed: drop rollout.partial_rollout or use "
+            "rollout.env_path")
     estimator = cfg.adv.estimator
-    if cfg.rollout.responses_per_prompt < 2 and (estimator == "rloo" or (
-            estimator == "grpo" and cfg.adv.baseline == "group")):
-        hint = " or adv.baseline=batch" if estimator == "grpo" else ""
-        raise ConfigError(f"adv.estimator={estimator} compares responses to the same prompt; set "
-                          f"rollout.responses_per_prompt >= 2{hint}")
+    by_group = estimator == "rloo" or (estimator == "grpo" and cfg.adv.baseline == "group")
+    hint = " or adv.baseline=batch" if estimator == "grpo" else ""
+    require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "
+            f"the same prompt; set rollout.responses_per_prompt >= 2{hint}")
 
 
 def check_warm_up(actor, adv) -> None:
-    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) the frozen
-    steps would only sample."""
-    if actor.freeze_steps < 0:
-        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps}; give the number of steps the actor waits (0: none)")
-    if actor.freeze_steps and adv.estimator != "gae":
-        raise ConfigError(f"actor.freeze_steps={actor.freeze_steps} lets PPO's critic learn before the actor moves, but "
-                          f"adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
+    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) they would only sample."""
+    frozen = actor.freeze_steps
+    require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
+    require(frozen == 0 or adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the "
+            f"actor moves, but adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
 
 
 def check_staleness(rollout, actor) -> None:
     """A partial rollout trains on tokens of older weights: the over-sampling that cuts the slowest groups, the
     bound on their staleness and the correction of the loss must fit together."""
-    if rollout.over_sampling < 0:
-        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling}; give the groups started beyond the batch "
-                          f"(0: none)")
-    if rollout.over_sampling and not rollout.partial_rollout:
-        raise ConfigError(f"rollout.over_sampling={rollout.over_sampling} starts groups beyond the batch for a partial "
-                          f"rollout to cut; set rollout.partial_rollout=true or drop it")
-    eta = rollout.max_staleness
+    extra, partial, eta = rollout.over_sampling, rollout.partial_rollout, rollout.max_staleness
+    require(extra >= 0, f"rollout.over_sampling={extra}; give the groups started beyond the batch (0: none)")
+    require(extra == 0 or partial, f"rollout.over_sampling={extra} starts groups beyond the batch for a partial "
+                                   f"rollout to cut; set rollout.partial_rollout=true or drop it")
     if eta is not None:
-        if eta < 0:
-            raise ConfigError(f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
-        if not rollout.partial_rollout:
-            raise ConfigError(f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may "
-                              f"be; without rollout.partial_rollout=true every token is sampled by the weights trained")
-        if rollout.weight_sync == "none":
-            raise ConfigError(f"rollout.max_staleness={eta} with rollout.weight_sync=none: the engine keeps its first "
-                              f"weights, so every token falls further behind each step; drop one of them")
+        require(eta >= 0, f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
+        require(partial, f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may be; "
+                         f"without rollout.partial_rollout=true every token is sampled by the weights trained")
+        require(rollout.weight_sync != "none", f"rollout.max_staleness={eta} with rollout.weight_sync=none: the "
+                f"engine keeps its first weights, so every token falls further behind each step; drop one of them")
     check_correction(actor)
     corrected = actor.tis_coef is not None or actor.correction.type != "none"
-    if rollout.partial_rollout and eta != 0 and not corrected:
-        raise ConfigError(
-            f"rollout.partial_rollout trains on tokens sampled by weights up to "
-            f"{'any number of' if eta is None else eta} updates old, with no correction for it: set "
+    require(not partial or eta == 0 or corrected, f"rollout.partial_rollout trains on tokens sampled by weights up "
+            f"to {'any number of' if eta is None else eta} updates old, with no correction for it: set "
             f"actor.correction.type (tis, icepop, seq_mask or geo_mask; actor.tis_coef=2 is tis), or "
             f"rollout.max_staleness=0 to train on tokens of the current weights only")
 
@@ -296,51 +345,43 @@ def check_staleness(rollout, actor) -> None:
 def check_correction(actor) -> None:
     """The engine correction's bounds: set for the correction chosen, and low < high."""
     correction = actor.correction
-    if actor.tis_coef is not None and correction.type != "none":
-        raise ConfigError(f"actor.tis_coef={actor.tis_coef} is the short form of actor.correction.type=tis "
-                          f"actor.correction.high={actor.tis_coef}; keep one of actor.tis_coef and "
-                          f"actor.correction.type")
-    if correction.type in ("none", "tis") and correction.low is not None:
-        raise ConfigError(f"actor.correction.low={correction.low} means nothing for actor.correction.type="
-                          f"{correction.type}; it bounds icepop, seq_mask and geo_mask")
-    if correction.type == "none" and correction.high is not None:
-        raise ConfigError(f"actor.correction.high={correction.high} bounds a correction; set actor.correction.type")
-    if (correction.high is not None and correction.high <= 0) or (correction.low is not None and correction.low < 0):
-        raise ConfigError(f"actor.correction.low={correction.low} and high={correction.high} bound a ratio of "
-                          f"probabilities: high must be positive and low at least 0")
-    if correction.type not in ("none", "tis"):
-        low, high = correction_bounds(correction.type, correction.low, correction.high)
-        if low >= high:
-            raise ConfigError(f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
-                              f"actor.correction.high")
+    kind, low, high = correction.type, correction.low, correction.high
+    require(actor.tis_coef is None or kind == "none", f"actor.tis_coef={actor.tis_coef} is the short form of "
+            f"actor.correction.type=tis actor.correction.high={actor.tis_coef}; keep one of actor.tis_coef and "
+            f"actor.correction.type")
+    require(kind not in ("none", "tis") or low is None, f"actor.correction.low={low} means nothing for "
+            f"actor.correction.type={kind}; it bounds icepop, seq_mask and geo_mask")
+    require(kind != "none" or high is None,
+            f"actor.correction.high={high} bounds a correction; set actor.correction.type")
+    require((high is None or high > 0) and (low is None or low >= 0), f"actor.correction.low={low} and high={high} "
+            f"bound a ratio of probabilities: high must be positive and low at least 0")
+    if kind not in ("none", "tis"):
+        low, high = correction_bounds(kind, low, high)
+        require(low < high, f"actor.correction bounds [{low}, {high}] keep no ratio; set actor.correction.low below "
+                            f"actor.correction.high")
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
-    """Fail at start, naming the key, on a turn limit or sampling settings that the engines refuse mid-run
-    (a negative temperature, top_p outside (0, 1]) or that sample nothing (max_new_tokens < 1).
-
-    Args:
-        rollout: the `rollout` section.
-        sampling_keys: its sampling sections (the trainer's train and test ones, the evaluator's one).
-    """
-    if rollout.max_turns < 1:
-        raise ConfigError(f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
-    if (limit := rollout.get("max_consecutive_timeouts")) is not None and limit < 1:
-        raise ConfigError(f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that stop the run "
-                          f"(1 or more), or null never to stop")
-    if rollout.get("agent_path") and rollout.get("reward_fn"):
-        raise ConfigError("rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
-    if rollout.get("gpu_memory_margin_gb", 0.0) < 0:
-        raise ConfigError(f"rollout.gpu_memory_margin_gb={rollout.gpu_memory_margin_gb}; give the GiB of each GPU "
-                          f"that colocated SGLang servers leave free (0 or more)")
+    """Fail at start, naming the key, on a turn limit, or sampling settings (`sampling_keys`: the trainer's train and
+    test sections, the evaluator's one) that the engines refuse mid-run (a negative temperature, top_p outside
+    (0, 1]) or that sample nothing (max_new_tokens < 1)."""
+    limit = rollout.get("max_consecutive_timeouts")
+    require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
+    require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "
+                                         f"stop the run (1 or more), or null never to stop")
+    require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
+            "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
+    margin = rollout.get("gpu_memory_margin_gb", 0.0)
+    require(margin >= 0, f"rollout.gpu_memory_margin_gb={margin}; give the GiB of each GPU that colocated SGLang "
+                         f"servers leave free (0 or more)")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
-        if params.max_new_tokens < 1:
-            raise ConfigError(f"{key}.max_new_tokens={params.max_new_tokens}; an action needs at least 1 new token")
-        if params.temperature < 0:
-            raise ConfigError(f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
-        if not 0 < params.top_p <= 1:
-            raise ConfigError(f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
+        require(params.max_new_tokens >= 1,
+                f"{key}.max_new_tokens={params.max_new_tokens}; an action needs at least 1 new token")
+        require(params.temperature >= 0,
+                f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
+        require(0 < params.top_p <= 1,
+                f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
         check_stops(params, key)
 
 
@@ -348,37 +389,32 @@ def check_stops(params, key: str) -> None:
     """Stop strings are a string or a list of non-empty strings; `no_stop_trim=false` cannot be honoured."""
     stop = params.stop
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stops):
-        raise ConfigError(f"{key}.stop={stop!r}; give a string or a list of non-empty strings, e.g. "
-                          f"{key}.stop=['</search>','</answer>']")
-    if not params.no_stop_trim:
-        raise ConfigError(f"{key}.no_stop_trim=false would cut the stop string out of the action text while its "
-                          f"tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action "
-                          f"passed to step always ends with the matched stop string")
+    require(all(isinstance(s, str) and s for s in stops), f"{key}.stop={stop!r}; give a string or a list of "
+            f"non-empty strings, e.g. {key}.stop=['</search>','</answer>']")
+    require(params.no_stop_trim, f"{key}.no_stop_trim=false would cut the stop string out of the action text while "
+            f"its tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action passed to step "
+            f"always ends with the matched stop string")
 
 
 def check_algorithm(adv, kl) -> None:
     """Fail on a combination that cannot do what it says, saying why."""
     estimator = adv.estimator
-    if adv.norm_var and estimator != "grpo":
-        raise ConfigError(f"adv.norm_var divides GRPO's group baseline by the group std; it means nothing for "
-                          f"adv.estimator={estimator}. Drop it, or use adv.estimator=grpo")
-    if adv.get("baseline", "group") != "group" and estimator != "grpo":
-        raise ConfigError(f"adv.baseline={adv.baseline} is the baseline of adv.estimator=grpo; "
-                          f"adv.estimator={estimator} has its own. Drop it, or use adv.estimator=grpo")
-    if adv.global_norm and estimator == "reinforce_plus_plus":
-        raise ConfigError("adv.estimator=reinforce_plus_plus already whitens its returns over the batch; "
-                          "leave adv.global_norm=false")
-    if adv.lamda != 1.0 and estimator != "gae":
-        raise ConfigError(f"adv.lamda is GAE's lambda; adv.estimator={estimator} has no critic to use it")
-    if adv.gamma != 1.0 and estimator not in ("gae", "reinforce_plus_plus", "mc"):
-        raise ConfigError(f"adv.estimator={estimator} scores a whole trajectory at once, so there is nothing to "
-                          f"discount; adv.gamma applies to gae, reinforce_plus_plus and mc")
-    if adv.truncation is not None and estimator != "mc":
-        raise ConfigError("adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
-    if adv.truncation is not None and adv.truncation < 1:
-        raise ConfigError(f"adv.truncation={adv.truncation}; give a positive number of turns, or null for returns to "
-                          f"the end of the trajectory")
+    require(not adv.norm_var or estimator == "grpo", f"adv.norm_var divides GRPO's group baseline by the group std; "
+            f"it means nothing for adv.estimator={estimator}. Drop it, or use adv.estimator=grpo")
+    require(adv.get("baseline", "group") == "group" or estimator == "grpo", f"adv.baseline={adv.get('baseline')} is "
+            f"the baseline of adv.estimator=grpo; adv.estimator={estimator} has its own. Drop it, or use "
+            f"adv.estimator=grpo")
+    require(not adv.global_norm or estimator != "reinforce_plus_plus", "adv.estimator=reinforce_plus_plus already "
+            "whitens its returns over the batch; leave adv.global_norm=false")
+    require(adv.lamda == 1.0 or estimator == "gae",
+            f"adv.lamda is GAE's lambda; adv.estimator={estimator} has no critic to use it")
+    require(adv.gamma == 1.0 or estimator in ("gae", "reinforce_plus_plus", "mc"), f"adv.estimator={estimator} "
+            f"scores a whole trajectory at once, so there is nothing to discount; adv.gamma applies to gae, "
+            f"reinforce_plus_plus and mc")
+    if adv.truncation is not None:
+        require(estimator == "mc", "adv.truncation limits the turns of mc's returns; set adv.estimator=mc or drop it")
+        require(adv.truncation >= 1, f"adv.truncation={adv.truncation}; give a positive number of turns, or null for "
+                                     f"returns to the end of the trajectory")
     if kl.coef > 0 and kl.type == "reward" and kl.estimator != "k1":
         # A penalty in the reward is multiplied by grad log p: only k1 then gives grad KL in
         # expectation (E[k3 grad log p] != grad KL), as REINFORCE++ and OpenAI's PPO use it.
@@ -401,13 +437,12 @@ def check_policy_loss(actor) -> None:
                 owner = f"{loss} (or {', '.join(others)})" if others else loss
                 raise ConfigError(f"actor.{key}={value} belongs to actor.policy_loss={owner}, but actor.policy_loss="
                                   f"{actor.policy_loss}; drop it, or set actor.policy_loss={loss}")
-    if actor.dual_clip is not None and actor.dual_clip <= 1:
-        raise ConfigError(f"actor.dual_clip={actor.dual_clip}; it bounds the loss of a negative-advantage token at "
-                          f"dual_clip times its advantage: set it above 1 (3 is a common choice), or null for none")
     gspo, cispo = actor.gspo, actor.cispo
-    if not (0 <= gspo.clip_low < 1 and gspo.clip_high >= 0):
-        raise ConfigError(f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) and actor.gspo.clip_high="
-                          f"{gspo.clip_high} at least 0 (the paper: 3e-4 and 4e-4)")
-    if cispo.clip_high < 0 or (cispo.clip_low is not None and not 0 <= cispo.clip_low <= 1):
-        raise ConfigError(f"actor.cispo.clip_high={cispo.clip_high} must be at least 0 and actor.cispo.clip_low="
-                          f"{cispo.clip_low} in [0, 1] or null (no lower bound, as the paper)")
+    require(actor.dual_clip is None or actor.dual_clip > 1, f"actor.dual_clip={actor.dual_clip}; it bounds the loss "
+            f"of a negative-advantage token at dual_clip times its advantage: set it above 1 (3 is a common choice), "
+            f"or null for none")
+    require(0 <= gspo.clip_low < 1 and gspo.clip_high >= 0, f"actor.gspo.clip_low={gspo.clip_low} must be in [0, 1) "
+            f"and actor.gspo.clip_high={gspo.clip_high} at least 0 (the paper: 3e-4 and 4e-4)")
+    require(cispo.clip_high >= 0 and (cispo.clip_low is None or 0 <= cispo.clip_low <= 1), f"actor.cispo.clip_high="
+            f"{cispo.clip_high} must be at least 0 and actor.cispo.clip_low={cispo.clip_low} in [0, 1] or null (no "
+            f"lower bound, as the paper)")

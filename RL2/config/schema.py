@@ -1,23 +1,21 @@
 """Typed config schemas shared by every trainer.
 
-These dataclasses fix the key names, types, help texts and defaults; the YAML file of a trainer in
-`RL2/trainer/config/` holds only the values where its defaults differ (a trainer without one has none).
-`RL2.config.cli.parse_config` merges schema <- YAML <- command line, so an unknown key or a value of the
-wrong type fails at start with the key's full name.
+These dataclasses fix the key names, types, help texts and defaults; a trainer's YAML file in `RL2/trainer/config/`
+holds only the values where its defaults differ. `RL2.config.cli.parse_config` merges schema <- YAML <- command
+line, so an unknown key or a value of the wrong type fails at start with the key's full name.
 """
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import require
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: dict[str, str] | None = None) -> Any:
     """A config field with a default, a one-line help text (shown by `--help`) and, for a field that
     names one of a few things, its `choices` (the command line rejects any other value at start) and
     `aliases`, other spellings of a choice that the command line replaces with it."""
-    metadata = {"help": help} | ({"choices": tuple(choices)} if choices else {}) | (
-        {"aliases": dict(aliases)} if aliases else {})
+    metadata = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if isinstance(default, type):  # a nested config: build a fresh instance each time
@@ -27,7 +25,8 @@ def opt(default: Any, help: str, choices: tuple | None = None, aliases: dict[str
 
 @dataclass
 class SplitConfig:
-    path: str | None = opt(None, "JSON/JSONL/CSV/Parquet/Arrow file, save_to_disk folder or hub name; 'split@path' picks a split")
+    path: str | None = opt(None, "JSON/JSONL/CSV/Parquet/Arrow file, save_to_disk folder or hub name; 'split@path' "
+                           "picks a split")
     max_length: int = opt(2048, "sequences longer than this many tokens are truncated")
     batch_size: int = opt(32, "examples (prompts for RL, pairs for DPO/RM) per optimizer step, over all ranks")
     prompt_key: str = opt("prompt", "column holding the prompt (text, or a list of chat messages)")
@@ -42,7 +41,8 @@ class SplitConfig:
 class DataConfig:
     train: SplitConfig = opt(SplitConfig, "training split")
     test: SplitConfig = opt(SplitConfig, "test split; when its path is empty, test_ratio of train is held out")
-    test_ratio: float = opt(0.0, "fraction of the training set held out as the test split when data.test.path is unset (read with data.train's keys and settings; 0: none)")
+    test_ratio: float = opt(0.0, "fraction of the training set held out as the test split when data.test.path is unset "
+                            "(read with data.train's keys and settings; 0: none)")
     skip_bad_rows: bool = opt(False, "skip (and count) malformed rows instead of stopping with an error")
     shuffle: bool = opt(True, "shuffle the training set every epoch (seeded by trainer.seed)")
 
@@ -57,7 +57,7 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = opt("constant", "learning-rate schedule after warmup: constant | cosine", choices=("constant", "cosine"))
+    name: str = opt("constant", "learning rate after warmup: constant | cosine", choices=("constant", "cosine"))
     warmup_ratio: float = opt(0.0, "fraction of total steps spent warming up linearly from 0")
     min_lr: float = opt(0.0, "floor of the cosine schedule (absolute learning rate)")
 
@@ -68,30 +68,39 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class LoRAConfig:
-    rank: int = opt(0, "LoRA rank r: train low-rank adapters on a frozen base model instead of every parameter (0: off)")
+    rank: int = opt(0, "LoRA rank: train low-rank adapters on a frozen base model instead of every parameter (0: off)")
     alpha: float = opt(32.0, "LoRA's scale: an adapter's output is multiplied by alpha / rank")
     dropout: float = opt(0.0, "dropout on an adapter's input while training")
-    target_modules: list[str] = opt(LORA_TARGETS, "linear layers of the decoder layers that get adapters, by the last part(s) of their module path; [all-linear] takes every one")
+    target_modules: list[str] = opt(LORA_TARGETS, "linear layers of the decoder layers that get adapters, by the last "
+                                    "part(s) of their module path; [all-linear] takes every one")
 
 
 @dataclass
 class ModelConfig:
-    model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the bundled default model")
+    model_name: str = opt("smollm2-135m-instruct", "HF folder or name; 'smollm2-135m-instruct' is the bundled model")
     tokenizer_name: str | None = opt(None, "tokenizer to load; defaults to model_name")
-    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where its matmuls are native and faster than float32, else float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
+    dtype: str = opt("auto", "compute dtype: auto (bfloat16 where its matmuls are native and faster than float32, else "
+                     "float32) | bfloat16 | float16 (with a gradient scaler) | float32; master weights stay float32, "
+                     "frozen models are stored in it", choices=("auto", "bfloat16", "float16", "float32"))
     max_length_per_device: int = opt(4096, "token budget of one packed micro-batch on one rank")
     enable_gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
-    checkpoint_every_n_layers: int = opt(1, "with enable_gradient_checkpointing: recompute only every n-th decoder layer (1: all of them); the others keep their activations, trading part of the memory saved back for speed")
-    share_prefixes: bool = opt(True, "compute a prefix that consecutive packed sequences share (a prompt and its group's responses) once; with the SDPA attention path (CPU, or CUDA without flash kernels), not under context parallelism")
+    checkpoint_every_n_layers: int = opt(1, "with enable_gradient_checkpointing: recompute every n-th decoder layer "
+                                         "(1: all); the others keep their activations, trading memory for speed")
+    share_prefixes: bool = opt(True, "compute a prefix that consecutive packed sequences share (a prompt and its "
+                               "group's responses) once; with the SDPA attention path (CPU, or CUDA without flash "
+                               "kernels), not under context parallelism")
     max_grad_norm: float = opt(1.0, "gradient clipping by global norm (<= 0 disables)")
     offload_optimizer: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; no-op on CPU)")
-    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, Dr. GRPO)", choices=("token", "sequence", "constant"))
+    avg_level: str = opt("token", "loss averaging: token (over all tokens of the batch) | sequence (per sample first: "
+                         "a sequence, or an RL trajectory) | constant (RL: token sum over max_new_tokens x samples, "
+                         "Dr. GRPO)", choices=("token", "sequence", "constant"))
     tp_size: int = opt(1, "tensor-parallel degree")
     cp_size: int = opt(1, "context-parallel degree")
     ddp_size: int = opt(1, "replicas for hybrid sharding (replicate x shard)")
     optimizer: OptimizerConfig = opt(OptimizerConfig, "optimizer")
     scheduler: SchedulerConfig = opt(SchedulerConfig, "learning-rate scheduler")
-    lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the compute dtype, in float32 when PPO's reference resets merge adapters into them)")
+    lora: LoRAConfig = opt(LoRAConfig, "LoRA adapters (rank > 0 turns them on; the base weights stay frozen in the "
+                           "compute dtype, in float32 when PPO's reference resets merge adapters into them)")
 
 
 def check_model_sections(cfg) -> None:
@@ -100,42 +109,44 @@ def check_model_sections(cfg) -> None:
         lora = value.get("lora") if hasattr(value, "get") else None
         if lora is None:
             continue
-        budget = value.get("max_length_per_device", 1)
-        if budget < 1:
-            raise ConfigError(f"{section}.max_length_per_device={budget}; it is a micro-batch's token budget: "
-                              f"set it at least as long as the longest sequence (data.*.max_length)")
+        require(value.max_length_per_device >= 1, f"{section}.max_length_per_device={value.max_length_per_device}; it "
+                f"is a micro-batch's token budget: set it at least as long as the longest sequence (data.*.max_length)")
         for degree in ("tp_size", "cp_size", "ddp_size"):
-            if value.get(degree, 1) < 1:
-                raise ConfigError(f"{section}.{degree}={value[degree]}: a parallel degree is at least 1; set it to 1 "
-                                  f"or more")
-        every = value.get("checkpoint_every_n_layers", 1)
-        if every < 1:
-            raise ConfigError(f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
-                              f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
+            require(value[degree] >= 1, f"{section}.{degree}={value[degree]}: a parallel degree is at least 1; set it "
+                                        f"to 1 or more")
+        every = value.checkpoint_every_n_layers
+        require(every >= 1, f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
+                            f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
         check_optimizer(section, value.optimizer, value.scheduler)
         key = f"{section}.lora"
-        if lora.rank < 0:
-            raise ConfigError(f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
-        if lora.rank and lora.alpha <= 0:
-            raise ConfigError(f"{key}.alpha={lora.alpha}; it must be positive (the adapters' scale is alpha / rank)")
-        if not 0 <= lora.dropout < 1:
-            raise ConfigError(f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
-        if lora.rank and not lora.target_modules:
-            raise ConfigError(f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
+        require(lora.rank >= 0, f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
+        require(lora.rank == 0 or lora.alpha > 0,
+                f"{key}.alpha={lora.alpha}; it must be positive (the adapters' scale is alpha / rank)")
+        require(0 <= lora.dropout < 1, f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
+        require(lora.rank == 0 or len(lora.target_modules) > 0,
+                f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
 
 
 def check_optimizer(section: str, optimizer, scheduler) -> None:
     """Fail on AdamW settings torch would refuse (or misread) when the optimizer is built, naming the key."""
     key = f"{section}.optimizer"
-    if optimizer.lr < 0 or optimizer.eps < 0 or optimizer.weight_decay < 0:
-        raise ConfigError(f"{key}.lr={optimizer.lr}, eps={optimizer.eps}, weight_decay={optimizer.weight_decay}; "
-                          f"none of them can be negative")
+    require(min(optimizer.lr, optimizer.eps, optimizer.weight_decay) >= 0, f"{key}.lr={optimizer.lr}, eps="
+            f"{optimizer.eps}, weight_decay={optimizer.weight_decay}; none of them can be negative")
     betas = list(optimizer.betas)
-    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
-        raise ConfigError(f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
-    if not 0 <= scheduler.warmup_ratio <= 1:
-        raise ConfigError(f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the fraction of the "
-                          f"run's steps spent warming up: set it in [0, 1]")
+    require(len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
+            f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
+    require(0 <= scheduler.warmup_ratio <= 1, f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the "
+                                              f"fraction of the run's steps spent warming up: set it in [0, 1]")
+
+
+# trainer.<key> -> its least value, and what to give instead (null always passes).
+TRAINER_MINIMA = {
+    "n_epochs": (1, "it must be at least 1 (or set trainer.total_steps)"),
+    "total_steps": (1, "give at least 1 step, or null for trainer.n_epochs' worth"),
+    "save_freq": (0, "give a number of steps (null or 0: never)"),
+    "test_freq": (0, "give a number of steps (null or 0: never)"),
+    "keep_last_n": (1, "keep at least 1 checkpoint (the latest), or null to keep all"),
+}
 
 
 def check_run_sections(cfg) -> None:
@@ -145,25 +156,14 @@ def check_run_sections(cfg) -> None:
     for name in ("train", "test"):
         split = data.get(name) or {}
         for key, what in (("batch_size", "examples per optimizer step"), ("max_length", "tokens")):
-            if split.get(key, 1) < 1:
-                raise ConfigError(f"data.{name}.{key}={split[key]}; it must be at least 1 ({what})")
+            require(split.get(key, 1) >= 1, f"data.{name}.{key}={split.get(key)}; it must be at least 1 ({what})")
     ratio = data.get("test_ratio", 0.0)
-    if not 0 <= ratio < 1:
-        raise ConfigError(f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
-                          f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
+    require(0 <= ratio < 1, f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
+                            f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
     trainer = cfg.get("trainer") or {}
-    if trainer.get("n_epochs", 1) < 1:
-        raise ConfigError(f"trainer.n_epochs={trainer['n_epochs']}; it must be at least 1 (or set trainer.total_steps)")
-    if trainer.get("total_steps") is not None and trainer["total_steps"] < 1:
-        raise ConfigError(f"trainer.total_steps={trainer['total_steps']}; give at least 1 step, or null for "
-                          f"trainer.n_epochs' worth")
-    for key in ("save_freq", "test_freq"):
+    for key, (least, what) in TRAINER_MINIMA.items():
         value = trainer.get(key)
-        if value is not None and value < 0:
-            raise ConfigError(f"trainer.{key}={value}; give a number of steps (null or 0: never)")
-    keep = trainer.get("keep_last_n")
-    if keep is not None and keep < 1:
-        raise ConfigError(f"trainer.keep_last_n={keep}; keep at least 1 checkpoint (the latest), or null to keep all")
+        require(value is None or value >= least, f"trainer.{key}={value}; {what}")
 
 
 # Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the
@@ -179,15 +179,21 @@ class TrainerConfig:
     total_steps: int | None = opt(None, "stop after this many optimizer steps (default: n_epochs worth)")
     save_dir: str = opt("ckpts/${trainer.experiment_name}", "folder for checkpoints, metrics.jsonl and final models")
     save_freq: int | None = opt(None, "write a resumable checkpoint every this many steps (null or 0: never)")
-    keep_last_n: int | None = opt(None, "keep only the newest this many step checkpoints in save_dir, never the one latest.txt names (null: keep all)")
+    keep_last_n: int | None = opt(None, "keep only the newest this many step checkpoints in save_dir, never the one "
+                                  "latest.txt names (null: keep all)")
     load_ckpt_from: str | None = opt(None, "resume from 'latest' (in save_dir) or a step<N> folder")
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
-    use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard (pip install tensorboard)")
+    use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard "
+                                "(pip install tensorboard)")
     seed: int = opt(42, "seed for data order, initialisation and sampling")
-    test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end; null or 0: never)")
+    test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end; null or 0: "
+                                "never)")
     eval_only: bool = opt(False, "only evaluate (the initial model, or the checkpoint of load_ckpt_from) and stop")
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
-    collective_timeout: float | None = opt(None, "seconds a rank waits in a collective (a gather of rollouts, an all-reduce) for the others before the run stops with an error; default 1800, and with a rollout at least rollout.request_timeout + 600, as ranks wait in the gather while another rank's requests run")
+    collective_timeout: float | None = opt(None, "seconds a rank waits in a collective (a rollout gather, an "
+                                           "all-reduce) for the others before the run fails; default 1800, and with a "
+                                           "rollout at least rollout.request_timeout + 600, as ranks wait in the "
+                                           "gather while another rank's requests run")
 
 
 @dataclass
@@ -207,7 +213,7 @@ class PreferenceModelConfig(ModelConfig):
 @dataclass
 class DPOConfig:
     data: DataConfig = opt(DataConfig, "data: prompt/chosen/rejected rows")
-    actor: PreferenceModelConfig = opt(PreferenceModelConfig, "the policy; its initial weights are the frozen reference")
+    actor: PreferenceModelConfig = opt(PreferenceModelConfig, "the policy; its initial weights: the frozen reference")
     trainer: TrainerConfig = opt(TrainerConfig, "run control")
 
 
@@ -227,8 +233,10 @@ class RMConfig:
 
 @dataclass
 class DistillModelConfig(ModelConfig):
-    teacher_name: str = opt("smollm2-135m-instruct", "the frozen teacher (HF folder or name; same tokenizer as the student)")
-    kl: str = opt("forward", "forward KL(teacher || student) (mode covering) | reverse KL(student || teacher) (mode seeking)", choices=("forward", "reverse"))
+    teacher_name: str = opt("smollm2-135m-instruct", "the frozen teacher (HF folder or name; same tokenizer as the "
+                            "student)")
+    kl: str = opt("forward", "forward KL(teacher || student) (mode covering) | reverse KL(student || teacher) (mode "
+                  "seeking)", choices=("forward", "reverse"))
     temperature: float = opt(1.0, "softens both distributions before the KL")
 
 

@@ -1,14 +1,14 @@
 """Every check of config values alone, run once by `parse_config` before anything is loaded.
 
 `check_config` runs the checks every trainer shares (`schema.py`), then those of the trainer's or the
-evaluator's schema (`SCHEMA_CHECKS`, found through a subclass too). Checks that need what only a run knows (the data's rows, the model's
-vocabulary, the world size, an installed package) stay where that is known.
+evaluator's schema (`SCHEMA_CHECKS`, found through a subclass too). Checks that need what only a run knows
+(the data's rows, the model's vocabulary, the world size, an installed package) stay where that is known.
 """
 
 from collections.abc import Callable
 from functools import partial
 
-from RL2.config.errors import ConfigError
+from RL2.config.errors import require
 from RL2.config.eval_schema import EvalConfig, check_eval_config
 from RL2.config.ppo_schema import PPOConfig, check_ppo_config
 from RL2.config.schema import (
@@ -28,17 +28,10 @@ ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 def check_config(cfg, schema: type) -> None:
-    """Fail on a value, or a combination of values, that cannot run, naming the key.
-
-    Args:
-        cfg: the merged config.
-        schema: its dataclass (`SFTConfig`, `PPOConfig`, ..., `EvalConfig`, or a subclass of one).
-    """
-    check_model_sections(cfg)
-    check_run_sections(cfg)
-    check_collective_timeout(cfg)
+    """Fail on a value, or a combination of values, that cannot run, naming the key; `schema` is the
+    merged config's dataclass (`SFTConfig`, `PPOConfig`, ..., `EvalConfig`, or a subclass of one)."""
     own = next((SCHEMA_CHECKS[cls] for cls in schema.__mro__ if cls in SCHEMA_CHECKS), ())
-    for check in own:
+    for check in (check_model_sections, check_run_sections, check_collective_timeout, *own):
         check(cfg)
 
 
@@ -48,48 +41,43 @@ def check_collective_timeout(cfg) -> None:
     chosen = (cfg.get("trainer") or {}).get("collective_timeout")  # the evaluator's config has no trainer
     if chosen is None:
         return
-    if chosen <= 0:
-        raise ConfigError(f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: "
-                          f"the default)")
+    require(chosen > 0, f"trainer.collective_timeout={chosen}; give the seconds a collective may wait (null: the "
+                        f"default)")
     request = (cfg.get("rollout") or {}).get("request_timeout")
-    if request is not None and chosen < request + REQUEST_TIMEOUT_MARGIN:
-        raise ConfigError(
-            f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout={request} s plus "
-            f"{REQUEST_TIMEOUT_MARGIN:.0f} s: ranks waiting for another rank's rollout would be stopped before its "
-            f"request times out. Raise trainer.collective_timeout to at least {request + REQUEST_TIMEOUT_MARGIN:.0f}, "
-            f"or lower rollout.request_timeout")
+    if request is not None:
+        least = request + REQUEST_TIMEOUT_MARGIN
+        require(chosen >= least, f"trainer.collective_timeout={chosen} s is shorter than rollout.request_timeout="
+                f"{request} s plus {REQUEST_TIMEOUT_MARGIN:.0f} s: ranks waiting for another rank's rollout would be "
+                f"stopped before its request times out. Raise trainer.collective_timeout to at least {least:.0f}, or "
+                f"lower rollout.request_timeout")
 
 
 def check_token_averaging(cfg) -> None:
     """SFT and distillation average over tokens or sequences; `constant` needs RL's generation budget."""
-    if cfg.actor.avg_level == "constant":
-        raise ConfigError("actor.avg_level=constant divides by the generation budget, which only RL has; "
-                          "use token or sequence")
+    require(cfg.actor.avg_level != "constant", "actor.avg_level=constant divides by the generation budget, which "
+                                               "only RL has; use token or sequence")
 
 
 def check_pair_averaging(cfg, section: str) -> None:
     """A preference loss is one number per pair: `avg_level` other than the shared default has no effect."""
     level = cfg[section].avg_level
-    if level != "token":
-        raise ConfigError(f"{section}.avg_level={level}: a preference loss is one number per pair, averaged over "
-                          f"the batch's pairs, so the key has no effect here; leave it out")
+    require(level == "token", f"{section}.avg_level={level}: a preference loss is one number per pair, averaged over "
+                              f"the batch's pairs, so the key has no effect here; leave it out")
 
 
 def check_dpo(cfg) -> None:
     """A beta or label smoothing the DPO loss cannot train with."""
     actor = cfg.actor
-    if actor.beta <= 0:  # 0: no gradient (sigmoid) or a target margin of 1 / 0 (ipo); below 0: prefers rejected
-        raise ConfigError(f"actor.beta={actor.beta}; DPO needs a positive beta, the strength of the KL to the "
-                          f"reference (e.g. 0.1)")
-    if not 0 <= actor.label_smoothing < 0.5:
-        raise ConfigError(f"actor.label_smoothing={actor.label_smoothing}; it is the assumed share of flipped "
-                          f"labels: set it in [0, 0.5) (0: plain DPO)")
+    # 0: no gradient (sigmoid) or a target margin of 1 / 0 (ipo); below 0: prefers rejected
+    require(actor.beta > 0, f"actor.beta={actor.beta}; DPO needs a positive beta, the strength of the KL to the "
+                            f"reference (e.g. 0.1)")
+    require(0 <= actor.label_smoothing < 0.5, f"actor.label_smoothing={actor.label_smoothing}; it is the assumed "
+                                              f"share of flipped labels: set it in [0, 0.5) (0: plain DPO)")
 
 
 def check_distill(cfg) -> None:
-    if cfg.actor.temperature <= 0:  # both distributions are divided by it
-        raise ConfigError(f"actor.temperature={cfg.actor.temperature}; it softens both distributions before the "
-                          f"KL: set a positive temperature (1: the models' own)")
+    require(cfg.actor.temperature > 0, f"actor.temperature={cfg.actor.temperature}; it softens both distributions "
+                                       f"before the KL: set a positive temperature (1: the models' own)")
 
 
 def server_urls(value) -> list[str]:
@@ -99,8 +87,8 @@ def server_urls(value) -> list[str]:
     urls = value.split(",") if isinstance(value, str) else list(value)
     urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
     for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"config key 'rollout.server_url' has {url!r}; give URLs like http://host:30000")
+        require(url.startswith(("http://", "https://")),
+                f"config key 'rollout.server_url' has {url!r}; give URLs like http://host:30000")
     return urls
 
 
@@ -108,21 +96,19 @@ def check_engine(cfg) -> None:
     """The rollout engine's keys: launched servers' flags and environment, external servers, the weight sync."""
     rollout = cfg.rollout
     external = server_urls(rollout.server_url)
-    if external and rollout.engine == "embedded":
-        raise ConfigError("rollout.server_url is set but rollout.engine=embedded; unset one of them")
+    require(not external or rollout.engine != "embedded",
+            "rollout.server_url is set but rollout.engine=embedded; unset one of them")
     # The launched servers' own keys: ignored where no server is launched, as a GPU config run on CPU is.
-    launches = not external and rollout.engine != "embedded"
-    if launches:
+    if not external and rollout.engine != "embedded":
         check_server_args(rollout.server_args)
-    if launches and str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true"):
-        raise ConfigError(f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return log-probabilities "
-                          f"at temperature 1, but the trained policy is the distribution at the sampling "
-                          f"temperature, whose log-probabilities SGLang returns by default; remove it")
-    if external and rollout.get("weight_sync") == "tensor":
-        raise ConfigError("rollout.weight_sync=tensor needs servers launched by RL2; with rollout.server_url "
-                          "use disk (the servers must read this machine's files) or none")
-    if rollout.get("weight_bucket_mb", 1) <= 0:
-        raise ConfigError(f"config key 'rollout.weight_bucket_mb' must be positive, got {rollout.weight_bucket_mb}")
+        original = str((rollout.server_env or {}).get(ORIGINAL_LOGPROB_ENV, "0")).lower() in ("1", "true")
+        require(not original, f"rollout.server_env.{ORIGINAL_LOGPROB_ENV} would make the servers return "
+                f"log-probabilities at temperature 1, but the trained policy is the distribution at the sampling "
+                f"temperature, whose log-probabilities SGLang returns by default; remove it")
+    require(not external or rollout.get("weight_sync") != "tensor", "rollout.weight_sync=tensor needs servers "
+            "launched by RL2; with rollout.server_url use disk (the servers must read this machine's files) or none")
+    require(rollout.get("weight_bucket_mb", 1) > 0,
+            f"config key 'rollout.weight_bucket_mb' must be positive, got {rollout.get('weight_bucket_mb')}")
 
 
 # schema -> the checks of its own keys, after the shared ones.
