@@ -157,7 +157,8 @@ class LlamaForward:
             q_norm, k_norm, eps = None, None, 0.0
             if layer.q_norm is not None:  # Qwen3
                 q_norm, k_norm, eps = layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
-            kernels.rope_and_store(product(layer.qkv, normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
+            qkv = product(layer.qkv, normed)
+            kernels.rope_and_store(qkv, cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
             kernels.decode_attention(q, keys, values, positions, layer.scale, attended, cache.row_groups)
             delta = product(layer.o, attended)
             kernels.add_rms_norm(hidden, delta, layer.post_norm.weight, layer.post_norm.variance_epsilon, normed)

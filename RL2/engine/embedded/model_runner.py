@@ -75,16 +75,11 @@ def _file_mappings() -> list[tuple[int, int]]:
     """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
+            lines = [line.split() for line in maps]
     except OSError:
         return []
-    ranges = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].startswith("/"):
-            start, end = fields[0].split("-")
-            ranges.append((int(start, 16), int(end, 16)))
-    return ranges
+    return [tuple(int(address, 16) for address in fields[0].split("-"))
+            for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
 
 
 @torch.no_grad()
@@ -136,7 +131,7 @@ class ModelRunner:
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.panel_kernels = panel_kernels_for(linears[0]) if linears else None
         self.packable = bool(linears) and (self.panel_kernels is not None or onednn_packing_works(linears[0]))
-        self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
+        self.kernels: list[PackedLinear] = []  # refreshed after load_weights
         self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
         self.llama: LlamaForward | None = None
         # The logits of the kept positions only go through the output projection.
@@ -175,7 +170,7 @@ class ModelRunner:
                         self._packed_only_ids.add(id(param))
             kernel.keep_packed_only()
 
-    def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
+    def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear:
         if self.panel_kernels is not None:
             kernel = PanelLinear(linears, self.panel_kernels)
         else:
@@ -234,9 +229,8 @@ class ModelRunner:
         self._extend(slice(first_row, first_row + 1), [prompts[0][:shared]], start=0, logits=False)
         return self._extend(rows, [p[shared:] for p in prompts], start=shared, prefix_row=first_row)
 
-    def _extend(
-        self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None, logits: bool = True
-    ) -> torch.Tensor | None:
+    def _extend(self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
 
         Chunks are right-padded: a padded query position still sees its row's real tokens, so
@@ -336,6 +330,5 @@ class ModelRunner:
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
     if tensor.shape != shape:
-        raise ValueError(
-            f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the engine model expects {tuple(shape)}"
-        )
+        raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the engine model expects "
+                         f"{tuple(shape)}")

@@ -70,7 +70,8 @@ class HTTPEngineClient:
     async def abort_own(self) -> None:
         """Abort this client's requests in flight (SGLang `/abort_request` by id): they return at once
         with finish_reason abort and their partial output. Other clients' requests go on."""
-        await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in list(self._own.items())))
+        own = list(self._own.items())
+        await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in own))
 
     async def aclose(self) -> None:
         if self._client is not None:
