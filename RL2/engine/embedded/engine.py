@@ -200,8 +200,9 @@ class EmbeddedEngine:
         if "input_ids" not in payload:
             raise ValueError("the embedded engine needs token ids: pass payload['input_ids']")
         params = SamplingParams.from_dict(payload.get("sampling_params"), self.tokenizer)
+        generator = None if params.sampling_seed is None else torch.Generator().manual_seed(params.sampling_seed)
         request = _Request(list(payload["input_ids"]), params, bool(payload.get("return_logprob", False)),
-                           asyncio.get_running_loop().create_future())
+                           asyncio.get_running_loop().create_future(), generator)
         if not request.input_ids:
             raise ValueError("input_ids is empty")
         # Checked here, where only this request fails: inside a step the embedding lookup would
@@ -220,16 +221,12 @@ class EmbeddedEngine:
         if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
             raise ValueError(f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds max_total_tokens={self.max_total_tokens}")
-        if params.sampling_seed is not None:
-            request.generator = torch.Generator().manual_seed(params.sampling_seed)
         return request
 
     def _ensure_scheduler(self) -> None:
-        """Start the scheduler on the running loop (again, after an earlier loop has ended).
-
-        One event loop at a time: callers of `asyncio.run` per rollout get a fresh scheduler
-        each time, and requests left behind by a finished loop are dropped.
-        """
+        """Start the scheduler on the running loop (again, after an earlier loop has ended). One event loop at
+        a time: callers of `asyncio.run` per rollout get a fresh scheduler each time, and requests left behind
+        by a finished loop are dropped."""
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._scheduler is not None and not self._scheduler.done():
             return

@@ -51,20 +51,19 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
     `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
     """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
         mask = attention_mask
         if mask is not None and mask.dtype != torch.bool:  # an additive mask: 0 where a key is visible
             mask = mask == 0
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return softcapped_attention(query, key, value, scale, softcap, mask).transpose(1, 2), None
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
         key = key.to(query.dtype)  # the cache holds keys in float32
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    rows, heads, _, dim = query.shape
-    scale = scaling if scaling is not None else dim**-0.5
-    out = attend_one_token(query[:, :, 0], key, value, attention_bias(attention_mask.view(rows, -1)), scale)
+    bias = attention_bias(attention_mask.view(len(query), -1))
+    out = attend_one_token(query[:, :, 0], key, value, bias, scale)
     return out[:, None], None  # [rows, q=1, H, D], as HF's attention functions return
 
 

@@ -374,12 +374,11 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
     answer 200 within `timeout` seconds, all of its answer included, or reports a failure, or answers
     more than `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint
     (404). `api_key`, if any, goes as `Authorization: Bearer`."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     async def send() -> tuple[int, bytes]:
         # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
         async with httpx.AsyncClient(timeout=timeout) as client:
-            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, headers), timeout)
+            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, api_key), timeout)
 
     try:
         status, answer = _run_blocking(send())
