@@ -108,8 +108,7 @@ def first_conversion(name: str, converters: list[WeightConverter]) -> tuple[str,
 
 def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:
     """The tensor names of a Hugging Face folder's safetensors files; None when it has none (e.g. `.bin` files)."""
-    folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         return None
     from safetensors import safe_open

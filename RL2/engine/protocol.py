@@ -19,17 +19,13 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
-    """Attributes:
-        releases_memory: the engine frees memory when asked (`release_memory`) and takes it back
-            (`resume_memory`): SGLang servers on the trainer's GPUs, so that the trainer's state can come
-            back to the GPU, and the embedded engine on CPU, so that the trainer's update has the RAM.
-            Released weights are lost and must be pushed again. False (SGLang servers elsewhere, the
-            embedded engine on a GPU): the engine keeps its memory and is never asked.
-        follows_policy: the engine takes the policy's weights after each update (False for SGLang
-            with `rollout.weight_sync=none`: it keeps the weights it started with).
-    """
-
+    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang
+    # servers on the trainer's GPUs, so that the trainer's state can come back to the GPU, and the embedded
+    # engine on CPU, so that the trainer's update has the RAM. Released weights are lost and must be pushed
+    # again. False (SGLang servers elsewhere, the embedded engine on a GPU): it keeps its memory, never asked.
     releases_memory: bool
+    # The engine takes the policy's weights after each update (False for SGLang with
+    # `rollout.weight_sync=none`: it keeps the weights it started with).
     follows_policy: bool
 
     async def generate(self, payload: dict) -> dict:

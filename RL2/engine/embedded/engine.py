@@ -369,8 +369,6 @@ def threads_fit_in_cores() -> bool:
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """The tokenizer's eos plus the model's generation_config eos ids (an int or a list)."""
-    ids = {tokenizer.eos_token_id}
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return {i for i in ids if i is not None}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])}
+    return ids - {None}

@@ -133,23 +133,18 @@ class _Tempered:
     largest (allowed) probability first, so that its top token keeps weight 1: at a low temperature the
     powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by
     1, which leaves them exactly as they are.
-
-    Attributes:
-        weights: [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0.
-        temperature: [rows].
-        log_peak: [rows] log of the largest allowed probability (0 at T = 1).
-        log_sum: [rows] log of the sum of (p / peak) ** (1 / T) over the whole vocabulary, banned tokens
-            included (`add_banned`): log softmax(logits / T) at token y is (log p_y - log_peak) / T - log_sum.
-        scaled: whether any row has T != 1 (else `weights` are the probabilities themselves).
     """
 
-    weights: torch.Tensor
-    temperature: torch.Tensor
-    log_peak: torch.Tensor | None = None
+    weights: torch.Tensor  # [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0
+    temperature: torch.Tensor  # [rows]
+    log_peak: torch.Tensor | None = None  # [rows] log of the largest allowed probability (0 at T = 1)
+    # [rows] log of the sum of (p / peak) ** (1 / T) over the whole vocabulary, banned tokens included
+    # (`add_banned`): log softmax(logits / T) at token y is (log p_y - log_peak) / T - log_sum.
     log_sum: torch.Tensor | None = None
 
     @property
     def scaled(self) -> bool:
+        """Whether any row has T != 1 (else `weights` are the probabilities themselves)."""
         return self.log_sum is not None
 
     @classmethod

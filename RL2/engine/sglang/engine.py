@@ -370,10 +370,9 @@ class SGLangEngine:
 
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
                     absent_ok: bool = False, api_key: str | None = None) -> dict | None:
-    """One control request (GET without a payload, else POST); EngineError if the server does not
-    answer 200 within `timeout` seconds, all of its answer included, or reports a failure, or answers
-    more than `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint
-    (404). `api_key`, if any, goes as `Authorization: Bearer`."""
+    """One control request (GET without a payload, else POST); EngineError if the server does not answer 200
+    within `timeout` seconds, all of its answer included, or reports a failure, or answers more than
+    `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint (404)."""
 
     async def send() -> tuple[int, bytes]:
         # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
