@@ -18,18 +18,13 @@ from RL2.engine.protocol import Engine
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                  colocated: Sequence = (), seed: int = 0) -> Engine:
-    """This rank's engine, as `rollout.engine` says (collective for SGLang).
+    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial
+    weights `model_path` (a Hugging Face folder) in `dtype` on `device`.
 
     Args:
-        rollout_cfg: the `rollout` config.
-        model_path: the policy's initial weights (a Hugging Face folder).
-        dtype: the engine's compute dtype.
-        device: this rank's device.
-        tokenizer: the policy's tokenizer (the embedded engine decodes with it).
         colocated: the trainer's models on this rank's GPU (with `offload()` and `onload()`): they wait
             on the CPU while SGLang servers launched on the same GPUs size their memory.
-        seed: the run's seed: launched SGLang servers sample from it (`--random-seed`, plus each
-            server's index), so runs of different seeds sample differently there too.
+        seed: launched SGLang servers sample from it (`--random-seed`, plus each server's index).
     """
     from RL2.engine.sglang.engine import resolve_engine
 

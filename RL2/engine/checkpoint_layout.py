@@ -62,23 +62,17 @@ class CheckpointLayout:
         return bool(self.conversions)
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """(name, tensor) in the model's memory layout, as the checkpoint holds them.
-
-        Args:
-            named_tensors: full tensors under the model's parameter names (`named_parameters`), in any order.
-
-        Returns:
-            `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor),
-            each group converted once its last tensor has arrived. Raises ValueError at the end when a
-            group stayed incomplete (a converter would have been given part of its tensors).
-        """
+        """Full tensors under the model's parameter names, in any order, as the checkpoint holds them:
+        `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor), each
+        group converted once its last tensor has arrived. Raises ValueError at the end when a group stayed
+        incomplete (a converter would have been given part of its tensors)."""
         if not self.converts:
             return named_tensors
         return self._converted(named_tensors)
 
     def checkpoint_names(self) -> set[str]:
         """The names `to_checkpoint` gives this model's parameters (computed on the meta device)."""
-        params = ((name, torch.empty(p.shape, dtype=p.dtype, device="meta")) for name, p in self.model.named_parameters())
+        params = ((name, torch.empty_like(p, device="meta")) for name, p in self.model.named_parameters())
         return {name for name, _ in self.to_checkpoint(params)}
 
     def _converted(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,8 +108,7 @@ def first_conversion(name: str, converters: list[WeightConverter]) -> tuple[str,
 
 def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:
     """The tensor names of a Hugging Face folder's safetensors files; None when it has none (e.g. `.bin` files)."""
-    folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         return None
     from safetensors import safe_open

@@ -28,23 +28,14 @@ def colocated_mem_fraction(free_bytes: int, margin_bytes: int) -> float:
 
 @dataclass
 class ModelShape:
-    """What the plan needs to know of a model.
+    """What the plan needs to know of a model."""
 
-    Attributes:
-        name: for messages and tables.
-        n_params: parameters (embeddings and LM head included, tied ones once).
-        largest: elements of the largest parameter (the embedding): a bucket holds at least it.
-        kv_bytes_per_token: bytes of one token's keys and values over all layers, in bf16.
-        kv_heads: key/value heads (tensor parallelism splits them).
-        config: the HF config it was counted from (for the LoRA adapters' size in the table).
-    """
-
-    name: str
-    n_params: int
-    largest: int
-    kv_bytes_per_token: int
-    kv_heads: int
-    config: object = None
+    name: str  # for messages and tables
+    n_params: int  # parameters (embeddings and LM head included, tied ones once)
+    largest: int  # elements of the largest parameter (the embedding): a bucket holds at least it
+    kv_bytes_per_token: int  # bytes of one token's keys and values over all layers, in bf16
+    kv_heads: int  # key/value heads (tensor parallelism splits them)
+    config: object = None  # the HF config it was counted from (for the LoRA adapters' size in the table)
 
     @classmethod
     def from_config(cls, config, name: str = "") -> "ModelShape":

@@ -19,38 +19,27 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
-    """Attributes:
-        releases_memory: the engine frees memory when asked (`release_memory`) and takes it back
-            (`resume_memory`): SGLang servers on the trainer's GPUs, so that the trainer's state can come
-            back to the GPU, and the embedded engine on CPU, so that the trainer's update has the RAM.
-            Released weights are lost and must be pushed again. False (SGLang servers elsewhere, the
-            embedded engine on a GPU): the engine keeps its memory and is never asked.
-        follows_policy: the engine takes the policy's weights after each update (False for SGLang
-            with `rollout.weight_sync=none`: it keeps the weights it started with).
-    """
-
+    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang
+    # servers on the trainer's GPUs, so that the trainer's state can come back to the GPU, and the embedded
+    # engine on CPU, so that the trainer's update has the RAM. Released weights are lost and must be pushed
+    # again. False (SGLang servers elsewhere, the embedded engine on a GPU): it keeps its memory, never asked.
     releases_memory: bool
+    # The engine takes the policy's weights after each update (False for SGLang with
+    # `rollout.weight_sync=none`: it keeps the weights it started with).
     follows_policy: bool
 
     async def generate(self, payload: dict) -> dict:
-        """Serve one request.
-
-        Args:
-            payload: {"input_ids": [...], "sampling_params": {...}, "return_logprob": True}.
-
-        Returns:
-            {"text", "output_ids", "meta_info": {"output_token_logprobs", "finish_reason", ...}}.
-        """
+        """Serve one request: {"input_ids": [...], "sampling_params": {...}, "return_logprob": True} ->
+        {"text", "output_ids", "meta_info": {"output_token_logprobs", "finish_reason", ...}}."""
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile.
 
-        Args:
-            mode: "abort": this rank's requests in flight return at once with finish_reason abort and
-                their partial output. "retract" and "in_place": the embedded engine re-prefills its
-                requests after `continue_generation`, or holds them; SGLang servers serve every rank and
-                are not paused, so this rank's requests run to their end.
+        `mode` "abort": this rank's requests in flight return at once with finish_reason abort and their
+        partial output. "retract" and "in_place": the embedded engine re-prefills its requests after
+        `continue_generation`, or holds them; SGLang servers serve every rank and are not paused, so this
+        rank's requests run to their end.
         """
         ...
 
@@ -63,10 +52,8 @@ class Engine(Protocol):
         `RL2.engine.checkpoint_layout`). The weight memory must be resident (`resume_memory` after a
         release). Call it between rollouts: requests still running would go on with the new weights (the
         embedded engine waits only for its current step). Collective: every rank calls it
-        (the tensors are gathered from the trainer's shards as they are iterated).
-
-        Args:
-            weight_version: the name of these weights, which the engine reports with each response.
+        (the tensors are gathered from the trainer's shards as they are iterated). The engine reports
+        `weight_version` with each response.
         """
         ...
 
@@ -94,10 +81,9 @@ def engine_sampling_params(params) -> dict:
     """
     params = dict(params.items())  # a config section holds lists as its own list type: made plain below
     params.pop("no_stop_trim", None)
-    stop = params.pop("stop", None)
+    stop, stop_token_ids = params.pop("stop", None), params.pop("stop_token_ids", None)
     if stop:
         params["stop"] = [stop] if isinstance(stop, str) else [str(s) for s in stop]
-    stop_token_ids = params.pop("stop_token_ids", None)
     if stop_token_ids:
         params["stop_token_ids"] = [int(token) for token in stop_token_ids]
     return params

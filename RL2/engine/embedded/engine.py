@@ -80,14 +80,8 @@ class EmbeddedEngine:
             weights with `runner.state_dict()`): one copy of the weights on CPU instead of two.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer,
-        max_running_requests: int = 64,
-        max_total_tokens: int | None = None,
-        owns_model: bool = False,
-    ):
+    def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
+                 max_total_tokens: int | None = None, owns_model: bool = False):
         # Rows of the input embedding: the valid token ids. Read now, as released weights are empty.
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         # Positions the model was trained for: SGLang refuses a request that could run past them.
@@ -111,9 +105,7 @@ class EmbeddedEngine:
         self._running: list[_Request] = []  # running[i] owns cache row i
         self._paused = False
         self._error: RuntimeError | None = None
-        self._executor = (
-            None if threads_fit_in_cores() else ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-engine")
-        )
+        self._executor = None if threads_fit_in_cores() else ThreadPoolExecutor(1, thread_name_prefix="rl2-engine")
         self._step_lock = threading.Lock()  # update_weights must not run during a step
         self._inflight: Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -164,12 +156,9 @@ class EmbeddedEngine:
         return await request.future
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop decoding until `continue_generation`; new requests wait meanwhile.
-
-        Args:
-            mode: "abort" returns every queued and running request at once with finish_reason
-                abort and its partial output; "retract" frees their cache and re-prefills them
-                (prompt + output so far) after continue; "in_place" just holds them.
+        """Stop decoding until `continue_generation`; new requests wait meanwhile. `mode` "abort" returns
+        every queued and running request at once with finish_reason abort and its partial output; "retract"
+        frees their cache and re-prefills them (prompt + output so far) after continue; "in_place" holds them.
         """
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
@@ -188,14 +177,9 @@ class EmbeddedEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
-    ) -> None:
-        """Copy full tensors into the engine's model in place (names as in `model.state_dict()`).
-
-        Call it while paused: it waits for the current step, but requests still running would
-        continue on the new weights with keys and values computed by the old ones.
-        """
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None):
+        """Copy full tensors into the engine's model in place (names as in `model.state_dict()`); see
+        `Engine.update_weights`."""
         with self._step_lock:
             self.runner.load_weights(named_tensors)
         if weight_version is not None:
@@ -216,45 +200,33 @@ class EmbeddedEngine:
         if "input_ids" not in payload:
             raise ValueError("the embedded engine needs token ids: pass payload['input_ids']")
         params = SamplingParams.from_dict(payload.get("sampling_params"), self.tokenizer)
-        request = _Request(
-            input_ids=list(payload["input_ids"]),
-            params=params,
-            return_logprob=bool(payload.get("return_logprob", False)),
-            future=asyncio.get_running_loop().create_future(),
-        )
+        generator = None if params.sampling_seed is None else torch.Generator().manual_seed(params.sampling_seed)
+        request = _Request(list(payload["input_ids"]), params, bool(payload.get("return_logprob", False)),
+                           asyncio.get_running_loop().create_future(), generator)
         if not request.input_ids:
             raise ValueError("input_ids is empty")
         # Checked here, where only this request fails: inside a step the embedding lookup would
         # raise and fail every request of the batch and the engine with them.
         for token in (min(request.input_ids), max(request.input_ids)):
             if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"input_ids holds {token}, not a token id: the model's vocabulary has "
-                    f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})"
-                )
+                raise ValueError(f"input_ids holds {token}, not a token id: the model's vocabulary has "
+                                 f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
         if self.context_len is not None and (request.reserved_tokens > self.context_len
                                              or len(request.input_ids) >= self.context_len):
             raise ValueError(
                 f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"model's context length of {self.context_len} tokens (max_position_embeddings, or the sliding "
                 f"window that this engine does not apply), which SGLang refuses too; shorten the prompt or lower "
-                f"max_new_tokens (rollout.max_total_tokens caps both)"
-            )
+                f"max_new_tokens (rollout.max_total_tokens caps both)")
         if self.max_total_tokens is not None and request.reserved_tokens > self.max_total_tokens:
-            raise ValueError(
-                f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds max_total_tokens={self.max_total_tokens}"
-            )
-        if params.sampling_seed is not None:
-            request.generator = torch.Generator().manual_seed(params.sampling_seed)
+            raise ValueError(f"prompt ({len(request.input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds max_total_tokens={self.max_total_tokens}")
         return request
 
     def _ensure_scheduler(self) -> None:
-        """Start the scheduler on the running loop (again, after an earlier loop has ended).
-
-        One event loop at a time: callers of `asyncio.run` per rollout get a fresh scheduler
-        each time, and requests left behind by a finished loop are dropped.
-        """
+        """Start the scheduler on the running loop (again, after an earlier loop has ended). One event loop at
+        a time: callers of `asyncio.run` per rollout get a fresh scheduler each time, and requests left behind
+        by a finished loop are dropped."""
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._scheduler is not None and not self._scheduler.done():
             return
@@ -327,17 +299,11 @@ class EmbeddedEngine:
     def _resolve(self, request: _Request, reason: dict) -> None:
         if request.future.done() or request.future.get_loop().is_closed():
             return
-        meta = {
-            "finish_reason": reason,
-            "prompt_tokens": len(request.input_ids),
-            "completion_tokens": len(request.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-        }
+        meta = {"finish_reason": reason, "prompt_tokens": len(request.input_ids),
+                "completion_tokens": len(request.output_ids), "cached_tokens": 0, "weight_version": self.weight_version}
         if request.return_logprob:
-            meta["output_token_logprobs"] = [
-                [logprob, token, None] for logprob, token in zip(request.logprobs, request.output_ids)
-            ]
+            meta["output_token_logprobs"] = [[logprob, token, None]
+                                             for logprob, token in zip(request.logprobs, request.output_ids)]
         text = output_text(request.output_ids, reason, request.params, self.tokenizer)
         request.future.set_result({"text": text, "output_ids": list(request.output_ids), "meta_info": meta})
 
@@ -365,9 +331,7 @@ class EmbeddedEngine:
                 batch = admitted
             else:
                 batch = self._running
-                logits = self.runner.decode(
-                    [r.output_ids[-1] for r in batch], [r.cached_len for r in batch]
-                )
+                logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.cached_len for r in batch])
             self._sample_into(batch, logits)
             finished = [r for r in batch if r.reason is not None]
             if finished:
@@ -375,12 +339,8 @@ class EmbeddedEngine:
             return finished
 
     def _sample_into(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_next_tokens(
-            logits,
-            [r.params for r in batch],
-            [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch],
-            [r.generator for r in batch],
-        )
+        banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
+        tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned, [r.generator for r in batch])
         for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
             request.output_ids.append(token)
             request.logprobs.append(logprob)
@@ -409,8 +369,6 @@ def threads_fit_in_cores() -> bool:
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """The tokenizer's eos plus the model's generation_config eos ids (an int or a list)."""
-    ids = {tokenizer.eos_token_id}
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return {i for i in ids if i is not None}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])}
+    return ids - {None}

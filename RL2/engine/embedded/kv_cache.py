@@ -45,11 +45,8 @@ class SlotKVCache:
         self.row_groups: RowGroups | None = None  # of the bound decode step; None: no two rows share
 
     def bind_prefill(self, rows: slice, start: int, width: int, prefix_row: int | None = None) -> None:
-        """The next forward writes positions start..start+width-1 of `rows` and reads from 0.
-
-        With `prefix_row`, each layer first copies positions 0..start-1 from that row into all of
-        `rows`: a prompt prefix they share, computed once.
-        """
+        """The next forward writes positions start..start+width-1 of `rows` and reads from 0. With `prefix_row`,
+        each layer first copies positions 0..start-1 from that row into all of `rows` (a shared prompt prefix)."""
         self._rows, self._start, self._prefix_row = rows, start, prefix_row
         self._positions, self._length = None, start + width
         for row in range(rows.start, rows.stop):
@@ -78,11 +75,9 @@ class SlotKVCache:
             return None
         members = list(groups.values())
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        return RowGroups(
-            order=as_tensor([row for rows in members for row in rows]),
-            starts=as_tensor([0, *itertools.accumulate(len(rows) for rows in members)]),
-            shared=as_tensor([key[1] if key[0] != "alone" else 0 for key in groups]),
-        )
+        return RowGroups(order=as_tensor([row for rows in members for row in rows]),
+                         starts=as_tensor([0, *itertools.accumulate(len(rows) for rows in members)]),
+                         shared=as_tensor([key[1] if key[0] != "alone" else 0 for key in groups]))
 
     def buffers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's whole key and value buffers `[rows, H_kv, L, D]`, with room for the bound
@@ -143,9 +138,8 @@ class SlotKVCache:
         """Rows `sources` (destination -> source) were overwritten with copies: they share what their sources did."""
         copied = {dst: self._shared.get(src) for dst, src in sources.items()}
         for dst, shared in copied.items():
-            if shared is None:
-                self._shared.pop(dst, None)
-            else:
+            self._shared.pop(dst, None)
+            if shared is not None:
                 self._shared[dst] = shared
 
     def clear(self) -> None:

@@ -39,9 +39,8 @@ def attention_bias(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def attend_one_token(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
+def attend_one_token(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """Attention of one query per row over its cached keys; scores and softmax in float32.
 
     query `[rows, H, D]`; keys `[rows, H_kv, L, D]` float32 and values `[rows, H_kv, L, D]` in the
@@ -120,7 +119,6 @@ class LlamaForward:
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """One token per row: input_ids, positions `[rows]` (row r sees positions 0..positions[r]);
         `cache` bound by `bind_decode`. Returns the final hidden states `[rows, hidden]`."""
-
         if self.decode_kernels is not None:
             return self._decode_with_kernels(input_ids, positions, cache)
         length = int(positions.max()) + 1
@@ -157,7 +155,8 @@ class LlamaForward:
             q_norm, k_norm, eps = None, None, 0.0
             if layer.q_norm is not None:  # Qwen3
                 q_norm, k_norm, eps = layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
-            kernels.rope_and_store(product(layer.qkv, normed), cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
+            qkv = product(layer.qkv, normed)
+            kernels.rope_and_store(qkv, cos, sin, positions, q_norm, k_norm, eps, q, keys, values)
             kernels.decode_attention(q, keys, values, positions, layer.scale, attended, cache.row_groups)
             delta = product(layer.o, attended)
             kernels.add_rms_norm(hidden, delta, layer.post_norm.weight, layer.post_norm.variance_epsilon, normed)
@@ -168,19 +167,14 @@ class LlamaForward:
         return kernels.add_rms_norm(hidden, delta, self.norm.weight, self.norm.variance_epsilon, normed)
 
     @torch.inference_mode()
-    def extend(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor, keep: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
+               keep: torch.Tensor | None) -> torch.Tensor | None:
         """A chunk per row: input_ids, positions `[rows, T]`; `cache` bound by `bind_prefill`; mask
         boolean `[rows, 1, T, L]`. Returns the final hidden states at position `keep[row, 0]` of each
         chunk, `[rows, hidden]` (None without `keep`: the cache is all that is wanted)."""
-
         def attend(q, keys, values, scale):
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.to(q.dtype), values, attn_mask=mask, scale=scale,
-                enable_gqa=self.heads != self.kv_heads,
-            )
-            return out.transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values, attn_mask=mask,
+                                                  scale=scale, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
 
         hidden = self._layers(input_ids, positions, cache, attend)
         if keep is None:

@@ -51,20 +51,19 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
     `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
     """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
         mask = attention_mask
         if mask is not None and mask.dtype != torch.bool:  # an additive mask: 0 where a key is visible
             mask = mask == 0
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return softcapped_attention(query, key, value, scale, softcap, mask).transpose(1, 2), None
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
         key = key.to(query.dtype)  # the cache holds keys in float32
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    rows, heads, _, dim = query.shape
-    scale = scaling if scaling is not None else dim**-0.5
-    out = attend_one_token(query[:, :, 0], key, value, attention_bias(attention_mask.view(rows, -1)), scale)
+    bias = attention_bias(attention_mask.view(len(query), -1))
+    out = attend_one_token(query[:, :, 0], key, value, bias, scale)
     return out[:, None], None  # [rows, q=1, H, D], as HF's attention functions return
 
 
@@ -75,16 +74,11 @@ def _file_mappings() -> list[tuple[int, int]]:
     """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
+            lines = [line.split() for line in maps]
     except OSError:
         return []
-    ranges = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].startswith("/"):
-            start, end = fields[0].split("-")
-            ranges.append((int(start, 16), int(end, 16)))
-    return ranges
+    return [tuple(int(address, 16) for address in fields[0].split("-"))
+            for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
 
 
 @torch.no_grad()
@@ -136,7 +130,7 @@ class ModelRunner:
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.panel_kernels = panel_kernels_for(linears[0]) if linears else None
         self.packable = bool(linears) and (self.panel_kernels is not None or onednn_packing_works(linears[0]))
-        self.kernels: list[PackedLinear | ConcatLinear] = []  # refreshed after load_weights
+        self.kernels: list[PackedLinear] = []  # refreshed after load_weights
         self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
         self.llama: LlamaForward | None = None
         # The logits of the kept positions only go through the output projection.
@@ -175,7 +169,7 @@ class ModelRunner:
                         self._packed_only_ids.add(id(param))
             kernel.keep_packed_only()
 
-    def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear | ConcatLinear:
+    def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear:
         if self.panel_kernels is not None:
             kernel = PanelLinear(linears, self.panel_kernels)
         else:
@@ -234,9 +228,8 @@ class ModelRunner:
         self._extend(slice(first_row, first_row + 1), [prompts[0][:shared]], start=0, logits=False)
         return self._extend(rows, [p[shared:] for p in prompts], start=shared, prefix_row=first_row)
 
-    def _extend(
-        self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None, logits: bool = True
-    ) -> torch.Tensor | None:
+    def _extend(self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
 
         Chunks are right-padded: a padded query position still sees its row's real tokens, so
@@ -336,6 +329,5 @@ class ModelRunner:
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
     if tensor.shape != shape:
-        raise ValueError(
-            f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the engine model expects {tuple(shape)}"
-        )
+        raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the engine model expects "
+                         f"{tuple(shape)}")

@@ -145,17 +145,10 @@ class PanelLinear(PackedLinear):
         return torch.empty(0, dtype=self.dtype) if self._bias is None else self._bias[first : first + rows].clone()
 
 
-class ConcatLinear:
+class ConcatLinear(PackedLinear):
     """The same interface without packing (GPU, or CPUs without oneDNN's kernels): one product per layer."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
-        self.linears = linears
-        self.out_features = sum(linear.out_features for linear in linears)
-
     def refresh(self) -> None:
-        pass
-
-    def release(self) -> None:
         pass
 
     def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,18 +14,9 @@ from RL2.config.ppo_schema import GREEDY_TEMPERATURE
 
 # Keys SGLang accepts that change nothing here as long as they keep their default value.
 _NEUTRAL_DEFAULTS = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "n": 1,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "logit_bias": None,
-    "custom_params": None,
-    "spaces_between_special_tokens": True,
-    "stream_interval": None,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1, "json_schema": None,
+    "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None,
+    "spaces_between_special_tokens": True, "stream_interval": None,
 }
 
 
@@ -50,20 +41,14 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict | None, tokenizer) -> "SamplingParams":
-        """Validate a `sampling_params` dict of a `/generate` payload.
-
-        Args:
-            params: the payload's `sampling_params` (None means all defaults).
-            tokenizer: used to measure stop strings in tokens.
-        """
+        """Validate the `sampling_params` of a `/generate` payload (None: all defaults); `tokenizer` measures
+        stop strings in tokens."""
         params = dict(params or {})
         for key, default in _NEUTRAL_DEFAULTS.items():
             value = params.pop(key, default)
             if value != default:
-                raise ValueError(
-                    f"sampling param {key}={value!r} is not supported by the embedded engine; "
-                    f"drop it or run SGLang"
-                )
+                raise ValueError(f"sampling param {key}={value!r} is not supported by the embedded engine; "
+                                 f"drop it or run SGLang")
         known = set(cls.__dataclass_fields__) - {"stop_max_tokens"}
         unknown = set(params) - known
         if unknown:
@@ -75,9 +60,7 @@ class SamplingParams:
         sp.top_k = sp.top_k if sp.top_k > 0 else -1
         if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 0:
             raise ValueError(f"invalid sampling params: {sp}")
-        sp.stop_max_tokens = max(
-            (len(tokenizer.encode(s, add_special_tokens=False)) for s in sp.stop), default=0
-        )
+        sp.stop_max_tokens = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in sp.stop), default=0)
         return sp
 
     @property
@@ -85,13 +68,9 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def sample_next_tokens(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    banned: list[list[int]],
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
+                       generators: list[torch.Generator | None],
+                       default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row, all rows at once.
 
     The returned log-probability is that of the sampled token under softmax(logits / temperature), the
@@ -105,7 +84,7 @@ def sample_next_tokens(
         params: each row's sampling parameters.
         banned: per row, token ids that must not be sampled (stop tokens before min_new_tokens).
         generators: per row, its own generator (requests with a sampling_seed) or None.
-        default_generator: generator for the rows without their own (None: torch's global one).
+        default_generator: for the rows without their own (None: torch's global one).
 
     Returns:
         (tokens, logprobs), both of shape [rows].
@@ -116,20 +95,15 @@ def sample_next_tokens(
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     allowed = probs
     if any(banned):
-        index = (
-            torch.tensor([r for r, ids in enumerate(banned) for _ in ids], device=device),
-            torch.tensor([t for ids in banned for t in ids], device=device),
-        )
+        index = (torch.tensor([r for r, ids in enumerate(banned) for _ in ids], device=device),
+                 torch.tensor([t for ids in banned for t in ids], device=device))
         allowed = probs.index_put(index, torch.tensor(0.0, device=device))
     sampled = [r for r, p in enumerate(params) if not p.greedy]
-    if len(sampled) < len(params):
-        tokens = allowed.argmax(dim=-1)
-    else:
-        tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    everything = len(sampled) == len(params)
+    tokens = torch.empty(len(params), dtype=torch.long, device=device) if everything else allowed.argmax(dim=-1)
     tempered = None
     if sampled:
         rows = torch.tensor(sampled, device=device)
-        everything = len(sampled) == len(params)
         sampled_params = [params[r] for r in sampled]
         tempered = _Tempered.of(allowed if everything else allowed[rows], sampled_params)
         if tempered.scaled and any(banned[r] for r in sampled):
@@ -159,23 +133,18 @@ class _Tempered:
     largest (allowed) probability first, so that its top token keeps weight 1: at a low temperature the
     powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by
     1, which leaves them exactly as they are.
-
-    Attributes:
-        weights: [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0.
-        temperature: [rows].
-        log_peak: [rows] log of the largest allowed probability (0 at T = 1).
-        log_sum: [rows] log of the sum of (p / peak) ** (1 / T) over the whole vocabulary, banned tokens
-            included (`add_banned`): log softmax(logits / T) at token y is (log p_y - log_peak) / T - log_sum.
-        scaled: whether any row has T != 1 (else `weights` are the probabilities themselves).
     """
 
-    weights: torch.Tensor
-    temperature: torch.Tensor
-    log_peak: torch.Tensor | None = None
+    weights: torch.Tensor  # [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0
+    temperature: torch.Tensor  # [rows]
+    log_peak: torch.Tensor | None = None  # [rows] log of the largest allowed probability (0 at T = 1)
+    # [rows] log of the sum of (p / peak) ** (1 / T) over the whole vocabulary, banned tokens included
+    # (`add_banned`): log softmax(logits / T) at token y is (log p_y - log_peak) / T - log_sum.
     log_sum: torch.Tensor | None = None
 
     @property
     def scaled(self) -> bool:
+        """Whether any row has T != 1 (else `weights` are the probabilities themselves)."""
         return self.log_sum is not None
 
     @classmethod
@@ -213,9 +182,7 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
     request has it); here each row follows its own parameters, so that a request samples alike
     in any batch.
 
-    Args:
-        weights: the unnormalised probabilities at each row's temperature (banned tokens at 0).
-        params: each row's sampling parameters.
+    `weights` are the unnormalised probabilities at each row's temperature (banned tokens at 0).
     """
     device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
@@ -246,19 +213,11 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
     return weights
 
 
-def finish_reason(
-    output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer
-) -> dict | None:
-    """Why a request stops after its newest token, or None to go on.
+def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer) -> dict | None:
+    """Why a request stops after its newest token (`output_ids` are those generated so far), or None to go on.
 
     Same order as SGLang: length first, then stop tokens, then stop strings. As in SGLang,
     `ignore_eos` also switches off `stop_token_ids`.
-
-    Args:
-        output_ids: the tokens generated so far, newest last.
-        params: the request's sampling parameters.
-        eos_ids: the model's end-of-sequence token ids.
-        tokenizer: decodes the tail of the output to look for stop strings.
     """
     if len(output_ids) >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
@@ -274,9 +233,7 @@ def finish_reason(
     return None
 
 
-def stop_tokens_to_ban(
-    num_output: int, params: SamplingParams, eos_ids: set[int]
-) -> list[int]:
+def stop_tokens_to_ban(num_output: int, params: SamplingParams, eos_ids: set[int]) -> list[int]:
     """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's
     MinNewTokensPenalizer)."""
     if num_output >= params.min_new_tokens:

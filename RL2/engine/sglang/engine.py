@@ -181,8 +181,8 @@ class SGLangEngine:
         weight_sync = _launched_weight_sync(cfg.weight_sync, device, {v for _, v, _ in gathered if v is not None})
         tp_group = _tp_groups(world, tp) if weight_sync == "tensor" else None
         writes, dirs = _disk_roles(cfg, weight_sync, [host for host, _ in places], leader_ranks=range(0, world, tp))
-        engine = cls(urls, [url] if url else [], weight_sync, _bucket_bytes(cfg), model_path, writes, dirs,
-                     server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
+        engine = cls(urls, [url] if url else [], weight_sync, int(cfg.weight_bucket_mb * 2**20), model_path, writes,
+                     dirs, server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
                      tp_group=tp_group, request_timeout=cfg.request_timeout,
                      check_weights=getattr(cfg, "check_weight_sync", True), api_key=api_key)
         if dist.get_rank() == 0:
@@ -206,9 +206,9 @@ class SGLangEngine:
         _raise_any(_all_gather(error))
         writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
         controlled = urls if dist.get_rank() == 0 else []
-        return cls(urls, controlled, weight_sync, _bucket_bytes(cfg), model_path, writes, [writes] * len(controlled),
-                   request_timeout=cfg.request_timeout, check_weights=getattr(cfg, "check_weight_sync", True),
-                   api_key=api_key)
+        return cls(urls, controlled, weight_sync, int(cfg.weight_bucket_mb * 2**20), model_path, writes,
+                   [writes] * len(controlled), request_timeout=cfg.request_timeout,
+                   check_weights=getattr(cfg, "check_weight_sync", True), api_key=api_key)
 
     # ---- generation ----
 
@@ -250,11 +250,8 @@ class SGLangEngine:
             self._check_written(before, self._weight_checksums(randomize=False), weight_version)
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """How the trainer's parameters map to the checkpoint's names (the same on every rank).
-
-        Built at the first push; a name it gives that the served checkpoint does not have is logged,
-        as SGLang's loader would skip it.
-        """
+        """How the trainer's parameters map to the checkpoint's names, built at the first push; a name the
+        served checkpoint does not have is logged, as SGLang's loader would skip it."""
         if self._layout is None:
             self._layout = CheckpointLayout.from_folder(self.model_path)
             on_disk = checkpoint_tensor_names(self.model_path)
@@ -354,11 +351,8 @@ class SGLangEngine:
         _raise_any(_all_gather(error))
 
     def _control_all(self, endpoint: str, payload, absent_ok: bool = False) -> list[dict | None]:
-        """POST to every server this rank controls, then agree with all ranks that it worked.
-
-        Returns:
-            each controlled server's answer; with `absent_ok`, None for a server that does not have `endpoint`.
-        """
+        """POST to every server this rank controls, then agree with all ranks that it worked. Returns each
+        one's answer; with `absent_ok`, None for a server that does not have `endpoint`."""
         error, answers = None, []
         for i, url in enumerate(self.controlled):
             body = payload(i) if callable(payload) else payload
@@ -376,16 +370,14 @@ class SGLangEngine:
 
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
                     absent_ok: bool = False, api_key: str | None = None) -> dict | None:
-    """One control request (GET without a payload, else POST); EngineError if the server does not
-    answer 200 within `timeout` seconds, all of its answer included, or reports a failure, or answers
-    more than `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint
-    (404). `api_key`, if any, goes as `Authorization: Bearer`."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    """One control request (GET without a payload, else POST); EngineError if the server does not answer 200
+    within `timeout` seconds, all of its answer included, or reports a failure, or answers more than
+    `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint (404)."""
 
     async def send() -> tuple[int, bytes]:
         # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
         async with httpx.AsyncClient(timeout=timeout) as client:
-            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, headers), timeout)
+            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, api_key), timeout)
 
     try:
         status, answer = _run_blocking(send())
@@ -441,8 +433,7 @@ def _rank_info(rank: dict) -> dict:
 
 
 def _rank_key(rank: dict) -> tuple:
-    info = _rank_info(rank)
-    return info.get("rank"), info.get("tp_rank"), info.get("dp_rank"), info.get("pp_rank")
+    return tuple(_rank_info(rank).get(key) for key in ("rank", "tp_rank", "dp_rank", "pp_rank"))
 
 
 def _listed(names: list[str], most: int = 12) -> str:
@@ -625,10 +616,6 @@ def _physical_gpu(device: torch.device) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     index = device.index or 0
     return visible.split(",")[index].strip() if visible else str(index)
-
-
-def _bucket_bytes(cfg) -> int:
-    return int(cfg.weight_bucket_mb * 2**20)
 
 
 def _all_gather(value) -> list:

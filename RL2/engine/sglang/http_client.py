@@ -27,8 +27,7 @@ class HTTPEngineClient:
 
     Args:
         urls: server base URLs, e.g. ["http://10.0.0.1:30000"].
-        timeout: seconds one request may take from its sending to the end of its answer (generation
-            included) before it fails.
+        timeout: seconds one request may take from its sending to the end of its answer (generation included).
         api_key: sent as `Authorization: Bearer <api_key>` (SGLang's `--api-key`); None sends none.
         vocab_size: the served model's vocabulary size: a `/generate` answer with a token id outside
             [0, vocab_size) is an EngineError. None checks nothing.
@@ -70,7 +69,8 @@ class HTTPEngineClient:
     async def abort_own(self) -> None:
         """Abort this client's requests in flight (SGLang `/abort_request` by id): they return at once
         with finish_reason abort and their partial output. Other clients' requests go on."""
-        await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in list(self._own.items())))
+        own = list(self._own.items())
+        await asyncio.gather(*(self._post(f"{url}/abort_request", {"rid": rid}) for rid, url in own))
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -96,11 +96,10 @@ class HTTPEngineClient:
     def _check_token_ids(self, url: str, answer: dict) -> None:
         """EngineError naming the server when an answer holds a token id outside the vocabulary: it would
         index past the trainer's embedding (an error far from its cause, or on GPU a device assert)."""
-        if self.vocab_size is None:
+        if self.vocab_size is None or not isinstance(answer, dict):
             return
-        meta = answer.get("meta_info") if isinstance(answer, dict) else None
-        ids = list(answer.get("output_ids") or []) if isinstance(answer, dict) else []
-        ids += [entry[1] for entry in (meta or {}).get("output_token_logprobs") or []
+        ids = list(answer.get("output_ids") or [])
+        ids += [entry[1] for entry in (answer.get("meta_info") or {}).get("output_token_logprobs") or []
                 if isinstance(entry, (list, tuple)) and len(entry) > 1]
         # output_ids and the log-probabilities' ids are the same tokens: each bad one listed once
         bad = list(dict.fromkeys(i for i in ids if isinstance(i, bool) or not isinstance(i, int)
@@ -111,20 +110,18 @@ class HTTPEngineClient:
                               f"model (check rollout.server_url and the model it was started with)")
 
     async def _post(self, endpoint: str, payload: dict) -> dict:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
             # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
-            status, body = await asyncio.wait_for(read_answer(self._http(), endpoint, payload, headers), self.timeout)
+            status, body = await asyncio.wait_for(read_answer(self._http(), endpoint, payload, self.api_key),
+                                                  self.timeout)
         except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             raise EngineError(f"{endpoint}: no answer within {self.timeout} s ({type(e).__name__}); a request may "
                               f"take rollout.request_timeout seconds") from e
         except httpx.TransportError as e:
             raise _Unreachable(f"{endpoint} is unreachable ({type(e).__name__}: {e})") from e
         check_status(endpoint, status, body)
-        if not body:  # control endpoints may answer with an empty body
-            return {}
         try:
-            return json.loads(body)
+            return json.loads(body) if body else {}  # control endpoints may answer with an empty body
         except ValueError as e:
             raise EngineError(f"{endpoint} returned a body that is not JSON: {body[:200]!r}") from e
 
@@ -142,10 +139,12 @@ class HTTPEngineClient:
 
 
 async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,
-                      headers: dict | None) -> tuple[int, bytes]:
-    """POST `payload` to `url` (GET when None): the answer's status and body, of at most MAX_ANSWER_BYTES
-    (else EngineError, having read no more than that). The caller bounds the time it takes."""
+                      api_key: str | None) -> tuple[int, bytes]:
+    """POST `payload` to `url` (GET when None), with `api_key` as `Authorization: Bearer` if any: the answer's
+    status and body, of at most MAX_ANSWER_BYTES (else EngineError, having read no more than that). The
+    caller bounds the time it takes."""
     method = "GET" if payload is None else "POST"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with client.stream(method, url, json=payload, headers=headers) as response:
         declared = response.headers.get("content-length", "")
         too_big = declared.isdigit() and int(declared) > MAX_ANSWER_BYTES

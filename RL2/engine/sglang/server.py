@@ -43,12 +43,8 @@ def server_command(python: str, model_path: str, port: int, server_args: dict) -
         flag = "--" + name.replace("_", "-")
         if value is True:
             command.append(flag)
-        elif value is False:
-            continue
-        elif isinstance(value, list):
-            command += [flag, *map(str, value)]
-        else:
-            command += [flag, str(value)]
+        elif value is not False:
+            command += [flag, *map(str, value if isinstance(value, list) else [value])]
     return command
 
 
@@ -80,7 +76,6 @@ class SGLangServer:
     Args:
         python: the interpreter that runs SGLang (its own virtual environment if need be): a path, or a
             command on PATH (`resolve_python`).
-        model_path: HF folder of the weights to serve.
         server_args: checked `rollout.server_args` plus RL2's defaults (see `RL2.config.server_args.check_server_args`).
         env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
         log_dir: where the server's output goes; a temporary folder when None.
@@ -234,11 +229,11 @@ def sglang_shm_files(pgid: int) -> set[str]:
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, under another user
+        pass
+    return True
 
 
 # Run as `python -c` before the server: Linux SIGTERMs the process when its parent (the trainer) dies,

@@ -39,7 +39,8 @@ _CUDA_DEVICE_ARG = 6
 CONFIG_FILES = ("config.json", "generation_config.json")
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+            bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group consecutive (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor
     goes alone), so that no more than one bucket of full tensors is held at a time."""
     bucket, size = [], 0
@@ -56,17 +57,9 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 
 def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str | Path,
                     config_from: str | Path) -> Path:
-    """Write a Hugging Face folder, one safetensors shard per bucket, atomically.
-
-    Args:
-        tensor_buckets: lists of (name, tensor), e.g. from `buckets`, in the checkpoint's layout
-            (`RL2.engine.checkpoint_layout`).
-        folder: the folder to create; an existing one is replaced.
-        config_from: a Hugging Face folder whose config files are copied (the served model's).
-
-    Returns:
-        `folder`. It appears complete or not at all: the files are written to `<folder>.tmp` first.
-    """
+    """Write `folder` (replacing it) as a Hugging Face folder, one safetensors shard per bucket of
+    `tensor_buckets` (in the checkpoint's layout, `RL2.engine.checkpoint_layout`), with the config files of
+    `config_from`. It appears complete or not at all: the files are written to `<folder>.tmp` first."""
     folder = Path(folder)
     partial = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(partial, ignore_errors=True)
