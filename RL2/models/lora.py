@@ -64,14 +64,10 @@ class LoRALinear(nn.Module):
                                                            src_data_rank=None))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout on the adapter's input, as one process would draw it.
-
-        Tensor-parallel ranks draw from the same random stream (`FSDPWorker` keeps them so). Column-wise
-        they hold the same whole input and draw the same mask for it, as they must. Row-wise each holds a
-        slice of the input features: the mask of the whole input is drawn, the same on every rank, and
-        each keeps its slice of it, so the slices are not dropped alike and every feature is dropped
-        independently, as on one process.
-        """
+        """Dropout on the adapter's input, as one process would draw it. Tensor-parallel ranks draw from the
+        same random stream (`FSDPWorker` keeps them so): column-wise they hold the same input and draw the
+        same mask, as they must; row-wise each holds a slice of the features, so each draws the whole
+        input's mask and keeps its slice, and every feature is dropped independently, as on one process."""
         if not isinstance(self.input_placement, Shard) or not isinstance(self.lora_dropout, nn.Dropout):
             return self.lora_dropout(x)
         mesh, width, p = self.lora_A.weight.device_mesh, x.shape[-1], self.lora_dropout.p  # mesh: the tp mesh
@@ -101,13 +97,9 @@ def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]
     every linear layer of the decoder layers (never the LM head or a scalar head).
     """
     inside = {id(m) for layer in layers for m in layer.modules()}
-    found = {}
-    for name, module in model.named_modules():
-        if id(module) not in inside or not isinstance(module, nn.Linear):
-            continue
-        if ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets):
-            found[name] = module
-    return found
+    return {name: module for name, module in model.named_modules()
+            if id(module) in inside and isinstance(module, nn.Linear)
+            and (ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets))}
 
 
 def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
@@ -124,9 +116,7 @@ def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: fl
                          f"its decoder layers have {', '.join(names) or 'none'} (or use [{ALL_LINEAR}])")
     model.requires_grad_(False)
     for name, linear in found.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(linear, rank, alpha, dropout))
+        model.set_submodule(name, LoRALinear(linear, rank, alpha, dropout))
     for head in HEAD_MODULES:
         module = getattr(model, head, None)
         if module is not None:

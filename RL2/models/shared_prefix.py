@@ -31,14 +31,9 @@ from RL2.utils.shared_prefixes import runs_with_shared_prefix
 
 @dataclass
 class Block:
-    """One run of sequences in the compressed row: `prefix` tokens from `start`, then the branches.
-
-    Attributes:
-        start: where the block starts in the compressed row.
-        prefix: its shared tokens (all of a sequence that shares with no other).
-        branches: the length of each branch, which follow the prefix in order; a branch may be empty
-            (a sequence that is all prefix).
-    """
+    """One run of sequences in the compressed row: from `start`, `prefix` shared tokens (all of a sequence
+    that shares with no other), then the branches, of lengths `branches`; a branch may be empty (a
+    sequence that is all prefix)."""
 
     start: int
     prefix: int
@@ -131,18 +126,14 @@ class SharedPrefixRow:
         """`[3, T_c]` int64, the keys each token sees: its block's prefix (prefix_start..prefix_end - 1;
         none for a prefix token) and its own tokens from own_start (its prefix's or branch's first) to itself."""
         if self._runs is None:
-            prefix_start, prefix_end, own_start = [], [], []
+            runs = []  # (prefix_start, prefix_end, own_start) of each token
             for block in self.blocks:
-                prefix_start += [block.start] * block.prefix
-                prefix_end += [block.start] * block.prefix
-                own_start += [block.start] * block.prefix
+                runs += [(block.start, block.start, block.start)] * block.prefix
                 first = block.start + block.prefix
                 for length in block.branches:
-                    prefix_start += [block.start] * length
-                    prefix_end += [block.start + block.prefix] * length
-                    own_start += [first] * length
+                    runs += [(block.start, block.start + block.prefix, first)] * length
                     first += length
-            self._runs = torch.tensor([prefix_start, prefix_end, own_start], dtype=torch.long)
+            self._runs = torch.tensor(runs, dtype=torch.long).reshape(-1, 3).T.contiguous()
         return self._runs
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:
