@@ -116,11 +116,10 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:
     """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count.
 
-    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no
-    mask (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
-    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp). Grouped heads with fp32
-    or a mask would fall to the math kernel, which materializes `[H, q, k]` scores. Repeated heads let
-    the efficient kernel run. On CPU the math kernel is the only one, so nothing changes.
+    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask
+    (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
+    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp), which would fall to the math
+    kernel and its `[H, q, k]` scores. On CPU the math kernel is the only one, so nothing changes.
     """
     if device.type != "cuda" or heads == kv_heads:
         return False
@@ -157,13 +156,10 @@ def softcap_of(config) -> float | None:
 
 
 def softcapped_attention(query, key, value, scaling: float, softcap: float, mask=None) -> torch.Tensor:
-    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain
-    products, scores and softmax in float32 (as the model's own eager attention).
-
-    query `[B, H, q, D]`, key/value `[B, H_kv, k, D]`; `mask` boolean, True where a key is visible,
-    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions.
-    Returns `[B, H, q, D]` in the query's dtype.
-    """
+    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain products,
+    scores and softmax in float32 (as the model's own eager attention). query `[B, H, q, D]`, key/value
+    `[B, H_kv, k, D]` -> `[B, H, q, D]` in the query's dtype; `mask` boolean, True where a key is visible,
+    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions."""
     groups = query.shape[1] // key.shape[1]
     key, value = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
     scores = torch.matmul(query.float() * scaling, key.transpose(-1, -2))

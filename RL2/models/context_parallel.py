@@ -108,8 +108,7 @@ class ContextShard:
         gathered = _AllGatherReplicated.apply(local.squeeze(0), self.group)  # [size * t]
         rows = self.rows.flatten()
         keep = rows >= 0
-        out = gathered.new_zeros(total)
-        return out.index_copy(0, rows[keep], gathered[keep]).unsqueeze(0)
+        return gathered.new_zeros(total).index_copy(0, rows[keep], gathered[keep]).unsqueeze(0)
 
     def attention(self, query, key, value, scaling):
         """Causal attention of the local queries over whole sequences. `[1, H, t, D]` -> `[1, t, H, D]`."""
@@ -185,13 +184,9 @@ def _ring_flash(query, key, value, shard: ContextShard, scaling):
 
 @functools.cache
 def _ring_flash_attn_module():
-    """`ring_flash_attn.zigzag_ring_flash_attn_varlen` without running the package's `__init__`, or None
-    when ring-flash-attn is not installed or does not load.
-
-    The package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x; only the
-    varlen kernels are needed. An empty package object pointing at the same folder lets the submodule
-    and its relative imports load on their own.
-    """
+    """`ring_flash_attn.zigzag_ring_flash_attn_varlen`, or None when ring-flash-attn does not load. The
+    package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x: an empty package
+    object pointing at the same folder lets the submodule and its relative imports load on their own."""
     name = "ring_flash_attn.zigzag_ring_flash_attn_varlen"
     if name in sys.modules:
         return sys.modules[name]

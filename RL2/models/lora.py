@@ -30,10 +30,7 @@ PEFT_PREFIX = "base_model.model."
 
 class LoRALinear(nn.Module):
     """A linear layer plus a low-rank adapter: `base_layer(x) + scaling * lora_B(lora_A(dropout(x)))`.
-
-    `base` may be on any device (meta included) and tensor-parallel: the adapter then follows its split
-    as DTensors (`_split_like_base`).
-    """
+    `base` may be on any device (meta included) and tensor-parallel: the adapter follows its split."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -91,11 +88,8 @@ class LoRALinear(nn.Module):
 
 
 def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]) -> dict[str, nn.Linear]:
-    """Module path -> linear layer of every target inside the decoder layers.
-
-    A target matches a module path that ends in it (`q_proj`, `self_attn.q_proj`); `all-linear` takes
-    every linear layer of the decoder layers (never the LM head or a scalar head).
-    """
+    """Module path -> linear layer of every target inside the decoder layers (never the LM head or a scalar
+    head): a target matches a path that ends in it (`q_proj`, `self_attn.q_proj`); `all-linear` takes all."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     return {name: module for name, module in model.named_modules()
             if id(module) in inside and isinstance(module, nn.Linear)
@@ -149,10 +143,8 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
 def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
                    scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """A stream of (name, full tensor) of a LoRA model in `named_parameters` order -> the same stream with
-    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out.
-
-    A layer's base weight comes before its A and B, so one full tensor at a time waits for them.
-    """
+    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out. A
+    layer's base weight comes before its A and B, so one full tensor at a time waits for them."""
     waiting: dict[str, list[torch.Tensor]] = {}  # module path -> [W, A]
     for name, tensor in named_tensors:
         if BASE in name:
