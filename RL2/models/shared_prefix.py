@@ -1,22 +1,17 @@
 """Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses.
 
 `SharedPrefixRow` rewrites a packed row (docs/cpu.md#shared-prefixes) so that each run of consecutive
-sequences with a common prefix holds that prefix once, followed by each sequence's own remainder (its
-branch):
+sequences with a common prefix (`RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
+too) holds that prefix once, followed by each sequence's own remainder, its branch:
 
     packed:     [P a1 a2] [P b1 b2 b3] [Q c1]        P: shared tokens
     compressed: [P | a1 a2 | b1 b2 b3] [Q c1]
 
-A branch's tokens attend to the whole prefix and causally within their branch, never to another
-branch; every token keeps its own position id. So each token sees exactly the tokens it sees in the
-packed row, and the model's output at any packed token is its output at the compressed token
-`source[t]` (gathering it there is differentiable: the gradients of the sequences that share a
-prefix token add up on it). A position is shared only while inputs and labels agree, so the label at
-the last shared position is the same for every sequence of the run (the next token is where they
-first differ, or the end of the shorter sequence).
-
-Which sequences form a run is `RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
-too to size a row.
+A branch's tokens attend to the whole prefix and causally within their branch; every token keeps its
+position id. So each token sees exactly what it sees in the packed row, and the model's output at packed
+token t is its output at compressed token `source[t]` (gathered differentiably: the gradients of the
+sequences that share a prefix token add up on it). A position is shared only while inputs and labels
+agree, so the label at the last shared position is the same for every sequence of the run.
 """
 
 from dataclasses import dataclass, field
