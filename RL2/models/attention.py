@@ -127,11 +127,8 @@ def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, 
 
 
 def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
-    """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it.
-
-    On CPU, bf16 and fp16 inputs are upcast for the call: torch's CPU SDPA kernel runs faster in float32
-    than in bf16 and accumulates in float32 either way.
-    """
+    """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it. On
+    CPU, bf16 and fp16 inputs are upcast: torch's CPU kernel runs faster in float32 and accumulates in it anyway."""
     upcast = not query.is_cuda and query.dtype in HALF_DTYPES
     q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
     k, v = repeat_kv_heads_for_sdpa(q, k, v, masked=mask is not None)

@@ -200,11 +200,8 @@ def merge_into_base(model: nn.Module, fraction: float) -> None:
     """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A` and
     `B *= 1 - fraction`. The model computes the same function afterwards, while its base (what
     `adapters_disabled` runs) moves `fraction` of the way to it: ProRL's reference reset under LoRA.
-
-    Works on FSDP-sharded (and tensor-parallel) parameters: every rank computes a layer's full B A (one
-    weight-sized tensor at a time) and adds its own part to its shard of W. The caller puts sharded
-    parameters back in place first (`reshard`).
-    """
+    Works on FSDP-sharded (and tensor-parallel) parameters, which the caller puts back in place first
+    (`reshard`): every rank computes a layer's full B A and adds its own part to its shard of W."""
     for module in adapter_modules(model):
         weight = module.base_layer.weight
         a, b = module.lora_A.weight, module.lora_B.weight

@@ -37,13 +37,9 @@ class Block:
 
 @dataclass
 class SharedPrefixRow:
-    """A packed row with shared prefixes stored once (see the module docstring).
-
-    Attributes:
-        input_ids, labels, position_ids: `[1, T_c]` the compressed row.
-        source: `[T]` long, where each token of the packed row is in the compressed row.
-        blocks: the runs, in order; they tile the compressed row.
-    """
+    """A packed row with shared prefixes stored once (see the module docstring): `input_ids`, `labels` and
+    `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each token of the packed row
+    is in the compressed row; `blocks` the runs, in order, tiling the compressed row."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor

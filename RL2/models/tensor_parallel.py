@@ -68,10 +68,8 @@ def check_tp_degree(config, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> bool:
-    """Split `model` over `tp_mesh` in place. Returns whether the logits come out split over the vocabulary.
-
-    Weights are split where they are (no communication): the caller loads the real values afterwards.
-    """
+    """Split `model` over `tp_mesh` in place, where its weights are (no communication: the caller loads the
+    real values afterwards). Returns whether the logits come out split over the vocabulary."""
     layer_plan, root_plan = TP_PLANS[model.config.model_type]
     for layer in layers:
         parallelize_module(layer, tp_mesh, {k: STYLES[v]() for k, v in layer_plan.items()}, src_data_rank=None)
