@@ -88,9 +88,8 @@ def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=No
     # from version 2.6 on, so the keyword goes only to models that need it.
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))
     capped = {"softcap": softcap} if softcap else {}
-    out = flash_attn_varlen()(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True, **capped
-    )
+    out = flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling,
+                              causal=True, **capped)
     return out.unsqueeze(0)
 
 
@@ -109,8 +108,7 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
             key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, dim)
     cu_seqlens = cu_seqlens.to(torch.int32)
-    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-    return out.unsqueeze(0)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs).unsqueeze(0)
 
 
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:

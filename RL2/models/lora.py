@@ -97,16 +97,15 @@ def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]
 
 
 def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
-                 targets: list[str], key: str = "lora") -> list[str]:
+                 targets: list[str]) -> list[str]:
     """Wrap the target linear layers inside `layers` (the decoder layers) of an HF model, not yet
     FSDP-sharded, in `LoRALinear`, and freeze everything but the adapters and the scalar head (made
-    float32, as the adapters are). Returns the wrapped module paths; `key` names the config section in
-    the error when nothing matches."""
+    float32, as the adapters are). Returns the wrapped module paths."""
     found = target_linears(model, layers, targets)
     if not found:
         names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
                         if isinstance(m, nn.Linear)})
-        raise ConfigError(f"{key}.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
+        raise ConfigError(f"lora.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
                          f"its decoder layers have {', '.join(names) or 'none'} (or use [{ALL_LINEAR}])")
     model.requires_grad_(False)
     for name, linear in found.items():
