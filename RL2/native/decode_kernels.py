@@ -32,7 +32,6 @@ SIGNATURES = {
     "panel_rows": [],
     "bf16_panel_rows": [],
 }
-# The functions that return an int (the others return nothing).
 RETURNS = {name: ctypes.c_int for name in ("panel_linear", "panel_linear_bf16", "panel_rows", "bf16_panel_rows")}
 
 

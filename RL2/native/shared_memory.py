@@ -56,10 +56,10 @@ def create_segment(path: str, size: int) -> None:
     try:
         os.posix_fallocate(descriptor, 0, max(size, 1))
     except OSError:
-        os.close(descriptor)
         os.unlink(path)
         raise
-    os.close(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def map_segment(path: str, size: int) -> mmap.mmap:

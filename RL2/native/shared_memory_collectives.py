@@ -236,9 +236,8 @@ class Slots:
         segment = self.collectives.new_segment(self.PER_KIND * size * (1 + world))
         if segment is None:
             return
-        self.gather = [segment[i * size : (i + 1) * size] for i in range(self.PER_KIND)]
-        scatter = segment[self.PER_KIND * size :].view(self.PER_KIND, world, size)
-        self.scatter = list(scatter)
+        self.gather = list(segment[: self.PER_KIND * size].view(self.PER_KIND, size))
+        self.scatter = list(segment[self.PER_KIND * size :].view(self.PER_KIND, world, size))
         self.span = (segment.data_ptr(), segment.data_ptr() + segment.numel())
         self.turn = {"gather": 0, "scatter": 0}
 
@@ -248,14 +247,9 @@ def _gathered_bytes(module: torch.nn.Module, world: int) -> int:
     FSDP module): each padded to a multiple of `world` rows, at no less than 4 bytes an element."""
     nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
               for p in sub.parameters()}
-    total = 0
-    for param in module.parameters():
-        if id(param) in nested:
-            continue
-        shape = param.shape if param.dim() else torch.Size([1])
-        rows = -(-shape[0] // world) * world
-        total += rows * shape[1:].numel() * max(param.element_size(), 4)
-    return total
+    shapes = [(p.shape if p.dim() else torch.Size([1]), p.element_size()) for p in module.parameters()
+              if id(p) not in nested]
+    return sum(-(-shape[0] // world) * world * shape[1:].numel() * max(size, 4) for shape, size in shapes)
 
 
 class _AllGather(AllGather):
