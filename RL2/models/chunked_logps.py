@@ -27,12 +27,10 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 class LogpsAndEntropy(torch.autograd.Function):
     """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
-    float dtype; the entropy is zeros unless `with_entropy`.
-
-    With `overwrite_logits`, the chunked path's backward writes the logits' gradient over the logits instead
-    of into a new `[N, V]` tensor (the largest buffer of a small model's backward on CPU): the caller promises
-    that nothing reads the logits after this backward (the output projection needs its input, not its output).
-    """
+    float dtype; the entropy is zeros unless `with_entropy`. With `overwrite_logits`, the chunked path's
+    backward writes the logits' gradient over the logits instead of into a new `[N, V]` tensor (the largest
+    buffer of a small model's backward on CPU): the caller promises that nothing reads the logits after this
+    backward (the output projection needs its input, not its output)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float,

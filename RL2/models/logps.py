@@ -96,9 +96,8 @@ class PackedForward:
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of each next-token distribution softmax(logits / temperature), float32 `[1, T]`."""
-        if self.vocab.split:
-            return self.gather(self.vocab.entropy(self._logits(False), temperature))
-        return self.gather(chunked_logps.entropy(self._logits(False), temperature))
+        entropy = self.vocab.entropy if self.vocab.split else chunked_logps.entropy
+        return self.gather(entropy(self._logits(False), temperature))
 
     def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False, temperature: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -256,9 +256,8 @@ def install_fused_layers(model: torch.nn.Module) -> int:
         elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
             module.forward = types.MethodType(_gated_mlp_forward, module)
             changed += 1
-    # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base layer
-    # calls it) still run, as only `forward` changes.
-    for module in list(model.modules()):
+        # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base
+        # layer calls it) still run, as only `forward` changes.
         for child_name in INPUT_PROJECTIONS:
             child = getattr(module, child_name, None)
             if type(child) is torch.nn.Linear:

@@ -113,10 +113,9 @@ def cuda_host_register(address: int, nbytes: int) -> None:
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(address, nbytes, 0)
     if error != cudart.cudaError.success:
-        raise RuntimeError(
-            f"could not page-lock {nbytes / 2**20:.0f} MiB of host memory for offloaded state "
-            f"({cudart.cudaGetErrorString(error)}); set RL2_PINNED_OFFLOAD=0 to offload into pageable "
-            "memory (slower copies, swappable)")
+        raise RuntimeError(f"could not page-lock {nbytes / 2**20:.0f} MiB of host memory for offloaded state "
+                           f"({cudart.cudaGetErrorString(error)}); set RL2_PINNED_OFFLOAD=0 to offload into "
+                           "pageable memory (slower copies, swappable)")
 
 
 def cuda_host_unregister(address: int) -> None:
