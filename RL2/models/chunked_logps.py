@@ -4,11 +4,8 @@ A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a s
 every elementwise pass over it streams it through memory. Here each chunk of rows is cast, reduced and,
 in backward, turned into its gradient while it sits in the CPU's cache; only the log-sum-exp and entropy
 of each token are kept between forward and backward. Logits of -inf (masked vocabulary entries) count
-as probability 0.
-
-On CUDA the same function runs as two Triton kernels (`RL2.models.triton_logps`: one read of the
-logits in forward, one read and one write in backward) where Triton imports, as it does with CUDA
-builds of torch; `RL2_TRITON_LOGPS=0` keeps the chunked path there.
+as probability 0. On CUDA, where Triton imports, the same function runs as two Triton kernels
+(`RL2.models.triton_logps`); `RL2_TRITON_LOGPS=0` keeps the chunked path there.
 """
 
 import functools

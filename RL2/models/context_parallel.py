@@ -1,20 +1,17 @@
 """Context parallelism for packed variable-length sequences: cp ranks split the tokens of one row.
 
 Sharding (zigzag, as in ring-flash-attention): every sequence of the row is padded to a multiple of
-`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask
-a late chunk costs more than an early one, so pairing them gives every rank the same number of tokens
-and the same attention work. Padding sits at the end of its sequence, where causality hides it from
-every real token, and its outputs are dropped.
+`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask a
+late chunk costs more than an early one, so each rank gets the same tokens and attention work. Padding
+sits at the end of its sequence, where causality hides it from every real token; its outputs are dropped.
 
 Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks
 (`context_parallel_backend`). On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn
 installed, `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring. Otherwise an exact torch
 version on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of each
 local chunk against its whole sequence; the all-gather's backward is a reduce-scatter of the K/V
-gradients, so gradients are those of unsharded attention.
-
-Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
-callers see whole `[1, T]` tensors, the same on every cp rank.
+gradients. Per-token results are all-gathered back into the packed row's order: callers see whole
+`[1, T]` tensors, the same on every cp rank.
 """
 
 import functools
@@ -188,8 +185,6 @@ def _ring_flash_attn_module():
     package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x: an empty package
     object pointing at the same folder lets the submodule and its relative imports load on their own."""
     name = "ring_flash_attn.zigzag_ring_flash_attn_varlen"
-    if name in sys.modules:
-        return sys.modules[name]
     try:
         return importlib.import_module(name)
     except ImportError:

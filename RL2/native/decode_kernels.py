@@ -1,8 +1,6 @@
-"""The C decode kernels (`decode_kernels.c`): built once per machine with the system C compiler
-(`RL2.native.build`), called through ctypes.
-
-Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the engine
-computes the same step with torch ops, slower.
+"""The C decode kernels (`decode_kernels.c`), built once per machine (`RL2.native.build`) and called through
+ctypes. Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the
+engine computes the same step with torch ops, slower.
 """
 
 import ctypes

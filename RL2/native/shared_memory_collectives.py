@@ -62,8 +62,7 @@ class SharedMemoryCollectives:
         if not switches.shared_memory_collectives() or dist.get_world_size(group) == 1:
             return None
         info = [None] * dist.get_world_size(group)
-        name = segment_name(PREFIX)
-        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), name), group=group)
+        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), segment_name(PREFIX)), group=group)
         if len({host for host, _, _ in info}) != 1 or not all(has_shm for _, has_shm, _ in info):
             return None
         if dist.get_rank(group) == 0:
