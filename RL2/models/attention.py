@@ -1,16 +1,14 @@
 """Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen".
 
-A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward and handed
-down to every attention layer by transformers) marks where each starts. No token attends across a
-boundary. The kernel is picked per call by `varlen_backend` (docs/gpus.md): flash-attn's or torch's
-varlen kernel on CUDA in fp16/bf16, else causal SDPA on each sequence in turn (exact in any dtype, at a
-cost of sum(L_i^2) rather than T^2), or plain products per sequence for models that cap attention
-scores (Gemma 2), which SDPA and torch's varlen kernel cannot do.
+A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward, handed down to
+every attention layer by transformers) marks where each starts, and no token attends across a boundary.
+`varlen_backend` picks the kernel per call (docs/gpus.md): flash-attn's or torch's varlen kernel on CUDA
+in fp16/bf16, else causal SDPA on each sequence in turn (exact in any dtype, at a cost of sum(L_i^2)
+rather than T^2), or plain products per sequence for models that cap attention scores (Gemma 2).
 
-Under context parallelism the row is split over cp ranks and a `context_shard` keyword (passed to the
-model's forward like `cu_seq_lens_q`) says how; attention then goes through
-`RL2.models.context_parallel`. A row whose sequences share prefixes, stored once, comes with a
-`shared_prefixes` keyword instead (`RL2.models.shared_prefix`), which computes its attention.
+Forward keywords passed the same way hand a row to another module's attention: `context_shard` under
+context parallelism (`RL2.models.context_parallel`), `shared_prefixes` for a row whose sequences share
+prefixes stored once (`RL2.models.shared_prefix`).
 """
 
 import functools
@@ -38,12 +36,9 @@ def flash_attn_varlen():
 
 @functools.cache
 def torch_varlen_attention():
-    """torch's `varlen_attn` when this torch has one we can call causally with a scale, else None.
-
-    Its keywords changed between releases (`is_causal` became `window_size=(-1, 0)`; `enable_gqa` came
-    later), so they are read off its signature; without `enable_gqa`, grouped key/value heads are
-    repeated to the query's head count before the call (`_torch_varlen`).
-    """
+    """torch's `varlen_attn` when this torch has one we can call causally with a scale, else None. Its
+    keywords changed between releases (`is_causal` became `window_size=(-1, 0)`; `enable_gqa` came later),
+    so `_torch_varlen` reads them off its signature."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -93,9 +88,8 @@ def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=No
     # from version 2.6 on, so the keyword goes only to models that need it.
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))
     capped = {"softcap": softcap} if softcap else {}
-    out = flash_attn_varlen()(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True, **capped
-    )
+    out = flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling,
+                              causal=True, **capped)
     return out.unsqueeze(0)
 
 
@@ -114,19 +108,16 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
             key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, dim)
     cu_seqlens = cu_seqlens.to(torch.int32)
-    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-    return out.unsqueeze(0)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs).unsqueeze(0)
 
 
-def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                         masked: bool) -> bool:
+def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:
     """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count.
 
-    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no
-    mask (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
-    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp). Grouped heads with fp32
-    or a mask would fall to the math kernel, which materializes `[H, q, k]` scores. Repeated heads let
-    the efficient kernel run. On CPU the math kernel is the only one, so nothing changes.
+    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask
+    (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
+    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp), which would fall to the math
+    kernel and its `[H, q, k]` scores. On CPU the math kernel is the only one, so nothing changes.
     """
     if device.type != "cuda" or heads == kv_heads:
         return False
@@ -134,11 +125,8 @@ def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, 
 
 
 def sdpa(query, key, value, scaling, mask=None) -> torch.Tensor:
-    """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it.
-
-    On CPU, bf16 and fp16 inputs are upcast for the call: torch's CPU SDPA kernel runs faster in float32
-    than in bf16 and accumulates in float32 either way.
-    """
+    """SDPA `[1, H, q, D]` x `[1, H_kv, k, D]` -> `[1, H, q, D]`: causal without `mask`, else under it. On
+    CPU, bf16 and fp16 inputs are upcast: torch's CPU kernel runs faster in float32 and accumulates in it anyway."""
     upcast = not query.is_cuda and query.dtype in HALF_DTYPES
     q, k, v = (x.float() for x in (query, key, value)) if upcast else (query, key, value)
     k, v = repeat_kv_heads_for_sdpa(q, k, v, masked=mask is not None)
@@ -163,13 +151,10 @@ def softcap_of(config) -> float | None:
 
 
 def softcapped_attention(query, key, value, scaling: float, softcap: float, mask=None) -> torch.Tensor:
-    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain
-    products, scores and softmax in float32 (as the model's own eager attention).
-
-    query `[B, H, q, D]`, key/value `[B, H_kv, k, D]`; `mask` boolean, True where a key is visible,
-    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions.
-    Returns `[B, H, q, D]` in the query's dtype.
-    """
+    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain products,
+    scores and softmax in float32 (as the model's own eager attention). query `[B, H, q, D]`, key/value
+    `[B, H_kv, k, D]` -> `[B, H, q, D]` in the query's dtype; `mask` boolean, True where a key is visible,
+    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions."""
     groups = query.shape[1] // key.shape[1]
     key, value = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
     scores = torch.matmul(query.float() * scaling, key.transpose(-1, -2))
@@ -184,9 +169,7 @@ def softcapped_attention(query, key, value, scaling: float, softcap: float, mask
 def sliding_window_of(config) -> int | None:
     """The attention window of a model's sliding-window layers (Mistral v0.1, Gemma 2/3, Qwen2/3 with
     use_sliding_window); None when every layer attends to the whole sequence."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
+    window = getattr(config, "sliding_window", None) or None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if "sliding_attention" in layer_types else None
@@ -219,15 +202,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                                   "only on whole packed rows: not under context parallelism or shared prefixes")
     if context_shard is not None:
         return context_shard.attention(query, key, value, scaling), None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     if shared_prefixes is not None:
-        return shared_prefixes.attention(query, key, value, scaling or query.shape[-1] ** -0.5), None
+        return shared_prefixes.attention(query, key, value, scaling), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{ATTN_NAME} is for packed training and scoring; generate with attn_implementation='sdpa'")
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:  # one sequence: the whole row
         cu_seqlens = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     backend = varlen_backend(query.device, query.dtype)
     if softcap and backend != "flash_attn":  # flash-attn caps scores itself; SDPA and torch's kernel cannot
         backend = "softcapped"

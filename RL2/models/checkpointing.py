@@ -1,8 +1,5 @@
-"""Activation checkpointing of a HF model's decoder layers: all of them, or every n-th.
-
-A checkpointed layer keeps only its input for the backward and runs its forward again there; the others
-keep their activations. Checkpointing every n-th layer saves about 1/n of what checkpointing them all
-saves, at about 1/n of its extra time.
+"""Activation checkpointing of a HF model's decoder layers: all of them, or every n-th, which saves about
+1/n of the memory that checkpointing them all saves, at about 1/n of its extra time.
 """
 
 import torch

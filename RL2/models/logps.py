@@ -25,10 +25,9 @@ class ModelLayout:
     Attributes:
         vocab: the vocabulary slice of this rank's logits (tensor parallelism).
         cp_group: the context-parallel group, None without context parallelism.
-        share_prefixes: compute a prefix that consecutive packed sequences share once
-            (`RL2.models.shared_prefix`).
-        sliding_window: the window of the model's sliding-window layers, which RL2's attention does not
-            apply: a longer sequence is refused rather than scored wrongly.
+        share_prefixes: compute a prefix that consecutive packed sequences share once (`RL2.models.shared_prefix`).
+        sliding_window: the window of the model's sliding-window layers, which RL2's attention does not apply:
+            a longer sequence is refused rather than scored wrongly.
     """
 
     vocab: VocabShard = field(default_factory=VocabShard)
@@ -48,14 +47,11 @@ class PackedForward:
     """A model's output on one packed row, as this rank holds it.
 
     Attributes:
-        local_logits: `[1, k, V_local]`: this rank's tokens (all T without cp), or only the `kept` ones
-            of them, and its vocabulary slice.
-        local_labels: `[1, k]` the labels of those tokens.
-        vocab: reductions over the (possibly split) vocabulary.
+        local_logits: `[1, k, V_local]`: this rank's t tokens (all T without cp), or only the `kept` ones of
+            them, over its vocabulary slice (`vocab`); `local_labels` `[1, k]` their labels.
         context: how the row is split over cp ranks, None without context parallelism.
-        length: T, the tokens of the whole row.
+        length: T, the tokens of the whole row; `local_length`: t.
         kept: which of this rank's t tokens have logits (`forward_packed(trained_only=True)`), None: all.
-        local_length: t.
         shared: the row the model ran on when it stored shared prefixes once; per-token results are
             expanded back to the packed row.
         trained: with `shared` and `kept`, the packed row's `loss_mask`: results read 0.0 elsewhere.
@@ -100,9 +96,8 @@ class PackedForward:
 
     def entropy(self, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of each next-token distribution softmax(logits / temperature), float32 `[1, T]`."""
-        if self.vocab.split:
-            return self.gather(self.vocab.entropy(self._logits(False), temperature))
-        return self.gather(chunked_logps.entropy(self._logits(False), temperature))
+        entropy = self.vocab.entropy if self.vocab.split else chunked_logps.entropy
+        return self.gather(entropy(self._logits(False), temperature))
 
     def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False, temperature: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,10 +128,8 @@ class PackedForward:
 
 def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = False) -> PackedForward:
     """Run the model on one packed row; attention stays within each sequence (see RL2.models.attention).
-
-    With `trained_only`, the output projection (a large share of a small model's work per token) runs
-    only at the tokens whose label is trained (`mb.loss_mask`); per-token results read 0.0 elsewhere.
-    """
+    With `trained_only`, the output projection (a large share of a small model's work per token) runs only
+    at the tokens whose label is trained (`mb.loss_mask`); per-token results read 0.0 elsewhere."""
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
     if layout.sliding_window is not None and max(mb.seq_lens) > layout.sliding_window:
         raise NotImplementedError(
@@ -149,8 +142,8 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
     shard = shared = None
     if layout.cp_group is not None:
         shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)
-        input_ids, positions, labels = shard.shard(mb.input_ids), shard.positions.unsqueeze(0), shard.shard(mb.labels)
-        mask, kwargs = shard.shard(mb.loss_mask), dict(context_shard=shard)
+        input_ids, labels, mask = (shard.shard(x) for x in (mb.input_ids, mb.labels, mb.loss_mask))
+        positions, kwargs = shard.positions.unsqueeze(0), dict(context_shard=shard)
     elif layout.share_prefixes and (shared := SharedPrefixRow.build(mb)) is not None:
         input_ids, positions, labels = shared.input_ids, shared.position_ids, shared.labels
         mask, kwargs = shared.compress_mask(mb.loss_mask), dict(shared_prefixes=shared)

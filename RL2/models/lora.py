@@ -30,10 +30,7 @@ PEFT_PREFIX = "base_model.model."
 
 class LoRALinear(nn.Module):
     """A linear layer plus a low-rank adapter: `base_layer(x) + scaling * lora_B(lora_A(dropout(x)))`.
-
-    `base` may be on any device (meta included) and tensor-parallel: the adapter then follows its split
-    as DTensors (`_split_like_base`).
-    """
+    `base` may be on any device (meta included) and tensor-parallel: the adapter follows its split."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -64,14 +61,10 @@ class LoRALinear(nn.Module):
                                                            src_data_rank=None))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout on the adapter's input, as one process would draw it.
-
-        Tensor-parallel ranks draw from the same random stream (`FSDPWorker` keeps them so). Column-wise
-        they hold the same whole input and draw the same mask for it, as they must. Row-wise each holds a
-        slice of the input features: the mask of the whole input is drawn, the same on every rank, and
-        each keeps its slice of it, so the slices are not dropped alike and every feature is dropped
-        independently, as on one process.
-        """
+        """Dropout on the adapter's input, as one process would draw it. Tensor-parallel ranks draw from the
+        same random stream (`FSDPWorker` keeps them so): column-wise they hold the same input and draw the
+        same mask, as they must; row-wise each holds a slice of the features, so each draws the whole
+        input's mask and keeps its slice, and every feature is dropped independently, as on one process."""
         if not isinstance(self.input_placement, Shard) or not isinstance(self.lora_dropout, nn.Dropout):
             return self.lora_dropout(x)
         mesh, width, p = self.lora_A.weight.device_mesh, x.shape[-1], self.lora_dropout.p  # mesh: the tp mesh
@@ -95,38 +88,28 @@ class LoRALinear(nn.Module):
 
 
 def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]) -> dict[str, nn.Linear]:
-    """Module path -> linear layer of every target inside the decoder layers.
-
-    A target matches a module path that ends in it (`q_proj`, `self_attn.q_proj`); `all-linear` takes
-    every linear layer of the decoder layers (never the LM head or a scalar head).
-    """
+    """Module path -> linear layer of every target inside the decoder layers (never the LM head or a scalar
+    head): a target matches a path that ends in it (`q_proj`, `self_attn.q_proj`); `all-linear` takes all."""
     inside = {id(m) for layer in layers for m in layer.modules()}
-    found = {}
-    for name, module in model.named_modules():
-        if id(module) not in inside or not isinstance(module, nn.Linear):
-            continue
-        if ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets):
-            found[name] = module
-    return found
+    return {name: module for name, module in model.named_modules()
+            if id(module) in inside and isinstance(module, nn.Linear)
+            and (ALL_LINEAR in targets or any(name == t or name.endswith("." + t) for t in targets))}
 
 
 def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
-                 targets: list[str], key: str = "lora") -> list[str]:
+                 targets: list[str]) -> list[str]:
     """Wrap the target linear layers inside `layers` (the decoder layers) of an HF model, not yet
     FSDP-sharded, in `LoRALinear`, and freeze everything but the adapters and the scalar head (made
-    float32, as the adapters are). Returns the wrapped module paths; `key` names the config section in
-    the error when nothing matches."""
+    float32, as the adapters are). Returns the wrapped module paths."""
     found = target_linears(model, layers, targets)
     if not found:
         names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
                         if isinstance(m, nn.Linear)})
-        raise ConfigError(f"{key}.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
+        raise ConfigError(f"lora.target_modules={list(targets)} matches no linear layer of {type(model).__name__}; "
                          f"its decoder layers have {', '.join(names) or 'none'} (or use [{ALL_LINEAR}])")
     model.requires_grad_(False)
     for name, linear in found.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(linear, rank, alpha, dropout))
+        model.set_submodule(name, LoRALinear(linear, rank, alpha, dropout))
     for head in HEAD_MODULES:
         module = getattr(model, head, None)
         if module is not None:
@@ -159,10 +142,8 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
 def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
                    scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """A stream of (name, full tensor) of a LoRA model in `named_parameters` order -> the same stream with
-    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out.
-
-    A layer's base weight comes before its A and B, so one full tensor at a time waits for them.
-    """
+    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out. A
+    layer's base weight comes before its A and B, so one full tensor at a time waits for them."""
     waiting: dict[str, list[torch.Tensor]] = {}  # module path -> [W, A]
     for name, tensor in named_tensors:
         if BASE in name:
@@ -218,11 +199,8 @@ def merge_into_base(model: nn.Module, fraction: float) -> None:
     """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A` and
     `B *= 1 - fraction`. The model computes the same function afterwards, while its base (what
     `adapters_disabled` runs) moves `fraction` of the way to it: ProRL's reference reset under LoRA.
-
-    Works on FSDP-sharded (and tensor-parallel) parameters: every rank computes a layer's full B A (one
-    weight-sized tensor at a time) and adds its own part to its shard of W. The caller puts sharded
-    parameters back in place first (`reshard`).
-    """
+    Works on FSDP-sharded (and tensor-parallel) parameters, which the caller puts back in place first
+    (`reshard`): every rank computes a layer's full B A and adds its own part to its shard of W."""
     for module in adapter_modules(model):
         weight = module.base_layer.weight
         a, b = module.lora_A.weight, module.lora_B.weight

@@ -12,11 +12,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run in hardware: on Ampere GPUs and newer, or on CPUs with AVX512-BF16 / AMX.
-
-    Without it torch emulates bf16, far slower than float32. On a V100 or T4 (compute capability 7)
-    `torch.cuda.is_bf16_supported()` says True all the same, as it counts emulation by default.
-    """
+    """Whether bf16 matmuls run in hardware (else emulated, far slower than float32): on Ampere GPUs and
+    newer (a V100 or T4 emulates, though `torch.cuda.is_bf16_supported()` says True), or CPUs with AVX512-BF16 / AMX."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -29,8 +26,7 @@ def _cpu_vendor() -> str:
 def bf16_pays_off(device: torch.device) -> bool:
     """Whether bf16 compute is the faster choice here: wherever it is native, except on Intel CPUs
     without AMX, where AVX512-BF16's dot products run at about half the float32 rate. A rule on the
-    hardware rather than a timing, so that every rank, and every run on the machine, computes alike.
-    """
+    hardware rather than a timing, so that every rank, and every run on the machine, computes alike."""
     if device.type == "cuda" or not native_bf16(device):
         return native_bf16(device)
     intel = platform.machine() in ("x86_64", "AMD64") and _cpu_vendor() == "GenuineIntel"

@@ -1,22 +1,17 @@
 """Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses.
 
 `SharedPrefixRow` rewrites a packed row (docs/cpu.md#shared-prefixes) so that each run of consecutive
-sequences with a common prefix holds that prefix once, followed by each sequence's own remainder (its
-branch):
+sequences with a common prefix (`RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
+too) holds that prefix once, followed by each sequence's own remainder, its branch:
 
     packed:     [P a1 a2] [P b1 b2 b3] [Q c1]        P: shared tokens
     compressed: [P | a1 a2 | b1 b2 b3] [Q c1]
 
-A branch's tokens attend to the whole prefix and causally within their branch, never to another
-branch; every token keeps its own position id. So each token sees exactly the tokens it sees in the
-packed row, and the model's output at any packed token is its output at the compressed token
-`source[t]` (gathering it there is differentiable: the gradients of the sequences that share a
-prefix token add up on it). A position is shared only while inputs and labels agree, so the label at
-the last shared position is the same for every sequence of the run (the next token is where they
-first differ, or the end of the shorter sequence).
-
-Which sequences form a run is `RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
-too to size a row.
+A branch's tokens attend to the whole prefix and causally within their branch; every token keeps its
+position id. So each token sees exactly what it sees in the packed row, and the model's output at packed
+token t is its output at compressed token `source[t]` (gathered differentiably: the gradients of the
+sequences that share a prefix token add up on it). A position is shared only while inputs and labels
+agree, so the label at the last shared position is the same for every sequence of the run.
 """
 
 from dataclasses import dataclass, field
@@ -31,14 +26,9 @@ from RL2.utils.shared_prefixes import runs_with_shared_prefix
 
 @dataclass
 class Block:
-    """One run of sequences in the compressed row: `prefix` tokens from `start`, then the branches.
-
-    Attributes:
-        start: where the block starts in the compressed row.
-        prefix: its shared tokens (all of a sequence that shares with no other).
-        branches: the length of each branch, which follow the prefix in order; a branch may be empty
-            (a sequence that is all prefix).
-    """
+    """One run of sequences in the compressed row: from `start`, `prefix` shared tokens (all of a sequence
+    that shares with no other), then the branches, of lengths `branches`; a branch may be empty (a
+    sequence that is all prefix)."""
 
     start: int
     prefix: int
@@ -47,13 +37,9 @@ class Block:
 
 @dataclass
 class SharedPrefixRow:
-    """A packed row with shared prefixes stored once (see the module docstring).
-
-    Attributes:
-        input_ids, labels, position_ids: `[1, T_c]` the compressed row.
-        source: `[T]` long, where each token of the packed row is in the compressed row.
-        blocks: the runs, in order; they tile the compressed row.
-    """
+    """A packed row with shared prefixes stored once (see the module docstring): `input_ids`, `labels` and
+    `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each token of the packed row
+    is in the compressed row; `blocks` the runs, in order, tiling the compressed row."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -131,18 +117,14 @@ class SharedPrefixRow:
         """`[3, T_c]` int64, the keys each token sees: its block's prefix (prefix_start..prefix_end - 1;
         none for a prefix token) and its own tokens from own_start (its prefix's or branch's first) to itself."""
         if self._runs is None:
-            prefix_start, prefix_end, own_start = [], [], []
+            runs = []  # (prefix_start, prefix_end, own_start) of each token
             for block in self.blocks:
-                prefix_start += [block.start] * block.prefix
-                prefix_end += [block.start] * block.prefix
-                own_start += [block.start] * block.prefix
+                runs += [(block.start, block.start, block.start)] * block.prefix
                 first = block.start + block.prefix
                 for length in block.branches:
-                    prefix_start += [block.start] * length
-                    prefix_end += [block.start + block.prefix] * length
-                    own_start += [first] * length
+                    runs += [(block.start, block.start + block.prefix, first)] * length
                     first += length
-            self._runs = torch.tensor([prefix_start, prefix_end, own_start], dtype=torch.long)
+            self._runs = torch.tensor(runs, dtype=torch.long).reshape(-1, 3).T.contiguous()
         return self._runs
 
     def _branch_mask(self, length: int, prefix: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ A plan maps a module path to a style (Megatron-LM's layout):
   completes the rows);
 - LM head column-wise over the vocabulary, output left split: each rank keeps `[..., V / tp]` logits
   and the losses reduce over the vocabulary with `RL2.models.vocab_parallel`.
-Norms of the hidden state stay replicated. A scalar head (critic, reward model) stays replicated too.
+Norms of the hidden state and a scalar head (critic, reward model) stay replicated.
 """
 
 import torch
@@ -33,25 +33,14 @@ STYLES = {
 # Inside one decoder layer. Llama, Mistral and Qwen2 (q/k/v biases are split with their weights) share
 # the layout; Qwen3 adds norms on each head of q and k.
 DENSE_LAYER_PLAN = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
     "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
 }
-
-QK_NORM_LAYER_PLAN = DENSE_LAYER_PLAN | {
-    "self_attn.q_norm": "per_head_norm",
-    "self_attn.k_norm": "per_head_norm",
-}
+QK_NORM_LAYER_PLAN = DENSE_LAYER_PLAN | {"self_attn.q_norm": "per_head_norm", "self_attn.k_norm": "per_head_norm"}
 
 # Outside the decoder layers, from the root of a ...ForCausalLM / ...ForTokenClassification model.
-DENSE_ROOT_PLAN = {
-    "model.embed_tokens": "vocab_embedding",
-    "lm_head": "vocab_head",
-}
+DENSE_ROOT_PLAN = {"model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"}
 
 # HF `config.model_type` -> (decoder-layer plan, root plan).
 TP_PLANS = {
@@ -79,10 +68,8 @@ def check_tp_degree(config, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> bool:
-    """Split `model` over `tp_mesh` in place. Returns whether the logits come out split over the vocabulary.
-
-    Weights are split where they are (no communication): the caller loads the real values afterwards.
-    """
+    """Split `model` over `tp_mesh` in place, where its weights are (no communication: the caller loads the
+    real values afterwards). Returns whether the logits come out split over the vocabulary."""
     layer_plan, root_plan = TP_PLANS[model.config.model_type]
     for layer in layers:
         parallelize_module(layer, tp_mesh, {k: STYLES[v]() for k, v in layer_plan.items()}, src_data_rank=None)

@@ -1,14 +1,11 @@
 """Softmax statistics over a vocabulary split across tensor-parallel ranks.
 
-With tensor parallelism the LM head is column-parallel: each tp rank holds the logits of one slice of
-the vocabulary, `[..., V / tp]`. Log-probabilities, entropies and KLs need sums and maxima over the
-whole vocabulary; here each rank reduces its slice and one all-reduce of a `[...]` tensor combines
-them, so the full `[..., V]` logits never exist on any rank (Megatron-LM's vocab-parallel
-cross-entropy does the same).
-
-Every tp rank then holds the same per-token values and computes the same loss from them, so the
-all-reduce's backward is the identity (Megatron's "g" operator, `_SumOverRanks`); a replicated value
-that goes back into a partial sum gets the opposite pair (`_ReplicatedToLocal`).
+With tensor parallelism each tp rank holds the logits of one slice of the vocabulary, `[..., V / tp]`.
+Log-probabilities, entropies and KLs need sums and maxima over the whole vocabulary: each rank reduces
+its slice and one all-reduce of a `[...]` tensor combines them, so the full logits never exist on any
+rank (as in Megatron-LM's vocab-parallel cross-entropy). Every tp rank then computes the same loss from
+the same per-token values, so the all-reduce's backward is the identity (Megatron's "g" operator,
+`_SumOverRanks`); a replicated value that goes back into a partial sum gets the opposite pair.
 """
 
 from dataclasses import dataclass
@@ -35,12 +32,8 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class _ReplicatedToLocal(torch.autograd.Function):
-    """Identity forward; all-reduce sum backward.
-
-    For a replicated value (the log-sum-exp) used inside this rank's partial sum over its vocabulary
-    slice: every rank's partial depends on it, so its gradient is the sum of the ranks' gradients
-    (Megatron's "f" operator).
-    """
+    """Identity forward; all-reduce sum backward (Megatron's "f" operator): for a replicated value (the
+    log-sum-exp) inside each rank's partial sum, whose gradient is the sum of the ranks' gradients."""
 
     @staticmethod
     def forward(ctx, tensor, group):
@@ -89,14 +82,12 @@ class VocabShard:
         """`logits[..., labels]`, read on the rank whose slice holds each label."""
         local = labels - self.offset
         inside = (local >= 0) & (local < logits.shape[-1])
-        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        picked = picked * inside
+        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
         return _SumOverRanks.apply(picked, self.group) if self.split else picked
 
     def token_logps(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                     overwrite_logits: bool = False) -> torch.Tensor:
-        """log p(labels) in float32. `overwrite_logits` (unsplit logits only): see
-        `chunked_logps.LogpsAndEntropy`."""
+        """log p(labels) in float32. `overwrite_logits` (unsplit logits only): see `chunked_logps.LogpsAndEntropy`."""
         if not self.split:  # a few tokens at a time: no [T, V] float32 copy (RL2.models.chunked_logps)
             return chunked_logps.token_logps(logits, labels, temperature, overwrite_logits)
         logits = chunked_logps.scaled(logits, temperature)

@@ -1,20 +1,17 @@
 """RL2's compiled and hardware-tuned code: C kernels built on first use, memory tricks for CPU hosts and
 page-locked offload on GPUs. Nothing here changes what is computed, only how fast and in how much memory.
 
-What lives here:
 - `build.py` compiles the C sources (`*.c`, `include/*.h`) for this CPU into the RL2 cache;
-- `fused_layers.py` (C): RMSNorm and SwiGLU for CPU training; `prefix_attention.py` (C): the CPU
-  attention of shared-prefix rows; `decode_kernels.py` (C): the embedded engine's decode step and
-  its packed linear product;
+- `fused_layers.py`: RMSNorm and SwiGLU for CPU training; `prefix_attention.py`: the CPU attention of
+  shared-prefix rows; `decode_kernels.py`: the embedded engine's decode step and packed linear product;
 - `allocator.py`: glibc malloc keeps freed memory; `tied_embeddings.py`: a tied embedding's sparse
   gradient; `host_memory.py`: refuse a CPU model that cannot fit the host;
-- `shared_memory.py`, `shared_memory_collectives.py`, `shared_memory_gather.py`: ranks on one CPU host
-  trade FSDP shards and weight syncs through /dev/shm instead of gloo;
+- `shared_memory*.py`: ranks on one CPU host trade FSDP shards and weight syncs through /dev/shm, not gloo;
 - `pinned_host.py`: a GPU worker's state offloaded into page-locked host buffers;
 - `switches.py`: the `RL2_*` environment variables that turn each of these off.
 
-The rest of RL2 reaches this package through the hooks below (and the embedded engine through its
-kernels and allocator); each is a no-op where it does not apply. docs/native.md has the details.
+The rest of RL2 reaches this package through the hooks below (the embedded engine also through its
+kernels and allocator), each a no-op where it does not apply; docs/native.md has the details.
 """
 
 import os
@@ -35,10 +32,8 @@ __all__ = ["PinnedHostCopies", "SharedMemoryGather", "check_fits_host", "pinned_
 
 
 def prepare_process(device: torch.device) -> None:
-    """Tune this process's memory, at the start of a trainer's or evaluator's run: before torch's first
-    CPU allocation and before any thread that allocates (a process group's). Huge pages
-    (`use_huge_pages`), and on CPU malloc keeping freed memory (`keep_freed_memory`): tensors of the same
-    sizes come and go every step."""
+    """Huge pages, and on CPU malloc keeping freed memory (tensors of the same sizes come and go every step).
+    At the start of a run: before torch's first CPU allocation and before any thread that allocates."""
     use_huge_pages()
     if device.type == "cpu":
         keep_freed_memory()
@@ -54,16 +49,14 @@ def use_huge_pages() -> None:
 
 def check_fits_host(model: torch.nn.Module, device: torch.device, name: str, trained: bool,
                     param_dtype: torch.dtype, shards: int) -> None:
-    """On CPU, raise before loading a model (on the meta device) whose memory cannot fit this host
-    (`host_memory.check_model_fits_host`, whose arguments these are)."""
+    """On CPU, `host_memory.check_model_fits_host`: raise before loading a model that cannot fit this host."""
     if device.type == "cpu":
         check_model_fits_host(model, name, trained, param_dtype, shards)
 
 
 def tune_model(model: torch.nn.Module, device: torch.device, sparse_tied_embedding: bool) -> None:
-    """On CPU, before the model is sharded: RMSNorm and the MLP's activation in one C pass each, and
-    with `sparse_tied_embedding` (a trained model with a plain tied embedding) the embedding's gradient
-    added into the output projection's at the batch's rows only."""
+    """On CPU, before sharding: fused RMSNorm and MLP activation, and with `sparse_tied_embedding` (a trained
+    model with a plain tied embedding) the embedding's gradient added into the head's at the batch's rows."""
     if device.type != "cpu":
         return
     install_fused_layers(model)

@@ -1,11 +1,9 @@
-"""C libraries built on first use with the system C compiler and called through ctypes (the embedded
-engine's decode kernels, the trainer's fused layers).
+"""C libraries built on first use with the system C compiler and called through ctypes.
 
-A library is compiled for this CPU (`-march=native`) into the RL2 cache, under a name that hashes its
-source, the headers next to this file, the flags and the CPU's feature flags, so a changed source or a
-different machine sharing the cache gets its own build. Building takes about a second. `RL2_MARCH` names
-another target for gcc's `-march` (e.g. `x86-64-v3`: AVX2 code paths on an AVX512 host, to see what an
-AVX2 CPU runs; the benchmarks' `--isa avx2`).
+A library is compiled for this CPU (`-march=native`, or the target `RL2_MARCH` names, e.g. `x86-64-v3`
+for the AVX2 code paths on an AVX512 host: the benchmarks' `--isa avx2`) into the RL2 cache, under a name
+that hashes its source, the headers next to this file, the flags and the CPU's feature flags, so a changed
+source or another machine sharing the cache gets its own build. Building takes about a second.
 
 OpenMP: the libraries link `libgomp.so.1`, which torch has already loaded on Linux, so they share
 torch's thread pool instead of starting a second one that would compete for the same cores.
@@ -29,12 +27,6 @@ HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources 
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
-def build_flags() -> list[str]:
-    """`FLAGS`, for the target `RL2_MARCH` names where it is set."""
-    march = switches.march()
-    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
-
-
 def cpuinfo(field: str) -> str:
     """The value of `field` (e.g. "flags", "vendor_id") for the first CPU in /proc/cpuinfo; "" where there
     is no such file or field."""
@@ -47,7 +39,7 @@ def cpuinfo(field: str) -> str:
 
 def _build(source: Path, compiler: str) -> Path:
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
-    flags = build_flags()
+    flags = [f"-march={switches.march()}" if flag == "-march=native" else flag for flag in FLAGS]
     cpu = cpuinfo("flags") or platform.processor()
     key = hashlib.sha256(text + " ".join([compiler, *flags, cpu]).encode()).hexdigest()[:16]
     library = switches.cache_root() / "kernels" / f"{source.stem}-{key}.so"
@@ -68,14 +60,9 @@ def _build(source: Path, compiler: str) -> Path:
 
 
 def load_library(source: Path, enabled: bool, fallback: str, signatures: dict, returns: dict) -> ctypes.CDLL | None:
-    """`source` built (if needed) and loaded with its functions typed; None, with a warning saying why
-    and what runs instead (`fallback`), where it cannot be built; None when its switch is off (`enabled`,
-    from `RL2.native.switches`).
-
-    Args:
-        signatures: function name -> ctypes argument types.
-        returns: function name -> ctypes return type, for those that return something.
-    """
+    """`source` built (if needed) and loaded, each function of `signatures` (name -> ctypes argument types)
+    typed, with its return type from `returns` where it has one. None when its switch (`enabled`) is off,
+    or, with a warning saying why and what runs instead (`fallback`), where it cannot be built."""
     if not enabled:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -1,8 +1,6 @@
-"""The C decode kernels (`decode_kernels.c`): built once per machine with the system C compiler
-(`RL2.native.build`), called through ctypes.
-
-Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the engine
-computes the same step with torch ops, slower.
+"""The C decode kernels (`decode_kernels.c`), built once per machine (`RL2.native.build`) and called through
+ctypes. Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the
+engine computes the same step with torch ops, slower.
 """
 
 import ctypes
@@ -27,14 +25,11 @@ STEP_KERNELS = {
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {
     **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
-    "pack_panels": [_pointer, _int, _int, _int, _pointer],
-    "pack_panels_bf16": [_pointer, _int, _int, _int, _pointer],
-    "panel_linear": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
-    "panel_linear_bf16": [_pointer, _int, _int, _pointer, _int, _pointer, _pointer],
+    **{"pack_panels" + suffix: [_pointer, _int, _int, _int, _pointer] for suffix in ("", "_bf16")},
+    **{"panel_linear" + suffix: [_pointer, _int, _int, _pointer, _int, _pointer, _pointer] for suffix in ("", "_bf16")},
     "panel_rows": [],
     "bf16_panel_rows": [],
 }
-# The functions that return an int (the others return nothing).
 RETURNS = {name: ctypes.c_int for name in ("panel_linear", "panel_linear_bf16", "panel_rows", "bf16_panel_rows")}
 
 
@@ -76,27 +71,24 @@ class DecodeKernels:
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 3
-        self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: no bf16 panels
+        # The same where built with AVX512-BF16, else 0: no bf16 panels.
+        self.bf16_panel_rows = library.bf16_panel_rows()
         # Looked up on every call of a decode step: resolved once here.
-        self._step_kernels = {
-            (name, dtype): getattr(library, name + suffix) for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()
-        }
+        self._step_kernels = {(name, dtype): getattr(library, name + suffix)
+                              for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()}
 
     def _step_kernel(self, name: str, like: torch.Tensor):
-        """The `name` kernel for the model dtype of `like`."""
         kernel = self._step_kernels.get((name, like.dtype))
         if kernel is None:
             raise TypeError(f"the decode kernels take float32 or bfloat16 models, not {like.dtype}")
         return kernel
 
-    def add_rms_norm(
-        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
-    ) -> torch.Tensor:
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor) -> torch.Tensor:
         """hidden += delta (skipped if None); out = RMSNorm(hidden) * weight."""
         rows, dim = hidden.shape
-        self._step_kernel("add_rms_norm", hidden)(
-            hidden.data_ptr(), _address(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps
-        )
+        self._step_kernel("add_rms_norm", hidden)(hidden.data_ptr(), _address(delta), weight.data_ptr(), out.data_ptr(),
+                                                  rows, dim, eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -105,10 +97,8 @@ class DecodeKernels:
         self._step_kernel("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
-    def rope_and_store(
-        self, qkv, cos, sin, positions, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-        q_out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    ) -> torch.Tensor:
+    def rope_and_store(self, qkv, cos, sin, positions, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                       eps: float, q_out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q_out = rotated q; rotated k and v written into the cache at each row's position."""
         rows, heads, head_dim = q_out.shape
         _check_cache(qkv, keys, values)
@@ -119,9 +109,8 @@ class DecodeKernels:
         )
         return q_out
 
-    def decode_attention(
-        self, q, keys, values, positions, scale: float, out: torch.Tensor, groups: RowGroups | None = None
-    ) -> torch.Tensor:
+    def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor,
+                         groups: RowGroups | None = None) -> torch.Tensor:
         """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
         (float32) over cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a
         whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache. With `groups`, the rows of a
@@ -172,9 +161,8 @@ class DecodeKernels:
         weights = panels.transpose(1, 2).reshape(panels.shape[0] * panels.shape[2], -1)
         return weights[first : first + rows, :k].clone()
 
-    def panel_linear(
-        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[..., k]` times the packed weights (`pack_panels`) of n outputs, plus bias: `[..., n]`,
         written into `out` (contiguous, that shape) where given; x, bias and out in the panels' dtype."""
         k, dtype = x.shape[-1], panels.dtype

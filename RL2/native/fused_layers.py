@@ -1,12 +1,11 @@
 """RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
 for float32 and bfloat16 training on CPU (`fused_layers.c`).
 
-`install_fused_layers` points the RMSNorm and MLP modules of a model at them. For the backward, the MLP
-then keeps its gate and up projections but not their product (`_SiluMulDown`), and the Linears that
-read a norm's output keep the norm's input, not that output (`_LinearOfNorm`). A call whose tensors
-these kernels do not take (another dtype or device, a DTensor or other tensor subclass under tensor
-parallelism) runs HF's own code, so an installed model stays correct anywhere. Without a C compiler,
-or with RL2_FUSED_LAYERS=0, nothing is installed.
+`install_fused_layers` points a model's RMSNorm and MLP modules at them. For the backward, the MLP then
+keeps its gate and up projections but not their product (`_SiluMulDown`), and the Linears that read a
+norm's output keep the norm's input instead (`_LinearOfNorm`). A call with tensors these kernels do not
+take (another dtype or device, a DTensor or other subclass) runs HF's own code, so an installed model
+stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0, nothing is installed.
 """
 
 import ctypes
@@ -113,10 +112,8 @@ class _SiluMul(torch.autograd.Function):
 
 class _SiluMulDown(torch.autograd.Function):
     """`down(silu(gate) * up)` for a down projection without bias. Keeps gate and up for the backward but
-    not their product, the down projection's input: its backward writes the product again, in the pass
-    that computes gate's and up's gradients. Of what a decoder layer keeps per token, that product is
-    the largest single part (the MLP's width, as gate and up each are), and rewriting it costs one store
-    per element of a pass that runs anyway."""
+    not their product (the largest single part of what a decoder layer keeps per token): the backward
+    writes it again, one store per element, in the pass that computes gate's and up's gradients."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -139,10 +136,9 @@ class _SiluMulDown(torch.autograd.Function):
 
 
 class _SharedRecompute:
-    """The norm output that the backwards of the projections reading it compute again, computed by the
-    first of them and dropped by the last (q, k and v, or gate and up, run their backwards one after
-    another). Holds no tensor from the forward, so that what the graph keeps stays in `saved_tensors`
-    (where activation checkpointing can drop it)."""
+    """The norm output that the backwards of the projections reading it (q, k and v, or gate and up, one
+    after another) compute again: computed by the first, dropped by the last. Holds no tensor from the
+    forward, so what the graph keeps stays in `saved_tensors` (where activation checkpointing can drop it)."""
 
     def __init__(self):
         self.readers, self.output = 0, None
@@ -175,14 +171,11 @@ class _LinearOfNorm(torch.autograd.Function):
         grad_out = _plain_gradient(grad_out, norm_input, "input projection")
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = (rows @ weight).view(norm_input.shape) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1]:
-            x = ctx.shared.take(lambda: _rms_norm_again(norm_input, norm_weight, rstd))
-            grad_weight = rows.t() @ x.view(-1, x.shape[-1])
-        else:
-            ctx.shared.take(lambda: None)
-        if ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0)
+        wants_weight = ctx.needs_input_grad[1]
+        # Every reader takes its turn, wanting x or not, so that the last one drops it.
+        x = ctx.shared.take(lambda: _rms_norm_again(norm_input, norm_weight, rstd) if wants_weight else None)
+        grad_weight = rows.t() @ x.view(-1, x.shape[-1]) if wants_weight else None
+        grad_bias = rows.sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
@@ -250,9 +243,8 @@ def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def install_fused_layers(model: torch.nn.Module) -> int:
     """Point `model`'s Llama-style RMSNorms and SiLU-gated MLPs, and the Linears that read the norms'
-    outputs, at the fused kernels (each call falls back to torch ops where the kernels do not apply).
-    Returns how many norms and MLPs were changed: 0 when the kernels cannot be built or
-    RL2_FUSED_LAYERS=0."""
+    outputs, at the fused kernels. Returns how many norms and MLPs were changed: 0 when the kernels
+    cannot be built or RL2_FUSED_LAYERS=0."""
     if _library() is None:
         return 0
     changed = 0
@@ -264,9 +256,8 @@ def install_fused_layers(model: torch.nn.Module) -> int:
         elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
             module.forward = types.MethodType(_gated_mlp_forward, module)
             changed += 1
-    # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base layer
-    # calls it) still run, as only `forward` changes.
-    for module in list(model.modules()):
+        # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base
+        # layer calls it) still run, as only `forward` changes.
         for child_name in INPUT_PROJECTIONS:
             child = getattr(module, child_name, None)
             if type(child) is torch.nn.Linear:

@@ -1,13 +1,12 @@
 """Page-locked host buffers for a worker's state while a colocated engine has the GPU.
 
-A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout
-and back after it. Into ordinary (pageable) memory the driver copies through a staging buffer, and
-fresh host memory page-faults on every page the copy touches; page-locked memory is read and written
-by the GPU's copy engine directly (`benchmarks/bench_offload.py` times both). torch's own pinned
-allocator rounds every block up to a power of two and keeps it, up to twice the state; here each
-tensor gets a buffer of exactly its size, page-locked once with `cudaHostRegister` and refilled at
-every offload, so the host holds one copy of the state for the run. Page-locked memory cannot be
-swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
+A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout and
+back after it. Into pageable memory the driver copies through a staging buffer, and fresh host memory
+page-faults on every page; page-locked memory is read and written by the GPU's copy engine directly
+(`benchmarks/bench_offload.py` times both). torch's pinned allocator rounds every block up to a power of
+two and keeps it, up to twice the state; here each tensor gets a buffer of exactly its size, page-locked
+once with `cudaHostRegister` and refilled at every offload. Page-locked memory cannot be swapped out:
+`RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
 """
 
 import mmap
@@ -24,12 +23,9 @@ SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied t
 
 
 class PinnedHostCopies:
-    """Host copies of device tensors, one page-locked buffer per key, reused at every offload.
-
-    Args:
-        lock: page-locks `(address, nbytes)`, raising where it cannot; `cudaHostRegister` by default.
-        unlock: undoes it for an address; `cudaHostUnregister` by default.
-    """
+    """Host copies of device tensors, one page-locked buffer per key, reused at every offload. `lock`
+    page-locks `(address, nbytes)`, raising where it cannot, and `unlock` undoes it for an address
+    (`cudaHostRegister` and `cudaHostUnregister` by default)."""
 
     def __init__(self, lock: Callable[[int, int], None] | None = None, unlock: Callable[[int], None] | None = None):
         self.lock, self.unlock = lock or cuda_host_register, unlock or cuda_host_unregister
@@ -117,10 +113,9 @@ def cuda_host_register(address: int, nbytes: int) -> None:
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(address, nbytes, 0)
     if error != cudart.cudaError.success:
-        raise RuntimeError(
-            f"could not page-lock {nbytes / 2**20:.0f} MiB of host memory for offloaded state "
-            f"({cudart.cudaGetErrorString(error)}); set RL2_PINNED_OFFLOAD=0 to offload into pageable "
-            "memory (slower copies, swappable)")
+        raise RuntimeError(f"could not page-lock {nbytes / 2**20:.0f} MiB of host memory for offloaded state "
+                           f"({cudart.cudaGetErrorString(error)}); set RL2_PINNED_OFFLOAD=0 to offload into "
+                           "pageable memory (slower copies, swappable)")
 
 
 def cuda_host_unregister(address: int) -> None:

@@ -1,9 +1,7 @@
 """Attention over a shared-prefix row on CPU as one C call per layer, forward and backward
-(`prefix_attention.c`), for float32 and bfloat16.
-
-`SharedPrefixRow.attention` (shared_prefix.py) runs it where it applies (`usable`): plain CPU tensors of
-those dtypes and a head size the kernel's vectors divide; elsewhere, or without a C compiler, or with
-RL2_PREFIX_ATTENTION=0, one SDPA call per prefix and per branch.
+(`prefix_attention.c`), for float32 and bfloat16. `SharedPrefixRow.attention` runs it where it applies
+(`usable`); elsewhere, without a C compiler or with RL2_PREFIX_ATTENTION=0, one SDPA call per prefix and
+per branch.
 """
 
 import ctypes

@@ -1,9 +1,8 @@
 """Shared-memory segments in /dev/shm for ranks on one host: create, map, agree.
 
-A segment lives in /dev/shm only until every rank of its group has mapped it; the caller unlinks the
-file right after. A run killed in between leaves the file: its name records the process that named it
-(`segment_name`), and the next run on the host removes the files of processes that are gone
-(`remove_orphans`).
+A segment's file lives only until every rank of its group has mapped it. A run killed in between leaves
+the file: its name records the process that named it (`segment_name`), and the next run on the host
+removes the files of processes that are gone (`remove_orphans`).
 """
 
 import contextlib
@@ -56,10 +55,10 @@ def create_segment(path: str, size: int) -> None:
     try:
         os.posix_fallocate(descriptor, 0, max(size, 1))
     except OSError:
-        os.close(descriptor)
         os.unlink(path)
         raise
-    os.close(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def map_segment(path: str, size: int) -> mmap.mmap:

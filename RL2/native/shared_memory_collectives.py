@@ -1,27 +1,24 @@
 """FSDP's all-gathers and reduce-scatters through shared memory, for CPU ranks on one host.
 
 On CPU, FSDP2 gathers every layer's parameters before its forward and backward and reduce-scatters its
-gradients after, over gloo's loopback TCP: for a decoder layer of the embedded model (14 MB) that is
-~9 ms an all-gather and ~16 ms a reduce-scatter, and the calls block, so every step of the trainer
-waits for them. Ranks that share a host can read one another's memory instead: each rank copies its
-part into a segment of /dev/shm that every rank maps, all wait for one another, and each reads what it
-needs (the whole segment for an all-gather; its slice of every rank's part, summed in rank order, for
-a reduce-scatter). Then a collective is two memory copies and two small gloo all-reduces that serve as
-barriers (`benchmarks/bench_ppo_w1.py` measures the update with and without).
+gradients after, over gloo's loopback TCP, and every step waits for these blocking calls. Ranks that share
+a host instead copy their part into a /dev/shm segment every rank maps, wait for one another, and read
+what they need (the whole segment for an all-gather; their slice of every rank's part, summed in rank
+order, for a reduce-scatter): two memory copies and two small gloo all-reduces that serve as barriers
+(`benchmarks/bench_ppo_w1.py` measures the update with and without).
 
 FSDP takes these through its custom-comm hooks (`set_custom_all_gather`, `set_custom_reduce_scatter`),
-which hand over the same buffers gloo would get, so nothing else in the trainer changes. The segment
-grows (collectively: every rank asks for the same sizes in the same order) to the largest layer's
-buffer. Where it cannot apply or grow (ranks on several hosts, a full /dev/shm), every rank agrees to
-go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off.
+which hand over the same buffers gloo would get. The segment grows collectively (every rank asks for the
+same sizes in the same order) to the largest layer's buffer; where it cannot apply or grow (ranks on
+several hosts, a full /dev/shm), every rank agrees to go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0`
+turns it off.
 
-The hooks also allocate FSDP's buffers, and a decoder layer's are handed out in shared memory itself
-(`Slots`): FSDP then writes its shard of an all-gather, and the gradients of a reduce-scatter, straight
-where the other ranks read them, and the collective is one barrier and the reads. The root module's
-buffers (embeddings and head, several layers' worth) would take four more slots of their size: its
-all-gathers take the copying path instead, and its reduce-scatter's input is this rank's part of the
-segment the copying path writes into, so FSDP copies the gradients there itself (a fresh buffer of that
-size each step cost page faults as well as the copy).
+The hooks also allocate FSDP's buffers, a decoder layer's in shared memory itself (`Slots`): FSDP then
+writes its shard of an all-gather, and the gradients of a reduce-scatter, straight where the other ranks
+read them. The root module's buffers (embeddings and head, several layers' worth) would take four more
+slots of their size: its all-gathers take the copying path, and its reduce-scatter's input is this
+rank's part of the segment, so FSDP writes the gradients there itself (a fresh buffer each step cost
+page faults as well as the copy).
 """
 
 import functools
@@ -65,8 +62,7 @@ class SharedMemoryCollectives:
         if not switches.shared_memory_collectives() or dist.get_world_size(group) == 1:
             return None
         info = [None] * dist.get_world_size(group)
-        name = segment_name(PREFIX)
-        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), name), group=group)
+        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), segment_name(PREFIX)), group=group)
         if len({host for host, _, _ in info}) != 1 or not all(has_shm for _, has_shm, _ in info):
             return None
         if dist.get_rank(group) == 0:
@@ -86,19 +82,14 @@ class SharedMemoryCollectives:
     def _free_parts(self, nbytes: int) -> torch.Tensor | None:
         """Every rank's part `[world, nbytes]` of the segment, grown if needed, once every rank has read what
         the previous collective left in it; None: use gloo. Collective."""
-        if nbytes > self.part_bytes and self.usable:
-            self._grow(-(-nbytes // _ALIGN) * _ALIGN)
+        if nbytes > self.part_bytes and self.usable:  # grow it
+            self.segment = None  # the old one goes once nothing reads it
+            self.part_bytes = -(-nbytes // _ALIGN) * _ALIGN
+            self.segment = self.new_segment(self.part_bytes * self.world)
         if not self.usable:
             return None
         self._barrier()
         return self.segment.view(self.world, self.part_bytes)[:, :nbytes]
-
-    def _grow(self, part_bytes: int) -> None:
-        """A new segment with room for `part_bytes` per rank."""
-        self.segment = None  # the old one goes once nothing reads it
-        segment = self.new_segment(part_bytes * self.world)
-        if segment is not None:
-            self.segment, self.part_bytes = segment, part_bytes
 
     def new_segment(self, size: int) -> torch.Tensor | None:
         """A segment of `size` bytes made by the group's first rank and mapped by all; or, if that fails
@@ -147,13 +138,12 @@ class SharedMemoryCollectives:
             if mine.data_ptr() != input.data_ptr():  # FSDP copies its shard in place; anyone else, here
                 mine.copy_(input)
             self._barrier()  # every rank's shard is in place
-            self.calls += 1
             self.in_place += 1
-            return True
-        parts = self._publish(input)
-        if parts is None:
-            return False
-        output.view(self.world, -1).copy_(parts)
+        else:
+            parts = self._publish(input)
+            if parts is None:
+                return False
+            output.view(self.world, -1).copy_(parts)
         self.calls += 1
         return True
 
@@ -245,9 +235,8 @@ class Slots:
         segment = self.collectives.new_segment(self.PER_KIND * size * (1 + world))
         if segment is None:
             return
-        self.gather = [segment[i * size : (i + 1) * size] for i in range(self.PER_KIND)]
-        scatter = segment[self.PER_KIND * size :].view(self.PER_KIND, world, size)
-        self.scatter = list(scatter)
+        self.gather = list(segment[: self.PER_KIND * size].view(self.PER_KIND, size))
+        self.scatter = list(segment[self.PER_KIND * size :].view(self.PER_KIND, world, size))
         self.span = (segment.data_ptr(), segment.data_ptr() + segment.numel())
         self.turn = {"gather": 0, "scatter": 0}
 
@@ -257,14 +246,9 @@ def _gathered_bytes(module: torch.nn.Module, world: int) -> int:
     FSDP module): each padded to a multiple of `world` rows, at no less than 4 bytes an element."""
     nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
               for p in sub.parameters()}
-    total = 0
-    for param in module.parameters():
-        if id(param) in nested:
-            continue
-        shape = param.shape if param.dim() else torch.Size([1])
-        rows = -(-shape[0] // world) * world
-        total += rows * shape[1:].numel() * max(param.element_size(), 4)
-    return total
+    shapes = [(p.shape if p.dim() else torch.Size([1]), p.element_size()) for p in module.parameters()
+              if id(p) not in nested]
+    return sum(-(-shape[0] // world) * world * shape[1:].numel() * max(size, 4) for shape, size in shapes)
 
 
 class _AllGather(AllGather):

@@ -1,20 +1,17 @@
 """Full parameters from FSDP shards through shared memory, for ranks on one host.
 
-A weight sync gives every rank's engine the whole model, so every FSDP shard goes to every rank of
-its group. On CPU that all-gather runs over gloo's loopback TCP, several times slower than copying
-memory (docs/cpu.md, the embedded engine's weight sync). Ranks that share a host instead each write
-their shards into a shared-memory segment of their own, wait for one another, and read the other
-segments directly: then a sync is two memory copies and a few barriers.
+A weight sync gives every rank's engine the whole model. On CPU that all-gather runs over gloo's loopback
+TCP, several times slower than copying memory (docs/cpu.md, the embedded engine's weight sync). Ranks
+that share a host instead each write their shards into a /dev/shm segment of their own, wait for one
+another, and read the other segments directly: two memory copies and a few barriers.
 
-The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its
-own), each written, read by every rank, then overwritten by the next. So the segments hold one chunk,
-not the model, and they keep their pages between syncs: a fresh /dev/shm page costs the kernel
-several times more to allocate and zero than copying into it, which a sync into given-back pages paid
-for the whole model every time.
-Each segment lives in /dev/shm only until every rank of the group has mapped it; the files are
-unlinked right after, so a crashed run leaves nothing behind. Where this does not apply (ranks on
-several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None
-and the caller all-gathers with `DTensor.full_tensor`.
+The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its own),
+each written, read by every rank, then overwritten by the next. So the segments hold one chunk, not the
+model, and keep their pages between syncs (a fresh /dev/shm page costs the kernel several times more to
+allocate and zero than copying into it). The files are unlinked once every rank has mapped them, so a
+crashed run leaves nothing behind. Where this does not apply (ranks on several hosts, too little
+/dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None and the caller all-gathers
+with `DTensor.full_tensor`.
 """
 
 import math
@@ -27,15 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from RL2.native.shared_memory import (
-    SHM_DIR,
-    SPARE_SHM_BYTES,
-    everyone,
-    map_segments,
-    remove_orphans,
-    segment_name,
-    shm_free_bytes,
-)
+from RL2.native import shared_memory as shm
 from RL2.utils.logging import log_rank0
 
 PREFIX = "rl2-shards"
@@ -49,10 +38,8 @@ def _shard_rows(rows: int, ranks: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(ranks)]
 
 
-def _sharded_mesh_dim(param: torch.Tensor) -> int | None:
+def _sharded_mesh_dim(param: DTensor) -> int | None:
     """The mesh dim along which `param` is sharded on its dim 0, if that is its only sharding."""
-    if not isinstance(param, DTensor):
-        return None
     shards = [i for i, p in enumerate(param.placements) if p == Shard(0)]
     others = [p for p in param.placements if p != Shard(0) and not isinstance(p, Replicate)]
     return shards[0] if len(shards) == 1 and not others else None
@@ -102,11 +89,9 @@ class SharedMemoryGather:
         if not named or any(p.device.type != "cpu" for _, p in named):
             return None  # the same answer on every rank without asking: they hold the same model
         meshes = {(p.device_mesh, _sharded_mesh_dim(p)) for _, p in named if isinstance(p, DTensor)}
-        usable = (
-            len(meshes) == 1 and None not in {dim for _, dim in meshes}
-            and all(isinstance(p, DTensor) for _, p in named) and os.path.isdir(SHM_DIR)
-        )
-        if not everyone(usable):
+        usable = (len(meshes) == 1 and None not in {dim for _, dim in meshes}
+                  and all(isinstance(p, DTensor) for _, p in named) and os.path.isdir(shm.SHM_DIR))
+        if not shm.everyone(usable):
             return None
         mesh, mesh_dim = meshes.pop()
         group = mesh.get_group(mesh_dim)
@@ -118,21 +103,21 @@ class SharedMemoryGather:
 
         # Which host, and the names of the group's segments (from the group's first rank).
         info = [None] * ranks
-        free = shm_free_bytes() if usable else 0
-        dist.all_gather_object(info, (socket.gethostname(), segment_name(PREFIX), free), group=group)
-        fits = min(free for _, _, free in info) >= size * ranks + SPARE_SHM_BYTES  # containers often have 64 MB
+        free = shm.shm_free_bytes() if usable else 0
+        dist.all_gather_object(info, (socket.gethostname(), shm.segment_name(PREFIX), free), group=group)
+        fits = min(free for _, _, free in info) >= size * ranks + shm.SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
-        if not everyone(usable):
+        if not shm.everyone(usable):
             if not fits:  # the weight sync goes on over gloo, slower: say why
-                log_rank0(f"weight sync over gloo: {SHM_DIR} has {min(free for _, _, free in info)} bytes free, "
-                          f"{size * ranks + SPARE_SHM_BYTES} needed (docker run --shm-size=...)")
+                log_rank0(f"weight sync over gloo: {shm.SHM_DIR} has {min(free for _, _, free in info)} bytes free, "
+                          f"{size * ranks + shm.SPARE_SHM_BYTES} needed (docker run --shm-size=...)")
             return None
-        paths = [os.path.join(SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
+        paths = [os.path.join(shm.SHM_DIR, f"{info[0][1]}-{r}") for r in range(ranks)]
         if rank == 0:
-            remove_orphans(PREFIX)
+            shm.remove_orphans(PREFIX)
 
-        mappings, _ = map_segments(paths, paths[rank], size, group)
-        if not everyone(mappings is not None):  # every group of the world agrees
+        mappings, _ = shm.map_segments(paths, paths[rank], size, group)
+        if not shm.everyone(mappings is not None):  # every group of the world agrees
             return None
         return cls(chunks, group, dtype, [torch.frombuffer(m, dtype=torch.uint8) for m in mappings])
 

@@ -18,8 +18,7 @@ def fused_layers() -> bool:
 
 
 def prefix_attention() -> bool:
-    """RL2_PREFIX_ATTENTION: shared-prefix attention as one C call per layer on CPU (`prefix_attention.c`),
-    else one SDPA call per prefix and per branch."""
+    """RL2_PREFIX_ATTENTION: shared-prefix attention on CPU in C (`prefix_attention.c`), else SDPA calls."""
     return _on("RL2_PREFIX_ATTENTION")
 
 
@@ -34,20 +33,17 @@ def keep_freed_memory() -> bool:
 
 
 def pinned_offload() -> bool:
-    """RL2_PINNED_OFFLOAD: a GPU worker's state offloads into page-locked host buffers (`pinned_host.py`),
-    else into pageable memory."""
+    """RL2_PINNED_OFFLOAD: a GPU worker's state offloads into page-locked (`pinned_host.py`), else pageable, memory."""
     return _on("RL2_PINNED_OFFLOAD")
 
 
 def shared_memory_collectives() -> bool:
-    """RL2_SHARED_MEMORY_COLLECTIVES: FSDP's collectives between ranks on one CPU host go through /dev/shm
-    (`shared_memory_collectives.py`), else over gloo."""
+    """RL2_SHARED_MEMORY_COLLECTIVES: FSDP's collectives between CPU ranks on one host through /dev/shm, else gloo."""
     return _on("RL2_SHARED_MEMORY_COLLECTIVES")
 
 
 def triton_logps() -> bool:
-    """RL2_TRITON_LOGPS: log-probabilities on CUDA through the Triton kernels (`RL2.models.triton_logps`),
-    else chunked torch ops."""
+    """RL2_TRITON_LOGPS: log-probabilities on CUDA in Triton (`RL2.models.triton_logps`), else chunked torch ops."""
     return _on("RL2_TRITON_LOGPS")
 
 

@@ -1,16 +1,13 @@
 """A tied input embedding's gradient added into the output projection's, only at the batch's tokens.
 
 With tied weights autograd sums two `[vocabulary, hidden]` gradients into the one weight: the output
-projection's, which every vocabulary row has, and the input embedding's, which only the rows of the
-batch's tokens have. torch's dense embedding backward writes those rows into a zeroed tensor as large
-as the weight, and autograd then adds the two into a third: passes over two weight-sized tensors that
-are often fresh memory, which on CPU costs page faults besides the passes. With a sparse embedding
-gradient autograd adds just the batch's rows into the projection's gradient; the weight's gradient is
-dense as before, so sharding, clipping and the optimizer see no difference.
-
-That holds only where the projection's gradient always comes too (a loss through the logits, as every
-RL2 trainer of a causal LM has): a sparse gradient alone would reach FSDP and the optimizer, which take
-dense ones only. Hence the conditions of `add_embedding_rows_into_tied_gradient`.
+projection's, dense, and the input embedding's, which only the batch's tokens' rows have. torch's dense
+embedding backward writes those rows into a zeroed weight-sized tensor, then autograd adds the two into
+a third: passes over often fresh memory, which on CPU page-faults too. With a sparse embedding gradient
+autograd adds just the batch's rows into the projection's; the weight's gradient is dense as before, so
+sharding, clipping and the optimizer see no difference. That holds only where the projection's gradient
+always comes too (a loss through the logits): a sparse gradient alone would reach FSDP and the optimizer,
+which take dense ones only; hence the conditions of `add_embedding_rows_into_tied_gradient`.
 """
 
 import torch
