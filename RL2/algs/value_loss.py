@@ -4,9 +4,7 @@ import torch
 from torch import Tensor
 
 
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = None
-) -> Tensor:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = None) -> Tensor:
     """PPO critic loss 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), per token.
 
     Value clipping as in the PPO reference implementation (OpenAI baselines ppo2): the new value may
