@@ -81,17 +81,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: floa
     next action token of the same row (V = 0 after the last one). Tokens with mask 0 inside a
     sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
     steps of the MDP: the recursion jumps from one action token to the next, so neither their
-    rewards nor their values are used. Put rewards on action tokens.
-
-    Args:
-        rewards: `[B, T]` per-token rewards (e.g. outcome reward on the last action token minus a
-            per-token KL penalty).
-        values: `[B, T]` critic values of the action tokens.
-        mask: `[B, T]` 1.0 on action tokens.
-
-    Returns:
-        `(advantages, returns)`, both `[B, T]` and 0 where `mask` is 0;
-        returns = advantages + values.
+    rewards nor their values are used. Put rewards on action tokens (e.g. the outcome reward on the
+    last one minus a per-token KL penalty). `rewards`, `values` (the critic's) and `mask` (1.0 on action
+    tokens) are `[B, T]`; so are the advantages and the returns (advantages + values), 0 where `mask` is 0.
     """
     deltas = rewards + gamma * next_action_values(values, mask) - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
@@ -147,15 +139,9 @@ def mc(turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: 
 
     R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
     mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
-    unbounded. Every action token of turn k then gets R_k.
-
-    Args:
-        turn_rewards: `[B, K]` reward received at the end of each turn.
-        turn_mask: `[B, K]` 1.0 on real turns, 0.0 on padding turns.
-        gamma: discount per turn.
-
-    Returns:
-        `[B, K]` per-turn returns, 0 where `turn_mask` is 0.
+    unbounded. Every action token of turn k then gets R_k. `turn_rewards` (received at the end of each
+    turn) and `turn_mask` (1.0 on real turns, 0.0 on padding turns) are `[B, K]`; so are the returns, 0
+    where `turn_mask` is 0; `gamma` is the discount per turn.
     """
     if truncation is not None and truncation < 1:
         raise ValueError(f"truncation must be a positive number of turns or None, got {truncation}")

@@ -74,14 +74,9 @@ def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tenso
     """1 on every token of a trajectory whose ratio is in [low, high], 0 on those of the others.
 
     The trajectory's ratio is the product of its tokens' rho = pi_old / pi_engine, or with `geometric`
-    their geometric mean; compared in log space, where a long trajectory's product cannot overflow.
-
-    Args:
-        mask: `[B, T]`; the tokens with mask > 0 make up each trajectory.
-        sample_ids: `[B, T]` long, the trajectory of each token.
-
-    Returns:
-        (`[B, T]` weights, `[B, T]` bool: the tokens masked).
+    their geometric mean; compared in log space, where a long trajectory's product cannot overflow. The
+    tokens with `mask` > 0 make up each trajectory, `sample_ids` (`[B, T]` long) names it. Returns
+    (`[B, T]` weights, `[B, T]` bool: the tokens masked).
     """
     log_ratio = (old_logps - engine_logps).detach()
     per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
@@ -270,12 +265,8 @@ def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
     """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any).
 
     Differentiable in `values`; a sample's tokens may sit anywhere in the tensor (e.g. a trajectory's
-    sequences packed apart in one row).
-
-    Args:
-        values: `[B, T]` per-token values.
-        mask: `[B, T]`; tokens with mask > 0 count, each once.
-        sample_ids: `[B, T]` long, the sample of each token (any integers).
+    sequences packed apart in one row). All three are `[B, T]`: tokens with `mask` > 0 count, each once;
+    `sample_ids` (long, any integers) gives each token's sample.
     """
     sums, counts, index = _per_sample(values, mask, sample_ids)
     return (sums / counts.clamp(min=1.0))[index].view_as(values)

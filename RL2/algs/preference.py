@@ -119,14 +119,10 @@ def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float)
     """
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
-    metrics = {
-        "log_odds": log_odds.detach(),
-        "log_odds_ratio": log_odds_ratio.detach(),
-        "rewards_chosen": (beta * chosen_avg_logps).detach(),
-        "rewards_rejected": (beta * rejected_avg_logps).detach(),
-        "accuracy": (chosen_avg_logps > rejected_avg_logps).float(),
-    }
-    return -beta * log_odds_ratio, metrics
+    return -beta * log_odds_ratio, {
+        "log_odds": log_odds.detach(), "log_odds_ratio": log_odds_ratio.detach(),
+        "rewards_chosen": (beta * chosen_avg_logps).detach(), "rewards_rejected": (beta * rejected_avg_logps).detach(),
+        "accuracy": (chosen_avg_logps > rejected_avg_logps).float()}
 
 
 def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:

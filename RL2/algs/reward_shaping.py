@@ -16,15 +16,7 @@ def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer_len: 
         -1                                  if |y| > L_max,
     times `penalty_factor`. Answers that hit the budget are penalised gradually rather than
     through truncation, which would otherwise reward sound reasoning that ran out of room with 0.
-
-    Args:
-        response_lengths: `[B]` number of generated tokens per sample.
-        max_new_tokens: generation budget L_max.
-        buffer_len: length L_cache of the linear ramp before L_max (0 < buffer_len <= L_max).
-        penalty_factor: the penalty at and beyond L_max, in units of reward.
-
-    Returns:
-        `[B]` float penalties in [-penalty_factor, 0].
+    `response_lengths`: `[B]` generated tokens per sample; returns `[B]` penalties in [-penalty_factor, 0].
     """
     if not 0 < buffer_len <= max_new_tokens:
         raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}.")

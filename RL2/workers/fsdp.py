@@ -280,17 +280,14 @@ class FSDPWorker(Stateful):
         # float16 gradient scaler the plain loop steps instead: the scaler hands a fused step its
         # found-inf flag as a plain tensor, which does not mix with the sharded (DTensor) parameters.
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
-        return torch.optim.AdamW(
-            trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-            fused=self.dtype != torch.float16,
-        )
+        return torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                                 fused=self.dtype != torch.float16)
 
     def _build_scheduler(self, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
         sched = self.cfg.scheduler
         min_ratio = sched.min_lr / self.cfg.optimizer.lr if self.cfg.optimizer.lr > 0 else 0.0
-        return torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_lambda(step, total_steps, sched.warmup_ratio, sched.name, min_ratio)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
+            step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, through the gradient scaler when computing in float16."""
