@@ -82,7 +82,8 @@ class SequenceBatch:
 
     @cached_property
     def sample_offsets(self) -> Tensor:
-        """`[n_samples + 1]`: sample k's labels (all its sequences') are `[sample_offsets[k], sample_offsets[k + 1])`."""
+        """`[n_samples + 1]`: sample k's labels (all its sequences') are
+        `[sample_offsets[k], sample_offsets[k + 1])`."""
         per_sample = torch.zeros(self.n_samples, dtype=torch.long).index_add_(
             0, self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
         return torch.cat([torch.zeros(1, dtype=torch.long), per_sample.cumsum(0)])
@@ -164,7 +165,8 @@ class RolloutBatch(SequenceBatch):
     response_lengths: Tensor
 
     @classmethod
-    def single_turn(cls, examples: list[dict], group_ids: list[int], rewards: list[float] | None = None) -> "RolloutBatch":
+    def single_turn(cls, examples: list[dict], group_ids: list[int],
+                    rewards: list[float] | None = None) -> "RolloutBatch":
         """One-turn trajectories written as tokenized examples (`SequenceBatch.from_examples`), for
         benchmarks and tests of the update."""
         n = len(examples)

@@ -51,37 +51,27 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq
         longest = max(too_long, key=lambda i: unit_sizes[i])
         shared = f" x cp_size * tp_size={seq_parallel}" if seq_parallel > 1 else ""
         # A preference pair's two sides share a micro-batch: together they may not fit where each would.
-        what = (f"{unit_lengths[longest]} sequences that must share a micro-batch (e.g. a preference pair's two "
-                f"sides) hold {unit_sizes[longest]} tokens together, which do" if unit_lengths and unit_lengths[longest] > 1
-                else f"a sequence of {unit_sizes[longest]} tokens does")
-        raise ConfigError(
-            f"{what} not fit in {budget_key}={max_tokens}{shared}; raise {budget_key} (or cp_size) or lower "
-            f"data.*.max_length"
-        )
-    max_tokens = budget
+        what = f"a sequence of {unit_sizes[longest]} tokens does"
+        if unit_lengths and unit_lengths[longest] > 1:
+            what = (f"{unit_lengths[longest]} sequences that must share a micro-batch (e.g. a preference pair's two "
+                    f"sides) hold {unit_sizes[longest]} tokens together, which do")
+        raise ConfigError(f"{what} not fit in {budget_key}={max_tokens}{shared}; raise {budget_key} (or cp_size) or "
+                          "lower data.*.max_length")
     ranks = balanced_partition(unit_sizes, dp_size)
-    n_micro = max(1, math.ceil(max(sum(unit_sizes[i] for i in r) for r in ranks) / max_tokens))
+    n_micro = max(1, math.ceil(max(sum(unit_sizes[i] for i in r) for r in ranks) / budget))
     while True:
         plan = []
         for rank_units in ranks:
             bins = balanced_partition([unit_sizes[i] for i in rank_units], n_micro)
             plan.append([[rank_units[j] for j in b] for b in bins])
-        if all(sum(unit_sizes[i] for i in b) <= max_tokens for rank in plan for b in rank):
+        if all(sum(unit_sizes[i] for i in b) <= budget for rank in plan for b in rank):
             return plan
         n_micro += 1
 
 
-def pack(
-    batch: SequenceBatch,
-    dp_rank: int,
-    dp_size: int,
-    max_tokens: int,
-    weights: torch.Tensor | None = None,
-    units: list[list[int]] | None = None,
-    seq_parallel: int = 1,
-    unit_sizes: list[int] | None = None,
-    budget_key: str = "actor.max_length_per_device",
-) -> list[MicroBatch]:
+def pack(batch: SequenceBatch, dp_rank: int, dp_size: int, max_tokens: int, weights: torch.Tensor | None = None,
+         units: list[list[int]] | None = None, seq_parallel: int = 1, unit_sizes: list[int] | None = None,
+         budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
     """This rank's micro-batches of one global batch.
 
     Args:

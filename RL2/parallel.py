@@ -43,12 +43,10 @@ def pick_device(requested: str = "auto", key: str = "trainer.device") -> torch.d
             # CUDA_VISIBLE_DEVICES for all, stop at their first collective: NCCL's "Duplicate GPU detected".)
             return torch.device("cuda", 0)
         if local_rank >= visible:
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s) "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each rank of a node "
-                f"needs a GPU of its own. Start at most {visible} ranks per node (torchrun --nproc_per_node={visible}) "
-                f"or make more GPUs visible"
-            )
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s) "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each rank "
+                               f"of a node needs a GPU of its own. Start at most {visible} ranks per node (torchrun "
+                               f"--nproc_per_node={visible}) or make more GPUs visible")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -199,13 +197,11 @@ class ParallelDims:
         # Each degree is at least 1: the config refuses others when it is parsed (`check_model_sections`).
         model_parallel = self.tp * self.cp * self.ddp
         if self.world_size % model_parallel:
-            raise ConfigError(
-                f"cannot lay out {self.world_size} ranks as ddp x fsdp x cp x tp: ddp_size={self.ddp} x "
-                f"cp_size={self.cp} x tp_size={self.tp} = {model_parallel} does not divide the world size "
-                f"(fsdp, the sharded data-parallel degree, takes the rest: world size = ddp * fsdp * cp * tp). "
-                f"Set actor.ddp_size, actor.cp_size and actor.tp_size (critic.* likewise) so that their "
-                f"product divides the number of ranks"
-            )
+            raise ConfigError(f"cannot lay out {self.world_size} ranks as ddp x fsdp x cp x tp: ddp_size={self.ddp} x "
+                              f"cp_size={self.cp} x tp_size={self.tp} = {model_parallel} does not divide the world "
+                              "size (fsdp, the sharded data-parallel degree, takes the rest: world size = ddp * fsdp "
+                              "* cp * tp). Set actor.ddp_size, actor.cp_size and actor.tp_size (critic.* likewise) "
+                              "so that their product divides the number of ranks")
         self.fsdp = self.world_size // model_parallel
 
     @property

@@ -20,24 +20,12 @@ from torch import Tensor
 GROUP_STD_EPS = 1e-6
 
 
-# ---------------------------------------------------------------------------------------------
-# Token-level helpers
-# ---------------------------------------------------------------------------------------------
-
-
 def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
     """Right-to-left discounted sum over the masked tokens of each row.
 
     out_t = x_t + discount * out_{t'}, where t' is the next position after t with mask 1. Tokens
-    with mask 0 neither contribute nor cost a discount step: the recursion jumps over them.
-
-    Args:
-        x: `[B, T]` values to accumulate; entries where `mask` is 0 are ignored.
-        mask: `[B, T]` 1.0 on action tokens.
-        discount: factor applied per action-token step.
-
-    Returns:
-        `[B, T]` discounted sums, 0 where `mask` is 0.
+    with mask 0 neither contribute nor cost a discount step: the recursion jumps over them. `x` and
+    `mask` are `[B, T]`; the sums are 0 where `mask` is 0.
     """
     out = torch.zeros_like(x)
     running = torch.zeros_like(x[:, 0])
@@ -49,15 +37,8 @@ def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor
 
 
 def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
-    """For each action token, the value of the next action token of the same row (0 after the last).
-
-    Args:
-        values: `[B, T]` value estimates.
-        mask: `[B, T]` 1.0 on action tokens.
-
-    Returns:
-        `[B, T]` next values, 0 where `mask` is 0.
-    """
+    """For each action token, the value of the next action token of the same row (0 after the last);
+    `[B, T]`, 0 where `mask` is 0."""
     out = torch.zeros_like(values)
     upcoming = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
@@ -74,10 +55,6 @@ def deviations(x: Tensor, dim: int = -1) -> Tensor:
     ulp above 0.7), and dividing that error by a spread of the same size turns it into a large
     advantage for the whole group. Measuring every value from the slice's first one first makes an
     all-equal slice all zeros, and x - mean is shift-invariant, so nothing else changes.
-
-    Args:
-        x: values.
-        dim: the dimension along which the mean is taken.
     """
     shifted = x - x.narrow(dim, 0, 1)
     return shifted - shifted.mean(dim, keepdim=True)
@@ -88,11 +65,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
     Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++. When
     every masked entry is equal the result is exactly 0 (see `deviations`).
-
-    Args:
-        x: values.
-        mask: 1.0 on the entries to normalise over, same shape.
-        eps: added to the standard deviation.
     """
     count = mask.sum().clamp(min=1.0)
     # Measured from one masked entry (argmax finds the first 1.0) so that equal entries give exact zeros.
@@ -102,33 +74,16 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return centered / (var.sqrt() + eps) * mask
 
 
-# ---------------------------------------------------------------------------------------------
-# Estimators
-# ---------------------------------------------------------------------------------------------
-
-
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: float
-) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: float) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438).
 
     delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lamda * A_{t'}, where t' is the
     next action token of the same row (V = 0 after the last one). Tokens with mask 0 inside a
     sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
     steps of the MDP: the recursion jumps from one action token to the next, so neither their
-    rewards nor their values are used. Put rewards on action tokens.
-
-    Args:
-        rewards: `[B, T]` per-token rewards (e.g. outcome reward on the last action token minus a
-            per-token KL penalty).
-        values: `[B, T]` critic values of the action tokens.
-        mask: `[B, T]` 1.0 on action tokens.
-        gamma: discount factor.
-        lamda: GAE lambda.
-
-    Returns:
-        `(advantages, returns)`, both `[B, T]` and 0 where `mask` is 0;
-        returns = advantages + values.
+    rewards nor their values are used. Put rewards on action tokens (e.g. the outcome reward on the
+    last one minus a per-token KL penalty). `rewards`, `values` (the critic's) and `mask` (1.0 on action
+    tokens) are `[B, T]`; so are the advantages and the returns (advantages + values), 0 where `mask` is 0.
     """
     deltas = rewards + gamma * next_action_values(values, mask) - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
@@ -142,13 +97,7 @@ def grpo(scores: Tensor, norm_var: bool) -> Tensor:
     A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
     unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
     or all wrong. A group whose scores are all equal (one sample, or every sample alike) gets exactly 0.
-
-    Args:
-        scores: `[G, n]` the scores of the n samples of each of G prompts.
-        norm_var: divide by the group std.
-
-    Returns:
-        `[G, n]` advantages.
+    `scores` is `[G, n]`: the scores of the n samples of each of G prompts; so are the advantages.
     """
     advantages = deviations(scores)
     if norm_var and scores.shape[-1] > 1:
@@ -162,14 +111,8 @@ def rloo(scores: Tensor) -> Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
 
     The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1). A group whose scores are all equal (one sample, or every
-    sample alike) gets exactly 0.
-
-    Args:
-        scores: `[G, n]` the scores of the n samples of each of G prompts.
-
-    Returns:
-        `[G, n]` advantages.
+    A_i = s_i - (sum_group - s_i) / (n - 1), on `[G, n]` scores as in `grpo`. A group whose scores are
+    all equal (one sample, or every sample alike) gets exactly 0.
     """
     n = scores.shape[-1]
     if n < 2:
@@ -184,38 +127,21 @@ def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Te
 
     G_t = sum_{k >= 0} gamma^k r_{t_k}, over the action tokens t = t_0 < t_1 < ... of the row
     (tokens with mask 0 are skipped, as in `gae`), then normalised with the mean and std of G over
-    all masked tokens of the batch (no critic, no per-prompt baseline).
-
-    Args:
-        rewards: `[B, T]` token rewards: the outcome score on the last action token
-            (`outcome_to_token_rewards`) plus an optional per-token KL penalty `-beta * kl`.
-        mask: `[B, T]` 1.0 on action tokens.
-        gamma: discount factor.
-
-    Returns:
-        `[B, T]` advantages, 0 where `mask` is 0.
+    all masked tokens of the batch (no critic, no per-prompt baseline). `rewards` (`[B, T]`) hold the
+    outcome score on the last action token plus an optional per-token KL penalty `-beta * kl`; the
+    advantages are 0 where `mask` is 0.
     """
-    returns = masked_discounted_cumsum(rewards, mask, gamma)
-    return masked_whiten(returns, mask)
+    return masked_whiten(masked_discounted_cumsum(rewards, mask, gamma), mask)
 
 
-def mc(
-    turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: int | None = None
-) -> Tensor:
+def mc(turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: int | None = None) -> Tensor:
     """Monte-Carlo returns per turn of a multi-turn trajectory (VinePPO style, arXiv 2410.01679).
 
     R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
     mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
-    unbounded. Every action token of turn k then gets R_k.
-
-    Args:
-        turn_rewards: `[B, K]` reward received at the end of each turn.
-        turn_mask: `[B, K]` 1.0 on real turns, 0.0 on padding turns.
-        gamma: discount per turn.
-        truncation: number of turns summed into each return, or None for the full return.
-
-    Returns:
-        `[B, K]` per-turn returns, 0 where `turn_mask` is 0.
+    unbounded. Every action token of turn k then gets R_k. `turn_rewards` (received at the end of each
+    turn) and `turn_mask` (1.0 on real turns, 0.0 on padding turns) are `[B, K]`; so are the returns, 0
+    where `turn_mask` is 0; `gamma` is the discount per turn.
     """
     if truncation is not None and truncation < 1:
         raise ValueError(f"truncation must be a positive number of turns or None, got {truncation}")

@@ -52,11 +52,8 @@ def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: floa
     distribution than the trainer's policy, which makes "on-policy" training silently off-policy.
     Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
     (https://fengyao.notion.site/off-policy-rl) correct for it with these truncated weights.
-
-    Args:
-        old_logps: `[B, T]` trainer logprobs of the sampled tokens before the update.
-        engine_logps: `[B, T]` logprobs the rollout engine reported for the same tokens.
-        tis_coef: upper bound of the weight.
+    `old_logps` are the trainer's `[B, T]` logprobs of the sampled tokens before the update,
+    `engine_logps` those the rollout engine reported.
     """
     return torch.exp(old_logps - engine_logps).clamp(max=tis_coef).detach()
 
@@ -77,14 +74,9 @@ def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tenso
     """1 on every token of a trajectory whose ratio is in [low, high], 0 on those of the others.
 
     The trajectory's ratio is the product of its tokens' rho = pi_old / pi_engine, or with `geometric`
-    their geometric mean; compared in log space, where a long trajectory's product cannot overflow.
-
-    Args:
-        mask: `[B, T]`; the tokens with mask > 0 make up each trajectory.
-        sample_ids: `[B, T]` long, the trajectory of each token.
-
-    Returns:
-        (`[B, T]` weights, `[B, T]` bool: the tokens masked).
+    their geometric mean; compared in log space, where a long trajectory's product cannot overflow. The
+    tokens with `mask` > 0 make up each trajectory, `sample_ids` (`[B, T]` long) names it. Returns
+    (`[B, T]` weights, `[B, T]` bool: the tokens masked).
     """
     log_ratio = (old_logps - engine_logps).detach()
     per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
@@ -205,19 +197,10 @@ def lag_means(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
     return metrics
 
 
-def ppo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    engine_logps: Tensor | None = None,
-    tis_coef: float | None = None,
-    correction: Correction | None = None,
-    sample_ids: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+             clip_high: float = 0.2, dual_clip: float | None = None, engine_logps: Tensor | None = None,
+             tis_coef: float | None = None, correction: Correction | None = None,
+             sample_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), per token.
 
     loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),
@@ -233,8 +216,7 @@ def ppo_loss(
         advantages: `[B, T]` token advantages.
         mask: `[B, T]` 1.0 on action tokens, or non-negative token weights (metrics are
             weighted means; the loss is only zeroed where the mask is 0, the caller weights it).
-        clip_low: lower clip range, the ratio is clipped at 1 - clip_low.
-        clip_high: upper clip range, the ratio is clipped at 1 + clip_high.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         dual_clip: the dual-clip constant c (> 1), or None.
         engine_logps: `[B, T]` rollout-engine logprobs, for the engine correction.
         tis_coef: cap of the truncated importance weight (`Correction("tis", high=tis_coef)`); None disables it.
@@ -283,12 +265,8 @@ def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
     """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any).
 
     Differentiable in `values`; a sample's tokens may sit anywhere in the tensor (e.g. a trajectory's
-    sequences packed apart in one row).
-
-    Args:
-        values: `[B, T]` per-token values.
-        mask: `[B, T]`; tokens with mask > 0 count, each once.
-        sample_ids: `[B, T]` long, the sample of each token (any integers).
+    sequences packed apart in one row). All three are `[B, T]`: tokens with `mask` > 0 count, each once;
+    `sample_ids` (long, any integers) gives each token's sample.
     """
     sums, counts, index = _per_sample(values, mask, sample_ids)
     return (sums / counts.clamp(min=1.0))[index].view_as(values)
@@ -310,19 +288,10 @@ def _per_sample(values: Tensor, mask: Tensor, sample_ids: Tensor) -> tuple[Tenso
     return sums, counts, index
 
 
-def gspo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    sample_ids: Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    token_level: bool = False,
-    engine_logps: Tensor | None = None,
-    tis_coef: float | None = None,
-    correction: Correction | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, sample_ids: Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, token_level: bool = False,
+              engine_logps: Tensor | None = None, tis_coef: float | None = None,
+              correction: Correction | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), per token.
 
     One importance ratio per sample, the geometric mean of its tokens' ratios:
@@ -339,9 +308,7 @@ def gspo_loss(
     the same advantage on every token of a sample, both give the same loss and gradient.
 
     Args:
-        logps: `[B, T]` current logprobs (with grad).
-        old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
-        advantages: `[B, T]` token advantages.
+        logps, old_logps, advantages: as in `ppo_loss`.
         mask: `[B, T]` 1.0 on action tokens, or non-negative token weights: tokens with mask > 0
             make up |y_i|, metrics are weighted means, the loss is zeroed where the mask is 0.
         sample_ids: `[B, T]` long, the sample (trajectory) of each token.
@@ -366,18 +333,10 @@ def gspo_loss(
     return _finish_policy_loss(loss, metrics, old_logps, engine_logps, tis_coef, correction, mask, sample_ids)
 
 
-def cispo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float | None = None,
-    clip_high: float = 3.0,
-    engine_logps: Tensor | None = None,
-    tis_coef: float | None = None,
-    correction: Correction | None = None,
-    sample_ids: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, clip_low: float | None = None,
+               clip_high: float = 3.0, engine_logps: Tensor | None = None, tis_coef: float | None = None,
+               correction: Correction | None = None,
+               sample_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): a clipped, detached importance weight times the log-prob.
 
     loss_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] A_t log pi_t, with r_t = exp(logp_t - old_logp_t).
@@ -387,10 +346,7 @@ def cispo_loss(
     only the upper one; it averages over tokens (`avg_level=token`).
 
     Args:
-        logps: `[B, T]` current logprobs (with grad).
-        old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
-        advantages: `[B, T]` token advantages.
-        mask: `[B, T]` 1.0 on action tokens, or non-negative token weights.
+        logps, old_logps, advantages, mask: as in `ppo_loss`.
         clip_low: the weight is at least 1 - clip_low; None: no lower bound.
         clip_high: the weight is at most 1 + clip_high.
         engine_logps, tis_coef, correction, sample_ids: the engine correction, as in `ppo_loss`.

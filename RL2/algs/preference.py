@@ -19,9 +19,7 @@ def _sigmoid_dpo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
     Conservative DPO (Mitchell 2023, https://ericmitchell.ai/cdpo.pdf, eq. 3) assumes each label
     is flipped with probability `label_smoothing`, mixing the losses of both orderings.
     """
-    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(
-        -beta * logits
-    )
+    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
 
 
 def _ipo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
@@ -35,21 +33,11 @@ def _ipo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
     return (logits - 1 / (2 * beta)).pow(2)
 
 
-DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
-    "sigmoid": _sigmoid_dpo,
-    "ipo": _ipo,
-}
+DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"sigmoid": _sigmoid_dpo, "ipo": _ipo}
 
 
-def dpo_loss(
-    chosen_logps: Tensor,
-    rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
+             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair.
 
     For loss_type="sigmoid" pass summed response logps. For loss_type="ipo" pass length-normalised
@@ -58,10 +46,8 @@ def dpo_loss(
     loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths.
 
     Args:
-        chosen_logps: `[B]` policy logps of the chosen responses.
-        rejected_logps: `[B]` policy logps of the rejected responses.
-        ref_chosen_logps: `[B]` reference logps of the chosen responses.
-        ref_rejected_logps: `[B]` reference logps of the rejected responses.
+        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: `[B]` policy and reference
+            logps of the chosen and the rejected responses.
         beta: KL strength (tau in IPO).
         loss_type: a key of `DPO_LOSSES`.
         label_smoothing: label-flip probability in [0, 0.5) for conservative DPO.
@@ -81,23 +67,16 @@ def dpo_loss(
     rewards_chosen = (beta * chosen_logratio).detach()
     rewards_rejected = (beta * rejected_logratio).detach()
     margin = rewards_chosen - rewards_rejected
-    metrics = {
-        "rewards_chosen": rewards_chosen,
-        "rewards_rejected": rewards_rejected,
-        "margin": margin,
-        "accuracy": (margin > 0).float(),
-    }
-    return loss, metrics
+    return loss, {"rewards_chosen": rewards_chosen, "rewards_rejected": rewards_rejected, "margin": margin,
+                  "accuracy": (margin > 0).float()}
 
 
 def log1mexp(x: Tensor) -> Tensor:
     """log(1 - exp(x)) for x < 0, accurate for x near 0 and for very negative x.
 
     Maechler 2012, "Accurately Computing log(1 - exp(-|a|))": use log(-expm1(x)) above -log 2,
-    where 1 - exp(x) cancels, and log1p(-exp(x)) below it.
-
-    Args:
-        x: tensor of negative numbers, e.g. average per-token logps.
+    where 1 - exp(x) cancels, and log1p(-exp(x)) below it. `x`: negative numbers, e.g. average
+    per-token logps.
     """
     near_zero = x > -0.6931471805599453
     # Evaluate each branch on inputs valid for it so the unused branch cannot produce nan grads.
@@ -120,9 +99,7 @@ def _log_odds(avg_logps: Tensor) -> Tensor:
     return avg_logps - log1mexp(avg_logps)
 
 
-def orpo_loss(
-    chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float
-) -> tuple[Tensor, dict[str, Tensor]]:
+def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float) -> tuple[Tensor, dict[str, Tensor]]:
     """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair.
 
     odds(y) = P / (1 - P) with P = exp(average per-token logp), so
@@ -131,8 +108,8 @@ def orpo_loss(
     Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda.
 
     Args:
-        chosen_avg_logps: `[B]` mean per-token logps of the chosen responses (< 0).
-        rejected_avg_logps: `[B]` mean per-token logps of the rejected responses (< 0).
+        chosen_avg_logps, rejected_avg_logps: `[B]` mean per-token logps (< 0) of the chosen and the
+            rejected responses.
         beta: weight of the odds-ratio term.
 
     Returns:
@@ -142,24 +119,13 @@ def orpo_loss(
     """
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
-    metrics = {
-        "log_odds": log_odds.detach(),
-        "log_odds_ratio": log_odds_ratio.detach(),
-        "rewards_chosen": (beta * chosen_avg_logps).detach(),
-        "rewards_rejected": (beta * rejected_avg_logps).detach(),
-        "accuracy": (chosen_avg_logps > rejected_avg_logps).float(),
-    }
-    return -beta * log_odds_ratio, metrics
+    return -beta * log_odds_ratio, {
+        "log_odds": log_odds.detach(), "log_odds_ratio": log_odds_ratio.detach(),
+        "rewards_chosen": (beta * chosen_avg_logps).detach(), "rewards_rejected": (beta * rejected_avg_logps).detach(),
+        "accuracy": (chosen_avg_logps > rejected_avg_logps).float()}
 
 
 def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:
-    """Reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022).
-
-    Args:
-        chosen_rewards: `[B]` scalar rewards of the chosen responses.
-        rejected_rewards: `[B]` scalar rewards of the rejected responses.
-
-    Returns:
-        `[B]` per-pair losses.
-    """
+    """Reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022): `[B]` scalar
+    rewards of the chosen and the rejected responses -> `[B]` per-pair losses."""
     return -F.logsigmoid(chosen_rewards - rejected_rewards)

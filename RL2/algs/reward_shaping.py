@@ -6,9 +6,8 @@ The shaped terms are added to the verifier's scores before the advantage estimat
 from torch import Tensor
 
 
-def overlong_penalty(
-    response_lengths: Tensor, max_new_tokens: int, buffer_len: int, penalty_factor: float = 1.0
-) -> Tensor:
+def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer_len: int,
+                     penalty_factor: float = 1.0) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13).
 
     With L_max = `max_new_tokens` and L_cache = `buffer_len`:
@@ -17,37 +16,19 @@ def overlong_penalty(
         -1                                  if |y| > L_max,
     times `penalty_factor`. Answers that hit the budget are penalised gradually rather than
     through truncation, which would otherwise reward sound reasoning that ran out of room with 0.
-
-    Args:
-        response_lengths: `[B]` number of generated tokens per sample.
-        max_new_tokens: generation budget L_max.
-        buffer_len: length L_cache of the linear ramp before L_max (0 < buffer_len <= L_max).
-        penalty_factor: the penalty at and beyond L_max, in units of reward.
-
-    Returns:
-        `[B]` float penalties in [-penalty_factor, 0].
+    `response_lengths`: `[B]` generated tokens per sample; returns `[B]` penalties in [-penalty_factor, 0].
     """
     if not 0 < buffer_len <= max_new_tokens:
-        raise ValueError(
-            f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}."
-        )
+        raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}.")
     excess = response_lengths.float() - (max_new_tokens - buffer_len)
     return -penalty_factor * (excess / buffer_len).clamp(0.0, 1.0)
 
 
-def length_penalty(
-    response_lengths: Tensor, coef: float, max_new_tokens: int | None = None
-) -> Tensor:
-    """Linear length shaping -coef * |y| (or -coef * |y| / max_new_tokens when given).
+def length_penalty(response_lengths: Tensor, coef: float, max_new_tokens: int | None = None) -> Tensor:
+    """Linear length shaping -coef * |y| (or -coef * |y| / max_new_tokens when given), `[B]` -> `[B]`.
 
-    Args:
-        response_lengths: `[B]` number of generated tokens per sample.
-        coef: penalty per token (per full budget when `max_new_tokens` is given); negative values
-            reward length instead.
-        max_new_tokens: optional budget that makes the penalty length-fraction based.
-
-    Returns:
-        `[B]` float penalties.
+    `coef` is the penalty per token (per full budget when `max_new_tokens` is given); a negative one
+    rewards length instead.
     """
     lengths = response_lengths.float()
     if max_new_tokens is not None:

@@ -11,13 +11,7 @@ from pathlib import Path
 
 import datasets
 
-FILE_FORMATS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-}
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 class DataError(ValueError):
@@ -27,8 +21,7 @@ class DataError(ValueError):
 def split_path(spec: str) -> tuple[str | None, str]:
     """'test@data.jsonl' -> ('test', 'data.jsonl'); 'data.jsonl' -> (None, 'data.jsonl')."""
     if "@" in spec and not Path(spec).exists():
-        split, path = spec.split("@", 1)
-        return split, path
+        return tuple(spec.split("@", 1))
     return None, spec
 
 
@@ -55,11 +48,9 @@ def load_table(spec: str) -> datasets.Dataset:
         try:
             table = datasets.load_dataset(path, split=split or "train")
         except Exception as e:  # offline hub lookups raise many different types
-            raise DataError(
-                f"could not load '{path}': it is not a local file or folder, and loading it as a Hugging Face "
-                f"dataset failed ({type(e).__name__}: {e}). Give a local path, or make the dataset available "
-                f"in the local cache."
-            ) from e
+            raise DataError(f"could not load '{path}': it is not a local file or folder, and loading it as a Hugging "
+                            f"Face dataset failed ({type(e).__name__}: {e}). Give a local path, or make the dataset "
+                            "available in the local cache.") from e
     if len(table) == 0:
         raise DataError(f"{spec}: no rows")
     return table
@@ -92,7 +83,8 @@ def _read_file(path: Path, fmt: str, split: str | None) -> datasets.Dataset:
         # DatasetGenerationError only says "An error occurred"; what went wrong is its cause.
         cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ else e
         reason = f"{type(cause).__name__}: {str(cause).strip()}"
-        raise DataError(f"{path}: could not read it as {fmt.upper()} ({reason}); fix the file: {FORMAT_HINTS[fmt]}") from e
+        raise DataError(f"{path}: could not read it as {fmt.upper()} ({reason}); fix the file: "
+                        f"{FORMAT_HINTS[fmt]}") from e
 
 
 def _csv_as_text(path: Path) -> dict:

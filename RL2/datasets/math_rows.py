@@ -62,11 +62,11 @@ def math_answer(row: dict) -> str:
     return answer
 
 
-def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT, data_source: str | None = None) -> dict:
+def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT,
+                  data_source: str | None = None) -> dict:
     """One PPO prompt row from a GSM8K or MATH row.
 
     Args:
-        row: the source row.
         fmt: "gsm8k" or "math".
         index: the row's number in its source (kept in extra_info).
         prompt: the template; `{question}` is replaced by the question (other braces are left alone).
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m RL2.datasets.math_rows", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="GSM8K or MATH rows: a file, a save_to_disk folder or a cached dataset name")
     parser.add_argument("out", help="the PPO prompt rows, as JSONL")
-    parser.add_argument("--format", default="auto", choices=FORMATS, help="the source's schema (default: from its columns)")
+    parser.add_argument("--format", default="auto", choices=FORMATS,
+                        help="the source's schema (default: from its columns)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt template; {question} is replaced")
     parser.add_argument("--data-source", default=None, help="extra_info.data_source (default: the format)")
     parser.add_argument("--subset", default=None, help="configuration of a cached hub dataset (e.g. main)")

@@ -28,7 +28,6 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, kee
     """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`.
 
     Args:
-        tokenizer: the policy's tokenizer.
         env_resets: the environment defines `reset`: a row with neither a prompt nor messages gets
             `prompt` None, and `reset(extra_info)` makes its first state at rollout time.
         tool_use: the environment's tools (`RL2.rollout.tools.tool_use.ToolUse`), or None: the prompt shows

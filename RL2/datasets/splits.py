@@ -15,7 +15,6 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int,
     """Tokenized train and test examples.
 
     Args:
-        data_cfg: the `data` config.
         make_tokenize_row: split config -> function turning one row into one example.
         seed: holds out the same `test_ratio` rows on every rank and every run.
         blank_rows: split ("train", "test") -> (config key, n): a split whose path is unset is n rows with no
@@ -76,10 +75,8 @@ class EpochSampler:
 
     def __init__(self, n_examples: int, batch_size: int, shuffle: bool, seed: int):
         if n_examples < batch_size:
-            raise ConfigError(
-                f"the training set has {n_examples} examples, fewer than data.train.batch_size={batch_size}; "
-                f"lower the batch size"
-            )
+            raise ConfigError(f"the training set has {n_examples} examples, fewer than "
+                              f"data.train.batch_size={batch_size}; lower the batch size")
         self.n_examples, self.batch_size = n_examples, batch_size
         self.shuffle, self.seed = shuffle, seed
         self.steps_per_epoch = n_examples // batch_size  # the incomplete last batch is dropped

@@ -134,7 +134,8 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str, max_length: int | None = None) -> dict:
+def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str,
+                             max_length: int | None = None) -> dict:
     """Context + response as one example, loss on the response (and its end-of-turn tokens).
 
     Chat messages get the response as an assistant turn through the chat template; raw text is
@@ -167,14 +168,10 @@ def truncate(example: dict, max_length: int) -> dict:
     return example
 
 
-def tokenize_rows(
-    rows: Iterable[dict], tokenize_row: Callable[[dict], dict], source: str, skip_bad_rows: bool
-) -> tuple[list[dict], int]:
-    """Tokenize every row; a bad row raises with file and row number, or is skipped and counted.
-
-    Returns:
-        (examples, number of skipped rows)
-    """
+def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], source: str,
+                  skip_bad_rows: bool) -> tuple[list[dict], int]:
+    """(examples, number of skipped rows): every row tokenized; a bad row raises with file and row number,
+    or is skipped and counted."""
     examples, skipped = [], 0
     for index, row in enumerate(decoded_rows(rows)):
         try:

@@ -99,7 +99,8 @@ class Evaluator:
                                   "compare models with one tokenizer, or raise data.test.max_length")
             first_prompts = [p["extra_info"] for p in prompts]
             sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
-            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold, tools=calls_tools(self.env))
+            metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold,
+                                               tools=calls_tools(self.env))
             records += sample_records(groups, prompts, sources, role, model_cfg.model_name, cfg.eval.threshold)
         difference = metrics_difference(metrics["model"], metrics["compare"]) if "compare" in metrics else None
         result = EvalResult(metrics["model"], metrics.get("compare"), difference, Path(cfg.eval.save_dir))

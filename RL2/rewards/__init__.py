@@ -11,5 +11,6 @@ from RL2.rewards.math_reward import BOXED, answers_equal, math_reward, normalise
 
 __all__ = [
     "BOXED", "answers_equal", "code_reward", "composite", "extract_code", "last_boxed", "last_match", "last_tag",
-    "math_reward", "normalise_answer", "parse_tests", "regex_reward", "require_math_verify", "reward_step", "tags_reward",
+    "math_reward", "normalise_answer", "parse_tests", "regex_reward", "require_math_verify", "reward_step",
+    "tags_reward",
 ]

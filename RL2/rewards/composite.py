@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 RewardFn = Callable[[str, dict], "float | dict | Awaitable[float | dict]"]
 
 
-def composite(parts: dict[str, tuple[float, RewardFn]], score: str | None = None) -> Callable[[str, dict], Awaitable[dict]]:
+def composite(parts: dict[str, tuple[float, RewardFn]],
+              score: str | None = None) -> Callable[[str, dict], Awaitable[dict]]:
     """A reward function returning `{"reward": sum of weight * part, "score": ..., name: part, ...}`.
 
     Each part is any reward function (sync or async, `(response, extra_info)`). A part that itself

@@ -48,10 +48,8 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
-        self.sink = MetricsSink(
-            cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project, cfg.trainer.experiment_name, cfg,
-            use_tensorboard=cfg.trainer.use_tensorboard,
-        )
+        self.sink = MetricsSink(cfg.trainer.save_dir, cfg.trainer.use_wandb, cfg.trainer.project,
+                                cfg.trainer.experiment_name, cfg, use_tensorboard=cfg.trainer.use_tensorboard)
         log_rank0(f"{self.dims.describe()} on {self.device.type}")
 
     # --- to implement -------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class DistillTrainer(SFTTrainer):
         student = forward_packed(self.actor.model, mb, trained_only=True)
         student_logits, teacher_logits = student.local_logits, teacher.local_logits
         if self.vocab_size is not None:
-            student_logits, teacher_logits = student_logits[..., :self.vocab_size], teacher_logits[..., :self.vocab_size]
+            student_logits = student_logits[..., :self.vocab_size]
+            teacher_logits = teacher_logits[..., :self.vocab_size]
         # Both are split alike (one layout per run): reduce the local slices, then gather the tokens.
         kl = token_kl(student_logits, teacher_logits, self.cfg.actor.kl, self.cfg.actor.temperature, student.vocab)
         return student.gather(kl)

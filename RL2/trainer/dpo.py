@@ -31,22 +31,17 @@ class DPOTrainer(PairwiseTrainer):
     def sequence_scores(self, mb):
         ref_logps = self.reference_logps(mb)
         logps = packed_logps(self.worker.model, mb)
-        return {
-            "logps": per_sequence_sum(logps * mb.loss_mask, mb),
-            "ref_logps": per_sequence_sum(ref_logps * mb.loss_mask, mb),
-            "n_tokens": per_sequence_sum(mb.loss_mask, mb),
-        }
+        return {"logps": per_sequence_sum(logps * mb.loss_mask, mb), "n_tokens": per_sequence_sum(mb.loss_mask, mb),
+                "ref_logps": per_sequence_sum(ref_logps * mb.loss_mask, mb)}
 
     def pair_losses(self, chosen, rejected):
         actor = self.cfg.actor
         # IPO regresses a margin of 1/(2 beta) that should not depend on length: average per token.
         normalise = (lambda side, key: side[key] / side["n_tokens"]) if actor.loss_type == "ipo" else (
             lambda side, key: side[key])
-        losses, metrics = dpo_loss(
-            normalise(chosen, "logps"), normalise(rejected, "logps"),
-            normalise(chosen, "ref_logps"), normalise(rejected, "ref_logps"),
-            beta=actor.beta, loss_type=actor.loss_type, label_smoothing=actor.label_smoothing,
-        )
+        losses, metrics = dpo_loss(normalise(chosen, "logps"), normalise(rejected, "logps"),
+                                   normalise(chosen, "ref_logps"), normalise(rejected, "ref_logps"),
+                                   beta=actor.beta, loss_type=actor.loss_type, label_smoothing=actor.label_smoothing)
         metrics["chosen_logps"] = chosen["logps"].detach()
         metrics["rejected_logps"] = rejected["logps"].detach()
         return losses, metrics

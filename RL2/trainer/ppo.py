@@ -338,9 +338,6 @@ class PPOTrainer(Trainer):
         self.rollout.take_push_seconds()  # that push is of no step's weights
 
 
-# ---- helpers --------------------------------------------------------------------------------------
-
-
 def reshard(model: torch.nn.Module) -> None:
     """Put every FSDP module's sharded parameters back in place. After a forward FSDP may keep a module's
     gathered copies registered instead (the root's, always); writes to those would be lost at the next

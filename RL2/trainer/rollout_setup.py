@@ -63,8 +63,8 @@ def tools_of(script: RolloutScript, rollout_cfg, tokenizer) -> ToolUse | None:
 def prompt_row_maker(script: RolloutScript, rollout_cfg, tokenizer):
     """`prompt_row_tokenizer` for `script`: rows may leave the prompt out when an environment resets, show the
     environment's tools, and keep their chat messages for an agent, which gets them."""
-    return prompt_row_tokenizer(tokenizer, env_resets=makes_prompts(script),
-                                tool_use=tools_of(script, rollout_cfg, tokenizer), keep_messages=isinstance(script, Agent))
+    return prompt_row_tokenizer(tokenizer, env_resets=makes_prompts(script), keep_messages=isinstance(script, Agent),
+                                tool_use=tools_of(script, rollout_cfg, tokenizer))
 
 
 def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, script: RolloutScript, policy=None,
@@ -72,10 +72,7 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
     """This rank's engine (collective for SGLang), the driver of `script` on it, and the worker over both.
 
     Args:
-        rollout_cfg: the `rollout` config.
         model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
-        tokenizer: the policy's tokenizer.
-        device: where the engine runs.
         script: what `load_rollout_script` gave (or the Python API's reward environment).
         policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
             engine keeps the weights it loaded (an evaluation of a fixed model).

@@ -50,14 +50,8 @@ class SFTTrainer(Trainer):
         batch = [self.train_data[i] for i in self.sampler.batch(step - 1)]
         loss, n_tokens = self.batch_loss(batch, train=True)
         stats = self.actor.optimizer_step()
-        elapsed = time.perf_counter() - began
-        return {
-            "train/loss": loss,
-            "train/grad_norm": stats["grad_norm"],
-            "train/lr": stats["lr"],
-            "train/tokens": n_tokens,
-            "perf/tokens_per_s": n_tokens / elapsed,
-        }
+        return {"train/loss": loss, "train/grad_norm": stats["grad_norm"], "train/lr": stats["lr"],
+                "train/tokens": n_tokens, "perf/tokens_per_s": n_tokens / (time.perf_counter() - began)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

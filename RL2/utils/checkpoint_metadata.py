@@ -56,12 +56,8 @@ def read_checkpoint_index(path: Path, file: Path | None = None) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's reader of a checkpoint folder, its index read by `read_checkpoint_index`.
-
-    Args:
-        path: the checkpoint folder.
-        index: its index, when the caller has read it already (read again otherwise).
-    """
+    """torch's reader of checkpoint folder `path`, its index read by `read_checkpoint_index` (or given
+    as `index` when the caller has read it already)."""
 
     def __init__(self, path: str, index: Metadata | None = None):
         super().__init__(path)

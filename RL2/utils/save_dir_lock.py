@@ -177,7 +177,8 @@ def _held_message(root: Path, path: Path, holder: dict | None) -> str:
     if holder is not None and holder.get("host") == socket.gethostname():
         stale = "or wait for that run to end (or stop it)"
     else:
-        stale = f"or, if no run uses this save_dir any more (one on another host cannot be checked from here), remove {path}"
+        stale = (f"or, if no run uses this save_dir any more (one on another host cannot be checked from here), "
+                 f"remove {path}")
     return (f"trainer.save_dir={root} is in use by {who}: two runs in one save_dir overwrite each other's "
             f"checkpoints and latest.txt. Give this run another trainer.save_dir (or trainer.experiment_name), "
             f"{stale}")

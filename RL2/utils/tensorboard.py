@@ -20,10 +20,9 @@ def require_tensorboard() -> None:
         import tensorboard  # noqa: F401
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as e:
-        raise ConfigError(
-            f"trainer.use_tensorboard=true needs the tensorboard package ({e}): run `pip install tensorboard` "
-            "(or `pip install -e '.[tensorboard]'`), or set trainer.use_tensorboard=false"
-        ) from e
+        raise ConfigError(f"trainer.use_tensorboard=true needs the tensorboard package ({e}): run `pip install "
+                          "tensorboard` (or `pip install -e '.[tensorboard]'`), or set "
+                          "trainer.use_tensorboard=false") from e
 
 
 class TensorBoardLog:

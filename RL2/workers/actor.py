@@ -124,7 +124,8 @@ def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict]
     """`cfg.update_per_rollout` passes over a rollout, one optimizer step (`step`) per mini-batch of
     `cfg.mini_batch_size` prompt groups; each metric averaged over the steps (a `_min` or `_max` one: the
     smallest or largest), under `prefix/`."""
-    steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in batch.mini_batches(cfg.mini_batch_size)]
+    mini_batches = batch.mini_batches(cfg.mini_batch_size)
+    steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in mini_batches]
 
     def over_steps(values: list[float], name: str) -> float:
         if name.endswith(("_min", "_max")):

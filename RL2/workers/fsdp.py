@@ -112,10 +112,7 @@ class FSDPWorker(Stateful):
 
     Args:
         model_cfg: the `actor` (or `critic`) config.
-        dims: the parallel layout.
-        device: where computation runs.
         total_steps: optimizer steps of the run (for the schedule); 0 for a frozen model.
-        model_cls: the transformers auto class to load with.
         train: False for a frozen model (reference, teacher): no optimizer.
         model_name: load these weights instead of `model_cfg.model_name` (e.g. a teacher).
         base_changes: with LoRA, PPO's reference resets will merge the adapters into the base: it is then
@@ -211,18 +208,15 @@ class FSDPWorker(Stateful):
         degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}
         differ = {k: getattr(self.cfg, k) for k, v in degrees.items() if getattr(self.cfg, k) != v}
         if differ:
-            raise ConfigError(
-                f"every model of a run shares one parallel layout ({self.dims.describe()}), but this model's config "
-                f"sets {', '.join(f'{k}={v}' for k, v in differ.items())}; set the same tp_size, cp_size and ddp_size "
-                f"in every model section (e.g. actor.* and critic.*)"
-            )
+            raise ConfigError(f"every model of a run shares one parallel layout ({self.dims.describe()}), but this "
+                              f"model's config sets {', '.join(f'{k}={v}' for k, v in differ.items())}; set the same "
+                              "tp_size, cp_size and ddp_size in every model section (e.g. actor.* and critic.*)")
         if self.dims.tp > 1:
             check_tp_degree(config, self.dims.tp)
         if self.dims.cp > 1 and softcap_of(config):
-            raise ConfigError(
-                f"{self._config_name()} caps its attention scores (attn_logit_softcapping={softcap_of(config)}), "
-                f"which RL2's context-parallel attention does not apply; set cp_size=1 in every model section"
-            )
+            raise ConfigError(f"{self._config_name()} caps its attention scores "
+                              f"(attn_logit_softcapping={softcap_of(config)}), which RL2's context-parallel attention "
+                              "does not apply; set cp_size=1 in every model section")
 
     def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
         """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root
@@ -286,23 +280,21 @@ class FSDPWorker(Stateful):
         # float16 gradient scaler the plain loop steps instead: the scaler hands a fused step its
         # found-inf flag as a plain tensor, which does not mix with the sharded (DTensor) parameters.
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
-        return torch.optim.AdamW(
-            trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-            fused=self.dtype != torch.float16,
-        )
+        return torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                                 fused=self.dtype != torch.float16)
 
     def _build_scheduler(self, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
         sched = self.cfg.scheduler
         min_ratio = sched.min_lr / self.cfg.optimizer.lr if self.cfg.optimizer.lr > 0 else 0.0
-        return torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_lambda(step, total_steps, sched.warmup_ratio, sched.name, min_ratio)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
+            step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, through the gradient scaler when computing in float16."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn, train: bool = True) -> dict[str, float]:
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
+                          train: bool = True) -> dict[str, float]:
         """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
         every micro-batch of this rank, then sum each metric over the whole global batch. Collective.
 
