@@ -78,6 +78,7 @@ class PPOTrainer(Trainer):
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.env = env if env is not None else load_rollout_script(cfg.rollout)
+        self.calls_tools = calls_tools(self.env)  # the rollout's tool metrics mean something
         env_resets = makes_prompts(self.env)
         make_row = prompt_row_maker(self.env, cfg.rollout, self.tokenizer)
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
@@ -155,7 +156,7 @@ class PPOTrainer(Trainer):
             groups, rolled_out = self.collect_groups(step, metrics)
         if pushed := self.rollout.take_push_seconds():  # weights that no step's end pushed (see the sync below)
             metrics["perf/rollout_weight_push_s"] = pushed
-        metrics |= rollout_metrics(rolled_out, tools=calls_tools(self.env))
+        metrics |= rollout_metrics(rolled_out, tools=self.calls_tools)
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
         sampled = sum(t.response_length for group in rolled_out for t in group)
@@ -302,7 +303,7 @@ class PPOTrainer(Trainer):
                                           rollout.test_responses_per_prompt,
                                           rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
-                   for key, value in rollout_metrics(groups, tools=calls_tools(self.env)).items()}
+                   for key, value in rollout_metrics(groups, tools=self.calls_tools).items()}
         if pushed := self.rollout.take_push_seconds():  # the push a colocated engine deferred from the step
             metrics["perf/weight_push_s"] = pushed
         if faults := fault_summary(groups):
