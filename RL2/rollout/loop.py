@@ -84,7 +84,6 @@ async def run_trajectory(
     """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
     Args:
-        rollout: the engine, environment and limits of the rollout.
         state: the prompt text or chat messages; None asks the environment's `reset`.
         extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
         sampling_params: SGLang sampling params of every request.
@@ -106,7 +105,8 @@ async def run_trajectory(
             trajectory.add_turn(Turn([], [], "", "abort"))
             trajectory.stop_reason = "abort"
             return trajectory
-        turn = await _next_action(rollout, trajectory, _turn_params(sampling_params, trajectory.n_turns))
+        params = _seeded(sampling_params, sampling_params.get("sampling_seed"), trajectory.n_turns)
+        turn = await _next_action(rollout, trajectory, params)
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
@@ -157,13 +157,8 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
     Returns:
         One group of trajectories per prompt, in order.
     """
-    def params_of(row: dict, index: int) -> dict:
-        if row.get("sampling_seed") is None:
-            return sampling_params
-        return {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
-
-    tasks = [[asyncio.create_task(_row_trajectory(rollout, row, params_of(row, j))) for j in range(responses_per_prompt)]
-             for row in prompts]
+    tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
+              for j in range(responses_per_prompt)] for row in prompts]
     await gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
@@ -283,11 +278,9 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % 2**63
 
 
-def _turn_params(sampling_params: dict, turn: int) -> dict:
-    """A seeded trajectory's sampling params for one turn: every turn draws from a seed of its own."""
-    if sampling_params.get("sampling_seed") is None:
-        return sampling_params
-    return {**sampling_params, "sampling_seed": sample_seed(sampling_params["sampling_seed"], turn)}
+def _seeded(sampling_params: dict, seed: int | None, index: int) -> dict:
+    """`sampling_params` of item `index` under `seed` (None: unseeded): each item draws from a seed of its own."""
+    return sampling_params if seed is None else {**sampling_params, "sampling_seed": sample_seed(seed, index)}
 
 
 def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tuple[int, int]]]:
@@ -322,36 +315,37 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 # ---- one trajectory ----
 
 
-async def _start(rollout: EnvRollout, state: State | None, extra_info: dict, prompt_ids: list[int] | None) -> Trajectory:
+async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
+                 prompt_ids: list[int] | None) -> Trajectory:
     """A new trajectory holding just its prompt (from the row, or from the environment's `reset`); a
     trajectory ended by a fault, without a sequence, when `reset` fails or its state is no text."""
+    trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
     if state is None:
         try:
-            state = await _reset(rollout, extra_info)
+            state = await _call_env(rollout, rollout.env.reset(extra_info))
         except TooManyTimeouts:
             raise
+        except TimeoutError:
+            trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
+                            f"env_timeout={rollout.env_timeout} s")
+            return trajectory
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
-            return _failed(extra_info, f"reset failed: {e}" if isinstance(e, EnvError) else
-                           f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
+            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
+                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
+            return trajectory
     messages = state if isinstance(state, list) else None
     state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
-        return _failed(extra_info, f"malformed state: it {bad}")
+        trajectory.fail(f"malformed state: it {bad}")
+        return trajectory
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
     if not _fits(len(ids), rollout.max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
             f"{rollout.max_total_tokens}; raise it or shorten the prompts"
         )
-    trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info, messages=messages)
+    trajectory.state, trajectory.messages = state, messages
     trajectory.start_sequence(state, ids)
-    return trajectory
-
-
-def _failed(extra_info: dict, fault: str) -> Trajectory:
-    """A trajectory ended by `fault` before its first state."""
-    trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
-    trajectory.fail(fault)
     return trajectory
 
 
@@ -371,12 +365,9 @@ async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_par
     return partial
 
 
-async def _reset(rollout: EnvRollout, extra_info: dict) -> State:
-    env, timeout = rollout.env, rollout.env_timeout
-    try:
-        return await call_script(env, env.reset(extra_info), timeout, rollout.max_timeouts, "rollout.env_timeout")
-    except TimeoutError as e:
-        raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
+def _call_env(rollout: EnvRollout, coroutine):
+    """`call_script` for a `step` or `reset` of the rollout's environment."""
+    return call_script(rollout.env, coroutine, rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
 
 
 async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):
@@ -473,14 +464,12 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
 
 async def _step(rollout: EnvRollout, state: str, action: str, extra_info: dict) -> StepResult | str:
     """The environment's answer to `action`, or a description of its fault."""
-    env, timeout = rollout.env, rollout.env_timeout
     try:
-        return await call_script(env, env.step(state, action, extra_info), timeout, rollout.max_timeouts,
-                                 "rollout.env_timeout")
+        return await _call_env(rollout, rollout.env.step(state, action, extra_info))
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:
-        return f"step timed out after {timeout} s"
+        return f"step timed out after {rollout.env_timeout} s"
     except EnvFault as e:
         return f"malformed step result: {e}"
     except Escaped as e:
@@ -494,19 +483,19 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     `render_state`); False when it leaves no room for another action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
-    room = None if budget is None else budget - len(trajectory.current_ids)
-    if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
+    text = next_state if added is None else added
+    before = 0 if added is None else len(trajectory.current_ids)  # the tokens `text` comes after
+    # A text with more characters than the room left could hold in tokens is refused without tokenising
+    # it (tens of MB would take minutes and GBs, all to be cut).
+    if budget is not None and len(text) >= (budget - before) * longest_token_chars(tokenizer):
         return False
-    if added is not None:
-        env_ids = encode(tokenizer, added, spans_after(plain, len(next_state) - len(added)))
-        if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
-            return False
-        trajectory.continue_sequence(added, env_ids)
-    else:
-        ids = encode(tokenizer, next_state, plain)
-        if not _fits(len(ids), budget):
-            return False
+    ids = encode(tokenizer, text, spans_after(plain, len(next_state) - len(text)))
+    if not _fits(before + len(ids), budget):
+        return False
+    if added is None:
         trajectory.start_sequence(next_state, ids)
+    else:
+        trajectory.continue_sequence(added, ids)
     return True
 
 
@@ -514,12 +503,6 @@ def end_text(tokenizer, action_ids: list[int]) -> str:
     """The text of the special token that ended an action (its decoded text skips it), or ""."""
     last = action_ids[-1:]
     return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-
-
-def _may_fit(tokenizer, text: str, room: int | None) -> bool:
-    """False when `text` has more characters than `room` tokens could hold: a huge observation is refused
-    without tokenising it (tens of MB would take minutes and GBs, all to be cut)."""
-    return room is None or len(text) < room * longest_token_chars(tokenizer)
 
 
 def _fits(n_tokens: int, budget: int | None) -> bool:
