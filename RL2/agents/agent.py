@@ -41,11 +41,7 @@ class Agent:
 
 
 def load_agent(path: str) -> Agent:
-    """Import an agent script.
-
-    Args:
-        path: the Python file defining `async def run(client, extra_info)`.
-    """
+    """Import an agent script: the Python file at `path` defining `async def run(client, extra_info)`."""
     file, module = load_script(path, "agent script",
                                "point to a Python file defining `async def run(client, extra_info) -> float | dict`",
                                "rl2_agent_")
@@ -63,8 +59,6 @@ class AgentRollout:
     calls served by the rank's endpoint under the rollout's sampling config.
 
     Args:
-        endpoint: the rank's OpenAI endpoint over its engine.
-        agent: the agent script.
         timeout: seconds one run may take (`rollout.agent_timeout`). None: no limit.
         max_timeouts: runs in a row that may time out (`rollout.max_consecutive_timeouts`). None: no limit.
     """
@@ -81,27 +75,17 @@ class AgentRollout:
                                    self.max_timeouts)
 
 
-async def agent_rollout_batch(
-    endpoint: OpenAIEndpoint,
-    agent: Agent,
-    prompts: list[dict],
-    responses_per_prompt: int,
-    timeout: float | None,
-    max_timeouts: int | None = None,
-) -> list[list[Trajectory]]:
-    """Run the agent `responses_per_prompt` times per prompt, all runs concurrently, each in its own session.
+async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: list[dict], responses_per_prompt: int,
+                              timeout: float | None, max_timeouts: int | None = None) -> list[list[Trajectory]]:
+    """Run the agent `responses_per_prompt` times per prompt (a GRPO group), all runs concurrently, each in its
+    own session of `endpoint` (started here if it is not yet); `timeout` and `max_timeouts` as in `AgentRollout`,
+    where the `max_timeouts`-th run in a row that times out raises `TooManyTimeouts`.
 
     Args:
-        endpoint: the rank's OpenAI endpoint (started here if it is not yet).
-        agent: the agent script.
         prompts: rows with `prompt` (text or chat messages; `messages` instead where a row keeps
             both, its prompt being their rendering), optionally `extra_info` and
             `sampling_seed`: run j of a row with a seed samples its call k with
             `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
-        responses_per_prompt: runs per prompt (a GRPO group).
-        timeout: seconds one run may take once it has started. None: no limit.
-        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many runs in a row time out
-            (`rollout.max_consecutive_timeouts`). None: never.
 
     Returns:
         One group of trajectories per prompt, in order. The first engine failure met by a call is
@@ -128,12 +112,12 @@ class _Pools:
     def __init__(self):
         self.by_loop: dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient] = {}
 
-    def here(self) -> openai.DefaultAsyncHttpxClient:
-        """The pool of the running loop (one of user code)."""
+    def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        """A client on the pool of the running loop (one of user code)."""
         loop = asyncio.get_running_loop()
         if loop not in self.by_loop:
             self.by_loop[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
-        return self.by_loop[loop]
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.by_loop[loop])
 
     async def aclose(self) -> None:
         # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
@@ -152,10 +136,14 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     prompt = row.get("messages") or row.get("prompt")
     extra_info = copy.deepcopy(row.get("extra_info") or {}) | {"prompt": copy.deepcopy(prompt)}
     trajectory.extra_info = extra_info
+
+    async def run() -> object:  # on the loop of user code
+        return await agent.run_fn(pools.client(base_url, endpoint.api_key), extra_info)
+
     start = time.perf_counter()
     try:
-        fault = await _outcome(agent, _run_agent(agent, endpoint.base_url_of(session), endpoint.api_key, pools,
-                                                 extra_info), timeout, max_timeouts, trajectory)
+        base_url = endpoint.base_url_of(session)
+        fault = await _outcome(agent, run(), timeout, max_timeouts, trajectory)
     finally:
         endpoint.close_session(session)
     if session.error is not None:  # the engine failed, not the agent: the rollout stops
@@ -170,16 +158,9 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     return trajectory
 
 
-async def _run_agent(agent: Agent, base_url: str, api_key: str, pools: _Pools, extra_info: dict) -> object:
-    """The agent's `run`, on the loop of user code, with a client of that loop's pool."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=pools.here())
-    return await agent.run_fn(client, extra_info)
-
-
 async def _outcome(agent: Agent, run, timeout: float | None, max_timeouts: int | None,
                    trajectory: Trajectory) -> str | None:
-    """Await `run` (`_run_agent`) and put its reward on the trajectory's last turn; a description of its fault,
-    if any."""
+    """Await `run` and put its reward on the trajectory's last turn; a description of its fault, if any."""
     try:
         result = await call_script(agent, run, timeout, max_timeouts, "rollout.agent_timeout")
     except TooManyTimeouts:

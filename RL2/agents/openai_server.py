@@ -16,13 +16,11 @@ exactly what the model sampled: the session maps each message it returned to the
 Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather
 than ignored: the policy trained would not be the one the agent asked for.
 
-Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint, which
-the agent's client is given) as `Authorization: Bearer`, else it gets 401; session ids are random too, so
-no other local process can write into a run's trajectories. Special tokens' text in the messages (an
-agent's, a tool's) is tokenised as text: only the chat template writes role tokens
-(`RL2.utils.tokens.render_plain`). Requests are bounded before they cost much: a body must arrive within
-`read_timeout` and nest at most `MAX_JSON_DEPTH` deep, a prompt with more characters than the token
-budget could hold is refused before it is tokenised, and stop lists are capped.
+Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint) as
+`Authorization: Bearer`, else it gets 401; session ids are random too, so no other local process can write
+into a run's trajectories. Special tokens' text in the messages is tokenised as text: only the chat template
+writes role tokens (`RL2.utils.tokens.render_plain`). Requests are bounded before they cost much (the
+body's arrival time and JSON depth, the prompt's characters, the stop lists).
 """
 
 import asyncio
@@ -139,23 +137,14 @@ class _Prompt:
 
 @dataclass
 class _Call:
-    """A request's sampling, checked.
+    """A request's sampling, checked."""
 
-    Attributes:
-        params: the SGLang sampling params the request sets, over the run's defaults.
-        stops: the request's stop strings (cut from the text it gets back, as OpenAI does).
-        n: choices, each one engine request.
-        logprobs: return the sampled tokens' log-probabilities.
-        seed: the request's own seed (else the session's, if any).
-        model: the model the request named, echoed back.
-    """
-
-    params: dict
-    stops: list[str]
-    n: int
+    params: dict  # the SGLang sampling params the request sets, over the run's defaults
+    stops: list[str]  # cut from the text it gets back, as OpenAI does
+    n: int  # choices, each one engine request
     logprobs: bool
-    seed: int | None
-    model: str
+    seed: int | None  # the request's own seed (else the session's, if any)
+    model: str  # the model the request named, echoed back
 
 
 @dataclass
@@ -167,20 +156,13 @@ class _Choice:
 
 
 class Session:
-    """One trajectory's calls; its agent's client talks to `OpenAIEndpoint.base_url_of(session)`.
-
-    Attributes:
-        id: the id in the session's URL.
-        trajectory: what the calls sampled.
-        sampling_seed: call k samples with `sample_seed(sampling_seed, k)` unless it gives `seed`.
-        error: the engine's failure, if a call met one (the rollout raises it).
-    """
+    """One trajectory's calls; its agent's client talks to `OpenAIEndpoint.base_url_of(session)`."""
 
     def __init__(self, session_id: str, sampling_seed: int | None):
         self.id = session_id
-        self.trajectory = Trajectory(extra_info={})
-        self.sampling_seed = sampling_seed
-        self.error: BaseException | None = None
+        self.trajectory = Trajectory(extra_info={})  # what the calls sampled
+        self.sampling_seed = sampling_seed  # call k samples with `sample_seed(sampling_seed, k)` unless it gives `seed`
+        self.error: BaseException | None = None  # the engine's failure, if a call met one (the rollout raises it)
         self.closed = False
         self.calls = 0
         self._tips: list[_Tip] = []
@@ -230,11 +212,8 @@ class Session:
         """The conversation with each assistant message this session returned as its sampled text."""
         out = []
         for message in messages:
-            if message.get("role") == "assistant":
-                sampled = self._sampled.get(_message_key(message))
-                if sampled is not None:
-                    message = {"role": "assistant", "content": sampled}
-            out.append(message)
+            sampled = self._sampled.get(_message_key(message)) if message.get("role") == "assistant" else None
+            out.append(message if sampled is None else {"role": "assistant", "content": sampled})
         return out
 
 
@@ -329,17 +308,17 @@ class OpenAIEndpoint:
         """Every request, whatever its path, must carry this endpoint's key: 401 naming what is wrong."""
         header = request.headers.get("Authorization")
         scheme, _, key = (header or "").strip().partition(" ")
-        how = ("send this run's key as 'Authorization: Bearer <key>': the api_key the rollout gave the agent's "
-               "openai.AsyncOpenAI (OpenAIEndpoint.api_key)")
         if header is None:
-            raise RequestError(f"the request has no Authorization header; {how}", status=401, code="invalid_api_key")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise RequestError(f"the Authorization header is not 'Bearer <key>'; {how}", status=401,
-                               code="invalid_api_key")
-        if not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()):
-            raise RequestError(f"the bearer key is not this run's key (each run's endpoint has a random one); {how}",
-                               status=401, code="invalid_api_key")
-        return await handler(request)
+            problem = "the request has no Authorization header"
+        elif scheme.lower() != "bearer" or not key.strip():
+            problem = "the Authorization header is not 'Bearer <key>'"
+        elif not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()):
+            problem = "the bearer key is not this run's key (each run's endpoint has a random one)"
+        else:
+            return await handler(request)
+        raise RequestError(f"{problem}; send this run's key as 'Authorization: Bearer <key>': the api_key the "
+                           f"rollout gave the agent's openai.AsyncOpenAI (OpenAIEndpoint.api_key)", status=401,
+                           code="invalid_api_key")
 
     async def _chat(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -447,11 +426,12 @@ class OpenAIEndpoint:
             return
         at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
         if at_least >= self.max_total_tokens:
-            raise RequestError(
-                f"the prompt has {len(text)} characters, so at least {at_least} tokens, which leaves no room to "
-                f"generate within max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten "
-                f"the conversation", prompt_field, code="context_length_exceeded",
-            )
+            raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
+
+    def _no_room(self, size: str, prompt_field: str) -> RequestError:
+        return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="
+                            f"{self.max_total_tokens} (rollout.max_total_tokens); shorten the conversation",
+                            prompt_field, code="context_length_exceeded")
 
     def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
         """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
@@ -470,11 +450,7 @@ class OpenAIEndpoint:
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - prompt_len
             if room < 1:
-                raise RequestError(
-                    f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-                    f"max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten the "
-                    f"conversation", prompt_field, code="context_length_exceeded",
-                )
+                raise self._no_room(f"{prompt_len} tokens", prompt_field)
             requested = min(requested, room)
         params["max_new_tokens"] = requested
         return params
