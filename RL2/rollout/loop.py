@@ -32,11 +32,10 @@ MAX_IDLE_RESUMES = 3
 class EnvRollout:
     """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
     environment (and its tools) that answers them, and the limits. The rollout worker drives it through
-    `batch` and `partial_batch`; `run_trajectory`, `rollout_batch` and `partial_rollout_batch` take it first.
+    `batch` and `partial_batch`.
 
     Args:
         engine: serves SGLang `/generate` payloads.
-        env: the environment script.
         tokenizer: the policy's tokenizer (decodes actions, tokenises observations).
         max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
         max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
@@ -72,15 +71,9 @@ class EnvRollout:
         return self.tool_use.sampling_params(params) if self.tool_use else params
 
 
-async def run_trajectory(
-    rollout: EnvRollout,
-    state: State | None,
-    extra_info: dict,
-    sampling_params: dict,
-    prompt_ids: list[int] | None = None,
-    resume: Trajectory | None = None,
-    stop: asyncio.Event | None = None,
-) -> Trajectory:
+async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: dict, sampling_params: dict,
+                         prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
+                         stop: asyncio.Event | None = None) -> Trajectory:
     """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
     Args:
@@ -163,14 +156,9 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
     return [[task.result() for task in group] for group in tasks]
 
 
-async def partial_rollout_batch(
-    rollout: EnvRollout,
-    carried: list[list[Trajectory]],
-    prompts: list[dict],
-    n_needed: int,
-    responses_per_prompt: int,
-    sampling_params: dict,
-) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
+async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajectory]], prompts: list[dict],
+                                n_needed: int, responses_per_prompt: int,
+                                sampling_params: dict) -> tuple[list, list, list]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
     The groups `carried` from the previous call (unfinished trajectories resume where they stopped)

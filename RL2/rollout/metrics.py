@@ -17,7 +17,6 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
     that a weighted sum of parts averages to the weighted sum of their metrics.
 
     Args:
-        groups: trajectories grouped by prompt.
         tools: the policy may call tools (an environment with TOOLS, an agent script): add how it used them
             (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
     """
@@ -51,7 +50,6 @@ def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int
     docs/async.md). Tokens of unknown version are left out.
 
     Args:
-        groups: the trained groups.
         version: the version of the weights trained.
         max_lag: report the shares up to this lag at least (`rollout.max_staleness`), so that every
             step has the same keys.
@@ -86,20 +84,10 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int) ->
     with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
             for t in group:
-                record = {
-                    "step": step,
-                    "group": group_index,
-                    "prompt": t.prompt_text,
-                    "response": t.response_text,
-                    "reward": t.reward,
-                    "score": t.score,
-                    "n_turns": t.n_turns,
-                    "finish_reason": t.finish_reason,
-                    "stop_reason": t.stop_reason,
-                    "fault": t.fault,
-                }
-                parts = reward_parts(t)
-                if parts:
+                record = {"step": step, "group": group_index, "prompt": t.prompt_text, "response": t.response_text,
+                          "reward": t.reward, "score": t.score, "n_turns": t.n_turns, "finish_reason": t.finish_reason,
+                          "stop_reason": t.stop_reason, "fault": t.fault}
+                if parts := reward_parts(t):
                     record["reward_parts"] = parts
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
@@ -152,7 +140,8 @@ def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: l
     }
 
 
-def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float, tools: bool = False) -> dict[str, float]:
+def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float,
+                  tools: bool = False) -> dict[str, float]:
     """The evaluation metrics (docs/evaluation.md) over `groups` (the samples of each prompt)."""
     samples = [t for group in groups for t in group]
     metrics = {

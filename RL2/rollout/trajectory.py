@@ -26,31 +26,22 @@ from RL2.batch import RolloutBatch
 class Turn:
     """One action of the policy and what the environment answered.
 
-    Attributes:
-        action_ids: the sampled token ids, as the engine returned them.
-        action_logps: the engine's log-probability of each sampled token.
-        action_text: the decoded action, as given to the environment.
-        finish_reason: the engine's: "stop", "length" or "abort".
-        reward, score: what the environment's `step` returned for this action.
-        reward_parts: the step's named reward parts (logged as `rollout/reward/<name>`).
-        env_ids: observation tokens appended after the action when the next turn continues the
-            same sequence (empty when the trajectory ends here or starts a new sequence).
-        env_text: the text `env_ids` were tokenised from.
-        action_versions: the version of the weights that sampled each action token
-            (`weight_version_number`); empty, or shorter than `action_ids`, where the engine did not say
-            (the rollout worker fills them in with the version it pushed, `Trajectory.fill_versions`).
+    `env_ids` are the observation tokens appended after the action when the next turn continues the same
+    sequence (empty when the trajectory ends here or starts a new sequence). `action_versions` is empty, or
+    shorter than `action_ids`, where the engine did not name its weights (the rollout worker fills them in
+    with the version it pushed, `Trajectory.fill_versions`).
     """
 
-    action_ids: list[int]
-    action_logps: list[float]
-    action_text: str
-    finish_reason: str
-    reward: float = 0.0
+    action_ids: list[int]  # as the engine returned them
+    action_logps: list[float]  # the engine's log-probability of each sampled token
+    action_text: str  # the decoded action, as given to the environment
+    finish_reason: str  # the engine's: "stop", "length" or "abort"
+    reward: float = 0.0  # reward and score: what the environment's `step` returned for this action
     score: float = 0.0
     env_ids: list[int] = field(default_factory=list)
-    env_text: str = ""
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    action_versions: list[int] = field(default_factory=list)
+    env_text: str = ""  # the text `env_ids` were tokenised from
+    reward_parts: dict[str, float] = field(default_factory=dict)  # the step's, logged as `rollout/reward/<name>`
+    action_versions: list[int] = field(default_factory=list)  # each token's `weight_version_number`
 
     def extend(self, rest: "Turn") -> None:
         """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
@@ -107,34 +98,20 @@ def _jsonable(value):
 
 @dataclass
 class Trajectory:
-    """Everything one prompt's rollout produced: one or more token sequences.
+    """Everything one prompt's rollout produced: one or more token sequences, whose turns form the trajectory."""
 
-    Attributes:
-        extra_info: the prompt row's `extra_info` (the dict the rollout started with).
-        sequences: the sequences, in order; the turns of all of them form the trajectory.
-        stop_reason: "done", "max_turns", "budget" (token budget), "fault" or "abort".
-        fault: why the environment failed (exception, timeout, malformed result), or None.
-        state: the environment's current state text, kept for resuming an aborted trajectory.
-        env_info: the `extra_info` the environment returned last (what its next `step` gets).
-        messages: the conversation so far as chat messages, when the state is one (tools append to it).
-        tool_calls: tool calls the policy made; tool_errors: those that failed (unknown tool, bad
-            arguments, raised, timed out); parse_errors: call blocks it wrote that could not be parsed.
-        tool_seconds, generate_seconds: time spent running tools (an agent script's own code, for
-            agents) and waiting for the engine.
-    """
-
-    extra_info: dict
+    extra_info: dict  # the prompt row's (the dict the rollout started with)
     sequences: list[TokenSequence] = field(default_factory=list)
-    stop_reason: str = ""
-    fault: str | None = None
-    state: str = ""
-    env_info: dict | None = None
-    messages: list[dict] | None = None
-    tool_calls: int = 0
-    tool_errors: int = 0
-    parse_errors: int = 0
-    tool_seconds: float = 0.0
-    generate_seconds: float = 0.0
+    stop_reason: str = ""  # "done", "max_turns", "budget" (token budget), "fault" or "abort"
+    fault: str | None = None  # why the environment failed (exception, timeout, malformed result)
+    state: str = ""  # the environment's current state text, kept for resuming an aborted trajectory
+    env_info: dict | None = None  # the `extra_info` the environment returned last (what its next `step` gets)
+    messages: list[dict] | None = None  # the conversation so far, when the state is one (tools append to it)
+    tool_calls: int = 0  # made by the policy
+    tool_errors: int = 0  # calls that failed (unknown tool, bad arguments, raised, timed out)
+    parse_errors: int = 0  # call blocks it wrote that could not be parsed
+    tool_seconds: float = 0.0  # running tools (an agent script's own code, for agents)
+    generate_seconds: float = 0.0  # waiting for the engine
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).

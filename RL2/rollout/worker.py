@@ -64,13 +64,13 @@ class RolloutWorker:
         self.state = EngineState(engine, policy, self._push_weights, colocated if shares_gpu else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
 
-    def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
+    def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
+                seed: int) -> list[list[Trajectory]]:
         """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
 
         Args:
             prompts: the global batch of rows (`prompt`, `prompt_ids`, `extra_info`), the same on every rank.
             sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens, stop, ...).
-            responses_per_prompt: trajectories per prompt.
             seed: seeds this rank's sampling (see `rollout_seed`).
         """
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,10 +81,8 @@ class RolloutWorker:
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
 
-    def partial_rollout(
-        self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int,
-        n_needed: int | None = None,
-    ) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
+    def partial_rollout(self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params,
+                        responses_per_prompt: int, seed: int, n_needed: int | None = None) -> tuple[list, list, list]:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
         `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
         default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
@@ -95,8 +93,8 @@ class RolloutWorker:
         total = len(prompts) if n_needed is None else n_needed
         my_needed = max(len(range(rank, total, world)), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: self.driver.partial_batch(
-            my_carried, my_prompts, my_needed, responses_per_prompt, sampling_params,
-        ) if my_needed else asyncio.sleep(0, ([], [], [])))
+            my_carried, my_prompts, my_needed, responses_per_prompt, sampling_params) if my_needed
+            else asyncio.sleep(0, ([], [], [])))
         self._fill_versions(result[0] + result[1])
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))

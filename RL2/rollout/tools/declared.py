@@ -35,37 +35,23 @@ _PROBE_SCHEMA = {
 
 @dataclass
 class Tool:
-    """A tool the policy may call.
+    """A tool the policy may call."""
 
-    Attributes:
-        name: the name the model calls it by.
-        schema: OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}.
-        fn: the sync or async Python function; None for a schema-only tool run by the env's `call_tool`.
-        takes_extra_info: `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills
-            with the trajectory's `extra_info`.
-    """
-
-    name: str
-    schema: dict
-    fn: Callable | None
+    name: str  # the name the model calls it by
+    schema: dict  # OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}
+    fn: Callable | None  # sync or async; None for a schema-only tool run by the env's `call_tool`
+    # `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills with the trajectory's.
     takes_extra_info: bool
 
 
 @dataclass
 class ToolResult:
-    """What running one call gave.
-
-    Attributes:
-        call: the call.
-        content: what the model is shown: the return value as text, or "Error: ...".
-        error: None on success, else "unknown_tool", "bad_arguments", "raised" or "timeout".
-        seconds: the wall time it took.
-    """
+    """What running one call gave."""
 
     call: ToolCall
-    content: str
-    error: str | None
-    seconds: float
+    content: str  # what the model is shown: the return value as text, or "Error: ..."
+    error: str | None  # None on success, else "unknown_tool", "bad_arguments", "raised" or "timeout"
+    seconds: float  # wall time
 
 
 # ---- declaring tools ----

@@ -29,17 +29,12 @@ class ToolCall:
 
 @dataclass
 class ParsedAction:
-    """An action split into its text and its tool calls.
+    """An action split into its text and its tool calls."""
 
-    Attributes:
-        content: the action with the call blocks removed, stripped.
-        calls: the well-formed calls, in order.
-        errors: one message per call block that could not be parsed (bad JSON, no name, arguments
-            that are not an object), quoting the start of the block.
-    """
-
-    content: str
-    calls: list[ToolCall] = field(default_factory=list)
+    content: str  # the action with the call blocks removed, stripped
+    calls: list[ToolCall] = field(default_factory=list)  # the well-formed calls, in order
+    # One message per call block that could not be parsed (bad JSON, no name, arguments that are not an
+    # object), quoting the start of the block.
     errors: list[str] = field(default_factory=list)
 
 
@@ -179,12 +174,8 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
-    """Make a format available by name to `tool_call_parser` (replacing one of that name).
-
-    Args:
-        name: the name to give in `tool_call_parser(name, ...)`.
-        parser_cls: a `ToolCallParser` subclass, made with no arguments.
-    """
+    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, available as
+    `tool_call_parser(name, ...)` (replacing one of that name)."""
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {name!r}: {parser_cls!r} is not a subclass of "
                          f"RL2.rollout.tools.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
@@ -259,12 +250,8 @@ def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] |
 
 
 def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
-    """The call a decoded JSON value describes: a name and an object of arguments.
-
-    Args:
-        block: the text it was decoded from, quoted by the error message.
-        argument_keys: the keys that may hold the arguments, in order; no such key: no arguments.
-    """
+    """The call a decoded JSON value describes: a name and an object of arguments. `block` is the text it was
+    decoded from (the error quotes it); `argument_keys` may hold the arguments, in order (none: no arguments)."""
     if not isinstance(obj, dict):
         return _error(f"is a JSON {_json_type(obj)}, not an object with a name and arguments", block)
     name = obj.get("name")

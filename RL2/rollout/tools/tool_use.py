@@ -28,26 +28,15 @@ BLOCKED_GRACE_S = 1.0
 
 @dataclass
 class ToolUse:
-    """The tools of an environment, and how the policy sees and calls them.
+    """The tools of an environment, and how the policy sees and calls them."""
 
-    Attributes:
-        tools: the tools, by name (`build_tools`).
-        call_tool: the environment's runner of schema-only tools, if any.
-        parser: the policy's tool-call format.
-        native: the chat template renders tools itself; otherwise RL2's default format is written into
-            the messages.
-        timeout: seconds one call may take (None: no limit).
-        on_error: "observe" (the error is the call's result) or "end" (the trajectory ends as a fault).
-        stop_after_call: end an action at the format's end of a call, so that the model's own guess of
-            the result is never sampled.
-    """
-
-    tools: dict[str, Tool]
-    call_tool: Callable | None
-    parser: ToolCallParser
-    native: bool
-    timeout: float | None = None
-    on_error: str = "observe"
+    tools: dict[str, Tool]  # by name (`build_tools`)
+    call_tool: Callable | None  # the environment's runner of schema-only tools, if any
+    parser: ToolCallParser  # the policy's tool-call format
+    native: bool  # the chat template renders tools itself; otherwise RL2's default format is written in the messages
+    timeout: float | None = None  # seconds one call may take (None: no limit)
+    on_error: str = "observe"  # "observe" (the error is the call's result) or "end" (the trajectory ends as a fault)
+    # End an action at the format's end of a call, so that the model's own guess of the result is never sampled.
     stop_after_call: bool = True
 
     def render(self, messages: list[dict], tokenizer) -> str:
@@ -59,7 +48,8 @@ class ToolUse:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
         return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
-    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict, counts) -> list[dict] | str | None:
+    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict,
+                      counts) -> list[dict] | str | None:
         """Run the calls of `action`, if it makes any.
 
         Args:
