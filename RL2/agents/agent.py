@@ -56,17 +56,12 @@ def load_agent(path: str) -> Agent:
 @dataclass(frozen=True)
 class AgentRollout:
     """An agent script's rollout on a rank (the rollout worker's driver): each run one trajectory, its model
-    calls served by the rank's endpoint under the rollout's sampling config.
-
-    Args:
-        timeout: seconds one run may take (`rollout.agent_timeout`). None: no limit.
-        max_timeouts: runs in a row that may time out (`rollout.max_consecutive_timeouts`). None: no limit.
-    """
+    calls served by the rank's endpoint under the rollout's sampling config."""
 
     endpoint: OpenAIEndpoint
     agent: Agent
-    timeout: float | None = None
-    max_timeouts: int | None = None
+    timeout: float | None = None  # seconds one run may take (`rollout.agent_timeout`); None: no limit
+    max_timeouts: int | None = None  # runs in a row that may time out (rollout.max_consecutive_timeouts); None: any
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
         """`agent_rollout_batch`, calls without sampling params of their own sampling with `sampling_params`."""

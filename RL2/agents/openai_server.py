@@ -1,17 +1,15 @@
 """An OpenAI-compatible HTTP endpoint over a rank's inference engine that records what it samples.
 
-Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and
-ART): each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of this
-server (chat/completions, completions and models; the fields served: docs/agents.md). Every call
-samples through `engine.generate`, and the session's `Trajectory` records the exact prompt and sampled
-token ids with the engine's log-probabilities (token in, token out: see `trajectory.py`).
+Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and ART):
+each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of this server
+(the fields served: docs/agents.md). Every call samples through `engine.generate`, and the session's
+`Trajectory` records the exact prompt and sampled token ids with the engine's log-probabilities.
 
-How calls become sequences. A chat client sends the whole conversation every time, so a call's
-prompt usually extends an earlier call's prompt and answer. As in the environment loop
-(`RL2.rollout.loop.continuation`), the match is made on text: a prompt that starts with a sequence's
-text so far continues it (only the new text is tokenised and appended, masked), any other prompt
-starts a new sequence. For the text to match, an assistant message the client sends back renders as
-exactly what the model sampled: the session maps each message it returned to the sampled text.
+How calls become sequences. A chat client sends the whole conversation every time, so a call's prompt
+usually extends an earlier call's prompt and answer. As in the environment loop
+(`RL2.rollout.loop.continuation`), a prompt that starts with a sequence's text so far continues it (only
+the new text is tokenised and appended, masked), any other prompt starts a new sequence. For the text to
+match, an assistant message the client sends back renders as exactly what the model sampled.
 
 Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather
 than ignored: the policy trained would not be the one the agent asked for.
@@ -326,18 +324,15 @@ class OpenAIEndpoint:
         call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
         schemas, parsing = _tools(body)
         messages = session.as_sampled(_messages(body))
-
-        def render(messages: list[dict], schemas: list[dict] | None) -> str:
-            return render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
-
+        parser = self.parser if parsing else None
         try:  # special tokens' text in the agent's messages and tools tokenises as text
-            text, plain = render_plain(self.tokenizer, render, messages, schemas)
+            text, plain = render_plain(self.tokenizer, lambda messages, schemas: render_conversation(
+                self.tokenizer, messages, schemas, self.parser, self.native_tools), messages, schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                "messages") from e
-        prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None,
-                                                plain)
-        return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
+        prompt, choices, k = await self._sample(session, text, call, "messages", parser, plain)
+        return web.json_response(self._chat_response(session, k, prompt, choices, call, parser))
 
     async def _completions(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -474,11 +469,10 @@ class OpenAIEndpoint:
     # ---- responses ----
 
     def _chat_response(self, session: Session, k: int, prompt: _Prompt, choices: list[_Choice], call: _Call,
-                       parsing: bool) -> dict:
+                       parser: ToolCallParser | None) -> dict:
         out = []
         for j, choice in enumerate(choices):
-            text = _returned_text(choice, call.stops)
-            message, parsed = assistant_message(text, self.parser if parsing else None, f"{k}_{j}")
+            message, parsed = assistant_message(_returned_text(choice, call.stops), parser, f"{k}_{j}")
             if parsed is not None:
                 session.trajectory.tool_calls += len(message.get("tool_calls") or [])
                 session.trajectory.parse_errors += len(parsed.errors)
@@ -588,17 +582,13 @@ def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field:
         value = body.get(key)
         if value is not None and value not in accepted:
             raise RequestError(f"{key}={_show(value)} is not supported: {why}; or leave {key} out", key)
-    params = {}
-    for key, low, high, integer in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, False),
-                                    ("min_p", 0.0, 1.0, False), ("top_k", -1, None, True)):
-        value = _number(body, key, low, high, integer)
-        if value is not None:
-            params[key] = value
+    bounds = {"temperature": (0.0, None, False), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, False),
+              "top_k": (-1, None, True)}  # low, high, integer
+    params = {key: value for key, bound in bounds.items() if (value := _number(body, key, *bound)) is not None}
     if params.get("top_p") == 0:
         raise RequestError("top_p=0 keeps no token; give a value in (0, 1]", "top_p")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, 1, None, True)
-    if max_tokens is not None:
+    if (max_tokens := _number(body, key, 1, None, True)) is not None:
         params["max_new_tokens"] = max_tokens
     stops = _stops(body.get("stop"))
     if body.get("stop") is not None:

@@ -32,28 +32,21 @@ MAX_IDLE_RESUMES = 3
 class EnvRollout:
     """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
     environment (and its tools) that answers them, and the limits. The rollout worker drives it through
-    `batch` and `partial_batch`.
+    `batch` and `partial_batch`."""
 
-    Args:
-        engine: serves SGLang `/generate` payloads.
-        tokenizer: the policy's tokenizer (decodes actions, tokenises observations).
-        max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
-        max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
-            each request's max_new_tokens is cut to what is left. None: no limit.
-        env_timeout: seconds one `step` (or `reset`) may take once it has started. None: no limit.
-        tool_use: the environment's tools, or None: an action that calls tools gets their results as the next
-            state, and only one that calls none is stepped.
-        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row
-            time out (`rollout.max_consecutive_timeouts`). None: never.
-    """
-
-    engine: Engine
+    engine: Engine  # serves SGLang `/generate` payloads
     env: Env
-    tokenizer: object
-    max_turns: int = 1
+    tokenizer: object  # the policy's (decodes actions, tokenises observations)
+    max_turns: int = 1  # the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed)
+    # The most tokens of one sequence (prompt, actions and observations); each request's max_new_tokens is cut
+    # to what is left. None: no limit.
     max_total_tokens: int | None = None
-    env_timeout: float | None = None
+    env_timeout: float | None = None  # seconds one `step` (or `reset`) may take once it has started; None: no limit
+    # The environment's tools, or None: an action that calls tools gets their results as the next state, and
+    # only one that calls none is stepped.
     tool_use: ToolUse | None = None
+    # Stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row time out
+    # (`rollout.max_consecutive_timeouts`). None: never.
     max_timeouts: int | None = None
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
@@ -79,7 +72,6 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
     Args:
         state: the prompt text or chat messages; None asks the environment's `reset`.
         extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
-        sampling_params: SGLang sampling params of every request.
         prompt_ids: the prompt already tokenised (else `state` is tokenised).
         resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
             from where it stopped (the tokens it already has keep their log-probabilities), then
@@ -145,7 +137,6 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
             neither on the ranks nor on the other requests of the batch (evaluation sets it).
         responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
             the row's `extra_info`.
-        rollout, sampling_params: as in `run_trajectory`.
 
     Returns:
         One group of trajectories per prompt, in order.
@@ -447,13 +438,8 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
             return reply
         if reply is not None:
             return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
-    return await _step(rollout, trajectory.state, action, trajectory.env_info)
-
-
-async def _step(rollout: EnvRollout, state: str, action: str, extra_info: dict) -> StepResult | str:
-    """The environment's answer to `action`, or a description of its fault."""
     try:
-        return await _call_env(rollout, rollout.env.step(state, action, extra_info))
+        return await _call_env(rollout, rollout.env.step(trajectory.state, action, trajectory.env_info))
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:

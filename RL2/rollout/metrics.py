@@ -125,7 +125,6 @@ def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: l
     """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples.
 
     Args:
-        groups: the samples of each prompt.
         sources: each prompt's `data_source`.
         ks: pass@k for each k (at most the samples of any prompt).
         threshold: a sample passes when its score is at least this.

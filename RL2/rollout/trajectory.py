@@ -254,7 +254,6 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
     short to have a label (a lone prompt) is left out, while its trajectory still counts.
 
     Args:
-        groups: the trajectories, grouped by prompt.
         version: the version of the weights being trained. Given, the batch has per-token `lags`:
             how many versions behind it each sampled token was sampled (0 for a token of unknown
             version, and at the others).

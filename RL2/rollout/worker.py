@@ -42,8 +42,6 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 class RolloutWorker:
     """Args:
         engine: this rank's engine (`RL2.engine.start_engine`).
-        driver: what rolls out the prompts on `engine`.
-        device: where the engine runs.
         dtype: the engine's compute dtype: pushed weights are cast to it.
         policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
             engine keeps the weights it loaded (an evaluation of a fixed model).

@@ -23,14 +23,9 @@ from transformers.utils import get_json_schema
 from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser
 
 # The tool `template_renders_tools` shows the chat template.
-_PROBE_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "rl2_probe_tool",
-        "description": "Probe whether the chat template renders tools.",
-        "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "any text"}}},
-    },
-}
+_PROBE_SCHEMA = {"type": "function", "function": {
+    "name": "rl2_probe_tool", "description": "Probe whether the chat template renders tools.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "any text"}}}}}
 
 
 @dataclass
@@ -230,11 +225,7 @@ def template_renders_tools(tokenizer) -> bool:
 
 def tool_system_prompt(schemas: list[dict]) -> str:
     """RL2's default tool format, Hermes style (as Qwen2.5's template writes it), for templates that
-    show no tools: the schemas, how to call them, and where results come back.
-
-    Args:
-        schemas: OpenAI tool schemas, one JSON line each.
-    """
+    show no tools: the schemas (one JSON line each), how to call them, and where results come back."""
     lines = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
     return (
         "# Tools\n\n"
@@ -253,7 +244,6 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
     """A conversation with tools as the text of the prompt, ending with the header of the assistant's next turn.
 
     Args:
-        tokenizer: the policy's tokenizer, whose chat template renders the messages.
         messages: OpenAI-style messages: system, user, assistant (content and/or tool_calls) and tool
             (content, tool_call_id, name).
         schemas: the tools' schemas; None or empty: no tools.

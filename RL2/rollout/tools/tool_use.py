@@ -54,7 +54,6 @@ class ToolUse:
 
         Args:
             messages: the conversation the action answers (None: the state was text).
-            action: the action's text.
             extra_info: the trajectory's, for tools that take it.
             counts: the trajectory, whose `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`
                 grow by this action's.
