@@ -261,7 +261,12 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]
+    n_turns = max((t.n_turns for t in trajectories), default=0)
+    turn_rewards = torch.zeros(len(trajectories), n_turns)
+    turn_mask = torch.zeros(len(trajectories), n_turns)
     for sample, trajectory in enumerate(trajectories):
+        turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
+        turn_mask[sample, : trajectory.n_turns] = 1.0
         for record in trajectory.token_sequences():
             if len(record["input_ids"]) < 2:
                 continue
@@ -269,17 +274,8 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
             sample_ids.append(sample)
             for name, values in per_token.items():
                 values += record[name][1:]
-    n_turns = max((t.n_turns for t in trajectories), default=0)
-    turn_rewards = torch.zeros(len(trajectories), n_turns)
-    turn_mask = torch.zeros(len(trajectories), n_turns)
-    for sample, trajectory in enumerate(trajectories):
-        turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
-        turn_mask[sample, : trajectory.n_turns] = 1.0
-    tokens = {
-        "loss_mask": torch.tensor(per_token["loss_mask"], dtype=torch.float32),
-        "engine_logps": torch.tensor(per_token["engine_logps"], dtype=torch.float32),
-        "turn_ids": torch.tensor(per_token["turn_ids"], dtype=torch.long),
-    }
+    dtypes = {"loss_mask": torch.float32, "engine_logps": torch.float32, "turn_ids": torch.long}
+    tokens = {name: torch.tensor(per_token[name], dtype=dtype) for name, dtype in dtypes.items()}
     if version is not None:
         versions = torch.tensor(per_token["versions"], dtype=torch.long)
         tokens["lags"] = torch.where(versions >= 0, version - versions, 0)

@@ -300,12 +300,9 @@ def _json_list(text: str, start: int) -> tuple[list[tuple[str, dict] | str], str
 
 
 def _action(content: str, found: list[tuple[str, dict] | str]) -> ParsedAction:
-    calls = [item for item in found if not isinstance(item, str)]
-    return ParsedAction(
-        content=content.strip(),
-        calls=[ToolCall(name, arguments, f"call_{i}") for i, (name, arguments) in enumerate(calls)],
-        errors=[item for item in found if isinstance(item, str)],
-    )
+    calls = [ToolCall(name, arguments, f"call_{i}")
+             for i, (name, arguments) in enumerate(item for item in found if not isinstance(item, str))]
+    return ParsedAction(content.strip(), calls, [item for item in found if isinstance(item, str)])
 
 
 def _error(problem: str, block: str) -> str:
