@@ -100,23 +100,20 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
     return [[task.result() for task in group] for group in tasks]
 
 
-class _Pools:
+class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
     """The HTTP connection pool of a batch's clients on each loop its runs ran on: a client of its own would
     build one per run, and a pool's connections belong to the loop that opened them."""
-
-    def __init__(self):
-        self.by_loop: dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient] = {}
 
     def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
         """A client on the pool of the running loop (one of user code)."""
         loop = asyncio.get_running_loop()
-        if loop not in self.by_loop:
-            self.by_loop[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
-        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.by_loop[loop])
+        if loop not in self:
+            self[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self[loop])
 
     async def aclose(self) -> None:
         # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
-        http = self.by_loop.get(env_loop())
+        http = self.get(env_loop())
         if http is not None:
             await on_env_loop(http.aclose())
 
@@ -185,7 +182,6 @@ def parse_agent_result(result: object) -> tuple[float, float, dict[str, float]]:
         raise EnvFault(f"run returned {type(result).__name__}, not a number or a dict with a reward")
     if "reward" not in result:
         raise EnvFault(f"run's result has no 'reward'; it has {sorted(result)}")
-    unknown = sorted(set(result) - set(RESULT_KEYS))
-    if unknown:
+    if unknown := sorted(set(result) - set(RESULT_KEYS)):
         raise EnvFault(f"run's result has unknown keys {unknown}; it may hold {', '.join(RESULT_KEYS)}")
     return parse_reward(result, "run's result")

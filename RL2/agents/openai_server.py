@@ -598,8 +598,6 @@ def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field:
     logprobs = body.get(logprobs_field) if logprobs_field else None
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError(f"logprobs must be true or false, not {_show(logprobs)}", "logprobs")
-    if body.get("top_logprobs") and not logprobs:
-        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     model = body.get("model")
     model = model if isinstance(model, str) else MODEL_ID
     return _Call(params, stops, 1 if n is None else n, bool(logprobs), seed, model)

@@ -79,12 +79,9 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
         stop: once set, no new action is requested: the trajectory ends "abort" with an empty
             action, to be resumed later (partial rollout pauses the engine after setting it).
     """
-    if resume is None:
-        trajectory = await _start(rollout, state, extra_info, prompt_ids)
-        if trajectory.fault is not None:  # its reset failed
-            return trajectory
-    else:
-        trajectory = resume
+    trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
+    if trajectory.fault is not None:  # its reset failed
+        return trajectory
     while True:
         if stop is not None and stop.is_set() and not trajectory.unfinished:
             trajectory.add_turn(Turn([], [], "", "abort"))
@@ -289,9 +286,6 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
     if end_text and added.startswith(end_text):
         added = added[len(end_text) :]
     return added
-
-
-# ---- one trajectory ----
 
 
 async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,

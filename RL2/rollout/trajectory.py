@@ -136,8 +136,6 @@ class Trajectory:
             trajectory.fill_versions(version)
         return trajectory
 
-    # ---- building ----
-
     def start_sequence(self, prompt_text: str, prompt_ids: list[int]) -> None:
         self.sequences.append(TokenSequence(list(prompt_ids), prompt_text))
 
@@ -170,8 +168,6 @@ class Trajectory:
         for turn in self.turns:
             turn.reward = turn.score = 0.0
             turn.reward_parts = {}
-
-    # ---- reading ----
 
     @property
     def turns(self) -> list[Turn]:

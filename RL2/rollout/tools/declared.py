@@ -100,9 +100,8 @@ def _without_extra_info(fn: Callable) -> Callable:
 
     stand_in.__name__ = fn.__name__
     stand_in.__doc__ = fn.__doc__
-    stand_in.__signature__ = signature.replace(
-        parameters=[p for p in signature.parameters.values() if p.name != "extra_info"]
-    )
+    stand_in.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values()
+                                                           if p.name != "extra_info"])
     # Resolved against fn's module, so that string annotations (`from __future__ import annotations`) work.
     stand_in.__annotations__ = {k: v for k, v in typing.get_type_hints(fn).items() if k != "extra_info"}
     return stand_in
