@@ -167,13 +167,13 @@ class Session:
         self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
 
     def prompt(self, text: str, tokenizer, plain: Spans = ()) -> _Prompt:
-        """The call's prompt: continuing the sequence whose text it extends most, else a new one.
-        `plain`: the spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`).
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the
+        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`).
 
-        A chat template re-rendering the conversation writes the end-of-turn token the action already
-        sampled (an action's text skips special tokens); then the prompt must go on with exactly that
-        token, which is not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on
-        otherwise does not extend the tokens sampled, whatever its text.
+        A chat template re-rendering the conversation writes the end-of-turn token the action already sampled
+        (an action's text skips special tokens); then the prompt must go on with exactly that token, which is
+        not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on otherwise does not extend
+        the tokens sampled, whatever its text.
         """
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
@@ -224,8 +224,7 @@ class OpenAIEndpoint:
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
         native_tools: the chat template renders tools itself (`RL2.rollout.tools.declared.render_conversation`).
         default_sampling: the run's SGLang sampling params; a request's fields override them.
-        max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
-            left. None: no limit.
+        max_total_tokens: the most tokens of one sequence (None: any); a call's max_new_tokens is cut to what is left.
         stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
         read_timeout: seconds a client may take to send a request's headers, and then its body.
 
@@ -523,7 +522,6 @@ def assistant_message(text: str, parser: ToolCallParser | None,
                       call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
     """The assistant message OpenAI's API returns for a sampled text (without the request's stop string),
     and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
-
     With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
     session) and the rest `content` (None when empty). A text holding a call block that does not parse is
     all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.

@@ -124,19 +124,14 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
 
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
-    """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
+    """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
+    one group per prompt, in order. Each trajectory gets its own copy of the row's `extra_info`.
 
     Args:
-        prompts: rows with `prompt` (text or chat messages; leave it out to call the env's
-            `reset`), optionally `prompt_ids` (the prompt tokenised), `extra_info` and
-            `sampling_seed`: trajectory j of a row with a seed samples with its own seed
-            `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
-            neither on the ranks nor on the other requests of the batch (evaluation sets it).
-        responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
-            the row's `extra_info`.
-
-    Returns:
-        One group of trajectories per prompt, in order.
+        prompts: rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
+            `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a
+            seed samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it
+            samples depends neither on the ranks nor on the other requests of the batch (evaluation sets it).
     """
     tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
               for j in range(responses_per_prompt)] for row in prompts]
@@ -155,10 +150,9 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
     requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
 
     Returns:
-        (finished groups, unfinished groups, newly finished groups), carried ones first, then in
-        prompt order. The finished groups include the carried ones that were finished already
-        (beyond an earlier batch); the newly finished ones are those this call finished, what its
-        metrics and samples report.
+        (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt order.
+        The finished groups include the carried ones that were finished already (beyond an earlier batch); the
+        newly finished ones are those this call finished, what its metrics and samples report.
     """
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
@@ -209,7 +203,6 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
     is set), rather than the trajectory being trained on as if it had ended there. A request aborted again
     and again before it samples a token is refused, not paused: that raises, where resuming would loop for ever.
     """
-
     # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
     state = row.get("messages") or row.get("prompt")
 
@@ -229,15 +222,10 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
 
 def drop_stale_groups(groups: list[list[Trajectory]], version: int,
                       max_staleness: int) -> tuple[list[list[Trajectory]], int]:
-    """Drop the groups whose oldest sampled token is more than `max_staleness` versions behind `version`
-    (AReaL's `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept,
-    in order; how many were dropped). A group without a token of known version is kept.
-
-    Args:
-        groups: carried groups, finished or not.
-        version: the version of the weights the next update trains (and the next rollout samples with).
-        max_staleness: the most versions a kept token may lag behind `version` (`rollout.max_staleness`).
-    """
+    """Drop the carried groups (finished or not) whose oldest sampled token is more than `max_staleness`
+    (`rollout.max_staleness`) versions behind `version`, the weights the next update trains (AReaL's
+    `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept, in order; how
+    many were dropped). A group without a token of known version is kept."""
     kept = [group for group in groups if version - min((v for t in group for v in t.versions), default=version)
             <= max_staleness]
     return kept, len(groups) - len(kept)
@@ -274,10 +262,9 @@ def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tupl
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
     """The text `next_state` adds after `state + action`, or None when it does not extend them.
 
-    Args:
-        end_text: the text of the special token that ended the action, if any. `action` skips
-            special tokens, so a chat template re-rendering the conversation writes the end-of-turn
-            token the policy already sampled; it is dropped here rather than appended twice.
+    `end_text` is the text of the special token that ended the action, if any: `action` skips special tokens, so
+    a chat template re-rendering the conversation writes the end-of-turn token the policy already sampled; it is
+    dropped here rather than appended twice.
     """
     prefix = state + action
     if not next_state.startswith(prefix):
@@ -411,12 +398,9 @@ async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Tur
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
-    """The text of sampled tokens, as the environment gets it.
-
-    Every sampled token is in the text, so the text matches the tokens trained on; a matched stop
-    string stays in (the action ends with it), and what the token that completed it wrote after it is
-    cut, as SGLang's own text does.
-    """
+    """The text of sampled tokens, as the environment gets it. Every sampled token is in the text, so the text
+    matches the tokens trained on; a matched stop string stays in (the action ends with it), and what the token
+    that completed it wrote after it is cut, as SGLang's own text does."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if isinstance(matched, str) and (pos := text.find(matched)) != -1:
         text = text[: pos + len(matched)]

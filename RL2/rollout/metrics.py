@@ -46,14 +46,9 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
 
 def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
-    """How old the trained tokens are, namespaced `staleness/...` (`lag_<k>`, `mean_lag`, `max_span`: see
-    docs/async.md). Tokens of unknown version are left out.
-
-    Args:
-        version: the version of the weights trained.
-        max_lag: report the shares up to this lag at least (`rollout.max_staleness`), so that every
-            step has the same keys.
-    """
+    """How old the trained tokens are, against the `version` of the weights trained, namespaced `staleness/...`
+    (`lag_<k>`, `mean_lag`, `max_span`: see docs/async.md). Tokens of unknown version are left out. The shares
+    are reported up to `max_lag` at least (`rollout.max_staleness`), so that every step has the same keys."""
     trajectories = [t for group in groups for t in group]
     lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
     counts = Counter(lags)

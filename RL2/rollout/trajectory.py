@@ -58,10 +58,8 @@ _PUSHED = re.compile(r"step(\d+)")
 
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: the trainer step whose update made them.
-
-    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they
-    started with (the policy's initial ones), -> 0; anything else (an engine that does not say, a
-    name RL2 did not give) -> None.
+    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
+    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None.
     """
     if weight_version == "default":
         return 0
@@ -218,10 +216,10 @@ class Trajectory:
     def token_sequences(self) -> list[dict]:
         """Each sequence's tokens as the rollout produced them, one dict per sequence.
 
-        Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps`
-        the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole
-        trajectory each sampled token belongs to (-1 elsewhere), `versions` the version of the
-        weights that sampled it (-1 elsewhere, and where it is not known).
+        Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's
+        log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token
+        belongs to (-1 elsewhere), `versions` the version of the weights that sampled it (-1 elsewhere, and where
+        it is not known).
         """
         sequences, turn_index = [], 0
         for seq in self.sequences:
@@ -246,13 +244,10 @@ def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id
 def training_batch(groups: list[list[Trajectory]], version: int | None = None) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
-    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too
-    short to have a label (a lone prompt) is left out, while its trajectory still counts.
-
-    Args:
-        version: the version of the weights being trained. Given, the batch has per-token `lags`:
-            how many versions behind it each sampled token was sampled (0 for a token of unknown
-            version, and at the others).
+    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
+    a label (a lone prompt) is left out, while its trajectory still counts. Given the `version` of the weights
+    being trained, the batch has per-token `lags`: how many versions behind it each sampled token was sampled
+    (0 for a token of unknown version, and at the others).
     """
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}

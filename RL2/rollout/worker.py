@@ -64,13 +64,9 @@ class RolloutWorker:
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
                 seed: int) -> list[list[Trajectory]]:
-        """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
-
-        Args:
-            prompts: the global batch of rows (`prompt`, `prompt_ids`, `extra_info`), the same on every rank.
-            sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens, stop, ...).
-            seed: seeds this rank's sampling (see `rollout_seed`).
-        """
+        """Roll out this rank's share of `prompts` (the global batch of rows, the same on every rank) under the
+        sampling config, its sampling seeded by `seed` (see `rollout_seed`); returns every rank's groups, in
+        prompt order."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self.driver.batch(

@@ -129,9 +129,9 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
     model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
     schema-only tools; `timeout` (None: no limit) bounds the call.
 
-    Sync functions run in a worker thread (`asyncio.to_thread`), so that a tool that blocks does not stop
-    the other trajectories. A timed-out sync tool's thread runs on to its end (Python cannot stop a
-    thread), and threads come from the event loop's default executor, which bounds how many run at once.
+    Sync functions run in a worker thread (`asyncio.to_thread`), so that a tool that blocks does not stop the
+    other trajectories. A timed-out sync tool's thread runs on to its end (Python cannot stop a thread), and
+    threads come from the event loop's default executor, which bounds how many run at once.
     """
     start = time.perf_counter()
 
@@ -179,10 +179,8 @@ def _parameters(tool: Tool) -> str:
 
 
 async def _guarded(fn: Callable, args: tuple, kwargs: dict) -> tuple[object, Exception | None]:
-    """Call a sync or async function: (its value, None) or (None, what it raised).
-
-    Returning the tool's exception rather than raising it keeps a TimeoutError of the tool's own
-    apart from the timeout of `run_tool`."""
+    """Call a sync or async function: (its value, None) or (None, what it raised). Returning the tool's
+    exception rather than raising it keeps a TimeoutError of the tool's own apart from the timeout of `run_tool`."""
     try:
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs), None
@@ -247,10 +245,10 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
             (content, tool_call_id, name).
         schemas: the tools' schemas; None or empty: no tools.
         parser: the policy's tool-call format, in which a fallback writes the assistants' calls.
-        native: the template renders tools itself (`template_renders_tools`). Otherwise the tool block
-            of `tool_system_prompt` is prepended to the system message (or makes one), an assistant's
-            tool_calls become text in `parser`'s format, and each run of tool messages becomes one user
-            message of <tool_response> blocks, as Hermes/Qwen templates render them.
+        native: the template renders tools itself (`template_renders_tools`). Otherwise the tool block of
+            `tool_system_prompt` is prepended to the system message (or makes one), an assistant's tool_calls
+            become text in `parser`'s format, and each run of tool messages becomes one user message of
+            <tool_response> blocks, as Hermes/Qwen templates render them.
     """
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,

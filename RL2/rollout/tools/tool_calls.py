@@ -183,14 +183,9 @@ def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
 
 
 def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
-    """The parser `spec` names.
-
-    Args:
-        spec: "auto" (the format the tokenizer's chat template writes), a registered name ("hermes",
-            "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName"
-            naming a `ToolCallParser` subclass.
-        tokenizer: the policy's tokenizer; "auto" reads its `chat_template`.
-    """
+    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name
+    ("hermes", "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName" naming
+    a `ToolCallParser` subclass."""
     if spec == "auto":
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:

@@ -50,18 +50,11 @@ class ToolUse:
 
     async def respond(self, messages: list[dict] | None, action: str, extra_info: dict,
                       counts) -> list[dict] | str | None:
-        """Run the calls of `action`, if it makes any.
-
-        Args:
-            messages: the conversation the action answers (None: the state was text).
-            extra_info: the trajectory's, for tools that take it.
-            counts: the trajectory, whose `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`
-                grow by this action's.
-
-        Returns:
-            None when the action calls no tool (the environment's step answers it); else the conversation
-            with the action and the results; or, where the trajectory must end, the reason.
-        """
+        """Run the calls of `action`, which answers `messages` (None: the state was text), with the trajectory's
+        `extra_info` for tools that take it; `counts` is the trajectory, whose `tool_calls`, `parse_errors`,
+        `tool_errors` and `tool_seconds` grow by this action's. Returns None when the action calls no tool (the
+        environment's step answers it); else the conversation with the action and the results; or, where the
+        trajectory must end, the reason."""
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return None
