@@ -76,15 +76,12 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
     own session of `endpoint` (started here if it is not yet); `timeout` and `max_timeouts` as in `AgentRollout`,
     where the `max_timeouts`-th run in a row that times out raises `TooManyTimeouts`.
 
-    Args:
-        prompts: rows with `prompt` (text or chat messages; `messages` instead where a row keeps
-            both, its prompt being their rendering), optionally `extra_info` and
-            `sampling_seed`: run j of a row with a seed samples its call k with
-            `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
+    `prompts` are rows with `prompt` (text or chat messages; `messages` instead where a row keeps both, its
+    prompt being their rendering), optionally `extra_info` and `sampling_seed`: run j of a row with a seed
+    samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
 
-    Returns:
-        One group of trajectories per prompt, in order. The first engine failure met by a call is
-        raised once the run that met it ends (the other runs are cancelled).
+    Returns one group of trajectories per prompt, in order. The first engine failure met by a call is raised
+    once the run that met it ends (the other runs are cancelled).
     """
     await endpoint.start()
     pools = _Pools()

@@ -313,16 +313,15 @@ async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_par
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     engine, tokenizer, budget = rollout.engine, rollout.tokenizer, rollout.max_total_tokens
     room = None if budget is None else budget - len(trajectory.current_ids)
-    if not trajectory.unfinished:
+    if trajectory.unfinished:
+        turn = trajectory.turns[-1]
+        # current_ids already end with the partial action, so the engine samples on after it.
+        _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, turn, sampling_params, room)
+    else:
         turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
-        trajectory.generate_seconds += seconds
         trajectory.add_turn(turn)
-        return turn
-    partial = trajectory.turns[-1]
-    # current_ids already end with the partial action, so the engine samples on after it.
-    _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, partial, sampling_params, room)
     trajectory.generate_seconds += seconds
-    return partial
+    return turn
 
 
 def _call_env(rollout: EnvRollout, coroutine):

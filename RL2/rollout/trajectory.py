@@ -1,12 +1,11 @@
 """What one rollout produced, token by token, and its conversion to the training batch.
 
-Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the
-log-probabilities the engine returned for them, never on a re-tokenisation of the decoded text.
-Text does not round-trip through a tokenizer: `decode` then `encode` can merge or split tokens
-differently (e.g. a `<think>` the model spelled in pieces comes back as one special token), and the
-trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled
-(verl's and upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the
-environment's text is tokenised here, and it is masked out of the loss.
+Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the log-probabilities
+the engine returned for them, never on a re-tokenisation of the decoded text: `decode` then `encode` can merge
+or split tokens differently (a `<think>` the model spelled in pieces comes back as one special token), and the
+trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled (verl's and
+upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the environment's text is
+tokenised here, and it is masked out of the loss.
 
 Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`): a
 partial rollout resumes a cut action under newer weights, so one trajectory may span versions; the

@@ -2,18 +2,15 @@
 
 Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine` (or, with
 `rollout.engine=sglang`, talks to SGLang servers over HTTP: `RL2/engine/sglang/engine.py`), rolls out
-`prompts[rank::world_size]` through its driver (`RL2.rollout.loop.EnvRollout` for an environment, an agent
-driver of `RL2.agents` for an agent script), and all-gathers the trajectories, so that every rank ends with the
-whole rollout in prompt order (the packing of the update needs the global batch everywhere). What a run rolls out
-and the worker over it are set up in one place, `RL2.trainer.rollout_setup`.
-
-Whether the engine may sample is decided in one place, `RL2.rollout.engine_state.EngineState`.
+`prompts[rank::world_size]` through its driver, and all-gathers the trajectories, so that every rank ends with the
+whole rollout in prompt order (the packing of the update needs the global batch everywhere). A run's driver and
+worker are set up in `RL2.trainer.rollout_setup`; whether the engine may sample is decided in one place,
+`RL2.rollout.engine_state.EngineState`.
 """
 
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,15 +22,6 @@ from RL2.rollout.trajectory import Trajectory, weight_version_number
 from RL2.sandbox import run_sandbox, use_sandbox
 
 
-class RolloutDriver(Protocol):
-    """What rolls out a rank's prompts on its engine: `RL2.rollout.loop.EnvRollout` (an environment's
-    trajectories) or `RL2.agents.agent.AgentRollout` (an agent script's runs; no partial rollout)."""
-
-    def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
-        """The coroutine rolling out `prompts` under a sampling config: one group per prompt."""
-        ...
-
-
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
     return (seed * 1_000_003 + step) * 1_009 + rank
@@ -42,6 +30,9 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 class RolloutWorker:
     """Args:
         engine: this rank's engine (`RL2.engine.start_engine`).
+        driver: what rolls out the prompts on it, `driver.batch(prompts, responses_per_prompt, sampling_params)`
+            a coroutine returning one group per prompt: `RL2.rollout.loop.EnvRollout` (an environment's
+            trajectories) or `RL2.agents.agent.AgentRollout` (an agent script's runs; no partial rollout).
         dtype: the engine's compute dtype: pushed weights are cast to it.
         policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
             engine keeps the weights it loaded (an evaluation of a fixed model).
@@ -51,7 +42,7 @@ class RolloutWorker:
             rollouts use; None: one with default limits.
     """
 
-    def __init__(self, engine: Engine, driver: RolloutDriver, device: torch.device, dtype: torch.dtype, policy=None,
+    def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None):
         self.engine, self.driver, self.device, self.dtype, self.policy = engine, driver, device, dtype, policy
         self.sandbox = sandbox if sandbox is not None else run_sandbox()
