@@ -227,9 +227,6 @@ class OpenAIEndpoint:
         max_total_tokens: the most tokens of one sequence (None: any); a call's max_new_tokens is cut to what is left.
         stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
         read_timeout: seconds a client may take to send a request's headers, and then its body.
-
-    Attributes:
-        api_key: the key every request must send as `Authorization: Bearer` (random, this endpoint's own).
     """
 
     def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
@@ -239,7 +236,7 @@ class OpenAIEndpoint:
         self.native_tools, self.stop_after_call = native_tools, stop_after_call
         self.default_sampling = dict(default_sampling)
         self.max_total_tokens, self.read_timeout = max_total_tokens, read_timeout
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = secrets.token_urlsafe(32)  # every request sends it as `Authorization: Bearer`
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -394,7 +391,10 @@ class OpenAIEndpoint:
         """Sample a call's choices after `text` (`plain`: its spans of content's special-token text) and record
         them on the session's trajectory; also returns the call's number in the session. A session closed
         meanwhile (its run timed out) records nothing."""
-        self._check_length(text, prompt_field)
+        if self.max_total_tokens is not None:  # too long a prompt is refused untokenised (tens of MB: seconds, GBs)
+            at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
+            if at_least >= self.max_total_tokens:
+                raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
         prompt = session.prompt(text, self.tokenizer, plain)
         params = self._params(call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
@@ -412,15 +412,6 @@ class OpenAIEndpoint:
             raise RequestError(f"session {session.id} was closed while the call ran", status=404)
         session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
         return prompt, choices, k
-
-    def _check_length(self, text: str, prompt_field: str) -> None:
-        """Refuse a prompt with more characters than the token budget could hold, before tokenising it (tens
-        of MB would take tens of seconds and GBs, all to be refused)."""
-        if self.max_total_tokens is None:
-            return
-        at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
-        if at_least >= self.max_total_tokens:
-            raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
 
     def _no_room(self, size: str, prompt_field: str) -> RequestError:
         return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="
@@ -535,9 +526,6 @@ def assistant_message(text: str, parser: ToolCallParser | None,
               "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
              for i, c in enumerate(parsed.calls)]
     return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, parsed
-
-
-# ---- matching prompts to sequences ----
 
 
 def _message_key(message: dict) -> str:

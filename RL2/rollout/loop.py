@@ -1,12 +1,12 @@
 """The multi-turn rollout loop, the batch driver and dynamic filtering (metrics: `RL2.rollout.metrics`).
 
-A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget.
-When the next state extends `state + action` as text (upstream RL2's rule), only the new text is
-tokenised and appended, so the sampled tokens are kept as they are; otherwise the next state starts a
-new sequence (see `trajectory.py`). Faults of the environment end one trajectory with reward 0; engine
-errors propagate and stop the rollout (docs/rl.md), as do `max_timeouts` timeouts of the environment in a
-row. Environment code runs on a loop of its own (`RL2.rollout.event_loop.on_env_loop`), so that a step that
-blocks stops neither the engine nor the other trajectories' steps.
+A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. When the
+next state extends `state + action` as text (upstream RL2's rule), only the new text is tokenised and appended,
+so the sampled tokens are kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
+Faults of the environment end one trajectory with reward 0; engine errors propagate and stop the rollout
+(docs/rl.md), as do `max_timeouts` timeouts of the environment in a row. Environment code runs on a loop of its
+own (`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks stops neither the engine nor the other
+trajectories' steps.
 """
 
 import asyncio
@@ -127,11 +127,10 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
     """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
     one group per prompt, in order. Each trajectory gets its own copy of the row's `extra_info`.
 
-    Args:
-        prompts: rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
-            `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a
-            seed samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it
-            samples depends neither on the ranks nor on the other requests of the batch (evaluation sets it).
+    `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
+    `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a seed
+    samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
+    neither on the ranks nor on the other requests of the batch (evaluation sets it).
     """
     tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
               for j in range(responses_per_prompt)] for row in prompts]

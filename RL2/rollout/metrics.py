@@ -14,11 +14,9 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
     The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
     turns (like its reward), averaged over every trajectory, those without the part counting 0, so
-    that a weighted sum of parts averages to the weighted sum of their metrics.
-
-    Args:
-        tools: the policy may call tools (an environment with TOOLS, an agent script): add how it used them
-            (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
+    that a weighted sum of parts averages to the weighted sum of their metrics. Where the policy may call tools
+    (`tools`: an environment with TOOLS, an agent script), how it used them is added (the `rollout/tool_*`
+    metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
     """
     trajectories = [t for group in groups for t in group]
     if not trajectories:
@@ -117,14 +115,10 @@ COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is
 
 def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
                        tools: bool = False) -> dict:
-    """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples.
-
-    Args:
-        sources: each prompt's `data_source`.
-        ks: pass@k for each k (at most the samples of any prompt).
-        threshold: a sample passes when its score is at least this.
-        tools: the policy may call tools: add `tool_calls` and `tool_errors` (means per sample).
-    """
+    """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples (`groups`, one per prompt;
+    `sources`, each prompt's `data_source`): pass@k for each k of `ks` (at most the samples of any prompt), a
+    sample passing when its score is at least `threshold`; where the policy may call tools (`tools`), also
+    `tool_calls` and `tool_errors` (means per sample)."""
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)

@@ -124,10 +124,8 @@ class Trajectory:
     def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
         """The trajectory `to_dict` wrote; `version`, if given, goes to sampled tokens that a checkpoint
         written before versions were kept leaves without one."""
-        sequences = [
-            TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
-            for seq in data["sequences"]
-        ]
+        sequences = [TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
+                     for seq in data["sequences"]]
         trajectory = cls(**(data | {"sequences": sequences}))
         if version is not None:
             trajectory.fill_versions(version)
