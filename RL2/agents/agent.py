@@ -110,8 +110,7 @@ class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
 
     async def aclose(self) -> None:
         # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
-        http = self.get(env_loop())
-        if http is not None:
+        if (http := self.get(env_loop())) is not None:
             await on_env_loop(http.aclose())
 
 

@@ -51,10 +51,6 @@ class Turn:
         self.finish_reason = rest.finish_reason
 
 
-# The weight_version RL2 gives each push ("step3": the weights after step 3's update).
-_PUSHED = re.compile(r"step(\d+)")
-
-
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: the trainer step whose update made them.
     "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
@@ -62,7 +58,7 @@ def weight_version_number(weight_version: str | None) -> int | None:
     """
     if weight_version == "default":
         return 0
-    match = _PUSHED.fullmatch(weight_version) if isinstance(weight_version, str) else None
+    match = re.fullmatch(r"step(\d+)", weight_version) if isinstance(weight_version, str) else None
     return int(match.group(1)) if match else None
 
 
