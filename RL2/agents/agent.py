@@ -73,16 +73,14 @@ class AgentRollout:
 async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: list[dict], responses_per_prompt: int,
                               timeout: float | None, max_timeouts: int | None = None) -> list[list[Trajectory]]:
     """Run the agent `responses_per_prompt` times per prompt (a GRPO group), all runs concurrently, each in its
-    own session of `endpoint` (started here if it is not yet); `timeout` and `max_timeouts` as in `AgentRollout`,
-    where the `max_timeouts`-th run in a row that times out raises `TooManyTimeouts`.
+    own session of `endpoint` (started here if it is not yet); returns one group of trajectories per prompt, in
+    order. `timeout` and `max_timeouts` as in `AgentRollout`: the `max_timeouts`-th run in a row that times out
+    raises `TooManyTimeouts`. The first engine failure met by a call is raised once the run that met it ends
+    (the other runs are cancelled).
 
     `prompts` are rows with `prompt` (text or chat messages; `messages` instead where a row keeps both, its
     prompt being their rendering), optionally `extra_info` and `sampling_seed`: run j of a row with a seed
-    samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
-
-    Returns one group of trajectories per prompt, in order. The first engine failure met by a call is raised
-    once the run that met it ends (the other runs are cancelled).
-    """
+    samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns)."""
     await endpoint.start()
     pools = _Pools()
     try:

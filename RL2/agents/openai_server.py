@@ -168,13 +168,11 @@ class Session:
 
     def prompt(self, text: str, tokenizer, plain: Spans = ()) -> _Prompt:
         """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the
-        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`).
-
-        A chat template re-rendering the conversation writes the end-of-turn token the action already sampled
-        (an action's text skips special tokens); then the prompt must go on with exactly that token, which is
-        not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on otherwise does not extend
-        the tokens sampled, whatever its text.
-        """
+        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A chat template
+        re-rendering the conversation writes the end-of-turn token the action already sampled (an action's text
+        skips special tokens); then the prompt must go on with exactly that token, which is not added again (as
+        `RL2.rollout.loop.continuation`). A prompt that goes on otherwise does not extend the tokens sampled,
+        whatever its text."""
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
             return _Prompt(text, encode(tokenizer, text, plain))
@@ -257,9 +255,8 @@ class OpenAIEndpoint:
         app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
-        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout
-        # of its opening or of its previous answer: headers sent a byte at a time (slow loris) included.
-        # A body is read within read_timeout (`_json_body`).
+        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout of its opening
+        # or previous answer, headers sent a byte at a time (slow loris) included; `_json_body` bounds the body.
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=self.read_timeout,
                                lingering_time=LINGERING_TIME)
         await runner.setup()
@@ -348,11 +345,9 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _unknown_path(self, request: web.Request) -> web.Response:
-        raise RequestError(
-            f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
-            f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
-            f"/sessions/<id>/v1/models", status=404,
-        )
+        raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
+                           f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
+                           f"/sessions/<id>/v1/models", status=404)
 
     def _session(self, request: web.Request) -> Session:
         session = self._sessions.get(request.match_info["sid"])
@@ -515,8 +510,7 @@ def assistant_message(text: str, parser: ToolCallParser | None,
     and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
     With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
     session) and the rest `content` (None when empty). A text holding a call block that does not parse is
-    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.
-    """
+    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote."""
     if parser is None:
         return {"role": "assistant", "content": text}, None
     parsed = parser.parse(text)

@@ -101,11 +101,8 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
             return trajectory
         turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
         turn.reward_parts = result.reward_parts
-        if result.done:
-            trajectory.stop_reason = "done"
-            return trajectory
-        if trajectory.n_turns == rollout.max_turns:
-            trajectory.stop_reason = "max_turns"
+        if result.done or trajectory.n_turns == rollout.max_turns:
+            trajectory.stop_reason = "done" if result.done else "max_turns"
             return trajectory
         try:
             next_state, plain = render_state(result.next_state, rollout.tokenizer, rollout.tool_use)
@@ -130,8 +127,7 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
     `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
     `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a seed
     samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
-    neither on the ranks nor on the other requests of the batch (evaluation sets it).
-    """
+    neither on the ranks nor on the other requests of the batch (evaluation sets it)."""
     tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
               for j in range(responses_per_prompt)] for row in prompts]
     await gather_or_cancel([task for group in tasks for task in group])
@@ -196,12 +192,10 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
 
 async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict, resume: Trajectory | None = None,
                           stop: asyncio.Event | None = None) -> Trajectory:
-    """A trajectory of `row`, or `resume` carried on.
-
-    Another client of a shared server may pause it: the cut action carries on until it is whole (or `stop`
-    is set), rather than the trajectory being trained on as if it had ended there. A request aborted again
-    and again before it samples a token is refused, not paused: that raises, where resuming would loop for ever.
-    """
+    """A trajectory of `row`, or `resume` carried on. Another client of a shared server may pause it: the cut
+    action carries on until it is whole (or `stop` is set), rather than the trajectory being trained on as if it
+    had ended there. A request aborted again and again before it samples a token is refused, not paused: that
+    raises, where resuming would loop for ever."""
     # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
     state = row.get("messages") or row.get("prompt")
 
@@ -263,8 +257,7 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
 
     `end_text` is the text of the special token that ended the action, if any: `action` skips special tokens, so
     a chat template re-rendering the conversation writes the end-of-turn token the policy already sampled; it is
-    dropped here rather than appended twice.
-    """
+    dropped here rather than appended twice."""
     prefix = state + action
     if not next_state.startswith(prefix):
         return None

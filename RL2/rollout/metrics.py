@@ -10,14 +10,12 @@ from RL2.rollout.trajectory import Trajectory
 
 
 def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
-    """Means over trajectories, namespaced `rollout/...`.
-
-    The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
-    turns (like its reward), averaged over every trajectory, those without the part counting 0, so
-    that a weighted sum of parts averages to the weighted sum of their metrics. Where the policy may call tools
-    (`tools`: an environment with TOOLS, an agent script), how it used them is added (the `rollout/tool_*`
-    metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
-    """
+    """Means over trajectories, namespaced `rollout/...`. The environment's reward parts become
+    `rollout/reward/<name>`: per trajectory the sum over its turns (like its reward), averaged over every
+    trajectory, those without the part counting 0, so that a weighted sum of parts averages to the weighted sum
+    of their metrics. Where the policy may call tools (`tools`: an environment with TOOLS, an agent script), how
+    it used them is added (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code
+    for agents)."""
     trajectories = [t for group in groups for t in group]
     if not trajectories:
         return {}

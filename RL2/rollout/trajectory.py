@@ -23,13 +23,10 @@ from RL2.batch import RolloutBatch
 
 @dataclass
 class Turn:
-    """One action of the policy and what the environment answered.
-
-    `env_ids` are the observation tokens appended after the action when the next turn continues the same
-    sequence (empty when the trajectory ends here or starts a new sequence). `action_versions` is empty, or
-    shorter than `action_ids`, where the engine did not name its weights (the rollout worker fills them in
-    with the version it pushed, `Trajectory.fill_versions`).
-    """
+    """One action of the policy and what the environment answered. `env_ids` are the observation tokens
+    appended after the action when the next turn continues the same sequence (empty when the trajectory ends
+    here or starts a new sequence). `action_versions` is empty, or shorter than `action_ids`, where the engine
+    did not name its weights (`Trajectory.fill_versions` gives them the version the rollout worker pushed)."""
 
     action_ids: list[int]  # as the engine returned them
     action_logps: list[float]  # the engine's log-probability of each sampled token
@@ -54,8 +51,7 @@ class Turn:
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: the trainer step whose update made them.
     "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
-    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None.
-    """
+    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None."""
     if weight_version == "default":
         return 0
     match = re.fullmatch(r"step(\d+)", weight_version) if isinstance(weight_version, str) else None
@@ -107,12 +103,10 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).
-
-        numpy and torch values become lists and numbers, sets lists. Any other value of the environment's
-        `extra_info` that JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None:
-        an environment that keeps one rebuilds it when it finds None.
-        """
+        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
+        torch values become lists and numbers, sets lists. Any other value of the environment's `extra_info` that
+        JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None: an environment that keeps
+        one rebuilds it when it finds None."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 
@@ -207,13 +201,10 @@ class Trajectory:
         return "".join(turn.action_text + turn.env_text for turn in self.turns)
 
     def token_sequences(self) -> list[dict]:
-        """Each sequence's tokens as the rollout produced them, one dict per sequence.
-
-        Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's
-        log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token
-        belongs to (-1 elsewhere), `versions` the version of the weights that sampled it (-1 elsewhere, and where
-        it is not known).
-        """
+        """Each sequence's tokens as the rollout produced them, one dict per sequence. Per token (as long as
+        `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's log-probabilities there
+        (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token belongs to (-1 elsewhere),
+        `versions` the version of the weights that sampled it (-1 elsewhere, and where it is not known)."""
         sequences, turn_index = [], 0
         for seq in self.sequences:
             record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
@@ -240,8 +231,7 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
     Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
     a label (a lone prompt) is left out, while its trajectory still counts. Given the `version` of the weights
     being trained, the batch has per-token `lags`: how many versions behind it each sampled token was sampled
-    (0 for a token of unknown version, and at the others).
-    """
+    (0 for a token of unknown version, and at the others)."""
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]

@@ -71,8 +71,7 @@ class RolloutWorker:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
         `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
         default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
-        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank.
-        """
+        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank."""
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
         total = len(prompts) if n_needed is None else n_needed

@@ -127,12 +127,10 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
                    call_tool: Callable | None = None) -> ToolResult:
     """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
     model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
-    schema-only tools; `timeout` (None: no limit) bounds the call.
-
-    Sync functions run in a worker thread (`asyncio.to_thread`), so that a tool that blocks does not stop the
-    other trajectories. A timed-out sync tool's thread runs on to its end (Python cannot stop a thread), and
-    threads come from the event loop's default executor, which bounds how many run at once.
-    """
+    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in a worker thread
+    (`asyncio.to_thread`), so that a tool that blocks does not stop the other trajectories. A timed-out sync
+    tool's thread runs on to its end (Python cannot stop a thread), and threads come from the event loop's
+    default executor, which bounds how many run at once."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:

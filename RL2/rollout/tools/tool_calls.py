@@ -39,9 +39,10 @@ class ParsedAction:
 
 
 class ToolCallParser:
-    """A tool-call format. Subclasses set `call_end` (a stop string that ends an action right after a call,
-    "</tool_call>"; None where calls end with the end-of-turn token) and define `parse` and `format_calls`."""
+    """A tool-call format. Subclasses set `name` and `call_end` (a stop string that ends an action right after a
+    call, "</tool_call>"; None where calls end with the end-of-turn token) and define `parse` and `format_calls`."""
 
+    name: str = ""
     call_end: str | None = None
 
     def parse(self, text: str) -> ParsedAction:
@@ -66,6 +67,7 @@ class HermesParser(ToolCallParser):
     """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block
     per call."""
 
+    name = "hermes"
     call_end = "</tool_call>"
     # An unclosed block at the end is a call whose end tag was cut (a stop string trimmed, or the
     # token budget reached): it counts if what it holds parses.
@@ -84,6 +86,7 @@ class Llama3Parser(ToolCallParser):
     """Llama 3.1/3.2/3.3 JSON tool calling: the whole message is `{"name": ..., "parameters": {...}}`, optionally
     after `<|python_tag|>`; several calls are separated by `;`."""
 
+    name = "llama3"
     call_end = None  # the call ends with <|eom_id|>, a stop token
     TAG = "<|python_tag|>"
 
@@ -107,6 +110,7 @@ class MistralParser(ToolCallParser):
     """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer templates `[TOOL_CALLS]name[ARGS]{...}`
     once per call."""
 
+    name = "mistral"
     call_end = None  # the call ends with </s>, the end-of-sequence token
     TAG = "[TOOL_CALLS]"
     # Newer templates: name, an optional call id, then the arguments.
@@ -244,8 +248,7 @@ def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str,
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return _error("has no name", block)
-    key = next((k for k in argument_keys if k in obj), None)
-    arguments = {} if key is None else obj[key]
+    arguments = next((obj[key] for key in argument_keys if key in obj), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
