@@ -41,11 +41,7 @@ class Agent:
 
 
 def load_agent(path: str) -> Agent:
-    """Import an agent script.
-
-    Args:
-        path: the Python file defining `async def run(client, extra_info)`.
-    """
+    """Import an agent script: the Python file at `path` defining `async def run(client, extra_info)`."""
     file, module = load_script(path, "agent script",
                                "point to a Python file defining `async def run(client, extra_info) -> float | dict`",
                                "rl2_agent_")
@@ -60,19 +56,12 @@ def load_agent(path: str) -> Agent:
 @dataclass(frozen=True)
 class AgentRollout:
     """An agent script's rollout on a rank (the rollout worker's driver): each run one trajectory, its model
-    calls served by the rank's endpoint under the rollout's sampling config.
-
-    Args:
-        endpoint: the rank's OpenAI endpoint over its engine.
-        agent: the agent script.
-        timeout: seconds one run may take (`rollout.agent_timeout`). None: no limit.
-        max_timeouts: runs in a row that may time out (`rollout.max_consecutive_timeouts`). None: no limit.
-    """
+    calls served by the rank's endpoint under the rollout's sampling config."""
 
     endpoint: OpenAIEndpoint
     agent: Agent
-    timeout: float | None = None
-    max_timeouts: int | None = None
+    timeout: float | None = None  # seconds one run may take (`rollout.agent_timeout`); None: no limit
+    max_timeouts: int | None = None  # runs in a row that may time out (rollout.max_consecutive_timeouts); None: any
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
         """`agent_rollout_batch`, calls without sampling params of their own sampling with `sampling_params`."""
@@ -81,32 +70,17 @@ class AgentRollout:
                                    self.max_timeouts)
 
 
-async def agent_rollout_batch(
-    endpoint: OpenAIEndpoint,
-    agent: Agent,
-    prompts: list[dict],
-    responses_per_prompt: int,
-    timeout: float | None,
-    max_timeouts: int | None = None,
-) -> list[list[Trajectory]]:
-    """Run the agent `responses_per_prompt` times per prompt, all runs concurrently, each in its own session.
+async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: list[dict], responses_per_prompt: int,
+                              timeout: float | None, max_timeouts: int | None = None) -> list[list[Trajectory]]:
+    """Run the agent `responses_per_prompt` times per prompt (a GRPO group), all runs concurrently, each in its
+    own session of `endpoint` (started here if it is not yet); returns one group of trajectories per prompt, in
+    order. `timeout` and `max_timeouts` as in `AgentRollout`: the `max_timeouts`-th run in a row that times out
+    raises `TooManyTimeouts`. The first engine failure met by a call is raised once the run that met it ends
+    (the other runs are cancelled).
 
-    Args:
-        endpoint: the rank's OpenAI endpoint (started here if it is not yet).
-        agent: the agent script.
-        prompts: rows with `prompt` (text or chat messages; `messages` instead where a row keeps
-            both, its prompt being their rendering), optionally `extra_info` and
-            `sampling_seed`: run j of a row with a seed samples its call k with
-            `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns).
-        responses_per_prompt: runs per prompt (a GRPO group).
-        timeout: seconds one run may take once it has started. None: no limit.
-        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many runs in a row time out
-            (`rollout.max_consecutive_timeouts`). None: never.
-
-    Returns:
-        One group of trajectories per prompt, in order. The first engine failure met by a call is
-        raised once the run that met it ends (the other runs are cancelled).
-    """
+    `prompts` are rows with `prompt` (text or chat messages; `messages` instead where a row keeps both, its
+    prompt being their rendering), optionally `extra_info` and `sampling_seed`: run j of a row with a seed
+    samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns)."""
     await endpoint.start()
     pools = _Pools()
     try:
@@ -121,24 +95,20 @@ async def agent_rollout_batch(
     return [[task.result() for task in group] for group in tasks]
 
 
-class _Pools:
+class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
     """The HTTP connection pool of a batch's clients on each loop its runs ran on: a client of its own would
     build one per run, and a pool's connections belong to the loop that opened them."""
 
-    def __init__(self):
-        self.by_loop: dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient] = {}
-
-    def here(self) -> openai.DefaultAsyncHttpxClient:
-        """The pool of the running loop (one of user code)."""
+    def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        """A client on the pool of the running loop (one of user code)."""
         loop = asyncio.get_running_loop()
-        if loop not in self.by_loop:
-            self.by_loop[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
-        return self.by_loop[loop]
+        if loop not in self:
+            self[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self[loop])
 
     async def aclose(self) -> None:
         # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
-        http = self.by_loop.get(env_loop())
-        if http is not None:
+        if (http := self.get(env_loop())) is not None:
             await on_env_loop(http.aclose())
 
 
@@ -152,10 +122,14 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     prompt = row.get("messages") or row.get("prompt")
     extra_info = copy.deepcopy(row.get("extra_info") or {}) | {"prompt": copy.deepcopy(prompt)}
     trajectory.extra_info = extra_info
+
+    async def run() -> object:  # on the loop of user code
+        return await agent.run_fn(pools.client(base_url, endpoint.api_key), extra_info)
+
     start = time.perf_counter()
     try:
-        fault = await _outcome(agent, _run_agent(agent, endpoint.base_url_of(session), endpoint.api_key, pools,
-                                                 extra_info), timeout, max_timeouts, trajectory)
+        base_url = endpoint.base_url_of(session)
+        fault = await _outcome(agent, run(), timeout, max_timeouts, trajectory)
     finally:
         endpoint.close_session(session)
     if session.error is not None:  # the engine failed, not the agent: the rollout stops
@@ -170,16 +144,9 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     return trajectory
 
 
-async def _run_agent(agent: Agent, base_url: str, api_key: str, pools: _Pools, extra_info: dict) -> object:
-    """The agent's `run`, on the loop of user code, with a client of that loop's pool."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=pools.here())
-    return await agent.run_fn(client, extra_info)
-
-
 async def _outcome(agent: Agent, run, timeout: float | None, max_timeouts: int | None,
                    trajectory: Trajectory) -> str | None:
-    """Await `run` (`_run_agent`) and put its reward on the trajectory's last turn; a description of its fault,
-    if any."""
+    """Await `run` and put its reward on the trajectory's last turn; a description of its fault, if any."""
     try:
         result = await call_script(agent, run, timeout, max_timeouts, "rollout.agent_timeout")
     except TooManyTimeouts:
@@ -209,7 +176,6 @@ def parse_agent_result(result: object) -> tuple[float, float, dict[str, float]]:
         raise EnvFault(f"run returned {type(result).__name__}, not a number or a dict with a reward")
     if "reward" not in result:
         raise EnvFault(f"run's result has no 'reward'; it has {sorted(result)}")
-    unknown = sorted(set(result) - set(RESULT_KEYS))
-    if unknown:
+    if unknown := sorted(set(result) - set(RESULT_KEYS)):
         raise EnvFault(f"run's result has unknown keys {unknown}; it may hold {', '.join(RESULT_KEYS)}")
     return parse_reward(result, "run's result")

@@ -1,28 +1,24 @@
 """An OpenAI-compatible HTTP endpoint over a rank's inference engine that records what it samples.
 
-Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and
-ART): each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of this
-server (chat/completions, completions and models; the fields served: docs/agents.md). Every call
-samples through `engine.generate`, and the session's `Trajectory` records the exact prompt and sampled
-token ids with the engine's log-probabilities (token in, token out: see `trajectory.py`).
+Agent code written against `openai.AsyncOpenAI` trains unchanged (as in AReaL, SkyRL, OpenRLHF and ART):
+each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of this server
+(the fields served: docs/agents.md). Every call samples through `engine.generate`, and the session's
+`Trajectory` records the exact prompt and sampled token ids with the engine's log-probabilities.
 
-How calls become sequences. A chat client sends the whole conversation every time, so a call's
-prompt usually extends an earlier call's prompt and answer. As in the environment loop
-(`RL2.rollout.loop.continuation`), the match is made on text: a prompt that starts with a sequence's
-text so far continues it (only the new text is tokenised and appended, masked), any other prompt
-starts a new sequence. For the text to match, an assistant message the client sends back renders as
-exactly what the model sampled: the session maps each message it returned to the sampled text.
+How calls become sequences. A chat client sends the whole conversation every time, so a call's prompt
+usually extends an earlier call's prompt and answer. As in the environment loop
+(`RL2.rollout.loop.continuation`), a prompt that starts with a sequence's text so far continues it (only
+the new text is tokenised and appended, masked), any other prompt starts a new sequence. For the text to
+match, an assistant message the client sends back renders as exactly what the model sampled.
 
 Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather
 than ignored: the policy trained would not be the one the agent asked for.
 
-Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint, which
-the agent's client is given) as `Authorization: Bearer`, else it gets 401; session ids are random too, so
-no other local process can write into a run's trajectories. Special tokens' text in the messages (an
-agent's, a tool's) is tokenised as text: only the chat template writes role tokens
-(`RL2.utils.tokens.render_plain`). Requests are bounded before they cost much: a body must arrive within
-`read_timeout` and nest at most `MAX_JSON_DEPTH` deep, a prompt with more characters than the token
-budget could hold is refused before it is tokenised, and stop lists are capped.
+Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint) as
+`Authorization: Bearer`, else it gets 401; session ids are random too, so no other local process can write
+into a run's trajectories. Special tokens' text in the messages is tokenised as text: only the chat template
+writes role tokens (`RL2.utils.tokens.render_plain`). Requests are bounded before they cost much (the
+body's arrival time and JSON depth, the prompt's characters, the stop lists).
 """
 
 import asyncio
@@ -139,23 +135,14 @@ class _Prompt:
 
 @dataclass
 class _Call:
-    """A request's sampling, checked.
+    """A request's sampling, checked."""
 
-    Attributes:
-        params: the SGLang sampling params the request sets, over the run's defaults.
-        stops: the request's stop strings (cut from the text it gets back, as OpenAI does).
-        n: choices, each one engine request.
-        logprobs: return the sampled tokens' log-probabilities.
-        seed: the request's own seed (else the session's, if any).
-        model: the model the request named, echoed back.
-    """
-
-    params: dict
-    stops: list[str]
-    n: int
+    params: dict  # the SGLang sampling params the request sets, over the run's defaults
+    stops: list[str]  # cut from the text it gets back, as OpenAI does
+    n: int  # choices, each one engine request
     logprobs: bool
-    seed: int | None
-    model: str
+    seed: int | None  # the request's own seed (else the session's, if any)
+    model: str  # the model the request named, echoed back
 
 
 @dataclass
@@ -167,34 +154,25 @@ class _Choice:
 
 
 class Session:
-    """One trajectory's calls; its agent's client talks to `OpenAIEndpoint.base_url_of(session)`.
-
-    Attributes:
-        id: the id in the session's URL.
-        trajectory: what the calls sampled.
-        sampling_seed: call k samples with `sample_seed(sampling_seed, k)` unless it gives `seed`.
-        error: the engine's failure, if a call met one (the rollout raises it).
-    """
+    """One trajectory's calls; its agent's client talks to `OpenAIEndpoint.base_url_of(session)`."""
 
     def __init__(self, session_id: str, sampling_seed: int | None):
         self.id = session_id
-        self.trajectory = Trajectory(extra_info={})
-        self.sampling_seed = sampling_seed
-        self.error: BaseException | None = None
+        self.trajectory = Trajectory(extra_info={})  # what the calls sampled
+        self.sampling_seed = sampling_seed  # call k samples with `sample_seed(sampling_seed, k)` unless it gives `seed`
+        self.error: BaseException | None = None  # the engine's failure, if a call met one (the rollout raises it)
         self.closed = False
         self.calls = 0
         self._tips: list[_Tip] = []
         self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
 
     def prompt(self, text: str, tokenizer, plain: Spans = ()) -> _Prompt:
-        """The call's prompt: continuing the sequence whose text it extends most, else a new one.
-        `plain`: the spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`).
-
-        A chat template re-rendering the conversation writes the end-of-turn token the action already
-        sampled (an action's text skips special tokens); then the prompt must go on with exactly that
-        token, which is not added again (as `RL2.rollout.loop.continuation`). A prompt that goes on
-        otherwise does not extend the tokens sampled, whatever its text.
-        """
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the
+        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A chat template
+        re-rendering the conversation writes the end-of-turn token the action already sampled (an action's text
+        skips special tokens); then the prompt must go on with exactly that token, which is not added again (as
+        `RL2.rollout.loop.continuation`). A prompt that goes on otherwise does not extend the tokens sampled,
+        whatever its text."""
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
             return _Prompt(text, encode(tokenizer, text, plain))
@@ -230,11 +208,8 @@ class Session:
         """The conversation with each assistant message this session returned as its sampled text."""
         out = []
         for message in messages:
-            if message.get("role") == "assistant":
-                sampled = self._sampled.get(_message_key(message))
-                if sampled is not None:
-                    message = {"role": "assistant", "content": sampled}
-            out.append(message)
+            sampled = self._sampled.get(_message_key(message)) if message.get("role") == "assistant" else None
+            out.append(message if sampled is None else {"role": "assistant", "content": sampled})
         return out
 
 
@@ -247,13 +222,9 @@ class OpenAIEndpoint:
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
         native_tools: the chat template renders tools itself (`RL2.rollout.tools.declared.render_conversation`).
         default_sampling: the run's SGLang sampling params; a request's fields override them.
-        max_total_tokens: the most tokens of one sequence; a call's max_new_tokens is cut to what is
-            left. None: no limit.
+        max_total_tokens: the most tokens of one sequence (None: any); a call's max_new_tokens is cut to what is left.
         stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
         read_timeout: seconds a client may take to send a request's headers, and then its body.
-
-    Attributes:
-        api_key: the key every request must send as `Authorization: Bearer` (random, this endpoint's own).
     """
 
     def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
@@ -263,7 +234,7 @@ class OpenAIEndpoint:
         self.native_tools, self.stop_after_call = native_tools, stop_after_call
         self.default_sampling = dict(default_sampling)
         self.max_total_tokens, self.read_timeout = max_total_tokens, read_timeout
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = secrets.token_urlsafe(32)  # every request sends it as `Authorization: Bearer`
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -284,9 +255,8 @@ class OpenAIEndpoint:
         app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
-        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout
-        # of its opening or of its previous answer: headers sent a byte at a time (slow loris) included.
-        # A body is read within read_timeout (`_json_body`).
+        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout of its opening
+        # or previous answer, headers sent a byte at a time (slow loris) included; `_json_body` bounds the body.
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=self.read_timeout,
                                lingering_time=LINGERING_TIME)
         await runner.setup()
@@ -329,17 +299,17 @@ class OpenAIEndpoint:
         """Every request, whatever its path, must carry this endpoint's key: 401 naming what is wrong."""
         header = request.headers.get("Authorization")
         scheme, _, key = (header or "").strip().partition(" ")
-        how = ("send this run's key as 'Authorization: Bearer <key>': the api_key the rollout gave the agent's "
-               "openai.AsyncOpenAI (OpenAIEndpoint.api_key)")
         if header is None:
-            raise RequestError(f"the request has no Authorization header; {how}", status=401, code="invalid_api_key")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise RequestError(f"the Authorization header is not 'Bearer <key>'; {how}", status=401,
-                               code="invalid_api_key")
-        if not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()):
-            raise RequestError(f"the bearer key is not this run's key (each run's endpoint has a random one); {how}",
-                               status=401, code="invalid_api_key")
-        return await handler(request)
+            problem = "the request has no Authorization header"
+        elif scheme.lower() != "bearer" or not key.strip():
+            problem = "the Authorization header is not 'Bearer <key>'"
+        elif not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()):
+            problem = "the bearer key is not this run's key (each run's endpoint has a random one)"
+        else:
+            return await handler(request)
+        raise RequestError(f"{problem}; send this run's key as 'Authorization: Bearer <key>': the api_key the "
+                           f"rollout gave the agent's openai.AsyncOpenAI (OpenAIEndpoint.api_key)", status=401,
+                           code="invalid_api_key")
 
     async def _chat(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -347,18 +317,15 @@ class OpenAIEndpoint:
         call = _parse_call(body, _CHAT_FIELDS, _DEFAULT_ONLY, "logprobs")
         schemas, parsing = _tools(body)
         messages = session.as_sampled(_messages(body))
-
-        def render(messages: list[dict], schemas: list[dict] | None) -> str:
-            return render_conversation(self.tokenizer, messages, schemas, self.parser, self.native_tools)
-
+        parser = self.parser if parsing else None
         try:  # special tokens' text in the agent's messages and tools tokenises as text
-            text, plain = render_plain(self.tokenizer, render, messages, schemas)
+            text, plain = render_plain(self.tokenizer, lambda messages, schemas: render_conversation(
+                self.tokenizer, messages, schemas, self.parser, self.native_tools), messages, schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                "messages") from e
-        prompt, choices, k = await self._sample(session, text, call, "messages", self.parser if parsing else None,
-                                                plain)
-        return web.json_response(self._chat_response(session, k, prompt, choices, call, parsing))
+        prompt, choices, k = await self._sample(session, text, call, "messages", parser, plain)
+        return web.json_response(self._chat_response(session, k, prompt, choices, call, parser))
 
     async def _completions(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -378,11 +345,9 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _unknown_path(self, request: web.Request) -> web.Response:
-        raise RequestError(
-            f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
-            f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
-            f"/sessions/<id>/v1/models", status=404,
-        )
+        raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves POST "
+                           f"/sessions/<id>/v1/chat/completions, POST /sessions/<id>/v1/completions and GET "
+                           f"/sessions/<id>/v1/models", status=404)
 
     def _session(self, request: web.Request) -> Session:
         session = self._sessions.get(request.match_info["sid"])
@@ -421,7 +386,10 @@ class OpenAIEndpoint:
         """Sample a call's choices after `text` (`plain`: its spans of content's special-token text) and record
         them on the session's trajectory; also returns the call's number in the session. A session closed
         meanwhile (its run timed out) records nothing."""
-        self._check_length(text, prompt_field)
+        if self.max_total_tokens is not None:  # too long a prompt is refused untokenised (tens of MB: seconds, GBs)
+            at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
+            if at_least >= self.max_total_tokens:
+                raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
         prompt = session.prompt(text, self.tokenizer, plain)
         params = self._params(call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
@@ -440,18 +408,10 @@ class OpenAIEndpoint:
         session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
         return prompt, choices, k
 
-    def _check_length(self, text: str, prompt_field: str) -> None:
-        """Refuse a prompt with more characters than the token budget could hold, before tokenising it (tens
-        of MB would take tens of seconds and GBs, all to be refused)."""
-        if self.max_total_tokens is None:
-            return
-        at_least = -(-len(text) // longest_token_chars(self.tokenizer))  # no token stands for more characters
-        if at_least >= self.max_total_tokens:
-            raise RequestError(
-                f"the prompt has {len(text)} characters, so at least {at_least} tokens, which leaves no room to "
-                f"generate within max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten "
-                f"the conversation", prompt_field, code="context_length_exceeded",
-            )
+    def _no_room(self, size: str, prompt_field: str) -> RequestError:
+        return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="
+                            f"{self.max_total_tokens} (rollout.max_total_tokens); shorten the conversation",
+                            prompt_field, code="context_length_exceeded")
 
     def _params(self, call: _Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
         """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
@@ -470,11 +430,7 @@ class OpenAIEndpoint:
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - prompt_len
             if room < 1:
-                raise RequestError(
-                    f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-                    f"max_total_tokens={self.max_total_tokens} (rollout.max_total_tokens); shorten the "
-                    f"conversation", prompt_field, code="context_length_exceeded",
-                )
+                raise self._no_room(f"{prompt_len} tokens", prompt_field)
             requested = min(requested, room)
         params["max_new_tokens"] = requested
         return params
@@ -498,11 +454,10 @@ class OpenAIEndpoint:
     # ---- responses ----
 
     def _chat_response(self, session: Session, k: int, prompt: _Prompt, choices: list[_Choice], call: _Call,
-                       parsing: bool) -> dict:
+                       parser: ToolCallParser | None) -> dict:
         out = []
         for j, choice in enumerate(choices):
-            text = _returned_text(choice, call.stops)
-            message, parsed = assistant_message(text, self.parser if parsing else None, f"{k}_{j}")
+            message, parsed = assistant_message(_returned_text(choice, call.stops), parser, f"{k}_{j}")
             if parsed is not None:
                 session.trajectory.tool_calls += len(message.get("tool_calls") or [])
                 session.trajectory.parse_errors += len(parsed.errors)
@@ -553,11 +508,9 @@ def assistant_message(text: str, parser: ToolCallParser | None,
                       call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
     """The assistant message OpenAI's API returns for a sampled text (without the request's stop string),
     and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
-
     With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
     session) and the rest `content` (None when empty). A text holding a call block that does not parse is
-    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote.
-    """
+    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote."""
     if parser is None:
         return {"role": "assistant", "content": text}, None
     parsed = parser.parse(text)
@@ -567,9 +520,6 @@ def assistant_message(text: str, parser: ToolCallParser | None,
               "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
              for i, c in enumerate(parsed.calls)]
     return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, parsed
-
-
-# ---- matching prompts to sequences ----
 
 
 def _message_key(message: dict) -> str:
@@ -612,17 +562,13 @@ def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field:
         value = body.get(key)
         if value is not None and value not in accepted:
             raise RequestError(f"{key}={_show(value)} is not supported: {why}; or leave {key} out", key)
-    params = {}
-    for key, low, high, integer in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, False),
-                                    ("min_p", 0.0, 1.0, False), ("top_k", -1, None, True)):
-        value = _number(body, key, low, high, integer)
-        if value is not None:
-            params[key] = value
+    bounds = {"temperature": (0.0, None, False), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, False),
+              "top_k": (-1, None, True)}  # low, high, integer
+    params = {key: value for key, bound in bounds.items() if (value := _number(body, key, *bound)) is not None}
     if params.get("top_p") == 0:
         raise RequestError("top_p=0 keeps no token; give a value in (0, 1]", "top_p")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, 1, None, True)
-    if max_tokens is not None:
+    if (max_tokens := _number(body, key, 1, None, True)) is not None:
         params["max_new_tokens"] = max_tokens
     stops = _stops(body.get("stop"))
     if body.get("stop") is not None:
@@ -632,8 +578,6 @@ def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field:
     logprobs = body.get(logprobs_field) if logprobs_field else None
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError(f"logprobs must be true or false, not {_show(logprobs)}", "logprobs")
-    if body.get("top_logprobs") and not logprobs:
-        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     model = body.get("model")
     model = model if isinstance(model, str) else MODEL_ID
     return _Call(params, stops, 1 if n is None else n, bool(logprobs), seed, model)

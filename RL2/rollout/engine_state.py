@@ -74,8 +74,7 @@ class EngineState:
         the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
         `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after
         the scope; what needs the trainer's models before that rollout calls `to_trainer_if_lent` first.
-        Nothing inside may update the policy or need the trainer's models on the GPU.
-        """
+        Nothing inside may update the policy or need the trainer's models on the GPU."""
         self.holds += 1
         try:
             yield

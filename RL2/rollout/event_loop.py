@@ -102,16 +102,10 @@ def env_loop() -> asyncio.AbstractEventLoop:
 
 
 async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
-    """Await `coroutine` run on the loop of user code, for at most `timeout` seconds once it has started.
-
-    Args:
-        coroutine: user code (a step, a reset, tool calls, an agent's run).
-        timeout: seconds it may run (None: no limit); past them it is cancelled, and its loop left to it when
-            it blocks the loop, and TimeoutError is raised.
-
-    What the coroutine raises is raised here; a `BaseException` that is not an `Exception` as `Escaped`.
-    Cancelling the caller cancels the coroutine.
-    """
+    """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code,
+    for at most `timeout` seconds once it has started (None: no limit); past them it is cancelled, and its loop
+    left to it when it blocks the loop, and TimeoutError is raised. What the coroutine raises is raised here; a
+    `BaseException` that is not an `Exception` as `Escaped`. Cancelling the caller cancels the coroutine."""
     caller = asyncio.get_running_loop()
     call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
     with _lock:

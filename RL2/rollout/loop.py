@@ -1,12 +1,12 @@
 """The multi-turn rollout loop, the batch driver and dynamic filtering (metrics: `RL2.rollout.metrics`).
 
-A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget.
-When the next state extends `state + action` as text (upstream RL2's rule), only the new text is
-tokenised and appended, so the sampled tokens are kept as they are; otherwise the next state starts a
-new sequence (see `trajectory.py`). Faults of the environment end one trajectory with reward 0; engine
-errors propagate and stop the rollout (docs/rl.md), as do `max_timeouts` timeouts of the environment in a
-row. Environment code runs on a loop of its own (`RL2.rollout.event_loop.on_env_loop`), so that a step that
-blocks stops neither the engine nor the other trajectories' steps.
+A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. When the
+next state extends `state + action` as text (upstream RL2's rule), only the new text is tokenised and appended,
+so the sampled tokens are kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
+Faults of the environment end one trajectory with reward 0; engine errors propagate and stop the rollout
+(docs/rl.md), as do `max_timeouts` timeouts of the environment in a row. Environment code runs on a loop of its
+own (`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks stops neither the engine nor the other
+trajectories' steps.
 """
 
 import asyncio
@@ -32,29 +32,21 @@ MAX_IDLE_RESUMES = 3
 class EnvRollout:
     """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
     environment (and its tools) that answers them, and the limits. The rollout worker drives it through
-    `batch` and `partial_batch`; `run_trajectory`, `rollout_batch` and `partial_rollout_batch` take it first.
+    `batch` and `partial_batch`."""
 
-    Args:
-        engine: serves SGLang `/generate` payloads.
-        env: the environment script.
-        tokenizer: the policy's tokenizer (decodes actions, tokenises observations).
-        max_turns: the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed).
-        max_total_tokens: the most tokens of one sequence (prompt, actions and observations);
-            each request's max_new_tokens is cut to what is left. None: no limit.
-        env_timeout: seconds one `step` (or `reset`) may take once it has started. None: no limit.
-        tool_use: the environment's tools, or None: an action that calls tools gets their results as the next
-            state, and only one that calls none is stepped.
-        max_timeouts: stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row
-            time out (`rollout.max_consecutive_timeouts`). None: never.
-    """
-
-    engine: Engine
+    engine: Engine  # serves SGLang `/generate` payloads
     env: Env
-    tokenizer: object
-    max_turns: int = 1
+    tokenizer: object  # the policy's (decodes actions, tokenises observations)
+    max_turns: int = 1  # the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed)
+    # The most tokens of one sequence (prompt, actions and observations); each request's max_new_tokens is cut
+    # to what is left. None: no limit.
     max_total_tokens: int | None = None
-    env_timeout: float | None = None
+    env_timeout: float | None = None  # seconds one `step` (or `reset`) may take once it has started; None: no limit
+    # The environment's tools, or None: an action that calls tools gets their results as the next state, and
+    # only one that calls none is stepped.
     tool_use: ToolUse | None = None
+    # Stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row time out
+    # (`rollout.max_consecutive_timeouts`). None: never.
     max_timeouts: int | None = None
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
@@ -72,22 +64,14 @@ class EnvRollout:
         return self.tool_use.sampling_params(params) if self.tool_use else params
 
 
-async def run_trajectory(
-    rollout: EnvRollout,
-    state: State | None,
-    extra_info: dict,
-    sampling_params: dict,
-    prompt_ids: list[int] | None = None,
-    resume: Trajectory | None = None,
-    stop: asyncio.Event | None = None,
-) -> Trajectory:
+async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: dict, sampling_params: dict,
+                         prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
+                         stop: asyncio.Event | None = None) -> Trajectory:
     """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
 
     Args:
-        rollout: the engine, environment and limits of the rollout.
         state: the prompt text or chat messages; None asks the environment's `reset`.
         extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
-        sampling_params: SGLang sampling params of every request.
         prompt_ids: the prompt already tokenised (else `state` is tokenised).
         resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
             from where it stopped (the tokens it already has keep their log-probabilities), then
@@ -95,18 +79,16 @@ async def run_trajectory(
         stop: once set, no new action is requested: the trajectory ends "abort" with an empty
             action, to be resumed later (partial rollout pauses the engine after setting it).
     """
-    if resume is None:
-        trajectory = await _start(rollout, state, extra_info, prompt_ids)
-        if trajectory.fault is not None:  # its reset failed
-            return trajectory
-    else:
-        trajectory = resume
+    trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
+    if trajectory.fault is not None:  # its reset failed
+        return trajectory
     while True:
         if stop is not None and stop.is_set() and not trajectory.unfinished:
             trajectory.add_turn(Turn([], [], "", "abort"))
             trajectory.stop_reason = "abort"
             return trajectory
-        turn = await _next_action(rollout, trajectory, _turn_params(sampling_params, trajectory.n_turns))
+        params = _seeded(sampling_params, sampling_params.get("sampling_seed"), trajectory.n_turns)
+        turn = await _next_action(rollout, trajectory, params)
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
@@ -119,11 +101,8 @@ async def run_trajectory(
             return trajectory
         turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
         turn.reward_parts = result.reward_parts
-        if result.done:
-            trajectory.stop_reason = "done"
-            return trajectory
-        if trajectory.n_turns == rollout.max_turns:
-            trajectory.stop_reason = "max_turns"
+        if result.done or trajectory.n_turns == rollout.max_turns:
+            trajectory.stop_reason = "done" if result.done else "max_turns"
             return trajectory
         try:
             next_state, plain = render_state(result.next_state, rollout.tokenizer, rollout.tool_use)
@@ -142,40 +121,22 @@ async def run_trajectory(
 
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
-    """Roll out every prompt `responses_per_prompt` times, all trajectories concurrently.
+    """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
+    one group per prompt, in order. Each trajectory gets its own copy of the row's `extra_info`.
 
-    Args:
-        prompts: rows with `prompt` (text or chat messages; leave it out to call the env's
-            `reset`), optionally `prompt_ids` (the prompt tokenised), `extra_info` and
-            `sampling_seed`: trajectory j of a row with a seed samples with its own seed
-            `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
-            neither on the ranks nor on the other requests of the batch (evaluation sets it).
-        responses_per_prompt: trajectories per prompt (a GRPO group); each gets its own copy of
-            the row's `extra_info`.
-        rollout, sampling_params: as in `run_trajectory`.
-
-    Returns:
-        One group of trajectories per prompt, in order.
-    """
-    def params_of(row: dict, index: int) -> dict:
-        if row.get("sampling_seed") is None:
-            return sampling_params
-        return {**sampling_params, "sampling_seed": sample_seed(row["sampling_seed"], index)}
-
-    tasks = [[asyncio.create_task(_row_trajectory(rollout, row, params_of(row, j))) for j in range(responses_per_prompt)]
-             for row in prompts]
+    `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
+    `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a seed
+    samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
+    neither on the ranks nor on the other requests of the batch (evaluation sets it)."""
+    tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
+              for j in range(responses_per_prompt)] for row in prompts]
     await gather_or_cancel([task for group in tasks for task in group])
     return [[task.result() for task in group] for group in tasks]
 
 
-async def partial_rollout_batch(
-    rollout: EnvRollout,
-    carried: list[list[Trajectory]],
-    prompts: list[dict],
-    n_needed: int,
-    responses_per_prompt: int,
-    sampling_params: dict,
-) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
+async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajectory]], prompts: list[dict],
+                                n_needed: int, responses_per_prompt: int,
+                                sampling_params: dict) -> tuple[list, list, list]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
     The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
@@ -184,10 +145,9 @@ async def partial_rollout_batch(
     requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
 
     Returns:
-        (finished groups, unfinished groups, newly finished groups), carried ones first, then in
-        prompt order. The finished groups include the carried ones that were finished already
-        (beyond an earlier batch); the newly finished ones are those this call finished, what its
-        metrics and samples report.
+        (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt order.
+        The finished groups include the carried ones that were finished already (beyond an earlier batch); the
+        newly finished ones are those this call finished, what its metrics and samples report.
     """
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
@@ -232,13 +192,10 @@ async def partial_rollout_batch(
 
 async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict, resume: Trajectory | None = None,
                           stop: asyncio.Event | None = None) -> Trajectory:
-    """A trajectory of `row`, or `resume` carried on.
-
-    Another client of a shared server may pause it: the cut action carries on until it is whole (or `stop`
-    is set), rather than the trajectory being trained on as if it had ended there. A request aborted again
-    and again before it samples a token is refused, not paused: that raises, where resuming would loop for ever.
-    """
-
+    """A trajectory of `row`, or `resume` carried on. Another client of a shared server may pause it: the cut
+    action carries on until it is whole (or `stop` is set), rather than the trajectory being trained on as if it
+    had ended there. A request aborted again and again before it samples a token is refused, not paused: that
+    raises, where resuming would loop for ever."""
     # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
     state = row.get("messages") or row.get("prompt")
 
@@ -258,15 +215,10 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
 
 def drop_stale_groups(groups: list[list[Trajectory]], version: int,
                       max_staleness: int) -> tuple[list[list[Trajectory]], int]:
-    """Drop the groups whose oldest sampled token is more than `max_staleness` versions behind `version`
-    (AReaL's `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept,
-    in order; how many were dropped). A group without a token of known version is kept.
-
-    Args:
-        groups: carried groups, finished or not.
-        version: the version of the weights the next update trains (and the next rollout samples with).
-        max_staleness: the most versions a kept token may lag behind `version` (`rollout.max_staleness`).
-    """
+    """Drop the carried groups (finished or not) whose oldest sampled token is more than `max_staleness`
+    (`rollout.max_staleness`) versions behind `version`, the weights the next update trains (AReaL's
+    `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept, in order; how
+    many were dropped). A group without a token of known version is kept."""
     kept = [group for group in groups if version - min((v for t in group for v in t.versions), default=version)
             <= max_staleness]
     return kept, len(groups) - len(kept)
@@ -283,11 +235,9 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % 2**63
 
 
-def _turn_params(sampling_params: dict, turn: int) -> dict:
-    """A seeded trajectory's sampling params for one turn: every turn draws from a seed of its own."""
-    if sampling_params.get("sampling_seed") is None:
-        return sampling_params
-    return {**sampling_params, "sampling_seed": sample_seed(sampling_params["sampling_seed"], turn)}
+def _seeded(sampling_params: dict, seed: int | None, index: int) -> dict:
+    """`sampling_params` of item `index` under `seed` (None: unseeded): each item draws from a seed of its own."""
+    return sampling_params if seed is None else {**sampling_params, "sampling_seed": sample_seed(seed, index)}
 
 
 def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tuple[int, int]]]:
@@ -305,11 +255,9 @@ def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tupl
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
     """The text `next_state` adds after `state + action`, or None when it does not extend them.
 
-    Args:
-        end_text: the text of the special token that ended the action, if any. `action` skips
-            special tokens, so a chat template re-rendering the conversation writes the end-of-turn
-            token the policy already sampled; it is dropped here rather than appended twice.
-    """
+    `end_text` is the text of the special token that ended the action, if any: `action` skips special tokens, so
+    a chat template re-rendering the conversation writes the end-of-turn token the policy already sampled; it is
+    dropped here rather than appended twice."""
     prefix = state + action
     if not next_state.startswith(prefix):
         return None
@@ -319,39 +267,37 @@ def continuation(state: str, action: str, next_state: str, end_text: str = "") -
     return added
 
 
-# ---- one trajectory ----
-
-
-async def _start(rollout: EnvRollout, state: State | None, extra_info: dict, prompt_ids: list[int] | None) -> Trajectory:
+async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
+                 prompt_ids: list[int] | None) -> Trajectory:
     """A new trajectory holding just its prompt (from the row, or from the environment's `reset`); a
     trajectory ended by a fault, without a sequence, when `reset` fails or its state is no text."""
+    trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
     if state is None:
         try:
-            state = await _reset(rollout, extra_info)
+            state = await _call_env(rollout, rollout.env.reset(extra_info))
         except TooManyTimeouts:
             raise
+        except TimeoutError:
+            trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
+                            f"env_timeout={rollout.env_timeout} s")
+            return trajectory
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
-            return _failed(extra_info, f"reset failed: {e}" if isinstance(e, EnvError) else
-                           f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
+            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
+                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
+            return trajectory
     messages = state if isinstance(state, list) else None
     state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
-        return _failed(extra_info, f"malformed state: it {bad}")
+        trajectory.fail(f"malformed state: it {bad}")
+        return trajectory
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
     if not _fits(len(ids), rollout.max_total_tokens):
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
             f"{rollout.max_total_tokens}; raise it or shorten the prompts"
         )
-    trajectory = Trajectory(extra_info=extra_info, state=state, env_info=extra_info, messages=messages)
+    trajectory.state, trajectory.messages = state, messages
     trajectory.start_sequence(state, ids)
-    return trajectory
-
-
-def _failed(extra_info: dict, fault: str) -> Trajectory:
-    """A trajectory ended by `fault` before its first state."""
-    trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
-    trajectory.fail(fault)
     return trajectory
 
 
@@ -359,24 +305,20 @@ async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_par
     """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
     engine, tokenizer, budget = rollout.engine, rollout.tokenizer, rollout.max_total_tokens
     room = None if budget is None else budget - len(trajectory.current_ids)
-    if not trajectory.unfinished:
+    if trajectory.unfinished:
+        turn = trajectory.turns[-1]
+        # current_ids already end with the partial action, so the engine samples on after it.
+        _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, turn, sampling_params, room)
+    else:
         turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
-        trajectory.generate_seconds += seconds
         trajectory.add_turn(turn)
-        return turn
-    partial = trajectory.turns[-1]
-    # current_ids already end with the partial action, so the engine samples on after it.
-    _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, partial, sampling_params, room)
     trajectory.generate_seconds += seconds
-    return partial
+    return turn
 
 
-async def _reset(rollout: EnvRollout, extra_info: dict) -> State:
-    env, timeout = rollout.env, rollout.env_timeout
-    try:
-        return await call_script(env, env.reset(extra_info), timeout, rollout.max_timeouts, "rollout.env_timeout")
-    except TimeoutError as e:
-        raise EnvError(f"{env.path}: reset did not return within env_timeout={timeout} s") from e
+def _call_env(rollout: EnvRollout, coroutine):
+    """`call_script` for a `step` or `reset` of the rollout's environment."""
+    return call_script(rollout.env, coroutine, rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
 
 
 async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):
@@ -447,12 +389,9 @@ async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Tur
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
-    """The text of sampled tokens, as the environment gets it.
-
-    Every sampled token is in the text, so the text matches the tokens trained on; a matched stop
-    string stays in (the action ends with it), and what the token that completed it wrote after it is
-    cut, as SGLang's own text does.
-    """
+    """The text of sampled tokens, as the environment gets it. Every sampled token is in the text, so the text
+    matches the tokens trained on; a matched stop string stays in (the action ends with it), and what the token
+    that completed it wrote after it is cut, as SGLang's own text does."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if isinstance(matched, str) and (pos := text.find(matched)) != -1:
         text = text[: pos + len(matched)]
@@ -468,19 +407,12 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
             return reply
         if reply is not None:
             return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
-    return await _step(rollout, trajectory.state, action, trajectory.env_info)
-
-
-async def _step(rollout: EnvRollout, state: str, action: str, extra_info: dict) -> StepResult | str:
-    """The environment's answer to `action`, or a description of its fault."""
-    env, timeout = rollout.env, rollout.env_timeout
     try:
-        return await call_script(env, env.step(state, action, extra_info), timeout, rollout.max_timeouts,
-                                 "rollout.env_timeout")
+        return await _call_env(rollout, rollout.env.step(trajectory.state, action, trajectory.env_info))
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:
-        return f"step timed out after {timeout} s"
+        return f"step timed out after {rollout.env_timeout} s"
     except EnvFault as e:
         return f"malformed step result: {e}"
     except Escaped as e:
@@ -494,19 +426,19 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     `render_state`); False when it leaves no room for another action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
-    room = None if budget is None else budget - len(trajectory.current_ids)
-    if not _may_fit(tokenizer, added if added is not None else next_state, room if added is not None else budget):
+    text = next_state if added is None else added
+    before = 0 if added is None else len(trajectory.current_ids)  # the tokens `text` comes after
+    # A text with more characters than the room left could hold in tokens is refused without tokenising
+    # it (tens of MB would take minutes and GBs, all to be cut).
+    if budget is not None and len(text) >= (budget - before) * longest_token_chars(tokenizer):
         return False
-    if added is not None:
-        env_ids = encode(tokenizer, added, spans_after(plain, len(next_state) - len(added)))
-        if not _fits(len(trajectory.current_ids) + len(env_ids), budget):
-            return False
-        trajectory.continue_sequence(added, env_ids)
-    else:
-        ids = encode(tokenizer, next_state, plain)
-        if not _fits(len(ids), budget):
-            return False
+    ids = encode(tokenizer, text, spans_after(plain, len(next_state) - len(text)))
+    if not _fits(before + len(ids), budget):
+        return False
+    if added is None:
         trajectory.start_sequence(next_state, ids)
+    else:
+        trajectory.continue_sequence(added, ids)
     return True
 
 
@@ -514,12 +446,6 @@ def end_text(tokenizer, action_ids: list[int]) -> str:
     """The text of the special token that ended an action (its decoded text skips it), or ""."""
     last = action_ids[-1:]
     return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-
-
-def _may_fit(tokenizer, text: str, room: int | None) -> bool:
-    """False when `text` has more characters than `room` tokens could hold: a huge observation is refused
-    without tokenising it (tens of MB would take minutes and GBs, all to be cut)."""
-    return room is None or len(text) < room * longest_token_chars(tokenizer)
 
 
 def _fits(n_tokens: int, budget: int | None) -> bool:

@@ -10,17 +10,12 @@ from RL2.rollout.trajectory import Trajectory
 
 
 def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
-    """Means over trajectories, namespaced `rollout/...`.
-
-    The environment's reward parts become `rollout/reward/<name>`: per trajectory the sum over its
-    turns (like its reward), averaged over every trajectory, those without the part counting 0, so
-    that a weighted sum of parts averages to the weighted sum of their metrics.
-
-    Args:
-        groups: trajectories grouped by prompt.
-        tools: the policy may call tools (an environment with TOOLS, an agent script): add how it used them
-            (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code for agents).
-    """
+    """Means over trajectories, namespaced `rollout/...`. The environment's reward parts become
+    `rollout/reward/<name>`: per trajectory the sum over its turns (like its reward), averaged over every
+    trajectory, those without the part counting 0, so that a weighted sum of parts averages to the weighted sum
+    of their metrics. Where the policy may call tools (`tools`: an environment with TOOLS, an agent script), how
+    it used them is added (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code
+    for agents)."""
     trajectories = [t for group in groups for t in group]
     if not trajectories:
         return {}
@@ -47,15 +42,9 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
 
 def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
-    """How old the trained tokens are, namespaced `staleness/...` (`lag_<k>`, `mean_lag`, `max_span`: see
-    docs/async.md). Tokens of unknown version are left out.
-
-    Args:
-        groups: the trained groups.
-        version: the version of the weights trained.
-        max_lag: report the shares up to this lag at least (`rollout.max_staleness`), so that every
-            step has the same keys.
-    """
+    """How old the trained tokens are, against the `version` of the weights trained, namespaced `staleness/...`
+    (`lag_<k>`, `mean_lag`, `max_span`: see docs/async.md). Tokens of unknown version are left out. The shares
+    are reported up to `max_lag` at least (`rollout.max_staleness`), so that every step has the same keys."""
     trajectories = [t for group in groups for t in group]
     lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
     counts = Counter(lags)
@@ -93,20 +82,10 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
     with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
             for t in group:
-                record = {
-                    "step": step,
-                    "group": group_index,
-                    "prompt": t.prompt_text,
-                    "response": t.response_text,
-                    "reward": t.reward,
-                    "score": t.score,
-                    "n_turns": t.n_turns,
-                    "finish_reason": t.finish_reason,
-                    "stop_reason": t.stop_reason,
-                    "fault": t.fault,
-                }
-                parts = reward_parts(t)
-                if parts:
+                record = {"step": step, "group": group_index, "prompt": t.prompt_text, "response": t.response_text,
+                          "reward": t.reward, "score": t.score, "n_turns": t.n_turns, "finish_reason": t.finish_reason,
+                          "stop_reason": t.stop_reason, "fault": t.fault}
+                if parts := reward_parts(t):
                     record["reward_parts"] = parts
                 record |= _trajectory_details(t)
                 if tokens:
@@ -158,15 +137,10 @@ COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is
 
 def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
                        tools: bool = False) -> dict:
-    """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples.
-
-    Args:
-        groups: the samples of each prompt.
-        sources: each prompt's `data_source`.
-        ks: pass@k for each k (at most the samples of any prompt).
-        threshold: a sample passes when its score is at least this.
-        tools: the policy may call tools: add `tool_calls` and `tool_errors` (means per sample).
-    """
+    """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples (`groups`, one per prompt;
+    `sources`, each prompt's `data_source`): pass@k for each k of `ks` (at most the samples of any prompt), a
+    sample passing when its score is at least `threshold`; where the policy may call tools (`tools`), also
+    `tool_calls` and `tool_errors` (means per sample)."""
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)
@@ -176,7 +150,8 @@ def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: l
     }
 
 
-def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float, tools: bool = False) -> dict[str, float]:
+def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: float,
+                  tools: bool = False) -> dict[str, float]:
     """The evaluation metrics (docs/evaluation.md) over `groups` (the samples of each prompt)."""
     samples = [t for group in groups for t in group]
     metrics = {

@@ -23,11 +23,7 @@ def reward_env(function: Callable, name: str = "reward function") -> Env:
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """The function named by `path/to/file.py:name` or `package.module:name` (name: default `reward`).
-
-    Args:
-        spec: where the function is.
-    """
+    """The function named by `path/to/file.py:name` or `package.module:name` (name: default `reward`)."""
     where, name = spec.rsplit(":", 1) if ":" in spec else (spec, "reward")
     name = name or "reward"
     try:

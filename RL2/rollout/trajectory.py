@@ -1,12 +1,11 @@
 """What one rollout produced, token by token, and its conversion to the training batch.
 
-Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the
-log-probabilities the engine returned for them, never on a re-tokenisation of the decoded text.
-Text does not round-trip through a tokenizer: `decode` then `encode` can merge or split tokens
-differently (e.g. a `<think>` the model spelled in pieces comes back as one special token), and the
-trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled
-(verl's and upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the
-environment's text is tokenised here, and it is masked out of the loss.
+Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the log-probabilities
+the engine returned for them, never on a re-tokenisation of the decoded text: `decode` then `encode` can merge
+or split tokens differently (a `<think>` the model spelled in pieces comes back as one special token), and the
+trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled (verl's and
+upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the environment's text is
+tokenised here, and it is masked out of the loss.
 
 Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`): a
 partial rollout resumes a cut action under newer weights, so one trajectory may span versions; the
@@ -24,33 +23,21 @@ from RL2.batch import RolloutBatch
 
 @dataclass
 class Turn:
-    """One action of the policy and what the environment answered.
+    """One action of the policy and what the environment answered. `env_ids` are the observation tokens
+    appended after the action when the next turn continues the same sequence (empty when the trajectory ends
+    here or starts a new sequence). `action_versions` is empty, or shorter than `action_ids`, where the engine
+    did not name its weights (`Trajectory.fill_versions` gives them the version the rollout worker pushed)."""
 
-    Attributes:
-        action_ids: the sampled token ids, as the engine returned them.
-        action_logps: the engine's log-probability of each sampled token.
-        action_text: the decoded action, as given to the environment.
-        finish_reason: the engine's: "stop", "length" or "abort".
-        reward, score: what the environment's `step` returned for this action.
-        reward_parts: the step's named reward parts (logged as `rollout/reward/<name>`).
-        env_ids: observation tokens appended after the action when the next turn continues the
-            same sequence (empty when the trajectory ends here or starts a new sequence).
-        env_text: the text `env_ids` were tokenised from.
-        action_versions: the version of the weights that sampled each action token
-            (`weight_version_number`); empty, or shorter than `action_ids`, where the engine did not say
-            (the rollout worker fills them in with the version it pushed, `Trajectory.fill_versions`).
-    """
-
-    action_ids: list[int]
-    action_logps: list[float]
-    action_text: str
-    finish_reason: str
-    reward: float = 0.0
+    action_ids: list[int]  # as the engine returned them
+    action_logps: list[float]  # the engine's log-probability of each sampled token
+    action_text: str  # the decoded action, as given to the environment
+    finish_reason: str  # the engine's: "stop", "length" or "abort"
+    reward: float = 0.0  # reward and score: what the environment's `step` returned for this action
     score: float = 0.0
     env_ids: list[int] = field(default_factory=list)
-    env_text: str = ""
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    action_versions: list[int] = field(default_factory=list)
+    env_text: str = ""  # the text `env_ids` were tokenised from
+    reward_parts: dict[str, float] = field(default_factory=dict)  # the step's, logged as `rollout/reward/<name>`
+    action_versions: list[int] = field(default_factory=list)  # each token's `weight_version_number`
 
     def extend(self, rest: "Turn") -> None:
         """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
@@ -61,20 +48,13 @@ class Turn:
         self.finish_reason = rest.finish_reason
 
 
-# The weight_version RL2 gives each push ("step3": the weights after step 3's update).
-_PUSHED = re.compile(r"step(\d+)")
-
-
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: the trainer step whose update made them.
-
-    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they
-    started with (the policy's initial ones), -> 0; anything else (an engine that does not say, a
-    name RL2 did not give) -> None.
-    """
+    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
+    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None."""
     if weight_version == "default":
         return 0
-    match = _PUSHED.fullmatch(weight_version) if isinstance(weight_version, str) else None
+    match = re.fullmatch(r"step(\d+)", weight_version) if isinstance(weight_version, str) else None
     return int(match.group(1)) if match else None
 
 
@@ -107,42 +87,26 @@ def _jsonable(value):
 
 @dataclass
 class Trajectory:
-    """Everything one prompt's rollout produced: one or more token sequences.
+    """Everything one prompt's rollout produced: one or more token sequences, whose turns form the trajectory."""
 
-    Attributes:
-        extra_info: the prompt row's `extra_info` (the dict the rollout started with).
-        sequences: the sequences, in order; the turns of all of them form the trajectory.
-        stop_reason: "done", "max_turns", "budget" (token budget), "fault" or "abort".
-        fault: why the environment failed (exception, timeout, malformed result), or None.
-        state: the environment's current state text, kept for resuming an aborted trajectory.
-        env_info: the `extra_info` the environment returned last (what its next `step` gets).
-        messages: the conversation so far as chat messages, when the state is one (tools append to it).
-        tool_calls: tool calls the policy made; tool_errors: those that failed (unknown tool, bad
-            arguments, raised, timed out); parse_errors: call blocks it wrote that could not be parsed.
-        tool_seconds, generate_seconds: time spent running tools (an agent script's own code, for
-            agents) and waiting for the engine.
-    """
-
-    extra_info: dict
+    extra_info: dict  # the prompt row's (the dict the rollout started with)
     sequences: list[TokenSequence] = field(default_factory=list)
-    stop_reason: str = ""
-    fault: str | None = None
-    state: str = ""
-    env_info: dict | None = None
-    messages: list[dict] | None = None
-    tool_calls: int = 0
-    tool_errors: int = 0
-    parse_errors: int = 0
-    tool_seconds: float = 0.0
-    generate_seconds: float = 0.0
+    stop_reason: str = ""  # "done", "max_turns", "budget" (token budget), "fault" or "abort"
+    fault: str | None = None  # why the environment failed (exception, timeout, malformed result)
+    state: str = ""  # the environment's current state text, kept for resuming an aborted trajectory
+    env_info: dict | None = None  # the `extra_info` the environment returned last (what its next `step` gets)
+    messages: list[dict] | None = None  # the conversation so far, when the state is one (tools append to it)
+    tool_calls: int = 0  # made by the policy
+    tool_errors: int = 0  # calls that failed (unknown tool, bad arguments, raised, timed out)
+    parse_errors: int = 0  # call blocks it wrote that could not be parsed
+    tool_seconds: float = 0.0  # running tools (an agent script's own code, for agents)
+    generate_seconds: float = 0.0  # waiting for the engine
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout).
-
-        numpy and torch values become lists and numbers, sets lists. Any other value of the environment's
-        `extra_info` that JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None:
-        an environment that keeps one rebuilds it when it finds None.
-        """
+        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
+        torch values become lists and numbers, sets lists. Any other value of the environment's `extra_info` that
+        JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None: an environment that keeps
+        one rebuilds it when it finds None."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 
@@ -150,16 +114,12 @@ class Trajectory:
     def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
         """The trajectory `to_dict` wrote; `version`, if given, goes to sampled tokens that a checkpoint
         written before versions were kept leaves without one."""
-        sequences = [
-            TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
-            for seq in data["sequences"]
-        ]
+        sequences = [TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
+                     for seq in data["sequences"]]
         trajectory = cls(**(data | {"sequences": sequences}))
         if version is not None:
             trajectory.fill_versions(version)
         return trajectory
-
-    # ---- building ----
 
     def start_sequence(self, prompt_text: str, prompt_ids: list[int]) -> None:
         self.sequences.append(TokenSequence(list(prompt_ids), prompt_text))
@@ -193,8 +153,6 @@ class Trajectory:
         for turn in self.turns:
             turn.reward = turn.score = 0.0
             turn.reward_parts = {}
-
-    # ---- reading ----
 
     @property
     def turns(self) -> list[Turn]:
@@ -243,13 +201,10 @@ class Trajectory:
         return "".join(turn.action_text + turn.env_text for turn in self.turns)
 
     def token_sequences(self) -> list[dict]:
-        """Each sequence's tokens as the rollout produced them, one dict per sequence.
-
-        Per token (as long as `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps`
-        the engine's log-probabilities there (0.0 elsewhere), `turn_ids` the turn of the whole
-        trajectory each sampled token belongs to (-1 elsewhere), `versions` the version of the
-        weights that sampled it (-1 elsewhere, and where it is not known).
-        """
+        """Each sequence's tokens as the rollout produced them, one dict per sequence. Per token (as long as
+        `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's log-probabilities there
+        (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token belongs to (-1 elsewhere),
+        `versions` the version of the weights that sampled it (-1 elsewhere, and where it is not known)."""
         sequences, turn_index = [], 0
         for seq in self.sequences:
             record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
@@ -273,19 +228,19 @@ def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id
 def training_batch(groups: list[list[Trajectory]], version: int | None = None) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
-    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too
-    short to have a label (a lone prompt) is left out, while its trajectory still counts.
-
-    Args:
-        groups: the trajectories, grouped by prompt.
-        version: the version of the weights being trained. Given, the batch has per-token `lags`:
-            how many versions behind it each sampled token was sampled (0 for a token of unknown
-            version, and at the others).
-    """
+    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
+    a label (a lone prompt) is left out, while its trajectory still counts. Given the `version` of the weights
+    being trained, the batch has per-token `lags`: how many versions behind it each sampled token was sampled
+    (0 for a token of unknown version, and at the others)."""
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]
+    n_turns = max((t.n_turns for t in trajectories), default=0)
+    turn_rewards = torch.zeros(len(trajectories), n_turns)
+    turn_mask = torch.zeros(len(trajectories), n_turns)
     for sample, trajectory in enumerate(trajectories):
+        turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
+        turn_mask[sample, : trajectory.n_turns] = 1.0
         for record in trajectory.token_sequences():
             if len(record["input_ids"]) < 2:
                 continue
@@ -293,17 +248,8 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
             sample_ids.append(sample)
             for name, values in per_token.items():
                 values += record[name][1:]
-    n_turns = max((t.n_turns for t in trajectories), default=0)
-    turn_rewards = torch.zeros(len(trajectories), n_turns)
-    turn_mask = torch.zeros(len(trajectories), n_turns)
-    for sample, trajectory in enumerate(trajectories):
-        turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
-        turn_mask[sample, : trajectory.n_turns] = 1.0
-    tokens = {
-        "loss_mask": torch.tensor(per_token["loss_mask"], dtype=torch.float32),
-        "engine_logps": torch.tensor(per_token["engine_logps"], dtype=torch.float32),
-        "turn_ids": torch.tensor(per_token["turn_ids"], dtype=torch.long),
-    }
+    dtypes = {"loss_mask": torch.float32, "engine_logps": torch.float32, "turn_ids": torch.long}
+    tokens = {name: torch.tensor(per_token[name], dtype=dtype) for name, dtype in dtypes.items()}
     if version is not None:
         versions = torch.tensor(per_token["versions"], dtype=torch.long)
         tokens["lags"] = torch.where(versions >= 0, version - versions, 0)

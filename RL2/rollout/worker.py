@@ -2,18 +2,15 @@
 
 Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine` (or, with
 `rollout.engine=sglang`, talks to SGLang servers over HTTP: `RL2/engine/sglang/engine.py`), rolls out
-`prompts[rank::world_size]` through its driver (`RL2.rollout.loop.EnvRollout` for an environment, an agent
-driver of `RL2.agents` for an agent script), and all-gathers the trajectories, so that every rank ends with the
-whole rollout in prompt order (the packing of the update needs the global batch everywhere). What a run rolls out
-and the worker over it are set up in one place, `RL2.trainer.rollout_setup`.
-
-Whether the engine may sample is decided in one place, `RL2.rollout.engine_state.EngineState`.
+`prompts[rank::world_size]` through its driver, and all-gathers the trajectories, so that every rank ends with the
+whole rollout in prompt order (the packing of the update needs the global batch everywhere). A run's driver and
+worker are set up in `RL2.trainer.rollout_setup`; whether the engine may sample is decided in one place,
+`RL2.rollout.engine_state.EngineState`.
 """
 
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,15 +22,6 @@ from RL2.rollout.trajectory import Trajectory, weight_version_number
 from RL2.sandbox import run_sandbox, use_sandbox
 
 
-class RolloutDriver(Protocol):
-    """What rolls out a rank's prompts on its engine: `RL2.rollout.loop.EnvRollout` (an environment's
-    trajectories) or `RL2.agents.agent.AgentRollout` (an agent script's runs; no partial rollout)."""
-
-    def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
-        """The coroutine rolling out `prompts` under a sampling config: one group per prompt."""
-        ...
-
-
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """Sampling seed of one rank at one step: a resumed run samples what the uninterrupted one did."""
     return (seed * 1_000_003 + step) * 1_009 + rank
@@ -42,8 +30,9 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 class RolloutWorker:
     """Args:
         engine: this rank's engine (`RL2.engine.start_engine`).
-        driver: what rolls out the prompts on `engine`.
-        device: where the engine runs.
+        driver: what rolls out the prompts on it, `driver.batch(prompts, responses_per_prompt, sampling_params)`
+            a coroutine returning one group per prompt: `RL2.rollout.loop.EnvRollout` (an environment's
+            trajectories) or `RL2.agents.agent.AgentRollout` (an agent script's runs; no partial rollout).
         dtype: the engine's compute dtype: pushed weights are cast to it.
         policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
             engine keeps the weights it loaded (an evaluation of a fixed model).
@@ -53,7 +42,7 @@ class RolloutWorker:
             rollouts use; None: one with default limits.
     """
 
-    def __init__(self, engine: Engine, driver: RolloutDriver, device: torch.device, dtype: torch.dtype, policy=None,
+    def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None):
         self.engine, self.driver, self.device, self.dtype, self.policy = engine, driver, device, dtype, policy
         self.sandbox = sandbox if sandbox is not None else run_sandbox()
@@ -64,15 +53,11 @@ class RolloutWorker:
         self.state = EngineState(engine, policy, self._push_weights, colocated if shares_gpu else [])
         self.state.to_trainer()  # launched GPU servers give their memory to the trainer until the first rollout
 
-    def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int) -> list[list[Trajectory]]:
-        """Roll out this rank's share of `prompts`; returns every rank's groups, in prompt order.
-
-        Args:
-            prompts: the global batch of rows (`prompt`, `prompt_ids`, `extra_info`), the same on every rank.
-            sampling_params: the sampling config (temperature, top_p, top_k, max_new_tokens, stop, ...).
-            responses_per_prompt: trajectories per prompt.
-            seed: seeds this rank's sampling (see `rollout_seed`).
-        """
+    def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
+                seed: int) -> list[list[Trajectory]]:
+        """Roll out this rank's share of `prompts` (the global batch of rows, the same on every rank) under the
+        sampling config, its sampling seeded by `seed` (see `rollout_seed`); returns every rank's groups, in
+        prompt order."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self.driver.batch(
@@ -81,22 +66,19 @@ class RolloutWorker:
         ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
         return [group for _, group in ordered]
 
-    def partial_rollout(
-        self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params, responses_per_prompt: int, seed: int,
-        n_needed: int | None = None,
-    ) -> tuple[list[list[Trajectory]], list[list[Trajectory]], list[list[Trajectory]]]:
+    def partial_rollout(self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params,
+                        responses_per_prompt: int, seed: int, n_needed: int | None = None) -> tuple[list, list, list]:
         """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
         `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
         default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
-        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank.
-        """
+        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank."""
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
         total = len(prompts) if n_needed is None else n_needed
         my_needed = max(len(range(rank, total, world)), 1) if my_carried or my_prompts else 0
         result = self._on_this_rank(seed, lambda: self.driver.partial_batch(
-            my_carried, my_prompts, my_needed, responses_per_prompt, sampling_params,
-        ) if my_needed else asyncio.sleep(0, ([], [], [])))
+            my_carried, my_prompts, my_needed, responses_per_prompt, sampling_params) if my_needed
+            else asyncio.sleep(0, ([], [], [])))
         self._fill_versions(result[0] + result[1])
         parts = self._gather(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))

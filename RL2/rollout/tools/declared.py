@@ -23,49 +23,30 @@ from transformers.utils import get_json_schema
 from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser
 
 # The tool `template_renders_tools` shows the chat template.
-_PROBE_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "rl2_probe_tool",
-        "description": "Probe whether the chat template renders tools.",
-        "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "any text"}}},
-    },
-}
+_PROBE_SCHEMA = {"type": "function", "function": {
+    "name": "rl2_probe_tool", "description": "Probe whether the chat template renders tools.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "any text"}}}}}
 
 
 @dataclass
 class Tool:
-    """A tool the policy may call.
+    """A tool the policy may call."""
 
-    Attributes:
-        name: the name the model calls it by.
-        schema: OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}.
-        fn: the sync or async Python function; None for a schema-only tool run by the env's `call_tool`.
-        takes_extra_info: `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills
-            with the trajectory's `extra_info`.
-    """
-
-    name: str
-    schema: dict
-    fn: Callable | None
+    name: str  # the name the model calls it by
+    schema: dict  # OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}
+    fn: Callable | None  # sync or async; None for a schema-only tool run by the env's `call_tool`
+    # `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills with the trajectory's.
     takes_extra_info: bool
 
 
 @dataclass
 class ToolResult:
-    """What running one call gave.
-
-    Attributes:
-        call: the call.
-        content: what the model is shown: the return value as text, or "Error: ...".
-        error: None on success, else "unknown_tool", "bad_arguments", "raised" or "timeout".
-        seconds: the wall time it took.
-    """
+    """What running one call gave."""
 
     call: ToolCall
-    content: str
-    error: str | None
-    seconds: float
+    content: str  # what the model is shown: the return value as text, or "Error: ..."
+    error: str | None  # None on success, else "unknown_tool", "bad_arguments", "raised" or "timeout"
+    seconds: float  # wall time
 
 
 # ---- declaring tools ----
@@ -119,9 +100,8 @@ def _without_extra_info(fn: Callable) -> Callable:
 
     stand_in.__name__ = fn.__name__
     stand_in.__doc__ = fn.__doc__
-    stand_in.__signature__ = signature.replace(
-        parameters=[p for p in signature.parameters.values() if p.name != "extra_info"]
-    )
+    stand_in.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values()
+                                                           if p.name != "extra_info"])
     # Resolved against fn's module, so that string annotations (`from __future__ import annotations`) work.
     stand_in.__annotations__ = {k: v for k, v in typing.get_type_hints(fn).items() if k != "extra_info"}
     return stand_in
@@ -147,12 +127,10 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
                    call_tool: Callable | None = None) -> ToolResult:
     """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
     model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
-    schema-only tools; `timeout` (None: no limit) bounds the call.
-
-    Sync functions run in a worker thread (`asyncio.to_thread`), so that a tool that blocks does not stop
-    the other trajectories. A timed-out sync tool's thread runs on to its end (Python cannot stop a
-    thread), and threads come from the event loop's default executor, which bounds how many run at once.
-    """
+    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in a worker thread
+    (`asyncio.to_thread`), so that a tool that blocks does not stop the other trajectories. A timed-out sync
+    tool's thread runs on to its end (Python cannot stop a thread), and threads come from the event loop's
+    default executor, which bounds how many run at once."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
@@ -199,10 +177,8 @@ def _parameters(tool: Tool) -> str:
 
 
 async def _guarded(fn: Callable, args: tuple, kwargs: dict) -> tuple[object, Exception | None]:
-    """Call a sync or async function: (its value, None) or (None, what it raised).
-
-    Returning the tool's exception rather than raising it keeps a TimeoutError of the tool's own
-    apart from the timeout of `run_tool`."""
+    """Call a sync or async function: (its value, None) or (None, what it raised). Returning the tool's
+    exception rather than raising it keeps a TimeoutError of the tool's own apart from the timeout of `run_tool`."""
     try:
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs), None
@@ -244,11 +220,7 @@ def template_renders_tools(tokenizer) -> bool:
 
 def tool_system_prompt(schemas: list[dict]) -> str:
     """RL2's default tool format, Hermes style (as Qwen2.5's template writes it), for templates that
-    show no tools: the schemas, how to call them, and where results come back.
-
-    Args:
-        schemas: OpenAI tool schemas, one JSON line each.
-    """
+    show no tools: the schemas (one JSON line each), how to call them, and where results come back."""
     lines = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
     return (
         "# Tools\n\n"
@@ -267,15 +239,14 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
     """A conversation with tools as the text of the prompt, ending with the header of the assistant's next turn.
 
     Args:
-        tokenizer: the policy's tokenizer, whose chat template renders the messages.
         messages: OpenAI-style messages: system, user, assistant (content and/or tool_calls) and tool
             (content, tool_call_id, name).
         schemas: the tools' schemas; None or empty: no tools.
         parser: the policy's tool-call format, in which a fallback writes the assistants' calls.
-        native: the template renders tools itself (`template_renders_tools`). Otherwise the tool block
-            of `tool_system_prompt` is prepended to the system message (or makes one), an assistant's
-            tool_calls become text in `parser`'s format, and each run of tool messages becomes one user
-            message of <tool_response> blocks, as Hermes/Qwen templates render them.
+        native: the template renders tools itself (`template_renders_tools`). Otherwise the tool block of
+            `tool_system_prompt` is prepended to the system message (or makes one), an assistant's tool_calls
+            become text in `parser`'s format, and each run of tool messages becomes one user message of
+            <tool_response> blocks, as Hermes/Qwen templates render them.
     """
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,

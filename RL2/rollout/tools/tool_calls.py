@@ -29,24 +29,18 @@ class ToolCall:
 
 @dataclass
 class ParsedAction:
-    """An action split into its text and its tool calls.
+    """An action split into its text and its tool calls."""
 
-    Attributes:
-        content: the action with the call blocks removed, stripped.
-        calls: the well-formed calls, in order.
-        errors: one message per call block that could not be parsed (bad JSON, no name, arguments
-            that are not an object), quoting the start of the block.
-    """
-
-    content: str
-    calls: list[ToolCall] = field(default_factory=list)
+    content: str  # the action with the call blocks removed, stripped
+    calls: list[ToolCall] = field(default_factory=list)  # the well-formed calls, in order
+    # One message per call block that could not be parsed (bad JSON, no name, arguments that are not an
+    # object), quoting the start of the block.
     errors: list[str] = field(default_factory=list)
 
 
 class ToolCallParser:
-    """A tool-call format. Subclasses set `name` and `call_end` (a stop string that ends an action right
-    after a call, "</tool_call>"; None where calls end with the end-of-turn token) and define `parse` and
-    `format_calls`."""
+    """A tool-call format. Subclasses set `name` and `call_end` (a stop string that ends an action right after a
+    call, "</tool_call>"; None where calls end with the end-of-turn token) and define `parse` and `format_calls`."""
 
     name: str = ""
     call_end: str | None = None
@@ -75,7 +69,6 @@ class HermesParser(ToolCallParser):
 
     name = "hermes"
     call_end = "</tool_call>"
-
     # An unclosed block at the end is a call whose end tag was cut (a stop string trimmed, or the
     # token budget reached): it counts if what it holds parses.
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -95,7 +88,6 @@ class Llama3Parser(ToolCallParser):
 
     name = "llama3"
     call_end = None  # the call ends with <|eom_id|>, a stop token
-
     TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> ParsedAction:
@@ -120,7 +112,6 @@ class MistralParser(ToolCallParser):
 
     name = "mistral"
     call_end = None  # the call ends with </s>, the end-of-sequence token
-
     TAG = "[TOOL_CALLS]"
     # Newer templates: name, an optional call id, then the arguments.
     NAMED = re.compile(r"\s*([\w.\-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?\[ARGS\]")
@@ -179,12 +170,8 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
-    """Make a format available by name to `tool_call_parser` (replacing one of that name).
-
-    Args:
-        name: the name to give in `tool_call_parser(name, ...)`.
-        parser_cls: a `ToolCallParser` subclass, made with no arguments.
-    """
+    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, available as
+    `tool_call_parser(name, ...)` (replacing one of that name)."""
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {name!r}: {parser_cls!r} is not a subclass of "
                          f"RL2.rollout.tools.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
@@ -192,14 +179,9 @@ def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
 
 
 def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
-    """The parser `spec` names.
-
-    Args:
-        spec: "auto" (the format the tokenizer's chat template writes), a registered name ("hermes",
-            "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName"
-            naming a `ToolCallParser` subclass.
-        tokenizer: the policy's tokenizer; "auto" reads its `chat_template`.
-    """
+    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name
+    ("hermes", "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName" naming
+    a `ToolCallParser` subclass."""
     if spec == "auto":
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:
@@ -259,19 +241,14 @@ def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] |
 
 
 def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
-    """The call a decoded JSON value describes: a name and an object of arguments.
-
-    Args:
-        block: the text it was decoded from, quoted by the error message.
-        argument_keys: the keys that may hold the arguments, in order; no such key: no arguments.
-    """
+    """The call a decoded JSON value describes: a name and an object of arguments. `block` is the text it was
+    decoded from (the error quotes it); `argument_keys` may hold the arguments, in order (none: no arguments)."""
     if not isinstance(obj, dict):
         return _error(f"is a JSON {_json_type(obj)}, not an object with a name and arguments", block)
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return _error("has no name", block)
-    key = next((k for k in argument_keys if k in obj), None)
-    arguments = {} if key is None else obj[key]
+    arguments = next((obj[key] for key in argument_keys if key in obj), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -313,12 +290,9 @@ def _json_list(text: str, start: int) -> tuple[list[tuple[str, dict] | str], str
 
 
 def _action(content: str, found: list[tuple[str, dict] | str]) -> ParsedAction:
-    calls = [item for item in found if not isinstance(item, str)]
-    return ParsedAction(
-        content=content.strip(),
-        calls=[ToolCall(name, arguments, f"call_{i}") for i, (name, arguments) in enumerate(calls)],
-        errors=[item for item in found if isinstance(item, str)],
-    )
+    calls = [ToolCall(name, arguments, f"call_{i}")
+             for i, (name, arguments) in enumerate(item for item in found if not isinstance(item, str))]
+    return ParsedAction(content.strip(), calls, [item for item in found if isinstance(item, str)])
 
 
 def _error(problem: str, block: str) -> str:

@@ -28,26 +28,15 @@ BLOCKED_GRACE_S = 1.0
 
 @dataclass
 class ToolUse:
-    """The tools of an environment, and how the policy sees and calls them.
+    """The tools of an environment, and how the policy sees and calls them."""
 
-    Attributes:
-        tools: the tools, by name (`build_tools`).
-        call_tool: the environment's runner of schema-only tools, if any.
-        parser: the policy's tool-call format.
-        native: the chat template renders tools itself; otherwise RL2's default format is written into
-            the messages.
-        timeout: seconds one call may take (None: no limit).
-        on_error: "observe" (the error is the call's result) or "end" (the trajectory ends as a fault).
-        stop_after_call: end an action at the format's end of a call, so that the model's own guess of
-            the result is never sampled.
-    """
-
-    tools: dict[str, Tool]
-    call_tool: Callable | None
-    parser: ToolCallParser
-    native: bool
-    timeout: float | None = None
-    on_error: str = "observe"
+    tools: dict[str, Tool]  # by name (`build_tools`)
+    call_tool: Callable | None  # the environment's runner of schema-only tools, if any
+    parser: ToolCallParser  # the policy's tool-call format
+    native: bool  # the chat template renders tools itself; otherwise RL2's default format is written in the messages
+    timeout: float | None = None  # seconds one call may take (None: no limit)
+    on_error: str = "observe"  # "observe" (the error is the call's result) or "end" (the trajectory ends as a fault)
+    # End an action at the format's end of a call, so that the model's own guess of the result is never sampled.
     stop_after_call: bool = True
 
     def render(self, messages: list[dict], tokenizer) -> str:
@@ -59,20 +48,13 @@ class ToolUse:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
         return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
-    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict, counts) -> list[dict] | str | None:
-        """Run the calls of `action`, if it makes any.
-
-        Args:
-            messages: the conversation the action answers (None: the state was text).
-            action: the action's text.
-            extra_info: the trajectory's, for tools that take it.
-            counts: the trajectory, whose `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`
-                grow by this action's.
-
-        Returns:
-            None when the action calls no tool (the environment's step answers it); else the conversation
-            with the action and the results; or, where the trajectory must end, the reason.
-        """
+    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict,
+                      counts) -> list[dict] | str | None:
+        """Run the calls of `action`, which answers `messages` (None: the state was text), with the trajectory's
+        `extra_info` for tools that take it; `counts` is the trajectory, whose `tool_calls`, `parse_errors`,
+        `tool_errors` and `tool_seconds` grow by this action's. Returns None when the action calls no tool (the
+        environment's step answers it); else the conversation with the action and the results; or, where the
+        trajectory must end, the reason."""
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return None
