@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import openai
 
 from RL2.agents.openai_server import OpenAIEndpoint
-from RL2.engine.protocol import engine_sampling_params
 from RL2.rollout.env import EnvError, EnvFault, TooManyTimeouts, check_coroutine, load_script, parse_reward
 from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
-from RL2.rollout.loop import call_script, gather_or_cancel, sample_seed
+from RL2.rollout.loop import call_script, engine_sampling_params, gather_or_cancel, sample_seed
 from RL2.rollout.trajectory import Trajectory
 
 # What an agent's result dict may hold.

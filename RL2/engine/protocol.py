@@ -71,19 +71,3 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         ...
-
-
-def engine_sampling_params(params) -> dict:
-    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params.
-
-    Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
-    the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
-    """
-    params = dict(params.items())  # a config section holds lists as its own list type: made plain below
-    params.pop("no_stop_trim", None)
-    stop, stop_token_ids = params.pop("stop", None), params.pop("stop_token_ids", None)
-    if stop:
-        params["stop"] = [stop] if isinstance(stop, str) else [str(s) for s in stop]
-    if stop_token_ids:
-        params["stop_token_ids"] = [int(token) for token in stop_token_ids]
-    return params

@@ -14,7 +14,7 @@ import copy
 import time
 from dataclasses import dataclass
 
-from RL2.engine.protocol import Engine, EngineError, engine_sampling_params
+from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.env import Env, EnvError, EnvFault, State, StepResult, TooManyTimeouts, not_text
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.tools.tool_use import ToolUse
@@ -26,6 +26,22 @@ from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, s
 DEFAULT_MAX_NEW_TOKENS = 128
 # Aborts in a row, each before a token, after which a request is taken to be refused, not paused.
 MAX_IDLE_RESUMES = 3
+
+
+def engine_sampling_params(params) -> dict:
+    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params.
+
+    Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
+    the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
+    """
+    params = dict(params.items())  # a config section holds lists as its own list type: made plain below
+    params.pop("no_stop_trim", None)
+    stop, stop_token_ids = params.pop("stop", None), params.pop("stop_token_ids", None)
+    if stop:
+        params["stop"] = [stop] if isinstance(stop, str) else [str(s) for s in stop]
+    if stop_token_ids:
+        params["stop_token_ids"] = [int(token) for token in stop_token_ids]
+    return params
 
 
 @dataclass(frozen=True)

@@ -78,21 +78,14 @@ OWN_UID_BASE, NOBODY = 2_000_000_000, 65534
 # makes sockets without the socket system call). Abstract Unix sockets belong to the network
 # namespace, which is the sandbox's own; socketpair() (a connected pair, no name) stays allowed.
 AF_UNIX, EAFNOSUPPORT, ENOSYS = 1, 97, 38
-SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}  # audit arch, socket, io_uring_setup
+# audit arch, socket, io_uring_setup
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
 X32_SYSCALL_BIT = 0x40000000
 SECCOMP_MODE_FILTER, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 2, 0x7FFF0000, 0x00050000, 0x80000000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 EXIT_SETUP_FAILED = 121
 # Values deeper than this do not cross between the solution and the judge (the test fails).
 MAX_DEPTH = 100
-
-libc = ctypes.CDLL(None, use_errno=True)
-
-SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}  # audit arch, socket, io_uring_setup
-X32_SYSCALL_BIT = 0x40000000
-SECCOMP_MODE_FILTER, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 2, 0x7FFF0000, 0x00050000, 0x80000000
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
-EXIT_SETUP_FAILED = 121
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -240,7 +233,8 @@ def enter_root(root: str) -> None:
 
 def private_tmpfs(path: str, limits: dict, owner: int, mode: int) -> None:
     options = f"mode={mode:o},uid={owner},gid={owner},size={limits['disk_bytes']},nr_inodes={limits['files']}"
-    check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), f"mount a tmpfs on {path}")
+    check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()),
+          f"mount a tmpfs on {path}")
 
 
 def private_dev(root: str, limits: dict, owner: int) -> None:

@@ -497,7 +497,8 @@ def _kill_processes_of(uid: int) -> None:
 def _child_env(workdir: str) -> dict[str, str]:
     """A bare environment: none of the trainer's variables (tokens, keys) reach the solution."""
     single_thread = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", **single_thread}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            **single_thread}
 
 
 def _remove(workdir: str) -> None:

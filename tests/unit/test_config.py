@@ -136,7 +136,7 @@ def test_bounded_and_corrected_partial_rollouts_pass(argv):
 
 
 def test_stop_strings_reach_the_engines_in_the_original_spellings():
-    from RL2.engine.protocol import engine_sampling_params
+    from RL2.rollout.loop import engine_sampling_params
 
     # The original RL2's Search-R1 lines, key for key.
     cfg = ppo_config(["rollout.train_sampling_params.stop=['</search>','</answer>']",

@@ -86,7 +86,8 @@ def test_the_page_shows_a_trajectory_colours_its_tokens_and_runs_none_of_its_tex
             coloured = page.locator("#chat .tok").evaluate_all("s => s.filter(x => x.style.background).length")
             assert page.locator("#chat .tok").count() == len(record["tokens"]["text"]) and coloured > 0, mode
         page.check("#mode-adv")
-        shot = REPO / "docs" / "viewer.png" if os.environ.get("RL2_UPDATE_SCREENSHOT") == "1" else tmp_path / "viewer.png"
+        update = os.environ.get("RL2_UPDATE_SCREENSHOT") == "1"
+        shot = REPO / "docs" / "viewer.png" if update else tmp_path / "viewer.png"
         page.locator("#detail-section").screenshot(path=str(shot))
         assert shot.stat().st_size > 10_000
 
