@@ -119,12 +119,9 @@ class RolloutWorker:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def sync_weights(self, fsdp_model: torch.nn.Module, version: str) -> None:
-        """The policy (`fsdp_model`, the one given at construction) was updated: the engine gets its weights,
-        named `version` (its `weight_version`), now or at the start of the next rollout (see
-        `EngineState.synced`). Collective."""
-        if fsdp_model is not self.policy.model:
-            raise ValueError("RolloutWorker.sync_weights takes the policy it was built with")
+    def sync_weights(self, version: str) -> None:
+        """The policy was updated: the engine gets its weights, named `version` (its `weight_version`), now or at
+        the start of the next rollout (see `EngineState.synced`). Collective."""
         self.state.synced(version)
 
     def take_push_seconds(self) -> float:
