@@ -214,11 +214,10 @@ class Session:
 
 
 class OpenAIEndpoint:
-    """An OpenAI-compatible HTTP server on 127.0.0.1 over one inference engine, recording per session.
+    """An OpenAI-compatible HTTP server on 127.0.0.1 over one inference engine (SGLang `/generate` payloads),
+    recording per session, with the policy's tokenizer.
 
     Args:
-        engine: serves SGLang `/generate` payloads (the embedded engine, or SGLang servers).
-        tokenizer: the policy's tokenizer (chat template, tokenising prompts, decoding actions).
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
         native_tools: the chat template renders tools itself (`RL2.rollout.tools.declared.render_conversation`).
         default_sampling: the run's SGLang sampling params; a request's fields override them.

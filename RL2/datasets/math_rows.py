@@ -64,14 +64,9 @@ def math_answer(row: dict) -> str:
 
 def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT,
                   data_source: str | None = None) -> dict:
-    """One PPO prompt row from a GSM8K or MATH row.
-
-    Args:
-        fmt: "gsm8k" or "math".
-        index: the row's number in its source (kept in extra_info).
-        prompt: the template; `{question}` is replaced by the question (other braces are left alone).
-        data_source: extra_info["data_source"] (default: the format's name), which names test metrics.
-    """
+    """One PPO prompt row from a GSM8K or MATH row (`fmt` "gsm8k" or "math"), the `index`-th of its source.
+    `prompt`: the template, whose `{question}` is replaced by the question (other braces are left alone);
+    `data_source`: extra_info["data_source"] (default: the format's name), which names test metrics."""
     question_key = "question" if fmt == "gsm8k" else "problem"
     question = row.get(question_key)
     if not isinstance(question, str) or not question.strip():
@@ -89,15 +84,10 @@ def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT,
 
 def math_rows(rows: Iterable[dict], fmt: str = "auto", prompt: str = DEFAULT_PROMPT, data_source: str | None = None,
               skip_bad_rows: bool = False, source: str = "rows") -> tuple[list[dict], int]:
-    """PPO prompt rows from GSM8K or MATH rows; returns (rows, number skipped).
-
-    Args:
-        rows: the source rows (dicts), e.g. a `datasets.Dataset`.
-        fmt: "gsm8k", "math" or "auto" (from the first row's keys).
-        prompt, data_source: as in `to_prompt_row`.
-        skip_bad_rows: skip and count rows without a usable question or answer instead of failing.
-        source: the name of the rows in error messages (a file).
-    """
+    """PPO prompt rows from GSM8K or MATH rows (dicts, e.g. a `datasets.Dataset`); returns (rows, number
+    skipped). `fmt` "auto" reads the format from the first row's keys; `prompt` and `data_source` as in
+    `to_prompt_row`; `skip_bad_rows` skips and counts rows without a usable question or answer instead of
+    failing; `source` names the rows in error messages (a file)."""
     if "{question}" not in prompt:
         raise ValueError(f"the prompt template needs a {{question}} placeholder: {prompt!r}")
     if fmt not in FORMATS:

@@ -22,11 +22,8 @@ from RL2.datasets.tokenize import (
 
 
 def tokenize_side(tokenizer, row: dict, key: str, split_cfg, shared: int = 0) -> dict:
-    """One side of a pair (`key` is the chosen or the rejected column) as an example.
-
-    Args:
-        shared: how many messages this side begins with that the other side has too (context).
-    """
+    """One side of a pair (`key` is the chosen or the rejected column) as an example; `shared`: how many
+    messages this side begins with that the other side has too (context)."""
     max_length = split_cfg.max_length  # the example is truncated to it: far longer texts are cut before tokenizing
     if not isinstance(row.get(key), list):
         return tokenize_prompt_response(tokenizer, context_of(row, split_cfg), require_text(row, key), max_length)

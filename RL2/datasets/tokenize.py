@@ -99,19 +99,14 @@ def context_of(row: dict, split_cfg) -> list[dict] | str:
 
 
 def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_length: int | None = None) -> dict:
-    """Apply the chat template to `{role, content}` messages turn by turn; only assistant turns are in
-    the loss.
+    """Apply the chat template to `{role, content}` messages turn by turn; only assistant turns from message
+    `train_from` on are in the loss (those before it are context: the conversation so far).
 
     Each turn's tokens are the text the template adds for that turn, so the concatenation equals the
     template applied to the whole conversation, and the assistant header (`<|im_start|>assistant\\n`)
-    belongs to the preceding prompt part, not to the loss.
-
-    Args:
-        train_from: index of the first message that may be trained on; the assistant turns before
-            it are context (the conversation so far before a response).
-        max_length: the example is truncated to this many tokens afterwards: longer contents are cut
-            (`text_budget`) and the turns after the first `max_length` tokens are not tokenized.
-    """
+    belongs to the preceding prompt part, not to the loss. The example is truncated to `max_length` tokens
+    afterwards: longer contents are cut first (`text_budget`), and turns past the first `max_length` tokens
+    are not tokenized."""
     if max_length is not None:
         budget = text_budget(tokenizer, max_length)
         messages = [m | {"content": m["content"][:budget]} if len(m["content"]) > budget else m for m in messages]

@@ -59,10 +59,8 @@ class EvalResult:
 
 
 class Evaluator:
-    """Args:
-        cfg: the merged, typed config (`EvalConfig`).
-        env: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a Python reward).
-    """
+    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a Python
+    reward)."""
 
     def __init__(self, cfg: DictConfig, env: RolloutScript | None = None):
         self.device = pick_device(cfg.eval.device, key="eval.device")

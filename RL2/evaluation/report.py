@@ -36,12 +36,8 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def format_table(columns: dict[str, dict], difference: dict | None = None) -> str:
-    """A table with one row per (data source, metric), one column per model, and `first - second`.
-
-    Args:
-        columns: column title -> metrics in the layout of `evaluation_metrics`.
-        difference: `metrics_difference` of the two columns, if two.
-    """
+    """A table with one row per (data source, metric), one column per model (`columns`: title -> metrics in
+    the layout of `evaluation_metrics`), and `first - second` (`difference`, of the two columns, if two)."""
     titles = [*columns, *([" - ".join(columns)] if difference else [])]
     tables = [*columns.values(), *([difference] if difference else [])]
     rows = []

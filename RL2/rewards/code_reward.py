@@ -17,14 +17,9 @@ from RL2.sandbox import CodeTest, Sandbox, current_sandbox
 
 async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool = False, tests_key: str = "tests",
                       sandbox: Sandbox | None = None) -> float:
-    """The fraction of the row's tests the response's code passes (or 1.0/0.0 with `all_or_nothing`).
-
-    Args:
-        response: the policy's text; its code is the last ```python fence, else the whole text.
-        all_or_nothing: 1.0 only when every test passes (stops at the first failure), else 0.0.
-        tests_key: where the tests are in `extra_info`.
-        sandbox: limits and concurrency (default: the run's, `RL2.sandbox.current_sandbox()`).
-    """
+    """The fraction of the tests at `extra_info[tests_key]` that the response's code (its last ```python fence,
+    else the whole text) passes; with `all_or_nothing`, 1.0 only when every test passes (stopping at the
+    first failure), else 0.0. `sandbox`: limits and concurrency (default: the run's, `current_sandbox()`)."""
     tests = parse_tests(extra_info.get(tests_key), tests_key)
     sandbox = sandbox or current_sandbox()
     results = await sandbox.run_tests(extract_code(response), tests, stop_at_failure=all_or_nothing)
@@ -35,13 +30,8 @@ async def code_reward(response: str, extra_info: dict, *, all_or_nothing: bool =
 
 
 def parse_tests(value: object, key: str = "tests") -> list[CodeTest]:
-    """The tests of a row, checked.
-
-    Args:
-        value: a list of {"input", "output"} / {"assert"} dicts, a dict {"inputs": [...],
-            "outputs": [...]}, or either as a JSON string.
-        key: the extra_info key it came from (for error messages).
-    """
+    """The tests of a row, checked: `value` is a list of {"input", "output"} / {"assert"} dicts, a dict
+    {"inputs": [...], "outputs": [...]}, or either as a JSON string, from extra_info[`key`]."""
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -19,8 +19,7 @@ class EngineState:
     """Args:
         engine: the rollout engine (`RL2.engine.protocol.Engine`): whether it `releases_memory` and
             `follows_policy` is its own to say.
-        policy: the `FSDPWorker` whose weights the engine samples from; `policy.updates` is their version.
-            None: the engine samples the weights it loaded (an evaluation of a fixed model).
+        policy: as `RolloutWorker` takes it; `policy.updates` is the version of its weights.
         push: `push(label)` sends the policy's current weights to the engine (collective).
         colocated: the trainer's models that leave the GPU while the engine samples (empty: none do); with
             any, a push waits for the next rollout, as the push needs their GPU memory.

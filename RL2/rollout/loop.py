@@ -83,18 +83,14 @@ class EnvRollout:
 async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: dict, sampling_params: dict,
                          prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
                          stop: asyncio.Event | None = None) -> Trajectory:
-    """Roll out one trajectory, or carry on with one a pause cut short (`resume`).
+    """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids`
+    are given; None asks the environment's `reset`) and the row's `extra_info` (handed to the environment, not
+    copied here).
 
-    Args:
-        state: the prompt text or chat messages; None asks the environment's `reset`.
-        extra_info: the prompt row's `extra_info`, handed to the environment (not copied here).
-        prompt_ids: the prompt already tokenised (else `state` is tokenised).
-        resume: a trajectory that ended with stop_reason "abort": its last action is sampled on
-            from where it stopped (the tokens it already has keep their log-probabilities), then
-            the rollout goes on as usual. `state`, `extra_info` and `prompt_ids` are ignored.
-        stop: once set, no new action is requested: the trajectory ends "abort" with an empty
-            action, to be resumed later (partial rollout pauses the engine after setting it).
-    """
+    `resume`: a trajectory that ended with stop_reason "abort" instead: its last action is sampled on from
+    where it stopped (the tokens it already has keep their log-probabilities), then the rollout goes on as
+    usual. `stop`: once set, no new action is requested: the trajectory ends "abort" with an empty action, to
+    be resumed later (partial rollout pauses the engine after setting it)."""
     trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
     if trajectory.fault is not None:  # its reset failed
         return trajectory
@@ -160,11 +156,9 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
     no new action is requested and the engine is paused with abort, which returns the in-flight
     requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
 
-    Returns:
-        (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt order.
-        The finished groups include the carried ones that were finished already (beyond an earlier batch); the
-        newly finished ones are those this call finished, what its metrics and samples report.
-    """
+    Returns (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt
+    order. The finished groups include the carried ones that were finished already (beyond an earlier batch);
+    the newly finished ones are those this call finished, what its metrics and samples report."""
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
     done_groups = asyncio.Event()

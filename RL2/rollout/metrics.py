@@ -68,12 +68,9 @@ def fault_summary(groups: list[list[Trajectory]]) -> str | None:
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
                  tokens: list[dict] | None = None) -> None:
-    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`).
-
-    Args:
-        tokens: per trajectory (in order), its `sample_tokens` record, written last on its line (the viewer reads
-            a line's other keys without parsing it).
-    """
+    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`);
+    `tokens`: per trajectory (in order), its `sample_tokens` record, written last on its line (the viewer reads a
+    line's other keys without parsing it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A lone surrogate ("\ud800") that a prompt or an environment's text holds is written as its JSON escape,

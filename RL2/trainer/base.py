@@ -22,12 +22,8 @@ from RL2.utils.save_dir_lock import claim_save_dir
 
 class Trainer:
     """Base class. Subclasses load their data (`load_data`), build their workers, then implement
-    `train_step(step)` and `evaluate()`.
-
-    Args:
-        cfg: the merged, typed config.
-        model_cfg: the config of the model whose parallel layout is used (actor or critic).
-    """
+    `train_step(step)` and `evaluate()`. `model_cfg`: the config of the model whose parallel layout is used
+    (actor or critic)."""
 
     # The metrics of `<save_dir>/learning_curve.png`, one panel each; subclasses choose their own.
     learning_curve: tuple[CurvePanel, ...] = (CurvePanel("loss", ("train/loss", "test/loss")),)

@@ -55,10 +55,7 @@ from RL2.workers.fsdp import load_tokenizer
 
 
 class PPOTrainer(Trainer):
-    """Args:
-        cfg: the merged, typed config (`PPOConfig`).
-        env: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.train` passes a Python reward).
-    """
+    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.train` passes a Python reward)."""
 
     learning_curve = (
         CurvePanel("reward and score", ("rollout/reward", "rollout/score", "test/*/score")),

@@ -71,13 +71,9 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
                    colocated: Sequence = (), seed: int = 0) -> RolloutWorker:
     """This rank's engine (collective for SGLang), the driver of `script` on it, and the worker over both.
 
-    Args:
-        model_cfg: the `actor` config (weights and compute dtype of the engine's copy).
-        script: what `load_rollout_script` gave (or the Python API's reward environment).
-        policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
-            engine keeps the weights it loaded (an evaluation of a fixed model).
-        colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included.
-        seed: the run's seed, for the engine's own sampling stream (see `start_engine`).
+    `model_cfg` is the `actor` config (weights and compute dtype of the engine's copy), `script` what
+    `load_rollout_script` gave (or the Python API's reward environment), `policy` and `colocated` as
+    `RolloutWorker` takes them, `seed` the run's (the engine's own sampling stream: `start_engine`).
     """
     dtype = compute_dtype(model_cfg.dtype, device)
     model_path = resolve_model_path(model_cfg.model_name)

@@ -1,11 +1,10 @@
-"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time (see
-docs/outputs.md).
+"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time
+(`RL2.utils.save_dir_lock`; see docs/outputs.md).
 
-`<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG
-state and, written last, `trainer_state.json`. Everything goes to a hidden temporary folder first,
-renamed into place at the end. The small files and the renames are fsynced, so a power loss right
-after a save does not leave `latest.txt` naming a folder the disk never got. One run at a time
-writes there (`RL2.utils.save_dir_lock`).
+`<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG state and,
+written last, `trainer_state.json`. Everything goes to a hidden temporary folder first, renamed into place at
+the end. The small files and the renames are fsynced, so a power loss right after a save does not leave
+`latest.txt` naming a folder the disk never got.
 """
 
 import json
@@ -82,12 +81,10 @@ def replace_synced(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict:
-    """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers.
-
-    `torch.load(weights_only=True)` reads them back and runs no code from the file. A pickled object
-    (NumPy's state tuple holds an ndarray) would need `weights_only=False`, under which a planted
-    `rng_rank*.pt` runs whatever it names at resume.
-    """
+    """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers, which
+    `torch.load(weights_only=True)` reads back running no code from the file. A pickled object (NumPy's state
+    tuple holds an ndarray) would need `weights_only=False`, under which a planted `rng_rank*.pt` runs whatever
+    it names at resume."""
     version, mt, gauss = random.getstate()
     numpy = np.random.get_state(legacy=False)  # MT19937: {"state": {"key", "pos"}, "has_gauss", "gauss"}
     state = {
@@ -130,12 +127,9 @@ def load_rng_state(path: Path) -> dict:
 
 
 def _on_every_rank(action: Callable[[], None]) -> None:
-    """Run `action` on this rank; when it fails on any rank, raise on every rank. Collective.
-
-    Each rank writes files of its own; a rank that failed alone (a full local disk) would otherwise
-    leave the others waiting at the next collective. An interrupt (KeyboardInterrupt, SystemExit) is
-    not shared: it ends this process at once.
-    """
+    """Run `action` on this rank; when it fails on any rank, raise on every rank. Collective. Each rank writes
+    files of its own; a rank that failed alone (a full local disk) would otherwise leave the others waiting at
+    the next collective. An interrupt (KeyboardInterrupt, SystemExit) is not shared: it ends this process."""
     error = None
     try:
         action()
@@ -159,9 +153,8 @@ def _reason(error: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
                     keep_last_n: int | None = None) -> Path:
-    """Collective: every rank writes the shards of `workers` (name -> Stateful worker) and its RNG state
-    into `<save_dir>/step<step>`, beside `trainer_state.json` (`trainer_state` and the step). Returns
-    that folder.
+    """Collective: every rank writes the shards of `workers` (name -> Stateful worker) and its RNG state into
+    `<save_dir>/step<step>`, beside `trainer_state.json` (`trainer_state` and the step). Returns that folder.
 
     A save that fails on any rank (a full disk, torch's CheckpointException, an interrupt) removes its
     temporary folder and raises on every rank; the checkpoints saved before stay as they were. Then
@@ -268,12 +261,10 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
 def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | None = None) -> dict:
     """Collective: restore every worker and this rank's RNG. Returns the trainer state.
 
-    Args:
-        rng_group: ranks that must go on with one random stream, the tensor-parallel group (its ranks
-            share inputs, and so dropout masks): each takes the stream of the group's first rank. Under
-            the layout that saved the checkpoint they held the same one; under another (2 data-parallel
-            ranks resumed as tp=2) they would go on with different streams. None: this rank's own.
-    """
+    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share
+    inputs, and so dropout masks): each takes the stream of the group's first rank. Under the layout that
+    saved the checkpoint they held the same one; under another (2 data-parallel ranks resumed as tp=2) they
+    would go on with different streams. None: this rank's own."""
     index = read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
         dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path), index))

@@ -7,16 +7,9 @@ from types import ModuleType
 
 
 def import_file_or_module(where: str, prefix: str) -> ModuleType:
-    """The module at `where`: a file when it ends in `.py` or holds a `/`, else an importable module name.
-
-    Args:
-        where: e.g. "envs/my_reward.py" or "my_package.rewards".
-        prefix: the name a file's module gets, before the file's stem (files never enter `sys.modules`).
-
-    Raises:
-        FileNotFoundError: a file that is not there.
-        ImportError: a module that cannot be imported.
-    """
+    """The module at `where`: a file when it ends in `.py` or holds a `/` ("envs/my_reward.py"), else an
+    importable module name ("my_package.rewards"); a file's module is named `prefix` + its stem (outside
+    `sys.modules`). A missing file raises FileNotFoundError, a module that cannot be imported ImportError."""
     if where.endswith(".py") or "/" in where:
         file = Path(where).expanduser()
         if not file.is_file():

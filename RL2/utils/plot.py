@@ -17,28 +17,18 @@ Series = tuple[list[int], list[float]]  # (steps, values)
 
 @dataclass(frozen=True)
 class CurvePanel:
-    """One subplot of a learning curve.
+    """One subplot of a learning curve."""
 
-    Args:
-        title: what the panel shows; also its y-axis label unless `ylabel` is given.
-        keys: metric names or fnmatch patterns (`test/*/score`), plotted in this order.
-        ylabel: the y-axis label.
-        ylim: fixed y-axis limits (accuracies: (0, 1)); None lets the data decide.
-    """
-
-    title: str
-    keys: tuple[str, ...]
+    title: str  # what the panel shows; also its y-axis label unless `ylabel` is given
+    keys: tuple[str, ...]  # metric names or fnmatch patterns (`test/*/score`), plotted in this order
     ylabel: str | None = None
-    ylim: tuple[float, float] | None = None
+    ylim: tuple[float, float] | None = None  # fixed y-axis limits (accuracies: (0, 1)); None: the data decide
 
 
 def curve_series(rows: list[dict], panels: tuple[CurvePanel, ...]) -> list[tuple[CurvePanel, dict[str, Series]]]:
     """The points of every panel: for each metric of `rows` (metrics.jsonl records) matching one of its
-    keys, its (steps, values).
-
-    Panels with no matching metric are left out; a metric matching two patterns of a panel is
-    plotted once. Non-numeric values are skipped.
-    """
+    keys, its (steps, values). Panels with no matching metric are left out; a metric matching two patterns
+    of a panel is plotted once. Non-numeric values are skipped."""
     names = list(dict.fromkeys(k for row in rows for k in row if k != "step"))
     result = []
     for panel in panels:

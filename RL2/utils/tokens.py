@@ -45,13 +45,9 @@ def special_tokens(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
 
 
 def encode(tokenizer, text: str, plain: Spans = ()) -> list[int]:
-    """The token ids of `text`, without BOS (chat templates write their special tokens, BOS included,
-    into the text itself).
-
-    Args:
-        plain: the spans of `text` where content wrote a special token's text (`render_plain`): each is
-            tokenised as text, not as that token. The special tokens elsewhere are the template's.
-    """
+    """The token ids of `text`, without BOS (chat templates write their special tokens, BOS included, into the
+    text itself). `plain`: the spans of `text` where content wrote a special token's text (`render_plain`),
+    each tokenised as text, not as that token; the special tokens elsewhere are the template's."""
     if not plain:
         return tokenizer.encode(text, add_special_tokens=False)
     pattern, ids_of = special_tokens(tokenizer)
@@ -67,12 +63,9 @@ def encode(tokenizer, text: str, plain: Spans = ()) -> list[int]:
 def render_plain(tokenizer, render: Callable[..., str], *content) -> tuple[str, list[tuple[int, int]]]:
     """`render(*content)` (a chat template over messages) with the special tokens' text in the strings of
     `content` hidden from it; returns the text and the spans in it of that content's special-token text,
-    for `encode`.
-
-    Each such string is replaced by a marker of plain ASCII (a random nonce and a number) before
-    rendering and put back after, so that the template neither sees nor reacts to it. Content without
-    any special token's text renders exactly as `render(*content)`.
-    """
+    for `encode`. Each such string is replaced by a marker of plain ASCII (a random nonce and a number)
+    before rendering and put back after, so that the template neither sees nor reacts to it. Content
+    without any special token's text renders exactly as `render(*content)`."""
     pattern, _ = special_tokens(tokenizer)
     if pattern is None:
         return render(*content), []

@@ -53,14 +53,10 @@ class ToolResult:
 
 
 def build_tools(specs: list, where: str, call_tool: Callable | None = None) -> dict[str, Tool]:
-    """The tools of an environment, by name.
-
-    Args:
-        specs: Python functions, or OpenAI schema dicts ({"type": "function", "function": {...}} or
-            just the {"name", "description", "parameters"} inside).
-        where: the environment script, named by the error messages.
-        call_tool: `call_tool(name, arguments, extra_info)`, sync or async, which runs the schema-only tools.
-    """
+    """The tools of the environment script `where` (named by the error messages), by name. `specs`: Python
+    functions, or OpenAI schema dicts ({"type": "function", "function": {...}} or just the {"name",
+    "description", "parameters"} inside), whose tools `call_tool(name, arguments, extra_info)` (sync or async)
+    runs."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if isinstance(spec, dict):
@@ -236,18 +232,13 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
                         native: bool) -> str:
-    """A conversation with tools as the text of the prompt, ending with the header of the assistant's next turn.
-
-    Args:
-        messages: OpenAI-style messages: system, user, assistant (content and/or tool_calls) and tool
-            (content, tool_call_id, name).
-        schemas: the tools' schemas; None or empty: no tools.
-        parser: the policy's tool-call format, in which a fallback writes the assistants' calls.
-        native: the template renders tools itself (`template_renders_tools`). Otherwise the tool block of
-            `tool_system_prompt` is prepended to the system message (or makes one), an assistant's tool_calls
-            become text in `parser`'s format, and each run of tool messages becomes one user message of
-            <tool_response> blocks, as Hermes/Qwen templates render them.
-    """
+    """A conversation with tools (`schemas`; None or empty: none) as the text of the prompt, ending with the
+    header of the assistant's next turn. `messages` are OpenAI-style: system, user, assistant (content and/or
+    tool_calls) and tool (content, tool_call_id, name). With `native`, the template renders tools itself
+    (`template_renders_tools`); otherwise the tool block of `tool_system_prompt` is prepended to the system
+    message (or makes one), an assistant's tool_calls become text in `parser`'s format (the policy's), and
+    each run of tool messages becomes one user message of <tool_response> blocks, as Hermes/Qwen templates
+    render them."""
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
                                              tokenize=False, add_generation_prompt=True)
