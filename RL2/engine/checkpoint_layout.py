@@ -22,10 +22,8 @@ from transformers.core_model_loading import PrefixChange, WeightConverter, rever
 
 
 class CheckpointLayout:
-    """Args:
-        model: a transformers model of the trained class, on any device (the meta device does: only its
-            structure and config are read). `from_folder` builds one from a checkpoint's config.
-    """
+    """The layout of `model`, a transformers model of the trained class on any device (the meta device does:
+    only its structure and config are read); `from_folder` builds one from a checkpoint's config."""
 
     def __init__(self, model: torch.nn.Module):
         conversions = getattr(model, "_weight_conversions", None)  # those of `from_pretrained`, if it loaded the model

@@ -80,12 +80,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class LlamaForward:
-    """Forwards of a Llama-family decoder over the engine's `SlotKVCache`.
-
-    Args:
-        model: an HF causal LM of a family in FAMILIES (see `llama_forward_supported`).
-        kernel: maps a list of `nn.Linear` sharing an input to the callable that applies them all
-            (the engine's packed ones).
+    """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`.
+    `kernel` maps a list of `nn.Linear` sharing an input to the callable that applies them all (the
+    engine's packed ones).
 
     A float32 or bf16 model on CPU decodes through the C kernels of `decode_kernels.c` where they can
     be built (in bf16 they round where the torch ops round); everything else (GPU, prefill, other

@@ -113,13 +113,8 @@ def cache_keyword(model_class: type) -> str:
 
 
 class ModelRunner:
-    """Owns the model and its slot KV cache; runs prefill and decode forwards.
-
-    Args:
-        model: an HF causal LM in eval mode.
-        max_rows: the most requests that can run at once (cache rows).
-        owns_model: see `EmbeddedEngine` (applies where the runner's own Llama forward runs the model).
-    """
+    """Owns an HF causal LM in eval mode and its slot KV cache of `max_rows` rows; runs prefill and decode
+    forwards. For `owns_model` see `EmbeddedEngine` (it applies where the runner's own Llama forward runs)."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int, owns_model: bool = False):
         self.model = model
@@ -133,7 +128,6 @@ class ModelRunner:
         self.kernels: list[PackedLinear] = []  # refreshed after load_weights
         self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
         self.llama: LlamaForward | None = None
-        # The logits of the kept positions only go through the output projection.
         self.head = None
         head_is_output = _logits_are_the_head_of_the_decoder(model)
         if head_is_output and llama_forward_supported(model):  # the engine's own forward; HF's modules are not run

@@ -71,23 +71,16 @@ class SamplingParams:
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
                        generators: list[torch.Generator | None],
                        default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row, all rows at once.
+    """(tokens, logprobs) `[rows]`: one token per row of `logits` `[rows, vocab]` (any float dtype; sampling
+    runs in float32), all rows at once. Row r follows `params[r]`, never samples `banned[r]` (stop tokens
+    before min_new_tokens) and draws from `generators[r]` (a request's sampling_seed) or, if None, from
+    `default_generator` (None: torch's global one).
 
     The returned log-probability is that of the sampled token under softmax(logits / temperature), the
     distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it
     (unless started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns temperature 1's). That
     distribution is the policy the trainer trains and recomputes (`RL2.workers.actor.Actor`). Greedy
     rows (temperature 0, or top_k=1) give temperature 1's, as a greedy batch does in SGLang.
-
-    Args:
-        logits: [rows, vocab] next-token logits, any float dtype (sampling runs in float32).
-        params: each row's sampling parameters.
-        banned: per row, token ids that must not be sampled (stop tokens before min_new_tokens).
-        generators: per row, its own generator (requests with a sampling_seed) or None.
-        default_generator: for the rows without their own (None: torch's global one).
-
-    Returns:
-        (tokens, logprobs), both of shape [rows].
     """
     device = logits.device
     # The policy's own probabilities, in one fused pass; every filter below works on them (a
@@ -173,16 +166,13 @@ class _Tempered:
 def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
 
-    The temperature is already applied (`_Tempered`). Then, for a row without min-p, top-k and top-p
-    together on that distribution: a token stays if it is among the top_k and the tokens likelier than
-    it hold at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
-    `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised
-    top-k tokens, then min-p (`top_k_renorm_prob`, `top_p_renorm_prob`,
-    `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
-    request has it); here each row follows its own parameters, so that a request samples alike
-    in any batch.
-
-    `weights` are the unnormalised probabilities at each row's temperature (banned tokens at 0).
+    `weights` are already at each row's temperature (`_Tempered`; banned tokens at 0). For a row without min-p,
+    top-k and top-p together on that distribution: a token stays if it is among the top_k and the tokens likelier
+    than it hold at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
+    `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised top-k tokens, then
+    min-p (`top_k_renorm_prob`, `top_p_renorm_prob`, `min_p_sampling_from_probs`). SGLang picks one of the two for
+    the whole batch (min-p if any request has it); here each row follows its own parameters, so that a request
+    samples alike in any batch.
     """
     device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)

@@ -94,21 +94,13 @@ class SGLangEngine:
     """The rollout engine of one rank when generation runs on SGLang servers. Build it with
     `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
 
-    Args:
-        urls: every server's URL (generation goes to all of them).
-        controlled: the URLs this rank sends control requests to.
-        weight_sync: "tensor", "disk" or "none".
-        bucket_bytes: bytes of full tensors gathered before they are sent or written.
-        model_path: the served model's folder (its config files go with disk updates).
-        weights_dir: where this rank writes disk updates, or None if it does not write.
-        weights_dirs: for each URL in `controlled`, the folder its server reads disk updates from.
-        server: the server this rank launched, if any.
-        colocated: the servers share GPUs with training and release their memory while it trains.
-        tp_group: the ranks of this rank's server (tensor weight sync), or None.
-        request_timeout: seconds one generation request may take, its whole answer included.
-        api_key: the servers' key (`rollout.api_key`), sent with every request; None sends none.
-        check_weights: after each push, confirm on the servers that it wrote every parameter
-            (`rollout.check_weight_sync`).
+    Generation goes to all of `urls`, control requests to `controlled`. `weight_sync` is "tensor", "disk" or
+    "none", with `bucket_bytes` of full tensors gathered before they are sent or written; disk updates carry
+    `model_path`'s config files, this rank writes them under `weights_dir` (None: it does not write) and the
+    server of `controlled[i]` reads them from `weights_dirs[i]`. `colocated` servers share GPUs with training
+    and release their memory while it trains; `tp_group` holds the ranks of this rank's server (tensor sync).
+    `request_timeout` bounds one generation request, its whole answer included. With `check_weights`
+    (`rollout.check_weight_sync`), each push is confirmed on the servers to have written every parameter.
     """
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
@@ -218,8 +210,7 @@ class SGLangEngine:
         return await self.client.generate(payload)
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """See `Engine.pause_generation`: the servers serve every rank and are not paused, so with
-        "retract" or "in_place" this rank's requests in flight run to their end."""
+        """See `Engine.pause_generation` (the servers are not paused: they serve every rank)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
         if self._resumed is None:  # pausing again keeps the requests already waiting
@@ -524,10 +515,8 @@ def _check_memory_saver(server_args: dict, device: torch.device) -> None:
 
 
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
-    """Fail at start, with the figures, when a server's share of this GPU cannot hold its weights and a KV cache.
-
-    SGLang gives weights plus KV cache `mem_fraction_static` of the memory free at its start.
-    """
+    """Fail at start, with the figures, when a server's share of this GPU (SGLang gives weights plus KV cache
+    `mem_fraction_static` of the memory free at its start) cannot hold its weights and a KV cache."""
     from transformers import AutoConfig
 
     try:

@@ -71,15 +71,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process.
-
-    Args:
-        python: the interpreter that runs SGLang (its own virtual environment if need be): a path, or a
-            command on PATH (`resolve_python`).
-        server_args: checked `rollout.server_args` plus RL2's defaults (see `RL2.config.server_args.check_server_args`).
-        env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
-        log_dir: where the server's output goes; a temporary folder when None.
-    """
+    """A launched `sglang.launch_server` process, run by `python` (a path, or a command on PATH: its own
+    virtual environment if need be) with `server_args` (checked `rollout.server_args` plus RL2's defaults) and
+    the extra environment variables `env`; its output goes to `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
