@@ -1,16 +1,14 @@
 """Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache.
 
-The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at
-positions 0..n-1 of its row, so requests of any length share a batch without left padding and a
-finished request frees its row without touching the others. A prompt prefix shared by a whole
-prefill batch is forwarded once and copied. Only the positions that are sampled go through the
-output projection.
+The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at positions 0..n-1 of its
+row, so requests of any length share a batch without left padding and a finished request frees its row without touching
+the others. A prompt prefix shared by a whole prefill batch is forwarded once and copied. Only the positions that are
+sampled go through the output projection.
 
-Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF
-modules' weights. Any other model runs through its unmodified HF decoder, which only sees a cache
-object with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask
-(HF passes it through untouched); for the duration of those forwards, one-token attention runs as
-`decode_attention` and linear layers with packed weights (`PackedLinear`).
+Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF modules' weights. Any
+other model runs through its unmodified HF decoder, which only sees a cache object with HF's `update` method, per-row
+`position_ids` and a ready-made 4D boolean attention mask (HF passes it through untouched); for the duration of those
+forwards, one-token attention runs as `decode_attention` and linear layers with packed weights (`PackedLinear`).
 """
 
 import functools
@@ -36,9 +34,8 @@ from RL2.engine.embedded.packed_linear import (
 from RL2.models.attention import softcapped_attention
 from RL2.utils.shared_prefixes import common_prefix_length
 
-# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
-# of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
-# the extra forward.
+# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt of a GRPO group) is
+# computed once when it is at least this long; shorter ones cost less than the extra forward.
 MIN_SHARED_PREFIX = 16
 
 
@@ -226,9 +223,8 @@ class ModelRunner:
                 logits: bool = True) -> torch.Tensor | None:
         """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
 
-        Chunks are right-padded: a padded query position still sees its row's real tokens, so
-        no attention row is fully masked, and its keys lie past the row's length where later
-        tokens overwrite them before anything reads them.
+        Chunks are right-padded: a padded query position still sees its row's real tokens, so no attention row is fully
+        masked, and its keys lie past the row's length where later tokens overwrite them before anything reads them.
         """
         lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         width = int(lengths.max())

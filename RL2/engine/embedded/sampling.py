@@ -1,9 +1,8 @@
 """Sampling parameters, batched next-token sampling and stop rules of the embedded engine.
 
-Everything here follows SGLang's `/generate` semantics so that one rollout client works with both
-engines: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`,
-the finish rules of `Req.check_finished` (schedule_batch.py) and the text trimming of
-`DetokenizerManager.trim_matched_stop`.
+Everything here follows SGLang's `/generate` semantics so that one rollout client works with both engines: the parameter
+names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of `Req.check_finished`
+(schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
 """
 
 from dataclasses import dataclass, field
@@ -122,10 +121,9 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
 class _Tempered:
     """softmax(logits / T) of each row, unnormalised, computed from the probabilities at T = 1.
 
-    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its
-    largest (allowed) probability first, so that its top token keeps weight 1: at a low temperature the
-    powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by
-    1, which leaves them exactly as they are.
+    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its largest (allowed)
+    probability first, so that its top token keeps weight 1: at a low temperature the powers of the probabilities
+    themselves all underflow to 0 in float32. Rows at T = 1 are divided by 1, which leaves them exactly as they are.
     """
 
     weights: torch.Tensor  # [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0
@@ -166,13 +164,12 @@ class _Tempered:
 def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
 
-    `weights` are already at each row's temperature (`_Tempered`; banned tokens at 0). For a row without min-p,
-    top-k and top-p together on that distribution: a token stays if it is among the top_k and the tokens likelier
-    than it hold at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
-    `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised top-k tokens, then
-    min-p (`top_k_renorm_prob`, `top_p_renorm_prob`, `min_p_sampling_from_probs`). SGLang picks one of the two for
-    the whole batch (min-p if any request has it); here each row follows its own parameters, so that a request
-    samples alike in any batch.
+    `weights` are already at each row's temperature (`_Tempered`; banned tokens at 0). For a row without min-p, top-k
+    and top-p together on that distribution: a token stays if it is among the top_k and the tokens likelier than it hold
+    at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with `filter_apply_order="joint"`).
+    For a row with min-p: top-k, then top-p on the renormalised top-k tokens, then min-p (`top_k_renorm_prob`,
+    `top_p_renorm_prob`, `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
+    request has it); here each row follows its own parameters, so that a request samples alike in any batch.
     """
     device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
@@ -224,8 +221,7 @@ def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[in
 
 
 def stop_tokens_to_ban(num_output: int, params: SamplingParams, eos_ids: set[int]) -> list[int]:
-    """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's
-    MinNewTokensPenalizer)."""
+    """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's MinNewTokensPenalizer)."""
     if num_output >= params.min_new_tokens:
         return []
     return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids))

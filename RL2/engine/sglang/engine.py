@@ -5,10 +5,9 @@ consecutive ranks starts one server on the group's GPUs (or on the CPU), and eve
 requests to the least busy server. External (`rollout.server_url`): servers the user runs; nothing is
 launched and rank 0 alone sends them control requests.
 
-docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the
-servers, the memory of servers colocated with training (`RL2.engine.memory_plan`) and the
-log-probabilities they return. On CPU the memory endpoints crash the server (they call torch.cuda), so
-CPU servers are never colocated.
+docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the servers, the
+memory of servers colocated with training (`RL2.engine.memory_plan`) and the log-probabilities they return. On CPU the
+memory endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -311,11 +310,10 @@ class SGLangEngine:
         self._control_all("/flush_cache", None)
 
     def _weight_checksums(self, randomize: bool) -> list[dict | None]:
-        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after
-        overwriting them with random values if `randomize`: a push must then write every one of them
-        for its checksum to change, even where the new value equals the old (a LoRA policy's frozen
-        base). None for a server without the endpoint (an SGLang older than 0.5.23), whose pushes go
-        unchecked, with a warning."""
+        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after overwriting them
+        with random values if `randomize`: a push must then write every one of them for its checksum to change, even
+        where the new value equals the old (a LoRA policy's frozen base). None for a server without the endpoint (an
+        SGLang older than 0.5.23), whose pushes go unchecked, with a warning."""
         # The target model only: a speculative-decoding draft model is not what RL2 pushes.
         if randomize:
             self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
