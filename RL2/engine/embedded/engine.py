@@ -91,9 +91,8 @@ class EmbeddedEngine:
         # On CPU the engine's weights and KV cache are RAM the trainer's update needs; on a GPU releasing
         # would also move the trainer's state to the CPU around every rollout, which pays only for SGLang.
         self.releases_memory = self.runner.device.type == "cpu"
-        self.tokenizer = tokenizer
+        self.tokenizer, self.max_total_tokens = tokenizer, max_total_tokens
         self.max_running_requests = max_running_requests
-        self.max_total_tokens = max_total_tokens
         self.eos_ids = _eos_token_ids(model, tokenizer)
         self.weight_version = "default"
         self._waiting: deque[_Request] = deque()

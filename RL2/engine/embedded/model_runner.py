@@ -43,11 +43,9 @@ DECODE_ATTN = "rl2_decode"
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one new token per row over its cached keys; longer queries (prefill) go to SDPA.
-
-    query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
-    `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
-    """
+    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from
+    `SlotKVCache`, attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why not SDPA);
+    longer queries (prefill) go to SDPA."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
@@ -80,12 +78,9 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def own_parameter_memory(model: torch.nn.Module) -> None:
-    """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors
-    files) into the process's own memory.
-
-    Weight updates write into the parameters in place, and the first write to a privately mapped
-    file page copies it page by page, a page fault each, far slower than one copy done here at start.
-    """
+    """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors files) into the
+    process's own memory. Weight updates write into the parameters in place, and the first write to a privately
+    mapped file page copies it page by page, a page fault each, far slower than one copy done here at start."""
     mappings = _file_mappings()
     for param in model.parameters():
         address = param.data_ptr()

@@ -61,11 +61,8 @@ MIN_KV_CACHE_BYTES = GIB
 
 
 def resolve_engine(cfg, device: torch.device) -> str:
-    """`rollout.engine` made concrete: "embedded" or "sglang".
-
-    auto: SGLang when `rollout.server_url` is set (the config refuses it with engine=embedded), or on CUDA
-    when the server Python can import sglang; the embedded engine otherwise (always on CPU).
-    """
+    """`rollout.engine` made concrete: "embedded" or "sglang". auto: SGLang when `rollout.server_url` is set (the
+    config refuses it with engine=embedded), or on CUDA when the server Python can import sglang; else embedded."""
     if server_urls(cfg.server_url):
         return "sglang"
     if cfg.engine != "auto":
@@ -126,12 +123,9 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
-        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the
-        arguments are `start_engine`'s; servers run on this rank's kind of device).
-
-        On GPU, call it while the trainer's state is off the GPU: a server sizes its KV cache from the
-        memory free at its start (see `RL2.engine.memory_plan`).
-        """
+        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the arguments are
+        `start_engine`'s; servers run on this rank's kind of device). On GPU, call it while the trainer's state is
+        off the GPU: a server sizes its KV cache from the memory free at its start (see `RL2.engine.memory_plan`)."""
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -354,9 +348,6 @@ class SGLangEngine:
         return answers
 
 
-# ---- helpers ----
-
-
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
                     absent_ok: bool = False, api_key: str | None = None) -> dict | None:
     """One control request (GET without a payload, else POST); EngineError if the server does not answer 200
@@ -533,12 +524,10 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
 
 
 def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
-    """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True),
-    of the tempered one (False), or cannot be told apart on this probe (None).
-
-    One-token requests at temperature 1 and at `temperature` read the gap between the two most likely
-    tokens: tempered log-probabilities stretch it by 1 / temperature, untempered ones leave it.
-    """
+    """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True), of the
+    tempered one (False), or cannot be told apart on this probe (None). One-token requests at temperature 1 and at
+    `temperature` read the gap between the two most likely tokens: tempered log-probabilities stretch it by
+    1 / temperature, untempered ones leave it."""
     gaps = []
     for t in (1.0, temperature):
         body = control_request(url, "/generate", {

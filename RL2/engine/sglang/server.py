@@ -90,7 +90,6 @@ class SGLangServer:
         self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
-        # SGLang logs its arguments, the API key among them: the log is this user's alone.
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
             log.write(self.shown_command() + "\n")
             log.flush()
