@@ -40,13 +40,11 @@ def attention_bias(visible: torch.Tensor) -> torch.Tensor:
 
 def attend_one_token(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Attention of one query per row over its cached keys; scores and softmax in float32.
-
-    query `[rows, H, D]`; keys `[rows, H_kv, L, D]` float32 and values `[rows, H_kv, L, D]` in the model's dtype
-    (`SlotKVCache`); bias `[rows, L]` from `attention_bias`. Returns `[rows, H, D]` in the query's dtype. Query heads
-    that share a kv head are one product; the probabilities meet the values in the values' dtype, as in SDPA's kernels.
-    With one query, torch's CPU SDPA kernel spends most of its time on blocking and masking, which plain products skip.
-    """
+    """Attention of one query per row (`[rows, H, D]`, the output's shape and dtype) over its cached keys and values
+    (`SlotKVCache`: keys `[rows, H_kv, L, D]` float32, values in the model's dtype), with `bias` `[rows, L]` from
+    `attention_bias`; scores and softmax in float32. Query heads that share a kv head are one product; the probabilities
+    meet the values in the values' dtype, as in SDPA's kernels. With one query, torch's CPU SDPA kernel spends most of
+    its time on blocking and masking, which plain products skip."""
     rows, heads, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(keys.dtype)

@@ -165,10 +165,8 @@ class ModelRunner:
 
     @contextmanager
     def _engine_kernels(self) -> Iterator[None]:
-        """The engine's decode attention and packed linears, for the duration of one forward.
-
-        Scoped rather than set once: the engine may be handed a model its caller also uses.
-        """
+        """The engine's decode attention and packed linears, for the duration of one forward. Scoped rather than set
+        once: the engine may be handed a model its caller also uses."""
         config = self.model.config
         attention = config._attn_implementation  # HF reads it at every forward
         own = {linear: linear.__dict__.get("forward") for linear in self.packed}  # e.g. accelerate's hooks
@@ -216,11 +214,9 @@ class ModelRunner:
 
     def _extend(self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None,
                 logits: bool = True) -> torch.Tensor | None:
-        """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
-
-        Chunks are right-padded: a padded query position still sees its row's real tokens, so no attention row is fully
-        masked, and its keys lie past the row's length where later tokens overwrite them before anything reads them.
-        """
+        """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1. Chunks are
+        right-padded: a padded query position still sees its row's real tokens, so no attention row is fully masked, and
+        its keys lie past the row's length where later tokens overwrite them before anything reads them."""
         lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         width = int(lengths.max())
         input_ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)

@@ -390,13 +390,10 @@ def _run_blocking(coroutine):
 
 
 def unwritten_weights(before: dict, after: dict) -> list[str]:
-    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's
-    `/weights_checker` checksum action (before the push, the weights randomized; after it).
-
-    Each answer lists every GPU (scheduler rank) of the server under `ranks`: the checksum of each of its
-    parameters and its `parallelism_info` (a list of one entry per model role on that GPU, the first
-    the target model's); a parameter of a tensor-parallel shard is named with its rank.
-    """
+    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's `/weights_checker`
+    checksum action (before the push, the weights randomized; after it). Each answer lists every GPU (scheduler rank) of
+    the server under `ranks`: the checksum of each of its parameters and its `parallelism_info` (a list of one entry per
+    model role on that GPU, the first the target model's); a tensor-parallel shard's parameter carries its rank."""
     old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
     unwritten = set()
     for rank in after.get("ranks") or []:

@@ -49,11 +49,9 @@ def server_command(python: str, model_path: str, port: int, server_args: dict) -
 
 
 def resolve_python(python: str) -> str:
-    """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`).
-
-    The server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a path and does not
-    search PATH as `subprocess.Popen` does: a bare name would start the wrapper and then fail at its exec.
-    """
+    """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`). The
+    server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a path and does not
+    search PATH as `subprocess.Popen` does: a bare name would start the wrapper and then fail at its exec."""
     found = shutil.which(str(python))
     if found is None:
         raise ConfigError(f"config key 'rollout.server_python' is {python!r}, which is neither an executable file nor "

@@ -106,13 +106,10 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor
 
 
 def serialize_flat_bucket(flat: torch.Tensor, metadata: list[SimpleNamespace]) -> str:
-    """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for
-    `/update_weights_from_tensor` with `load_format="flattened_bucket"`.
-
-    A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a server sees other
-    CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
-    alive until the server has answered. A CPU `flat` is pickled by value.
-    """
+    """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for `/update_weights_from_tensor`
+    with `load_format="flattened_bucket"`. A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a
+    server sees other CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
+    alive until the server has answered. A CPU `flat` is pickled by value."""
     buffer = io.BytesIO()
     payload = {"flattened_tensor": flat, "metadata": metadata}
     if flat.is_cuda:
