@@ -1,11 +1,9 @@
-"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`): `embedded/`, the
-in-process engine (continuous batching, C kernels for CPU decode steps, SGLang's sampling and stop rules),
-and `sglang/`, SGLang servers with their weight transfer. `checkpoint_layout.py` gives the trainer's
-parameters the names and layout of the model's checkpoint, which SGLang loads; `memory_plan.py` sizes SGLang
-servers that share the GPUs with training.
+"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`): `embedded/`, the in-process
+engine (continuous batching, C kernels for CPU decode steps, SGLang's sampling and stop rules), and `sglang/`, SGLang
+servers with their weight transfer. `checkpoint_layout.py` gives the trainer's parameters the names and layout of the
+model's checkpoint, which SGLang loads; `memory_plan.py` sizes SGLang servers that share the GPUs with training.
 
 `start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol.
-`context_length` is the most tokens a served sequence may hold.
 """
 
 from collections.abc import Sequence
@@ -19,12 +17,9 @@ from RL2.engine.protocol import Engine
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                  colocated: Sequence = (), seed: int = 0) -> Engine:
     """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial
-    weights `model_path` (a Hugging Face folder) in `dtype` on `device`.
-
-    Args:
-        colocated: the trainer's models on this rank's GPU (with `offload()` and `onload()`): they wait
-            on the CPU while SGLang servers launched on the same GPUs size their memory.
-        seed: launched SGLang servers sample from it (`--random-seed`, plus each server's index).
+    weights `model_path` (a Hugging Face folder) in `dtype` on `device`. The trainer's models on this rank's
+    GPU (`colocated`, with `offload()` and `onload()`) wait on the CPU while SGLang servers launched on the
+    same GPUs size their memory; those servers sample from `seed` (`--random-seed`, plus each one's index).
     """
     from RL2.engine.sglang.engine import resolve_engine
 

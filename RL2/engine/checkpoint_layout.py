@@ -1,15 +1,14 @@
 """The trainer's parameters under the names and in the layout of the model's checkpoint.
 
-transformers 5 holds a mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE,
-OLMoE, ...) fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, where the
-checkpoint has one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
-`block_sparse_moe.experts.{e}.w1.weight`); `from_pretrained` converts on the way in, `save_pretrained`
-back (transformers' `conversion_mapping.py`, `core_model_loading.py`). SGLang's loaders read the
-checkpoint's names and skip a name they do not know without an error. `CheckpointLayout.to_checkpoint`
-maps a stream of full tensors back with transformers' own reverse conversion (`revert_weight_conversion`)
-one group at a time (the tensors one reverse converter needs, usually one), so that no more than a
-layer's experts are held beyond the caller's buckets. A model without conversions (every dense model so
-far) passes through unchanged; the embedded engine holds transformers' model and takes its names as they are.
+transformers 5 holds a mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE, OLMoE, ...)
+fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, where the checkpoint has one tensor
+per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`);
+`from_pretrained` converts on the way in, `save_pretrained` back (transformers' `conversion_mapping.py`,
+`core_model_loading.py`). SGLang's loaders read the checkpoint's names and skip a name they do not know without an
+error. `CheckpointLayout.to_checkpoint` maps a stream of full tensors back with transformers' own reverse conversion
+(`revert_weight_conversion`) one group at a time (the tensors one reverse converter needs, usually one), so that no more
+than a layer's experts are held beyond the caller's buckets. A model without conversions (every dense model so far)
+passes through unchanged; the embedded engine holds transformers' model and takes its names as they are.
 """
 
 from collections.abc import Iterable, Iterator
@@ -22,10 +21,8 @@ from transformers.core_model_loading import PrefixChange, WeightConverter, rever
 
 
 class CheckpointLayout:
-    """Args:
-        model: a transformers model of the trained class, on any device (the meta device does: only its
-            structure and config are read). `from_folder` builds one from a checkpoint's config.
-    """
+    """The layout of `model`, a transformers model of the trained class on any device (the meta device does:
+    only its structure and config are read); `from_folder` builds one from a checkpoint's config."""
 
     def __init__(self, model: torch.nn.Module):
         conversions = getattr(model, "_weight_conversions", None)  # those of `from_pretrained`, if it loaded the model

@@ -1,10 +1,9 @@
 """What the RL loop asks of an inference engine, whichever it is.
 
-Requests and responses are SGLang's `POST /generate` JSON, so one rollout loop serves both engines:
-`EmbeddedEngine` (in-process, `RL2.engine.embedded`) answers them directly, `SGLangEngine`
-(`RL2.engine.sglang`) sends them to SGLang servers. `RL2.rollout.engine_state.EngineState` makes the memory
-calls and the pushes from what an engine says of itself (`releases_memory`, `follows_policy`), so the
-loop never asks which one it drives.
+Requests and responses are SGLang's `POST /generate` JSON, so one rollout loop serves both engines: `EmbeddedEngine`
+(in-process, `RL2.engine.embedded`) answers them directly, `SGLangEngine` (`RL2.engine.sglang`) sends them to SGLang
+servers. `RL2.rollout.engine_state.EngineState` makes the memory calls and the pushes from what an engine says of itself
+(`releases_memory`, `follows_policy`), so the loop never asks which one it drives.
 """
 
 from collections.abc import Iterable
@@ -36,10 +35,9 @@ class Engine(Protocol):
     async def pause_generation(self, mode: str = "abort") -> None:
         """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile.
 
-        `mode` "abort": this rank's requests in flight return at once with finish_reason abort and their
-        partial output. "retract" and "in_place": the embedded engine re-prefills its requests after
-        `continue_generation`, or holds them; SGLang servers serve every rank and are not paused, so this
-        rank's requests run to their end.
+        `mode` "abort": this rank's requests in flight return at once with finish_reason abort and their partial output.
+        "retract" and "in_place": the embedded engine re-prefills its requests after `continue_generation`, or holds
+        them; SGLang servers serve every rank and are not paused, so this rank's requests run to their end.
         """
         ...
 
@@ -47,13 +45,12 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Load new weights, full tensors under the names of the trainer's model (transformers' memory
-        layout; an engine that loads checkpoints maps them to the checkpoint's, see
-        `RL2.engine.checkpoint_layout`). The weight memory must be resident (`resume_memory` after a
-        release). Call it between rollouts: requests still running would go on with the new weights (the
-        embedded engine waits only for its current step). Collective: every rank calls it
-        (the tensors are gathered from the trainer's shards as they are iterated). The engine reports
-        `weight_version` with each response.
+        """Load new weights, full tensors under the names of the trainer's model (transformers' memory layout; an engine
+        that loads checkpoints maps them to the checkpoint's, see `RL2.engine.checkpoint_layout`). The weight memory
+        must be resident (`resume_memory` after a release). Call it between rollouts: requests still running would go on
+        with the new weights (the embedded engine waits only for its current step). Collective: every rank calls it (the
+        tensors are gathered from the trainer's shards as they are iterated). The engine reports `weight_version` with
+        each response.
         """
         ...
 

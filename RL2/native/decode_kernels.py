@@ -105,8 +105,7 @@ class DecodeKernels:
         self._step_kernel("rope_and_store", qkv)(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), _address(q_norm), _address(k_norm),
             eps, q_out.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, heads, keys.shape[1], head_dim,
-            keys.shape[2],
-        )
+            keys.shape[2])
         return q_out
 
     def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor,
@@ -121,8 +120,7 @@ class DecodeKernels:
         self._step_kernel("decode_attention", values)(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads,
             keys.shape[1], head_dim, keys.shape[2], scale, _address(order), _address(starts), _address(shared),
-            0 if groups is None else len(shared),
-        )
+            0 if groups is None else len(shared))
         return out
 
     def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:

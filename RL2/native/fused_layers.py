@@ -154,9 +154,8 @@ class _SharedRecompute:
 
 class _LinearOfNorm(torch.autograd.Function):
     """`F.linear(x, weight, bias)` where x is a fused RMSNorm's output (the attention's and the MLP's input
-    projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes
-    x again in the backward for the weight's gradient. A decoder layer then keeps no copy of its two
-    norms' outputs."""
+    projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes x again in
+    the backward for the weight's gradient. A decoder layer then keeps no copy of its two norms' outputs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd, shared: _SharedRecompute):

@@ -1,12 +1,11 @@
 """Page-locked host buffers for a worker's state while a colocated engine has the GPU.
 
-A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout and
-back after it. Into pageable memory the driver copies through a staging buffer, and fresh host memory
-page-faults on every page; page-locked memory is read and written by the GPU's copy engine directly
-(`benchmarks/bench_offload.py` times both). torch's pinned allocator rounds every block up to a power of
-two and keeps it, up to twice the state; here each tensor gets a buffer of exactly its size, page-locked
-once with `cudaHostRegister` and refilled at every offload. Page-locked memory cannot be swapped out:
-`RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
+A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout and back after it.
+Into pageable memory the driver copies through a staging buffer, and fresh host memory page-faults on every page;
+page-locked memory is read and written by the GPU's copy engine directly (`benchmarks/bench_offload.py` times both).
+torch's pinned allocator rounds every block up to a power of two and keeps it, up to twice the state; here each tensor
+gets a buffer of exactly its size, page-locked once with `cudaHostRegister` and refilled at every offload. Page-locked
+memory cannot be swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
 """
 
 import mmap
@@ -31,8 +30,7 @@ class PinnedHostCopies:
         self.lock, self.unlock = lock or cuda_host_register, unlock or cuda_host_unregister
         self.buffers: dict[Hashable, torch.Tensor] = {}
         self.registered: dict[Hashable, int] = {}  # key -> the page-locked address of its buffer
-        # Unlocked when this object goes; the buffers stay valid, as pageable memory, for anyone still
-        # holding them.
+        # Unlocked when this object goes; the buffers stay valid, as pageable memory, for anyone still holding them.
         weakref.finalize(self, _unlock_all, self.unlock, self.registered, self.buffers)
 
     def reserve(self, tensors: Iterable[tuple[Hashable, torch.Tensor]]) -> None:

@@ -5,13 +5,12 @@ TCP, several times slower than copying memory (docs/cpu.md, the embedded engine'
 that share a host instead each write their shards into a /dev/shm segment of their own, wait for one
 another, and read the other segments directly: two memory copies and a few barriers.
 
-The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its own),
-each written, read by every rank, then overwritten by the next. So the segments hold one chunk, not the
-model, and keep their pages between syncs (a fresh /dev/shm page costs the kernel several times more to
-allocate and zero than copying into it). The files are unlinked once every rank has mapped them, so a
-crashed run leaves nothing behind. Where this does not apply (ranks on several hosts, too little
-/dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None and the caller all-gathers
-with `DTensor.full_tensor`.
+The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its own), each written,
+read by every rank, then overwritten by the next. So the segments hold one chunk, not the model, and keep their pages
+between syncs (a fresh /dev/shm page costs the kernel several times more to allocate and zero than copying into it). The
+files are unlinked once every rank has mapped them, so a crashed run leaves nothing behind. Where this does not apply
+(ranks on several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None and the
+caller all-gathers with `DTensor.full_tensor`.
 """
 
 import math
@@ -54,9 +53,8 @@ class _Entry:
 
 
 def _chunks(params: list[tuple[str, DTensor]], ranks: int, element: int) -> tuple[list[list[_Entry]], int]:
-    """The parameters in order, cut into chunks of at most CHUNK_BYTES of shards per rank (or one
-    larger shard), with each shard's offset in its rank's segment; and the segment size that holds
-    any chunk."""
+    """The parameters in order, cut into chunks of at most CHUNK_BYTES of shards per rank (or one larger shard), with
+    each shard's offset in its rank's segment; and the segment size that holds any chunk."""
     chunks: list[list[_Entry]] = [[]]
     used, size = [0] * ranks, 0
     for name, param in params:

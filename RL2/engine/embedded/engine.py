@@ -66,18 +66,13 @@ class _Request:
 class EmbeddedEngine:
     """In-process continuous-batching engine with SGLang's `/generate` request/response shapes.
 
-    Args:
-        model: an HF `AutoModelForCausalLM` in eval mode on its device, any dtype. The engine
-            keeps this reference and runs it as is; change its weights through `update_weights`.
-            Attention must be plain causal (Llama, Qwen2/3, Mistral...): sliding windows are not
-            applied. The KV cache holds rows x longest sequence; `release_memory(["kv_cache"])` frees it.
-        tokenizer: the model's tokenizer (decodes `text`, finds stop strings).
-        max_running_requests: the most requests decoded together.
-        max_total_tokens: if set, the running requests' prompt + max_new_tokens must fit in it;
-            the rest wait. None: no limit beyond max_running_requests.
-        owns_model: the model is the engine's alone, so the engine may keep its linear layers' weights
-            only in the layout its CPU kernels read (their parameters become empty tensors; read the
-            weights with `runner.state_dict()`): one copy of the weights on CPU instead of two.
+    `model` is an HF `AutoModelForCausalLM` in eval mode on its device, any dtype, which the engine keeps and
+    runs as is (change its weights through `update_weights`). Attention must be plain causal (Llama, Qwen2/3,
+    Mistral...): sliding windows are not applied. The KV cache holds rows x longest sequence;
+    `release_memory(["kv_cache"])` frees it. The running requests' prompt + max_new_tokens must fit in
+    `max_total_tokens` if set; the rest wait. With `owns_model` (the model is the engine's alone), the engine
+    may keep its linear layers' weights only in the layout its CPU kernels read (their parameters become
+    empty tensors; read the weights with `runner.state_dict()`): one copy of the weights on CPU, not two.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
@@ -96,9 +91,8 @@ class EmbeddedEngine:
         # On CPU the engine's weights and KV cache are RAM the trainer's update needs; on a GPU releasing
         # would also move the trainer's state to the CPU around every rollout, which pays only for SGLang.
         self.releases_memory = self.runner.device.type == "cpu"
-        self.tokenizer = tokenizer
+        self.tokenizer, self.max_total_tokens = tokenizer, max_total_tokens
         self.max_running_requests = max_running_requests
-        self.max_total_tokens = max_total_tokens
         self.eos_ids = _eos_token_ids(model, tokenizer)
         self.weight_version = "default"
         self._waiting: deque[_Request] = deque()
@@ -115,8 +109,7 @@ class EmbeddedEngine:
     follows_policy = True
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Free the weights ("weights": their content is lost until `update_weights` writes them all
-        again) and the KV cache ("kv_cache"); see `RL2.engine.protocol.Engine`. Call it between rollouts."""
+        """See `Engine.release_memory`: "weights", and "kv_cache" unless a request runs."""
         tags = set(tags)
         with self._step_lock:
             if "weights" in tags:
@@ -156,10 +149,8 @@ class EmbeddedEngine:
         return await request.future
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop decoding until `continue_generation`; new requests wait meanwhile. `mode` "abort" returns
-        every queued and running request at once with finish_reason abort and its partial output; "retract"
-        frees their cache and re-prefills them (prompt + output so far) after continue; "in_place" holds them.
-        """
+        """See `Engine.pause_generation`; "retract" frees the requests' cache rows and prefills them again
+        (prompt + output so far) after `continue_generation`."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
         self._paused = True

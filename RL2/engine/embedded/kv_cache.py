@@ -11,14 +11,13 @@ from RL2.native.decode_kernels import RowGroups
 class SlotKVCache:
     """Keys and values of all running requests, one pre-allocated row per request.
 
-    Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold
-    finite numbers, since SDPA adds the mask to the scores and NaN + -inf is still NaN. Values are in
-    the model's dtype, as SDPA's kernels multiply them with the probabilities. Keys are float32 whatever
-    the model's dtype (torch's decode attention scores them in float32, and upcasting bf16 keys at every
-    step cost more than the attention itself), except with `keys_in_model_dtype`, for the C decode
-    kernels: they widen a bf16 model's keys as they score them, so the cache is read at half the bytes
-    (the keys hold bf16 values either way, so the scores are the same).
-    HF attention layers call `update` once per layer and attend over what it returns.
+    Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold finite numbers, since
+    SDPA adds the mask to the scores and NaN + -inf is still NaN. Values are in the model's dtype, as SDPA's kernels
+    multiply them with the probabilities. Keys are float32 whatever the model's dtype (torch's decode attention scores
+    them in float32, and upcasting bf16 keys at every step cost more than the attention itself), except with
+    `keys_in_model_dtype`, for the C decode kernels: they widen a bf16 model's keys as they score them, so the cache is
+    read at half the bytes (the keys hold bf16 values either way, so the scores are the same). HF attention layers call
+    `update` once per layer and attend over what it returns.
 
     The cache also knows which rows hold copies of one prompt (`share_prompt`, and a prefill from a
     `prefix_row`); a decode step's `row_groups` tells the C decode attention, which then reads each shared

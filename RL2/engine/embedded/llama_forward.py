@@ -1,11 +1,10 @@
 """The embedded engine's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
 
-A decode step is one new token per running request, so every tensor op works on a few dozen rows and
-costs little; HF's modules then spend much of the step in Python and in small ops around the
-matmuls (casts, reshapes, `rotate_half`'s slices, masks rebuilt per layer). This forward reads the
-same weights straight from the HF modules and does a layer's work in ~20 ops, with q, k, v as one
-product and gate, up as another (`benchmarks/bench_engine.py` measures the engine against HF's
-`generate`). Prefill runs through it too (attention by SDPA), so the fused weights are the only packed
+A decode step is one new token per running request, so every tensor op works on a few dozen rows and costs little; HF's
+modules then spend much of the step in Python and in small ops around the matmuls (casts, reshapes, `rotate_half`'s
+slices, masks rebuilt per layer). This forward reads the same weights straight from the HF modules and does a layer's
+work in ~20 ops, with q, k, v as one product and gate, up as another (`benchmarks/bench_engine.py` measures the engine
+against HF's `generate`). Prefill runs through it too (attention by SDPA), so the fused weights are the only packed
 copy.
 
 The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin
@@ -41,14 +40,11 @@ def attention_bias(visible: torch.Tensor) -> torch.Tensor:
 
 def attend_one_token(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Attention of one query per row over its cached keys; scores and softmax in float32.
-
-    query `[rows, H, D]`; keys `[rows, H_kv, L, D]` float32 and values `[rows, H_kv, L, D]` in the
-    model's dtype (`SlotKVCache`); bias `[rows, L]` from `attention_bias`. Returns `[rows, H, D]` in
-    the query's dtype. Query heads that share a kv head are one product; the probabilities meet the values in
-    the values' dtype, as in SDPA's kernels. With one query, torch's CPU SDPA kernel spends most of
-    its time on blocking and masking, which plain products skip.
-    """
+    """Attention of one query per row (`[rows, H, D]`, the output's shape and dtype) over its cached keys and values
+    (`SlotKVCache`: keys `[rows, H_kv, L, D]` float32, values in the model's dtype), with `bias` `[rows, L]` from
+    `attention_bias`; scores and softmax in float32. Query heads that share a kv head are one product; the probabilities
+    meet the values in the values' dtype, as in SDPA's kernels. With one query, torch's CPU SDPA kernel spends most of
+    its time on blocking and masking, which plain products skip."""
     rows, heads, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(keys.dtype)
@@ -80,12 +76,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class LlamaForward:
-    """Forwards of a Llama-family decoder over the engine's `SlotKVCache`.
-
-    Args:
-        model: an HF causal LM of a family in FAMILIES (see `llama_forward_supported`).
-        kernel: maps a list of `nn.Linear` sharing an input to the callable that applies them all
-            (the engine's packed ones).
+    """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`. `kernel` maps a
+    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones).
 
     A float32 or bf16 model on CPU decodes through the C kernels of `decode_kernels.c` where they can
     be built (in bf16 they round where the torch ops round); everything else (GPU, prefill, other

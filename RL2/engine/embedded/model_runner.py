@@ -1,16 +1,14 @@
 """Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache.
 
-The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at
-positions 0..n-1 of its row, so requests of any length share a batch without left padding and a
-finished request frees its row without touching the others. A prompt prefix shared by a whole
-prefill batch is forwarded once and copied. Only the positions that are sampled go through the
-output projection.
+The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at positions 0..n-1 of its
+row, so requests of any length share a batch without left padding and a finished request frees its row without touching
+the others. A prompt prefix shared by a whole prefill batch is forwarded once and copied. Only the positions that are
+sampled go through the output projection.
 
-Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF
-modules' weights. Any other model runs through its unmodified HF decoder, which only sees a cache
-object with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask
-(HF passes it through untouched); for the duration of those forwards, one-token attention runs as
-`decode_attention` and linear layers with packed weights (`PackedLinear`).
+Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF modules' weights. Any
+other model runs through its unmodified HF decoder, which only sees a cache object with HF's `update` method, per-row
+`position_ids` and a ready-made 4D boolean attention mask (HF passes it through untouched); for the duration of those
+forwards, one-token attention runs as `decode_attention` and linear layers with packed weights (`PackedLinear`).
 """
 
 import functools
@@ -36,9 +34,8 @@ from RL2.engine.embedded.packed_linear import (
 from RL2.models.attention import softcapped_attention
 from RL2.utils.shared_prefixes import common_prefix_length
 
-# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt
-# of a GRPO group) is computed once when it is at least this long; shorter ones cost less than
-# the extra forward.
+# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt of a GRPO group) is
+# computed once when it is at least this long; shorter ones cost less than the extra forward.
 MIN_SHARED_PREFIX = 16
 
 
@@ -46,11 +43,9 @@ DECODE_ATTN = "rl2_decode"
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one new token per row over its cached keys; longer queries (prefill) go to SDPA.
-
-    query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`, attention_mask boolean
-    `[rows, 1, 1, L]`; one query per row goes to `attend_one_token` (see there why not SDPA).
-    """
+    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from
+    `SlotKVCache`, attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why not SDPA);
+    longer queries (prefill) go to SDPA."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
@@ -83,12 +78,9 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def own_parameter_memory(model: torch.nn.Module) -> None:
-    """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors
-    files) into the process's own memory.
-
-    Weight updates write into the parameters in place, and the first write to a privately mapped
-    file page copies it page by page, a page fault each, far slower than one copy done here at start.
-    """
+    """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors files) into the
+    process's own memory. Weight updates write into the parameters in place, and the first write to a privately
+    mapped file page copies it page by page, a page fault each, far slower than one copy done here at start."""
     mappings = _file_mappings()
     for param in model.parameters():
         address = param.data_ptr()
@@ -113,13 +105,8 @@ def cache_keyword(model_class: type) -> str:
 
 
 class ModelRunner:
-    """Owns the model and its slot KV cache; runs prefill and decode forwards.
-
-    Args:
-        model: an HF causal LM in eval mode.
-        max_rows: the most requests that can run at once (cache rows).
-        owns_model: see `EmbeddedEngine` (applies where the runner's own Llama forward runs the model).
-    """
+    """Owns an HF causal LM in eval mode and its slot KV cache of `max_rows` rows; runs prefill and decode
+    forwards. For `owns_model` see `EmbeddedEngine` (it applies where the runner's own Llama forward runs)."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int, owns_model: bool = False):
         self.model = model
@@ -133,7 +120,6 @@ class ModelRunner:
         self.kernels: list[PackedLinear] = []  # refreshed after load_weights
         self.packed: dict[torch.nn.Module, PackedLinear] = {}  # for the HF modules' own forwards
         self.llama: LlamaForward | None = None
-        # The logits of the kept positions only go through the output projection.
         self.head = None
         head_is_output = _logits_are_the_head_of_the_decoder(model)
         if head_is_output and llama_forward_supported(model):  # the engine's own forward; HF's modules are not run
@@ -179,10 +165,8 @@ class ModelRunner:
 
     @contextmanager
     def _engine_kernels(self) -> Iterator[None]:
-        """The engine's decode attention and packed linears, for the duration of one forward.
-
-        Scoped rather than set once: the engine may be handed a model its caller also uses.
-        """
+        """The engine's decode attention and packed linears, for the duration of one forward. Scoped rather than set
+        once: the engine may be handed a model its caller also uses."""
         config = self.model.config
         attention = config._attn_implementation  # HF reads it at every forward
         own = {linear: linear.__dict__.get("forward") for linear in self.packed}  # e.g. accelerate's hooks
@@ -230,12 +214,9 @@ class ModelRunner:
 
     def _extend(self, rows: slice, chunks: list[list[int]], start: int, prefix_row: int | None = None,
                 logits: bool = True) -> torch.Tensor | None:
-        """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1.
-
-        Chunks are right-padded: a padded query position still sees its row's real tokens, so
-        no attention row is fully masked, and its keys lie past the row's length where later
-        tokens overwrite them before anything reads them.
-        """
+        """Forward `chunks` at positions start.. of `rows`, after the cached positions 0..start-1. Chunks are
+        right-padded: a padded query position still sees its row's real tokens, so no attention row is fully masked, and
+        its keys lie past the row's length where later tokens overwrite them before anything reads them."""
         lengths = torch.tensor([len(c) for c in chunks], device=self.device)
         width = int(lengths.max())
         input_ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)

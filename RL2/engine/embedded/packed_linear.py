@@ -1,9 +1,8 @@
 """Linear layers for the embedded engine: weights laid out once for a fast product, several layers as one.
 
-With a few dozen rows per decode step, a general CPU GEMM re-blocks the whole weight on every call,
-which costs as much as the product for the vocabulary projection; weights packed once skip that.
-Layers that read the same input (q, k, v; gate, up) go through one product, one pass over the input
-instead of two or three.
+With a few dozen rows per decode step, a general CPU GEMM re-blocks the whole weight on every call, which costs as much
+as the product for the vocabulary projection; weights packed once skip that. Layers that read the same input (q, k, v;
+gate, up) go through one product, one pass over the input instead of two or three.
 
 Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` (float32, and bf16 on CPUs with
 AVX512-BF16 but no AMX; see docs/cpu.md), and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels
@@ -20,10 +19,9 @@ class PackedLinear:
     """`linears` (sharing an input) as one product over a packed copy of their weights; outputs
     concatenated in their order. Subclasses say how to pack (`_pack`) and multiply (`_product`).
 
-    The packed copy remembers the version counters of the weights and biases, which every in-place
-    op on a parameter bumps: a weight changed behind the engine's back is re-packed before it is
-    used. (Writes through `param.data` bypass the counter: change weights with `load_weights`.)
-    The price is a second copy of the weights.
+    The packed copy remembers the version counters of the weights and biases, which every in-place op on a parameter
+    bumps: a weight changed behind the engine's back is re-packed before it is used. (Writes through `param.data` bypass
+    the counter: change weights with `load_weights`.) The price is a second copy of the weights.
     """
 
     packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
@@ -90,12 +88,10 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed
-    straight from each layer's weight (no concatenated copy on the way).
-
-    After `keep_packed_only` the panels are the layers' only copy: their own weights and biases are empty
-    tensors, and new values go straight into the panels (`write`), which halves what the engine holds.
-    """
+    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed straight from
+    each layer's weight (no concatenated copy on the way). After `keep_packed_only` the panels are the layers' only
+    copy: their own weights and biases are empty tensors, and new values go straight into the panels (`write`), which
+    halves what the engine holds."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)

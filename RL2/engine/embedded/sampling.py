@@ -1,9 +1,8 @@
 """Sampling parameters, batched next-token sampling and stop rules of the embedded engine.
 
-Everything here follows SGLang's `/generate` semantics so that one rollout client works with both
-engines: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`,
-the finish rules of `Req.check_finished` (schedule_batch.py) and the text trimming of
-`DetokenizerManager.trim_matched_stop`.
+Everything here follows SGLang's `/generate` semantics so that one rollout client works with both engines: the parameter
+names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of `Req.check_finished`
+(schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
 """
 
 from dataclasses import dataclass, field
@@ -71,23 +70,16 @@ class SamplingParams:
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
                        generators: list[torch.Generator | None],
                        default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row, all rows at once.
+    """(tokens, logprobs) `[rows]`: one token per row of `logits` `[rows, vocab]` (any float dtype; sampling
+    runs in float32), all rows at once. Row r follows `params[r]`, never samples `banned[r]` (stop tokens
+    before min_new_tokens) and draws from `generators[r]` (a request's sampling_seed) or, if None, from
+    `default_generator` (None: torch's global one).
 
     The returned log-probability is that of the sampled token under softmax(logits / temperature), the
     distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it
     (unless started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns temperature 1's). That
     distribution is the policy the trainer trains and recomputes (`RL2.workers.actor.Actor`). Greedy
     rows (temperature 0, or top_k=1) give temperature 1's, as a greedy batch does in SGLang.
-
-    Args:
-        logits: [rows, vocab] next-token logits, any float dtype (sampling runs in float32).
-        params: each row's sampling parameters.
-        banned: per row, token ids that must not be sampled (stop tokens before min_new_tokens).
-        generators: per row, its own generator (requests with a sampling_seed) or None.
-        default_generator: for the rows without their own (None: torch's global one).
-
-    Returns:
-        (tokens, logprobs), both of shape [rows].
     """
     device = logits.device
     # The policy's own probabilities, in one fused pass; every filter below works on them (a
@@ -129,10 +121,9 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
 class _Tempered:
     """softmax(logits / T) of each row, unnormalised, computed from the probabilities at T = 1.
 
-    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its
-    largest (allowed) probability first, so that its top token keeps weight 1: at a low temperature the
-    powers of the probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by
-    1, which leaves them exactly as they are.
+    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its largest (allowed)
+    probability first, so that its top token keeps weight 1: at a low temperature the powers of the probabilities
+    themselves all underflow to 0 in float32. Rows at T = 1 are divided by 1, which leaves them exactly as they are.
     """
 
     weights: torch.Tensor  # [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0
@@ -173,16 +164,12 @@ class _Tempered:
 def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
 
-    The temperature is already applied (`_Tempered`). Then, for a row without min-p, top-k and top-p
-    together on that distribution: a token stays if it is among the top_k and the tokens likelier than
-    it hold at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with
-    `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on the renormalised
-    top-k tokens, then min-p (`top_k_renorm_prob`, `top_p_renorm_prob`,
-    `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
-    request has it); here each row follows its own parameters, so that a request samples alike
-    in any batch.
-
-    `weights` are the unnormalised probabilities at each row's temperature (banned tokens at 0).
+    `weights` are already at each row's temperature (`_Tempered`; banned tokens at 0). For a row without min-p, top-k
+    and top-p together on that distribution: a token stays if it is among the top_k and the tokens likelier than it hold
+    at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with `filter_apply_order="joint"`).
+    For a row with min-p: top-k, then top-p on the renormalised top-k tokens, then min-p (`top_k_renorm_prob`,
+    `top_p_renorm_prob`, `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
+    request has it); here each row follows its own parameters, so that a request samples alike in any batch.
     """
     device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
@@ -214,11 +201,9 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
 
 
 def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer) -> dict | None:
-    """Why a request stops after its newest token (`output_ids` are those generated so far), or None to go on.
-
-    Same order as SGLang: length first, then stop tokens, then stop strings. As in SGLang,
-    `ignore_eos` also switches off `stop_token_ids`.
-    """
+    """Why a request stops after its newest token (`output_ids` are those generated so far), or None to go on. Same
+    order as SGLang: length first, then stop tokens, then stop strings. As in SGLang, `ignore_eos` also switches off
+    `stop_token_ids`."""
     if len(output_ids) >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
     last = output_ids[-1]
@@ -234,19 +219,16 @@ def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[in
 
 
 def stop_tokens_to_ban(num_output: int, params: SamplingParams, eos_ids: set[int]) -> list[int]:
-    """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's
-    MinNewTokensPenalizer)."""
+    """Tokens the sampler must avoid so that a request reaches min_new_tokens (SGLang's MinNewTokensPenalizer)."""
     if num_output >= params.min_new_tokens:
         return []
     return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids))
 
 
 def output_text(output_ids: list[int], reason: dict | None, params: SamplingParams, tokenizer) -> str:
-    """Decode the output the way SGLang's detokenizer does, trimming the matched stop.
-
-    A matched stop token is left out of the text and a matched stop string cut with everything
-    after it; with no_stop_trim the stop stays in. `output_ids` always keep every sampled token.
-    """
+    """Decode the output the way SGLang's detokenizer does, trimming the matched stop. A matched stop token is left out
+    of the text and a matched stop string cut with everything after it; with no_stop_trim the stop stays in.
+    `output_ids` always keep every sampled token."""
     matched = (reason or {}).get("matched")
     ids = output_ids
     if isinstance(matched, int) and not params.no_stop_trim:

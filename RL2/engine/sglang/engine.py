@@ -5,10 +5,9 @@ consecutive ranks starts one server on the group's GPUs (or on the CPU), and eve
 requests to the least busy server. External (`rollout.server_url`): servers the user runs; nothing is
 launched and rank 0 alone sends them control requests.
 
-docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the
-servers, the memory of servers colocated with training (`RL2.engine.memory_plan`) and the
-log-probabilities they return. On CPU the memory endpoints crash the server (they call torch.cuda), so
-CPU servers are never colocated.
+docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the servers, the
+memory of servers colocated with training (`RL2.engine.memory_plan`) and the log-probabilities they return. On CPU the
+memory endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -62,11 +61,8 @@ MIN_KV_CACHE_BYTES = GIB
 
 
 def resolve_engine(cfg, device: torch.device) -> str:
-    """`rollout.engine` made concrete: "embedded" or "sglang".
-
-    auto: SGLang when `rollout.server_url` is set (the config refuses it with engine=embedded), or on CUDA
-    when the server Python can import sglang; the embedded engine otherwise (always on CPU).
-    """
+    """`rollout.engine` made concrete: "embedded" or "sglang". auto: SGLang when `rollout.server_url` is set (the
+    config refuses it with engine=embedded), or on CUDA when the server Python can import sglang; else embedded."""
     if server_urls(cfg.server_url):
         return "sglang"
     if cfg.engine != "auto":
@@ -94,21 +90,13 @@ class SGLangEngine:
     """The rollout engine of one rank when generation runs on SGLang servers. Build it with
     `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
 
-    Args:
-        urls: every server's URL (generation goes to all of them).
-        controlled: the URLs this rank sends control requests to.
-        weight_sync: "tensor", "disk" or "none".
-        bucket_bytes: bytes of full tensors gathered before they are sent or written.
-        model_path: the served model's folder (its config files go with disk updates).
-        weights_dir: where this rank writes disk updates, or None if it does not write.
-        weights_dirs: for each URL in `controlled`, the folder its server reads disk updates from.
-        server: the server this rank launched, if any.
-        colocated: the servers share GPUs with training and release their memory while it trains.
-        tp_group: the ranks of this rank's server (tensor weight sync), or None.
-        request_timeout: seconds one generation request may take, its whole answer included.
-        api_key: the servers' key (`rollout.api_key`), sent with every request; None sends none.
-        check_weights: after each push, confirm on the servers that it wrote every parameter
-            (`rollout.check_weight_sync`).
+    Generation goes to all of `urls`, control requests to `controlled`. `weight_sync` is "tensor", "disk" or
+    "none", with `bucket_bytes` of full tensors gathered before they are sent or written; disk updates carry
+    `model_path`'s config files, this rank writes them under `weights_dir` (None: it does not write) and the
+    server of `controlled[i]` reads them from `weights_dirs[i]`. `colocated` servers share GPUs with training
+    and release their memory while it trains; `tp_group` holds the ranks of this rank's server (tensor sync).
+    `request_timeout` bounds one generation request, its whole answer included. With `check_weights`
+    (`rollout.check_weight_sync`), each push is confirmed on the servers to have written every parameter.
     """
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
@@ -135,12 +123,9 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
-        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the
-        arguments are `start_engine`'s; servers run on this rank's kind of device).
-
-        On GPU, call it while the trainer's state is off the GPU: a server sizes its KV cache from the
-        memory free at its start (see `RL2.engine.memory_plan`).
-        """
+        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the arguments are
+        `start_engine`'s; servers run on this rank's kind of device). On GPU, call it while the trainer's state is
+        off the GPU: a server sizes its KV cache from the memory free at its start (see `RL2.engine.memory_plan`)."""
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,8 +203,7 @@ class SGLangEngine:
         return await self.client.generate(payload)
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """See `Engine.pause_generation`: the servers serve every rank and are not paused, so with
-        "retract" or "in_place" this rank's requests in flight run to their end."""
+        """See `Engine.pause_generation` (the servers are not paused: they serve every rank)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
         if self._resumed is None:  # pausing again keeps the requests already waiting
@@ -320,11 +304,10 @@ class SGLangEngine:
         self._control_all("/flush_cache", None)
 
     def _weight_checksums(self, randomize: bool) -> list[dict | None]:
-        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after
-        overwriting them with random values if `randomize`: a push must then write every one of them
-        for its checksum to change, even where the new value equals the old (a LoRA policy's frozen
-        base). None for a server without the endpoint (an SGLang older than 0.5.23), whose pushes go
-        unchecked, with a warning."""
+        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after overwriting them
+        with random values if `randomize`: a push must then write every one of them for its checksum to change, even
+        where the new value equals the old (a LoRA policy's frozen base). None for a server without the endpoint (an
+        SGLang older than 0.5.23), whose pushes go unchecked, with a warning."""
         # The target model only: a speculative-decoding draft model is not what RL2 pushes.
         if randomize:
             self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
@@ -363,9 +346,6 @@ class SGLangEngine:
                 break
         _raise_any(_all_gather(error))
         return answers
-
-
-# ---- helpers ----
 
 
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
@@ -410,13 +390,10 @@ def _run_blocking(coroutine):
 
 
 def unwritten_weights(before: dict, after: dict) -> list[str]:
-    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's
-    `/weights_checker` checksum action (before the push, the weights randomized; after it).
-
-    Each answer lists every GPU (scheduler rank) of the server under `ranks`: the checksum of each of its
-    parameters and its `parallelism_info` (a list of one entry per model role on that GPU, the first
-    the target model's); a parameter of a tensor-parallel shard is named with its rank.
-    """
+    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's `/weights_checker`
+    checksum action (before the push, the weights randomized; after it). Each answer lists every GPU (scheduler rank) of
+    the server under `ranks`: the checksum of each of its parameters and its `parallelism_info` (a list of one entry per
+    model role on that GPU, the first the target model's); a tensor-parallel shard's parameter carries its rank."""
     old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
     unwritten = set()
     for rank in after.get("ranks") or []:
@@ -524,10 +501,8 @@ def _check_memory_saver(server_args: dict, device: torch.device) -> None:
 
 
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
-    """Fail at start, with the figures, when a server's share of this GPU cannot hold its weights and a KV cache.
-
-    SGLang gives weights plus KV cache `mem_fraction_static` of the memory free at its start.
-    """
+    """Fail at start, with the figures, when a server's share of this GPU (SGLang gives weights plus KV cache
+    `mem_fraction_static` of the memory free at its start) cannot hold its weights and a KV cache."""
     from transformers import AutoConfig
 
     try:
@@ -546,12 +521,10 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
 
 
 def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
-    """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True),
-    of the tempered one (False), or cannot be told apart on this probe (None).
-
-    One-token requests at temperature 1 and at `temperature` read the gap between the two most likely
-    tokens: tempered log-probabilities stretch it by 1 / temperature, untempered ones leave it.
-    """
+    """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True), of the
+    tempered one (False), or cannot be told apart on this probe (None). One-token requests at temperature 1 and at
+    `temperature` read the gap between the two most likely tokens: tempered log-probabilities stretch it by
+    1 / temperature, untempered ones leave it."""
     gaps = []
     for t in (1.0, temperature):
         body = control_request(url, "/generate", {

@@ -25,12 +25,9 @@ class HTTPEngineClient:
     left the request fails with an EngineError naming them. A server that accepts but does not answer
     within `timeout` is not given up: the request fails naming it, as a slow server is not a dead one.
 
-    Args:
-        urls: server base URLs, e.g. ["http://10.0.0.1:30000"].
-        timeout: seconds one request may take from its sending to the end of its answer (generation included).
-        api_key: sent as `Authorization: Bearer <api_key>` (SGLang's `--api-key`); None sends none.
-        vocab_size: the served model's vocabulary size: a `/generate` answer with a token id outside
-            [0, vocab_size) is an EngineError. None checks nothing.
+    `urls` are base URLs, e.g. ["http://10.0.0.1:30000"]; `timeout` is the seconds one request may take from
+    its sending to the end of its answer (generation included); `api_key` goes as `Authorization: Bearer`
+    (SGLang's `--api-key`). An answer with a token id outside [0, `vocab_size`) is an EngineError.
     """
 
     def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,

@@ -49,12 +49,9 @@ def server_command(python: str, model_path: str, port: int, server_args: dict) -
 
 
 def resolve_python(python: str) -> str:
-    """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`).
-
-    The server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a
-    path and does not search PATH as `subprocess.Popen` does: a bare name would start the wrapper and
-    then fail at its exec.
-    """
+    """The absolute path of the interpreter `python` names (a path, or a command on PATH such as `python3`). The
+    server's process re-executes it with `os.execv` (see `_EXEC_DYING_WITH_PARENT`), which takes a path and does not
+    search PATH as `subprocess.Popen` does: a bare name would start the wrapper and then fail at its exec."""
     found = shutil.which(str(python))
     if found is None:
         raise ConfigError(f"config key 'rollout.server_python' is {python!r}, which is neither an executable file nor "
@@ -71,15 +68,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process.
-
-    Args:
-        python: the interpreter that runs SGLang (its own virtual environment if need be): a path, or a
-            command on PATH (`resolve_python`).
-        server_args: checked `rollout.server_args` plus RL2's defaults (see `RL2.config.server_args.check_server_args`).
-        env: extra environment variables of the server (e.g. CUDA_VISIBLE_DEVICES, PYTHONPATH).
-        log_dir: where the server's output goes; a temporary folder when None.
-    """
+    """A launched `sglang.launch_server` process, run by `python` (a path, or a command on PATH: its own
+    virtual environment if need be) with `server_args` (checked `rollout.server_args` plus RL2's defaults) and
+    the extra environment variables `env`; its output goes to `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
@@ -97,7 +88,6 @@ class SGLangServer:
         self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
-        # SGLang logs its arguments, the API key among them: the log is this user's alone.
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
             log.write(self.shown_command() + "\n")
             log.flush()

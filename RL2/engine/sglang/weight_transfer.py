@@ -88,11 +88,8 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[SimpleNamespace]]:
     """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's
     `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets (here each aligned to
-    `FLAT_ALIGNMENT` bytes, so that mixed dtypes view correctly).
-
-    Returns:
-        (flat, metadata): metadata entries have `name`, `shape`, `dtype`, `start_idx`, `end_idx`
-        (byte offsets into flat) and `numel` (their difference).
+    `FLAT_ALIGNMENT` bytes, so that mixed dtypes view correctly). Returns (flat, metadata), whose entries
+    have `name`, `shape`, `dtype`, `start_idx`, `end_idx` (byte offsets into flat) and `numel` (their difference).
     """
     parts, metadata, offset = [], [], 0
     for name, tensor in bucket:
@@ -109,13 +106,10 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor
 
 
 def serialize_flat_bucket(flat: torch.Tensor, metadata: list[SimpleNamespace]) -> str:
-    """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for
-    `/update_weights_from_tensor` with `load_format="flattened_bucket"`.
-
-    A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a server sees other
-    CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
-    alive until the server has answered. A CPU `flat` is pickled by value.
-    """
+    """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for `/update_weights_from_tensor`
+    with `load_format="flattened_bucket"`. A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a
+    server sees other CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
+    alive until the server has answered. A CPU `flat` is pickled by value."""
     buffer = io.BytesIO()
     payload = {"flattened_tensor": flat, "metadata": metadata}
     if flat.is_cuda:
