@@ -176,11 +176,8 @@ class Actor:
     temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
     the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike).
 
-    Args:
-        cfg: the `actor` config.
-        total_steps, train, model_name, base_changes: as for `FSDPWorker`.
-        response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
-        temperature: `rollout.train_sampling_params.temperature`.
+    `cfg` is the `actor` config; `temperature` is `rollout.train_sampling_params.temperature`; `response_budget`
+    (the most sampled tokens of one response) is the normaliser of avg_level=constant; the rest as `FSDPWorker`'s.
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
