@@ -88,6 +88,14 @@ class SequenceBatch:
         """`[n_labels]` long: the sample each label belongs to."""
         return torch.repeat_interleave(self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
 
+    @cached_property
+    def sample_sequences(self) -> list[list[int]]:
+        """The sequences of each sample, in order (none for a sample without any)."""
+        sequences: list[list[int]] = [[] for _ in range(self.n_samples)]
+        for sequence, sample in enumerate(self.sample_ids.tolist()):
+            sequences[sample].append(sequence)
+        return sequences
+
     def sequence(self, name: str, i: int) -> Tensor:
         """Sequence i's labels of `tokens[name]`."""
         return self.tokens[name][self.offsets[i] : self.offsets[i + 1]]
@@ -118,16 +126,15 @@ class SequenceBatch:
 
     def select_samples(self, samples: list[int]) -> "SequenceBatch":
         """The batch of these samples only (in their order), renumbered from 0."""
-        new_id = {old: new for new, old in enumerate(samples)}
-        keep = [i for i, s in enumerate(self.sample_ids.tolist()) if s in new_id]
-        keep.sort(key=lambda i: new_id[int(self.sample_ids[i])])
+        sequences = [self.sample_sequences[s] for s in samples]
+        keep = [i for seqs in sequences for i in seqs]
         labels = torch.cat([torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in keep]) if keep else (
             torch.zeros(0, dtype=torch.long))
         return replace(
             self,
             input_ids=[self.input_ids[i] for i in keep],
             tokens={name: values[labels] for name, values in self.tokens.items()},
-            sample_ids=torch.tensor([new_id[int(self.sample_ids[i])] for i in keep], dtype=torch.long),
+            sample_ids=torch.tensor([new for new, seqs in enumerate(sequences) for _ in seqs], dtype=torch.long),
             n_samples=len(samples),
             **self._select_per_sample(torch.tensor(samples, dtype=torch.long)),
         )

@@ -101,9 +101,7 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
     to get work and for each chunk to fit `budget` tokens. A trajectory that alone exceeds the budget
     becomes one unit per sequence. Returns (units, their sizes in tokens), for `pack(units=..., unit_sizes=...)`.
     """
-    trajectories: list[list[int]] = [[] for _ in range(batch.n_samples)]
-    for sequence, sample in enumerate(batch.sample_ids.tolist()):
-        trajectories[sample].append(sequence)
+    trajectories = batch.sample_sequences
     groups: list[list[list[int]]] = [[] for _ in range(batch.n_groups)]
     for sample, group in enumerate(batch.group_ids.tolist()):
         if trajectories[sample]:

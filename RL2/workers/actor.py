@@ -74,10 +74,7 @@ def engine_correction(cfg) -> Correction | None:
 def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[int]]:
     """Packing units (`pack(units=...)`) that keep each trajectory's sequences together; `budget` is the
     most labels of one micro-batch, `loss` what reads whole trajectories (for the error)."""
-    units: list[list[int]] = [[] for _ in range(batch.n_samples)]
-    for sequence, sample in enumerate(batch.sample_ids.tolist()):
-        units[sample].append(sequence)
-    units = [unit for unit in units if unit]
+    units = [unit for unit in batch.sample_sequences if unit]
     longest = max((sum(batch.label_counts[i] for i in unit) for unit in units), default=0)
     if longest > budget:
         raise ValueError(
