@@ -23,21 +23,16 @@ from torch import Tensor
 
 @dataclass(kw_only=True)
 class SequenceBatch:
-    """Sequences with per-label values, grouped into samples.
+    """Sequences with per-label values, grouped into samples."""
 
-    Attributes:
-        input_ids: each sequence's tokens, at least 2 of them.
-        tokens: name -> `[n_labels]` tensor, every sequence's labels back to back; `loss_mask` (1.0 on
-            the labels a loss trains on) is always there.
-        sample_ids: `[S]` long, the sample of each sequence, non-decreasing (a sample's sequences are
-            consecutive); default: every sequence is its own sample.
-        n_samples: the number of samples; a sample may have no sequence (nothing to train on) and
-            still count. Default: one more than the last sample id.
-    """
-
-    input_ids: list[list[int]]
+    input_ids: list[list[int]]  # each sequence's tokens, at least 2 of them
+    # name -> `[n_labels]`, every sequence's labels back to back; `loss_mask` (1.0 on the labels a loss trains
+    # on) is always there
     tokens: dict[str, Tensor]
+    # `[S]` long, the sample of each sequence, non-decreasing (a sample's sequences are consecutive); default:
+    # every sequence is its own sample
     sample_ids: Tensor | None = None
+    # a sample may have no sequence (nothing to train on) and still count; default: the last sample id + 1
     n_samples: int | None = None
 
     def __post_init__(self):
@@ -93,6 +88,14 @@ class SequenceBatch:
         """`[n_labels]` long: the sample each label belongs to."""
         return torch.repeat_interleave(self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
 
+    @cached_property
+    def sample_sequences(self) -> list[list[int]]:
+        """The sequences of each sample, in order (none for a sample without any)."""
+        sequences: list[list[int]] = [[] for _ in range(self.n_samples)]
+        for sequence, sample in enumerate(self.sample_ids.tolist()):
+            sequences[sample].append(sequence)
+        return sequences
+
     def sequence(self, name: str, i: int) -> Tensor:
         """Sequence i's labels of `tokens[name]`."""
         return self.tokens[name][self.offsets[i] : self.offsets[i + 1]]
@@ -123,16 +126,15 @@ class SequenceBatch:
 
     def select_samples(self, samples: list[int]) -> "SequenceBatch":
         """The batch of these samples only (in their order), renumbered from 0."""
-        new_id = {old: new for new, old in enumerate(samples)}
-        keep = [i for i, s in enumerate(self.sample_ids.tolist()) if s in new_id]
-        keep.sort(key=lambda i: new_id[int(self.sample_ids[i])])
+        sequences = [self.sample_sequences[s] for s in samples]
+        keep = [i for seqs in sequences for i in seqs]
         labels = torch.cat([torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in keep]) if keep else (
             torch.zeros(0, dtype=torch.long))
         return replace(
             self,
             input_ids=[self.input_ids[i] for i in keep],
             tokens={name: values[labels] for name, values in self.tokens.items()},
-            sample_ids=torch.tensor([new_id[int(self.sample_ids[i])] for i in keep], dtype=torch.long),
+            sample_ids=torch.tensor([new for new, seqs in enumerate(sequences) for _ in seqs], dtype=torch.long),
             n_samples=len(samples),
             **self._select_per_sample(torch.tensor(samples, dtype=torch.long)),
         )
@@ -149,20 +151,13 @@ class RolloutBatch(SequenceBatch):
     Tokens: `loss_mask` (1.0 on sampled tokens), `engine_logps` (the engine's log-probability of each
     sampled token), `turn_ids` (long: the turn of the trajectory each sampled token belongs to, -1
     elsewhere); the trainer adds `old_logps`, `ref_logps`, `values`, `advantages`, `returns`, ...
-
-    Attributes:
-        group_ids: `[n_samples]` long, each trajectory's group, non-decreasing from 0.
-        rewards: `[n_samples]` each trajectory's reward (the sum of its turn rewards).
-        turn_rewards: `[n_samples, K]` each turn's reward, 0 on padding turns.
-        turn_mask: `[n_samples, K]` 1.0 on real turns.
-        response_lengths: `[n_samples]` sampled tokens of each trajectory.
     """
 
-    group_ids: Tensor
-    rewards: Tensor
-    turn_rewards: Tensor
-    turn_mask: Tensor
-    response_lengths: Tensor
+    group_ids: Tensor  # `[n_samples]` long, each trajectory's group, non-decreasing from 0
+    rewards: Tensor  # `[n_samples]` each trajectory's reward (the sum of its turn rewards)
+    turn_rewards: Tensor  # `[n_samples, K]` each turn's reward, 0 on padding turns
+    turn_mask: Tensor  # `[n_samples, K]` 1.0 on real turns
+    response_lengths: Tensor  # `[n_samples]` sampled tokens of each trajectory
 
     @classmethod
     def single_turn(cls, examples: list[dict], group_ids: list[int],
@@ -220,30 +215,20 @@ class RolloutBatch(SequenceBatch):
 
 @dataclass
 class MicroBatch:
-    """Sequences packed into one row. Token tensors are `[1, T]`; token t predicts `labels[t]`.
+    """Sequences packed into one row. Token tensors are `[1, T]`; token t predicts `labels[t]`."""
 
-    Attributes:
-        input_ids: the states (tokens 0..L-2 of each sequence).
-        labels: the actions (tokens 1..L-1), i.e. the next token at each position.
-        position_ids: position within each sequence.
-        cu_seqlens: int32 `[n + 1]` cumulative sequence lengths.
-        loss_mask: 1.0 where `labels` is trained on.
-        loss_weights: each label's weight in the loss, such that summing `loss * loss_weights` over
-            every micro-batch of every rank gives the configured average over the global batch.
-        sequence_ids: the positions in their `SequenceBatch` of the packed sequences, in order.
-        extras: the batch's other per-token tensors, `[1, T]` like `labels`.
-        unit_starts: the packed sequences (indices in this row) that begin a packing unit sized by its
-            own shared-prefix length (`prompt_group_units`): a shared-prefix run starts anew there.
-    """
-
-    input_ids: Tensor
-    labels: Tensor
-    position_ids: Tensor
-    cu_seqlens: Tensor
-    loss_mask: Tensor
+    input_ids: Tensor  # the states (tokens 0..L-2 of each sequence)
+    labels: Tensor  # the actions (tokens 1..L-1), i.e. the next token at each position
+    position_ids: Tensor  # position within each sequence
+    cu_seqlens: Tensor  # int32 `[n + 1]` cumulative sequence lengths
+    loss_mask: Tensor  # 1.0 where `labels` is trained on
+    # each label's weight in the loss: `loss * loss_weights` summed over every micro-batch of every rank is the
+    # configured average over the global batch
     loss_weights: Tensor
-    sequence_ids: list[int]
-    extras: dict[str, Tensor] = field(default_factory=dict)
+    sequence_ids: list[int]  # the positions in their `SequenceBatch` of the packed sequences, in order
+    extras: dict[str, Tensor] = field(default_factory=dict)  # the batch's other per-token tensors
+    # the packed sequences (indices in this row) that begin a packing unit sized by its own shared-prefix
+    # length (`prompt_group_units`): a shared-prefix run starts anew there
     unit_starts: list[int] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "MicroBatch":

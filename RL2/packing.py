@@ -36,15 +36,9 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq
                        budget_key: str = "actor.max_length_per_device",
                        unit_lengths: list[int] | None = None) -> list[list[list[int]]]:
     """Assign units to ranks, then to micro-batches of at most `max_tokens * seq_parallel`, the same count
-    on every rank.
-
-    Args:
-        budget_key: the config key that set `max_tokens`, for the error of a unit that cannot fit.
-        unit_lengths: the sequences of each unit (default one each), for the same error.
-
-    Returns:
-        plan[rank][micro_batch] = unit indices.
-    """
+    on every rank: plan[rank][micro_batch] = unit indices. `budget_key` (the config key that set
+    `max_tokens`) and `unit_lengths` (the sequences of each unit, default one each) are for the error of a
+    unit that cannot fit."""
     budget = max_tokens * seq_parallel
     too_long = [i for i, s in enumerate(unit_sizes) if s > budget]
     if too_long:
@@ -72,21 +66,15 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq
 def pack(batch: SequenceBatch, dp_rank: int, dp_size: int, max_tokens: int, weights: torch.Tensor | None = None,
          units: list[list[int]] | None = None, seq_parallel: int = 1, unit_sizes: list[int] | None = None,
          budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
-    """This rank's micro-batches of one global batch.
+    """This rank's micro-batches of the global `batch`, whose per-token tensors other than `loss_mask`
+    become `extras`. `dp_rank` and `dp_size` place this rank among those that see different data (the cp
+    and tp ranks of one data-parallel group get the same micro-batches and split each one). A micro-batch
+    holds up to `max_tokens` (`max_length_per_device`, whose config key `budget_key` names in errors) times
+    `seq_parallel` (`cp * tp`) tokens.
 
-    Args:
-        batch: the global batch; its per-token tensors other than `loss_mask` become `extras`.
-        dp_rank, dp_size: this rank's position among the ranks that see different data (the cp and tp
-            ranks of one data-parallel group get the same micro-batches and split each one).
-        max_tokens: token budget of one micro-batch on one rank (`max_length_per_device`).
-        weights: `[n_labels]` loss weights (`RL2.algs.averaging.loss_weights`); None: zeros (a
-            pass that computes no averaged loss).
-        units: groups of sequences that must share a micro-batch (e.g. a DPO pair); default one each.
-        seq_parallel: ranks that share each micro-batch (`cp * tp`, `ParallelDims.seq_parallel`); a
-            micro-batch holds up to `max_tokens * seq_parallel` tokens.
-        unit_sizes: the tokens each unit costs; default its labels (see `prompt_group_units`).
-        budget_key: the config key of `max_tokens` (e.g. `critic.max_length_per_device`), named by the
-            error of a unit that cannot fit.
+    `weights`: `[n_labels]` loss weights (`RL2.algs.averaging.loss_weights`); None: zeros (a pass that
+    computes no averaged loss). `units`: groups of sequences that must share a micro-batch (e.g. a DPO
+    pair), default one each; `unit_sizes`: the tokens each costs, default its labels (`prompt_group_units`).
     """
     if units is None:
         units = [[i] for i in range(len(batch.input_ids))]
@@ -111,14 +99,9 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
 
     A group is cut into chunks of whole trajectories: as many as it takes for every data-parallel rank
     to get work and for each chunk to fit `budget` tokens. A trajectory that alone exceeds the budget
-    becomes one unit per sequence.
-
-    Returns:
-        (units, their sizes in tokens), for `pack(units=..., unit_sizes=...)`.
+    becomes one unit per sequence. Returns (units, their sizes in tokens), for `pack(units=..., unit_sizes=...)`.
     """
-    trajectories: list[list[int]] = [[] for _ in range(batch.n_samples)]
-    for sequence, sample in enumerate(batch.sample_ids.tolist()):
-        trajectories[sample].append(sequence)
+    trajectories = batch.sample_sequences
     groups: list[list[list[int]]] = [[] for _ in range(batch.n_groups)]
     for sample, group in enumerate(batch.group_ids.tolist()):
         if trajectories[sample]:

@@ -20,19 +20,9 @@ AVERAGING_LEVELS = ("token", "sequence", "constant")
 
 def loss_weights(loss_mask: Tensor, sample_of_label: Tensor, n_samples: int, level: str,
                  constant: int | None = None) -> Tensor:
-    """Per-label weights of the loss over a whole batch.
-
-    Args:
-        loss_mask: `[n_labels]` 1.0 on the trained labels.
-        sample_of_label: `[n_labels]` long, the sample of each label.
-        n_samples: the samples of the batch (one without trained labels still counts).
-        level: "token", "sequence" or "constant".
-        constant: the normaliser of "constant" (the generation budget).
-
-    Returns:
-        `[n_labels]` weights, 0 where `loss_mask` is 0, summing to 1 ("constant": to the trained
-        tokens over `constant * n_samples`).
-    """
+    """Per-label weights of the loss over a whole batch at `level`: `[n_labels]`, 0 where `loss_mask` is 0,
+    summing to 1 ("constant": to the trained tokens over `constant * n_samples`). `sample_of_label` (long)
+    is `[n_labels]` too; a sample without trained labels still counts in `n_samples`."""
     if level == "token":
         return loss_mask / loss_mask.sum().clamp(min=1.0)
     if level == "sequence":

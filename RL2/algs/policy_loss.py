@@ -46,24 +46,14 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
-    """Truncated importance weights min(pi_old / pi_engine, tis_coef), detached.
-
-    The rollout engine (e.g. SGLang in bf16 with its own kernels) samples from a slightly different
-    distribution than the trainer's policy, which makes "on-policy" training silently off-policy.
-    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
-    (https://fengyao.notion.site/off-policy-rl) correct for it with these truncated weights.
-    `old_logps` are the trainer's `[B, T]` logprobs of the sampled tokens before the update,
-    `engine_logps` those the rollout engine reported.
-    """
+    """Truncated importance weights min(pi_old / pi_engine, tis_coef), detached (Yao et al. 2025,
+    https://fengyao.notion.site/off-policy-rl); `[B, T]` like the trainer's and the engine's logprobs."""
     return torch.exp(old_logps - engine_logps).clamp(max=tis_coef).detach()
 
 
 def icepop_weights(old_logps: Tensor, engine_logps: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
     """IcePop's masked importance weights: rho = pi_old / pi_engine where it is in [low, high], else 0.
-
-    Returns:
-        (`[B, T]` detached weights, `[B, T]` bool: the tokens masked).
-    """
+    Returns (`[B, T]` detached weights, `[B, T]` bool: the tokens masked)."""
     ratio = torch.exp(old_logps - engine_logps).detach()
     kept = (ratio >= low) & (ratio <= high)
     return torch.where(kept, ratio, 0.0), ~kept
@@ -103,12 +93,8 @@ TRAJECTORY_LEVEL_CORRECTIONS = ("seq_mask", "geo_mask")
 
 @dataclass(frozen=True)
 class Correction:
-    """An engine correction of the policy loss (`CORRECTIONS`), with its bounds.
-
-    Args:
-        name: tis, icepop, seq_mask or geo_mask.
-        low, high: the bounds of rho (`tis` reads `high` only); None: the config's defaults (`correction_bounds`).
-    """
+    """An engine correction of the policy loss (`name`: a key of `CORRECTIONS`) with the bounds of rho (`tis`
+    reads `high` only); None: the config's defaults (`correction_bounds`)."""
 
     name: str
     low: float | None = None
@@ -170,11 +156,8 @@ def engine_kl_by_lag(old_logps: Tensor, engine_logps: Tensor, lags: Tensor, weig
     """The engine-vs-trainer KL (k3 of KL(engine || old)) of the tokens sampled by the weights being
     trained (`lag0`: the engine's kernels and precision alone) and of those sampled by older weights
     (`lagged`: that plus the policy's drift since), as weighted sums with their weights; `lag_means`
-    turns the sums, added up over micro-batches and ranks, into means.
-
-    Args:
-        lags: `[B, T]` long, how many versions behind the trained weights each token was sampled.
-        weights: `[B, T]` token weights (0 off the trained tokens).
+    turns the sums, added up over micro-batches and ranks, into means. `lags` (long: how many versions
+    behind the trained weights each token was sampled) and `weights` (0 off the trained tokens) are `[B, T]`.
     """
     kl, lag0 = k3(engine_logps, old_logps).detach(), lags == 0
     sums = {}
@@ -203,34 +186,24 @@ def ppo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
              sample_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), per token.
 
-    loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),
-    with r_t = exp(logp_t - old_logp_t).
+    loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), with r_t = exp(logp_t - old_logp_t).
     An upper bound `clip_high` above `clip_low` is DAPO's clip-higher (arXiv 2503.14476, sec. 3.1):
     it leaves room to raise the probability of unlikely tokens, which keeps entropy from collapsing.
     With `dual_clip` = c > 1 (Ye et al. 2020, arXiv 1912.09729), tokens with A_t < 0 have their loss
     bounded by -c A_t, so a huge ratio on a bad action cannot blow up the update.
 
-    Args:
-        logps: `[B, T]` current logprobs (with grad).
-        old_logps: `[B, T]` logprobs of the policy that the advantages were computed for.
-        advantages: `[B, T]` token advantages.
-        mask: `[B, T]` 1.0 on action tokens, or non-negative token weights (metrics are
-            weighted means; the loss is only zeroed where the mask is 0, the caller weights it).
-        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
-        dual_clip: the dual-clip constant c (> 1), or None.
-        engine_logps: `[B, T]` rollout-engine logprobs, for the engine correction.
-        tis_coef: cap of the truncated importance weight (`Correction("tis", high=tis_coef)`); None disables it.
-        correction: the engine correction (`Correction`), instead of `tis_coef`; None: none.
-        sample_ids: `[B, T]` long, the trajectory of each token (for the trajectory masks).
+    `logps` (current, with grad), `old_logps` (of the policy the advantages were computed for), `advantages`,
+    `mask` and `sample_ids` (long: each token's trajectory, for the trajectory masks) are `[B, T]`. `mask` is
+    1.0 on action tokens, or non-negative token weights: metrics are weighted means, and the loss is only
+    zeroed where the mask is 0 (the caller weights it). The engine correction is `correction` on
+    `engine_logps` (the rollout engine's), or `tis_coef`, short for `Correction("tis", high=tis_coef)`.
 
-    Returns:
-        `(per_token_loss [B, T], metrics)`. Metrics are detached scalars averaged over the masked
-        tokens: `clip_frac_low` (A < 0 and the ratio below 1 - clip_low: no gradient),
-        `clip_frac_high` (A > 0 and the ratio above 1 + clip_high: no gradient), `dual_clip_frac`,
-        `approx_kl` (k3 estimate of KL(old || current)) and, when `engine_logps` is given,
-        `engine_kl` (k3 estimate of KL(engine || old)); with a correction, `correction_weight` (the
-        mean weight; `tis_weight` too for tis), `correction_weight_min` and `_max` (over the masked
-        tokens) and `correction_frac` (the share of tokens truncated or masked).
+    Returns `(per_token_loss [B, T], metrics)`, the metrics detached scalars averaged over the masked tokens:
+    `clip_frac_low` (A < 0 and the ratio below 1 - clip_low: no gradient), `clip_frac_high` (A > 0 and the
+    ratio above 1 + clip_high: no gradient), `dual_clip_frac`, `approx_kl` (k3 estimate of KL(old || current))
+    and, with `engine_logps`, `engine_kl` (k3 estimate of KL(engine || old)); with a correction,
+    `correction_weight` (the mean weight; `tis_weight` too for tis), `correction_weight_min` and `_max` and
+    `correction_frac` (the share of tokens truncated or masked).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is a common choice), got {dual_clip}.")
@@ -307,19 +280,10 @@ def gspo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
     s_i, but token t's gradient is A_t s_i grad log pi_t: each token keeps its own advantage. With
     the same advantage on every token of a sample, both give the same loss and gradient.
 
-    Args:
-        logps, old_logps, advantages: as in `ppo_loss`.
-        mask: `[B, T]` 1.0 on action tokens, or non-negative token weights: tokens with mask > 0
-            make up |y_i|, metrics are weighted means, the loss is zeroed where the mask is 0.
-        sample_ids: `[B, T]` long, the sample (trajectory) of each token.
-        clip_low, clip_high: the sequence ratio is clipped to [1 - clip_low, 1 + clip_high].
-        token_level: GSPO-token instead of GSPO.
-        engine_logps, tis_coef, correction: the engine correction, as in `ppo_loss`.
-
-    Returns:
-        `(per_token_loss [B, T], metrics)`: `clip_frac_low` and `clip_frac_high` (the tokens of
-        samples whose ratio was clipped on that side against their advantage's sign: no gradient),
-        `seq_ratio` (s_i, averaged over tokens), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
+    Arguments as in `ppo_loss`; the tokens with mask > 0 make up |y_i|. Returns `(per_token_loss [B, T],
+    metrics)`: `clip_frac_low` and `clip_frac_high` (the tokens of samples whose ratio was clipped on that
+    side against their advantage's sign: no gradient), `seq_ratio` (s_i, averaged over tokens), `approx_kl`,
+    and `engine_kl` and the correction's as in `ppo_loss`.
     """
     sequence_log_ratio = sample_mean(logps - old_logps, mask, sample_ids)
     if token_level:
@@ -345,16 +309,9 @@ def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tenso
     a gradient A_t w_t grad log pi_t. The paper sets no lower bound (`clip_low=None`) and tunes
     only the upper one; it averages over tokens (`avg_level=token`).
 
-    Args:
-        logps, old_logps, advantages, mask: as in `ppo_loss`.
-        clip_low: the weight is at least 1 - clip_low; None: no lower bound.
-        clip_high: the weight is at most 1 + clip_high.
-        engine_logps, tis_coef, correction, sample_ids: the engine correction, as in `ppo_loss`.
-
-    Returns:
-        `(per_token_loss [B, T], metrics)`: `clip_frac_low`/`clip_frac_high` (tokens whose weight was
-        raised to 1 - clip_low or cut to 1 + clip_high; their gradient stays), `is_weight` (the
-        clipped weight), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
+    Arguments as in `ppo_loss`. Returns `(per_token_loss [B, T], metrics)`: `clip_frac_low`/`clip_frac_high`
+    (tokens whose weight was raised to 1 - clip_low or cut to 1 + clip_high; their gradient stays),
+    `is_weight` (the clipped weight), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
     """
     ratio = torch.exp(logps - old_logps).detach()
     low = None if clip_low is None else 1.0 - clip_low

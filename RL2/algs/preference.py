@@ -45,16 +45,10 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     policy and the reference alike: TRL's DPOTrainer divides by the loss-mask token count when
     loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths.
 
-    Args:
-        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: `[B]` policy and reference
-            logps of the chosen and the rejected responses.
-        beta: KL strength (tau in IPO).
-        loss_type: a key of `DPO_LOSSES`.
-        label_smoothing: label-flip probability in [0, 0.5) for conservative DPO.
-
-    Returns:
-        `(loss [B], metrics)` with `rewards_chosen` and `rewards_rejected` (beta times the policy /
-        reference log-ratio of each response), `margin` (their difference) and `accuracy`.
+    Inputs are `[B]`; `beta` is the KL strength (tau in IPO), `loss_type` a key of `DPO_LOSSES`, and
+    `label_smoothing` conservative DPO's label-flip probability in [0, 0.5). Returns `(loss [B], metrics)` with
+    `rewards_chosen` and `rewards_rejected` (beta times the policy / reference log-ratio of each response),
+    `margin` (their difference) and `accuracy`.
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}.")
@@ -105,17 +99,10 @@ def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float)
     odds(y) = P / (1 - P) with P = exp(average per-token logp), so
     log odds = logp - log(1 - exp(logp)), and the term is
     -beta * logsigmoid(log odds_chosen - log odds_rejected).
-    Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda.
-
-    Args:
-        chosen_avg_logps, rejected_avg_logps: `[B]` mean per-token logps (< 0) of the chosen and the
-            rejected responses.
-        beta: weight of the odds-ratio term.
-
-    Returns:
-        `(loss [B], metrics)` with `log_odds` (chosen minus rejected), `log_odds_ratio`
-        (logsigmoid of it), `rewards_chosen` / `rewards_rejected` (beta times the average logps, as
-        TRL logs them) and `accuracy`.
+    Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda. The inputs
+    are `[B]` mean per-token logps (< 0). Returns `(loss [B], metrics)` with `log_odds` (chosen minus
+    rejected), `log_odds_ratio` (logsigmoid of it), `rewards_chosen` / `rewards_rejected` (beta times the
+    average logps, as TRL logs them) and `accuracy`.
     """
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)

@@ -63,23 +63,15 @@ class _AllGatherReplicated(_AllGatherSharded):
 
 @dataclass
 class ContextShard:
-    """How one packed row is split over the cp ranks, from this rank's point of view.
+    """How one packed row is split over the cp ranks, from this rank's point of view."""
 
-    Attributes:
-        group, rank, size: the cp process group and this rank's place in it.
-        rows: `[size, t]` position in the packed row of each rank's local token, -1 for padding.
-        positions: `[t]` position within its sequence of each local token (padding continues past the end).
-        cu_seqlens: int32 local cumulative lengths: sequence i holds its two chunks, `2 * chunk_i` tokens.
-        chunks: chunk length of each sequence.
-    """
-
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup  # the cp group, and this rank's place in it
     rank: int
     size: int
-    rows: torch.Tensor
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
-    chunks: list[int]
+    rows: torch.Tensor  # `[size, t]` position in the packed row of each rank's local token, -1 for padding
+    positions: torch.Tensor  # `[t]` position within its sequence of each local token (padding continues past the end)
+    cu_seqlens: torch.Tensor  # int32 local cumulative lengths: sequence i holds its two chunks, `2 * chunk_i` tokens
+    chunks: list[int]  # chunk length of each sequence
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> "ContextShard":
@@ -125,13 +117,10 @@ def context_parallel_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def zigzag_layout(bounds: list[int], size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Split the sequences of a packed row (cumulative lengths `bounds`) over `size` ranks, zigzag.
-
-    Returns:
-        rows[r][k]: position in the row of rank r's k-th local token, -1 for padding;
-        positions[r][k]: its position within its sequence;
-        chunks[i]: the chunk length of sequence i (each rank holds 2 chunks of every sequence).
-    """
+    """Split the sequences of a packed row (cumulative lengths `bounds`) over `size` ranks, zigzag. Returns
+    rows[r][k] (position in the row of rank r's k-th local token, -1 for padding), positions[r][k] (its
+    position within its sequence) and chunks[i] (the chunk length of sequence i; each rank holds 2 chunks of
+    every sequence)."""
     rows, positions, chunks = [[] for _ in range(size)], [[] for _ in range(size)], []
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start

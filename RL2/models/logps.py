@@ -20,19 +20,13 @@ from RL2.models.vocab_parallel import VocabShard
 
 @dataclass
 class ModelLayout:
-    """How one model's forward is split; `FSDPWorker` attaches it to the model as `parallel_layout`.
+    """How one model's forward is split; `FSDPWorker` attaches it to the model as `parallel_layout`."""
 
-    Attributes:
-        vocab: the vocabulary slice of this rank's logits (tensor parallelism).
-        cp_group: the context-parallel group, None without context parallelism.
-        share_prefixes: compute a prefix that consecutive packed sequences share once (`RL2.models.shared_prefix`).
-        sliding_window: the window of the model's sliding-window layers, which RL2's attention does not apply:
-            a longer sequence is refused rather than scored wrongly.
-    """
-
-    vocab: VocabShard = field(default_factory=VocabShard)
-    cp_group: dist.ProcessGroup | None = None
-    share_prefixes: bool = False
+    vocab: VocabShard = field(default_factory=VocabShard)  # the vocabulary slice of this rank's logits (tp)
+    cp_group: dist.ProcessGroup | None = None  # None without context parallelism
+    share_prefixes: bool = False  # compute a prefix that consecutive packed sequences share once
+    # the window of the model's sliding-window layers, which RL2's attention does not apply: a longer sequence
+    # is refused rather than scored wrongly
     sliding_window: int | None = None
 
 
@@ -44,28 +38,20 @@ def shares_prefixes(model: torch.nn.Module) -> bool:
 
 @dataclass
 class PackedForward:
-    """A model's output on one packed row, as this rank holds it.
+    """A model's output on one packed row, as this rank holds it."""
 
-    Attributes:
-        local_logits: `[1, k, V_local]`: this rank's t tokens (all T without cp), or only the `kept` ones of
-            them, over its vocabulary slice (`vocab`); `local_labels` `[1, k]` their labels.
-        context: how the row is split over cp ranks, None without context parallelism.
-        length: T, the tokens of the whole row; `local_length`: t.
-        kept: which of this rank's t tokens have logits (`forward_packed(trained_only=True)`), None: all.
-        shared: the row the model ran on when it stored shared prefixes once; per-token results are
-            expanded back to the packed row.
-        trained: with `shared` and `kept`, the packed row's `loss_mask`: results read 0.0 elsewhere.
-    """
-
+    # `[1, k, V_local]`: this rank's t tokens (all T without cp), or only the `kept` ones of them, over its
+    # vocabulary slice (`vocab`)
     local_logits: torch.Tensor
-    local_labels: torch.Tensor
+    local_labels: torch.Tensor  # `[1, k]`
     vocab: VocabShard
-    context: ContextShard | None
-    length: int
-    kept: torch.Tensor | None = None
-    local_length: int = 0
+    context: ContextShard | None  # how the row is split over cp ranks
+    length: int  # T, the tokens of the whole row
+    kept: torch.Tensor | None = None  # which of the t tokens have logits (`trained_only`), None: all
+    local_length: int = 0  # t
+    # the row the model ran on when it stored shared prefixes once; results are expanded back to the packed row
     shared: SharedPrefixRow | None = None
-    trained: torch.Tensor | None = None
+    trained: torch.Tensor | None = None  # with `shared` and `kept`, the row's `loss_mask`: results are 0.0 elsewhere
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token values of the tokens with logits `[1, k]` -> the whole row `[1, T]` (0.0 at tokens

@@ -74,10 +74,7 @@ def engine_correction(cfg) -> Correction | None:
 def trajectory_units(batch: SequenceBatch, budget: int, loss: str) -> list[list[int]]:
     """Packing units (`pack(units=...)`) that keep each trajectory's sequences together; `budget` is the
     most labels of one micro-batch, `loss` what reads whole trajectories (for the error)."""
-    units: list[list[int]] = [[] for _ in range(batch.n_samples)]
-    for sequence, sample in enumerate(batch.sample_ids.tolist()):
-        units[sample].append(sequence)
-    units = [unit for unit in units if unit]
+    units = [unit for unit in batch.sample_sequences if unit]
     longest = max((sum(batch.label_counts[i] for i in unit) for unit in units), default=0)
     if longest > budget:
         raise ValueError(
@@ -176,11 +173,8 @@ class Actor:
     temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
     the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike).
 
-    Args:
-        cfg: the `actor` config.
-        total_steps, train, model_name, base_changes: as for `FSDPWorker`.
-        response_budget: the most sampled tokens of one response, the normaliser of avg_level=constant.
-        temperature: `rollout.train_sampling_params.temperature`.
+    `cfg` is the `actor` config; `temperature` is `rollout.train_sampling_params.temperature`; `response_budget`
+    (the most sampled tokens of one response) is the normaliser of avg_level=constant; the rest as `FSDPWorker`'s.
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,

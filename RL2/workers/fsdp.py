@@ -108,17 +108,11 @@ def lr_lambda(step: int, total_steps: int, warmup_ratio: float, name: str, min_r
 
 
 class FSDPWorker(Stateful):
-    """One sharded model with its optimizer and schedule.
-
-    Args:
-        model_cfg: the `actor` (or `critic`) config.
-        total_steps: optimizer steps of the run (for the schedule); 0 for a frozen model.
-        train: False for a frozen model (reference, teacher): no optimizer.
-        model_name: load these weights instead of `model_cfg.model_name` (e.g. a teacher).
-        base_changes: with LoRA, PPO's reference resets will merge the adapters into the base: it is then
-            kept in float32 (docs/lora.md).
-        section: the config's key of `model_cfg` (`actor`, `critic`), for errors; None: bare keys.
-        config_overrides: changes to the HF config, e.g. `num_labels=1` for a scalar head.
+    """One sharded model of `model_cfg` (the `actor` or `critic` config, whose key `section` names in errors)
+    with its optimizer and schedule over `total_steps`; `train=False`: a frozen model (reference, teacher),
+    no optimizer. `model_name` loads other weights (e.g. a teacher's); `config_overrides` change the HF
+    config (e.g. `num_labels=1` for a scalar head). `base_changes`: with LoRA, PPO's reference resets will
+    merge the adapters into the base, which is then kept in float32 (docs/lora.md).
     """
 
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
@@ -299,11 +293,7 @@ class FSDPWorker(Stateful):
         every micro-batch of this rank, then sum each metric over the whole global batch. Collective.
 
         Losses are already weighted for the global batch, so no loss is rescaled (`sum_gradients_over_ranks`).
-
-        Args:
-            micro_batches: this rank's share of the global batch (`RL2.packing.pack`).
-            loss_fn: the loss and metric partial sums of one micro-batch.
-            train: backward each loss; False runs without autograd.
+        `train=False` runs without autograd and backward.
         """
         totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
