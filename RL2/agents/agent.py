@@ -96,19 +96,28 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
 
 class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
     """The HTTP connection pool of a batch's clients on each loop its runs ran on: a client of its own would
-    build one per run, and a pool's connections belong to the loop that opened them."""
+    build one per run, and a pool's connections belong to the loop that opened them. Each run's client is its own
+    (`_RunClient`), over the shared pool."""
 
     def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
         """A client on the pool of the running loop (one of user code)."""
         loop = asyncio.get_running_loop()
         if loop not in self:
             self[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
-        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self[loop])
+        return _RunClient(base_url=base_url, api_key=api_key, max_retries=0, http_client=self[loop])
 
     async def aclose(self) -> None:
         # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
         if (http := self.get(env_loop())) is not None:
             await on_env_loop(http.aclose())
+
+
+class _RunClient(openai.AsyncOpenAI):
+    """A run's client: an agent that closes it (`await client.close()`, `async with client:`) is done with it, and
+    the pool stays open under the batch's other runs (the batch closes it)."""
+
+    async def close(self) -> None:
+        pass
 
 
 async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, timeout: float | None,

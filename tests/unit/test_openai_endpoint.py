@@ -493,6 +493,9 @@ async def run(client, extra_info):
     reply = await client.chat.completions.create(model="policy", messages=messages)
     if mode == "raise":
         raise KeyError("no answer")
+    if mode == "close":  # done with its client, as `async with client:` would leave it
+        await client.close()
+        return 1.0
     if mode == "sleep":
         await asyncio.sleep(30)
     if mode == "bad":
@@ -552,6 +555,14 @@ def test_a_failing_agent_ends_its_own_trajectory_only(engine, tok, tmp_path):
     for mode in faults:
         assert trajectories[mode].stop_reason == "fault" and trajectories[mode].reward == 0.0
     assert trajectories["raise"].n_turns == 1  # what it sampled is kept, with reward 0
+
+
+def test_an_agent_closing_its_client_leaves_the_other_runs_theirs(engine, tok, tmp_path):
+    """Runs of one batch share a connection pool: a run that closes its client (after its call, while the others
+    still have a call to make) closes only its own."""
+    rows = [{"prompt": "Hi", "extra_info": {"mode": mode}} for mode in ("close", "ok", "ok")]
+    groups = roll_agents(engine, tok, tmp_path, rows, n=2)
+    assert [(t.fault, t.reward, t.n_turns) for g in groups for t in g] == [(None, 1.0, 1)] * 2 + [(None, 1.0, 2)] * 4
 
 
 def test_an_engine_failure_stops_the_agent_rollout(tok, tmp_path):
