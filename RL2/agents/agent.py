@@ -143,7 +143,9 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     if session.error is not None:  # the engine failed, not the agent: the rollout stops
         raise session.error
     trajectory.tool_seconds = max(0.0, time.perf_counter() - start - trajectory.generate_seconds)
-    if fault is None and not trajectory.turns:
+    if session.over_budget is not None:  # whatever the agent made of the refusal
+        fault = session.over_budget
+    elif fault is None and not trajectory.turns:
         fault = "the agent made no model call"
     if fault is not None:
         trajectory.fail(fault)

@@ -163,6 +163,8 @@ class Session:
         self.error: BaseException | None = None  # the engine's failure, if a call met one (the rollout raises it)
         self.closed = False
         self.calls = 0
+        self.sampled_tokens = 0  # over all calls and choices, against the endpoint's max_tokens
+        self.over_budget: str | None = None  # why a call was refused for the run's budget
         self._tips: list[_Tip] = []
         self._sampled: dict[str, str] = {}  # _message_key of a returned message -> the text sampled
 
@@ -224,15 +226,19 @@ class OpenAIEndpoint:
         max_total_tokens: the most tokens of one sequence (None: any); a call's max_new_tokens is cut to what is left.
         stop_after_call: a request with tools stops at the format's end of a call (`rollout.tool_call_stop`).
         read_timeout: seconds a client may take to send a request's headers, and then its body.
+        max_calls, max_tokens: the most model calls, and tokens sampled over them, of one session (a run of an
+            agent: `rollout.agent_max_calls`, `rollout.agent_max_tokens`; None: no limit). A call past them is
+            refused, and the session is over its budget (`Session.over_budget`), whatever the agent does then.
     """
 
     def __init__(self, engine: Engine, tokenizer, parser: ToolCallParser, native_tools: bool,
                  default_sampling: dict, max_total_tokens: int | None, stop_after_call: bool = True,
-                 read_timeout: float = READ_TIMEOUT):
+                 read_timeout: float = READ_TIMEOUT, max_calls: int | None = None, max_tokens: int | None = None):
         self.engine, self.tokenizer, self.parser = engine, tokenizer, parser
         self.native_tools, self.stop_after_call = native_tools, stop_after_call
         self.default_sampling = dict(default_sampling)
         self.max_total_tokens, self.read_timeout = max_total_tokens, read_timeout
+        self.max_calls, self.max_tokens = max_calls, max_tokens
         self.api_key = secrets.token_urlsafe(32)  # every request sends it as `Authorization: Bearer`
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
@@ -390,7 +396,7 @@ class OpenAIEndpoint:
             if at_least >= self.max_total_tokens:
                 raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
         prompt = session.prompt(text, self.tokenizer, plain)
-        params = self._params(call, len(prompt.ids), prompt_field, parser)
+        params = self._within_budget(session, call, self._params(call, len(prompt.ids), prompt_field, parser))
         k, session.calls = session.calls, session.calls + 1
         seed = call.seed
         if seed is None and session.sampling_seed is not None:
@@ -405,7 +411,25 @@ class OpenAIEndpoint:
         if session.closed:
             raise RequestError(f"session {session.id} was closed while the call ran", status=404)
         session.record(prompt, [choice.turn for choice in choices], self.tokenizer)
+        session.sampled_tokens += sum(len(choice.turn.action_ids) for choice in choices)
         return prompt, choices, k
+
+    def _within_budget(self, session: Session, call: _Call, params: dict) -> dict:
+        """`params` with max_new_tokens cut to what the run's token budget leaves each choice; a call past the run's
+        calls or tokens is refused, and the run is over its budget."""
+        over = None
+        if self.max_calls is not None and session.calls >= self.max_calls:
+            over = f"the agent made more than {self.max_calls} model calls (rollout.agent_max_calls)"
+        elif self.max_tokens is not None:
+            left = (self.max_tokens - session.sampled_tokens) // call.n
+            if left < 1:
+                over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
+                        f"(rollout.agent_max_tokens), leaving none for this call")
+            params["max_new_tokens"] = min(params["max_new_tokens"], max(left, 1))
+        if over is not None:
+            session.over_budget = session.over_budget or over
+            raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")
+        return params
 
     def _no_room(self, size: str, prompt_field: str) -> RequestError:
         return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="

@@ -59,6 +59,11 @@ class RolloutConfig:
                                  "client an openai.AsyncOpenAI served by the rollout engine, instead of "
                                  "rollout.env_path: every call's tokens are recorded, one run is one trajectory")
     agent_timeout: float | None = opt(600.0, "seconds one agent run may take, model calls included, before it fails")
+    agent_max_calls: int | None = opt(256, "model calls one agent run may make; a call past them is refused (HTTP "
+                                      "400, code run_budget_exceeded) and the run ends as a fault (null: no limit)")
+    agent_max_tokens: int | None = opt(None, "tokens one agent run may sample over all its calls; each call's "
+                                       "max_new_tokens is cut to what is left, and a call with none left is refused "
+                                       "and the run ends as a fault (null: no limit)")
     max_consecutive_timeouts: int | None = opt(32, "stop the run when this many environment steps and resets (or agent "
                                                "runs) of a rank time out in a row: a script hanging on every call (a "
                                                "dead server, an endless loop) faults every trajectory (null: never)")
@@ -369,6 +374,9 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
     require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "
                                          f"stop the run (1 or more), or null never to stop")
+    for key in ("agent_max_calls", "agent_max_tokens"):
+        value = rollout.get(key)
+        require(value is None or value >= 1, f"rollout.{key}={value}; give 1 or more, or null for no limit")
     require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
             "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
     margin = rollout.get("gpu_memory_margin_gb", 0.0)

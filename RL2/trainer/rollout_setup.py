@@ -83,7 +83,8 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
     max_total_tokens = rollout_cfg.max_total_tokens or context_length(model_path, rollout_cfg.server_args)
     if isinstance(script, Agent):  # its calls reach this rank's engine through an OpenAI endpoint
         endpoint = OpenAIEndpoint(engine, tokenizer, tool_call_parser(rollout_cfg.tool_parser, tokenizer),
-                                  template_renders_tools(tokenizer), {}, max_total_tokens, rollout_cfg.tool_call_stop)
+                                  template_renders_tools(tokenizer), {}, max_total_tokens, rollout_cfg.tool_call_stop,
+                                  max_calls=rollout_cfg.agent_max_calls, max_tokens=rollout_cfg.agent_max_tokens)
         driver = AgentRollout(endpoint, script, rollout_cfg.agent_timeout, rollout_cfg.max_consecutive_timeouts)
     else:
         driver = EnvRollout(engine, script, tokenizer, rollout_cfg.max_turns, max_total_tokens,

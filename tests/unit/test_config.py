@@ -70,6 +70,8 @@ def ppo_config(argv):
     (["adv.estimator=gae", "actor.freeze_steps=-1"], r"actor\.freeze_steps=-1; give the number of steps"),
     (["rollout.test_prompts_per_rollout=0"], r"rollout\.test_prompts_per_rollout=0; test on at least 1 prompt"),
     (["rollout.max_turns=0"], r"rollout\.max_turns=0; a trajectory takes at least 1 action"),
+    (["rollout.agent_max_calls=0"], r"rollout\.agent_max_calls=0; give 1 or more, or null for no limit"),
+    (["rollout.agent_max_tokens=-5"], r"rollout\.agent_max_tokens=-5; give 1 or more"),
     (["rollout.train_sampling_params.max_new_tokens=0"],
      r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
     (["rollout.train_sampling_params.temperature=-1"], r"rollout\.train_sampling_params\.temperature=-1\.0; give 0"),

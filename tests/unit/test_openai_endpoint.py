@@ -493,6 +493,12 @@ async def run(client, extra_info):
     reply = await client.chat.completions.create(model="policy", messages=messages)
     if mode == "raise":
         raise KeyError("no answer")
+    if mode == "loop":  # calls until a call fails, and takes the failure in its stride
+        try:
+            while True:
+                await client.chat.completions.create(model="policy", messages=messages)
+        except openai.BadRequestError:
+            return 1.0
     if mode == "close":  # done with its client, as `async with client:` would leave it
         await client.close()
         return 1.0
@@ -507,12 +513,12 @@ async def run(client, extra_info):
 '''
 
 
-def roll_agents(engine, tok, tmp_path, rows, n=1, timeout=5.0, default=GREEDY):
+def roll_agents(engine, tok, tmp_path, rows, n=1, timeout=5.0, default=GREEDY, **budget):
     (tmp_path / "agent.py").write_text(AGENT)
     agent = load_agent(tmp_path / "agent.py")
 
     async def main():
-        endpoint = OpenAIEndpoint(engine, tok, HermesParser(), False, default, None)
+        endpoint = OpenAIEndpoint(engine, tok, HermesParser(), False, default, None, **budget)
         try:
             return await agent_rollout_batch(endpoint, agent, rows, n, timeout)
         finally:
@@ -563,6 +569,20 @@ def test_an_agent_closing_its_client_leaves_the_other_runs_theirs(engine, tok, t
     rows = [{"prompt": "Hi", "extra_info": {"mode": mode}} for mode in ("close", "ok", "ok")]
     groups = roll_agents(engine, tok, tmp_path, rows, n=2)
     assert [(t.fault, t.reward, t.n_turns) for g in groups for t in g] == [(None, 1.0, 1)] * 2 + [(None, 1.0, 2)] * 4
+
+
+def test_a_run_past_its_calls_or_tokens_is_refused_and_ends_as_a_fault(engine, tok, tmp_path):
+    """A looping agent that swallows the refusal still faults; within the budget a run is untouched, and the token
+    budget cuts the last call's max_new_tokens (4 a call here) to what is left."""
+    rows = [{"prompt": "Hi", "extra_info": {"mode": mode}} for mode in ("loop", "ok")]
+    by_calls = [g[0] for g in roll_agents(engine, tok, tmp_path, rows, max_calls=3)]
+    assert by_calls[0].fault == "the agent made more than 3 model calls (rollout.agent_max_calls)"
+    assert by_calls[0].n_turns == 3 and by_calls[0].reward == 0.0
+    assert (by_calls[1].fault, by_calls[1].reward, by_calls[1].n_turns) == (None, 1.0, 2)
+    [[looped]] = roll_agents(engine, tok, tmp_path, rows[:1], max_tokens=10)
+    assert [len(turn.action_ids) for turn in looped.turns] == [4, 4, 2]
+    assert looped.fault == ("the agent's calls sampled 10 of its 10 tokens (rollout.agent_max_tokens), leaving none "
+                            "for this call")
 
 
 def test_an_engine_failure_stops_the_agent_rollout(tok, tmp_path):
