@@ -27,6 +27,7 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
         "rollout/n_turns": _mean(t.n_turns for t in trajectories),
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
     }
+    metrics |= {f"rollout/faults/{kind}": float(n) for kind, n in fault_kinds(trajectories).items()}
     metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
     if tools:
         tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
@@ -55,6 +56,27 @@ def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int
     return metrics
 
 
+# A fault's kind, from the first marker its reason holds (the reasons RL2.rollout.loop, its tools and RL2.agents give).
+FAULT_KINDS = {
+    "timeout": ("timed out", "did not return within"),
+    "budget": ("rollout.agent_max_",),
+    "malformed": ("malformed", "could not be parsed", "the state is text"),
+    "tool": ("rollout.tool_error=end",),
+    "no_call": ("made no model call",),
+    "raised": ("raised", "reset failed"),
+}
+
+
+def fault_kind(fault: str) -> str:
+    """The kind of a fault's reason (a key of FAULT_KINDS), "other" for none of them."""
+    return next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")
+
+
+def fault_kinds(trajectories: list[Trajectory]) -> Counter:
+    """How many of the trajectories each kind of fault ended."""
+    return Counter(fault_kind(t.fault) for t in trajectories if t.fault is not None)
+
+
 def fault_summary(groups: list[list[Trajectory]]) -> str | None:
     """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
     None when none did. A fault ends one trajectory with reward 0, never the run, so the log is where its
@@ -63,7 +85,9 @@ def fault_summary(groups: list[list[Trajectory]]) -> str | None:
     faults = [t.fault for t in trajectories if t.fault is not None]
     if not faults:
         return None
-    return f"{len(faults)} of {len(trajectories)} trajectories ended by a fault (reward 0), the first: {faults[0]}"
+    kinds = ", ".join(f"{kind} {n}" for kind, n in fault_kinds(trajectories).most_common())
+    return (f"{len(faults)} of {len(trajectories)} trajectories ended by a fault (reward 0; {kinds}), the first: "
+            f"{faults[0]}")
 
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,

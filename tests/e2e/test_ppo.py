@@ -177,8 +177,9 @@ def test_an_environment_that_fails_every_step_says_why_in_the_log(repeat_model, 
     data = {"train": tmp_path / "train.jsonl", "test": ""}
     result = run_ranks(1, ppo_args(repeat_model, data, tmp_path / "run", f"rollout.env_path={ENVS / 'faulty.py'}",
                                    "trainer.total_steps=1"))
-    assert read_metrics(tmp_path / "run")[0]["rollout/faults"] == 16.0  # 4 prompts x 4 responses, the run went on
-    assert (f"step 1: 16 of 16 trajectories ended by a fault (reward 0), the first: step raised KeyError: "
+    metrics = read_metrics(tmp_path / "run")[0]
+    assert metrics["rollout/faults"] == metrics["rollout/faults/raised"] == 16.0  # 4 x 4 responses; the run went on
+    assert (f"step 1: 16 of 16 trajectories ended by a fault (reward 0; raised 16), the first: step raised KeyError: "
             f"'broken env' ({ENVS / 'faulty.py'})") in result.stdout
 
 

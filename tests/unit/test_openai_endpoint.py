@@ -21,6 +21,7 @@ from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.rollout.env import EnvError, EnvFault
 from RL2.rollout.loop import sample_seed
+from RL2.rollout.metrics import fault_summary, rollout_metrics
 from RL2.rollout.tools.declared import render_conversation
 from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
 from RL2.rollout.trajectory import Turn
@@ -561,6 +562,12 @@ def test_a_failing_agent_ends_its_own_trajectory_only(engine, tok, tmp_path):
     for mode in faults:
         assert trajectories[mode].stop_reason == "fault" and trajectories[mode].reward == 0.0
     assert trajectories["raise"].n_turns == 1  # what it sampled is kept, with reward 0
+    # The faults counted by kind, in the metrics and in the log's line.
+    metrics = rollout_metrics(groups, tools=True)
+    assert {k: v for k, v in metrics.items() if k.startswith("rollout/faults/")} == {
+        "rollout/faults/raised": 1.0, "rollout/faults/timeout": 1.0, "rollout/faults/malformed": 1.0,
+        "rollout/faults/no_call": 1.0}
+    assert "4 of 5 trajectories ended by a fault (reward 0; " in fault_summary(groups)
 
 
 def test_an_agent_closing_its_client_leaves_the_other_runs_theirs(engine, tok, tmp_path):
