@@ -88,7 +88,7 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_option
             "safety_identifier", "prompt_cache_key"}
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed",
              "logprobs"}
-_CHAT_FIELDS = {"messages", "tools", "tool_choice"} | _SAMPLING | _IGNORED | set(_DEFAULT_ONLY)
+_CHAT_FIELDS = {"messages", "tools", "tool_choice", "chat_template_kwargs"} | _SAMPLING | _IGNORED | set(_DEFAULT_ONLY)
 _COMPLETION_FIELDS = {"prompt"} | _SAMPLING | _IGNORED | set(_COMPLETION_DEFAULT_ONLY)
 
 
@@ -323,9 +323,10 @@ class OpenAIEndpoint:
         schemas, parsing = _tools(body)
         messages = session.as_sampled(_messages(body))
         parser = self.parser if parsing else None
+        template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
         try:  # special tokens' text in the agent's messages and tools tokenises as text
             text, plain = render_plain(self.tokenizer, lambda messages, schemas: render_conversation(
-                self.tokenizer, messages, schemas, self.parser, self.native_tools), messages, schemas)
+                self.tokenizer, messages, schemas, self.parser, self.native_tools, template_kwargs), messages, schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                "messages") from e
@@ -574,6 +575,26 @@ def _deeper_than(value: object, limit: int) -> bool:
                 return True
             stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
     return False
+
+
+# apply_chat_template's own parameters, which a request's chat_template_kwargs may not set.
+_TEMPLATE_OWN = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                 "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _template_kwargs(value) -> dict:
+    """A request's `chat_template_kwargs` (as vLLM and SGLang take them, e.g. {"enable_thinking": false}):
+    variables of the chat template, checked."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise RequestError(f"chat_template_kwargs must be an object of the template's variables, not {_show(value)}",
+                           "chat_template_kwargs")
+    if own := sorted(_TEMPLATE_OWN & set(value)):
+        raise RequestError(f"chat_template_kwargs sets {', '.join(own)}, which the endpoint sets itself; pass only "
+                           f"the template's own variables (e.g. enable_thinking)", "chat_template_kwargs")
+    return value
 
 
 def _parse_call(body: dict, known: set[str], default_only: dict, logprobs_field: str | None) -> _Call:

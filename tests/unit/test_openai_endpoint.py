@@ -6,6 +6,7 @@ renders, and expected log-probabilities from one full forward over the finished 
 """
 
 import asyncio
+import copy
 import json
 import time
 
@@ -322,6 +323,29 @@ def test_unsupported_fields_are_refused_naming_the_field(engine, tok, fields, pa
     assert (error.status_code, error.type, error.param, error.code) == (400, "invalid_request_error", param, None)
     assert param in error.message
     assert session.trajectory.sequences == [] and session.calls == 0
+
+
+def test_chat_template_kwargs_reach_the_template_and_its_own_parameters_are_refused(engine, tok):
+    """vLLM's and SGLang's `chat_template_kwargs` (sent through the openai client's extra_body): the template's own
+    variables render the prompt the engine samples after; apply_chat_template's parameters are refused."""
+    thinking = copy.copy(tok)
+    thinking.chat_template = tok.chat_template + "{% if enable_thinking is defined and not enable_thinking %}" \
+                                                 "<no thinking>{% endif %}"
+
+    async def talk(client):
+        await client.chat.completions.create(model="m", messages=QUESTION,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        await client.chat.completions.create(model="m", messages=QUESTION)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="m", messages=QUESTION,
+                                                 extra_body={"chat_template_kwargs": {"tokenize": True}})
+        return caught.value
+
+    error, session = serve(engine, thinking, talk)
+    first, second = [record["input_ids"] for record in session.trajectory.token_sequences()]
+    assert tok.decode(first).startswith(chat(tok, QUESTION) + "<no thinking>")
+    assert tok.decode(second).startswith(chat(tok, QUESTION)) and "<no thinking>" not in tok.decode(second)
+    assert (error.param, "tokenize" in error.message) == ("chat_template_kwargs", True)
 
 
 def test_default_values_of_unsupported_fields_are_accepted(engine, tok):

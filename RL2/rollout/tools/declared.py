@@ -231,19 +231,19 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
-                        native: bool) -> str:
+                        native: bool, template_kwargs: dict | None = None) -> str:
     """A conversation with tools (`schemas`; None or empty: none) as the text of the prompt, ending with the
     header of the assistant's next turn. `messages` are OpenAI-style: system, user, assistant (content and/or
     tool_calls) and tool (content, tool_call_id, name). With `native`, the template renders tools itself
     (`template_renders_tools`); otherwise the tool block of `tool_system_prompt` is prepended to the system
     message (or makes one), an assistant's tool_calls become text in `parser`'s format (the policy's), and
     each run of tool messages becomes one user message of <tool_response> blocks, as Hermes/Qwen templates
-    render them."""
+    render them. `template_kwargs` are the template's own variables (e.g. `enable_thinking`)."""
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
-                                             tokenize=False, add_generation_prompt=True)
+                                             tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **(template_kwargs or {}))
 
 
 def _native_message(message: dict) -> dict:
