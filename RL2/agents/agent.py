@@ -12,6 +12,7 @@ of the engine stops the rollout. See docs/agents.md.
 
 import asyncio
 import copy
+import math
 import numbers
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from RL2.rollout.loop import call_script, engine_sampling_params, gather_or_canc
 from RL2.rollout.trajectory import Trajectory
 
 # What an agent's result dict may hold.
-RESULT_KEYS = ("reward", "score", "reward_parts")
+RESULT_KEYS = ("reward", "score", "reward_parts", "metrics")
 
 
 @dataclass
@@ -169,6 +170,7 @@ async def _outcome(agent: Agent, run, timeout: float | None, max_timeouts: int |
         return f"the agent raised {type(e).__name__}: {e}"
     try:
         reward, score, parts = parse_agent_result(result)
+        trajectory.metrics = parse_agent_metrics(result)
     except EnvFault as e:
         return f"malformed agent result: {e}"
     if trajectory.turns:
@@ -177,9 +179,23 @@ async def _outcome(agent: Agent, run, timeout: float | None, max_timeouts: int |
     return None
 
 
+def parse_agent_metrics(result: object) -> dict[str, float]:
+    """The agent's own metrics of what `run` returned (a result dict's `metrics`: name -> finite number, each
+    logged as `rollout/agent/<name>`, the mean over the runs that give it); raises `EnvFault` when malformed."""
+    metrics = result.get("metrics") if isinstance(result, dict) else None
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise EnvFault(f"run's result metrics is {type(metrics).__name__}, not a dict of name -> number")
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise EnvFault(f"run's result metrics[{name!r}]={value!r} is not a finite number")
+    return {str(name): float(value) for name, value in metrics.items()}
+
+
 def parse_agent_result(result: object) -> tuple[float, float, dict[str, float]]:
     """(reward, score, reward_parts) of what `run` returned: a number, or a dict with `reward` and
-    optionally `score` (default: reward) and `reward_parts`; raises `EnvFault` otherwise."""
+    optionally `score` (default: reward), `reward_parts` and `metrics`; raises `EnvFault` otherwise."""
     if isinstance(result, numbers.Real) and not isinstance(result, bool):
         result = {"reward": result}
     if not isinstance(result, dict):

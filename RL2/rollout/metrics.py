@@ -29,6 +29,7 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
     }
     metrics |= {f"rollout/faults/{kind}": float(n) for kind, n in fault_kinds(trajectories).items()}
     metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
+    metrics |= _agent_metrics(trajectories, "rollout/agent/")
     if tools:
         tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
         metrics |= {
@@ -134,6 +135,15 @@ def reward_parts(trajectory: Trajectory) -> dict[str, float]:
     for turn in trajectory.turns:
         parts.update(turn.reward_parts)
     return dict(parts)
+
+
+def _agent_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Each metric an agent gave, averaged over the trajectories that give it."""
+    values = defaultdict(list)
+    for trajectory in trajectories:
+        for name, value in trajectory.metrics.items():
+            values[name].append(value)
+    return {f"{prefix}{name}": _mean(given) for name, given in sorted(values.items())}
 
 
 def _reward_part_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:

@@ -101,6 +101,7 @@ class Trajectory:
     parse_errors: int = 0  # call blocks it wrote that could not be parsed
     tool_seconds: float = 0.0  # running tools (an agent script's own code, for agents)
     generate_seconds: float = 0.0  # waiting for the engine
+    metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and

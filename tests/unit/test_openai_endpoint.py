@@ -531,6 +531,10 @@ async def run(client, extra_info):
         await asyncio.sleep(30)
     if mode == "bad":
         return {"reward": "high"}
+    if mode.startswith("searched"):  # the agent's own metric
+        return {"reward": 1.0, "metrics": {"searches": float(mode.removeprefix("searched"))}}
+    if mode == "bad metrics":
+        return {"reward": 1.0, "metrics": {"searches": "many"}}
     messages += [reply.choices[0].message, {"role": "user", "content": "Check it."}]
     await client.chat.completions.create(model="policy", messages=messages)
     await asyncio.sleep(0.05)  # the agent's own work
@@ -592,6 +596,15 @@ def test_a_failing_agent_ends_its_own_trajectory_only(engine, tok, tmp_path):
         "rollout/faults/raised": 1.0, "rollout/faults/timeout": 1.0, "rollout/faults/malformed": 1.0,
         "rollout/faults/no_call": 1.0}
     assert "4 of 5 trajectories ended by a fault (reward 0; " in fault_summary(groups)
+
+
+def test_an_agents_own_metrics_are_averaged_over_the_runs_that_give_them(engine, tok, tmp_path):
+    rows = [{"prompt": "Hi", "extra_info": {"mode": mode}} for mode in ("searched2", "searched5", "ok", "bad metrics")]
+    groups = roll_agents(engine, tok, tmp_path, rows)
+    assert [g[0].metrics for g in groups[:3]] == [{"searches": 2.0}, {"searches": 5.0}, {}]
+    assert groups[3][0].fault == ("malformed agent result: run's result metrics['searches']='many' is not a "
+                                  "finite number")
+    assert rollout_metrics(groups, tools=True)["rollout/agent/searches"] == 3.5
 
 
 def test_an_agent_closing_its_client_leaves_the_other_runs_theirs(engine, tok, tmp_path):
