@@ -426,7 +426,7 @@ class OpenAIEndpoint:
             if left < 1:
                 over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
                         f"(rollout.agent_max_tokens), leaving none for this call")
-            params["max_new_tokens"] = min(params["max_new_tokens"], max(left, 1))
+            params["max_new_tokens"] = min(params["max_new_tokens"], left)
         if over is not None:
             session.over_budget = session.over_budget or over
             raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")

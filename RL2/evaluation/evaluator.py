@@ -27,7 +27,14 @@ from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory
 from RL2.rollout.worker import rollout_seed
 from RL2.trainer.base import quiet_third_party_progress
-from RL2.trainer.rollout_setup import RolloutScript, calls_tools, load_rollout_script, prompt_row_maker, rollout_worker
+from RL2.trainer.rollout_setup import (
+    RolloutScript,
+    calls_tools,
+    load_rollout_script,
+    prompt_row_maker,
+    rollout_worker,
+    tools_of,
+)
 from RL2.utils.logging import is_rank0, log_rank0
 from RL2.workers.fsdp import load_tokenizer
 
@@ -111,8 +118,9 @@ class Evaluator:
     def sample(self, model_cfg, role: str = "model") -> tuple[list[dict], list[list[Trajectory]]]:
         """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
         tokenizer = load_tokenizer(model_cfg, role)  # the compared model's section is a copy of model's
-        prompts = self.prompts(tokenizer)
-        worker = rollout_worker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, self.env,
+        tool_use = tools_of(self.env, engine_config(self.cfg.rollout), tokenizer)  # the prompts show them
+        prompts = self.prompts(tokenizer, tool_use)
+        worker = rollout_worker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, self.env, tool_use,
                                 seed=self.cfg.eval.seed)
         try:
             seed = rollout_seed(self.cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
@@ -122,10 +130,10 @@ class Evaluator:
             worker.engine.shutdown()  # the second model's engine must not share the device with this one
         return prompts, groups
 
-    def prompts(self, tokenizer) -> list[dict]:
+    def prompts(self, tokenizer, tool_use) -> list[dict]:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
-        make_row = prompt_row_maker(self.env, engine_config(self.cfg.rollout), tokenizer)
+        make_row = prompt_row_maker(self.env, tool_use, tokenizer)
         prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")

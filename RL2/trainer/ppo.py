@@ -45,6 +45,7 @@ from RL2.trainer.rollout_setup import (
     makes_prompts,
     prompt_row_maker,
     rollout_worker,
+    tools_of,
 )
 from RL2.utils.logging import is_rank0, log_rank0, truncate_jsonl_after
 from RL2.utils.memory import max_over_ranks, measured
@@ -77,7 +78,8 @@ class PPOTrainer(Trainer):
         self.env = env if env is not None else load_rollout_script(cfg.rollout)
         self.calls_tools = calls_tools(self.env)  # the rollout's tool metrics mean something
         env_resets = makes_prompts(self.env)
-        make_row = prompt_row_maker(self.env, cfg.rollout, self.tokenizer)
+        self.tool_use = tools_of(self.env, cfg.rollout, self.tokenizer)  # the prompts show them, the rollout runs them
+        make_row = prompt_row_maker(self.env, self.tool_use, self.tokenizer)
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
@@ -122,7 +124,7 @@ class PPOTrainer(Trainer):
             cfg.adv.estimator == "gae") else None
         on_gpu = [m.worker for m in (self.actor, self.ref, self.teacher, self.critic, self.reward_model) if m]
         on_gpu = list(dict.fromkeys(on_gpu))  # a LoRA policy's reference is its own worker
-        self.rollout = rollout_worker(cfg.rollout, cfg.actor, self.tokenizer, self.device, self.env,
+        self.rollout = rollout_worker(cfg.rollout, cfg.actor, self.tokenizer, self.device, self.env, self.tool_use,
                                       policy=self.actor.worker, colocated=on_gpu, seed=cfg.trainer.seed)
 
     def steps_per_rollout(self, model_cfg) -> int:

@@ -2,8 +2,9 @@
 
 `load_rollout_script` loads the run's environment script (`rollout.env_path`), reward function
 (`rollout.reward_fn`, as a one-turn environment) or agent script (`rollout.agent_path`) before any process
-group or engine starts, so that bad input fails first; `prompt_row_maker` tokenizes prompt rows as that script
-needs them; `rollout_worker` starts the rank's engine and drives the script on it: an environment through
+group or engine starts, so that bad input fails first; `tools_of` builds its tools once, for both
+`prompt_row_maker`, which tokenizes prompt rows as the script needs them, and `rollout_worker`, which starts the
+rank's engine and drives the script on it: an environment through
 `RL2.rollout.loop.EnvRollout`, an agent through `RL2.agents.agent.AgentRollout` and the rank's OpenAI endpoint.
 """
 
@@ -60,19 +61,20 @@ def tools_of(script: RolloutScript, rollout_cfg, tokenizer) -> ToolUse | None:
     return None if isinstance(script, Agent) else tool_use_of(script, rollout_cfg, tokenizer)
 
 
-def prompt_row_maker(script: RolloutScript, rollout_cfg, tokenizer):
+def prompt_row_maker(script: RolloutScript, tool_use: ToolUse | None, tokenizer):
     """`prompt_row_tokenizer` for `script`: rows may leave the prompt out when an environment resets, show the
-    environment's tools, and keep their chat messages for an agent, which gets them."""
+    environment's tools (`tool_use`, from `tools_of`), and keep their chat messages for an agent, which gets them."""
     return prompt_row_tokenizer(tokenizer, env_resets=makes_prompts(script), keep_messages=isinstance(script, Agent),
-                                tool_use=tools_of(script, rollout_cfg, tokenizer))
+                                tool_use=tool_use)
 
 
-def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, script: RolloutScript, policy=None,
-                   colocated: Sequence = (), seed: int = 0) -> RolloutWorker:
+def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, script: RolloutScript,
+                   tool_use: ToolUse | None, policy=None, colocated: Sequence = (), seed: int = 0) -> RolloutWorker:
     """This rank's engine (collective for SGLang), the driver of `script` on it, and the worker over both.
 
     `model_cfg` is the `actor` config (weights and compute dtype of the engine's copy), `script` what
-    `load_rollout_script` gave (or the Python API's reward environment), `policy` and `colocated` as
+    `load_rollout_script` gave (or the Python API's reward environment), `tool_use` its `tools_of`, `policy` and
+    `colocated` as
     `RolloutWorker` takes them, `seed` the run's (the engine's own sampling stream: `start_engine`).
     """
     dtype = compute_dtype(model_cfg.dtype, device)
@@ -88,7 +90,7 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
         driver = AgentRollout(endpoint, script, rollout_cfg.agent_timeout, rollout_cfg.max_consecutive_timeouts)
     else:
         driver = EnvRollout(engine, script, tokenizer, rollout_cfg.max_turns, max_total_tokens,
-                            rollout_cfg.env_timeout, tools_of(script, rollout_cfg, tokenizer),
+                            rollout_cfg.env_timeout, tool_use,
                             rollout_cfg.max_consecutive_timeouts)
     # The sandbox of the script's code rewards (made at its first use), entered for each rollout.
     sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))

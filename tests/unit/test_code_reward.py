@@ -100,7 +100,8 @@ def test_the_config_key_reaches_code_reward_in_each_run_s_rollout(one_rank, tiny
     for value in ("true", "false"):
         cfg = parse_config(PPOConfig, "ppo", [f"rollout.code_sandbox_unisolated={value}", "rollout.engine=embedded",
                                               f"actor.model_name={tiny_model_path}", "actor.dtype=float32"])
-        workers[value] = rollout_worker(cfg.rollout, cfg.actor, tok, torch.device("cpu"), load_env(tmp_path / "env.py"))
+        workers[value] = rollout_worker(cfg.rollout, cfg.actor, tok, torch.device("cpu"), load_env(tmp_path / "env.py"),
+                                        None)
     try:
         rewards = [workers[value].rollout([{"prompt": "Hi", "extra_info": {}}], {"max_new_tokens": 2}, 1, seed=0)
                    for value in ("true", "false", "true")]
