@@ -18,11 +18,19 @@ Prints, from the medians over the steps after the first:
   once (sampled every 0.1 s from the kernel's counters: anonymous memory summed over the processes,
   libraries and the /dev/shm shards the ranks exchange counted once; see `common.tree_memory`), and
   its first step alone (start-up costs: page faults of fresh memory, the kernels' first build);
-- the FLOP floor of a step: the rollout's and the update's model FLOPs at the matmul peak.
+- the FLOP floor of a step: the rollout's and the update's model FLOPs at the matmul peak;
+- a roofline per phase: the most of its FLOP time (at the matmul peak) and its bytes time (the bytes it
+  must move at the memory bandwidth measured in the same run), so that what a phase can reach on this
+  CPU kind shows (decode, which reads every weight and the KV cache once per step, is memory-bound).
 Model FLOPs: of the work W1 needs, each prompt once per group and each sampled token once; 2 per matmul
 parameter per token forward, 6 forward and backward; the output projection only where logits are
 needed (the sampled tokens). A system that computes a group's prompt once per response does more work
 than that, which shows as a lower rate.
+Bytes, a lower bound summed over the ranks (which share the memory bus): the rollout reads a rank's
+weights once per decode step (a rank decodes its sequences together: W1's 32 requests are within
+`rollout.max_running_requests`) and each running sequence's KV cache; the old log-probs read the weights
+once a rank; the update reads them three times a rank (forward, and the backward's two products) and
+AdamW reads and writes its float32 state (weights, gradients, two moments: 28 bytes a parameter).
 `--rounds N` runs every system N times, alternating, for a machine whose speed moves between minutes.
 `--variants` runs RL2 again with switches that trade memory for speed (see VARIANTS). `--isa avx2` keeps
 both systems (torch, MKL, oneDNN, RL2's C libraries) to AVX2 on an AVX512 host: the code an AVX2 CPU
@@ -37,13 +45,14 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import add_isa_argument, matmul_peak, run_measured, run_with_isa  # noqa: E402
+from common import add_isa_argument, matmul_peak, memory_bandwidth, run_measured, run_with_isa  # noqa: E402
 
 # TRL runs with torch's allocator as its users have it: importing RL2 (below) turns huge pages on for
 # this process and the ones it starts, unless the caller's environment says otherwise.
@@ -72,13 +81,26 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def matmul_params(model_path: str) -> tuple[int, int]:
-    """(matmul parameters per token of the decoder layers, of the output projection)."""
+@dataclass(frozen=True)
+class ModelShape:
+    body: int  # matmul parameters per token of the decoder layers
+    head: int  # of the output projection
+    params: int  # all parameters (what the optimizer steps)
+    kv_per_token: int  # elements of the KV cache a token keeps, over the layers
+
+
+def model_shape(model_path: str) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    body = sum(p.numel() for p in model.get_decoder().layers.parameters() if p.dim() == 2)
-    return body, model.get_output_embeddings().weight.numel()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(
+        body=sum(p.numel() for p in model.get_decoder().layers.parameters() if p.dim() == 2),
+        head=model.get_output_embeddings().weight.numel(),
+        params=sum(p.numel() for p in model.parameters()),
+        kv_per_token=config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim,
+    )
 
 
 def run_rl2(args, data_dir: Path, variant: str) -> dict:
@@ -167,34 +189,59 @@ def prompt_tokens(model_path: str) -> int:
                for p in prompts(N_PROMPTS))
 
 
-def phase_table(rl2: dict, body: int, head: int, peak: float, prompt_work: int) -> float:
-    """Print the per-phase table of one RL2 run; returns the FLOP floor of its step in seconds."""
+@dataclass(frozen=True)
+class Machine:
+    peak: float  # FLOP/s of the run's dtype's matmuls
+    bandwidth: float  # bytes/s read from memory
+    ranks: int
+    dtype_bytes: int
+
+
+def phase_work(rl2: dict, shape: ModelShape, machine: Machine, prompt_work: int) -> dict[str, tuple[float, float]]:
+    """Each phase's (model FLOPs, bytes moved), as the module's docstring counts them."""
     sampled = rl2["rollout/response_length"] * N_PROMPTS * N_RESPONSES
     tokens = prompt_work + sampled
-    flops = {
-        "rollout": 2 * (body * tokens + head * sampled),  # prefill and decode; logits of sampled tokens
-        "old_logps": 2 * (body * tokens + head * sampled) if rl2.get("perf/old_logps_s") else 0,
-        "actor_update": 6 * (body * tokens + head * sampled),
-        "sync": 0,
+    forward = 2 * (shape.body * tokens + shape.head * sampled)  # logits of the sampled tokens only
+    weights = (shape.body + shape.head) * machine.dtype_bytes * machine.ranks
+    steps = rl2["rollout/response_length"]
+    kv_tokens = N_PROMPTS * N_RESPONSES * (steps * prompt_work / N_PROMPTS + steps * (steps + 1) / 2)
+    old_logps = bool(rl2.get("perf/old_logps_s"))
+    return {
+        "rollout": (forward, steps * weights + kv_tokens * shape.kv_per_token * machine.dtype_bytes),
+        "old_logps": (forward if old_logps else 0, weights if old_logps else 0),
+        "actor_update": (3 * forward, 3 * weights + 28 * shape.params),
+        "sync": (0, 0),
     }
+
+
+def phase_table(rl2: dict, shape: ModelShape, machine: Machine, prompt_work: int) -> None:
+    """Print the per-phase table of one RL2 run, with the step's FLOP floor and roofline."""
+    work = phase_work(rl2, shape, machine, prompt_work)
+    roofline = {phase: max(flops / machine.peak, moved / machine.bandwidth) for phase, (flops, moved) in work.items()}
     step_s = rl2["perf/step_s"]
     other_s = step_s - sum(rl2.get(f"perf/{phase}_s", 0.0) for phase in PHASES)
-    print("| phase | s | share of step | model TFLOP | GFLOP/s | % of matmul peak | peak RSS of a rank (GB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | s | share of step | model TFLOP | GFLOP/s | % of matmul peak | GB moved | roofline s | "
+          "% of roofline | peak RSS of a rank (GB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for phase in PHASES:
         seconds = rl2.get(f"perf/{phase}_s")
         if not seconds:
             continue
-        rate = flops[phase] / seconds
-        print(f"| {phase} | {seconds:.2f} | {seconds / step_s:.0%} | {flops[phase] / 1e12:.2f} | "
-              f"{rate / 1e9:.0f} | {rate / peak:.0%} | {rl2.get(f'perf/{phase}_peak_gb', 0.0):.2f} |")
+        flops, moved = work[phase]
+        rate = flops / seconds
+        of_roofline = f"{roofline[phase] / seconds:.0%}" if roofline[phase] else ""  # the sync: neither FLOPs nor model
+        print(f"| {phase} | {seconds:.2f} | {seconds / step_s:.0%} | {flops / 1e12:.2f} | {rate / 1e9:.0f} | "
+              f"{rate / machine.peak:.0%} | {moved / 1e9:.1f} | {roofline[phase]:.2f} | {of_roofline} | "
+              f"{rl2.get(f'perf/{phase}_peak_gb', 0.0):.2f} |")
     push_s = rl2.get("perf/weight_push_s", 0.0) + rl2.get("perf/rollout_weight_push_s", 0.0)
-    print(f"| of which weight push (in the sync, or the rollout) | {push_s:.2f} | {push_s / step_s:.0%} | | | | |")
-    print(f"| other (advantages, logging, gathers) | {other_s:.2f} | {other_s / step_s:.0%} | | | | |")
-    floor = (flops["rollout"] + flops["actor_update"]) / peak
-    print(f"\nFLOP floor of a step (rollout + update at the matmul peak): {floor:.1f} s; "
-          f"this run took {step_s:.1f} s ({floor / step_s:.0%} of the floor's speed).")
-    return floor
+    blank = " |" * 7
+    print(f"| of which weight push (in the sync, or the rollout) | {push_s:.2f} | {push_s / step_s:.0%} |{blank}")
+    print(f"| other (advantages, logging, gathers) | {other_s:.2f} | {other_s / step_s:.0%} |{blank}")
+    floor = (work["rollout"][0] + work["actor_update"][0]) / machine.peak
+    bound = sum(roofline.values())
+    print(f"\nFLOP floor of a step (rollout + update at the matmul peak): {floor:.1f} s; roofline of a step (each "
+          f"phase at the slower of its FLOP and bytes times): {bound:.1f} s; this run took {step_s:.1f} s "
+          f"({floor / step_s:.0%} of the floor's speed, {bound / step_s:.0%} of the roofline's).")
 
 
 def main() -> None:
@@ -236,20 +283,22 @@ def main() -> None:
     dtype = compute_dtype(args.dtype, torch.device("cpu"))
     args.dtype = str(dtype).removeprefix("torch.")
     torch.set_num_threads(os.cpu_count() or 1)
-    peak = matmul_peak(dtype)
-    body, head = matmul_params(resolve_model_path("smollm2-135m-instruct"))
+    peak, bandwidth = matmul_peak(dtype), memory_bandwidth()
+    shape = model_shape(resolve_model_path("smollm2-135m-instruct"))
     prompt_work = prompt_tokens(resolve_model_path("smollm2-135m-instruct"))
     speedups = []
     for round_index in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             runs = {variant: run_rl2(args, Path(tmp), variant) for variant in variants}
             trl = {} if args.skip_trl else {mode: run_trl(args, Path(tmp), mode) for mode in args.trl_modes.split(",")}
-        peak = max(peak, matmul_peak(dtype))  # measured before and after the runs: a busy moment lowers one
+        # Measured before and after the runs: a busy moment lowers one.
+        peak, bandwidth = max(peak, matmul_peak(dtype)), max(bandwidth, memory_bandwidth())
+        machine = Machine(peak, bandwidth, args.nproc, dtype.itemsize)
         title = f"round {round_index + 1} of {args.rounds}: " if args.rounds > 1 else ""
         print(f"\n{title}W1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 "
               f"on {args.nproc} ranks, {args.isa} instructions); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
-              f"medians of steps 2..{args.steps}")
-        speedups.append(report(args, runs, trl, body, head, peak, prompt_work))
+              f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; medians of steps 2..{args.steps}")
+        speedups.append(report(args, runs, trl, shape, machine, prompt_work))
     if args.rounds > 1 and not args.skip_trl:
         for variant in variants:
             ratios = [round_speedups[variant] for round_speedups in speedups]
@@ -257,11 +306,11 @@ def main() -> None:
                   f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x")
 
 
-def report(args, runs: dict, trl: dict, body: int, head: int, peak: float, prompt_work: int) -> dict[str, float]:
+def report(args, runs: dict, trl: dict, shape: ModelShape, machine: Machine, prompt_work: int) -> dict[str, float]:
     """Print one round's tables; returns each RL2 variant's speed-up over TRL's faster mode (none without TRL)."""
     for variant, rl2 in runs.items():
         print(f"\nRL2 {variant}:\n")
-        phase_table(rl2, body, head, peak, prompt_work)
+        phase_table(rl2, shape, machine, prompt_work)
     # Speed-ups are over TRL's faster mode.
     fastest = min((run["perf/step_s"] for run in trl.values()), default=None)
     speedups = {variant: fastest / rl2["perf/step_s"] for variant, rl2 in runs.items()} if fastest else {}

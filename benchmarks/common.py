@@ -1,5 +1,5 @@
-"""What the benchmarks share: the matmul peak they compare against, launching a worker on N ranks, and
-running with a CPU's older instruction sets only."""
+"""What the benchmarks share: the matmul peak and memory bandwidth they compare against, launching a
+worker on N ranks, and running with a CPU's older instruction sets only."""
 
 import json
 import os
@@ -50,6 +50,19 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, rounds: int = 5, repeats: int
         for _ in range(repeats):
             a @ b
         best = max(best, 2 * n**3 * repeats / (time.perf_counter() - began))
+    return best
+
+
+def memory_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
+    """Bytes/s every core together reads from memory (a float32 sum over a buffer far larger than the
+    caches): the roofline's other side. The best of several rounds, as for `matmul_peak`."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()
+    best = 0.0
+    for _ in range(rounds):
+        began = time.perf_counter()
+        buffer.sum()
+        best = max(best, buffer.nbytes / (time.perf_counter() - began))
     return best
 
 
