@@ -164,18 +164,21 @@ def truncate(example: dict, max_length: int) -> dict:
 
 
 def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], source: str,
-                  skip_bad_rows: bool) -> tuple[list[dict], int]:
-    """(examples, number of skipped rows): every row tokenized; a bad row raises with file and row number,
-    or is skipped and counted."""
+                  skip_bad_rows: bool, row_numbers: list[int] | None = None,
+                  keep_row: bool = False) -> tuple[list[dict], int]:
+    """(examples, number of skipped rows): every row tokenized; a bad row raises with file and row number (in
+    the file: `row_numbers` gives each row's, default its position), or is skipped and counted. With `keep_row`
+    each example keeps that number as `row` (a prompt's, for samples.jsonl)."""
     examples, skipped = [], 0
     for index, row in enumerate(decoded_rows(rows)):
+        number = row_numbers[index] if row_numbers is not None else index
         try:
             if isinstance(row, BadRow):
                 raise row
-            examples.append(tokenize_row(row))
+            examples.append(tokenize_row(row) | ({"row": number} if keep_row else {}))
         except BadRow as e:
             if not skip_bad_rows:
-                raise DataError(f"{source} row {index}: {e} (set data.skip_bad_rows=true to skip such rows)") from None
+                raise DataError(f"{source} row {number}: {e} (set data.skip_bad_rows=true to skip such rows)") from None
             skipped += 1
     if not examples:
         raise DataError(f"{source}: every row is bad ({skipped} skipped)")
