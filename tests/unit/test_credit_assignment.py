@@ -379,3 +379,12 @@ def test_dynamic_filtering_reads_the_trained_rewards_only():
     equal_but_a_fault = [trajectory([1], rewards=[1.0]), faulted(trajectory([1], rewards=[1.0]))]
     assert filter_groups([equal_but_a_fault]) == []
     assert filter_groups([equal_but_a_fault], train_on_faults=True) == [equal_but_a_fault]
+
+
+def test_a_mini_batch_of_faults_only_has_nothing_to_train():
+    first, second = training_batch(fault_groups()).mini_batches(1)
+    assert (first.n_trained, second.n_trained, second.input_ids) == (3, 0, [])
+    for level in ("token", "sequence", "constant"):  # weights over A, C, D only; none (and no NaN) for the faults
+        assert train_weights(first, level, response_budget=10).sum().item() == pytest.approx(
+            {"token": 1.0, "sequence": 1.0, "constant": 6 / 30}[level])
+        assert train_weights(second, level, response_budget=10).numel() == 0
