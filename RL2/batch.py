@@ -58,6 +58,11 @@ class SequenceBatch:
 
     # ---- layout ----
 
+    @property
+    def n_trained(self) -> int:
+        """The samples a loss averages over (RolloutBatch leaves out the trajectories it does not train)."""
+        return self.n_samples
+
     def __len__(self) -> int:
         """The number of sequences."""
         return len(self.input_ids)
@@ -158,6 +163,14 @@ class RolloutBatch(SequenceBatch):
     turn_rewards: Tensor  # `[n_samples, K]` each turn's reward, 0 on padding turns
     turn_mask: Tensor  # `[n_samples, K]` 1.0 on real turns
     response_lengths: Tensor  # `[n_samples]` sampled tokens of each trajectory
+    # `[n_samples]` bool: False for a trajectory left out of training (a fault, docs/rl.md), which has no
+    # sequence and no part in its group's statistics or the loss's averages; default all True
+    trained: Tensor | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.trained is None:
+            self.trained = torch.ones(self.n_samples, dtype=torch.bool)
 
     @classmethod
     def single_turn(cls, examples: list[dict], group_ids: list[int],
@@ -171,6 +184,10 @@ class RolloutBatch(SequenceBatch):
         return cls(input_ids=batch.input_ids, tokens=tokens, group_ids=torch.tensor(group_ids, dtype=torch.long),
                    rewards=rewards, turn_rewards=rewards[:, None].clone(), turn_mask=torch.ones(n, 1),
                    response_lengths=batch.sample_sums(batch.tokens["loss_mask"]))
+
+    @property
+    def n_trained(self) -> int:
+        return int(self.trained.sum())
 
     @property
     def n_groups(self) -> int:
@@ -210,6 +227,7 @@ class RolloutBatch(SequenceBatch):
             "turn_rewards": self.turn_rewards[samples],
             "turn_mask": self.turn_mask[samples],
             "response_lengths": self.response_lengths[samples],
+            "trained": self.trained[samples],
         }
 
 

@@ -134,8 +134,8 @@ def _split_evenly(items: list, n: int) -> list[list]:
 
 def train_weights(batch: SequenceBatch, avg_level: str, response_budget: int | None = None) -> torch.Tensor:
     """The batch's loss weights at `avg_level` (`RL2.algs.averaging`), counting its samples (sequences, or
-    RL trajectories); `response_budget` is the normaliser of avg_level=constant."""
-    return loss_weights(batch.tokens["loss_mask"], batch.sample_of_label, batch.n_samples, avg_level, response_budget)
+    RL trajectories, those trained); `response_budget` is the normaliser of avg_level=constant."""
+    return loss_weights(batch.tokens["loss_mask"], batch.sample_of_label, batch.n_trained, avg_level, response_budget)
 
 
 def _pack(batch: SequenceBatch, weights: torch.Tensor, sequence_ids: list[int]) -> MicroBatch:

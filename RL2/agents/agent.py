@@ -130,7 +130,7 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     # A row that keeps its chat messages (its `prompt` is then their rendering) gives the agent the messages.
     prompt = row.get("messages") or row.get("prompt")
     extra_info = copy.deepcopy(row.get("extra_info") or {}) | {"prompt": copy.deepcopy(prompt)}
-    trajectory.extra_info = extra_info
+    trajectory.extra_info, trajectory.row = extra_info, row.get("row")
 
     async def run() -> object:  # on the loop of user code
         return await agent.run_fn(pools.client(base_url, endpoint.api_key), extra_info)

@@ -48,16 +48,18 @@ def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
-def deviations(x: Tensor, dim: int = -1) -> Tensor:
-    """x - mean(x) along `dim`, exactly 0 along a slice whose values are all equal.
+def deviations(x: Tensor, counted: Tensor | None = None) -> Tensor:
+    """x - mean(x) along the last dim, over the `counted` entries (1.0; default all), 0 at the others;
+    exactly 0 along a row whose counted values are all equal.
 
     In floating point the mean of equal values need not equal them (eight float32 0.7s average one
     ulp above 0.7), and dividing that error by a spread of the same size turns it into a large
-    advantage for the whole group. Measuring every value from the slice's first one first makes an
-    all-equal slice all zeros, and x - mean is shift-invariant, so nothing else changes.
+    advantage for the whole group. Measuring every value from the row's first counted one first makes
+    an all-equal row all zeros, and x - mean is shift-invariant, so nothing else changes.
     """
-    shifted = x - x.narrow(dim, 0, 1)
-    return shifted - shifted.mean(dim, keepdim=True)
+    counted, n = _counted(x, counted)
+    shifted = (x - _first_counted(x, counted)) * counted
+    return (shifted - shifted.sum(-1, keepdim=True) / n.clamp(min=1.0)) * counted
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
@@ -91,35 +93,49 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: floa
     return advantages, returns
 
 
-def grpo(scores: Tensor, norm_var: bool) -> Tensor:
+def grpo(scores: Tensor, norm_var: bool, counted: Tensor | None = None) -> Tensor:
     """Group-relative advantages of GRPO (arXiv 2402.03300) and Dr. GRPO (arXiv 2503.20783).
 
     A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
     unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
     or all wrong. A group whose scores are all equal (one sample, or every sample alike) gets exactly 0.
     `scores` is `[G, n]`: the scores of the n samples of each of G prompts; so are the advantages.
+    `counted` (`[G, n]`, 1.0 or 0.0; default all 1.0): the samples the group's mean and std are over
+    (a faulted trajectory is not); the others get 0.
     """
-    advantages = deviations(scores)
-    if norm_var and scores.shape[-1] > 1:
+    counted, n = _counted(scores, counted)
+    advantages = deviations(scores, counted)
+    if norm_var:
         # The std from the same deviations: 0 for an all-equal group, whose advantages are 0 / eps = 0.
-        std = (advantages.pow(2).sum(-1, keepdim=True) / (scores.shape[-1] - 1)).sqrt()
+        std = (advantages.pow(2).sum(-1, keepdim=True) / (n - 1).clamp(min=1.0)).sqrt()
         advantages = advantages / (std + GROUP_STD_EPS)
     return advantages
 
 
-def rloo(scores: Tensor) -> Tensor:
+def rloo(scores: Tensor, counted: Tensor | None = None) -> Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
 
     The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1), on `[G, n]` scores as in `grpo`. A group whose scores are
-    all equal (one sample, or every sample alike) gets exactly 0.
+    A_i = s_i - (sum_group - s_i) / (n - 1), on `[G, n]` scores as in `grpo`, over its `counted`
+    samples (the others get 0). A group whose scores are all equal (one sample, or every sample alike)
+    gets exactly 0.
     """
-    n = scores.shape[-1]
-    if n < 2:
-        return torch.zeros_like(scores)
+    counted, n = _counted(scores, counted)
     # The baseline is shift-invariant: measured from the group's first score, equal scores give exact zeros.
-    scores = scores - scores[..., :1]
-    return scores - (scores.sum(-1, keepdim=True) - scores) / (n - 1)
+    scores = (scores - _first_counted(scores, counted)) * counted
+    advantages = scores - (scores.sum(-1, keepdim=True) - scores) / (n - 1).clamp(min=1.0)
+    return advantages * counted * (n > 1)
+
+
+def _counted(scores: Tensor, counted: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The 0/1 mask of counted samples (all of them by default) and each row's number of them, `[G, 1]`."""
+    counted = torch.ones_like(scores) if counted is None else counted.to(scores.dtype)
+    return counted, counted.sum(-1, keepdim=True)
+
+
+def _first_counted(x: Tensor, counted: Tensor) -> Tensor:
+    """`[G, 1]`: each row's first counted value."""
+    return x.gather(-1, counted.argmax(-1, keepdim=True))
 
 
 def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:

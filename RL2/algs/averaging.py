@@ -22,14 +22,15 @@ def loss_weights(loss_mask: Tensor, sample_of_label: Tensor, n_samples: int, lev
                  constant: int | None = None) -> Tensor:
     """Per-label weights of the loss over a whole batch at `level`: `[n_labels]`, 0 where `loss_mask` is 0,
     summing to 1 ("constant": to the trained tokens over `constant * n_samples`). `sample_of_label` (long)
-    is `[n_labels]` too; a sample without trained labels still counts in `n_samples`."""
+    is `[n_labels]` too; `n_samples`: the samples averaged over, which may include some without trained labels
+    (a trajectory left out of training is not one of them)."""
     if level == "token":
         return loss_mask / loss_mask.sum().clamp(min=1.0)
     if level == "sequence":
-        per_sample = torch.zeros(n_samples, dtype=loss_mask.dtype).index_add_(0, sample_of_label, loss_mask)
-        return loss_mask / (per_sample[sample_of_label].clamp(min=1.0) * n_samples)
+        per_sample = torch.bincount(sample_of_label, weights=loss_mask).to(loss_mask.dtype)
+        return loss_mask / (per_sample[sample_of_label].clamp(min=1.0) * max(n_samples, 1))
     if level == "constant":
         if not constant or constant <= 0:
             raise ValueError("avg_level=constant needs a positive normaliser (the generation budget)")
-        return loss_mask / (constant * n_samples)
+        return loss_mask / (constant * max(n_samples, 1))
     raise ValueError(f"unknown avg_level {level!r}; choose one of {', '.join(AVERAGING_LEVELS)}")

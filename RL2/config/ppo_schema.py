@@ -80,6 +80,8 @@ class RolloutConfig:
                           "gets the error as its result) | end (the trajectory faults)", choices=("observe", "end"))
     tool_call_stop: bool = opt(True, "end an action at the format's end of a call (</tool_call>), so that the model's "
                                "own guess of the result is never sampled")
+    train_on_faults: bool = opt(False, "train on a trajectory a fault ended (a failing environment, reward, tool or "
+                                "agent) with reward 0; false: leave it out of the loss and of its group's baseline")
     dynamic_filtering: bool = opt(False, "drop groups whose rewards are all equal and sample more prompts until the "
                                   "batch is full (DAPO's dynamic sampling)")
     max_sampling_rounds: int = opt(4, "dynamic filtering: the most rollouts of data.train.batch_size prompts one step "

@@ -32,6 +32,8 @@ class SplitConfig:
     prompt_key: str = opt("prompt", "column holding the prompt (text, or a list of chat messages)")
     response_key: str = opt("response", "column holding the response text (SFT)")
     messages_key: str = opt("messages", "column holding a multi-turn conversation; loss only on assistant turns")
+    tools_key: str = opt("tools", "column holding the OpenAI tool schemas an SFT conversation's tool_calls call (a "
+                         "list, or its JSON text)")
     chosen_key: str = opt("chosen", "column holding the preferred response (DPO, RM)")
     rejected_key: str = opt("rejected", "column holding the dispreferred response (DPO, RM)")
     apply_chat_template: bool = opt(True, "format prompts with the tokenizer's chat template")

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 
+import datasets
 import torch
 
 from RL2.config.errors import ConfigError
@@ -10,39 +11,43 @@ from RL2.datasets.tokenize import tokenize_rows
 from RL2.utils.logging import log_rank0
 
 
-def load_splits(data_cfg, make_tokenize_row: Callable, seed: int,
-                blank_rows: dict[str, tuple[str, int | None]] | None = None) -> tuple[list, list]:
+def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: dict[str, tuple[str, int | None]] |
+                None = None, keep_row: bool = False) -> tuple[list, list]:
     """Tokenized train and test examples: `make_tokenize_row(split config)` turns one row into one example;
     `seed` holds out the same `test_ratio` rows on every rank and every run. `blank_rows`: split ("train",
     "test") -> (config key, n): a split whose path is unset is n rows with no prompt, for an environment whose
     `reset` makes every prompt (the original RL2's Gym-like environments, which trained with no data); n None
-    or no entry: the path is needed."""
+    or no entry: the path is needed. `keep_row`: each example keeps its row's number in its file as `row`."""
     blank_rows = blank_rows or {}
     train_rows = _rows_of(data_cfg.train.path, "train", blank_rows)
     if train_rows is None:
         raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
-    test_rows, test_cfg = None, data_cfg.test
+    test_rows, test_cfg, numbers = None, data_cfg.test, {}
     if data_cfg.test.path:
         test_rows = load_table(data_cfg.test.path)
     elif data_cfg.test_ratio > 0 and data_cfg.train.path:
-        try:
-            parts = train_rows.train_test_split(test_size=data_cfg.test_ratio, seed=seed)
+        try:  # split the row numbers, so that each example keeps its row's number in the file
+            parts = datasets.Dataset.from_dict({"row": range(len(train_rows))}).train_test_split(
+                test_size=data_cfg.test_ratio, seed=seed)
         except ValueError as e:  # e.g. so few rows that one side would be empty
             raise DataError(f"{data_cfg.train.path}: cannot hold out data.test_ratio={data_cfg.test_ratio} of its "
                             f"{len(train_rows)} rows ({e}); add rows, change data.test_ratio, or give "
                             f"data.test.path") from None
-        train_rows, test_rows = parts["train"], parts["test"]
+        numbers = {split: parts[split]["row"] for split in ("train", "test")}
+        train_rows, test_rows = train_rows.select(numbers["train"]), train_rows.select(numbers["test"])
         # Held-out rows are rows of the train file: read them with the train file's keys and settings.
         test_cfg = data_cfg.train
     else:
         test_rows = _rows_of(None, "test", blank_rows)
     source = data_cfg.train.path or "rows with no prompt"
-    train, skipped = tokenize_rows(train_rows, make_tokenize_row(data_cfg.train), source, data_cfg.skip_bad_rows)
+    train, skipped = tokenize_rows(train_rows, make_tokenize_row(data_cfg.train), source, data_cfg.skip_bad_rows,
+                                   numbers.get("train"), keep_row)
     test = []
     if test_rows is not None:
         source = data_cfg.test.path or (f"{data_cfg.train.path} (held-out {data_cfg.test_ratio:.0%})" if (
             data_cfg.train.path) else "rows with no prompt")
-        test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(test_cfg), source, data_cfg.skip_bad_rows)
+        test, test_skipped = tokenize_rows(test_rows, make_tokenize_row(test_cfg), source, data_cfg.skip_bad_rows,
+                                           numbers.get("test"), keep_row)
         skipped += test_skipped
     if skipped:
         log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")

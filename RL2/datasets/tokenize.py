@@ -7,6 +7,7 @@ A text far longer than `max_length` tokens is cut by characters before it is tok
 so that no time or memory goes to tokens that truncation drops.
 """
 
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 
@@ -47,8 +48,11 @@ def require_text(row: dict, key: str) -> str:
     return as_text(row[key], f"key '{key}'")
 
 
-def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[dict]:
-    """The `{role, content}` chat messages of `row[key]`, validated."""
+def require_messages(row: dict, key: str, need_assistant: bool = True,
+                     tool_names: list[str] | None = None) -> list[dict]:
+    """The `{role, content}` chat messages of `row[key]`, validated. With `tool_names` (the tools the row
+    declares) they may be an OpenAI tool conversation: an assistant message's `tool_calls` of those tools (its
+    content may then be empty) and `role: tool` messages with their results."""
     if is_missing(row.get(key)):
         raise BadRow(f"missing key '{key}'")
     messages = row[key]
@@ -56,15 +60,78 @@ def require_messages(row: dict, key: str, need_assistant: bool = True) -> list[d
         raise BadRow(f"key '{key}' should be a non-empty list of {{role, content}} messages")
     checked = []
     for i, message in enumerate(messages):
+        where = f"key '{key}' message {i}"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRow(f"key '{key}' message {i} should be a dict with a 'role' string")
+            raise BadRow(f"{where} should be a dict with a 'role' string")
+        if message.get("tool_calls") or (tool_names is not None and message["role"] == "tool"):
+            checked.append(_tool_message(message, where, tool_names, checked[-1] if checked else None))
+            continue
         if is_missing(message.get("content")):
-            raise BadRow(f"key '{key}' message {i} has no 'content'")
-        content = as_text(message["content"], f"key '{key}' message {i} content")
+            raise BadRow(f"{where} has no 'content'")
+        content = as_text(message["content"], f"{where} content")
         checked.append({"role": message["role"], "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise BadRow(f"key '{key}' has no assistant message to train on")
     return checked
+
+
+def _tool_message(message: dict, where: str, tool_names: list[str] | None, previous: dict | None) -> dict:
+    """An assistant message's tool calls, or a tool's result (after them), as the rollout's tools render them."""
+    if tool_names is None:
+        raise BadRow(f"{where} has tool_calls, which only SFT conversations take (with their tools in a column)")
+    if message["role"] == "tool":
+        if previous is None or not (previous.get("tool_calls") or previous["role"] == "tool"):
+            raise BadRow(f"{where} is a tool result with no tool call before it (an assistant message's tool_calls)")
+        content = message.get("content")
+        result = {"role": "tool", "content": "" if is_missing(content) or content == "" else
+                  as_text(content, f"{where} content")}
+        return result | {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    if message["role"] != "assistant":
+        raise BadRow(f"{where} has tool_calls but its role is {message['role']!r}; only assistant messages call tools")
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise BadRow(f"{where} tool_calls should be a list of {{\"function\": {{\"name\", \"arguments\"}}}} calls")
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in tool_names:
+            declared = ", ".join(tool_names) or "none"
+            raise BadRow(f"{where} calls tool {name!r}, which the row's tools do not declare (they are: {declared})")
+        arguments = function.get("arguments")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments or {}
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{where} call {j} ({name}) has arguments that are not JSON: {e}") from None
+        if not isinstance(arguments, dict):
+            raise BadRow(f"{where} call {j} ({name}) has arguments {arguments!r:.80}, not a JSON object")
+        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{j}"
+        checked.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    content = message.get("content")
+    content = "" if is_missing(content) or content == "" else as_text(content, f"{where} content")
+    return {"role": "assistant", "content": content, "tool_calls": checked}
+
+
+def require_tools(row: dict, key: str) -> list:
+    """The tool schemas of `row[key]`: a list, or its JSON text; [] when the row has none. Null values are
+    dropped: Arrow-backed tables (Parquet, JSON read by `datasets`) give every row's dicts the keys of all rows'."""
+    value = row.get(key)
+    if is_missing(value):
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BadRow(f"key '{key}' is text that is not JSON ({e}); give a list of OpenAI tool schemas") from None
+    if not isinstance(value, list):
+        raise BadRow(f"key '{key}' should be a list of OpenAI tool schemas, got {type(value).__name__}")
+    return [_without_nulls(schema) for schema in value]
+
+
+def _without_nulls(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return [_without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def text_budget(tokenizer, max_tokens: int) -> int:
@@ -98,18 +165,23 @@ def context_of(row: dict, split_cfg) -> list[dict] | str:
     return [{"role": "user", "content": text}] if split_cfg.apply_chat_template else text
 
 
-def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_length: int | None = None) -> dict:
-    """Apply the chat template to `{role, content}` messages turn by turn; only assistant turns from message
-    `train_from` on are in the loss (those before it are context: the conversation so far).
+def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_length: int | None = None,
+                      render: Callable[[list[dict], bool], str] | None = None) -> dict:
+    """Apply the chat template (or `render(messages, add_generation_prompt)`) to `{role, content}` messages turn
+    by turn; only assistant turns from message `train_from` on are in the loss (those before it are context:
+    the conversation so far).
 
     Each turn's tokens are the text the template adds for that turn, so the concatenation equals the
     template applied to the whole conversation, and the assistant header (`<|im_start|>assistant\\n`)
-    belongs to the preceding prompt part, not to the loss. The example is truncated to `max_length` tokens
-    afterwards: longer contents are cut first (`text_budget`), and turns past the first `max_length` tokens
-    are not tokenized."""
+    belongs to the preceding prompt part, not to the loss. Messages between two assistant turns are rendered
+    together (a template may merge them, as tool results into one turn). The example is truncated to
+    `max_length` tokens afterwards: longer contents are cut first (`text_budget`), and turns past the first
+    `max_length` tokens are not tokenized."""
     if max_length is not None:
         budget = text_budget(tokenizer, max_length)
         messages = [m | {"content": m["content"][:budget]} if len(m["content"]) > budget else m for m in messages]
+    render = render or (lambda conversation, add_generation_prompt: tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt))
     input_ids, loss_mask = [], []
     previous = ""
     for i, message in enumerate(messages):
@@ -117,9 +189,9 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_
             break
         is_assistant = message["role"] == "assistant"
         next_is_assistant = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
-        text = tokenizer.apply_chat_template(
-            messages[: i + 1], tokenize=False, add_generation_prompt=next_is_assistant and not is_assistant
-        )
+        if not (is_assistant or next_is_assistant or i + 1 == len(messages)):
+            continue
+        text = render(messages[: i + 1], next_is_assistant and not is_assistant)
         if not text.startswith(previous):
             raise BadRow("the chat template does not render this conversation turn by turn; use raw text instead")
         ids = tokenizer.encode(text[len(previous) :], add_special_tokens=False)
@@ -164,18 +236,21 @@ def truncate(example: dict, max_length: int) -> dict:
 
 
 def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], source: str,
-                  skip_bad_rows: bool) -> tuple[list[dict], int]:
-    """(examples, number of skipped rows): every row tokenized; a bad row raises with file and row number,
-    or is skipped and counted."""
+                  skip_bad_rows: bool, row_numbers: list[int] | None = None,
+                  keep_row: bool = False) -> tuple[list[dict], int]:
+    """(examples, number of skipped rows): every row tokenized; a bad row raises with file and row number (in
+    the file: `row_numbers` gives each row's, default its position), or is skipped and counted. With `keep_row`
+    each example keeps that number as `row` (a prompt's, for samples.jsonl)."""
     examples, skipped = [], 0
     for index, row in enumerate(decoded_rows(rows)):
+        number = row_numbers[index] if row_numbers is not None else index
         try:
             if isinstance(row, BadRow):
                 raise row
-            examples.append(tokenize_row(row))
+            examples.append(tokenize_row(row) | ({"row": number} if keep_row else {}))
         except BadRow as e:
             if not skip_bad_rows:
-                raise DataError(f"{source} row {index}: {e} (set data.skip_bad_rows=true to skip such rows)") from None
+                raise DataError(f"{source} row {number}: {e} (set data.skip_bad_rows=true to skip such rows)") from None
             skipped += 1
     if not examples:
         raise DataError(f"{source}: every row is bad ({skipped} skipped)")

@@ -106,7 +106,9 @@ class Evaluator:
             sources = [str(p["extra_info"].get("data_source", "default")) for p in prompts]
             metrics[role] = evaluation_metrics(groups, sources, self.ks, cfg.eval.threshold,
                                                tools=calls_tools(self.env))
-            records += sample_records(groups, prompts, sources, role, model_cfg.model_name, cfg.eval.threshold)
+            origin = {"data": cfg.data.test.path, "script": str(self.env.path)}  # where each sample's prompt is
+            records += [record | origin for record in sample_records(groups, prompts, sources, role,
+                                                                     model_cfg.model_name, cfg.eval.threshold)]
         difference = metrics_difference(metrics["model"], metrics["compare"]) if "compare" in metrics else None
         result = EvalResult(metrics["model"], metrics.get("compare"), difference, Path(cfg.eval.save_dir))
         if is_rank0():
@@ -134,7 +136,8 @@ class Evaluator:
         """Tokenized prompt rows, each with the sampling seed of its position."""
         data = self.cfg.data
         make_row = prompt_row_maker(self.env, tool_use, tokenizer)
-        prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows)
+        prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows,
+                                         keep_row=True)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
         for index, row in enumerate(prompts):

@@ -17,11 +17,11 @@ def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources:
     for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
         for sample, t in enumerate(group):
             records.append({
-                "model": model, "role": role, "data_source": source, "prompt_index": index, "sample_index": sample,
-                "prompt": t.prompt_text, "response": t.response_text, "reward": t.reward, "score": t.score,
-                "passed": t.score >= threshold, "parts": reward_parts(t), "response_length": t.response_length,
-                "finish_reason": t.finish_reason, "n_turns": t.n_turns, "fault": t.fault,
-                "extra_info": row["extra_info"],
+                "model": model, "role": role, "data_source": source, "prompt_index": index, "row": row.get("row"),
+                "sample_index": sample, "prompt": t.prompt_text, "response": t.response_text, "reward": t.reward,
+                "score": t.score, "passed": t.score >= threshold, "parts": reward_parts(t),
+                "response_length": t.response_length, "finish_reason": t.finish_reason, "n_turns": t.n_turns,
+                "fault": t.fault, "extra_info": row["extra_info"],
             })
     return records
 

@@ -214,6 +214,7 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
                               prompt_ids=row.get("prompt_ids"), resume=resume, stop=stop)
 
     trajectory, idle = resume if resume is not None else await attempt(None), 0
+    trajectory.row = row.get("row", trajectory.row)
     while trajectory.unfinished and not (stop is not None and stop.is_set()):
         sampled = trajectory.response_length
         trajectory = await attempt(trajectory)
@@ -234,10 +235,11 @@ def drop_stale_groups(groups: list[list[Trajectory]], version: int,
     return kept, len(groups) - len(kept)
 
 
-def filter_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-    """Drop groups whose rewards are all equal (DAPO's dynamic sampling): their group-normalised
-    advantages are all 0, so they cost compute and teach nothing. Keep sampling to refill."""
-    return [group for group in groups if len({t.reward for t in group}) > 1]
+def filter_groups(groups: list[list[Trajectory]], train_on_faults: bool = False) -> list[list[Trajectory]]:
+    """Drop groups whose trained rewards (faults' only with `train_on_faults`) are all equal (DAPO's dynamic
+    sampling): their group-normalised advantages are all 0, so they cost compute and teach nothing. Keep
+    sampling to refill."""
+    return [group for group in groups if len({t.reward for t in group if train_on_faults or t.fault is None}) > 1]
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -92,10 +92,11 @@ def fault_summary(groups: list[list[Trajectory]]) -> str | None:
 
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
-                 tokens: list[dict] | None = None) -> None:
+                 tokens: list[dict] | None = None, source: dict | None = None) -> None:
     """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`);
     `tokens`: per trajectory (in order), its `sample_tokens` record, written last on its line (the viewer reads a
-    line's other keys without parsing it)."""
+    line's other keys without parsing it); `source`: where the prompts came from (`data`, `script`), on every
+    line after the trajectory's `row`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A lone surrogate ("\ud800") that a prompt or an environment's text holds is written as its JSON escape,
@@ -104,9 +105,9 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
     with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
             for t in group:
-                record = {"step": step, "group": group_index, "prompt": t.prompt_text, "response": t.response_text,
-                          "reward": t.reward, "score": t.score, "n_turns": t.n_turns, "finish_reason": t.finish_reason,
-                          "stop_reason": t.stop_reason, "fault": t.fault}
+                record = {"step": step, "group": group_index, "row": t.row, **(source or {}), "prompt": t.prompt_text,
+                          "response": t.response_text, "reward": t.reward, "score": t.score, "n_turns": t.n_turns,
+                          "finish_reason": t.finish_reason, "stop_reason": t.stop_reason, "fault": t.fault}
                 if parts := reward_parts(t):
                     record["reward_parts"] = parts
                 record |= _trajectory_details(t)

@@ -39,10 +39,10 @@ def _per_token_values(groups: list[list[Trajectory]], batch: RolloutBatch) -> di
     names = {"adv": "advantages", "trainer_logp": "old_logps"}
     columns = {name: batch.tokens[key].tolist() for name, key in names.items() if key in batch.tokens}
     offsets, index, found = batch.offsets.tolist(), 0, {}
-    for t in (t for group in groups for t in group):
+    for t, trained in zip((t for group in groups for t in group), batch.trained.tolist()):
         sequences = []
         for record in t.token_sequences():
-            if len(record["input_ids"]) < 2:
+            if len(record["input_ids"]) < 2 or not trained:  # not in the batch
                 sequences.append({name: [None] * len(record["input_ids"]) for name in columns})
                 continue
             begin, end = offsets[index], offsets[index + 1]

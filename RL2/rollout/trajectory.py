@@ -91,6 +91,7 @@ class Trajectory:
 
     extra_info: dict  # the prompt row's (the dict the rollout started with)
     sequences: list[TokenSequence] = field(default_factory=list)
+    row: int | None = None  # the prompt's row number in its data file (`tokenize_rows`)
     stop_reason: str = ""  # "done", "max_turns", "budget" (token budget), "fault" or "abort"
     fault: str | None = None  # why the environment failed (exception, timeout, malformed result)
     state: str = ""  # the environment's current state text, kept for resuming an aborted trajectory
@@ -146,7 +147,8 @@ class Trajectory:
         return self.stop_reason == "abort"
 
     def fail(self, fault: str) -> None:
-        """End on an environment fault: every reward and score becomes 0."""
+        """End on an environment fault: every reward and score becomes 0 (and training leaves the trajectory
+        out unless rollout.train_on_faults)."""
         # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
         # no UTF-8 log or file takes: they are kept as their escapes.
         self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -226,23 +228,26 @@ def _extend(record: dict, ids: list[int], mask: int, logps: list[float], turn_id
     record["versions"] += list(versions[: len(ids)]) + [-1] * (len(ids) - len(versions))
 
 
-def training_batch(groups: list[list[Trajectory]], version: int | None = None) -> RolloutBatch:
+def training_batch(groups: list[list[Trajectory]], version: int | None = None,
+                   train_on_faults: bool = False) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
     Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
-    a label (a lone prompt) is left out, while its trajectory still counts. Given the `version` of the weights
-    being trained, the batch has per-token `lags`: how many versions behind it each sampled token was sampled
-    (0 for a token of unknown version, and at the others)."""
+    a label (a lone prompt) is left out, while its trajectory still counts. A trajectory a fault ended is left
+    out of training, all its sequences together (`RolloutBatch.trained`), unless `train_on_faults` trains it
+    with its reward 0. Given the `version` of the weights being trained, the batch has per-token `lags`: how
+    many versions behind it each sampled token was sampled (0 for a token of unknown version, and at the others)."""
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]
     n_turns = max((t.n_turns for t in trajectories), default=0)
     turn_rewards = torch.zeros(len(trajectories), n_turns)
     turn_mask = torch.zeros(len(trajectories), n_turns)
+    trained = [train_on_faults or t.fault is None for t in trajectories]
     for sample, trajectory in enumerate(trajectories):
         turn_rewards[sample, : trajectory.n_turns] = torch.tensor([turn.reward for turn in trajectory.turns])
         turn_mask[sample, : trajectory.n_turns] = 1.0
-        for record in trajectory.token_sequences():
+        for record in trajectory.token_sequences() if trained[sample] else []:
             if len(record["input_ids"]) < 2:
                 continue
             input_ids.append(record["input_ids"])
@@ -264,4 +269,5 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None) -
         turn_rewards=turn_rewards,
         turn_mask=turn_mask,
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.float32),
+        trained=torch.tensor(trained, dtype=torch.bool),
     )

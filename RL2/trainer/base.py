@@ -85,11 +85,11 @@ class Trainer:
         pass
 
     # --- shared loop ---------------------------------------------------------------------------
-    def load_data(self, make_row: Callable, blank_rows: dict | None = None) -> None:
+    def load_data(self, make_row: Callable, blank_rows: dict | None = None, keep_row: bool = False) -> None:
         """The tokenized splits (`train_data`, `test_data`; `load_splits`), the training order (`sampler`)
         and the run's length (`n_steps`)."""
         cfg = self.cfg
-        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank_rows)
+        self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank_rows, keep_row)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.n_steps = cfg.trainer.total_steps or cfg.trainer.n_epochs * self.sampler.steps_per_epoch
 

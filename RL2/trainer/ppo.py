@@ -83,7 +83,7 @@ class PPOTrainer(Trainer):
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
-        self.load_data(make_row, blank if env_resets else None)
+        self.load_data(make_row, blank if env_resets else None, keep_row=True)  # samples.jsonl names each row
         if cfg.actor.freeze_steps >= self.n_steps:
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
@@ -165,12 +165,15 @@ class PPOTrainer(Trainer):
         batch = None
         if groups:  # dynamic filtering may leave nothing to learn from
             # PPO's critic warm-up: for the first actor.freeze_steps steps only the critic learns.
-            batch = training_batch(groups, version=step - 1)
-            metrics |= self.learn(batch, update_actor=step > cfg.actor.freeze_steps)
+            batch = training_batch(groups, version=step - 1, train_on_faults=cfg.rollout.train_on_faults)
+            metrics["actor/faulted_excluded"] = float(batch.n_samples - batch.n_trained)
+            if batch.input_ids:  # not when every trajectory faulted
+                metrics |= self.learn(batch, update_actor=step > cfg.actor.freeze_steps)
         if cfg.rollout.save_samples and is_rank0():  # after the update: with its advantages and log-probs
             limit = cfg.rollout.save_sample_tokens
             tokens = sample_tokens(rolled_out, self.tokenizer, limit, groups, batch) if limit else None
-            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step, tokens)
+            save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step, tokens,
+                         {"data": cfg.data.train.path or None, "script": str(self.env.path)})
         # The weights trained at this step are pushed here and timed as its `perf/weight_push_s`. Only an
         # engine on the trainer's GPUs (colocated SGLang servers) defers the push until the trainer's state
         # leaves the GPU: to this step's evaluation, which then reports the time with this step, or else to
@@ -241,7 +244,7 @@ class PPOTrainer(Trainer):
             else:
                 groups = new = self.rollout.rollout(prompts, params, n, seed)
             rolled_out += new  # a group finished beyond an earlier batch was reported then
-            kept += filter_groups(groups) if rollout.dynamic_filtering else groups
+            kept += filter_groups(groups, rollout.train_on_faults) if rollout.dynamic_filtering else groups
         if rollout.partial_rollout:  # finished beyond the batch: keep them for the next step
             self.carried = kept[batch_size:] + self.carried
             metrics["rollout/carried_groups"] = len(self.carried)

@@ -3,7 +3,8 @@ scores, KL penalties in the reward, and each estimator's per-token advantages.
 
 A trajectory is one sample however many sequences it spans (docs/rl.md): grpo, rloo and raw score it
 once; gae and reinforce_plus_plus run over its action tokens in one row (`RolloutBatch.sample_rows`);
-mc over its turns. The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
+mc over its turns. A trajectory left out of training (`RolloutBatch.trained`: a fault) has no tokens and
+no part in its group's baseline. The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
 """
 
 from collections.abc import Callable
@@ -96,15 +97,16 @@ def _scores(batch: RolloutBatch, penalties: Tensor) -> Tensor:
 
 
 def grpo_advantages(batch, adv_cfg, penalties):
-    scores = _scores(batch, penalties)
     # adv.baseline=batch: the whole batch is one group (REINFORCE with the batch mean as baseline).
-    rows = scores.view(1, -1) if adv_cfg.baseline == "batch" else scores.view(batch.n_groups, batch.group_size)
-    return _trajectory_level(batch, grpo(rows, adv_cfg.norm_var).flatten()), None
+    shape = (1, -1) if adv_cfg.baseline == "batch" else (batch.n_groups, batch.group_size)
+    advantages = grpo(_scores(batch, penalties).view(shape), adv_cfg.norm_var, batch.trained.view(shape))
+    return _trajectory_level(batch, advantages.flatten()), None
 
 
 def rloo_advantages(batch, adv_cfg, penalties):
-    rows = _scores(batch, penalties).view(batch.n_groups, batch.group_size)  # each prompt's trajectories
-    return _trajectory_level(batch, rloo(rows).flatten()), None
+    shape = (batch.n_groups, batch.group_size)  # each prompt's trajectories
+    advantages = rloo(_scores(batch, penalties).view(shape), batch.trained.view(shape))
+    return _trajectory_level(batch, advantages.flatten()), None
 
 
 def raw_advantages(batch, adv_cfg, penalties):

@@ -8,8 +8,11 @@ from RL2.batch import SequenceBatch
 from RL2.config.schema import SFTConfig
 from RL2.datasets.sft import sft_row_tokenizer
 from RL2.datasets.splits import batches
+from RL2.datasets.tokenize import BadRow
 from RL2.models.logps import packed_logps
 from RL2.packing import pack, train_weights
+from RL2.rollout.tools.declared import fallback_messages, render_conversation, template_renders_tools
+from RL2.rollout.tools.tool_calls import tool_call_parser
 from RL2.trainer.base import Trainer, launch
 from RL2.utils.plot import CurvePanel
 from RL2.workers.fsdp import FSDPWorker, load_tokenizer
@@ -21,7 +24,7 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg):
         super().__init__(cfg, cfg.actor)
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
-        self.load_data(sft_row_tokenizer(self.tokenizer))
+        self.load_data(sft_rows(self.tokenizer))
         self.actor = FSDPWorker(cfg.actor, self.dims, self.device, self.n_steps, section="actor")
 
     def workers(self) -> dict:
@@ -71,6 +74,39 @@ class SFTTrainer(Trainer):
         if self.cfg.actor.avg_level == "token":
             return sum(sum(ex["loss_mask"][1:]) for ex in examples)  # label-aligned, as the batch reads it
         return len(examples)
+
+
+def sft_rows(tokenizer):
+    """The row tokenizer of SFT (and distillation): `sft_row_tokenizer`, tool conversations included."""
+    return sft_row_tokenizer(tokenizer, tool_conversations(tokenizer))
+
+
+def tool_conversations(tokenizer):
+    """How SFT renders a conversation with tools: exactly as the rollout does, in the format
+    `rollout.tool_parser=auto` gives this tokenizer. An assistant's tool_calls become the text the policy writes
+    for them (the rollout's assistant message is the text sampled), and the schemas and results are shown as
+    the rollout shows an environment's (RL2.rollout.tools.declared). For `sft_row_tokenizer`."""
+    parser, native = tool_call_parser("auto", tokenizer), template_renders_tools(tokenizer)
+
+    def for_row(specs: list):
+        # Shown as written (the schemas of an environment's tools, `tool.schema`, are what the rollout shows).
+        schemas = [spec if isinstance(spec, dict) and "function" in spec else {"type": "function", "function": spec}
+                   for spec in specs]
+        names = [schema["function"].get("name") if isinstance(schema["function"], dict) else None
+                 for schema in schemas]
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name:
+                raise BadRow(f"the row's tool {i} has no name; write OpenAI schemas, {{\"type\": \"function\", "
+                             f"\"function\": {{\"name\", \"description\", \"parameters\"}}}}")
+
+        def render(messages: list[dict], add_generation_prompt: bool) -> str:
+            sampled = [fallback_messages([m], None, parser)[0] if m.get("tool_calls") else m for m in messages]
+            return render_conversation(tokenizer, sampled, schemas, parser, native,
+                                       add_generation_prompt=add_generation_prompt)
+
+        return names, render
+
+    return for_row
 
 
 def main(argv: list[str] | None = None) -> None:

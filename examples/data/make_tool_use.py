@@ -7,9 +7,9 @@
 - `rl_{train,test}.jsonl`: a question as a chat `prompt` (a product of two 3-digit numbers, which a
   small model cannot work out in its head, or a country's capital) with `extra_info.answer` and the
   corpus path; test questions use other numbers and other countries;
-- `sft_train.jsonl`: conversations that answer training questions with one tool call, written in
-  RL2's default tool format for the default model (its chat template shows no tools): the tool block
-  in the system message, the call as `<tool_call>` JSON, the result as a `<tool_response>` turn.
+- `sft_train.jsonl`: conversations that answer training questions with one tool call, in OpenAI's format
+  (the assistant's `tool_calls`, the `role: tool` result, the schemas in a `tools` column), which
+  RL2.trainer.sft renders as the rollout renders the environment's tools.
 """
 
 import argparse
@@ -22,8 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from RL2.rollout.env import load_env  # noqa: E402
-from RL2.rollout.tools.declared import build_tools, fallback_messages  # noqa: E402
-from RL2.rollout.tools.tool_calls import HermesParser  # noqa: E402
+from RL2.rollout.tools.declared import build_tools  # noqa: E402
 
 SYLLABLES = ["ka", "lo", "mi", "ra", "te", "vu", "zo", "ne", "pi", "da", "sha", "ul", "or", "bel", "tan", "qui"]
 
@@ -79,7 +78,7 @@ def sft_conversation(question_row: dict, tools: dict, schemas: list[dict]) -> di
         {"role": "tool", "content": str(result), "tool_call_id": "call_0", "name": name},
         {"role": "assistant", "content": f"The answer is {question_row['extra_info']['answer']}."},
     ]
-    return {"messages": fallback_messages(conversation, schemas, HermesParser())}
+    return {"messages": conversation, "tools": schemas}
 
 
 def write(path: Path, rows: list[dict]) -> None:

@@ -35,6 +35,9 @@ def test_an_agent_script_trains_through_its_openai_endpoint(tiny_model_path, age
     assert {"test/score", "test/tool_calls"} <= set(metrics[0]) and "test/score" in metrics[2]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 4 * 4 and all(s["n_turns"] == 2 and s["fault"] is None for s in samples)
+    # Each names its prompt's row of the data file, and the agent script.
+    assert all(f"train question {s['row']}<|im_end|>" in s["prompt"] for s in samples)
+    assert {s["script"] for s in samples} == {str(ENVS / "agent_two_calls.py")}
     # The second call sent back the first answer: it continued the first call's sequence, with the
     # template's turns for "Again." between the two answers (masked out of the loss).
     assert all("<|im_start|>user\nAgain.<|im_end|>" in s["response"] for s in samples)

@@ -158,13 +158,15 @@ def same_model_run(sharp_model, test_data, tmp_path_factory):
     return save_dir, result.stdout
 
 
-def test_metrics_equal_a_computation_from_the_samples(same_model_run):
+def test_metrics_equal_a_computation_from_the_samples(same_model_run, test_data):
     save_dir, stdout = same_model_run
     report = json.loads((save_dir / "metrics.json").read_text())
     samples = read_samples(save_dir)
     assert len(samples) == 6 * SAMPLES and all(s["response_length"] <= NEW_TOKENS for s in samples)
     for s in samples:  # the score is the environment's verdict on the response written
         assert s["score"] == float(s["response"].startswith(PREFIX[s["data_source"]])) == float(s["passed"])
+        # where its prompt came from: the row of the data file ("question <row>"), the file and the script
+        assert f"question {s['row']}" in s["prompt"] and (s["data"], s["script"]) == (str(test_data), str(ENV))
     assert_close(report["model"], metrics_from_samples(samples))
     # Sampled at temperature 1, some responses pass and some do not: pass@k means something here.
     assert 0 < report["model"]["overall"]["accuracy"] < 1, report["model"]["overall"]

@@ -169,18 +169,25 @@ def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
         run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=ppo"))
 
 
-def test_an_environment_that_fails_every_step_says_why_in_the_log(repeat_model, tmp_path):
+def test_an_environment_that_fails_some_steps_says_why_in_the_log(repeat_model, tmp_path):
     """A failing `step` ends its trajectory with reward 0 and the run goes on: the log must carry the
-    environment's own error, not only the count in rollout/faults."""
-    rows = [{"prompt": f"question {k}", "extra_info": {"fault": "raise"}} for k in range(4)]
+    environment's own error, not only the count in rollout/faults; the faulted trajectories are left out of
+    training, and samples.jsonl names the row and the files each trajectory came from."""
+    rows = [{"prompt": f"question {k}", "extra_info": {"fault": "raise" if k < 2 else "none"}} for k in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = {"train": tmp_path / "train.jsonl", "test": ""}
-    result = run_ranks(1, ppo_args(repeat_model, data, tmp_path / "run", f"rollout.env_path={ENVS / 'faulty.py'}",
-                                   "trainer.total_steps=1"))
+    data, env = {"train": tmp_path / "train.jsonl", "test": ""}, ENVS / "faulty.py"
+    result = run_ranks(1, ppo_args(repeat_model, data, tmp_path / "run", f"rollout.env_path={env}",
+                                   "trainer.total_steps=1", "rollout.save_samples=true"))
     metrics = read_metrics(tmp_path / "run")[0]
-    assert metrics["rollout/faults"] == metrics["rollout/faults/raised"] == 16.0  # 4 x 4 responses; the run went on
-    assert (f"step 1: 16 of 16 trajectories ended by a fault (reward 0; raised 16), the first: step raised KeyError: "
-            f"'broken env' ({ENVS / 'faulty.py'})") in result.stdout
+    assert metrics["rollout/faults"] == metrics["rollout/faults/raised"] == 8.0  # 2 x 4 responses; the run went on
+    assert metrics["actor/faulted_excluded"] == 8.0 and "actor/loss" in metrics  # the other 8 were trained
+    assert (f"step 1: 8 of 16 trajectories ended by a fault (reward 0; raised 8), the first: step raised KeyError: "
+            f"'broken env' ({env})") in result.stdout
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert sorted(s["row"] for s in samples) == [k for k in range(4) for _ in range(4)]
+    assert all(f"question {s['row']}" in s["prompt"] for s in samples)
+    assert all((s["fault"] is not None) == (s["row"] < 2) for s in samples)
+    assert {(s["data"], s["script"]) for s in samples} == {(str(data["train"]), str(env))}
 
 
 def test_a_rollout_error_on_one_rank_stops_every_rank_with_its_message(repeat_model, tmp_path):

@@ -303,3 +303,88 @@ def test_contradictory_settings_fail_with_the_reason(adv, kl, message):
 ])
 def test_the_recipes_pass(adv, kl):
     check_algorithm(adv_cfg(**adv), OmegaConf.create(kl))
+
+
+# ---- faulted trajectories: out of training by default (rollout.train_on_faults=true trains them as reward 0) ----
+
+
+def faulted(t: Trajectory) -> Trajectory:
+    t.fail("step raised ValueError: a bug of the environment's")
+    return t
+
+
+def fault_groups():
+    """Group 0: A (reward 1), B (faulted after earning 5), C (0), D (0.5); group 1: every one faulted."""
+    return [[trajectory([2], rewards=[1.0]), faulted(trajectory([1], [2], rewards=[5.0, 0.0])),
+             trajectory([1], rewards=[0.0]), trajectory([3], rewards=[0.5])],
+            [faulted(trajectory([2], rewards=[1.0])) for _ in range(2)] + [faulted(trajectory([1], rewards=[0.0]))
+                                                                            for _ in range(2)]]
+
+
+STD_ACD = (((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + 0) / 2) ** 0.5  # over the group's unfaulted A, C, D (mean 0.5)
+
+
+@pytest.mark.parametrize("estimator,overrides,expected", [
+    ("grpo", {}, [0.5, -0.5, 0.0]),
+    ("grpo", {"norm_var": True}, [0.5 / (STD_ACD + 1e-6), -0.5 / (STD_ACD + 1e-6), 0.0]),
+    ("rloo", {}, [1 - 0.25, 0 - 0.75, 0.5 - 0.5]),
+])
+def test_a_group_baseline_is_over_its_unfaulted_trajectories(estimator, overrides, expected):
+    batch = training_batch(fault_groups())
+    assert batch.trained.tolist() == [True, False, True, True] + [False] * 4
+    assert batch.sample_ids.tolist() == [0, 2, 3]  # B's two sequences and group 1's faulted ones are not trained
+    add_advantages(batch, adv_cfg(estimator, **overrides), KL_OFF)
+    assert sampled(batch) == [pytest.approx([v] * n, abs=1e-6) for v, n in zip(expected, (2, 1, 3))]
+
+
+def test_train_on_faults_trains_them_as_reward_0():
+    batch = training_batch(fault_groups(), train_on_faults=True)
+    assert batch.trained.all() and batch.sample_ids.tolist() == [0, 1, 1, 2, 3, 4, 5, 6, 7]
+    add_advantages(batch, adv_cfg("grpo"), KL_OFF)
+    mean = (1 + 0 + 0 + 0.5) / 4  # B counts with reward 0
+    assert sampled(batch) == [pytest.approx([1 - mean] * 2), pytest.approx([-mean]), pytest.approx([-mean] * 2),
+                              pytest.approx([-mean]), pytest.approx([0.5 - mean] * 3)] + [[0.0] * 2] * 2 + [[0.0]] * 2
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "constant"])
+def test_the_loss_of_a_batch_with_faults_is_that_of_its_other_trajectories(level):
+    """PPO's clipped loss under GRPO, computed by the trainer's functions on the batch with faults, equals the
+    formula over the unfaulted trajectories A, C, D alone (log-probabilities drawn per token id)."""
+    from RL2.algs.policy_loss import ppo_loss
+
+    logp, old_logp = {20: -0.3, 21: -1.2}, {20: -0.5, 21: -1.0}
+    batch = training_batch(fault_groups())
+    add_advantages(batch, adv_cfg("grpo"), KL_OFF)
+    labels = [t for ids in batch.input_ids for t in ids[1:]]
+    lookup = {name: torch.tensor([table.get(t, 0.0) for t in labels]) for name, table in
+              (("logps", logp), ("old", old_logp))}
+    losses, _ = ppo_loss(lookup["logps"], lookup["old"], batch.tokens["advantages"], batch.tokens["loss_mask"])
+    loss = (losses * train_weights(batch, level, response_budget=10)).sum()
+
+    def token_loss(advantage, token):
+        ratio = torch.tensor(logp[token] - old_logp[token]).exp()
+        return -min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+
+    # A, C, D: (advantage, sampled tokens), the advantage their reward less the mean 0.5 of the three
+    kept = [(0.5, [20, 20]), (-0.5, [20]), (0.0, [20, 20, 20])]
+    per_token = [[token_loss(a, tok) for tok in tokens] for a, tokens in kept]
+    expected = {"token": sum(map(sum, per_token)) / 6, "sequence": sum(sum(p) / len(p) for p in per_token) / 3,
+                "constant": sum(map(sum, per_token)) / (10 * 3)}[level]
+    assert loss.item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_dynamic_filtering_reads_the_trained_rewards_only():
+    from RL2.rollout.loop import filter_groups
+
+    equal_but_a_fault = [trajectory([1], rewards=[1.0]), faulted(trajectory([1], rewards=[1.0]))]
+    assert filter_groups([equal_but_a_fault]) == []
+    assert filter_groups([equal_but_a_fault], train_on_faults=True) == [equal_but_a_fault]
+
+
+def test_a_mini_batch_of_faults_only_has_nothing_to_train():
+    first, second = training_batch(fault_groups()).mini_batches(1)
+    assert (first.n_trained, second.n_trained, second.input_ids) == (3, 0, [])
+    for level in ("token", "sequence", "constant"):  # weights over A, C, D only; none (and no NaN) for the faults
+        assert train_weights(first, level, response_budget=10).sum().item() == pytest.approx(
+            {"token": 1.0, "sequence": 1.0, "constant": 6 / 30}[level])
+        assert train_weights(second, level, response_budget=10).numel() == 0

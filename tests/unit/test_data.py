@@ -197,6 +197,10 @@ def test_test_ratio_holds_out_rows(tok, tmp_path):
     assert (len(train), len(test)) == (15, 5)
     decoded = {tok.decode(ex["input_ids"]) for ex in train} & {tok.decode(ex["input_ids"]) for ex in test}
     assert not decoded  # disjoint
+    # Asked to, each example keeps its row's number in the file (what samples.jsonl's `row` names).
+    train, test = load_splits(cfg, sft_row_tokenizer(tok), seed=1, keep_row=True)
+    assert all(f"q{ex['row']}" in tok.decode(ex["input_ids"]) for ex in train + test)
+    assert sorted(ex["row"] for ex in train + test) == list(range(20))
 
 
 def test_held_out_rows_are_read_with_the_train_settings(tok, tmp_path):

@@ -57,7 +57,7 @@ def trainer_tokenizers():
 
     assert all(issubclass(t, pairwise.PairwiseTrainer) for t in (dpo.DPOTrainer, orpo.ORPOTrainer, rm.RMTrainer))
     assert issubclass(distill.DistillTrainer, sft.SFTTrainer)
-    return {"sft": sft.sft_row_tokenizer, "distill": sft.sft_row_tokenizer, "dpo": pairwise.pair_row_tokenizer,
+    return {"sft": sft.sft_rows, "distill": sft.sft_rows, "dpo": pairwise.pair_row_tokenizer,
             "orpo": pairwise.pair_row_tokenizer, "rm": pairwise.pair_row_tokenizer,
             "ppo": rollout_setup.prompt_row_tokenizer}
 

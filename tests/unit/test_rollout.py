@@ -233,7 +233,7 @@ def test_a_failing_reset_ends_its_own_trajectory(engine, tok, reset_fault, messa
     [[failed], [fine]] = asyncio.run(rollout_batch(EnvRollout(engine, env, tok, max_turns=2), rows, 1, GREEDY))
     assert (failed.fault, failed.n_turns, failed.sequences) == (message, 0, [])
     assert fine.fault is None and fine.reward == 1.0
-    assert training_batch([[failed, fine]]).n_samples == 2  # the failed one still counts as a sample (reward 0)
+    assert training_batch([[failed, fine]]).trained.tolist() == [False, True]  # a fault is left out of training
 
 
 class EncodeRecorder:

@@ -231,19 +231,21 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
-                        native: bool, template_kwargs: dict | None = None) -> str:
+                        native: bool, template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
     """A conversation with tools (`schemas`; None or empty: none) as the text of the prompt, ending with the
-    header of the assistant's next turn. `messages` are OpenAI-style: system, user, assistant (content and/or
-    tool_calls) and tool (content, tool_call_id, name). With `native`, the template renders tools itself
+    header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole conversations).
+    `messages` are OpenAI-style: system, user, assistant (content and/or tool_calls) and tool (content,
+    tool_call_id, name). With `native`, the template renders tools itself
     (`template_renders_tools`); otherwise the tool block of `tool_system_prompt` is prepended to the system
     message (or makes one), an assistant's tool_calls become text in `parser`'s format (the policy's), and
     each run of tool messages becomes one user message of <tool_response> blocks, as Hermes/Qwen templates
     render them. `template_kwargs` are the template's own variables (e.g. `enable_thinking`)."""
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
-                                             tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+                                             tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {}))
+                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
 
 def _native_message(message: dict) -> dict:
@@ -259,7 +261,7 @@ def _native_message(message: dict) -> dict:
 
 def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
     """OpenAI-style messages with tools as plain chat messages in RL2's default format (what
-    `render_conversation` renders for a template that shows no tools; also SFT data for such a model)."""
+    `render_conversation` renders for a template that shows no tools)."""
     out = []
     for is_tool, run in itertools.groupby(messages, key=lambda m: m["role"] == "tool"):
         if is_tool:
