@@ -21,12 +21,8 @@ GROUP_STD_EPS = 1e-6
 
 
 def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
-    """Right-to-left discounted sum over the masked tokens of each row.
-
-    out_t = x_t + discount * out_{t'}, where t' is the next position after t with mask 1. Tokens
-    with mask 0 neither contribute nor cost a discount step: the recursion jumps over them. `x` and
-    `mask` are `[B, T]`; the sums are 0 where `mask` is 0.
-    """
+    """Right-to-left discounted sum over the masked tokens of each row: out_t = x_t + discount * out_{t'}, t'
+    the next position with mask 1. Tokens with mask 0 neither contribute nor cost a discount step."""
     out = torch.zeros_like(x)
     running = torch.zeros_like(x[:, 0])
     for t in reversed(range(x.shape[1])):
@@ -82,8 +78,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: floa
     sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
     steps of the MDP: the recursion jumps from one action token to the next, so neither their
     rewards nor their values are used. Put rewards on action tokens (e.g. the outcome reward on the
-    last one minus a per-token KL penalty). `rewards`, `values` (the critic's) and `mask` (1.0 on action
-    tokens) are `[B, T]`; so are the advantages and the returns (advantages + values), 0 where `mask` is 0.
+    last one minus a per-token KL penalty). Returns (advantages, returns), 0 where `mask` is 0.
     """
     deltas = rewards + gamma * next_action_values(values, mask) - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
@@ -97,7 +92,6 @@ def grpo(scores: Tensor, norm_var: bool) -> Tensor:
     A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
     unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
     or all wrong. A group whose scores are all equal (one sample, or every sample alike) gets exactly 0.
-    `scores` is `[G, n]`: the scores of the n samples of each of G prompts; so are the advantages.
     """
     advantages = deviations(scores)
     if norm_var and scores.shape[-1] > 1:
@@ -108,12 +102,8 @@ def grpo(scores: Tensor, norm_var: bool) -> Tensor:
 
 
 def rloo(scores: Tensor) -> Tensor:
-    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
-
-    The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1), on `[G, n]` scores as in `grpo`. A group whose scores are
-    all equal (one sample, or every sample alike) gets exactly 0.
-    """
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740): the baseline of sample i is the
+    mean score of the other samples of its group; an all-equal group gets exactly 0, as in `grpo`."""
     n = scores.shape[-1]
     if n < 2:
         return torch.zeros_like(scores)
@@ -127,9 +117,7 @@ def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Te
 
     G_t = sum_{k >= 0} gamma^k r_{t_k}, over the action tokens t = t_0 < t_1 < ... of the row
     (tokens with mask 0 are skipped, as in `gae`), then normalised with the mean and std of G over
-    all masked tokens of the batch (no critic, no per-prompt baseline). `rewards` (`[B, T]`) hold the
-    outcome score on the last action token plus an optional per-token KL penalty `-beta * kl`; the
-    advantages are 0 where `mask` is 0.
+    all masked tokens of the batch (no critic, no per-prompt baseline).
     """
     return masked_whiten(masked_discounted_cumsum(rewards, mask, gamma), mask)
 
@@ -139,9 +127,7 @@ def mc(turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: 
 
     R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
     mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
-    unbounded. Every action token of turn k then gets R_k. `turn_rewards` (received at the end of each
-    turn) and `turn_mask` (1.0 on real turns, 0.0 on padding turns) are `[B, K]`; so are the returns, 0
-    where `turn_mask` is 0; `gamma` is the discount per turn.
+    unbounded. Every action token of turn k then gets R_k. `turn_rewards` and `turn_mask` are `[B, K]`.
     """
     if truncation is not None and truncation < 1:
         raise ValueError(f"truncation must be a positive number of turns or None, got {truncation}")
