@@ -15,6 +15,7 @@ import faulthandler
 import functools
 import gc
 import os
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         if backend == "nccl":
             os.environ.update(MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A dead peer makes collectives fail after this timeout instead of hanging forever.
@@ -173,12 +174,18 @@ def shard_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (another process could still take it before the caller does)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's `value` (of `group`, the world by default), in rank order. Collective."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 @dataclass
@@ -260,9 +267,7 @@ class ParallelDims:
         same sums, so they are added over the data-parallel group alone. Collective."""
         group = self.dp_mesh.get_group()
         # A rank whose share was only padding has no metrics of its own: agree on the keys first.
-        names = [None] * dist.get_world_size(group)
-        dist.all_gather_object(names, sorted(totals), group=group)
-        keys = sorted(set().union(*names))
+        keys = sorted(set().union(*all_gather_objects(sorted(totals), group)))
         summed = torch.tensor([totals.get(key, 0.0) for key in keys], dtype=torch.float64, device=device)
         dist.all_reduce(summed, group=group)
         return dict(zip(keys, summed.tolist()))

@@ -53,23 +53,15 @@ class StepResult:
 
 @dataclass
 class Env:
-    """A loaded environment script.
-
-    Attributes:
-        path: the script.
-        step_fn: its `step` coroutine function.
-        reset_fn: its `reset` coroutine function, if any.
-        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.rollout.tools.tool_use`).
-        call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
-        timeouts_in_a_row: its steps and resets that ran out of time since one last ended otherwise.
-    """
+    """A loaded environment script: its `step`, `reset` (if any), `TOOLS` (functions or OpenAI schema dicts;
+    `RL2.rollout.tools.tool_use`) and `call_tool(name, arguments, extra_info)`, which runs schema-only tools."""
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
-    timeouts_in_a_row: int = 0
+    timeouts_in_a_row: int = 0  # steps and resets that ran out of time since one last ended otherwise
 
     def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
         self._step, self._reset = adapt_script(self.step_fn, self.reset_fn)
@@ -91,11 +83,7 @@ class Env:
 
 
 def load_env(path: str) -> Env:
-    """Import an environment script.
-
-    Args:
-        path: the Python file defining `async def step(...)` (and optionally `async def reset(...)`).
-    """
+    """Import the environment script at `path`, which defines `async def step(...)` (and maybe `reset`)."""
     file, module = load_script(path, "environment script", "point to a Python file such as envs/countdown.py",
                                "rl2_env_")
     step = getattr(module, "step", None)

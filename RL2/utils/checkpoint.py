@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from RL2.config.errors import ConfigError
+from RL2.parallel import all_gather_objects
 from RL2.utils.checkpoint_metadata import SafeFileSystemReader, read_checkpoint_index
 from RL2.utils.logging import log_rank0
 
@@ -135,8 +136,7 @@ def _on_every_rank(action: Callable[[], None]) -> None:
         action()
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = e
-    reasons = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, None if error is None else _reason(error))
+    reasons = all_gather_objects(None if error is None else _reason(error))
     if error is not None:
         raise error
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ import httpx
 
 from RL2.config.errors import ConfigError
 from RL2.engine.protocol import EngineError
+from RL2.parallel import free_port
 
 # Environment variables of torchrun that would make the server think it is a rank of the trainer.
 TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -58,13 +58,6 @@ def resolve_python(python: str) -> str:
                           f"a command on PATH; give the path of the Python that has sglang, "
                           f"e.g. ~/sglang-venv/bin/python")
     return os.path.abspath(found)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (another process could still take it before the server does)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SGLangServer:
