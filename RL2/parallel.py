@@ -57,12 +57,9 @@ COLLECTIVE_TIMEOUT = 1800.0
 
 
 def collective_timeout(cfg) -> float:
-    """Seconds every process group waits in a collective: `trainer.collective_timeout`, by default
-    `COLLECTIVE_TIMEOUT` and, for a config with a rollout, at least `rollout.request_timeout` plus
-    `REQUEST_TIMEOUT_MARGIN`: a rank whose rollout is done waits in the gather while another rank's
-    request may run for the whole request timeout, and a shorter wait would end the run (NCCL's
-    watchdog aborts the process) before that request fails or finishes.
-    """
+    """Seconds every process group waits in a collective: with a rollout, by default at least one request's
+    timeout plus a margin, as a rank whose rollout is done waits in the gather while another rank's request
+    runs, and a shorter wait would end the run (NCCL's watchdog aborts) before that request fails or finishes."""
     trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
     chosen = trainer.get("collective_timeout") if trainer is not None else None
     request = rollout.get("request_timeout") if rollout is not None else None
@@ -72,13 +69,8 @@ def collective_timeout(cfg) -> float:
 
 def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) -> None:
     """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group,
-    so that the same code (FSDP2, DCP checkpoints) runs everywhere. The backend is nccl on cuda, gloo on
-    cpu; `timeout` is every group's (`collective_timeout`).
-
-    On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
-    process could take it first), and no TCP store server whose thread outlives the group until the
-    interpreter's teardown (see `close_process_groups`).
-    """
+    so that the same code (FSDP2, DCP checkpoints) runs everywhere. On the CPU that group keeps its keys in an
+    in-process store: no port to find free, and no TCP store server whose thread outlives the group."""
     if dist.is_initialized():
         return
     _print_stacks_on_crash()
@@ -133,13 +125,9 @@ def close_process_groups(finished: bool = True) -> None:
 
     `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
     gloo threads, until the interpreter's teardown, where finished runs have aborted, rarely, with
-    "terminate called without an active exception". Two holders live as long as the process: caches of
-    objects made per group (registered with `clear_on_close`) and torch's DTensor caches, which keep the
-    device meshes, and a mesh keeps its groups. Both are emptied here
-    (tests/e2e/test_process_group_teardown.py counts the threads left).
-
-    After an error (`finished=False`) gloo groups are only forgotten: freeing one waits for its queued
-    collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
+    "terminate called without an active exception". Caches of objects made per group (`clear_on_close`) and
+    torch's DTensor caches (a mesh keeps its groups) are emptied here. After an error gloo groups are only
+    forgotten: freeing one waits for its queued collectives, which the peers may never join.
     """
     if not dist.is_initialized():
         return

@@ -33,8 +33,7 @@ def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor
 
 
 def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
-    """For each action token, the value of the next action token of the same row (0 after the last);
-    `[B, T]`, 0 where `mask` is 0."""
+    """For each action token, the value of the next action token of the same row (0 after the last)."""
     out = torch.zeros_like(values)
     upcoming = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
@@ -57,11 +56,8 @@ def deviations(x: Tensor, dim: int = -1) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole tensor (any shape); 0 where `mask` is 0.
-
-    Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++. When
-    every masked entry is equal the result is exactly 0 (see `deviations`).
-    """
+    """(x - mean) / (std + eps) over the masked entries of the whole tensor, with the population variance
+    as OpenRLHF does for REINFORCE++; 0 where `mask` is 0, and exactly 0 where every entry is equal."""
     count = mask.sum().clamp(min=1.0)
     # Measured from one masked entry (argmax finds the first 1.0) so that equal entries give exact zeros.
     shifted = x - x.flatten()[mask.flatten().argmax()]

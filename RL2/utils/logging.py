@@ -67,12 +67,8 @@ def json_record(line: str) -> dict | None:
 
 
 class MetricsSink:
-    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb (`project`,
-    `name`, recording `config`) and to TensorBoard event files in `<save_dir>/tensorboard` if enabled.
-
-    Only rank 0 writes. wandb honours WANDB_MODE; without credentials it runs offline rather than
-    waiting for a login prompt.
-    """
+    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb and TensorBoard if
+    enabled. Only rank 0 writes; without credentials wandb runs offline rather than wait for a login prompt."""
 
     def __init__(self, save_dir: str, use_wandb: bool = False, project: str = "RL2", name: str = "run", config=None,
                  use_tensorboard: bool = False):
