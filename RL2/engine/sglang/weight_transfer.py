@@ -87,10 +87,8 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[SimpleNamespace]]:
     """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's
-    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets (here each aligned to
-    `FLAT_ALIGNMENT` bytes, so that mixed dtypes view correctly). Returns (flat, metadata), whose entries
-    have `name`, `shape`, `dtype`, `start_idx`, `end_idx` (byte offsets into flat) and `numel` (their difference).
-    """
+    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets, each aligned to `FLAT_ALIGNMENT`
+    bytes so that mixed dtypes view correctly."""
     parts, metadata, offset = [], [], 0
     for name, tensor in bucket:
         part = tensor.detach().contiguous().view(-1).view(torch.uint8)
