@@ -193,18 +193,14 @@ class PPOTrainer(Trainer):
         if self.reward_model:
             with measured(metrics, "reward_model"):
                 metrics |= add_reward_model_scores(batch, self.reward_model.scores(batch))
-        if self.teacher:
-            with measured(metrics, "teacher"):
-                batch.tokens["teacher_logps"] = self.teacher.logps(batch)
-        if self.ref:
-            with measured(metrics, "ref"):
-                batch.tokens["ref_logps"] = self.ref.logps(batch)
-        if self.critic:
-            with measured(metrics, "values"):
-                batch.tokens["values"] = self.critic.values(batch)
-        if self.needs_old_logps():
-            with measured(metrics, "old_logps"):
-                batch.tokens["old_logps"] = self.actor.logps(batch)
+        # (timed as, per-token result, the pass when one is needed)
+        for name, token, compute in (("teacher", "teacher_logps", self.teacher and self.teacher.logps),
+                                     ("ref", "ref_logps", self.ref and self.ref.logps),
+                                     ("values", "values", self.critic and self.critic.values),
+                                     ("old_logps", "old_logps", self.needs_old_logps() and self.actor.logps)):
+            if compute:
+                with measured(metrics, name):
+                    batch.tokens[token] = compute(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
         n_tokens = sum(len(ids) for ids in batch.input_ids)
         if update_actor:
