@@ -30,9 +30,12 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write((json.dumps(record) + "\n").encode())
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON records of a file; a line that is not one whole record (a killed run's last) is skipped."""
-    return [record for record in map(json_record, Path(path).read_text().splitlines()) if record is not None]
+def read_jsonl(path: Path, start: int = 0) -> list[dict]:
+    """The JSON records of a file from byte `start` on; a line that is not one whole record (a killed run's
+    last) is skipped."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return [record for record in map(json_record, f.read().decode().splitlines()) if record is not None]
 
 
 def write_atomic(path: Path, text: str) -> None:
