@@ -1,15 +1,10 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
-One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share, on its
-own embedded engine), score the trajectories with the environment, compute reference log-probs
-(KL), values (PPO's critic) and old log-probs when needed, turn rewards into advantages with the
-estimator named by `adv.estimator` (GRPO: `grpo`; PPO: `gae`), update the actor (and critic),
-and copy the new weights into the engines.
-
-The default recipe (`adv.estimator=grpo`): each response's advantage is its score minus the mean of its
-prompt's group, not divided by the group's std (Dr. GRPO; `adv.norm_var=true` divides, as DeepSeek's
-GRPO); PPO's clipped surrogate (`actor.clip=0.2`) averaged over every trained token of the batch
-(`actor.avg_level=token`); no KL term and no reference model (`actor.kl.coef=0`).
+One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share), score the
+trajectories with the environment, compute reference log-probs (KL), values (PPO's critic) and old log-probs
+when needed, turn rewards into advantages with the estimator named by `adv.estimator` (GRPO: `grpo`; PPO:
+`gae`), update the actor (and critic), and copy the new weights into the engines. The default recipe is
+`AdvConfig`'s (RL2/config/ppo_schema.py).
 """
 
 import functools

@@ -171,10 +171,8 @@ class Actor:
 
     The policy is the distribution the rollouts sample from, softmax(logits / temperature) at the training
     temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
-    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike).
-
-    `cfg` is the `actor` config; `temperature` is `rollout.train_sampling_params.temperature`; `response_budget`
-    (the most sampled tokens of one response) is the normaliser of avg_level=constant; the rest as `FSDPWorker`'s.
+    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike). `response_budget`
+    (the most sampled tokens of one response) is the normaliser of avg_level=constant.
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
@@ -195,10 +193,7 @@ class Actor:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
-
-        Needs `advantages` and `engine_logps` per token, `old_logps` unless a single step covers the
-        rollout (old = current then), and `ref_logps` with a KL loss; with `lags`, the engine-vs-trainer
-        KL is split by lag."""
+        Without `old_logps` (a single step covers the rollout) old = current."""
         return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
