@@ -1,16 +1,9 @@
-"""Environment scripts: one Python file that turns the policy's actions into rewards.
+"""Environment scripts: one Python file that turns the policy's actions into rewards (docs/rl.md, `envs/`).
 
-The file defines
-
-    async def step(state: str, action: str, extra_info: dict) -> dict
-        # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
-
-and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a prompt row
-has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.rollout.tools.tool_use`). `state` is the text
-the policy saw, `action` what it wrote; the row's `extra_info` is carried from step to step. `reward` trains;
-`score` is what evaluation reports (default: reward); an optional `reward_parts` dict (name -> number) is
-logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
-with the chat template. See docs/rl.md and `envs/` for examples.
+The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
+`score`, `done`, `extra_info` and optionally `reward_parts`, logged as `rollout/reward/<name>`), and optionally
+`async def reset(extra_info: dict) -> str`, the first state of a row without a prompt, and `TOOLS`
+(`RL2.rollout.tools.tool_use`). A state is text or a list of chat messages.
 
 The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
