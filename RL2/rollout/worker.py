@@ -48,9 +48,8 @@ class RolloutWorker:
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
                 seed: int) -> list[list[Trajectory]]:
-        """Roll out this rank's share of `prompts` (the global batch of rows, the same on every rank) under the
-        sampling config, its sampling seeded by `seed` (see `rollout_seed`); returns every rank's groups, in
-        prompt order."""
+        """Roll out this rank's share of `prompts` (the global batch, the same on every rank); returns every
+        rank's groups, in prompt order."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self.driver.batch(

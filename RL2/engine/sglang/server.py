@@ -61,9 +61,8 @@ def resolve_python(python: str) -> str:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process, run by `python` (a path, or a command on PATH: its own
-    virtual environment if need be) with `server_args` (checked `rollout.server_args` plus RL2's defaults) and
-    the extra environment variables `env`; its output goes to `log_dir` (None: a temporary folder)."""
+    """A launched `sglang.launch_server` process, run by `python` (its own virtual environment if need be); its
+    output goes to `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
