@@ -28,7 +28,7 @@ from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SF
 from RL2.evaluation.evaluator import EvalResult, Evaluator
 from RL2.parallel import close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
-from RL2.utils.logging import json_record
+from RL2.utils.logging import read_jsonl
 
 # Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
 TRAINERS = {
@@ -81,7 +81,7 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     start = 0 if resumes or not metrics_file.exists() else metrics_file.stat().st_size
     with _process_group():
         exported = _run_trainer(trainer, cfg, env)
-        history = _from_rank0(lambda: _records(metrics_file, start))
+        history = _from_rank0(lambda: read_jsonl(metrics_file, start) if metrics_file.exists() else [])
     models = {name: save_dir / "final" / name for name in exported}
     latest = {key: value for record in history for key, value in record.items() if key != "step"}
     return TrainResult(save_dir, models.get("actor", models.get("critic")), models, latest, history, cfg)
@@ -232,13 +232,3 @@ def _from_rank0(read: Callable[[], Any]) -> Any:
     box = [read() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _records(path: Path, start: int) -> list[dict]:
-    """The JSON lines of `path` from byte `start` on."""
-    if not path.exists():
-        return []
-    with open(path, "rb") as f:
-        f.seek(start)
-        lines = f.read().decode().splitlines()
-    return [record for record in map(json_record, lines) if record is not None]

@@ -36,9 +36,8 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq
                        budget_key: str = "actor.max_length_per_device",
                        unit_lengths: list[int] | None = None) -> list[list[list[int]]]:
     """Assign units to ranks, then to micro-batches of at most `max_tokens * seq_parallel`, the same count
-    on every rank: plan[rank][micro_batch] = unit indices. `budget_key` (the config key that set
-    `max_tokens`) and `unit_lengths` (the sequences of each unit, default one each) are for the error of a
-    unit that cannot fit."""
+    on every rank: plan[rank][micro_batch] = unit indices. `budget_key` and `unit_lengths` (the sequences
+    of each unit) are for the error of a unit that cannot fit."""
     budget = max_tokens * seq_parallel
     too_long = [i for i, s in enumerate(unit_sizes) if s > budget]
     if too_long:
@@ -66,16 +65,10 @@ def plan_micro_batches(unit_sizes: list[int], dp_size: int, max_tokens: int, seq
 def pack(batch: SequenceBatch, dp_rank: int, dp_size: int, max_tokens: int, weights: torch.Tensor | None = None,
          units: list[list[int]] | None = None, seq_parallel: int = 1, unit_sizes: list[int] | None = None,
          budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
-    """This rank's micro-batches of the global `batch`, whose per-token tensors other than `loss_mask`
-    become `extras`. `dp_rank` and `dp_size` place this rank among those that see different data (the cp
-    and tp ranks of one data-parallel group get the same micro-batches and split each one). A micro-batch
-    holds up to `max_tokens` (`max_length_per_device`, whose config key `budget_key` names in errors) times
-    `seq_parallel` (`cp * tp`) tokens.
-
-    `weights`: `[n_labels]` loss weights (`RL2.algs.averaging.loss_weights`); None: zeros (a pass that
-    computes no averaged loss). `units`: groups of sequences that must share a micro-batch (e.g. a DPO
-    pair), default one each; `unit_sizes`: the tokens each costs, default its labels (`prompt_group_units`).
-    """
+    """This rank's micro-batches of the global `batch`, whose per-token tensors other than `loss_mask` become
+    `extras`; the cp and tp ranks of one data-parallel rank get the same micro-batches and split each one.
+    `weights`: loss weights (None: zeros, a pass without an averaged loss); `units`: groups of sequences that
+    must share a micro-batch (e.g. a DPO pair); `unit_sizes`: the tokens each costs, default its labels."""
     if units is None:
         units = [[i] for i in range(len(batch.input_ids))]
     if weights is None:
@@ -95,12 +88,9 @@ def pack(batch: SequenceBatch, dp_rank: int, dp_size: int, max_tokens: int, weig
 
 def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[list[list[int]], list[int]]:
     """Packing units that keep a prompt group's sequences together, and what each costs with the prompt
-    stored once (`RL2.models.shared_prefix`).
-
-    A group is cut into chunks of whole trajectories: as many as it takes for every data-parallel rank
-    to get work and for each chunk to fit `budget` tokens. A trajectory that alone exceeds the budget
-    becomes one unit per sequence. Returns (units, their sizes in tokens), for `pack(units=..., unit_sizes=...)`.
-    """
+    stored once (`RL2.models.shared_prefix`). A group is cut into chunks of whole trajectories: as many as it
+    takes for every data-parallel rank to get work and for each chunk to fit `budget` tokens. A trajectory that
+    alone exceeds the budget becomes one unit per sequence."""
     trajectories = batch.sample_sequences
     groups: list[list[list[int]]] = [[] for _ in range(batch.n_groups)]
     for sample, group in enumerate(batch.group_ids.tolist()):

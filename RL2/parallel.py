@@ -15,6 +15,7 @@ import faulthandler
 import functools
 import gc
 import os
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,12 +57,9 @@ COLLECTIVE_TIMEOUT = 1800.0
 
 
 def collective_timeout(cfg) -> float:
-    """Seconds every process group waits in a collective: `trainer.collective_timeout`, by default
-    `COLLECTIVE_TIMEOUT` and, for a config with a rollout, at least `rollout.request_timeout` plus
-    `REQUEST_TIMEOUT_MARGIN`: a rank whose rollout is done waits in the gather while another rank's
-    request may run for the whole request timeout, and a shorter wait would end the run (NCCL's
-    watchdog aborts the process) before that request fails or finishes.
-    """
+    """Seconds every process group waits in a collective: with a rollout, by default at least one request's
+    timeout plus a margin, as a rank whose rollout is done waits in the gather while another rank's request
+    runs, and a shorter wait would end the run (NCCL's watchdog aborts) before that request fails or finishes."""
     trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
     chosen = trainer.get("collective_timeout") if trainer is not None else None
     request = rollout.get("request_timeout") if rollout is not None else None
@@ -71,13 +69,8 @@ def collective_timeout(cfg) -> float:
 
 def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) -> None:
     """Join the process group torchrun describes; at world size 1 without torchrun, make a 1-rank group,
-    so that the same code (FSDP2, DCP checkpoints) runs everywhere. The backend is nccl on cuda, gloo on
-    cpu; `timeout` is every group's (`collective_timeout`).
-
-    On the CPU the one-rank group keeps its keys in an in-process store: no port to find free (another
-    process could take it first), and no TCP store server whose thread outlives the group until the
-    interpreter's teardown (see `close_process_groups`).
-    """
+    so that the same code (FSDP2, DCP checkpoints) runs everywhere. On the CPU that group keeps its keys in an
+    in-process store: no port to find free, and no TCP store server whose thread outlives the group."""
     if dist.is_initialized():
         return
     _print_stacks_on_crash()
@@ -87,7 +80,7 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         if backend == "nccl":
             os.environ.update(MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A dead peer makes collectives fail after this timeout instead of hanging forever.
@@ -132,13 +125,9 @@ def close_process_groups(finished: bool = True) -> None:
 
     `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
     gloo threads, until the interpreter's teardown, where finished runs have aborted, rarely, with
-    "terminate called without an active exception". Two holders live as long as the process: caches of
-    objects made per group (registered with `clear_on_close`) and torch's DTensor caches, which keep the
-    device meshes, and a mesh keeps its groups. Both are emptied here
-    (tests/e2e/test_process_group_teardown.py counts the threads left).
-
-    After an error (`finished=False`) gloo groups are only forgotten: freeing one waits for its queued
-    collectives (an FSDP prefetch issued before the forward raised), and the peers may never join them.
+    "terminate called without an active exception". Caches of objects made per group (`clear_on_close`) and
+    torch's DTensor caches (a mesh keeps its groups) are emptied here. After an error gloo groups are only
+    forgotten: freeing one waits for its queued collectives, which the peers may never join.
     """
     if not dist.is_initialized():
         return
@@ -173,12 +162,18 @@ def shard_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (another process could still take it before the caller does)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's `value` (of `group`, the world by default), in rank order. Collective."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 @dataclass
@@ -260,9 +255,7 @@ class ParallelDims:
         same sums, so they are added over the data-parallel group alone. Collective."""
         group = self.dp_mesh.get_group()
         # A rank whose share was only padding has no metrics of its own: agree on the keys first.
-        names = [None] * dist.get_world_size(group)
-        dist.all_gather_object(names, sorted(totals), group=group)
-        keys = sorted(set().union(*names))
+        keys = sorted(set().union(*all_gather_objects(sorted(totals), group)))
         summed = torch.tensor([totals.get(key, 0.0) for key in keys], dtype=torch.float64, device=device)
         dist.all_reduce(summed, group=group)
         return dict(zip(keys, summed.tolist()))

@@ -21,12 +21,8 @@ GROUP_STD_EPS = 1e-6
 
 
 def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
-    """Right-to-left discounted sum over the masked tokens of each row.
-
-    out_t = x_t + discount * out_{t'}, where t' is the next position after t with mask 1. Tokens
-    with mask 0 neither contribute nor cost a discount step: the recursion jumps over them. `x` and
-    `mask` are `[B, T]`; the sums are 0 where `mask` is 0.
-    """
+    """Right-to-left discounted sum over the masked tokens of each row: out_t = x_t + discount * out_{t'}, t'
+    the next position with mask 1. Tokens with mask 0 neither contribute nor cost a discount step."""
     out = torch.zeros_like(x)
     running = torch.zeros_like(x[:, 0])
     for t in reversed(range(x.shape[1])):
@@ -37,8 +33,7 @@ def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor
 
 
 def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
-    """For each action token, the value of the next action token of the same row (0 after the last);
-    `[B, T]`, 0 where `mask` is 0."""
+    """For each action token, the value of the next action token of the same row (0 after the last)."""
     out = torch.zeros_like(values)
     upcoming = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
@@ -63,11 +58,8 @@ def deviations(x: Tensor, counted: Tensor | None = None) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole tensor (any shape); 0 where `mask` is 0.
-
-    Uses the population variance (divide by the token count), as OpenRLHF does for REINFORCE++. When
-    every masked entry is equal the result is exactly 0 (see `deviations`).
-    """
+    """(x - mean) / (std + eps) over the masked entries of the whole tensor, with the population variance
+    as OpenRLHF does for REINFORCE++; 0 where `mask` is 0, and exactly 0 where every entry is equal."""
     count = mask.sum().clamp(min=1.0)
     # Measured from one masked entry (argmax finds the first 1.0) so that equal entries give exact zeros.
     shifted = x - x.flatten()[mask.flatten().argmax()]
@@ -84,8 +76,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: floa
     sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
     steps of the MDP: the recursion jumps from one action token to the next, so neither their
     rewards nor their values are used. Put rewards on action tokens (e.g. the outcome reward on the
-    last one minus a per-token KL penalty). `rewards`, `values` (the critic's) and `mask` (1.0 on action
-    tokens) are `[B, T]`; so are the advantages and the returns (advantages + values), 0 where `mask` is 0.
+    last one minus a per-token KL penalty). Returns (advantages, returns), 0 where `mask` is 0.
     """
     deltas = rewards + gamma * next_action_values(values, mask) - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
@@ -99,9 +90,8 @@ def grpo(scores: Tensor, norm_var: bool, counted: Tensor | None = None) -> Tenso
     A_i = s_i - mean of its group. With `norm_var` (DeepSeek's GRPO) A_i is divided by the group's
     unbiased std + 1e-6; Dr. GRPO turns it off because it up-weights groups that are almost all right
     or all wrong. A group whose scores are all equal (one sample, or every sample alike) gets exactly 0.
-    `scores` is `[G, n]`: the scores of the n samples of each of G prompts; so are the advantages.
-    `counted` (`[G, n]`, 1.0 or 0.0; default all 1.0): the samples the group's mean and std are over
-    (a faulted trajectory is not); the others get 0.
+    `counted` (`[G, n]`, 1.0 or 0.0; default all): the samples the group's mean and std are over (a faulted
+    trajectory is not); the others get 0.
     """
     counted, n = _counted(scores, counted)
     advantages = deviations(scores, counted)
@@ -113,13 +103,9 @@ def grpo(scores: Tensor, norm_var: bool, counted: Tensor | None = None) -> Tenso
 
 
 def rloo(scores: Tensor, counted: Tensor | None = None) -> Tensor:
-    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740).
-
-    The baseline of sample i is the mean score of the other samples of its group:
-    A_i = s_i - (sum_group - s_i) / (n - 1), on `[G, n]` scores as in `grpo`, over its `counted`
-    samples (the others get 0). A group whose scores are all equal (one sample, or every sample alike)
-    gets exactly 0.
-    """
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv 2402.14740): the baseline of sample i is the
+    mean score of the other counted samples of its group (as in `grpo`, the others get 0); an all-equal
+    group gets exactly 0."""
     counted, n = _counted(scores, counted)
     # The baseline is shift-invariant: measured from the group's first score, equal scores give exact zeros.
     scores = (scores - _first_counted(scores, counted)) * counted
@@ -143,9 +129,7 @@ def reinforce_plus_plus(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Te
 
     G_t = sum_{k >= 0} gamma^k r_{t_k}, over the action tokens t = t_0 < t_1 < ... of the row
     (tokens with mask 0 are skipped, as in `gae`), then normalised with the mean and std of G over
-    all masked tokens of the batch (no critic, no per-prompt baseline). `rewards` (`[B, T]`) hold the
-    outcome score on the last action token plus an optional per-token KL penalty `-beta * kl`; the
-    advantages are 0 where `mask` is 0.
+    all masked tokens of the batch (no critic, no per-prompt baseline).
     """
     return masked_whiten(masked_discounted_cumsum(rewards, mask, gamma), mask)
 
@@ -155,9 +139,7 @@ def mc(turn_rewards: Tensor, turn_mask: Tensor, gamma: float = 1.0, truncation: 
 
     R_k = sum_{j=0}^{h-1} gamma^j r_{k+j}, over the valid turns k, k+1, ... of the row (turns with
     mask 0 are skipped), where h is `truncation` (the number of turns summed, no bootstrap) or
-    unbounded. Every action token of turn k then gets R_k. `turn_rewards` (received at the end of each
-    turn) and `turn_mask` (1.0 on real turns, 0.0 on padding turns) are `[B, K]`; so are the returns, 0
-    where `turn_mask` is 0; `gamma` is the discount per turn.
+    unbounded. Every action token of turn k then gets R_k. `turn_rewards` and `turn_mask` are `[B, K]`.
     """
     if truncation is not None and truncation < 1:
         raise ValueError(f"truncation must be a positive number of turns or None, got {truncation}")

@@ -1,10 +1,7 @@
 """Per-token estimators of KL(p || q) from samples of p, registered by name in `KL_ESTIMATORS`.
 
-Layout convention: token-level tensors are `[batch, seq_len]`; token t's logprob is the logprob of
-the action token at t, which was sampled from p. Entries outside the action mask are meaningless and
-should be masked by the caller.
-
-With log r = logp - ref_logp = log p(x) - log q(x) and x ~ p (J. Schulman, "Approximating KL
+Tensors are in the layout of `RL2.algs.advantages`, the action tokens sampled from p; the caller masks
+the rest. With log r = logp - ref_logp = log p(x) - log q(x) and x ~ p (J. Schulman, "Approximating KL
 Divergence", http://joschu.net/blog/kl-approx.html):
 - k1 = log r: unbiased, high variance, can be negative;
 - k2 = 0.5 (log r)^2: biased, low variance; used as a loss on samples of p, its gradient

@@ -1,10 +1,6 @@
-"""Policy losses as pure tensor functions.
-
-Layout convention: token-level tensors are `[..., T]` float tensors (padded rows, or packed labels)
-with a `mask` (1.0 on the action tokens that count, 0.0 elsewhere; non-negative token weights also
-work); token t's logprob is the logprob of the action token at t. Loss functions return per-token
-losses, zeroed where `mask` is 0 but not yet weighted: the caller weights them once with the
-averaging weights of `RL2.algs.averaging`.
+"""Policy losses as pure tensor functions, in the layout of `RL2.algs.advantages` (`mask` may also hold
+non-negative token weights). They return per-token losses, zeroed where `mask` is 0 but not yet weighted:
+the caller weights them once with the averaging weights of `RL2.algs.averaging`.
 
 Policy losses (`actor.policy_loss`): `ppo_loss` (the clipped surrogate on per-token ratios, with
 dual clip and clip-higher), `gspo_loss` (one clipped ratio per sample) and `cispo_loss` (a
@@ -47,31 +43,8 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
     """Truncated importance weights min(pi_old / pi_engine, tis_coef), detached (Yao et al. 2025,
-    https://fengyao.notion.site/off-policy-rl); `[B, T]` like the trainer's and the engine's logprobs."""
+    https://fengyao.notion.site/off-policy-rl)."""
     return torch.exp(old_logps - engine_logps).clamp(max=tis_coef).detach()
-
-
-def icepop_weights(old_logps: Tensor, engine_logps: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """IcePop's masked importance weights: rho = pi_old / pi_engine where it is in [low, high], else 0.
-    Returns (`[B, T]` detached weights, `[B, T]` bool: the tokens masked)."""
-    ratio = torch.exp(old_logps - engine_logps).detach()
-    kept = (ratio >= low) & (ratio <= high)
-    return torch.where(kept, ratio, 0.0), ~kept
-
-
-def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor, low: float,
-                            high: float, geometric: bool = False) -> tuple[Tensor, Tensor]:
-    """1 on every token of a trajectory whose ratio is in [low, high], 0 on those of the others.
-
-    The trajectory's ratio is the product of its tokens' rho = pi_old / pi_engine, or with `geometric`
-    their geometric mean; compared in log space, where a long trajectory's product cannot overflow. The
-    tokens with `mask` > 0 make up each trajectory, `sample_ids` (`[B, T]` long) names it. Returns
-    (`[B, T]` weights, `[B, T]` bool: the tokens masked).
-    """
-    log_ratio = (old_logps - engine_logps).detach()
-    per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
-    kept = (per_trajectory >= math.log(low)) & (per_trajectory <= math.log(high))
-    return kept.to(old_logps.dtype), ~kept
 
 
 def _tis(old_logps, engine_logps, mask, sample_ids, low, high):
@@ -79,11 +52,29 @@ def _tis(old_logps, engine_logps, mask, sample_ids, low, high):
     return weights, (old_logps - engine_logps).detach() > math.log(high)
 
 
+def icepop_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor | None, low: float,
+                   high: float) -> tuple[Tensor, Tensor]:
+    """IcePop's masked importance weights: rho = pi_old / pi_engine where it is in [low, high], else 0."""
+    ratio = torch.exp(old_logps - engine_logps).detach()
+    kept = (ratio >= low) & (ratio <= high)
+    return torch.where(kept, ratio, 0.0), ~kept
+
+
+def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor, low: float,
+                            high: float, geometric: bool = False) -> tuple[Tensor, Tensor]:
+    """1 on every token of a trajectory whose ratio (the product of its tokens' rho, or with `geometric` their
+    geometric mean) is in [low, high], else 0; compared in log space, where a long product cannot overflow."""
+    log_ratio = (old_logps - engine_logps).detach()
+    per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
+    kept = (per_trajectory >= math.log(low)) & (per_trajectory <= math.log(high))
+    return kept.to(old_logps.dtype), ~kept
+
+
 # actor.correction.type -> (old_logps, engine_logps, mask, sample_ids, low, high) -> (weights, tokens
 # truncated or masked); the names and their default bounds are RL2/config/ppo_schema.py's CORRECTION_BOUNDS.
 CORRECTIONS = {
     "tis": _tis,
-    "icepop": lambda old, engine, mask, samples, low, high: icepop_weights(old, engine, low, high),
+    "icepop": icepop_weights,
     "seq_mask": trajectory_mask_weights,
     "geo_mask": lambda *args: trajectory_mask_weights(*args, geometric=True),
 }
@@ -155,10 +146,8 @@ def _reduce(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
 def engine_kl_by_lag(old_logps: Tensor, engine_logps: Tensor, lags: Tensor, weights: Tensor) -> dict[str, Tensor]:
     """The engine-vs-trainer KL (k3 of KL(engine || old)) of the tokens sampled by the weights being
     trained (`lag0`: the engine's kernels and precision alone) and of those sampled by older weights
-    (`lagged`: that plus the policy's drift since), as weighted sums with their weights; `lag_means`
-    turns the sums, added up over micro-batches and ranks, into means. `lags` (long: how many versions
-    behind the trained weights each token was sampled) and `weights` (0 off the trained tokens) are `[B, T]`.
-    """
+    (`lagged`: that plus the policy's drift since), as weighted sums that `lag_means` turns into means
+    once added up over micro-batches and ranks. `lags`: how many versions behind each token was sampled."""
     kl, lag0 = k3(engine_logps, old_logps).detach(), lags == 0
     sums = {}
     for part, tokens in (("lag0", lag0), ("lagged", ~lag0)):
@@ -192,18 +181,10 @@ def ppo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
     With `dual_clip` = c > 1 (Ye et al. 2020, arXiv 1912.09729), tokens with A_t < 0 have their loss
     bounded by -c A_t, so a huge ratio on a bad action cannot blow up the update.
 
-    `logps` (current, with grad), `old_logps` (of the policy the advantages were computed for), `advantages`,
-    `mask` and `sample_ids` (long: each token's trajectory, for the trajectory masks) are `[B, T]`. `mask` is
-    1.0 on action tokens, or non-negative token weights: metrics are weighted means, and the loss is only
-    zeroed where the mask is 0 (the caller weights it). The engine correction is `correction` on
-    `engine_logps` (the rollout engine's), or `tis_coef`, short for `Correction("tis", high=tis_coef)`.
-
-    Returns `(per_token_loss [B, T], metrics)`, the metrics detached scalars averaged over the masked tokens:
-    `clip_frac_low` (A < 0 and the ratio below 1 - clip_low: no gradient), `clip_frac_high` (A > 0 and the
-    ratio above 1 + clip_high: no gradient), `dual_clip_frac`, `approx_kl` (k3 estimate of KL(old || current))
-    and, with `engine_logps`, `engine_kl` (k3 estimate of KL(engine || old)); with a correction,
-    `correction_weight` (the mean weight; `tis_weight` too for tis), `correction_weight_min` and `_max` and
-    `correction_frac` (the share of tokens truncated or masked).
+    `old_logps` are the trainer's for the policy the advantages were computed for; `sample_ids` give each
+    token's trajectory (for the trajectory masks). The engine correction is `correction` on `engine_logps`, or
+    `tis_coef`, short for `Correction("tis", high=tis_coef)`. Metrics are detached means over the masked tokens
+    (`clip_frac_low`/`_high`: the tokens whose clip took the gradient away).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is a common choice), got {dual_clip}.")
@@ -235,12 +216,8 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
 
 
 def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
-    """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any).
-
-    Differentiable in `values`; a sample's tokens may sit anywhere in the tensor (e.g. a trajectory's
-    sequences packed apart in one row). All three are `[B, T]`: tokens with `mask` > 0 count, each once;
-    `sample_ids` (long, any integers) gives each token's sample.
-    """
+    """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any),
+    differentiable in `values`. A sample's tokens may sit anywhere (a trajectory's sequences packed apart)."""
     sums, counts, index = _per_sample(values, mask, sample_ids)
     return (sums / counts.clamp(min=1.0))[index].view_as(values)
 
@@ -280,10 +257,7 @@ def gspo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
     s_i, but token t's gradient is A_t s_i grad log pi_t: each token keeps its own advantage. With
     the same advantage on every token of a sample, both give the same loss and gradient.
 
-    Arguments as in `ppo_loss`; the tokens with mask > 0 make up |y_i|. Returns `(per_token_loss [B, T],
-    metrics)`: `clip_frac_low` and `clip_frac_high` (the tokens of samples whose ratio was clipped on that
-    side against their advantage's sign: no gradient), `seq_ratio` (s_i, averaged over tokens), `approx_kl`,
-    and `engine_kl` and the correction's as in `ppo_loss`.
+    Arguments and metrics as in `ppo_loss`, plus `seq_ratio` (s_i); the tokens with mask > 0 make up |y_i|.
     """
     sequence_log_ratio = sample_mean(logps - old_logps, mask, sample_ids)
     if token_level:
@@ -309,9 +283,7 @@ def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tenso
     a gradient A_t w_t grad log pi_t. The paper sets no lower bound (`clip_low=None`) and tunes
     only the upper one; it averages over tokens (`avg_level=token`).
 
-    Arguments as in `ppo_loss`. Returns `(per_token_loss [B, T], metrics)`: `clip_frac_low`/`clip_frac_high`
-    (tokens whose weight was raised to 1 - clip_low or cut to 1 + clip_high; their gradient stays),
-    `is_weight` (the clipped weight), `approx_kl`, and `engine_kl` and the correction's as in `ppo_loss`.
+    Arguments and metrics as in `ppo_loss` (a clipped token keeps its gradient here), plus `is_weight`.
     """
     ratio = torch.exp(logps - old_logps).detach()
     low = None if clip_low is None else 1.0 - clip_low

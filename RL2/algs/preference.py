@@ -43,12 +43,8 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     For loss_type="sigmoid" pass summed response logps. For loss_type="ipo" pass length-normalised
     logps, i.e. each sequence's summed logp divided by its number of response tokens, for the
     policy and the reference alike: TRL's DPOTrainer divides by the loss-mask token count when
-    loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths.
-
-    Inputs are `[B]`; `beta` is the KL strength (tau in IPO), `loss_type` a key of `DPO_LOSSES`, and
-    `label_smoothing` conservative DPO's label-flip probability in [0, 0.5). Returns `(loss [B], metrics)` with
-    `rewards_chosen` and `rewards_rejected` (beta times the policy / reference log-ratio of each response),
-    `margin` (their difference) and `accuracy`.
+    loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths. `beta` is the
+    KL strength (tau in IPO), `label_smoothing` conservative DPO's label-flip probability in [0, 0.5).
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}.")
@@ -66,12 +62,8 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
 
 
 def log1mexp(x: Tensor) -> Tensor:
-    """log(1 - exp(x)) for x < 0, accurate for x near 0 and for very negative x.
-
-    Maechler 2012, "Accurately Computing log(1 - exp(-|a|))": use log(-expm1(x)) above -log 2,
-    where 1 - exp(x) cancels, and log1p(-exp(x)) below it. `x`: negative numbers, e.g. average
-    per-token logps.
-    """
+    """log(1 - exp(x)) for x < 0, accurate for x near 0 and for very negative x (Maechler 2012, "Accurately
+    Computing log(1 - exp(-|a|))"): log(-expm1(x)) above -log 2, where 1 - exp(x) cancels, else log1p(-exp(x))."""
     near_zero = x > -0.6931471805599453
     # Evaluate each branch on inputs valid for it so the unused branch cannot produce nan grads.
     safe_near = torch.where(near_zero, x, torch.full_like(x, -1.0))
@@ -100,9 +92,7 @@ def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float)
     log odds = logp - log(1 - exp(logp)), and the term is
     -beta * logsigmoid(log odds_chosen - log odds_rejected).
     Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda. The inputs
-    are `[B]` mean per-token logps (< 0). Returns `(loss [B], metrics)` with `log_odds` (chosen minus
-    rejected), `log_odds_ratio` (logsigmoid of it), `rewards_chosen` / `rewards_rejected` (beta times the
-    average logps, as TRL logs them) and `accuracy`.
+    are mean per-token logps (< 0); the rewards logged are beta times them, as TRL logs them.
     """
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
@@ -113,6 +103,5 @@ def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float)
 
 
 def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:
-    """Reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022): `[B]` scalar
-    rewards of the chosen and the rejected responses -> `[B]` per-pair losses."""
+    """Reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022)."""
     return -F.logsigmoid(chosen_rewards - rejected_rewards)

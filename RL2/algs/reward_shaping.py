@@ -16,7 +16,6 @@ def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer_len: 
         -1                                  if |y| > L_max,
     times `penalty_factor`. Answers that hit the budget are penalised gradually rather than
     through truncation, which would otherwise reward sound reasoning that ran out of room with 0.
-    `response_lengths`: `[B]` generated tokens per sample; returns `[B]` penalties in [-penalty_factor, 0].
     """
     if not 0 < buffer_len <= max_new_tokens:
         raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}.")
@@ -25,11 +24,8 @@ def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer_len: 
 
 
 def length_penalty(response_lengths: Tensor, coef: float, max_new_tokens: int | None = None) -> Tensor:
-    """Linear length shaping -coef * |y| (or -coef * |y| / max_new_tokens when given), `[B]` -> `[B]`.
-
-    `coef` is the penalty per token (per full budget when `max_new_tokens` is given); a negative one
-    rewards length instead.
-    """
+    """Linear length shaping -coef * |y| (or -coef * |y| / max_new_tokens when given); a negative `coef`
+    rewards length instead."""
     lengths = response_lengths.float()
     if max_new_tokens is not None:
         lengths = lengths / max_new_tokens

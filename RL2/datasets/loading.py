@@ -88,11 +88,8 @@ def _read_file(path: Path, fmt: str, split: str | None) -> datasets.Dataset:
 
 
 def _csv_as_text(path: Path) -> dict:
-    """`load_dataset` options that read every column of a CSV file as a string.
-
-    Without them pandas guesses a type per column (and per 10k-row chunk): a response column of
-    numbers turns into floats, and "NA", "null" or "None" into missing values.
-    """
+    """`load_dataset` options that read every column of a CSV file as a string: else pandas guesses a type per
+    column (and per 10k-row chunk), a response of digits becomes a float and "NA", "null" or "None" missing."""
     with open(path, newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), None)
     if not header:

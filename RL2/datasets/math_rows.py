@@ -85,9 +85,7 @@ def to_prompt_row(row: dict, fmt: str, index: int, prompt: str = DEFAULT_PROMPT,
 def math_rows(rows: Iterable[dict], fmt: str = "auto", prompt: str = DEFAULT_PROMPT, data_source: str | None = None,
               skip_bad_rows: bool = False, source: str = "rows") -> tuple[list[dict], int]:
     """PPO prompt rows from GSM8K or MATH rows (dicts, e.g. a `datasets.Dataset`); returns (rows, number
-    skipped). `fmt` "auto" reads the format from the first row's keys; `prompt` and `data_source` as in
-    `to_prompt_row`; `skip_bad_rows` skips and counts rows without a usable question or answer instead of
-    failing; `source` names the rows in error messages (a file)."""
+    skipped). `fmt` "auto" reads the format from the first row's keys; `source` names the rows in errors."""
     if "{question}" not in prompt:
         raise ValueError(f"the prompt template needs a {{question}} placeholder: {prompt!r}")
     if fmt not in FORMATS:

@@ -26,11 +26,9 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
 
 def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, keep_messages: bool = False):
     """Split config -> function(row) -> {"prompt": text, "prompt_ids": ids, "extra_info": dict}, for `load_splits`.
-
-    `env_resets`: the environment defines `reset`: a row with neither a prompt nor messages gets `prompt` None,
-    and `reset(extra_info)` makes its first state at rollout time. `tool_use`: the environment's tools
-    (`RL2.rollout.tools.tool_use.ToolUse`), or None: the prompt shows them, and the row keeps its chat messages
-    as `messages` (tool results are appended to them), as it does with `keep_messages` (an agent script's)."""
+    `env_resets`: a row with neither a prompt nor messages gets `prompt` None, for `reset(extra_info)` to make at
+    rollout time. With `tool_use` (the environment's tools, which the prompt shows) or `keep_messages` (an agent
+    script's) the row keeps its chat messages as `messages`, which tool results are appended to."""
 
     def for_split(split_cfg):
         used = {split_cfg.prompt_key, split_cfg.messages_key}

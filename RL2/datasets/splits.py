@@ -13,11 +13,10 @@ from RL2.utils.logging import log_rank0
 
 def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: dict[str, tuple[str, int | None]] |
                 None = None, keep_row: bool = False) -> tuple[list, list]:
-    """Tokenized train and test examples: `make_tokenize_row(split config)` turns one row into one example;
-    `seed` holds out the same `test_ratio` rows on every rank and every run. `blank_rows`: split ("train",
-    "test") -> (config key, n): a split whose path is unset is n rows with no prompt, for an environment whose
-    `reset` makes every prompt (the original RL2's Gym-like environments, which trained with no data); n None
-    or no entry: the path is needed. `keep_row`: each example keeps its row's number in its file as `row`."""
+    """Tokenized train and test examples; `seed` holds out the same `test_ratio` rows on every rank and every
+    run. `blank_rows`: split -> (config key, n): a split whose path is unset is n rows with no prompt, for an
+    environment whose `reset` makes every prompt (the original RL2's Gym-like environments, which trained with
+    no data). `keep_row`: each example keeps its row's number in its file as `row`."""
     blank_rows = blank_rows or {}
     train_rows = _rows_of(data_cfg.train.path, "train", blank_rows)
     if train_rows is None:
@@ -68,11 +67,8 @@ def _rows_of(path: str | None, split: str, blank_rows: dict) -> list | None:
 
 
 class EpochSampler:
-    """Which examples make up optimizer step `step`: a pure function of (seed, step).
-
-    Because the order depends on nothing but the step, resuming needs only the step number, and every
-    rank computes the same global batch (each then keeps its own share after packing).
-    """
+    """Which examples make up optimizer step `step`: a pure function of (seed, step), so that resuming needs
+    only the step number, and every rank computes the same global batch."""
 
     def __init__(self, n_examples: int, batch_size: int, shuffle: bool, seed: int):
         if n_examples < batch_size:

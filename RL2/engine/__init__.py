@@ -16,11 +16,9 @@ from RL2.engine.protocol import Engine
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                  colocated: Sequence = (), seed: int = 0) -> Engine:
-    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial
-    weights `model_path` (a Hugging Face folder) in `dtype` on `device`. The trainer's models on this rank's
-    GPU (`colocated`, with `offload()` and `onload()`) wait on the CPU while SGLang servers launched on the
-    same GPUs size their memory; those servers sample from `seed` (`--random-seed`, plus each one's index).
-    """
+    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial weights
+    `model_path`. The trainer's models on this rank's GPU (`colocated`) wait on the CPU while SGLang servers
+    launched on the same GPUs size their memory."""
     from RL2.engine.sglang.engine import resolve_engine
 
     start = ENGINES[resolve_engine(rollout_cfg, device)]

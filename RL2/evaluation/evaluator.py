@@ -41,20 +41,12 @@ from RL2.workers.fsdp import load_tokenizer
 
 @dataclass
 class EvalResult:
-    """What an evaluation found (the same on every rank).
+    """What an evaluation found (the same on every rank)."""
 
-    Attributes:
-        metrics: the model's `{"overall": {...}, "by_source": {data_source: {...}}}` (see
-            `RL2.rollout.metrics`: accuracy, score, reward, pass@k, response_length, ...).
-        compare: the same for `compare.model_name`, or None.
-        difference: `metrics - compare` per data source and metric, or None.
-        save_dir: where `samples.jsonl` (every sample) and `metrics.json` are.
-    """
-
-    metrics: dict
-    compare: dict | None
-    difference: dict | None
-    save_dir: Path
+    metrics: dict  # {"overall": {...}, "by_source": {data_source: {...}}} of `RL2.rollout.metrics`
+    compare: dict | None  # the same for `compare.model_name`
+    difference: dict | None  # metrics - compare, per data source and metric
+    save_dir: Path  # where samples.jsonl (every sample) and metrics.json are
 
     @property
     def samples_path(self) -> Path:

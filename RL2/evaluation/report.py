@@ -10,9 +10,8 @@ from RL2.utils.logging import write_atomic
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
                    threshold: float) -> list[dict]:
-    """One JSON-able record per sample of `groups` (the samples of each of `prompts`, whose
-    `data_source`s are `sources`); `role` is "model" or "compare", and a sample passes when its score
-    is at least `threshold`."""
+    """One JSON-able record per sample of `groups` (those of each of `prompts`); `role` is "model" or
+    "compare"."""
     records = []
     for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
         for sample, t in enumerate(group):

@@ -152,9 +152,8 @@ def softcap_of(config) -> float | None:
 
 def softcapped_attention(query, key, value, scaling: float, softcap: float, mask=None) -> torch.Tensor:
     """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain products,
-    scores and softmax in float32 (as the model's own eager attention). query `[B, H, q, D]`, key/value
-    `[B, H_kv, k, D]` -> `[B, H, q, D]` in the query's dtype; `mask` boolean, True where a key is visible,
-    broadcastable to `[B, H, q, k]`; None: causal, the queries being the last q of the k positions."""
+    scores and softmax in float32 (as the model's own eager attention). `mask`: True where a key is visible;
+    None: causal, the queries being the last q of the k positions."""
     groups = query.shape[1] // key.shape[1]
     key, value = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
     scores = torch.matmul(query.float() * scaling, key.transpose(-1, -2))

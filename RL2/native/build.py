@@ -60,9 +60,8 @@ def _build(source: Path, compiler: str) -> Path:
 
 
 def load_library(source: Path, enabled: bool, fallback: str, signatures: dict, returns: dict) -> ctypes.CDLL | None:
-    """`source` built (if needed) and loaded, each function of `signatures` (name -> ctypes argument types)
-    typed, with its return type from `returns` where it has one. None when its switch (`enabled`) is off,
-    or, with a warning saying why and what runs instead (`fallback`), where it cannot be built."""
+    """`source` built (if needed) and loaded, its functions typed; None when its switch (`enabled`) is off, or,
+    with a warning saying why and what runs instead (`fallback`), where it cannot be built."""
     if not enabled:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -242,8 +242,7 @@ def _gated_mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def install_fused_layers(model: torch.nn.Module) -> int:
     """Point `model`'s Llama-style RMSNorms and SiLU-gated MLPs, and the Linears that read the norms'
-    outputs, at the fused kernels. Returns how many norms and MLPs were changed: 0 when the kernels
-    cannot be built or RL2_FUSED_LAYERS=0."""
+    outputs, at the fused kernels. Returns how many norms and MLPs were changed."""
     if _library() is None:
         return 0
     changed = 0

@@ -32,10 +32,8 @@ def least_host_bytes(n_parameters: int, bytes_per_parameter: int, shards: int, r
 def check_model_fits_host(model: torch.nn.Module, name: str, trained: bool, param_dtype: torch.dtype,
                           shards: int) -> None:
     """Raise when the floor of `model`'s memory on this host (`model` on the meta device: only its parameter
-    count is read) exceeds its memory and swap. `name` is how the config names it (e.g.
-    "actor.model_name=HuggingFaceTB/SmolLM2-1.7B"); `trained`: fully trained, rather than frozen (weights in
-    `param_dtype`) or LoRA's base; `shards`: the ranks one copy of the model is split over (FSDP, tensor and
-    context parallel; each hybrid-sharding replica holds a copy)."""
+    count is read) exceeds its memory and swap. `trained`: fully trained, rather than frozen or LoRA's base;
+    `shards`: the ranks one copy of the model is split over (each hybrid-sharding replica holds a copy)."""
     capacity = host_capacity_bytes()
     if capacity is None:
         return

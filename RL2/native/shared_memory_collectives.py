@@ -29,7 +29,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from RL2.native import switches
 from RL2.native.shared_memory import SHM_DIR, map_segments, remove_orphans, segment_name
-from RL2.parallel import clear_on_close
+from RL2.parallel import all_gather_objects, clear_on_close
 from RL2.utils.logging import log_rank0
 
 PREFIX = "rl2-collectives"
@@ -58,8 +58,7 @@ class SharedMemoryCollectives:
         do not apply. Collective over `group`."""
         if not switches.shared_memory_collectives() or dist.get_world_size(group) == 1:
             return None
-        info = [None] * dist.get_world_size(group)
-        dist.all_gather_object(info, (socket.gethostname(), os.path.isdir(SHM_DIR), segment_name(PREFIX)), group=group)
+        info = all_gather_objects((socket.gethostname(), os.path.isdir(SHM_DIR), segment_name(PREFIX)), group)
         if len({host for host, _, _ in info}) != 1 or not all(has_shm for _, has_shm, _ in info):
             return None
         if dist.get_rank(group) == 0:

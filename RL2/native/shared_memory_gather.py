@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from RL2.native import shared_memory as shm
+from RL2.parallel import all_gather_objects
 from RL2.utils.logging import log_rank0
 
 PREFIX = "rl2-shards"
@@ -100,9 +101,8 @@ class SharedMemoryGather:
         usable = usable and all(e.param.to_local().shape[0] == e.rows[rank] for chunk in chunks for e in chunk)
 
         # Which host, and the names of the group's segments (from the group's first rank).
-        info = [None] * ranks
         free = shm.shm_free_bytes() if usable else 0
-        dist.all_gather_object(info, (socket.gethostname(), shm.segment_name(PREFIX), free), group=group)
+        info = all_gather_objects((socket.gethostname(), shm.segment_name(PREFIX), free), group)
         fits = min(free for _, _, free in info) >= size * ranks + shm.SPARE_SHM_BYTES  # containers often have 64 MB
         usable = usable and fits and len({host for host, _, _ in info}) == 1
         if not shm.everyone(usable):

@@ -16,14 +16,9 @@ CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
 class EngineState:
-    """Args:
-        engine: the rollout engine (`RL2.engine.protocol.Engine`): whether it `releases_memory` and
-            `follows_policy` is its own to say.
-        policy: as `RolloutWorker` takes it; `policy.updates` is the version of its weights.
-        push: `push(label)` sends the policy's current weights to the engine (collective).
-        colocated: the trainer's models that leave the GPU while the engine samples (empty: none do); with
-            any, a push waits for the next rollout, as the push needs their GPU memory.
-    """
+    """`policy` as `RolloutWorker` takes it (`policy.updates`: the version of its weights); `push(label)` sends
+    its weights to the engine (collective); `colocated`: the trainer's models that leave the GPU while the engine
+    samples: with any, a push waits for the next rollout, as the push needs their GPU memory."""
 
     def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
         self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)

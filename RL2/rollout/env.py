@@ -1,16 +1,9 @@
-"""Environment scripts: one Python file that turns the policy's actions into rewards.
+"""Environment scripts: one Python file that turns the policy's actions into rewards (docs/rl.md, `envs/`).
 
-The file defines
-
-    async def step(state: str, action: str, extra_info: dict) -> dict
-        # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
-
-and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a prompt row
-has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.rollout.tools.tool_use`). `state` is the text
-the policy saw, `action` what it wrote; the row's `extra_info` is carried from step to step. `reward` trains;
-`score` is what evaluation reports (default: reward); an optional `reward_parts` dict (name -> number) is
-logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
-with the chat template. See docs/rl.md and `envs/` for examples.
+The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
+`score`, `done`, `extra_info` and optionally `reward_parts`, logged as `rollout/reward/<name>`), and optionally
+`async def reset(extra_info: dict) -> str`, the first state of a row without a prompt, and `TOOLS`
+(`RL2.rollout.tools.tool_use`). A state is text or a list of chat messages.
 
 The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
@@ -53,23 +46,15 @@ class StepResult:
 
 @dataclass
 class Env:
-    """A loaded environment script.
-
-    Attributes:
-        path: the script.
-        step_fn: its `step` coroutine function.
-        reset_fn: its `reset` coroutine function, if any.
-        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.rollout.tools.tool_use`).
-        call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
-        timeouts_in_a_row: its steps and resets that ran out of time since one last ended otherwise.
-    """
+    """A loaded environment script: its `step`, `reset` (if any), `TOOLS` (functions or OpenAI schema dicts;
+    `RL2.rollout.tools.tool_use`) and `call_tool(name, arguments, extra_info)`, which runs schema-only tools."""
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
-    timeouts_in_a_row: int = 0
+    timeouts_in_a_row: int = 0  # steps and resets that ran out of time since one last ended otherwise
 
     def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
         self._step, self._reset = adapt_script(self.step_fn, self.reset_fn)
@@ -91,11 +76,7 @@ class Env:
 
 
 def load_env(path: str) -> Env:
-    """Import an environment script.
-
-    Args:
-        path: the Python file defining `async def step(...)` (and optionally `async def reset(...)`).
-    """
+    """Import the environment script at `path`, which defines `async def step(...)` (and maybe `reset`)."""
     file, module = load_script(path, "environment script", "point to a Python file such as envs/countdown.py",
                                "rl2_env_")
     step = getattr(module, "step", None)

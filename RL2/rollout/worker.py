@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.engine.protocol import Engine, EngineError
+from RL2.parallel import all_gather_objects
 from RL2.rollout.engine_state import EngineState
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.trajectory import Trajectory, weight_version_number
@@ -28,19 +29,11 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 
 
 class RolloutWorker:
-    """Args:
-        engine: this rank's engine (`RL2.engine.start_engine`).
-        driver: what rolls out the prompts on it, `driver.batch(prompts, responses_per_prompt, sampling_params)`
-            a coroutine returning one group per prompt: `RL2.rollout.loop.EnvRollout` (an environment's
-            trajectories) or `RL2.agents.agent.AgentRollout` (an agent script's runs; no partial rollout).
-        dtype: the engine's compute dtype: pushed weights are cast to it.
-        policy: the trained actor (an `FSDPWorker`) whose weights the engine samples from; None: the
-            engine keeps the weights it loaded (an evaluation of a fixed model).
-        colocated: every model (`FSDPWorker`) of the trainer on this rank's GPU, the policy included:
-            they move to the CPU while SGLang servers launched on the same GPUs sample.
-        sandbox: the run's code sandbox (`RL2.sandbox.run_sandbox`), which the `code_reward` calls of its
-            rollouts use; None: one with default limits.
-    """
+    """This rank's rollouts on `engine` through `driver` (`RL2.rollout.loop.EnvRollout`, or an agent script's
+    `RL2.agents.agent.AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose
+    weights the engine samples, pushed in `dtype` (None: the engine keeps the weights it loaded, an evaluation
+    of a fixed model); `colocated`: the trainer's models on this GPU, which move to the CPU while SGLang servers
+    launched on it sample; `sandbox`: the run's code sandbox for `code_reward` (None: one with default limits)."""
 
     def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None):
@@ -55,16 +48,15 @@ class RolloutWorker:
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
                 seed: int) -> list[list[Trajectory]]:
-        """Roll out this rank's share of `prompts` (the global batch of rows, the same on every rank) under the
-        sampling config, its sampling seeded by `seed` (see `rollout_seed`); returns every rank's groups, in
-        prompt order."""
+        """Roll out this rank's share of `prompts` (the global batch, the same on every rank); returns every
+        rank's groups, in prompt order."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self.driver.batch(
             [prompts[i] for i in mine], responses_per_prompt, sampling_params) if mine else asyncio.sleep(0, []))
         self._fill_versions(groups)
-        ordered = sorted((pair for part in self._gather(list(zip(mine, groups))) for pair in part), key=lambda p: p[0])
-        return [group for _, group in ordered]
+        pairs = [pair for part in all_gather_objects(list(zip(mine, groups))) for pair in part]
+        return [group for _, group in sorted(pairs, key=lambda p: p[0])]
 
     def partial_rollout(self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params,
                         responses_per_prompt: int, seed: int, n_needed: int | None = None) -> tuple[list, list, list]:
@@ -80,7 +72,7 @@ class RolloutWorker:
             my_carried, my_prompts, my_needed, responses_per_prompt, sampling_params) if my_needed
             else asyncio.sleep(0, ([], [], [])))
         self._fill_versions(result[0] + result[1])
-        parts = self._gather(result)
+        parts = all_gather_objects(result)
         return tuple([g for part in parts for g in part[i]] for i in range(3))
 
     def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
@@ -106,18 +98,13 @@ class RolloutWorker:
                 except Exception as e:
                     failure = e
                     error = (isinstance(e, EngineError), f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
-            errors = [e for e in self._gather(error) if e]
+            errors = [e for e in all_gather_objects(error) if e]
             if errors:
                 message = "\n".join(text for _, text in errors)
                 if all(engine_failed for engine_failed, _ in errors):
                     raise EngineError("the rollout engine failed:\n" + message) from failure
                 raise RuntimeError("the rollout failed:\n" + message) from failure
         return result
-
-    def _gather(self, obj) -> list:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
 
     def sync_weights(self, version: str) -> None:
         """The policy was updated: the engine gets its weights, named `version` (its `weight_version`), now or at

@@ -1,15 +1,10 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
-One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share, on its
-own embedded engine), score the trajectories with the environment, compute reference log-probs
-(KL), values (PPO's critic) and old log-probs when needed, turn rewards into advantages with the
-estimator named by `adv.estimator` (GRPO: `grpo`; PPO: `gae`), update the actor (and critic),
-and copy the new weights into the engines.
-
-The default recipe (`adv.estimator=grpo`): each response's advantage is its score minus the mean of its
-prompt's group, not divided by the group's std (Dr. GRPO; `adv.norm_var=true` divides, as DeepSeek's
-GRPO); PPO's clipped surrogate (`actor.clip=0.2`) averaged over every trained token of the batch
-(`actor.avg_level=token`); no KL term and no reference model (`actor.kl.coef=0`).
+One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share), score the
+trajectories with the environment, compute reference log-probs (KL), values (PPO's critic) and old log-probs
+when needed, turn rewards into advantages with the estimator named by `adv.estimator` (GRPO: `grpo`; PPO:
+`gae`), update the actor (and critic), and copy the new weights into the engines. The default recipe is
+`AdvConfig`'s (RL2/config/ppo_schema.py).
 """
 
 import functools
@@ -196,18 +191,14 @@ class PPOTrainer(Trainer):
         if self.reward_model:
             with measured(metrics, "reward_model"):
                 metrics |= add_reward_model_scores(batch, self.reward_model.scores(batch))
-        if self.teacher:
-            with measured(metrics, "teacher"):
-                batch.tokens["teacher_logps"] = self.teacher.logps(batch)
-        if self.ref:
-            with measured(metrics, "ref"):
-                batch.tokens["ref_logps"] = self.ref.logps(batch)
-        if self.critic:
-            with measured(metrics, "values"):
-                batch.tokens["values"] = self.critic.values(batch)
-        if self.needs_old_logps():
-            with measured(metrics, "old_logps"):
-                batch.tokens["old_logps"] = self.actor.logps(batch)
+        # (timed as, per-token result, the pass when one is needed)
+        for name, token, compute in (("teacher", "teacher_logps", self.teacher and self.teacher.logps),
+                                     ("ref", "ref_logps", self.ref and self.ref.logps),
+                                     ("values", "values", self.critic and self.critic.values),
+                                     ("old_logps", "old_logps", self.needs_old_logps() and self.actor.logps)):
+            if compute:
+                with measured(metrics, name):
+                    batch.tokens[token] = compute(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
         n_tokens = sum(len(ids) for ids in batch.input_ids)
         if update_actor:

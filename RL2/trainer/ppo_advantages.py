@@ -21,20 +21,16 @@ from RL2.batch import RolloutBatch
 def shape_rewards(batch: RolloutBatch, rollout_cfg) -> dict[str, float]:
     """Add DAPO's overlong penalty and the length penalty (when on) to each trajectory's reward, once;
     both read the trajectory's sampled tokens against `max_new_tokens`."""
-    budget = rollout_cfg.train_sampling_params.max_new_tokens
-    shaping, metrics = torch.zeros(batch.n_samples), {}
+    budget, penalties = rollout_cfg.train_sampling_params.max_new_tokens, {}
     if rollout_cfg.overlong_buffer_len:
-        penalty = overlong_penalty(batch.response_lengths, budget, rollout_cfg.overlong_buffer_len,
-                                   rollout_cfg.overlong_penalty_factor)
-        shaping += penalty
-        metrics["rollout/overlong_penalty"] = penalty.mean().item()
+        penalties["overlong_penalty"] = overlong_penalty(batch.response_lengths, budget,
+                                                         rollout_cfg.overlong_buffer_len,
+                                                         rollout_cfg.overlong_penalty_factor)
     if rollout_cfg.length_penalty_coef:
-        penalty = length_penalty(batch.response_lengths, rollout_cfg.length_penalty_coef, budget)
-        shaping += penalty
-        metrics["rollout/length_penalty"] = penalty.mean().item()
-    if metrics:
-        batch.add_rewards(shaping)
-    return metrics
+        penalties["length_penalty"] = length_penalty(batch.response_lengths, rollout_cfg.length_penalty_coef, budget)
+    if penalties:
+        batch.add_rewards(sum(penalties.values()))
+    return {f"rollout/{name}": penalty.mean().item() for name, penalty in penalties.items()}
 
 
 def add_reward_model_scores(batch: RolloutBatch, scores: Tensor) -> dict[str, float]:
@@ -149,11 +145,7 @@ ESTIMATORS: dict[str, Callable] = {
 
 
 def add_advantages(batch: RolloutBatch, adv_cfg, kl_cfg, teacher_coef: float = 0.0) -> dict[str, float]:
-    """Write per-token `advantages` (and `returns` for gae) into the batch; returns adv/* metrics.
-
-    With `adv.global_norm` the advantages are then whitened over every sampled token of the batch
-    (mean 0, std 1), whatever the estimator.
-    """
+    """Write per-token `advantages` (and `returns` for gae) into the batch; returns adv/* metrics."""
     mask = batch.tokens["loss_mask"]
     advantages, returns = ESTIMATORS[adv_cfg.estimator](batch, adv_cfg, reward_penalties(batch, kl_cfg, teacher_coef))
     if adv_cfg.global_norm:

@@ -71,12 +71,7 @@ def prompt_row_maker(script: RolloutScript, tool_use: ToolUse | None, tokenizer)
 def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, script: RolloutScript,
                    tool_use: ToolUse | None, policy=None, colocated: Sequence = (), seed: int = 0) -> RolloutWorker:
     """This rank's engine (collective for SGLang), the driver of `script` on it, and the worker over both.
-
-    `model_cfg` is the `actor` config (weights and compute dtype of the engine's copy), `script` what
-    `load_rollout_script` gave (or the Python API's reward environment), `tool_use` its `tools_of`, `policy` and
-    `colocated` as
-    `RolloutWorker` takes them, `seed` the run's (the engine's own sampling stream: `start_engine`).
-    """
+    `model_cfg` is the `actor` config (the weights and compute dtype of the engine's copy)."""
     dtype = compute_dtype(model_cfg.dtype, device)
     model_path = resolve_model_path(model_cfg.model_name)
     engine = start_engine(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed)
@@ -90,8 +85,7 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
         driver = AgentRollout(endpoint, script, rollout_cfg.agent_timeout, rollout_cfg.max_consecutive_timeouts)
     else:
         driver = EnvRollout(engine, script, tokenizer, rollout_cfg.max_turns, max_total_tokens,
-                            rollout_cfg.env_timeout, tool_use,
-                            rollout_cfg.max_consecutive_timeouts)
+                            rollout_cfg.env_timeout, tool_use, rollout_cfg.max_consecutive_timeouts)
     # The sandbox of the script's code rewards (made at its first use), entered for each rollout.
     sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
     return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox)

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from RL2.config.errors import ConfigError
+from RL2.parallel import all_gather_objects
 from RL2.utils.checkpoint_metadata import SafeFileSystemReader, read_checkpoint_index
 from RL2.utils.logging import log_rank0
 
@@ -135,8 +136,7 @@ def _on_every_rank(action: Callable[[], None]) -> None:
         action()
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = e
-    reasons = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, None if error is None else _reason(error))
+    reasons = all_gather_objects(None if error is None else _reason(error))
     if error is not None:
         raise error
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
@@ -153,13 +153,10 @@ def _reason(error: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
                     keep_last_n: int | None = None) -> Path:
-    """Collective: every rank writes the shards of `workers` (name -> Stateful worker) and its RNG state into
-    `<save_dir>/step<step>`, beside `trainer_state.json` (`trainer_state` and the step). Returns that folder.
-
-    A save that fails on any rank (a full disk, torch's CheckpointException, an interrupt) removes its
-    temporary folder and raises on every rank; the checkpoints saved before stay as they were. Then
-    `keep_last_n` (trainer.keep_last_n) deletes all but the newest n step folders, never the one
-    `latest.txt` names; None keeps every one.
+    """Collective: every rank writes the shards of `workers` and its RNG state into `<save_dir>/step<step>`,
+    beside `trainer_state.json`. Returns that folder. A save that fails on any rank (a full disk, an interrupt)
+    removes its temporary folder and raises on every rank; the checkpoints saved before stay as they were.
+    `keep_last_n` never deletes the step folder `latest.txt` names.
     """
     final = Path(save_dir) / f"step{step}"
     tmp = final.with_name(f".{final.name}.tmp")

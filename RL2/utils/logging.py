@@ -30,9 +30,12 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write((json.dumps(record) + "\n").encode())
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON records of a file; a line that is not one whole record (a killed run's last) is skipped."""
-    return [record for record in map(json_record, Path(path).read_text().splitlines()) if record is not None]
+def read_jsonl(path: Path, start: int = 0) -> list[dict]:
+    """The JSON records of a file from byte `start` on; a line that is not one whole record (a killed run's
+    last) is skipped."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return [record for record in map(json_record, f.read().decode().splitlines()) if record is not None]
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -67,12 +70,8 @@ def json_record(line: str) -> dict | None:
 
 
 class MetricsSink:
-    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb (`project`,
-    `name`, recording `config`) and to TensorBoard event files in `<save_dir>/tensorboard` if enabled.
-
-    Only rank 0 writes. wandb honours WANDB_MODE; without credentials it runs offline rather than
-    waiting for a login prompt.
-    """
+    """Appends one JSON object per step to `<save_dir>/metrics.jsonl`; forwards to wandb and TensorBoard if
+    enabled. Only rank 0 writes; without credentials wandb runs offline rather than wait for a login prompt."""
 
     def __init__(self, save_dir: str, use_wandb: bool = False, project: str = "RL2", name: str = "run", config=None,
                  use_tensorboard: bool = False):

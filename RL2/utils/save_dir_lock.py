@@ -25,10 +25,7 @@ LOCK = "run.lock"
 def claim_save_dir(save_dir: str) -> Callable[[], None]:
     """Collective: hold `<save_dir>/run.lock` for this run (rank 0 writes it), or raise a ConfigError on
     every rank that names the run holding it and what to do. Returns a function that releases the lock (also
-    called at the process's exit; a no-op on other ranks).
-
-    The lock is an `flock` the run holds for its life: a run that died left it free. A lock file naming a
-    live process on another host holds until removed (a network folder's locks may not reach this host)."""
+    called at the process's exit). A lock file naming a live process on another host holds until removed."""
     problem, release = None, lambda: None
     if dist.get_rank() == 0:
         try:

@@ -26,11 +26,8 @@ def require_tensorboard() -> None:
 
 
 class TensorBoardLog:
-    """Event files in `folder`, written by `torch.utils.tensorboard.SummaryWriter`.
-
-    The writer opens at the first record, so a resume truncates the earlier files before the new
-    one starts; each step is flushed to disk as soon as it is logged.
-    """
+    """Event files in `folder`. The writer opens at the first record, so that a resume truncates the earlier
+    files before the new one starts."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -49,11 +46,8 @@ class TensorBoardLog:
         self.writer.flush()
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop every event of a later step from the existing files.
-
-        TensorBoard's own answer, a writer opened with `purge_step`, only asks readers to hide
-        those events; rewriting the files keeps them out of every reader (and of `wandb sync`).
-        """
+        """On resume, drop every event of a later step from the existing files: a writer's `purge_step` only
+        asks readers to hide them; rewriting the files keeps them out of every reader (and of `wandb sync`)."""
         for path in event_files(self.folder):
             records = list(read_records(path))
             kept = [raw for raw, event in records if event.step <= step]

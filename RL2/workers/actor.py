@@ -29,32 +29,15 @@ from RL2.packing import pack, prompt_group_units, train_weights
 from RL2.parallel import ParallelDims
 from RL2.workers.fsdp import FSDPWorker
 
-# ---- actor.policy_loss: where the config's name meets the losses of RL2.algs.policy_loss (the names, and the
-# config keys each reads, are RL2/config/ppo_schema.py's POLICY_LOSS_KEYS).
-
-
-def _ppo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
-    return ppo_loss(logps, old_logps, advantages, weights,
-                    clip_low=cfg.clip if cfg.clip_low is None else cfg.clip_low,
-                    clip_high=cfg.clip if cfg.clip_high is None else cfg.clip_high,
-                    dual_clip=cfg.dual_clip, sample_ids=sample_ids, **engine)
-
-
-def _gspo(cfg, logps, old_logps, advantages, weights, sample_ids, token_level=False, **engine):
-    return gspo_loss(logps, old_logps, advantages, weights, sample_ids, cfg.gspo.clip_low, cfg.gspo.clip_high,
-                     token_level=token_level, **engine)
-
-
-def _cispo(cfg, logps, old_logps, advantages, weights, sample_ids, **engine):
-    return cispo_loss(logps, old_logps, advantages, weights, cfg.cispo.clip_low, cfg.cispo.clip_high,
-                      sample_ids=sample_ids, **engine)
-
-
+# actor.policy_loss -> the actor config -> its loss of RL2.algs.policy_loss with that config's bounds (the names,
+# and the config keys each reads, are RL2/config/ppo_schema.py's POLICY_LOSS_KEYS).
 POLICY_LOSSES: dict[str, Callable] = {
-    "ppo": _ppo,
-    "gspo": _gspo,
-    "gspo_token": partial(_gspo, token_level=True),
-    "cispo": _cispo,
+    "ppo": lambda cfg: partial(ppo_loss, clip_low=cfg.clip if cfg.clip_low is None else cfg.clip_low,
+                               clip_high=cfg.clip if cfg.clip_high is None else cfg.clip_high, dual_clip=cfg.dual_clip),
+    "gspo": lambda cfg: partial(gspo_loss, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high),
+    "gspo_token": lambda cfg: partial(gspo_loss, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high,
+                                      token_level=True),
+    "cispo": lambda cfg: partial(cispo_loss, clip_low=cfg.cispo.clip_low, clip_high=cfg.cispo.clip_high),
 }
 # One importance ratio per trajectory: all of a trajectory's sequences must be in the same micro-batch.
 TRAJECTORY_LEVEL_LOSSES = ("gspo", "gspo_token")
@@ -171,10 +154,8 @@ class Actor:
 
     The policy is the distribution the rollouts sample from, softmax(logits / temperature) at the training
     temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
-    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike).
-
-    `cfg` is the `actor` config; `temperature` is `rollout.train_sampling_params.temperature`; `response_budget`
-    (the most sampled tokens of one response) is the normaliser of avg_level=constant; the rest as `FSDPWorker`'s.
+    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike). `response_budget`
+    (the most sampled tokens of one response) is the normaliser of avg_level=constant.
     """
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
@@ -195,10 +176,7 @@ class Actor:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
-
-        Needs `advantages` and `engine_logps` per token, `old_logps` unless a single step covers the
-        rollout (old = current then), and `ref_logps` with a KL loss; with `lags`, the engine-vs-trainer
-        KL is split by lag."""
+        Without `old_logps` (a single step covers the rollout) old = current."""
         return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -235,8 +213,8 @@ class Actor:
                                                   temperature=self.temperature)
         old_logps = mb.extras.get("old_logps", logps.detach())
         engine_logps = mb.extra("engine_logps")
-        losses, metrics = POLICY_LOSSES[cfg.policy_loss](
-            cfg, logps, old_logps, mb.extra("advantages"), weights, mb.extra("sample_of_label").long(),
+        losses, metrics = POLICY_LOSSES[cfg.policy_loss](cfg)(
+            logps, old_logps, mb.extra("advantages"), weights, sample_ids=mb.extra("sample_of_label").long(),
             engine_logps=engine_logps, correction=self.correction)
         # The loss gives means over this micro-batch under `weights`; times the weight sum they add up
         # over micro-batches and ranks (see `weighted_means`).

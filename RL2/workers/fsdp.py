@@ -142,9 +142,8 @@ class FSDPWorker(Stateful):
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
 
     def _build_model(self, model_cls, train: bool, **config_overrides) -> torch.nn.Module:
-        """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards
-        from rank 0 one full tensor at a time: no device holds more than one full tensor beyond its
-        shards, and a 70B model needs one CPU copy per node rather than one per rank."""
+        """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards from
+        rank 0 one full tensor at a time: a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
         # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
         # precision; frozen ones (reference, teacher, reward model) and a LoRA model's frozen base are
@@ -179,14 +178,9 @@ class FSDPWorker(Stateful):
         return model
 
     def _load_on_rank0(self, model_cls, path: str, config, kwargs: dict) -> torch.nn.Module:
-        """The checkpoint in CPU memory, with LoRA's adapters initialised (every rank receives them).
-
-        What is random here (the adapters, weights the checkpoint lacks such as a scalar head) is drawn
-        on a fork of the CPU generator, so that rank 0's random stream stays the one every other rank
-        has. Tensor-parallel ranks share a column-parallel layer's input and must draw the same dropout
-        mask for it (LoRA's dropout): they do so as long as their streams agree (as Megatron-LM keeps
-        them). On CUDA dropout draws from the device's generator, which this does not touch.
-        """
+        """The checkpoint in CPU memory, with LoRA's adapters initialised (every rank receives them). What is
+        random here (the adapters, a scalar head) is drawn on a fork of the CPU generator, so that rank 0's random
+        stream stays the one every other rank has: tensor-parallel ranks must draw the same LoRA dropout masks."""
         with torch.random.fork_rng(devices=[]):
             loaded = model_cls.from_pretrained(path, config=config, **kwargs)
             if self.lora is not None:
@@ -254,8 +248,7 @@ class FSDPWorker(Stateful):
         lora.add_adapters(model, decoder_layers(model), cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules))
 
     def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
-        """Allocate the shards on the device and copy rank 0's CPU weights into them, one tensor at a time
-        (torch's `broadcast_from_rank0`)."""
+        """Allocate the shards on the device and copy rank 0's CPU weights into them (`broadcast_from_rank0`)."""
         model.to_empty(device=self.device)
         full_state = loaded.state_dict() if loaded is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -290,11 +283,7 @@ class FSDPWorker(Stateful):
     def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                           train: bool = True) -> dict[str, float]:
         """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
-        every micro-batch of this rank, then sum each metric over the whole global batch. Collective.
-
-        Losses are already weighted for the global batch, so no loss is rescaled (`sum_gradients_over_ranks`).
-        `train=False` runs without autograd and backward.
-        """
+        every micro-batch of this rank, then sum each metric over the whole global batch. Collective."""
         totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
@@ -344,9 +333,8 @@ class FSDPWorker(Stateful):
     # ---- colocation: the device's memory goes to the rollout engine while it samples ----
 
     def offload(self, keep_params: bool = False) -> None:
-        """Move parameters, gradients and optimizer state to the CPU and return the freed GPU memory to
-        the driver, so that a colocated engine can take it. No-op on CPU. `keep_params`: move only the
-        optimizer state (the parameters are about to be read, e.g. by a weight sync)."""
+        """Move parameters, gradients and optimizer state to the CPU and free the GPU memory for a colocated
+        engine. `keep_params`: move only the optimizer state (the parameters are about to be read by a sync)."""
         if not self.moves_state or self.offloaded:
             return
         self.offload_state(params=not keep_params)
@@ -387,13 +375,11 @@ class FSDPWorker(Stateful):
 
     @property
     def moves_state(self) -> bool:
-        """Whether offload and onload move anything: on CUDA, where a colocated engine takes the memory; on
-        the CPU only into buffers given by `offload_into`."""
+        """Whether offload and onload move anything: on CUDA, or on the CPU into `offload_into`'s buffers."""
         return self.device.type == "cuda" or self.host_copies is not None
 
     def offload_into(self, copies: PinnedHostCopies) -> None:
-        """Offload into `copies` from now on. On the CPU this runs the CUDA path's moves (every large tensor
-        into a buffer locked once, reused by every later offload) with a lock the caller records."""
+        """Offload into `copies` from now on (on the CPU: the CUDA path's moves, for a test)."""
         self.host_copies = copies
 
     def resident_bytes(self) -> dict[str, int]:
@@ -448,11 +434,8 @@ class FSDPWorker(Stateful):
         return get_model_state_dict(self.model, options=options)
 
     def save_hf(self, path: str, tokenizer=None) -> None:
-        """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective.
-
-        With LoRA the folder holds the merged weights under the base model's names, and, while the base is
-        the loaded model, `<path>/adapter` the PEFT adapter folder.
-        """
+        """Write a folder `from_pretrained` loads: safetensors, config, tokenizer. Collective. With LoRA: the
+        merged weights under the base model's names, and, while the base is the loaded model, `<path>/adapter`."""
         from RL2.utils.checkpoint import atomic_dir
 
         state, adapter = self.full_state_dict(), None
@@ -482,10 +465,7 @@ class FSDPWorker(Stateful):
 
     def full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every parameter in `dtype`, one at a time, for an inference engine. Collective.
-
-        Ranks on one CPU host exchange their shards through shared memory (set up at the first call, for the
-        engine's one dtype); otherwise each parameter is all-gathered on its own (`full_tensors`).
-        """
+        Ranks on one CPU host exchange their shards through shared memory (set up at the first call)."""
         if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
             self._shared_gather = shared_weight_gather(self.model, dtype, self.device) or False
         return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
@@ -499,12 +479,9 @@ class FSDPWorker(Stateful):
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every parameter of an FSDP2 model, one at a time. Collective.
-
-    Each DTensor is all-gathered on its own, so no rank holds more than one full tensor beyond its
-    shards. Shards are cast before the gather, so a bf16 engine moves half the bytes of the float32
-    master weights. FSDP2 keeps the HF parameter names, so they match the engine model's state_dict.
-    """
+    """(name, full tensor) of every parameter of an FSDP2 model, one at a time, so that no rank holds more
+    than one full tensor beyond its shards. Collective. Shards are cast before the gather: a bf16 engine
+    moves half the bytes of the float32 master weights."""
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
         if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
@@ -516,11 +493,8 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
 
 
 def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
-    """Make FSDP sum the ranks' gradients instead of averaging them.
-
-    Every loss is already weighted for the whole global batch (`RL2.algs.averaging`), so the sum of
-    the ranks' gradients is the batch's gradient. Sums only: gloo has no pre-scaled reduction.
-    """
+    """Make FSDP sum the ranks' gradients instead of averaging them: every loss is already weighted for the
+    whole global batch (`RL2.algs.averaging`). Sums only: gloo has no pre-scaled reduction."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -529,21 +503,16 @@ def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
 
 def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                        train: bool = True, model_name: str | None = None, section: str | None = None) -> FSDPWorker:
-    """A causal LM with a scalar head on every token: the reward model and PPO's critic.
-
-    No dropout before the head: rewards and values must be deterministic functions of the text.
-    """
+    """A causal LM with a scalar head on every token (the reward model and PPO's critic), without dropout
+    before the head: rewards and values must be deterministic functions of the text."""
     return FSDPWorker(model_cfg, dims, device, total_steps, model_cls=AutoModelForTokenClassification,
                       train=train, model_name=model_name, section=section, num_labels=1, classifier_dropout=0.0)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Clip gradients by their global L2 norm; returns the norm before clipping.
-
-    With tensor parallelism some gradients live on the (fsdp, tp) mesh and the replicated ones (norms)
-    on the fsdp mesh alone, which torch's `clip_grad_norm_` cannot combine: each mesh's norm is
-    completed (`full_tensor`) first.
-    """
+    """Clip gradients by their global L2 norm; returns the norm before clipping. With tensor parallelism some
+    gradients live on the (fsdp, tp) mesh and the replicated ones (norms) on the fsdp mesh alone, which torch's
+    `clip_grad_norm_` cannot combine: each mesh's norm is completed (`full_tensor`) first."""
     by_mesh: dict = {}  # torch's foreach kernels cannot mix DTensors of different meshes either
     for param in params:
         if param.grad is not None:

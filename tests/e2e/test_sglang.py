@@ -193,7 +193,7 @@ def test_weight_folder_round_trip(tiny_model_path, tmp_path):
     assert len(parts) > 2 and [name for part in parts for name, _ in part] == [name for name, _ in named]
     assert all(sum(t.numel() * 4 for _, t in part) <= 2**16 or len(part) == 1 for part in parts)
     folder = write_hf_folder(parts, tmp_path / "step1", tiny_model_path)
-    assert not (tmp_path / "step1.tmp").exists()
+    assert not (tmp_path / ".step1.tmp").exists()
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for (name, expected), (_, got) in zip(named, loaded.named_parameters()):
         assert torch.equal(expected, got), name

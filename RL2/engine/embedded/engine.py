@@ -64,15 +64,11 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """In-process continuous-batching engine with SGLang's `/generate` request/response shapes.
-
-    `model` is an HF `AutoModelForCausalLM` in eval mode on its device, any dtype, which the engine keeps and
-    runs as is (change its weights through `update_weights`). Attention must be plain causal (Llama, Qwen2/3,
-    Mistral...): sliding windows are not applied. The KV cache holds rows x longest sequence;
-    `release_memory(["kv_cache"])` frees it. The running requests' prompt + max_new_tokens must fit in
-    `max_total_tokens` if set; the rest wait. With `owns_model` (the model is the engine's alone), the engine
-    may keep its linear layers' weights only in the layout its CPU kernels read (their parameters become
-    empty tensors; read the weights with `runner.state_dict()`): one copy of the weights on CPU, not two.
+    """In-process continuous-batching engine with SGLang's `/generate` request/response shapes, over an HF causal
+    LM in eval mode that it runs as is. Sliding windows are not applied. The running requests' prompt +
+    max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` (the model is the
+    engine's alone), the engine may keep its linear layers' weights only in the layout its CPU kernels read
+    (read them with `runner.state_dict()`): one copy of the weights on CPU, not two.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,

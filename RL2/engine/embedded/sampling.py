@@ -70,10 +70,9 @@ class SamplingParams:
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
                        generators: list[torch.Generator | None],
                        default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs) `[rows]`: one token per row of `logits` `[rows, vocab]` (any float dtype; sampling
-    runs in float32), all rows at once. Row r follows `params[r]`, never samples `banned[r]` (stop tokens
-    before min_new_tokens) and draws from `generators[r]` (a request's sampling_seed) or, if None, from
-    `default_generator` (None: torch's global one).
+    """(tokens, logprobs): one token per row of `logits`, all rows at once, sampling in float32. Row r never
+    samples `banned[r]` (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's
+    sampling_seed) or, if None, from `default_generator` (None: torch's global one).
 
     The returned log-probability is that of the sampled token under softmax(logits / temperature), the
     distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it

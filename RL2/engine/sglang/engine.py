@@ -48,6 +48,7 @@ from RL2.engine.sglang.weight_transfer import (
     serialize_flat_bucket,
     write_hf_folder,
 )
+from RL2.parallel import all_gather_objects
 from RL2.utils.logging import log_rank0
 
 # KV cache tokens of a CPU server unless server_args say otherwise: SGLang's default reserves ~9 GB.
@@ -61,8 +62,7 @@ MIN_KV_CACHE_BYTES = GIB
 
 
 def resolve_engine(cfg, device: torch.device) -> str:
-    """`rollout.engine` made concrete: "embedded" or "sglang". auto: SGLang when `rollout.server_url` is set (the
-    config refuses it with engine=embedded), or on CUDA when the server Python can import sglang; else embedded."""
+    """`rollout.engine` made concrete: "embedded" or "sglang" (auto: as the key's help text says)."""
     if server_urls(cfg.server_url):
         return "sglang"
     if cfg.engine != "auto":
@@ -71,8 +71,7 @@ def resolve_engine(cfg, device: torch.device) -> str:
 
 
 def server_python(cfg) -> str:
-    """The absolute path of the Python that runs launched servers: `rollout.server_python` (a path or a
-    command on PATH), else the trainer's own."""
+    """The absolute path of the Python that runs launched servers."""
     return resolve_python(cfg.server_python) if cfg.server_python else sys.executable
 
 
@@ -90,13 +89,9 @@ class SGLangEngine:
     """The rollout engine of one rank when generation runs on SGLang servers. Build it with
     `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
 
-    Generation goes to all of `urls`, control requests to `controlled`. `weight_sync` is "tensor", "disk" or
-    "none", with `bucket_bytes` of full tensors gathered before they are sent or written; disk updates carry
-    `model_path`'s config files, this rank writes them under `weights_dir` (None: it does not write) and the
-    server of `controlled[i]` reads them from `weights_dirs[i]`. `colocated` servers share GPUs with training
-    and release their memory while it trains; `tp_group` holds the ranks of this rank's server (tensor sync).
-    `request_timeout` bounds one generation request, its whole answer included. With `check_weights`
-    (`rollout.check_weight_sync`), each push is confirmed on the servers to have written every parameter.
+    Generation goes to all of `urls`, control requests to `controlled`. Disk updates carry `model_path`'s
+    config files: this rank writes them under `weights_dir` (None: it does not write) and the server of
+    `controlled[i]` reads them from `weights_dirs[i]`. `tp_group` holds the ranks of this rank's server.
     """
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
@@ -133,7 +128,7 @@ class SGLangEngine:
         if tp < 1 or world % tp:
             raise ConfigError(f"rollout.server_args.tp_size={tp} must divide the number of ranks ({world}): "
                               f"each server runs on tp_size ranks' devices")
-        places = _all_gather((socket.gethostname(), _physical_gpu(device)))
+        places = all_gather_objects((socket.gethostname(), _physical_gpu(device)))
         leader = rank - rank % tp
         if any(len({host for host, _ in places[start:start + tp]}) > 1 for start in range(0, world, tp)):
             raise ConfigError(f"rollout.server_args.tp_size={tp} spans hosts; a server's ranks must share one host")
@@ -143,7 +138,7 @@ class SGLangEngine:
             args["mem_fraction_static"] = _colocated_fraction(cfg, device, tp)
         # Every launched server takes a key, even on one host: whoever reaches its port could push weights.
         # One for all servers, since every rank sends requests to every one; rank 0's random one if unset.
-        api_key = getattr(cfg, "api_key", None) or _all_gather(secrets.token_urlsafe(24))[0]
+        api_key = getattr(cfg, "api_key", None) or all_gather_objects(secrets.token_urlsafe(24))[0]
         args["api_key"] = api_key
         server, url, version, error = None, None, None, None
         if rank == leader:
@@ -160,7 +155,7 @@ class SGLangEngine:
             except Exception as e:  # this rank's alone: every rank must reach the gather below to raise it
                 error = f"rank {rank}: {e}" if isinstance(e, (EngineError, ConfigError)) else (
                     f"rank {rank}: {type(e).__name__}: {e}")
-        gathered = _all_gather((url, version, error))
+        gathered = all_gather_objects((url, version, error))
         _raise_any([err for _, _, err in gathered], cleanup=server)
         urls = [u for u, _, _ in gathered if u is not None]
         weight_sync = _launched_weight_sync(cfg.weight_sync, device, {v for _, v, _ in gathered if v is not None})
@@ -188,7 +183,7 @@ class SGLangEngine:
                     _warn_if_logprobs_unscaled(url, cfg, api_key)
                 except EngineError as e:
                     error = f"rollout.server_url: {e}"
-        _raise_any(_all_gather(error))
+        _raise_any(all_gather_objects(error))
         writes = _new_weights_dir(cfg) if dist.get_rank() == 0 and weight_sync == "disk" else None
         controlled = urls if dist.get_rank() == 0 else []
         return cls(urls, controlled, weight_sync, int(cfg.weight_bucket_mb * 2**20), model_path, writes,
@@ -220,8 +215,7 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """See `Engine.update_weights`: pushed in the layout of the model's checkpoint; with
-        `check_weights`, an EngineError names any parameter of a server that the push did not write."""
+        """See `Engine.update_weights`: pushed in the layout of the model's checkpoint, then checked."""
         if self.weight_sync == "none":
             return
         named_tensors = self.checkpoint_layout().to_checkpoint(named_tensors)
@@ -273,7 +267,7 @@ class SGLangEngine:
                 pass
         except ValueError as e:  # the checkpoint layout's, at the end of the stream: every rank's alike
             error = error or f"rank {dist.get_rank()}: {e}"
-        _raise_any(_all_gather(error))
+        _raise_any(all_gather_objects(error))
         self._control_all("/update_weights_from_disk", lambda i: {
             "model_path": str(self.weights_dirs[i] / version), "flush_cache": True, "weight_version": version})
         if folder is not None:
@@ -292,8 +286,7 @@ class SGLangEngine:
             payload = serialize_flat_bucket(flat, metadata)
             per_rank = [payload]
             if self.tp_group is not None:  # server rank i maps the copy of tensor-parallel rank i (its own GPU)
-                per_rank = [None] * dist.get_world_size(self.tp_group)
-                dist.all_gather_object(per_rank, payload, group=self.tp_group)
+                per_rank = all_gather_objects(payload, self.tp_group)
             self._control_all("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
                 "flush_cache": False, "weight_version": version})
@@ -304,10 +297,9 @@ class SGLangEngine:
         self._control_all("/flush_cache", None)
 
     def _weight_checksums(self, randomize: bool) -> list[dict | None]:
-        """Each controlled server's checksums of its parameters (SGLang's `/weights_checker`), after overwriting them
-        with random values if `randomize`: a push must then write every one of them for its checksum to change, even
-        where the new value equals the old (a LoRA policy's frozen base). None for a server without the endpoint (an
-        SGLang older than 0.5.23), whose pushes go unchecked, with a warning."""
+        """Each controlled server's checksums of its parameters (None without `/weights_checker`), after overwriting
+        them with random values if `randomize`: a push must then write every one of them for its checksum to change,
+        even where the new value equals the old (a LoRA policy's frozen base)."""
         # The target model only: a speculative-decoding draft model is not what RL2 pushes.
         if randomize:
             self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
@@ -331,7 +323,7 @@ class SGLangEngine:
                          f"{self.model_path}'s checkpoint (RL2.engine.checkpoint_layout). If the server derives "
                          f"these tensors itself instead of loading them, set rollout.check_weight_sync=false.")
                 break
-        _raise_any(_all_gather(error))
+        _raise_any(all_gather_objects(error))
 
     def _control_all(self, endpoint: str, payload, absent_ok: bool = False) -> list[dict | None]:
         """POST to every server this rank controls, then agree with all ranks that it worked. Returns each
@@ -344,15 +336,14 @@ class SGLangEngine:
             except EngineError as e:
                 error = f"rank {dist.get_rank()}: {e}" + (f"\n{self.server.describe()}" if self.server else "")
                 break
-        _raise_any(_all_gather(error))
+        _raise_any(all_gather_objects(error))
         return answers
 
 
 def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
                     absent_ok: bool = False, api_key: str | None = None) -> dict | None:
-    """One control request (GET without a payload, else POST); EngineError if the server does not answer 200
-    within `timeout` seconds, all of its answer included, or reports a failure, or answers more than
-    `http_client.MAX_ANSWER_BYTES`. With `absent_ok`, None if the server has no such endpoint (404)."""
+    """One control request (GET without a payload, else POST); EngineError unless the server answers 200 and
+    success within `timeout` seconds. With `absent_ok`, None if the server has no such endpoint (404)."""
 
     async def send() -> tuple[int, bytes]:
         # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
@@ -379,8 +370,7 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
 
 
 def _run_blocking(coroutine):
-    """Run `coroutine` to its end from sync code: on a loop of its own, in a thread of its own if this
-    thread already runs one."""
+    """Run `coroutine` from sync code, in a thread of its own if this thread already runs an event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -390,10 +380,9 @@ def _run_blocking(coroutine):
 
 
 def unwritten_weights(before: dict, after: dict) -> list[str]:
-    """The parameters whose checksum a weight push left unchanged, from two answers of SGLang's `/weights_checker`
-    checksum action (before the push, the weights randomized; after it). Each answer lists every GPU (scheduler rank) of
-    the server under `ranks`: the checksum of each of its parameters and its `parallelism_info` (a list of one entry per
-    model role on that GPU, the first the target model's); a tensor-parallel shard's parameter carries its rank."""
+    """The parameters whose checksum a weight push left unchanged, from two answers of `/weights_checker` (before
+    the push, the weights randomized; after it). Each lists every GPU of the server under `ranks`, whose
+    `parallelism_info` has one entry per model role, the target model's first."""
     old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
     unwritten = set()
     for rank in after.get("ranks") or []:
@@ -430,8 +419,7 @@ def server_version(url: str, api_key: str | None = None) -> str | None:
 
 
 def model_vocab_size(model_path: str) -> int | None:
-    """The vocabulary size in a model folder's config.json (its text model's, for a multimodal one): the
-    rows of its embedding, which every sampled token id indexes. None where the folder has none."""
+    """The vocabulary size in a model folder's config.json (its text model's, for a multimodal one), or None."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -475,10 +463,9 @@ def _server_defaults(device: torch.device, dtype: torch.dtype, seed: int, tp: in
 
 
 def _colocated_fraction(cfg, device: torch.device, tp: int) -> float:
-    """`mem_fraction_static` of this rank's server: `colocated_mem_fraction` of the least memory free on
-    its GPUs, the margin `rollout.gpu_memory_margin_gb`, rounded down. Collective: each rank measures its GPU."""
+    """`mem_fraction_static` of this rank's server, from the least memory free on its GPUs. Collective."""
     margin = float(getattr(cfg, "gpu_memory_margin_gb", COLOCATED_MARGIN_GB)) * GIB
-    free = _all_gather(torch.cuda.mem_get_info(device)[0])
+    free = all_gather_objects(torch.cuda.mem_get_info(device)[0])
     fractions = [colocated_mem_fraction(min(free[start:start + tp]), margin) for start in range(0, len(free), tp)]
     if min(fractions) <= 0:  # the same on every rank: all raise
         raise ConfigError(f"rollout.gpu_memory_margin_gb={margin / GIB:g} leaves the SGLang servers nothing: a GPU has "
@@ -562,7 +549,7 @@ def _disk_roles(cfg, weight_sync: str, hosts: list[str], leader_ranks) -> tuple[
     rank = dist.get_rank()
     writer = hosts.index(hosts[rank])
     mine = _new_weights_dir(cfg) if rank == writer else None
-    dirs = _all_gather(mine)
+    dirs = all_gather_objects(mine)
     return mine, [dirs[writer]] if rank in leader_ranks else []
 
 
@@ -589,12 +576,6 @@ def _physical_gpu(device: torch.device) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     index = device.index or 0
     return visible.split(",")[index].strip() if visible else str(index)
-
-
-def _all_gather(value) -> list:
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def _raise_any(errors: list, cleanup: SGLangServer | None = None) -> None:

@@ -23,11 +23,7 @@ class HTTPEngineClient:
     A server that cannot be reached (connection refused, reset or closed mid-answer) is given up for
     the life of the client, with a warning naming it; its requests go to the others, and when none is
     left the request fails with an EngineError naming them. A server that accepts but does not answer
-    within `timeout` is not given up: the request fails naming it, as a slow server is not a dead one.
-
-    `urls` are base URLs, e.g. ["http://10.0.0.1:30000"]; `timeout` is the seconds one request may take from
-    its sending to the end of its answer (generation included); `api_key` goes as `Authorization: Bearer`
-    (SGLang's `--api-key`). An answer with a token id outside [0, `vocab_size`) is an EngineError.
+    within `timeout` (the whole answer included) is not given up: a slow server is not a dead one.
     """
 
     def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,
@@ -43,8 +39,7 @@ class HTTPEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, payload: dict) -> dict:
-        """POST `payload` to `{url}/generate` on the least busy server, again on another one if that
-        server is lost; raises `EngineError`."""
+        """POST `payload` to the least busy server's `/generate`, again on another one if that server is lost."""
         # A request id of our own, so that `abort_own` can stop this client's requests and no others.
         payload = {"rid": uuid.uuid4().hex} | payload
         while True:
@@ -137,9 +132,8 @@ class HTTPEngineClient:
 
 async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,
                       api_key: str | None) -> tuple[int, bytes]:
-    """POST `payload` to `url` (GET when None), with `api_key` as `Authorization: Bearer` if any: the answer's
-    status and body, of at most MAX_ANSWER_BYTES (else EngineError, having read no more than that). The
-    caller bounds the time it takes."""
+    """POST `payload` to `url` (GET when None): the answer's status and body, of at most MAX_ANSWER_BYTES
+    (else EngineError, having read no more than that). The caller bounds the time it takes."""
     method = "GET" if payload is None else "POST"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with client.stream(method, url, json=payload, headers=headers) as response:

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ import httpx
 
 from RL2.config.errors import ConfigError
 from RL2.engine.protocol import EngineError
+from RL2.parallel import free_port
 
 # Environment variables of torchrun that would make the server think it is a rank of the trainer.
 TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -60,17 +60,9 @@ def resolve_python(python: str) -> str:
     return os.path.abspath(found)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (another process could still take it before the server does)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class SGLangServer:
-    """A launched `sglang.launch_server` process, run by `python` (a path, or a command on PATH: its own
-    virtual environment if need be) with `server_args` (checked `rollout.server_args` plus RL2's defaults) and
-    the extra environment variables `env`; its output goes to `log_dir` (None: a temporary folder)."""
+    """A launched `sglang.launch_server` process, run by `python` (its own virtual environment if need be); its
+    output goes to `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):

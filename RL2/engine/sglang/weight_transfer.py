@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
+from RL2.utils.checkpoint import atomic_dir
+
 # SGLang versions whose `/update_weights_from_tensor` reads the payload of `serialize_flat_bucket`: its
 # `SafeUnpickler` admits a dict, `types.SimpleNamespace` metadata (read by attribute), torch dtypes
 # and sizes, and `torch.multiprocessing.reductions.rebuild_cuda_tensor` (which the server patches to
@@ -59,38 +61,31 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
                     config_from: str | Path) -> Path:
     """Write `folder` (replacing it) as a Hugging Face folder, one safetensors shard per bucket of
     `tensor_buckets` (in the checkpoint's layout, `RL2.engine.checkpoint_layout`), with the config files of
-    `config_from`. It appears complete or not at all: the files are written to `<folder>.tmp` first."""
-    folder = Path(folder)
-    partial = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    weight_map, total_size, shards = {}, 0, []
-    for index, bucket in enumerate(tensor_buckets):
-        shard = f"model-{index + 1:05d}.safetensors"
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket}
-        save_file(tensors, partial / shard, metadata={"format": "pt"})
-        shards.append(shard)
-        for name, tensor in tensors.items():
-            weight_map[name] = shard
-            total_size += tensor.numel() * tensor.element_size()
-    if not shards:
-        raise ValueError("no tensors to write")
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    for name in CONFIG_FILES:
-        if (Path(config_from) / name).is_file():
-            shutil.copy(Path(config_from) / name, partial / name)
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+    `config_from`. It appears complete or not at all (`atomic_dir`)."""
+    with atomic_dir(folder) as partial:
+        weight_map, total_size, shards = {}, 0, []
+        for index, bucket in enumerate(tensor_buckets):
+            shard = f"model-{index + 1:05d}.safetensors"
+            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket}
+            save_file(tensors, partial / shard, metadata={"format": "pt"})
+            shards.append(shard)
+            for name, tensor in tensors.items():
+                weight_map[name] = shard
+                total_size += tensor.numel() * tensor.element_size()
+        if not shards:
+            raise ValueError("no tensors to write")
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        for name in CONFIG_FILES:
+            if (Path(config_from) / name).is_file():
+                shutil.copy(Path(config_from) / name, partial / name)
+    return Path(folder)
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[SimpleNamespace]]:
     """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's
-    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets (here each aligned to
-    `FLAT_ALIGNMENT` bytes, so that mixed dtypes view correctly). Returns (flat, metadata), whose entries
-    have `name`, `shape`, `dtype`, `start_idx`, `end_idx` (byte offsets into flat) and `numel` (their difference).
-    """
+    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets, each aligned to `FLAT_ALIGNMENT`
+    bytes so that mixed dtypes view correctly."""
     parts, metadata, offset = [], [], 0
     for name, tensor in bucket:
         part = tensor.detach().contiguous().view(-1).view(torch.uint8)
