@@ -78,16 +78,16 @@ def fault_kinds(trajectories: list[Trajectory]) -> Counter:
     return Counter(fault_kind(t.fault) for t in trajectories if t.fault is not None)
 
 
-def fault_summary(groups: list[list[Trajectory]]) -> str | None:
+def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> str | None:
     """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
-    None when none did. A fault ends one trajectory with reward 0, never the run, so the log is where its
-    reason shows: a `step` that fails on every action would otherwise train on zeros unexplained."""
+    None when none did. A fault ends one trajectory (`outcome`: what became of it), never the run, so the log
+    is where its reason shows: a `step` that fails on every action would otherwise go unexplained."""
     trajectories = [t for group in groups for t in group]
     faults = [t.fault for t in trajectories if t.fault is not None]
     if not faults:
         return None
     kinds = ", ".join(f"{kind} {n}" for kind, n in fault_kinds(trajectories).most_common())
-    return (f"{len(faults)} of {len(trajectories)} trajectories ended by a fault (reward 0; {kinds}), the first: "
+    return (f"{len(faults)} of {len(trajectories)} trajectories ended by a fault ({outcome}; {kinds}), the first: "
             f"{faults[0]}")
 
 

@@ -151,7 +151,8 @@ class PPOTrainer(Trainer):
         if pushed := self.rollout.take_push_seconds():  # weights that no step's end pushed (see the sync below)
             metrics["perf/rollout_weight_push_s"] = pushed
         metrics |= rollout_metrics(rolled_out, tools=self.calls_tools)
-        if faults := fault_summary(rolled_out):
+        outcome = "trained as reward 0" if cfg.rollout.train_on_faults else "left out of the loss"
+        if faults := fault_summary(rolled_out, outcome):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
         sampled = sum(t.response_length for group in rolled_out for t in group)
         metrics["perf/rollout_tokens_per_s"] = sampled / metrics["perf/rollout_s"]

@@ -181,8 +181,8 @@ def test_an_environment_that_fails_some_steps_says_why_in_the_log(repeat_model, 
     metrics = read_metrics(tmp_path / "run")[0]
     assert metrics["rollout/faults"] == metrics["rollout/faults/raised"] == 8.0  # 2 x 4 responses; the run went on
     assert metrics["actor/faulted_excluded"] == 8.0 and "actor/loss" in metrics  # the other 8 were trained
-    assert (f"step 1: 8 of 16 trajectories ended by a fault (reward 0; raised 8), the first: step raised KeyError: "
-            f"'broken env' ({env})") in result.stdout
+    assert ("step 1: 8 of 16 trajectories ended by a fault (left out of the loss; raised 8), the first: step raised "
+            f"KeyError: 'broken env' ({env})") in result.stdout
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["row"] for s in samples) == [k for k in range(4) for _ in range(4)]
     assert all(f"question {s['row']}" in s["prompt"] for s in samples)
