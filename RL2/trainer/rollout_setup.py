@@ -19,6 +19,7 @@ from RL2.engine import context_length, start_engine
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
 from RL2.rollout.env import Env, EnvError, load_env
+from RL2.rollout.judge_engine import run_judge
 from RL2.rollout.loop import EnvRollout
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.tools.declared import template_renders_tools
@@ -94,4 +95,5 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
                             rollout_cfg.max_consecutive_timeouts)
     # The sandbox of the script's code rewards (made at its first use), entered for each rollout.
     sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
-    return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox)
+    judge = run_judge(rollout_cfg.judge, dtype, device) if "judge" in rollout_cfg else None
+    return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox, judge)
