@@ -14,7 +14,8 @@ from aiohttp import web
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from RL2.config.ppo_schema import JudgeConfig
+from RL2.config.cli import parse_config
+from RL2.config.ppo_schema import JudgeConfig, PPOConfig
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.models.default_model import resolve_model_path
 from RL2.rewards import Judge, JudgeError, judge_reward, openai_chat, parse_score
@@ -23,6 +24,7 @@ from RL2.rollout.judge_engine import run_judge
 from RL2.rollout.loop import EnvRollout, rollout_batch
 from RL2.rollout.metrics import rollout_metrics
 from RL2.rollout.reward_env import reward_env
+from RL2.trainer.rollout_setup import rollout_worker
 
 RUBRIC = "Q: {question}\nA: {response}"
 
@@ -73,8 +75,12 @@ class JudgeServer:
         self.requests: list[dict] = []
         self.in_flight = self.peak = self.arrived = 0
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        threading.Thread(target=self._serve, daemon=True).start()
         self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+
+    def _serve(self) -> None:
+        self.loop.run_forever()
+        self.loop.close()
 
     async def _start(self) -> str:
         self.changed, self.stopping = asyncio.Condition(), asyncio.Event()
@@ -197,6 +203,23 @@ def test_a_failing_judge_ends_its_trajectory_as_a_judge_fault(server, tiny_model
     assert "step raised JudgeError" in unparsable.fault and "Looks fine to me." in unparsable.fault
     metrics = rollout_metrics(groups)
     assert (metrics["rollout/faults"], metrics["rollout/faults/judge"]) == (2.0, 2.0)
+
+
+def test_a_runs_judge_is_made_from_rollout_judge_and_entered_for_its_rollouts(server, tiny_model_path, tok, one_rank,
+                                                                              tmp_path):
+    (tmp_path / "rubric.txt").write_text(RUBRIC)
+    cfg = parse_config(PPOConfig, "ppo", ["rollout.engine=embedded", f"actor.model_name={tiny_model_path}",
+                                          "actor.dtype=float32", f"rollout.judge.url={server.url}",
+                                          f"rollout.judge.rubric={tmp_path / 'rubric.txt'}"])
+    worker = rollout_worker(cfg.rollout, cfg.actor, tok, torch.device("cpu"), reward_env(judge_reward), None)
+    try:
+        [[trajectory]] = worker.rollout([{"prompt": "Hi", "extra_info": {"question": "score 8"}}],
+                                        {"max_new_tokens": 2}, 1, seed=0)
+    finally:
+        worker.shutdown()
+    assert (trajectory.fault, trajectory.reward) == (None, 0.8)
+    with pytest.raises(RuntimeError, match="this run has no judge: set rollout.judge.url"):
+        asyncio.run(judge_reward("x", {}))  # outside a run's rollout
 
 
 def test_a_frozen_copy_of_the_bundled_model_judges_and_the_policys_weights_never_reach_it():
