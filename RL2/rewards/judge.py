@@ -156,9 +156,10 @@ class Judge:
 
     def close(self) -> None:
         """Stop the judge's loop (and what `on_close` stops); calls still waiting on it never return."""
-        if self.on_close is not None:
-            self.loop.call_soon_threadsafe(self.on_close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with contextlib.suppress(RuntimeError):  # closed already
+            if self.on_close is not None:
+                self.loop.call_soon_threadsafe(self.on_close)
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def openai_chat(url: str, model: str, api_key: str | None = None, max_tokens: int = 256,
