@@ -406,6 +406,9 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     judge = rollout.judge
     require(not (judge.url and judge.model_path), "rollout.judge.url and rollout.judge.model_path both give the judge; "
                                                   "keep one of them")
+    require(not str(rollout.get("reward_fn") or "").endswith(":judge_reward") or judge.url or judge.model_path,
+            f"rollout.reward_fn={rollout.reward_fn} asks the run's judge: set rollout.judge.url (an OpenAI-compatible "
+            f"server) or rollout.judge.model_path (a model each rank serves)")
     require(judge.max_concurrency >= 1 and judge.max_retries >= 0 and len(judge.score_range) == 2
             and judge.score_range[0] < judge.score_range[1], "rollout.judge needs max_concurrency >= 1, max_retries "
             ">= 0 and score_range [low, high] with low < high")

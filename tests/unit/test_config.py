@@ -74,6 +74,7 @@ def ppo_config(argv):
     (["rollout.agent_max_tokens=-5"], r"rollout\.agent_max_tokens=-5; give 1 or more"),
     (["rollout.judge.url=http://h/v1", "rollout.judge.model_path=m"],
      r"rollout\.judge\.url and rollout\.judge\.model_path both give the judge"),
+    (["rollout.reward_fn=RL2.rewards:judge_reward"], r"asks the run's judge: set rollout\.judge\.url"),
     (["rollout.judge.score_range=[5,5]"], r"rollout\.judge needs .* score_range \[low, high\] with low < high"),
     (["rollout.train_sampling_params.max_new_tokens=0"],
      r"rollout\.train_sampling_params\.max_new_tokens=0; an action needs at least 1 new token"),
