@@ -98,7 +98,7 @@ def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
     finally:
         rollout = getattr(run, "rollout", None)
         if rollout is not None:  # launched SGLang servers stop now, not when Python exits
-            rollout.engine.shutdown()
+            rollout.shutdown()
     return [] if cfg.trainer.eval_only else [name for name in run.workers() if name != "ref"]
 
 

@@ -38,6 +38,29 @@ class TestSamplingConfig(SamplingConfig):
 
 
 @dataclass
+class JudgeConfig:
+    url: str | None = opt(None, "an OpenAI-compatible server (e.g. http://host:8000/v1) whose model judges responses "
+                          "for RL2.rewards.judge_reward; or model_path")
+    model: str = opt("default", "the model name asked of judge.url")
+    api_key: str | None = opt(None, "judge.url's key (default: $OPENAI_API_KEY)")
+    model_path: str | None = opt(None, "a frozen model (HF folder or bundled name) each rank serves on an embedded "
+                                 "engine of its own as the judge, sharing nothing with the policy; or url")
+    rubric: str = opt("quality", "the judge's prompt: quality | correctness (built-in, with worked examples) | a .json "
+                      "file of chat messages | a text file or text: the user message; {question}, {response} and "
+                      "{reference} in them are filled in")
+    score_range: list[float] = opt([0, 10], "the scores the rubric asks for, as <score>N</score>, [low, high]: N "
+                                   "becomes (N - low) / (high - low)")
+    question_key: str = opt("question", "extra_info key of the question the rubric shows as {question}")
+    reference_key: str = opt("answer", "extra_info key of the reference answer the rubric shows as {reference}")
+    max_concurrency: int = opt(8, "judge calls of one rank in flight at once; the others wait")
+    timeout: float | None = opt(60.0, "seconds one judge call may take (null: no limit)")
+    max_retries: int = opt(2, "a failed judge call (an error, no answer in time, no score) is asked again this many "
+                           "times, then the trajectory ends as a fault (rollout/faults/judge)")
+    max_new_tokens: int = opt(64, "the most tokens of the judge's answer")
+    temperature: float = opt(0.0, "the judge's sampling temperature (0: greedy; retries then give the same answer)")
+
+
+@dataclass
 class RolloutConfig:
     env_path: str | None = opt(None, "environment script defining `async def step(state, action, extra_info)`, e.g. "
                                "envs/arithmetic.py (one of env_path, reward_fn and agent_path is needed)")
@@ -71,6 +94,7 @@ class RolloutConfig:
                                         "Kubernetes pods), let RL2.rewards.code_reward run model-written code with an "
                                         "in-process guard only: that gives up isolation from the host's files, "
                                         "network, sockets and processes (false: such runs stop with an error)")
+    judge: JudgeConfig = opt(JudgeConfig, "an LLM judge, the reward of RL2.rewards.judge_reward (docs/rewards.md)")
     tool_parser: str = opt("auto", "the policy's tool-call format, for environments that declare TOOLS: auto (from the "
                            "chat template; Hermes <tool_call> JSON, RL2's default, for templates that know no tools) | "
                            "hermes (alias qwen) | llama3 | mistral | 'file.py:Class' / 'module:Class' (a "
@@ -381,6 +405,15 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
         require(value is None or value >= 1, f"rollout.{key}={value}; give 1 or more, or null for no limit")
     require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
             "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
+    judge = rollout.judge
+    require(not (judge.url and judge.model_path), "rollout.judge.url and rollout.judge.model_path both give the judge; "
+                                                  "keep one of them")
+    require(not str(rollout.get("reward_fn") or "").endswith(":judge_reward") or judge.url or judge.model_path,
+            f"rollout.reward_fn={rollout.reward_fn} asks the run's judge: set rollout.judge.url (an OpenAI-compatible "
+            f"server) or rollout.judge.model_path (a model each rank serves)")
+    require(judge.max_concurrency >= 1 and judge.max_retries >= 0 and len(judge.score_range) == 2
+            and judge.score_range[0] < judge.score_range[1], "rollout.judge needs max_concurrency >= 1, max_retries "
+            ">= 0 and score_range [low, high] with low < high")
     margin = rollout.get("gpu_memory_margin_gb", 0.0)
     require(margin >= 0, f"rollout.gpu_memory_margin_gb={margin}; give the GiB of each GPU that colocated SGLang "
                          f"servers leave free (0 or more)")

@@ -26,18 +26,25 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
 
 
 def _embedded(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) -> Engine:
-    from transformers import AutoModelForCausalLM
-
-    from RL2.engine.embedded.engine import EmbeddedEngine
     from RL2.utils.logging import log_rank0
 
     if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
         log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
                   f"engine runs without them (rollout.engine=sglang launches servers with them)")
 
+    return embedded_engine(model_path, dtype, device, tokenizer, rollout_cfg.max_running_requests)
+
+
+def embedded_engine(model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
+                    max_running_requests: int) -> Engine:
+    """An embedded engine on its own copy of the model at `model_path` (loaded here, shared with nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    from RL2.engine.embedded.engine import EmbeddedEngine
+
     # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-    return EmbeddedEngine(model.to(device).eval(), tokenizer, max_running_requests=rollout_cfg.max_running_requests,
+    return EmbeddedEngine(model.to(device).eval(), tokenizer, max_running_requests=max_running_requests,
                           owns_model=True)
 
 

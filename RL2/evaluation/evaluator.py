@@ -121,7 +121,7 @@ class Evaluator:
             groups = worker.rollout(prompts, self.cfg.rollout.sampling_params, self.cfg.rollout.responses_per_prompt,
                                     seed)
         finally:
-            worker.engine.shutdown()  # the second model's engine must not share the device with this one
+            worker.shutdown()  # the second model's engine (and judge) must not share the device with this one
         return prompts, groups
 
     def prompts(self, tokenizer, tool_use) -> list[dict]:

@@ -57,8 +57,10 @@ def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int
     return metrics
 
 
-# A fault's kind, from the first marker its reason holds (the reasons RL2.rollout.loop, its tools and RL2.agents give).
+# A fault's kind, from the first marker its reason holds (the reasons RL2.rollout.loop, its tools and RL2.agents give);
+# a judge's first, as its reason may tell of a timeout or an error of the judge's own.
 FAULT_KINDS = {
+    "judge": ("JudgeError",),
     "timeout": ("timed out", "did not return within"),
     "budget": ("rollout.agent_max_",),
     "malformed": ("malformed", "could not be parsed", "the state is text"),

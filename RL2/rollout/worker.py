@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from RL2.engine.protocol import Engine, EngineError
 from RL2.parallel import all_gather_objects
+from RL2.rewards.judge import Judge, use_judge
 from RL2.rollout.engine_state import EngineState
 from RL2.rollout.event_loop import run_on_rank_loop
 from RL2.rollout.trajectory import Trajectory, weight_version_number
@@ -33,12 +34,14 @@ class RolloutWorker:
     `RL2.agents.agent.AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose
     weights the engine samples, pushed in `dtype` (None: the engine keeps the weights it loaded, an evaluation
     of a fixed model); `colocated`: the trainer's models on this GPU, which move to the CPU while SGLang servers
-    launched on it sample; `sandbox`: the run's code sandbox for `code_reward` (None: one with default limits)."""
+    launched on it sample; `sandbox`: the run's code sandbox for `code_reward` (None: one with default limits);
+    `judge`: the run's judge for `judge_reward` (`RL2.rollout.judge_engine.run_judge`; None: none)."""
 
     def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
-                 colocated: Sequence = (), sandbox=None):
+                 colocated: Sequence = (), sandbox=None, judge: Judge | None = None):
         self.engine, self.driver, self.device, self.dtype, self.policy = engine, driver, device, dtype, policy
         self.sandbox = sandbox if sandbox is not None else run_sandbox()
+        self.judge = judge
         self.push_seconds = 0.0  # spent pushing weights since `take_push_seconds` last read it
         # The trainer's models move off only for an engine that releases GPU memory (on CPU, offloading is
         # nothing and the embedded engine's pushes need not wait for it).
@@ -87,7 +90,7 @@ class RolloutWorker:
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
         every rank (rather than leaving the others waiting in the gather of the results), with every
         failing rank's message; an `EngineError` when only engines failed."""
-        with self.state.sampling(), use_sandbox(self.sandbox):
+        with self.state.sampling(), use_sandbox(self.sandbox), use_judge(self.judge):
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
             result, error, failure = None, None, None
@@ -105,6 +108,12 @@ class RolloutWorker:
                     raise EngineError("the rollout engine failed:\n" + message) from failure
                 raise RuntimeError("the rollout failed:\n" + message) from failure
         return result
+
+    def shutdown(self) -> None:
+        """Stop the engine and the judge's (launched SGLang servers stop now, not when Python exits)."""
+        self.engine.shutdown()
+        if self.judge is not None:
+            self.judge.close()
 
     def sync_weights(self, version: str) -> None:
         """The policy was updated: the engine gets its weights, named `version` (its `weight_version`), now or at

@@ -5,7 +5,8 @@
 group or engine starts, so that bad input fails first; `tools_of` builds its tools once, for both
 `prompt_row_maker`, which tokenizes prompt rows as the script needs them, and `rollout_worker`, which starts the
 rank's engine and drives the script on it: an environment through
-`RL2.rollout.loop.EnvRollout`, an agent through `RL2.agents.agent.AgentRollout` and the rank's OpenAI endpoint.
+`RL2.rollout.loop.EnvRollout`, an agent through `RL2.agents.agent.AgentRollout` and the rank's OpenAI endpoint,
+with the run's judge (`rollout.judge`) for its `judge_reward` calls.
 """
 
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from RL2.engine import context_length, start_engine
 from RL2.models.default_model import resolve_model_path
 from RL2.models.precision import compute_dtype
 from RL2.rollout.env import Env, EnvError, load_env
+from RL2.rollout.judge_engine import run_judge
 from RL2.rollout.loop import EnvRollout
 from RL2.rollout.reward_env import load_reward_env
 from RL2.rollout.tools.declared import template_renders_tools
@@ -88,4 +90,6 @@ def rollout_worker(rollout_cfg, model_cfg, tokenizer, device: torch.device, scri
                             rollout_cfg.env_timeout, tool_use, rollout_cfg.max_consecutive_timeouts)
     # The sandbox of the script's code rewards (made at its first use), entered for each rollout.
     sandbox = run_sandbox(bool(rollout_cfg.get("code_sandbox_unisolated", False)))
-    return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox)
+    # The judge of its judge_reward calls (rollout.judge): a served one is loaded here, once per rank.
+    judge = run_judge(rollout_cfg.judge, dtype, device) if "judge" in rollout_cfg else None
+    return RolloutWorker(engine, driver, device, dtype, policy, colocated, sandbox, judge)

@@ -6,7 +6,8 @@
   `<answer>N</answer>`;
 - `rl_{train,test}.jsonl`: `prompt` (one worked example of the answer format as a previous chat
   turn, then a question on numbers below 20) plus `extra_info.answer` for the reward of
-  envs/arithmetic.py. SmolLM2-135M-Instruct follows the format but often gets the number wrong
+  envs/arithmetic.py (and `extra_info.question`, the question alone, for a judge's rubric).
+  SmolLM2-135M-Instruct follows the format but often gets the number wrong
   (e.g. "59 + 5 = 12"): RL has room to raise the accuracy;
 - `dpo_{train,test}.jsonl`: `prompt`, `chosen` (correct, well formatted), `rejected` (wrong answer).
 """
@@ -45,7 +46,8 @@ def small_problems(rng: random.Random) -> list[tuple[str, int]]:
 
 def rl_row(question: str, answer: int) -> dict:
     prompt = [*EXAMPLE, {"role": "user", "content": question}]
-    return {"prompt": prompt, "extra_info": {"answer": str(answer), "data_source": "arithmetic"}}
+    # The question alone too, for a judge's rubric (rollout.judge, docs/rewards.md).
+    return {"prompt": prompt, "extra_info": {"answer": str(answer), "question": question, "data_source": "arithmetic"}}
 
 
 def worked_answer(question: str, answer: int) -> str:
