@@ -8,7 +8,7 @@ its second answer), on the embedded engine serving SmolLM2-135M-Instruct (`--tin
 Llama, a check of the script itself), exactly `--new-tokens` tokens per answer at temperature 1.
 
 - endpoint: `agent_rollout_batch` runs this file's `run` (an agent written against
-  `openai.AsyncOpenAI`) once per sample; every call goes over HTTP to `RL2.agents.openai_server`,
+  `openai.AsyncOpenAI`) once per sample; every call goes over HTTP to `RL2.agents.endpoint`,
   which renders the messages, matches them to the session's sequence and samples.
 - direct: the same conversations as the environment loop drives them: render, tokenise what the
   next prompt adds (`RL2.rollout.loop.continuation`), `engine.generate` with the token ids.
@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from RL2.agents.agent import agent_rollout_batch, load_agent  # noqa: E402
-from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
+from RL2.agents.endpoint import OpenAIEndpoint  # noqa: E402
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402
