@@ -74,8 +74,6 @@ class Reply:
 class Answer:
     """A call's answer: its prompt, its choices, and its number in the session (`k`)."""
 
-    session: Session
-    call: Call
     prompt: Prompt
     replies: list[Reply]
     k: int
@@ -279,7 +277,7 @@ class OpenAIEndpoint:
             text, matched = reply.turn.action_text, reply.matched
             stopped = isinstance(matched, str) and matched in call.stops and text.endswith(matched)
             reply.text = text[: -len(matched)] if stopped else text
-        return Answer(session, call, prompt, list(replies), k)
+        return Answer(prompt, list(replies), k)
 
     def _within_budget(self, session: Session, call: Call, params: dict) -> dict:
         """`params` with max_new_tokens cut to what the run's token budget leaves each choice; a call past the run's
