@@ -196,7 +196,7 @@ def test_agent_endpoint_bench_samples_the_same_tokens_both_ways():
     messages) against direct engine calls with the same seeds: all must sample the same tokens, or its overhead
     figures compare different work."""
     result = run_script("bench_agent_endpoint.py", "--tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "3",
-                        "--repeats", "1")
+                        "--repeats", "1", timeout=300)  # five rollouts, each twice: a minute on a busy machine
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^\| (direct engine\.generate|endpoint, [a-z ]+) \|.* \| 4/4 \| \d+ \|$", result.stdout, re.M)
     assert rows == ["direct engine.generate", "endpoint, chat", "endpoint, chat stream", "endpoint, responses",
