@@ -31,9 +31,10 @@ setup(
         "accelerate",
         # The learning-curve PNG of every run.
         "matplotlib",
-        # Agents: the OpenAI-compatible endpoint each rank serves during rollouts, and the client agents use.
+        # Agents: the endpoint each rank serves during rollouts, and the clients agents use (OpenAI's, Anthropic's).
         "aiohttp",
         "openai",
+        "anthropic",
         # The SGLang engine's client of its servers.
         "httpx",
     ],

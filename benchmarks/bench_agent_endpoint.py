@@ -1,4 +1,4 @@
-"""What the OpenAI endpoint costs an agent rollout: the same rollout through it and through direct engine calls.
+"""What the agent endpoint costs a rollout: the same rollout through each of its APIs and through direct engine calls.
 
     python benchmarks/bench_agent_endpoint.py [--prompts 8] [--samples 4] [--new-tokens 32] [--repeats 3]
                                               [--threads N] [--tiny]
@@ -7,15 +7,17 @@ Workload: N prompts x k samples, each a two-turn chat (the question, the model's
 its second answer), on the embedded engine serving SmolLM2-135M-Instruct (`--tiny`: a tiny random
 Llama, a check of the script itself), exactly `--new-tokens` tokens per answer at temperature 1.
 
-- endpoint: `agent_rollout_batch` runs this file's `run` (an agent written against
-  `openai.AsyncOpenAI`) once per sample; every call goes over HTTP to `RL2.agents.openai_server`,
-  which renders the messages, matches them to the session's sequence and samples.
+- endpoint: `agent_rollout_batch` runs this file's `run` once per sample, written against one API per phase:
+  `chat` (`openai.AsyncOpenAI`'s chat completions), `chat stream` (the same, `stream=True`), `responses`
+  (OpenAI's Responses API, the second call by `previous_response_id`) and `messages` (`anthropic.AsyncAnthropic`);
+  every call goes over HTTP to `RL2.agents.endpoint`, which renders the messages, matches them to the session's
+  sequence and samples.
 - direct: the same conversations as the environment loop drives them: render, tokenise what the
   next prompt adds (`RL2.rollout.loop.continuation`), `engine.generate` with the token ids.
 
-Both sample with the same per-call seeds, so they generate the same tokens (checked: the table
-counts the trajectories whose token ids agree); the difference in time is the endpoint's (HTTP,
-JSON, the openai client). The two run back to back in each repeat, in alternating order; the table
+All sample with the same per-call seeds, so they generate the same tokens (checked: the table
+counts the trajectories whose token ids agree with direct calls'); the difference in time is the endpoint's (HTTP,
+JSON, the client). The phases run back to back in each repeat, in rotating order; the table
 shows medians, so a machine shared with other processes slows both alike, and the CPU seconds of
 this process beside the wall time: on a busy machine a phase's wall time depends on what else runs,
 its CPU time much less (with `--threads 1` no OpenMP thread spins either). Target: at most 5%.
@@ -31,12 +33,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from RL2.agents.agent import agent_rollout_batch, load_agent  # noqa: E402
-from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
+from RL2.agents.endpoint import OpenAIEndpoint  # noqa: E402
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
 from RL2.native import use_huge_pages  # noqa: E402
@@ -59,12 +62,36 @@ FOLLOW_UP = "Check your answer, then give it again."
 QUESTIONS = ["What is {a} + {b}?", "Name a word that rhymes with 'cat' ({a}).", "Write a haiku about the number {b}."]
 
 
+APIS = ["chat", "chat stream", "responses", "messages"]
+_claude: list[anthropic.AsyncAnthropic] = []  # one Anthropic client (and connection pool) for all runs
+
+
 async def run(client, extra_info):
-    """The agent: two calls of one conversation."""
-    messages = [{"role": "user", "content": extra_info["prompt"]}]
-    first = await client.chat.completions.create(model="policy", messages=messages)
-    messages += [first.choices[0].message, {"role": "user", "content": FOLLOW_UP}]
-    await client.chat.completions.create(model="policy", messages=messages)
+    """The agent: two calls of one conversation, through the API `extra_info["api"]`."""
+    api, question = extra_info["api"], {"role": "user", "content": extra_info["prompt"]}
+    follow_up = {"role": "user", "content": FOLLOW_UP}
+    if api == "responses":
+        first = await client.responses.create(model="policy", input=[question])
+        await client.responses.create(model="policy", input=[follow_up], previous_response_id=first.id)
+    elif api == "messages":
+        if not _claude:
+            _claude.append(anthropic.AsyncAnthropic(api_key=client.api_key, max_retries=0))
+        claude = _claude[0].with_options(base_url=str(client.base_url).removesuffix("/").removesuffix("/v1"))
+        first = await claude.messages.create(model="policy", max_tokens=extra_info["tokens"], messages=[question])
+        await claude.messages.create(model="policy", max_tokens=extra_info["tokens"],
+                                     messages=[question, {"role": "assistant", "content": first.content}, follow_up])
+    else:
+        stream = api == "chat stream"
+        messages = [question]
+        first = await client.chat.completions.create(model="policy", messages=messages, stream=stream)
+        if stream:
+            first = "".join([chunk.choices[0].delta.content or "" async for chunk in first if chunk.choices])
+        else:
+            first = first.choices[0].message.content
+        messages += [{"role": "assistant", "content": first}, follow_up]
+        second = await client.chat.completions.create(model="policy", messages=messages, stream=stream)
+        if stream:
+            [chunk async for chunk in second]
     return 1.0
 
 
@@ -101,23 +128,26 @@ async def measure(args, path: str, name: str) -> None:
     rows = [{"prompt": QUESTIONS[i % 3].format(a=3 * i + 4, b=7 * i + 9), "sampling_seed": i}
             for i in range(args.prompts)]
 
-    async def endpoint_rollout():
-        groups = await agent_rollout_batch(endpoint, agent, rows, args.samples, None)
-        faults = [t.fault for g in groups for t in g if t.fault]
-        if faults:
-            sys.exit(f"an agent run failed: {faults[0]}")
-        return [[t.token_sequences()[0]["input_ids"] for t in g] for g in groups]
+    def endpoint_rollout(api: str):
+        async def rollout():
+            rows_of_api = [row | {"extra_info": {"api": api, "tokens": args.new_tokens}} for row in rows]
+            groups = await agent_rollout_batch(endpoint, agent, rows_of_api, args.samples, None)
+            faults = [t.fault for g in groups for t in g if t.fault]
+            if faults:
+                sys.exit(f"an agent run through {api} failed: {faults[0]}")
+            return [[t.token_sequences()[0]["input_ids"] for t in g] for g in groups]
+        return rollout
 
     async def direct():
         return await direct_rollout(engine, tokenizer, rows, args.samples, params)
 
-    await endpoint_rollout()  # warm-up: lazy initialisation of both paths
-    await direct()
-    phases = {"direct": [], "endpoint": []}
+    order = [("direct", direct)] + [(api, endpoint_rollout(api)) for api in APIS]
+    for _, rollout in order:  # warm-up: lazy initialisation of every path
+        await rollout()
+    phases = {label: [] for label, _ in order}
     tokens = {}
     for repeat in range(args.repeats):
-        order = [("direct", direct), ("endpoint", endpoint_rollout)]
-        for label, rollout in order if repeat % 2 == 0 else order[::-1]:
+        for label, rollout in order[repeat % len(order):] + order[:repeat % len(order)]:
             reset_peak_rss()
             start, cpu = time.perf_counter(), time.process_time()
             tokens[label] = await rollout()
@@ -161,30 +191,28 @@ async def direct_rollout(engine, tokenizer, rows: list[dict], samples: int, para
 
 
 def report(args, name: str, phases: dict, tokens: dict, threads: int) -> None:
+    """A row per phase: its medians, and against direct calls its overhead (the median over repeats of the ratio
+    of the two phases of one repeat), its extra CPU per call and how many trajectories sampled the same tokens."""
     def median(label: str, field: str) -> float:
         return statistics.median(getattr(phase, field) for phase in phases[label])
 
-    def overhead(field: str) -> float:
-        pairs = zip(phases["endpoint"], phases["direct"])
+    def overhead(label: str, field: str) -> float:
+        pairs = zip(phases[label], phases["direct"])
         return statistics.median(100 * (getattr(e, field) / getattr(d, field) - 1) for e, d in pairs)
 
-    direct, served = median("direct", "wall"), median("endpoint", "wall")
-    pairs = [(e, d) for ge, gd in zip(tokens["endpoint"], tokens["direct"]) for e, d in zip(ge, gd)]
-    calls = 2 * len(pairs)
+    calls = 2 * args.prompts * args.samples
     print(f"\n{args.prompts} prompts x {args.samples} samples x 2 calls x {args.new_tokens} new tokens, {name} "
-          f"float32 on the embedded engine, {threads} threads, median of {args.repeats}")
-    rows = [
-        ("direct engine.generate rollout s (CPU s)", f"{direct:.2f} ({median('direct', 'cpu'):.2f})"),
-        ("endpoint (openai client) rollout s (CPU s)", f"{served:.2f} ({median('endpoint', 'cpu'):.2f})"),
-        ("endpoint overhead %, wall (CPU)", f"{overhead('wall'):.1f} ({overhead('cpu'):.1f})"),
-        ("endpoint CPU ms per call", f"{1e3 * (median('endpoint', 'cpu') - median('direct', 'cpu')) / calls:.1f}"),
-        ("trajectories with identical token ids", f"{sum(e == d for e, d in pairs)}/{len(pairs)}"),
-        ("peak RSS MB (direct; endpoint)", f"{max(p.rss_mb for p in phases['direct']):.0f}; "
-                                           f"{max(p.rss_mb for p in phases['endpoint']):.0f}"),
-    ]
-    width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print(f"{label:<{width}} | {value}")
+          f"float32 on the embedded engine, {threads} threads, median of {args.repeats}\n")
+    print("| rollout | s | CPU s | overhead % wall (CPU) | CPU ms per call | identical trajectories | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for label in phases:
+        same = [e == d for ge, gd in zip(tokens[label], tokens["direct"]) for e, d in zip(ge, gd)]
+        served = label != "direct"
+        print(f"| {'direct engine.generate' if not served else 'endpoint, ' + label} | {median(label, 'wall'):.2f} | "
+              f"{median(label, 'cpu'):.2f} | "
+              + (f"{overhead(label, 'wall'):.1f} ({overhead(label, 'cpu'):.1f}) | "
+                 f"{1e3 * (median(label, 'cpu') - median('direct', 'cpu')) / calls:.1f} | " if served else "- | - | ")
+              + f"{sum(same)}/{len(same)} | {max(p.rss_mb for p in phases[label]):.0f} |")
 
 
 if __name__ == "__main__":

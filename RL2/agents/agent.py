@@ -2,7 +2,7 @@
 
 The file defines `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict` (a reward,
 or {"reward", "score", "reward_parts"}). `client` talks to the rollout's OpenAI-compatible endpoint
-(`RL2.agents.openai_server`), which records every call's tokens; `extra_info` is a copy of the row's
+(`RL2.agents.endpoint`), which records every call's tokens; `extra_info` is a copy of the row's
 `extra_info` with its prompt under "prompt". The reward goes on the trajectory's last turn. Agents run where
 environment code does, on a loop of their own (`RL2.rollout.event_loop.on_env_loop`), so that an agent that
 blocks freezes neither the engine nor the endpoint. An agent that raises (`sys.exit()` too), runs past the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import openai
 
-from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.agents.endpoint import OpenAIEndpoint
 from RL2.rollout.env import EnvError, EnvFault, TooManyTimeouts, check_coroutine, load_script, parse_reward
 from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
 from RL2.rollout.loop import call_script, engine_sampling_params, gather_or_cancel, sample_seed

@@ -30,6 +30,10 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
     metrics |= {f"rollout/faults/{kind}": float(n) for kind, n in fault_kinds(trajectories).items()}
     metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
     metrics |= _agent_metrics(trajectories, "rollout/agent/")
+    # An agent's model calls per run, by API and those streamed (`rollout/agent_calls/<kind>`, docs/agents.md).
+    runs = [t for t in trajectories if t.agent_calls]
+    metrics |= {f"rollout/agent_calls/{kind}": _mean(t.agent_calls.get(kind, 0) for t in runs)
+                for kind in sorted({kind for t in runs for kind in t.agent_calls})}
     if tools:
         tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
         metrics |= {

@@ -103,6 +103,7 @@ class Trajectory:
     tool_seconds: float = 0.0  # running tools (an agent script's own code, for agents)
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
+    agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and

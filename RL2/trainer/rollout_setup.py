@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from RL2.agents.agent import Agent, AgentRollout, load_agent
-from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.agents.endpoint import OpenAIEndpoint
 from RL2.datasets.prompts import prompt_row_tokenizer
 from RL2.engine import context_length, start_engine
 from RL2.models.default_model import resolve_model_path

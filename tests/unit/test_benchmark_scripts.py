@@ -192,12 +192,15 @@ def test_lora_memory_table_counts_mib_of_the_models_own_parameters():
 
 
 def test_agent_endpoint_bench_samples_the_same_tokens_both_ways():
-    """bench_agent_endpoint times agents through the OpenAI endpoint against direct engine calls with the
-    same seeds: the two must sample the same tokens, or its overhead figure compares different work."""
+    """bench_agent_endpoint times agents through each API of the endpoint (chat, streamed chat, responses, Anthropic's
+    messages) against direct engine calls with the same seeds: all must sample the same tokens, or its overhead
+    figures compare different work."""
     result = run_script("bench_agent_endpoint.py", "--tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "3",
-                        "--repeats", "1")
+                        "--repeats", "1", timeout=300)  # five rollouts, each twice: a minute on a busy machine
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"trajectories with identical token ids +\| 4/4\n", result.stdout), result.stdout
+    rows = re.findall(r"^\| (direct engine\.generate|endpoint, [a-z ]+) \|.* \| 4/4 \| \d+ \|$", result.stdout, re.M)
+    assert rows == ["direct engine.generate", "endpoint, chat", "endpoint, chat stream", "endpoint, responses",
+                    "endpoint, messages"], result.stdout
     refused = run_script("bench_agent_endpoint.py", "--tiny", "--repeats", "0")
     assert refused.returncode == 2 and "--repeats 0: give at least 1" in refused.stderr
 

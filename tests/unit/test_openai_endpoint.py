@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.agents.agent import agent_rollout_batch, load_agent, parse_agent_result
-from RL2.agents.openai_server import OpenAIEndpoint, Session, assistant_message
+from RL2.agents.endpoint import OpenAIEndpoint, assistant_message
+from RL2.agents.sessions import Session
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import EngineError
 from RL2.rollout.env import EnvError, EnvFault
@@ -305,7 +306,7 @@ def test_a_tool_format_with_an_end_tag_stops_the_action_there(engine, tok):
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -1.0}, "presence_penalty"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"stream": True}, "stream"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options"),
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": 0.7}, "temperature"),  # the run samples (and trains) at its own temperature, here 0
     ({"max_tokens": 0}, "max_tokens"),

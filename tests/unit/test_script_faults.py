@@ -14,7 +14,7 @@ import time
 import pytest
 
 from RL2.agents.agent import agent_rollout_batch, load_agent
-from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.agents.endpoint import OpenAIEndpoint
 from RL2.config import ConfigError, parse_config
 from RL2.config.ppo_schema import PPOConfig
 from RL2.rollout import event_loop
