@@ -6,7 +6,8 @@ The file defines
         # {"next_state": str, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
 and optionally `async def reset(extra_info: dict) -> str`, which makes the first state when a prompt row
-has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.rollout.tools.tool_use`). `state` is the text
+has no prompt, and `TOOLS`, the tools the policy may call (see `RL2.rollout.tools.tool_use`), to which
+`MCP_SERVERS` adds the tools of MCP servers (`RL2.rollout.tools.mcp_servers`). `state` is the text
 the policy saw, `action` what it wrote; the row's `extra_info` is carried from step to step. `reward` trains;
 `score` is what evaluation reports (default: reward); an optional `reward_parts` dict (name -> number) is
 logged as `rollout/reward/<name>`. A state may also be a list of chat messages, which the rollout renders
@@ -59,8 +60,10 @@ class Env:
         path: the script.
         step_fn: its `step` coroutine function.
         reset_fn: its `reset` coroutine function, if any.
-        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.rollout.tools.tool_use`).
+        tool_specs: its `TOOLS` (functions or OpenAI schema dicts; see `RL2.rollout.tools.tool_use`), then the
+            tools of its MCP servers.
         call_tool: its `call_tool(name, arguments, extra_info)`, which runs schema-only tools.
+        mcp: the connections to its MCP servers (`MCPServers`), if it names any.
         timeouts_in_a_row: its steps and resets that ran out of time since one last ended otherwise.
     """
 
@@ -69,6 +72,7 @@ class Env:
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
+    mcp: object | None = None
     timeouts_in_a_row: int = 0
 
     def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
@@ -110,8 +114,26 @@ def load_env(path: str) -> Env:
     tools = getattr(module, "TOOLS", None) or []
     if not isinstance(tools, (list, tuple)):
         raise EnvError(f"{file}: TOOLS is {type(tools).__name__}; make it a list of functions or OpenAI schema dicts")
-    return Env(path=str(file), step_fn=step, reset_fn=reset, tool_specs=list(tools),
-               call_tool=getattr(module, "call_tool", None))
+    servers = open_mcp_servers(module, file)
+    return Env(path=str(file), step_fn=step, reset_fn=reset,
+               tool_specs=[*tools, *(servers.tools.values() if servers else ())],
+               call_tool=getattr(module, "call_tool", None), mcp=servers)
+
+
+def open_mcp_servers(module: ModuleType, file: Path):
+    """The connections to the MCP servers the script's `MCP_SERVERS` names (an `MCPServers`: their processes
+    started, their tools listed), or None when it names none."""
+    specs = getattr(module, "MCP_SERVERS", None)
+    if not specs:
+        return None
+    try:  # the `mcp` package (the extra RL2[mcp]), needed only by the scripts that name servers
+        from RL2.rollout.tools.mcp_servers import MCPServers
+    except ImportError as e:
+        raise EnvError(f"{file} names MCP_SERVERS, which needs the mcp package ({e}); pip install 'RL2[mcp]'") from None
+    try:
+        return MCPServers(specs, str(file))
+    except ValueError as e:
+        raise EnvError(str(e)) from None
 
 
 def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, ModuleType]:
