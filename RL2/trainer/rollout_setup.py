@@ -48,6 +48,12 @@ def load_rollout_script(rollout_cfg) -> RolloutScript:
         raise EnvError(f"{key}={path}: {e}") from None
 
 
+def close_script(script: RolloutScript) -> None:
+    """At the end of a run: close the connections to the script's MCP servers (a stdio server exits), if any."""
+    if getattr(script, "mcp", None) is not None:
+        script.mcp.close()
+
+
 def calls_tools(script: RolloutScript) -> bool:
     """Whether the policy may call tools (an environment's TOOLS, an agent): the tool metrics mean something."""
     return isinstance(script, Agent) or bool(script.tool_specs)

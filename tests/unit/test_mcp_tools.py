@@ -21,11 +21,11 @@ from RL2.agents.openai_server import OpenAIEndpoint
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
-from RL2.rollout.tools.declared import run_tool
+from RL2.rollout.tools.declared import build_tools, run_tool
 from RL2.rollout.tools.mcp_servers import MCPServers
 from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
 from RL2.rollout.tools.tool_use import tool_use_of
-from tests.helpers import ENVS
+from tests.helpers import ENVS, REPO
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
@@ -215,3 +215,18 @@ def test_an_agent_calls_the_servers_tools_through_its_toolbox(engine, tok, agent
     else:
         assert trajectory.fault.startswith("a tool call failed (Error: ")
         assert trajectory.fault.endswith("rollout.tool_error=end")
+
+
+def test_the_shipped_examples_serve_the_calculator_next_to_search():
+    env = load_env(REPO / "envs" / "mcp_tool_use.py")
+    try:
+        assert list(build_tools(env.tool_specs, env.path)) == ["search", "multiply", "add"]
+        call = ToolCall("multiply", {"a": 123, "b": 456}, "call_0")
+        assert asyncio.run(run_tool(env.mcp.tools, call, {}, 5.0)).content == str(123 * 456)
+    finally:
+        env.mcp.close()
+    agent = load_agent(REPO / "envs" / "mcp_tool_use_agent.py")
+    try:
+        assert agent.takes_tools and list(agent.tools) == ["multiply", "add"]
+    finally:
+        agent.mcp.close()
