@@ -21,19 +21,21 @@ from RL2.agents.openai_server import OpenAIEndpoint
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
+from RL2.rollout.tools import mcp_servers
 from RL2.rollout.tools.declared import build_tools, run_tool
 from RL2.rollout.tools.mcp_servers import MCPServers
 from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
 from RL2.rollout.tools.tool_use import tool_use_of
 from tests.helpers import ENVS, REPO
+from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
 CFG = SimpleNamespace(tool_parser="hermes", tool_timeout=5.0, tool_error="observe", tool_call_stop=True)
 
 
-def server_module():
-    spec = importlib.util.spec_from_file_location("mcp_test_server", ENVS / "mcp_server.py")
+def module_of(file: str):
+    spec = importlib.util.spec_from_file_location(f"mcp_test_{file.removesuffix('.py')}", ENVS / file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -41,7 +43,7 @@ def server_module():
 
 def declared_schemas() -> list[dict]:
     """The server's tools as it declares them (listed in-process), in the OpenAI format."""
-    listed = asyncio.run(server_module().server.list_tools())
+    listed = asyncio.run(module_of("mcp_server.py").server.list_tools())
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.input_schema}} for t in listed]
 
@@ -97,16 +99,9 @@ def test_the_servers_tools_are_listed_as_it_declares_them_and_rendered_after_the
     assert list(use.tools) == ["count_chars", "multiply", "capital", "wait"]
     # SmolLM2's template shows no tools: RL2's Hermes block lists the schemas, a JSON line each.
     rendered = use.render(QUESTION, tok)
-    assert shown_schemas(rendered) == [get_json_schema(load_module_tool()), *declared_schemas()]
+    assert shown_schemas(rendered) == [get_json_schema(module_of("mcp_tools.py").count_chars), *declared_schemas()]
     assert rendered.endswith(tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
                              .split("<|im_end|>\n", 1)[1])  # after the system turn: the question
-
-
-def load_module_tool():
-    spec = importlib.util.spec_from_file_location("mcp_tools_env", ENVS / "mcp_tools.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.count_chars
 
 
 def test_calls_give_results_and_errors_as_observations(tools):
@@ -133,10 +128,14 @@ def test_calls_give_results_and_errors_as_observations(tools):
     ({"name": "quits", "command": [sys.executable, "-c", "pass"]}, r"MCP server 'quits' \(.*-c pass\) did not start: "
                                                                    r".*Connection closed \(the server exited"),
     ({"url": "http://127.0.0.1:9/mcp"}, r"MCP server http://127.0.0.1:9/mcp did not start: ConnectError"),
+    ({"command": [sys.executable, "-c", "import time; time.sleep(30)"]},
+     r"MCP server .*time.sleep\(30\).* did not start and list its tools within 0.5 s"),
     ({"cmd": "server"}, r"MCP server \{'cmd': 'server'\} is neither \{\"command\""),
     ({"url": "http://127.0.0.1:9/mcp", "token": "x"}, r"MCP server .* has unknown keys \['token'\]"),
 ])
-def test_a_server_that_does_not_start_fails_the_load_naming_the_script_and_the_server(tmp_path, spec, message):
+def test_a_server_that_does_not_start_fails_the_load_naming_the_script_and_the_server(tmp_path, monkeypatch, spec,
+                                                                                      message):
+    monkeypatch.setattr(mcp_servers, "START_TIMEOUT_S", 0.5)
     script = tmp_path / "env.py"
     script.write_text(f"MCP_SERVERS = [{spec!r}]\n\nasync def step(state, action, extra_info):\n"
                       f"    return {{'reward': 0.0, 'done': True}}\n")
@@ -166,7 +165,6 @@ class Scripted(ToolCallParser):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tok):
-    from tests.helpers.engines import running_engine
     yield from running_engine(tiny_model_path, tok, max_running_requests=8)
 
 

@@ -39,7 +39,7 @@ class MCPServers:
         servers = [_server(spec, where) for spec in specs]
         self.tools: dict[str, Tool] = {}
         self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="rl2-mcp-servers", daemon=True).start()
+        threading.Thread(target=self._serve_forever, name="rl2-mcp-servers", daemon=True).start()
         self._closing = asyncio.Event()
         self._connections: list[asyncio.Task] = []
         self._closed = False
@@ -51,6 +51,10 @@ class MCPServers:
             self.close()
             raise
 
+    def _serve_forever(self) -> None:  # the thread of the servers' loop, until `close`
+        self._loop.run_forever()
+        self._loop.close()
+
     def _run(self, coroutine: Coroutine):
         """`coroutine` run on the servers' loop: a `concurrent.futures.Future`."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -61,10 +65,11 @@ class MCPServers:
         self._connections.append(task)
         try:
             client, tools = await asyncio.wait_for(asyncio.shield(listed), START_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:
+            listed.cancel()
             task.cancel()
             raise ValueError(f"{where}: MCP server {label} did not start and list its tools within "
-                             f"{START_TIMEOUT_S:.0f} s") from None
+                             f"{START_TIMEOUT_S:g} s") from None
         except Exception as e:
             raise ValueError(f"{where}: MCP server {label} did not start: {_reason(e)}") from None
         for listed_tool in tools:
@@ -92,6 +97,8 @@ class MCPServers:
     def _tool(self, client: mcp.Client, listed: mcp.types.Tool) -> Tool:
         """A tool that calls `listed` on the server, from any event loop."""
         async def call(**arguments) -> str:
+            if self._closed:
+                raise ToolError(f"the connection to the MCP server of {listed.name} is closed")
             return await asyncio.wrap_future(self._run(_call(client, listed.name, arguments)))
 
         schema = {"type": "function", "function": {"name": listed.name, "description": listed.description or "",
