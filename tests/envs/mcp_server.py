@@ -2,6 +2,7 @@
 `python mcp_server.py PORT` over streamable HTTP on 127.0.0.1:PORT (path /mcp)."""
 
 import asyncio
+import os
 import sys
 
 from mcp.server.mcpserver import MCPServer
@@ -30,6 +31,12 @@ async def wait(seconds: float) -> str:
     """Wait, then say so."""
     await asyncio.sleep(seconds)
     return "waited"
+
+
+@server.tool()
+def crash() -> str:
+    """End the server's process at once, as a crashing server does."""
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def tools(request, env):
 def test_the_servers_tools_are_listed_as_it_declares_them_and_rendered_after_the_scripts_own(env, tools, tok):
     assert [tool.schema for tool in tools.values()] == declared_schemas()
     use = tool_use_of(env, CFG, tok)
-    assert list(use.tools) == ["count_chars", "multiply", "capital", "wait"]
+    assert list(use.tools) == ["count_chars", "multiply", "capital", "wait", "crash"]
     # SmolLM2's template shows no tools: RL2's Hermes block lists the schemas, a JSON line each.
     rendered = use.render(QUESTION, tok)
     assert shown_schemas(rendered) == [get_json_schema(module_of("mcp_tools.py").count_chars), *declared_schemas()]
@@ -121,6 +121,22 @@ def test_calls_give_results_and_errors_as_observations(tools):
     assert (results[4].error, results[4].content) == ("timeout", "Error: wait did not return within 0.2 s")
     # The connection outlives a call that timed out (and an event loop of its caller).
     assert asyncio.run(call("multiply", a=2, b=3)).content == "6"
+
+
+def test_a_server_that_dies_fails_the_call_and_is_started_anew_for_the_next():
+    servers = MCPServers([{"command": [sys.executable, str(ENVS / "mcp_server.py")]}], "test.py")
+
+    async def call(name: str, **arguments):
+        return await run_tool(servers.tools, ToolCall(name, arguments, "call_0"), {}, 10.0)
+
+    try:
+        crashed = asyncio.run(call("crash"))
+        assert crashed.error == "raised" and crashed.content.startswith("Error: crash raised MCPError: ")
+        assert asyncio.run(call("multiply", a=6, b=7)).content == "42"
+    finally:
+        servers.close()
+    closed = asyncio.run(call("multiply", a=6, b=7)).content
+    assert closed == "Error: the connection to the MCP server of multiply is closed"
 
 
 @pytest.mark.parametrize("spec, message", [

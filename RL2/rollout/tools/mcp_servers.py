@@ -7,7 +7,8 @@
 loads, shown to the model in its format, run with the same timeouts and "Error: ..." results. Each server's
 connection is opened once per process, on an event loop and thread of their own (the tools are listed before
 any rollout runs, outside any loop, and the loop of user code that calls them may be abandoned to a tool
-that blocks it), and closed by `close` or at exit. See docs/agents.md.
+that blocks it), opened again by the call after one that finds it lost, and closed by `close` or at exit. See
+docs/agents.md.
 """
 
 import asyncio
@@ -16,6 +17,7 @@ import json
 import shlex
 import threading
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 
 import mcp
 
@@ -27,6 +29,18 @@ START_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One server's connection: what `mcp.Client` connects to, and the task that holds it open."""
+
+    label: str  # how messages name the server
+    server: object  # a URL or `mcp.StdioServerParameters`
+    client: mcp.Client | None = None
+    task: asyncio.Task | None = None
+    lost: bool = False  # a call found it closed (the server exited, the connection dropped): the next reconnects
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class MCPServers:
     """The connections to a script's MCP servers, and their tools (`tools`, by name, for `build_tools`)."""
 
@@ -36,20 +50,26 @@ class MCPServers:
         if not isinstance(specs, (list, tuple)):
             raise ValueError(f"{where}: MCP_SERVERS is {type(specs).__name__}; make it a list of "
                              f'{{"command": [...]}} or {{"url": "http://..."}} dicts')
-        servers = [_server(spec, where) for spec in specs]
+        self._connections = [_Connection(*_server(spec, where)) for spec in specs]
+        self._where, self._closed = where, False
         self.tools: dict[str, Tool] = {}
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._serve_forever, name="rl2-mcp-servers", daemon=True).start()
         self._closing = asyncio.Event()
-        self._connections: list[asyncio.Task] = []
-        self._closed = False
         atexit.register(self.close)
         try:
-            for label, server in servers:
-                self._run(self._connect(label, server, where)).result()
+            listings = self._run(self._connect_all()).result()
         except BaseException:
             self.close()
             raise
+        for connection, listed in zip(self._connections, listings, strict=True):
+            for listed_tool in listed:
+                if listed_tool.name in self.tools:
+                    self.close()
+                    raise ValueError(f"{where}: two tools are named {listed_tool.name!r} (one of MCP server "
+                                     f"{connection.label}); a tool's name must be unique among the script's TOOLS "
+                                     f"and MCP servers")
+                self.tools[listed_tool.name] = self._tool(connection, listed_tool)
 
     def _serve_forever(self) -> None:  # the thread of the servers' loop, until `close`
         self._loop.run_forever()
@@ -59,51 +79,74 @@ class MCPServers:
         """`coroutine` run on the servers' loop: a `concurrent.futures.Future`."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-    async def _connect(self, label: str, server, where: str) -> None:
+    async def _connect_all(self) -> list[list]:
+        return await asyncio.gather(*(self._connect(connection) for connection in self._connections))
+
+    async def _connect(self, connection: _Connection) -> list:
+        """Open `connection` (anew, after a loss); the tools the server lists."""
         listed = self._loop.create_future()
-        task = asyncio.create_task(self._serve(server, listed))
-        self._connections.append(task)
+        connection.task = asyncio.create_task(self._serve(connection, listed))
+        where, label = self._where, connection.label
         try:
-            client, tools = await asyncio.wait_for(asyncio.shield(listed), START_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(listed), START_TIMEOUT_S)
         except asyncio.TimeoutError:
-            listed.cancel()
-            task.cancel()
             raise ValueError(f"{where}: MCP server {label} did not start and list its tools within "
                              f"{START_TIMEOUT_S:g} s") from None
         except Exception as e:
             raise ValueError(f"{where}: MCP server {label} did not start: {_reason(e)}") from None
-        for listed_tool in tools:
-            if listed_tool.name in self.tools:
-                raise ValueError(f"{where}: two tools are named {listed_tool.name!r} (one of MCP server {label}); "
-                                 f"a tool's name must be unique among the script's TOOLS and MCP servers")
-            self.tools[listed_tool.name] = self._tool(client, listed_tool)
+        finally:
+            if not listed.done() or listed.exception() is not None:
+                listed.cancel()
+                connection.task.cancel()
 
-    async def _serve(self, server, listed: asyncio.Future) -> None:
+    async def _serve(self, connection: _Connection, listed: asyncio.Future) -> None:
         """Hold one connection open until `close` (its context is entered and left in this one task)."""
         try:
-            async with mcp.Client(server) as client:
+            async with mcp.Client(connection.server) as client:
                 tools, cursor = [], None
                 while True:  # a server may list its tools in pages
                     page = await client.list_tools(cursor=cursor)
                     tools += page.tools
                     if not (cursor := page.next_cursor):
                         break
-                listed.set_result((client, tools))
+                connection.client = client
+                listed.set_result(tools)
                 await self._closing.wait()
         except BaseException as e:  # noqa: BLE001 -- handed to whoever waits for the listing; a later loss fails calls
             if not listed.done():
                 listed.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
 
-    def _tool(self, client: mcp.Client, listed: mcp.types.Tool) -> Tool:
+    def _tool(self, connection: _Connection, listed: mcp.types.Tool) -> Tool:
         """A tool that calls `listed` on the server, from any event loop."""
         async def call(**arguments) -> str:
             if self._closed:
                 raise ToolError(f"the connection to the MCP server of {listed.name} is closed")
-            return await asyncio.wrap_future(self._run(_call(client, listed.name, arguments)))
+            return await asyncio.wrap_future(self._run(self._call(connection, listed.name, arguments)))
 
         schema = {"type": "function", "function": {"name": listed.name, "description": listed.description or "",
                                                    "parameters": listed.input_schema}}
         return Tool(listed.name, schema, call, False)
+
+    async def _call(self, connection: _Connection, name: str, arguments: dict) -> str:
+        """The text of a tool's result; raises `ToolError` with it when the server marks it an error. A call that
+        finds the connection closed fails, and the next connects again (a stdio server is started anew)."""
+        async with connection.lock:  # one reconnection for all the calls that wait
+            if connection.lost:
+                connection.task.cancel()
+                await self._connect(connection)
+                connection.lost = False
+        try:
+            result = await connection.client.call_tool(name, arguments)
+        except mcp.MCPError as e:
+            connection.lost = connection.lost or "connection closed" in str(e).lower()
+            raise
+        texts = [getattr(block, "text", None) or f"[{block.type} content]" for block in result.content]
+        if not texts and result.structured_content is not None:
+            texts = [json.dumps(result.structured_content, ensure_ascii=False)]
+        text = "\n".join(texts)
+        if result.is_error:
+            raise ToolError(text)
+        return text
 
     def close(self) -> None:
         """Close the connections (stdio servers exit) and stop their loop; a second call does nothing."""
@@ -113,26 +156,15 @@ class MCPServers:
 
         async def close_all() -> None:
             self._closing.set()
-            if self._connections:
-                await asyncio.wait(self._connections, timeout=CLOSE_TIMEOUT_S)
+            tasks = [connection.task for connection in self._connections if connection.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
 
         try:
             self._run(close_all()).result(CLOSE_TIMEOUT_S + 1)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             atexit.unregister(self.close)
-
-
-async def _call(client: mcp.Client, name: str, arguments: dict) -> str:
-    """The text of a tool's result; raises `ToolError` with it when the server marks it an error."""
-    result = await client.call_tool(name, arguments)
-    texts = [getattr(block, "text", None) or f"[{block.type} content]" for block in result.content]
-    if not texts and result.structured_content is not None:
-        texts = [json.dumps(result.structured_content, ensure_ascii=False)]
-    text = "\n".join(texts)
-    if result.is_error:
-        raise ToolError(text)
-    return text
 
 
 def _server(spec: object, where: str) -> tuple[str, object]:
