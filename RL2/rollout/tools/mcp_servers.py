@@ -25,6 +25,8 @@ from RL2.rollout.tools.declared import Tool, ToolError
 
 # Seconds a server has to start and list its tools.
 START_TIMEOUT_S = 60.0
+# What an error of a call says when the connection is gone (the next call connects again).
+LOST = ("connection closed", "session terminated")
 # Seconds `close` waits for the servers to shut down (a stdio server is asked to exit, then killed).
 CLOSE_TIMEOUT_S = 10.0
 
@@ -137,8 +139,8 @@ class MCPServers:
                 connection.lost = False
         try:
             result = await connection.client.call_tool(name, arguments)
-        except mcp.MCPError as e:
-            connection.lost = connection.lost or "connection closed" in str(e).lower()
+        except mcp.MCPError as e:  # a server of the stateful HTTP protocol may also end an idle session
+            connection.lost = connection.lost or any(lost in str(e).lower() for lost in LOST)
             raise
         texts = [getattr(block, "text", None) or f"[{block.type} content]" for block in result.content]
         if not texts and result.structured_content is not None:
