@@ -147,7 +147,9 @@ def test_a_server_that_dies_fails_the_call_and_is_started_anew_for_the_next():
     ({"command": [sys.executable, "-c", "import time; time.sleep(30)"]},
      r"MCP server .*time.sleep\(30\).* did not start and list its tools within 0.5 s"),
     ({"cmd": "server"}, r"MCP server \{'cmd': 'server'\} is neither \{\"command\""),
-    ({"url": "http://127.0.0.1:9/mcp", "token": "x"}, r"MCP server .* has unknown keys \['token'\]"),
+    ({"url": "http://127.0.0.1:9/mcp", "env": {}}, r"MCP server .* has unknown keys \['env'\]"),
+    ({"command": "python server.py", "env": {"N": 1}},
+     r"MCP server python server.py: env\.N: Input should be a valid string"),
 ])
 def test_a_server_that_does_not_start_fails_the_load_naming_the_script_and_the_server(tmp_path, monkeypatch, spec,
                                                                                       message):

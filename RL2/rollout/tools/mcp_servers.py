@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import mcp
+import pydantic
 
 from RL2.rollout.tools.declared import Tool, ToolError
 
@@ -174,10 +175,10 @@ def _server(spec: object, where: str) -> tuple[str, object]:
     if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
         raise ValueError(f'{where}: MCP server {spec!r:.120} is neither {{"command": [...]}} (stdio) nor '
                          f'{{"url": "http://..."}} (streamable HTTP)')
-    unknown = set(spec) - {"name", "command", "env", "cwd", "url"}
+    unknown = set(spec) - ({"name", "url"} if "url" in spec else {"name", "command", "env", "cwd"})
     if unknown:
-        raise ValueError(f"{where}: MCP server {spec!r:.120} has unknown keys {sorted(unknown)}; it may hold name, "
-                         f"command, env and cwd (stdio) or url")
+        raise ValueError(f"{where}: MCP server {spec!r:.120} has unknown keys {sorted(unknown)}; it may hold name "
+                         f"and url, or name, command, env and cwd")
     if "url" in spec:
         server = label = spec["url"]
         if not isinstance(server, str) or not server.startswith(("http://", "https://")):
@@ -187,10 +188,13 @@ def _server(spec: object, where: str) -> tuple[str, object]:
         if not (isinstance(command, (list, tuple)) and command and all(isinstance(a, str) for a in command)):
             raise ValueError(f"{where}: MCP server command {spec['command']!r} is not a command line (a string or "
                              f"a list of strings)")
-        # The server gets mcp's safe environment (HOME, PATH, ...) with `env` over it.
-        server = mcp.StdioServerParameters(command=command[0], args=list(command[1:]), env=spec.get("env"),
-                                           cwd=spec.get("cwd"))
         label = shlex.join(command)
+        try:  # the server gets mcp's safe environment (HOME, PATH, ...) with `env` over it
+            server = mcp.StdioServerParameters(command=command[0], args=list(command[1:]), env=spec.get("env"),
+                                               cwd=spec.get("cwd"))
+        except pydantic.ValidationError as e:  # `env` not a dict of strings, `cwd` not a path
+            problems = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in e.errors())
+            raise ValueError(f"{where}: MCP server {label}: {problems}") from None
     return (f"{spec['name']!r} ({label})" if spec.get("name") else label), server
 
 
