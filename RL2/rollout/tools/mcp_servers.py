@@ -143,7 +143,7 @@ class MCPServers:
         except mcp.MCPError as e:  # a server of the stateful HTTP protocol may also end an idle session
             connection.lost = connection.lost or any(lost in str(e).lower() for lost in LOST)
             raise
-        texts = [getattr(block, "text", None) or f"[{block.type} content]" for block in result.content]
+        texts = [block.text if block.type == "text" else f"[{block.type} content]" for block in result.content]
         if not texts and result.structured_content is not None:
             texts = [json.dumps(result.structured_content, ensure_ascii=False)]
         text = "\n".join(texts)
