@@ -45,11 +45,13 @@ setup(
         "math": ["math-verify"],
         # trainer.use_tensorboard=true: TensorBoard event files next to metrics.jsonl.
         "tensorboard": ["tensorboard"],
-        # The test run covers the GEM adapter, math-verify answers, TensorBoard files and loading LoRA
-        # adapter folders with peft too; pytest-xdist runs it on two workers (the README's test command), after
-        # ruff (a minor release of its own, whose rules ruff.toml's selection keeps). Playwright drives the
-        # system's Chromium in the viewer's browser tests (its own browsers are never downloaded).
-        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "peft", "ruff>=0.17,<0.18",
-                 "playwright"],
+        # MCP_SERVERS in an environment or agent script: the tools of MCP servers (the 2.x client API).
+        "mcp": ["mcp>=2.3"],
+        # The test run covers the GEM adapter, math-verify answers, TensorBoard files, MCP servers' tools and
+        # loading LoRA adapter folders with peft too; pytest-xdist runs it on two workers (the README's test
+        # command), after ruff (a minor release of its own, whose rules ruff.toml's selection keeps). Playwright
+        # drives the system's Chromium in the viewer's browser tests (its own browsers are never downloaded).
+        "test": ["pytest", "pytest-xdist", "gem-llm", "math-verify", "tensorboard", "mcp>=2.3", "peft",
+                 "ruff>=0.17,<0.18", "playwright"],
     },
 )

@@ -3,7 +3,9 @@
 The file defines `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict` (a reward,
 or {"reward", "score", "reward_parts"}). `client` talks to the rollout's OpenAI-compatible endpoint
 (`RL2.agents.endpoint`), which records every call's tokens; `extra_info` is a copy of the row's
-`extra_info` with its prompt under "prompt". The reward goes on the trajectory's last turn. Agents run where
+`extra_info` with its prompt under "prompt". A script that names MCP servers (`MCP_SERVERS`, as an environment
+script does) calls their tools through a third parameter, `tools` (a `RL2.rollout.tools.tool_use.ToolBox`).
+The reward goes on the trajectory's last turn. Agents run where
 environment code does, on a loop of their own (`RL2.rollout.event_loop.on_env_loop`), so that an agent that
 blocks freezes neither the engine nor the endpoint. An agent that raises (`sys.exit()` too), runs past the
 timeout, returns a malformed result or never calls the model ends its own trajectory with reward 0; a failure
@@ -12,18 +14,29 @@ of the engine stops the rollout. See docs/agents.md.
 
 import asyncio
 import copy
+import inspect
 import math
 import numbers
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
 from RL2.agents.endpoint import OpenAIEndpoint
-from RL2.rollout.env import EnvError, EnvFault, TooManyTimeouts, check_coroutine, load_script, parse_reward
+from RL2.rollout.env import (
+    EnvError,
+    EnvFault,
+    TooManyTimeouts,
+    check_coroutine,
+    load_script,
+    open_mcp_servers,
+    parse_reward,
+)
 from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
 from RL2.rollout.loop import call_script, engine_sampling_params, gather_or_cancel, sample_seed
+from RL2.rollout.tools.declared import Tool
+from RL2.rollout.tools.tool_use import ToolBox
 from RL2.rollout.trajectory import Trajectory
 
 # What an agent's result dict may hold.
@@ -32,16 +45,25 @@ RESULT_KEYS = ("reward", "score", "reward_parts", "metrics")
 
 @dataclass
 class Agent:
-    """A loaded agent script and its `run`. It starts from the row's prompt and runs its own tools.
-    `timeouts_in_a_row` counts its runs that timed out since one last ended otherwise."""
+    """A loaded agent script and its `run`. It starts from the row's prompt and runs its own tools; a `run` that
+    takes `tools` gets a `ToolBox` of its MCP servers' (`tools`) each run, which calls them under `tool_timeout`
+    and `tool_error` (rollout.tool_timeout, rollout.tool_error). `timeouts_in_a_row` counts its runs that timed
+    out since one last ended otherwise."""
 
     path: str
-    run_fn: Callable[[openai.AsyncOpenAI, dict], Awaitable[float | dict]]
+    run_fn: Callable[..., Awaitable[float | dict]]
+    takes_tools: bool = False
+    tools: dict[str, Tool] = field(default_factory=dict)
+    mcp: object | None = None  # the connections to its MCP servers (`MCPServers`), if it names any
+    tool_timeout: float | None = None
+    tool_error: str = "observe"
     timeouts_in_a_row: int = 0
 
 
-def load_agent(path: str) -> Agent:
-    """Import an agent script: the Python file at `path` defining `async def run(client, extra_info)`."""
+def load_agent(path: str, tool_timeout: float | None = None, tool_error: str = "observe") -> Agent:
+    """Import an agent script: the Python file at `path` defining `async def run(client, extra_info)`, or
+    `run(client, extra_info, tools)` to call the tools of the MCP servers it names (their connections opened
+    here), under `tool_timeout` and `tool_error` (rollout.tool_timeout, rollout.tool_error)."""
     file, module = load_script(path, "agent script",
                                "point to a Python file defining `async def run(client, extra_info) -> float | dict`",
                                "rl2_agent_")
@@ -49,8 +71,14 @@ def load_agent(path: str) -> Agent:
     if run is None:
         raise EnvError(f"{file} defines no `run`; add `async def run(client, extra_info) -> float | dict`, "
                        f"where client is an openai.AsyncOpenAI")
-    check_coroutine(file, "run", run, "client, extra_info")
-    return Agent(path=str(file), run_fn=run)
+    takes_tools = callable(run) and "tools" in inspect.signature(run).parameters
+    check_coroutine(file, "run", run, "client, extra_info, tools" if takes_tools else "client, extra_info")
+    if getattr(module, "MCP_SERVERS", None) and not takes_tools:
+        raise EnvError(f"{file} names MCP_SERVERS, and its `run` takes no `tools` to call them with; write "
+                       f"`async def run(client, extra_info, tools)`")
+    servers = open_mcp_servers(module, file)
+    return Agent(str(file), run, takes_tools, dict(servers.tools) if servers else {}, servers, tool_timeout,
+                 tool_error)
 
 
 @dataclass(frozen=True)
@@ -131,9 +159,11 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     prompt = row.get("messages") or row.get("prompt")
     extra_info = copy.deepcopy(row.get("extra_info") or {}) | {"prompt": copy.deepcopy(prompt)}
     trajectory.extra_info, trajectory.row = extra_info, row.get("row")
+    tools = ToolBox(agent.tools, agent.tool_timeout, agent.tool_error, trajectory, extra_info)
 
     async def run() -> object:  # on the loop of user code
-        return await agent.run_fn(pools.client(base_url, endpoint.api_key), extra_info)
+        arguments = (pools.client(base_url, endpoint.api_key), extra_info, *([tools] if agent.takes_tools else []))
+        return await agent.run_fn(*arguments)
 
     start = time.perf_counter()
     try:
@@ -146,6 +176,8 @@ async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, ti
     trajectory.tool_seconds = max(0.0, time.perf_counter() - start - trajectory.generate_seconds)
     if session.over_budget is not None:  # whatever the agent made of the refusal
         fault = session.over_budget
+    elif tools.fault is not None:  # a failed tool call under rollout.tool_error=end, whatever the agent made of it
+        fault = tools.fault
     elif fault is None and not trajectory.turns:
         fault = "the agent made no model call"
     if fault is not None:

@@ -30,6 +30,7 @@ from RL2.trainer.base import quiet_third_party_progress
 from RL2.trainer.rollout_setup import (
     RolloutScript,
     calls_tools,
+    close_script,
     load_rollout_script,
     prompt_row_maker,
     rollout_worker,
@@ -82,6 +83,12 @@ class Evaluator:
 
     def run(self) -> EvalResult:
         """Evaluate the model (and the one to compare with); write the samples and metrics; print a table."""
+        try:
+            return self._run()
+        finally:
+            close_script(self.env)
+
+    def _run(self) -> EvalResult:
         cfg, began = self.cfg, time.perf_counter()
         models = {"model": cfg.model}
         if cfg.compare.model_name:

@@ -3,7 +3,8 @@
 The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
 `score`, `done`, `extra_info` and optionally `reward_parts`, logged as `rollout/reward/<name>`), and optionally
 `async def reset(extra_info: dict) -> str`, the first state of a row without a prompt, and `TOOLS`
-(`RL2.rollout.tools.tool_use`). A state is text or a list of chat messages.
+(`RL2.rollout.tools.tool_use`), to which `MCP_SERVERS` adds the tools of MCP servers
+(`RL2.rollout.tools.mcp_servers`). A state is text or a list of chat messages.
 
 The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
@@ -47,13 +48,15 @@ class StepResult:
 @dataclass
 class Env:
     """A loaded environment script: its `step`, `reset` (if any), `TOOLS` (functions or OpenAI schema dicts;
-    `RL2.rollout.tools.tool_use`) and `call_tool(name, arguments, extra_info)`, which runs schema-only tools."""
+    `RL2.rollout.tools.tool_use`) then its MCP servers' tools, `call_tool(name, arguments, extra_info)`, which
+    runs schema-only tools, and `mcp`, the connections to its MCP servers (`MCPServers`), if it names any."""
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
     reset_fn: Callable[[dict], Awaitable[State]] | None = None
     tool_specs: list = field(default_factory=list)
     call_tool: Callable | None = None
+    mcp: object | None = None
     timeouts_in_a_row: int = 0  # steps and resets that ran out of time since one last ended otherwise
 
     def __post_init__(self):  # what the original releases' scripts expect beyond this protocol (RL2.compat)
@@ -91,8 +94,26 @@ def load_env(path: str) -> Env:
     tools = getattr(module, "TOOLS", None) or []
     if not isinstance(tools, (list, tuple)):
         raise EnvError(f"{file}: TOOLS is {type(tools).__name__}; make it a list of functions or OpenAI schema dicts")
-    return Env(path=str(file), step_fn=step, reset_fn=reset, tool_specs=list(tools),
-               call_tool=getattr(module, "call_tool", None))
+    servers = open_mcp_servers(module, file)
+    return Env(path=str(file), step_fn=step, reset_fn=reset,
+               tool_specs=[*tools, *(servers.tools.values() if servers else ())],
+               call_tool=getattr(module, "call_tool", None), mcp=servers)
+
+
+def open_mcp_servers(module: ModuleType, file: Path):
+    """The connections to the MCP servers the script's `MCP_SERVERS` names (an `MCPServers`: their processes
+    started, their tools listed), or None when it names none."""
+    specs = getattr(module, "MCP_SERVERS", None)
+    if not specs:
+        return None
+    try:  # the `mcp` package (the extra RL2[mcp]), needed only by the scripts that name servers
+        from RL2.rollout.tools.mcp_servers import MCPServers
+    except ImportError as e:
+        raise EnvError(f"{file} names MCP_SERVERS, which needs the mcp package ({e}); pip install 'RL2[mcp]'") from None
+    try:
+        return MCPServers(specs, str(file))
+    except ValueError as e:
+        raise EnvError(str(e)) from None
 
 
 def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, ModuleType]:

@@ -36,6 +36,7 @@ from RL2.trainer.ppo_advantages import add_advantages, add_reward_model_scores, 
 from RL2.trainer.rollout_setup import (
     RolloutScript,
     calls_tools,
+    close_script,
     load_rollout_script,
     makes_prompts,
     prompt_row_maker,
@@ -93,6 +94,12 @@ class PPOTrainer(Trainer):
         self.carried: list[list[Trajectory]] = []
         self.test_cursor = 0
         self._build_workers()
+
+    def run(self, n_steps: int) -> None:
+        try:
+            super().run(n_steps)
+        finally:
+            close_script(self.env)
 
     def _build_workers(self) -> None:
         cfg, args = self.cfg, (self.dims, self.device)

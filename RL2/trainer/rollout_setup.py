@@ -43,9 +43,17 @@ def load_rollout_script(rollout_cfg) -> RolloutScript:
         raise EnvError("rollout.env_path is not set; give the environment script that scores the actions, e.g. "
                        "rollout.env_path=envs/arithmetic.py (or rollout.reward_fn=FILE:NAME, rollout.agent_path=FILE)")
     try:
-        return load_agent(path) if key == "rollout.agent_path" else load_env(path)
+        if key == "rollout.agent_path":
+            return load_agent(path, rollout_cfg.tool_timeout, rollout_cfg.tool_error)
+        return load_env(path)
     except EnvError as e:
         raise EnvError(f"{key}={path}: {e}") from None
+
+
+def close_script(script: RolloutScript) -> None:
+    """At the end of a run: close the connections to the script's MCP servers (a stdio server exits), if any."""
+    if getattr(script, "mcp", None) is not None:
+        script.mcp.close()
 
 
 def calls_tools(script: RolloutScript) -> bool:

@@ -39,6 +39,10 @@ class Tool:
     takes_extra_info: bool
 
 
+class ToolError(Exception):
+    """Raised by a tool for a failure whose message is what the model is shown, as it is ("Error: <message>")."""
+
+
 @dataclass
 class ToolResult:
     """What running one call gave."""
@@ -54,12 +58,14 @@ class ToolResult:
 
 def build_tools(specs: list, where: str, call_tool: Callable | None = None) -> dict[str, Tool]:
     """The tools of the environment script `where` (named by the error messages), by name. `specs`: Python
-    functions, or OpenAI schema dicts ({"type": "function", "function": {...}} or just the {"name",
-    "description", "parameters"} inside), whose tools `call_tool(name, arguments, extra_info)` (sync or async)
-    runs."""
+    functions, `Tool`s (an MCP server's: `RL2.rollout.tools.mcp_servers`), or OpenAI schema dicts ({"type":
+    "function", "function": {...}} or just the {"name", "description", "parameters"} inside), whose tools
+    `call_tool(name, arguments, extra_info)` (sync or async) runs."""
     tools: dict[str, Tool] = {}
     for spec in specs:
-        if isinstance(spec, dict):
+        if isinstance(spec, Tool):  # built already (an MCP server's)
+            tool = spec
+        elif isinstance(spec, dict):
             tool = _schema_tool(spec, where, call_tool)
         elif callable(spec):
             tool = _function_tool(spec, where)
@@ -150,7 +156,8 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
     except TimeoutError:
         return result(f"Error: {tool.name} did not return within {timeout} s", "timeout")
     if raised is not None:
-        return result(f"Error: {tool.name} raised {type(raised).__name__}: {raised}", "raised")
+        shown = raised if isinstance(raised, ToolError) else f"{tool.name} raised {type(raised).__name__}: {raised}"
+        return result(f"Error: {shown}", "raised")
     return result(_as_text(value))
 
 

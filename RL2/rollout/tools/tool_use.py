@@ -6,6 +6,7 @@ by the chat template, and a call that fails is shown to the model as an "Error: 
 """
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,52 @@ class ToolUse:
                                self.timeout) for call in calls]
         except Escaped as e:
             return [ToolResult(call, f"Error: a tool raised {e}", "raised", 0.0) for call in calls]
+
+
+class ToolFault(Exception):
+    """A call of a `ToolBox` failed under rollout.tool_error=end: the run ends as a fault."""
+
+
+@dataclass
+class ToolBox:
+    """Tools that a script's own code calls (an agent's MCP servers), for one run: their OpenAI schemas for a
+    chat completion's `tools=`, and `call`, which runs a call as the rollout runs a model's (rollout.tool_timeout,
+    an "Error: ..." result) and counts its failure on the run's trajectory."""
+
+    tools: dict[str, Tool]  # by name
+    timeout: float | None  # rollout.tool_timeout
+    on_error: str  # rollout.tool_error
+    counts: object  # the run's trajectory: `tool_errors` grows by each call that fails
+    extra_info: dict  # the run's, for tools that take it
+    fault: str | None = None  # set when a failure ends the run (rollout.tool_error=end)
+
+    @property
+    def schemas(self) -> list[dict]:
+        return [tool.schema for tool in self.tools.values()]
+
+    async def call(self, name: str, arguments: str | dict) -> str:
+        """The result of tool `name` on `arguments` (an object, or its JSON text as the openai client gives
+        `call.function.arguments`), "Error: ..." when the call fails; with rollout.tool_error=end a failure raises
+        `ToolFault` and ends the run as a fault, whatever the script makes of it."""
+        problem = None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as e:
+                problem = f"not JSON ({e.msg})"
+        if problem is None and not isinstance(arguments, dict):
+            problem = f"{arguments!r:.200} is not a JSON object"
+        if problem is None:
+            result = await run_tool(self.tools, ToolCall(name, arguments, ""), self.extra_info, self.timeout)
+            content, failed = result.content, result.error is not None
+        else:  # what the model wrote
+            content, failed = f"Error: bad arguments for {name}: {problem}", True
+        if failed:
+            self.counts.tool_errors += 1
+            if self.on_error == "end":
+                self.fault = f"a tool call failed ({content}) and rollout.tool_error=end"
+                raise ToolFault(self.fault)
+        return content
 
 
 def tool_use_of(env, rollout_cfg, tokenizer) -> ToolUse | None:

@@ -1,0 +1,207 @@
+"""The tools of MCP servers, run as a script's own: a script names servers in `MCP_SERVERS`, each either
+
+    {"command": ["python", "server.py"], "env": {...}, "cwd": "..."}  # stdio: RL2 starts the process
+    {"url": "http://127.0.0.1:8000/mcp"}                              # streamable HTTP: a server already up
+
+(optionally with a "name" for the messages), and their tools join its TOOLS: listed once when the script
+loads, shown to the model in its format, run with the same timeouts and "Error: ..." results. Each server's
+connection is opened once per process, on an event loop and thread of their own (the tools are listed before
+any rollout runs, outside any loop, and the loop of user code that calls them may be abandoned to a tool
+that blocks it), opened again by the call after one that finds it lost, and closed by `close` or at exit. See
+docs/agents.md.
+"""
+
+import asyncio
+import atexit
+import json
+import shlex
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+
+import mcp
+import pydantic
+
+from RL2.rollout.tools.declared import Tool, ToolError
+
+# Seconds a server has to start and list its tools.
+START_TIMEOUT_S = 60.0
+# What an error of a call says when the connection is gone (the next call connects again).
+LOST = ("connection closed", "session terminated")
+# Seconds `close` waits for the servers to shut down (a stdio server is asked to exit, then killed).
+CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Connection:
+    """One server's connection: what `mcp.Client` connects to, and the task that holds it open."""
+
+    label: str  # how messages name the server
+    server: object  # a URL or `mcp.StdioServerParameters`
+    client: mcp.Client | None = None
+    task: asyncio.Task | None = None
+    lost: bool = False  # a call found it closed (the server exited, the connection dropped): the next reconnects
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class MCPServers:
+    """The connections to a script's MCP servers, and their tools (`tools`, by name, for `build_tools`)."""
+
+    def __init__(self, specs: list, where: str):
+        """Start or connect to each server of `specs` and list its tools; a `ValueError` naming `where` (the
+        script) and the server says what went wrong."""
+        if not isinstance(specs, (list, tuple)):
+            raise ValueError(f"{where}: MCP_SERVERS is {type(specs).__name__}; make it a list of "
+                             f'{{"command": [...]}} or {{"url": "http://..."}} dicts')
+        self._connections = [_Connection(*_server(spec, where)) for spec in specs]
+        self._where, self._closed = where, False
+        self.tools: dict[str, Tool] = {}
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._serve_forever, name="rl2-mcp-servers", daemon=True).start()
+        self._closing = asyncio.Event()
+        atexit.register(self.close)
+        try:
+            listings = self._run(self._connect_all()).result()
+        except BaseException:
+            self.close()
+            raise
+        for connection, listed in zip(self._connections, listings, strict=True):
+            for listed_tool in listed:
+                if listed_tool.name in self.tools:
+                    self.close()
+                    raise ValueError(f"{where}: two tools are named {listed_tool.name!r} (one of MCP server "
+                                     f"{connection.label}); a tool's name must be unique among the script's TOOLS "
+                                     f"and MCP servers")
+                self.tools[listed_tool.name] = self._tool(connection, listed_tool)
+
+    def _serve_forever(self) -> None:  # the thread of the servers' loop, until `close`
+        self._loop.run_forever()
+        self._loop.close()
+
+    def _run(self, coroutine: Coroutine):
+        """`coroutine` run on the servers' loop: a `concurrent.futures.Future`."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    async def _connect_all(self) -> list[list]:
+        return await asyncio.gather(*(self._connect(connection) for connection in self._connections))
+
+    async def _connect(self, connection: _Connection) -> list:
+        """Open `connection` (anew, after a loss); the tools the server lists."""
+        listed = self._loop.create_future()
+        connection.task = asyncio.create_task(self._serve(connection, listed))
+        where, label = self._where, connection.label
+        try:
+            return await asyncio.wait_for(asyncio.shield(listed), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ValueError(f"{where}: MCP server {label} did not start and list its tools within "
+                             f"{START_TIMEOUT_S:g} s") from None
+        except Exception as e:
+            raise ValueError(f"{where}: MCP server {label} did not start: {_reason(e)}") from None
+        finally:
+            if not listed.done() or listed.exception() is not None:
+                listed.cancel()
+                connection.task.cancel()
+
+    async def _serve(self, connection: _Connection, listed: asyncio.Future) -> None:
+        """Hold one connection open until `close` (its context is entered and left in this one task)."""
+        try:
+            async with mcp.Client(connection.server) as client:
+                tools, cursor = [], None
+                while True:  # a server may list its tools in pages
+                    page = await client.list_tools(cursor=cursor)
+                    tools += page.tools
+                    if not (cursor := page.next_cursor):
+                        break
+                connection.client = client
+                listed.set_result(tools)
+                await self._closing.wait()
+        except BaseException as e:  # noqa: BLE001 -- handed to whoever waits for the listing; a later loss fails calls
+            if not listed.done():
+                listed.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+    def _tool(self, connection: _Connection, listed: mcp.types.Tool) -> Tool:
+        """A tool that calls `listed` on the server, from any event loop."""
+        async def call(**arguments) -> str:
+            if self._closed:
+                raise ToolError(f"the connection to the MCP server of {listed.name} is closed")
+            return await asyncio.wrap_future(self._run(self._call(connection, listed.name, arguments)))
+
+        schema = {"type": "function", "function": {"name": listed.name, "description": listed.description or "",
+                                                   "parameters": listed.input_schema}}
+        return Tool(listed.name, schema, call, False)
+
+    async def _call(self, connection: _Connection, name: str, arguments: dict) -> str:
+        """The text of a tool's result; raises `ToolError` with it when the server marks it an error. A call that
+        finds the connection closed fails, and the next connects again (a stdio server is started anew)."""
+        async with connection.lock:  # one reconnection for all the calls that wait
+            if connection.lost:
+                connection.task.cancel()
+                await self._connect(connection)
+                connection.lost = False
+        try:
+            result = await connection.client.call_tool(name, arguments)
+        except mcp.MCPError as e:  # a server of the stateful HTTP protocol may also end an idle session
+            connection.lost = connection.lost or any(lost in str(e).lower() for lost in LOST)
+            raise
+        texts = [block.text if block.type == "text" else f"[{block.type} content]" for block in result.content]
+        if not texts and result.structured_content is not None:
+            texts = [json.dumps(result.structured_content, ensure_ascii=False)]
+        text = "\n".join(texts)
+        if result.is_error:
+            raise ToolError(text)
+        return text
+
+    def close(self) -> None:
+        """Close the connections (stdio servers exit) and stop their loop; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def close_all() -> None:
+            self._closing.set()
+            tasks = [connection.task for connection in self._connections if connection.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+
+        try:
+            self._run(close_all()).result(CLOSE_TIMEOUT_S + 1)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            atexit.unregister(self.close)
+
+
+def _server(spec: object, where: str) -> tuple[str, object]:
+    """A server of MCP_SERVERS as (how messages name it, what `mcp.Client` connects to)."""
+    if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
+        raise ValueError(f'{where}: MCP server {spec!r:.120} is neither {{"command": [...]}} (stdio) nor '
+                         f'{{"url": "http://..."}} (streamable HTTP)')
+    unknown = set(spec) - ({"name", "url"} if "url" in spec else {"name", "command", "env", "cwd"})
+    if unknown:
+        raise ValueError(f"{where}: MCP server {spec!r:.120} has unknown keys {sorted(unknown)}; it may hold name "
+                         f"and url, or name, command, env and cwd")
+    if "url" in spec:
+        server = label = spec["url"]
+        if not isinstance(server, str) or not server.startswith(("http://", "https://")):
+            raise ValueError(f"{where}: MCP server url {server!r} is not an http:// or https:// URL")
+    else:
+        command = shlex.split(spec["command"]) if isinstance(spec["command"], str) else spec["command"]
+        if not (isinstance(command, (list, tuple)) and command and all(isinstance(a, str) for a in command)):
+            raise ValueError(f"{where}: MCP server command {spec['command']!r} is not a command line (a string or "
+                             f"a list of strings)")
+        label = shlex.join(command)
+        try:  # the server gets mcp's safe environment (HOME, PATH, ...) with `env` over it
+            server = mcp.StdioServerParameters(command=command[0], args=list(command[1:]), env=spec.get("env"),
+                                               cwd=spec.get("cwd"))
+        except pydantic.ValidationError as e:  # `env` not a dict of strings, `cwd` not a path
+            problems = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in e.errors())
+            raise ValueError(f"{where}: MCP server {label}: {problems}") from None
+    return (f"{spec['name']!r} ({label})" if spec.get("name") else label), server
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, from the one error inside task groups' exception groups."""
+    while len(getattr(error, "exceptions", ())) == 1:  # an ExceptionGroup
+        error = error.exceptions[0]
+    if isinstance(error, mcp.MCPError) and "closed" in str(error).lower():
+        return f"{error} (the server exited or is no MCP server: see its output above)"
+    return f"{type(error).__name__}: {error}"
