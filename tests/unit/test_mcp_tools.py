@@ -17,7 +17,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from RL2.agents.agent import agent_rollout_batch, load_agent
-from RL2.agents.openai_server import OpenAIEndpoint
+from RL2.agents.endpoint import OpenAIEndpoint
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
