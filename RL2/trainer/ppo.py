@@ -31,6 +31,7 @@ from RL2.rollout.metrics import (
     fault_summary,
     rollout_metrics,
     save_samples,
+    split_summary,
     staleness_metrics,
 )
 from RL2.rollout.sample_tokens import sample_tokens
@@ -158,6 +159,8 @@ class PPOTrainer(Trainer):
         metrics |= rollout_metrics(rolled_out, tools=self.calls_tools)
         if faults := fault_summary(rolled_out):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
+        if splits := split_summary(rolled_out, self.tokenizer.name_or_path):
+            log_rank0(f"step {step}: {splits}")
         sampled = sum(t.response_length for group in rolled_out for t in group)
         metrics["perf/rollout_tokens_per_s"] = sampled / metrics["perf/rollout_s"]
         # The weights trained (and sampled with) at this step are those of step - 1's update.
