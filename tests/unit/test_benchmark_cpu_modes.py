@@ -85,6 +85,8 @@ ELSEWHERE = {
     "bench_gpu.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
     # ... and `bench_offload.py --device cpu`, checking its page-locked row.
     "bench_offload.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
+    # Its table, as `main` prints it, must be the one in docs/agents.md.
+    "chat_template_fidelity.py": "tests/unit/test_chat_template_fidelity.py::test_the_agents_page_has_the_table",
 }
 
 
