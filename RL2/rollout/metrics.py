@@ -93,15 +93,17 @@ def fault_summary(groups: list[list[Trajectory]]) -> str | None:
 
 
 def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
-    """How many turns started a new sequence because the chat template (of `template`, the tokenizer's name)
-    re-rendered the conversation other than as sampled (`Trajectory.count_split`); None when none did."""
+    """How many turns started a new sequence because their next prompt did not extend the tokens sampled so far
+    (`Trajectory.count_split`): the chat template (of `template`, the tokenizer's name) re-rendered the conversation
+    other than as sampled, or an environment's text state changed; None when none did."""
     trajectories = [t for group in groups for t in group]
     splits = sum(t.split_turns for t in trajectories)
     if not splits:
         return None
     turns = sum(t.n_turns for t in trajectories)
-    return (f"{splits} of {turns} turns started a new sequence: the chat template of {template} re-rendered the "
-            f"conversation other than as sampled (rollout/split_turns; docs/agents.md, \"Token in, token out\")")
+    return (f"{splits} of {turns} turns started a new sequence, their next prompt not extending the tokens sampled "
+            f"(the chat template of {template} re-rendered the conversation otherwise, or the environment's text "
+            f"state changed; rollout/split_turns, docs/agents.md \"Token in, token out\")")
 
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,

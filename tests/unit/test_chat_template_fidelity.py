@@ -108,8 +108,9 @@ def test_a_step_with_splits_names_the_template(tokenizers):
                          tokenizer, max_turns=3)
     trajectory = asyncio.run(run_trajectory(rollout, prompt, dict(extra_info, messages=list(prompt)), {}))
     assert split_summary([[trajectory]], "Qwen/Qwen3-0.6B") == (
-        "2 of 3 turns started a new sequence: the chat template of Qwen/Qwen3-0.6B re-rendered the conversation "
-        "other than as sampled (rollout/split_turns; docs/agents.md, \"Token in, token out\")")
+        "2 of 3 turns started a new sequence, their next prompt not extending the tokens sampled (the chat template "
+        "of Qwen/Qwen3-0.6B re-rendered the conversation otherwise, or the environment's text state changed; "
+        "rollout/split_turns, docs/agents.md \"Token in, token out\")")
     assert split_summary([[trajectory]], "x") is not None and split_summary([], "x") is None
 
 
