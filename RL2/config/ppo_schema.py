@@ -329,14 +329,16 @@ def check_ppo_config(cfg) -> None:
     require(test_prompts is None or test_prompts >= 1, f"rollout.test_prompts_per_rollout={test_prompts}; test on at "
                                                        f"least 1 prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
+    require(not (rollout.agent_path and rollout.partial_rollout), f"rollout.partial_rollout=true with "
+            f"rollout.agent_path={rollout.agent_path}: a partial rollout carries cut trajectories over a weight "
+            f"update, and an agent script's run (its own Python coroutine) cannot be carried over one nor kept in a "
+            f"checkpoint (docs/async.md, \"Agents\"); drop rollout.partial_rollout (with rollout.over_sampling and "
+            f"rollout.max_staleness), or roll out an environment (rollout.env_path)")
     check_staleness(rollout, cfg.actor)
     require(train_sampling.temperature >= GREEDY_TEMPERATURE, f"rollout.train_sampling_params.temperature="
             f"{train_sampling.temperature} samples greedily, but the trained policy is softmax(logits / temperature), "
             f"which has no log-probabilities at 0 (and every response to a prompt would be the same). Give a positive "
             f"temperature (1: the model's own distribution); rollout.test_sampling_params may stay greedy")
-    require(not (rollout.agent_path and rollout.partial_rollout), "rollout.partial_rollout pauses and resumes "
-            "environment trajectories; an agent script's run cannot be resumed: drop rollout.partial_rollout or use "
-            "rollout.env_path")
     estimator = cfg.adv.estimator
     by_group = estimator == "rloo" or (estimator == "grpo" and cfg.adv.baseline == "group")
     hint = " or adv.baseline=batch" if estimator == "grpo" else ""

@@ -448,6 +448,7 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     if not _fits(before + len(ids), budget):
         return False
     if added is None:
+        trajectory.count_split()
         trajectory.start_sequence(next_state, ids)
     else:
         trajectory.continue_sequence(added, ids)

@@ -26,6 +26,7 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
         "rollout/clip_ratio": _mean(t.finish_reason == "length" for t in trajectories),
         "rollout/n_turns": _mean(t.n_turns for t in trajectories),
         "rollout/faults": float(sum(t.fault is not None for t in trajectories)),
+        "rollout/split_turns": float(sum(t.split_turns for t in trajectories)),
     }
     metrics |= {f"rollout/faults/{kind}": float(n) for kind, n in fault_kinds(trajectories).items()}
     metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
@@ -95,6 +96,20 @@ def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> 
     kinds = ", ".join(f"{kind} {n}" for kind, n in fault_kinds(trajectories).most_common())
     return (f"{len(faults)} of {len(trajectories)} trajectories ended by a fault ({outcome}; {kinds}), the first: "
             f"{faults[0]}")
+
+
+def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
+    """How many turns started a new sequence because their next prompt did not extend the tokens sampled so far
+    (`Trajectory.count_split`): the chat template (of `template`, the tokenizer's name) re-rendered the conversation
+    other than as sampled, or an environment's text state changed; None when none did."""
+    trajectories = [t for group in groups for t in group]
+    splits = sum(t.split_turns for t in trajectories)
+    if not splits:
+        return None
+    turns = sum(t.n_turns for t in trajectories)
+    return (f"{splits} of {turns} turns started a new sequence, their next prompt not extending the tokens sampled "
+            f"(the chat template of {template} re-rendered the conversation otherwise, or the environment's text "
+            f"state changed; rollout/split_turns, docs/agents.md \"Token in, token out\")")
 
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,

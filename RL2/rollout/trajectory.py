@@ -104,6 +104,9 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
     agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
+    # Turns whose next prompt did not extend the tokens sampled so far, and so started a new sequence
+    # (`count_split`), logged as `rollout/split_turns`.
+    split_turns: int = 0
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
@@ -126,6 +129,13 @@ class Trajectory:
 
     def start_sequence(self, prompt_text: str, prompt_ids: list[int]) -> None:
         self.sequences.append(TokenSequence(list(prompt_ids), prompt_text))
+
+    def count_split(self) -> None:
+        """Count a turn whose next prompt, as the chat template re-renders the conversation, does not extend the
+        tokens sampled so far (the template drops past reasoning, rewrites tool calls or normalises whitespace):
+        the trajectory goes on in a new sequence, whose prompt is that rendering, rather than training the
+        sampled tokens as if the template's text were what the policy saw."""
+        self.split_turns += 1
 
     def add_turn(self, turn: Turn) -> None:
         self.sequences[-1].turns.append(turn)

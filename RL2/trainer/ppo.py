@@ -26,6 +26,7 @@ from RL2.rollout.metrics import (
     fault_summary,
     rollout_metrics,
     save_samples,
+    split_summary,
     staleness_metrics,
 )
 from RL2.rollout.sample_tokens import sample_tokens
@@ -161,6 +162,8 @@ class PPOTrainer(Trainer):
         outcome = "trained as reward 0" if cfg.rollout.train_on_faults else "left out of the loss"
         if faults := fault_summary(rolled_out, outcome):
             log_rank0(f"step {step}: {faults} ({self.env.path})")
+        if splits := split_summary(rolled_out, self.tokenizer.name_or_path):
+            log_rank0(f"step {step}: {splits}")
         sampled = sum(t.response_length for group in rolled_out for t in group)
         metrics["perf/rollout_tokens_per_s"] = sampled / metrics["perf/rollout_s"]
         # The weights trained (and sampled with) at this step are those of step - 1's update.

@@ -71,6 +71,9 @@ CASES = [
     case("bench_decode_linears.py", ["--rows", "2", "--steps", "2"],
          r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400,
          pytest.mark.slow),
+    case("bench_agent_tail.py", ["--tiny", "--prompts", "4", "--batch", "2", "--samples", "2", "--long-calls", "2",
+                                 "--new-tokens", "4", "--repeats", "1"],
+         r"^\| rollout s \| first 2 groups s \|", r"^\| [\d.]+ \| [\d.]+ \| \d+% \| 40 \|", 300, pytest.mark.slow),
     case("step_files.py", ["--train", RL_PROMPTS], r"^RL path: \d+ files", r"^\s+\d+\s+RL2/trainer/ppo\.py$", 400,
          pytest.mark.slow),
     case("bench_sglang_cpu.py", ["--repeats", "1", "--requests", "2", "--new-tokens", "4", "--threads", "1"],
@@ -85,6 +88,8 @@ ELSEWHERE = {
     "bench_gpu.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
     # ... and `bench_offload.py --device cpu`, checking its page-locked row.
     "bench_offload.py": "tests/unit/test_gpu_check.py::test_the_check_runs_every_step_on_the_cpu_and_sums_them_up",
+    # Its table, as `main` prints it, must be the one in docs/agents.md.
+    "chat_template_fidelity.py": "tests/unit/test_chat_template_fidelity.py::test_the_agents_page_has_the_table",
 }
 
 

@@ -124,6 +124,11 @@ PARTIAL = ["rollout.partial_rollout=true"]
     (["actor.correction.type=seq_mask", "actor.correction.high=-1"], r"high must be positive and low at least 0"),
     (["actor.correction.type=ice"],
      r"'actor\.correction\.type' is 'ice'; choose one of none, tis, icepop, seq_mask"),
+    (PARTIAL + ["rollout.agent_path=envs/tool_use_agent.py", "rollout.over_sampling=4", "rollout.max_staleness=1",
+                "actor.correction.type=icepop"],
+     r"rollout\.partial_rollout=true with rollout\.agent_path=envs/tool_use_agent\.py: .* cannot be carried over "
+     r"one nor kept in a checkpoint \(docs/async\.md, \"Agents\"\); drop rollout\.partial_rollout \(with "
+     r"rollout\.over_sampling and rollout\.max_staleness\), or roll out an environment \(rollout\.env_path\)"),
 ])
 def test_staleness_and_correction_settings_that_cannot_apply_fail(argv, message):
     with pytest.raises(ConfigError, match=message):

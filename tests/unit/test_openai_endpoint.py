@@ -177,6 +177,7 @@ def test_a_conversation_sent_back_continues_one_sequence(engine, model, tok):
     assert record["turn_ids"][len(first_ids)] == 0 and record["turn_ids"][len(ids)] == 1
     assert session.trajectory.turns[0].env_text == added
     assert second.usage.prompt_tokens == len(ids)
+    assert session.trajectory.split_turns == 0
 
 
 def test_an_edited_history_starts_a_second_sequence_and_the_first_still_continues(engine, model, tok):
@@ -192,6 +193,7 @@ def test_an_edited_history_starts_a_second_sequence_and_the_first_still_continue
     _, session = serve(engine, tok, talk)
     trajectory = session.trajectory
     assert len(trajectory.sequences) == 2 and trajectory.n_turns == 3
+    assert trajectory.split_turns == 1  # the conversation of its own; the third call continued the first
     first_ids = encode(tok, chat(tok, QUESTION))
     first_action = greedy(model, first_ids, 4)
     first_text = tok.decode(first_action, skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """Tool-call formats: parsing hand-written actions of each family, writing calls, choosing the parser."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -155,14 +156,14 @@ def test_llama3_format_calls():
 def test_mistral_json_list():
     text = 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "mul", "arguments": "{\\"b\\": 2}"}]'
     assert MistralParser().parse(text) == ParsedAction(
-        "Sure.", [ToolCall("add", {"a": 1}, "call_0"), ToolCall("mul", {"b": 2}, "call_1")], []
+        "Sure.", [ToolCall("add", {"a": 1}, "call00000"), ToolCall("mul", {"b": 2}, "call00001")], []
     )
 
 
 def test_mistral_name_args_form():
     text = '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "Paris"}'
     assert MistralParser().parse(text) == ParsedAction(
-        "", [ToolCall("add", {"a": 1}, "call_0"), ToolCall("get_weather", {"city": "Paris"}, "call_1")], []
+        "", [ToolCall("add", {"a": 1}, "call00000"), ToolCall("get_weather", {"city": "Paris"}, "call00001")], []
     )
 
 
@@ -179,13 +180,28 @@ def test_mistral_errors_and_bare_text():
     ]
     assert parser.parse('[TOOL_CALLS][{"arguments": {}}]').errors == ['tool call has no name: {"arguments": {}}']
     # The special [TOOL_CALLS] token dropped by a decode: a bare list of calls is still calls, other text is not.
-    assert parser.parse(' [{"name": "add", "arguments": {"a": 1}}]').calls == [ToolCall("add", {"a": 1}, "call_0")]
+    assert parser.parse(' [{"name": "add", "arguments": {"a": 1}}]').calls == [ToolCall("add", {"a": 1}, "call00000")]
     assert parser.parse("[1, 2] are the numbers") == ParsedAction("[1, 2] are the numbers", [], [])
     assert parser.parse("[1, 2]") == ParsedAction("[1, 2]", [], [])
 
 
+def test_mistral_call_ids_are_the_nine_characters_its_templates_demand():
+    """Mistral's templates raise on any other id; Mistral Nemo's renders a parsed action's calls and results."""
+    from tests.helpers.tiny import tokenizer
+
+    tok = tokenizer()
+    tok.chat_template = (Path(__file__).parent.parent / "data" / "chat_templates" / "mistral-nemo.jinja").read_text()
+    [call] = MistralParser().parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]').calls
+    assert len(call.id) == 9 and call.id.isalnum()
+    messages = [{"role": "user", "content": "Add."},
+                {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                                      "function": {"name": "add", "arguments": {"a": 1}}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "1"}]
+    assert f'"call_id": "{call.id}"' in tok.apply_chat_template(messages, tokenize=False)
+
+
 def test_mistral_format_calls():
-    calls = [ToolCall("add", {"a": 1}, "call_0"), ToolCall("mul", {"b": 2}, "call_1")]
+    calls = [ToolCall("add", {"a": 1}, "call00000"), ToolCall("mul", {"b": 2}, "call00001")]
     text = MistralParser().format_calls(calls)
     assert text == '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "mul", "arguments": {"b": 2}}]'
     assert MistralParser().parse(text).calls == calls

@@ -115,6 +115,8 @@ class MistralParser(ToolCallParser):
     TAG = "[TOOL_CALLS]"
     # Newer templates: name, an optional call id, then the arguments.
     NAMED = re.compile(r"\s*([\w.\-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?\[ARGS\]")
+    # Mistral's templates refuse any call id but 9 letters and digits ("call00000", "call00001", ...).
+    IDS = "call{:05d}"
 
     def parse(self, text: str) -> ParsedAction:
         segments = text.split(self.TAG)
@@ -125,7 +127,7 @@ class MistralParser(ToolCallParser):
             calls, rest = self._segment(segment)
             found += calls
             content.append(rest)
-        return _action("".join(content), found)
+        return _action("".join(content), found, self.IDS)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         if not calls:
@@ -153,7 +155,7 @@ class MistralParser(ToolCallParser):
         if stripped.startswith("["):
             found, rest = _json_list(stripped, 0)
             if found and not rest.strip() and not any(isinstance(item, str) for item in found):
-                return _action("", found)
+                return _action("", found, self.IDS)
         return ParsedAction(stripped)
 
 
@@ -289,8 +291,8 @@ def _json_list(text: str, start: int) -> tuple[list[tuple[str, dict] | str], str
     return [_call(item, _dumps(item), ("arguments", "parameters")) for item in items], text[end:]
 
 
-def _action(content: str, found: list[tuple[str, dict] | str]) -> ParsedAction:
-    calls = [ToolCall(name, arguments, f"call_{i}")
+def _action(content: str, found: list[tuple[str, dict] | str], ids: str = "call_{}") -> ParsedAction:
+    calls = [ToolCall(name, arguments, ids.format(i))
              for i, (name, arguments) in enumerate(item for item in found if not isinstance(item, str))]
     return ParsedAction(content.strip(), calls, [item for item in found if isinstance(item, str)])
 
