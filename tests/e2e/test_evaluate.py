@@ -194,8 +194,12 @@ def test_two_ranks_through_the_python_api_equal_one_rank(same_model_run, sharp_m
                      "temperature": 1.0, "max_new_tokens": NEW_TOKENS}},
                  "eval": {"k": KS, "save_dir": str(tmp_path / "two")}}
     run_ranks(2, [str(API_SCRIPT), json.dumps(overrides, default=str), str(tmp_path)])
-    for name in ("metrics.json", "samples.jsonl"):
-        assert (tmp_path / "two" / name).read_text() == (one_rank / name).read_text(), name
+    assert (tmp_path / "two" / "metrics.json").read_text() == (one_rank / "metrics.json").read_text()
+    two, one = ([json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+                for run in (tmp_path / "two", one_rank))
+    # Each sample names its reward's source: the env script there, the Python function here.
+    assert {s.pop("script") for s in two} == {"reward=reward"} and [s.pop("script") for s in one]
+    assert two == one
     reported = json.loads((one_rank / "metrics.json").read_text())
     for rank in (0, 1):  # every rank returns the result
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
