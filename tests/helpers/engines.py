@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.engine.embedded.engine import EmbeddedEngine
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCallParser
 
 
 def running_engine(model_path: str, tok, max_running_requests: int):
@@ -33,3 +34,15 @@ class CutOnce(EmbeddedEngine):
         response = await super().generate(cut)
         response["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused by another client"}
         return response
+
+
+class ScriptedParser(ToolCallParser):
+    """Reads the k-th action as the k-th scripted `ParsedAction` (then as an answer: no calls)."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[ParsedAction]):
+        self.script = list(script)
+
+    def parse(self, text: str) -> ParsedAction:
+        return self.script.pop(0) if self.script else ParsedAction(content=text)

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tests" / "gpu" / "check.py")
@@ -14,6 +16,8 @@ check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
 
 
+# A minute of CPU: CI runs it after the default suite, with the benchmarks' slow CPU modes (.ci/run).
+@pytest.mark.slow
 def test_the_check_runs_every_step_on_the_cpu_and_sums_them_up(tmp_path):
     result = subprocess.run([sys.executable, "tests/gpu/check.py", "--device", "cpu", "--out", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=900)

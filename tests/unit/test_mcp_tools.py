@@ -24,9 +24,10 @@ from RL2.rollout.metrics import rollout_metrics
 from RL2.rollout.tools import mcp_servers
 from RL2.rollout.tools.declared import build_tools, run_tool
 from RL2.rollout.tools.mcp_servers import MCPServers
-from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall, ToolCallParser
+from RL2.rollout.tools.tool_calls import HermesParser, ParsedAction, ToolCall
 from RL2.rollout.tools.tool_use import tool_use_of
 from tests.helpers import ENVS, REPO
+from tests.helpers.engines import ScriptedParser as Scripted
 from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
@@ -167,18 +168,6 @@ def test_an_agent_naming_servers_must_take_tools(tmp_path):
                       "    return 0.0\n")
     with pytest.raises(EnvError, match="names MCP_SERVERS, and its `run` takes no `tools`"):
         load_agent(script)
-
-
-class Scripted(ToolCallParser):
-    """Reads the k-th action as the k-th scripted `ParsedAction` (then as an answer: no calls)."""
-
-    name = "scripted"
-
-    def __init__(self, script: list[ParsedAction]):
-        self.script = list(script)
-
-    def parse(self, text: str) -> ParsedAction:
-        return self.script.pop(0) if self.script else ParsedAction(content=text)
 
 
 @pytest.fixture(scope="module")

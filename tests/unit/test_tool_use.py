@@ -19,26 +19,15 @@ from RL2.rollout.env import load_env
 from RL2.rollout.loop import EnvRollout, run_trajectory
 from RL2.rollout.metrics import rollout_metrics
 from RL2.rollout.tools.declared import build_tools
-from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, ToolCallParser, tool_call_parser
+from RL2.rollout.tools.tool_calls import ParsedAction, ToolCall, tool_call_parser
 from RL2.rollout.tools.tool_use import ToolUse, tool_use_of
 from RL2.rollout.trajectory import Trajectory
 from tests.helpers import ENVS
+from tests.helpers.engines import ScriptedParser as Scripted
 from tests.helpers.engines import running_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 QUESTION = [{"role": "user", "content": "How long is this?"}]
-
-
-class Scripted(ToolCallParser):
-    """Reads the k-th action as the k-th scripted `ParsedAction` (then as an answer: no calls)."""
-
-    name = "scripted"
-
-    def __init__(self, script: list[ParsedAction]):
-        self.script = list(script)
-
-    def parse(self, text: str) -> ParsedAction:
-        return self.script.pop(0) if self.script else ParsedAction(content=text)
 
 
 @pytest.fixture(scope="module")
