@@ -29,6 +29,7 @@ from aiohttp import web
 from RL2.agents import chat_api, messages_api, responses_api
 from RL2.agents.requests import Call, RequestError, deeper_than, show
 from RL2.agents.sessions import Prompt, Session
+from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, sample_rest, sample_seed
 from RL2.rollout.tools.declared import render_conversation
@@ -44,6 +45,9 @@ READ_TIMEOUT = 30.0
 # Seconds the rest of a request answered before it was read whole (401, 408) is read and dropped before its
 # connection closes (aiohttp's lingering close, 10 s by default).
 LINGERING_TIME = 5.0
+# Seconds without a new call the embedded engine waits for before a batch's first step
+# (`EmbeddedEngine.arrival_quiet`): a batch of agents' calls arrives over milliseconds (see bench_agent_endpoint.py).
+ARRIVAL_QUIET = 0.005
 # The deepest nesting of a request body's JSON (a tool's schema nests a few levels per property).
 MAX_JSON_DEPTH = 64
 # The routes under /sessions/{sid}: (method, path, handler(endpoint, request)).
@@ -112,6 +116,8 @@ class OpenAIEndpoint:
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.port: int | None = None
+        if isinstance(engine, EmbeddedEngine):  # calls sent together arrive apart over HTTP; let them share a prefill
+            engine.arrival_quiet = ARRIVAL_QUIET
 
     # ---- lifecycle ----
 

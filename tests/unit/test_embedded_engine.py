@@ -157,6 +157,32 @@ def test_requests_beyond_capacity_join_the_running_batch_later(engine, model, to
     assert together == alone
 
 
+@pytest.mark.parametrize("quiet", [0.0, 1.0])
+def test_a_request_arriving_within_arrival_quiet_joins_the_first_prefill(engine, monkeypatch, quiet):
+    """With `arrival_quiet` (set by the agent endpoint, whose calls arrive apart over HTTP) a request made 20 ms
+    after another shares its prefill; without it the first step starts after one turn of the loop, and the later
+    request is prefilled on its own."""
+    prefills, admit = [], engine._admit
+
+    def counted_admit():
+        admitted = admit()
+        if admitted:
+            prefills.append(len(admitted))
+        return admitted
+
+    monkeypatch.setattr(engine, "_admit", counted_admit)
+    monkeypatch.setattr(embedded_engine, "MAX_ARRIVAL_WAIT", 60.0)  # the quiet time alone ends the wait
+    monkeypatch.setattr(engine, "arrival_quiet", quiet)
+
+    async def main():
+        first = asyncio.create_task(engine.generate(payload(PROMPTS[0], max_new_tokens=4)))
+        await asyncio.sleep(0.02)
+        return await asyncio.gather(first, engine.generate(payload(PROMPTS[1], max_new_tokens=4)))
+
+    asyncio.run(main())
+    assert prefills == ([2] if quiet else [1, 1])
+
+
 def test_shared_prompt_prefix_is_exact(engine, model):
     # 20 shared tokens: the engine forwards them once and copies their keys/values to every row.
     prefix = PROMPTS[0] + PROMPTS[2] + [5356, 5646, 11173]

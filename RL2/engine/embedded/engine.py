@@ -19,6 +19,7 @@ How it works:
 import asyncio
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,9 @@ from RL2.native.allocator import keep_freed_memory
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192
+# With `EmbeddedEngine.arrival_quiet`, how often a batch's first step looks for more requests, and for how long
+# at most: small beside a step's forward, which requests arriving apart would split.
+ARRIVAL_POLL, MAX_ARRIVAL_WAIT = 0.001, 1.0
 
 
 @dataclass(eq=False)
@@ -101,6 +105,9 @@ class EmbeddedEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduler: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        # Seconds without a new request a batch's first step waits for (`_gather_arrivals`); 0: the first step waits
+        # one turn of the loop only, and batches depend on no clock (the agent endpoint sets it for HTTP callers).
+        self.arrival_quiet = 0.0
 
     follows_policy = True
 
@@ -224,9 +231,7 @@ class EmbeddedEngine:
     async def _schedule(self) -> None:
         try:
             await self._wait_for_step()  # a step started by an earlier event loop may still run
-            # One turn of the loop before the first step: requests arriving together (a batch of agents' HTTP
-            # calls, read from their sockets over successive turns) share its prefill instead of splitting it.
-            await asyncio.sleep(0)
+            await self._gather_arrivals()
             while True:
                 self._drop_abandoned()
                 if not (self._paused or self._waiting or self._running):
@@ -248,6 +253,25 @@ class EmbeddedEngine:
                     await asyncio.sleep(0)  # the loop's other coroutines run between steps
         except Exception as exc:
             self._fail(RuntimeError(f"EmbeddedEngine decode loop failed: {exc!r}"), exc)
+
+    async def _gather_arrivals(self) -> None:
+        """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
+        all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
+        arriving (at most MAX_ARRIVAL_WAIT): requests sent together over HTTP (a batch of agents' calls, each made,
+        read from its socket and rendered in turns of its own) share one prefill and decode in step, instead of
+        splitting into prefills that each add decode steps to the batch. Only idle time counts: a poll that returns
+        late found the loop or another thread (an agent's) busy, most likely making more calls."""
+        await asyncio.sleep(0)
+        waiting, quiet = len(self._waiting), 0.0
+        deadline = time.perf_counter() + MAX_ARRIVAL_WAIT
+        while quiet < self.arrival_quiet and time.perf_counter() < deadline:
+            polled = time.perf_counter()
+            await asyncio.sleep(ARRIVAL_POLL)
+            slept = time.perf_counter() - polled
+            if len(self._waiting) != waiting:
+                waiting, quiet = len(self._waiting), 0.0
+            elif slept < 2 * ARRIVAL_POLL:
+                quiet += slept
 
     async def _wait_for_step(self) -> None:
         if self._inflight is not None and not self._inflight.done():
