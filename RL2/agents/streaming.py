@@ -11,7 +11,7 @@ import json
 from aiohttp import web
 
 # Characters of text per delta event.
-PIECE_CHARS = 16
+PIECE_CHARS = 32
 
 
 async def send_events(request: web.Request, events: list[tuple[str | None, object]]) -> web.StreamResponse:
