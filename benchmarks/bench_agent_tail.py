@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from RL2.agents.agent import agent_rollout_batch, load_agent  # noqa: E402
-from RL2.agents.openai_server import OpenAIEndpoint  # noqa: E402
+from RL2.agents.endpoint import OpenAIEndpoint  # noqa: E402
 from RL2.engine.embedded.engine import EmbeddedEngine  # noqa: E402
 from RL2.models.default_model import resolve_model_path  # noqa: E402
 from RL2.rollout.event_loop import run_on_rank_loop  # noqa: E402
