@@ -12,11 +12,11 @@ import contextlib
 import json
 import os
 import re
-import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
+from RL2.loop_thread import LoopThread
 from RL2.rewards.extract import last_tag
 
 ChatFn = Callable[[list[dict]], Awaitable[str]]
@@ -116,12 +116,8 @@ class Judge:
         self.keys = {"question": question_key, "reference": reference_key}
         self.shows = {name for m in self.messages for name in _PLACEHOLDER.findall(m["content"])} - {"response"}
         self.slots = asyncio.Semaphore(max_concurrency)  # used on the judge's loop only
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self._run_loop, name="rl2-judge", daemon=True).start()
-
-    def _run_loop(self) -> None:
-        self.loop.run_forever()
-        self.loop.close()
+        self._thread = LoopThread("rl2-judge")
+        self.loop = self._thread.loop
 
     async def __call__(self, response: str, extra_info: dict) -> float:
         missing = [self.keys[name] for name in sorted(self.shows) if self.keys[name] not in extra_info]
@@ -136,7 +132,7 @@ class Judge:
         # One substitution pass: a response that writes "{question}" stays as written.
         messages = [m | {"content": _PLACEHOLDER.sub(lambda match: values[match.group(1)], m["content"])}
                     for m in self.messages]
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._ask(messages), self.loop))
+        return await asyncio.wrap_future(self._thread.submit(self._ask(messages)))
 
     async def _ask(self, messages: list[dict]) -> float:
         async with self.slots:
@@ -159,7 +155,7 @@ class Judge:
         with contextlib.suppress(RuntimeError):  # closed already
             if self.on_close is not None:
                 self.loop.call_soon_threadsafe(self.on_close)
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.stop()
 
 
 def openai_chat(url: str, model: str, api_key: str | None = None, max_tokens: int = 256,

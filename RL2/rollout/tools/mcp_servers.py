@@ -15,13 +15,12 @@ import asyncio
 import atexit
 import json
 import shlex
-import threading
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import mcp
 import pydantic
 
+from RL2.loop_thread import LoopThread
 from RL2.rollout.tools.declared import Tool, ToolError
 
 # Seconds a server has to start and list its tools.
@@ -56,12 +55,12 @@ class MCPServers:
         self._connections = [_Connection(*_server(spec, where)) for spec in specs]
         self._where, self._closed = where, False
         self.tools: dict[str, Tool] = {}
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._serve_forever, name="rl2-mcp-servers", daemon=True).start()
+        self._thread = LoopThread("rl2-mcp-servers")
+        self._loop = self._thread.loop
         self._closing = asyncio.Event()
         atexit.register(self.close)
         try:
-            listings = self._run(self._connect_all()).result()
+            listings = self._thread.submit(self._connect_all()).result()
         except BaseException:
             self.close()
             raise
@@ -73,14 +72,6 @@ class MCPServers:
                                      f"{connection.label}); a tool's name must be unique among the script's TOOLS "
                                      f"and MCP servers")
                 self.tools[listed_tool.name] = self._tool(connection, listed_tool)
-
-    def _serve_forever(self) -> None:  # the thread of the servers' loop, until `close`
-        self._loop.run_forever()
-        self._loop.close()
-
-    def _run(self, coroutine: Coroutine):
-        """`coroutine` run on the servers' loop: a `concurrent.futures.Future`."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     async def _connect_all(self) -> list[list]:
         return await asyncio.gather(*(self._connect(connection) for connection in self._connections))
@@ -124,7 +115,7 @@ class MCPServers:
         async def call(**arguments) -> str:
             if self._closed:
                 raise ToolError(f"the connection to the MCP server of {listed.name} is closed")
-            return await asyncio.wrap_future(self._run(self._call(connection, listed.name, arguments)))
+            return await asyncio.wrap_future(self._thread.submit(self._call(connection, listed.name, arguments)))
 
         schema = {"type": "function", "function": {"name": listed.name, "description": listed.description or "",
                                                    "parameters": listed.input_schema}}
@@ -164,9 +155,9 @@ class MCPServers:
                 await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
 
         try:
-            self._run(close_all()).result(CLOSE_TIMEOUT_S + 1)
+            self._thread.submit(close_all()).result(CLOSE_TIMEOUT_S + 1)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.stop()
             atexit.unregister(self.close)
 
 
