@@ -1,15 +1,8 @@
-"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen".
-
-A packed row holds several sequences; `cu_seq_lens_q` (passed to the model's forward, handed down to
-every attention layer by transformers) marks where each starts, and no token attends across a boundary.
-`varlen_backend` picks the kernel per call (docs/gpus.md): flash-attn's or torch's varlen kernel on CUDA
-in fp16/bf16, else causal SDPA on each sequence in turn (exact in any dtype, at a cost of sum(L_i^2)
-rather than T^2), or plain products per sequence for models that cap attention scores (Gemma 2).
-
-Forward keywords passed the same way hand a row to another module's attention: `context_shard` under
-context parallelism (`RL2.models.context_parallel`), `shared_prefixes` for a row whose sequences share
-prefixes stored once (`RL2.models.shared_prefix`).
-"""
+"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen": `cu_seq_lens_q`
+(passed to the model's forward, handed down to every attention layer) marks where each sequence starts, and no
+token attends across a boundary. `varlen_backend` picks the kernel per call (docs/gpus.md, "Attention"). Forward
+keywords passed the same way hand a row to another module's attention: `context_shard` under context parallelism
+(`RL2.models.context_parallel`), `shared_prefixes` for shared prefixes stored once (`RL2.models.shared_prefix`)."""
 
 import functools
 import inspect

@@ -1,6 +1,5 @@
 """Activation checkpointing of a HF model's decoder layers: all of them, or every n-th, which saves about
-1/n of the memory that checkpointing them all saves, at about 1/n of its extra time.
-"""
+1/n of the memory that checkpointing them all saves, at about 1/n of its extra time."""
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer

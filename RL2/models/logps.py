@@ -1,10 +1,6 @@
-"""Forward a packed micro-batch and read off per-token log-probabilities, entropies or values.
-
-Under tensor parallelism each rank holds the logits of a slice of the vocabulary; under context
-parallelism, of a share of the tokens. `PackedForward` hides both: its methods reduce over the
-vocabulary on the local logits (`RL2.models.vocab_parallel`), then gather the per-token results
-over the cp ranks, so callers always get whole `[1, T]` rows, aligned with the micro-batch's labels.
-"""
+"""Forward a packed micro-batch and read off per-token log-probabilities, entropies or values. `PackedForward`
+hides tensor parallelism (each rank holds a vocabulary slice of the logits, reduced with `RL2.models.vocab_parallel`)
+and context parallelism (a share of the tokens, gathered over the cp ranks): callers get whole `[1, T]` rows."""
 
 from dataclasses import dataclass, field
 

@@ -1,11 +1,8 @@
 """LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685; see docs/lora.md).
 
-A target linear layer `y = W x + b` becomes `y = W x + b + (alpha / r) B A dropout(x)` with `A` `[r, in]`
-initialised like PEFT's and `B` `[out, r]` at zero, so training starts from the base model exactly.
-Module and parameter names follow PEFT's (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`), so an
-adapter folder is PEFT's key names plus its prefix. The rollout engine and the export see the base
-model's names, with the adapters merged (`merge_adapters`, `split_for_export`).
-"""
+Module and parameter names follow PEFT's (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`), so an adapter
+folder is PEFT's key names plus its prefix. The rollout engine and the export see the base model's names, with the
+adapters merged (`merge_adapters`, `split_for_export`)."""
 
 import json
 import math

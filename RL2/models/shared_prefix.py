@@ -1,18 +1,10 @@
-"""Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses.
-
-`SharedPrefixRow` rewrites a packed row (docs/cpu.md#shared-prefixes) so that each run of consecutive
-sequences with a common prefix (`RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses
-too) holds that prefix once, followed by each sequence's own remainder, its branch:
-
-    packed:     [P a1 a2] [P b1 b2 b3] [Q c1]        P: shared tokens
-    compressed: [P | a1 a2 | b1 b2 b3] [Q c1]
-
-A branch's tokens attend to the whole prefix and causally within their branch; every token keeps its
-position id. So each token sees exactly what it sees in the packed row, and the model's output at packed
-token t is its output at compressed token `source[t]` (gathered differentiably: the gradients of the
-sequences that share a prefix token add up on it). A position is shared only while inputs and labels
-agree, so the label at the last shared position is the same for every sequence of the run.
-"""
+"""Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses
+(docs/cpu.md, "Shared prefixes"). `SharedPrefixRow` rewrites a packed row so that each run of consecutive sequences
+with a common prefix (`RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses too) holds that
+prefix once, followed by each sequence's own remainder, its branch. A branch attends to the whole prefix and
+causally to itself, every token keeping its position id, so each sees exactly what it sees in the packed row; the
+output at packed token t is read (differentiably) at compressed token `source[t]`. A position is shared only while
+inputs and labels agree, so the label at the last shared position is the same for every sequence of the run."""
 
 from dataclasses import dataclass, field
 

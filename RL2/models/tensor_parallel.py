@@ -1,15 +1,7 @@
-"""Tensor parallelism: DTensor plans, one per model family, applied before FSDP.
-
-A plan maps a module path to a style (Megatron-LM's layout):
-- attention: q/k/v column-wise (each tp rank computes a slice of the heads), o row-wise (the partial
-  outputs are summed by an all-reduce);
-- MLP: gate/up column-wise, down row-wise;
-- embeddings row-wise over the vocabulary (each rank looks up the ids in its slice, an all-reduce
-  completes the rows);
-- LM head column-wise over the vocabulary, output left split: each rank keeps `[..., V / tp]` logits
-  and the losses reduce over the vocabulary with `RL2.models.vocab_parallel`.
-Norms of the hidden state and a scalar head (critic, reward model) stay replicated.
-"""
+"""Tensor parallelism: DTensor plans, one per model family, applied before FSDP, in Megatron-LM's layout:
+q/k/v and gate/up column-wise, o and down row-wise; the embedding row-wise over the vocabulary; the LM head
+column-wise with its output left split, `[..., V / tp]` logits that the losses reduce over the vocabulary
+(`RL2.models.vocab_parallel`). Norms of the hidden state and a scalar head stay replicated."""
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh

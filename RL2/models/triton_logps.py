@@ -1,10 +1,6 @@
-"""Log-probabilities of the labels and entropies of logits rows on CUDA, one Triton program per row.
-
-Where the chunked path of `RL2.models.chunked_logps` streams a `[tokens, vocabulary]` tensor through
-memory several times, these kernels read each row once in forward, in its own dtype (a running maximum,
-the sum of exp and the sum of exp times the logit, for the entropy); backward reads it once more and
-writes the gradient. Both compute in float32 and follow the chunked path's conventions.
-"""
+"""Log-probabilities of the labels and entropies of logits rows on CUDA, one Triton program per row: forward
+reads each row once in its own dtype (a running maximum, the sum of exp and of exp times the logit), backward
+once more to write the gradient; float32 math and the conventions of `RL2.models.chunked_logps`."""
 
 import torch
 import triton

@@ -1,12 +1,7 @@
-"""Softmax statistics over a vocabulary split across tensor-parallel ranks.
-
-With tensor parallelism each tp rank holds the logits of one slice of the vocabulary, `[..., V / tp]`.
-Log-probabilities, entropies and KLs need sums and maxima over the whole vocabulary: each rank reduces
-its slice and one all-reduce of a `[...]` tensor combines them, so the full logits never exist on any
-rank (as in Megatron-LM's vocab-parallel cross-entropy). Every tp rank then computes the same loss from
-the same per-token values, so the all-reduce's backward is the identity (Megatron's "g" operator,
-`_SumOverRanks`); a replicated value that goes back into a partial sum gets the opposite pair.
-"""
+"""Softmax statistics over a vocabulary split across tensor-parallel ranks (as in Megatron-LM's vocab-parallel
+cross-entropy): each rank reduces its `[..., V / tp]` slice of the logits and one all-reduce of a `[...]` tensor
+combines them, so the full logits never exist on any rank. Every tp rank then computes the same loss from the same
+values, so the all-reduce's backward is the identity (Megatron's "g", `_SumOverRanks`)."""
 
 from dataclasses import dataclass
 

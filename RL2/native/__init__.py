@@ -1,18 +1,7 @@
 """RL2's compiled and hardware-tuned code: C kernels built on first use, memory tricks for CPU hosts and
 page-locked offload on GPUs. Nothing here changes what is computed, only how fast and in how much memory.
-
-- `build.py` compiles the C sources (`*.c`, `include/*.h`) for this CPU into the RL2 cache;
-- `fused_layers.py`: RMSNorm and SwiGLU for CPU training; `prefix_attention.py`: the CPU attention of
-  shared-prefix rows; `decode_kernels.py`: the embedded engine's decode step and packed linear product;
-- `allocator.py`: glibc malloc keeps freed memory; `tied_embeddings.py`: a tied embedding's sparse
-  gradient; `host_memory.py`: refuse a CPU model that cannot fit the host;
-- `shared_memory*.py`: ranks on one CPU host trade FSDP shards and weight syncs through /dev/shm, not gloo;
-- `pinned_host.py`: a GPU worker's state offloaded into page-locked host buffers;
-- `switches.py`: the `RL2_*` environment variables that turn each of these off.
-
-The rest of RL2 reaches this package through the hooks below (the embedded engine also through its
-kernels and allocator), each a no-op where it does not apply; docs/native.md has the details.
-"""
+The rest of RL2 reaches it through the hooks below, each a no-op where it does not apply (the embedded
+engine also through its kernels and allocator); docs/native.md lists the files and switches."""
 
 import os
 
@@ -40,10 +29,9 @@ def prepare_process(device: torch.device) -> None:
 
 
 def use_huge_pages() -> None:
-    """Put torch's large CPU tensors on transparent huge pages, in this process and those it starts: a
-    step's fresh blocks (logits, their gradient, activations) then fault 2 MB at a time instead of 4 KB.
-    torch reads `THP_MEM_ALLOC_ENABLE` once, at its first CPU allocation, so this must come before it; a
-    value the user set wins (0 turns it off). Linux only."""
+    """Put torch's large CPU tensors on transparent huge pages, in this process and those it starts (fresh
+    blocks then fault 2 MB at a time, not 4 KB). torch reads `THP_MEM_ALLOC_ENABLE` once, at its first CPU
+    allocation, so this must come before it; a value the user set wins (0 turns it off). Linux only."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

@@ -1,20 +1,6 @@
-"""Keep freed CPU memory in the process instead of returning it to the kernel (glibc malloc only).
-
-glibc hands large blocks (from 128 KB, rising with use) to the kernel on free and trims the heap's top
-as soon as it shrinks; the next tensor of that size then page-faults on every 4 KB page it touches, each
-zeroed by the kernel. Training and decoding on CPU allocate tensors of the same few sizes over and over,
-so this churn costs real time (`tests/e2e/test_allocator.py` counts the page faults); jemalloc and
-tcmalloc, which torch's CPU launcher preloads for the same reason, cache freed memory too.
-
-Blocks above 32 MB (glibc's cap on the mmap threshold: the tied embedding, its gradient, FSDP's buffers
-of it) are kept too, by letting malloc map no block of its own. Mapping and unmapping them every step
-cost more than their page faults: with two ranks on one machine, one rank's page zeroing held up the
-other at every collective (`benchmarks/bench_ppo_w1.py`). Threads other than the main one still get
-such blocks mapped, as glibc's per-thread heaps cannot hold them.
-
-The price: the resident size stays at the heap's high-water mark, which creeps up over a run as freed
-blocks are left in pieces too small for the next step's tensors (docs/cpu.md, "Memory on CPU").
-"""
+"""Keep freed CPU memory in the process instead of returning it to the kernel (glibc malloc only): training
+and decoding allocate tensors of the same few sizes over and over, and each fresh page faults and is zeroed.
+docs/cpu.md ("Memory allocation", "Memory on CPU") has the why, the price and the figures."""
 
 import ctypes
 import ctypes.util

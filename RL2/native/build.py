@@ -1,13 +1,7 @@
-"""C libraries built on first use with the system C compiler and called through ctypes.
-
-A library is compiled for this CPU (`-march=native`, or the target `RL2_MARCH` names, e.g. `x86-64-v3`
-for the AVX2 code paths on an AVX512 host: the benchmarks' `--isa avx2`) into the RL2 cache, under a name
-that hashes its source, the headers next to this file, the flags and the CPU's feature flags, so a changed
-source or another machine sharing the cache gets its own build. Building takes about a second.
-
-OpenMP: the libraries link `libgomp.so.1`, which torch has already loaded on Linux, so they share
-torch's thread pool instead of starting a second one that would compete for the same cores.
-"""
+"""C libraries built on first use with the system C compiler and called through ctypes (docs/native.md): each is
+compiled for this CPU (or `RL2_MARCH`) into the RL2 cache, under a name that hashes its source, the headers, the
+flags and the CPU's features, in about a second. They link `libgomp.so.1`, which torch has already loaded on Linux,
+so they share torch's OpenMP thread pool instead of starting a second one that would compete for the same cores."""
 
 import ctypes
 import hashlib

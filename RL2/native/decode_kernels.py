@@ -1,7 +1,5 @@
 """The C decode kernels (`decode_kernels.c`), built once per machine (`RL2.native.build`) and called through
-ctypes. Without a compiler (or with RL2_DECODE_KERNELS=0) `load_decode_kernels` returns None and the
-engine computes the same step with torch ops, slower.
-"""
+ctypes. Without a compiler (or with RL2_DECODE_KERNELS=0) the engine computes the same step with torch ops."""
 
 import ctypes
 import functools

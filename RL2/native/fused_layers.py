@@ -1,12 +1,7 @@
-"""RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward,
-for float32 and bfloat16 training on CPU (`fused_layers.c`).
-
-`install_fused_layers` points a model's RMSNorm and MLP modules at them. For the backward, the MLP then
-keeps its gate and up projections but not their product (`_SiluMulDown`), and the Linears that read a
-norm's output keep the norm's input instead (`_LinearOfNorm`). A call with tensors these kernels do not
-take (another dtype or device, a DTensor or other subclass) runs HF's own code, so an installed model
-stays correct anywhere. Without a C compiler, or with RL2_FUSED_LAYERS=0, nothing is installed.
-"""
+"""RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward, for
+float32 and bfloat16 training on CPU (`fused_layers.c`; docs/cpu.md, "Fused layers"). `install_fused_layers`
+points a model's modules at them; a call with tensors they do not take (another dtype or device, a DTensor or
+other subclass) runs HF's own code, so an installed model stays correct anywhere."""
 
 import ctypes
 import functools

@@ -1,11 +1,6 @@
 """Refuse, before loading, a CPU model that cannot fit this host's memory, rather than load it for minutes
-and be killed mid-step (or drive the machine into swap).
-
-The figure checked is a floor: the bytes a parameter that training it must hold whatever the batch
-(float32 weights, gradients and AdamW's two moments; a frozen model or a LoRA base only its weights),
-sharded over the ranks, of which this host holds its ranks' share. Activations, the engine's copy and
-libraries come on top, so passing says nothing about fitting; failing says it cannot.
-"""
+and be killed mid-step (docs/cpu.md, "What fits"). The figure checked is a floor (what holding or training
+the parameters takes whatever the batch): passing says nothing about fitting; failing says it cannot."""
 
 import os
 

@@ -1,12 +1,7 @@
-"""Page-locked host buffers for a worker's state while a colocated engine has the GPU.
-
-A colocated run moves the trainer's parameters and optimizer state to the CPU before every rollout and back after it.
-Into pageable memory the driver copies through a staging buffer, and fresh host memory page-faults on every page;
-page-locked memory is read and written by the GPU's copy engine directly (`benchmarks/bench_offload.py` times both).
-torch's pinned allocator rounds every block up to a power of two and keeps it, up to twice the state; here each tensor
-gets a buffer of exactly its size, page-locked once with `cudaHostRegister` and refilled at every offload. Page-locked
-memory cannot be swapped out: `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead.
-"""
+"""Page-locked host buffers for a worker's state while a colocated engine has the GPU (docs/gpus.md, "Offload
+into page-locked memory"): each tensor gets a buffer of exactly its size, page-locked once with `cudaHostRegister`
+and refilled at every offload, where torch's pinned allocator would round every block up to a power of two and
+keep it. `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead."""
 
 import mmap
 import weakref

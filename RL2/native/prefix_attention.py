@@ -1,7 +1,5 @@
 """Attention over a shared-prefix row on CPU as one C call per layer, forward and backward (`prefix_attention.c`), for
-float32 and bfloat16. `SharedPrefixRow.attention` runs it where it applies (`usable`); elsewhere, without a C compiler
-or with RL2_PREFIX_ATTENTION=0, one SDPA call per prefix and per branch.
-"""
+float32 and bfloat16, where it applies (`usable`); else `SharedPrefixRow.attention` makes SDPA calls."""
 
 import ctypes
 import functools

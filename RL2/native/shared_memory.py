@@ -1,9 +1,6 @@
-"""Shared-memory segments in /dev/shm for ranks on one host: create, map, agree.
-
-A segment's file lives only until every rank of its group has mapped it. A run killed in between leaves
-the file: its name records the process that named it (`segment_name`), and the next run on the host
-removes the files of processes that are gone (`remove_orphans`).
-"""
+"""Shared-memory segments in /dev/shm for ranks on one host: create, map, agree. A segment's file lives only
+until every rank of its group has mapped it; a run killed in between leaves it, and as its name records the
+process that named it (`segment_name`), the next run on the host removes it (`remove_orphans`)."""
 
 import contextlib
 import glob

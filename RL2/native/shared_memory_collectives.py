@@ -1,22 +1,8 @@
-"""FSDP's all-gathers and reduce-scatters through shared memory, for CPU ranks on one host.
-
-On CPU, FSDP2 gathers every layer's parameters before its forward and backward and reduce-scatters its gradients after,
-over gloo's loopback TCP, and every step waits for these blocking calls. Ranks that share a host instead copy their part
-into a /dev/shm segment every rank maps, wait for one another, and read what they need (the whole segment for an
-all-gather; their slice of every rank's part, summed in rank order, for a reduce-scatter): two memory copies and two
-small gloo all-reduces that serve as barriers (`benchmarks/bench_ppo_w1.py` measures the update with and without).
-
-FSDP takes these through its custom-comm hooks (`set_custom_all_gather`, `set_custom_reduce_scatter`), which hand over
-the same buffers gloo would get. The segment grows collectively (every rank asks for the same sizes in the same order)
-to the largest layer's buffer; where it cannot apply or grow (ranks on several hosts, a full /dev/shm), every rank
-agrees to go on over gloo. `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off.
-
-The hooks also allocate FSDP's buffers, a decoder layer's in shared memory itself (`Slots`): FSDP then writes its shard
-of an all-gather, and the gradients of a reduce-scatter, straight where the other ranks read them. The root module's
-buffers (embeddings and head, several layers' worth) would take four more slots of their size: its all-gathers take the
-copying path, and its reduce-scatter's input is this rank's part of the segment, so FSDP writes the gradients there
-itself (a fresh buffer each step cost page faults as well as the copy).
-"""
+"""FSDP's all-gathers and reduce-scatters through shared memory, for CPU ranks on one host, instead of gloo's
+loopback TCP: each rank copies its part into a /dev/shm segment every rank maps, and two small gloo all-reduces
+serve as barriers. FSDP takes them through its custom-comm hooks, which also allocate its buffers in the segment
+(`Slots`); where the segment cannot apply or grow, every rank agrees to go on over gloo. docs/cpu.md
+("Collectives in shared memory") has the design and figures; `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off."""
 
 import functools
 import os

@@ -1,17 +1,7 @@
-"""Full parameters from FSDP shards through shared memory, for ranks on one host.
-
-A weight sync gives every rank's engine the whole model. On CPU that all-gather runs over gloo's loopback
-TCP, several times slower than copying memory (docs/cpu.md, the embedded engine's weight sync). Ranks
-that share a host instead each write their shards into a /dev/shm segment of their own, wait for one
-another, and read the other segments directly: two memory copies and a few barriers.
-
-The model goes through in chunks of about CHUNK_BYTES per rank (a larger shard is a chunk of its own), each written,
-read by every rank, then overwritten by the next. So the segments hold one chunk, not the model, and keep their pages
-between syncs (a fresh /dev/shm page costs the kernel several times more to allocate and zero than copying into it). The
-files are unlinked once every rank has mapped them, so a crashed run leaves nothing behind. Where this does not apply
-(ranks on several hosts, too little /dev/shm, tensor parallelism, GPUs) `SharedMemoryGather.build` returns None and the
-caller all-gathers with `DTensor.full_tensor`.
-"""
+"""Full parameters from FSDP shards through shared memory, for the weight sync of ranks on one CPU host: each
+rank writes its shards into a /dev/shm segment of its own, and every rank reads the others' directly, a chunk of
+about CHUNK_BYTES per rank at a time (docs/cpu.md, "Weight sync"). Where this does not apply
+`SharedMemoryGather.build` returns None and the caller all-gathers with `DTensor.full_tensor`."""
 
 import math
 import os

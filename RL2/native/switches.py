@@ -1,8 +1,5 @@
 """The environment variables that switch RL2's compiled and tuned code paths, read here and nowhere else.
-
-Each switch is on unless set to "0": it exists to compare a path with its fallback (the benchmarks do)
-or to step around a machine where the path fails. docs/native.md has the table.
-"""
+Each is on unless set to "0"; docs/native.md has the table."""
 
 import os
 from pathlib import Path
