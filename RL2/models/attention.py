@@ -49,8 +49,7 @@ def _keywords(fn) -> frozenset[str]:
 
 
 def flash_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether flash-attention kernels (flash-attn's, ring-flash-attn's, torch's own varlen kernel) can run
-    here: on CUDA in fp16 or bf16, on Ampere (compute capability 8.0) or newer."""
+    """Whether flash-attention kernels (flash-attn's, ring-flash-attn's, torch's) run here: CUDA, fp16/bf16, Ampere+."""
     return device.type == "cuda" and dtype in HALF_DTYPES and torch.cuda.get_device_capability(device)[0] >= 8
 
 
@@ -65,15 +64,12 @@ def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa"
 
 
-_LOGGED: set[tuple] = set()
-
-
 def log_backend_once(kind: str, backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Say which attention kernel runs, the first time each (kind, kernel, device, dtype) is used."""
-    key = (kind, backend, device.type, dtype)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log_rank0(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
+    _log_once(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
+
+
+_log_once = functools.cache(log_rank0)
 
 
 def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=None):
@@ -106,12 +102,10 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:
     """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count.
-
     On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask
     (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
     (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp), which would fall to the math
-    kernel and its `[H, q, k]` scores. On CPU the math kernel is the only one, so nothing changes.
-    """
+    kernel and its `[H, q, k]` scores. On CPU the math kernel is the only one, so nothing changes."""
     if device.type != "cuda" or heads == kv_heads:
         return False
     return masked or not flash_kernels_run(device, dtype)

@@ -21,9 +21,7 @@ class ModelLayout:
     vocab: VocabShard = field(default_factory=VocabShard)  # the vocabulary slice of this rank's logits (tp)
     cp_group: dist.ProcessGroup | None = None  # None without context parallelism
     share_prefixes: bool = False  # compute a prefix that consecutive packed sequences share once
-    # the window of the model's sliding-window layers, which RL2's attention does not apply: a longer sequence
-    # is refused rather than scored wrongly
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the model's attention window, not applied: longer sequences are refused
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:
@@ -36,17 +34,14 @@ def shares_prefixes(model: torch.nn.Module) -> bool:
 class PackedForward:
     """A model's output on one packed row, as this rank holds it."""
 
-    # `[1, k, V_local]`: this rank's t tokens (all T without cp), or only the `kept` ones of them, over its
-    # vocabulary slice (`vocab`)
-    local_logits: torch.Tensor
+    local_logits: torch.Tensor  # `[1, k, V_local]`: this rank's t tokens (T without cp) or their `kept` ones
     local_labels: torch.Tensor  # `[1, k]`
     vocab: VocabShard
     context: ContextShard | None  # how the row is split over cp ranks
     length: int  # T, the tokens of the whole row
     kept: torch.Tensor | None = None  # which of the t tokens have logits (`trained_only`), None: all
     local_length: int = 0  # t
-    # the row the model ran on when it stored shared prefixes once; results are expanded back to the packed row
-    shared: SharedPrefixRow | None = None
+    shared: SharedPrefixRow | None = None  # the row the model ran on with shared prefixes stored once
     trained: torch.Tensor | None = None  # with `shared` and `kept`, the row's `loss_mask`: results are 0.0 elsewhere
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:

@@ -5,43 +5,24 @@ import os
 from pathlib import Path
 
 
-def _on(name: str) -> bool:
-    return os.environ.get(name, "1") != "0"
+def _switch(variable: str, path: str):
+    """A function that says, at each call, whether `variable` leaves `path` on (any value but "0")."""
+
+    def on() -> bool:
+        return os.environ.get(variable, "1") != "0"
+
+    on.__doc__ = f"{variable}: {path}."
+    return on
 
 
-def fused_layers() -> bool:
-    """RL2_FUSED_LAYERS: the trainer's RMSNorm and SwiGLU activation as C passes (`fused_layers.c`) on CPU."""
-    return _on("RL2_FUSED_LAYERS")
-
-
-def prefix_attention() -> bool:
-    """RL2_PREFIX_ATTENTION: shared-prefix attention on CPU in C (`prefix_attention.c`), else SDPA calls."""
-    return _on("RL2_PREFIX_ATTENTION")
-
-
-def decode_kernels() -> bool:
-    """RL2_DECODE_KERNELS: the embedded engine's decode step in C (`decode_kernels.c`), else torch ops."""
-    return _on("RL2_DECODE_KERNELS")
-
-
-def keep_freed_memory() -> bool:
-    """RL2_KEEP_FREED_MEMORY: glibc malloc keeps freed memory in the process (`allocator.py`)."""
-    return _on("RL2_KEEP_FREED_MEMORY")
-
-
-def pinned_offload() -> bool:
-    """RL2_PINNED_OFFLOAD: a GPU worker's state offloads into page-locked (`pinned_host.py`), else pageable, memory."""
-    return _on("RL2_PINNED_OFFLOAD")
-
-
-def shared_memory_collectives() -> bool:
-    """RL2_SHARED_MEMORY_COLLECTIVES: FSDP's collectives between CPU ranks on one host through /dev/shm, else gloo."""
-    return _on("RL2_SHARED_MEMORY_COLLECTIVES")
-
-
-def triton_logps() -> bool:
-    """RL2_TRITON_LOGPS: log-probabilities on CUDA in Triton (`RL2.models.triton_logps`), else chunked torch ops."""
-    return _on("RL2_TRITON_LOGPS")
+fused_layers = _switch("RL2_FUSED_LAYERS", "the trainer's RMSNorm and SwiGLU activation as C passes on CPU")
+prefix_attention = _switch("RL2_PREFIX_ATTENTION", "shared-prefix attention on CPU in C, else SDPA calls")
+decode_kernels = _switch("RL2_DECODE_KERNELS", "the embedded engine's decode step in C, else torch ops")
+keep_freed_memory = _switch("RL2_KEEP_FREED_MEMORY", "glibc malloc keeps freed memory in the process")
+pinned_offload = _switch("RL2_PINNED_OFFLOAD", "a GPU worker's state offloads into page-locked, else pageable, memory")
+shared_memory_collectives = _switch("RL2_SHARED_MEMORY_COLLECTIVES",
+                                    "FSDP's collectives between CPU ranks on one host through /dev/shm, else gloo")
+triton_logps = _switch("RL2_TRITON_LOGPS", "log-probabilities on CUDA in Triton, else chunked torch ops")
 
 
 def march() -> str:
