@@ -1,8 +1,7 @@
-"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen": `cu_seq_lens_q`
-(passed to the model's forward, handed down to every attention layer) marks where each sequence starts, and no
-token attends across a boundary. `varlen_backend` picks the kernel per call (docs/gpus.md, "Attention"). Forward
-keywords passed the same way hand a row to another module's attention: `context_shard` under context parallelism
-(`RL2.models.context_parallel`), `shared_prefixes` for shared prefixes stored once (`RL2.models.shared_prefix`)."""
+"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen": `cu_seq_lens_q`,
+passed to the model's forward and on to every attention layer, marks where each sequence starts, and no token
+attends across a boundary (kernels: `varlen_backend`, docs/gpus.md). Keywords passed the same way hand a row to
+another module's attention: `context_shard` (`RL2.models.context_parallel`), `shared_prefixes` (`.shared_prefix`)."""
 
 import functools
 import inspect
@@ -64,12 +63,15 @@ def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa"
 
 
+_LOGGED: set[tuple] = set()
+
+
 def log_backend_once(kind: str, backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Say which attention kernel runs, the first time each (kind, kernel, device, dtype) is used."""
-    _log_once(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
-
-
-_log_once = functools.cache(log_rank0)
+    key = (kind, backend, device.type, dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log_rank0(f"{kind} attention: {backend} ({device.type}, {str(dtype).removeprefix('torch.')})")
 
 
 def _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap=None):
@@ -101,11 +103,10 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:
-    """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count.
-    On CUDA, SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask
-    (`masked`); its memory-efficient kernel takes fp32 and masks but not grouped heads
-    (`check_batch_size_and_num_heads_dense<false>` in torch's sdp_utils.cpp), which would fall to the math
-    kernel and its `[H, q, k]` scores. On CPU the math kernel is the only one, so nothing changes."""
+    """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count. On CUDA,
+    SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask (`masked`); its
+    memory-efficient kernel takes fp32 and masks but not grouped heads (`check_batch_size_and_num_heads_dense<false>`
+    in torch's sdp_utils.cpp): they would fall to the math kernel and its `[H, q, k]` scores. CPU has only that one."""
     if device.type != "cuda" or heads == kv_heads:
         return False
     return masked or not flash_kernels_run(device, dtype)
@@ -132,8 +133,7 @@ def repeat_kv_heads_for_sdpa(query, key, value, masked: bool) -> tuple[torch.Ten
 
 
 def softcap_of(config) -> float | None:
-    """Gemma 2's attention-score cap (`attn_logit_softcapping`): scores become cap * tanh(scores / cap)
-    before the softmax. None for models without one."""
+    """Gemma 2's attention-score cap (`attn_logit_softcapping`: scores -> cap * tanh(scores / cap)), else None."""
     return getattr(config, "attn_logit_softcapping", None) or None
 
 

@@ -1,8 +1,7 @@
-"""Log-probabilities of the labels and entropies from logits, a few tokens at a time: each chunk of rows is
-cast, reduced and, in backward, turned into its gradient while it sits in the CPU's cache, where a `[tokens,
-vocabulary]` float32 copy would stream through memory at every pass; only each token's log-sum-exp and entropy are
-kept for the backward. Logits of -inf (masked entries) count as probability 0. On CUDA, where Triton imports, the
-same function runs as Triton kernels (`RL2.models.triton_logps`; `RL2_TRITON_LOGPS=0` keeps this path)."""
+"""Log-probabilities of the labels and entropies from logits, a few tokens at a time: each chunk of rows is cast,
+reduced and, in backward, turned into its gradient in the CPU's cache rather than streaming a `[tokens, vocabulary]`
+float32 copy through memory at every pass. Logits of -inf (masked entries) count as probability 0. On CUDA, where
+Triton imports, Triton kernels do the same (`RL2.models.triton_logps`; `RL2_TRITON_LOGPS=0` keeps this path)."""
 
 import functools
 
@@ -19,11 +18,10 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
 class LogpsAndEntropy(torch.autograd.Function):
-    """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any
-    float dtype; the entropy is zeros unless `with_entropy`. With `overwrite_logits`, the chunked path's
-    backward writes the logits' gradient over the logits instead of into a new `[N, V]` tensor (the largest
-    buffer of a small model's backward on CPU): the caller promises that nothing reads the logits after this
-    backward (the output projection needs its input, not its output)."""
+    """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any float
+    dtype; the entropy is zeros unless `with_entropy`. With `overwrite_logits`, the chunked backward writes the
+    logits' gradient over them instead of into a new `[N, V]` tensor (a small model's largest backward buffer on
+    CPU): the caller promises that nothing reads the logits afterwards (the output projection reads its input)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float,

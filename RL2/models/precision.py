@@ -39,8 +39,7 @@ def _warn_once(message: str) -> None:  # the trainer and the engine both resolve
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`actor.dtype` -> torch dtype; `auto` is bf16 where it is the faster choice (`bf16_pays_off`), else
-    float32."""
+    """`actor.dtype` -> torch dtype; `auto` is bf16 where it is the faster choice (`bf16_pays_off`), else float32."""
     if name == "auto":
         return torch.bfloat16 if bf16_pays_off(device) else torch.float32
     if name == "bfloat16" and not native_bf16(device) and device.type == "cuda":

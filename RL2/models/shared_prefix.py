@@ -1,10 +1,8 @@
-"""Compute a prefix that consecutive packed sequences share once: a prompt and its group's responses
-(docs/cpu.md, "Shared prefixes"). `SharedPrefixRow` rewrites a packed row so that each run of consecutive sequences
-with a common prefix (`RL2.utils.shared_prefixes.runs_with_shared_prefix`, which packing uses too) holds that
-prefix once, followed by each sequence's own remainder, its branch. A branch attends to the whole prefix and
-causally to itself, every token keeping its position id, so each sees exactly what it sees in the packed row; the
-output at packed token t is read (differentiably) at compressed token `source[t]`. A position is shared only while
-inputs and labels agree, so the label at the last shared position is the same for every sequence of the run."""
+"""Compute a prefix that consecutive packed sequences share once, e.g. a prompt and its group's responses
+(docs/cpu.md, "Shared prefixes"): `SharedPrefixRow` stores each run's common prefix once, then each sequence's
+remainder, its branch, and reads the output at packed token t (differentiably) at compressed token `source[t]`. A
+position is shared only while inputs and labels agree (`RL2.utils.shared_prefixes.runs_with_shared_prefix`), so
+the label at the last shared position is the same for every sequence of the run."""
 
 from dataclasses import dataclass, field
 
@@ -18,9 +16,8 @@ from RL2.utils.shared_prefixes import runs_with_shared_prefix
 
 @dataclass
 class Block:
-    """One run of sequences in the compressed row: from `start`, `prefix` shared tokens (all of a sequence
-    that shares with no other), then the branches, of lengths `branches`; a branch may be empty (a
-    sequence that is all prefix)."""
+    """One run of sequences in the compressed row: from `start`, `prefix` shared tokens (all of a sequence that
+    shares with no other), then branches of lengths `branches`, maybe empty (a sequence that is all prefix)."""
 
     start: int
     prefix: int

@@ -1,7 +1,6 @@
-"""Tensor parallelism: DTensor plans, one per model family, applied before FSDP, in Megatron-LM's layout:
-q/k/v and gate/up column-wise, o and down row-wise; the embedding row-wise over the vocabulary; the LM head
-column-wise with its output left split, `[..., V / tp]` logits that the losses reduce over the vocabulary
-(`RL2.models.vocab_parallel`). Norms of the hidden state and a scalar head stay replicated."""
+"""Tensor parallelism: DTensor plans per model family, applied before FSDP, in Megatron-LM's layout: q/k/v and
+gate/up column-wise, o and down row-wise, the embedding row-wise and the LM head column-wise over the vocabulary
+(`[..., V / tp]` logits, reduced by `RL2.models.vocab_parallel`); hidden-state norms and a scalar head replicated."""
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh

@@ -82,8 +82,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> t
 
 def backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
              grad_logps: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """The gradient with respect to the logits, in their dtype, of `grad_logps . log p(labels)` plus, when
-    given, `grad_entropy . entropy`."""
+    """The logits' gradient, in their dtype, of `grad_logps . log p(labels)` + (if given) `grad_entropy . entropy`."""
     n, vocab = logits.shape
     grad = torch.empty_like(logits)
     if n:

@@ -1,7 +1,6 @@
-"""Softmax statistics over a vocabulary split across tensor-parallel ranks (as in Megatron-LM's vocab-parallel
-cross-entropy): each rank reduces its `[..., V / tp]` slice of the logits and one all-reduce of a `[...]` tensor
-combines them, so the full logits never exist on any rank. Every tp rank then computes the same loss from the same
-values, so the all-reduce's backward is the identity (Megatron's "g", `_SumOverRanks`)."""
+"""Softmax statistics over a vocabulary split across tensor-parallel ranks, as Megatron-LM's vocab-parallel
+cross-entropy: each rank reduces its `[..., V / tp]` slice and one all-reduce of a `[...]` tensor combines them. Every
+tp rank computes the same loss from the same values, so the all-reduce's backward is the identity (`_SumOverRanks`)."""
 
 from dataclasses import dataclass
 

@@ -1,7 +1,6 @@
-"""RL2's compiled and hardware-tuned code: C kernels built on first use, memory tricks for CPU hosts and
-page-locked offload on GPUs. Nothing here changes what is computed, only how fast and in how much memory.
-The rest of RL2 reaches it through the hooks below, each a no-op where it does not apply (the embedded
-engine also through its kernels and allocator); docs/native.md lists the files and switches."""
+"""RL2's compiled and hardware-tuned code: how fast and in how much memory, never what is computed (docs/native.md).
+The rest of RL2 reaches it through the hooks below, each a no-op where it does not apply (the embedded engine also
+through its kernels and allocator)."""
 
 import os
 
@@ -29,9 +28,8 @@ def prepare_process(device: torch.device) -> None:
 
 
 def use_huge_pages() -> None:
-    """Put torch's large CPU tensors on transparent huge pages, in this process and those it starts (fresh
-    blocks then fault 2 MB at a time, not 4 KB). torch reads `THP_MEM_ALLOC_ENABLE` once, at its first CPU
-    allocation, so this must come before it; a value the user set wins (0 turns it off). Linux only."""
+    """Put torch's large CPU tensors on transparent huge pages (2 MB faults, not 4 KB), here and in child processes.
+    torch reads `THP_MEM_ALLOC_ENABLE` at its first CPU allocation: call this before. A user's value wins (0: off)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

@@ -1,7 +1,6 @@
-"""C libraries built on first use with the system C compiler and called through ctypes (docs/native.md): each is
-compiled for this CPU (or `RL2_MARCH`) into the RL2 cache, under a name that hashes its source, the headers, the
-flags and the CPU's features, in about a second. They link `libgomp.so.1`, which torch has already loaded on Linux,
-so they share torch's OpenMP thread pool instead of starting a second one that would compete for the same cores."""
+"""C libraries built on first use with the system C compiler for this CPU (or `RL2_MARCH`) into the RL2 cache, and
+called through ctypes (docs/native.md). They link `libgomp.so.1`, which torch has already loaded on Linux, so they
+share torch's OpenMP thread pool instead of starting a second one that would compete for the same cores."""
 
 import ctypes
 import hashlib
@@ -22,8 +21,7 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fope
 
 
 def cpuinfo(field: str) -> str:
-    """The value of `field` (e.g. "flags", "vendor_id") for the first CPU in /proc/cpuinfo; "" where there
-    is no such file or field."""
+    """The value of `field` ("flags", "vendor_id") for the first CPU in /proc/cpuinfo; "" where there is none."""
     try:
         with open("/proc/cpuinfo") as lines:
             return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), "")

@@ -41,9 +41,9 @@ def load_decode_kernels() -> "DecodeKernels | None":
 
 @dataclass
 class RowGroups:
-    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses
-    to one prompt), for the decode attention to read those positions once: the rows of group i are
-    `order[starts[i]:starts[i + 1]]`, and they share positions 0..shared[i]-1 (int64 tensors)."""
+    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses to one
+    prompt), which the decode attention reads once: group i's rows are `order[starts[i]:starts[i + 1]]`, sharing
+    positions 0..shared[i]-1 (int64 tensors)."""
 
     order: torch.Tensor
     starts: torch.Tensor
@@ -108,10 +108,9 @@ class DecodeKernels:
 
     def decode_attention(self, q, keys, values, positions, scale: float, out: torch.Tensor,
                          groups: RowGroups | None = None) -> torch.Tensor:
-        """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]`
-        (float32) over cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a
-        whole `[cache_rows, kv_heads, cache_len, head_dim]` buffer of the cache. With `groups`, the rows of a
-        group read the positions they share once (the same results)."""
+        """out `[rows, heads * head_dim]` (the values' dtype) = attention of q `[rows, heads, head_dim]` (float32) over
+        cache positions 0..positions[r] of each row: keys and values in the model's dtype, each a whole `[cache_rows,
+        kv_heads, cache_len, head_dim]` cache buffer. With `groups`, a group's rows read their shared positions once."""
         rows, heads, head_dim = q.shape
         _check_cache(values, keys, values)
         order, starts, shared = (None, None, None) if groups is None else (groups.order, groups.starts, groups.shared)

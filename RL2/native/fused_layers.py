@@ -1,7 +1,6 @@
-"""RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward, for
-float32 and bfloat16 training on CPU (`fused_layers.c`; docs/cpu.md, "Fused layers"). `install_fused_layers`
-points a model's modules at them; a call with tensors they do not take (another dtype or device, a DTensor or
-other subclass) runs HF's own code, so an installed model stays correct anywhere."""
+"""RMSNorm and the SwiGLU activation of Llama-family models as one C pass each, forward and backward, for float32
+and bfloat16 training on CPU (`fused_layers.c`; docs/cpu.md). A call with tensors they do not take (another dtype
+or device, a DTensor or other subclass) runs HF's own code, so an installed model stays correct anywhere."""
 
 import ctypes
 import functools
@@ -54,8 +53,7 @@ def _kernel(name: str, dtype: torch.dtype):
 
 
 def _plain_gradient(grad_out: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor:
-    """`grad_out` as the kernels read it (the dtype of `like`); a gradient they cannot read raises rather
-    than being misread."""
+    """`grad_out` as the kernels read it (the dtype of `like`); one they cannot read raises rather than be misread."""
     if not _fusable(grad_out, like):
         raise TypeError(f"the fused {layer} got a {type(grad_out).__name__} gradient of dtype {grad_out.dtype} on "
                         f"{grad_out.device} for its {like.dtype} input; it takes plain CPU tensors of the input's "

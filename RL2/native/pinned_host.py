@@ -1,7 +1,6 @@
-"""Page-locked host buffers for a worker's state while a colocated engine has the GPU (docs/gpus.md, "Offload
-into page-locked memory"): each tensor gets a buffer of exactly its size, page-locked once with `cudaHostRegister`
-and refilled at every offload, where torch's pinned allocator would round every block up to a power of two and
-keep it. `RL2_PINNED_OFFLOAD=0` offloads into pageable memory instead."""
+"""Page-locked host buffers for a worker's state while a colocated engine has the GPU (docs/gpus.md): each tensor
+gets a buffer of exactly its size, page-locked once with `cudaHostRegister` and refilled at every offload, where
+torch's pinned allocator would round each block up to a power of two and keep it."""
 
 import mmap
 import weakref
@@ -71,9 +70,8 @@ class PinnedHostCopies:
 
 
 def takes_buffer(local: torch.Tensor) -> bool:
-    """Whether a tensor is copied into a locked buffer. Small ones go to pageable memory, as fast. So
-    does a view into a larger storage: FSDP2 keeps an uneven shard padded and, on every move, copies it
-    into fresh padded memory of its own, where a buffer would be a second copy."""
+    """Whether a tensor is copied into a locked buffer: not a small one (pageable memory is as fast), nor a view into
+    a larger storage (FSDP2 copies an uneven shard into fresh padded memory at every move: a second copy)."""
     nbytes = local.numel() * local.element_size()
     return nbytes >= SMALL_BYTES and local.untyped_storage().nbytes() == nbytes
 

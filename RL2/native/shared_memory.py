@@ -68,10 +68,9 @@ def map_segment(path: str, size: int) -> mmap.mmap:
 
 
 def map_segments(paths: list[str], own: str | None, size: int, group) -> tuple[list[mmap.mmap] | None, OSError | None]:
-    """Every file of `paths` (`size` bytes each) mapped on every rank of `group`, this rank first creating
-    `own` (one of them; None: none) where /dev/shm has room for it; each file is unlinked once every rank has
-    mapped it. Returns the mappings, or None on every rank where a file could not be made or mapped anywhere,
-    and this rank's error, if any. Collective."""
+    """Every file of `paths` (`size` bytes each) mapped on every rank of `group`, this rank first creating `own` (one
+    of them; None: none) where /dev/shm has room for it; each file is unlinked once every rank has mapped it. Returns
+    the mappings, or None on every rank where a file could not be made or mapped anywhere, and this rank's error."""
     error, mappings = None, None
     if own is not None:
         try:

@@ -1,8 +1,7 @@
-"""FSDP's all-gathers and reduce-scatters through shared memory, for CPU ranks on one host, instead of gloo's
-loopback TCP: each rank copies its part into a /dev/shm segment every rank maps, and two small gloo all-reduces
-serve as barriers. FSDP takes them through its custom-comm hooks, which also allocate its buffers in the segment
-(`Slots`); where the segment cannot apply or grow, every rank agrees to go on over gloo. docs/cpu.md
-("Collectives in shared memory") has the design and figures; `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off."""
+"""FSDP's all-gathers and reduce-scatters through shared memory for CPU ranks on one host, instead of gloo's loopback
+TCP: each rank copies its part into a /dev/shm segment every rank maps, two small gloo all-reduces serving as
+barriers, through FSDP's custom-comm hooks, which also allocate its buffers there (`Slots`). docs/cpu.md has the
+design and figures; `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off."""
 
 import functools
 import os
@@ -52,8 +51,7 @@ class SharedMemoryCollectives:
         return cls(group, info[0][2])
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Route every FSDP module of `model` through these collectives; the buffers of all but the root
-        module live in shared memory."""
+        """Route every FSDP module of `model` through these; the buffers of all but the root live in shared memory."""
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(_AllGather(self))
@@ -131,8 +129,8 @@ class SharedMemoryCollectives:
 
     @torch.no_grad()
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        """output `[n]` = the sum over ranks, in rank order, of their input `[world * n]`'s slice of this
-        rank; False: not done (use gloo)."""
+        """output `[n]` = the sum over ranks, in rank order, of this rank's slice of their input `[world * n]`;
+        False: not done (use gloo)."""
         if self.slots.holds(output):
             raise RuntimeError("a reduce-scatter's output was handed out in shared memory, where the next "
                                "collectives overwrite it: set RL2_SHARED_MEMORY_COLLECTIVES=0")
@@ -163,15 +161,11 @@ clear_on_close(SharedMemoryCollectives.for_group.cache_clear)
 
 
 class Slots:
-    """FSDP's all-gather outputs and reduce-scatter inputs of up to `slot_bytes`, in a shared segment.
-
-    Two slots of each kind, used in turn, are enough: a rank writes slot k % 2 only after the barrier of collective
-    k - 1, which every other rank reaches after it is done with collective k - 2 (FSDP copies a gathered layer out
-    before it asks for the next all-gather, prefetch included; a reduce-scatter reads its inputs within the call).
-    All-gather slots hold `slot_bytes`, each rank writing its part; reduce-scatter slots `world * slot_bytes`, a whole
-    input per rank. Every rank allocates the same sizes in the same order, so the k-th buffer is the same slot
-    everywhere.
-    """
+    """FSDP's all-gather outputs and reduce-scatter inputs of up to `slot_bytes`, in a shared segment. Two slots of
+    each kind, used in turn, are enough: a rank writes slot k % 2 only after the barrier of collective k - 1, which
+    every other rank reaches after it is done with collective k - 2 (FSDP copies a gathered layer out before it asks
+    for the next all-gather, prefetch included; a reduce-scatter reads its inputs within the call). Every rank
+    allocates the same sizes in the same order, so the k-th buffer is the same slot everywhere."""
 
     PER_KIND = 2
 
