@@ -1,6 +1,6 @@
-"""RL2's compiled and hardware-tuned code: how fast and in how much memory, never what is computed (docs/native.md).
+"""RL2's compiled and hardware-tuned code: it changes how fast and in how much memory, never what RL2 computes.
 The rest of RL2 reaches it through the hooks below, each a no-op where it does not apply (the embedded engine also
-through its kernels and allocator)."""
+through its kernels and allocator); docs/native.md has the files, hooks and switches."""
 
 import os
 

@@ -19,8 +19,7 @@ _done = False
 
 def keep_freed_memory() -> bool:
     """Tune glibc malloc once per process; False where the C library is not glibc or `RL2_KEEP_FREED_MEMORY=0`.
-    Best called before the process starts threads that allocate (a process group's): glibc documents mallopt as
-    unsafe beside them."""
+    Best called before the process starts threads that allocate (a process group's): mallopt is unsafe beside them."""
     global _done
     if _done:
         return True

@@ -1,6 +1,6 @@
 """Refuse, before loading, a CPU model that cannot fit this host's memory, rather than load it for minutes
-and be killed mid-step (docs/cpu.md, "What fits"). The figure checked is a floor (what holding or training
-the parameters takes whatever the batch): passing says nothing about fitting; failing says it cannot."""
+and be killed mid-step (docs/cpu.md, "What fits"). The figure checked is a floor (this host's shards of the
+weights, and of a trained model's gradients and AdamW moments): passing does not mean it fits; failing, it cannot."""
 
 import os
 
