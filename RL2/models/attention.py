@@ -28,9 +28,8 @@ def flash_attn_varlen():
 
 @functools.cache
 def torch_varlen_attention():
-    """torch's `varlen_attn` when this torch has one we can call causally with a scale, else None. Its
-    keywords changed between releases (`is_causal` became `window_size=(-1, 0)`; `enable_gqa` came later),
-    so `_torch_varlen` reads them off its signature."""
+    """torch's `varlen_attn` where this torch has one we can call causally with a scale, else None. Its keywords
+    changed between releases (`is_causal` became `window_size=(-1, 0)`, `enable_gqa` later): `_keywords` reads them."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -41,9 +41,8 @@ def load_decode_kernels() -> "DecodeKernels | None":
 
 @dataclass
 class RowGroups:
-    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses to one
-    prompt), which the decode attention reads once: group i's rows are `order[starts[i]:starts[i + 1]]`, sharing
-    positions 0..shared[i]-1 (int64 tensors)."""
+    """Rows whose caches hold the same keys and values at their first positions (a GRPO group's responses), which
+    decode attention reads once: group i's rows, `order[starts[i]:starts[i + 1]]`, share 0..shared[i]-1 (int64)."""
 
     order: torch.Tensor
     starts: torch.Tensor

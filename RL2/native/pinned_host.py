@@ -16,9 +16,8 @@ SMALL_BYTES = 2**20  # smaller tensors (norms, biases, step counts) are copied t
 
 
 class PinnedHostCopies:
-    """Host copies of device tensors, one page-locked buffer per key, reused at every offload. `lock`
-    page-locks `(address, nbytes)`, raising where it cannot, and `unlock` undoes it for an address
-    (`cudaHostRegister` and `cudaHostUnregister` by default)."""
+    """Host copies of device tensors, one page-locked buffer per key, reused at every offload. `lock(address, nbytes)`
+    page-locks, raising where it cannot; `unlock(address)` undoes it (`cudaHostRegister`, `cudaHostUnregister`)."""
 
     def __init__(self, lock: Callable[[int, int], None] | None = None, unlock: Callable[[int], None] | None = None):
         self.lock, self.unlock = lock or cuda_host_register, unlock or cuda_host_unregister
