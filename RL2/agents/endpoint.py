@@ -1,18 +1,7 @@
 """An HTTP endpoint over a rank's inference engine that serves the APIs agent code is written against (OpenAI's chat
-completions, completions and responses, Anthropic's messages) and records what it samples.
-
-Agent code written against `openai.AsyncOpenAI` (or `anthropic.AsyncAnthropic`) trains unchanged (as in AReaL,
-SkyRL, OpenRLHF and ART): each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of
-this server (the fields served: docs/agents.md). Every call samples through `engine.generate`, and the session's
-`Trajectory` records the exact prompt and sampled token ids with the engine's log-probabilities
-(`RL2.agents.sessions`). Each API's module turns its request into chat messages and tools, which take one path
-here (`OpenAIEndpoint.chat_turn`): rendered by the chat template, sampled, recorded, tool calls parsed.
-
-Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint) as
-`Authorization: Bearer` (or `x-api-key`, as Anthropic's client sends it), else it gets 401; session ids are random
-too, so no other local process can write into a run's trajectories. Special tokens' text in the messages is
-tokenised as text: only the chat template writes role tokens (`RL2.utils.tokens.render_plain`). Requests are
-bounded before they cost much (the body's arrival time and JSON depth, the prompt's characters, the stop lists).
+completions, completions and responses, Anthropic's messages) and records what it samples, per session, as a
+trajectory (`RL2.agents.sessions`). Each API's module turns its request into chat messages and tools, which take one
+path here (`OpenAIEndpoint.chat_turn`). Who may call, and the bounds on requests: docs/agents.md.
 """
 
 import asyncio
@@ -29,6 +18,7 @@ from aiohttp import web
 from RL2.agents import chat_api, messages_api, responses_api
 from RL2.agents.requests import Call, RequestError, deeper_than, show
 from RL2.agents.sessions import Prompt, Session
+from RL2.agents.streaming import send_events
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, sample_rest, sample_seed
@@ -50,7 +40,7 @@ LINGERING_TIME = 5.0
 ARRIVAL_QUIET = 0.005
 # The deepest nesting of a request body's JSON (a tool's schema nests a few levels per property).
 MAX_JSON_DEPTH = 64
-# The routes under /sessions/{sid}: (method, path, handler(endpoint, request)).
+# The routes under /sessions/{sid}: (method, path, handler(endpoint, session, body) -> JSON, or stream events).
 ROUTES = [("POST", "/v1/chat/completions", chat_api.chat_completions),
           ("POST", "/v1/completions", chat_api.completions), ("POST", "/v1/responses", responses_api.responses),
           ("POST", "/v1/messages", messages_api.messages), ("GET", "/v1/models", chat_api.models)]
@@ -131,7 +121,7 @@ class OpenAIEndpoint:
             return
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_answer_request_errors, self._authorized])
         for method, path, handler in ROUTES:
-            app.router.add_route(method, "/sessions/{sid}" + path, functools.partial(handler, self))
+            app.router.add_route(method, "/sessions/{sid}" + path, functools.partial(self._serve, handler))
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
         # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout of its opening
         # or previous answer, headers sent a byte at a time (slow loris) included; `json_body` bounds the body.
@@ -192,6 +182,14 @@ class OpenAIEndpoint:
                            f"the api_key the rollout gave the agent's openai.AsyncOpenAI (OpenAIEndpoint.api_key)",
                            status=401, code="invalid_api_key")
 
+    async def _serve(self, handler, request: web.Request) -> web.StreamResponse:
+        """Answer a request with what its API's `handler` makes of its session and JSON body: a JSON object, or
+        a list of server-sent events (`RL2.agents.streaming.send_events`)."""
+        session = self.session_of(request)
+        body = await self.json_body(request) if request.method == "POST" else {}
+        answer = await handler(self, session, body)
+        return await send_events(request, answer) if isinstance(answer, list) else web.json_response(answer)
+
     async def _unknown_path(self, request: web.Request) -> web.Response:
         served = ", ".join(f"{method} /sessions/<id>{path}" for method, path, _ in ROUTES)
         raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves {served}",
@@ -230,14 +228,14 @@ class OpenAIEndpoint:
     # ---- sampling ----
 
     async def chat_turn(self, session: Session, messages: list[dict], schemas: list[dict] | None, parsing: bool,
-                        call: Call, template_kwargs: dict | None = None, field: str = "messages") -> Answer:
+                        call: Call, field: str = "messages") -> Answer:
         """Sample a call of chat `messages` (OpenAI's shape, content as text) with tool `schemas`, rendered by the
         chat template, and record it; with `parsing`, each answer's tool calls are parsed by the run's format.
         `field`: the request's field of the messages (named in errors)."""
         parser = self.parser if parsing else None
         try:  # special tokens' text in the agent's messages and tools tokenises as text
             text, plain = render_plain(self.tokenizer, lambda messages, schemas: render_conversation(
-                self.tokenizer, messages, schemas, self.parser, self.native_tools, template_kwargs),
+                self.tokenizer, messages, schemas, self.parser, self.native_tools, call.template_kwargs),
                 session.as_sampled(messages), schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
