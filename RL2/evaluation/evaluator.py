@@ -1,11 +1,6 @@
-"""The evaluator: sample every test prompt with a model (and with a second one to compare) on the
-rollout engine of the RL trainer (`RolloutWorker`: embedded or SGLang, each rank its share of the
-prompts), score the samples with the environment or reward function, and report.
-
-Sample j of prompt i is drawn with its own seed (`rollout.sampling_seed` of the prompt row, see
-`RL2.rollout.loop.rollout_batch`), so the samples do not depend on the number of ranks or on the
-batching, and the two models of a comparison draw from the same random numbers.
-"""
+"""The evaluator: sample every test prompt with a model (and with a second one to compare) on the RL trainer's
+rollout engine (`RolloutWorker`, each rank its share of the prompts), score the samples with the environment or
+reward function, and report. Each sample has its own seed (docs/evaluation.md)."""
 
 import time
 from dataclasses import dataclass
