@@ -258,7 +258,7 @@ class OpenAIEndpoint:
             if at_least >= self.max_total_tokens:
                 raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
         prompt = session.prompt(text, self.tokenizer, plain)
-        params = self._within_budget(session, call, self._params(call, len(prompt.ids), prompt_field, parser))
+        params = self._params(session, call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
         seed = call.seed
         if seed is None and session.sampling_seed is not None:
@@ -283,30 +283,16 @@ class OpenAIEndpoint:
             reply.text = text[: -len(matched)] if stopped else text
         return Answer(prompt, list(replies), k)
 
-    def _within_budget(self, session: Session, call: Call, params: dict) -> dict:
-        """`params` with max_new_tokens cut to what the run's token budget leaves each choice; a call past the run's
-        calls or tokens is refused, and the run is over its budget."""
-        over = None
-        if self.max_calls is not None and session.calls >= self.max_calls:
-            over = f"the agent made more than {self.max_calls} model calls (rollout.agent_max_calls)"
-        elif self.max_tokens is not None:
-            left = (self.max_tokens - session.sampled_tokens) // call.n
-            if left < 1:
-                over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
-                        f"(rollout.agent_max_tokens), leaving none for this call")
-            params["max_new_tokens"] = min(params["max_new_tokens"], left)
-        if over is not None:
-            session.over_budget = session.over_budget or over
-            raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")
-        return params
-
     def _no_room(self, size: str, prompt_field: str) -> RequestError:
         return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="
                             f"{self.max_total_tokens} (rollout.max_total_tokens); shorten the conversation",
                             prompt_field, code="context_length_exceeded")
 
-    def _params(self, call: Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
-        """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
+    def _params(self, session: Session, call: Call, prompt_len: int, prompt_field: str,
+                parser: ToolCallParser | None) -> dict:
+        """The engine's sampling params of a call: the run's, the request's over them, max_new_tokens cut to the
+        sequence's room and to what the run's token budget leaves each choice. A call past the run's calls or
+        tokens is refused, and the run is over its budget."""
         params = {**self.default_sampling, **call.params}
         run_temperature = self.default_sampling.get("temperature", 1.0)
         if "temperature" in call.params and call.params["temperature"] != run_temperature:
@@ -324,6 +310,18 @@ class OpenAIEndpoint:
             if room < 1:
                 raise self._no_room(f"{prompt_len} tokens", prompt_field)
             requested = min(requested, room)
+        over = None
+        if self.max_calls is not None and session.calls >= self.max_calls:
+            over = f"the agent made more than {self.max_calls} model calls (rollout.agent_max_calls)"
+        elif self.max_tokens is not None:
+            left = (self.max_tokens - session.sampled_tokens) // call.n
+            if left < 1:
+                over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
+                        f"(rollout.agent_max_tokens), leaving none for this call")
+            requested = min(requested, left)
+        if over is not None:
+            session.over_budget = session.over_budget or over
+            raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")
         params["max_new_tokens"] = requested
         return params
 

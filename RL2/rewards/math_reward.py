@@ -1,9 +1,5 @@
-"""Math answers: the response's final answer against `extra_info["answer"]`.
-
-The answer is the last `\\boxed{...}` (or the last match of a pattern), compared symbolically by
-Hugging Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'); without it, as normalised
-strings (`normalise_answer`). See docs/rewards.md.
-"""
+"""Math answers: the response's final answer against `extra_info["answer"]`, compared symbolically by Hugging
+Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'), else as normalised strings (docs/rewards.md)."""
 
 import re
 import threading
