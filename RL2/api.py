@@ -30,15 +30,9 @@ from RL2.parallel import close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
 from RL2.utils.logging import read_jsonl
 
-# Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
-TRAINERS = {
-    "sft": ("RL2.trainer.sft", "SFTTrainer"),
-    "dpo": ("RL2.trainer.dpo", "DPOTrainer"),
-    "orpo": ("RL2.trainer.orpo", "ORPOTrainer"),
-    "rm": ("RL2.trainer.rm", "RMTrainer"),
-    "distill": ("RL2.trainer.distill", "DistillTrainer"),
-    "ppo": ("RL2.trainer.ppo", "PPOTrainer"),
-}
+# Trainer name -> its class in RL2.trainer.<name>, imported when used; the evaluator's config is "eval".
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "orpo": "ORPOTrainer", "rm": "RMTrainer",
+            "distill": "DistillTrainer", "ppo": "PPOTrainer"}
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
            "ppo": PPOConfig, "eval": EvalConfig}
 
@@ -90,8 +84,7 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
 def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
     """Train; the names of the models it exports. The trainer is gone when this returns, so that the
     process group it held can be freed with it (`close_process_groups`)."""
-    module, class_name = TRAINERS[trainer]
-    trainer_cls = getattr(importlib.import_module(module), class_name)
+    trainer_cls = getattr(importlib.import_module(f"RL2.trainer.{trainer}"), TRAINERS[trainer])
     run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
     try:
         run.train()

@@ -183,9 +183,14 @@ class OpenAIEndpoint:
                            status=401, code="invalid_api_key")
 
     async def _serve(self, handler, request: web.Request) -> web.StreamResponse:
-        """Answer a request with what its API's `handler` makes of its session and JSON body: a JSON object, or
-        a list of server-sent events (`RL2.agents.streaming.send_events`)."""
-        session = self.session_of(request)
+        """Answer a request of a live session with what its API's `handler` makes of the session and the JSON body:
+        a JSON object, or a list of server-sent events (`RL2.agents.streaming.send_events`)."""
+        session = self._sessions.get(request.match_info["sid"])
+        if session is None:
+            raise RequestError(f"session {request.match_info['sid']} does not exist (it ended, or its rollout "
+                               f"is over); use the base_url the rollout gave this run", status=404)
+        if session.error is not None:  # the engine failed: the rollout is stopping
+            raise RequestError(f"the inference engine failed: {session.error}", status=500)
         body = await self.json_body(request) if request.method == "POST" else {}
         answer = await handler(self, session, body)
         return await send_events(request, answer) if isinstance(answer, list) else web.json_response(answer)
@@ -194,15 +199,6 @@ class OpenAIEndpoint:
         served = ", ".join(f"{method} /sessions/<id>{path}" for method, path, _ in ROUTES)
         raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves {served}",
                            status=404)
-
-    def session_of(self, request: web.Request) -> Session:
-        session = self._sessions.get(request.match_info["sid"])
-        if session is None:
-            raise RequestError(f"session {request.match_info['sid']} does not exist (it ended, or its rollout "
-                               f"is over); use the base_url the rollout gave this run", status=404)
-        if session.error is not None:  # the engine failed: the rollout is stopping
-            raise RequestError(f"the inference engine failed: {session.error}", status=500)
-        return session
 
     async def json_body(self, request: web.Request) -> dict:
         """The request's JSON object; its body must arrive within `read_timeout` and nest at most MAX_JSON_DEPTH."""
