@@ -1,8 +1,6 @@
-"""Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`.
-
-Overrides are the command line's `key=value` pairs as a dict (nested dicts and dotted keys alike) or a
-dataclass, written as `key=value` arguments for the command line's own parser. See docs/python-api.md.
-"""
+"""Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`. Overrides
+are the command line's `key=value` pairs as a dict (nested dicts and dotted keys alike) or a dataclass, written as
+`key=value` arguments for the command line's own parser (docs/python-api.md)."""
 
 import atexit
 import dataclasses
@@ -113,11 +111,9 @@ def build_config(name: str, overrides: Overrides = None) -> DictConfig:
 
 
 def override_args(overrides: Overrides) -> list[str]:
-    """`key=value` command-line arguments saying what `overrides` says.
-
-    Each value is written as YAML, which the command line's parser reads back as the same value
-    (a string stays a string even when it looks like a number, `null` or `true`).
-    """
+    """`key=value` command-line arguments saying what `overrides` says, each value written as YAML, which the
+    command line's parser reads back as the same value (a string stays a string even when it looks like a number,
+    `null` or `true`)."""
     if overrides is None:
         return []
     if dataclasses.is_dataclass(overrides) and not isinstance(overrides, type):
@@ -188,11 +184,10 @@ _a_call_failed = False  # then the group made under torchrun is only forgotten a
 
 @contextmanager
 def _process_group():
-    """Run the call in a process group: in a plain Python process (no RANK in the environment), a one-rank
-    group destroyed when the call returns, with the variables that described it. Under torchrun the group
-    the first call makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys
-    of a destroyed group, which a new group (whose keys restart from the same names) would read.
-    """
+    """Run the call in a process group: in a plain Python process (no RANK in the environment), a one-rank group
+    destroyed when the call returns, with the variables that described it. Under torchrun the group the first call
+    makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys of a destroyed group,
+    which a new group (whose keys restart from the same names) would read."""
     global _a_call_failed
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {name: os.environ.get(name) for name in names}

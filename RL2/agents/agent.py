@@ -2,8 +2,7 @@
 its `client` talking to the rank's endpoint (`RL2.agents.endpoint`), rolled out as trajectories (docs/agents.md).
 A script that names MCP servers (`MCP_SERVERS`) calls their tools through a third parameter, `tools` (a `ToolBox`).
 Agents run on the environments' loop (`RL2.rollout.event_loop.on_env_loop`); an agent that fails ends its own
-trajectory as a fault, a failure of the engine stops the rollout.
-"""
+trajectory as a fault, a failure of the engine stops the rollout."""
 
 import asyncio
 import copy

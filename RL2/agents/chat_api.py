@@ -71,7 +71,11 @@ async def chat_completions(endpoint, session, body: dict) -> dict | list:
 
 async def completions(endpoint, session, body: dict) -> dict | list:
     call = parse_call(body, "completions", _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, ("max_tokens",))
-    call.logprobs = _completion_logprobs(body.get("logprobs"))
+    logprobs = body.get("logprobs")  # the number of alternatives per token: 0 gives the sampled tokens' only
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs != 0):
+        raise RequestError(f"logprobs={show(logprobs)} is not supported: the engine returns the sampled tokens' "
+                           f"log-probabilities only; send logprobs=0 (or leave it out)", "logprobs")
+    call.logprobs = logprobs is not None
     usage = _include_usage(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -147,13 +151,3 @@ def _token_logprobs(endpoint, turn) -> list[dict]:
     return [{"token": token, "logprob": logp, "bytes": list(token.encode()), "top_logprobs": []}
             for token, logp in zip(endpoint.token_strings(turn.action_ids), turn.action_logps, strict=True)]
 
-
-def _completion_logprobs(value: object) -> bool:
-    """/v1/completions' `logprobs` is the number of alternatives per token: 0 returns the sampled
-    tokens' log-probabilities, alternatives are not computed."""
-    if value is None:
-        return False
-    if isinstance(value, bool) or not isinstance(value, int) or value != 0:
-        raise RequestError(f"logprobs={show(value)} is not supported: the engine returns the sampled tokens' "
-                           f"log-probabilities only; send logprobs=0 (or leave it out)", "logprobs")
-    return True

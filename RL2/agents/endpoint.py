@@ -1,8 +1,7 @@
 """An HTTP endpoint over a rank's inference engine that serves the APIs agent code is written against (OpenAI's chat
 completions, completions and responses, Anthropic's messages) and records what it samples, per session, as a
 trajectory (`RL2.agents.sessions`). Each API's module turns its request into chat messages and tools, which take one
-path here (`OpenAIEndpoint.chat_turn`). Who may call, and the bounds on requests: docs/agents.md.
-"""
+path here (`OpenAIEndpoint.chat_turn`). Who may call, and the bounds on requests: docs/agents.md."""
 
 import asyncio
 import functools
@@ -78,8 +77,7 @@ class Answer:
 
 
 class OpenAIEndpoint:
-    """The HTTP server on 127.0.0.1 over one inference engine (SGLang `/generate` payloads), recording per session,
-    with the policy's tokenizer.
+    """The HTTP server on 127.0.0.1 over one inference engine (SGLang `/generate` payloads) and the policy's tokenizer.
 
     Args:
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
@@ -358,11 +356,11 @@ def _engine_failed(session: Session, error: Exception) -> RequestError:
 
 def assistant_message(text: str, parser: ToolCallParser | None,
                       call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
-    """The assistant message OpenAI's chat API returns for a sampled text (without the request's stop string),
-    and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
-    With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
-    session) and the rest `content` (None when empty). A text holding a call block that does not parse is
-    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote."""
+    """The assistant message OpenAI's chat API returns for a sampled text (without the request's stop string), and
+    the parsed action (None without a parser: the request has no tools, or tool_choice "none"). With a parser, the
+    text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the session) and the rest `content`
+    (None when empty); a text holding a call block that does not parse is all content (as vLLM's and SGLang's
+    parsers leave it): the agent sees what the model wrote."""
     if parser is None:
         return {"role": "assistant", "content": text}, None
     parsed = parser.parse(text)

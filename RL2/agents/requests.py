@@ -1,7 +1,6 @@
-"""Checking the endpoint's requests, for every API it serves: the sampling fields (`Call`), tools, content.
-Fields the engine does not implement, or the endpoint does not know, are refused with HTTP 400 naming the field
-rather than ignored: the policy trained would not be the one the agent asked for.
-"""
+"""Checking the endpoint's requests, for every API it serves: the sampling fields (`Call`), tools, content. Fields
+the engine does not implement, or the endpoint does not know, are refused with HTTP 400 naming the field rather than
+ignored: the policy trained would not be the one the agent asked for."""
 
 import json
 import math

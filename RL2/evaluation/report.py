@@ -1,11 +1,7 @@
-"""What an evaluation leaves behind: every sample as a JSON line, the metrics as JSON, and a table."""
-
-import json
-from pathlib import Path
+"""What an evaluation reports: a record of every sample, and a table of the metrics."""
 
 from RL2.rollout.metrics import COUNTS, reward_parts
 from RL2.rollout.trajectory import Trajectory
-from RL2.utils.logging import write_atomic
 
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
@@ -23,15 +19,6 @@ def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources:
                 "fault": t.fault, "extra_info": row["extra_info"],
             })
     return records
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Write `records` one per line, atomically (a crash leaves the previous file or none)."""
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
-
-
-def write_json(path: Path, value: dict) -> None:
-    write_atomic(path, json.dumps(value, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 def format_table(columns: dict[str, dict], difference: dict | None = None) -> str:

@@ -37,12 +37,10 @@ def require_math_verify() -> None:
 
 
 def normalise_answer(text: str) -> str:
-    """A canonical string of an answer, for comparing without math-verify.
-
-    Drops spaces, `$`, `\\left`/`\\right`, thin spaces, `\\text{...}` markers, degree and percent
-    signs, a trailing period and thousands separators; `\\dfrac`/`\\tfrac` become `\\frac`; a number or
-    a fraction of integers becomes its value (`0.50`, `1/2` and `\\frac{1}{2}` all become `0.5`).
-    """
+    """A canonical string of an answer, for comparing without math-verify: drops spaces, `$`, `\\left`/`\\right`,
+    thin spaces, `\\text{...}` markers, degree and percent signs, a trailing period and thousands separators;
+    `\\dfrac`/`\\tfrac` become `\\frac`; a number or a fraction of integers becomes its value (`0.50`, `1/2` and
+    `\\frac{1}{2}` all become `0.5`)."""
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
     for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "\\%", "%", "\\$", "$"):
         s = s.replace(noise, "")
