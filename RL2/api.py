@@ -94,9 +94,8 @@ def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
 
 
 def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> EvalResult:
-    """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0).
-    `overrides`: config keys and values, e.g. `model.model_name`, `data.test.path`, `compare.model_name`;
-    `reward` as for `train`."""
+    """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0). `overrides`:
+    config keys and values (e.g. `model.model_name`, `data.test.path`, `compare.model_name`); `reward`: as `train`'s."""
     cfg = build_config("eval", overrides)
     env = _reward_env(reward, cfg)
     with _process_group():

@@ -1,3 +1,2 @@
-"""Agents: agent code written against the `openai` (or `anthropic`) client, rolled out as trajectories on top of
-`RL2.rollout` (which never imports this package): `endpoint` serves the APIs (`chat_api`, `responses_api`,
-`messages_api`) over a rank's engine and records the tokens; `agent` runs the scripts."""
+"""Agent code written against the `openai` (or `anthropic`) client, rolled out on top of `RL2.rollout` (never
+imported there): `endpoint` serves the APIs (`*_api`) over a rank's engine, recording the tokens; `agent` runs it."""

@@ -98,11 +98,8 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
     await endpoint.start()
     pools = _Pools()
     try:
-        tasks = [
-            [asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
-             for j in range(responses_per_prompt)]
-            for row in prompts
-        ]
+        tasks = [[asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
+                  for j in range(responses_per_prompt)] for row in prompts]
         await gather_or_cancel([task for group in tasks for task in group])
     finally:
         await pools.aclose()

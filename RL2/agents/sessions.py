@@ -54,10 +54,9 @@ class Session:
         self._sampled: dict[str, str] = {}  # message_key of a returned message -> the text sampled
 
     def prompt(self, text: str, tokenizer, plain: Spans = ()) -> Prompt:
-        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the
-        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A sequence's text
-        goes on only after the end-of-turn token its action sampled (which an action's text skips), which is not
-        added again (as `RL2.rollout.loop.continuation`)."""
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the spans
+        of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A sequence goes on only after
+        the end-of-turn token its action sampled (not in its text), not added again (as `RL2.rollout.loop`)."""
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
             return Prompt(text, encode(tokenizer, text, plain))

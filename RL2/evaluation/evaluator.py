@@ -55,8 +55,7 @@ class EvalResult:
 
 
 class Evaluator:
-    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a Python
-    reward)."""
+    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a reward)."""
 
     def __init__(self, cfg: DictConfig, env: RolloutScript | None = None):
         self.device = pick_device(cfg.eval.device, key="eval.device")

@@ -6,8 +6,7 @@ from RL2.rollout.trajectory import Trajectory
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
                    threshold: float) -> list[dict]:
-    """One JSON-able record per sample of `groups` (those of each of `prompts`); `role` is "model" or
-    "compare"."""
+    """One JSON-able record per sample of `groups` (those of each of `prompts`); `role` is "model" or "compare"."""
     records = []
     for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
         for sample, t in enumerate(group):

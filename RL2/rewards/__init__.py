@@ -1,6 +1,5 @@
-"""Rewards for environment scripts and for `rollout.reward_fn` (`rollout.reward_fn=RL2.rewards:math_reward`): math
-answers, formats, code run in a sandbox (`RL2.sandbox`), an LLM judge, and weighted sums of them; each a function
-`(response, extra_info)`."""
+"""Rewards `(response, extra_info)` for environment scripts and for `rollout.reward_fn` (`RL2.rewards:math_reward`):
+math answers, formats, code run in a sandbox (`RL2.sandbox`), an LLM judge, and weighted sums of them."""
 
 from RL2.rewards.code_reward import code_reward, parse_tests
 from RL2.rewards.composite import composite, reward_step

@@ -53,8 +53,7 @@ def last_match(text: str, pattern: str | re.Pattern) -> str | None:
 
 
 def extract_code(text: str) -> str:
-    """The Python code of a response: its last ```python fence, else its last unlabelled fence, else
-    the whole text."""
+    """The Python code of a response: its last ```python fence, else its last unlabelled fence, else the whole text."""
     fences = _FENCE.findall(text)
     for wanted in (PYTHON_FENCES, ("",)):
         blocks = [code for language, code in fences if language.lower() in wanted]

@@ -12,9 +12,8 @@ BOXED = "boxed"  # `pattern` value: the last \boxed{...}
 
 def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED, answer_key: str = "answer") -> float:
     """1.0 when the response's final answer equals `extra_info[answer_key]`, else 0.0. The answer by `pattern`:
-    `BOXED` (default) the last \\boxed{...}; a regular expression its last match (first group if any); None
-    the whole response, from which math-verify picks the answer itself (its last \\boxed, else the last
-    expression)."""
+    `BOXED` (default) the last \\boxed{...}; a regular expression its last match (first group if any); None the
+    whole response, from which math-verify picks the answer itself (its last \\boxed, else the last expression)."""
     if answer_key not in extra_info:
         raise KeyError(f"extra_info has no '{answer_key}' (the reference answer); it has {sorted(extra_info)}")
     gold = str(extra_info[answer_key])
