@@ -173,8 +173,8 @@ def text_of(content: object, parts: tuple[str, ...] = ("text",), field: str | No
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    problem = f"{show(content)} is neither a string nor a list of {' or '.join(parts)} parts; the policy reads text " \
-              f"only"
+    problem = (f"{show(content)} is neither a string nor a list of {' or '.join(parts)} parts; the policy reads "
+               f"text only")
     raise RequestError(f"{field}: {problem}", field) if field else ValueError(problem)
 
 
