@@ -1,8 +1,6 @@
-"""Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`.
-
-Overrides are the command line's `key=value` pairs as a dict (nested dicts and dotted keys alike) or a
-dataclass, written as `key=value` arguments for the command line's own parser. See docs/python-api.md.
-"""
+"""Train and evaluate from Python: `RL2.train("ppo", {...}, reward=my_reward)`, `RL2.evaluate({...})`. Overrides
+are the command line's `key=value` pairs as a dict (nested dicts and dotted keys alike) or a dataclass, written as
+`key=value` arguments for the command line's own parser (docs/python-api.md)."""
 
 import atexit
 import dataclasses
@@ -30,15 +28,9 @@ from RL2.parallel import close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
 from RL2.utils.logging import read_jsonl
 
-# Trainer name -> (module, class), imported when used; the evaluator's config is "eval".
-TRAINERS = {
-    "sft": ("RL2.trainer.sft", "SFTTrainer"),
-    "dpo": ("RL2.trainer.dpo", "DPOTrainer"),
-    "orpo": ("RL2.trainer.orpo", "ORPOTrainer"),
-    "rm": ("RL2.trainer.rm", "RMTrainer"),
-    "distill": ("RL2.trainer.distill", "DistillTrainer"),
-    "ppo": ("RL2.trainer.ppo", "PPOTrainer"),
-}
+# Trainer name -> its class in RL2.trainer.<name>, imported when used; the evaluator's config is "eval".
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "orpo": "ORPOTrainer", "rm": "RMTrainer",
+            "distill": "DistillTrainer", "ppo": "PPOTrainer"}
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "orpo": ORPOConfig, "rm": RMConfig, "distill": DistillConfig,
            "ppo": PPOConfig, "eval": EvalConfig}
 
@@ -90,8 +82,7 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
 def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
     """Train; the names of the models it exports. The trainer is gone when this returns, so that the
     process group it held can be freed with it (`close_process_groups`)."""
-    module, class_name = TRAINERS[trainer]
-    trainer_cls = getattr(importlib.import_module(module), class_name)
+    trainer_cls = getattr(importlib.import_module(f"RL2.trainer.{trainer}"), TRAINERS[trainer])
     run = trainer_cls(cfg, env=env) if env is not None else trainer_cls(cfg)
     try:
         run.train()
@@ -103,9 +94,8 @@ def _run_trainer(trainer: str, cfg: DictConfig, env) -> list[str]:
 
 
 def evaluate(overrides: Overrides = None, *, reward: RewardFn | None = None) -> EvalResult:
-    """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0).
-    `overrides`: config keys and values, e.g. `model.model_name`, `data.test.path`, `compare.model_name`;
-    `reward` as for `train`."""
+    """Run the evaluator as `python -m RL2.evaluate key=value ...` would, and print its table (rank 0). `overrides`:
+    config keys and values (e.g. `model.model_name`, `data.test.path`, `compare.model_name`); `reward`: as `train`'s."""
     cfg = build_config("eval", overrides)
     env = _reward_env(reward, cfg)
     with _process_group():
@@ -120,11 +110,9 @@ def build_config(name: str, overrides: Overrides = None) -> DictConfig:
 
 
 def override_args(overrides: Overrides) -> list[str]:
-    """`key=value` command-line arguments saying what `overrides` says.
-
-    Each value is written as YAML, which the command line's parser reads back as the same value
-    (a string stays a string even when it looks like a number, `null` or `true`).
-    """
+    """`key=value` command-line arguments saying what `overrides` says, each value written as YAML, which the
+    command line's parser reads back as the same value (a string stays a string even when it looks like a number,
+    `null` or `true`)."""
     if overrides is None:
         return []
     if dataclasses.is_dataclass(overrides) and not isinstance(overrides, type):
@@ -195,11 +183,10 @@ _a_call_failed = False  # then the group made under torchrun is only forgotten a
 
 @contextmanager
 def _process_group():
-    """Run the call in a process group: in a plain Python process (no RANK in the environment), a one-rank
-    group destroyed when the call returns, with the variables that described it. Under torchrun the group
-    the first call makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys
-    of a destroyed group, which a new group (whose keys restart from the same names) would read.
-    """
+    """Run the call in a process group: in a plain Python process (no RANK in the environment), a one-rank group
+    destroyed when the call returns, with the variables that described it. Under torchrun the group the first call
+    makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys of a destroyed group,
+    which a new group (whose keys restart from the same names) would read."""
     global _a_call_failed
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {name: os.environ.get(name) for name in names}

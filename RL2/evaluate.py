@@ -1,9 +1,5 @@
-"""Evaluate a model on test prompts:
-`python -m RL2.evaluate model.model_name=... data.test.path=... rollout.reward_fn=...`
-
-What it reports and writes: docs/evaluation.md; every key: `python -m RL2.evaluate --help`. The
-evaluator itself is `RL2/evaluation/`.
-"""
+"""Evaluate a model on test prompts: `python -m RL2.evaluate model.model_name=... data.test.path=...
+rollout.reward_fn=...` (docs/evaluation.md; every key: `--help`). The evaluator itself is `RL2/evaluation/`."""
 
 import sys
 import types

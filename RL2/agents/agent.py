@@ -1,16 +1,8 @@
-"""Agent scripts: agent code written against the `openai` client, rolled out as trajectories.
-
-The file defines `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict` (a reward,
-or {"reward", "score", "reward_parts"}). `client` talks to the rollout's OpenAI-compatible endpoint
-(`RL2.agents.endpoint`), which records every call's tokens; `extra_info` is a copy of the row's
-`extra_info` with its prompt under "prompt". A script that names MCP servers (`MCP_SERVERS`, as an environment
-script does) calls their tools through a third parameter, `tools` (a `RL2.rollout.tools.tool_use.ToolBox`).
-The reward goes on the trajectory's last turn. Agents run where
-environment code does, on a loop of their own (`RL2.rollout.event_loop.on_env_loop`), so that an agent that
-blocks freezes neither the engine nor the endpoint. An agent that raises (`sys.exit()` too), runs past the
-timeout, returns a malformed result or never calls the model ends its own trajectory with reward 0; a failure
-of the engine stops the rollout. See docs/agents.md.
-"""
+"""Agent scripts: a file defining `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict`,
+its `client` talking to the rank's endpoint (`RL2.agents.endpoint`), rolled out as trajectories (docs/agents.md).
+A script that names MCP servers (`MCP_SERVERS`) calls their tools through a third parameter, `tools` (a `ToolBox`).
+Agents run on the environments' loop (`RL2.rollout.event_loop.on_env_loop`); an agent that fails ends its own
+trajectory as a fault, a failure of the engine stops the rollout."""
 
 import asyncio
 import copy
@@ -45,10 +37,8 @@ RESULT_KEYS = ("reward", "score", "reward_parts", "metrics")
 
 @dataclass
 class Agent:
-    """A loaded agent script and its `run`. It starts from the row's prompt and runs its own tools; a `run` that
-    takes `tools` gets a `ToolBox` of its MCP servers' (`tools`) each run, which calls them under `tool_timeout`
-    and `tool_error` (rollout.tool_timeout, rollout.tool_error). `timeouts_in_a_row` counts its runs that timed
-    out since one last ended otherwise."""
+    """A loaded agent script and its `run`; a `run` that takes `tools` gets a `ToolBox` of its MCP servers' `tools`
+    each run. `timeouts_in_a_row` counts its runs that timed out since one last ended otherwise."""
 
     path: str
     run_fn: Callable[..., Awaitable[float | dict]]
@@ -101,22 +91,15 @@ class AgentRollout:
 async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: list[dict], responses_per_prompt: int,
                               timeout: float | None, max_timeouts: int | None = None) -> list[list[Trajectory]]:
     """Run the agent `responses_per_prompt` times per prompt (a GRPO group), all runs concurrently, each in its
-    own session of `endpoint` (started here if it is not yet); returns one group of trajectories per prompt, in
-    order. `timeout` and `max_timeouts` as in `AgentRollout`: the `max_timeouts`-th run in a row that times out
-    raises `TooManyTimeouts`. The first engine failure met by a call is raised once the run that met it ends
-    (the other runs are cancelled).
-
-    `prompts` are rows with `prompt` (text or chat messages; `messages` instead where a row keeps both, its
-    prompt being their rendering), optionally `extra_info` and `sampling_seed`: run j of a row with a seed
-    samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch` seeds turns)."""
+    own session of `endpoint` (started here if it is not yet); one group of trajectories per prompt, in order.
+    `timeout`, `max_timeouts` as in `AgentRollout`. An engine failure is raised once the run that met it ends.
+    `prompts` are rows with `prompt` (or `messages`, where a row keeps both), optionally `extra_info` and
+    `sampling_seed`: run j samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch`)."""
     await endpoint.start()
     pools = _Pools()
     try:
-        tasks = [
-            [asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
-             for j in range(responses_per_prompt)]
-            for row in prompts
-        ]
+        tasks = [[asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
+                  for j in range(responses_per_prompt)] for row in prompts]
         await gather_or_cancel([task for group in tasks for task in group])
     finally:
         await pools.aclose()
@@ -124,9 +107,8 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
 
 
 class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
-    """The HTTP connection pool of a batch's clients on each loop its runs ran on: a client of its own would
-    build one per run, and a pool's connections belong to the loop that opened them. Each run's client is its own
-    (`_RunClient`), over the shared pool."""
+    """The HTTP connection pool of a batch's clients (each run's its own `_RunClient`) on each loop its runs ran
+    on: a pool's connections belong to the loop that opened them."""
 
     def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
         """A client on the pool of the running loop (one of user code)."""

@@ -4,22 +4,8 @@
 import itertools
 import time
 
-from aiohttp import web
-
-from RL2.agents.requests import (
-    CHANGES_SAMPLING,
-    IGNORED,
-    MODEL_ID,
-    SAMPLING,
-    RequestError,
-    choice_parses,
-    function_tools,
-    parse_call,
-    show,
-    template_kwargs,
-    text_of,
-)
-from RL2.agents.streaming import pieces, send_events
+from RL2.agents.requests import CHANGES_SAMPLING, MODEL_ID, RequestError, chat_tools, parse_call, show, text_of
+from RL2.agents.streaming import pieces
 
 # Fields accepted at these values only (OpenAI's defaults), and why other values are refused.
 _DEFAULT_ONLY = {
@@ -42,24 +28,20 @@ _COMPLETION_DEFAULT_ONLY = {key: _DEFAULT_ONLY[key] for key in ("presence_penalt
     "suffix": ((None,), "the policy writes after the prompt only"),
     "best_of": ((None, 1), "use n"),
 }
-_SAMPLING = SAMPLING | {"max_tokens", "stop", "n", "logprobs", "stream_options"}
-_CHAT_FIELDS = {"messages", "tools", "tool_choice", "chat_template_kwargs", "max_completion_tokens"} | _SAMPLING | \
-    IGNORED | set(_DEFAULT_ONLY)
-_COMPLETION_FIELDS = {"prompt"} | _SAMPLING | IGNORED | set(_COMPLETION_DEFAULT_ONLY)
+_SAMPLING = {"max_tokens", "stop", "n", "logprobs", "stream_options"}
+_CHAT_FIELDS = {"messages", "tools", "tool_choice", "chat_template_kwargs", "max_completion_tokens"} | _SAMPLING
+_COMPLETION_FIELDS = {"prompt"} | _SAMPLING
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-async def chat_completions(endpoint, request: web.Request) -> web.StreamResponse:
-    session = endpoint.session_of(request)
-    body = await endpoint.json_body(request)
+async def chat_completions(endpoint, session, body: dict) -> dict | list:
     call = parse_call(body, "chat", _CHAT_FIELDS, _DEFAULT_ONLY, ("max_completion_tokens", "max_tokens"),
                       logprobs="logprobs")
     usage = _include_usage(body)
-    schemas = function_tools(body.get("tools"), "tools", '{"type": "function", "function": {"name": ..., "parameters": '
-                             '...}}', lambda tool: tool.get("function") if tool.get("type") == "function" else None)
-    parsing = choice_parses(body.get("tool_choice"), "tool_choice", (None, "auto", "none")) and schemas is not None
-    answer = await endpoint.chat_turn(session, _messages(body), schemas, parsing, call,
-                                      template_kwargs(body.get("chat_template_kwargs")))
+    schemas, parsing = chat_tools(body.get("tools"), body.get("tool_choice"), '{"type": "function", "function": '
+                                  '{"name": ..., "parameters": ...}}',
+                                  lambda tool: tool.get("function") if tool.get("type") == "function" else None)
+    answer = await endpoint.chat_turn(session, _messages(body), schemas, parsing, call)
     head = {"id": f"chatcmpl-{session.id}-{answer.k}", "object": "chat.completion", "created": int(time.time()),
             "model": call.model}
     logprobs = [{"content": _token_logprobs(endpoint, reply.turn), "refusal": None} if call.logprobs else None
@@ -67,7 +49,7 @@ async def chat_completions(endpoint, request: web.Request) -> web.StreamResponse
     if not call.stream:
         choices = [{"index": j, "message": reply.message, "finish_reason": reply.finish, "logprobs": logprobs[j]}
                    for j, reply in enumerate(answer.replies)]
-        return web.json_response(head | {"choices": choices, "usage": _usage(answer)})
+        return head | {"choices": choices, "usage": _usage(answer)}
     head["object"] = "chat.completion.chunk"
     events = []
     for j, reply in enumerate(answer.replies):
@@ -84,14 +66,16 @@ async def chat_completions(endpoint, request: web.Request) -> web.StreamResponse
             events += [chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                        for piece in pieces(function["arguments"])]
         events.append(chunk({}, reply.finish))
-    return await send_events(request, _with_usage(events, head, answer, usage))
+    return _with_usage(events, head, answer, usage)
 
 
-async def completions(endpoint, request: web.Request) -> web.StreamResponse:
-    session = endpoint.session_of(request)
-    body = await endpoint.json_body(request)
+async def completions(endpoint, session, body: dict) -> dict | list:
     call = parse_call(body, "completions", _COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, ("max_tokens",))
-    call.logprobs = _completion_logprobs(body.get("logprobs"))
+    logprobs = body.get("logprobs")  # the number of alternatives per token: 0 gives the sampled tokens' only
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs != 0):
+        raise RequestError(f"logprobs={show(logprobs)} is not supported: the engine returns the sampled tokens' "
+                           f"log-probabilities only; send logprobs=0 (or leave it out)", "logprobs")
+    call.logprobs = logprobs is not None
     usage = _include_usage(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -110,19 +94,18 @@ async def completions(endpoint, request: web.Request) -> web.StreamResponse:
     head = {"id": f"cmpl-{session.id}-{answer.k}", "object": "text_completion", "created": int(time.time()),
             "model": call.model}
     if not call.stream:
-        return web.json_response(head | {"choices": choices, "usage": _usage(answer)})
+        return head | {"choices": choices, "usage": _usage(answer)}
     events = []
     for choice in choices:
         events += [(None, head | {"choices": [{"index": choice["index"], "text": piece, "logprobs": None,
                                                "finish_reason": None}]}) for piece in pieces(choice["text"])]
         events.append((None, head | {"choices": [choice | {"text": ""}]}))
-    return await send_events(request, _with_usage(events, head, answer, usage))
+    return _with_usage(events, head, answer, usage)
 
 
-async def models(endpoint, request: web.Request) -> web.Response:
-    endpoint.session_of(request)
+async def models(endpoint, session, body: dict) -> dict:
     model = {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "rl2"}
-    return web.json_response({"object": "list", "data": [model]})
+    return {"object": "list", "data": [model]}
 
 
 def _messages(body: dict) -> list[dict]:
@@ -139,10 +122,7 @@ def _messages(body: dict) -> list[dict]:
         if message["role"] == "developer":  # OpenAI's newer name for system
             message["role"] = "system"
         if "content" in message:
-            try:
-                message["content"] = text_of(message["content"])
-            except ValueError as e:
-                raise RequestError(f"messages[{i}].content: {e}", f"messages[{i}].content") from None
+            message["content"] = text_of(message["content"], field=f"messages[{i}].content")
         out.append(message)
     return out
 
@@ -171,13 +151,3 @@ def _token_logprobs(endpoint, turn) -> list[dict]:
     return [{"token": token, "logprob": logp, "bytes": list(token.encode()), "top_logprobs": []}
             for token, logp in zip(endpoint.token_strings(turn.action_ids), turn.action_logps, strict=True)]
 
-
-def _completion_logprobs(value: object) -> bool:
-    """/v1/completions' `logprobs` is the number of alternatives per token: 0 returns the sampled
-    tokens' log-probabilities, alternatives are not computed."""
-    if value is None:
-        return False
-    if isinstance(value, bool) or not isinstance(value, int) or value != 0:
-        raise RequestError(f"logprobs={show(value)} is not supported: the engine returns the sampled tokens' "
-                           f"log-probabilities only; send logprobs=0 (or leave it out)", "logprobs")
-    return True

@@ -1,19 +1,7 @@
 """An HTTP endpoint over a rank's inference engine that serves the APIs agent code is written against (OpenAI's chat
-completions, completions and responses, Anthropic's messages) and records what it samples.
-
-Agent code written against `openai.AsyncOpenAI` (or `anthropic.AsyncAnthropic`) trains unchanged (as in AReaL,
-SkyRL, OpenRLHF and ART): each trajectory gets a session, whose client's `base_url` points at `/sessions/{id}/v1` of
-this server (the fields served: docs/agents.md). Every call samples through `engine.generate`, and the session's
-`Trajectory` records the exact prompt and sampled token ids with the engine's log-probabilities
-(`RL2.agents.sessions`). Each API's module turns its request into chat messages and tools, which take one path
-here (`OpenAIEndpoint.chat_turn`): rendered by the chat template, sampled, recorded, tool calls parsed.
-
-Who may call. Every request carries the run's key (`OpenAIEndpoint.api_key`, random per endpoint) as
-`Authorization: Bearer` (or `x-api-key`, as Anthropic's client sends it), else it gets 401; session ids are random
-too, so no other local process can write into a run's trajectories. Special tokens' text in the messages is
-tokenised as text: only the chat template writes role tokens (`RL2.utils.tokens.render_plain`). Requests are
-bounded before they cost much (the body's arrival time and JSON depth, the prompt's characters, the stop lists).
-"""
+completions, completions and responses, Anthropic's messages) and records what it samples, per session, as a
+trajectory (`RL2.agents.sessions`). Each API's module turns its request into chat messages and tools, which take one
+path here (`OpenAIEndpoint.chat_turn`). Who may call, and the bounds on requests: docs/agents.md."""
 
 import asyncio
 import functools
@@ -29,6 +17,7 @@ from aiohttp import web
 from RL2.agents import chat_api, messages_api, responses_api
 from RL2.agents.requests import Call, RequestError, deeper_than, show
 from RL2.agents.sessions import Prompt, Session
+from RL2.agents.streaming import send_events
 from RL2.engine.embedded.engine import EmbeddedEngine
 from RL2.engine.protocol import Engine, EngineError
 from RL2.rollout.loop import DEFAULT_MAX_NEW_TOKENS, MAX_IDLE_RESUMES, sample_rest, sample_seed
@@ -50,7 +39,7 @@ LINGERING_TIME = 5.0
 ARRIVAL_QUIET = 0.005
 # The deepest nesting of a request body's JSON (a tool's schema nests a few levels per property).
 MAX_JSON_DEPTH = 64
-# The routes under /sessions/{sid}: (method, path, handler(endpoint, request)).
+# The routes under /sessions/{sid}: (method, path, handler(endpoint, session, body) -> JSON, or stream events).
 ROUTES = [("POST", "/v1/chat/completions", chat_api.chat_completions),
           ("POST", "/v1/completions", chat_api.completions), ("POST", "/v1/responses", responses_api.responses),
           ("POST", "/v1/messages", messages_api.messages), ("GET", "/v1/models", chat_api.models)]
@@ -88,8 +77,7 @@ class Answer:
 
 
 class OpenAIEndpoint:
-    """The HTTP server on 127.0.0.1 over one inference engine (SGLang `/generate` payloads), recording per session,
-    with the policy's tokenizer.
+    """The HTTP server on 127.0.0.1 over one inference engine (SGLang `/generate` payloads) and the policy's tokenizer.
 
     Args:
         parser: the tool-call format the model writes; parses the calls of requests that have tools.
@@ -131,7 +119,7 @@ class OpenAIEndpoint:
             return
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_answer_request_errors, self._authorized])
         for method, path, handler in ROUTES:
-            app.router.add_route(method, "/sessions/{sid}" + path, functools.partial(handler, self))
+            app.router.add_route(method, "/sessions/{sid}" + path, functools.partial(self._serve, handler))
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
         # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout of its opening
         # or previous answer, headers sent a byte at a time (slow loris) included; `json_body` bounds the body.
@@ -192,19 +180,23 @@ class OpenAIEndpoint:
                            f"the api_key the rollout gave the agent's openai.AsyncOpenAI (OpenAIEndpoint.api_key)",
                            status=401, code="invalid_api_key")
 
-    async def _unknown_path(self, request: web.Request) -> web.Response:
-        served = ", ".join(f"{method} /sessions/<id>{path}" for method, path, _ in ROUTES)
-        raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves {served}",
-                           status=404)
-
-    def session_of(self, request: web.Request) -> Session:
+    async def _serve(self, handler, request: web.Request) -> web.StreamResponse:
+        """Answer a request of a live session with what its API's `handler` makes of the session and the JSON body:
+        a JSON object, or a list of server-sent events (`RL2.agents.streaming.send_events`)."""
         session = self._sessions.get(request.match_info["sid"])
         if session is None:
             raise RequestError(f"session {request.match_info['sid']} does not exist (it ended, or its rollout "
                                f"is over); use the base_url the rollout gave this run", status=404)
         if session.error is not None:  # the engine failed: the rollout is stopping
             raise RequestError(f"the inference engine failed: {session.error}", status=500)
-        return session
+        body = await self.json_body(request) if request.method == "POST" else {}
+        answer = await handler(self, session, body)
+        return await send_events(request, answer) if isinstance(answer, list) else web.json_response(answer)
+
+    async def _unknown_path(self, request: web.Request) -> web.Response:
+        served = ", ".join(f"{method} /sessions/<id>{path}" for method, path, _ in ROUTES)
+        raise RequestError(f"{request.method} {request.path} is not served here; RL2's endpoint serves {served}",
+                           status=404)
 
     async def json_body(self, request: web.Request) -> dict:
         """The request's JSON object; its body must arrive within `read_timeout` and nest at most MAX_JSON_DEPTH."""
@@ -230,14 +222,14 @@ class OpenAIEndpoint:
     # ---- sampling ----
 
     async def chat_turn(self, session: Session, messages: list[dict], schemas: list[dict] | None, parsing: bool,
-                        call: Call, template_kwargs: dict | None = None, field: str = "messages") -> Answer:
+                        call: Call, field: str = "messages") -> Answer:
         """Sample a call of chat `messages` (OpenAI's shape, content as text) with tool `schemas`, rendered by the
         chat template, and record it; with `parsing`, each answer's tool calls are parsed by the run's format.
         `field`: the request's field of the messages (named in errors)."""
         parser = self.parser if parsing else None
         try:  # special tokens' text in the agent's messages and tools tokenises as text
             text, plain = render_plain(self.tokenizer, lambda messages, schemas: render_conversation(
-                self.tokenizer, messages, schemas, self.parser, self.native_tools, template_kwargs),
+                self.tokenizer, messages, schemas, self.parser, self.native_tools, call.template_kwargs),
                 session.as_sampled(messages), schemas)
         except Exception as e:  # the agent's messages, which the chat template may reject
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
@@ -260,7 +252,7 @@ class OpenAIEndpoint:
             if at_least >= self.max_total_tokens:
                 raise self._no_room(f"{len(text)} characters, so at least {at_least} tokens", prompt_field)
         prompt = session.prompt(text, self.tokenizer, plain)
-        params = self._within_budget(session, call, self._params(call, len(prompt.ids), prompt_field, parser))
+        params = self._params(session, call, len(prompt.ids), prompt_field, parser)
         k, session.calls = session.calls, session.calls + 1
         seed = call.seed
         if seed is None and session.sampling_seed is not None:
@@ -285,30 +277,16 @@ class OpenAIEndpoint:
             reply.text = text[: -len(matched)] if stopped else text
         return Answer(prompt, list(replies), k)
 
-    def _within_budget(self, session: Session, call: Call, params: dict) -> dict:
-        """`params` with max_new_tokens cut to what the run's token budget leaves each choice; a call past the run's
-        calls or tokens is refused, and the run is over its budget."""
-        over = None
-        if self.max_calls is not None and session.calls >= self.max_calls:
-            over = f"the agent made more than {self.max_calls} model calls (rollout.agent_max_calls)"
-        elif self.max_tokens is not None:
-            left = (self.max_tokens - session.sampled_tokens) // call.n
-            if left < 1:
-                over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
-                        f"(rollout.agent_max_tokens), leaving none for this call")
-            params["max_new_tokens"] = min(params["max_new_tokens"], left)
-        if over is not None:
-            session.over_budget = session.over_budget or over
-            raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")
-        return params
-
     def _no_room(self, size: str, prompt_field: str) -> RequestError:
         return RequestError(f"the prompt has {size}, which leaves no room to generate within max_total_tokens="
                             f"{self.max_total_tokens} (rollout.max_total_tokens); shorten the conversation",
                             prompt_field, code="context_length_exceeded")
 
-    def _params(self, call: Call, prompt_len: int, prompt_field: str, parser: ToolCallParser | None) -> dict:
-        """The engine's sampling params of a call: the run's, the request's over them, within the budget."""
+    def _params(self, session: Session, call: Call, prompt_len: int, prompt_field: str,
+                parser: ToolCallParser | None) -> dict:
+        """The engine's sampling params of a call: the run's, the request's over them, max_new_tokens cut to the
+        sequence's room and to what the run's token budget leaves each choice. A call past the run's calls or
+        tokens is refused, and the run is over its budget."""
         params = {**self.default_sampling, **call.params}
         run_temperature = self.default_sampling.get("temperature", 1.0)
         if "temperature" in call.params and call.params["temperature"] != run_temperature:
@@ -326,6 +304,18 @@ class OpenAIEndpoint:
             if room < 1:
                 raise self._no_room(f"{prompt_len} tokens", prompt_field)
             requested = min(requested, room)
+        over = None
+        if self.max_calls is not None and session.calls >= self.max_calls:
+            over = f"the agent made more than {self.max_calls} model calls (rollout.agent_max_calls)"
+        elif self.max_tokens is not None:
+            left = (self.max_tokens - session.sampled_tokens) // call.n
+            if left < 1:
+                over = (f"the agent's calls sampled {session.sampled_tokens} of its {self.max_tokens} tokens "
+                        f"(rollout.agent_max_tokens), leaving none for this call")
+            requested = min(requested, left)
+        if over is not None:
+            session.over_budget = session.over_budget or over
+            raise RequestError(f"{over}: this run may call the model no more", code="run_budget_exceeded")
         params["max_new_tokens"] = requested
         return params
 
@@ -366,11 +356,11 @@ def _engine_failed(session: Session, error: Exception) -> RequestError:
 
 def assistant_message(text: str, parser: ToolCallParser | None,
                       call_tag: str = "0") -> tuple[dict, ParsedAction | None]:
-    """The assistant message OpenAI's chat API returns for a sampled text (without the request's stop string),
-    and the parsed action (None without a parser: the request has no tools, or tool_choice "none").
-    With a parser, the text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the
-    session) and the rest `content` (None when empty). A text holding a call block that does not parse is
-    all content, with no calls (as vLLM's and SGLang's parsers leave it): the agent sees what the model wrote."""
+    """The assistant message OpenAI's chat API returns for a sampled text (without the request's stop string), and
+    the parsed action (None without a parser: the request has no tools, or tool_choice "none"). With a parser, the
+    text's tool calls become `tool_calls` (ids `call_{call_tag}_{i}`, unique in the session) and the rest `content`
+    (None when empty); a text holding a call block that does not parse is all content (as vLLM's and SGLang's
+    parsers leave it): the agent sees what the model wrote."""
     if parser is None:
         return {"role": "assistant", "content": text}, None
     parsed = parser.parse(text)

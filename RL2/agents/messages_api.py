@@ -1,52 +1,34 @@
-"""Anthropic's Messages API (`POST /v1/messages`) of the endpoint (`RL2.agents.endpoint`), streamed or not, for agent
-code written against `anthropic.AsyncAnthropic` (its `base_url` is the session's, without `/v1`).
-
-`system`, the messages' content blocks (text, `tool_use`, `tool_result`) and `tools` (`input_schema`) become chat
-messages and tools, sampled as a chat call; errors come in Anthropic's shape.
-"""
+"""Anthropic's Messages API (`POST /v1/messages`) of the endpoint (`RL2.agents.endpoint`), streamed or not: `system`,
+the messages' content blocks and `tools` become chat messages and tools, sampled as a chat call (docs/agents.md)."""
 
 import json
 
-from aiohttp import web
-
-from RL2.agents.requests import (
-    IGNORED,
-    SAMPLING,
-    RequestError,
-    choice_parses,
-    function_tools,
-    parse_call,
-    show,
-    template_kwargs,
-    text_of,
-)
-from RL2.agents.streaming import pieces, send_events
+from RL2.agents.requests import RequestError, chat_tools, parse_call, show, text_of
+from RL2.agents.streaming import pieces
 
 _DEFAULT_ONLY = {
     "thinking": ((None, {"type": "disabled"}), "the chat template decides how the policy reasons"),
     "container": ((None,), "the agent runs its own tools"),
     "mcp_servers": ((None, []), "the agent runs its own tools"),
 }
-_FIELDS = {"messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "chat_template_kwargs"} | \
-    SAMPLING | IGNORED | set(_DEFAULT_ONLY)
+_FIELDS = {"messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "chat_template_kwargs"}
 
 
-async def messages(endpoint, request: web.Request) -> web.StreamResponse:
-    session = endpoint.session_of(request)
-    body = await endpoint.json_body(request)
+async def messages(endpoint, session, body: dict) -> dict | list:
     call = parse_call(body, "messages", _FIELDS, _DEFAULT_ONLY, ("max_tokens",), stop="stop_sequences")
     if body.get("max_tokens") is None:
         raise RequestError("max_tokens is required (the Messages API has no default); send the most tokens to sample",
                            "max_tokens")
-    schemas = function_tools(body.get("tools"), "tools", '{"name": ..., "input_schema": ...}',
-                             lambda t: {"name": t.get("name"), "description": t.get("description"),
-                                        "parameters": t.get("input_schema")} if t.get("type", "custom") == "custom"
-                             else None)
     choice = body.get("tool_choice")
     choice = {"type": choice.get("type")} if isinstance(choice, dict) else choice  # disable_parallel_tool_use: any
-    parsing = choice_parses(choice, "tool_choice", (None, {"type": "auto"}, {"type": "none"})) and schemas is not None
-    answer = await endpoint.chat_turn(session, _system(body.get("system")) + _messages(body.get("messages")), schemas,
-                                      parsing, call, template_kwargs(body.get("chat_template_kwargs")))
+    schemas, parsing = chat_tools(body.get("tools"), choice, '{"name": ..., "input_schema": ...}',
+                                  lambda t: {"name": t.get("name"), "description": t.get("description"),
+                                             "parameters": t.get("input_schema")}
+                                  if t.get("type", "custom") == "custom" else None,
+                                  (None, {"type": "auto"}, {"type": "none"}))
+    system = text_of(body.get("system"), field="system")
+    system = [{"role": "system", "content": system}] if system else []
+    answer = await endpoint.chat_turn(session, system + _messages(body.get("messages")), schemas, parsing, call)
     [reply] = answer.replies
     content = [{"type": "text", "text": reply.message["content"] or ""}] \
         if reply.message["content"] or not reply.message.get("tool_calls") else []
@@ -60,7 +42,7 @@ async def messages(endpoint, request: web.Request) -> web.StreamResponse:
     message = {"id": f"msg_{session.id}_{answer.k}", "type": "message", "role": "assistant", "model": call.model,
                "content": content, "stop_reason": reason, "stop_sequence": stop, "usage": usage}
     if not call.stream:
-        return web.json_response(message)
+        return message
     started = message | {"content": [], "stop_reason": None, "stop_sequence": None,
                          "usage": usage | {"output_tokens": 0}}
     events = [("message_start", {"message": started})]
@@ -76,15 +58,7 @@ async def messages(endpoint, request: web.Request) -> web.StreamResponse:
                    ("content_block_stop", {"index": index})]
     events += [("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
                                   "usage": {"output_tokens": answer.completion_tokens}}), ("message_stop", {})]
-    return await send_events(request, [(name, {"type": name} | data) for name, data in events])
-
-
-def _system(system: object) -> list[dict]:
-    try:
-        text = text_of(system)
-    except ValueError as e:
-        raise RequestError(f"system: {e}", "system") from None
-    return [{"role": "system", "content": text}] if text else []
+    return [(name, {"type": name} | data) for name, data in events]
 
 
 def _messages(messages: object) -> list[dict]:

@@ -1,8 +1,6 @@
-"""Checking the endpoint's requests, for every API it serves: the sampling fields (`Call`), tools, content.
-
-Sampling fields the engine does not implement are refused with HTTP 400 naming the field, rather than ignored:
-the policy trained would not be the one the agent asked for. So are fields the endpoint does not know.
-"""
+"""Checking the endpoint's requests, for every API it serves: the sampling fields (`Call`), tools, content. Fields
+the engine does not implement, or the endpoint does not know, are refused with HTTP 400 naming the field rather than
+ignored: the policy trained would not be the one the agent asked for."""
 
 import json
 import math
@@ -57,7 +55,7 @@ class RequestError(Exception):
 
 @dataclass
 class Call:
-    """A request's sampling, checked."""
+    """A request's sampling (and chat template variables), checked."""
 
     api: str  # which API it came through: chat, completions, responses, messages
     params: dict  # the SGLang sampling params the request sets, over the run's defaults
@@ -67,12 +65,15 @@ class Call:
     seed: int | None = None  # the request's own seed (else the session's, if any)
     model: str = MODEL_ID  # the model the request named, echoed back
     stream: bool = False  # answered as server-sent events
+    template_kwargs: dict | None = None  # `chat_template_kwargs`
 
 
-def parse_call(body: dict, api: str, known: set[str], default_only: dict, max_tokens: tuple[str, ...],
+def parse_call(body: dict, api: str, fields: set[str], default_only: dict, max_tokens: tuple[str, ...],
                stop: str = "stop", logprobs: str | None = None) -> Call:
-    """A request's sampling fields, checked; unknown fields and unsupported values are refused. `max_tokens`: the
-    request's fields for it (the first given counts), `stop`, `logprobs`: its fields for those."""
+    """A request's sampling fields, checked; fields other than the API's own `fields`, `SAMPLING`, `IGNORED` and
+    `default_only`'s, and unsupported values, are refused. `max_tokens`: the request's fields for it (the first
+    given counts), `stop`, `logprobs`: its fields for those."""
+    known = fields | SAMPLING | IGNORED | set(default_only)
     for key in body:
         if key not in known:
             raise RequestError(f"unknown field {key!r}; RL2's endpoint takes {', '.join(sorted(known))}", key)
@@ -98,7 +99,7 @@ def parse_call(body: dict, api: str, known: set[str], default_only: dict, max_to
     model = body.get("model")
     return Call(api, params, stops, 1 if n is None else n, bool(logprobs and body.get(logprobs)),
                 number(body, "seed", None, None, True), model if isinstance(model, str) else MODEL_ID,
-                bool(body.get("stream")))
+                bool(body.get("stream")), template_kwargs(body.get("chat_template_kwargs")))
 
 
 def number(body: dict, key: str, low: float | None, high: float | None, integer: bool) -> float | int | None:
@@ -142,31 +143,29 @@ def template_kwargs(value) -> dict:
     return value
 
 
-def function_tools(tools: object, key: str, shape: str, schema_of) -> list[dict] | None:
-    """A request's tools as OpenAI chat schemas (None without tools); `schema_of(tool)` gives a tool's
-    {"name", "description", "parameters"}, or None where it is not of the API's function shape `shape`."""
-    if not tools:
-        return None
-    tools = tools if isinstance(tools, list) else [None]
-    schemas = [schema_of(tool) if isinstance(tool, dict) else None for tool in tools]
-    if not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in schemas):
-        raise RequestError(f"{key} must be a list of {shape}; other kinds of tools are not served (the agent runs "
-                           f"its own tools)", key)
-    return [{"type": "function", "function": {k: v for k, v in s.items() if v is not None}} for s in schemas]
-
-
-def choice_parses(choice: object, key: str, accepted: tuple) -> bool:
-    """Whether a request's tool choice (one of `accepted`: its API's 'auto' (or None) first, 'none' last) lets
-    the answer's calls be parsed."""
+def chat_tools(tools: object, choice: object, shape: str, schema_of,
+               accepted: tuple = (None, "auto", "none")) -> tuple[list[dict] | None, bool]:
+    """A request's `tools` as OpenAI chat schemas (None without tools), and whether its `tool_choice` (one of
+    `accepted`: its API's 'auto' (or None) first, 'none' last) lets the answer's calls be parsed. `schema_of(tool)`
+    gives a tool's {"name", "description", "parameters"}, or None where it is not of the API's function `shape`."""
+    schemas = None
+    if tools:
+        tools = tools if isinstance(tools, list) else [None]
+        schemas = [schema_of(tool) if isinstance(tool, dict) else None for tool in tools]
+        if not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in schemas):
+            raise RequestError(f"tools must be a list of {shape}; other kinds of tools are not served (the agent runs "
+                               f"its own tools)", "tools")
+        schemas = [{"type": "function", "function": {k: v for k, v in s.items() if v is not None}} for s in schemas]
     if choice not in accepted:
-        raise RequestError(f"{key}={show(choice)} is not supported: the policy is sampled as it is, and nothing "
+        raise RequestError(f"tool_choice={show(choice)} is not supported: the policy is sampled as it is, and nothing "
                            f"forces it to call a tool; send {show(accepted[1])} (or {show(accepted[-1])}) and check "
-                           f"its answer", key)
-    return choice != accepted[-1]
+                           f"its answer", "tool_choice")
+    return schemas, choice != accepted[-1] and schemas is not None
 
 
-def text_of(content: object, parts: tuple[str, ...] = ("text",)) -> str:
-    """A message's content as text: a string, or a list of text parts (of the types `parts`) joined."""
+def text_of(content: object, parts: tuple[str, ...] = ("text",), field: str | None = None) -> str:
+    """A message's content as text: a string, or a list of text parts (of the types `parts`) joined. Else a
+    ValueError, or with `field` (the request's field of `content`) a `RequestError` naming it."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -174,8 +173,9 @@ def text_of(content: object, parts: tuple[str, ...] = ("text",)) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise ValueError(f"{show(content)} is neither a string nor a list of {' or '.join(parts)} parts; the policy "
-                     f"reads text only")
+    problem = (f"{show(content)} is neither a string nor a list of {' or '.join(parts)} parts; the policy reads "
+               f"text only")
+    raise RequestError(f"{field}: {problem}", field) if field else ValueError(problem)
 
 
 def deeper_than(value: object, limit: int) -> bool:

@@ -1,27 +1,10 @@
-"""OpenAI's Responses API (`POST /v1/responses`) of the endpoint (`RL2.agents.endpoint`), streamed or not.
-
-`input` (text, or items: messages, `function_call`, `function_call_output`), `instructions` and function `tools`
-become chat messages and tools, sampled as a chat call. The session keeps each response's conversation, so that a
-call may go on from one by `previous_response_id` (its instructions are not carried over, as OpenAI's are not).
-"""
+"""OpenAI's Responses API (`POST /v1/responses`) of the endpoint (`RL2.agents.endpoint`), streamed or not: `input`,
+`instructions` and function `tools` become chat messages and tools, sampled as a chat call (docs/agents.md)."""
 
 import time
 
-from aiohttp import web
-
-from RL2.agents.requests import (
-    CHANGES_SAMPLING,
-    IGNORED,
-    SAMPLING,
-    RequestError,
-    choice_parses,
-    function_tools,
-    parse_call,
-    show,
-    template_kwargs,
-    text_of,
-)
-from RL2.agents.streaming import pieces, send_events
+from RL2.agents.requests import CHANGES_SAMPLING, RequestError, chat_tools, parse_call, show, text_of
+from RL2.agents.streaming import pieces
 
 _DEFAULT_ONLY = {
     "top_logprobs": ((None, 0), "the engine returns the sampled tokens' log-probabilities only; send 0"),
@@ -34,26 +17,23 @@ _DEFAULT_ONLY = {
     "conversation": ((None,), "use previous_response_id"),
 }
 _FIELDS = {"input", "instructions", "tools", "tool_choice", "previous_response_id", "max_output_tokens",
-           "chat_template_kwargs", "stream_options"} | SAMPLING | IGNORED | set(_DEFAULT_ONLY)
+           "chat_template_kwargs", "stream_options"}
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT = ("input_text", "output_text", "text")
 
 
-async def responses(endpoint, request: web.Request) -> web.StreamResponse:
-    session = endpoint.session_of(request)
-    body = await endpoint.json_body(request)
+async def responses(endpoint, session, body: dict) -> dict | list:
     call = parse_call(body, "responses", _FIELDS, _DEFAULT_ONLY, ("max_output_tokens",))
-    schemas = function_tools(body.get("tools"), "tools", '{"type": "function", "name": ..., "parameters": ...}',
-                             lambda t: {key: t.get(key) for key in ("name", "description", "parameters")}
-                             if t.get("type") == "function" else None)
-    parsing = choice_parses(body.get("tool_choice"), "tool_choice", (None, "auto", "none")) and schemas is not None
+    schemas, parsing = chat_tools(body.get("tools"), body.get("tool_choice"),
+                                  '{"type": "function", "name": ..., "parameters": ...}',
+                                  lambda t: {key: t.get(key) for key in ("name", "description", "parameters")}
+                                  if t.get("type") == "function" else None)
     conversation = _conversation(body, session)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError(f"instructions must be a string, not {show(instructions)}", "instructions")
     system = [{"role": "system", "content": instructions}] if instructions else []
-    answer = await endpoint.chat_turn(session, system + conversation, schemas, parsing, call,
-                                      template_kwargs(body.get("chat_template_kwargs")), "input")
+    answer = await endpoint.chat_turn(session, system + conversation, schemas, parsing, call, "input")
     [reply] = answer.replies
     response_id = f"resp_{session.id}_{answer.k}"
     session.responses[response_id] = conversation + [reply.message]
@@ -72,14 +52,13 @@ async def responses(endpoint, request: web.Request) -> web.StreamResponse:
                   "total_tokens": prompt + answer.completion_tokens},
     }
     if not call.stream:
-        return web.json_response(response)
+        return response
     started = response | {"status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
     events = [("response.created", {"response": started}), ("response.in_progress", {"response": started})]
     for index, item in enumerate(output):
         events += _item_events(index, item)
     events.append((f"response.{response['status']}", {"response": response}))
-    return await send_events(request, [(name, {"type": name, "sequence_number": i} | data)
-                                       for i, (name, data) in enumerate(events)])
+    return [(name, {"type": name, "sequence_number": i} | data) for i, (name, data) in enumerate(events)]
 
 
 def _conversation(body: dict, session) -> list[dict]:

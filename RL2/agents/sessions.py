@@ -1,11 +1,7 @@
-"""A session: one trajectory's calls to the endpoint, and how each call's prompt joins its sequences.
-
-A chat client sends the whole conversation every time, so a call's prompt usually extends an earlier call's
-prompt and answer. As in the environment loop (`RL2.rollout.loop.continuation`), a prompt that starts with a
-sequence's text so far continues it (only the new text is tokenised and appended, masked), any other prompt
-starts a new sequence. For the text to match, an assistant message the client sends back renders as exactly
-what the model sampled (`Session.as_sampled`), whichever API it came back through.
-"""
+"""A session: one trajectory's calls to the endpoint, and how each call's prompt joins its sequences. As in the
+environment loop (`RL2.rollout.loop.continuation`), a prompt that starts with a sequence's text so far continues it
+(only the new text is tokenised and appended, masked), any other starts a new sequence; an assistant message the
+client sends back renders as exactly what the model sampled (`Session.as_sampled`), whichever API carried it."""
 
 import json
 from dataclasses import dataclass, field
@@ -58,12 +54,9 @@ class Session:
         self._sampled: dict[str, str] = {}  # message_key of a returned message -> the text sampled
 
     def prompt(self, text: str, tokenizer, plain: Spans = ()) -> Prompt:
-        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the
-        spans of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A chat template
-        re-rendering the conversation writes the end-of-turn token the action already sampled (an action's text
-        skips special tokens); then the prompt must go on with exactly that token, which is not added again (as
-        `RL2.rollout.loop.continuation`). A prompt that goes on otherwise does not extend the tokens sampled,
-        whatever its text."""
+        """The call's prompt: continuing the sequence whose text it extends most, else a new one. `plain`: the spans
+        of `text` where content wrote special tokens' text (`RL2.utils.tokens.encode`). A sequence goes on only after
+        the end-of-turn token its action sampled (not in its text), not added again (as `RL2.rollout.loop`)."""
         extended = [tip for tip in self._tips if text.startswith(tip.text + tip.end_text)]
         if not extended:
             return Prompt(text, encode(tokenizer, text, plain))

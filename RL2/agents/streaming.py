@@ -1,10 +1,5 @@
-"""Answers as server-sent events (`stream=true`), in the shape each API's client reads.
-
-The engine returns a call's whole answer at once (its protocol has no incremental API), so a streamed answer is
-sent once it is sampled: the same events a provider sends as it samples (deltas of the text in pieces of
-`PIECE_CHARS`, of a call's arguments, the end), in one write. The session records the call as it would without
-streaming.
-"""
+"""Answers as server-sent events (`stream=true`), in the shape each API's client reads. The engine returns a call's
+whole answer at once, so a stream is sent, in one write, once the answer is sampled (docs/agents.md, Streaming)."""
 
 import json
 

@@ -1,12 +1,8 @@
-"""The evaluator: sample every test prompt with a model (and with a second one to compare) on the
-rollout engine of the RL trainer (`RolloutWorker`: embedded or SGLang, each rank its share of the
-prompts), score the samples with the environment or reward function, and report.
+"""The evaluator: sample every test prompt with a model (and with a second one to compare) on the RL trainer's
+rollout engine (`RolloutWorker`, each rank its share of the prompts), score the samples with the environment or
+reward function, and report. Each sample has its own seed (docs/evaluation.md)."""
 
-Sample j of prompt i is drawn with its own seed (`rollout.sampling_seed` of the prompt row, see
-`RL2.rollout.loop.rollout_batch`), so the samples do not depend on the number of ranks or on the
-batching, and the two models of a comparison draw from the same random numbers.
-"""
-
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +15,7 @@ from RL2.config.eval_schema import TRAINING_ONLY
 from RL2.config.ppo_schema import RolloutConfig
 from RL2.datasets.loading import load_table
 from RL2.datasets.tokenize import tokenize_rows
-from RL2.evaluation.report import format_table, sample_records, write_json, write_jsonl
+from RL2.evaluation.report import format_table, sample_records
 from RL2.native import prepare_process
 from RL2.parallel import collective_timeout, init_distributed, pick_device
 from RL2.rollout.loop import sample_seed
@@ -36,7 +32,7 @@ from RL2.trainer.rollout_setup import (
     rollout_worker,
     tools_of,
 )
-from RL2.utils.logging import is_rank0, log_rank0
+from RL2.utils.logging import is_rank0, log_rank0, write_atomic
 from RL2.workers.fsdp import load_tokenizer
 
 
@@ -59,8 +55,7 @@ class EvalResult:
 
 
 class Evaluator:
-    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a Python
-    reward)."""
+    """`env`: what is rolled out; default: `load_rollout_script(cfg.rollout)` (`RL2.evaluate` passes a reward)."""
 
     def __init__(self, cfg: DictConfig, env: RolloutScript | None = None):
         self.device = pick_device(cfg.eval.device, key="eval.device")
@@ -144,16 +139,20 @@ class Evaluator:
         return prompts
 
     def save(self, result: EvalResult, records: list[dict]) -> None:
+        """Write every sample as a JSON line, and the metrics as JSON, each atomically (a crash leaves the previous
+        file or none)."""
         cfg = self.cfg
-        write_jsonl(result.samples_path, records)
-        write_json(result.metrics_path, {
+        lines = [json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records]
+        write_atomic(result.samples_path, "".join(lines))
+        metrics = {
             "settings": {"samples_per_prompt": cfg.rollout.responses_per_prompt, "k": self.ks,
                          "threshold": cfg.eval.threshold, "seed": cfg.eval.seed, "data": cfg.data.test.path,
                          "sampling_params": OmegaConf.to_container(cfg.rollout.sampling_params)},
             "model": {"name": cfg.model.model_name, **result.metrics},
             "compare": {"name": cfg.compare.model_name, **result.compare} if result.compare else None,
             "difference": result.difference,
-        })
+        }
+        write_atomic(result.metrics_path, json.dumps(metrics, indent=2, ensure_ascii=False, default=str) + "\n")
 
     def describe(self, n_prompts: int, seconds: float) -> str:
         cfg, params = self.cfg, self.cfg.rollout.sampling_params

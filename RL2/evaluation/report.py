@@ -1,17 +1,12 @@
-"""What an evaluation leaves behind: every sample as a JSON line, the metrics as JSON, and a table."""
-
-import json
-from pathlib import Path
+"""What an evaluation reports: a record of every sample, and a table of the metrics."""
 
 from RL2.rollout.metrics import COUNTS, reward_parts
 from RL2.rollout.trajectory import Trajectory
-from RL2.utils.logging import write_atomic
 
 
 def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources: list[str], role: str, model: str,
                    threshold: float) -> list[dict]:
-    """One JSON-able record per sample of `groups` (those of each of `prompts`); `role` is "model" or
-    "compare"."""
+    """One JSON-able record per sample of `groups` (those of each of `prompts`); `role` is "model" or "compare"."""
     records = []
     for index, (group, row, source) in enumerate(zip(groups, prompts, sources, strict=True)):
         for sample, t in enumerate(group):
@@ -23,15 +18,6 @@ def sample_records(groups: list[list[Trajectory]], prompts: list[dict], sources:
                 "fault": t.fault, "extra_info": row["extra_info"],
             })
     return records
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Write `records` one per line, atomically (a crash leaves the previous file or none)."""
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
-
-
-def write_json(path: Path, value: dict) -> None:
-    write_atomic(path, json.dumps(value, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 def format_table(columns: dict[str, dict], difference: dict | None = None) -> str:

@@ -1,8 +1,5 @@
-"""Rewards for environment scripts and for `rollout.reward_fn`: math answers, formats, code run in a
-sandbox (`RL2.sandbox`), an LLM judge, and weighted sums of them. Every reward has the signature
-`(response, extra_info)`, so any of them can be a `rollout.reward_fn` as they are
-(`rollout.reward_fn=RL2.rewards:math_reward`; the adapter that makes a function an environment is
-`RL2.rollout.reward_env`)."""
+"""Rewards `(response, extra_info)` for environment scripts and for `rollout.reward_fn` (`RL2.rewards:math_reward`):
+math answers, formats, code run in a sandbox (`RL2.sandbox`), an LLM judge, and weighted sums of them."""
 
 from RL2.rewards.code_reward import code_reward, parse_tests
 from RL2.rewards.composite import composite, reward_step

@@ -1,13 +1,5 @@
-"""Code rewards: the response's Python solution run against the row's tests in a sandbox.
-
-`extra_info["tests"]` holds the tests, as a list of dicts (or a JSON string of one):
-
-    {"input": "1 2\\n", "output": "3\\n"}        # standard input -> expected standard output
-    {"assert": "assert add(1, 2) == 3"}         # run after the solution's code; passes if it ends
-
-or in the APPS / verl style, `{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}`. Outputs are
-compared line by line, ignoring trailing spaces and blank lines at either end.
-"""
+"""Code rewards: the response's Python solution run against the row's tests in a sandbox (`{"input", "output"}`,
+`{"assert"}` or APPS/verl's `{"inputs", "outputs"}` tests: docs/rewards.md)."""
 
 import json
 

@@ -10,10 +10,8 @@ RewardFn = Callable[[str, dict], "float | dict | Awaitable[float | dict]"]
 def composite(parts: dict[str, tuple[float, RewardFn]],
               score: str | None = None) -> Callable[[str, dict], Awaitable[dict]]:
     """A reward function returning `{"reward": sum of weight * part, "score": ..., name: part, ...}`.
-
-    `parts`: name -> (weight, reward function), each any reward function (sync or async, `(response,
-    extra_info)`). A part that itself returns a dict contributes its "reward", and its other entries are kept
-    as `name/entry`. Returned from a `step` through `reward_step`, or from a `rollout.reward_fn`, the parts
+    `parts`: name -> (weight, reward function), each any reward function (sync or async, `(response, extra_info)`);
+    one that returns a dict contributes its "reward", and its other entries are kept as `name/entry`. The parts
     appear in metrics.jsonl as `rollout/reward/<name>` (unweighted means). `score`: the part reported as the
     score (e.g. correctness without format credit); default: the reward."""
     for name in parts:
@@ -44,8 +42,7 @@ async def call_reward(function: RewardFn, response: str, extra_info: dict) -> fl
 
 def reward_step(result: float | dict, extra_info: dict) -> dict:
     """The `step` result that ends a trajectory with a reward function's `result`: a number, or a dict with
-    "reward", optionally "score", and parts (name -> number). `extra_info` (what the step got) is returned
-    unchanged."""
+    "reward", optionally "score", and parts (name -> number); `extra_info` (what the step got) goes back as it is."""
     if isinstance(result, dict):
         if "reward" not in result:
             raise ValueError(f"a reward dict needs a 'reward' entry (the trained total); it has {sorted(result)}")

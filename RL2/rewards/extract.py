@@ -10,12 +10,9 @@ PYTHON_FENCES = ("python", "python3", "py")
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`), nested braces included.
-
-    `\\{` and `\\}` are literal braces and do not open or close a group. `\\boxed 5` (no braces) gives
-    the word after it. The last box left unclosed (a response cut at max_new_tokens) gives None: the
-    final answer was never finished.
-    """
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`), nested braces included (`\\{` and `\\}` are
+    literal braces); of `\\boxed 5` (no braces), the word after it. The last box left unclosed (a response cut at
+    max_new_tokens) gives None: the final answer was never finished."""
     position, command = max((text.rfind(command), command) for command in BOX_COMMANDS)
     if position < 0:
         return None
@@ -56,8 +53,7 @@ def last_match(text: str, pattern: str | re.Pattern) -> str | None:
 
 
 def extract_code(text: str) -> str:
-    """The Python code of a response: its last ```python fence, else its last unlabelled fence, else
-    the whole text."""
+    """The Python code of a response: its last ```python fence, else its last unlabelled fence, else the whole text."""
     fences = _FENCE.findall(text)
     for wanted in (PYTHON_FENCES, ("",)):
         blocks = [code for language, code in fences if language.lower() in wanted]

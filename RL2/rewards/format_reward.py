@@ -6,14 +6,9 @@ THINK_ANSWER = ("think", "answer")
 
 
 def tags_reward(response: str, extra_info: dict | None = None, *, tags: tuple[str, ...] = THINK_ANSWER) -> float:
-    """How well the response follows `<t1>...</t1> <t2>...</t2> ...` (default: think, then answer).
-
-    Half the credit is shared by the tags: `0.5 / len(tags)` for each tag that appears as exactly one
-    `<t>` followed later by exactly one `</t>`. The other half is for the whole structure: the tags
-    in this order and nothing but whitespace around and between them. So `<think>a</think>
-    <answer>b</answer>` gives 1.0, the same with text before it 0.5, and a lone
-    `<think>a</think>` 0.25. `extra_info` is unused (the signature of a reward function).
-    """
+    """How well the response follows `<t1>...</t1> <t2>...</t2> ...` (default: think, then answer): `0.5 /
+    len(tags)` for each tag that appears as exactly one `<t>` followed later by exactly one `</t>`, and the other
+    half for the tags in this order with nothing but whitespace around and between them (docs/rewards.md)."""
     if not tags:
         raise ValueError("tags_reward needs at least one tag")
     well_formed = sum(_once_in_order(response, f"<{tag}>", f"</{tag}>") for tag in tags)

@@ -1,11 +1,6 @@
 """An LLM as the judge of a response: a rubric (chat messages with {question}, {response} and {reference} in
-them) is sent to a judge model, and the score in its answer, normalised to [0, 1], is the reward.
-
-The judge is any chat function `async (messages) -> answer text`: `openai_chat` (an OpenAI-compatible server),
-or a frozen model that RL2 serves itself (`RL2.rollout.judge_engine`). A judge that fails (an HTTP error, no
-answer in time, no score in its answer) after its retries raises `JudgeError`: the trajectory ends as a fault
-(`rollout/faults/judge`), never with a made-up 0. See docs/rewards.md.
-"""
+them) is sent to a chat function (`ChatFn`: `openai_chat`, or `RL2.rollout.judge_engine`'s frozen model), and the
+score in its answer, normalised to [0, 1], is the reward; no score raises `JudgeError` (docs/rewards.md)."""
 
 import asyncio
 import contextlib
@@ -95,14 +90,11 @@ def _is_message(message: object) -> bool:
 
 
 class Judge:
-    """A reward function `(response, extra_info) -> score in [0, 1]` asking `chat` (see `ChatFn`) with `rubric`.
-
-    The question and the reference answer come from `extra_info[question_key]` and `extra_info[reference_key]`
-    when the rubric shows them. At most `max_concurrency` judge calls are in flight (the rest wait); each gets
-    `timeout` seconds, and a failed one (an error, no answer in time, no score by `parse_score` in
-    `score_range`) is asked again up to `max_retries` times before `JudgeError` is raised. The calls run on an
-    event loop of the judge's own, in a thread of its own: callers on any loop share one client and one bound.
-    `on_close`: called on that loop by `close` (e.g. stopping the judge's engine)."""
+    """A reward function `(response, extra_info) -> score in [0, 1]` asking `chat` (see `ChatFn`) with `rubric`
+    (the question and reference from `extra_info[question_key]`, `extra_info[reference_key]`). At most
+    `max_concurrency` calls are in flight, each of `timeout` s; a failed one is asked again up to `max_retries`
+    times. The calls run on a loop and thread of the judge's own, so callers on any loop share one client and
+    one bound. `on_close`: called on that loop by `close` (e.g. stopping the judge's engine)."""
 
     def __init__(self, chat: ChatFn, rubric: str | list[dict] = "quality", score_range: tuple[float, float] = (0, 10),
                  max_concurrency: int = 8, timeout: float | None = 60.0, max_retries: int = 2,

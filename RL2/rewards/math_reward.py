@@ -1,9 +1,5 @@
-"""Math answers: the response's final answer against `extra_info["answer"]`.
-
-The answer is the last `\\boxed{...}` (or the last match of a pattern), compared symbolically by
-Hugging Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'); without it, as normalised
-strings (`normalise_answer`). See docs/rewards.md.
-"""
+"""Math answers: the response's final answer against `extra_info["answer"]`, compared symbolically by Hugging
+Face's `math-verify` (`pip install math-verify`, or 'RL2[math]'), else as normalised strings (docs/rewards.md)."""
 
 import re
 import threading
@@ -16,9 +12,8 @@ BOXED = "boxed"  # `pattern` value: the last \boxed{...}
 
 def math_reward(response: str, extra_info: dict, *, pattern: str | None = BOXED, answer_key: str = "answer") -> float:
     """1.0 when the response's final answer equals `extra_info[answer_key]`, else 0.0. The answer by `pattern`:
-    `BOXED` (default) the last \\boxed{...}; a regular expression its last match (first group if any); None
-    the whole response, from which math-verify picks the answer itself (its last \\boxed, else the last
-    expression)."""
+    `BOXED` (default) the last \\boxed{...}; a regular expression its last match (first group if any); None the
+    whole response, from which math-verify picks the answer itself (its last \\boxed, else the last expression)."""
     if answer_key not in extra_info:
         raise KeyError(f"extra_info has no '{answer_key}' (the reference answer); it has {sorted(extra_info)}")
     gold = str(extra_info[answer_key])
@@ -41,12 +36,10 @@ def require_math_verify() -> None:
 
 
 def normalise_answer(text: str) -> str:
-    """A canonical string of an answer, for comparing without math-verify.
-
-    Drops spaces, `$`, `\\left`/`\\right`, thin spaces, `\\text{...}` markers, degree and percent
-    signs, a trailing period and thousands separators; `\\dfrac`/`\\tfrac` become `\\frac`; a number or
-    a fraction of integers becomes its value (`0.50`, `1/2` and `\\frac{1}{2}` all become `0.5`).
-    """
+    """A canonical string of an answer, for comparing without math-verify: drops spaces, `$`, `\\left`/`\\right`,
+    thin spaces, `\\text{...}` markers, degree and percent signs, a trailing period and thousands separators;
+    `\\dfrac`/`\\tfrac` become `\\frac`; a number or a fraction of integers becomes its value (`0.50`, `1/2` and
+    `\\frac{1}{2}` all become `0.5`)."""
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
     for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "\\%", "%", "\\$", "$"):
         s = s.replace(noise, "")

@@ -1,14 +1,9 @@
-"""A small local retriever: Okapi BM25 over a JSONL corpus, for environments whose policy searches
-(envs/tool_use.py, envs/searchr1.py), and the original RL2's search service protocol served over it.
+"""A small local retriever: Okapi BM25 over a JSONL corpus (`{"text": ...}`, or Search-R1's `{"contents":
+"title\\ntext"}` a line), for environments whose policy searches (envs/tool_use.py, envs/searchr1.py).
 
-A corpus has one passage per line: `{"text": ...}`, or Search-R1's `{"contents": "title\\ntext"}`.
-
-    python -m RL2.rewards.retrieval corpus.jsonl --port 10000 --top_k 3
-
-serves `POST /search {"query": q} -> {"passage": "Doc 1(Title: ...) ...\\nDoc 2(...)"}` and `GET /health`
-on localhost, as the original's envs/local_search_service.py did with a dense index (e5 embeddings and
-faiss): the original's envs/searchr1.py runs against it unchanged.
-"""
+`python -m RL2.rewards.retrieval corpus.jsonl --port 10000 --top_k 3` serves the original RL2's search protocol on
+localhost, `POST /search {"query": q} -> {"passage": "Doc 1(Title: ...) ..."}` and `GET /health`, as its
+envs/local_search_service.py did with a dense index (e5 and faiss)."""
 
 import argparse
 import json
