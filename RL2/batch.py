@@ -1,17 +1,11 @@
 """The batch types the packer, the models, the workers and the RL estimators share.
 
-A `SequenceBatch` is a list of token sequences with per-token values aligned with their labels:
-sequence i has tokens `input_ids[i]` (L_i of them); position t predicts token t + 1, so the
-sequence has L_i - 1 labels, and every per-token tensor holds the labels of all sequences back to
-back (`tokens[name][offsets[i]:offsets[i + 1]]` is sequence i's). Nothing is padded and nothing
-sits at an unused index 0.
-
-A *sample* is what averages and baselines count as one: a sequence for SFT and preference data; a
-trajectory under RL, whose sequences are consecutive. A multi-turn trajectory whose environment
-rewrites its prompt spans several sequences but stays one sample (`RolloutBatch`), so its returns
-flow across them and a group baseline counts it once.
-
-`MicroBatch` is what one forward pass sees: some sequences of a batch packed into one row.
+A `SequenceBatch` holds token sequences, unpadded: sequence i (`input_ids[i]`, L_i tokens) has L_i - 1 labels
+(position t predicts token t + 1), and every per-token tensor holds all sequences' labels back to back
+(`tokens[name][offsets[i]:offsets[i + 1]]` is sequence i's). A *sample* is what averages and baselines count
+as one: a sequence for SFT and preference data; under RL a trajectory (`RolloutBatch`), whose sequences are
+consecutive, so that its returns flow across them and a group baseline counts it once. A `MicroBatch` is what
+one forward pass sees: some sequences of a batch packed into one row.
 """
 
 from dataclasses import dataclass, field, replace

@@ -1,12 +1,9 @@
 """Pack variable-length sequences into padding-free micro-batches, balanced across ranks.
 
-Every rank holds the same global batch and runs the same deterministic partition, then keeps its
-own share, so no communication is needed and every rank gets the same number of micro-batches
-(FSDP's collectives need every rank to run the same number of forward/backward passes).
-
-A packed micro-batch is one row of `T` tokens holding several sequences back to back. Attention
-never crosses a sequence boundary: `cu_seqlens` marks the boundaries for the varlen attention, and
-`position_ids` restart at 0 for every sequence.
+Every rank holds the same global batch, runs the same deterministic partition and keeps its own share: no
+communication, and every rank gets the same number of micro-batches (as FSDP's collectives need). A packed
+micro-batch is one row of sequences back to back; `cu_seqlens` keeps attention within each sequence, and
+`position_ids` restart at 0 for every one.
 """
 
 import heapq

@@ -1,12 +1,6 @@
-"""Process-group setup and the one object that holds the parallel layout (docs/parallelism.md).
-
-Every rank runs the same program (SPMD). The world is a 4-D grid `(ddp, fsdp, cp, tp)`:
-- `ddp`  replicas for hybrid sharding (parameters replicated across, sharded within);
-- `fsdp` ranks that shard parameters and see different data;
-- `cp`   ranks that split one packed sequence (context parallelism);
-- `tp`   ranks that split each matrix (tensor parallelism).
-Data parallelism is `dp = ddp * fsdp`: ranks with different data. Ranks that differ only in cp or tp
-see the same data.
+"""Process-group setup and `ParallelDims`, the one object that holds the parallel layout: the 4-D grid
+`(ddp, fsdp, cp, tp)` of docs/parallelism.md. Data parallelism is `dp = ddp * fsdp`, the ranks with different
+data; ranks that differ only in cp or tp see the same data.
 """
 
 import contextlib
