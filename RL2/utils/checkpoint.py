@@ -1,10 +1,7 @@
-"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time
-(`RL2.utils.save_dir_lock`; see docs/outputs.md).
-
-`<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG state and,
-written last, `trainer_state.json`. Everything goes to a hidden temporary folder first, renamed into place at
-the end. The small files and the renames are fsynced, so a power loss right after a save does not leave
-`latest.txt` naming a folder the disk never got.
+"""Resumable checkpoints `<save_dir>/step<N>/` (docs/outputs.md): every worker's shards, each rank's RNG state
+and, written last, `trainer_state.json`, saved to a hidden temporary folder renamed into place. The small files
+and the renames are fsynced, so a power loss right after a save does not leave `latest.txt` naming a folder the
+disk never got. One run holds a save_dir at a time (`RL2.utils.save_dir_lock`).
 """
 
 import json
@@ -83,9 +80,8 @@ def replace_synced(path: Path, text: str) -> None:
 
 def rng_state() -> dict:
     """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers, which
-    `torch.load(weights_only=True)` reads back running no code from the file. A pickled object (NumPy's state
-    tuple holds an ndarray) would need `weights_only=False`, under which a planted `rng_rank*.pt` runs whatever
-    it names at resume."""
+    `torch.load(weights_only=True)` reads back running no code: NumPy's state tuple (an ndarray) would need
+    `weights_only=False`, under which a planted `rng_rank*.pt` runs whatever it names at resume."""
     version, mt, gauss = random.getstate()
     numpy = np.random.get_state(legacy=False)  # MT19937: {"state": {"key", "pos"}, "has_gauss", "gauss"}
     state = {

@@ -1,11 +1,7 @@
-"""A checkpoint's `.metadata` read without running code from it.
-
-torch.distributed.checkpoint keeps the index of a checkpoint's shards in `<step>/.metadata`, a pickle that
-its `FileSystemReader` reads with plain `pickle.load`: a file planted there (by anyone who can write the
-save_dir) would run what it names when a run resumes. `SafeFileSystemReader` unpickles it with an
-allow-list of the classes such an index is made of (torch's checkpoint metadata dataclasses, sizes, dtypes,
-layouts, paths); anything else is refused before it is called. The shards themselves hold tensors and
-plain values, which torch reads with `weights_only=True`.
+"""A checkpoint's `.metadata` read without running code from it: torch's `FileSystemReader` unpickles this index
+of the shards with plain `pickle.load`, so a file planted there would run what it names at resume.
+`SafeFileSystemReader` unpickles it with an allow-list of the classes such an index is made of; anything else is
+refused before it is called. (The shards hold tensors and plain values, read with `weights_only=True`.)
 """
 
 import pickle

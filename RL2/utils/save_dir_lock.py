@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
 from RL2.utils.checkpoint import fsync_dir
-from RL2.utils.logging import log_rank0
+from RL2.utils.logging import log_rank0, make_save_dir
 from RL2.utils.redaction import redact_command
 
 LOCK = "run.lock"
@@ -47,11 +47,7 @@ def _take_lock(root: Path) -> Callable[[], None]:
     drops it when the process dies, so a crashed run's lock is free again and two runs that find it free at
     once cannot both take it. The file names the holder, for the message of a run that is refused."""
     path = root / LOCK
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only place, or a file where a folder of the path should be
-        raise ConfigError(f"trainer.save_dir={root}: cannot create it ({e.strerror}: {e.filename}); give a "
-                          f"folder this user can write") from None
+    make_save_dir(root)
     me = _this_process()
     _release_held(path)  # this process's previous trainer (the Python API runs one after another)
     for _ in range(3):  # the holder may release, removing the file, while this process waits for it
