@@ -25,16 +25,17 @@ def split_path(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
-def load_table(spec: str) -> datasets.Dataset:
-    """Load the examples named by `spec` as a `datasets.Dataset`."""
+def load_table(spec: str, subset: str | None = None) -> datasets.Dataset:
+    """Load the examples named by `spec` as a `datasets.Dataset`; `subset` picks a configuration of a Hugging Face
+    dataset (gsm8k's "main"), which `datasets.load_dataset` then reads from `spec` whatever it is."""
     split, path = split_path(spec)
     local = Path(path).expanduser()
-    if local.is_file():
+    if subset is None and local.is_file():
         fmt = FILE_FORMATS.get(local.suffix.lower())
         if fmt is None:
             raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
         table = _read_file(local, fmt, split)
-    elif local.is_dir():
+    elif subset is None and local.is_dir():
         try:
             table = datasets.load_from_disk(str(local))
         except FileNotFoundError:  # a folder of data files (no dataset_info.json / state.json)
@@ -46,11 +47,11 @@ def load_table(spec: str) -> datasets.Dataset:
             table = _pick_split(table, split, str(local))
     else:
         try:
-            table = datasets.load_dataset(path, split=split or "train")
+            table = datasets.load_dataset(path, subset, split=split or "train")
         except Exception as e:  # offline hub lookups raise many different types
-            raise DataError(f"could not load '{path}': it is not a local file or folder, and loading it as a Hugging "
-                            f"Face dataset failed ({type(e).__name__}: {e}). Give a local path, or make the dataset "
-                            "available in the local cache.") from e
+            how = f"loading its subset '{subset}'" if subset else "it is not a local file or folder, and loading it"
+            raise DataError(f"could not load '{path}': {how} as a Hugging Face dataset failed ({type(e).__name__}: "
+                            f"{e}). Give a local path, or make the dataset available in the local cache.") from e
     if len(table) == 0:
         raise DataError(f"{spec}: no rows")
     return table
