@@ -67,7 +67,9 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
     in-process store: no port to find free, and no TCP store server whose thread outlives the group."""
     if dist.is_initialized():
         return
-    _print_stacks_on_crash()
+    if not faulthandler.is_enabled():  # a rank that native code kills prints its threads' stacks (docs/parallelism.md)
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr that is no file (a notebook's)
+            faulthandler.enable(all_threads=True)
     single = "RANK" not in os.environ  # plain `python -m RL2.trainer.X`
     backend = "nccl" if device.type == "cuda" else "gloo"
     if single:
@@ -92,16 +94,6 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
     # for the backend, which these module attributes hold.
     dist.distributed_c10d.default_pg_timeout = timeout
     dist.distributed_c10d.default_pg_nccl_timeout = timeout
-
-
-def _print_stacks_on_crash() -> None:
-    """A rank that native code kills (a segmentation fault in a kernel or a collective) prints the Python
-    stack of each of its threads to stderr; otherwise torchrun reports only the signal, and the peers
-    only that the rank is gone."""
-    if faulthandler.is_enabled():
-        return
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr that is no file (a notebook's)
-        faulthandler.enable(all_threads=True)
 
 
 _PER_GROUP_CACHES: list[Callable[[], None]] = []

@@ -128,14 +128,10 @@ def _init_wandb(project: str, name: str, save_dir: str, config):
 
     from RL2.utils.redaction import redact_config
 
-    mode = os.environ.get("WANDB_MODE")
-    if mode is None and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
+    mode, netrc = os.environ.get("WANDB_MODE"), Path.home() / ".netrc"
+    if mode is None and not (os.environ.get("WANDB_API_KEY") or
+                             (netrc.exists() and "api.wandb.ai" in netrc.read_text())):
         log_rank0("wandb: no login found, logging offline (set WANDB_API_KEY or WANDB_MODE=online to sync)")
         mode = "offline"
     plain_config = redact_config(OmegaConf.to_container(config, resolve=True)) if config is not None else None
     return wandb.init(project=project, name=name, dir=save_dir, config=plain_config, mode=mode)
-
-
-def _has_netrc_login() -> bool:
-    netrc = Path.home() / ".netrc"
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text()

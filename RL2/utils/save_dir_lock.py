@@ -63,12 +63,14 @@ def _take_lock(root: Path) -> Callable[[], None]:
     else:
         raise ConfigError(_held_message(root, path, _read_lock(path)))
     holder = _read_lock(path)
+    other = holder is not None and [holder.get(key) for key in ("host", "pid", "process_start")] != [
+        me["host"], me["pid"], me["process_start"]]
     # A live holder that does not hold the flock: a run on another host (a network folder's locks may not
     # reach this one) or an RL2 from before the flock.
-    if holder is not None and not _same_process(holder, me) and _alive(holder):
+    if other and _alive(holder):
         os.close(fd)
         raise ConfigError(_held_message(root, path, holder))
-    if holder is not None and not _same_process(holder, me):
+    if other:
         log_rank0(f"trainer.save_dir: taking over {path} from process {holder.get('pid')}, which is gone")
     try:
         os.ftruncate(fd, 0)
@@ -135,11 +137,6 @@ def _read_lock(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
-
-
-def _same_process(holder: dict, me: dict) -> bool:
-    return holder.get("host") == me["host"] and holder.get("pid") == me["pid"] and \
-        holder.get("process_start") == me["process_start"]
 
 
 def _alive(holder: dict) -> bool:
