@@ -2,9 +2,8 @@
 
     python -m RL2.datasets.math_rows SOURCE OUT.jsonl [--format auto|gsm8k|math] [--prompt TEMPLATE]
 
-SOURCE is anything `data.train.path` takes. GSM8K rows (`question`, `answer` ending in `#### N`) and
-MATH rows (`problem`, and `answer` or a `solution` with a \\boxed{} answer) each become
-`{"prompt": ..., "extra_info": {"answer": ..., "data_source": ..., "index": ...}}`; see docs/data.md.
+SOURCE is anything `data.train.path` takes: GSM8K rows (`question`, `answer` ending in `#### N`) or MATH rows
+(`problem`, and `answer` or a `solution` with a \\boxed{} answer); see docs/data.md.
 """
 
 import argparse
