@@ -20,11 +20,9 @@ class SequenceBatch:
     """Sequences with per-label values, grouped into samples."""
 
     input_ids: list[list[int]]  # each sequence's tokens, at least 2 of them
-    # name -> `[n_labels]`, every sequence's labels back to back; `loss_mask` (1.0 on the labels a loss trains
-    # on) is always there
+    # name -> `[n_labels]`, all sequences' labels back to back; always has `loss_mask` (1.0 on trained labels)
     tokens: dict[str, Tensor]
-    # `[S]` long, the sample of each sequence, non-decreasing (a sample's sequences are consecutive); default:
-    # every sequence is its own sample
+    # `[S]` long, each sequence's sample, non-decreasing (a sample's sequences are consecutive); default: one each
     sample_ids: Tensor | None = None
     # a sample may have no sequence (nothing to train on) and still count; default: the last sample id + 1
     n_samples: int | None = None
@@ -234,9 +232,7 @@ class MicroBatch:
     position_ids: Tensor  # position within each sequence
     cu_seqlens: Tensor  # int32 `[n + 1]` cumulative sequence lengths
     loss_mask: Tensor  # 1.0 where `labels` is trained on
-    # each label's weight in the loss: `loss * loss_weights` summed over every micro-batch of every rank is the
-    # configured average over the global batch
-    loss_weights: Tensor
+    loss_weights: Tensor  # each label's weight in the configured average over the global batch (`RL2.algs.averaging`)
     sequence_ids: list[int]  # the positions in their `SequenceBatch` of the packed sequences, in order
     extras: dict[str, Tensor] = field(default_factory=dict)  # the batch's other per-token tensors
     # the packed sequences (indices in this row) that begin a packing unit sized by its own shared-prefix

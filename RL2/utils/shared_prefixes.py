@@ -1,11 +1,9 @@
 """Runs of consecutive token sequences that share a prefix: which sequences of a packed row store their
 common prefix once (`RL2.models.shared_prefix`, whose attention reads them) and how long the row is then
 (`RL2.packing`, which balances rows by it). Plain lists of token ids, no tensors.
-
-A run grows while it saves at least as many tokens as before; a prefix of fewer than
-`MIN_SHARED_TOKENS` is not worth the extra attention calls.
 """
 
+# A shorter shared prefix is not worth the extra attention calls.
 MIN_SHARED_TOKENS = 16
 
 
