@@ -102,7 +102,8 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
 
     for group in groups:
         for n_chunks in range(min(chunks_per_group, len(group)), len(group) + 1):
-            chunks = [[i for t in part for i in t] for part in _split_evenly(group, n_chunks)]
+            bounds = [round(k * len(group) / n_chunks) for k in range(n_chunks + 1)]  # parts differing by one at most
+            chunks = [[i for t in group[a:b] for i in t] for a, b in zip(bounds[:-1], bounds[1:])]
             chunk_sizes = [size(chunk) for chunk in chunks]
             if max(chunk_sizes) <= budget or n_chunks == len(group):
                 break
@@ -111,12 +112,6 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
             units.extend(piece for piece, _ in pieces)
             sizes.extend(piece_size for _, piece_size in pieces)
     return units, sizes
-
-
-def _split_evenly(items: list, n: int) -> list[list]:
-    """`items` in order, cut into `n` contiguous parts whose lengths differ by at most one."""
-    bounds = [round(k * len(items) / n) for k in range(n + 1)]
-    return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def train_weights(batch: SequenceBatch, avg_level: str, response_budget: int | None = None) -> torch.Tensor:

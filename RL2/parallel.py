@@ -52,8 +52,7 @@ COLLECTIVE_TIMEOUT = 1800.0
 
 def collective_timeout(cfg) -> float:
     """Seconds every process group waits in a collective: with a rollout, by default at least one request's
-    timeout plus a margin, as a rank whose rollout is done waits in the gather while another rank's request
-    runs, and a shorter wait would end the run (NCCL's watchdog aborts) before that request fails or finishes."""
+    timeout plus a margin, as a rank whose rollout is done waits in the gather while another's request runs."""
     trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
     chosen = trainer.get("collective_timeout") if trainer is not None else None
     request = rollout.get("request_timeout") if rollout is not None else None
@@ -107,14 +106,12 @@ def clear_on_close(clear: Callable[[], None]) -> None:
 
 
 def close_process_groups(finished: bool = True) -> None:
-    """Destroy every process group; after a finished run, free them now, while the interpreter is whole.
-
-    `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
-    gloo threads, until the interpreter's teardown, where finished runs have aborted, rarely, with
-    "terminate called without an active exception". Caches of objects made per group (`clear_on_close`) and
-    torch's DTensor caches (a mesh keeps its groups) are emptied here. After an error gloo groups are only
-    forgotten: freeing one waits for its queued collectives, which the peers may never join.
-    """
+    """Destroy every process group; after a finished run, free them now, while the interpreter is whole:
+    `dist.destroy_process_group` only forgets them, and an object that holds one keeps it and its gloo threads
+    until the teardown, where finished runs have aborted, rarely, with "terminate called without an active
+    exception". So the caches of per-group objects (`clear_on_close`) and torch's DTensor caches (a mesh keeps
+    its groups) are emptied. After an error groups are only forgotten: freeing one waits for its queued
+    collectives, which the peers may never join."""
     if not dist.is_initialized():
         return
     dist.destroy_process_group()

@@ -26,17 +26,6 @@ def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor
     return out
 
 
-def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
-    """For each action token, the value of the next action token of the same row (0 after the last)."""
-    out = torch.zeros_like(values)
-    upcoming = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        m = mask[:, t]
-        out[:, t] = upcoming * m
-        upcoming = torch.where(m > 0, values[:, t], upcoming)
-    return out
-
-
 def deviations(x: Tensor, counted: Tensor | None = None) -> Tensor:
     """x - mean(x) along the last dim, over the `counted` entries (1.0; default all), 0 at the others;
     exactly 0 along a row whose counted values are all equal: in floating point their mean need not equal
@@ -67,7 +56,12 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: floa
     environment tokens) are not steps of the MDP, so neither their rewards nor their values are used; put
     rewards on action tokens. Returns (advantages, returns), 0 where `mask` is 0.
     """
-    deltas = rewards + gamma * next_action_values(values, mask) - values
+    next_values = torch.zeros_like(values)  # V_{t'} of each action token
+    upcoming = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_values[:, t] = upcoming * mask[:, t]
+        upcoming = torch.where(mask[:, t] > 0, values[:, t], upcoming)
+    deltas = rewards + gamma * next_values - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
     returns = (advantages + values) * mask
     return advantages, returns

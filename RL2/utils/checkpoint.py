@@ -150,10 +150,8 @@ def _reason(error: BaseException) -> str:
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
                     keep_last_n: int | None = None) -> Path:
     """Collective: every rank writes the shards of `workers` and its RNG state into `<save_dir>/step<step>`,
-    beside `trainer_state.json`. Returns that folder. A save that fails on any rank (a full disk, an interrupt)
-    removes its temporary folder and raises on every rank; the checkpoints saved before stay as they were.
-    `keep_last_n` never deletes the step folder `latest.txt` names.
-    """
+    beside `trainer_state.json`, and returns that folder. A save that fails on any rank (a full disk, an
+    interrupt) removes its temporary folder and raises on every rank, leaving the checkpoints saved before."""
     final = Path(save_dir) / f"step{step}"
     tmp = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
@@ -254,10 +252,9 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
 def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | None = None) -> dict:
     """Collective: restore every worker and this rank's RNG. Returns the trainer state.
 
-    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share
-    inputs, and so dropout masks): each takes the stream of the group's first rank. Under the layout that
-    saved the checkpoint they held the same one; under another (2 data-parallel ranks resumed as tp=2) they
-    would go on with different streams. None: this rank's own."""
+    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share inputs,
+    and so dropout masks), even when another layout saved them (2 data-parallel ranks resumed as tp=2): each
+    takes the stream of the group's first rank. None: this rank's own."""
     index = read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
         dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path), index))

@@ -52,18 +52,15 @@ def read_checkpoint_index(path: Path, file: Path | None = None) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's reader of checkpoint folder `path`, its index read by `read_checkpoint_index` (or given
-    as `index` when the caller has read it already)."""
+    """torch's reader of checkpoint folder `path`, whose `index` the caller has read (`read_checkpoint_index`)."""
 
-    def __init__(self, path: str, index: Metadata | None = None):
+    def __init__(self, path: str, index: Metadata):
         super().__init__(path)
         self.index = index
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        if self.index is not None and rank is None:
-            index = self.index
-        else:
+        rank, index = kwargs.get("rank"), self.index
+        if rank is not None:  # a rank's own index, where torch asks for one: read the same way
             index = read_checkpoint_index(Path(self.path), Path(self._get_metadata_path(rank)))
         if getattr(index, "storage_meta", None) is None:
             index.storage_meta = StorageMeta()
