@@ -75,9 +75,6 @@ def replace_synced(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-# ---- RNG state: tensors and plain numbers only, so that a resume reads it with weights_only=True ----
-
-
 def rng_state() -> dict:
     """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers, which
     `torch.load(weights_only=True)` reads back running no code: NumPy's state tuple (an ndarray) would need
@@ -118,9 +115,6 @@ def load_rng_state(path: Path) -> dict:
                           f"damaged or planted. It holds only this rank's random streams: delete it to resume "
                           f"without them (weights and optimizer still load), or resume from another "
                           f"checkpoint") from None
-
-
-# ---- saving ----
 
 
 def _on_every_rank(action: Callable[[], None]) -> None:
@@ -204,9 +198,6 @@ def remove_old_checkpoints(root: Path, keep_last_n: int | None) -> None:
             shutil.rmtree(path)
         except OSError as e:  # the new checkpoint is saved; a folder left behind only costs disk
             log_rank0(f"trainer.keep_last_n={keep_last_n}: could not delete {path} ({e.strerror}); delete it by hand")
-
-
-# ---- loading ----
 
 
 def latest_checkpoint(save_dir: str) -> Path | None:
