@@ -48,8 +48,6 @@ class SequenceBatch:
                   for name in names}
         return cls(input_ids=[list(ex["input_ids"]) for ex in examples], tokens=tokens)
 
-    # ---- layout ----
-
     @property
     def n_trained(self) -> int:
         """The samples a loss averages over (RolloutBatch leaves out the trajectories it does not train)."""
@@ -76,8 +74,7 @@ class SequenceBatch:
     def sample_offsets(self) -> Tensor:
         """`[n_samples + 1]`: sample k's labels (all its sequences') are
         `[sample_offsets[k], sample_offsets[k + 1])`."""
-        per_sample = torch.zeros(self.n_samples, dtype=torch.long).index_add_(
-            0, self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
+        per_sample = torch.bincount(self.sample_of_label, minlength=self.n_samples)
         return torch.cat([torch.zeros(1, dtype=torch.long), per_sample.cumsum(0)])
 
     @cached_property
@@ -96,8 +93,6 @@ class SequenceBatch:
     def sequence(self, name: str, i: int) -> Tensor:
         """Sequence i's labels of `tokens[name]`."""
         return self.tokens[name][self.offsets[i] : self.offsets[i + 1]]
-
-    # ---- per-sample views (what the estimators read) ----
 
     def sample_sums(self, values: Tensor) -> Tensor:
         """`[n_labels]` -> `[n_samples]`: the sum over each sample's labels."""
@@ -118,8 +113,6 @@ class SequenceBatch:
     def _row_index(self) -> tuple[Tensor, Tensor]:
         samples = self.sample_of_label
         return samples, torch.arange(self.n_labels) - self.sample_offsets[samples]
-
-    # ---- subsets ----
 
     def select_samples(self, samples: list[int]) -> "SequenceBatch":
         """The batch of these samples only (in their order), renumbered from 0."""

@@ -78,7 +78,6 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
             os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # A dead peer makes collectives fail after this timeout instead of hanging forever.
     timeout = datetime.timedelta(seconds=timeout)
     if single and backend == "gloo":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -28,13 +28,10 @@ DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"sigmoid": _s
 
 def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
              beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair.
-
-    For loss_type="sigmoid" pass summed response logps. For loss_type="ipo" pass length-normalised
-    logps, i.e. each sequence's summed logp divided by its number of response tokens, for the
-    policy and the reference alike: TRL's DPOTrainer divides by the loss-mask token count when
-    loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths. `beta` is the
-    KL strength (tau in IPO), `label_smoothing` conservative DPO's label-flip probability in [0, 0.5).
+    """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair, of summed response logps;
+    for loss_type="ipo" of length-normalised ones (each sum over its response tokens, policy and reference
+    alike, as TRL's DPOTrainer does), which keeps the target margin 1 / (2 beta) independent of the lengths.
+    `beta` is the KL strength (tau in IPO), `label_smoothing` conservative DPO's label-flip probability in [0, 0.5).
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}.")
@@ -72,13 +69,11 @@ def _log_odds(avg_logps: Tensor) -> Tensor:
 
 
 def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair.
-
-    odds(y) = P / (1 - P) with P = exp(average per-token logp), so log odds = logp - log(1 - exp(logp)), and
-    the term is -beta * logsigmoid(log odds_chosen - log odds_rejected).
-    Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda. The inputs
-    are mean per-token logps (< 0); the rewards logged are beta times them, as TRL logs them.
-    """
+    """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair:
+    -beta * logsigmoid(log odds_chosen - log odds_rejected), with odds(y) = P / (1 - P), P = exp(mean per-token
+    logp), so log odds = logp - log(1 - exp(logp)). Added to the chosen responses' NLL (the SFT term) it makes
+    the ORPO loss; beta is lambda. The inputs are mean per-token logps (< 0); the rewards logged are beta times
+    them, as TRL logs them."""
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
     return -beta * log_odds_ratio, {

@@ -41,7 +41,10 @@ def load_table(spec: str, subset: str | None = None) -> datasets.Dataset:
             raise DataError(f"{local}: a folder that datasets' save_to_disk did not write; give a file in it{listed} "
                             f"or a save_to_disk folder") from None
         if isinstance(table, datasets.DatasetDict):
-            table = _pick_split(table, split, str(local))
+            split = split or ("train" if "train" in table else next(iter(table)))
+            if split not in table:
+                raise DataError(f"{local}: no split '{split}'; it has {', '.join(table)}")
+            table = table[split]
     else:
         try:
             table = datasets.load_dataset(path, subset, split=split or "train")
@@ -94,11 +97,3 @@ def _csv_as_text(path: Path) -> dict:
         raise DataError(f"{path}: no header row; a CSV file needs column names in its first line")
     features = datasets.Features({name: datasets.Value("string") for name in header})
     return {"features": features, "keep_default_na": False, "na_values": [""]}
-
-
-def _pick_split(table: datasets.DatasetDict, split: str | None, where: str) -> datasets.Dataset:
-    if split is None:
-        split = "train" if "train" in table else next(iter(table))
-    if split not in table:
-        raise DataError(f"{where}: no split '{split}'; it has {', '.join(table)}")
-    return table[split]

@@ -1,6 +1,5 @@
-"""Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far),
-and what the environment gets as `extra_info` (`extra_info_of`; see docs/data.md).
-"""
+"""Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far), and what the
+environment gets as `extra_info` (`extra_info_of`; see docs/data.md)."""
 
 from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
 

@@ -152,7 +152,6 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_
                       render: Callable[[list[dict], bool], str] | None = None) -> dict:
     """Apply the chat template (or `render(messages, add_generation_prompt)`) to `{role, content}` messages turn
     by turn; only assistant turns from message `train_from` on are in the loss (those before it are context).
-
     Each turn's tokens are the text the template adds for it, so they add up to the whole conversation's, and
     the assistant header (`<|im_start|>assistant\\n`) belongs to the prompt part before it, not to the loss.
     Messages between two assistant turns are rendered together (a template may merge them, as tool results).

@@ -2,8 +2,7 @@
 and, on a GPU, the most its tensors held (`torch.cuda.max_memory_allocated`; not a colocated SGLang server's).
 The RSS peak is the kernel's high-water mark, reset at the start of the phase (`/proc/self/clear_refs`, Linux 4.0
 and later; elsewhere each phase reports the peak so far). A reset also lowers `getrusage`'s `ru_maxrss`: measure
-a whole run from outside, as `benchmarks/bench_ppo_w1.py` does.
-"""
+a whole run from outside, as `benchmarks/bench_ppo_w1.py` does."""
 
 import contextlib
 import resource

@@ -48,7 +48,8 @@ def _take_lock(root: Path) -> Callable[[], None]:
     once cannot both take it. The file names the holder, for the message of a run that is refused."""
     path = root / LOCK
     make_save_dir(root)
-    me = _this_process()
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(redact_command(sys.argv))[:300]}
     _release_held(path)  # this process's previous trainer (the Python API runs one after another)
     for _ in range(3):  # the holder may release, removing the file, while this process waits for it
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -113,11 +114,6 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     opened = os.fstat(fd)
     return (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino)
-
-
-def _this_process() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(redact_command(sys.argv))[:300]}
 
 
 def _process_start(pid: int) -> str | None:
