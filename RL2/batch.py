@@ -234,8 +234,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
-        extras = {k: v.to(device) for k, v in self.extras.items()}
-        return MicroBatch(**moved, sequence_ids=self.sequence_ids, extras=extras, unit_starts=self.unit_starts)
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
 
     def extra(self, name: str) -> Tensor:
         """A per-token extra; zeros for the padding micro-batch, which has none."""

@@ -1,7 +1,5 @@
-"""TensorBoard event files for the metrics sink: every numeric metric of a step as a scalar.
-
-TensorBoard stores scalars as float32 (its data server reads no other scalar type), so a value
-reads back as `float32(value)` of the same record in metrics.jsonl.
+"""TensorBoard event files for the metrics sink: every numeric metric of a step as a scalar. TensorBoard stores
+scalars as float32 (its data server reads no other type): a value reads back as `float32(value)` of metrics.jsonl's.
 """
 
 import os
