@@ -129,10 +129,9 @@ def _on_every_rank(action: Callable[[], None]) -> None:
     reasons = all_gather_objects(None if error is None else _reason(error))
     if error is not None:
         raise error
-    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
-    if failed:
-        rank, reason = failed[0]
-        raise RuntimeError(f"saving the checkpoint failed on rank {rank} ({reason})")
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            raise RuntimeError(f"saving the checkpoint failed on rank {rank} ({reason})")
 
 
 def _reason(error: BaseException) -> str:

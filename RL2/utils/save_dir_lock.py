@@ -63,9 +63,8 @@ def _take_lock(root: Path) -> Callable[[], None]:
         os.close(fd)  # locked a file its holder removed on release: lock the one at the path now
     else:
         raise ConfigError(_held_message(root, path, _read_lock(path)))
-    holder = _read_lock(path)
-    other = holder is not None and [holder.get(key) for key in ("host", "pid", "process_start")] != [
-        me["host"], me["pid"], me["process_start"]]
+    holder, identity = _read_lock(path), ("host", "pid", "process_start")
+    other = holder is not None and [holder.get(key) for key in identity] != [me[key] for key in identity]
     # A live holder that does not hold the flock: a run on another host (a network folder's locks may not
     # reach this one) or an RL2 from before the flock.
     if other and _alive(holder):
