@@ -1,17 +1,11 @@
 """The batch types the packer, the models, the workers and the RL estimators share.
 
-A `SequenceBatch` is a list of token sequences with per-token values aligned with their labels:
-sequence i has tokens `input_ids[i]` (L_i of them); position t predicts token t + 1, so the
-sequence has L_i - 1 labels, and every per-token tensor holds the labels of all sequences back to
-back (`tokens[name][offsets[i]:offsets[i + 1]]` is sequence i's). Nothing is padded and nothing
-sits at an unused index 0.
-
-A *sample* is what averages and baselines count as one: a sequence for SFT and preference data; a
-trajectory under RL, whose sequences are consecutive. A multi-turn trajectory whose environment
-rewrites its prompt spans several sequences but stays one sample (`RolloutBatch`), so its returns
-flow across them and a group baseline counts it once.
-
-`MicroBatch` is what one forward pass sees: some sequences of a batch packed into one row.
+A `SequenceBatch` holds token sequences, unpadded: sequence i (`input_ids[i]`, L_i tokens) has L_i - 1 labels
+(position t predicts token t + 1), and every per-token tensor holds all sequences' labels back to back
+(`tokens[name][offsets[i]:offsets[i + 1]]` is sequence i's). A *sample* is what averages and baselines count
+as one: a sequence for SFT and preference data; under RL a trajectory (`RolloutBatch`), whose sequences are
+consecutive, so that its returns flow across them and a group baseline counts it once. A `MicroBatch` is what
+one forward pass sees: some sequences of a batch packed into one row.
 """
 
 from dataclasses import dataclass, field, replace
@@ -26,11 +20,9 @@ class SequenceBatch:
     """Sequences with per-label values, grouped into samples."""
 
     input_ids: list[list[int]]  # each sequence's tokens, at least 2 of them
-    # name -> `[n_labels]`, every sequence's labels back to back; `loss_mask` (1.0 on the labels a loss trains
-    # on) is always there
+    # name -> `[n_labels]`, all sequences' labels back to back; always has `loss_mask` (1.0 on trained labels)
     tokens: dict[str, Tensor]
-    # `[S]` long, the sample of each sequence, non-decreasing (a sample's sequences are consecutive); default:
-    # every sequence is its own sample
+    # `[S]` long, each sequence's sample, non-decreasing (a sample's sequences are consecutive); default: one each
     sample_ids: Tensor | None = None
     # a sample may have no sequence (nothing to train on) and still count; default: the last sample id + 1
     n_samples: int | None = None
@@ -55,8 +47,6 @@ class SequenceBatch:
         tokens = {name: torch.tensor([v for ex in examples for v in ex[name][1:]], dtype=torch.float32)
                   for name in names}
         return cls(input_ids=[list(ex["input_ids"]) for ex in examples], tokens=tokens)
-
-    # ---- layout ----
 
     @property
     def n_trained(self) -> int:
@@ -84,8 +74,7 @@ class SequenceBatch:
     def sample_offsets(self) -> Tensor:
         """`[n_samples + 1]`: sample k's labels (all its sequences') are
         `[sample_offsets[k], sample_offsets[k + 1])`."""
-        per_sample = torch.zeros(self.n_samples, dtype=torch.long).index_add_(
-            0, self.sample_ids, torch.tensor(self.label_counts, dtype=torch.long))
+        per_sample = torch.bincount(self.sample_of_label, minlength=self.n_samples)
         return torch.cat([torch.zeros(1, dtype=torch.long), per_sample.cumsum(0)])
 
     @cached_property
@@ -104,8 +93,6 @@ class SequenceBatch:
     def sequence(self, name: str, i: int) -> Tensor:
         """Sequence i's labels of `tokens[name]`."""
         return self.tokens[name][self.offsets[i] : self.offsets[i + 1]]
-
-    # ---- per-sample views (what the estimators read) ----
 
     def sample_sums(self, values: Tensor) -> Tensor:
         """`[n_labels]` -> `[n_samples]`: the sum over each sample's labels."""
@@ -126,8 +113,6 @@ class SequenceBatch:
     def _row_index(self) -> tuple[Tensor, Tensor]:
         samples = self.sample_of_label
         return samples, torch.arange(self.n_labels) - self.sample_offsets[samples]
-
-    # ---- subsets ----
 
     def select_samples(self, samples: list[int]) -> "SequenceBatch":
         """The batch of these samples only (in their order), renumbered from 0."""
@@ -240,9 +225,7 @@ class MicroBatch:
     position_ids: Tensor  # position within each sequence
     cu_seqlens: Tensor  # int32 `[n + 1]` cumulative sequence lengths
     loss_mask: Tensor  # 1.0 where `labels` is trained on
-    # each label's weight in the loss: `loss * loss_weights` summed over every micro-batch of every rank is the
-    # configured average over the global batch
-    loss_weights: Tensor
+    loss_weights: Tensor  # each label's weight in the configured average over the global batch (`RL2.algs.averaging`)
     sequence_ids: list[int]  # the positions in their `SequenceBatch` of the packed sequences, in order
     extras: dict[str, Tensor] = field(default_factory=dict)  # the batch's other per-token tensors
     # the packed sequences (indices in this row) that begin a packing unit sized by its own shared-prefix
@@ -251,8 +234,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
-        extras = {k: v.to(device) for k, v in self.extras.items()}
-        return MicroBatch(**moved, sequence_ids=self.sequence_ids, extras=extras, unit_starts=self.unit_starts)
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
 
     def extra(self, name: str) -> Tensor:
         """A per-token extra; zeros for the padding micro-batch, which has none."""

@@ -1,12 +1,9 @@
 """Pack variable-length sequences into padding-free micro-batches, balanced across ranks.
 
-Every rank holds the same global batch and runs the same deterministic partition, then keeps its
-own share, so no communication is needed and every rank gets the same number of micro-batches
-(FSDP's collectives need every rank to run the same number of forward/backward passes).
-
-A packed micro-batch is one row of `T` tokens holding several sequences back to back. Attention
-never crosses a sequence boundary: `cu_seqlens` marks the boundaries for the varlen attention, and
-`position_ids` restart at 0 for every sequence.
+Every rank holds the same global batch, runs the same deterministic partition and keeps its own share: no
+communication, and every rank gets the same number of micro-batches (as FSDP's collectives need). A packed
+micro-batch is one row of sequences back to back; `cu_seqlens` keeps attention within each sequence, and
+`position_ids` restart at 0 for every one.
 """
 
 import heapq
@@ -105,7 +102,8 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
 
     for group in groups:
         for n_chunks in range(min(chunks_per_group, len(group)), len(group) + 1):
-            chunks = [[i for t in part for i in t] for part in _split_evenly(group, n_chunks)]
+            bounds = [round(k * len(group) / n_chunks) for k in range(n_chunks + 1)]  # parts differing by one at most
+            chunks = [[i for t in group[a:b] for i in t] for a, b in zip(bounds[:-1], bounds[1:])]
             chunk_sizes = [size(chunk) for chunk in chunks]
             if max(chunk_sizes) <= budget or n_chunks == len(group):
                 break
@@ -114,12 +112,6 @@ def prompt_group_units(batch: RolloutBatch, dp_size: int, budget: int) -> tuple[
             units.extend(piece for piece, _ in pieces)
             sizes.extend(piece_size for _, piece_size in pieces)
     return units, sizes
-
-
-def _split_evenly(items: list, n: int) -> list[list]:
-    """`items` in order, cut into `n` contiguous parts whose lengths differ by at most one."""
-    bounds = [round(k * len(items) / n) for k in range(n + 1)]
-    return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def train_weights(batch: SequenceBatch, avg_level: str, response_budget: int | None = None) -> torch.Tensor:

@@ -1,12 +1,6 @@
-"""Process-group setup and the one object that holds the parallel layout (docs/parallelism.md).
-
-Every rank runs the same program (SPMD). The world is a 4-D grid `(ddp, fsdp, cp, tp)`:
-- `ddp`  replicas for hybrid sharding (parameters replicated across, sharded within);
-- `fsdp` ranks that shard parameters and see different data;
-- `cp`   ranks that split one packed sequence (context parallelism);
-- `tp`   ranks that split each matrix (tensor parallelism).
-Data parallelism is `dp = ddp * fsdp`: ranks with different data. Ranks that differ only in cp or tp
-see the same data.
+"""Process-group setup and `ParallelDims`, the one object that holds the parallel layout: the 4-D grid
+`(ddp, fsdp, cp, tp)` of docs/parallelism.md. Data parallelism is `dp = ddp * fsdp`, the ranks with different
+data; ranks that differ only in cp or tp see the same data.
 """
 
 import contextlib
@@ -58,8 +52,7 @@ COLLECTIVE_TIMEOUT = 1800.0
 
 def collective_timeout(cfg) -> float:
     """Seconds every process group waits in a collective: with a rollout, by default at least one request's
-    timeout plus a margin, as a rank whose rollout is done waits in the gather while another rank's request
-    runs, and a shorter wait would end the run (NCCL's watchdog aborts) before that request fails or finishes."""
+    timeout plus a margin, as a rank whose rollout is done waits in the gather while another's request runs."""
     trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
     chosen = trainer.get("collective_timeout") if trainer is not None else None
     request = rollout.get("request_timeout") if rollout is not None else None
@@ -73,7 +66,9 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
     in-process store: no port to find free, and no TCP store server whose thread outlives the group."""
     if dist.is_initialized():
         return
-    _print_stacks_on_crash()
+    if not faulthandler.is_enabled():  # a rank that native code kills prints its threads' stacks (docs/parallelism.md)
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr that is no file (a notebook's)
+            faulthandler.enable(all_threads=True)
     single = "RANK" not in os.environ  # plain `python -m RL2.trainer.X`
     backend = "nccl" if device.type == "cuda" else "gloo"
     if single:
@@ -83,7 +78,6 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
             os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # A dead peer makes collectives fail after this timeout instead of hanging forever.
     timeout = datetime.timedelta(seconds=timeout)
     if single and backend == "gloo":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -100,16 +94,6 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
     dist.distributed_c10d.default_pg_nccl_timeout = timeout
 
 
-def _print_stacks_on_crash() -> None:
-    """A rank that native code kills (a segmentation fault in a kernel or a collective) prints the Python
-    stack of each of its threads to stderr; otherwise torchrun reports only the signal, and the peers
-    only that the rank is gone."""
-    if faulthandler.is_enabled():
-        return
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr that is no file (a notebook's)
-        faulthandler.enable(all_threads=True)
-
-
 _PER_GROUP_CACHES: list[Callable[[], None]] = []
 
 
@@ -121,14 +105,12 @@ def clear_on_close(clear: Callable[[], None]) -> None:
 
 
 def close_process_groups(finished: bool = True) -> None:
-    """Destroy every process group; after a finished run, free them now, while the interpreter is whole.
-
-    `dist.destroy_process_group` only forgets the groups: an object that still holds one keeps it, and its
-    gloo threads, until the interpreter's teardown, where finished runs have aborted, rarely, with
-    "terminate called without an active exception". Caches of objects made per group (`clear_on_close`) and
-    torch's DTensor caches (a mesh keeps its groups) are emptied here. After an error gloo groups are only
-    forgotten: freeing one waits for its queued collectives, which the peers may never join.
-    """
+    """Destroy every process group; after a finished run, free them now, while the interpreter is whole:
+    `dist.destroy_process_group` only forgets them, and an object that holds one keeps it and its gloo threads
+    until the teardown, where finished runs have aborted, rarely, with "terminate called without an active
+    exception". So the caches of per-group objects (`clear_on_close`) and torch's DTensor caches (a mesh keeps
+    its groups) are emptied. After an error groups are only forgotten: freeing one waits for its queued
+    collectives, which the peers may never join."""
     if not dist.is_initialized():
         return
     dist.destroy_process_group()

@@ -1,9 +1,7 @@
-"""The torch and transformers releases RL2 supports, checked when RL2 is imported.
-
-The lower bounds are releases RL2's tests ran with: torch 2.11 and transformers 5.17 are those of the GPU
-check's machine image and of CI's oldest environment (`.ci/run`), torch 2.14.1 and transformers 5.19.0
-those SGLang 0.5.23 pins (the one-environment install of docs/gpus.md). setup.py reads the same table.
-Only the standard library is imported here: setup.py runs this file before anything is installed.
+"""The torch and transformers releases RL2 supports, checked when RL2 is imported. setup.py reads the same table
+and runs this file before anything is installed, so only the standard library is imported here. The bounds are
+releases RL2's tests ran with: torch 2.11 and transformers 5.17 in the GPU check's image and CI's oldest
+environment (`.ci/run`), torch 2.14.1 and transformers 5.19.0 as SGLang 0.5.23 pins them (docs/gpus.md).
 """
 
 import importlib.metadata

@@ -1,15 +1,9 @@
-"""Advantage estimators as pure tensor functions.
+"""Advantage estimators as pure tensor functions (`adv.estimator` names them in `RL2.trainer.ppo_advantages`).
 
-Layout convention (shared by every module in `RL2.algs`):
-- token-level tensors are padded 2-D `[batch, seq_len]` float tensors, paired with a `mask` of the
-  same shape that is 1.0 on the response (action) tokens that count and 0.0 elsewhere (prompt,
-  padding, and, in multi-turn dialogues, the environment's tokens between two turns);
-- token t's logprob/value/reward belongs to the action token at position t;
-- trajectory-level tensors (one number per sample, e.g. a verifier score) are 1-D `[batch]`;
-- GRPO-like estimators take the scores of the samples of each prompt as one row, `[G, n]`.
-
-`gae` returns `(advantages, returns)`, every other estimator one tensor. `adv.estimator` names
-them in `RL2.trainer.ppo_advantages`, which feeds each one a rollout's trajectories.
+Layout convention (shared by every module in `RL2.algs`): token-level tensors are padded `[batch, seq_len]`
+floats with a `mask` that is 1.0 on the action tokens that count (0.0 on prompt, padding and a multi-turn
+dialogue's environment tokens), token t's logprob/value/reward that of the action at t; trajectory-level
+tensors (a verifier score) are `[batch]`; GRPO-like estimators take each prompt's scores as one row, `[G, n]`.
 """
 
 import torch
@@ -32,26 +26,12 @@ def masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor
     return out
 
 
-def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
-    """For each action token, the value of the next action token of the same row (0 after the last)."""
-    out = torch.zeros_like(values)
-    upcoming = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        m = mask[:, t]
-        out[:, t] = upcoming * m
-        upcoming = torch.where(m > 0, values[:, t], upcoming)
-    return out
-
-
 def deviations(x: Tensor, counted: Tensor | None = None) -> Tensor:
     """x - mean(x) along the last dim, over the `counted` entries (1.0; default all), 0 at the others;
-    exactly 0 along a row whose counted values are all equal.
-
-    In floating point the mean of equal values need not equal them (eight float32 0.7s average one
-    ulp above 0.7), and dividing that error by a spread of the same size turns it into a large
-    advantage for the whole group. Measuring every value from the row's first counted one first makes
-    an all-equal row all zeros, and x - mean is shift-invariant, so nothing else changes.
-    """
+    exactly 0 along a row whose counted values are all equal: in floating point their mean need not equal
+    them (eight float32 0.7s average one ulp above 0.7), and a spread of the same size would turn that error
+    into a large advantage, so every value is first measured from the row's first counted one (x - mean is
+    shift-invariant)."""
     counted, n = _counted(x, counted)
     shifted = (x - _first_counted(x, counted)) * counted
     return (shifted - shifted.sum(-1, keepdim=True) / n.clamp(min=1.0)) * counted
@@ -71,14 +51,17 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lamda: float) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438).
 
-    delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lamda * A_{t'}, where t' is the
-    next action token of the same row (V = 0 after the last one). Tokens with mask 0 inside a
-    sequence, e.g. the environment's tokens between the turns of a multi-turn dialogue, are not
-    steps of the MDP: the recursion jumps from one action token to the next, so neither their
-    rewards nor their values are used. Put rewards on action tokens (e.g. the outcome reward on the
-    last one minus a per-token KL penalty). Returns (advantages, returns), 0 where `mask` is 0.
+    delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lamda * A_{t'}, where t' is the next
+    action token of the same row (V = 0 after the last one): tokens with mask 0 (a multi-turn dialogue's
+    environment tokens) are not steps of the MDP, so neither their rewards nor their values are used; put
+    rewards on action tokens. Returns (advantages, returns), 0 where `mask` is 0.
     """
-    deltas = rewards + gamma * next_action_values(values, mask) - values
+    next_values = torch.zeros_like(values)  # V_{t'} of each action token
+    upcoming = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_values[:, t] = upcoming * mask[:, t]
+        upcoming = torch.where(mask[:, t] > 0, values[:, t], upcoming)
+    deltas = rewards + gamma * next_values - values
     advantages = masked_discounted_cumsum(deltas, mask, gamma * lamda)
     returns = (advantages + values) * mask
     return advantages, returns

@@ -1,15 +1,11 @@
-"""How per-token losses are averaged over a global batch: one weight per label.
+"""How per-token losses are averaged over a global batch: one weight per label. The loss is
+`sum(per_token_loss * weights)`; each micro-batch and rank adds its labels' share, so the sum is the configured
+average whatever the split (the weights are computed once, on the whole batch, before packing).
 
-The loss of a batch is `sum(per_token_loss * weights)`. Every micro-batch and every rank adds its own
-labels' share, so the sum over all of them is the configured average whatever the split (the
-weights are computed once, on the whole batch, before packing).
-
-Levels (`avg_level`), over the samples of the batch (sequences, or RL trajectories however many
-sequences each spans):
-- token: every trained token counts the same (DAPO's token-level loss; RL2's default);
-- sequence: every sample counts the same: the mean over its tokens, then over samples (GRPO);
-- constant: the token sum divided by `constant * n_samples`, Dr. GRPO's length-independent
-  normaliser (arXiv 2503.20783) with the generation budget as the constant.
+`avg_level`, over the batch's samples (sequences, or RL trajectories however many sequences each spans):
+token (every trained token counts the same: DAPO's token-level loss; RL2's default), sequence (the mean over
+each sample's tokens, then over samples: GRPO) or constant (the token sum over `constant * n_samples`:
+Dr. GRPO's length-independent normaliser, arXiv 2503.20783, with the generation budget as the constant).
 """
 
 import torch

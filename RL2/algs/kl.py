@@ -1,12 +1,7 @@
-"""Per-token estimators of KL(p || q) from samples of p, registered by name in `KL_ESTIMATORS`.
-
-Tensors are in the layout of `RL2.algs.advantages`, the action tokens sampled from p; the caller masks
-the rest. With log r = logp - ref_logp = log p(x) - log q(x) and x ~ p (J. Schulman, "Approximating KL
-Divergence", http://joschu.net/blog/kl-approx.html):
-- k1 = log r: unbiased, high variance, can be negative;
-- k2 = 0.5 (log r)^2: biased, low variance; used as a loss on samples of p, its gradient
-  (log r) * grad log p equals grad KL(p || q) in expectation;
-- k3 = (q/p - 1) - log(q/p) = exp(-log r) - 1 + log r: unbiased and always >= 0, low variance.
+"""Per-token estimators of KL(p || q) from samples x ~ p (J. Schulman, "Approximating KL Divergence",
+http://joschu.net/blog/kl-approx.html), registered by name in `KL_ESTIMATORS`. Tensors are in the layout of
+`RL2.algs.advantages` (the caller masks); `logps` are under p (the sampling policy), `ref_logps` under q, and
+log r = logp - ref_logp = log p(x) - log q(x).
 """
 
 from collections.abc import Callable
@@ -16,17 +11,18 @@ from torch import Tensor
 
 
 def k1(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """k1 = log p(x) - log q(x), with `logps` under p (the sampling policy) and `ref_logps` under q."""
+    """k1 = log r: unbiased, high variance, can be negative."""
     return logps - ref_logps
 
 
 def k2(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """k2 = 0.5 (log p(x) - log q(x))^2."""
+    """k2 = 0.5 (log r)^2: biased, low variance; used as a loss on samples of p, its gradient (log r) grad log p
+    equals grad KL(p || q) in expectation."""
     return 0.5 * (logps - ref_logps).pow(2)
 
 
 def k3(logps: Tensor, ref_logps: Tensor, log_ratio_clamp: float | None = None) -> Tensor:
-    """k3 = exp(-log r) - 1 + log r with log r = log p(x) - log q(x).
+    """k3 = (q/p - 1) - log(q/p) = exp(-log r) - 1 + log r: unbiased, always >= 0, low variance.
 
     `log_ratio_clamp`: if set, clamp log r to [-c, c] first. exp(-log r) overflows float32 once -log r
     exceeds ~88, which happens when p has drifted far from q on a rare token.

@@ -2,27 +2,10 @@
 non-negative token weights). They return per-token losses, zeroed where `mask` is 0 but not yet weighted:
 the caller weights them once with the averaging weights of `RL2.algs.averaging`.
 
-Policy losses (`actor.policy_loss`): `ppo_loss` (the clipped surrogate on per-token ratios, with
-dual clip and clip-higher), `gspo_loss` (one clipped ratio per sample) and `cispo_loss` (a
-clipped, detached weight on each token's log-prob). All three take the same correction between the
-rollout engine and the trainer (`actor.correction`, `CORRECTIONS`).
-
-Engine corrections. Each sampled token has the engine's log-probability (the behaviour policy mu that
-sampled it) and the trainer's before the update (`old_logps`, the proximal policy of decoupled PPO,
-Hilton et al. 2021, arXiv 2110.00641). Their ratio rho = pi_old / mu leaves 1 for two reasons: the
-engine's kernels and precision differ from the trainer's (Yao et al. 2025), and, in a partial rollout,
-the token may have been sampled by weights one or more updates older (staleness). A correction turns
-rho into a detached per-token multiplier of the loss (the decoupled objective's importance weight):
-- `tis`: truncated importance sampling, min(rho, high) (Yao et al.; AReaL's decoupled PPO in clamp
-  mode); `actor.tis_coef` is its short form;
-- `icepop`: rho inside [low, high], 0 outside: tokens whose probabilities the two disagree on are
-  masked rather than truncated (IcePop: Ling Team, Ring-1T, arXiv 2510.18855, whose [0.5, 5] are the
-  defaults);
-- `seq_mask`: every token of a trajectory 1 when the product of its rho (the sequence-level ratio) is
-  inside [low, high], else 0 (verl's sequence-level rejection sampling);
-- `geo_mask`: the same test on the geometric mean of the trajectory's rho, which does not grow with its
-  length (verl's geometric rejection sampling; its bounds are tight: 1.001 by default).
-A trajectory is one sample, so the two masks need all of its tokens in one call (the actor packs them so).
+`ppo_loss`, `gspo_loss` and `cispo_loss` (`actor.policy_loss`, docs/rl.md) all take the same engine correction
+(`actor.correction`, docs/async.md): a detached per-token multiplier made of rho = pi_old / mu, the trainer's
+probability before the update (the proximal policy of decoupled PPO, Hilton et al. 2021, arXiv 2110.00641)
+over that of the engine that sampled the token (`CORRECTIONS`).
 """
 
 import math
@@ -33,12 +16,6 @@ from torch import Tensor
 
 from RL2.algs.kl import k3
 from RL2.config.ppo_schema import correction_bounds
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    # The mask may hold fractional token weights that sum to less than 1 (a micro-batch's share of the
-    # global batch): only an all-zero mask must be kept from dividing by zero.
-    return (x * mask).sum() / mask.sum().clamp(min=torch.finfo(mask.dtype).tiny)
 
 
 def truncated_is_weights(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
@@ -54,7 +31,8 @@ def _tis(old_logps, engine_logps, mask, sample_ids, low, high):
 
 def icepop_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor | None, low: float,
                    high: float) -> tuple[Tensor, Tensor]:
-    """IcePop's masked importance weights: rho = pi_old / pi_engine where it is in [low, high], else 0."""
+    """IcePop's masked importance weights (Ling Team, Ring-1T, arXiv 2510.18855): rho = pi_old / pi_engine where
+    it is in [low, high], else 0, so that tokens whose probabilities the two disagree on are masked, not truncated."""
     ratio = torch.exp(old_logps - engine_logps).detach()
     kept = (ratio >= low) & (ratio <= high)
     return torch.where(kept, ratio, 0.0), ~kept
@@ -63,9 +41,10 @@ def icepop_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample
 def trajectory_mask_weights(old_logps: Tensor, engine_logps: Tensor, mask: Tensor, sample_ids: Tensor, low: float,
                             high: float, geometric: bool = False) -> tuple[Tensor, Tensor]:
     """1 on every token of a trajectory whose ratio (the product of its tokens' rho, or with `geometric` their
-    geometric mean) is in [low, high], else 0; compared in log space, where a long product cannot overflow."""
+    geometric mean) is in [low, high], else 0 (verl's sequence-level and geometric rejection sampling); compared
+    in log space, where a long product cannot overflow."""
     log_ratio = (old_logps - engine_logps).detach()
-    per_trajectory = (sample_mean if geometric else sample_sum)(log_ratio, mask, sample_ids)
+    per_trajectory = per_sample(log_ratio, mask, sample_ids, mean=geometric)
     kept = (per_trajectory >= math.log(low)) & (per_trajectory <= math.log(high))
     return kept.to(old_logps.dtype), ~kept
 
@@ -139,7 +118,9 @@ def _reduce(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
         elif name.endswith("_max"):
             reduced[name] = torch.where(counted, values, -torch.inf).amax()
         else:
-            reduced[name] = _masked_mean(values, mask)
+            # The mask may hold fractional token weights that sum to less than 1 (a micro-batch's share of the
+            # global batch): only an all-zero mask must be kept from dividing by zero.
+            reduced[name] = (values * mask).sum() / mask.sum().clamp(min=torch.finfo(mask.dtype).tiny)
     return reduced
 
 
@@ -176,10 +157,9 @@ def ppo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), per token.
 
     loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), with r_t = exp(logp_t - old_logp_t).
-    An upper bound `clip_high` above `clip_low` is DAPO's clip-higher (arXiv 2503.14476, sec. 3.1):
-    it leaves room to raise the probability of unlikely tokens, which keeps entropy from collapsing.
-    With `dual_clip` = c > 1 (Ye et al. 2020, arXiv 1912.09729), tokens with A_t < 0 have their loss
-    bounded by -c A_t, so a huge ratio on a bad action cannot blow up the update.
+    `clip_high` above `clip_low` is DAPO's clip-higher (arXiv 2503.14476, sec. 3.1), which keeps entropy from
+    collapsing. With `dual_clip` = c > 1 (Ye et al. 2020, arXiv 1912.09729), tokens with A_t < 0 have their
+    loss bounded by -c A_t, so a huge ratio on a bad action cannot blow up the update.
 
     `old_logps` are the trainer's for the policy the advantages were computed for; `sample_ids` give each
     token's trajectory (for the trajectory masks). The engine correction is `correction` on `engine_logps`, or
@@ -215,27 +195,17 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
     }
 
 
-def sample_mean(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
-    """Each token's sample's mean of `values` over that sample's masked tokens (0 for a sample without any),
-    differentiable in `values`. A sample's tokens may sit anywhere (a trajectory's sequences packed apart)."""
-    sums, counts, index = _per_sample(values, mask, sample_ids)
-    return (sums / counts.clamp(min=1.0))[index].view_as(values)
-
-
-def sample_sum(values: Tensor, mask: Tensor, sample_ids: Tensor) -> Tensor:
-    """Each token's sample's sum of `values` over that sample's masked tokens (as `sample_mean`)."""
-    sums, _, index = _per_sample(values, mask, sample_ids)
-    return sums[index].view_as(values)
-
-
-def _per_sample(values: Tensor, mask: Tensor, sample_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum of `values` over each sample's masked tokens, their count, each token's sample index)."""
+def per_sample(values: Tensor, mask: Tensor, sample_ids: Tensor, mean: bool = False) -> Tensor:
+    """Each token's sample's sum (or `mean`, 0 for a sample without masked tokens) of `values` over that sample's
+    masked tokens, differentiable in `values`. A sample's tokens may sit anywhere (a trajectory's sequences packed
+    apart)."""
     _, index = torch.unique(sample_ids.flatten(), return_inverse=True)
     n_samples = int(index.max()) + 1 if index.numel() else 0
     counted = (mask > 0).flatten().to(values.dtype)
     sums = values.new_zeros(n_samples).index_add(0, index, values.flatten() * counted)
-    counts = counted.new_zeros(n_samples).index_add(0, index, counted)
-    return sums, counts, index
+    if mean:
+        sums = sums / counted.new_zeros(n_samples).index_add(0, index, counted).clamp(min=1.0)
+    return sums[index].view_as(values)
 
 
 def gspo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, sample_ids: Tensor,
@@ -244,22 +214,17 @@ def gspo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
               correction: Correction | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), per token.
 
-    One importance ratio per sample, the geometric mean of its tokens' ratios:
-        s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|) = exp(mean_t (logp_t - old_logp_t)),
-    clipped like PPO's but at the sequence level, with the paper's much narrower ranges (3e-4 and
-    4e-4, sec. 5.1): loss_t = -min(s_i A_t, clip(s_i, 1 - clip_low, 1 + clip_high) A_t) for every
-    token t of sample i. Averaged over each sample's tokens (`avg_level=sequence`) and with one
-    advantage per sample, this is the paper's objective: sum_t grad s_i / |y_i| = grad s_i.
-    A sample is a whole trajectory, so `sample_ids` must give every token of a multi-sequence
-    trajectory the same id and the caller must keep all of them in one call.
-
-    With `token_level`, GSPO-token: s_i,t = sg[s_i] * pi_t / sg[pi_t], the same value and clip as
-    s_i, but token t's gradient is A_t s_i grad log pi_t: each token keeps its own advantage. With
-    the same advantage on every token of a sample, both give the same loss and gradient.
+    One ratio per sample, s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|) = exp(mean_t (logp_t - old_logp_t)),
+    clipped like PPO's at the sequence level with the paper's narrow ranges (sec. 5.1):
+    loss_t = -min(s_i A_t, clip(s_i, 1 - clip_low, 1 + clip_high) A_t) for every token t of sample i; with
+    `avg_level=sequence` and one advantage per sample, the paper's objective (sum_t grad s_i / |y_i| = grad s_i).
+    `sample_ids` give every token of a trajectory one id, and all of them must be in this call.
+    With `token_level`, GSPO-token: s_i,t = sg[s_i] * pi_t / sg[pi_t], the same value and clip, but token t's
+    gradient A_t s_i grad log pi_t uses its own advantage (the same as GSPO's when A_t is the sample's).
 
     Arguments and metrics as in `ppo_loss`, plus `seq_ratio` (s_i); the tokens with mask > 0 make up |y_i|.
     """
-    sequence_log_ratio = sample_mean(logps - old_logps, mask, sample_ids)
+    sequence_log_ratio = per_sample(logps - old_logps, mask, sample_ids, mean=True)
     if token_level:
         # Adding the constant last keeps the value exactly s_i (the difference of logps is 0).
         log_ratio = logps - logps.detach() + sequence_log_ratio.detach()
@@ -278,10 +243,8 @@ def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tenso
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): a clipped, detached importance weight times the log-prob.
 
     loss_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] A_t log pi_t, with r_t = exp(logp_t - old_logp_t).
-    PPO's clip drops the gradient of a token whose ratio left the range (often the rare tokens
-    that open a new line of reasoning); CISPO only bounds the token's weight, so every token keeps
-    a gradient A_t w_t grad log pi_t. The paper sets no lower bound (`clip_low=None`) and tunes
-    only the upper one; it averages over tokens (`avg_level=token`).
+    Where PPO's clip drops the gradient of a token whose ratio left the range (often a rare token that opens a
+    new line of reasoning), CISPO only bounds its weight. The paper sets no lower bound (`clip_low=None`).
 
     Arguments and metrics as in `ppo_loss` (a clipped token keeps its gradient here), plus `is_weight`.
     """

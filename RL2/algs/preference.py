@@ -1,10 +1,6 @@
-"""Pairwise preference losses on sequence-level tensors: one number per (chosen, rejected) pair.
-
-Layout convention: every input is 1-D `[batch]` with one entry per pair. Log-probabilities are
-those of the response tokens only (prompt excluded), summed over the response unless a loss says
-it wants per-token averages. Losses are returned per pair; the caller averages them (over the
-global batch when pairs are split across ranks). Metrics are detached per-pair tensors.
-"""
+"""Pairwise preference losses: every input is `[batch]`, one entry per (chosen, rejected) pair, and the
+log-probabilities are the response tokens' (summed unless a loss asks for per-token means). Losses and
+detached metrics are returned per pair; the caller averages them (over the global batch)."""
 
 from collections.abc import Callable
 
@@ -14,20 +10,14 @@ from torch import Tensor
 
 
 def _sigmoid_dpo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
-    """DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), conservative when label_smoothing > 0.
-
-    Conservative DPO (Mitchell 2023, https://ericmitchell.ai/cdpo.pdf, eq. 3) assumes each label
-    is flipped with probability `label_smoothing`, mixing the losses of both orderings.
-    """
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7); with label_smoothing > 0 conservative DPO (Mitchell
+    2023, https://ericmitchell.ai/cdpo.pdf, eq. 3), whose labels are flipped with that probability."""
     return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
 
 
 def _ipo(logits: Tensor, beta: float, label_smoothing: float) -> Tensor:
-    """IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17): (h - 1 / (2 tau))^2 with tau = beta.
-
-    The squared loss regresses the log-ratio margin to a finite target instead of pushing it to
-    infinity, so it does not overfit deterministic preferences.
-    """
+    """IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17): (h - 1 / (2 tau))^2 with tau = beta, a finite target
+    for the margin, so that deterministic preferences are not overfitted."""
     if label_smoothing != 0.0:
         raise ValueError("label_smoothing applies to loss_type='sigmoid'; set it to 0 for ipo.")
     return (logits - 1 / (2 * beta)).pow(2)
@@ -38,13 +28,10 @@ DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"sigmoid": _s
 
 def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
              beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair.
-
-    For loss_type="sigmoid" pass summed response logps. For loss_type="ipo" pass length-normalised
-    logps, i.e. each sequence's summed logp divided by its number of response tokens, for the
-    policy and the reference alike: TRL's DPOTrainer divides by the loss-mask token count when
-    loss_type="ipo", which keeps the target margin 1 / (2 beta) independent of the lengths. `beta` is the
-    KL strength (tau in IPO), `label_smoothing` conservative DPO's label-flip probability in [0, 0.5).
+    """DPO-family loss on h = (logp_c - logp_r) - (ref_logp_c - ref_logp_r), per pair, of summed response logps;
+    for loss_type="ipo" of length-normalised ones (each sum over its response tokens, policy and reference
+    alike, as TRL's DPOTrainer does), which keeps the target margin 1 / (2 beta) independent of the lengths.
+    `beta` is the KL strength (tau in IPO), `label_smoothing` conservative DPO's label-flip probability in [0, 0.5).
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}.")
@@ -74,26 +61,19 @@ def log1mexp(x: Tensor) -> Tensor:
 
 
 def _log_odds(avg_logps: Tensor) -> Tensor:
-    """log(P / (1 - P)) with P = exp(avg_logps).
-
-    A response whose every token is certain in float32 has a mean logp of exactly 0, and odds 1 / 0:
-    its gradient would be inf * 0 = nan, which reaches every parameter and loses the whole step. Held
-    just below 0, the odds are large but finite, and the clamp passes no gradient to such a response
-    through this term (its NLL still has one).
-    """
+    """log(P / (1 - P)) with P = exp(avg_logps). A response whose every token is certain in float32 has a mean
+    logp of exactly 0, odds 1 / 0 and a nan gradient that would lose the whole step: held just below 0, its odds
+    are finite, and the clamp passes it no gradient through this term (its NLL still has one)."""
     avg_logps = avg_logps.clamp(max=-1e-7)
     return avg_logps - log1mexp(avg_logps)
 
 
 def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair.
-
-    odds(y) = P / (1 - P) with P = exp(average per-token logp), so
-    log odds = logp - log(1 - exp(logp)), and the term is
-    -beta * logsigmoid(log odds_chosen - log odds_rejected).
-    Add it to the chosen responses' NLL (the SFT term) to get the ORPO loss; beta is lambda. The inputs
-    are mean per-token logps (< 0); the rewards logged are beta times them, as TRL logs them.
-    """
+    """ORPO's odds-ratio term (Hong et al. 2024, arXiv 2403.07691, eqs. 4-7), per pair:
+    -beta * logsigmoid(log odds_chosen - log odds_rejected), with odds(y) = P / (1 - P), P = exp(mean per-token
+    logp), so log odds = logp - log(1 - exp(logp)). Added to the chosen responses' NLL (the SFT term) it makes
+    the ORPO loss; beta is lambda. The inputs are mean per-token logps (< 0); the rewards logged are beta times
+    them, as TRL logs them."""
     log_odds = _log_odds(chosen_avg_logps) - _log_odds(rejected_avg_logps)
     log_odds_ratio = F.logsigmoid(log_odds)
     return -beta * log_odds_ratio, {

@@ -1,9 +1,6 @@
-"""Read a table of examples from wherever the user keeps it.
-
-`path` may be a local JSON/JSONL/CSV/Parquet/Arrow file, a folder written by `Dataset.save_to_disk`,
-or a Hugging Face dataset name (served from the local cache; nothing is downloaded when offline).
-`split@path` picks a split, e.g. `test@my_org/my_data` or `validation@data/folder`. Every CSV column
-is read as text (`_csv_as_text`).
+"""Read a table of examples from wherever the user keeps it: a local JSON/JSONL/CSV/Parquet/Arrow file, a folder
+written by `Dataset.save_to_disk` or a Hugging Face dataset name (from the local cache; nothing is downloaded
+offline). `split@path` picks a split (`test@my_org/my_data`); every CSV column is read as text (`_csv_as_text`).
 """
 
 import csv
@@ -25,16 +22,17 @@ def split_path(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
-def load_table(spec: str) -> datasets.Dataset:
-    """Load the examples named by `spec` as a `datasets.Dataset`."""
+def load_table(spec: str, subset: str | None = None) -> datasets.Dataset:
+    """Load the examples named by `spec` as a `datasets.Dataset`; `subset` picks a configuration of a Hugging Face
+    dataset (gsm8k's "main"), which `datasets.load_dataset` then reads from `spec` whatever it is."""
     split, path = split_path(spec)
     local = Path(path).expanduser()
-    if local.is_file():
+    if subset is None and local.is_file():
         fmt = FILE_FORMATS.get(local.suffix.lower())
         if fmt is None:
             raise DataError(f"{local}: unknown file type '{local.suffix}'; use one of {', '.join(FILE_FORMATS)}")
         table = _read_file(local, fmt, split)
-    elif local.is_dir():
+    elif subset is None and local.is_dir():
         try:
             table = datasets.load_from_disk(str(local))
         except FileNotFoundError:  # a folder of data files (no dataset_info.json / state.json)
@@ -43,14 +41,17 @@ def load_table(spec: str) -> datasets.Dataset:
             raise DataError(f"{local}: a folder that datasets' save_to_disk did not write; give a file in it{listed} "
                             f"or a save_to_disk folder") from None
         if isinstance(table, datasets.DatasetDict):
-            table = _pick_split(table, split, str(local))
+            split = split or ("train" if "train" in table else next(iter(table)))
+            if split not in table:
+                raise DataError(f"{local}: no split '{split}'; it has {', '.join(table)}")
+            table = table[split]
     else:
         try:
-            table = datasets.load_dataset(path, split=split or "train")
+            table = datasets.load_dataset(path, subset, split=split or "train")
         except Exception as e:  # offline hub lookups raise many different types
-            raise DataError(f"could not load '{path}': it is not a local file or folder, and loading it as a Hugging "
-                            f"Face dataset failed ({type(e).__name__}: {e}). Give a local path, or make the dataset "
-                            "available in the local cache.") from e
+            how = f"loading its subset '{subset}'" if subset else "it is not a local file or folder, and loading it"
+            raise DataError(f"could not load '{path}': {how} as a Hugging Face dataset failed ({type(e).__name__}: "
+                            f"{e}). Give a local path, or make the dataset available in the local cache.") from e
     if len(table) == 0:
         raise DataError(f"{spec}: no rows")
     return table
@@ -96,11 +97,3 @@ def _csv_as_text(path: Path) -> dict:
         raise DataError(f"{path}: no header row; a CSV file needs column names in its first line")
     features = datasets.Features({name: datasets.Value("string") for name in header})
     return {"features": features, "keep_default_na": False, "na_values": [""]}
-
-
-def _pick_split(table: datasets.DatasetDict, split: str | None, where: str) -> datasets.Dataset:
-    if split is None:
-        split = "train" if "train" in table else next(iter(table))
-    if split not in table:
-        raise DataError(f"{where}: no split '{split}'; it has {', '.join(table)}")
-    return table[split]

@@ -2,9 +2,8 @@
 
     python -m RL2.datasets.math_rows SOURCE OUT.jsonl [--format auto|gsm8k|math] [--prompt TEMPLATE]
 
-SOURCE is anything `data.train.path` takes. GSM8K rows (`question`, `answer` ending in `#### N`) and
-MATH rows (`problem`, and `answer` or a `solution` with a \\boxed{} answer) each become
-`{"prompt": ..., "extra_info": {"answer": ..., "data_source": ..., "index": ...}}`; see docs/data.md.
+SOURCE is anything `data.train.path` takes: GSM8K rows (`question`, `answer` ending in `#### N`) or MATH rows
+(`problem`, and `answer` or a `solution` with a \\boxed{} answer); see docs/data.md.
 """
 
 import argparse
@@ -14,7 +13,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from RL2.datasets.loading import DataError, load_table, split_path
+from RL2.datasets.loading import DataError, load_table
 from RL2.datasets.tokenize import as_text, is_missing
 from RL2.rewards.extract import last_boxed
 
@@ -105,20 +104,6 @@ def math_rows(rows: Iterable[dict], fmt: str = "auto", prompt: str = DEFAULT_PRO
     return converted, skipped
 
 
-def load_rows(source: str, subset: str | None = None):
-    """The rows of `source` (see the module docstring); `subset` picks a hub dataset's configuration."""
-    if subset is None:
-        return load_table(source)
-    import datasets
-
-    split, path = split_path(source)
-    try:
-        return datasets.load_dataset(path, subset, split=split or "train")
-    except Exception as e:  # offline hub lookups raise many different types
-        raise DataError(f"could not load '{path}' (subset '{subset}') from the local Hugging Face cache "
-                        f"({type(e).__name__}: {e})") from e
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m RL2.datasets.math_rows", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="GSM8K or MATH rows: a file, a save_to_disk folder or a cached dataset name")
@@ -131,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-bad-rows", action="store_true", help="skip rows without a question or answer")
     args = parser.parse_args(argv)
     try:
-        rows, skipped = math_rows(load_rows(args.source, args.subset), args.format, args.prompt, args.data_source,
+        rows, skipped = math_rows(load_table(args.source, args.subset), args.format, args.prompt, args.data_source,
                                   args.skip_bad_rows, source=args.source)
     except DataError as e:  # it names the file, the row and what to do
         sys.exit(f"math_rows: {e}")

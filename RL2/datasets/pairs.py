@@ -1,12 +1,6 @@
-"""Preference rows for DPO, ORPO and reward models.
-
-`chosen` and `rejected` are either response texts, after the row's `prompt` (text or chat messages)
-or `messages` (the conversation so far), or chat messages: whole conversations, or the assistant
-turns that follow the `prompt`/`messages` when the row has one. Messages the two sides begin with
-alike are context too (as TRL's `maybe_extract_prompt` takes the common start as the prompt): the
-preference is over where they part. Each row becomes a pair of examples
-`{"chosen": example, "rejected": example}`, with the loss mask on the response tokens; the pair is
-packed into one micro-batch so that its two sequences meet in the loss.
+"""Preference rows for DPO, ORPO and reward models (their forms: docs/data.md), each a pair of examples
+`{"chosen": example, "rejected": example}` with the loss mask on the response tokens. Messages the two sides
+begin with alike are context (as TRL's `maybe_extract_prompt` takes the common start as the prompt).
 """
 
 from RL2.datasets.tokenize import (

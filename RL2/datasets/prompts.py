@@ -1,6 +1,5 @@
-"""Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far),
-and what the environment gets as `extra_info` (`extra_info_of`; see docs/data.md).
-"""
+"""Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far), and what the
+environment gets as `extra_info` (`extra_info_of`; see docs/data.md)."""
 
 from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
 
@@ -10,9 +9,7 @@ EXTRA_INFO_KEY = "extra_info"
 def extra_info_of(row: dict, used_keys: set[str]) -> dict:
     """The environment's `extra_info`: the row's columns other than `used_keys`, then its `extra_info`
     (whose missing values leave a column's value in place)."""
-    extra_info = row.get(EXTRA_INFO_KEY)
-    if is_missing(extra_info):
-        extra_info = {}
+    extra_info = {} if is_missing(row.get(EXTRA_INFO_KEY)) else row[EXTRA_INFO_KEY]
     if not isinstance(extra_info, dict):
         raise BadRow(f"key '{EXTRA_INFO_KEY}' should be a dict of values for the environment, "
                      f"got {type(extra_info).__name__}")

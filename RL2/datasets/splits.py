@@ -21,10 +21,8 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
     train_rows = _rows_of(data_cfg.train.path, "train", blank_rows)
     if train_rows is None:
         raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
-    test_rows, test_cfg, numbers = None, data_cfg.test, {}
-    if data_cfg.test.path:
-        test_rows = load_table(data_cfg.test.path)
-    elif data_cfg.test_ratio > 0 and data_cfg.train.path:
+    test_cfg, numbers = data_cfg.test, {}
+    if data_cfg.test_ratio > 0 and data_cfg.train.path and not data_cfg.test.path:
         try:  # split the row numbers, so that each example keeps its row's number in the file
             parts = datasets.Dataset.from_dict({"row": range(len(train_rows))}).train_test_split(
                 test_size=data_cfg.test_ratio, seed=seed)
@@ -37,7 +35,7 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
         # Held-out rows are rows of the train file: read them with the train file's keys and settings.
         test_cfg = data_cfg.train
     else:
-        test_rows = _rows_of(None, "test", blank_rows)
+        test_rows = _rows_of(data_cfg.test.path, "test", blank_rows)
     source = data_cfg.train.path or "rows with no prompt"
     train, skipped = tokenize_rows(train_rows, make_tokenize_row(data_cfg.train), source, data_cfg.skip_bad_rows,
                                    numbers.get("train"), keep_row)

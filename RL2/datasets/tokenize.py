@@ -1,10 +1,5 @@
-"""Rows -> token ids with a loss mask, validating every row on the way.
-
-A tokenized example is `{"input_ids": list[int], "loss_mask": list[int]}`: `loss_mask[i] == 1` when
-token i is one the model is trained to produce (the response, or the assistant turns).
-
-A text far longer than `max_length` tokens is cut by characters before it is tokenized (`text_budget`),
-so that no time or memory goes to tokens that truncation drops.
+"""Rows -> tokenized examples `{"input_ids": list[int], "loss_mask": list[int]}` (`loss_mask[i] == 1` on the
+tokens the model is trained to produce), validating every row on the way (docs/data.md).
 """
 
 import json
@@ -25,12 +20,8 @@ def is_missing(value: object) -> bool:
 
 
 def as_text(value: object, where: str) -> str:
-    """A text cell as a string. A number written where text belongs (`"response": 46` in JSON) is
-    that text; anything else that is not a string is a bad row.
-
-    A whole float is written as an integer: a JSON column holding 46 and 4.5 is loaded as floats, and
-    its 46 should read "46", not "46.0".
-    """
+    """A text cell as a string; a number written where text belongs (`"response": 46` in JSON) is that text, a
+    whole float as an integer (a JSON column holding 46 and 4.5 is loaded as floats: its 46 reads "46")."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -135,25 +126,17 @@ def _without_nulls(value: object) -> object:
 
 
 def text_budget(tokenizer, max_tokens: int) -> int:
-    """Characters of text beyond which its first `max_tokens` tokens are already fixed.
-
-    No token stands for more characters than its vocabulary string has (a byte-level BPE string has
-    one character per byte, a SentencePiece one per character), so the first `max_tokens` tokens of a
-    text come from its first `max_tokens * L` characters, L the longest string of the vocabulary. The
-    budget is twice that: a cut changes only the tokens of the word it falls in, far beyond the ones
-    kept.
-    """
+    """Characters of text beyond which its first `max_tokens` tokens are already fixed: those come from its first
+    `max_tokens * L` characters, L the longest string of the vocabulary (`longest_token_chars`). The budget is
+    twice that: a cut changes only the tokens of the word it falls in, far beyond the ones kept. A longer text
+    is cut to it before tokenizing, so that no time or memory goes to tokens that truncation drops."""
     return 2 * (max_tokens + 1) * longest_token_chars(tokenizer)
 
 
 def context_of(row: dict, split_cfg) -> list[dict] | str:
-    """What comes before the model's turn: the `messages_key` column (chat messages), else the
-    `prompt_key` column (text, or chat messages).
-
-    Returns:
-        chat messages, which always go through the chat template (a text prompt becomes one user
-        turn when `apply_chat_template` is on), or the raw prompt text when it is off.
-    """
+    """What comes before the model's turn: the `messages_key` column (chat messages), else the `prompt_key` column
+    (text, or chat messages), as chat messages for the chat template (a text prompt becomes one user turn when
+    `apply_chat_template` is on) or as the raw prompt text when it is off."""
     messages_key, prompt_key = split_cfg.messages_key, split_cfg.prompt_key
     if not is_missing(row.get(messages_key)):
         return require_messages(row, messages_key, need_assistant=False)
@@ -168,15 +151,12 @@ def context_of(row: dict, split_cfg) -> list[dict] | str:
 def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_length: int | None = None,
                       render: Callable[[list[dict], bool], str] | None = None) -> dict:
     """Apply the chat template (or `render(messages, add_generation_prompt)`) to `{role, content}` messages turn
-    by turn; only assistant turns from message `train_from` on are in the loss (those before it are context:
-    the conversation so far).
-
-    Each turn's tokens are the text the template adds for that turn, so the concatenation equals the
-    template applied to the whole conversation, and the assistant header (`<|im_start|>assistant\\n`)
-    belongs to the preceding prompt part, not to the loss. Messages between two assistant turns are rendered
-    together (a template may merge them, as tool results into one turn). The example is truncated to
-    `max_length` tokens afterwards: longer contents are cut first (`text_budget`), and turns past the first
-    `max_length` tokens are not tokenized."""
+    by turn; only assistant turns from message `train_from` on are in the loss (those before it are context).
+    Each turn's tokens are the text the template adds for it, so they add up to the whole conversation's, and
+    the assistant header (`<|im_start|>assistant\\n`) belongs to the prompt part before it, not to the loss.
+    Messages between two assistant turns are rendered together (a template may merge them, as tool results).
+    With `max_length` (the example is truncated to it afterwards) contents are cut first (`text_budget`), and
+    turns past the first `max_length` tokens are not tokenized."""
     if max_length is not None:
         budget = text_budget(tokenizer, max_length)
         messages = [m | {"content": m["content"][:budget]} if len(m["content"]) > budget else m for m in messages]
@@ -203,12 +183,9 @@ def tokenize_messages(tokenizer, messages: list[dict], train_from: int = 0, max_
 
 def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str,
                              max_length: int | None = None) -> dict:
-    """Context + response as one example, loss on the response (and its end-of-turn tokens).
-
-    Chat messages get the response as an assistant turn through the chat template; raw text is
-    followed by the response text and an EOS token. With `max_length` (the example is truncated to it
-    afterwards) texts far longer are cut first (`text_budget`).
-    """
+    """Context + response as one example, loss on the response (and its end-of-turn tokens): chat messages get it
+    as an assistant turn through the chat template, raw text as text and an EOS token. With `max_length` (the
+    example is truncated to it afterwards) texts far longer are cut first (`text_budget`)."""
     if isinstance(context, list):
         return tokenize_messages(tokenizer, context + [{"role": "assistant", "content": response}], len(context),
                                  max_length)
@@ -258,12 +235,9 @@ def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], so
 
 
 def decoded_rows(rows: Iterable[dict]) -> Iterator[dict | BadRow]:
-    """The rows in order; a row with a string that is not valid UTF-8 comes as a BadRow naming its key.
-
-    Arrow keeps the strings of a JSON file as the bytes read and decodes them only when a row becomes
-    Python objects: the table loads, and iterating it raises UnicodeDecodeError at the bad row, which
-    ends the iteration. The rows after it are read on from the next one.
-    """
+    """The rows in order; a row with a string that is not valid UTF-8 comes as a BadRow naming its key. (Arrow
+    decodes a JSON file's strings only when a row becomes Python objects: iterating raises UnicodeDecodeError at
+    the bad row, which ends the iteration, so the rows after it are read on from the next one.)"""
     start = 0
     while True:
         remaining = rows if start == 0 else rows.select(range(start, len(rows)))  # only a Dataset raises

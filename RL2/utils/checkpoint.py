@@ -1,10 +1,7 @@
-"""Resumable checkpoints, written atomically, in a save_dir that one run holds at a time
-(`RL2.utils.save_dir_lock`; see docs/outputs.md).
-
-`<save_dir>/step<N>/` holds every worker's shards (torch.distributed.checkpoint), each rank's RNG state and,
-written last, `trainer_state.json`. Everything goes to a hidden temporary folder first, renamed into place at
-the end. The small files and the renames are fsynced, so a power loss right after a save does not leave
-`latest.txt` naming a folder the disk never got.
+"""Resumable checkpoints `<save_dir>/step<N>/` (docs/outputs.md): every worker's shards, each rank's RNG state
+and, written last, `trainer_state.json`, saved to a hidden temporary folder renamed into place. The small files
+and the renames are fsynced, so a power loss right after a save does not leave `latest.txt` naming a folder the
+disk never got. One run holds a save_dir at a time (`RL2.utils.save_dir_lock`).
 """
 
 import json
@@ -78,14 +75,10 @@ def replace_synced(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-# ---- RNG state: tensors and plain numbers only, so that a resume reads it with weights_only=True ----
-
-
 def rng_state() -> dict:
     """This process's random streams (Python, NumPy, torch, CUDA) as tensors and plain numbers, which
-    `torch.load(weights_only=True)` reads back running no code from the file. A pickled object (NumPy's state
-    tuple holds an ndarray) would need `weights_only=False`, under which a planted `rng_rank*.pt` runs whatever
-    it names at resume."""
+    `torch.load(weights_only=True)` reads back running no code: NumPy's state tuple (an ndarray) would need
+    `weights_only=False`, under which a planted `rng_rank*.pt` runs whatever it names at resume."""
     version, mt, gauss = random.getstate()
     numpy = np.random.get_state(legacy=False)  # MT19937: {"state": {"key", "pos"}, "has_gauss", "gauss"}
     state = {
@@ -124,9 +117,6 @@ def load_rng_state(path: Path) -> dict:
                           f"checkpoint") from None
 
 
-# ---- saving ----
-
-
 def _on_every_rank(action: Callable[[], None]) -> None:
     """Run `action` on this rank; when it fails on any rank, raise on every rank. Collective. Each rank writes
     files of its own; a rank that failed alone (a full local disk) would otherwise leave the others waiting at
@@ -139,10 +129,9 @@ def _on_every_rank(action: Callable[[], None]) -> None:
     reasons = all_gather_objects(None if error is None else _reason(error))
     if error is not None:
         raise error
-    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
-    if failed:
-        rank, reason = failed[0]
-        raise RuntimeError(f"saving the checkpoint failed on rank {rank} ({reason})")
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            raise RuntimeError(f"saving the checkpoint failed on rank {rank} ({reason})")
 
 
 def _reason(error: BaseException) -> str:
@@ -154,10 +143,8 @@ def _reason(error: BaseException) -> str:
 def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict,
                     keep_last_n: int | None = None) -> Path:
     """Collective: every rank writes the shards of `workers` and its RNG state into `<save_dir>/step<step>`,
-    beside `trainer_state.json`. Returns that folder. A save that fails on any rank (a full disk, an interrupt)
-    removes its temporary folder and raises on every rank; the checkpoints saved before stay as they were.
-    `keep_last_n` never deletes the step folder `latest.txt` names.
-    """
+    beside `trainer_state.json`, and returns that folder. A save that fails on any rank (a full disk, an
+    interrupt) removes its temporary folder and raises on every rank, leaving the checkpoints saved before."""
     final = Path(save_dir) / f"step{step}"
     tmp = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
@@ -212,9 +199,6 @@ def remove_old_checkpoints(root: Path, keep_last_n: int | None) -> None:
             log_rank0(f"trainer.keep_last_n={keep_last_n}: could not delete {path} ({e.strerror}); delete it by hand")
 
 
-# ---- loading ----
-
-
 def latest_checkpoint(save_dir: str) -> Path | None:
     """The complete step<N> folder saved last (`latest.txt`), else the one with the largest N, if any."""
     root = Path(save_dir)
@@ -258,10 +242,9 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
 def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | None = None) -> dict:
     """Collective: restore every worker and this rank's RNG. Returns the trainer state.
 
-    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share
-    inputs, and so dropout masks): each takes the stream of the group's first rank. Under the layout that
-    saved the checkpoint they held the same one; under another (2 data-parallel ranks resumed as tp=2) they
-    would go on with different streams. None: this rank's own."""
+    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share inputs,
+    and so dropout masks), even when another layout saved them (2 data-parallel ranks resumed as tp=2): each
+    takes the stream of the group's first rank. None: this rank's own."""
     index = read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
         dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path), index))

@@ -1,11 +1,7 @@
-"""A checkpoint's `.metadata` read without running code from it.
-
-torch.distributed.checkpoint keeps the index of a checkpoint's shards in `<step>/.metadata`, a pickle that
-its `FileSystemReader` reads with plain `pickle.load`: a file planted there (by anyone who can write the
-save_dir) would run what it names when a run resumes. `SafeFileSystemReader` unpickles it with an
-allow-list of the classes such an index is made of (torch's checkpoint metadata dataclasses, sizes, dtypes,
-layouts, paths); anything else is refused before it is called. The shards themselves hold tensors and
-plain values, which torch reads with `weights_only=True`.
+"""A checkpoint's `.metadata` read without running code from it: torch's `FileSystemReader` unpickles this index
+of the shards with plain `pickle.load`, so a file planted there would run what it names at resume.
+`SafeFileSystemReader` unpickles it with an allow-list of the classes such an index is made of; anything else is
+refused before it is called. (The shards hold tensors and plain values, read with `weights_only=True`.)
 """
 
 import pickle
@@ -56,18 +52,15 @@ def read_checkpoint_index(path: Path, file: Path | None = None) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's reader of checkpoint folder `path`, its index read by `read_checkpoint_index` (or given
-    as `index` when the caller has read it already)."""
+    """torch's reader of checkpoint folder `path`, whose `index` the caller has read (`read_checkpoint_index`)."""
 
-    def __init__(self, path: str, index: Metadata | None = None):
+    def __init__(self, path: str, index: Metadata):
         super().__init__(path)
         self.index = index
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        if self.index is not None and rank is None:
-            index = self.index
-        else:
+        rank, index = kwargs.get("rank"), self.index
+        if rank is not None:  # a rank's own index, where torch asks for one: read the same way
             index = read_checkpoint_index(Path(self.path), Path(self._get_metadata_path(rank)))
         if getattr(index, "storage_meta", None) is None:
             index.storage_meta = StorageMeta()

@@ -20,6 +20,15 @@ def log_rank0(message: str) -> None:
         print(f"[RL2] {message}", flush=True)
 
 
+def make_save_dir(save_dir: str | Path) -> None:
+    """Create `trainer.save_dir` (and its parents) or raise a ConfigError saying why it cannot be."""
+    try:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only place, or a file where a folder of the path should be
+        raise ConfigError(f"trainer.save_dir={save_dir}: cannot create it ({e.strerror}: {e.filename}); give a "
+                          f"folder this user can write") from None
+
+
 def append_jsonl(path: Path, record: dict) -> None:
     """Append one JSON line, on a line of its own even after a run that was killed mid-line."""
     with open(path, "ab+") as f:
@@ -83,11 +92,7 @@ class MetricsSink:
                               "trainer.use_wandb=false (trainer.use_tensorboard=true logs without an account)")
         self.enabled = is_rank0()
         self.path = Path(save_dir) / "metrics.jsonl"
-        try:  # on every rank (they all write checkpoints there), so that all of them stop
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a read-only place, or a file where a folder of the path should be
-            raise ConfigError(f"trainer.save_dir={save_dir}: cannot create it ({e.strerror}: {e.filename}); give a "
-                              f"folder this user can write") from None
+        make_save_dir(save_dir)  # on every rank (they all write checkpoints there), so that all of them stop
         self.wandb = _init_wandb(project, name, save_dir, config) if self.enabled and use_wandb else None
         self.tensorboard = TensorBoardLog(Path(save_dir) / "tensorboard") if self.enabled and use_tensorboard else None
 
@@ -123,14 +128,10 @@ def _init_wandb(project: str, name: str, save_dir: str, config):
 
     from RL2.utils.redaction import redact_config
 
-    mode = os.environ.get("WANDB_MODE")
-    if mode is None and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
+    mode, netrc = os.environ.get("WANDB_MODE"), Path.home() / ".netrc"
+    if mode is None and not (os.environ.get("WANDB_API_KEY") or
+                             (netrc.exists() and "api.wandb.ai" in netrc.read_text())):
         log_rank0("wandb: no login found, logging offline (set WANDB_API_KEY or WANDB_MODE=online to sync)")
         mode = "offline"
     plain_config = redact_config(OmegaConf.to_container(config, resolve=True)) if config is not None else None
     return wandb.init(project=project, name=name, dir=save_dir, config=plain_config, mode=mode)
-
-
-def _has_netrc_login() -> bool:
-    netrc = Path.home() / ".netrc"
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text()

@@ -1,12 +1,8 @@
-"""How long each phase of a training step takes, the most resident memory (RSS) this process held
-during it and, on a GPU, the most GPU memory its tensors held (`torch.cuda.max_memory_allocated`; a
-colocated SGLang server's memory is its own process's, not counted here).
-
-The peak of a phase is the kernel's high-water mark of the process's RSS, reset at the start of the
-phase (`/proc/self/clear_refs`, Linux 4.0 and later). Elsewhere the mark cannot be reset and each
-phase reports the process's peak so far. (A reset also lowers what `getrusage` reports as this
-process's `ru_maxrss`: measure a whole run from outside, as `benchmarks/bench_ppo_w1.py` does.)
-"""
+"""How long each phase of a training step takes, the most resident memory (RSS) this process held during it
+and, on a GPU, the most its tensors held (`torch.cuda.max_memory_allocated`; not a colocated SGLang server's).
+The RSS peak is the kernel's high-water mark, reset at the start of the phase (`/proc/self/clear_refs`, Linux 4.0
+and later; elsewhere each phase reports the peak so far). A reset also lowers `getrusage`'s `ru_maxrss`: measure
+a whole run from outside, as `benchmarks/bench_ppo_w1.py` does."""
 
 import contextlib
 import resource

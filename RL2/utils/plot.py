@@ -1,8 +1,5 @@
-"""Learning curves: the metrics a trainer chooses, against step, from its metrics.jsonl, as one PNG.
-
-Each trainer names its curve as panels (`CurvePanel`): SFT its train and test loss, preference
-trainers their loss, preference accuracy and margin, PPO its reward, score and response length.
-"""
+"""Learning curves: the metrics a trainer chooses (its `CurvePanel`s), against step, from its metrics.jsonl,
+as one PNG (docs/outputs.md)."""
 
 import math
 import os

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
 from RL2.utils.checkpoint import fsync_dir
-from RL2.utils.logging import log_rank0
+from RL2.utils.logging import log_rank0, make_save_dir
 from RL2.utils.redaction import redact_command
 
 LOCK = "run.lock"
@@ -47,12 +47,9 @@ def _take_lock(root: Path) -> Callable[[], None]:
     drops it when the process dies, so a crashed run's lock is free again and two runs that find it free at
     once cannot both take it. The file names the holder, for the message of a run that is refused."""
     path = root / LOCK
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only place, or a file where a folder of the path should be
-        raise ConfigError(f"trainer.save_dir={root}: cannot create it ({e.strerror}: {e.filename}); give a "
-                          f"folder this user can write") from None
-    me = _this_process()
+    make_save_dir(root)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(redact_command(sys.argv))[:300]}
     _release_held(path)  # this process's previous trainer (the Python API runs one after another)
     for _ in range(3):  # the holder may release, removing the file, while this process waits for it
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -66,13 +63,14 @@ def _take_lock(root: Path) -> Callable[[], None]:
         os.close(fd)  # locked a file its holder removed on release: lock the one at the path now
     else:
         raise ConfigError(_held_message(root, path, _read_lock(path)))
-    holder = _read_lock(path)
+    holder, identity = _read_lock(path), ("host", "pid", "process_start")
+    other = holder is not None and [holder.get(key) for key in identity] != [me[key] for key in identity]
     # A live holder that does not hold the flock: a run on another host (a network folder's locks may not
     # reach this one) or an RL2 from before the flock.
-    if holder is not None and not _same_process(holder, me) and _alive(holder):
+    if other and _alive(holder):
         os.close(fd)
         raise ConfigError(_held_message(root, path, holder))
-    if holder is not None and not _same_process(holder, me):
+    if other:
         log_rank0(f"trainer.save_dir: taking over {path} from process {holder.get('pid')}, which is gone")
     try:
         os.ftruncate(fd, 0)
@@ -117,11 +115,6 @@ def _same_file(fd: int, path: Path) -> bool:
     return (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino)
 
 
-def _this_process() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(redact_command(sys.argv))[:300]}
-
-
 def _process_start(pid: int) -> str | None:
     """When process `pid` started (clock ticks after boot, field 22 of /proc/<pid>/stat): tells the
     process that wrote a lock from a later one given the same pid. None where /proc does not say."""
@@ -139,11 +132,6 @@ def _read_lock(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
-
-
-def _same_process(holder: dict, me: dict) -> bool:
-    return holder.get("host") == me["host"] and holder.get("pid") == me["pid"] and \
-        holder.get("process_start") == me["process_start"]
 
 
 def _alive(holder: dict) -> bool:

@@ -1,11 +1,9 @@
 """Runs of consecutive token sequences that share a prefix: which sequences of a packed row store their
 common prefix once (`RL2.models.shared_prefix`, whose attention reads them) and how long the row is then
 (`RL2.packing`, which balances rows by it). Plain lists of token ids, no tensors.
-
-A run grows while it saves at least as many tokens as before; a prefix of fewer than
-`MIN_SHARED_TOKENS` is not worth the extra attention calls.
 """
 
+# A shorter shared prefix is not worth the extra attention calls.
 MIN_SHARED_TOKENS = 16
 
 
@@ -25,12 +23,10 @@ def compressed_length(sequences: list[list[int]]) -> int:
 
 
 def runs_with_shared_prefix(sequences: list[list[int]], starts: set[int] = frozenset()) -> list[tuple[list[int], int]]:
-    """Split consecutive sequences into runs, each with the number of positions its sequences share.
-
-    A sequence of n+1 tokens has n positions (inputs); a run of one shares all of them. A sequence
-    joins the current run while the run's shared positions times the sequences that reuse them does
-    not drop, and the run shares at least `MIN_SHARED_TOKENS`; a sequence in `starts` begins a new one.
-    """
+    """Split consecutive sequences into runs, each with the number of positions (inputs: n for n+1 tokens) its
+    sequences share; a run of one shares all of them. A sequence joins the current run while the run's shared
+    positions times the sequences that reuse them does not drop and stays at least `MIN_SHARED_TOKENS`; a
+    sequence in `starts` begins a new one."""
     runs: list[tuple[list[int], int]] = []
     for index, tokens in enumerate(sequences):
         if runs and index not in starts:

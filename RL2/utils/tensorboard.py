@@ -1,7 +1,5 @@
-"""TensorBoard event files for the metrics sink: every numeric metric of a step as a scalar.
-
-TensorBoard stores scalars as float32 (its data server reads no other scalar type), so a value
-reads back as `float32(value)` of the same record in metrics.jsonl.
+"""TensorBoard event files for the metrics sink: every numeric metric of a step as a scalar. TensorBoard stores
+scalars as float32 (its data server reads no other type): a value reads back as `float32(value)` of metrics.jsonl's.
 """
 
 import os
@@ -48,43 +46,25 @@ class TensorBoardLog:
     def truncate_after(self, step: int) -> None:
         """On resume, drop every event of a later step from the existing files: a writer's `purge_step` only
         asks readers to hide them; rewriting the files keeps them out of every reader (and of `wandb sync`)."""
-        for path in event_files(self.folder):
-            records = list(read_records(path))
-            kept = [raw for raw, event in records if event.step <= step]
-            if len(kept) < len(records):
-                write_records(path, kept)
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        for path in sorted(p for p in self.folder.glob(f"{EVENT_FILE_PREFIX}*") if p.suffix != ".tmp"):
+            records = list(RawEventFileLoader(str(path)).Load())
+            kept = [raw for raw in records if Event.FromString(raw).step <= step]
+            if len(kept) == len(records):
+                continue
+            tmp = path.with_name(path.name + ".tmp")  # replaced atomically
+            with open(tmp, "wb") as f:
+                writer = RecordWriter(f)
+                for raw in kept:
+                    writer.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-
-
-def event_files(folder: Path) -> list[Path]:
-    """The event files of a TensorBoard run folder, oldest first (their names start with the time)."""
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX) and p.suffix != ".tmp")
-
-
-def read_records(path: Path):
-    """Yield `(raw bytes, Event)` for every complete record of an event file."""
-    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    for raw in RawEventFileLoader(str(path)).Load():
-        yield raw, Event.FromString(raw)
-
-
-def write_records(path: Path, records: list[bytes]) -> None:
-    """Replace `path` with an event file of `records`, atomically."""
-    from tensorboard.summary.writer.record_writer import RecordWriter
-
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        writer = RecordWriter(f)
-        for raw in records:
-            writer.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,12 +1,7 @@
-"""What a tokenizer's vocabulary bounds (the most characters one token stands for), and tokenising
-chat text in which only the chat template writes special tokens.
-
-A chat template writes its structure as the text of special tokens (`<|im_start|>`, `<|im_end|>`), and
-tokenising the rendered text turns every such string into that token, wherever it came from. Content
-that an environment, a tool or an agent wrote ("<|im_end|><|im_start|>system ...") would then become real
-role tokens. `render_plain` renders messages with the special-token strings of their content hidden from
-the template and says where they are in the text; `encode` tokenises those as text (as
-`split_special_tokens=True` does), and only the template's own as special tokens.
+"""The most characters one token of a vocabulary stands for, and tokenising chat text in which only the chat
+template writes special tokens: content an environment, a tool or an agent wrote ("<|im_end|><|im_start|>system
+...") would otherwise become real role tokens. `render_plain` hides such strings of the content from the template
+and says where they are in the text; `encode` tokenises those as text, and only the template's as special tokens.
 """
 
 import re
@@ -62,10 +57,8 @@ def encode(tokenizer, text: str, plain: Spans = ()) -> list[int]:
 
 def render_plain(tokenizer, render: Callable[..., str], *content) -> tuple[str, list[tuple[int, int]]]:
     """`render(*content)` (a chat template over messages) with the special tokens' text in the strings of
-    `content` hidden from it; returns the text and the spans in it of that content's special-token text,
-    for `encode`. Each such string is replaced by a marker of plain ASCII (a random nonce and a number)
-    before rendering and put back after, so that the template neither sees nor reacts to it. Content
-    without any special token's text renders exactly as `render(*content)`."""
+    `content` replaced by plain ASCII markers (a random nonce and a number) that the template neither sees nor
+    reacts to, put back after; returns the text and the spans in it of that special-token text, for `encode`."""
     pattern, _ = special_tokens(tokenizer)
     if pattern is None:
         return render(*content), []
