@@ -1,10 +1,7 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
-One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share), score the
-trajectories with the environment, compute reference log-probs (KL), values (PPO's critic) and old log-probs
-when needed, turn rewards into advantages with the estimator named by `adv.estimator` (GRPO: `grpo`; PPO:
-`gae`), update the actor (and critic), and copy the new weights into the engines. The default recipe is
-`AdvConfig`'s (RL2/config/ppo_schema.py).
+One step: roll out, score, compute what the estimator of `adv.estimator` needs, update the actor (and critic),
+push the new weights into the engines (docs/rl.md, docs/async.md).
 """
 
 import functools
@@ -180,11 +177,8 @@ class PPOTrainer(Trainer):
             tokens = sample_tokens(rolled_out, self.tokenizer, limit, groups, batch) if limit else None
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step, tokens,
                          {"data": cfg.data.train.path or None, "script": str(self.env.path)})
-        # The weights trained at this step are pushed here and timed as its `perf/weight_push_s`. Only an
-        # engine on the trainer's GPUs (colocated SGLang servers) defers the push until the trainer's state
-        # leaves the GPU: to this step's evaluation, which then reports the time with this step, or else to
-        # the next step's rollout, which reports it as `perf/rollout_weight_push_s` (as it does the first
-        # step's push of the initial weights).
+        # Timed as `perf/weight_push_s`; colocated SGLang servers defer the push until the trainer's state leaves
+        # the GPU (docs/rl.md, "Checkpoints and metrics").
         with measured(metrics, "sync"):
             self.rollout.sync_weights(f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
@@ -224,11 +218,8 @@ class PPOTrainer(Trainer):
         return metrics
 
     def collect_groups(self, step: int, metrics: dict) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
-        """The step's training groups, and every group rolled out for it (for metrics and samples).
-
-        Draws `data.train.batch_size` prompts at a time, under the rollout controls of docs/rl.md: dynamic
-        filtering (DAPO), partial rollout, over-sampling and a staleness bound.
-        """
+        """The step's training groups, and every group rolled out for it (for metrics and samples), under the
+        rollout controls of docs/rl.md: dynamic filtering (DAPO), partial rollout, over-sampling, staleness."""
         rollout, batch_size = self.cfg.rollout, self.cfg.data.train.batch_size
         if rollout.max_staleness is not None:  # before they are resumed: they could only get older
             self.carried, metrics["staleness/dropped_groups"] = drop_stale_groups(self.carried, step - 1,
