@@ -81,7 +81,10 @@ class PPOTrainer(Trainer):
         if cfg.actor.freeze_steps >= self.n_steps:
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
-        self.test_sampler = test_sampler(len(self.test_data), cfg.rollout.test_prompts_per_rollout, cfg.trainer.seed)
+        # Which test prompts evaluation k takes (`EpochSampler.batch(k)`), in an order of its own seed; None: all.
+        per_test, n_test = cfg.rollout.test_prompts_per_rollout, len(self.test_data)
+        self.test_sampler = None if per_test is None or per_test >= n_test else EpochSampler(
+            n_test, per_test, shuffle=True, seed=cfg.trainer.seed + 1)
         if cfg.rollout.partial_rollout:
             self.learning_curve = self.learning_curve + self.partial_rollout_curve
         # Rollout state that a resume restores: rollouts of prompts so far (dynamic filtering may draw
@@ -341,14 +344,6 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def test_sampler(n_prompts: int, per_evaluation: int | None, seed: int) -> EpochSampler | None:
-    """Which test prompts evaluation k takes (`EpochSampler.batch(k)`); None for all of them, which is also
-    what a test split of at most `per_evaluation` prompts gives."""
-    if per_evaluation is None or per_evaluation >= n_prompts:
-        return None
-    return EpochSampler(n_prompts, per_evaluation, shuffle=True, seed=seed + 1)  # not the training order's seed
 
 
 def main(argv: list[str] | None = None) -> None:

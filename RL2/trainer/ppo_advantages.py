@@ -1,10 +1,7 @@
-"""From a scored rollout to what the policy update reads: rewards with their shaping and reward-model
-scores, KL penalties in the reward, and each estimator's per-token advantages.
-
-A trajectory is one sample however many sequences it spans (docs/rl.md): grpo, rloo and raw score it
-once; gae and reinforce_plus_plus run over its action tokens in one row (`RolloutBatch.sample_rows`);
-mc over its turns. A trajectory left out of training (`RolloutBatch.trained`: a fault) has no tokens and
-no part in its group's baseline. The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
+"""From a scored rollout to what the policy update reads: shaped rewards, KL penalties in the reward, and each
+estimator's per-token advantages (the tensor functions of `RL2.algs.advantages`). A trajectory is one sample
+however many sequences it spans: grpo, rloo and raw score it once, gae and reinforce_plus_plus run over its
+action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline.
 """
 
 from collections.abc import Callable

@@ -35,8 +35,7 @@ class SFTTrainer(Trainer):
         return -packed_logps(self.actor.model, mb)
 
     def batch_loss(self, examples: list[dict], train: bool) -> tuple[float, int]:
-        """(loss, tokens) of a global batch: `token_losses` averaged as actor.avg_level says; backward when
-        training."""
+        """(loss, tokens) of a global batch: `token_losses` averaged as actor.avg_level says; backward if `train`."""
         batch = SequenceBatch.from_examples(examples)
         micro_batches = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device,
                              train_weights(batch, self.cfg.actor.avg_level), seq_parallel=self.dims.seq_parallel)
@@ -82,10 +81,8 @@ def sft_rows(tokenizer):
 
 
 def tool_conversations(tokenizer):
-    """How SFT renders a conversation with tools: exactly as the rollout does, in the format
-    `rollout.tool_parser=auto` gives this tokenizer. An assistant's tool_calls become the text the policy writes
-    for them (the rollout's assistant message is the text sampled), and the schemas and results are shown as
-    the rollout shows an environment's (RL2.rollout.tools.declared). For `sft_row_tokenizer`."""
+    """How SFT renders a conversation with tools (for `sft_row_tokenizer`): as the rollout does, in the format
+    `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy writes for them."""
     parser, native = tool_call_parser("auto", tokenizer), template_renders_tools(tokenizer)
 
     def for_row(specs: list):
