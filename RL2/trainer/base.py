@@ -63,8 +63,7 @@ class Trainer:
         raise NotImplementedError
 
     def reclaim_devices(self) -> None:
-        """Bring every model's state back to its device before a checkpoint or the export (PPO's evaluation may
-        leave a colocated engine on the GPU)."""
+        """Bring every model's state back to its device (from a colocated engine) before a checkpoint or export."""
 
     def evaluate(self) -> dict[str, float]:
         return {}

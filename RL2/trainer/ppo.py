@@ -71,13 +71,12 @@ class PPOTrainer(Trainer):
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.env = env if env is not None else load_rollout_script(cfg.rollout)
         self.calls_tools = calls_tools(self.env)  # the rollout's tool metrics mean something
-        env_resets = makes_prompts(self.env)
         self.tool_use = tools_of(self.env, cfg.rollout, self.tokenizer)  # the prompts show them, the rollout runs them
         make_row = prompt_row_maker(self.env, self.tool_use, self.tokenizer)
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
-        self.load_data(make_row, blank if env_resets else None, keep_row=True)  # samples.jsonl names each row
+        self.load_data(make_row, blank if makes_prompts(self.env) else None, keep_row=True)  # samples.jsonl names rows
         if cfg.actor.freeze_steps >= self.n_steps:
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
@@ -192,8 +191,7 @@ class PPOTrainer(Trainer):
         return metrics
 
     def learn(self, batch: RolloutBatch, update_actor: bool = True) -> dict[str, float]:
-        """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates
-        (the actor's only with `update_actor`)."""
+        """Everything between the rollout and the weight sync (the actor's update only with `update_actor`)."""
         cfg, metrics = self.cfg, {}
         metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
@@ -312,8 +310,7 @@ class PPOTrainer(Trainer):
                           for name, value in source_metrics.items() if name not in COUNTS}
 
     def test_prompts(self) -> list[dict]:
-        """The prompts of this evaluation: every test prompt, or with rollout.test_prompts_per_rollout the
-        next batch of them (each batch of a shuffled pass in turn, then those of another pass)."""
+        """Every test prompt, or with rollout.test_prompts_per_rollout the next batch of a shuffled order of them."""
         if self.test_sampler is None:
             return self.test_data
         self.test_cursor += 1

@@ -28,8 +28,7 @@ RolloutScript = Env | Agent
 
 
 def load_rollout_script(rollout_cfg) -> RolloutScript:
-    """The run's environment: `rollout.reward_fn` wrapped as a one-turn environment, the agent script at
-    `rollout.agent_path`, else the environment script at `rollout.env_path`; an error names the key."""
+    """`rollout.reward_fn` as a one-turn environment, else the agent or environment script; an error names the key."""
     if rollout_cfg.reward_fn:
         return load_reward_env(rollout_cfg.reward_fn)
     key, path = ("rollout.agent_path", rollout_cfg.agent_path) if rollout_cfg.get("agent_path") else (

@@ -61,18 +61,14 @@ class SFTTrainer(Trainer):
             return {}
         self.actor.model.eval()
         batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
-        # Each batch's loss is its own average (actor.avg_level): weigh it by what it averaged over,
-        # so that the test loss is the same average over the whole test set.
-        losses = [(self.batch_loss(batch, train=False)[0], self.averaged_over(batch))
-                  for batch in batches(self.test_data, batch_size)]
+        # Each batch's loss is its own average (actor.avg_level): weighed by what it averaged over (its trained
+        # tokens, label-aligned as the batch reads them, or its examples), the test loss is the whole set's average.
+        losses = []
+        for batch in batches(self.test_data, batch_size):
+            n = sum(sum(ex["loss_mask"][1:]) for ex in batch) if self.cfg.actor.avg_level == "token" else len(batch)
+            losses.append((self.batch_loss(batch, train=False)[0], n))
         self.actor.model.train()
         return {"test/loss": sum(loss * n for loss, n in losses) / max(sum(n for _, n in losses), 1)}
-
-    def averaged_over(self, examples: list[dict]) -> int:
-        """What a batch's loss is a mean over: its trained tokens (avg_level=token) or its examples."""
-        if self.cfg.actor.avg_level == "token":
-            return sum(sum(ex["loss_mask"][1:]) for ex in examples)  # label-aligned, as the batch reads it
-        return len(examples)
 
 
 def sft_rows(tokenizer):

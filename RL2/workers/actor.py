@@ -96,9 +96,8 @@ def per_token_pass(
 
 
 def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict], prefix: str) -> dict[str, float]:
-    """`cfg.update_per_rollout` passes over a rollout, one optimizer step (`step`) per mini-batch of
-    `cfg.mini_batch_size` prompt groups; each metric averaged over the steps (a `_min` or `_max` one: the
-    smallest or largest), under `prefix/`."""
+    """`cfg.update_per_rollout` passes over a rollout, one `step` per mini-batch of `cfg.mini_batch_size` prompt
+    groups; each metric averaged over the steps (a `_min` or `_max` one: the extreme), under `prefix/`."""
     mini_batches = batch.mini_batches(cfg.mini_batch_size)
     steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in mini_batches]
 
@@ -166,8 +165,7 @@ class Actor:
                               lambda mb: forward_packed(self.model, mb, trained_only=True).logps(self.temperature))
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
-        Without `old_logps` (a single step covers the rollout) old = current."""
+        """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups."""
         return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:

@@ -68,8 +68,7 @@ class RewardModel:
 
     @torch.no_grad()
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
-        """`[n_samples]` the score of every trajectory: the scalar head at the last position of the
-        trajectory's last sequence (the final state), as it was trained."""
+        """`[n_samples]` each trajectory's score: the head at the last position of its last sequence, as trained."""
         per_token = per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
                                    lambda mb: forward_packed(self.model, mb).values(), BUDGET_KEY)
         last = batch.sample_offsets[1:] - 1

@@ -273,8 +273,7 @@ class FSDPWorker(Stateful):
         return self.dims.sum_over_data(summed, self.device)
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule; a step whose gradients are not finite is skipped. Returns
-        `grad_norm` (before clipping) and `lr`."""
+        """Clip, step (skipped where the gradients are not finite), advance the schedule; returns grad_norm, lr."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         if self.scaler is not None:
             with warnings.catch_warnings():  # the sharded scaler's overflow flag is a [1] tensor, not a scalar
@@ -315,8 +314,7 @@ class FSDPWorker(Stateful):
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        """Bring back what `offload` moved: parameters and gradients, and the optimizer state unless
-        `offload_optimizer` keeps it on the CPU between steps."""
+        """Bring back what `offload` moved (the optimizer state stays on the CPU under `offload_optimizer`)."""
         if not self.moves_state:
             return
         self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
@@ -401,8 +399,7 @@ class FSDPWorker(Stateful):
             self.scaler.load_state_dict(state["grad_scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights (float32; a LoRA model's base in the compute dtype) on CPU, on rank 0 only
-        (empty elsewhere)."""
+        """Unsharded weights (float32; a LoRA base in the compute dtype) on CPU, on rank 0 only (empty elsewhere)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
@@ -444,8 +441,7 @@ class FSDPWorker(Stateful):
         return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
 
     def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The full tensors of this model's parameters as an inference engine takes them, in transformers'
-        layout: with LoRA, merged under the base model's names (`lora.merge_adapters`); else as they are."""
+        """Full tensors as an inference engine takes them: with LoRA, merged under the base model's names."""
         if self.lora is None:
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
