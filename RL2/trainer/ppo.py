@@ -86,13 +86,10 @@ class PPOTrainer(Trainer):
             n_test, per_test, shuffle=True, seed=cfg.trainer.seed + 1)
         if cfg.rollout.partial_rollout:
             self.learning_curve = self.learning_curve + self.partial_rollout_curve
-        # Rollout state that a resume restores: rollouts of prompts so far (dynamic filtering may draw
-        # several per step), prompts drawn (rollout.over_sampling draws more than a batch), the groups
-        # a partial rollout left unfinished and the evaluations done.
-        self.cursor = 0
-        self.drawn = 0
+        # Rollout state that a resume restores: rollouts so far (dynamic filtering may draw several per step),
+        # prompts drawn (over-sampling draws more than a batch), unfinished groups and evaluations done.
+        self.cursor = self.drawn = self.test_cursor = 0
         self.carried: list[list[Trajectory]] = []
-        self.test_cursor = 0
         self._build_workers()
 
     def run(self, n_steps: int) -> None:
@@ -260,12 +257,8 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def maybe_reset_reference(self, step: int, ref_kl: float | None, entropy: float | None = None) -> bool:
-        """ProRL's reference reset (arXiv 2505.24864): every `reset_every` steps, once the KL to the
-        reference passes `reset_target`, or once the policy's mean entropy over the step's update
-        (`actor/entropy`) falls below `reset_entropy_floor`, move the reference to the actor:
-        reference = alpha * actor + (1 - alpha) * reference. Both are sharded alike, so each rank mixes
-        its own shards. Under LoRA the reference is the actor's base: alpha of the adapters moves into it
-        (`merge_into_base`), which leaves the actor as it was."""
+        """ProRL's reference reset (arXiv 2505.24864; docs/rl.md, docs/lora.md), when due: reference = alpha * actor
+        + (1 - alpha) * reference. Both are sharded alike, so each rank mixes its own shards."""
         kl = self.cfg.actor.kl
         due = (kl.reset_every and step % kl.reset_every == 0) or (
             kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target) or (
