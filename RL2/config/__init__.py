@@ -1,6 +1,5 @@
-"""Typed configs (`schema.py`, `ppo_schema.py`, `eval_schema.py`: plain dataclasses holding every default), the
-key=value command line (`cli.py`, which needs omegaconf: imported on first use, so that the schemas work
-without it) and the checks of the values it runs once, before anything is loaded (`validation.py`)."""
+"""Typed configs (`*schema.py`: dataclasses holding every default), the key=value command line (`cli.py`, which
+needs omegaconf: imported on first use, so that the schemas work without it) and its checks (`validation.py`)."""
 
 from RL2.config.errors import ConfigError
 

@@ -19,11 +19,8 @@ from RL2.config.validation import check_config
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
 def parse_config(schema: type, trainer: str, argv: list[str] | None = None) -> DictConfig:
-    """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` (where the trainer's defaults differ
-    from the schema's) and `key=value` arguments, then run every check of the values (`RL2.config.validation`),
-    once: a bad value fails before anything is loaded. `argv`: `sys.argv[1:]` when None; the original RL2's keys
-    and command lines mean here what they meant there (`RL2.compat`).
-    """
+    """Merge the schema's defaults, `RL2/trainer/config/<trainer>.yaml` and `key=value` arguments (`argv`, default
+    `sys.argv[1:]`; the original RL2's mean what they meant there, `RL2.compat`), then check the values once."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(describe(schema, trainer))

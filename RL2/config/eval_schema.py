@@ -1,9 +1,5 @@
-"""Typed config of the evaluator (`python -m RL2.evaluate`, `RL2.evaluate(...)`).
-
-The `rollout` keys are the RL trainer's engine and environment keys under the same names (`rollout.env_path`,
-`rollout.engine`, ...), so a PPO command line's settings carry over; keys that only training uses are left out,
-and the evaluation samples `rollout.responses_per_prompt` times with `rollout.sampling_params`.
-"""
+"""Typed config of the evaluator (`python -m RL2.evaluate`, `RL2.evaluate(...)`): its `rollout` keys are the RL
+trainer's, less those only training uses, so a PPO command line's settings carry over."""
 
 import dataclasses
 from dataclasses import dataclass

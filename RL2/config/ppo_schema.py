@@ -1,8 +1,5 @@
-"""Typed config of the RL trainer (`RL2.trainer.ppo`): PPO with a critic, GRPO and relatives.
-
-Key names follow upstream RL2's ppo.yaml. Values outside a field's `choices` fail at start, and so do
-combinations that cannot do what they say (`check_ppo_config`, run by `RL2.config.validation`), naming the key.
-"""
+"""Typed config of the RL trainer (`RL2.trainer.ppo`), key names as upstream RL2's ppo.yaml, and the checks of
+combinations that cannot do what they say (`check_ppo_config`)."""
 
 import functools
 from dataclasses import asdict, dataclass
@@ -273,11 +270,8 @@ class CriticConfig(ModelConfig):
 
 @dataclass
 class AdvConfig:
-    """Advantage estimation. The default, `estimator=grpo` (each response's score minus the mean of its prompt's
-    responses) with `norm_var=false` and `actor.avg_level=token`, is Dr. GRPO's (arXiv 2503.20783) advantage with
-    DAPO's token-level loss; DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence`.
-    docs/rl.md has every recipe, Dr. GRPO's own loss normaliser (`actor.avg_level=constant`) among them.
-    """
+    """Advantage estimation. The default is Dr. GRPO's (arXiv 2503.20783) advantage with DAPO's token-level loss;
+    DeepSeek's GRPO (arXiv 2402.03300) is `adv.norm_var=true actor.avg_level=sequence` (docs/rl.md)."""
 
     estimator: str = opt("grpo", "gae (PPO with a critic) | grpo (group mean baseline, no std division unless "
                          "adv.norm_var=true; alias reinforce) | rloo | reinforce_plus_plus | raw | mc (multi-turn "
@@ -310,7 +304,11 @@ def check_ppo_config(cfg) -> None:
     kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
     require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
             "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
-    check_warm_up(cfg.actor, cfg.adv)
+    frozen = cfg.actor.freeze_steps  # the actor waits while PPO's critic warms up: without one it would only sample
+    require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
+    require(frozen == 0 or cfg.adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before "
+            f"the actor moves, but adv.estimator={cfg.adv.estimator} trains no critic; set adv.estimator=gae or drop "
+            f"it")
     if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
@@ -344,14 +342,6 @@ def check_ppo_config(cfg) -> None:
     hint = " or adv.baseline=batch" if estimator == "grpo" else ""
     require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "
             f"the same prompt; set rollout.responses_per_prompt >= 2{hint}")
-
-
-def check_warm_up(actor, adv) -> None:
-    """`actor.freeze_steps` warms up a critic: without one (adv.estimator other than gae) they would only sample."""
-    frozen = actor.freeze_steps
-    require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
-    require(frozen == 0 or adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the "
-            f"actor moves, but adv.estimator={adv.estimator} trains no critic; set adv.estimator=gae or drop it")
 
 
 def check_staleness(rollout, actor) -> None:
@@ -395,9 +385,8 @@ def check_correction(actor) -> None:
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
-    """Fail at start, naming the key, on a turn limit, or sampling settings (`sampling_keys`: the trainer's train and
-    test sections, the evaluator's one) that the engines refuse mid-run (a negative temperature, top_p outside
-    (0, 1]) or that sample nothing (max_new_tokens < 1)."""
+    """Fail at start, naming the key, on rollout limits, or sampling settings (`sampling_keys`: the trainer's train and
+    test sections, the evaluator's one) that the engines refuse mid-run, that sample nothing or cannot be honoured."""
     limit = rollout.get("max_consecutive_timeouts")
     require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
     require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "
@@ -427,18 +416,13 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
                 f"{key}.temperature={params.temperature}; give 0 (greedy) or a positive temperature")
         require(0 < params.top_p <= 1,
                 f"{key}.top_p={params.top_p}; it is the probability mass sampled from: set it in (0, 1]")
-        check_stops(params, key)
-
-
-def check_stops(params, key: str) -> None:
-    """Stop strings are a string or a list of non-empty strings; `no_stop_trim=false` cannot be honoured."""
-    stop = params.stop
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    require(all(isinstance(s, str) and s for s in stops), f"{key}.stop={stop!r}; give a string or a list of "
-            f"non-empty strings, e.g. {key}.stop=['</search>','</answer>']")
-    require(params.no_stop_trim, f"{key}.no_stop_trim=false would cut the stop string out of the action text while "
-            f"its tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action passed to step "
-            f"always ends with the matched stop string")
+        stop = params.stop
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        require(all(isinstance(s, str) and s for s in stops), f"{key}.stop={stop!r}; give a string or a list of "
+                f"non-empty strings, e.g. {key}.stop=['</search>','</answer>']")
+        require(params.no_stop_trim, f"{key}.no_stop_trim=false would cut the stop string out of the action text "
+                f"while its tokens are trained (RL2 trains on exactly the tokens sampled); drop it: the action passed "
+                f"to step always ends with the matched stop string")
 
 
 def check_algorithm(adv, kl) -> None:

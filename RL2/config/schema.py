@@ -1,9 +1,5 @@
-"""Typed config schemas shared by every trainer.
-
-These dataclasses fix the key names, types, help texts and defaults; a trainer's YAML file in `RL2/trainer/config/`
-holds only the values where its defaults differ. `RL2.config.cli.parse_config` merges schema <- YAML <- command
-line, so an unknown key or a value of the wrong type fails at start with the key's full name.
-"""
+"""Typed config schemas shared by every trainer: key names, types, help texts and defaults (a trainer's YAML in
+`RL2/trainer/config/` holds only where its defaults differ; `RL2.config.cli` merges the three)."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +8,8 @@ from RL2.config.errors import require
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, aliases: dict[str, str] | None = None) -> Any:
-    """A config field with a default, a one-line help text (shown by `--help`) and, for a field that
-    names one of a few things, its `choices` (the command line rejects any other value at start) and
-    `aliases`, other spellings of a choice that the command line replaces with it."""
+    """A config field with a default, a one-line help text (`--help`), and for a field that names one of a few
+    things its `choices` (any other value fails at start) and `aliases` (other spellings of a choice)."""
     metadata = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -119,7 +114,16 @@ def check_model_sections(cfg) -> None:
         every = value.checkpoint_every_n_layers
         require(every >= 1, f"{section}.checkpoint_every_n_layers={every}; set 1 to recompute every decoder layer, "
                             f"n > 1 for every n-th, or {section}.enable_gradient_checkpointing=false for none")
-        check_optimizer(section, value.optimizer, value.scheduler)
+        # AdamW settings torch would refuse (or misread) when the optimizer is built.
+        optimizer, key = value.optimizer, f"{section}.optimizer"
+        require(min(optimizer.lr, optimizer.eps, optimizer.weight_decay) >= 0, f"{key}.lr={optimizer.lr}, eps="
+                f"{optimizer.eps}, weight_decay={optimizer.weight_decay}; none of them can be negative")
+        betas = list(optimizer.betas)
+        require(len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
+                f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
+        warmup = value.scheduler.warmup_ratio
+        require(0 <= warmup <= 1, f"{section}.scheduler.warmup_ratio={warmup}; it is the fraction of the run's steps "
+                                  f"spent warming up: set it in [0, 1]")
         key = f"{section}.lora"
         require(lora.rank >= 0, f"{key}.rank={lora.rank}; set a positive rank (e.g. 16) or 0 to train every parameter")
         require(lora.rank == 0 or lora.alpha > 0,
@@ -127,18 +131,6 @@ def check_model_sections(cfg) -> None:
         require(0 <= lora.dropout < 1, f"{key}.dropout={lora.dropout}; it must be in [0, 1)")
         require(lora.rank == 0 or len(lora.target_modules) > 0,
                 f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
-
-
-def check_optimizer(section: str, optimizer, scheduler) -> None:
-    """Fail on AdamW settings torch would refuse (or misread) when the optimizer is built, naming the key."""
-    key = f"{section}.optimizer"
-    require(min(optimizer.lr, optimizer.eps, optimizer.weight_decay) >= 0, f"{key}.lr={optimizer.lr}, eps="
-            f"{optimizer.eps}, weight_decay={optimizer.weight_decay}; none of them can be negative")
-    betas = list(optimizer.betas)
-    require(len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
-            f"{key}.betas={betas}; AdamW takes two decay rates, each in [0, 1), e.g. [0.9, 0.999]")
-    require(0 <= scheduler.warmup_ratio <= 1, f"{section}.scheduler.warmup_ratio={scheduler.warmup_ratio}; it is the "
-                                              f"fraction of the run's steps spent warming up: set it in [0, 1]")
 
 
 # trainer.<key> -> its least value, and what to give instead (null always passes).

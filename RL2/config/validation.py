@@ -1,9 +1,5 @@
-"""Every check of config values alone, run once by `parse_config` before anything is loaded.
-
-`check_config` runs the checks every trainer shares (`schema.py`), then those of the trainer's or the
-evaluator's schema (`SCHEMA_CHECKS`, found through a subclass too). Checks that need what only a run knows
-(the data's rows, the model's vocabulary, the world size, an installed package) stay where that is known.
-"""
+"""Every check of config values alone, run once by `parse_config` before anything is loaded; checks that need
+what only a run knows (the data, the model, the world size) stay where that is known."""
 
 from collections.abc import Callable
 from functools import partial
@@ -28,8 +24,8 @@ ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 def check_config(cfg, schema: type) -> None:
-    """Fail on a value, or a combination of values, that cannot run, naming the key; `schema` is the
-    merged config's dataclass (`SFTConfig`, `PPOConfig`, ..., `EvalConfig`, or a subclass of one)."""
+    """Fail on a value, or a combination of values, that cannot run, naming the key: the checks every trainer
+    shares, then those of `schema` (the merged config's dataclass, or a subclass of one) in `SCHEMA_CHECKS`."""
     own = next((SCHEMA_CHECKS[cls] for cls in schema.__mro__ if cls in SCHEMA_CHECKS), ())
     for check in (check_model_sections, check_run_sections, check_collective_timeout, *own):
         check(cfg)

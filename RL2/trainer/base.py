@@ -21,9 +21,8 @@ from RL2.utils.save_dir_lock import claim_save_dir
 
 
 class Trainer:
-    """Base class. Subclasses load their data (`load_data`), build their workers, then implement
-    `train_step(step)` and `evaluate()`. `model_cfg`: the config of the model whose parallel layout is used
-    (actor or critic)."""
+    """Base class: subclasses load their data (`load_data`), build their workers and implement `train_step` and
+    `evaluate`. `model_cfg`: the config section whose parallel layout the run uses."""
 
     # The metrics of `<save_dir>/learning_curve.png`, one panel each; subclasses choose their own.
     learning_curve: tuple[CurvePanel, ...] = (CurvePanel("loss", ("train/loss", "test/loss")),)
@@ -34,8 +33,14 @@ class Trainer:
         # freed memory before any thread starts.
         prepare_process(self.device)
         self.cfg = cfg
-        # Before any model is built: a resume with nothing to resume from fails in seconds.
-        self.resume_from = find_checkpoint(cfg.trainer)
+        # Before any model is built: a resume with nothing (complete) to resume from fails in seconds.
+        self.resume_from = None
+        if cfg.trainer.load_ckpt_from:
+            try:
+                self.resume_from = resolve_checkpoint(cfg.trainer.load_ckpt_from, cfg.trainer.save_dir)
+            except FileNotFoundError as e:
+                raise ConfigError(f"trainer.load_ckpt_from={cfg.trainer.load_ckpt_from}: {e}; to start afresh, leave "
+                                  f"trainer.load_ckpt_from unset") from None
         quiet_third_party_progress()
         init_distributed(self.device, collective_timeout(cfg))
         # Before anything is written there: a second run with this save_dir stops here, naming the first.
@@ -58,8 +63,7 @@ class Trainer:
         raise NotImplementedError
 
     def reclaim_devices(self) -> None:
-        """Bring every model's state back to its device before it is read outside a step (a checkpoint,
-        the final export): PPO's evaluation may leave a colocated engine on the GPU."""
+        """Bring every model's state back to its device (from a colocated engine) before a checkpoint or export."""
 
     def evaluate(self) -> dict[str, float]:
         return {}
@@ -86,8 +90,7 @@ class Trainer:
 
     # --- shared loop ---------------------------------------------------------------------------
     def load_data(self, make_row: Callable, blank_rows: dict | None = None, keep_row: bool = False) -> None:
-        """The tokenized splits (`train_data`, `test_data`; `load_splits`), the training order (`sampler`)
-        and the run's length (`n_steps`)."""
+        """The tokenized splits (`train_data`, `test_data`), the training order (`sampler`) and `n_steps`."""
         cfg = self.cfg
         self.train_data, self.test_data = load_splits(cfg.data, make_row, cfg.trainer.seed, blank_rows, keep_row)
         self.sampler = EpochSampler(len(self.train_data), cfg.data.train.batch_size, cfg.data.shuffle, cfg.trainer.seed)
@@ -157,8 +160,7 @@ class Trainer:
 
 
 def warn_of_an_earlier_run(save_dir: str, resume_from: Path | None) -> None:
-    """A fresh run in a save_dir that holds an earlier run's checkpoints would mix its steps and metrics
-    into that run's: say so (a resume is what is usually meant)."""
+    """Say so when a fresh run starts in a save_dir with an earlier run's checkpoints (a resume is usually meant)."""
     earlier = latest_checkpoint(save_dir)
     if resume_from is None and earlier is not None:
         log_rank0(f"warning: trainer.save_dir={save_dir} holds the checkpoints of an earlier run (the latest is "
@@ -166,18 +168,6 @@ def warn_of_an_earlier_run(save_dir: str, resume_from: Path | None) -> None:
                   f"metrics follow the earlier run's, and latest.txt will name its own. To go on with the earlier "
                   f"run set trainer.load_ckpt_from=latest; to keep both, give this run another trainer.save_dir "
                   f"(or trainer.experiment_name)")
-
-
-def find_checkpoint(trainer_cfg) -> Path | None:
-    """The checkpoint folder trainer.load_ckpt_from names (None when unset), checked to be complete."""
-    source = trainer_cfg.load_ckpt_from
-    if not source:
-        return None
-    try:
-        return resolve_checkpoint(source, trainer_cfg.save_dir)
-    except FileNotFoundError as e:
-        raise ConfigError(f"trainer.load_ckpt_from={source}: {e}; to start afresh, leave trainer.load_ckpt_from "
-                          f"unset") from None
 
 
 def quiet_third_party_progress() -> None:
@@ -190,8 +180,7 @@ def quiet_third_party_progress() -> None:
 
 
 def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | None = None) -> None:
-    """Entry point of `python -m RL2.trainer.<name>`: config, data and environment-script errors end with a
-    message, not a traceback."""
+    """Entry point of `python -m RL2.trainer.<name>`: bad config, data or scripts end with a message, no traceback."""
     finished = False
     try:
         cfg = parse_config(schema, name, argv)

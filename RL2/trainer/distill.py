@@ -1,11 +1,7 @@
-"""Teacher-student distillation on a dataset: the student matches the teacher's whole next-token
-distribution on the dataset's response tokens.
+"""Teacher-student distillation on a dataset (docs/trainers.md): the student matches the teacher's whole
+next-token distribution on the response tokens; `actor.kl=reverse` is mode seeking, as in MiniLLM.
 
 `torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`
-
-`actor.kl=forward` minimises KL(teacher || student) (mode covering), `reverse` KL(student || teacher)
-(mode seeking, as in MiniLLM). Output layers of different sizes are compared over the tokenizer's
-tokens, the rows beyond it being padding that neither model is trained to produce (docs/trainers.md).
 """
 
 import torch
@@ -22,11 +18,8 @@ from RL2.workers.fsdp import FSDPWorker
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str, temperature: float,
              vocab: VocabShard | None = None):
-    """Per-token KL between the two distributions over the vocabulary, `[..., V] -> [...]`.
-
-    Scaled by temperature^2 so that gradient sizes do not shrink as the temperature grows (Hinton et al. 2015).
-    `vocab` says which slice of the vocabulary the logits cover under tensor parallelism.
-    """
+    """Per-token KL between the two distributions over the vocabulary, `[..., V] -> [...]`, times temperature^2 so
+    that gradients do not shrink as the temperature grows (Hinton et al. 2015). `vocab`: the logits' slice (TP)."""
     vocab = vocab or VocabShard()
     student = vocab.log_softmax(student_logits.float() / temperature)
     teacher = vocab.log_softmax(teacher_logits.float() / temperature)
@@ -58,8 +51,8 @@ class DistillTrainer(SFTTrainer):
 
 
 def shared_vocabulary(student_rows: int, teacher_rows: int, n_tokens: int, tp_size: int) -> int | None:
-    """How many logits of each model to compare: None (all) when the output layers match, else the
-    tokenizer's tokens, which both must cover."""
+    """How many logits of each model to compare: None (all) when the output layers match, else the tokenizer's
+    tokens, which both must cover (the rows beyond are padding neither model is trained to produce)."""
     if student_rows == teacher_rows:
         return None
     sizes = f"the student's output layer has {student_rows} rows, the teacher's {teacher_rows}"

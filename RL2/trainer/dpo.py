@@ -1,8 +1,6 @@
 """Direct preference optimisation: `torchrun -m RL2.trainer.dpo data.train.path=pairs.jsonl actor.beta=0.1`.
 
-The reference is the actor's initial weights, frozen (with LoRA, the actor's base with its adapters
-off); its log-probabilities are computed on the same packed micro-batch right before the actor's.
-"""
+The reference is the actor's initial weights, frozen (with LoRA, the actor's base with its adapters off)."""
 
 import torch
 

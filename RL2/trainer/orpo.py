@@ -1,8 +1,5 @@
-"""Odds-ratio preference optimisation (Hong et al. 2024): SFT on the chosen response plus an
-odds-ratio term that favours it over the rejected one; no reference model.
-
-`torchrun -m RL2.trainer.orpo data.train.path=pairs.jsonl actor.beta=0.1`
-"""
+"""Odds-ratio preference optimisation (Hong et al. 2024), no reference model:
+`torchrun -m RL2.trainer.orpo data.train.path=pairs.jsonl actor.beta=0.1`."""
 
 from RL2.algs.preference import orpo_loss
 from RL2.config.schema import ORPOConfig

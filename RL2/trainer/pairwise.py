@@ -1,9 +1,5 @@
-"""Shared loop of the preference trainers (DPO, ORPO, reward model).
-
-Each pair's chosen and rejected sequences are packed into the same micro-batch, so a subclass only
-says what number it reads off each sequence (`sequence_scores`) and how a pair of them becomes a
-loss (`pair_losses`). Losses are averaged over every pair of the global batch.
-"""
+"""Shared loop of the preference trainers (DPO, ORPO, reward model): a pair's sequences share a micro-batch,
+so a subclass says what it reads off each sequence (`sequence_scores`) and how a pair becomes a loss."""
 
 from collections import defaultdict
 

@@ -1,10 +1,7 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
-One step: roll out every prompt `rollout.responses_per_prompt` times (each rank its share), score the
-trajectories with the environment, compute reference log-probs (KL), values (PPO's critic) and old log-probs
-when needed, turn rewards into advantages with the estimator named by `adv.estimator` (GRPO: `grpo`; PPO:
-`gae`), update the actor (and critic), and copy the new weights into the engines. The default recipe is
-`AdvConfig`'s (RL2/config/ppo_schema.py).
+One step: roll out, score, compute what the estimator of `adv.estimator` needs, update the actor (and critic),
+push the new weights into the engines (docs/rl.md, docs/async.md).
 """
 
 import functools
@@ -74,26 +71,25 @@ class PPOTrainer(Trainer):
         self.tokenizer = load_tokenizer(cfg.actor, "actor")
         self.env = env if env is not None else load_rollout_script(cfg.rollout)
         self.calls_tools = calls_tools(self.env)  # the rollout's tool metrics mean something
-        env_resets = makes_prompts(self.env)
         self.tool_use = tools_of(self.env, cfg.rollout, self.tokenizer)  # the prompts show them, the rollout runs them
         make_row = prompt_row_maker(self.env, self.tool_use, self.tokenizer)
         # An environment that makes every prompt may run with no data: a split of rows with no prompt.
         blank = {"train": ("data.train.batch_size", cfg.data.train.batch_size),
                  "test": ("rollout.test_prompts_per_rollout", cfg.rollout.test_prompts_per_rollout)}
-        self.load_data(make_row, blank if env_resets else None, keep_row=True)  # samples.jsonl names each row
+        self.load_data(make_row, blank if makes_prompts(self.env) else None, keep_row=True)  # samples.jsonl names rows
         if cfg.actor.freeze_steps >= self.n_steps:
             raise ConfigError(f"actor.freeze_steps={cfg.actor.freeze_steps} holds the actor for the whole run of "
                               f"{self.n_steps} steps; lower it or raise trainer.total_steps")
-        self.test_sampler = test_sampler(len(self.test_data), cfg.rollout.test_prompts_per_rollout, cfg.trainer.seed)
+        # Which test prompts evaluation k takes (`EpochSampler.batch(k)`), in an order of its own seed; None: all.
+        per_test, n_test = cfg.rollout.test_prompts_per_rollout, len(self.test_data)
+        self.test_sampler = None if per_test is None or per_test >= n_test else EpochSampler(
+            n_test, per_test, shuffle=True, seed=cfg.trainer.seed + 1)
         if cfg.rollout.partial_rollout:
             self.learning_curve = self.learning_curve + self.partial_rollout_curve
-        # Rollout state that a resume restores: rollouts of prompts so far (dynamic filtering may draw
-        # several per step), prompts drawn (rollout.over_sampling draws more than a batch), the groups
-        # a partial rollout left unfinished and the evaluations done.
-        self.cursor = 0
-        self.drawn = 0
+        # Rollout state that a resume restores: rollouts so far (dynamic filtering may draw several per step),
+        # prompts drawn (over-sampling draws more than a batch), unfinished groups and evaluations done.
+        self.cursor = self.drawn = self.test_cursor = 0
         self.carried: list[list[Trajectory]] = []
-        self.test_cursor = 0
         self._build_workers()
 
     def run(self, n_steps: int) -> None:
@@ -180,11 +176,8 @@ class PPOTrainer(Trainer):
             tokens = sample_tokens(rolled_out, self.tokenizer, limit, groups, batch) if limit else None
             save_samples(f"{cfg.trainer.save_dir}/samples.jsonl", rolled_out, step, tokens,
                          {"data": cfg.data.train.path or None, "script": str(self.env.path)})
-        # The weights trained at this step are pushed here and timed as its `perf/weight_push_s`. Only an
-        # engine on the trainer's GPUs (colocated SGLang servers) defers the push until the trainer's state
-        # leaves the GPU: to this step's evaluation, which then reports the time with this step, or else to
-        # the next step's rollout, which reports it as `perf/rollout_weight_push_s` (as it does the first
-        # step's push of the initial weights).
+        # Timed as `perf/weight_push_s`; colocated SGLang servers defer the push until the trainer's state leaves
+        # the GPU (docs/rl.md, "Checkpoints and metrics").
         with measured(metrics, "sync"):
             self.rollout.sync_weights(f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
@@ -195,8 +188,7 @@ class PPOTrainer(Trainer):
         return metrics
 
     def learn(self, batch: RolloutBatch, update_actor: bool = True) -> dict[str, float]:
-        """Everything between the rollout and the weight sync: scores, log-probs, advantages, updates
-        (the actor's only with `update_actor`)."""
+        """Everything between the rollout and the weight sync (the actor's update only with `update_actor`)."""
         cfg, metrics = self.cfg, {}
         metrics |= shape_rewards(batch, cfg.rollout)
         if self.reward_model:
@@ -224,11 +216,8 @@ class PPOTrainer(Trainer):
         return metrics
 
     def collect_groups(self, step: int, metrics: dict) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
-        """The step's training groups, and every group rolled out for it (for metrics and samples).
-
-        Draws `data.train.batch_size` prompts at a time, under the rollout controls of docs/rl.md: dynamic
-        filtering (DAPO), partial rollout, over-sampling and a staleness bound.
-        """
+        """The step's training groups, and every group rolled out for it (for metrics and samples), under the
+        rollout controls of docs/rl.md: dynamic filtering (DAPO), partial rollout, over-sampling, staleness."""
         rollout, batch_size = self.cfg.rollout, self.cfg.data.train.batch_size
         if rollout.max_staleness is not None:  # before they are resumed: they could only get older
             self.carried, metrics["staleness/dropped_groups"] = drop_stale_groups(self.carried, step - 1,
@@ -268,12 +257,8 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def maybe_reset_reference(self, step: int, ref_kl: float | None, entropy: float | None = None) -> bool:
-        """ProRL's reference reset (arXiv 2505.24864): every `reset_every` steps, once the KL to the
-        reference passes `reset_target`, or once the policy's mean entropy over the step's update
-        (`actor/entropy`) falls below `reset_entropy_floor`, move the reference to the actor:
-        reference = alpha * actor + (1 - alpha) * reference. Both are sharded alike, so each rank mixes
-        its own shards. Under LoRA the reference is the actor's base: alpha of the adapters moves into it
-        (`merge_into_base`), which leaves the actor as it was."""
+        """ProRL's reference reset (arXiv 2505.24864; docs/rl.md, docs/lora.md), when due: reference = alpha * actor
+        + (1 - alpha) * reference. Both are sharded alike, so each rank mixes its own shards."""
         kl = self.cfg.actor.kl
         due = (kl.reset_every and step % kl.reset_every == 0) or (
             kl.reset_target is not None and ref_kl is not None and ref_kl > kl.reset_target) or (
@@ -318,8 +303,7 @@ class PPOTrainer(Trainer):
                           for name, value in source_metrics.items() if name not in COUNTS}
 
     def test_prompts(self) -> list[dict]:
-        """The prompts of this evaluation: every test prompt, or with rollout.test_prompts_per_rollout the
-        next batch of them (each batch of a shuffled pass in turn, then those of another pass)."""
+        """Every test prompt, or with rollout.test_prompts_per_rollout the next batch of a shuffled order of them."""
         if self.test_sampler is None:
             return self.test_data
         self.test_cursor += 1
@@ -350,14 +334,6 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def test_sampler(n_prompts: int, per_evaluation: int | None, seed: int) -> EpochSampler | None:
-    """Which test prompts evaluation k takes (`EpochSampler.batch(k)`); None for all of them, which is also
-    what a test split of at most `per_evaluation` prompts gives."""
-    if per_evaluation is None or per_evaluation >= n_prompts:
-        return None
-    return EpochSampler(n_prompts, per_evaluation, shuffle=True, seed=seed + 1)  # not the training order's seed
 
 
 def main(argv: list[str] | None = None) -> None:

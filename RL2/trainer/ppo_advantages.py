@@ -1,10 +1,7 @@
-"""From a scored rollout to what the policy update reads: rewards with their shaping and reward-model
-scores, KL penalties in the reward, and each estimator's per-token advantages.
-
-A trajectory is one sample however many sequences it spans (docs/rl.md): grpo, rloo and raw score it
-once; gae and reinforce_plus_plus run over its action tokens in one row (`RolloutBatch.sample_rows`);
-mc over its turns. A trajectory left out of training (`RolloutBatch.trained`: a fault) has no tokens and
-no part in its group's baseline. The estimators themselves are the pure tensor functions of `RL2.algs.advantages`.
+"""From a scored rollout to what the policy update reads: shaped rewards, KL penalties in the reward, and each
+estimator's per-token advantages (the tensor functions of `RL2.algs.advantages`). A trajectory is one sample
+however many sequences it spans: grpo, rloo and raw score it once, gae and reinforce_plus_plus run over its
+action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline.
 """
 
 from collections.abc import Callable
@@ -19,8 +16,7 @@ from RL2.batch import RolloutBatch
 
 
 def shape_rewards(batch: RolloutBatch, rollout_cfg) -> dict[str, float]:
-    """Add DAPO's overlong penalty and the length penalty (when on) to each trajectory's reward, once;
-    both read the trajectory's sampled tokens against `max_new_tokens`."""
+    """Add DAPO's overlong penalty and the length penalty (when on) to each trajectory's reward, once."""
     budget, penalties = rollout_cfg.train_sampling_params.max_new_tokens, {}
     if rollout_cfg.overlong_buffer_len:
         penalties["overlong_penalty"] = overlong_penalty(batch.response_lengths, budget,
@@ -88,25 +84,22 @@ def _trajectory_level(batch: RolloutBatch, advantages: Tensor) -> Tensor:
     return advantages[batch.sample_of_label] * batch.tokens["loss_mask"]
 
 
-def _scores(batch: RolloutBatch, penalties: Tensor) -> Tensor:
-    return batch.rewards - batch.sample_sums(penalties)
-
-
 def grpo_advantages(batch, adv_cfg, penalties):
     # adv.baseline=batch: the whole batch is one group (REINFORCE with the batch mean as baseline).
     shape = (1, -1) if adv_cfg.baseline == "batch" else (batch.n_groups, batch.group_size)
-    advantages = grpo(_scores(batch, penalties).view(shape), adv_cfg.norm_var, batch.trained.view(shape))
+    scores = batch.rewards - batch.sample_sums(penalties)
+    advantages = grpo(scores.view(shape), adv_cfg.norm_var, batch.trained.view(shape))
     return _trajectory_level(batch, advantages.flatten()), None
 
 
 def rloo_advantages(batch, adv_cfg, penalties):
     shape = (batch.n_groups, batch.group_size)  # each prompt's trajectories
-    advantages = rloo(_scores(batch, penalties).view(shape), batch.trained.view(shape))
+    advantages = rloo((batch.rewards - batch.sample_sums(penalties)).view(shape), batch.trained.view(shape))
     return _trajectory_level(batch, advantages.flatten()), None
 
 
 def raw_advantages(batch, adv_cfg, penalties):
-    return _trajectory_level(batch, _scores(batch, penalties)), None
+    return _trajectory_level(batch, batch.rewards - batch.sample_sums(penalties)), None
 
 
 def gae_advantages(batch, adv_cfg, penalties):
@@ -124,8 +117,7 @@ def reinforce_plus_plus_advantages(batch, adv_cfg, penalties):
 
 
 def monte_carlo_advantages(batch, adv_cfg, penalties):
-    """Each sampled token gets the (truncated, discounted) return from its turn on; a turn's penalties
-    are summed into its reward."""
+    """Each sampled token's (truncated, discounted) return from its turn on; a turn's penalties count in its reward."""
     returns = mc(batch.turn_rewards - per_turn_sums(batch, penalties), batch.turn_mask, adv_cfg.gamma,
                  adv_cfg.truncation)
     turn_ids = batch.tokens["turn_ids"]

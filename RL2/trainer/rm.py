@@ -1,7 +1,6 @@
 """Bradley-Terry reward model: `torchrun -m RL2.trainer.rm data.train.path=pairs.jsonl critic.model_name=...`
 
-The model is the causal LM with a scalar head on every token, the same shape as PPO's critic. A
-sequence's reward is the head's output at its last input position, the one that predicts its last
+A scalar head on the causal LM (PPO's critic's shape), read at the position that predicts a sequence's last
 token (packed inputs are `input_ids[:-1]`); docs/trainers.md says how to score with the export.
 """
 

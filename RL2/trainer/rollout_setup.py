@@ -1,12 +1,7 @@
 """What a run rolls out, and the rollout worker over it: one place for the PPO trainer and the evaluator.
 
-`load_rollout_script` loads the run's environment script (`rollout.env_path`), reward function
-(`rollout.reward_fn`, as a one-turn environment) or agent script (`rollout.agent_path`) before any process
-group or engine starts, so that bad input fails first; `tools_of` builds its tools once, for both
-`prompt_row_maker`, which tokenizes prompt rows as the script needs them, and `rollout_worker`, which starts the
-rank's engine and drives the script on it: an environment through
-`RL2.rollout.loop.EnvRollout`, an agent through `RL2.agents.agent.AgentRollout` and the rank's OpenAI endpoint,
-with the run's judge (`rollout.judge`) for its `judge_reward` calls.
+The script is loaded before any process group or engine starts, so that bad input fails first; its tools are
+built once, for the prompt rows and the rollout alike.
 """
 
 from collections.abc import Sequence
@@ -33,8 +28,7 @@ RolloutScript = Env | Agent
 
 
 def load_rollout_script(rollout_cfg) -> RolloutScript:
-    """The run's environment: `rollout.reward_fn` wrapped as a one-turn environment, the agent script at
-    `rollout.agent_path`, else the environment script at `rollout.env_path`; an error names the key."""
+    """`rollout.reward_fn` as a one-turn environment, else the agent or environment script; an error names the key."""
     if rollout_cfg.reward_fn:
         return load_reward_env(rollout_cfg.reward_fn)
     key, path = ("rollout.agent_path", rollout_cfg.agent_path) if rollout_cfg.get("agent_path") else (

@@ -35,8 +35,7 @@ class SFTTrainer(Trainer):
         return -packed_logps(self.actor.model, mb)
 
     def batch_loss(self, examples: list[dict], train: bool) -> tuple[float, int]:
-        """(loss, tokens) of a global batch: `token_losses` averaged as actor.avg_level says; backward when
-        training."""
+        """(loss, tokens) of a global batch: `token_losses` averaged as actor.avg_level says; backward if `train`."""
         batch = SequenceBatch.from_examples(examples)
         micro_batches = pack(batch, self.dims.dp_rank, self.dims.dp, self.cfg.actor.max_length_per_device,
                              train_weights(batch, self.cfg.actor.avg_level), seq_parallel=self.dims.seq_parallel)
@@ -62,18 +61,14 @@ class SFTTrainer(Trainer):
             return {}
         self.actor.model.eval()
         batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
-        # Each batch's loss is its own average (actor.avg_level): weigh it by what it averaged over,
-        # so that the test loss is the same average over the whole test set.
-        losses = [(self.batch_loss(batch, train=False)[0], self.averaged_over(batch))
-                  for batch in batches(self.test_data, batch_size)]
+        # Each batch's loss is its own average (actor.avg_level): weighed by what it averaged over (its trained
+        # tokens, label-aligned as the batch reads them, or its examples), the test loss is the whole set's average.
+        losses = []
+        for batch in batches(self.test_data, batch_size):
+            n = sum(sum(ex["loss_mask"][1:]) for ex in batch) if self.cfg.actor.avg_level == "token" else len(batch)
+            losses.append((self.batch_loss(batch, train=False)[0], n))
         self.actor.model.train()
         return {"test/loss": sum(loss * n for loss, n in losses) / max(sum(n for _, n in losses), 1)}
-
-    def averaged_over(self, examples: list[dict]) -> int:
-        """What a batch's loss is a mean over: its trained tokens (avg_level=token) or its examples."""
-        if self.cfg.actor.avg_level == "token":
-            return sum(sum(ex["loss_mask"][1:]) for ex in examples)  # label-aligned, as the batch reads it
-        return len(examples)
 
 
 def sft_rows(tokenizer):
@@ -82,10 +77,8 @@ def sft_rows(tokenizer):
 
 
 def tool_conversations(tokenizer):
-    """How SFT renders a conversation with tools: exactly as the rollout does, in the format
-    `rollout.tool_parser=auto` gives this tokenizer. An assistant's tool_calls become the text the policy writes
-    for them (the rollout's assistant message is the text sampled), and the schemas and results are shown as
-    the rollout shows an environment's (RL2.rollout.tools.declared). For `sft_row_tokenizer`."""
+    """How SFT renders a conversation with tools (for `sft_row_tokenizer`): as the rollout does, in the format
+    `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy writes for them."""
     parser, native = tool_call_parser("auto", tokenizer), template_renders_tools(tokenizer)
 
     def for_row(specs: list):

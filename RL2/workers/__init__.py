@@ -1,2 +1,1 @@
-"""Models trained with FSDP2 (`fsdp.py`), the RL actor and critic built on them, and the micro-batch
-loop every trainer shares."""
+"""Models trained with FSDP2 (`fsdp.py`) with the micro-batch loop every trainer shares, and PPO's models."""

@@ -1,9 +1,5 @@
-"""The policy: log-probabilities of packed rollouts and the policy update over mini-batches.
-
-Every rank holds the whole rollout (`RL2.batch.RolloutBatch`); each packs and processes its own share
-(`pack`), and per-token results are summed over the data-parallel ranks so that every rank can compute
-advantages on the whole batch. The update's loss is the one `actor.policy_loss` names (`POLICY_LOSSES`).
-"""
+"""The policy: log-probabilities of packed rollouts and the policy update over mini-batches. Every rank holds
+the whole rollout and processes its share; per-token results are summed over the data-parallel ranks."""
 
 from collections.abc import Callable
 from dataclasses import replace
@@ -74,9 +70,8 @@ def n_mini_batches(n_prompts: int, mini_batch_size: int | None) -> int:
 def pack_for(model: torch.nn.Module, batch: SequenceBatch, dims: ParallelDims, max_tokens: int,
              weights: torch.Tensor | None = None, units: list[list[int]] | None = None,
              budget_key: str = "actor.max_length_per_device") -> list[MicroBatch]:
-    """This rank's micro-batches of `batch` for `model` (`pack`; `budget_key` names `max_tokens` in its
-    errors). Where the model's forward stores shared prefixes once, a rollout's prompt groups go into
-    micro-batches whole where they fit (`prompt_group_units`, which keeps trajectories whole too)."""
+    """This rank's micro-batches of `batch` (`pack`; `budget_key` names `max_tokens` in errors); where `model`
+    stores shared prefixes once, a rollout's prompt groups go whole where they fit (`prompt_group_units`)."""
     sizes = None
     if shares_prefixes(model) and isinstance(batch, RolloutBatch):
         units, sizes = prompt_group_units(batch, dims.dp, max_tokens * dims.seq_parallel)
@@ -101,9 +96,8 @@ def per_token_pass(
 
 
 def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict], prefix: str) -> dict[str, float]:
-    """`cfg.update_per_rollout` passes over a rollout, one optimizer step (`step`) per mini-batch of
-    `cfg.mini_batch_size` prompt groups; each metric averaged over the steps (a `_min` or `_max` one: the
-    smallest or largest), under `prefix/`."""
+    """`cfg.update_per_rollout` passes over a rollout, one `step` per mini-batch of `cfg.mini_batch_size` prompt
+    groups; each metric averaged over the steps (a `_min` or `_max` one: the extreme), under `prefix/`."""
     mini_batches = batch.mini_batches(cfg.mini_batch_size)
     steps = [step(mini_batch) for _ in range(cfg.update_per_rollout) for mini_batch in mini_batches]
 
@@ -117,8 +111,8 @@ def update_passes(cfg, batch: RolloutBatch, step: Callable[[RolloutBatch], dict]
 
 def extremes_over_ranks(extremes: dict[str, list[float]], names: tuple[str, ...],
                         device: torch.device) -> dict[str, float]:
-    """The smallest of every rank's values of each `_min` metric and the largest of each `_max` one (`names`,
-    the same on every rank; 0.0 where no rank had a token). Collective, unless `names` is empty."""
+    """Over ranks, the smallest value of each `_min` metric of `names` and the largest of each `_max` one (0.0
+    where no rank had a token). Collective, unless `names` is empty."""
     if not names:
         return {}
     # Negated, a largest value is a smallest one: one MIN reduction covers both.
@@ -150,13 +144,9 @@ class BaseModelReference:
 
 
 class Actor:
-    """The policy being trained (or, with `train=False`, the frozen reference).
-
-    The policy is the distribution the rollouts sample from, softmax(logits / temperature) at the training
-    temperature: every log-probability and entropy here is of that distribution, whose log-probabilities
-    the engines report too (verl, OpenRLHF and the original RL2 divide the logits alike). `response_budget`
-    (the most sampled tokens of one response) is the normaliser of avg_level=constant.
-    """
+    """The policy being trained (`train=False`: a frozen reference or teacher): softmax(logits / temperature), the
+    distribution the engines sample and report (as verl, OpenRLHF and the original RL2 divide the logits).
+    `response_budget` (the most sampled tokens of one response) is the normaliser of avg_level=constant."""
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  response_budget: int | None = None, train: bool = True, model_name: str | None = None,
@@ -175,8 +165,7 @@ class Actor:
                               lambda mb: forward_packed(self.model, mb, trained_only=True).logps(self.temperature))
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups.
-        Without `old_logps` (a single step covers the rollout) old = current."""
+        """`update_per_rollout` passes over the rollout, one optimizer step per mini-batch of prompt groups."""
         return lag_means(update_passes(self.cfg, batch, self._step, "actor"), "actor/")
 
     def _step(self, batch: RolloutBatch) -> dict[str, float]:

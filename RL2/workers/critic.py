@@ -1,9 +1,5 @@
 """PPO's models with a scalar head on every token: the value model (`Critic`) and the frozen reward model
-(`RewardModel`), loaded alike.
-
-`values[t]` (aligned with the packed labels) is the value of the state before action token t, i.e.
-the head's output at the position that predicts it.
-"""
+(`RewardModel`). `values[t]` (aligned with the labels) is the head's output at the position predicting token t."""
 
 import torch
 
@@ -18,14 +14,6 @@ from RL2.workers.fsdp import scalar_head_worker
 BUDGET_KEY = "critic.max_length_per_device"  # the critic's micro-batch budget, named in packing errors
 
 
-def has_scalar_head(config) -> bool:
-    """Whether a checkpoint was saved with a head on every token (`...ForTokenClassification`, as RL2 exports
-    critics and reward models), rather than as a causal LM whose head `scalar_head_worker` initialises.
-    `config` is the loaded model's: its `architectures` are those the checkpoint was saved as."""
-    architectures = config.architectures or []
-    return any(name.endswith("ForTokenClassification") for name in architectures)
-
-
 class Critic:
     """Args as `RL2.workers.actor.Actor`; `cfg` is the `critic` config."""
 
@@ -34,10 +22,10 @@ class Critic:
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
         self.worker = scalar_head_worker(cfg, dims, device, total_steps, section="critic")
         self.model = self.worker.model
-        # A random head would start GAE from noisy values (large when the hidden states are); from
-        # zero, the first advantages are the plain returns and the head learns from there. A head the
-        # checkpoint holds (a critic or reward model RL2 exported) was trained: it stays.
-        if not has_scalar_head(self.model.config):
+        # A random head would start GAE from noisy values (large when the hidden states are); from zero, the first
+        # advantages are the plain returns. A head the checkpoint was saved with (`...ForTokenClassification`, as
+        # RL2 exports critics and reward models) was trained: it stays.
+        if not any(name.endswith("ForTokenClassification") for name in self.model.config.architectures or []):
             for param in self.model.score.parameters():
                 torch.nn.init.zeros_(param)
 
@@ -80,8 +68,7 @@ class RewardModel:
 
     @torch.no_grad()
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
-        """`[n_samples]` the score of every trajectory: the scalar head at the last position of the
-        trajectory's last sequence (the final state), as it was trained."""
+        """`[n_samples]` each trajectory's score: the head at the last position of its last sequence, as trained."""
         per_token = per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
                                    lambda mb: forward_packed(self.model, mb).values(), BUDGET_KEY)
         last = batch.sample_offsets[1:] - 1

@@ -1,11 +1,5 @@
-"""A model trained with FSDP2: loading, sharding, mixed precision, optimizer, scheduler, clipping.
-
-Parallelism is applied in one place and in a fixed order (as torchtitan does; `_parallelize`). Rank 0
-reads the checkpoint into CPU memory and hands every rank its shards one tensor at a time. While a
-colocated rollout engine samples, `offload` moves the training state to the CPU and `onload` brings it
-back (`RL2.rollout.worker` calls both). With `lora.rank > 0` the base weights are frozen and only
-adapters train (docs/lora.md).
-"""
+"""A model trained with FSDP2: loading, sharding, mixed precision, optimizer, scheduler, clipping, and the
+offload of its state while a colocated rollout engine samples (`RL2.rollout.worker`). LoRA: docs/lora.md."""
 
 import math
 import warnings
@@ -55,14 +49,14 @@ from RL2.utils.logging import log_rank0
 # (micro-batch on the device) -> (its loss, already weighted for the global batch; metric partial sums)
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
+
 def section_key(name: str, section: str | None) -> str:
     """A key of a model section as the user writes it (`actor.<name>`); the bare name without a section."""
     return f"{section}.{name}" if section else name
 
 
 def load_tokenizer(model_cfg, section: str | None = None):
-    """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`); `section` is the
-    section's config key (`actor`), for errors."""
+    """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`); `section` names it in errors."""
     field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
     name = model_cfg[field]
     try:
@@ -108,12 +102,10 @@ def lr_lambda(step: int, total_steps: int, warmup_ratio: float, name: str, min_r
 
 
 class FSDPWorker(Stateful):
-    """One sharded model of `model_cfg` (the `actor` or `critic` config, whose key `section` names in errors)
-    with its optimizer and schedule over `total_steps`; `train=False`: a frozen model (reference, teacher),
-    no optimizer. `model_name` loads other weights (e.g. a teacher's); `config_overrides` change the HF
-    config (e.g. `num_labels=1` for a scalar head). `base_changes`: with LoRA, PPO's reference resets will
-    merge the adapters into the base, which is then kept in float32 (docs/lora.md).
-    """
+    """One sharded model of `model_cfg` (the config section `section` names in errors) with its optimizer and
+    schedule over `total_steps`; `train=False`: a frozen model (reference, teacher), no optimizer. `model_name`
+    loads other weights (a teacher's); `config_overrides` change the HF config (`num_labels=1`). `base_changes`:
+    PPO's reference resets will merge LoRA's adapters into the base, then kept in float32 (docs/lora.md)."""
 
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
@@ -127,12 +119,21 @@ class FSDPWorker(Stateful):
         # Else checkpoints hold the base too, and no adapter of the loaded model expresses the trained one.
         self.base_is_loaded = not base_changes
         self.model = self._build_model(model_cls, train, **config_overrides)
-        self.optimizer = self._build_optimizer() if train else None
-        self.scheduler = self._build_scheduler(total_steps) if train else None
-        # float16's narrow range underflows small gradients: scale the loss up, the gradients back down.
-        # Every rank must skip a step whose gradients overflowed anywhere: the sharded scaler all-reduces
-        # the overflow check. torch.amp.GradScaler reduces it only over the mesh of the first gradient,
-        # which under LoRA with tensor parallelism (lora_A is replicated over tp) leaves out the tp ranks.
+        self.optimizer = self.scheduler = None
+        if train:
+            opt, sched = model_cfg.optimizer, model_cfg.scheduler
+            # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. The float16
+            # gradient scaler hands a fused step its found-inf flag as a plain tensor, which does not mix with the
+            # sharded (DTensor) parameters: with it the plain loop steps.
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
+            self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                               weight_decay=opt.weight_decay, fused=self.dtype != torch.float16)
+            min_ratio = sched.min_lr / opt.lr if opt.lr > 0 else 0.0
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
+                step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
+        # float16 underflows small gradients: scale the loss up, the gradients back down. The sharded scaler
+        # all-reduces the overflow check over every rank; torch.amp.GradScaler's reduces over the mesh of the
+        # first gradient, which under LoRA with tensor parallelism (lora_A replicated over tp) leaves out tp ranks.
         self.scaler = ShardedGradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
@@ -145,10 +146,9 @@ class FSDPWorker(Stateful):
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards from
         rank 0 one full tensor at a time: a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
-        # Trained models keep float32 master weights and compute in cfg.dtype through FSDP's mixed
-        # precision; frozen ones (reference, teacher, reward model) and a LoRA model's frozen base are
-        # stored in the compute dtype: the values mixed precision would compute with anyway, in half the
-        # memory of a float32 copy. LoRA's adapters are float32, and so is a base that resets change.
+        # Trained models keep float32 master weights and compute in cfg.dtype (FSDP's mixed precision); frozen
+        # ones and a LoRA model's frozen base are stored in the compute dtype, the values mixed precision would
+        # compute with anyway. LoRA's adapters are float32, and so is a base that resets change.
         self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         try:
@@ -163,29 +163,36 @@ class FSDPWorker(Stateful):
         # Before loading: a model that cannot fit fails now, not minutes later.
         check_fits_host(model, self.device, self._config_name(), train and self.lora is None, self.param_dtype,
                         dist.get_world_size() // self.dims.ddp)
-        loaded = self._load_on_rank0(model_cls, path, config, kwargs) if dist.get_rank() == 0 else None
+        loaded = None
+        if dist.get_rank() == 0:
+            # The checkpoint in CPU memory. What is random here (LoRA's adapters, a scalar head) is drawn on a fork
+            # of the CPU generator: tensor-parallel ranks must draw the same dropout masks from one random stream.
+            with torch.random.fork_rng(devices=[]):
+                loaded = model_cls.from_pretrained(path, config=config, **kwargs)
+                if self.lora is not None:
+                    self._add_adapters(loaded)
         # Training never reuses a KV cache; the exported config gets the model's own setting back.
         self.exported_use_cache = getattr(model.config, "use_cache", True)
         model.config.use_cache = False
         # A trained, plain (not DTensor) tied embedding may take sparse gradients.
         tune_model(model, self.device, sparse_tied_embedding=train and self.lora is None and self.dims.tp == 1)
         model.parallel_layout = self._parallelize(model, train)
-        self._fill_from_rank0(model, loaded)
+        # Allocate the shards on the device and copy rank 0's CPU weights into them, and the buffers that are
+        # not in the state dict (rotary frequencies) too.
+        model.to_empty(device=self.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, loaded.state_dict() if loaded is not None else {}, options=options)
+        rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
         del loaded
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in rank0_buffers:
+                    buffer.copy_(rank0_buffers[name])
+                dist.broadcast(buffer, src=0)
         model.train(train)
         if not train:
             model.requires_grad_(False)
         return model
-
-    def _load_on_rank0(self, model_cls, path: str, config, kwargs: dict) -> torch.nn.Module:
-        """The checkpoint in CPU memory, with LoRA's adapters initialised (every rank receives them). What is
-        random here (the adapters, a scalar head) is drawn on a fork of the CPU generator, so that rank 0's random
-        stream stays the one every other rank has: tensor-parallel ranks must draw the same LoRA dropout masks."""
-        with torch.random.fork_rng(devices=[]):
-            loaded = model_cls.from_pretrained(path, config=config, **kwargs)
-            if self.lora is not None:
-                self._add_adapters(loaded)
-        return loaded
 
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
@@ -222,7 +229,10 @@ class FSDPWorker(Stateful):
             self._add_adapters(model)  # after tensor parallelism: the adapters are split like their layer
         if self.dims.cp > 1:
             layout.cp_group = self.dims.cp_mesh.get_group()
-        layout.share_prefixes = self._shares_prefixes(model.config)
+        # A shared prefix needs SDPA attention (the flash kernels keep the packed row), whole sequences (a
+        # context-parallel split cuts them apart) and uncapped scores (only the whole-row kernels cap them).
+        layout.share_prefixes = (getattr(self.cfg, "share_prefixes", False) and self.dims.cp == 1
+                                 and not softcap_of(model.config) and varlen_backend(self.device, self.dtype) == "sdpa")
         layout.sliding_window = sliding_window_of(model.config)
         if train and self.cfg.enable_gradient_checkpointing:
             enable_activation_checkpointing(model, self.cfg.checkpoint_every_n_layers)
@@ -235,46 +245,9 @@ class FSDPWorker(Stateful):
         share_fsdp_buffers(model, mesh, self.device)  # ranks on one CPU host trade shards through memory
         return layout
 
-    def _shares_prefixes(self, config) -> bool:
-        """`share_prefixes` where it applies: its attention runs on SDPA (the flash kernels keep the packed
-        row), and a context-parallel split cuts sequences apart. Not for capped attention scores, which
-        only the whole-row kernels apply."""
-        if not getattr(self.cfg, "share_prefixes", False) or self.dims.cp > 1 or softcap_of(config):
-            return False
-        return varlen_backend(self.device, self.dtype) == "sdpa"
-
     def _add_adapters(self, model: torch.nn.Module) -> None:
         cfg = self.lora
         lora.add_adapters(model, decoder_layers(model), cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules))
-
-    def _fill_from_rank0(self, model: torch.nn.Module, loaded: torch.nn.Module | None) -> None:
-        """Allocate the shards on the device and copy rank 0's CPU weights into them (`broadcast_from_rank0`)."""
-        model.to_empty(device=self.device)
-        full_state = loaded.state_dict() if loaded is not None else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, full_state, options=options)
-        # Buffers that are not in the state dict (rotary frequencies) come from rank 0 too.
-        rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name in rank0_buffers:
-                    buffer.copy_(rank0_buffers[name])
-                dist.broadcast(buffer, src=0)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        opt = self.cfg.optimizer
-        # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. With the
-        # float16 gradient scaler the plain loop steps instead: the scaler hands a fused step its
-        # found-inf flag as a plain tensor, which does not mix with the sharded (DTensor) parameters.
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
-        return torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                                 fused=self.dtype != torch.float16)
-
-    def _build_scheduler(self, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-        sched = self.cfg.scheduler
-        min_ratio = sched.min_lr / self.cfg.optimizer.lr if self.cfg.optimizer.lr > 0 else 0.0
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
-            step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, through the gradient scaler when computing in float16."""
@@ -300,8 +273,7 @@ class FSDPWorker(Stateful):
         return self.dims.sum_over_data(summed, self.device)
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule; a step whose gradients are not finite is skipped. Returns
-        `grad_norm` (before clipping) and `lr`."""
+        """Clip, step (skipped where the gradients are not finite), advance the schedule; returns grad_norm, lr."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         if self.scaler is not None:
             with warnings.catch_warnings():  # the sharded scaler's overflow flag is a [1] tensor, not a scalar
@@ -342,8 +314,7 @@ class FSDPWorker(Stateful):
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        """Bring back what `offload` moved: parameters and gradients, and the optimizer state unless
-        `offload_optimizer` keeps it on the CPU between steps."""
+        """Bring back what `offload` moved (the optimizer state stays on the CPU under `offload_optimizer`)."""
         if not self.moves_state:
             return
         self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
@@ -428,8 +399,7 @@ class FSDPWorker(Stateful):
             self.scaler.load_state_dict(state["grad_scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights (float32; a LoRA model's base in the compute dtype) on CPU, on rank 0 only
-        (empty elsewhere)."""
+        """Unsharded weights (float32; a LoRA base in the compute dtype) on CPU, on rank 0 only (empty elsewhere)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
@@ -471,8 +441,7 @@ class FSDPWorker(Stateful):
         return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
 
     def engine_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The full tensors of this model's parameters as an inference engine takes them, in transformers'
-        layout: with LoRA, merged under the base model's names (`lora.merge_adapters`); else as they are."""
+        """Full tensors as an inference engine takes them: with LoRA, merged under the base model's names."""
         if self.lora is None:
             return named_tensors
         return lora.merge_adapters(named_tensors, self.lora.alpha / self.lora.rank)
