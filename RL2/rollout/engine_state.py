@@ -1,10 +1,7 @@
-"""Whether the rollout engine may sample, decided in one place from the engine's memory (resident, or
-released to the trainer: released weights lose their content), the version of its weights (which update of
-the policy they hold, `FSDPWorker.updates`) and where the trainer's models are (on the GPU, or on the CPU
-while a colocated engine samples). `sampling()` is the only way to a rollout: it first brings the weights
-to the policy's current version, so that a rollout on stale or released weights cannot happen.
-`holding()` keeps the engine ready across the rollouts of one step, so the weights are pushed and the
-trainer's state moved once per step. The whole cycle and the memory of each phase: docs/gpus.md.
+"""Whether the rollout engine may sample, decided in one place from the engine's memory (resident, or released to
+the trainer), the version of its weights (`FSDPWorker.updates`) and where the trainer's models are. `sampling()`
+is the only way to a rollout: it first brings the weights to the policy's current version, so that a rollout on
+stale or released weights cannot happen. The whole cycle and the memory of each phase: docs/gpus.md.
 """
 
 from collections.abc import Callable, Iterator, Sequence

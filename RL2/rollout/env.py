@@ -1,12 +1,9 @@
 """Environment scripts: one Python file that turns the policy's actions into rewards (docs/rl.md, `envs/`).
 
 The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
-`score`, `done`, `extra_info` and optionally `reward_parts`, logged as `rollout/reward/<name>`), and optionally
-`async def reset(extra_info: dict) -> str`, the first state of a row without a prompt, and `TOOLS`
-(`RL2.rollout.tools.tool_use`), to which `MCP_SERVERS` adds the tools of MCP servers
-(`RL2.rollout.tools.mcp_servers`). A state is text or a list of chat messages.
-
-The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
+`score`, `done`, `extra_info`, optionally `reward_parts`), and optionally `async def reset(extra_info: dict) -> str`,
+`TOOLS` and `MCP_SERVERS`. A state is text or a list of chat messages. The env scripts of RL2's original releases
+run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
 
 import inspect

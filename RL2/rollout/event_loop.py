@@ -2,17 +2,10 @@
 
 Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
 what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
-still works in the next one; a new loop per rollout (`asyncio.run`) would leave such objects bound to a
-closed loop.
-
-User code (an environment's `step`, `reset` and tools, an agent's `run`) runs on a second loop in a daemon
-thread of its own (`on_env_loop`), kept from call to call: module-level asyncio objects of a script work
-across rollouts, and blocking code (`time.sleep`, a sync HTTP call, `while True`) stops only that loop, never
-the rank's loop, the engine or the agents' OpenAI endpoint. A call's timeout counts from when it starts, not
-while it waits behind another call. A call that runs out of time while it blocks its loop keeps that loop:
-the calls waiting to start move to a new loop and thread, and the blocked one is abandoned (Python cannot
-stop a thread; it ends once what blocks it returns). Only the calls that were already running there,
-awaiting something, wait with the blocked one; a script's module-level asyncio objects stay with the old loop.
+still works in the next one, where a new loop per rollout (`asyncio.run`) would leave it bound to a closed loop.
+User code (a step, a reset, tools, an agent's `run`) runs on a loop of its own in a daemon thread (`on_env_loop`),
+which a call that blocks it past its timeout keeps, the calls waiting to start moving to a new one (Python cannot
+stop a thread): docs/rl.md, "Environments".
 """
 
 import asyncio
@@ -152,7 +145,7 @@ async def _run(call: _Call, home: _UserLoop) -> None:
             return
         home.waiting.discard(call)
         call.task = asyncio.current_task()
-    _notify(call.caller, call.started, None)
+    _post(call.caller, _resolve, call.started, None)
     # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself (asyncio re-raises them out of
     # run_forever), so all the script raises comes back as a value; a CancelledError too, as the caller reads
     # no value once it has cancelled the call, and one that the script raised itself is its own fault.
@@ -160,7 +153,7 @@ async def _run(call: _Call, home: _UserLoop) -> None:
         outcome = await call.coroutine, None
     except BaseException as e:  # noqa: BLE001 -- the script's sys.exit() must not end the thread or the run
         outcome = None, e
-    _notify(call.caller, call.done, outcome)
+    _post(call.caller, _resolve, call.done, outcome)
 
 
 def _give_up(call: _Call) -> None:
@@ -180,7 +173,8 @@ async def _abandon_if_blocked(home: _UserLoop) -> None:
     global _user_loop
     caller = asyncio.get_running_loop()
     answer = caller.create_future()
-    if not _post(home.loop, _notify, caller, answer, None):  # closed: it was abandoned and has stopped
+    # `home`'s loop answers by resolving `answer` on the caller's; False: closed, it was abandoned and has stopped.
+    if not _post(home.loop, _post, caller, _resolve, answer, None):
         return
     answered, _ = await asyncio.wait([answer], timeout=BLOCKED_AFTER_S)
     if answered:
@@ -211,11 +205,7 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
     return True
 
 
-def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
-    """Give `future`, of `loop`, its result, from any thread."""
-    _post(loop, _resolve, future, value)
-
-
 def _resolve(future: asyncio.Future, value) -> None:
+    """Give `future` its result, on its own loop (`_post` it there from another thread)."""
     if not future.done():  # a caller that was cancelled cancelled it
         future.set_result(value)

@@ -1,12 +1,7 @@
 """The multi-turn rollout loop, the batch driver and dynamic filtering (metrics: `RL2.rollout.metrics`).
 
-A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. When the
-next state extends `state + action` as text (upstream RL2's rule), only the new text is tokenised and appended,
-so the sampled tokens are kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
-Faults of the environment end one trajectory with reward 0; engine errors propagate and stop the rollout
-(docs/rl.md), as do `max_timeouts` timeouts of the environment in a row. Environment code runs on a loop of its
-own (`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks stops neither the engine nor the other
-trajectories' steps.
+A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. How turns
+become token sequences, which failures end one trajectory and which stop the rollout: docs/rl.md, "Environments".
 """
 
 import asyncio
@@ -46,23 +41,17 @@ def engine_sampling_params(params) -> dict:
 
 @dataclass(frozen=True)
 class EnvRollout:
-    """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
-    environment (and its tools) that answers them, and the limits. The rollout worker drives it through
-    `batch` and `partial_batch`."""
+    """What every trajectory of an environment's rollout shares: the engine, the environment (and its tools) and
+    the limits. The rollout worker drives it through `batch` and `partial_batch`."""
 
     engine: Engine  # serves SGLang `/generate` payloads
     env: Env
     tokenizer: object  # the policy's (decodes actions, tokenises observations)
     max_turns: int = 1  # the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed)
-    # The most tokens of one sequence (prompt, actions and observations); each request's max_new_tokens is cut
-    # to what is left. None: no limit.
-    max_total_tokens: int | None = None
+    max_total_tokens: int | None = None  # the most tokens of one sequence (prompt, actions, observations)
     env_timeout: float | None = None  # seconds one `step` (or `reset`) may take once it has started; None: no limit
-    # The environment's tools, or None: an action that calls tools gets their results as the next state, and
-    # only one that calls none is stepped.
-    tool_use: ToolUse | None = None
-    # Stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row time out
-    # (`rollout.max_consecutive_timeouts`). None: never.
+    tool_use: ToolUse | None = None  # the environment's tools: only an action that calls none is stepped
+    # Steps and resets of `env` timing out in a row that stop the rollout (`rollout.max_consecutive_timeouts`).
     max_timeouts: int | None = None
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
@@ -84,13 +73,11 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
                          prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
                          stop: asyncio.Event | None = None) -> Trajectory:
     """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids`
-    are given; None asks the environment's `reset`) and the row's `extra_info` (handed to the environment, not
-    copied here).
+    are given; None asks the environment's `reset`) and the row's `extra_info` (not copied here).
 
     `resume`: a trajectory that ended with stop_reason "abort" instead: its last action is sampled on from
-    where it stopped (the tokens it already has keep their log-probabilities), then the rollout goes on as
-    usual. `stop`: once set, no new action is requested: the trajectory ends "abort" with an empty action, to
-    be resumed later (partial rollout pauses the engine after setting it)."""
+    where it stopped, then the rollout goes on as usual. `stop`: once set, no new action is requested: the
+    trajectory ends "abort" with an empty action, to be resumed later (partial rollout pauses the engine)."""
     trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
     if trajectory.fault is not None:  # its reset failed
         return trajectory
@@ -104,9 +91,7 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
-        # A resumed action is whole again: from here on the trajectory runs as any other (its next
-        # action is a new one, and a pause may stop it before that action).
-        trajectory.stop_reason = ""
+        trajectory.stop_reason = ""  # a resumed action is whole again: from here on it runs as any other
         result = await _answer(rollout, trajectory, turn.action_text)
         if isinstance(result, str):
             trajectory.fail(result)
@@ -134,11 +119,11 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
     """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
-    one group per prompt, in order. Each trajectory gets its own copy of the row's `extra_info`.
+    one group per prompt, in order.
 
     `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
-    `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a seed
-    samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
+    `prompt_ids` (the prompt tokenised), `extra_info` (each trajectory gets a copy) and `sampling_seed`:
+    trajectory j samples with `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
     neither on the ranks nor on the other requests of the batch (evaluation sets it)."""
     tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
               for j in range(responses_per_prompt)] for row in prompts]
@@ -151,10 +136,9 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
                                 sampling_params: dict) -> tuple[list, list, list]:
     """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
 
-    The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
-    go first, then one new group per prompt. Once `n_needed` groups have every trajectory finished,
-    no new action is requested and the engine is paused with abort, which returns the in-flight
-    requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
+    The groups `carried` from the previous call (unfinished trajectories resume where they stopped) go first,
+    then one new group per prompt. Once `n_needed` groups are finished, no new action is requested and the
+    engine is paused with abort, which returns the in-flight requests with what they sampled so far.
 
     Returns (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt
     order. The finished groups include the carried ones that were finished already (beyond an earlier batch);
@@ -448,7 +432,7 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     if not _fits(before + len(ids), budget):
         return False
     if added is None:
-        trajectory.count_split()
+        trajectory.split_turns += 1
         trajectory.start_sequence(next_state, ids)
     else:
         trajectory.continue_sequence(added, ids)

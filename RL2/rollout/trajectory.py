@@ -1,15 +1,10 @@
 """What one rollout produced, token by token, and its conversion to the training batch.
 
-Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the log-probabilities
-the engine returned for them, never on a re-tokenisation of the decoded text: `decode` then `encode` can merge
-or split tokens differently (a `<think>` the model spelled in pieces comes back as one special token), and the
-trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled (verl's and
-upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the environment's text is
-tokenised here, and it is masked out of the loss.
-
-Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`): a
-partial rollout resumes a cut action under newer weights, so one trajectory may span versions; the
-trainer bounds and corrects each token's lag from them (docs/async.md).
+Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the engine's
+log-probabilities, never on a re-tokenisation of the decoded text, which can merge or split tokens differently (a
+`<think>` spelled in pieces comes back as one special token): verl's and upstream RL2's multi-turn rollouts keep
+engine token ids for this reason. Only the environment's text is tokenised here, masked out of the loss. Each
+sampled token keeps the version of the weights that sampled it (docs/async.md, "Weight versions").
 """
 
 import json
@@ -104,8 +99,8 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
     agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
-    # Turns whose next prompt did not extend the tokens sampled so far, and so started a new sequence
-    # (`count_split`), logged as `rollout/split_turns`.
+    # Turns whose next prompt, as the chat template re-renders the conversation, did not extend the tokens sampled
+    # so far, and so started a new sequence (docs/agents.md, "Token in, token out"): `rollout/split_turns`.
     split_turns: int = 0
 
     def to_dict(self) -> dict:
@@ -130,13 +125,6 @@ class Trajectory:
     def start_sequence(self, prompt_text: str, prompt_ids: list[int]) -> None:
         self.sequences.append(TokenSequence(list(prompt_ids), prompt_text))
 
-    def count_split(self) -> None:
-        """Count a turn whose next prompt, as the chat template re-renders the conversation, does not extend the
-        tokens sampled so far (the template drops past reasoning, rewrites tool calls or normalises whitespace):
-        the trajectory goes on in a new sequence, whose prompt is that rendering, rather than training the
-        sampled tokens as if the template's text were what the policy saw."""
-        self.split_turns += 1
-
     def add_turn(self, turn: Turn) -> None:
         self.sequences[-1].turns.append(turn)
 
@@ -146,9 +134,8 @@ class Trajectory:
         last.env_text, last.env_ids = env_text, list(env_ids)
 
     def fill_versions(self, version: int) -> None:
-        """Give `version` to every sampled token that has none yet (those an engine sampled without
-        naming its weights). A turn's tokens without one are its last ones: earlier parts of an action
-        were filled in by the rollout that sampled them."""
+        """Give `version` to every sampled token that has none yet (an engine sampled it without naming its
+        weights); those are a turn's last tokens, as the rollout that sampled its earlier ones filled them in."""
         for turn in self.turns:
             turn.action_versions += [version] * (len(turn.action_ids) - len(turn.action_versions))
 

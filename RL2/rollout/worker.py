@@ -1,11 +1,8 @@
 """Each rank's share of a rollout: its prompts rolled out on its engine, seeded, gathered, and weights pushed.
 
-Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine` (or, with
-`rollout.engine=sglang`, talks to SGLang servers over HTTP: `RL2/engine/sglang/engine.py`), rolls out
-`prompts[rank::world_size]` through its driver, and all-gathers the trajectories, so that every rank ends with the
-whole rollout in prompt order (the packing of the update needs the global batch everywhere). A run's driver and
-worker are set up in `RL2.trainer.rollout_setup`; whether the engine may sample is decided in one place,
-`RL2.rollout.engine_state.EngineState`.
+Every rank rolls out `prompts[rank::world_size]` on its own engine through its driver and all-gathers the
+trajectories, so that every rank ends with the whole rollout in prompt order (the packing of the update needs the
+global batch everywhere). Set up in `RL2.trainer.rollout_setup`; whether the engine may sample: `EngineState`.
 """
 
 import asyncio

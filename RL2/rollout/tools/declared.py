@@ -1,12 +1,8 @@
 """Tools an environment declares: their schemas, running them, and conversations that show them.
 
-A tool is a plain Python function, sync or async, with type hints and a Google-style docstring, from
-which its OpenAI schema comes (`transformers.utils.get_json_schema`); a parameter named `extra_info` is
-RL2's to fill, not the model's. A tool may also be an OpenAI schema dict that the environment's
-`call_tool(name, arguments, extra_info)` runs. A tool's failures are shown to the model as an
-"Error: ..." result, as a tool-calling API would, so that it can try again. The conversation is rendered
-by the chat template with `tools=` when the template shows tools, else in RL2's default format
-(`tool_system_prompt`). See docs/agents.md.
+A tool is a Python function, whose OpenAI schema comes from its type hints and docstring, or an OpenAI schema dict
+that the script's `call_tool` runs; its failures are shown to the model as "Error: ..." results, as a tool-calling
+API would, so that it can try again. See docs/agents.md, "An environment with tools".
 """
 
 import asyncio
@@ -129,10 +125,8 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
                    call_tool: Callable | None = None) -> ToolResult:
     """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
     model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
-    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in a worker thread
-    (`asyncio.to_thread`), so that a tool that blocks does not stop the other trajectories. A timed-out sync
-    tool's thread runs on to its end (Python cannot stop a thread), and threads come from the event loop's
-    default executor, which bounds how many run at once."""
+    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in the loop's default
+    executor, so that a tool that blocks does not stop the other trajectories (a timed-out one runs on)."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
@@ -239,14 +233,10 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
                         native: bool, template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
-    """A conversation with tools (`schemas`; None or empty: none) as the text of the prompt, ending with the
-    header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole conversations).
-    `messages` are OpenAI-style: system, user, assistant (content and/or tool_calls) and tool (content,
-    tool_call_id, name). With `native`, the template renders tools itself
-    (`template_renders_tools`); otherwise the tool block of `tool_system_prompt` is prepended to the system
-    message (or makes one), an assistant's tool_calls become text in `parser`'s format (the policy's), and
-    each run of tool messages becomes one user message of <tool_response> blocks, as Hermes/Qwen templates
-    render them. `template_kwargs` are the template's own variables (e.g. `enable_thinking`)."""
+    """OpenAI-style `messages` with tools (`schemas`; None or empty: none) as the text of the prompt, ending with
+    the header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole
+    conversations). With `native`, the template renders tools itself (`template_renders_tools`); otherwise as
+    `fallback_messages`, calls in `parser`'s format. `template_kwargs`: the template's own (`enable_thinking`)."""
     if native:
         return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
                                              tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -267,8 +257,10 @@ def _native_message(message: dict) -> dict:
 
 
 def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
-    """OpenAI-style messages with tools as plain chat messages in RL2's default format (what
-    `render_conversation` renders for a template that shows no tools)."""
+    """OpenAI-style messages with tools as plain chat messages in RL2's default format, for a template that shows
+    no tools: the tool block of `tool_system_prompt` begins the system message, an assistant's tool_calls become
+    text in `parser`'s format, and each run of tool messages one user message of <tool_response> blocks (as
+    Hermes/Qwen templates render them)."""
     out = []
     for is_tool, run in itertools.groupby(messages, key=lambda m: m["role"] == "tool"):
         if is_tool:

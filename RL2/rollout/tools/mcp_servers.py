@@ -3,12 +3,9 @@
     {"command": ["python", "server.py"], "env": {...}, "cwd": "..."}  # stdio: RL2 starts the process
     {"url": "http://127.0.0.1:8000/mcp"}                              # streamable HTTP: a server already up
 
-(optionally with a "name" for the messages), and their tools join its TOOLS: listed once when the script
-loads, shown to the model in its format, run with the same timeouts and "Error: ..." results. Each server's
-connection is opened once per process, on an event loop and thread of their own (the tools are listed before
-any rollout runs, outside any loop, and the loop of user code that calls them may be abandoned to a tool
-that blocks it), opened again by the call after one that finds it lost, and closed by `close` or at exit. See
-docs/agents.md.
+(optionally with a "name" for the messages), and their tools join its TOOLS. The connections live on an event loop
+and thread of their own: the tools are listed before any rollout runs, outside any loop, and the loop of user code
+that calls them may be abandoned to a tool that blocks it. See docs/agents.md, "The tools of MCP servers".
 """
 
 import asyncio

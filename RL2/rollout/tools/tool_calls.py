@@ -1,10 +1,7 @@
 """The formats in which models write tool calls: parsed out of an action, and written for these calls.
 
-Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`,
-also RL2's default format, `tools.tool_system_prompt`), `llama3` and `mistral`; each parser's class shows
-its format. `tool_call_parser("auto", tokenizer)` picks the format from the tokenizer's chat template; a
-user's own format is a `ToolCallParser` subclass named as "path/to/file.py:ClassName" or
-"package.module:ClassName". See docs/agents.md.
+Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`, also
+RL2's default format), `llama3` and `mistral`; each parser's class shows its format. See docs/agents.md.
 """
 
 import json

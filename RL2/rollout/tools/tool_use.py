@@ -1,8 +1,6 @@
-"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls
-(in its own format, `RL2.rollout.tools.tool_calls`) run for it, and is asked to `step` only on an action that
-calls none (the answer). A tool turn earns no reward itself; its results go on as tool messages rendered
-by the chat template, and a call that fails is shown to the model as an "Error: ..." result and counted
-(or, with `rollout.tool_error=end`, ends the trajectory as a fault). See docs/agents.md.
+"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls run for it,
+and is asked to `step` only on an action that calls none (the answer). See docs/agents.md, "An environment with
+tools".
 """
 
 import asyncio
