@@ -24,11 +24,9 @@ MAX_IDLE_RESUMES = 3
 
 
 def engine_sampling_params(params) -> dict:
-    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params.
-
-    Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
-    the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
-    """
+    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params, stop
+    strings as a list. `no_stop_trim` is left out: it only trims the engines' text, and the rollout decodes the
+    sampled tokens itself (an action keeps its stop string)."""
     params = dict(params.items())  # a config section holds lists as its own list type: made plain below
     params.pop("no_stop_trim", None)
     stop, stop_token_ids = params.pop("stop", None), params.pop("stop_token_ids", None)
@@ -139,10 +137,8 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
     The groups `carried` from the previous call (unfinished trajectories resume where they stopped) go first,
     then one new group per prompt. Once `n_needed` groups are finished, no new action is requested and the
     engine is paused with abort, which returns the in-flight requests with what they sampled so far.
-
-    Returns (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt
-    order. The finished groups include the carried ones that were finished already (beyond an earlier batch);
-    the newly finished ones are those this call finished, what its metrics and samples report."""
+    Returns (finished groups, unfinished groups, newly finished groups: what this call's metrics report), carried
+    ones first, then in prompt order; the finished include carried ones finished already (beyond an earlier batch)."""
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
     done_groups = asyncio.Event()
@@ -187,9 +183,8 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
 async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict, resume: Trajectory | None = None,
                           stop: asyncio.Event | None = None) -> Trajectory:
     """A trajectory of `row`, or `resume` carried on. Another client of a shared server may pause it: the cut
-    action carries on until it is whole (or `stop` is set), rather than the trajectory being trained on as if it
-    had ended there. A request aborted again and again before it samples a token is refused, not paused: that
-    raises, where resuming would loop for ever."""
+    action carries on until it is whole (or `stop` is set). A request aborted again and again before it samples a
+    token is refused, not paused: that raises, where resuming would loop for ever."""
     # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
     state = row.get("messages") or row.get("prompt")
 
@@ -221,8 +216,7 @@ def drop_stale_groups(groups: list[list[Trajectory]], version: int,
 
 def filter_groups(groups: list[list[Trajectory]], train_on_faults: bool = False) -> list[list[Trajectory]]:
     """Drop groups whose trained rewards (faults' only with `train_on_faults`) are all equal (DAPO's dynamic
-    sampling): their group-normalised advantages are all 0, so they cost compute and teach nothing. Keep
-    sampling to refill."""
+    sampling): their group-normalised advantages are all 0, so they cost compute and teach nothing."""
     return [group for group in groups if len({t.reward for t in group if train_on_faults or t.fault is None}) > 1]
 
 
@@ -287,7 +281,7 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
         trajectory.fail(f"malformed state: it {bad}")
         return trajectory
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
-    if not _fits(len(ids), rollout.max_total_tokens):
+    if rollout.max_total_tokens is not None and len(ids) >= rollout.max_total_tokens:  # no room for one token
         raise ValueError(
             f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
             f"{rollout.max_total_tokens}; raise it or shorten the prompts"
@@ -303,7 +297,6 @@ async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_par
     room = None if budget is None else budget - len(trajectory.current_ids)
     if trajectory.unfinished:
         turn = trajectory.turns[-1]
-        # current_ids already end with the partial action, so the engine samples on after it.
         _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, turn, sampling_params, room)
     else:
         turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
@@ -369,9 +362,9 @@ async def sample_action(engine: Engine, tokenizer, input_ids: list[int], samplin
 
 async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Turn, sampling_params: dict,
                       room: int | None) -> tuple[str | int | None, float]:
-    """Sample into `turn` the rest of an action a pause cut short (all of it when it has no token yet), after
-    `input_ids`, which end with its tokens; returns the stop string or token that ended it and the engine's
-    seconds. The tokens it has count against max_new_tokens: none left ends it with "length"."""
+    """Sample into `turn` the rest of an action a pause cut short, after `input_ids`, which end with its tokens;
+    returns the stop string or token that ended it and the engine's seconds. Its tokens count against
+    max_new_tokens."""
     params = dict(sampling_params)
     requested = params.get("max_new_tokens")
     params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(turn.action_ids)
@@ -395,10 +388,9 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
 
 
 async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> StepResult | str:
-    """What follows an action: its tool calls' results (no reward yet), else the environment's step; or
-    the reason the trajectory ends as a fault."""
+    """What follows an action: its tool calls' results, else the environment's step; or why the trajectory fails."""
     if rollout.tool_use is not None:
-        reply = await rollout.tool_use.respond(trajectory.messages, action, trajectory.env_info, trajectory)
+        reply = await rollout.tool_use.respond(trajectory, action)
         if isinstance(reply, str):
             return reply
         if reply is not None:
@@ -418,8 +410,8 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
 
 
 def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state: str, plain: Spans = ()) -> bool:
-    """Add the next state to the trajectory (`plain`: its spans of content's special-token text, see
-    `render_state`); False when it leaves no room for another action."""
+    """Add the next state (`plain`: see `render_state`) to the trajectory; False when it leaves no room for another
+    action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     text = next_state if added is None else added
@@ -429,7 +421,7 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     if budget is not None and len(text) >= (budget - before) * longest_token_chars(tokenizer):
         return False
     ids = encode(tokenizer, text, spans_after(plain, len(next_state) - len(text)))
-    if not _fits(before + len(ids), budget):
+    if budget is not None and before + len(ids) >= budget:  # no room left for one sampled token
         return False
     if added is None:
         trajectory.split_turns += 1
@@ -443,11 +435,6 @@ def end_text(tokenizer, action_ids: list[int]) -> str:
     """The text of the special token that ended an action (its decoded text skips it), or ""."""
     last = action_ids[-1:]
     return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-
-
-def _fits(n_tokens: int, budget: int | None) -> bool:
-    """Whether a sequence of `n_tokens` still leaves room for at least one sampled token."""
-    return budget is None or n_tokens < budget
 
 
 async def gather_or_cancel(tasks: list[asyncio.Task]) -> None:

@@ -35,8 +35,7 @@ class ToolUse:
     native: bool  # the chat template renders tools itself; otherwise RL2's default format is written in the messages
     timeout: float | None = None  # seconds one call may take (None: no limit)
     on_error: str = "observe"  # "observe" (the error is the call's result) or "end" (the trajectory ends as a fault)
-    # End an action at the format's end of a call, so that the model's own guess of the result is never sampled.
-    stop_after_call: bool = True
+    stop_after_call: bool = True  # end an action at the format's end of a call (`sampling_params`)
 
     def render(self, messages: list[dict], tokenizer) -> str:
         """Chat messages as the policy sees them, with the tools."""
@@ -47,27 +46,25 @@ class ToolUse:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
         return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
-    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict,
-                      counts) -> list[dict] | str | None:
-        """Run the calls of `action`, which answers `messages` (None: the state was text), with the trajectory's
-        `extra_info` for tools that take it; `counts` is the trajectory, whose `tool_calls`, `parse_errors`,
-        `tool_errors` and `tool_seconds` grow by this action's. Returns None when the action calls no tool (the
-        environment's step answers it); else the conversation with the action and the results; or, where the
-        trajectory must end, the reason."""
+    async def respond(self, trajectory, action: str) -> list[dict] | str | None:
+        """Run the calls of `action`, which answers the trajectory's `messages` (None: the state was text), counted
+        in its `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`. Returns None when the action calls
+        no tool (the environment's step answers it); else the conversation with the action and the results; or,
+        where the trajectory must end, the reason."""
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return None
-        counts.tool_calls += len(parsed.calls)
-        counts.parse_errors += len(parsed.errors)
-        if messages is None:
+        trajectory.tool_calls += len(parsed.calls)
+        trajectory.parse_errors += len(parsed.errors)
+        if trajectory.messages is None:
             return "the model called a tool, but the state is text: an environment with tools needs chat messages"
         if parsed.errors and self.on_error == "end":
             return f"a tool call could not be parsed ({parsed.errors[0]}) and rollout.tool_error=end"
         began = time.perf_counter()
-        results = await self._run(parsed.calls, extra_info)
-        counts.tool_seconds += time.perf_counter() - began
+        results = await self._run(parsed.calls, trajectory.env_info)
+        trajectory.tool_seconds += time.perf_counter() - began
         failed = [result for result in results if result.error]
-        counts.tool_errors += len(failed)
+        trajectory.tool_errors += len(failed)
         if failed and self.on_error == "end":
             return f"a tool call failed ({failed[0].content}) and rollout.tool_error=end"
         unparsed = [{"role": "tool", "name": "", "tool_call_id": f"unparsed_{i}",
@@ -75,12 +72,12 @@ class ToolUse:
                     for i, error in enumerate(parsed.errors)]
         # The assistant's message is the text it sampled, so that the template's rendering of it is what the
         # model wrote and the conversation stays one token sequence.
-        return [*messages, {"role": "assistant", "content": action}, *tool_result_messages(results), *unparsed]
+        assistant = {"role": "assistant", "content": action}
+        return [*trajectory.messages, assistant, *tool_result_messages(results), *unparsed]
 
     async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
-        """The calls' results, run on the environments' loop with the script's other code. `run_tool` times
-        out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here, and
-        one that raises what `run_tool` does not catch (`sys.exit()`, a CancelledError) fails every call."""
+        """The calls' results, run on the environments' loop. A tool that blocks that loop itself (sync code in an
+        async tool) is timed out here, and one that raises what `run_tool` does not catch fails every call."""
         async def run_all() -> list[ToolResult]:  # gathered on the environments' loop
             return await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
                                           for call in calls))
