@@ -18,10 +18,7 @@ from RL2.batch import RolloutBatch
 
 @dataclass
 class Turn:
-    """One action of the policy and what the environment answered. `env_ids` are the observation tokens
-    appended after the action when the next turn continues the same sequence (empty when the trajectory ends
-    here or starts a new sequence). `action_versions` is empty, or shorter than `action_ids`, where the engine
-    did not name its weights (`Trajectory.fill_versions` gives them the version the rollout worker pushed)."""
+    """One action of the policy and what the environment answered."""
 
     action_ids: list[int]  # as the engine returned them
     action_logps: list[float]  # the engine's log-probability of each sampled token
@@ -29,10 +26,11 @@ class Turn:
     finish_reason: str  # the engine's: "stop", "length" or "abort"
     reward: float = 0.0  # reward and score: what the environment's `step` returned for this action
     score: float = 0.0
-    env_ids: list[int] = field(default_factory=list)
+    env_ids: list[int] = field(default_factory=list)  # the observation, where the next turn extends this sequence
     env_text: str = ""  # the text `env_ids` were tokenised from
     reward_parts: dict[str, float] = field(default_factory=dict)  # the step's, logged as `rollout/reward/<name>`
-    action_versions: list[int] = field(default_factory=list)  # each token's `weight_version_number`
+    # Each token's `weight_version_number`; short of `action_ids` where the engine named none (`fill_versions`).
+    action_versions: list[int] = field(default_factory=list)
 
     def extend(self, rest: "Turn") -> None:
         """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
@@ -105,9 +103,8 @@ class Trajectory:
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
-        torch values become lists and numbers, sets lists. Any other value of the environment's `extra_info` that
-        JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None: an environment that keeps
-        one rebuilds it when it finds None."""
+        torch values become lists and numbers, sets lists, any other value JSON cannot hold (a live object, such as
+        the game of envs/gem.py) None, which an environment that keeps one rebuilds it from."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 

@@ -28,11 +28,10 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 
 class RolloutWorker:
     """This rank's rollouts on `engine` through `driver` (`RL2.rollout.loop.EnvRollout`, or an agent script's
-    `RL2.agents.agent.AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose
-    weights the engine samples, pushed in `dtype` (None: the engine keeps the weights it loaded, an evaluation
-    of a fixed model); `colocated`: the trainer's models on this GPU, which move to the CPU while SGLang servers
-    launched on it sample; `sandbox`: the run's code sandbox for `code_reward` (None: one with default limits);
-    `judge`: the run's judge for `judge_reward` (`RL2.rollout.judge_engine.run_judge`; None: none)."""
+    `AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose weights the engine
+    samples, pushed in `dtype` (None: the engine keeps the weights it loaded); `colocated`: the trainer's models
+    on this GPU, which move to the CPU while SGLang servers launched on it sample; `sandbox`: the run's code
+    sandbox for `code_reward` (None: one with default limits); `judge`: the run's judge (`run_judge`), if any."""
 
     def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None, judge: Judge | None = None):
@@ -112,14 +111,9 @@ class RolloutWorker:
         if self.judge is not None:
             self.judge.close()
 
-    def sync_weights(self, version: str) -> None:
-        """The policy was updated: the engine gets its weights, named `version` (its `weight_version`), now or at
-        the start of the next rollout (see `EngineState.synced`). Collective."""
-        self.state.synced(version)
-
     def take_push_seconds(self) -> float:
-        """Seconds spent pushing weights into the engine since the last call: a push happens at the
-        sync, or for a colocated engine at the start of the next rollout (see `EngineState.synced`)."""
+        """Seconds spent pushing weights into the engine since the last call (at the sync, or for a colocated
+        engine at the start of the next rollout: `EngineState.synced`)."""
         seconds, self.push_seconds = self.push_seconds, 0.0
         return seconds
 
