@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
+from RL2.loop_thread import LoopThread
+
 # Seconds the loop of a call that timed out has to answer before the call is taken to block it.
 BLOCKED_AFTER_S = 1.0
 
@@ -54,25 +56,22 @@ def close_rank_loop() -> None:
     loop.close()
 
 
-class _UserLoop:
+class _UserLoop(LoopThread):
     """A loop for user code and the daemon thread running it; once abandoned, it stops when its calls end."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
         self.waiting: set[_Call] = set()  # sent here, not started yet
         self.abandoned = False
-        threading.Thread(target=self._run, name=f"rl2-env-loop-{next(_numbers)}", daemon=True).start()
+        super().__init__(f"rl2-env-loop-{next(_numbers)}")
 
-    def _run(self) -> None:
+    def _run_forever(self) -> None:
         while True:
             try:
-                self.loop.run_forever()
-                break  # stopped: abandoned, and its calls ended
+                return super()._run_forever()  # stopped: abandoned, and its calls ended
             except (SystemExit, KeyboardInterrupt):
                 # Raised in a task that user code made (a child of its gather): asyncio re-raises these out of
                 # run_forever. The call that awaits that task gets it as its outcome; the loop goes on.
                 continue
-        self.loop.close()
 
 
 @dataclass(eq=False)

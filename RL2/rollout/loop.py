@@ -92,8 +92,7 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
         trajectory.stop_reason = ""  # a resumed action is whole again: from here on it runs as any other
         result = await _answer(rollout, trajectory, turn.action_text)
         if isinstance(result, str):
-            trajectory.fail(result)
-            return trajectory
+            return trajectory.fail(result)
         turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
         turn.reward_parts = result.reward_parts
         if result.done or trajectory.n_turns == rollout.max_turns:
@@ -102,11 +101,9 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
         try:
             next_state, plain = render_state(result.next_state, rollout.tokenizer, rollout.tool_use)
         except Exception as e:  # messages of the environment's making that the chat template rejects
-            trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
-            return trajectory
+            return trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
         if (bad := not_text(next_state)) is not None:  # the tokenizer would raise TypeError
-            trajectory.fail(f"malformed next_state: it {bad}")
-            return trajectory
+            return trajectory.fail(f"malformed next_state: it {bad}")
         if not _observe(rollout, trajectory, turn, next_state, plain):
             trajectory.stop_reason = "budget"
             return trajectory
@@ -268,18 +265,15 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
         except TooManyTimeouts:
             raise
         except TimeoutError:
-            trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
-                            f"env_timeout={rollout.env_timeout} s")
-            return trajectory
+            return trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
+                                   f"env_timeout={rollout.env_timeout} s")
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
-            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
-                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
-            return trajectory
+            raised = str(e) if isinstance(e, Escaped) else f"{type(e).__name__}: {e}"
+            return trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else f"reset raised {raised}")
     messages = state if isinstance(state, list) else None
     state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
-        trajectory.fail(f"malformed state: it {bad}")
-        return trajectory
+        return trajectory.fail(f"malformed state: it {bad}")
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
     if rollout.max_total_tokens is not None and len(ids) >= rollout.max_total_tokens:  # no room for one token
         raise ValueError(
@@ -389,12 +383,8 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
 
 async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> StepResult | str:
     """What follows an action: its tool calls' results, else the environment's step; or why the trajectory fails."""
-    if rollout.tool_use is not None:
-        reply = await rollout.tool_use.respond(trajectory, action)
-        if isinstance(reply, str):
-            return reply
-        if reply is not None:
-            return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
+    if rollout.tool_use is not None and (reply := await rollout.tool_use.respond(trajectory, action)) is not None:
+        return reply
     try:
         return await _call_env(rollout, rollout.env.step(trajectory.state, action, trajectory.env_info))
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)

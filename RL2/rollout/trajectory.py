@@ -141,9 +141,9 @@ class Trajectory:
         """Stopped by an engine pause in the middle of an action (partial rollout carries it on)."""
         return self.stop_reason == "abort"
 
-    def fail(self, fault: str) -> None:
+    def fail(self, fault: str) -> "Trajectory":
         """End on an environment fault: every reward and score becomes 0 (and training leaves the trajectory
-        out unless rollout.train_on_faults)."""
+        out unless rollout.train_on_faults). Returns the trajectory, ended."""
         # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
         # no UTF-8 log or file takes: they are kept as their escapes.
         self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -151,6 +151,7 @@ class Trajectory:
         for turn in self.turns:
             turn.reward = turn.score = 0.0
             turn.reward_parts = {}
+        return self
 
     @property
     def turns(self) -> list[Turn]:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from RL2.rollout.env import StepResult
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.tools.declared import (
     Tool,
@@ -46,11 +47,11 @@ class ToolUse:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
         return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
-    async def respond(self, trajectory, action: str) -> list[dict] | str | None:
+    async def respond(self, trajectory, action: str) -> StepResult | str | None:
         """Run the calls of `action`, which answers the trajectory's `messages` (None: the state was text), counted
         in its `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`. Returns None when the action calls
-        no tool (the environment's step answers it); else the conversation with the action and the results; or,
-        where the trajectory must end, the reason."""
+        no tool (the environment's step answers it); else the conversation with the action and the results as the
+        next state, with no reward; or, where the trajectory must end, the reason."""
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return None
@@ -73,7 +74,8 @@ class ToolUse:
         # The assistant's message is the text it sampled, so that the template's rendering of it is what the
         # model wrote and the conversation stays one token sequence.
         assistant = {"role": "assistant", "content": action}
-        return [*trajectory.messages, assistant, *tool_result_messages(results), *unparsed]
+        messages = [*trajectory.messages, assistant, *tool_result_messages(results), *unparsed]
+        return StepResult(messages, 0.0, 0.0, False, trajectory.env_info)
 
     async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
         """The calls' results, run on the environments' loop. A tool that blocks that loop itself (sync code in an
