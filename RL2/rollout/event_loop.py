@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from RL2.loop_thread import LoopThread
 
-# Seconds the loop of a call that timed out has to answer before the call is taken to block it.
-BLOCKED_AFTER_S = 1.0
+BLOCKED_AFTER_S = 1.0  # seconds the loop of a call that timed out has to answer before it is taken to be blocked
 
 _loop: asyncio.AbstractEventLoop | None = None
 _lock = threading.Lock()  # guards `_user_loop`, and where each call is sent and whether it has started

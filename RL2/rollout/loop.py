@@ -17,10 +17,8 @@ from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
 from RL2.sandbox import SandboxError
 from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
-# SGLang's default when a request gives no max_new_tokens.
-DEFAULT_MAX_NEW_TOKENS = 128
-# Aborts in a row, each before a token, after which a request is taken to be refused, not paused.
-MAX_IDLE_RESUMES = 3
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, for a request that gives none
+MAX_IDLE_RESUMES = 3  # aborts in a row, each before a token, after which a request is taken to be refused
 
 
 def engine_sampling_params(params) -> dict:
@@ -113,8 +111,7 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
 
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
-    """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
-    one group per prompt, in order.
+    """Roll out every prompt `responses_per_prompt` times (a GRPO group) concurrently: one group per prompt, in order.
 
     `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
     `prompt_ids` (the prompt tokenised), `extra_info` (each trajectory gets a copy) and `sampling_seed`:
@@ -202,10 +199,9 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
 
 def drop_stale_groups(groups: list[list[Trajectory]], version: int,
                       max_staleness: int) -> tuple[list[list[Trajectory]], int]:
-    """Drop the carried groups (finished or not) whose oldest sampled token is more than `max_staleness`
-    (`rollout.max_staleness`) versions behind `version`, the weights the next update trains (AReaL's
-    `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept, in order; how
-    many were dropped). A group without a token of known version is kept."""
+    """Drop the carried groups whose oldest sampled token is more than `max_staleness` versions behind `version`,
+    the weights the next update trains (AReaL's `max_head_offpolicyness`), whole; a group without a token of known
+    version is kept. Returns (the groups kept, in order; how many were dropped)."""
     kept = [group for group in groups if version - min((v for t in group for v in t.versions), default=version)
             <= max_staleness]
     return kept, len(groups) - len(kept)
@@ -228,9 +224,8 @@ def _seeded(sampling_params: dict, seed: int | None, index: int) -> dict:
 
 
 def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tuple[int, int]]]:
-    """A state as text: chat messages go through the tokenizer's chat template (with the tools, if any).
-    Also returns where the messages' content wrote special tokens' text, which `encode` keeps as text
-    (`RL2.utils.tokens.render_plain`); a text state is the environment's own rendering, taken as written."""
+    """A state as text (chat messages through the chat template, with the tools if any), and the spans where the
+    messages' content wrote special tokens' text, which `encode` keeps as text (`RL2.utils.tokens.render_plain`)."""
     if isinstance(state, str):
         return state, []
     if tool_use is not None:
@@ -261,7 +256,8 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
     trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
     if state is None:
         try:
-            state = await _call_env(rollout, rollout.env.reset(extra_info))
+            state = await call_script(rollout.env, rollout.env.reset(extra_info), rollout.env_timeout,
+                                      rollout.max_timeouts, "rollout.env_timeout")
         except TooManyTimeouts:
             raise
         except TimeoutError:
@@ -299,16 +295,10 @@ async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_par
     return turn
 
 
-def _call_env(rollout: EnvRollout, coroutine):
-    """`call_script` for a `step` or `reset` of the rollout's environment."""
-    return call_script(rollout.env, coroutine, rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
-
-
 async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):
-    """`on_env_loop(coroutine, timeout)` for a call of `script` (an `Env` or an agent script), counting in
-    `script.timeouts_in_a_row` its calls that time out in a row; the `max_timeouts`-th raises `TooManyTimeouts`
-    (None: never), as a script that hangs on every call (a dead server, an endless loop) would otherwise fault
-    every trajectory of every step. `timeout_key` is the config key of `timeout`, for the error."""
+    """`on_env_loop(coroutine, timeout)` for a call of `script` (an `Env` or an agent script); its `max_timeouts`-th
+    call in a row to time out raises `TooManyTimeouts` (None: never), as a script that hangs on every call would
+    otherwise fault every trajectory of every step. `timeout_key` is the config key of `timeout`, for the error."""
     try:
         value = await on_env_loop(coroutine, timeout)
     except TimeoutError:
@@ -357,8 +347,7 @@ async def sample_action(engine: Engine, tokenizer, input_ids: list[int], samplin
 async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Turn, sampling_params: dict,
                       room: int | None) -> tuple[str | int | None, float]:
     """Sample into `turn` the rest of an action a pause cut short, after `input_ids`, which end with its tokens;
-    returns the stop string or token that ended it and the engine's seconds. Its tokens count against
-    max_new_tokens."""
+    returns the stop string or token that ended it and the engine's seconds."""
     params = dict(sampling_params)
     requested = params.get("max_new_tokens")
     params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(turn.action_ids)
@@ -372,9 +361,8 @@ async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Tur
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
-    """The text of sampled tokens, as the environment gets it. Every sampled token is in the text, so the text
-    matches the tokens trained on; a matched stop string stays in (the action ends with it), and what the token
-    that completed it wrote after it is cut, as SGLang's own text does."""
+    """The text of sampled tokens as the environment gets it: every token's (the text matches the tokens trained
+    on), a matched stop string kept, and what the token that completed it wrote after it cut, as in SGLang's text."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if isinstance(matched, str) and (pos := text.find(matched)) != -1:
         text = text[: pos + len(matched)]
@@ -386,7 +374,8 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
     if rollout.tool_use is not None and (reply := await rollout.tool_use.respond(trajectory, action)) is not None:
         return reply
     try:
-        return await _call_env(rollout, rollout.env.step(trajectory.state, action, trajectory.env_info))
+        return await call_script(rollout.env, rollout.env.step(trajectory.state, action, trajectory.env_info),
+                                 rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:

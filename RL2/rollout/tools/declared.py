@@ -31,8 +31,7 @@ class Tool:
     name: str  # the name the model calls it by
     schema: dict  # OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}
     fn: Callable | None  # sync or async; None for a schema-only tool run by the env's `call_tool`
-    # `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills with the trajectory's.
-    takes_extra_info: bool
+    takes_extra_info: bool  # `fn` has an `extra_info` parameter (not in the schema), which RL2 fills
 
 
 class ToolError(Exception):
@@ -54,9 +53,8 @@ class ToolResult:
 
 def build_tools(specs: list, where: str, call_tool: Callable | None = None) -> dict[str, Tool]:
     """The tools of the environment script `where` (named by the error messages), by name. `specs`: Python
-    functions, `Tool`s (an MCP server's: `RL2.rollout.tools.mcp_servers`), or OpenAI schema dicts ({"type":
-    "function", "function": {...}} or just the {"name", "description", "parameters"} inside), whose tools
-    `call_tool(name, arguments, extra_info)` (sync or async) runs."""
+    functions, `Tool`s (an MCP server's), or OpenAI schema dicts ({"type": "function", "function": {...}} or just
+    the function inside), whose tools `call_tool(name, arguments, extra_info)` (sync or async) runs."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if isinstance(spec, Tool):  # built already (an MCP server's)
@@ -123,10 +121,9 @@ def _schema_tool(spec: dict, where: str, call_tool: Callable | None) -> Tool:
 
 async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, timeout: float | None,
                    call_tool: Callable | None = None) -> ToolResult:
-    """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
-    model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
-    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in the loop's default
-    executor, so that a tool that blocks does not stop the other trajectories (a timed-out one runs on)."""
+    """Run one call of `tools` (from `build_tools`) for at most `timeout` seconds (None: no limit); what goes wrong
+    becomes an "Error: ..." result for the model, never an exception. `extra_info` goes to tools that take it and
+    to `call_tool`. Sync functions run in a thread, so that a tool that blocks stops no other trajectory."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
@@ -258,9 +255,8 @@ def _native_message(message: dict) -> dict:
 
 def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
     """OpenAI-style messages with tools as plain chat messages in RL2's default format, for a template that shows
-    no tools: the tool block of `tool_system_prompt` begins the system message, an assistant's tool_calls become
-    text in `parser`'s format, and each run of tool messages one user message of <tool_response> blocks (as
-    Hermes/Qwen templates render them)."""
+    no tools: the block of `tool_system_prompt` begins the system message, tool_calls become text in `parser`'s
+    format, and each run of tool messages one user message of <tool_response> blocks, as Hermes/Qwen render them."""
     out = []
     for is_tool, run in itertools.groupby(messages, key=lambda m: m["role"] == "tool"):
         if is_tool:

@@ -20,12 +20,9 @@ import pydantic
 from RL2.loop_thread import LoopThread
 from RL2.rollout.tools.declared import Tool, ToolError
 
-# Seconds a server has to start and list its tools.
-START_TIMEOUT_S = 60.0
-# What an error of a call says when the connection is gone (the next call connects again).
-LOST = ("connection closed", "session terminated")
-# Seconds `close` waits for the servers to shut down (a stdio server is asked to exit, then killed).
-CLOSE_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0  # seconds a server has to start and list its tools
+LOST = ("connection closed", "session terminated")  # what an error says when the connection is gone
+CLOSE_TIMEOUT_S = 10.0  # seconds `close` waits for the servers to shut down (a stdio one is then killed)
 
 
 @dataclass(eq=False)

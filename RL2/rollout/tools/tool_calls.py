@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 
 from RL2.utils.imports import import_file_or_module
 
-# How much of a malformed block an error message quotes.
-QUOTE_CHARS = 60
+QUOTE_CHARS = 60  # how much of a malformed block an error message quotes
 
 
 @dataclass
 class ToolCall:
-    """One call of a tool: its name, its arguments by name, and its id ("call_0", "call_1", ... in the
-    order the calls are written in one action)."""
+    """One call of a tool: its name, its arguments by name, and its id ("call_0", "call_1", ... in one action)."""
 
     name: str
     arguments: dict
@@ -30,8 +28,7 @@ class ParsedAction:
 
     content: str  # the action with the call blocks removed, stripped
     calls: list[ToolCall] = field(default_factory=list)  # the well-formed calls, in order
-    # One message per call block that could not be parsed (bad JSON, no name, arguments that are not an
-    # object), quoting the start of the block.
+    # One message per call block that could not be parsed (bad JSON, no name, ...), quoting its start.
     errors: list[str] = field(default_factory=list)
 
 
@@ -61,8 +58,7 @@ class ToolCallParser:
 
 
 class HermesParser(ToolCallParser):
-    """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block
-    per call."""
+    """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` per call."""
 
     name = "hermes"
     call_end = "</tool_call>"
@@ -104,8 +100,7 @@ class Llama3Parser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer templates `[TOOL_CALLS]name[ARGS]{...}`
-    once per call."""
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or newer templates' `[TOOL_CALLS]name[ARGS]{...}`."""
 
     name = "mistral"
     call_end = None  # the call ends with </s>, the end-of-sequence token

@@ -22,8 +22,7 @@ from RL2.rollout.tools.declared import (
 )
 from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser, tool_call_parser
 
-# Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.
-BLOCKED_GRACE_S = 1.0
+BLOCKED_GRACE_S = 1.0  # seconds past rollout.tool_timeout after which a tool blocking its loop is given up
 
 
 @dataclass
@@ -99,9 +98,8 @@ class ToolFault(Exception):
 
 @dataclass
 class ToolBox:
-    """Tools that a script's own code calls (an agent's MCP servers), for one run: their OpenAI schemas for a
-    chat completion's `tools=`, and `call`, which runs a call as the rollout runs a model's (rollout.tool_timeout,
-    an "Error: ..." result) and counts its failure on the run's trajectory."""
+    """Tools that a script's own code calls (an agent's MCP servers), for one run: their OpenAI schemas for
+    `tools=`, and `call`, which runs a call as the rollout runs a model's and counts its failure."""
 
     tools: dict[str, Tool]  # by name
     timeout: float | None  # rollout.tool_timeout
@@ -115,9 +113,9 @@ class ToolBox:
         return [tool.schema for tool in self.tools.values()]
 
     async def call(self, name: str, arguments: str | dict) -> str:
-        """The result of tool `name` on `arguments` (an object, or its JSON text as the openai client gives
-        `call.function.arguments`), "Error: ..." when the call fails; with rollout.tool_error=end a failure raises
-        `ToolFault` and ends the run as a fault, whatever the script makes of it."""
+        """The result of tool `name` on `arguments` (an object, or its JSON text), "Error: ..." when the call fails;
+        with rollout.tool_error=end a failure raises `ToolFault` and ends the run as a fault, whatever the script
+        makes of it."""
         problem = None
         if isinstance(arguments, str):
             try:
