@@ -13,9 +13,8 @@ CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
 class EngineState:
-    """`policy` as `RolloutWorker` takes it (`policy.updates`: the version of its weights); `push(label)` sends
-    its weights to the engine (collective); `colocated`: the trainer's models that leave the GPU while the engine
-    samples: with any, a push waits for the next rollout, as the push needs their GPU memory."""
+    """`policy` as `RolloutWorker` takes it (`policy.updates`: its weights' version); `push(label)` sends its weights
+    to the engine (collective); `colocated`: the trainer's models that leave the GPU while the engine samples."""
 
     def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
         self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)
@@ -63,9 +62,8 @@ class EngineState:
     def holding(self, give_back: bool = True) -> Iterator[None]:
         """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
         the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
-        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after
-        the scope; what needs the trainer's models before that rollout calls `to_trainer_if_lent` first.
-        Nothing inside may update the policy or need the trainer's models on the GPU."""
+        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after the
+        scope (`to_trainer_if_lent` gives it back). Nothing inside may update the policy or need the trainer's GPU."""
         self.holds += 1
         try:
             yield

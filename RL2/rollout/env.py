@@ -44,9 +44,8 @@ class StepResult:
 
 @dataclass
 class Env:
-    """A loaded environment script: its `step`, `reset` (if any), `TOOLS` (functions or OpenAI schema dicts;
-    `RL2.rollout.tools.tool_use`) then its MCP servers' tools, `call_tool(name, arguments, extra_info)`, which
-    runs schema-only tools, and `mcp`, the connections to its MCP servers (`MCPServers`), if it names any."""
+    """A loaded environment script: its `step`, `reset` (if any), tools (`TOOLS`, then its MCP servers'), `call_tool`,
+    which runs schema-only tools, and `mcp`, the connections to its MCP servers (`MCPServers`), if it names any."""
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
@@ -81,9 +80,8 @@ def load_env(path: str) -> Env:
                                "rl2_env_")
     step = getattr(module, "step", None)
     if step is None:
-        raise EnvError(
-            f"{file} defines no `step`; add `async def step(state: str, action: str, extra_info: dict) -> dict`"
-        )
+        raise EnvError(f"{file} defines no `step`; add "
+                       f"`async def step(state: str, action: str, extra_info: dict) -> dict`")
     reset = getattr(module, "reset", None)
     check_coroutine(file, "step", step, "state, action, extra_info")
     if reset is not None:

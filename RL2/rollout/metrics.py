@@ -80,9 +80,8 @@ def fault_kinds(trajectories: list[Trajectory]) -> Counter:
 
 
 def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> str | None:
-    """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
-    None when none did. A fault ends one trajectory (`outcome`: what became of it), never the run, so the log
-    is where its reason shows: a `step` that fails on every action would otherwise go unexplained."""
+    """How many trajectories a failing environment ended (`outcome`: what became of them), with the first one's
+    reason, for the log, where a `step` that fails on every action would otherwise go unexplained; None for none."""
     trajectories = [t for group in groups for t in group]
     faults = [t.fault for t in trajectories if t.fault is not None]
     if not faults:
@@ -93,9 +92,8 @@ def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> 
 
 
 def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
-    """How many turns started a new sequence because their next prompt did not extend the tokens sampled so far
-    (`Trajectory.split_turns`): the chat template (of `template`, the tokenizer's name) re-rendered the conversation
-    other than as sampled, or an environment's text state changed; None when none did."""
+    """How many turns started a new sequence (`Trajectory.split_turns`), naming the tokenizer `template` whose chat
+    template re-rendered the conversation other than as sampled; None when none did."""
     trajectories = [t for group in groups for t in group]
     splits = sum(t.split_turns for t in trajectories)
     if not splits:

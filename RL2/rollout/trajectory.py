@@ -228,11 +228,10 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None,
                    train_on_faults: bool = False) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
-    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
-    a label (a lone prompt) is left out, while its trajectory still counts. A trajectory a fault ended is left
-    out of training, all its sequences together (`RolloutBatch.trained`), unless `train_on_faults` trains it
-    with its reward 0. Given the `version` of the weights being trained, the batch has per-token `lags`: how
-    many versions behind it each sampled token was sampled (0 for a token of unknown version, and at the others)."""
+    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have a
+    label is left out, while its trajectory still counts. A trajectory a fault ended is left out of training whole
+    (`RolloutBatch.trained`), unless `train_on_faults`. Given the `version` of the weights trained, per-token `lags`:
+    how many versions behind it each token was sampled (0 where unknown, and on tokens not sampled)."""
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]

@@ -59,10 +59,9 @@ class RolloutWorker:
 
     def partial_rollout(self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params,
                         responses_per_prompt: int, seed: int, n_needed: int | None = None) -> tuple[list, list, list]:
-        """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
-        `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
-        default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
-        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank."""
+        """`partial_rollout_batch` of this rank's share of the carried groups and of `prompts`, stopping once it has
+        finished its share of `n_needed` groups (at least one; default: one per prompt; fewer than the groups
+        started, `rollout.over_sampling`, cuts the slowest). Returns every rank's groups, the same on every rank."""
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
         total = len(prompts) if n_needed is None else n_needed
@@ -83,9 +82,9 @@ class RolloutWorker:
                 trajectory.fill_versions(version)
 
     def _on_this_rank(self, seed: int, make_coroutine):
-        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
-        every rank (rather than leaving the others waiting in the gather of the results), with every
-        failing rank's message; an `EngineError` when only engines failed."""
+        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on every rank
+        (not leaving the others waiting in the gather), with every failing rank's message; an `EngineError` when
+        only engines failed."""
         with self.state.sampling(), use_sandbox(self.sandbox), use_judge(self.judge):
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []

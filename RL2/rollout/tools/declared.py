@@ -48,9 +48,6 @@ class ToolResult:
     seconds: float  # wall time
 
 
-# ---- declaring tools ----
-
-
 def build_tools(specs: list, where: str, call_tool: Callable | None = None) -> dict[str, Tool]:
     """The tools of the environment script `where` (named by the error messages), by name. `specs`: Python
     functions, `Tool`s (an MCP server's), or OpenAI schema dicts ({"type": "function", "function": {...}} or just
@@ -114,9 +111,6 @@ def _schema_tool(spec: dict, where: str, call_tool: Callable | None) -> Tool:
                          f"`call_tool(name, arguments, extra_info)` in {where} to run it, or list a function instead")
     function = {"parameters": {"type": "object", "properties": {}}, **function}
     return Tool(name, {"type": "function", "function": function}, None, False)
-
-
-# ---- running a call ----
 
 
 async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, timeout: float | None,
@@ -198,9 +192,6 @@ def tool_result_messages(results: list[ToolResult]) -> list[dict]:
     return [{"role": "tool", "content": r.content, "tool_call_id": r.call.id, "name": r.call.name} for r in results]
 
 
-# ---- rendering conversations with tools ----
-
-
 def template_renders_tools(tokenizer) -> bool:
     """Whether the tokenizer's chat template shows the tools passed as `tools=` (many ignore them)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -234,12 +225,10 @@ def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | N
     the header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole
     conversations). With `native`, the template renders tools itself (`template_renders_tools`); otherwise as
     `fallback_messages`, calls in `parser`'s format. `template_kwargs`: the template's own (`enable_thinking`)."""
-    if native:
-        return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
-    return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    rendered = [_native_message(m) for m in messages] if native else fallback_messages(messages, schemas, parser)
+    tools = {"tools": schemas or None} if native else {}
+    return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **tools, **(template_kwargs or {}))
 
 
 def _native_message(message: dict) -> dict:

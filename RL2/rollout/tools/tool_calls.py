@@ -221,10 +221,6 @@ def _choices() -> str:
             f"package.module:ClassName naming a subclass of RL2.rollout.tools.tool_calls.ToolCallParser")
 
 
-# ---- reading calls ----
-# A call is read as (name, arguments), or as an error message; `_action` numbers the calls.
-
-
 def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
     """The call one JSON text holds."""
     try:
@@ -284,6 +280,7 @@ def _json_list(text: str, start: int) -> tuple[list[tuple[str, dict] | str], str
 
 
 def _action(content: str, found: list[tuple[str, dict] | str], ids: str = "call_{}") -> ParsedAction:
+    """`content` with the calls read, each (name, arguments), numbered in `ids`, or an error message."""
     calls = [ToolCall(name, arguments, ids.format(i))
              for i, (name, arguments) in enumerate(item for item in found if not isinstance(item, str))]
     return ParsedAction(content.strip(), calls, [item for item in found if isinstance(item, str)])
