@@ -1,6 +1,5 @@
 """The run's judge (`rollout.judge`, for `RL2.rewards.judge_reward`): an OpenAI-compatible server, or a frozen model
-that this rank serves on an embedded engine of the judge's own, loaded from its path (not the policy's weights, which
-the judge never sees change)."""
+that this rank serves on an embedded engine of the judge's own (not the policy's weights, which it never sees)."""
 
 import itertools
 

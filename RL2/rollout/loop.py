@@ -272,10 +272,8 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
         return trajectory.fail(f"malformed state: it {bad}")
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
     if rollout.max_total_tokens is not None and len(ids) >= rollout.max_total_tokens:  # no room for one token
-        raise ValueError(
-            f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
-            f"{rollout.max_total_tokens}; raise it or shorten the prompts"
-        )
+        raise ValueError(f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
+                         f"{rollout.max_total_tokens}; raise it or shorten the prompts")
     trajectory.state, trajectory.messages = state, messages
     trajectory.start_sequence(state, ids)
     return trajectory

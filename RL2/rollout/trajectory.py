@@ -2,9 +2,8 @@
 
 Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the engine's
 log-probabilities, never on a re-tokenisation of the decoded text, which can merge or split tokens differently (a
-`<think>` spelled in pieces comes back as one special token): verl's and upstream RL2's multi-turn rollouts keep
-engine token ids for this reason. Only the environment's text is tokenised here, masked out of the loss. Each
-sampled token keeps the version of the weights that sampled it (docs/async.md, "Weight versions").
+`<think>` spelled in pieces comes back as one special token; verl's and upstream RL2's multi-turn rollouts keep
+engine token ids for this reason). Only the environment's text is tokenised here, masked out of the loss.
 """
 
 import json
@@ -255,14 +254,10 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None,
         versions = torch.tensor(per_token["versions"], dtype=torch.long)
         tokens["lags"] = torch.where(versions >= 0, version - versions, 0)
     return RolloutBatch(
-        input_ids=input_ids,
-        tokens=tokens,
-        sample_ids=torch.tensor(sample_ids, dtype=torch.long),
+        input_ids=input_ids, tokens=tokens, sample_ids=torch.tensor(sample_ids, dtype=torch.long),
         n_samples=len(trajectories),
         group_ids=torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long),
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        turn_rewards=turn_rewards,
-        turn_mask=turn_mask,
+        turn_rewards=turn_rewards, turn_mask=turn_mask,
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.float32),
-        trained=torch.tensor(trained, dtype=torch.bool),
-    )
+        trained=torch.tensor(trained, dtype=torch.bool))

@@ -50,7 +50,6 @@ class MCPServers:
         self._where, self._closed = where, False
         self.tools: dict[str, Tool] = {}
         self._thread = LoopThread("rl2-mcp-servers")
-        self._loop = self._thread.loop
         self._closing = asyncio.Event()
         atexit.register(self.close)
         try:
@@ -72,7 +71,7 @@ class MCPServers:
 
     async def _connect(self, connection: _Connection) -> list:
         """Open `connection` (anew, after a loss); the tools the server lists."""
-        listed = self._loop.create_future()
+        listed = asyncio.get_running_loop().create_future()
         connection.task = asyncio.create_task(self._serve(connection, listed))
         where, label = self._where, connection.label
         try:
