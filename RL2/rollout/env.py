@@ -96,8 +96,7 @@ def load_env(path: str) -> Env:
 
 
 def open_mcp_servers(module: ModuleType, file: Path):
-    """The connections to the MCP servers the script's `MCP_SERVERS` names (an `MCPServers`: their processes
-    started, their tools listed), or None when it names none."""
+    """The `MCPServers` of the script's `MCP_SERVERS` (started, their tools listed), or None when it names none."""
     specs = getattr(module, "MCP_SERVERS", None)
     if not specs:
         return None

@@ -135,9 +135,8 @@ def _send(call: _Call, home: _UserLoop) -> None:
 
 
 async def _run(call: _Call, home: _UserLoop) -> None:
-    """Run `call` on `home`'s loop, unless it moved to another loop or its caller gave up meanwhile. It starts
-    here, in the task's first step, not when the task is made: a call made ready behind one that then blocks
-    has not started, and moves."""
+    """Run `call` on `home`'s loop, unless it moved or its caller gave up meanwhile. It starts here, in the task's
+    first step, not when the task is made: a call made ready behind one that then blocks has not started, and moves."""
     with _lock:
         if call.home is not home or call.given_up:
             return

@@ -83,7 +83,15 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
             trajectory.stop_reason = "abort"
             return trajectory
         params = _seeded(sampling_params, sampling_params.get("sampling_seed"), trajectory.n_turns)
-        turn = await _next_action(rollout, trajectory, params)
+        engine, tokenizer, ids = rollout.engine, rollout.tokenizer, trajectory.current_ids
+        room = None if rollout.max_total_tokens is None else rollout.max_total_tokens - len(ids)
+        if trajectory.unfinished:  # the rest of an action a pause cut short (`ids` end with its tokens)
+            turn = trajectory.turns[-1]
+            _, seconds = await sample_rest(engine, tokenizer, ids, turn, params, room)
+        else:
+            turn, _, seconds = await sample_action(engine, tokenizer, ids, params, room)
+            trajectory.add_turn(turn)
+        trajectory.generate_seconds += seconds
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
@@ -277,20 +285,6 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
     trajectory.state, trajectory.messages = state, messages
     trajectory.start_sequence(state, ids)
     return trajectory
-
-
-async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_params: dict) -> Turn:
-    """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
-    engine, tokenizer, budget = rollout.engine, rollout.tokenizer, rollout.max_total_tokens
-    room = None if budget is None else budget - len(trajectory.current_ids)
-    if trajectory.unfinished:
-        turn = trajectory.turns[-1]
-        _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, turn, sampling_params, room)
-    else:
-        turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
-        trajectory.add_turn(turn)
-    trajectory.generate_seconds += seconds
-    return turn
 
 
 async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):

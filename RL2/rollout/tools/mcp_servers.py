@@ -41,8 +41,7 @@ class MCPServers:
     """The connections to a script's MCP servers, and their tools (`tools`, by name, for `build_tools`)."""
 
     def __init__(self, specs: list, where: str):
-        """Start or connect to each server of `specs` and list its tools; a `ValueError` naming `where` (the
-        script) and the server says what went wrong."""
+        """Start or connect to each server of `specs` and list its tools; a `ValueError` names `where`, the server."""
         if not isinstance(specs, (list, tuple)):
             raise ValueError(f"{where}: MCP_SERVERS is {type(specs).__name__}; make it a list of "
                              f'{{"command": [...]}} or {{"url": "http://..."}} dicts')

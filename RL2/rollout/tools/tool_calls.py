@@ -48,8 +48,7 @@ class ToolCallParser:
         raise NotImplementedError
 
     def stop_at_call_end(self, params: dict) -> dict:
-        """Sampling `params` with `call_end` among the stop strings, so that an action ends right after a
-        call and the model's own guess of the result is never sampled."""
+        """Sampling `params` with `call_end` among the stop strings: the model's guess of a result is never sampled."""
         if not self.call_end:
             return params
         stops = params.get("stop") or []
@@ -164,8 +163,7 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
-    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, available as
-    `tool_call_parser(name, ...)` (replacing one of that name)."""
+    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, `tool_call_parser(name, ...)`."""
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {name!r}: {parser_cls!r} is not a subclass of "
                          f"RL2.rollout.tools.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
@@ -173,9 +171,8 @@ def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
 
 
 def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
-    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name
-    ("hermes", "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName" naming
-    a `ToolCallParser` subclass."""
+    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name, or
+    "path/to/file.py:ClassName" / "package.module:ClassName" naming a `ToolCallParser` subclass."""
     if spec == "auto":
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:
