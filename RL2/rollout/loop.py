@@ -68,12 +68,10 @@ class EnvRollout:
 async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: dict, sampling_params: dict,
                          prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
                          stop: asyncio.Event | None = None) -> Trajectory:
-    """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids`
-    are given; None asks the environment's `reset`) and the row's `extra_info` (not copied here).
-
-    `resume`: a trajectory that ended with stop_reason "abort" instead: its last action is sampled on from
-    where it stopped, then the rollout goes on as usual. `stop`: once set, no new action is requested: the
-    trajectory ends "abort" with an empty action, to be resumed later (partial rollout pauses the engine)."""
+    """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids` are
+    given; None asks the environment's `reset`) and the row's `extra_info` (not copied here). `resume`: a trajectory
+    that ended with stop_reason "abort" instead, its last action sampled on from where it stopped. `stop`: once set,
+    no new action is requested: the trajectory ends "abort" with an empty action, to be resumed later."""
     trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
     if trajectory.fault is not None:  # its reset failed
         return trajectory
@@ -243,11 +241,9 @@ def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tupl
 
 
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
-    """The text `next_state` adds after `state + action`, or None when it does not extend them.
-
-    `end_text` is the text of the special token that ended the action, if any: `action` skips special tokens, so
-    a chat template re-rendering the conversation writes the end-of-turn token the policy already sampled; it is
-    dropped here rather than appended twice."""
+    """The text `next_state` adds after `state + action`, or None when it does not extend them. `end_text`: the text
+    of the special token that ended the action, if any, which `action` skips and a chat template re-rendering the
+    conversation writes: it is dropped here rather than appended twice."""
     prefix = state + action
     if not next_state.startswith(prefix):
         return None

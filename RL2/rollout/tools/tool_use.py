@@ -116,14 +116,11 @@ class ToolBox:
         """The result of tool `name` on `arguments` (an object, or its JSON text), "Error: ..." when the call fails;
         with rollout.tool_error=end a failure raises `ToolFault` and ends the run as a fault, whatever the script
         makes of it."""
-        problem = None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError as e:
-                problem = f"not JSON ({e.msg})"
-        if problem is None and not isinstance(arguments, dict):
-            problem = f"{arguments!r:.200} is not a JSON object"
+        try:
+            arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
+            problem = None if isinstance(arguments, dict) else f"{arguments!r:.200} is not a JSON object"
+        except json.JSONDecodeError as e:
+            problem = f"not JSON ({e.msg})"
         if problem is None:
             result = await run_tool(self.tools, ToolCall(name, arguments, ""), self.extra_info, self.timeout)
             content, failed = result.content, result.error is not None
