@@ -77,9 +77,8 @@ class EngineState:
             self.to_trainer()
 
     def to_trainer_if_lent(self) -> None:
-        """The trainer needs its models outside a step (a checkpoint save): if an evaluation left a
-        colocated engine holding the GPU, give it back. An engine beside the trainer that releases memory
-        (the embedded one on CPU) gives back its cache and keeps the weights the next rollout samples."""
+        """The trainer needs its models outside a step (a checkpoint save): a colocated engine an evaluation left
+        holding the GPU gives it back; one beside the trainer that releases memory (the embedded one) its cache."""
         if self.ready and self.colocated:
             self.to_trainer()
         elif self.releases_memory and self.cache_resident:

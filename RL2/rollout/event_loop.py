@@ -93,10 +93,10 @@ def env_loop() -> asyncio.AbstractEventLoop:
 
 
 async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
-    """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code,
-    for at most `timeout` seconds once it has started (None: no limit); past them it is cancelled, and its loop
-    left to it when it blocks the loop, and TimeoutError is raised. What the coroutine raises is raised here; a
-    `BaseException` that is not an `Exception` as `Escaped`. Cancelling the caller cancels the coroutine."""
+    """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code, for
+    at most `timeout` seconds once it has started (None: no limit), then cancelled (its loop left to it if it blocks
+    it) with a TimeoutError. What it raises is raised here, a `BaseException` that is no `Exception` as `Escaped`.
+    Cancelling the caller cancels the coroutine."""
     caller = asyncio.get_running_loop()
     call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
     with _lock:
@@ -143,9 +143,8 @@ async def _run(call: _Call, home: _UserLoop) -> None:
         home.waiting.discard(call)
         call.task = asyncio.current_task()
     _post(call.caller, _resolve, call.started, None)
-    # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself (asyncio re-raises them out of
-    # run_forever), so all the script raises comes back as a value; a CancelledError too, as the caller reads
-    # no value once it has cancelled the call, and one that the script raised itself is its own fault.
+    # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself, so all the script raises comes
+    # back as a value; a CancelledError too (a caller that cancelled reads no value; the script's own is its fault).
     try:
         outcome = await call.coroutine, None
     except BaseException as e:  # noqa: BLE001 -- the script's sys.exit() must not end the thread or the run

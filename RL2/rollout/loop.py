@@ -118,7 +118,6 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
     """Roll out every prompt `responses_per_prompt` times (a GRPO group) concurrently: one group per prompt, in order.
-
     `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
     `prompt_ids` (the prompt tokenised), `extra_info` (each trajectory gets a copy) and `sampling_seed`:
     trajectory j samples with `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
@@ -132,13 +131,12 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
 async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajectory]], prompts: list[dict],
                                 n_needed: int, responses_per_prompt: int,
                                 sampling_params: dict) -> tuple[list, list, list]:
-    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
-
-    The groups `carried` from the previous call (unfinished trajectories resume where they stopped) go first,
-    then one new group per prompt. Once `n_needed` groups are finished, no new action is requested and the
-    engine is paused with abort, which returns the in-flight requests with what they sampled so far.
-    Returns (finished groups, unfinished groups, newly finished groups: what this call's metrics report), carried
-    ones first, then in prompt order; the finished include carried ones finished already (beyond an earlier batch)."""
+    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time. The groups
+    `carried` from the previous call (unfinished trajectories resume where they stopped) go first, then one new group
+    per prompt. Once `n_needed` groups are finished, no new action is requested and the engine is paused with abort,
+    which returns the in-flight requests with what they sampled so far. Returns (finished groups, unfinished groups,
+    newly finished groups: what this call's metrics report), carried ones first, then in prompt order; the finished
+    include carried ones finished already (beyond an earlier batch)."""
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
     done_groups = asyncio.Event()

@@ -1,5 +1,5 @@
-"""What a rollout is measured by and leaves behind: metrics per step, the metrics of an evaluation
-per data source (each listed in docs/evaluation.md), and the JSONL dump of its samples."""
+"""What a rollout is measured by and leaves behind: metrics per step, an evaluation's per data source
+(docs/evaluation.md), and the JSONL dump of its samples."""
 
 import json
 import math
@@ -43,9 +43,8 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
 
 def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
-    """How old the trained tokens are, against the `version` of the weights trained, namespaced `staleness/...`
-    (`lag_<k>`, `mean_lag`, `max_span`: see docs/async.md). Tokens of unknown version are left out. The shares
-    are reported up to `max_lag` at least (`rollout.max_staleness`), so that every step has the same keys."""
+    """How old the trained tokens of known version are, against the `version` of the weights trained (`staleness/...`,
+    docs/async.md); the shares up to `max_lag` at least (`rollout.max_staleness`), so every step has the same keys."""
     trajectories = [t for group in groups for t in group]
     lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
     counts = Counter(lags)
@@ -106,9 +105,9 @@ def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
                  tokens: list[dict] | None = None, source: dict | None = None) -> None:
-    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`);
-    `tokens`: per trajectory, its `sample_tokens` record, written last on its line (the viewer reads a line's
-    other keys without parsing it); `source`: where the prompts came from (`data`, `script`)."""
+    """Append one JSON line per trajectory (prompt, response, reward, ...) for the viewer; `tokens`: per trajectory,
+    its `sample_tokens` record, written last on its line (the viewer reads a line's other keys without parsing it);
+    `source`: where the prompts came from (`data`, `script`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A lone surrogate ("\ud800") in a prompt or an observation is written as its JSON escape (UTF-8 has none).
@@ -128,8 +127,7 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
 
 
 def _trajectory_details(t: Trajectory) -> dict:
-    """What a viewer filters and draws by beyond the text: length, source, tools, and each turn of a multi-turn
-    trajectory."""
+    """What a viewer filters and draws by beyond the text: length, source, tools, each turn of a multi-turn one."""
     details = {"response_length": t.response_length, "n_sequences": len(t.sequences)}
     if "data_source" in (t.extra_info or {}):
         details["data_source"] = str(t.extra_info["data_source"])
@@ -150,8 +148,7 @@ def reward_parts(trajectory: Trajectory) -> dict[str, float]:
 
 
 def _means_by_name(values: list[dict[str, float]], prefix: str, only_given: bool = False) -> dict[str, float]:
-    """`prefix` + name: the mean of each name's values over `values`, where a dict without the name counts 0
-    (`only_given`: is left out)."""
+    """`prefix` + name: the mean of each name's values, a dict without it counting 0 (`only_given`: not at all)."""
     names = sorted({name for given in values for name in given})
     return {f"{prefix}{name}": _mean(given.get(name, 0.0) for given in values if name in given or not only_given)
             for name in names}

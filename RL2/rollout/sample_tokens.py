@@ -1,5 +1,4 @@
-"""The tokens of each trajectory that `save_samples` writes with `rollout.save_sample_tokens`: what the viewer
-(`python -m RL2.viewer`) colours each token by."""
+"""The tokens `save_samples` writes with `rollout.save_sample_tokens`: what the viewer colours each token by."""
 
 from RL2.batch import RolloutBatch
 from RL2.rollout.trajectory import Trajectory

@@ -32,8 +32,7 @@ class Turn:
     action_versions: list[int] = field(default_factory=list)
 
     def extend(self, rest: "Turn") -> None:
-        """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
-        the caller decodes the whole action's text again."""
+        """Append the rest of this action, sampled after a pause cut it; the caller decodes the whole text again."""
         self.action_ids += rest.action_ids
         self.action_logps += rest.action_logps
         self.action_versions += rest.action_versions
@@ -41,9 +40,8 @@ class Turn:
 
 
 def weight_version_number(weight_version: str | None) -> int | None:
-    """The version of weights an engine names `weight_version`: the trainer step whose update made them.
-    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
-    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None."""
+    """The version of weights an engine names `weight_version`: "step3" -> 3 (RL2 names each push so), "default" (the
+    weights both engines start with, the policy's initial ones) -> 0, anything else (not RL2's name) -> None."""
     if weight_version == "default":
         return 0
     match = re.fullmatch(r"step(\d+)", weight_version) if isinstance(weight_version, str) else None
@@ -109,8 +107,7 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
-        """The trajectory `to_dict` wrote; `version`, if given, goes to sampled tokens that a checkpoint
-        written before versions were kept leaves without one."""
+        """The trajectory `to_dict` wrote; `version`, if given, to its sampled tokens without one (`fill_versions`)."""
         sequences = [TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
                      for seq in data["sequences"]]
         trajectory = cls(**(data | {"sequences": sequences}))
@@ -199,10 +196,9 @@ class Trajectory:
         return "".join(turn.action_text + turn.env_text for turn in self.turns)
 
     def token_sequences(self) -> list[dict]:
-        """Each sequence's tokens as the rollout produced them, one dict per sequence. Per token (as long as
-        `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's log-probabilities there
-        (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token belongs to (-1 elsewhere),
-        `versions` the version of the weights that sampled it (-1 elsewhere, and where it is not known)."""
+        """Each sequence's tokens as the rollout produced them, one dict per sequence, per token: `input_ids`,
+        `loss_mask` (1 exactly on sampled tokens), and on sampled tokens `engine_logps` (else 0.0), `turn_ids` (the
+        turn of the whole trajectory; else -1) and `versions` (of the weights that sampled it; else, or unknown, -1)."""
         sequences, turn_index = [], 0
         for seq in self.sequences:
             record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}

@@ -27,11 +27,10 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 
 
 class RolloutWorker:
-    """This rank's rollouts on `engine` through `driver` (`RL2.rollout.loop.EnvRollout`, or an agent script's
-    `AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose weights the engine
-    samples, pushed in `dtype` (None: the engine keeps the weights it loaded); `colocated`: the trainer's models
-    on this GPU, which move to the CPU while SGLang servers launched on it sample; `sandbox`: the run's code
-    sandbox for `code_reward` (None: one with default limits); `judge`: the run's judge (`run_judge`), if any."""
+    """This rank's rollouts on `engine` through `driver` (an `EnvRollout`, or an agent script's `AgentRollout`, which
+    has no partial rollout). `policy`: the trained `FSDPWorker` whose weights the engine samples, pushed in `dtype`
+    (None: the engine keeps its own); `colocated`: the trainer's models on this GPU, which leave it while SGLang
+    servers launched on it sample; `sandbox` and `judge`: the run's, for `code_reward` and `judge_reward`."""
 
     def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None, judge: Judge | None = None):
@@ -74,8 +73,7 @@ class RolloutWorker:
         return tuple([g for part in parts for g in part[i]] for i in range(3))
 
     def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
-        """Tokens sampled without the engine naming its weights (an SGLang server older than its
-        `weight_version`) get the version of the weights this rollout sampled with."""
+        """Tokens sampled without the engine naming its weights (an older SGLang) get the version this rollout used."""
         version = weight_version_number(self.state.label) if self.state.follows_policy else 0
         if version is not None:
             for trajectory in (t for group in groups for t in group):

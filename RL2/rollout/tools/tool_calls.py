@@ -183,8 +183,7 @@ def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
 
 
 def _detect(chat_template: str | dict | None) -> str:
-    """The format a chat template writes tool calls in. Templates that know no tools get Hermes, RL2's
-    documented default, which `tools.tool_system_prompt` teaches the model."""
+    """The format a chat template writes tool calls in; Hermes, RL2's default, for templates that know no tools."""
     if isinstance(chat_template, dict):  # named templates ("default", "tool_use", ...)
         chat_template = "\n".join(chat_template.values())
     template = chat_template or ""
