@@ -37,8 +37,7 @@ def engine_sampling_params(params) -> dict:
 
 @dataclass(frozen=True)
 class EnvRollout:
-    """What every trajectory of an environment's rollout shares: the engine, the environment (and its tools) and
-    the limits. The rollout worker drives it through `batch` and `partial_batch`."""
+    """What every trajectory of an environment's rollout shares; the worker calls its `batch` and `partial_batch`."""
 
     engine: Engine  # serves SGLang `/generate` payloads
     env: Env

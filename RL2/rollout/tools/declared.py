@@ -117,7 +117,8 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
                    call_tool: Callable | None = None) -> ToolResult:
     """Run one call of `tools` (from `build_tools`) for at most `timeout` seconds (None: no limit); what goes wrong
     becomes an "Error: ..." result for the model, never an exception. `extra_info` goes to tools that take it and
-    to `call_tool`. Sync functions run in a thread, so that a tool that blocks stops no other trajectory."""
+    to `call_tool`. Sync functions run in the loop's default executor, so that a tool that blocks stops no other
+    trajectory (a timed-out one runs on to its end: Python cannot stop a thread)."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
