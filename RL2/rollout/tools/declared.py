@@ -132,10 +132,14 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
             raise ValueError(f"tool {tool.name!r} is schema-only and no call_tool was given to run it")
         fn, args, kwargs = call_tool, (call.name, call.arguments, extra_info), {}
     else:
-        bound = _bind(tool, call.arguments, extra_info)
-        if isinstance(bound, str):
-            return result(f"Error: bad arguments for {tool.name}: {bound}; its parameters are: "
-                          f"{_parameters(tool)}", "bad_arguments")
+        kwargs = {**call.arguments, "extra_info": extra_info} if tool.takes_extra_info else call.arguments
+        try:
+            if tool.takes_extra_info and "extra_info" in call.arguments:  # RL2's to fill, not the model's
+                raise TypeError("got an unexpected keyword argument 'extra_info'")
+            bound = inspect.signature(tool.fn).bind(**kwargs)
+        except TypeError as e:
+            return result(f"Error: bad arguments for {tool.name}: {e}; its parameters are: {_parameters(tool)}",
+                          "bad_arguments")
         fn, args, kwargs = tool.fn, bound.args, bound.kwargs
     try:
         value, raised = await asyncio.wait_for(_guarded(fn, args, kwargs), timeout)
@@ -145,17 +149,6 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
         shown = raised if isinstance(raised, ToolError) else f"{tool.name} raised {type(raised).__name__}: {raised}"
         return result(f"Error: {shown}", "raised")
     return result(_as_text(value))
-
-
-def _bind(tool: Tool, arguments: dict, extra_info: dict) -> inspect.BoundArguments | str:
-    """The function's arguments, or why the model's do not fit its signature."""
-    if tool.takes_extra_info and "extra_info" in arguments:  # RL2's to fill, not the model's
-        return "got an unexpected keyword argument 'extra_info'"
-    kwargs = {**arguments, "extra_info": extra_info} if tool.takes_extra_info else arguments
-    try:
-        return inspect.signature(tool.fn).bind(**kwargs)
-    except TypeError as e:
-        return str(e)
 
 
 def _parameters(tool: Tool) -> str:
