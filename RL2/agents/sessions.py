@@ -70,7 +70,7 @@ class Session:
         """Add a call's turns, one per choice: the first continues the prompt's sequence, if it still can,
         the others (and the first when another call continued that sequence meanwhile) start their own."""
         if prompt.tip is None and self._tips:  # a conversation that extends none the session sampled: a split turn
-            self.trajectory.count_split()
+            self.trajectory.split_turns += 1
         for i, turn in enumerate(turns):
             tip = prompt.tip if i == 0 else None
             if tip is not None and tip.turns == len(tip.sequence.turns):

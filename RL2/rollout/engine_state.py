@@ -1,10 +1,7 @@
-"""Whether the rollout engine may sample, decided in one place from the engine's memory (resident, or
-released to the trainer: released weights lose their content), the version of its weights (which update of
-the policy they hold, `FSDPWorker.updates`) and where the trainer's models are (on the GPU, or on the CPU
-while a colocated engine samples). `sampling()` is the only way to a rollout: it first brings the weights
-to the policy's current version, so that a rollout on stale or released weights cannot happen.
-`holding()` keeps the engine ready across the rollouts of one step, so the weights are pushed and the
-trainer's state moved once per step. The whole cycle and the memory of each phase: docs/gpus.md.
+"""Whether the rollout engine may sample, decided in one place from the engine's memory (resident, or released to
+the trainer), the version of its weights (`FSDPWorker.updates`) and where the trainer's models are. `sampling()`
+is the only way to a rollout: it first brings the weights to the policy's current version, so that a rollout on
+stale or released weights cannot happen. The whole cycle and the memory of each phase: docs/gpus.md.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -16,9 +13,8 @@ CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
 class EngineState:
-    """`policy` as `RolloutWorker` takes it (`policy.updates`: the version of its weights); `push(label)` sends
-    its weights to the engine (collective); `colocated`: the trainer's models that leave the GPU while the engine
-    samples: with any, a push waits for the next rollout, as the push needs their GPU memory."""
+    """`policy` as `RolloutWorker` takes it (`policy.updates`: its weights' version); `push(label)` sends its weights
+    to the engine (collective); `colocated`: the trainer's models that leave the GPU while the engine samples."""
 
     def __init__(self, engine, policy, push: Callable[[str], None], colocated: Sequence = ()):
         self.engine, self.policy, self.push, self.colocated = engine, policy, push, list(colocated)
@@ -66,9 +62,8 @@ class EngineState:
     def holding(self, give_back: bool = True) -> Iterator[None]:
         """Keep the engine ready across the rollouts inside (a step's dynamic-filtering rounds, which sample
         the same weights): the first `sampling()` sets it up, the trainer gets the GPU back at the end.
-        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after
-        the scope; what needs the trainer's models before that rollout calls `to_trainer_if_lent` first.
-        Nothing inside may update the policy or need the trainer's models on the GPU."""
+        `give_back=False` (an evaluation, whose weights the next rollout samples again) keeps it ready after the
+        scope (`to_trainer_if_lent` gives it back). Nothing inside may update the policy or need the trainer's GPU."""
         self.holds += 1
         try:
             yield
@@ -82,9 +77,8 @@ class EngineState:
             self.to_trainer()
 
     def to_trainer_if_lent(self) -> None:
-        """The trainer needs its models outside a step (a checkpoint save): if an evaluation left a
-        colocated engine holding the GPU, give it back. An engine beside the trainer that releases memory
-        (the embedded one on CPU) gives back its cache and keeps the weights the next rollout samples."""
+        """The trainer needs its models outside a step (a checkpoint save): a colocated engine an evaluation left
+        holding the GPU gives it back; one beside the trainer that releases memory (the embedded one) its cache."""
         if self.ready and self.colocated:
             self.to_trainer()
         elif self.releases_memory and self.cache_resident:

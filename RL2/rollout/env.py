@@ -1,12 +1,9 @@
 """Environment scripts: one Python file that turns the policy's actions into rewards (docs/rl.md, `envs/`).
 
 The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
-`score`, `done`, `extra_info` and optionally `reward_parts`, logged as `rollout/reward/<name>`), and optionally
-`async def reset(extra_info: dict) -> str`, the first state of a row without a prompt, and `TOOLS`
-(`RL2.rollout.tools.tool_use`), to which `MCP_SERVERS` adds the tools of MCP servers
-(`RL2.rollout.tools.mcp_servers`). A state is text or a list of chat messages.
-
-The env scripts of RL2's original releases run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
+`score`, `done`, `extra_info`, optionally `reward_parts`), and optionally `async def reset(extra_info: dict) -> str`,
+`TOOLS` and `MCP_SERVERS`. A state is text or a list of chat messages. The env scripts of RL2's original releases
+run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
 """
 
 import inspect
@@ -47,9 +44,8 @@ class StepResult:
 
 @dataclass
 class Env:
-    """A loaded environment script: its `step`, `reset` (if any), `TOOLS` (functions or OpenAI schema dicts;
-    `RL2.rollout.tools.tool_use`) then its MCP servers' tools, `call_tool(name, arguments, extra_info)`, which
-    runs schema-only tools, and `mcp`, the connections to its MCP servers (`MCPServers`), if it names any."""
+    """A loaded environment script: its `step`, `reset` (if any), tools (`TOOLS`, then its MCP servers'), `call_tool`,
+    which runs schema-only tools, and `mcp`, the connections to its MCP servers (`MCPServers`), if it names any."""
 
     path: str
     step_fn: Callable[[str, str, dict], Awaitable[dict]]
@@ -84,9 +80,8 @@ def load_env(path: str) -> Env:
                                "rl2_env_")
     step = getattr(module, "step", None)
     if step is None:
-        raise EnvError(
-            f"{file} defines no `step`; add `async def step(state: str, action: str, extra_info: dict) -> dict`"
-        )
+        raise EnvError(f"{file} defines no `step`; add "
+                       f"`async def step(state: str, action: str, extra_info: dict) -> dict`")
     reset = getattr(module, "reset", None)
     check_coroutine(file, "step", step, "state, action, extra_info")
     if reset is not None:
@@ -101,8 +96,7 @@ def load_env(path: str) -> Env:
 
 
 def open_mcp_servers(module: ModuleType, file: Path):
-    """The connections to the MCP servers the script's `MCP_SERVERS` names (an `MCPServers`: their processes
-    started, their tools listed), or None when it names none."""
+    """The `MCPServers` of the script's `MCP_SERVERS` (started, their tools listed), or None when it names none."""
     specs = getattr(module, "MCP_SERVERS", None)
     if not specs:
         return None

@@ -2,17 +2,10 @@
 
 Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
 what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
-still works in the next one; a new loop per rollout (`asyncio.run`) would leave such objects bound to a
-closed loop.
-
-User code (an environment's `step`, `reset` and tools, an agent's `run`) runs on a second loop in a daemon
-thread of its own (`on_env_loop`), kept from call to call: module-level asyncio objects of a script work
-across rollouts, and blocking code (`time.sleep`, a sync HTTP call, `while True`) stops only that loop, never
-the rank's loop, the engine or the agents' OpenAI endpoint. A call's timeout counts from when it starts, not
-while it waits behind another call. A call that runs out of time while it blocks its loop keeps that loop:
-the calls waiting to start move to a new loop and thread, and the blocked one is abandoned (Python cannot
-stop a thread; it ends once what blocks it returns). Only the calls that were already running there,
-awaiting something, wait with the blocked one; a script's module-level asyncio objects stay with the old loop.
+still works in the next one, where a new loop per rollout (`asyncio.run`) would leave it bound to a closed loop.
+User code (a step, a reset, tools, an agent's `run`) runs on a loop of its own in a daemon thread (`on_env_loop`),
+which a call that blocks it past its timeout keeps, the calls waiting to start moving to a new one (Python cannot
+stop a thread): docs/rl.md, "Environments".
 """
 
 import asyncio
@@ -22,8 +15,9 @@ import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
-# Seconds the loop of a call that timed out has to answer before the call is taken to block it.
-BLOCKED_AFTER_S = 1.0
+from RL2.loop_thread import LoopThread
+
+BLOCKED_AFTER_S = 1.0  # seconds the loop of a call that timed out has to answer before it is taken to be blocked
 
 _loop: asyncio.AbstractEventLoop | None = None
 _lock = threading.Lock()  # guards `_user_loop`, and where each call is sent and whether it has started
@@ -61,25 +55,22 @@ def close_rank_loop() -> None:
     loop.close()
 
 
-class _UserLoop:
+class _UserLoop(LoopThread):
     """A loop for user code and the daemon thread running it; once abandoned, it stops when its calls end."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
         self.waiting: set[_Call] = set()  # sent here, not started yet
         self.abandoned = False
-        threading.Thread(target=self._run, name=f"rl2-env-loop-{next(_numbers)}", daemon=True).start()
+        super().__init__(f"rl2-env-loop-{next(_numbers)}")
 
-    def _run(self) -> None:
+    def _run_forever(self) -> None:
         while True:
             try:
-                self.loop.run_forever()
-                break  # stopped: abandoned, and its calls ended
+                return super()._run_forever()  # stopped: abandoned, and its calls ended
             except (SystemExit, KeyboardInterrupt):
                 # Raised in a task that user code made (a child of its gather): asyncio re-raises these out of
                 # run_forever. The call that awaits that task gets it as its outcome; the loop goes on.
                 continue
-        self.loop.close()
 
 
 @dataclass(eq=False)
@@ -102,10 +93,10 @@ def env_loop() -> asyncio.AbstractEventLoop:
 
 
 async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
-    """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code,
-    for at most `timeout` seconds once it has started (None: no limit); past them it is cancelled, and its loop
-    left to it when it blocks the loop, and TimeoutError is raised. What the coroutine raises is raised here; a
-    `BaseException` that is not an `Exception` as `Escaped`. Cancelling the caller cancels the coroutine."""
+    """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code, for
+    at most `timeout` seconds once it has started (None: no limit), then cancelled (its loop left to it if it blocks
+    it) with a TimeoutError. What it raises is raised here, a `BaseException` that is no `Exception` as `Escaped`.
+    Cancelling the caller cancels the coroutine."""
     caller = asyncio.get_running_loop()
     call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
     with _lock:
@@ -144,23 +135,21 @@ def _send(call: _Call, home: _UserLoop) -> None:
 
 
 async def _run(call: _Call, home: _UserLoop) -> None:
-    """Run `call` on `home`'s loop, unless it moved to another loop or its caller gave up meanwhile. It starts
-    here, in the task's first step, not when the task is made: a call made ready behind one that then blocks
-    has not started, and moves."""
+    """Run `call` on `home`'s loop, unless it moved or its caller gave up meanwhile. It starts here, in the task's
+    first step, not when the task is made: a call made ready behind one that then blocks has not started, and moves."""
     with _lock:
         if call.home is not home or call.given_up:
             return
         home.waiting.discard(call)
         call.task = asyncio.current_task()
-    _notify(call.caller, call.started, None)
-    # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself (asyncio re-raises them out of
-    # run_forever), so all the script raises comes back as a value; a CancelledError too, as the caller reads
-    # no value once it has cancelled the call, and one that the script raised itself is its own fault.
+    _post(call.caller, _resolve, call.started, None)
+    # Inside a task, a SystemExit or KeyboardInterrupt would stop the loop itself, so all the script raises comes
+    # back as a value; a CancelledError too (a caller that cancelled reads no value; the script's own is its fault).
     try:
         outcome = await call.coroutine, None
     except BaseException as e:  # noqa: BLE001 -- the script's sys.exit() must not end the thread or the run
         outcome = None, e
-    _notify(call.caller, call.done, outcome)
+    _post(call.caller, _resolve, call.done, outcome)
 
 
 def _give_up(call: _Call) -> None:
@@ -180,7 +169,8 @@ async def _abandon_if_blocked(home: _UserLoop) -> None:
     global _user_loop
     caller = asyncio.get_running_loop()
     answer = caller.create_future()
-    if not _post(home.loop, _notify, caller, answer, None):  # closed: it was abandoned and has stopped
+    # `home`'s loop answers by resolving `answer` on the caller's; False: closed, it was abandoned and has stopped.
+    if not _post(home.loop, _post, caller, _resolve, answer, None):
         return
     answered, _ = await asyncio.wait([answer], timeout=BLOCKED_AFTER_S)
     if answered:
@@ -211,11 +201,7 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
     return True
 
 
-def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
-    """Give `future`, of `loop`, its result, from any thread."""
-    _post(loop, _resolve, future, value)
-
-
 def _resolve(future: asyncio.Future, value) -> None:
+    """Give `future` its result, on its own loop (`_post` it there from another thread)."""
     if not future.done():  # a caller that was cancelled cancelled it
         future.set_result(value)

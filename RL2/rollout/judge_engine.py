@@ -1,6 +1,5 @@
 """The run's judge (`rollout.judge`, for `RL2.rewards.judge_reward`): an OpenAI-compatible server, or a frozen model
-that this rank serves on an embedded engine of the judge's own, loaded from its path (not the policy's weights, which
-the judge never sees change)."""
+that this rank serves on an embedded engine of the judge's own (not the policy's weights, which it never sees)."""
 
 import itertools
 
@@ -32,9 +31,8 @@ def run_judge(judge_cfg, dtype: torch.dtype, device: torch.device) -> Judge | No
 
 
 def engine_chat(engine: Engine, tokenizer, max_new_tokens: int, temperature: float) -> ChatFn:
-    """A `ChatFn` of `engine`: the messages rendered by `tokenizer`'s chat template, the answer sampled. Each
-    request has a seed of its own, so that the judge's sampling never draws from torch's global generator, which
-    seeds the policy's."""
+    """A `ChatFn` of `engine`: the messages rendered by `tokenizer`'s chat template, the answer sampled with a seed
+    of its own, so that the judge never draws from torch's global generator, which seeds the policy's."""
     seeds = itertools.count()
 
     async def chat(messages: list[dict]) -> str:

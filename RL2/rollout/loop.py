@@ -1,12 +1,7 @@
 """The multi-turn rollout loop, the batch driver and dynamic filtering (metrics: `RL2.rollout.metrics`).
 
-A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. When the
-next state extends `state + action` as text (upstream RL2's rule), only the new text is tokenised and appended,
-so the sampled tokens are kept as they are; otherwise the next state starts a new sequence (see `trajectory.py`).
-Faults of the environment end one trajectory with reward 0; engine errors propagate and stop the rollout
-(docs/rl.md), as do `max_timeouts` timeouts of the environment in a row. Environment code runs on a loop of its
-own (`RL2.rollout.event_loop.on_env_loop`), so that a step that blocks stops neither the engine nor the other
-trajectories' steps.
+A trajectory alternates the policy and the environment until `done`, `max_turns` or the token budget. How turns
+become token sequences, which failures end one trajectory and which stop the rollout: docs/rl.md, "Environments".
 """
 
 import asyncio
@@ -22,18 +17,14 @@ from RL2.rollout.trajectory import Trajectory, Turn, weight_version_number
 from RL2.sandbox import SandboxError
 from RL2.utils.tokens import Spans, encode, longest_token_chars, render_plain, spans_after
 
-# SGLang's default when a request gives no max_new_tokens.
-DEFAULT_MAX_NEW_TOKENS = 128
-# Aborts in a row, each before a token, after which a request is taken to be refused, not paused.
-MAX_IDLE_RESUMES = 3
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, for a request that gives none
+MAX_IDLE_RESUMES = 3  # aborts in a row, each before a token, after which a request is taken to be refused
 
 
 def engine_sampling_params(params) -> dict:
-    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params.
-
-    Stop strings become a list (a single string is one stop). `no_stop_trim` is left out: it only trims
-    the engines' text, and the rollout decodes the sampled tokens itself (an action keeps its stop string).
-    """
+    """A sampling config (`rollout.*_sampling_params`, or a plain dict) as the engines' `/generate` params, stop
+    strings as a list. `no_stop_trim` is left out: it only trims the engines' text, and the rollout decodes the
+    sampled tokens itself (an action keeps its stop string)."""
     params = dict(params.items())  # a config section holds lists as its own list type: made plain below
     params.pop("no_stop_trim", None)
     stop, stop_token_ids = params.pop("stop", None), params.pop("stop_token_ids", None)
@@ -46,23 +37,16 @@ def engine_sampling_params(params) -> dict:
 
 @dataclass(frozen=True)
 class EnvRollout:
-    """What every trajectory of an environment's rollout shares: the engine that samples the actions, the
-    environment (and its tools) that answers them, and the limits. The rollout worker drives it through
-    `batch` and `partial_batch`."""
+    """What every trajectory of an environment's rollout shares; the worker calls its `batch` and `partial_batch`."""
 
     engine: Engine  # serves SGLang `/generate` payloads
     env: Env
     tokenizer: object  # the policy's (decodes actions, tokenises observations)
     max_turns: int = 1  # the most actions, at least 1 (`rollout.max_turns`, checked when the config is parsed)
-    # The most tokens of one sequence (prompt, actions and observations); each request's max_new_tokens is cut
-    # to what is left. None: no limit.
-    max_total_tokens: int | None = None
+    max_total_tokens: int | None = None  # the most tokens of one sequence (prompt, actions, observations)
     env_timeout: float | None = None  # seconds one `step` (or `reset`) may take once it has started; None: no limit
-    # The environment's tools, or None: an action that calls tools gets their results as the next state, and
-    # only one that calls none is stepped.
-    tool_use: ToolUse | None = None
-    # Stop the rollout (`TooManyTimeouts`) when this many steps and resets of `env` in a row time out
-    # (`rollout.max_consecutive_timeouts`). None: never.
+    tool_use: ToolUse | None = None  # the environment's tools: only an action that calls none is stepped
+    # Steps and resets of `env` timing out in a row that stop the rollout (`rollout.max_consecutive_timeouts`).
     max_timeouts: int | None = None
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
@@ -83,14 +67,10 @@ class EnvRollout:
 async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: dict, sampling_params: dict,
                          prompt_ids: list[int] | None = None, resume: Trajectory | None = None,
                          stop: asyncio.Event | None = None) -> Trajectory:
-    """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids`
-    are given; None asks the environment's `reset`) and the row's `extra_info` (handed to the environment, not
-    copied here).
-
-    `resume`: a trajectory that ended with stop_reason "abort" instead: its last action is sampled on from
-    where it stopped (the tokens it already has keep their log-probabilities), then the rollout goes on as
-    usual. `stop`: once set, no new action is requested: the trajectory ends "abort" with an empty action, to
-    be resumed later (partial rollout pauses the engine after setting it)."""
+    """Roll out one trajectory from `state` (the prompt text or chat messages, tokenised unless `prompt_ids` are
+    given; None asks the environment's `reset`) and the row's `extra_info` (not copied here). `resume`: a trajectory
+    that ended with stop_reason "abort" instead, its last action sampled on from where it stopped. `stop`: once set,
+    no new action is requested: the trajectory ends "abort" with an empty action, to be resumed later."""
     trajectory = resume if resume is not None else await _start(rollout, state, extra_info, prompt_ids)
     if trajectory.fault is not None:  # its reset failed
         return trajectory
@@ -100,17 +80,22 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
             trajectory.stop_reason = "abort"
             return trajectory
         params = _seeded(sampling_params, sampling_params.get("sampling_seed"), trajectory.n_turns)
-        turn = await _next_action(rollout, trajectory, params)
+        engine, tokenizer, ids = rollout.engine, rollout.tokenizer, trajectory.current_ids
+        room = None if rollout.max_total_tokens is None else rollout.max_total_tokens - len(ids)
+        if trajectory.unfinished:  # the rest of an action a pause cut short (`ids` end with its tokens)
+            turn = trajectory.turns[-1]
+            _, seconds = await sample_rest(engine, tokenizer, ids, turn, params, room)
+        else:
+            turn, _, seconds = await sample_action(engine, tokenizer, ids, params, room)
+            trajectory.add_turn(turn)
+        trajectory.generate_seconds += seconds
         if turn.finish_reason == "abort":  # the engine was paused: a partial action, no reward yet
             trajectory.stop_reason = "abort"
             return trajectory
-        # A resumed action is whole again: from here on the trajectory runs as any other (its next
-        # action is a new one, and a pause may stop it before that action).
-        trajectory.stop_reason = ""
+        trajectory.stop_reason = ""  # a resumed action is whole again: from here on it runs as any other
         result = await _answer(rollout, trajectory, turn.action_text)
         if isinstance(result, str):
-            trajectory.fail(result)
-            return trajectory
+            return trajectory.fail(result)
         turn.reward, turn.score, trajectory.env_info = result.reward, result.score, result.extra_info
         turn.reward_parts = result.reward_parts
         if result.done or trajectory.n_turns == rollout.max_turns:
@@ -119,11 +104,9 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
         try:
             next_state, plain = render_state(result.next_state, rollout.tokenizer, rollout.tool_use)
         except Exception as e:  # messages of the environment's making that the chat template rejects
-            trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
-            return trajectory
+            return trajectory.fail(f"malformed next_state: the chat template raised {type(e).__name__}: {e}")
         if (bad := not_text(next_state)) is not None:  # the tokenizer would raise TypeError
-            trajectory.fail(f"malformed next_state: it {bad}")
-            return trajectory
+            return trajectory.fail(f"malformed next_state: it {bad}")
         if not _observe(rollout, trajectory, turn, next_state, plain):
             trajectory.stop_reason = "budget"
             return trajectory
@@ -133,12 +116,10 @@ async def run_trajectory(rollout: EnvRollout, state: State | None, extra_info: d
 
 async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_prompt: int,
                         sampling_params: dict) -> list[list[Trajectory]]:
-    """Roll out every prompt `responses_per_prompt` times (a GRPO group), all trajectories concurrently; returns
-    one group per prompt, in order. Each trajectory gets its own copy of the row's `extra_info`.
-
+    """Roll out every prompt `responses_per_prompt` times (a GRPO group) concurrently: one group per prompt, in order.
     `prompts` are rows with `prompt` (text or chat messages; leave it out to call the env's `reset`), optionally
-    `prompt_ids` (the prompt tokenised), `extra_info` and `sampling_seed`: trajectory j of a row with a seed
-    samples with its own seed `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
+    `prompt_ids` (the prompt tokenised), `extra_info` (each trajectory gets a copy) and `sampling_seed`:
+    trajectory j samples with `sample_seed(seed, j)` (each turn with one of its own), so what it samples depends
     neither on the ranks nor on the other requests of the batch (evaluation sets it)."""
     tasks = [[asyncio.create_task(_row_trajectory(rollout, row, _seeded(sampling_params, row.get("sampling_seed"), j)))
               for j in range(responses_per_prompt)] for row in prompts]
@@ -149,16 +130,12 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
 async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajectory]], prompts: list[dict],
                                 n_needed: int, responses_per_prompt: int,
                                 sampling_params: dict) -> tuple[list, list, list]:
-    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time.
-
-    The groups `carried` from the previous call (unfinished trajectories resume where they stopped)
-    go first, then one new group per prompt. Once `n_needed` groups have every trajectory finished,
-    no new action is requested and the engine is paused with abort, which returns the in-flight
-    requests with what they sampled so far (docs/async.md: how the trainer bounds and corrects their age).
-
-    Returns (finished groups, unfinished groups, newly finished groups), carried ones first, then in prompt
-    order. The finished groups include the carried ones that were finished already (beyond an earlier batch);
-    the newly finished ones are those this call finished, what its metrics and samples report."""
+    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time. The groups
+    `carried` from the previous call (unfinished trajectories resume where they stopped) go first, then one new group
+    per prompt. Once `n_needed` groups are finished, no new action is requested and the engine is paused with abort,
+    which returns the in-flight requests with what they sampled so far. Returns (finished groups, unfinished groups,
+    newly finished groups: what this call's metrics report), carried ones first, then in prompt order; the finished
+    include carried ones finished already (beyond an earlier batch)."""
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
     done_groups = asyncio.Event()
@@ -203,9 +180,8 @@ async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajecto
 async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict, resume: Trajectory | None = None,
                           stop: asyncio.Event | None = None) -> Trajectory:
     """A trajectory of `row`, or `resume` carried on. Another client of a shared server may pause it: the cut
-    action carries on until it is whole (or `stop` is set), rather than the trajectory being trained on as if it
-    had ended there. A request aborted again and again before it samples a token is refused, not paused: that
-    raises, where resuming would loop for ever."""
+    action carries on until it is whole (or `stop` is set). A request aborted again and again before it samples a
+    token is refused, not paused: that raises, where resuming would loop for ever."""
     # A row keeps its conversation where its prompt is the conversation's rendering (environments with tools).
     state = row.get("messages") or row.get("prompt")
 
@@ -226,10 +202,9 @@ async def _row_trajectory(rollout: EnvRollout, row: dict, sampling_params: dict,
 
 def drop_stale_groups(groups: list[list[Trajectory]], version: int,
                       max_staleness: int) -> tuple[list[list[Trajectory]], int]:
-    """Drop the carried groups (finished or not) whose oldest sampled token is more than `max_staleness`
-    (`rollout.max_staleness`) versions behind `version`, the weights the next update trains (AReaL's
-    `max_head_offpolicyness`): a group is trained, or dropped, whole. Returns (the groups kept, in order; how
-    many were dropped). A group without a token of known version is kept."""
+    """Drop the carried groups whose oldest sampled token is more than `max_staleness` versions behind `version`,
+    the weights the next update trains (AReaL's `max_head_offpolicyness`), whole; a group without a token of known
+    version is kept. Returns (the groups kept, in order; how many were dropped)."""
     kept = [group for group in groups if version - min((v for t in group for v in t.versions), default=version)
             <= max_staleness]
     return kept, len(groups) - len(kept)
@@ -237,8 +212,7 @@ def drop_stale_groups(groups: list[list[Trajectory]], version: int,
 
 def filter_groups(groups: list[list[Trajectory]], train_on_faults: bool = False) -> list[list[Trajectory]]:
     """Drop groups whose trained rewards (faults' only with `train_on_faults`) are all equal (DAPO's dynamic
-    sampling): their group-normalised advantages are all 0, so they cost compute and teach nothing. Keep
-    sampling to refill."""
+    sampling): their group-normalised advantages are all 0, so they cost compute and teach nothing."""
     return [group for group in groups if len({t.reward for t in group if train_on_faults or t.fault is None}) > 1]
 
 
@@ -253,9 +227,8 @@ def _seeded(sampling_params: dict, seed: int | None, index: int) -> dict:
 
 
 def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tuple[int, int]]]:
-    """A state as text: chat messages go through the tokenizer's chat template (with the tools, if any).
-    Also returns where the messages' content wrote special tokens' text, which `encode` keeps as text
-    (`RL2.utils.tokens.render_plain`); a text state is the environment's own rendering, taken as written."""
+    """A state as text (chat messages through the chat template, with the tools if any), and the spans where the
+    messages' content wrote special tokens' text, which `encode` keeps as text (`RL2.utils.tokens.render_plain`)."""
     if isinstance(state, str):
         return state, []
     if tool_use is not None:
@@ -265,11 +238,9 @@ def render_state(state: State, tokenizer, tool_use=None) -> tuple[str, list[tupl
 
 
 def continuation(state: str, action: str, next_state: str, end_text: str = "") -> str | None:
-    """The text `next_state` adds after `state + action`, or None when it does not extend them.
-
-    `end_text` is the text of the special token that ended the action, if any: `action` skips special tokens, so
-    a chat template re-rendering the conversation writes the end-of-turn token the policy already sampled; it is
-    dropped here rather than appended twice."""
+    """The text `next_state` adds after `state + action`, or None when it does not extend them. `end_text`: the text
+    of the special token that ended the action, if any, which `action` skips and a chat template re-rendering the
+    conversation writes: it is dropped here rather than appended twice."""
     prefix = state + action
     if not next_state.startswith(prefix):
         return None
@@ -286,58 +257,33 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
     trajectory = Trajectory(extra_info=extra_info, env_info=extra_info)
     if state is None:
         try:
-            state = await _call_env(rollout, rollout.env.reset(extra_info))
+            state = await call_script(rollout.env, rollout.env.reset(extra_info), rollout.env_timeout,
+                                      rollout.max_timeouts, "rollout.env_timeout")
         except TooManyTimeouts:
             raise
         except TimeoutError:
-            trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
-                            f"env_timeout={rollout.env_timeout} s")
-            return trajectory
+            return trajectory.fail(f"reset failed: {rollout.env.path}: reset did not return within "
+                                   f"env_timeout={rollout.env_timeout} s")
         except Exception as e:  # the script's reset: whatever it raises ends this trajectory only
-            trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else
-                            f"reset raised {e}" if isinstance(e, Escaped) else f"reset raised {type(e).__name__}: {e}")
-            return trajectory
+            raised = str(e) if isinstance(e, Escaped) else f"{type(e).__name__}: {e}"
+            return trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else f"reset raised {raised}")
     messages = state if isinstance(state, list) else None
     state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
-        trajectory.fail(f"malformed state: it {bad}")
-        return trajectory
+        return trajectory.fail(f"malformed state: it {bad}")
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)
-    if not _fits(len(ids), rollout.max_total_tokens):
-        raise ValueError(
-            f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
-            f"{rollout.max_total_tokens}; raise it or shorten the prompts"
-        )
+    if rollout.max_total_tokens is not None and len(ids) >= rollout.max_total_tokens:  # no room for one token
+        raise ValueError(f"a prompt of {len(ids)} tokens leaves no room to generate within max_total_tokens="
+                         f"{rollout.max_total_tokens}; raise it or shorten the prompts")
     trajectory.state, trajectory.messages = state, messages
     trajectory.start_sequence(state, ids)
     return trajectory
 
 
-async def _next_action(rollout: EnvRollout, trajectory: Trajectory, sampling_params: dict) -> Turn:
-    """Sample the next action into the trajectory, or the rest of an action a pause cut short."""
-    engine, tokenizer, budget = rollout.engine, rollout.tokenizer, rollout.max_total_tokens
-    room = None if budget is None else budget - len(trajectory.current_ids)
-    if trajectory.unfinished:
-        turn = trajectory.turns[-1]
-        # current_ids already end with the partial action, so the engine samples on after it.
-        _, seconds = await sample_rest(engine, tokenizer, trajectory.current_ids, turn, sampling_params, room)
-    else:
-        turn, _, seconds = await sample_action(engine, tokenizer, trajectory.current_ids, sampling_params, room)
-        trajectory.add_turn(turn)
-    trajectory.generate_seconds += seconds
-    return turn
-
-
-def _call_env(rollout: EnvRollout, coroutine):
-    """`call_script` for a `step` or `reset` of the rollout's environment."""
-    return call_script(rollout.env, coroutine, rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
-
-
 async def call_script(script, coroutine, timeout: float | None, max_timeouts: int | None, timeout_key: str):
-    """`on_env_loop(coroutine, timeout)` for a call of `script` (an `Env` or an agent script), counting in
-    `script.timeouts_in_a_row` its calls that time out in a row; the `max_timeouts`-th raises `TooManyTimeouts`
-    (None: never), as a script that hangs on every call (a dead server, an endless loop) would otherwise fault
-    every trajectory of every step. `timeout_key` is the config key of `timeout`, for the error."""
+    """`on_env_loop(coroutine, timeout)` for a call of `script` (an `Env` or an agent script); its `max_timeouts`-th
+    call in a row to time out raises `TooManyTimeouts` (None: never), as a script that hangs on every call would
+    otherwise fault every trajectory of every step. `timeout_key` is the config key of `timeout`, for the error."""
     try:
         value = await on_env_loop(coroutine, timeout)
     except TimeoutError:
@@ -385,9 +331,8 @@ async def sample_action(engine: Engine, tokenizer, input_ids: list[int], samplin
 
 async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Turn, sampling_params: dict,
                       room: int | None) -> tuple[str | int | None, float]:
-    """Sample into `turn` the rest of an action a pause cut short (all of it when it has no token yet), after
-    `input_ids`, which end with its tokens; returns the stop string or token that ended it and the engine's
-    seconds. The tokens it has count against max_new_tokens: none left ends it with "length"."""
+    """Sample into `turn` the rest of an action a pause cut short, after `input_ids`, which end with its tokens;
+    returns the stop string or token that ended it and the engine's seconds."""
     params = dict(sampling_params)
     requested = params.get("max_new_tokens")
     params["max_new_tokens"] = (DEFAULT_MAX_NEW_TOKENS if requested is None else requested) - len(turn.action_ids)
@@ -401,9 +346,8 @@ async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Tur
 
 
 def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> str:
-    """The text of sampled tokens, as the environment gets it. Every sampled token is in the text, so the text
-    matches the tokens trained on; a matched stop string stays in (the action ends with it), and what the token
-    that completed it wrote after it is cut, as SGLang's own text does."""
+    """The text of sampled tokens as the environment gets it: every token's (the text matches the tokens trained
+    on), a matched stop string kept, and what the token that completed it wrote after it cut, as in SGLang's text."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if isinstance(matched, str) and (pos := text.find(matched)) != -1:
         text = text[: pos + len(matched)]
@@ -411,16 +355,12 @@ def action_text(tokenizer, ids: list[int], matched: str | int | None = None) -> 
 
 
 async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> StepResult | str:
-    """What follows an action: its tool calls' results (no reward yet), else the environment's step; or
-    the reason the trajectory ends as a fault."""
-    if rollout.tool_use is not None:
-        reply = await rollout.tool_use.respond(trajectory.messages, action, trajectory.env_info, trajectory)
-        if isinstance(reply, str):
-            return reply
-        if reply is not None:
-            return StepResult(reply, 0.0, 0.0, False, trajectory.env_info)
+    """What follows an action: its tool calls' results, else the environment's step; or why the trajectory fails."""
+    if rollout.tool_use is not None and (reply := await rollout.tool_use.respond(trajectory, action)) is not None:
+        return reply
     try:
-        return await _call_env(rollout, rollout.env.step(trajectory.state, action, trajectory.env_info))
+        return await call_script(rollout.env, rollout.env.step(trajectory.state, action, trajectory.env_info),
+                                 rollout.env_timeout, rollout.max_timeouts, "rollout.env_timeout")
     except (TooManyTimeouts, SandboxError):  # the run cannot go on (a sandbox that cannot isolate fails every step)
         raise
     except TimeoutError:
@@ -434,8 +374,8 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
 
 
 def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state: str, plain: Spans = ()) -> bool:
-    """Add the next state to the trajectory (`plain`: its spans of content's special-token text, see
-    `render_state`); False when it leaves no room for another action."""
+    """Add the next state (`plain`: see `render_state`) to the trajectory; False when it leaves no room for another
+    action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     text = next_state if added is None else added
@@ -445,10 +385,10 @@ def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state
     if budget is not None and len(text) >= (budget - before) * longest_token_chars(tokenizer):
         return False
     ids = encode(tokenizer, text, spans_after(plain, len(next_state) - len(text)))
-    if not _fits(before + len(ids), budget):
+    if budget is not None and before + len(ids) >= budget:  # no room left for one sampled token
         return False
     if added is None:
-        trajectory.count_split()
+        trajectory.split_turns += 1
         trajectory.start_sequence(next_state, ids)
     else:
         trajectory.continue_sequence(added, ids)
@@ -459,11 +399,6 @@ def end_text(tokenizer, action_ids: list[int]) -> str:
     """The text of the special token that ended an action (its decoded text skips it), or ""."""
     last = action_ids[-1:]
     return tokenizer.decode(last) if last and last[0] in tokenizer.all_special_ids else ""
-
-
-def _fits(n_tokens: int, budget: int | None) -> bool:
-    """Whether a sequence of `n_tokens` still leaves room for at least one sampled token."""
-    return budget is None or n_tokens < budget
 
 
 async def gather_or_cancel(tasks: list[asyncio.Task]) -> None:

@@ -1,5 +1,5 @@
-"""What a rollout is measured by and leaves behind: metrics per step, the metrics of an evaluation
-per data source (each listed in docs/evaluation.md), and the JSONL dump of its samples."""
+"""What a rollout is measured by and leaves behind: metrics per step, an evaluation's per data source
+(docs/evaluation.md), and the JSONL dump of its samples."""
 
 import json
 import math
@@ -10,12 +10,9 @@ from RL2.rollout.trajectory import Trajectory
 
 
 def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
-    """Means over trajectories, namespaced `rollout/...`. The environment's reward parts become
-    `rollout/reward/<name>`: per trajectory the sum over its turns (like its reward), averaged over every
-    trajectory, those without the part counting 0, so that a weighted sum of parts averages to the weighted sum
-    of their metrics. Where the policy may call tools (`tools`: an environment with TOOLS, an agent script), how
-    it used them is added (the `rollout/tool_*` metrics of docs/agents.md; `tool_s` is an agent script's own code
-    for agents)."""
+    """Means over trajectories, namespaced `rollout/...`, with the reward parts' `rollout/reward/<name>`
+    (docs/rewards.md, "Reward parts in the metrics"); where the policy may call tools (`tools`), also the
+    `rollout/tool_*` metrics (docs/agents.md, "Metrics")."""
     trajectories = [t for group in groups for t in group]
     if not trajectories:
         return {}
@@ -29,12 +26,9 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
         "rollout/split_turns": float(sum(t.split_turns for t in trajectories)),
     }
     metrics |= {f"rollout/faults/{kind}": float(n) for kind, n in fault_kinds(trajectories).items()}
-    metrics |= _reward_part_metrics(trajectories, "rollout/reward/")
-    metrics |= _agent_metrics(trajectories, "rollout/agent/")
-    # An agent's model calls per run, by API and those streamed (`rollout/agent_calls/<kind>`, docs/agents.md).
-    runs = [t for t in trajectories if t.agent_calls]
-    metrics |= {f"rollout/agent_calls/{kind}": _mean(t.agent_calls.get(kind, 0) for t in runs)
-                for kind in sorted({kind for t in runs for kind in t.agent_calls})}
+    metrics |= _means_by_name([reward_parts(t) for t in trajectories], "rollout/reward/")
+    metrics |= _means_by_name([t.metrics for t in trajectories], "rollout/agent/", only_given=True)
+    metrics |= _means_by_name([t.agent_calls for t in trajectories if t.agent_calls], "rollout/agent_calls/")
     if tools:
         tool_s, generate_s = sum(t.tool_seconds for t in trajectories), sum(t.generate_seconds for t in trajectories)
         metrics |= {
@@ -49,9 +43,8 @@ def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict
 
 
 def staleness_metrics(groups: list[list[Trajectory]], version: int, max_lag: int = 0) -> dict[str, float]:
-    """How old the trained tokens are, against the `version` of the weights trained, namespaced `staleness/...`
-    (`lag_<k>`, `mean_lag`, `max_span`: see docs/async.md). Tokens of unknown version are left out. The shares
-    are reported up to `max_lag` at least (`rollout.max_staleness`), so that every step has the same keys."""
+    """How old the trained tokens of known version are, against the `version` of the weights trained (`staleness/...`,
+    docs/async.md); the shares up to `max_lag` at least (`rollout.max_staleness`), so every step has the same keys."""
     trajectories = [t for group in groups for t in group]
     lags = [max(version - v, 0) for t in trajectories for v in t.versions]  # none is newer than the trained weights
     counts = Counter(lags)
@@ -86,9 +79,8 @@ def fault_kinds(trajectories: list[Trajectory]) -> Counter:
 
 
 def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> str | None:
-    """How many trajectories a failing environment (or reward function) ended, with the first one's reason;
-    None when none did. A fault ends one trajectory (`outcome`: what became of it), never the run, so the log
-    is where its reason shows: a `step` that fails on every action would otherwise go unexplained."""
+    """How many trajectories a failing environment ended (`outcome`: what became of them), with the first one's
+    reason, for the log, where a `step` that fails on every action would otherwise go unexplained; None for none."""
     trajectories = [t for group in groups for t in group]
     faults = [t.fault for t in trajectories if t.fault is not None]
     if not faults:
@@ -99,9 +91,8 @@ def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> 
 
 
 def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
-    """How many turns started a new sequence because their next prompt did not extend the tokens sampled so far
-    (`Trajectory.count_split`): the chat template (of `template`, the tokenizer's name) re-rendered the conversation
-    other than as sampled, or an environment's text state changed; None when none did."""
+    """How many turns started a new sequence (`Trajectory.split_turns`), naming the tokenizer `template` whose chat
+    template re-rendered the conversation other than as sampled; None when none did."""
     trajectories = [t for group in groups for t in group]
     splits = sum(t.split_turns for t in trajectories)
     if not splits:
@@ -114,14 +105,12 @@ def split_summary(groups: list[list[Trajectory]], template: str) -> str | None:
 
 def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
                  tokens: list[dict] | None = None, source: dict | None = None) -> None:
-    """Append one JSON line per trajectory (prompt, response, reward, ...) for inspection (`python -m RL2.viewer`);
-    `tokens`: per trajectory (in order), its `sample_tokens` record, written last on its line (the viewer reads a
-    line's other keys without parsing it); `source`: where the prompts came from (`data`, `script`), on every
-    line after the trajectory's `row`."""
+    """Append one JSON line per trajectory (prompt, response, reward, ...) for the viewer; `tokens`: per trajectory,
+    its `sample_tokens` record, written last on its line (the viewer reads a line's other keys without parsing it);
+    `source`: where the prompts came from (`data`, `script`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A lone surrogate ("\ud800") that a prompt or an environment's text holds is written as its JSON escape,
-    # which reads back as it was, rather than failing the write (UTF-8 has no encoding for it).
+    # A lone surrogate ("\ud800") in a prompt or an observation is written as its JSON escape (UTF-8 has none).
     trajectories = iter(tokens or [])
     with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for group_index, group in enumerate(groups):
@@ -138,8 +127,7 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
 
 
 def _trajectory_details(t: Trajectory) -> dict:
-    """What a viewer filters and draws by beyond the text: length, source, tools, and each turn of a multi-turn
-    trajectory (its action, what the environment answered, its reward)."""
+    """What a viewer filters and draws by beyond the text: length, source, tools, each turn of a multi-turn one."""
     details = {"response_length": t.response_length, "n_sequences": len(t.sequences)}
     if "data_source" in (t.extra_info or {}):
         details["data_source"] = str(t.extra_info["data_source"])
@@ -159,19 +147,11 @@ def reward_parts(trajectory: Trajectory) -> dict[str, float]:
     return dict(parts)
 
 
-def _agent_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    """Each metric an agent gave, averaged over the trajectories that give it."""
-    values = defaultdict(list)
-    for trajectory in trajectories:
-        for name, value in trajectory.metrics.items():
-            values[name].append(value)
-    return {f"{prefix}{name}": _mean(given) for name, given in sorted(values.items())}
-
-
-def _reward_part_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    per_trajectory = [reward_parts(t) for t in trajectories]
-    names = sorted({name for parts in per_trajectory for name in parts})
-    return {f"{prefix}{name}": _mean(parts.get(name, 0.0) for parts in per_trajectory) for name in names}
+def _means_by_name(values: list[dict[str, float]], prefix: str, only_given: bool = False) -> dict[str, float]:
+    """`prefix` + name: the mean of each name's values, a dict without it counting 0 (`only_given`: not at all)."""
+    names = sorted({name for given in values for name in given})
+    return {f"{prefix}{name}": _mean(given.get(name, 0.0) for given in values if name in given or not only_given)
+            for name in names}
 
 
 def _mean(values) -> float:
@@ -191,9 +171,8 @@ COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is
 def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
                        tools: bool = False) -> dict:
     """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples (`groups`, one per prompt;
-    `sources`, each prompt's `data_source`): pass@k for each k of `ks` (at most the samples of any prompt), a
-    sample passing when its score is at least `threshold`; where the policy may call tools (`tools`), also
-    `tool_calls` and `tool_errors` (means per sample)."""
+    `sources`, each prompt's `data_source`): `group_metrics` with pass@k for each k of `ks`, a sample passing
+    when its score is at least `threshold`."""
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)
@@ -219,7 +198,7 @@ def group_metrics(groups: list[list[Trajectory]], ks: list[int], threshold: floa
     metrics["response_length"] = _mean(t.response_length for t in samples)
     metrics["truncated"] = _mean(t.finish_reason == "length" for t in samples)
     metrics["faults"] = sum(t.fault is not None for t in samples)
-    metrics |= _reward_part_metrics(samples, "reward/")
+    metrics |= _means_by_name([reward_parts(t) for t in samples], "reward/")
     if tools:
         metrics["tool_calls"] = _mean(t.tool_calls for t in samples)
         metrics["tool_errors"] = _mean(t.tool_errors for t in samples)

@@ -1,7 +1,5 @@
-"""Training on a plain reward function (`rollout.reward_fn=path/to/file.py:name`, or
-`package.module:name`; the name defaults to `reward`): the function, `(response, extra_info) -> float |
-dict`, sync or async, wrapped as a one-turn environment whose `step` scores the response and ends the
-trajectory. See docs/rewards.md.
+"""Training on a plain reward function (`rollout.reward_fn`), wrapped as a one-turn environment whose `step`
+scores the response and ends the trajectory. See docs/rewards.md.
 """
 
 import inspect

@@ -1,5 +1,4 @@
-"""The tokens of each trajectory that `save_samples` writes with `rollout.save_sample_tokens`: what the viewer
-(`python -m RL2.viewer`) colours each token by."""
+"""The tokens `save_samples` writes with `rollout.save_sample_tokens`: what the viewer colours each token by."""
 
 from RL2.batch import RolloutBatch
 from RL2.rollout.trajectory import Trajectory
@@ -7,10 +6,9 @@ from RL2.rollout.trajectory import Trajectory
 
 def sample_tokens(groups: list[list[Trajectory]], tokenizer, limit: int, trained: list[list[Trajectory]],
                   batch: RolloutBatch | None) -> list[dict]:
-    """Each trajectory of `groups` (those written), its tokens after its prompts (actions and observations, at
-    most `limit`), as columns for the viewer's colouring: `text` (each token decoded alone), `mask` (1 on
-    sampled tokens), `logp` (the engine's), `version` (of the weights that sampled it, -1 unknown), and for the
-    `trained` groups (a subset) `adv` and `trainer_logp` (the trainer's log-probability, `old_logps`) from
+    """Each trajectory of `groups` (those written), its tokens after its prompts (at most `limit`), as columns for
+    the viewer's colouring: `text` (each token decoded alone), `mask` (1 on sampled tokens), `logp` (the engine's),
+    `version` (-1 unknown), and for the `trained` groups (a subset) `adv` and `trainer_logp` (`old_logps`) from
     `batch`, the trained batch after the update (None when nothing was trained); `n_tokens` counts them all."""
     per_label = _per_token_values(trained, batch) if batch is not None else {}
     records = []

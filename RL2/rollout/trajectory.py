@@ -1,15 +1,9 @@
 """What one rollout produced, token by token, and its conversion to the training batch.
 
-Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the log-probabilities
-the engine returned for them, never on a re-tokenisation of the decoded text: `decode` then `encode` can merge
-or split tokens differently (a `<think>` the model spelled in pieces comes back as one special token), and the
-trainer would then compute log-probabilities, ratios and KL for tokens the policy never sampled (verl's and
-upstream RL2's multi-turn rollouts keep engine token ids for this reason). Only the environment's text is
-tokenised here, and it is masked out of the loss.
-
-Every sampled token also keeps the version of the weights that sampled it (`Turn.action_versions`): a
-partial rollout resumes a cut action under newer weights, so one trajectory may span versions; the
-trainer bounds and corrects each token's lag from them (docs/async.md).
+Token in, token out: the trainer trains on exactly the token ids the engine sampled, with the engine's
+log-probabilities, never on a re-tokenisation of the decoded text, which can merge or split tokens differently (a
+`<think>` spelled in pieces comes back as one special token; verl's and upstream RL2's multi-turn rollouts keep
+engine token ids for this reason). Only the environment's text is tokenised here, masked out of the loss.
 """
 
 import json
@@ -23,10 +17,7 @@ from RL2.batch import RolloutBatch
 
 @dataclass
 class Turn:
-    """One action of the policy and what the environment answered. `env_ids` are the observation tokens
-    appended after the action when the next turn continues the same sequence (empty when the trajectory ends
-    here or starts a new sequence). `action_versions` is empty, or shorter than `action_ids`, where the engine
-    did not name its weights (`Trajectory.fill_versions` gives them the version the rollout worker pushed)."""
+    """One action of the policy and what the environment answered."""
 
     action_ids: list[int]  # as the engine returned them
     action_logps: list[float]  # the engine's log-probability of each sampled token
@@ -34,14 +25,14 @@ class Turn:
     finish_reason: str  # the engine's: "stop", "length" or "abort"
     reward: float = 0.0  # reward and score: what the environment's `step` returned for this action
     score: float = 0.0
-    env_ids: list[int] = field(default_factory=list)
+    env_ids: list[int] = field(default_factory=list)  # the observation, where the next turn extends this sequence
     env_text: str = ""  # the text `env_ids` were tokenised from
     reward_parts: dict[str, float] = field(default_factory=dict)  # the step's, logged as `rollout/reward/<name>`
-    action_versions: list[int] = field(default_factory=list)  # each token's `weight_version_number`
+    # Each token's `weight_version_number`; short of `action_ids` where the engine named none (`fill_versions`).
+    action_versions: list[int] = field(default_factory=list)
 
     def extend(self, rest: "Turn") -> None:
-        """Append the rest of this action, sampled after a pause cut it (by the same or newer weights);
-        the caller decodes the whole action's text again."""
+        """Append the rest of this action, sampled after a pause cut it; the caller decodes the whole text again."""
         self.action_ids += rest.action_ids
         self.action_logps += rest.action_logps
         self.action_versions += rest.action_versions
@@ -49,9 +40,8 @@ class Turn:
 
 
 def weight_version_number(weight_version: str | None) -> int | None:
-    """The version of weights an engine names `weight_version`: the trainer step whose update made them.
-    "step3" -> 3 (RL2 names each push so); "default", the name both engines give the weights they started with
-    (the policy's initial ones), -> 0; anything else (an engine that does not say, a name RL2 did not give) -> None."""
+    """The version of weights an engine names `weight_version`: "step3" -> 3 (RL2 names each push so), "default" (the
+    weights both engines start with, the policy's initial ones) -> 0, anything else (not RL2's name) -> None."""
     if weight_version == "default":
         return 0
     match = re.fullmatch(r"step(\d+)", weight_version) if isinstance(weight_version, str) else None
@@ -104,22 +94,20 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
     agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
-    # Turns whose next prompt did not extend the tokens sampled so far, and so started a new sequence
-    # (`count_split`), logged as `rollout/split_turns`.
+    # Turns whose next prompt, as the chat template re-renders the conversation, did not extend the tokens sampled
+    # so far, and so started a new sequence (docs/agents.md, "Token in, token out"): `rollout/split_turns`.
     split_turns: int = 0
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
-        torch values become lists and numbers, sets lists. Any other value of the environment's `extra_info` that
-        JSON cannot hold (a live object, such as the game of envs/gem.py) becomes None: an environment that keeps
-        one rebuilds it when it finds None."""
+        torch values become lists and numbers, sets lists, any other value JSON cannot hold (a live object, such as
+        the game of envs/gem.py) None, which an environment that keeps one rebuilds it from."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 
     @classmethod
     def from_dict(cls, data: dict, version: int | None = None) -> "Trajectory":
-        """The trajectory `to_dict` wrote; `version`, if given, goes to sampled tokens that a checkpoint
-        written before versions were kept leaves without one."""
+        """The trajectory `to_dict` wrote; `version`, if given, to its sampled tokens without one (`fill_versions`)."""
         sequences = [TokenSequence(seq["prompt_ids"], seq["prompt_text"], [Turn(**turn) for turn in seq["turns"]])
                      for seq in data["sequences"]]
         trajectory = cls(**(data | {"sequences": sequences}))
@@ -130,13 +118,6 @@ class Trajectory:
     def start_sequence(self, prompt_text: str, prompt_ids: list[int]) -> None:
         self.sequences.append(TokenSequence(list(prompt_ids), prompt_text))
 
-    def count_split(self) -> None:
-        """Count a turn whose next prompt, as the chat template re-renders the conversation, does not extend the
-        tokens sampled so far (the template drops past reasoning, rewrites tool calls or normalises whitespace):
-        the trajectory goes on in a new sequence, whose prompt is that rendering, rather than training the
-        sampled tokens as if the template's text were what the policy saw."""
-        self.split_turns += 1
-
     def add_turn(self, turn: Turn) -> None:
         self.sequences[-1].turns.append(turn)
 
@@ -146,9 +127,8 @@ class Trajectory:
         last.env_text, last.env_ids = env_text, list(env_ids)
 
     def fill_versions(self, version: int) -> None:
-        """Give `version` to every sampled token that has none yet (those an engine sampled without
-        naming its weights). A turn's tokens without one are its last ones: earlier parts of an action
-        were filled in by the rollout that sampled them."""
+        """Give `version` to every sampled token that has none yet (an engine sampled it without naming its
+        weights); those are a turn's last tokens, as the rollout that sampled its earlier ones filled them in."""
         for turn in self.turns:
             turn.action_versions += [version] * (len(turn.action_ids) - len(turn.action_versions))
 
@@ -157,9 +137,9 @@ class Trajectory:
         """Stopped by an engine pause in the middle of an action (partial rollout carries it on)."""
         return self.stop_reason == "abort"
 
-    def fail(self, fault: str) -> None:
+    def fail(self, fault: str) -> "Trajectory":
         """End on an environment fault: every reward and score becomes 0 (and training leaves the trajectory
-        out unless rollout.train_on_faults)."""
+        out unless rollout.train_on_faults). Returns the trajectory, ended."""
         # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
         # no UTF-8 log or file takes: they are kept as their escapes.
         self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -167,6 +147,7 @@ class Trajectory:
         for turn in self.turns:
             turn.reward = turn.score = 0.0
             turn.reward_parts = {}
+        return self
 
     @property
     def turns(self) -> list[Turn]:
@@ -215,10 +196,9 @@ class Trajectory:
         return "".join(turn.action_text + turn.env_text for turn in self.turns)
 
     def token_sequences(self) -> list[dict]:
-        """Each sequence's tokens as the rollout produced them, one dict per sequence. Per token (as long as
-        `input_ids`): `loss_mask` 1 exactly on sampled tokens, `engine_logps` the engine's log-probabilities there
-        (0.0 elsewhere), `turn_ids` the turn of the whole trajectory each sampled token belongs to (-1 elsewhere),
-        `versions` the version of the weights that sampled it (-1 elsewhere, and where it is not known)."""
+        """Each sequence's tokens as the rollout produced them, one dict per sequence, per token: `input_ids`,
+        `loss_mask` (1 exactly on sampled tokens), and on sampled tokens `engine_logps` (else 0.0), `turn_ids` (the
+        turn of the whole trajectory; else -1) and `versions` (of the weights that sampled it; else, or unknown, -1)."""
         sequences, turn_index = [], 0
         for seq in self.sequences:
             record = {"input_ids": [], "loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
@@ -243,11 +223,10 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None,
                    train_on_faults: bool = False) -> RolloutBatch:
     """The training batch of a rollout: every trajectory one sample, whatever its number of sequences.
 
-    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have
-    a label (a lone prompt) is left out, while its trajectory still counts. A trajectory a fault ended is left
-    out of training, all its sequences together (`RolloutBatch.trained`), unless `train_on_faults` trains it
-    with its reward 0. Given the `version` of the weights being trained, the batch has per-token `lags`: how
-    many versions behind it each sampled token was sampled (0 for a token of unknown version, and at the others)."""
+    Per-token values become label-aligned (token t of a sequence is label t - 1); a sequence too short to have a
+    label is left out, while its trajectory still counts. A trajectory a fault ended is left out of training whole
+    (`RolloutBatch.trained`), unless `train_on_faults`. Given the `version` of the weights trained, per-token `lags`:
+    how many versions behind it each token was sampled (0 where unknown, and on tokens not sampled)."""
     input_ids, sample_ids = [], []
     per_token = {"loss_mask": [], "engine_logps": [], "turn_ids": [], "versions": []}
     trajectories = [t for group in groups for t in group]
@@ -271,14 +250,10 @@ def training_batch(groups: list[list[Trajectory]], version: int | None = None,
         versions = torch.tensor(per_token["versions"], dtype=torch.long)
         tokens["lags"] = torch.where(versions >= 0, version - versions, 0)
     return RolloutBatch(
-        input_ids=input_ids,
-        tokens=tokens,
-        sample_ids=torch.tensor(sample_ids, dtype=torch.long),
+        input_ids=input_ids, tokens=tokens, sample_ids=torch.tensor(sample_ids, dtype=torch.long),
         n_samples=len(trajectories),
         group_ids=torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long),
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        turn_rewards=turn_rewards,
-        turn_mask=turn_mask,
+        turn_rewards=turn_rewards, turn_mask=turn_mask,
         response_lengths=torch.tensor([t.response_length for t in trajectories], dtype=torch.float32),
-        trained=torch.tensor(trained, dtype=torch.bool),
-    )
+        trained=torch.tensor(trained, dtype=torch.bool))

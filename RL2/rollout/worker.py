@@ -1,11 +1,8 @@
 """Each rank's share of a rollout: its prompts rolled out on its engine, seeded, gathered, and weights pushed.
 
-Every rank keeps a plain (unsharded) copy of the policy for generation in an `EmbeddedEngine` (or, with
-`rollout.engine=sglang`, talks to SGLang servers over HTTP: `RL2/engine/sglang/engine.py`), rolls out
-`prompts[rank::world_size]` through its driver, and all-gathers the trajectories, so that every rank ends with the
-whole rollout in prompt order (the packing of the update needs the global batch everywhere). A run's driver and
-worker are set up in `RL2.trainer.rollout_setup`; whether the engine may sample is decided in one place,
-`RL2.rollout.engine_state.EngineState`.
+Every rank rolls out `prompts[rank::world_size]` on its own engine through its driver and all-gathers the
+trajectories, so that every rank ends with the whole rollout in prompt order (the packing of the update needs the
+global batch everywhere). Set up in `RL2.trainer.rollout_setup`; whether the engine may sample: `EngineState`.
 """
 
 import asyncio
@@ -30,12 +27,10 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 
 
 class RolloutWorker:
-    """This rank's rollouts on `engine` through `driver` (`RL2.rollout.loop.EnvRollout`, or an agent script's
-    `RL2.agents.agent.AgentRollout`, which has no partial rollout). `policy`: the trained `FSDPWorker` whose
-    weights the engine samples, pushed in `dtype` (None: the engine keeps the weights it loaded, an evaluation
-    of a fixed model); `colocated`: the trainer's models on this GPU, which move to the CPU while SGLang servers
-    launched on it sample; `sandbox`: the run's code sandbox for `code_reward` (None: one with default limits);
-    `judge`: the run's judge for `judge_reward` (`RL2.rollout.judge_engine.run_judge`; None: none)."""
+    """This rank's rollouts on `engine` through `driver` (an `EnvRollout`, or an agent script's `AgentRollout`, which
+    has no partial rollout). `policy`: the trained `FSDPWorker` whose weights the engine samples, pushed in `dtype`
+    (None: the engine keeps its own); `colocated`: the trainer's models on this GPU, which leave it while SGLang
+    servers launched on it sample; `sandbox` and `judge`: the run's, for `code_reward` and `judge_reward`."""
 
     def __init__(self, engine: Engine, driver, device: torch.device, dtype: torch.dtype, policy=None,
                  colocated: Sequence = (), sandbox=None, judge: Judge | None = None):
@@ -63,10 +58,9 @@ class RolloutWorker:
 
     def partial_rollout(self, carried: list[list[Trajectory]], prompts: list[dict], sampling_params,
                         responses_per_prompt: int, seed: int, n_needed: int | None = None) -> tuple[list, list, list]:
-        """Partial rollout (`partial_rollout_batch`) of this rank's share of the carried groups and of
-        `prompts`, each rank stopping once it has finished its share of `n_needed` groups (at least one;
-        default: one per prompt; fewer than the groups started, `rollout.over_sampling`, cuts the slowest).
-        Returns the (finished, unfinished, newly finished) groups of every rank, the same on every rank."""
+        """`partial_rollout_batch` of this rank's share of the carried groups and of `prompts`, stopping once it has
+        finished its share of `n_needed` groups (at least one; default: one per prompt; fewer than the groups
+        started, `rollout.over_sampling`, cuts the slowest). Returns every rank's groups, the same on every rank."""
         rank, world = dist.get_rank(), dist.get_world_size()
         my_carried, my_prompts = carried[rank::world], prompts[rank::world]
         total = len(prompts) if n_needed is None else n_needed
@@ -79,17 +73,16 @@ class RolloutWorker:
         return tuple([g for part in parts for g in part[i]] for i in range(3))
 
     def _fill_versions(self, groups: list[list[Trajectory]]) -> None:
-        """Tokens sampled without the engine naming its weights (an SGLang server older than its
-        `weight_version`) get the version of the weights this rollout sampled with."""
+        """Tokens sampled without the engine naming its weights (an older SGLang) get the version this rollout used."""
         version = weight_version_number(self.state.label) if self.state.follows_policy else 0
         if version is not None:
             for trajectory in (t for group in groups for t in group):
                 trajectory.fill_versions(version)
 
     def _on_this_rank(self, seed: int, make_coroutine):
-        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on
-        every rank (rather than leaving the others waiting in the gather of the results), with every
-        failing rank's message; an `EngineError` when only engines failed."""
+        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on every rank
+        (not leaving the others waiting in the gather), with every failing rank's message; an `EngineError` when
+        only engines failed."""
         with self.state.sampling(), use_sandbox(self.sandbox), use_judge(self.judge):
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
@@ -115,14 +108,9 @@ class RolloutWorker:
         if self.judge is not None:
             self.judge.close()
 
-    def sync_weights(self, version: str) -> None:
-        """The policy was updated: the engine gets its weights, named `version` (its `weight_version`), now or at
-        the start of the next rollout (see `EngineState.synced`). Collective."""
-        self.state.synced(version)
-
     def take_push_seconds(self) -> float:
-        """Seconds spent pushing weights into the engine since the last call: a push happens at the
-        sync, or for a colocated engine at the start of the next rollout (see `EngineState.synced`)."""
+        """Seconds spent pushing weights into the engine since the last call (at the sync, or for a colocated
+        engine at the start of the next rollout: `EngineState.synced`)."""
         seconds, self.push_seconds = self.push_seconds, 0.0
         return seconds
 

@@ -179,7 +179,7 @@ class PPOTrainer(Trainer):
         # Timed as `perf/weight_push_s`; colocated SGLang servers defer the push until the trainer's state leaves
         # the GPU (docs/rl.md, "Checkpoints and metrics").
         with measured(metrics, "sync"):
-            self.rollout.sync_weights(f"step{step}")
+            self.rollout.state.synced(f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
         if self.ref and self.resets_reference():
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
@@ -323,7 +323,7 @@ class PPOTrainer(Trainer):
                         for group in state.get("carried", [])]
         self.test_cursor = state.get("test_cursor", 0)
         # The engines still hold the initial weights: give them the restored actor's.
-        self.rollout.sync_weights(f"step{state['step']}")
+        self.rollout.state.synced(f"step{state['step']}")
         self.rollout.take_push_seconds()  # that push is of no step's weights
 
 

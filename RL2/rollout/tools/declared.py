@@ -1,12 +1,8 @@
 """Tools an environment declares: their schemas, running them, and conversations that show them.
 
-A tool is a plain Python function, sync or async, with type hints and a Google-style docstring, from
-which its OpenAI schema comes (`transformers.utils.get_json_schema`); a parameter named `extra_info` is
-RL2's to fill, not the model's. A tool may also be an OpenAI schema dict that the environment's
-`call_tool(name, arguments, extra_info)` runs. A tool's failures are shown to the model as an
-"Error: ..." result, as a tool-calling API would, so that it can try again. The conversation is rendered
-by the chat template with `tools=` when the template shows tools, else in RL2's default format
-(`tool_system_prompt`). See docs/agents.md.
+A tool is a Python function, whose OpenAI schema comes from its type hints and docstring, or an OpenAI schema dict
+that the script's `call_tool` runs; its failures are shown to the model as "Error: ..." results, as a tool-calling
+API would, so that it can try again. See docs/agents.md, "An environment with tools".
 """
 
 import asyncio
@@ -35,8 +31,7 @@ class Tool:
     name: str  # the name the model calls it by
     schema: dict  # OpenAI style {"type": "function", "function": {"name", "description", "parameters"}}
     fn: Callable | None  # sync or async; None for a schema-only tool run by the env's `call_tool`
-    # `fn` has a parameter named `extra_info` (not in the schema), which RL2 fills with the trajectory's.
-    takes_extra_info: bool
+    takes_extra_info: bool  # `fn` has an `extra_info` parameter (not in the schema), which RL2 fills
 
 
 class ToolError(Exception):
@@ -53,14 +48,10 @@ class ToolResult:
     seconds: float  # wall time
 
 
-# ---- declaring tools ----
-
-
 def build_tools(specs: list, where: str, call_tool: Callable | None = None) -> dict[str, Tool]:
     """The tools of the environment script `where` (named by the error messages), by name. `specs`: Python
-    functions, `Tool`s (an MCP server's: `RL2.rollout.tools.mcp_servers`), or OpenAI schema dicts ({"type":
-    "function", "function": {...}} or just the {"name", "description", "parameters"} inside), whose tools
-    `call_tool(name, arguments, extra_info)` (sync or async) runs."""
+    functions, `Tool`s (an MCP server's), or OpenAI schema dicts ({"type": "function", "function": {...}} or just
+    the function inside), whose tools `call_tool(name, arguments, extra_info)` (sync or async) runs."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if isinstance(spec, Tool):  # built already (an MCP server's)
@@ -122,17 +113,12 @@ def _schema_tool(spec: dict, where: str, call_tool: Callable | None) -> Tool:
     return Tool(name, {"type": "function", "function": function}, None, False)
 
 
-# ---- running a call ----
-
-
 async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, timeout: float | None,
                    call_tool: Callable | None = None) -> ToolResult:
-    """Run one call of `tools` (from `build_tools`); what goes wrong becomes an "Error: ..." result for the
-    model, never an exception. `extra_info` goes to tools that take it and to `call_tool`, the runner of
-    schema-only tools; `timeout` (None: no limit) bounds the call. Sync functions run in a worker thread
-    (`asyncio.to_thread`), so that a tool that blocks does not stop the other trajectories. A timed-out sync
-    tool's thread runs on to its end (Python cannot stop a thread), and threads come from the event loop's
-    default executor, which bounds how many run at once."""
+    """Run one call of `tools` (from `build_tools`) for at most `timeout` seconds (None: no limit); what goes wrong
+    becomes an "Error: ..." result for the model, never an exception. `extra_info` goes to tools that take it and
+    to `call_tool`. Sync functions run in the loop's default executor, so that a tool that blocks stops no other
+    trajectory (a timed-out one runs on to its end: Python cannot stop a thread)."""
     start = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
@@ -146,10 +132,14 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
             raise ValueError(f"tool {tool.name!r} is schema-only and no call_tool was given to run it")
         fn, args, kwargs = call_tool, (call.name, call.arguments, extra_info), {}
     else:
-        bound = _bind(tool, call.arguments, extra_info)
-        if isinstance(bound, str):
-            return result(f"Error: bad arguments for {tool.name}: {bound}; its parameters are: "
-                          f"{_parameters(tool)}", "bad_arguments")
+        kwargs = {**call.arguments, "extra_info": extra_info} if tool.takes_extra_info else call.arguments
+        try:
+            if tool.takes_extra_info and "extra_info" in call.arguments:  # RL2's to fill, not the model's
+                raise TypeError("got an unexpected keyword argument 'extra_info'")
+            bound = inspect.signature(tool.fn).bind(**kwargs)
+        except TypeError as e:
+            return result(f"Error: bad arguments for {tool.name}: {e}; its parameters are: {_parameters(tool)}",
+                          "bad_arguments")
         fn, args, kwargs = tool.fn, bound.args, bound.kwargs
     try:
         value, raised = await asyncio.wait_for(_guarded(fn, args, kwargs), timeout)
@@ -159,17 +149,6 @@ async def run_tool(tools: dict[str, Tool], call: ToolCall, extra_info: dict, tim
         shown = raised if isinstance(raised, ToolError) else f"{tool.name} raised {type(raised).__name__}: {raised}"
         return result(f"Error: {shown}", "raised")
     return result(_as_text(value))
-
-
-def _bind(tool: Tool, arguments: dict, extra_info: dict) -> inspect.BoundArguments | str:
-    """The function's arguments, or why the model's do not fit its signature."""
-    if tool.takes_extra_info and "extra_info" in arguments:  # RL2's to fill, not the model's
-        return "got an unexpected keyword argument 'extra_info'"
-    kwargs = {**arguments, "extra_info": extra_info} if tool.takes_extra_info else arguments
-    try:
-        return inspect.signature(tool.fn).bind(**kwargs)
-    except TypeError as e:
-        return str(e)
 
 
 def _parameters(tool: Tool) -> str:
@@ -207,9 +186,6 @@ def tool_result_messages(results: list[ToolResult]) -> list[dict]:
     return [{"role": "tool", "content": r.content, "tool_call_id": r.call.id, "name": r.call.name} for r in results]
 
 
-# ---- rendering conversations with tools ----
-
-
 def template_renders_tools(tokenizer) -> bool:
     """Whether the tokenizer's chat template shows the tools passed as `tools=` (many ignore them)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -239,20 +215,14 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 
 def render_conversation(tokenizer, messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser,
                         native: bool, template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
-    """A conversation with tools (`schemas`; None or empty: none) as the text of the prompt, ending with the
-    header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole conversations).
-    `messages` are OpenAI-style: system, user, assistant (content and/or tool_calls) and tool (content,
-    tool_call_id, name). With `native`, the template renders tools itself
-    (`template_renders_tools`); otherwise the tool block of `tool_system_prompt` is prepended to the system
-    message (or makes one), an assistant's tool_calls become text in `parser`'s format (the policy's), and
-    each run of tool messages becomes one user message of <tool_response> blocks, as Hermes/Qwen templates
-    render them. `template_kwargs` are the template's own variables (e.g. `enable_thinking`)."""
-    if native:
-        return tokenizer.apply_chat_template([_native_message(m) for m in messages], tools=schemas or None,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
-    return tokenizer.apply_chat_template(fallback_messages(messages, schemas, parser), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    """OpenAI-style `messages` with tools (`schemas`; None or empty: none) as the text of the prompt, ending with
+    the header of the assistant's next turn (not without `add_generation_prompt`: SFT renders whole
+    conversations). With `native`, the template renders tools itself (`template_renders_tools`); otherwise as
+    `fallback_messages`, calls in `parser`'s format. `template_kwargs`: the template's own (`enable_thinking`)."""
+    rendered = [_native_message(m) for m in messages] if native else fallback_messages(messages, schemas, parser)
+    tools = {"tools": schemas or None} if native else {}
+    return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **tools, **(template_kwargs or {}))
 
 
 def _native_message(message: dict) -> dict:
@@ -267,8 +237,9 @@ def _native_message(message: dict) -> dict:
 
 
 def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: ToolCallParser) -> list[dict]:
-    """OpenAI-style messages with tools as plain chat messages in RL2's default format (what
-    `render_conversation` renders for a template that shows no tools)."""
+    """OpenAI-style messages with tools as plain chat messages in RL2's default format, for a template that shows
+    no tools: the block of `tool_system_prompt` begins the system message, tool_calls become text in `parser`'s
+    format, and each run of tool messages one user message of <tool_response> blocks, as Hermes/Qwen render them."""
     out = []
     for is_tool, run in itertools.groupby(messages, key=lambda m: m["role"] == "tool"):
         if is_tool:

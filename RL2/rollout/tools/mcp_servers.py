@@ -3,12 +3,9 @@
     {"command": ["python", "server.py"], "env": {...}, "cwd": "..."}  # stdio: RL2 starts the process
     {"url": "http://127.0.0.1:8000/mcp"}                              # streamable HTTP: a server already up
 
-(optionally with a "name" for the messages), and their tools join its TOOLS: listed once when the script
-loads, shown to the model in its format, run with the same timeouts and "Error: ..." results. Each server's
-connection is opened once per process, on an event loop and thread of their own (the tools are listed before
-any rollout runs, outside any loop, and the loop of user code that calls them may be abandoned to a tool
-that blocks it), opened again by the call after one that finds it lost, and closed by `close` or at exit. See
-docs/agents.md.
+(optionally with a "name" for the messages), and their tools join its TOOLS. The connections live on an event loop
+and thread of their own: the tools are listed before any rollout runs, outside any loop, and the loop of user code
+that calls them may be abandoned to a tool that blocks it. See docs/agents.md, "The tools of MCP servers".
 """
 
 import asyncio
@@ -23,12 +20,9 @@ import pydantic
 from RL2.loop_thread import LoopThread
 from RL2.rollout.tools.declared import Tool, ToolError
 
-# Seconds a server has to start and list its tools.
-START_TIMEOUT_S = 60.0
-# What an error of a call says when the connection is gone (the next call connects again).
-LOST = ("connection closed", "session terminated")
-# Seconds `close` waits for the servers to shut down (a stdio server is asked to exit, then killed).
-CLOSE_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0  # seconds a server has to start and list its tools
+LOST = ("connection closed", "session terminated")  # what an error says when the connection is gone
+CLOSE_TIMEOUT_S = 10.0  # seconds `close` waits for the servers to shut down (a stdio one is then killed)
 
 
 @dataclass(eq=False)
@@ -47,8 +41,7 @@ class MCPServers:
     """The connections to a script's MCP servers, and their tools (`tools`, by name, for `build_tools`)."""
 
     def __init__(self, specs: list, where: str):
-        """Start or connect to each server of `specs` and list its tools; a `ValueError` naming `where` (the
-        script) and the server says what went wrong."""
+        """Start or connect to each server of `specs` and list its tools; a `ValueError` names `where`, the server."""
         if not isinstance(specs, (list, tuple)):
             raise ValueError(f"{where}: MCP_SERVERS is {type(specs).__name__}; make it a list of "
                              f'{{"command": [...]}} or {{"url": "http://..."}} dicts')
@@ -56,7 +49,6 @@ class MCPServers:
         self._where, self._closed = where, False
         self.tools: dict[str, Tool] = {}
         self._thread = LoopThread("rl2-mcp-servers")
-        self._loop = self._thread.loop
         self._closing = asyncio.Event()
         atexit.register(self.close)
         try:
@@ -78,7 +70,7 @@ class MCPServers:
 
     async def _connect(self, connection: _Connection) -> list:
         """Open `connection` (anew, after a loss); the tools the server lists."""
-        listed = self._loop.create_future()
+        listed = asyncio.get_running_loop().create_future()
         connection.task = asyncio.create_task(self._serve(connection, listed))
         where, label = self._where, connection.label
         try:

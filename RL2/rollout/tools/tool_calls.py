@@ -1,10 +1,7 @@
 """The formats in which models write tool calls: parsed out of an action, and written for these calls.
 
-Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`,
-also RL2's default format, `tools.tool_system_prompt`), `llama3` and `mistral`; each parser's class shows
-its format. `tool_call_parser("auto", tokenizer)` picks the format from the tokenizer's chat template; a
-user's own format is a `ToolCallParser` subclass named as "path/to/file.py:ClassName" or
-"package.module:ClassName". See docs/agents.md.
+Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`, also
+RL2's default format), `llama3` and `mistral`; each parser's class shows its format. See docs/agents.md.
 """
 
 import json
@@ -13,14 +10,12 @@ from dataclasses import dataclass, field
 
 from RL2.utils.imports import import_file_or_module
 
-# How much of a malformed block an error message quotes.
-QUOTE_CHARS = 60
+QUOTE_CHARS = 60  # how much of a malformed block an error message quotes
 
 
 @dataclass
 class ToolCall:
-    """One call of a tool: its name, its arguments by name, and its id ("call_0", "call_1", ... in the
-    order the calls are written in one action)."""
+    """One call of a tool: its name, its arguments by name, and its id ("call_0", "call_1", ... in one action)."""
 
     name: str
     arguments: dict
@@ -33,8 +28,7 @@ class ParsedAction:
 
     content: str  # the action with the call blocks removed, stripped
     calls: list[ToolCall] = field(default_factory=list)  # the well-formed calls, in order
-    # One message per call block that could not be parsed (bad JSON, no name, arguments that are not an
-    # object), quoting the start of the block.
+    # One message per call block that could not be parsed (bad JSON, no name, ...), quoting its start.
     errors: list[str] = field(default_factory=list)
 
 
@@ -54,8 +48,7 @@ class ToolCallParser:
         raise NotImplementedError
 
     def stop_at_call_end(self, params: dict) -> dict:
-        """Sampling `params` with `call_end` among the stop strings, so that an action ends right after a
-        call and the model's own guess of the result is never sampled."""
+        """Sampling `params` with `call_end` among the stop strings: the model's guess of a result is never sampled."""
         if not self.call_end:
             return params
         stops = params.get("stop") or []
@@ -64,8 +57,7 @@ class ToolCallParser:
 
 
 class HermesParser(ToolCallParser):
-    """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block
-    per call."""
+    """Hermes, Qwen2.5 and Qwen3: one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` per call."""
 
     name = "hermes"
     call_end = "</tool_call>"
@@ -107,8 +99,7 @@ class Llama3Parser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer templates `[TOOL_CALLS]name[ARGS]{...}`
-    once per call."""
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or newer templates' `[TOOL_CALLS]name[ARGS]{...}`."""
 
     name = "mistral"
     call_end = None  # the call ends with </s>, the end-of-sequence token
@@ -172,8 +163,7 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
-    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, available as
-    `tool_call_parser(name, ...)` (replacing one of that name)."""
+    """Make `parser_cls`, a `ToolCallParser` subclass made with no arguments, `tool_call_parser(name, ...)`."""
     if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
         raise ValueError(f"tool-call parser {name!r}: {parser_cls!r} is not a subclass of "
                          f"RL2.rollout.tools.tool_calls.ToolCallParser; subclass it and define parse and format_calls")
@@ -181,9 +171,8 @@ def register_tool_parser(name: str, parser_cls: type[ToolCallParser]) -> None:
 
 
 def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
-    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name
-    ("hermes", "qwen", "llama3", "mistral"), or "path/to/file.py:ClassName" / "package.module:ClassName" naming
-    a `ToolCallParser` subclass."""
+    """The parser `spec` names: "auto" (the format the tokenizer's chat template writes), a registered name, or
+    "path/to/file.py:ClassName" / "package.module:ClassName" naming a `ToolCallParser` subclass."""
     if spec == "auto":
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:
@@ -194,8 +183,7 @@ def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
 
 
 def _detect(chat_template: str | dict | None) -> str:
-    """The format a chat template writes tool calls in. Templates that know no tools get Hermes, RL2's
-    documented default, which `tools.tool_system_prompt` teaches the model."""
+    """The format a chat template writes tool calls in; Hermes, RL2's default, for templates that know no tools."""
     if isinstance(chat_template, dict):  # named templates ("default", "tool_use", ...)
         chat_template = "\n".join(chat_template.values())
     template = chat_template or ""
@@ -227,10 +215,6 @@ def _load_class(spec: str) -> type[ToolCallParser]:
 def _choices() -> str:
     return (f"choose auto, one of {', '.join(sorted(_PARSERS))}, or path/to/file.py:ClassName / "
             f"package.module:ClassName naming a subclass of RL2.rollout.tools.tool_calls.ToolCallParser")
-
-
-# ---- reading calls ----
-# A call is read as (name, arguments), or as an error message; `_action` numbers the calls.
 
 
 def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
@@ -292,6 +276,7 @@ def _json_list(text: str, start: int) -> tuple[list[tuple[str, dict] | str], str
 
 
 def _action(content: str, found: list[tuple[str, dict] | str], ids: str = "call_{}") -> ParsedAction:
+    """`content` with the calls read, each (name, arguments), numbered in `ids`, or an error message."""
     calls = [ToolCall(name, arguments, ids.format(i))
              for i, (name, arguments) in enumerate(item for item in found if not isinstance(item, str))]
     return ParsedAction(content.strip(), calls, [item for item in found if isinstance(item, str)])

@@ -1,8 +1,6 @@
-"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls
-(in its own format, `RL2.rollout.tools.tool_calls`) run for it, and is asked to `step` only on an action that
-calls none (the answer). A tool turn earns no reward itself; its results go on as tool messages rendered
-by the chat template, and a call that fails is shown to the model as an "Error: ..." result and counted
-(or, with `rollout.tool_error=end`, ends the trajectory as a fault). See docs/agents.md.
+"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls run for it,
+and is asked to `step` only on an action that calls none (the answer). See docs/agents.md, "An environment with
+tools".
 """
 
 import asyncio
@@ -11,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from RL2.rollout.env import StepResult
 from RL2.rollout.event_loop import Escaped, on_env_loop
 from RL2.rollout.tools.declared import (
     Tool,
@@ -23,8 +22,7 @@ from RL2.rollout.tools.declared import (
 )
 from RL2.rollout.tools.tool_calls import ToolCall, ToolCallParser, tool_call_parser
 
-# Seconds past rollout.tool_timeout after which calls whose tool blocks the environments' loop are given up.
-BLOCKED_GRACE_S = 1.0
+BLOCKED_GRACE_S = 1.0  # seconds past rollout.tool_timeout after which a tool blocking its loop is given up
 
 
 @dataclass
@@ -37,8 +35,7 @@ class ToolUse:
     native: bool  # the chat template renders tools itself; otherwise RL2's default format is written in the messages
     timeout: float | None = None  # seconds one call may take (None: no limit)
     on_error: str = "observe"  # "observe" (the error is the call's result) or "end" (the trajectory ends as a fault)
-    # End an action at the format's end of a call, so that the model's own guess of the result is never sampled.
-    stop_after_call: bool = True
+    stop_after_call: bool = True  # end an action at the format's end of a call (`sampling_params`)
 
     def render(self, messages: list[dict], tokenizer) -> str:
         """Chat messages as the policy sees them, with the tools."""
@@ -49,27 +46,25 @@ class ToolUse:
         """`params` with the format's end of a call among the stop strings (`stop_after_call`)."""
         return self.parser.stop_at_call_end(params) if self.stop_after_call else params
 
-    async def respond(self, messages: list[dict] | None, action: str, extra_info: dict,
-                      counts) -> list[dict] | str | None:
-        """Run the calls of `action`, which answers `messages` (None: the state was text), with the trajectory's
-        `extra_info` for tools that take it; `counts` is the trajectory, whose `tool_calls`, `parse_errors`,
-        `tool_errors` and `tool_seconds` grow by this action's. Returns None when the action calls no tool (the
-        environment's step answers it); else the conversation with the action and the results; or, where the
-        trajectory must end, the reason."""
+    async def respond(self, trajectory, action: str) -> StepResult | str | None:
+        """Run the calls of `action`, which answers the trajectory's `messages` (None: the state was text), counted
+        in its `tool_calls`, `parse_errors`, `tool_errors` and `tool_seconds`. Returns None when the action calls
+        no tool (the environment's step answers it); else the conversation with the action and the results as the
+        next state, with no reward; or, where the trajectory must end, the reason."""
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return None
-        counts.tool_calls += len(parsed.calls)
-        counts.parse_errors += len(parsed.errors)
-        if messages is None:
+        trajectory.tool_calls += len(parsed.calls)
+        trajectory.parse_errors += len(parsed.errors)
+        if trajectory.messages is None:
             return "the model called a tool, but the state is text: an environment with tools needs chat messages"
         if parsed.errors and self.on_error == "end":
             return f"a tool call could not be parsed ({parsed.errors[0]}) and rollout.tool_error=end"
         began = time.perf_counter()
-        results = await self._run(parsed.calls, extra_info)
-        counts.tool_seconds += time.perf_counter() - began
+        results = await self._run(parsed.calls, trajectory.env_info)
+        trajectory.tool_seconds += time.perf_counter() - began
         failed = [result for result in results if result.error]
-        counts.tool_errors += len(failed)
+        trajectory.tool_errors += len(failed)
         if failed and self.on_error == "end":
             return f"a tool call failed ({failed[0].content}) and rollout.tool_error=end"
         unparsed = [{"role": "tool", "name": "", "tool_call_id": f"unparsed_{i}",
@@ -77,12 +72,13 @@ class ToolUse:
                     for i, error in enumerate(parsed.errors)]
         # The assistant's message is the text it sampled, so that the template's rendering of it is what the
         # model wrote and the conversation stays one token sequence.
-        return [*messages, {"role": "assistant", "content": action}, *tool_result_messages(results), *unparsed]
+        assistant = {"role": "assistant", "content": action}
+        messages = [*trajectory.messages, assistant, *tool_result_messages(results), *unparsed]
+        return StepResult(messages, 0.0, 0.0, False, trajectory.env_info)
 
     async def _run(self, calls: list[ToolCall], extra_info: dict) -> list[ToolResult]:
-        """The calls' results, run on the environments' loop with the script's other code. `run_tool` times
-        out each call; a tool that blocks that loop itself (sync code in an async tool) is timed out here, and
-        one that raises what `run_tool` does not catch (`sys.exit()`, a CancelledError) fails every call."""
+        """The calls' results, run on the environments' loop. A tool that blocks that loop itself (sync code in an
+        async tool) is timed out here, and one that raises what `run_tool` does not catch fails every call."""
         async def run_all() -> list[ToolResult]:  # gathered on the environments' loop
             return await asyncio.gather(*(run_tool(self.tools, call, extra_info, self.timeout, self.call_tool)
                                           for call in calls))
@@ -102,9 +98,8 @@ class ToolFault(Exception):
 
 @dataclass
 class ToolBox:
-    """Tools that a script's own code calls (an agent's MCP servers), for one run: their OpenAI schemas for a
-    chat completion's `tools=`, and `call`, which runs a call as the rollout runs a model's (rollout.tool_timeout,
-    an "Error: ..." result) and counts its failure on the run's trajectory."""
+    """Tools that a script's own code calls (an agent's MCP servers), for one run: their OpenAI schemas for
+    `tools=`, and `call`, which runs a call as the rollout runs a model's and counts its failure."""
 
     tools: dict[str, Tool]  # by name
     timeout: float | None  # rollout.tool_timeout
@@ -118,17 +113,14 @@ class ToolBox:
         return [tool.schema for tool in self.tools.values()]
 
     async def call(self, name: str, arguments: str | dict) -> str:
-        """The result of tool `name` on `arguments` (an object, or its JSON text as the openai client gives
-        `call.function.arguments`), "Error: ..." when the call fails; with rollout.tool_error=end a failure raises
-        `ToolFault` and ends the run as a fault, whatever the script makes of it."""
-        problem = None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError as e:
-                problem = f"not JSON ({e.msg})"
-        if problem is None and not isinstance(arguments, dict):
-            problem = f"{arguments!r:.200} is not a JSON object"
+        """The result of tool `name` on `arguments` (an object, or its JSON text), "Error: ..." when the call fails;
+        with rollout.tool_error=end a failure raises `ToolFault` and ends the run as a fault, whatever the script
+        makes of it."""
+        try:
+            arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
+            problem = None if isinstance(arguments, dict) else f"{arguments!r:.200} is not a JSON object"
+        except json.JSONDecodeError as e:
+            problem = f"not JSON ({e.msg})"
         if problem is None:
             result = await run_tool(self.tools, ToolCall(name, arguments, ""), self.extra_info, self.timeout)
             content, failed = result.content, result.error is not None
