@@ -1,10 +1,6 @@
-"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`): `embedded/`, the in-process
-engine (continuous batching, C kernels for CPU decode steps, SGLang's sampling and stop rules), and `sglang/`, SGLang
-servers with their weight transfer. `checkpoint_layout.py` gives the trainer's parameters the names and layout of the
-model's checkpoint, which SGLang loads; `memory_plan.py` sizes SGLang servers that share the GPUs with training.
-
-`start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol.
-"""
+"""Inference engines for rollouts behind one protocol (`protocol.Engine`): `embedded/`, the in-process engine, and
+`sglang/`, SGLang servers. `start_engine` picks one of `ENGINES` and builds it; everything after that goes through the
+protocol."""
 
 from collections.abc import Sequence
 

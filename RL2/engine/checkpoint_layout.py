@@ -1,14 +1,7 @@
-"""The trainer's parameters under the names and in the layout of the model's checkpoint.
-
-transformers 5 holds a mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE, OLMoE, ...)
-fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, where the checkpoint has one tensor
-per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`);
-`from_pretrained` converts on the way in, `save_pretrained` back (transformers' `conversion_mapping.py`,
-`core_model_loading.py`). SGLang's loaders read the checkpoint's names and skip a name they do not know without an
-error. `CheckpointLayout.to_checkpoint` maps a stream of full tensors back with transformers' own reverse conversion
-(`revert_weight_conversion`) one group at a time (the tensors one reverse converter needs, usually one), so that no more
-than a layer's experts are held beyond the caller's buckets. A model without conversions (every dense model so far)
-passes through unchanged; the embedded engine holds transformers' model and takes its names as they are.
+"""The trainer's parameters under the names and in the layout of the model's checkpoint, which SGLang's loaders read
+(docs/gpus.md, "SGLang servers"). transformers 5 holds a mixture of experts fused (`mlp.experts.gate_up_proj`), the
+checkpoint one tensor per expert and projection; `from_pretrained` converts on the way in, `save_pretrained` back
+(transformers' `conversion_mapping.py`, `core_model_loading.py`). Dense models pass through unchanged.
 """
 
 from collections.abc import Iterable, Iterator
@@ -60,9 +53,10 @@ class CheckpointLayout:
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors under the model's parameter names, in any order, as the checkpoint holds them:
-        `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor), each
-        group converted once its last tensor has arrived. Raises ValueError at the end when a group stayed
-        incomplete (a converter would have been given part of its tensors)."""
+        `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor), each group (the
+        tensors one reverse converter needs, usually one) converted by `revert_weight_conversion` once its last tensor
+        has arrived, so that no more than a layer's experts are held beyond the caller's buckets. Raises ValueError at
+        the end when a group stayed incomplete (a converter would have been given part of its tensors)."""
         if not self.converts:
             return named_tensors
         return self._converted(named_tensors)

@@ -1,19 +1,10 @@
-"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate`.
+"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate` (`RL2.engine.protocol`) as
+an async Python API, with SGLang's sampling and stop rules (`sampling.py`); docs/cpu.md describes it.
 
-It serves `RL2.engine.protocol` as an async Python API: `generate` takes and returns the JSON
-shapes of SGLang's native `/generate`, so one rollout loop works with both engines.
-
-How it works:
-- Continuous batching. One scheduler task per event loop admits waiting requests (one batched
-  prefill), then decodes all running requests one token per step; requests join and leave between
-  steps (see `model_runner.py` for the cache).
-- Where the forwards run depends on the cores. With torch's OpenMP backend (libgomp) every thread
-  that runs torch ops gets its own OpenMP pool, and libgomp stops spin-waiting once a process holds
-  more OpenMP threads than cores. So when the torch threads of this machine's ranks fit in the cores,
-  the forwards run on the event loop between its other work, and the pool stays hot (markedly faster
-  than a worker thread); else in a one-thread executor, where torch releases the GIL inside its
-  kernels. Either way, request state is touched by one step or by the loop between steps, never both.
-- Sampling and stop rules are SGLang's (`sampling.py`).
+Continuous batching: one scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
+running requests one token per step; requests join and leave between steps. The forwards run on the event loop or in a
+one-thread executor (`threads_fit_in_cores`); either way, request state is touched by one step or by the loop between
+steps, never both.
 """
 
 import asyncio
@@ -257,10 +248,9 @@ class EmbeddedEngine:
     async def _gather_arrivals(self) -> None:
         """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
         all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
-        arriving (at most MAX_ARRIVAL_WAIT): requests sent together over HTTP (a batch of agents' calls, each made,
-        read from its socket and rendered in turns of its own) share one prefill and decode in step, instead of
-        splitting into prefills that each add decode steps to the batch. Only idle time counts: a poll that returns
-        late found the loop or another thread (an agent's) busy, most likely making more calls."""
+        arriving (at most MAX_ARRIVAL_WAIT), so that calls sent together over HTTP share one prefill (docs/agents.md).
+        Only idle time counts: a poll that returns late found the loop or another thread busy, most likely making
+        more calls."""
         await asyncio.sleep(0)
         waiting, quiet = len(self._waiting), 0.0
         deadline = time.perf_counter() + MAX_ARRIVAL_WAIT
@@ -369,7 +359,10 @@ class EmbeddedEngine:
 
 
 def threads_fit_in_cores() -> bool:
-    """Whether every torch thread of every rank on this machine has a core of its own."""
+    """Whether every torch thread of every rank on this machine has a core of its own: then the forwards run on the
+    event loop and its OpenMP pool stays hot (markedly faster than a worker thread). Each thread that runs torch ops
+    gets its own pool, and libgomp stops spin-waiting once a process holds more OpenMP threads than cores; so
+    otherwise they run in a worker thread, where torch releases the GIL inside its kernels."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

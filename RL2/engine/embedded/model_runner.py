@@ -65,23 +65,18 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(DECODE_ATTN, decode_attention)
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = [line.split() for line in maps]
-    except OSError:
-        return []
-    return [tuple(int(address, 16) for address in fields[0].split("-"))
-            for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
-
-
 @torch.no_grad()
 def own_parameter_memory(model: torch.nn.Module) -> None:
     """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors files) into the
     process's own memory. Weight updates write into the parameters in place, and the first write to a privately
     mapped file page copies it page by page, a page fault each, far slower than one copy done here at start."""
-    mappings = _file_mappings()
+    try:
+        with open("/proc/self/maps") as maps:  # Linux; elsewhere nothing is copied
+            lines = [line.split() for line in maps]
+    except OSError:
+        return
+    mappings = [tuple(int(address, 16) for address in fields[0].split("-"))
+                for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
     for param in model.parameters():
         address = param.data_ptr()
         if param.device.type == "cpu" and any(start <= address < end for start, end in mappings):
