@@ -15,13 +15,11 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
-    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang
-    # servers on the trainer's GPUs, so that the trainer's state can come back to the GPU, and the embedded
-    # engine on CPU, so that the trainer's update has the RAM. Released weights are lost and must be pushed
-    # again. False (SGLang servers elsewhere, the embedded engine on a GPU): it keeps its memory, never asked.
+    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang servers on
+    # the trainer's GPUs, and the embedded engine on CPU, where the trainer's update needs the RAM. False: it keeps
+    # its memory, never asked.
     releases_memory: bool
-    # The engine takes the policy's weights after each update (False for SGLang with
-    # `rollout.weight_sync=none`: it keeps the weights it started with).
+    # The engine takes the policy's weights after each update (False: SGLang with `rollout.weight_sync=none`).
     follows_policy: bool
 
     async def generate(self, payload: dict) -> dict:
@@ -42,12 +40,10 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Load new weights, full tensors under the names of the trainer's model (transformers' memory layout; an engine
-        that loads checkpoints maps them to the checkpoint's, see `RL2.engine.checkpoint_layout`). The weight memory
-        must be resident (`resume_memory` after a release). Call it between rollouts: requests still running would go on
-        with the new weights (the embedded engine waits only for its current step). Collective: every rank calls it (the
-        tensors are gathered from the trainer's shards as they are iterated). The engine reports `weight_version` with
-        each response.
+        """Load new weights, full tensors under the names of the trainer's model (`RL2.engine.checkpoint_layout` maps
+        them for an engine that loads checkpoints), after `resume_memory` if they were released. Call it between
+        rollouts: requests still running would go on with the new weights. Collective: every rank calls it (the tensors
+        are gathered from the trainer's shards as they are iterated). Responses report `weight_version`.
         """
         ...
 
@@ -58,9 +54,8 @@ class Engine(Protocol):
         ...
 
     def resume_memory(self, tags: Iterable[str]) -> None:
-        """Take back memory released under `tags`, before pushing weights or sampling. SGLang servers
-        allocate it again (and fail on a tag that is not released); the embedded engine has nothing to
-        do: its weights come back with `update_weights`, its cache as requests run."""
+        """Take back memory released under `tags`, before pushing weights or sampling (SGLang servers fail on a tag
+        that is not released)."""
         ...
 
     def shutdown(self) -> None:

@@ -353,7 +353,7 @@ class EmbeddedEngine:
         holes = sorted(r.row for r in self._running if r.reason is not None and r.row < len(alive))
         movers = [r for r in alive if r.row >= len(alive)]
         for request, row in zip(movers, holes):
-            self.runner.cache.move_row(request.row, row, request.cached_len)
+            self.runner.cache.copy_rows([request.row], row, request.cached_len)
             request.row = row
         self._running = sorted(alive, key=lambda r: r.row)
 

@@ -9,19 +9,14 @@ from RL2.native.decode_kernels import RowGroups
 
 
 class SlotKVCache:
-    """Keys and values of all running requests, one pre-allocated row per request.
+    """Keys and values of all running requests, one pre-allocated row per request; HF attention layers call `update`
+    once per layer and attend over what it returns.
 
-    Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold finite numbers, since
-    SDPA adds the mask to the scores and NaN + -inf is still NaN. Values are in the model's dtype, as SDPA's kernels
-    multiply them with the probabilities. Keys are float32 whatever the model's dtype (torch's decode attention scores
-    them in float32, and upcasting bf16 keys at every step cost more than the attention itself), except with
-    `keys_in_model_dtype`, for the C decode kernels: they widen a bf16 model's keys as they score them, so the cache is
-    read at half the bytes (the keys hold bf16 values either way, so the scores are the same). HF attention layers call
-    `update` once per layer and attend over what it returns.
-
-    The cache also knows which rows hold copies of one prompt (`share_prompt`, and a prefill from a
-    `prefix_row`); a decode step's `row_groups` tells the C decode attention, which then reads each shared
-    prompt once for all of its rows instead of once per row.
+    Buffers grow by doubling and are zero-initialised: SDPA adds the mask to the scores, and NaN + -inf is still NaN.
+    Values are in the model's dtype, as SDPA's kernels multiply them with the probabilities. Keys are float32 (upcasting
+    bf16 keys at every step cost more than the attention itself), except with `keys_in_model_dtype`, for the C decode
+    kernels, which widen them as they score them. A decode step's `row_groups` (rows that hold copies of one prompt)
+    lets the C decode attention read each shared prompt once for all of its rows.
     """
 
     def __init__(self, max_rows: int, keys_in_model_dtype: bool = False):
@@ -118,24 +113,14 @@ class SlotKVCache:
         return new
 
     @torch.inference_mode()
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
-        for buffer in (*self.keys, *self.values):
-            buffer[dst, :, :length] = buffer[src, :, :length]
-        self._move_shared({dst: src})
-
-    @torch.inference_mode()
-    def copy_rows(self, sources: torch.Tensor, first_row: int, length: int) -> None:
-        """Fill rows first_row.. with the first `length` positions of rows `sources` (all layers)."""
+    def copy_rows(self, sources: torch.Tensor | list[int], first_row: int, length: int) -> None:
+        """Fill rows first_row.. with the first `length` positions of rows `sources` (all layers); they then share
+        the prompt copies their sources did."""
         for buffers in (self.keys, self.values):
             for layer_idx in range(len(buffers)):
                 buffer = self._reserve(buffers, layer_idx, first_row + len(sources), length)
                 buffer[first_row : first_row + len(sources), :, :length] = buffer[sources, :, :length]
-        self._move_shared({first_row + i: int(source) for i, source in enumerate(sources)})
-
-    def _move_shared(self, sources: dict[int, int]) -> None:
-        """Rows `sources` (destination -> source) were overwritten with copies: they share what their sources did."""
-        copied = {dst: self._shared.get(src) for dst, src in sources.items()}
+        copied = {first_row + i: self._shared.get(int(source)) for i, source in enumerate(sources)}
         for dst, shared in copied.items():
             self._shared.pop(dst, None)
             if shared is not None:

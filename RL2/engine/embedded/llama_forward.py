@@ -1,15 +1,10 @@
-"""The embedded engine's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+"""The embedded engine's own forward for Llama-family decoders (docs/cpu.md): with a few dozen rows per decode step,
+HF's modules spend much of it in Python and small ops around the matmuls; this forward reads the same weights and does
+a layer in ~20 ops. Prefill runs through it too (attention by SDPA), so the fused weights are the only packed copy.
 
-A decode step is one new token per running request, so every tensor op works on a few dozen rows and costs little; HF's
-modules then spend much of the step in Python and in small ops around the matmuls (casts, reshapes, `rotate_half`'s
-slices, masks rebuilt per layer). This forward reads the same weights straight from the HF modules and does a layer's
-work in ~20 ops, with q, k, v as one product and gate, up as another (`benchmarks/bench_engine.py` measures the engine
-against HF's `generate`). Prefill runs through it too (attention by SDPA), so the fused weights are the only packed
-copy.
-
-The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin
-from the model's own rotary module (so every RoPE scaling type HF implements applies), and for one
-new token attention scores and softmax in float32, as SDPA's kernels compute them.
+The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin from the model's own
+rotary module (so every RoPE scaling type HF implements applies), and for one new token attention scores and softmax in
+float32, as SDPA's kernels compute them.
 """
 
 from collections.abc import Callable

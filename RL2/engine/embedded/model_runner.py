@@ -1,14 +1,10 @@
-"""Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache.
+"""Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache: a request's tokens sit at
+positions 0..n-1 of its row, so requests of any length share a batch without left padding and a finished request frees
+its row without touching the others. Only the positions that are sampled go through the output projection.
 
-The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at positions 0..n-1 of its
-row, so requests of any length share a batch without left padding and a finished request frees its row without touching
-the others. A prompt prefix shared by a whole prefill batch is forwarded once and copied. Only the positions that are
-sampled go through the output projection.
-
-Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF modules' weights. Any
-other model runs through its unmodified HF decoder, which only sees a cache object with HF's `update` method, per-row
-`position_ids` and a ready-made 4D boolean attention mask (HF passes it through untouched); for the duration of those
-forwards, one-token attention runs as `decode_attention` and linear layers with packed weights (`PackedLinear`).
+Llama-family models run through the engine's own forward (`llama_forward.py`); any other through its unmodified HF
+decoder, given a cache with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask,
+with `decode_attention` and packed linear layers (`PackedLinear`) for the duration of those forwards.
 """
 
 import functools

@@ -1,12 +1,7 @@
-"""Linear layers for the embedded engine: weights laid out once for a fast product, several layers as one.
-
-With a few dozen rows per decode step, a general CPU GEMM re-blocks the whole weight on every call, which costs as much
-as the product for the vocabulary projection; weights packed once skip that. Layers that read the same input (q, k, v;
-gate, up) go through one product, one pass over the input instead of two or three.
-
-Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` (float32, and bf16 on CPUs with
-AVX512-BF16 but no AMX; see docs/cpu.md), and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels
-for. `ConcatLinear` is the plain product where neither applies (GPU).
+"""Linear layers for the embedded engine: weights packed once (a general CPU GEMM re-blocks the whole weight on every
+call, which with a few dozen rows costs as much as the product), and layers that share an input (q, k, v; gate, up) as
+one product. `PanelLinear` is the C kernel of docs/cpu.md, `OneDNNLinear` for the dtypes oneDNN has CPU kernels for
+where the panels do not apply, `ConcatLinear` the plain product where neither does (GPU).
 """
 
 import torch
@@ -17,11 +12,11 @@ from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
 
 class PackedLinear:
     """`linears` (sharing an input) as one product over a packed copy of their weights; outputs
-    concatenated in their order. Subclasses say how to pack (`_pack`) and multiply (`_product`).
+    concatenated in their order. Subclasses say how to pack (`_pack(weights)`) and multiply (`_product(hidden, out)`).
 
     The packed copy remembers the version counters of the weights and biases, which every in-place op on a parameter
     bumps: a weight changed behind the engine's back is re-packed before it is used. (Writes through `param.data` bypass
-    the counter: change weights with `load_weights`.) The price is a second copy of the weights.
+    the counter: change weights with `load_weights`.)
     """
 
     packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
@@ -32,12 +27,6 @@ class PackedLinear:
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         self._versions: tuple[int, ...] = ()
-
-    def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
 
     def refresh(self) -> None:
         """Re-pack if any weight or bias changed since it was packed."""

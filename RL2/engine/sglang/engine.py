@@ -71,13 +71,10 @@ def python_has_sglang(python: str | None) -> bool:
 
 
 class SGLangEngine:
-    """The rollout engine of one rank when generation runs on SGLang servers. Build it with
-    `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
-
-    Generation goes to all of `urls`, control requests to `controlled`. Disk updates carry `model_path`'s
-    config files: this rank writes them under `weights_dir` (None: it does not write) and the server of
-    `controlled[i]` reads them from `weights_dirs[i]`. `tp_group` holds the ranks of this rank's server.
-    """
+    """The rollout engine of one rank on SGLang servers; build it with `launch` or `connect` (collective). Generation
+    goes to all of `urls`, control requests to `controlled`. This rank writes disk updates (with `model_path`'s config
+    files) under `weights_dir` (None: it does not write), and the server of `controlled[i]` reads them from
+    `weights_dirs[i]`. `tp_group` holds the ranks of this rank's server."""
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
                  weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,

@@ -53,8 +53,8 @@ def resolve_python(python: str) -> str:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process, run by `python` (its own virtual environment if need be); its
-    output goes to `log_dir` (None: a temporary folder)."""
+    """A launched `sglang.launch_server` process, run by `python`; its output goes to `log_dir` (None: a temporary
+    folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
@@ -68,7 +68,9 @@ class SGLangServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"sglang-{self.port}.log"
         self.process: subprocess.Popen | None = None
-        self._env = _server_env(env or {})
+        self._env = {key: value for key, value in os.environ.items()
+                     if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
+        self._env |= {"RL2_TRAINER_PID": str(os.getpid())} | {str(k): str(v) for k, v in (env or {}).items()}
         self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
@@ -123,7 +125,17 @@ class SGLangServer:
             return
         if self.process.poll() is None or _group_alive(self.process.pid):
             self.shm_files |= sglang_shm_files(self.process.pid)
-            self._stop_group()
+            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                if not _group_alive(self.process.pid):
+                    break
         for path in self.shm_files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -132,19 +144,6 @@ class SGLangServer:
         if self.key_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.key_file)
-
-    def _stop_group(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                break
 
 
 def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
@@ -167,13 +166,6 @@ def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
     with os.fdopen(fd, "w") as f:
         json.dump(flags, f)  # JSON is YAML, with every string quoted
     return args | {"config": path}, path
-
-
-def _server_env(extra: dict) -> dict:
-    env = {key: value for key, value in os.environ.items()
-           if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
-    env["RL2_TRAINER_PID"] = str(os.getpid())
-    return env | {str(key): str(value) for key, value in extra.items()}
 
 
 def sglang_shm_files(pgid: int) -> set[str]:
