@@ -5,9 +5,10 @@ protocol."""
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from RL2.engine.protocol import Engine
+from RL2.utils.logging import log_rank0
 
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
@@ -22,20 +23,15 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
 
 
 def _embedded(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) -> Engine:
-    from RL2.utils.logging import log_rank0
-
     if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
         log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
                   f"engine runs without them (rollout.engine=sglang launches servers with them)")
-
     return embedded_engine(model_path, dtype, device, tokenizer, rollout_cfg.max_running_requests)
 
 
 def embedded_engine(model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                     max_running_requests: int) -> Engine:
     """An embedded engine on its own copy of the model at `model_path` (loaded here, shared with nothing)."""
-    from transformers import AutoModelForCausalLM
-
     from RL2.engine.embedded.engine import EmbeddedEngine
 
     # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
@@ -49,9 +45,7 @@ def _sglang(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) 
 
     if rollout_cfg.server_url:
         return SGLangEngine.connect(rollout_cfg, model_path)
-    # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
-    # trainer's models wait on the CPU meanwhile (`EngineState.to_trainer` brings them back).
-    for worker in colocated:
+    for worker in colocated:  # back with `EngineState.to_trainer` if the servers release their memory
         worker.offload()
     engine = SGLangEngine.launch(rollout_cfg, model_path, dtype, device, seed=seed)
     if not engine.releases_memory:

@@ -34,10 +34,15 @@ class CheckpointLayout:
         self.group_of: dict[str, str] = {}
         self.members: dict[str, set[str]] = {}
         for name, _ in model.named_parameters():
-            key, pattern = first_conversion(name, converters)
-            if pattern is not None:
-                self.group_of[name] = key
-                self.members.setdefault(key, set()).add(name)
+            # The first converter that matches renames it (transformers converts a tensor with one at most); written on
+            # `WeightTransform.rename_source_key`, which every transformers RL2 supports has, not on
+            # `core_model_loading.apply_converters`, which only 5.21 and later have.
+            for converter in converters:
+                key, pattern = converter.rename_source_key(name)
+                if pattern is not None:
+                    self.group_of[name] = key
+                    self.members.setdefault(key, set()).add(name)
+                    break
 
     @classmethod
     def from_folder(cls, model_path: str | Path) -> "CheckpointLayout":
@@ -83,18 +88,6 @@ class CheckpointLayout:
             raise ValueError(f"CheckpointLayout: {len(missing)} parameters of {type(self.model).__name__} never came, "
                              f"so the tensors converted with them could not be: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
-
-
-def first_conversion(name: str, converters: list[WeightConverter]) -> tuple[str, str | None]:
-    """`name` as the first of `converters` that matches it renames it, and that converter's source pattern
-    (None when none matches): transformers converts a tensor with one converter at most. Written on
-    `WeightTransform.rename_source_key`, which every transformers release RL2 supports has, not on
-    `core_model_loading.apply_converters`, which only 5.21 and later have."""
-    for converter in converters:
-        key, pattern = converter.rename_source_key(name)
-        if pattern is not None:
-            return key, pattern
-    return name, None
 
 
 def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:

@@ -59,12 +59,10 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """In-process continuous-batching engine with SGLang's `/generate` request/response shapes, over an HF causal
-    LM in eval mode that it runs as is. Sliding windows are not applied. The running requests' prompt +
-    max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` (the model is the
-    engine's alone), the engine may keep its linear layers' weights only in the layout its CPU kernels read
-    (read them with `runner.state_dict()`): one copy of the weights on CPU, not two.
-    """
+    """In-process continuous-batching engine over an HF causal LM in eval mode, without sliding windows. The running
+    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` (the model
+    is the engine's alone) it may keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()`
+    reads them)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
                  max_total_tokens: int | None = None, owns_model: bool = False):
@@ -84,7 +82,8 @@ class EmbeddedEngine:
         self.releases_memory = self.runner.device.type == "cpu"
         self.tokenizer, self.max_total_tokens = tokenizer, max_total_tokens
         self.max_running_requests = max_running_requests
-        self.eos_ids = _eos_token_ids(model, tokenizer)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # an int or a list
+        self.eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.weight_version = "default"
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # running[i] owns cache row i
@@ -333,19 +332,17 @@ class EmbeddedEngine:
             else:
                 batch = self._running
                 logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.cached_len for r in batch])
-            self._sample_into(batch, logits)
+            banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
+            tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned,
+                                                  [r.generator for r in batch])
+            for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+                request.output_ids.append(token)
+                request.logprobs.append(logprob)
+                request.reason = finish_reason(request.output_ids, request.params, self.eos_ids, self.tokenizer)
             finished = [r for r in batch if r.reason is not None]
             if finished:
                 self._compact()
             return finished
-
-    def _sample_into(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
-        tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned, [r.generator for r in batch])
-        for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            request.reason = finish_reason(request.output_ids, request.params, self.eos_ids, self.tokenizer)
 
     def _compact(self) -> None:
         """Drop finished requests and move the last rows into the holes they leave."""
@@ -369,10 +366,3 @@ def threads_fit_in_cores() -> bool:
         cores = os.cpu_count() or 1
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return torch.get_num_threads() * ranks_here <= cores
-
-
-def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    """The tokenizer's eos plus the model's generation_config eos ids (an int or a list)."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])}
-    return ids - {None}

@@ -17,8 +17,8 @@ from RL2.native.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kerne
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Applies the given linear layers, which share an input, and concatenates their outputs (into `out`, a
-# second argument, where it can: the caller uses what it returns). Has `out_features`.
+# Applies linear layers that share an input and concatenates their outputs (into `out`, a second argument, where it
+# can: the caller uses what it returns); has `out_features`.
 LinearKernel = Callable[..., torch.Tensor]
 
 
@@ -72,12 +72,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class LlamaForward:
     """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`. `kernel` maps a
-    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones).
-
-    A float32 or bf16 model on CPU decodes through the C kernels of `decode_kernels.c` where they can
-    be built (in bf16 they round where the torch ops round); everything else (GPU, prefill, other
-    dtypes) through the torch ops below, which compute the same.
-    """
+    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones). A float32 or
+    bf16 model on CPU decodes through the C kernels where they can be built; everything else (GPU, prefill, other
+    dtypes) through the torch ops below, which compute the same."""
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
         decoder = model.get_decoder()

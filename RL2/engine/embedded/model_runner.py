@@ -30,10 +30,9 @@ from RL2.engine.embedded.packed_linear import (
 from RL2.models.attention import softcapped_attention
 from RL2.utils.shared_prefixes import common_prefix_length
 
-# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt of a GRPO group) is
-# computed once when it is at least this long; shorter ones cost less than the extra forward.
+# A prompt prefix shared by a whole prefill batch (a chat template's system prompt) is computed once when it is at
+# least this long; shorter ones cost less than the extra forward.
 MIN_SHARED_PREFIX = 16
-
 
 DECODE_ATTN = "rl2_decode"
 
@@ -176,13 +175,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Forward whole prompts into rows first_row.. and return each one's last logits [n, vocab].
-
-        Identical prompts (a GRPO group's) are forwarded once and their rows copied, which gives
-        exactly the keys, values and logits of a forward of that prompt alone. Then a prefix that
-        all distinct prompts share (at least MIN_SHARED_PREFIX tokens: a system prompt) is
-        forwarded once, into the first row, and its keys and values copied to the other rows.
-        """
+        """Forward whole prompts into rows first_row.. and return each one's last logits [n, vocab]. Identical prompts
+        (a GRPO group's) are forwarded once and their rows copied; then a prefix that all distinct prompts share (at
+        least MIN_SHARED_PREFIX tokens) is forwarded once, into the first row, and copied to the other rows."""
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
         if len(distinct) < len(prompts):
             which = {prompt: i for i, prompt in enumerate(distinct)}
@@ -252,10 +247,9 @@ class ModelRunner:
         return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
     def release_weights(self) -> None:
-        """Free the parameters and their packed copies: their content is lost, as with SGLang's released
-        weights, until `load_weights` writes every parameter again (forwards refuse to run meanwhile).
-        A released parameter is an empty tensor, so that reading one fails rather than reading freed
-        memory. Buffers (e.g. rotary frequencies) are kept."""
+        """Free the parameters and their packed copies until `load_weights` writes every parameter again. A released
+        parameter is an empty tensor, so that reading one fails rather than reading freed memory. Buffers (e.g. rotary
+        frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
         for name, param in self.model.named_parameters():  # tied weights are one parameter: released once

@@ -34,19 +34,17 @@ class PackedLinear:
             return
         # Checked on every call: read the two attributes, not `parameters()`, which costs more.
         versions = tuple(p._version for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
-        if versions != self._versions:
-            self._repack(versions)
-
-    @torch.no_grad()
-    def _repack(self, versions: tuple[int, ...]) -> None:
-        self._packed = None  # free the stale copy first: peak memory stays one copy
-        self._packed = self._pack([linear.weight.detach() for linear in self.linears])
-        self._bias = None
-        if any(linear.bias is not None for linear in self.linears):
-            self._bias = torch.cat([
-                linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-                for linear in self.linears
-            ]).detach()
+        if versions == self._versions:
+            return
+        with torch.no_grad():
+            self._packed = None  # free the stale copy first: peak memory stays one copy
+            self._packed = self._pack([linear.weight.detach() for linear in self.linears])
+            self._bias = None
+            if any(linear.bias is not None for linear in self.linears):
+                self._bias = torch.cat([
+                    linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                    for linear in self.linears
+                ]).detach()
         self._versions = versions
 
     def release(self) -> None:

@@ -1,8 +1,6 @@
-"""Sampling parameters, batched next-token sampling and stop rules of the embedded engine.
-
-Everything here follows SGLang's `/generate` semantics so that one rollout client works with both engines: the parameter
-names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of `Req.check_finished`
-(schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
+"""Sampling parameters, batched next-token sampling and stop rules of the embedded engine, as SGLang's `/generate` has
+them: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of
+`Req.check_finished` (schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
 """
 
 from dataclasses import dataclass, field
@@ -74,11 +72,9 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
     samples `banned[r]` (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's
     sampling_seed) or, if None, from `default_generator` (None: torch's global one).
 
-    The returned log-probability is that of the sampled token under softmax(logits / temperature), the
-    distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it
-    (unless started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns temperature 1's). That
-    distribution is the policy the trainer trains and recomputes (`RL2.workers.actor.Actor`). Greedy
-    rows (temperature 0, or top_k=1) give temperature 1's, as a greedy batch does in SGLang.
+    The log-probability is the sampled token's under softmax(logits / temperature), before top-k/top-p/min-p and bans,
+    as SGLang returns it (docs/gpus.md, "Log-probabilities"); greedy rows (temperature 0, or top_k=1) give temperature
+    1's, as a greedy batch does in SGLang.
     """
     device = logits.device
     # The policy's own probabilities, in one fused pass; every filter below works on them (a
