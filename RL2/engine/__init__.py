@@ -13,9 +13,8 @@ from RL2.utils.logging import log_rank0
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                  colocated: Sequence = (), seed: int = 0) -> Engine:
-    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial weights
-    `model_path`. The trainer's models on this rank's GPU (`colocated`) wait on the CPU while SGLang servers
-    launched on the same GPUs size their memory."""
+    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the initial weights `model_path`;
+    the trainer's models on this rank's GPU (`colocated`) wait on the CPU while SGLang servers size their memory."""
     from RL2.engine.sglang.engine import resolve_engine
 
     start = ENGINES[resolve_engine(rollout_cfg, device)]

@@ -57,11 +57,10 @@ class CheckpointLayout:
         return bool(self.conversions)
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """Full tensors under the model's parameter names, in any order, as the checkpoint holds them:
-        `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor), each group (the
-        tensors one reverse converter needs, usually one) converted by `revert_weight_conversion` once its last tensor
-        has arrived, so that no more than a layer's experts are held beyond the caller's buckets. Raises ValueError at
-        the end when a group stayed incomplete (a converter would have been given part of its tensors)."""
+        """Full tensors under the model's parameter names, in any order, as the checkpoint holds them: `named_tensors`
+        itself when nothing converts; else (checkpoint name, tensor) pairs, each group (the tensors one reverse
+        converter needs) converted by `revert_weight_conversion` once its last tensor has arrived, so that no more than
+        a layer's experts are held beyond the caller's buckets. ValueError at the end when a group stayed incomplete."""
         if not self.converts:
             return named_tensors
         return self._converted(named_tensors)

@@ -28,12 +28,10 @@ class Engine(Protocol):
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile.
-
-        `mode` "abort": this rank's requests in flight return at once with finish_reason abort and their partial output.
-        "retract" and "in_place": the embedded engine re-prefills its requests after `continue_generation`, or holds
-        them; SGLang servers serve every rank and are not paused, so this rank's requests run to their end.
-        """
+        """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile. `mode` "abort":
+        this rank's requests in flight return at once with finish_reason abort and their partial output. "retract" and
+        "in_place": the embedded engine re-prefills its requests after `continue_generation`, or holds them; SGLang
+        servers serve every rank and are not paused, so this rank's requests run to their end."""
         ...
 
     async def continue_generation(self) -> None:
@@ -43,8 +41,7 @@ class Engine(Protocol):
         """Load new weights, full tensors under the names of the trainer's model (`RL2.engine.checkpoint_layout` maps
         them for an engine that loads checkpoints), after `resume_memory` if they were released. Call it between
         rollouts: requests still running would go on with the new weights. Collective: every rank calls it (the tensors
-        are gathered from the trainer's shards as they are iterated). Responses report `weight_version`.
-        """
+        are gathered from the trainer's shards as they are iterated). Responses report `weight_version`."""
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:

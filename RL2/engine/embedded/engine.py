@@ -60,9 +60,8 @@ class _Request:
 
 class EmbeddedEngine:
     """In-process continuous-batching engine over an HF causal LM in eval mode, without sliding windows. The running
-    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` (the model
-    is the engine's alone) it may keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()`
-    reads them)."""
+    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may
+    keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
                  max_total_tokens: int | None = None, owns_model: bool = False):
@@ -208,9 +207,8 @@ class EmbeddedEngine:
         return request
 
     def _ensure_scheduler(self) -> None:
-        """Start the scheduler on the running loop (again, after an earlier loop has ended). One event loop at
-        a time: callers of `asyncio.run` per rollout get a fresh scheduler each time, and requests left behind
-        by a finished loop are dropped."""
+        """Start the scheduler on the running loop (again, after an earlier loop has ended): callers of `asyncio.run`
+        per rollout get a fresh scheduler each time, and requests left behind by a finished loop are dropped."""
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._scheduler is not None and not self._scheduler.done():
             return
@@ -248,8 +246,7 @@ class EmbeddedEngine:
         """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
         all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
         arriving (at most MAX_ARRIVAL_WAIT), so that calls sent together over HTTP share one prefill (docs/agents.md).
-        Only idle time counts: a poll that returns late found the loop or another thread busy, most likely making
-        more calls."""
+        Only idle time counts: a poll that returns late found the loop or another thread busy, likely making calls."""
         await asyncio.sleep(0)
         waiting, quiet = len(self._waiting), 0.0
         deadline = time.perf_counter() + MAX_ARRIVAL_WAIT
@@ -357,9 +354,8 @@ class EmbeddedEngine:
 
 def threads_fit_in_cores() -> bool:
     """Whether every torch thread of every rank on this machine has a core of its own: then the forwards run on the
-    event loop and its OpenMP pool stays hot (markedly faster than a worker thread). Each thread that runs torch ops
-    gets its own pool, and libgomp stops spin-waiting once a process holds more OpenMP threads than cores; so
-    otherwise they run in a worker thread, where torch releases the GIL inside its kernels."""
+    event loop, whose OpenMP pool stays hot (each thread that runs torch ops gets its own pool, and libgomp stops
+    spin-waiting once a process holds more threads than cores); else in a worker thread (torch frees the GIL)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -36,10 +36,9 @@ def attention_bias(visible: torch.Tensor) -> torch.Tensor:
 def attend_one_token(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention of one query per row (`[rows, H, D]`, the output's shape and dtype) over its cached keys and values
-    (`SlotKVCache`: keys `[rows, H_kv, L, D]` float32, values in the model's dtype), with `bias` `[rows, L]` from
-    `attention_bias`; scores and softmax in float32. Query heads that share a kv head are one product; the probabilities
-    meet the values in the values' dtype, as in SDPA's kernels. With one query, torch's CPU SDPA kernel spends most of
-    its time on blocking and masking, which plain products skip."""
+    (`SlotKVCache`: keys `[rows, H_kv, L, D]`, values in the model's dtype), with `bias` `[rows, L]` from
+    `attention_bias`; scores and softmax in float32, the probabilities meeting the values in their dtype, as in SDPA's
+    kernels, whose CPU one spends most of its time on blocking and masking for one query, which plain products skip."""
     rows, heads, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(keys.dtype)

@@ -11,13 +11,10 @@ from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
 
 
 class PackedLinear:
-    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs
-    concatenated in their order. Subclasses say how to pack (`_pack(weights)`) and multiply (`_product(hidden, out)`).
-
-    The packed copy remembers the version counters of the weights and biases, which every in-place op on a parameter
-    bumps: a weight changed behind the engine's back is re-packed before it is used. (Writes through `param.data` bypass
-    the counter: change weights with `load_weights`.)
-    """
+    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs concatenated in their
+    order. Subclasses say how to pack (`_pack(weights)`) and multiply (`_product(hidden, out)`). The packed copy
+    remembers the version counters of the weights and biases, which every in-place op on a parameter bumps: a weight
+    changed behind the engine's back is re-packed before it is used (not through `param.data`: use `load_weights`)."""
 
     packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
 
@@ -76,9 +73,8 @@ class OneDNNLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed straight from
-    each layer's weight (no concatenated copy on the way). After `keep_packed_only` the panels are the layers' only
-    copy: their own weights and biases are empty tensors, and new values go straight into the panels (`write`), which
-    halves what the engine holds."""
+    each layer's weight. After `keep_packed_only` the panels are the layers' only copy (their own weights and biases are
+    empty tensors, and new values go straight into the panels, `write`), which halves what the engine holds."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)

@@ -500,12 +500,8 @@ def _new_weights_dir(cfg) -> Path:
 
 def _tp_groups(world: int, tp: int):
     """This rank's group among consecutive blocks of `tp` ranks (every rank creates every group)."""
-    mine = None
-    for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp)))
-        if start <= dist.get_rank() < start + tp:
-            mine = group
-    return mine
+    groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+    return groups[dist.get_rank() // tp]
 
 
 def _physical_gpu(device: torch.device) -> str:

@@ -21,13 +21,10 @@ MAX_ANSWER_BYTES = 256 * 2**20
 
 
 class HTTPEngineClient:
-    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight.
-
-    A server that cannot be reached (connection refused, reset or closed mid-answer) is given up for
-    the life of the client, with a warning naming it; its requests go to the others, and when none is
-    left the request fails with an EngineError naming them. A server that accepts but does not answer
-    within `timeout` (the whole answer included) is not given up: a slow server is not a dead one.
-    """
+    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight. A server that cannot be
+    reached (connection refused, reset or closed mid-answer) is given up for good with a warning, and its requests go
+    to the others; one that accepts but does not answer within `timeout` (the whole answer included) is not: a slow
+    server is not a dead one."""
 
     def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,
                  vocab_size: int | None = None):

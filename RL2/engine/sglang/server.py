@@ -147,10 +147,9 @@ class SGLangServer:
 
 
 def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
-    """`server_args` with `api_key` (and any `config` of the user's, merged in) moved to a new `--config` file that
-    only this user can read (SGLang's YAML file of flags, read by `sglang.srt.server_args.prepare_server_args` in
-    0.5.x): (the arguments for the command line, the file or None). The server's log, where SGLang writes its
-    arguments, is this user's alone too (`SGLangServer.start`)."""
+    """(`server_args` for the command line, the file or None): `api_key`, and any `config` of the user's merged in,
+    moved to a new `--config` file only this user can read (SGLang's YAML file of flags, read by
+    `sglang.srt.server_args.prepare_server_args` in 0.5.x). SGLang logs its arguments: the log is this user's too."""
     if server_args.get("api_key") is None:
         return server_args, None
     args = dict(server_args)
