@@ -1,6 +1,5 @@
-"""Inference engines for rollouts behind one protocol (`protocol.Engine`): `embedded/`, the in-process engine, and
-`sglang/`, SGLang servers. `start_engine` picks one of `ENGINES` and builds it; everything after that goes through the
-protocol."""
+"""Inference engines for rollouts behind one protocol (`protocol.Engine`): `embedded/` in process, `sglang/` on SGLang
+servers. `start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol."""
 
 from collections.abc import Sequence
 

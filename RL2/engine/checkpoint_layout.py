@@ -20,10 +20,9 @@ class CheckpointLayout:
     def __init__(self, model: torch.nn.Module):
         conversions = getattr(model, "_weight_conversions", None)  # those of `from_pretrained`, if it loaded the model
         if conversions is None:
-            # What `revert_weight_conversion` reverses for a model built from its config (as the trainer builds
-            # its own): the model's mapping without the legacy renamings and prefix changes, which depend on
-            # how a particular checkpoint was loaded. Kept on the model, where `revert_weight_conversion`
-            # reads it, instead of being rebuilt at each call.
+            # What `revert_weight_conversion` reverses for a model built from its config (as the trainer builds its
+            # own): the model's mapping without the legacy renamings and prefix changes, which depend on how a
+            # checkpoint was loaded. Kept on the model, where `revert_weight_conversion` reads it at each call.
             conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
                            if not isinstance(c, PrefixChange)]
             model._weight_conversions = conversions or None
@@ -34,9 +33,8 @@ class CheckpointLayout:
         self.group_of: dict[str, str] = {}
         self.members: dict[str, set[str]] = {}
         for name, _ in model.named_parameters():
-            # The first converter that matches renames it (transformers converts a tensor with one at most); written on
-            # `WeightTransform.rename_source_key`, which every transformers RL2 supports has, not on
-            # `core_model_loading.apply_converters`, which only 5.21 and later have.
+            # The first converter that matches renames it (transformers converts a tensor with one at most), by
+            # `WeightTransform.rename_source_key`: `core_model_loading.apply_converters` needs transformers 5.21.
             for converter in converters:
                 key, pattern = converter.rename_source_key(name)
                 if pattern is not None:

@@ -15,9 +15,8 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
-    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang servers on
-    # the trainer's GPUs, and the embedded engine on CPU, where the trainer's update needs the RAM. False: it keeps
-    # its memory, never asked.
+    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang servers on the
+    # trainer's GPUs, the embedded engine on CPU (the trainer's update needs the RAM). False: never asked.
     releases_memory: bool
     # The engine takes the policy's weights after each update (False: SGLang with `rollout.weight_sync=none`).
     follows_policy: bool
@@ -45,9 +44,8 @@ class Engine(Protocol):
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Free memory for the trainer, by SGLang's tags: "weights" (their content is lost until
-        `update_weights` writes them all again), "kv_cache", "cuda_graph" (the embedded engine has none).
-        Asked only of an engine that `releases_memory`, between rollouts."""
+        """Free memory for the trainer between rollouts, by SGLang's tags: "weights" (lost until `update_weights` writes
+        them all again), "kv_cache", "cuda_graph" (the embedded engine has none). Asked only if `releases_memory`."""
         ...
 
     def resume_memory(self, tags: Iterable[str]) -> None:

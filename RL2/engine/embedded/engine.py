@@ -31,8 +31,7 @@ from RL2.native.allocator import keep_freed_memory
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192
-# With `EmbeddedEngine.arrival_quiet`, how often a batch's first step looks for more requests, and for how long
-# at most: small beside a step's forward, which requests arriving apart would split.
+# With `arrival_quiet`, how often and at most how long a batch's first step looks for more requests (seconds).
 ARRIVAL_POLL, MAX_ARRIVAL_WAIT = 0.001, 1.0
 
 
@@ -76,8 +75,8 @@ class EmbeddedEngine:
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
-        # On CPU the engine's weights and KV cache are RAM the trainer's update needs; on a GPU releasing
-        # would also move the trainer's state to the CPU around every rollout, which pays only for SGLang.
+        # On CPU the engine's memory is RAM the trainer's update needs; on a GPU releasing would also move the trainer's
+        # state to the CPU around every rollout, which pays only for SGLang.
         self.releases_memory = self.runner.device.type == "cpu"
         self.tokenizer, self.max_total_tokens = tokenizer, max_total_tokens
         self.max_running_requests = max_running_requests
@@ -188,8 +187,7 @@ class EmbeddedEngine:
                            asyncio.get_running_loop().create_future(), generator)
         if not request.input_ids:
             raise ValueError("input_ids is empty")
-        # Checked here, where only this request fails: inside a step the embedding lookup would
-        # raise and fail every request of the batch and the engine with them.
+        # Checked here, where only this request fails: inside a step it would fail the batch and the engine with it.
         for token in (min(request.input_ids), max(request.input_ids)):
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"input_ids holds {token}, not a token id: the model's vocabulary has "
@@ -287,10 +285,10 @@ class EmbeddedEngine:
             return request.future.done() or request.future.get_loop() is not self._loop
 
         self._waiting = deque(r for r in self._waiting if not abandoned(r))
-        if any(abandoned(r) for r in self._running):
-            for request in self._running:
-                if abandoned(request):
-                    request.reason = {"type": "abort", "message": "abandoned by the caller"}
+        gone = [r for r in self._running if abandoned(r)]
+        for request in gone:
+            request.reason = {"type": "abort", "message": "abandoned by the caller"}
+        if gone:
             self._compact()
 
     def _resolve(self, request: _Request, reason: dict) -> None:

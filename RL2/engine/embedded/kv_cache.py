@@ -27,8 +27,7 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._row_index: torch.Tensor | None = None
         self._length = 0
-        # Requests running or waiting: the next growth of the rows goes straight to this many (up to
-        # `max_rows`) instead of copying the cache at every doubling.
+        # Requests running or waiting: the rows grow straight to this many (up to `max_rows`), not by doublings.
         self.expected_rows = 0
         self.share_prompt_reads = True  # False: every row reads all of its own positions (the same results)
         self._shared: dict[int, tuple[int, int]] = {}  # row -> (copy id, positions it holds of that copy)

@@ -121,8 +121,7 @@ class LlamaForward:
         q = hidden.new_empty(rows, self.heads, self.head_dim, dtype=torch.float32)  # what the attention reads
         attended, activated = hidden.new_empty(rows, self.heads * self.head_dim), None
         new_layer = hidden.new_empty(0, self.kv_heads, 1, self.head_dim)  # what a new layer's cache holds
-        # Every product's output is read before the next product runs, so all layers share one buffer
-        # per output width instead of allocating ~120 small tensors a step.
+        # Each product's output is read before the next runs: all layers share one buffer per output width.
         products: dict[int, torch.Tensor] = {}
 
         def product(linear, x: torch.Tensor) -> torch.Tensor:
@@ -152,9 +151,8 @@ class LlamaForward:
     @torch.inference_mode()
     def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
                keep: torch.Tensor | None) -> torch.Tensor | None:
-        """A chunk per row: input_ids, positions `[rows, T]`; `cache` bound by `bind_prefill`; mask
-        boolean `[rows, 1, T, L]`. Returns the final hidden states at position `keep[row, 0]` of each
-        chunk, `[rows, hidden]` (None without `keep`: the cache is all that is wanted)."""
+        """A chunk per row (input_ids, positions `[rows, T]`, mask boolean `[rows, 1, T, L]`, `cache` bound by
+        `bind_prefill`): the final hidden states `[rows, hidden]` at each one's `keep[row, 0]` (None without `keep`)."""
         def attend(q, keys, values, scale):
             return F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values, attn_mask=mask,
                                                   scale=scale, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)

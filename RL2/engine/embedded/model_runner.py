@@ -38,9 +38,8 @@ DECODE_ATTN = "rl2_decode"
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from
-    `SlotKVCache`, attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why not SDPA);
-    longer queries (prefill) go to SDPA."""
+    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`,
+    attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why); longer queries go to SDPA."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
@@ -88,9 +87,8 @@ def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
 
 @functools.cache
 def cache_keyword(model_class: type) -> str:
-    """The name under which `model_class.forward` takes a KV cache: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name warns on every call, and goes in 5.40). Read once per class:
-    the decode loop asks at every step."""
+    """The name under which `model_class.forward` takes a KV cache (read once per class): transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call, and goes in 5.40)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
@@ -247,9 +245,8 @@ class ModelRunner:
         return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
     def release_weights(self) -> None:
-        """Free the parameters and their packed copies until `load_weights` writes every parameter again. A released
-        parameter is an empty tensor, so that reading one fails rather than reading freed memory. Buffers (e.g. rotary
-        frequencies) are kept."""
+        """Free the parameters and their packed copies until `load_weights` writes every parameter again, as empty
+        tensors (reading one fails rather than reading freed memory). Buffers (e.g. rotary frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
         for name, param in self.model.named_parameters():  # tied weights are one parameter: released once

@@ -137,9 +137,8 @@ class ConcatLinear(PackedLinear):
 
 
 def panel_kernels_for(linear: torch.nn.Linear) -> DecodeKernels | None:
-    """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16
-    where it has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tile products oneDNN's bf16 kernels
-    use, and the panels do not)."""
+    """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16 where it
+    has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tiles oneDNN's bf16 kernels use, the panels not)."""
     if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     kernels = load_decode_kernels()

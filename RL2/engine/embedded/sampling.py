@@ -74,8 +74,7 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
     sampled token's under softmax(logits / temperature), before top-k/top-p/min-p and bans, as SGLang returns it
     (docs/gpus.md, "Log-probabilities"); greedy rows (temperature 0, or top_k=1) give temperature 1's, as in SGLang."""
     device = logits.device
-    # The policy's own probabilities, in one fused pass; every filter below works on them (a
-    # temperature as a power, top-k/top-p/min-p on their order and size).
+    # The policy's own probabilities, in one fused pass; every filter below works on them (a temperature as a power).
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     allowed = probs
     if any(banned):
@@ -93,9 +92,8 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
         if tempered.scaled and any(banned[r] for r in sampled):
             tempered.add_banned(probs if everything else probs[rows], [banned[r] for r in sampled])
         weights = _sampling_weights(tempered.weights, sampled_params)
-        # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
-        # own generator inside any batch, and no per-token noise is needed (50k random numbers
-        # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
+        # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its own generator inside any
+        # batch, and no per-token noise is needed (costlier than the rest). CPU cumsum accumulates in float64.
         cdf = weights.cumsum(dim=-1)
         uniform = torch.rand(len(sampled), generator=default_generator)
         for i, r in enumerate(sampled):
@@ -169,8 +167,7 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
         kth[top_k == 0] = 0.0
         drop = weights < kth
     if (top_p < 1).any():
-        # Jointly, top-p measures the tokens' mass in the whole distribution; after top-k (min-p
-        # rows), in the kept tokens only.
+        # Jointly, top-p measures the tokens' mass in the whole distribution; after top-k (min-p rows), in those kept.
         measured = weights
         if drop is not None and (min_p > 0).any():
             measured = torch.where((min_p > 0)[:, None], weights.masked_fill(drop, 0.0), weights)

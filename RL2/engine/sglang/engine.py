@@ -98,9 +98,8 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
-        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the arguments are
-        `start_engine`'s; servers run on this rank's kind of device). On GPU, call it while the trainer's state is
-        off the GPU: a server sizes its KV cache from the memory free at its start (see `RL2.engine.memory_plan`)."""
+        """Start one server per group of `tp_size` ranks, on their kind of device, and connect every rank to all of
+        them. On GPU, call it when the trainer's state is off the GPU: a server sizes its KV cache by what is free."""
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -268,17 +267,14 @@ class SGLangEngine:
             self._control_all("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
                 "flush_cache": False, "weight_version": version})
-            # Only now: every server has answered (`_control_all` ends with all ranks agreeing), and a
-            # CUDA payload held a handle to this memory, not its bytes.
-            del flat
+            del flat  # only now that every server has answered: a CUDA payload held a handle to this memory
         self._control_all("/end_weight_update", {})
         self._control_all("/flush_cache", None)
 
     def _weight_checksums(self, randomize: bool) -> list[dict | None]:
-        """Each controlled server's checksums of its parameters (None without `/weights_checker`), after overwriting
-        them with random values if `randomize`: a push must then write every one of them for its checksum to change,
-        even where the new value equals the old (a LoRA policy's frozen base)."""
-        # The target model only: a speculative-decoding draft model is not what RL2 pushes.
+        """Each controlled server's checksums of its target model's parameters (not a draft model's: RL2 pushes none;
+        None without `/weights_checker`), after overwriting them with random values if `randomize`: a push must then
+        write every one of them for its checksum to change, even where the new value equals the old (a LoRA base)."""
         if randomize:
             self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
         bodies = self._control_all(WEIGHTS_CHECKER, {"action": "checksum", "selector": "target"}, absent_ok=True)
@@ -448,9 +444,8 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
 
 def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
     """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True), of the
-    tempered one (False), or cannot be told apart on this probe (None). One-token requests at temperature 1 and at
-    `temperature` read the gap between the two most likely tokens: tempered log-probabilities stretch it by
-    1 / temperature, untempered ones leave it."""
+    tempered one (False), or cannot be told apart (None): from the gap between the two likeliest tokens of one-token
+    requests at temperature 1 and at `temperature`, which tempered log-probabilities stretch by 1 / temperature."""
     gaps = []
     for t in (1.0, temperature):
         body = control_request(url, "/generate", {

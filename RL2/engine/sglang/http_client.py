@@ -118,8 +118,7 @@ class HTTPEngineClient:
             raise EngineError(f"{endpoint} returned a body that is not JSON: {body[:200]!r}") from e
 
     def _http(self) -> httpx.AsyncClient:
-        # An httpx client's connections belong to the event loop that opened them; trainers that call
-        # `asyncio.run` once per rollout get a fresh client for each loop.
+        # An httpx client's connections belong to the event loop that opened them: a fresh client for each loop.
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout), pool=None)

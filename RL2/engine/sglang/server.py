@@ -53,8 +53,7 @@ def resolve_python(python: str) -> str:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process, run by `python`; its output goes to `log_dir` (None: a temporary
-    folder)."""
+    """A launched `sglang.launch_server` process run by `python`, its output in `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
@@ -77,8 +76,8 @@ class SGLangServer:
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
             log.write(" ".join(self.command) + "\n")
             log.flush()
-            # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer
-            # processes too; and it dies with this process even when this one is killed.
+            # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer processes too; and it
+            # dies with this process even when this one is killed.
             self.process = subprocess.Popen(
                 [self.command[0], "-c", _EXEC_DYING_WITH_PARENT, *self.command], stdout=log,
                 stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
@@ -118,8 +117,7 @@ class SGLangServer:
         return f"command: {' '.join(self.command)}\nlog {self.log_path} ends with:\n{tail}"
 
     def shutdown(self) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after 10 s; then remove the files
-        SGLang leaves in /dev/shm."""
+        """SIGTERM the server's process group, SIGKILL what is left after 10 s; remove SGLang's files in /dev/shm."""
         self._remove_key_file()
         if self.process is None:
             return
