@@ -1,24 +1,19 @@
-"""Inference engines for rollouts, behind one protocol (`RL2.engine.protocol.Engine`): `embedded/`, the in-process
-engine (continuous batching, C kernels for CPU decode steps, SGLang's sampling and stop rules), and `sglang/`, SGLang
-servers with their weight transfer. `checkpoint_layout.py` gives the trainer's parameters the names and layout of the
-model's checkpoint, which SGLang loads; `memory_plan.py` sizes SGLang servers that share the GPUs with training.
-
-`start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol.
-"""
+"""Inference engines for rollouts behind one protocol (`protocol.Engine`): `embedded/` in process, `sglang/` on SGLang
+servers. `start_engine` picks one of `ENGINES` and builds it; everything after that goes through the protocol."""
 
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from RL2.engine.protocol import Engine
+from RL2.utils.logging import log_rank0
 
 
 def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                  colocated: Sequence = (), seed: int = 0) -> Engine:
-    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the policy's initial weights
-    `model_path`. The trainer's models on this rank's GPU (`colocated`) wait on the CPU while SGLang servers
-    launched on the same GPUs size their memory."""
+    """This rank's engine, as `rollout.engine` says (collective for SGLang), serving the initial weights `model_path`;
+    the trainer's models on this rank's GPU (`colocated`) wait on the CPU while SGLang servers size their memory."""
     from RL2.engine.sglang.engine import resolve_engine
 
     start = ENGINES[resolve_engine(rollout_cfg, device)]
@@ -26,20 +21,15 @@ def start_engine(rollout_cfg, model_path: str, dtype: torch.dtype, device: torch
 
 
 def _embedded(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) -> Engine:
-    from RL2.utils.logging import log_rank0
-
     if rollout_cfg.get("server_args"):  # e.g. the original RL2's tp_size or mem_fraction_static
         log_rank0(f"rollout.server_args {dict(rollout_cfg.server_args)} are flags of SGLang servers; the embedded "
                   f"engine runs without them (rollout.engine=sglang launches servers with them)")
-
     return embedded_engine(model_path, dtype, device, tokenizer, rollout_cfg.max_running_requests)
 
 
 def embedded_engine(model_path: str, dtype: torch.dtype, device: torch.device, tokenizer,
                     max_running_requests: int) -> Engine:
     """An embedded engine on its own copy of the model at `model_path` (loaded here, shared with nothing)."""
-    from transformers import AutoModelForCausalLM
-
     from RL2.engine.embedded.engine import EmbeddedEngine
 
     # Plain sdpa attention: the engine runs its own batched prefill/decode with a KV cache.
@@ -53,9 +43,7 @@ def _sglang(rollout_cfg, model_path, dtype, device, tokenizer, colocated, seed) 
 
     if rollout_cfg.server_url:
         return SGLangEngine.connect(rollout_cfg, model_path)
-    # Servers on the trainer's GPUs size their KV cache from the memory free at their start: the
-    # trainer's models wait on the CPU meanwhile (`EngineState.to_trainer` brings them back).
-    for worker in colocated:
+    for worker in colocated:  # back with `EngineState.to_trainer` if the servers release their memory
         worker.offload()
     engine = SGLangEngine.launch(rollout_cfg, model_path, dtype, device, seed=seed)
     if not engine.releases_memory:

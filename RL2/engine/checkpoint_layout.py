@@ -1,14 +1,7 @@
-"""The trainer's parameters under the names and in the layout of the model's checkpoint.
-
-transformers 5 holds a mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE, OLMoE, ...)
-fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`, where the checkpoint has one tensor
-per expert and projection (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`);
-`from_pretrained` converts on the way in, `save_pretrained` back (transformers' `conversion_mapping.py`,
-`core_model_loading.py`). SGLang's loaders read the checkpoint's names and skip a name they do not know without an
-error. `CheckpointLayout.to_checkpoint` maps a stream of full tensors back with transformers' own reverse conversion
-(`revert_weight_conversion`) one group at a time (the tensors one reverse converter needs, usually one), so that no more
-than a layer's experts are held beyond the caller's buckets. A model without conversions (every dense model so far)
-passes through unchanged; the embedded engine holds transformers' model and takes its names as they are.
+"""The trainer's parameters under the names and in the layout of the model's checkpoint, which SGLang's loaders read
+(docs/gpus.md, "SGLang servers"). transformers 5 holds a mixture of experts fused (`mlp.experts.gate_up_proj`), the
+checkpoint one tensor per expert and projection; `from_pretrained` converts on the way in, `save_pretrained` back
+(transformers' `conversion_mapping.py`, `core_model_loading.py`). Dense models pass through unchanged.
 """
 
 from collections.abc import Iterable, Iterator
@@ -27,10 +20,9 @@ class CheckpointLayout:
     def __init__(self, model: torch.nn.Module):
         conversions = getattr(model, "_weight_conversions", None)  # those of `from_pretrained`, if it loaded the model
         if conversions is None:
-            # What `revert_weight_conversion` reverses for a model built from its config (as the trainer builds
-            # its own): the model's mapping without the legacy renamings and prefix changes, which depend on
-            # how a particular checkpoint was loaded. Kept on the model, where `revert_weight_conversion`
-            # reads it, instead of being rebuilt at each call.
+            # What `revert_weight_conversion` reverses for a model built from its config (as the trainer builds its
+            # own): the model's mapping without the legacy renamings and prefix changes, which depend on how a
+            # checkpoint was loaded. Kept on the model, where `revert_weight_conversion` reads it at each call.
             conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
                            if not isinstance(c, PrefixChange)]
             model._weight_conversions = conversions or None
@@ -41,10 +33,14 @@ class CheckpointLayout:
         self.group_of: dict[str, str] = {}
         self.members: dict[str, set[str]] = {}
         for name, _ in model.named_parameters():
-            key, pattern = first_conversion(name, converters)
-            if pattern is not None:
-                self.group_of[name] = key
-                self.members.setdefault(key, set()).add(name)
+            # The first converter that matches renames it (transformers converts a tensor with one at most), by
+            # `WeightTransform.rename_source_key`: `core_model_loading.apply_converters` needs transformers 5.21.
+            for converter in converters:
+                key, pattern = converter.rename_source_key(name)
+                if pattern is not None:
+                    self.group_of[name] = key
+                    self.members.setdefault(key, set()).add(name)
+                    break
 
     @classmethod
     def from_folder(cls, model_path: str | Path) -> "CheckpointLayout":
@@ -59,10 +55,10 @@ class CheckpointLayout:
         return bool(self.conversions)
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """Full tensors under the model's parameter names, in any order, as the checkpoint holds them:
-        `named_tensors` itself when nothing converts; else an iterator of (checkpoint name, tensor), each
-        group converted once its last tensor has arrived. Raises ValueError at the end when a group stayed
-        incomplete (a converter would have been given part of its tensors)."""
+        """Full tensors under the model's parameter names, in any order, as the checkpoint holds them: `named_tensors`
+        itself when nothing converts; else (checkpoint name, tensor) pairs, each group (the tensors one reverse
+        converter needs) converted by `revert_weight_conversion` once its last tensor has arrived, so that no more than
+        a layer's experts are held beyond the caller's buckets. ValueError at the end when a group stayed incomplete."""
         if not self.converts:
             return named_tensors
         return self._converted(named_tensors)
@@ -89,18 +85,6 @@ class CheckpointLayout:
             raise ValueError(f"CheckpointLayout: {len(missing)} parameters of {type(self.model).__name__} never came, "
                              f"so the tensors converted with them could not be: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
-
-
-def first_conversion(name: str, converters: list[WeightConverter]) -> tuple[str, str | None]:
-    """`name` as the first of `converters` that matches it renames it, and that converter's source pattern
-    (None when none matches): transformers converts a tensor with one converter at most. Written on
-    `WeightTransform.rename_source_key`, which every transformers release RL2 supports has, not on
-    `core_model_loading.apply_converters`, which only 5.21 and later have."""
-    for converter in converters:
-        key, pattern = converter.rename_source_key(name)
-        if pattern is not None:
-            return key, pattern
-    return name, None
 
 
 def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:

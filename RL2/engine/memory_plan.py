@@ -1,15 +1,5 @@
-"""The sizing of SGLang servers that share the GPUs with the trainer.
-
-docs/gpus.md ("Memory plan") explains the three phases of a colocated step (train, sync, rollout), the host
-memory while the engine samples and their formulas, with and without LoRA; `benchmarks/memory_plan_table.py`
-computes them and prints the table of docs/gpus.md.
-
-Servers are launched once the trainer's state is on the CPU, and SGLang gives weights plus KV cache
-`mem_fraction_static` of the memory free at its start. RL2 sets it so that they take
-`COLOCATED_MEM_FRACTION` of that memory less a margin (`rollout.gpu_memory_margin_gb`,
-`colocated_mem_fraction`): the rest of the fraction's complement is SGLang's, for activations, CUDA
-graphs and sampling buffers, and the margin is what the trainer's memory left on the GPU may grow by
-once the servers have started (CUDA kernels loaded at their first launch, cuBLAS workspaces, NCCL buffers).
+"""The sizing of SGLang servers that share the GPUs with the trainer: docs/gpus.md ("Memory plan") explains the phases
+of a colocated step and their formulas, which `benchmarks/memory_plan_table.py` computes into its table.
 """
 
 from dataclasses import dataclass
@@ -21,8 +11,9 @@ COLOCATED_MEM_FRACTION = 0.85
 
 
 def colocated_mem_fraction(free_bytes: int, margin_bytes: int) -> float:
-    """`mem_fraction_static` of a server launched beside the trainer: `COLOCATED_MEM_FRACTION` of the
-    `free_bytes` it starts with, less `margin_bytes` left to the trainer (0 or less: no room)."""
+    """`mem_fraction_static` of a server launched beside the trainer (SGLang gives weights plus KV cache that share of
+    the memory free at its start): `COLOCATED_MEM_FRACTION` of the `free_bytes` it starts with, less `margin_bytes`,
+    what the trainer's memory left on the GPU may grow by once the servers have started (0 or less: no room)."""
     return COLOCATED_MEM_FRACTION - margin_bytes / free_bytes
 
 

@@ -1,9 +1,6 @@
-"""What the RL loop asks of an inference engine, whichever it is.
-
-Requests and responses are SGLang's `POST /generate` JSON, so one rollout loop serves both engines: `EmbeddedEngine`
-(in-process, `RL2.engine.embedded`) answers them directly, `SGLangEngine` (`RL2.engine.sglang`) sends them to SGLang
-servers. `RL2.rollout.engine_state.EngineState` makes the memory calls and the pushes from what an engine says of itself
-(`releases_memory`, `follows_policy`), so the loop never asks which one it drives.
+"""What the RL loop asks of an inference engine, whichever it is: requests and responses are SGLang's `POST /generate`
+JSON, and `RL2.rollout.engine_state.EngineState` makes the memory calls and the pushes from what an engine says of
+itself (`releases_memory`, `follows_policy`), so the loop never asks which one it drives.
 """
 
 from collections.abc import Iterable
@@ -18,13 +15,10 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
-    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang
-    # servers on the trainer's GPUs, so that the trainer's state can come back to the GPU, and the embedded
-    # engine on CPU, so that the trainer's update has the RAM. Released weights are lost and must be pushed
-    # again. False (SGLang servers elsewhere, the embedded engine on a GPU): it keeps its memory, never asked.
+    # The engine frees memory when asked (`release_memory`) and takes it back (`resume_memory`): SGLang servers on the
+    # trainer's GPUs, the embedded engine on CPU (the trainer's update needs the RAM). False: never asked.
     releases_memory: bool
-    # The engine takes the policy's weights after each update (False for SGLang with
-    # `rollout.weight_sync=none`: it keeps the weights it started with).
+    # The engine takes the policy's weights after each update (False: SGLang with `rollout.weight_sync=none`).
     follows_policy: bool
 
     async def generate(self, payload: dict) -> dict:
@@ -33,37 +27,30 @@ class Engine(Protocol):
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile.
-
-        `mode` "abort": this rank's requests in flight return at once with finish_reason abort and their partial output.
-        "retract" and "in_place": the embedded engine re-prefills its requests after `continue_generation`, or holds
-        them; SGLang servers serve every rank and are not paused, so this rank's requests run to their end.
-        """
+        """Stop this rank's generation until `continue_generation`; its new requests wait meanwhile. `mode` "abort":
+        this rank's requests in flight return at once with finish_reason abort and their partial output. "retract" and
+        "in_place": the embedded engine re-prefills its requests after `continue_generation`, or holds them; SGLang
+        servers serve every rank and are not paused, so this rank's requests run to their end."""
         ...
 
     async def continue_generation(self) -> None:
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """Load new weights, full tensors under the names of the trainer's model (transformers' memory layout; an engine
-        that loads checkpoints maps them to the checkpoint's, see `RL2.engine.checkpoint_layout`). The weight memory
-        must be resident (`resume_memory` after a release). Call it between rollouts: requests still running would go on
-        with the new weights (the embedded engine waits only for its current step). Collective: every rank calls it (the
-        tensors are gathered from the trainer's shards as they are iterated). The engine reports `weight_version` with
-        each response.
-        """
+        """Load new weights, full tensors under the names of the trainer's model (`RL2.engine.checkpoint_layout` maps
+        them for an engine that loads checkpoints), after `resume_memory` if they were released. Call it between
+        rollouts: requests still running would go on with the new weights. Collective: every rank calls it (the tensors
+        are gathered from the trainer's shards as they are iterated). Responses report `weight_version`."""
         ...
 
     def release_memory(self, tags: Iterable[str]) -> None:
-        """Free memory for the trainer, by SGLang's tags: "weights" (their content is lost until
-        `update_weights` writes them all again), "kv_cache", "cuda_graph" (the embedded engine has none).
-        Asked only of an engine that `releases_memory`, between rollouts."""
+        """Free memory for the trainer between rollouts, by SGLang's tags: "weights" (lost until `update_weights` writes
+        them all again), "kv_cache", "cuda_graph" (the embedded engine has none). Asked only if `releases_memory`."""
         ...
 
     def resume_memory(self, tags: Iterable[str]) -> None:
-        """Take back memory released under `tags`, before pushing weights or sampling. SGLang servers
-        allocate it again (and fail on a tag that is not released); the embedded engine has nothing to
-        do: its weights come back with `update_weights`, its cache as requests run."""
+        """Take back memory released under `tags`, before pushing weights or sampling (SGLang servers fail on a tag
+        that is not released)."""
         ...
 
     def shutdown(self) -> None:

@@ -1,19 +1,10 @@
-"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate`.
+"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate` (`RL2.engine.protocol`) as
+an async Python API, with SGLang's sampling and stop rules (`sampling.py`); docs/cpu.md describes it.
 
-It serves `RL2.engine.protocol` as an async Python API: `generate` takes and returns the JSON
-shapes of SGLang's native `/generate`, so one rollout loop works with both engines.
-
-How it works:
-- Continuous batching. One scheduler task per event loop admits waiting requests (one batched
-  prefill), then decodes all running requests one token per step; requests join and leave between
-  steps (see `model_runner.py` for the cache).
-- Where the forwards run depends on the cores. With torch's OpenMP backend (libgomp) every thread
-  that runs torch ops gets its own OpenMP pool, and libgomp stops spin-waiting once a process holds
-  more OpenMP threads than cores. So when the torch threads of this machine's ranks fit in the cores,
-  the forwards run on the event loop between its other work, and the pool stays hot (markedly faster
-  than a worker thread); else in a one-thread executor, where torch releases the GIL inside its
-  kernels. Either way, request state is touched by one step or by the loop between steps, never both.
-- Sampling and stop rules are SGLang's (`sampling.py`).
+Continuous batching: one scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
+running requests one token per step; requests join and leave between steps. The forwards run on the event loop or in a
+one-thread executor (`threads_fit_in_cores`); either way, request state is touched by one step or by the loop between
+steps, never both.
 """
 
 import asyncio
@@ -40,8 +31,7 @@ from RL2.native.allocator import keep_freed_memory
 
 # Padded prompt tokens in one prefill forward: bounds its latency and its attention mask.
 MAX_PREFILL_TOKENS = 8192
-# With `EmbeddedEngine.arrival_quiet`, how often a batch's first step looks for more requests, and for how long
-# at most: small beside a step's forward, which requests arriving apart would split.
+# With `arrival_quiet`, how often and at most how long a batch's first step looks for more requests (seconds).
 ARRIVAL_POLL, MAX_ARRIVAL_WAIT = 0.001, 1.0
 
 
@@ -68,12 +58,9 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """In-process continuous-batching engine with SGLang's `/generate` request/response shapes, over an HF causal
-    LM in eval mode that it runs as is. Sliding windows are not applied. The running requests' prompt +
-    max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` (the model is the
-    engine's alone), the engine may keep its linear layers' weights only in the layout its CPU kernels read
-    (read them with `runner.state_dict()`): one copy of the weights on CPU, not two.
-    """
+    """In-process continuous-batching engine over an HF causal LM in eval mode, without sliding windows. The running
+    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may
+    keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
                  max_total_tokens: int | None = None, owns_model: bool = False):
@@ -88,12 +75,13 @@ class EmbeddedEngine:
         self.runner = ModelRunner(model, max_running_requests, owns_model=owns_model)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # each step allocates logits and sampling rows of the same sizes
-        # On CPU the engine's weights and KV cache are RAM the trainer's update needs; on a GPU releasing
-        # would also move the trainer's state to the CPU around every rollout, which pays only for SGLang.
+        # On CPU the engine's memory is RAM the trainer's update needs; on a GPU releasing would also move the trainer's
+        # state to the CPU around every rollout, which pays only for SGLang.
         self.releases_memory = self.runner.device.type == "cpu"
         self.tokenizer, self.max_total_tokens = tokenizer, max_total_tokens
         self.max_running_requests = max_running_requests
-        self.eos_ids = _eos_token_ids(model, tokenizer)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # an int or a list
+        self.eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.weight_version = "default"
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # running[i] owns cache row i
@@ -199,8 +187,7 @@ class EmbeddedEngine:
                            asyncio.get_running_loop().create_future(), generator)
         if not request.input_ids:
             raise ValueError("input_ids is empty")
-        # Checked here, where only this request fails: inside a step the embedding lookup would
-        # raise and fail every request of the batch and the engine with them.
+        # Checked here, where only this request fails: inside a step it would fail the batch and the engine with it.
         for token in (min(request.input_ids), max(request.input_ids)):
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"input_ids holds {token}, not a token id: the model's vocabulary has "
@@ -218,9 +205,8 @@ class EmbeddedEngine:
         return request
 
     def _ensure_scheduler(self) -> None:
-        """Start the scheduler on the running loop (again, after an earlier loop has ended). One event loop at
-        a time: callers of `asyncio.run` per rollout get a fresh scheduler each time, and requests left behind
-        by a finished loop are dropped."""
+        """Start the scheduler on the running loop (again, after an earlier loop has ended): callers of `asyncio.run`
+        per rollout get a fresh scheduler each time, and requests left behind by a finished loop are dropped."""
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._scheduler is not None and not self._scheduler.done():
             return
@@ -257,10 +243,8 @@ class EmbeddedEngine:
     async def _gather_arrivals(self) -> None:
         """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
         all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
-        arriving (at most MAX_ARRIVAL_WAIT): requests sent together over HTTP (a batch of agents' calls, each made,
-        read from its socket and rendered in turns of its own) share one prefill and decode in step, instead of
-        splitting into prefills that each add decode steps to the batch. Only idle time counts: a poll that returns
-        late found the loop or another thread (an agent's) busy, most likely making more calls."""
+        arriving (at most MAX_ARRIVAL_WAIT), so that calls sent together over HTTP share one prefill (docs/agents.md).
+        Only idle time counts: a poll that returns late found the loop or another thread busy, likely making calls."""
         await asyncio.sleep(0)
         waiting, quiet = len(self._waiting), 0.0
         deadline = time.perf_counter() + MAX_ARRIVAL_WAIT
@@ -301,10 +285,10 @@ class EmbeddedEngine:
             return request.future.done() or request.future.get_loop() is not self._loop
 
         self._waiting = deque(r for r in self._waiting if not abandoned(r))
-        if any(abandoned(r) for r in self._running):
-            for request in self._running:
-                if abandoned(request):
-                    request.reason = {"type": "abort", "message": "abandoned by the caller"}
+        gone = [r for r in self._running if abandoned(r)]
+        for request in gone:
+            request.reason = {"type": "abort", "message": "abandoned by the caller"}
+        if gone:
             self._compact()
 
     def _resolve(self, request: _Request, reason: dict) -> None:
@@ -343,19 +327,17 @@ class EmbeddedEngine:
             else:
                 batch = self._running
                 logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.cached_len for r in batch])
-            self._sample_into(batch, logits)
+            banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
+            tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned,
+                                                  [r.generator for r in batch])
+            for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+                request.output_ids.append(token)
+                request.logprobs.append(logprob)
+                request.reason = finish_reason(request.output_ids, request.params, self.eos_ids, self.tokenizer)
             finished = [r for r in batch if r.reason is not None]
             if finished:
                 self._compact()
             return finished
-
-    def _sample_into(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
-        tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned, [r.generator for r in batch])
-        for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            request.reason = finish_reason(request.output_ids, request.params, self.eos_ids, self.tokenizer)
 
     def _compact(self) -> None:
         """Drop finished requests and move the last rows into the holes they leave."""
@@ -363,23 +345,18 @@ class EmbeddedEngine:
         holes = sorted(r.row for r in self._running if r.reason is not None and r.row < len(alive))
         movers = [r for r in alive if r.row >= len(alive)]
         for request, row in zip(movers, holes):
-            self.runner.cache.move_row(request.row, row, request.cached_len)
+            self.runner.cache.copy_rows([request.row], row, request.cached_len)
             request.row = row
         self._running = sorted(alive, key=lambda r: r.row)
 
 
 def threads_fit_in_cores() -> bool:
-    """Whether every torch thread of every rank on this machine has a core of its own."""
+    """Whether every torch thread of every rank on this machine has a core of its own: then the forwards run on the
+    event loop, whose OpenMP pool stays hot (each thread that runs torch ops gets its own pool, and libgomp stops
+    spin-waiting once a process holds more threads than cores); else in a worker thread (torch frees the GIL)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return torch.get_num_threads() * ranks_here <= cores
-
-
-def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    """The tokenizer's eos plus the model's generation_config eos ids (an int or a list)."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])}
-    return ids - {None}

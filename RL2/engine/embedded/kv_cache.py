@@ -9,20 +9,12 @@ from RL2.native.decode_kernels import RowGroups
 
 
 class SlotKVCache:
-    """Keys and values of all running requests, one pre-allocated row per request.
-
-    Buffers grow by doubling (rows and positions) and are zero-initialised: masked slots must hold finite numbers, since
-    SDPA adds the mask to the scores and NaN + -inf is still NaN. Values are in the model's dtype, as SDPA's kernels
-    multiply them with the probabilities. Keys are float32 whatever the model's dtype (torch's decode attention scores
-    them in float32, and upcasting bf16 keys at every step cost more than the attention itself), except with
-    `keys_in_model_dtype`, for the C decode kernels: they widen a bf16 model's keys as they score them, so the cache is
-    read at half the bytes (the keys hold bf16 values either way, so the scores are the same). HF attention layers call
-    `update` once per layer and attend over what it returns.
-
-    The cache also knows which rows hold copies of one prompt (`share_prompt`, and a prefill from a
-    `prefix_row`); a decode step's `row_groups` tells the C decode attention, which then reads each shared
-    prompt once for all of its rows instead of once per row.
-    """
+    """Keys and values of all running requests, one pre-allocated row per request; HF attention layers call `update`
+    once per layer and attend over what it returns. Buffers grow by doubling and are zero-initialised: SDPA adds the
+    mask to the scores, and NaN + -inf is still NaN. Values are in the model's dtype, as SDPA's kernels multiply them
+    with the probabilities. Keys are float32 (upcasting bf16 keys at every step cost more than the attention itself),
+    except with `keys_in_model_dtype`, for the C decode kernels, which widen them as they score them. A decode step's
+    `row_groups` (rows that hold copies of one prompt) let the C decode attention read each shared prompt once."""
 
     def __init__(self, max_rows: int, keys_in_model_dtype: bool = False):
         self.max_rows = max_rows
@@ -35,8 +27,7 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._row_index: torch.Tensor | None = None
         self._length = 0
-        # Requests running or waiting: the next growth of the rows goes straight to this many (up to
-        # `max_rows`) instead of copying the cache at every doubling.
+        # Requests running or waiting: the rows grow straight to this many (up to `max_rows`), not by doublings.
         self.expected_rows = 0
         self.share_prompt_reads = True  # False: every row reads all of its own positions (the same results)
         self._shared: dict[int, tuple[int, int]] = {}  # row -> (copy id, positions it holds of that copy)
@@ -118,24 +109,14 @@ class SlotKVCache:
         return new
 
     @torch.inference_mode()
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
-        for buffer in (*self.keys, *self.values):
-            buffer[dst, :, :length] = buffer[src, :, :length]
-        self._move_shared({dst: src})
-
-    @torch.inference_mode()
-    def copy_rows(self, sources: torch.Tensor, first_row: int, length: int) -> None:
-        """Fill rows first_row.. with the first `length` positions of rows `sources` (all layers)."""
+    def copy_rows(self, sources: torch.Tensor | list[int], first_row: int, length: int) -> None:
+        """Fill rows first_row.. with the first `length` positions of rows `sources` (all layers); they then share
+        the prompt copies their sources did."""
         for buffers in (self.keys, self.values):
             for layer_idx in range(len(buffers)):
                 buffer = self._reserve(buffers, layer_idx, first_row + len(sources), length)
                 buffer[first_row : first_row + len(sources), :, :length] = buffer[sources, :, :length]
-        self._move_shared({first_row + i: int(source) for i, source in enumerate(sources)})
-
-    def _move_shared(self, sources: dict[int, int]) -> None:
-        """Rows `sources` (destination -> source) were overwritten with copies: they share what their sources did."""
-        copied = {dst: self._shared.get(src) for dst, src in sources.items()}
+        copied = {first_row + i: self._shared.get(int(source)) for i, source in enumerate(sources)}
         for dst, shared in copied.items():
             self._shared.pop(dst, None)
             if shared is not None:

@@ -1,15 +1,10 @@
-"""The embedded engine's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+"""The embedded engine's own forward for Llama-family decoders (docs/cpu.md): with a few dozen rows per decode step,
+HF's modules spend much of it in Python and small ops around the matmuls; this forward reads the same weights and does
+a layer in ~20 ops. Prefill runs through it too (attention by SDPA), so the fused weights are the only packed copy.
 
-A decode step is one new token per running request, so every tensor op works on a few dozen rows and costs little; HF's
-modules then spend much of the step in Python and in small ops around the matmuls (casts, reshapes, `rotate_half`'s
-slices, masks rebuilt per layer). This forward reads the same weights straight from the HF modules and does a layer's
-work in ~20 ops, with q, k, v as one product and gate, up as another (`benchmarks/bench_engine.py` measures the engine
-against HF's `generate`). Prefill runs through it too (attention by SDPA), so the fused weights are the only packed
-copy.
-
-The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin
-from the model's own rotary module (so every RoPE scaling type HF implements applies), and for one
-new token attention scores and softmax in float32, as SDPA's kernels compute them.
+The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin from the model's own
+rotary module (so every RoPE scaling type HF implements applies), and for one new token attention scores and softmax in
+float32, as SDPA's kernels compute them.
 """
 
 from collections.abc import Callable
@@ -22,8 +17,8 @@ from RL2.native.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kerne
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Applies the given linear layers, which share an input, and concatenates their outputs (into `out`, a
-# second argument, where it can: the caller uses what it returns). Has `out_features`.
+# Applies linear layers that share an input and concatenates their outputs (into `out`, a second argument, where it
+# can: the caller uses what it returns); has `out_features`.
 LinearKernel = Callable[..., torch.Tensor]
 
 
@@ -41,10 +36,9 @@ def attention_bias(visible: torch.Tensor) -> torch.Tensor:
 def attend_one_token(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention of one query per row (`[rows, H, D]`, the output's shape and dtype) over its cached keys and values
-    (`SlotKVCache`: keys `[rows, H_kv, L, D]` float32, values in the model's dtype), with `bias` `[rows, L]` from
-    `attention_bias`; scores and softmax in float32. Query heads that share a kv head are one product; the probabilities
-    meet the values in the values' dtype, as in SDPA's kernels. With one query, torch's CPU SDPA kernel spends most of
-    its time on blocking and masking, which plain products skip."""
+    (`SlotKVCache`: keys `[rows, H_kv, L, D]`, values in the model's dtype), with `bias` `[rows, L]` from
+    `attention_bias`; scores and softmax in float32, the probabilities meeting the values in their dtype, as in SDPA's
+    kernels, whose CPU one spends most of its time on blocking and masking for one query, which plain products skip."""
     rows, heads, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(keys.dtype)
@@ -77,12 +71,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class LlamaForward:
     """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`. `kernel` maps a
-    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones).
-
-    A float32 or bf16 model on CPU decodes through the C kernels of `decode_kernels.c` where they can
-    be built (in bf16 they round where the torch ops round); everything else (GPU, prefill, other
-    dtypes) through the torch ops below, which compute the same.
-    """
+    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones). A float32 or
+    bf16 model on CPU decodes through the C kernels where they can be built; everything else (GPU, prefill, other
+    dtypes) through the torch ops below, which compute the same."""
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
         decoder = model.get_decoder()
@@ -130,8 +121,7 @@ class LlamaForward:
         q = hidden.new_empty(rows, self.heads, self.head_dim, dtype=torch.float32)  # what the attention reads
         attended, activated = hidden.new_empty(rows, self.heads * self.head_dim), None
         new_layer = hidden.new_empty(0, self.kv_heads, 1, self.head_dim)  # what a new layer's cache holds
-        # Every product's output is read before the next product runs, so all layers share one buffer
-        # per output width instead of allocating ~120 small tensors a step.
+        # Each product's output is read before the next runs: all layers share one buffer per output width.
         products: dict[int, torch.Tensor] = {}
 
         def product(linear, x: torch.Tensor) -> torch.Tensor:
@@ -161,9 +151,8 @@ class LlamaForward:
     @torch.inference_mode()
     def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
                keep: torch.Tensor | None) -> torch.Tensor | None:
-        """A chunk per row: input_ids, positions `[rows, T]`; `cache` bound by `bind_prefill`; mask
-        boolean `[rows, 1, T, L]`. Returns the final hidden states at position `keep[row, 0]` of each
-        chunk, `[rows, hidden]` (None without `keep`: the cache is all that is wanted)."""
+        """A chunk per row (input_ids, positions `[rows, T]`, mask boolean `[rows, 1, T, L]`, `cache` bound by
+        `bind_prefill`): the final hidden states `[rows, hidden]` at each one's `keep[row, 0]` (None without `keep`)."""
         def attend(q, keys, values, scale):
             return F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values, attn_mask=mask,
                                                   scale=scale, enable_gqa=self.heads != self.kv_heads).transpose(1, 2)

@@ -1,14 +1,10 @@
-"""Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache.
+"""Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache: a request's tokens sit at
+positions 0..n-1 of its row, so requests of any length share a batch without left padding and a finished request frees
+its row without touching the others. Only the positions that are sampled go through the output projection.
 
-The embedded engine keeps one cache row ("slot") per running request; a request's tokens sit at positions 0..n-1 of its
-row, so requests of any length share a batch without left padding and a finished request frees its row without touching
-the others. A prompt prefix shared by a whole prefill batch is forwarded once and copied. Only the positions that are
-sampled go through the output projection.
-
-Llama-family models run through the engine's own forward (`llama_forward.py`), reading the HF modules' weights. Any
-other model runs through its unmodified HF decoder, which only sees a cache object with HF's `update` method, per-row
-`position_ids` and a ready-made 4D boolean attention mask (HF passes it through untouched); for the duration of those
-forwards, one-token attention runs as `decode_attention` and linear layers with packed weights (`PackedLinear`).
+Llama-family models run through the engine's own forward (`llama_forward.py`); any other through its unmodified HF
+decoder, given a cache with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask,
+with `decode_attention` and packed linear layers (`PackedLinear`) for the duration of those forwards.
 """
 
 import functools
@@ -34,18 +30,16 @@ from RL2.engine.embedded.packed_linear import (
 from RL2.models.attention import softcapped_attention
 from RL2.utils.shared_prefixes import common_prefix_length
 
-# A prompt prefix shared by a whole prefill batch (a chat template's system prompt, the prompt of a GRPO group) is
-# computed once when it is at least this long; shorter ones cost less than the extra forward.
+# A prompt prefix shared by a whole prefill batch (a chat template's system prompt) is computed once when it is at
+# least this long; shorter ones cost less than the extra forward.
 MIN_SHARED_PREFIX = 16
-
 
 DECODE_ATTN = "rl2_decode"
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from
-    `SlotKVCache`, attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why not SDPA);
-    longer queries (prefill) go to SDPA."""
+    """Attention of one new token per row (query `[rows, H, 1, D]`, key/value `[rows, H_kv, L, D]` from `SlotKVCache`,
+    attention_mask boolean `[rows, 1, 1, L]`) by `attend_one_token` (see there why); longer queries go to SDPA."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.pop("softcap", None)
     if softcap:  # Gemma 2 caps its scores, which SDPA cannot
@@ -65,23 +59,18 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(DECODE_ATTN, decode_attention)
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process mapped from files (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = [line.split() for line in maps]
-    except OSError:
-        return []
-    return [tuple(int(address, 16) for address in fields[0].split("-"))
-            for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
-
-
 @torch.no_grad()
 def own_parameter_memory(model: torch.nn.Module) -> None:
     """Copy CPU parameters that still live in a file mapping (`from_pretrained` maps safetensors files) into the
     process's own memory. Weight updates write into the parameters in place, and the first write to a privately
     mapped file page copies it page by page, a page fault each, far slower than one copy done here at start."""
-    mappings = _file_mappings()
+    try:
+        with open("/proc/self/maps") as maps:  # Linux; elsewhere nothing is copied
+            lines = [line.split() for line in maps]
+    except OSError:
+        return
+    mappings = [tuple(int(address, 16) for address in fields[0].split("-"))
+                for fields in lines if len(fields) >= 6 and fields[5].startswith("/")]
     for param in model.parameters():
         address = param.data_ptr()
         if param.device.type == "cpu" and any(start <= address < end for start, end in mappings):
@@ -98,9 +87,8 @@ def _logits_are_the_head_of_the_decoder(model: torch.nn.Module) -> bool:
 
 @functools.cache
 def cache_keyword(model_class: type) -> str:
-    """The name under which `model_class.forward` takes a KV cache: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name warns on every call, and goes in 5.40). Read once per class:
-    the decode loop asks at every step."""
+    """The name under which `model_class.forward` takes a KV cache (read once per class): transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call, and goes in 5.40)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
@@ -185,13 +173,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Forward whole prompts into rows first_row.. and return each one's last logits [n, vocab].
-
-        Identical prompts (a GRPO group's) are forwarded once and their rows copied, which gives
-        exactly the keys, values and logits of a forward of that prompt alone. Then a prefix that
-        all distinct prompts share (at least MIN_SHARED_PREFIX tokens: a system prompt) is
-        forwarded once, into the first row, and its keys and values copied to the other rows.
-        """
+        """Forward whole prompts into rows first_row.. and return each one's last logits [n, vocab]. Identical prompts
+        (a GRPO group's) are forwarded once and their rows copied; then a prefix that all distinct prompts share (at
+        least MIN_SHARED_PREFIX tokens) is forwarded once, into the first row, and copied to the other rows."""
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
         if len(distinct) < len(prompts):
             which = {prompt: i for i, prompt in enumerate(distinct)}
@@ -261,10 +245,8 @@ class ModelRunner:
         return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
     def release_weights(self) -> None:
-        """Free the parameters and their packed copies: their content is lost, as with SGLang's released
-        weights, until `load_weights` writes every parameter again (forwards refuse to run meanwhile).
-        A released parameter is an empty tensor, so that reading one fails rather than reading freed
-        memory. Buffers (e.g. rotary frequencies) are kept."""
+        """Free the parameters and their packed copies until `load_weights` writes every parameter again, as empty
+        tensors (reading one fails rather than reading freed memory). Buffers (e.g. rotary frequencies) are kept."""
         for kernel in self.kernels:
             kernel.release()
         for name, param in self.model.named_parameters():  # tied weights are one parameter: released once

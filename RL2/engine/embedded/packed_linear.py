@@ -1,12 +1,7 @@
-"""Linear layers for the embedded engine: weights laid out once for a fast product, several layers as one.
-
-With a few dozen rows per decode step, a general CPU GEMM re-blocks the whole weight on every call, which costs as much
-as the product for the vocabulary projection; weights packed once skip that. Layers that read the same input (q, k, v;
-gate, up) go through one product, one pass over the input instead of two or three.
-
-Two packings: `PanelLinear`, the C kernel of `decode_kernels.c` (float32, and bf16 on CPUs with
-AVX512-BF16 but no AMX; see docs/cpu.md), and `OneDNNLinear` for the other dtypes oneDNN has CPU kernels
-for. `ConcatLinear` is the plain product where neither applies (GPU).
+"""Linear layers for the embedded engine: weights packed once (a general CPU GEMM re-blocks the whole weight on every
+call, which with a few dozen rows costs as much as the product), and layers that share an input (q, k, v; gate, up) as
+one product. `PanelLinear` is the C kernel of docs/cpu.md, `OneDNNLinear` for the dtypes oneDNN has CPU kernels for
+where the panels do not apply, `ConcatLinear` the plain product where neither does (GPU).
 """
 
 import torch
@@ -16,13 +11,10 @@ from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
 
 
 class PackedLinear:
-    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs
-    concatenated in their order. Subclasses say how to pack (`_pack`) and multiply (`_product`).
-
-    The packed copy remembers the version counters of the weights and biases, which every in-place op on a parameter
-    bumps: a weight changed behind the engine's back is re-packed before it is used. (Writes through `param.data` bypass
-    the counter: change weights with `load_weights`.) The price is a second copy of the weights.
-    """
+    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs concatenated in their
+    order. Subclasses say how to pack (`_pack(weights)`) and multiply (`_product(hidden, out)`). The packed copy
+    remembers the version counters of the weights and biases, which every in-place op on a parameter bumps: a weight
+    changed behind the engine's back is re-packed before it is used (not through `param.data`: use `load_weights`)."""
 
     packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
 
@@ -33,31 +25,23 @@ class PackedLinear:
         self._bias: torch.Tensor | None = None
         self._versions: tuple[int, ...] = ()
 
-    def _pack(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _product(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
     def refresh(self) -> None:
         """Re-pack if any weight or bias changed since it was packed."""
         if self.packed_only:  # no other copy to change
             return
         # Checked on every call: read the two attributes, not `parameters()`, which costs more.
         versions = tuple(p._version for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
-        if versions != self._versions:
-            self._repack(versions)
-
-    @torch.no_grad()
-    def _repack(self, versions: tuple[int, ...]) -> None:
-        self._packed = None  # free the stale copy first: peak memory stays one copy
-        self._packed = self._pack([linear.weight.detach() for linear in self.linears])
-        self._bias = None
-        if any(linear.bias is not None for linear in self.linears):
-            self._bias = torch.cat([
-                linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-                for linear in self.linears
-            ]).detach()
+        if versions == self._versions:
+            return
+        with torch.no_grad():
+            self._packed = None  # free the stale copy first: peak memory stays one copy
+            self._packed = self._pack([linear.weight.detach() for linear in self.linears])
+            self._bias = None
+            if any(linear.bias is not None for linear in self.linears):
+                self._bias = torch.cat([
+                    linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                    for linear in self.linears
+                ]).detach()
         self._versions = versions
 
     def release(self) -> None:
@@ -89,9 +73,8 @@ class OneDNNLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed straight from
-    each layer's weight (no concatenated copy on the way). After `keep_packed_only` the panels are the layers' only
-    copy: their own weights and biases are empty tensors, and new values go straight into the panels (`write`), which
-    halves what the engine holds."""
+    each layer's weight. After `keep_packed_only` the panels are the layers' only copy (their own weights and biases are
+    empty tensors, and new values go straight into the panels, `write`), which halves what the engine holds."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)
@@ -154,9 +137,8 @@ class ConcatLinear(PackedLinear):
 
 
 def panel_kernels_for(linear: torch.nn.Linear) -> DecodeKernels | None:
-    """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16
-    where it has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tile products oneDNN's bf16 kernels
-    use, and the panels do not)."""
+    """The C kernels where `PanelLinear` applies to this layer: on CPU, the library built, float32, or bf16 where it
+    has bf16 panels (AVX512-BF16) and the CPU has no AMX (whose tiles oneDNN's bf16 kernels use, the panels not)."""
     if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     kernels = load_decode_kernels()

@@ -1,8 +1,6 @@
-"""Sampling parameters, batched next-token sampling and stop rules of the embedded engine.
-
-Everything here follows SGLang's `/generate` semantics so that one rollout client works with both engines: the parameter
-names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of `Req.check_finished`
-(schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
+"""Sampling parameters, batched next-token sampling and stop rules of the embedded engine, as SGLang's `/generate` has
+them: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of
+`Req.check_finished` (schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
 """
 
 from dataclasses import dataclass, field
@@ -72,17 +70,11 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
                        default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, logprobs): one token per row of `logits`, all rows at once, sampling in float32. Row r never
     samples `banned[r]` (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's
-    sampling_seed) or, if None, from `default_generator` (None: torch's global one).
-
-    The returned log-probability is that of the sampled token under softmax(logits / temperature), the
-    distribution the row samples from before top-k/top-p/min-p filtering and bans, as SGLang returns it
-    (unless started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns temperature 1's). That
-    distribution is the policy the trainer trains and recomputes (`RL2.workers.actor.Actor`). Greedy
-    rows (temperature 0, or top_k=1) give temperature 1's, as a greedy batch does in SGLang.
-    """
+    sampling_seed) or, if None, from `default_generator` (None: torch's global one). The log-probability is the
+    sampled token's under softmax(logits / temperature), before top-k/top-p/min-p and bans, as SGLang returns it
+    (docs/gpus.md, "Log-probabilities"); greedy rows (temperature 0, or top_k=1) give temperature 1's, as in SGLang."""
     device = logits.device
-    # The policy's own probabilities, in one fused pass; every filter below works on them (a
-    # temperature as a power, top-k/top-p/min-p on their order and size).
+    # The policy's own probabilities, in one fused pass; every filter below works on them (a temperature as a power).
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     allowed = probs
     if any(banned):
@@ -100,9 +92,8 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
         if tempered.scaled and any(banned[r] for r in sampled):
             tempered.add_banned(probs if everything else probs[rows], [banned[r] for r in sampled])
         weights = _sampling_weights(tempered.weights, sampled_params)
-        # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its
-        # own generator inside any batch, and no per-token noise is needed (50k random numbers
-        # per row cost more than the rest of sampling). CPU cumsum accumulates in float64.
+        # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its own generator inside any
+        # batch, and no per-token noise is needed (costlier than the rest). CPU cumsum accumulates in float64.
         cdf = weights.cumsum(dim=-1)
         uniform = torch.rand(len(sampled), generator=default_generator)
         for i, r in enumerate(sampled):
@@ -118,12 +109,9 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
 
 @dataclass
 class _Tempered:
-    """softmax(logits / T) of each row, unnormalised, computed from the probabilities at T = 1.
-
-    softmax(logits / T) is proportional to softmax(logits) ** (1 / T). Each row is divided by its largest (allowed)
-    probability first, so that its top token keeps weight 1: at a low temperature the powers of the probabilities
-    themselves all underflow to 0 in float32. Rows at T = 1 are divided by 1, which leaves them exactly as they are.
-    """
+    """softmax(logits / T) of each row, unnormalised, as softmax(logits) ** (1 / T). Each row is divided by its largest
+    (allowed) probability first, so that its top token keeps weight 1: at a low temperature the powers of the
+    probabilities themselves all underflow to 0 in float32. Rows at T = 1 are divided by 1: left exactly as they are."""
 
     weights: torch.Tensor  # [rows, vocab] (p / peak) ** (1 / T), banned tokens at 0
     temperature: torch.Tensor  # [rows]
@@ -161,15 +149,13 @@ class _Tempered:
 
 
 def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Unnormalised sampling probabilities, filtered the way SGLang's sampler does.
-
-    `weights` are already at each row's temperature (`_Tempered`; banned tokens at 0). For a row without min-p, top-k
-    and top-p together on that distribution: a token stays if it is among the top_k and the tokens likelier than it hold
-    at most top_p of the probability (flashinfer's `top_k_top_p_sampling_from_probs` with `filter_apply_order="joint"`).
-    For a row with min-p: top-k, then top-p on the renormalised top-k tokens, then min-p (`top_k_renorm_prob`,
-    `top_p_renorm_prob`, `min_p_sampling_from_probs`). SGLang picks one of the two for the whole batch (min-p if any
-    request has it); here each row follows its own parameters, so that a request samples alike in any batch.
-    """
+    """Unnormalised sampling probabilities, filtered the way SGLang's sampler does. `weights` are already at each row's
+    temperature (`_Tempered`; banned tokens at 0). For a row without min-p, top-k and top-p together on them: a token
+    stays if it is among the top_k and the tokens likelier than it hold at most top_p of the probability (flashinfer's
+    `top_k_top_p_sampling_from_probs` with `filter_apply_order="joint"`). For a row with min-p: top-k, then top-p on
+    the renormalised top-k tokens, then min-p (`top_k_renorm_prob`, `top_p_renorm_prob`, `min_p_sampling_from_probs`).
+    SGLang picks one of the two for the whole batch (min-p if any request has it); here each row follows its own
+    parameters, so that a request samples alike in any batch."""
     device = weights.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
@@ -181,8 +167,7 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
         kth[top_k == 0] = 0.0
         drop = weights < kth
     if (top_p < 1).any():
-        # Jointly, top-p measures the tokens' mass in the whole distribution; after top-k (min-p
-        # rows), in the kept tokens only.
+        # Jointly, top-p measures the tokens' mass in the whole distribution; after top-k (min-p rows), in those kept.
         measured = weights
         if drop is not None and (min_p > 0).any():
             measured = torch.where((min_p > 0)[:, None], weights.masked_fill(drop, 0.0), weights)

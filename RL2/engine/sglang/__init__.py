@@ -1,2 +1,1 @@
-"""SGLang servers as the rollout engine: launch and control (`engine.py`, `server.py`), requests
-(`http_client.py`) and weight transfer (`weight_transfer.py`)."""
+"""SGLang servers as the rollout engine: `engine.py`, `server.py`, `http_client.py`, `weight_transfer.py`."""

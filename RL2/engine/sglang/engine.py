@@ -1,13 +1,6 @@
-"""SGLang servers as the rollout engine of every rank: launched by the trainer or already running.
-
-Launched (`rollout.engine=sglang`): the first rank of each group of `rollout.server_args.tp_size`
-consecutive ranks starts one server on the group's GPUs (or on the CPU), and every rank sends its
-requests to the least busy server. External (`rollout.server_url`): servers the user runs; nothing is
-launched and rank 0 alone sends them control requests.
-
-docs/gpus.md ("SGLang servers") describes the weight sync (`rollout.weight_sync`) and its check on the servers, the
-memory of servers colocated with training (`RL2.engine.memory_plan`) and the log-probabilities they return. On CPU the
-memory endpoints crash the server (they call torch.cuda), so CPU servers are never colocated.
+"""SGLang servers as the rollout engine of every rank: launched by the trainer (`SGLangEngine.launch`) or already
+running (`SGLangEngine.connect`, `rollout.server_url`: nothing is launched and rank 0 alone controls them). docs/gpus.md
+("SGLang servers") describes both, the weight sync and its check, and servers colocated with training.
 
 Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
 `EngineError` on every rank instead of leaving the others waiting in a collective.
@@ -15,7 +8,6 @@ Every control step ends with all ranks agreeing that it worked: one rank's failu
 
 import asyncio
 import atexit
-import concurrent.futures
 import importlib.util
 import json
 import os
@@ -28,7 +20,6 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import httpx
 import torch
 import torch.distributed as dist
 
@@ -39,7 +30,7 @@ from RL2.config.validation import ORIGINAL_LOGPROB_ENV, server_urls
 from RL2.engine.checkpoint_layout import CheckpointLayout, checkpoint_tensor_names
 from RL2.engine.memory_plan import COLOCATED_MEM_FRACTION, GIB, ModelShape, colocated_mem_fraction
 from RL2.engine.protocol import EngineError
-from RL2.engine.sglang.http_client import HTTPEngineClient, check_status, read_answer
+from RL2.engine.sglang.http_client import HTTPEngineClient, control_request
 from RL2.engine.sglang.server import SGLangServer, resolve_python
 from RL2.engine.sglang.weight_transfer import (
     FLATTENED_BUCKET_VERSIONS,
@@ -53,8 +44,6 @@ from RL2.utils.logging import log_rank0
 
 # KV cache tokens of a CPU server unless server_args say otherwise: SGLang's default reserves ~9 GB.
 CPU_MAX_TOTAL_TOKENS = 16384
-# Seconds one control request (weight update, memory release) may take.
-CONTROL_TIMEOUT = 600.0
 # SGLang's endpoint that randomizes a server's weights and reports their checksums (sglang/srt/utils/weight_checker.py).
 WEIGHTS_CHECKER = "/weights_checker"
 # The least KV cache (bytes per GPU) a launched server may be left with before the run stops at start.
@@ -67,32 +56,25 @@ def resolve_engine(cfg, device: torch.device) -> str:
         return "sglang"
     if cfg.engine != "auto":
         return cfg.engine
-    return "sglang" if device.type == "cuda" and python_has_sglang(server_python(cfg)) else "embedded"
+    return "sglang" if device.type == "cuda" and python_has_sglang(cfg.server_python) else "embedded"
 
 
-def server_python(cfg) -> str:
-    """The absolute path of the Python that runs launched servers."""
-    return resolve_python(cfg.server_python) if cfg.server_python else sys.executable
-
-
-def python_has_sglang(python: str) -> bool:
-    if python == sys.executable:
+def python_has_sglang(python: str | None) -> bool:
+    """Whether `rollout.server_python` (None: this Python) can import sglang."""
+    if not python:
         return importlib.util.find_spec("sglang") is not None
     check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
     try:
-        return subprocess.run([python, "-c", check], capture_output=True, timeout=60).returncode == 0
+        return subprocess.run([resolve_python(python), "-c", check], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ConfigError(f"config key 'rollout.server_python' ({python}) cannot be run: {e}") from None
 
 
 class SGLangEngine:
-    """The rollout engine of one rank when generation runs on SGLang servers. Build it with
-    `SGLangEngine.launch` or `SGLangEngine.connect` (collective: every rank calls it).
-
-    Generation goes to all of `urls`, control requests to `controlled`. Disk updates carry `model_path`'s
-    config files: this rank writes them under `weights_dir` (None: it does not write) and the server of
-    `controlled[i]` reads them from `weights_dirs[i]`. `tp_group` holds the ranks of this rank's server.
-    """
+    """The rollout engine of one rank on SGLang servers; build it with `launch` or `connect` (collective). Generation
+    goes to all of `urls`, control requests to `controlled`. This rank writes disk updates (with `model_path`'s config
+    files) under `weights_dir` (None: it does not write), and the server of `controlled[i]` reads them from
+    `weights_dirs[i]`. `tp_group` holds the ranks of this rank's server."""
 
     def __init__(self, urls: list[str], controlled: list[str], weight_sync: str, bucket_bytes: int, model_path: str,
                  weights_dir: Path | None = None, weights_dirs: list[Path] | None = None,
@@ -102,8 +84,6 @@ class SGLangEngine:
         self.bucket_bytes, self.model_path = bucket_bytes, model_path
         self.weights_dir, self.weights_dirs = weights_dir, weights_dirs or []
         self.server, self.tp_group = server, tp_group
-        # Servers on the trainer's GPUs give their memory to training between rollouts; with
-        # `rollout.weight_sync=none` they keep the weights they started with.
         self.releases_memory, self.follows_policy = colocated, weight_sync != "none"
         self.check_weights, self.api_key = check_weights, api_key
         self.client = HTTPEngineClient(urls, timeout=request_timeout, api_key=api_key,
@@ -118,9 +98,8 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, cfg, model_path: str, dtype: torch.dtype, device: torch.device, seed: int) -> "SGLangEngine":
-        """Start one server per group of `tp_size` ranks and connect every rank to all of them (the arguments are
-        `start_engine`'s; servers run on this rank's kind of device). On GPU, call it while the trainer's state is
-        off the GPU: a server sizes its KV cache from the memory free at its start (see `RL2.engine.memory_plan`)."""
+        """Start one server per group of `tp_size` ranks, on their kind of device, and connect every rank to all of
+        them. On GPU, call it when the trainer's state is off the GPU: a server sizes its KV cache by what is free."""
         args = check_server_args(cfg.server_args)
         _check_memory_saver(args, device)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -136,8 +115,7 @@ class SGLangEngine:
         args = _server_defaults(device, dtype, seed + rank // tp, tp, one_host) | args
         if device.type == "cuda" and "mem_fraction_static" not in args:
             args["mem_fraction_static"] = _colocated_fraction(cfg, device, tp)
-        # Every launched server takes a key, even on one host: whoever reaches its port could push weights.
-        # One for all servers, since every rank sends requests to every one; rank 0's random one if unset.
+        # One key for all servers, since every rank sends requests to every one: rank 0's random one if unset.
         api_key = getattr(cfg, "api_key", None) or all_gather_objects(secrets.token_urlsafe(24))[0]
         args["api_key"] = api_key
         server, url, version, error = None, None, None, None
@@ -145,7 +123,7 @@ class SGLangEngine:
             env = dict(cfg.server_env or {}) | {ORIGINAL_LOGPROB_ENV: "0"}  # whatever the trainer's environment says
             if device.type == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in places[leader:leader + tp])
-            server = SGLangServer(server_python(cfg), model_path, args, env, cfg.server_log_dir)
+            server = SGLangServer(cfg.server_python or sys.executable, model_path, args, env, cfg.server_log_dir)
             try:
                 if device.type == "cuda":
                     _check_kv_cache_room(model_path, dtype, device, tp, float(args["mem_fraction_static"]))
@@ -165,9 +143,8 @@ class SGLangEngine:
                      dirs, server, colocated=device.type == "cuda" and bool(args.get("enable_memory_saver")),
                      tp_group=tp_group, request_timeout=cfg.request_timeout,
                      check_weights=getattr(cfg, "check_weight_sync", True), api_key=api_key)
-        if dist.get_rank() == 0:
-            print(f"RL2 rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
-                  + (f"; logs in {server.log_path.parent}" if server else ""), flush=True)
+        log_rank0(f"rollout: {len(urls)} SGLang server(s) at {', '.join(urls)}; weight sync: {weight_sync}"
+                  + (f"; logs in {server.log_path.parent}" if server else ""))
         return engine
 
     @classmethod
@@ -290,17 +267,14 @@ class SGLangEngine:
             self._control_all("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
                 "flush_cache": False, "weight_version": version})
-            # Only now: every server has answered (`_control_all` ends with all ranks agreeing), and a
-            # CUDA payload held a handle to this memory, not its bytes.
-            del flat
+            del flat  # only now that every server has answered: a CUDA payload held a handle to this memory
         self._control_all("/end_weight_update", {})
         self._control_all("/flush_cache", None)
 
     def _weight_checksums(self, randomize: bool) -> list[dict | None]:
-        """Each controlled server's checksums of its parameters (None without `/weights_checker`), after overwriting
-        them with random values if `randomize`: a push must then write every one of them for its checksum to change,
-        even where the new value equals the old (a LoRA policy's frozen base)."""
-        # The target model only: a speculative-decoding draft model is not what RL2 pushes.
+        """Each controlled server's checksums of its target model's parameters (not a draft model's: RL2 pushes none;
+        None without `/weights_checker`), after overwriting them with random values if `randomize`: a push must then
+        write every one of them for its checksum to change, even where the new value equals the old (a LoRA base)."""
         if randomize:
             self._control_all(WEIGHTS_CHECKER, {"action": "reset_tensors", "selector": "target"}, absent_ok=True)
         bodies = self._control_all(WEIGHTS_CHECKER, {"action": "checksum", "selector": "target"}, absent_ok=True)
@@ -338,45 +312,6 @@ class SGLangEngine:
                 break
         _raise_any(all_gather_objects(error))
         return answers
-
-
-def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
-                    absent_ok: bool = False, api_key: str | None = None) -> dict | None:
-    """One control request (GET without a payload, else POST); EngineError unless the server answers 200 and
-    success within `timeout` seconds. With `absent_ok`, None if the server has no such endpoint (404)."""
-
-    async def send() -> tuple[int, bytes]:
-        # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, api_key), timeout)
-
-    try:
-        status, answer = _run_blocking(send())
-    except TimeoutError as e:
-        raise EngineError(f"{url}{endpoint} failed (no whole answer within {timeout} s)") from e
-    except httpx.HTTPError as e:
-        raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
-    if absent_ok and status == 404:
-        return None
-    check_status(f"{url}{endpoint}", status, answer)
-    try:
-        body = json.loads(answer)
-    except ValueError:
-        return {}
-    # Weight updates answer 200 with {"success": false, "message": ...} when the weights do not fit.
-    if isinstance(body, dict) and body.get("success") is False:
-        raise EngineError(f"{url}{endpoint} failed: {body.get('message', body)}")
-    return body if isinstance(body, dict) else {}
-
-
-def _run_blocking(coroutine):
-    """Run `coroutine` from sync code, in a thread of its own if this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
 
 
 def unwritten_weights(before: dict, after: dict) -> list[str]:
@@ -509,9 +444,8 @@ def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.devi
 
 def returns_original_logprobs(url: str, temperature: float, api_key: str | None = None) -> bool | None:
     """Whether a server's log-probabilities at `temperature` are of the untempered distribution (True), of the
-    tempered one (False), or cannot be told apart on this probe (None). One-token requests at temperature 1 and at
-    `temperature` read the gap between the two most likely tokens: tempered log-probabilities stretch it by
-    1 / temperature, untempered ones leave it."""
+    tempered one (False), or cannot be told apart (None): from the gap between the two likeliest tokens of one-token
+    requests at temperature 1 and at `temperature`, which tempered log-probabilities stretch by 1 / temperature."""
     gaps = []
     for t in (1.0, temperature):
         body = control_request(url, "/generate", {
@@ -561,12 +495,8 @@ def _new_weights_dir(cfg) -> Path:
 
 def _tp_groups(world: int, tp: int):
     """This rank's group among consecutive blocks of `tp` ranks (every rank creates every group)."""
-    mine = None
-    for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp)))
-        if start <= dist.get_rank() < start + tp:
-            mine = group
-    return mine
+    groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+    return groups[dist.get_rank() // tp]
 
 
 def _physical_gpu(device: torch.device) -> str:

@@ -1,7 +1,8 @@
-"""The HTTP client of SGLang servers: `/generate` requests (`RL2.engine.protocol`) go to the least busy
-server, which is trusted no further than that protocol (see `HTTPEngineClient`)."""
+"""HTTP to SGLang servers: `/generate` requests (`RL2.engine.protocol`) go to the least busy server, which is trusted
+no further than that protocol (`HTTPEngineClient`); control requests go to one server (`control_request`)."""
 
 import asyncio
+import concurrent.futures
 import json
 import uuid
 
@@ -12,19 +13,18 @@ from RL2.utils.logging import log_rank0
 
 # Seconds to open a connection: a server that does not accept within this is taken as down.
 CONNECT_TIMEOUT = 10.0
+# Seconds one control request (weight update, memory release) may take.
+CONTROL_TIMEOUT = 600.0
 # The largest answer body read from a server (a /generate answer of 100k tokens with their
 # log-probabilities is ~10 MB): a larger one is an EngineError, not a trainer out of memory.
 MAX_ANSWER_BYTES = 256 * 2**20
 
 
 class HTTPEngineClient:
-    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight.
-
-    A server that cannot be reached (connection refused, reset or closed mid-answer) is given up for
-    the life of the client, with a warning naming it; its requests go to the others, and when none is
-    left the request fails with an EngineError naming them. A server that accepts but does not answer
-    within `timeout` (the whole answer included) is not given up: a slow server is not a dead one.
-    """
+    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight. A server that cannot be
+    reached (connection refused, reset or closed mid-answer) is given up for good with a warning, and its requests go
+    to the others; one that accepts but does not answer within `timeout` (the whole answer included) is not: a slow
+    server is not a dead one."""
 
     def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,
                  vocab_size: int | None = None):
@@ -118,8 +118,7 @@ class HTTPEngineClient:
             raise EngineError(f"{endpoint} returned a body that is not JSON: {body[:200]!r}") from e
 
     def _http(self) -> httpx.AsyncClient:
-        # An httpx client's connections belong to the event loop that opened them; trainers that call
-        # `asyncio.run` once per rollout get a fresh client for each loop.
+        # An httpx client's connections belong to the event loop that opened them: a fresh client for each loop.
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout), pool=None)
@@ -128,6 +127,45 @@ class HTTPEngineClient:
             self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
             self._loop = loop
         return self._client
+
+
+def control_request(url: str, endpoint: str, payload: dict | None = None, timeout: float = CONTROL_TIMEOUT,
+                    absent_ok: bool = False, api_key: str | None = None) -> dict | None:
+    """One control request (GET without a payload, else POST); EngineError unless the server answers 200 and
+    success within `timeout` seconds. With `absent_ok`, None if the server has no such endpoint (404)."""
+
+    async def send() -> tuple[int, bytes]:
+        # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, api_key), timeout)
+
+    try:
+        status, answer = _run_blocking(send())
+    except TimeoutError as e:
+        raise EngineError(f"{url}{endpoint} failed (no whole answer within {timeout} s)") from e
+    except httpx.HTTPError as e:
+        raise EngineError(f"{url}{endpoint} failed ({type(e).__name__}: {e})") from e
+    if absent_ok and status == 404:
+        return None
+    check_status(f"{url}{endpoint}", status, answer)
+    try:
+        body = json.loads(answer)
+    except ValueError:
+        return {}
+    # Weight updates answer 200 with {"success": false, "message": ...} when the weights do not fit.
+    if isinstance(body, dict) and body.get("success") is False:
+        raise EngineError(f"{url}{endpoint} failed: {body.get('message', body)}")
+    return body if isinstance(body, dict) else {}
+
+
+def _run_blocking(coroutine):
+    """Run `coroutine` from sync code, in a thread of its own if this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,

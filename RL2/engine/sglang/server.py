@@ -1,13 +1,6 @@
-"""One SGLang server process: its command line, launch, readiness, log and shutdown.
-
-The server runs as `python -m sglang.launch_server ...` in a child process. The Python that runs it
-may be another virtual environment than the trainer's (SGLang pins its own torch): the trainer only
-talks to it over HTTP. Its output goes to a log file whose tail is quoted when it fails.
-
-Its API key is not on its command line, which every local user can read (`ps`, /proc/<pid>/cmdline): it
-goes in a file only this user can read, given as SGLang's `--config` (a YAML file of flags, read by
-`sglang.srt.server_args.prepare_server_args` in 0.5.x) and removed once the server is up. SGLang writes
-its arguments, key included, to its log, which is made readable by this user only as well.
+"""One SGLang server process, `python -m sglang.launch_server ...` run by the trainer's Python or another one (SGLang
+pins its own torch; the trainer only talks to it over HTTP): its command line, launch, readiness, log and shutdown.
+Its API key goes in a file only this user can read, never on its command line (docs/gpus.md, "SGLang servers").
 """
 
 import atexit
@@ -21,10 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from RL2.config.errors import ConfigError
 from RL2.engine.protocol import EngineError
+from RL2.engine.sglang.http_client import control_request
 from RL2.parallel import free_port
 
 # Environment variables of torchrun that would make the server think it is a rank of the trainer.
@@ -61,8 +53,7 @@ def resolve_python(python: str) -> str:
 
 
 class SGLangServer:
-    """A launched `sglang.launch_server` process, run by `python` (its own virtual environment if need be); its
-    output goes to `log_dir` (None: a temporary folder)."""
+    """A launched `sglang.launch_server` process run by `python`, its output in `log_dir` (None: a temporary folder)."""
 
     def __init__(self, python: str, model_path: str, server_args: dict, env: dict | None = None,
                  log_dir: str | None = None):
@@ -76,15 +67,17 @@ class SGLangServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"sglang-{self.port}.log"
         self.process: subprocess.Popen | None = None
-        self._env = _server_env(env or {})
+        self._env = {key: value for key, value in os.environ.items()
+                     if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
+        self._env |= {"RL2_TRAINER_PID": str(os.getpid())} | {str(k): str(v) for k, v in (env or {}).items()}
         self.shm_files: set[str] = set()  # SGLang's files in /dev/shm that this server's processes mapped
 
     def start(self) -> "SGLangServer":
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
-            log.write(self.shown_command() + "\n")
+            log.write(" ".join(self.command) + "\n")
             log.flush()
-            # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer
-            # processes too; and it dies with this process even when this one is killed.
+            # Its own process group, so that shutdown reaches SGLang's scheduler and detokenizer processes too; and it
+            # dies with this process even when this one is killed.
             self.process = subprocess.Popen(
                 [self.command[0], "-c", _EXEC_DYING_WITH_PARENT, *self.command], stdout=log,
                 stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
@@ -101,13 +94,13 @@ class SGLangServer:
                 raise EngineError(f"the SGLang server exited with code {self.process.returncode} before it was "
                                   f"ready.\n{self.describe()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    self.shm_files |= sglang_shm_files(self.process.pid)
-                    self._remove_key_file()  # read at its start
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            time.sleep(1.0)
+                control_request(self.url, "/health", timeout=5.0)
+            except EngineError:  # not listening or not ready yet
+                time.sleep(1.0)
+                continue
+            self.shm_files |= sglang_shm_files(self.process.pid)
+            self._remove_key_file()  # read at its start
+            return
         self.shutdown()
         raise EngineError(f"the SGLang server was not ready within {timeout:.0f} s (rollout.server_timeout).\n"
                           f"{self.describe()}")
@@ -121,22 +114,26 @@ class SGLangServer:
             tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
         except OSError:
             tail = "(no log)"
-        return f"command: {self.shown_command()}\nlog {self.log_path} ends with:\n{tail}"
-
-    def shown_command(self) -> str:
-        """The command line with its API key hidden, for logs and error messages."""
-        hidden = ["***" if i > 0 and self.command[i - 1] == "--api-key" else arg for i, arg in enumerate(self.command)]
-        return " ".join(hidden)
+        return f"command: {' '.join(self.command)}\nlog {self.log_path} ends with:\n{tail}"
 
     def shutdown(self) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after 10 s; then remove the files
-        SGLang leaves in /dev/shm."""
+        """SIGTERM the server's process group, SIGKILL what is left after 10 s; remove SGLang's files in /dev/shm."""
         self._remove_key_file()
         if self.process is None:
             return
         if self.process.poll() is None or _group_alive(self.process.pid):
             self.shm_files |= sglang_shm_files(self.process.pid)
-            self._stop_group()
+            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                if not _group_alive(self.process.pid):
+                    break
         for path in self.shm_files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -146,23 +143,11 @@ class SGLangServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.key_file)
 
-    def _stop_group(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                break
-
 
 def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
-    """`server_args` with `api_key` (and any `config` of the user's, merged in) moved to a new `--config`
-    file that only this user can read: (the arguments for the command line, the file or None)."""
+    """(`server_args` for the command line, the file or None): `api_key`, and any `config` of the user's merged in,
+    moved to a new `--config` file only this user can read (SGLang's YAML file of flags, read by
+    `sglang.srt.server_args.prepare_server_args` in 0.5.x). SGLang logs its arguments: the log is this user's too."""
     if server_args.get("api_key") is None:
         return server_args, None
     args = dict(server_args)
@@ -178,13 +163,6 @@ def _key_in_file(server_args: dict) -> tuple[dict, str | None]:
     with os.fdopen(fd, "w") as f:
         json.dump(flags, f)  # JSON is YAML, with every string quoted
     return args | {"config": path}, path
-
-
-def _server_env(extra: dict) -> dict:
-    env = {key: value for key, value in os.environ.items()
-           if key not in TRAINER_ENV and not key.startswith("TORCHELASTIC_")}
-    env["RL2_TRAINER_PID"] = str(os.getpid())
-    return env | {str(key): str(value) for key, value in extra.items()}
 
 
 def sglang_shm_files(pgid: int) -> set[str]:

@@ -1,14 +1,7 @@
-"""Moving the actor's weights to SGLang servers: in buckets, through a folder or through CUDA IPC.
-
-- Disk: the buckets become the safetensors shards of a Hugging Face folder, written under a
-  temporary name and renamed into place, which the servers read with `/update_weights_from_disk`.
-  Works wherever the servers can read the trainer's files (CPU included).
-- Tensor: each bucket is flattened into one uint8 tensor and sent to `/update_weights_from_tensor`
-  with `load_format="flattened_bucket"`, in the payload format of SGLang's `FlattenedTensorBucket`
-  and `MultiprocessingSerializer`, written here so that the trainer needs no `sglang` (which pins
-  its own torch). A CUDA bucket travels as a CUDA IPC handle, not its bytes: the server maps the
-  trainer's memory, so the bucket must stay alive until the server has answered. A CPU bucket
-  travels by value (SGLang on CPU; tests).
+"""Moving the actor's weights to SGLang servers in buckets (docs/gpus.md, "SGLang servers"): as the shards of a Hugging
+Face folder (`write_hf_folder`) or as flat tensors (`flatten_bucket`, `serialize_flat_bucket`) in the payload format of
+SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`, written here so that the trainer needs no `sglang`
+(which pins its own torch).
 """
 
 import base64
@@ -59,9 +52,8 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str | Path,
                     config_from: str | Path) -> Path:
-    """Write `folder` (replacing it) as a Hugging Face folder, one safetensors shard per bucket of
-    `tensor_buckets` (in the checkpoint's layout, `RL2.engine.checkpoint_layout`), with the config files of
-    `config_from`. It appears complete or not at all (`atomic_dir`)."""
+    """Write `folder` (replacing it, complete or not at all) as a Hugging Face folder, one safetensors shard per bucket
+    of `tensor_buckets` (in the checkpoint's layout), with the config files of `config_from`."""
     with atomic_dir(folder) as partial:
         weight_map, total_size, shards = {}, 0, []
         for index, bucket in enumerate(tensor_buckets):
@@ -83,9 +75,8 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[SimpleNamespace]]:
-    """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's
-    `FlattenedTensorBucket` reads it: tensors in bucket order at byte offsets, each aligned to `FLAT_ALIGNMENT`
-    bytes so that mixed dtypes view correctly."""
+    """One bucket as one uint8 tensor plus what rebuilds each named tensor from it, as SGLang's `FlattenedTensorBucket`
+    reads it: tensors in bucket order, each at a byte offset aligned to `FLAT_ALIGNMENT` (mixed dtypes view right)."""
     parts, metadata, offset = [], [], 0
     for name, tensor in bucket:
         part = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -102,9 +93,8 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor
 
 def serialize_flat_bucket(flat: torch.Tensor, metadata: list[SimpleNamespace]) -> str:
     """One tensor-parallel rank's entry of `serialized_named_tensors` (base64 text) for `/update_weights_from_tensor`
-    with `load_format="flattened_bucket"`. A CUDA `flat` is pickled as a CUDA IPC handle that names its GPU by UUID (a
-    server sees other CUDA_VISIBLE_DEVICES than the trainer, so an index would point at the wrong GPU): keep `flat`
-    alive until the server has answered. A CPU `flat` is pickled by value."""
+    with `load_format="flattened_bucket"`: a CUDA `flat` as a CUDA IPC handle naming its GPU by UUID (a server sees
+    other CUDA_VISIBLE_DEVICES than the trainer), to keep alive until the server has answered; a CPU one by value."""
     buffer = io.BytesIO()
     payload = {"flattened_tensor": flat, "metadata": metadata}
     if flat.is_cuda:
