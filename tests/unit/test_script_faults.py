@@ -307,8 +307,9 @@ def test_an_agent_that_never_returns_leaves_the_later_runs_a_loop_of_their_own(e
 
 
 def test_agent_runs_that_time_out_in_a_row_stop_the_rollout_naming_the_key(engine, tok, agent):
-    for modes in (["hang"], ["ok"], ["hang"]):  # a run that ends in between starts the count again
-        roll_agents(engine, tok, agent, modes, timeout=0.5, max_timeouts=2)
+    # A run that ends in between starts the count again (given time to end on a busy machine).
+    for modes, timeout in ((["hang"], 0.5), (["ok"], 30.0), (["hang"], 0.5)):
+        roll_agents(engine, tok, agent, modes, timeout=timeout, max_timeouts=2)
     with pytest.raises(Exception, match=r"2 calls of .*agent\.py in a row ran out of time "
                                         r"\(rollout\.agent_timeout=0\.5 s\).*rollout\.max_consecutive_timeouts"):
         roll_agents(engine, tok, agent, ["hang", "hang"], timeout=0.5, max_timeouts=2)
