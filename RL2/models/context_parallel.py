@@ -71,9 +71,13 @@ class ContextShard:
                    torch.tensor(positions[rank], dtype=torch.long, device=device),
                    F.pad(local_lens.cumsum(0, dtype=torch.int32), (1, 0)), chunks)
 
+    @property
+    def local_rows(self) -> torch.Tensor:
+        return self.rows[self.rank]
+
     def shard(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a `[1, T]` row (0 at padding slots)."""
-        index = self.rows[self.rank]
+        index = self.local_rows
         return row[:, index.clamp(min=0)].masked_fill((index < 0).unsqueeze(0), 0)
 
     def gather(self, local: torch.Tensor, total: int) -> torch.Tensor:
