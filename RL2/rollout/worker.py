@@ -6,6 +6,7 @@ global batch everywhere). Set up in `RL2.trainer.rollout_setup`; whether the eng
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -83,7 +84,9 @@ class RolloutWorker:
         """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on every rank
         (not leaving the others waiting in the gather), with every failing rank's message; an `EngineError` when
         only engines failed."""
-        with self.state.sampling(), use_sandbox(self.sandbox), use_judge(self.judge):
+        # Only a run with a judge puts one where judge_reward looks (without, judge_reward says none is set).
+        judged = use_judge(self.judge) if self.judge is not None else contextlib.nullcontext()
+        with self.state.sampling(), use_sandbox(self.sandbox), judged:
             # The engine samples with torch's global generator; fork it so the trainer's stream is untouched.
             devices = [self.device] if self.device.type == "cuda" else []
             result, error, failure = None, None, None

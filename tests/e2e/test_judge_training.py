@@ -42,5 +42,5 @@ def test_ppo_with_a_frozen_judge_on_every_rank(tiny_model_path, tmp_path):
                                      "rollout.judge.max_new_tokens=4"))
     [metrics] = [m for m in read_metrics(tmp_path / "run") if "rollout/reward" in m]
     assert metrics["rollout/faults"] == metrics["rollout/faults/judge"] == 8.0
-    assert ("8 of 8 trajectories ended by a fault (reward 0; judge 8), the first: step raised JudgeError"
+    assert ("8 of 8 trajectories ended by a fault (left out of the loss; judge 8), the first: step raised JudgeError"
             in result.stdout)
