@@ -3,6 +3,7 @@ the config wandb records and in the command line the save_dir's lock records."""
 
 import json
 import sys
+import time
 
 from omegaconf import OmegaConf
 
@@ -43,7 +44,11 @@ def test_wandb_records_the_config_without_the_key(tmp_path, monkeypatch):
     sink = MetricsSink(str(tmp_path), use_wandb=True, project="p", name="n", config=config)
     sink.log({"train/loss": 1.5}, 1)
     sink.close()
+    # wandb's service process writes the run's record file; a second run in one process can see `finish()`
+    # return before that file is whole, so wait for the record (up to a minute) before reading every file.
+    deadline = time.monotonic() + 60
+    while not any(REDACTED.encode() in path.read_bytes() for path in (tmp_path / "wandb").rglob("*.wandb")):
+        assert time.monotonic() < deadline, "no .wandb record with the redacted config"
+        time.sleep(0.2)
     written = [path for path in (tmp_path / "wandb").rglob("*") if path.is_file()]
-    assert any(path.suffix == ".wandb" and REDACTED.encode() in path.read_bytes()
-               for path in written)  # the run's record
     assert not [path for path in written if SECRET.encode() in path.read_bytes()]
