@@ -4,6 +4,7 @@ and the renames are fsynced, so a power loss right after a save does not leave `
 disk never got. One run holds a save_dir at a time (`RL2.utils.save_dir_lock`).
 """
 
+import io
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from RL2.config.errors import ConfigError
 from RL2.parallel import all_gather_objects
 from RL2.utils.checkpoint_metadata import SafeFileSystemReader, read_checkpoint_index
-from RL2.utils.logging import log_rank0
+from RL2.utils.logging import fsync_dir, log_rank0, write_atomic, write_synced
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
@@ -47,32 +48,6 @@ def atomic_dir(path: str | Path):
     except BaseException:  # KeyboardInterrupt and torch's CheckpointException too
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of folder `path` (files created or renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, text: str) -> None:
-    """Write `text` to `path` and fsync the file."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_synced(path: Path, text: str) -> None:
-    """Replace `path` by a file holding `text`, atomically and durably: readers see the old file or the
-    new one, never a half-written one, and after a power loss the new one if this returned."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write_synced(tmp, text)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def rng_state() -> dict:
@@ -155,10 +130,9 @@ def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict
             tmp.mkdir(parents=True)
         dist.barrier()
         dcp.save(dict(workers), checkpoint_id=str(tmp))  # its FileSystemWriter fsyncs the shards
-        with open(tmp / f"rng_rank{rank}.pt", "wb") as f:
-            torch.save(rng_state(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        rng_file = io.BytesIO()
+        torch.save(rng_state(), rng_file)
+        write_synced(tmp / f"rng_rank{rank}.pt", rng_file.getvalue())
 
     def publish() -> None:
         if rank != 0:
@@ -169,7 +143,7 @@ def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(final.parent)
-        replace_synced(final.with_name(LATEST), final.name)
+        write_atomic(final.with_name(LATEST), final.name)
         remove_old_checkpoints(final.parent, keep_last_n)
 
     try:

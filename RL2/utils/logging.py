@@ -1,4 +1,5 @@
-"""Rank-aware printing and the one metrics sink: JSONL always, wandb and TensorBoard when asked."""
+"""Rank-aware printing, durable file writes and the one metrics sink: JSONL always, wandb and TensorBoard when
+asked."""
 
 import importlib.util
 import json
@@ -47,13 +48,32 @@ def read_jsonl(path: Path, start: int = 0) -> list[dict]:
         return [record for record in map(json_record, f.read().decode().splitlines()) if record is not None]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` (and make its folder) in one rename: a crash leaves the old file or the new one."""
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder `path` (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` and fsync the file."""
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace `path` (and make its folder) atomically and durably: readers see the old file or the new one,
+    never a half-written one, and after a power loss the new one if this returned."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    write_synced(tmp, data)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def truncate_jsonl_after(path: Path, step: int) -> None:

@@ -1,13 +1,13 @@
 """Learning curves: the metrics a trainer chooses (its `CurvePanel`s), against step, from its metrics.jsonl,
 as one PNG (docs/outputs.md)."""
 
+import io
 import math
-import os
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from RL2.utils.logging import log_rank0, read_jsonl
+from RL2.utils.logging import log_rank0, read_jsonl, write_atomic
 
 Series = tuple[list[int], list[float]]  # (steps, values)
 
@@ -70,13 +70,12 @@ def draw_learning_curve(panels: list[tuple[CurvePanel, dict[str, Series]]], path
         ax.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
+        fig.savefig(png, format="png", dpi=100)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, png.getvalue())
 
 
 def plot_learning_curve(save_dir: str, panels: tuple[CurvePanel, ...], title: str | None = None) -> Path | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from RL2.config.errors import ConfigError
-from RL2.utils.checkpoint import fsync_dir
-from RL2.utils.logging import log_rank0, make_save_dir
+from RL2.parallel import all_gather_objects
+from RL2.utils.logging import fsync_dir, json_record, log_rank0, make_save_dir
 from RL2.utils.redaction import redact_command
 
 LOCK = "run.lock"
@@ -35,10 +35,9 @@ def claim_save_dir(save_dir: str) -> Callable[[], None]:
         except OSError as e:  # a full disk, a read-only folder: every rank stops, not rank 0 alone
             problem = (f"trainer.save_dir={save_dir}: cannot write {LOCK} ({e.strerror}); give a folder this user "
                        f"can write")
-    box = [problem]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise ConfigError(box[0])
+    problem = all_gather_objects(problem)[0]  # rank 0's, on every rank
+    if problem is not None:
+        raise ConfigError(problem)
     return release
 
 
@@ -128,10 +127,9 @@ def _process_start(pid: int) -> str | None:
 def _read_lock(path: Path) -> dict | None:
     """The holder a lock file names; None when it cannot be read or is empty (being written, or damaged)."""
     try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json_record(path.read_text())
+    except (OSError, ValueError):  # ValueError: text that is not UTF-8
         return None
-    return holder if isinstance(holder, dict) else None
 
 
 def _alive(holder: dict) -> bool:

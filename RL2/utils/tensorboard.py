@@ -2,7 +2,7 @@
 scalars as float32 (its data server reads no other type): a value reads back as `float32(value)` of metrics.jsonl's.
 """
 
-import os
+import io
 import time
 from numbers import Real
 from pathlib import Path
@@ -50,19 +50,18 @@ class TensorBoardLog:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.summary.writer.record_writer import RecordWriter
 
+        from RL2.utils.logging import write_atomic  # here: RL2.utils.logging imports this module
+
         for path in sorted(p for p in self.folder.glob(f"{EVENT_FILE_PREFIX}*") if p.suffix != ".tmp"):
             records = list(RawEventFileLoader(str(path)).Load())
             kept = [raw for raw in records if Event.FromString(raw).step <= step]
             if len(kept) == len(records):
                 continue
-            tmp = path.with_name(path.name + ".tmp")  # replaced atomically
-            with open(tmp, "wb") as f:
-                writer = RecordWriter(f)
-                for raw in kept:
-                    writer.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            events = io.BytesIO()
+            writer = RecordWriter(events)
+            for raw in kept:
+                writer.write(raw)
+            write_atomic(path, events.getvalue())
 
     def close(self) -> None:
         if self.writer is not None:
