@@ -24,9 +24,9 @@ from RL2.config.eval_schema import EvalConfig
 from RL2.config.ppo_schema import PPOConfig
 from RL2.config.schema import DistillConfig, DPOConfig, ORPOConfig, RMConfig, SFTConfig
 from RL2.evaluation.evaluator import EvalResult, Evaluator
-from RL2.parallel import close_process_groups
+from RL2.parallel import all_gather_objects, close_process_groups
 from RL2.rollout.reward_env import check_reward_signature, reward_env
-from RL2.utils.logging import read_jsonl
+from RL2.utils.logging import is_rank0, read_jsonl
 
 # Trainer name -> its class in RL2.trainer.<name>, imported when used; the evaluator's config is "eval".
 TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "orpo": "ORPOTrainer", "rm": "RMTrainer",
@@ -73,7 +73,8 @@ def train(trainer: str, overrides: Overrides = None, *, reward: RewardFn | None 
     start = 0 if resumes or not metrics_file.exists() else metrics_file.stat().st_size
     with _process_group():
         exported = _run_trainer(trainer, cfg, env)
-        history = _from_rank0(lambda: read_jsonl(metrics_file, start) if metrics_file.exists() else [])
+        # Rank 0 alone writes metrics.jsonl: its history, on every rank.
+        history = all_gather_objects(read_jsonl(metrics_file, start) if is_rank0() and metrics_file.exists() else [])[0]
     models = {name: save_dir / "final" / name for name in exported}
     latest = {key: value for record in history for key, value in record.items() if key != "step"}
     return TrainResult(save_dir, models.get("actor", models.get("critic")), models, latest, history, cfg)
@@ -213,9 +214,3 @@ def _close_at_exit() -> None:
     uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     close_process_groups(finished=not _a_call_failed and uncaught is None)
 
-
-def _from_rank0(read: Callable[[], Any]) -> Any:
-    """`read()` on rank 0 (which alone writes metrics.jsonl), sent to every rank."""
-    box = [read() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
