@@ -15,17 +15,10 @@ class DataError(ValueError):
     """Bad data: the message names the file, the row and the key."""
 
 
-def split_path(spec: str) -> tuple[str | None, str]:
-    """'test@data.jsonl' -> ('test', 'data.jsonl'); 'data.jsonl' -> (None, 'data.jsonl')."""
-    if "@" in spec and not Path(spec).exists():
-        return tuple(spec.split("@", 1))
-    return None, spec
-
-
 def load_table(spec: str, subset: str | None = None) -> datasets.Dataset:
     """Load the examples named by `spec` as a `datasets.Dataset`; `subset` picks a configuration of a Hugging Face
     dataset (gsm8k's "main"), which `datasets.load_dataset` then reads from `spec` whatever it is."""
-    split, path = split_path(spec)
+    split, path = spec.split("@", 1) if "@" in spec and not Path(spec).exists() else (None, spec)  # test@data.jsonl
     local = Path(path).expanduser()
     if subset is None and local.is_file():
         fmt = FILE_FORMATS.get(local.suffix.lower())

@@ -3,6 +3,8 @@
 begin with alike are context (as TRL's `maybe_extract_prompt` takes the common start as the prompt).
 """
 
+from functools import partial
+
 from RL2.datasets.tokenize import (
     BadRow,
     context_of,
@@ -39,26 +41,22 @@ def shared_messages(chosen: object, rejected: object) -> int:
 
 def pair_row_tokenizer(tokenizer):
     """Split config -> function(row) -> {"chosen": example, "rejected": example}."""
+    return lambda split_cfg: partial(_pair_example, tokenizer, split_cfg)
 
-    def for_split(split_cfg):
-        def tokenize_row(row: dict) -> dict:
-            shared = shared_messages(row.get(split_cfg.chosen_key), row.get(split_cfg.rejected_key))
-            whole = {side: tokenize_side(tokenizer, row, key, split_cfg, shared)
-                     for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))}
-            pair = {side: truncate(example, split_cfg.max_length) for side, example in whole.items()}
-            if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
-                # `whole` is cut far beyond max_length (`text_budget`): texts that part after the cut differ.
-                same = whole["chosen"]["input_ids"] == whole["rejected"]["input_ids"] and \
-                    row.get(split_cfg.chosen_key) == row.get(split_cfg.rejected_key)
-                where = "" if same else (
-                    f" in their first max_length={split_cfg.max_length} tokens, where nothing tells them apart; "
-                    f"raise data.*.max_length")
-                raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical{where}")
-            return pair
 
-        return tokenize_row
-
-    return for_split
+def _pair_example(tokenizer, split_cfg, row: dict) -> dict:
+    shared = shared_messages(row.get(split_cfg.chosen_key), row.get(split_cfg.rejected_key))
+    whole = {side: tokenize_side(tokenizer, row, key, split_cfg, shared)
+             for side, key in (("chosen", split_cfg.chosen_key), ("rejected", split_cfg.rejected_key))}
+    pair = {side: truncate(example, split_cfg.max_length) for side, example in whole.items()}
+    if pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
+        # `whole` is cut far beyond max_length (`text_budget`): texts that part after the cut differ.
+        same = whole["chosen"]["input_ids"] == whole["rejected"]["input_ids"] and \
+            row.get(split_cfg.chosen_key) == row.get(split_cfg.rejected_key)
+        where = "" if same else (f" in their first max_length={split_cfg.max_length} tokens, where nothing tells "
+                                 f"them apart; raise data.*.max_length")
+        raise BadRow(f"'{split_cfg.chosen_key}' and '{split_cfg.rejected_key}' are identical{where}")
+    return pair
 
 
 def flatten_pairs(pairs: list[dict]) -> tuple[list[dict], list[list[int]]]:

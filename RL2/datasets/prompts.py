@@ -1,6 +1,8 @@
 """Prompt rows for RL: a `prompt` (text or chat messages) or `messages` (the conversation so far), and what the
 environment gets as `extra_info` (`extra_info_of`; see docs/data.md)."""
 
+from functools import partial
+
 from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
 
 EXTRA_INFO_KEY = "extra_info"
@@ -26,27 +28,23 @@ def prompt_row_tokenizer(tokenizer, env_resets: bool = False, tool_use=None, kee
     `env_resets`: a row with neither a prompt nor messages gets `prompt` None, for `reset(extra_info)` to make at
     rollout time. With `tool_use` (the environment's tools, which the prompt shows) or `keep_messages` (an agent
     script's) the row keeps its chat messages as `messages`, which tool results are appended to."""
+    return lambda split_cfg: partial(_prompt_example, tokenizer, env_resets, tool_use, keep_messages, split_cfg)
 
-    def for_split(split_cfg):
-        used = {split_cfg.prompt_key, split_cfg.messages_key}
 
-        def tokenize_row(row: dict) -> dict:
-            if env_resets and all(is_missing(row.get(key)) for key in used):
-                return {"prompt": None, "prompt_ids": None, "extra_info": extra_info_of(row, used)}
-            context = context_of(row, split_cfg)
-            if tool_use is not None and not isinstance(context, list):
-                raise BadRow("the environment declares TOOLS, which the chat template shows: the prompt must be "
-                             "chat messages, or text with apply_chat_template=true")
-            text = tool_use.render(context, tokenizer) if tool_use is not None else render_prompt(tokenizer, context)
-            if len(text) > text_budget(tokenizer, split_cfg.max_length):  # refused unread: it has more tokens
-                raise BadRow(f"the prompt has {len(text)} characters, more than max_length={split_cfg.max_length} "
-                             f"tokens can hold")
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) > split_cfg.max_length:
-                raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
-            kept = {"messages": context} if tool_use is not None or keep_messages else {}
-            return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)} | kept
-
-        return tokenize_row
-
-    return for_split
+def _prompt_example(tokenizer, env_resets: bool, tool_use, keep_messages: bool, split_cfg, row: dict) -> dict:
+    used = {split_cfg.prompt_key, split_cfg.messages_key}
+    if env_resets and all(is_missing(row.get(key)) for key in used):
+        return {"prompt": None, "prompt_ids": None, "extra_info": extra_info_of(row, used)}
+    context = context_of(row, split_cfg)
+    if tool_use is not None and not isinstance(context, list):
+        raise BadRow("the environment declares TOOLS, which the chat template shows: the prompt must be "
+                     "chat messages, or text with apply_chat_template=true")
+    text = tool_use.render(context, tokenizer) if tool_use is not None else render_prompt(tokenizer, context)
+    if len(text) > text_budget(tokenizer, split_cfg.max_length):  # refused unread: it has more tokens
+        raise BadRow(f"the prompt has {len(text)} characters, more than max_length={split_cfg.max_length} "
+                     f"tokens can hold")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) > split_cfg.max_length:
+        raise BadRow(f"the prompt has {len(ids)} tokens, more than max_length={split_cfg.max_length}")
+    kept = {"messages": context} if tool_use is not None or keep_messages else {}
+    return {"prompt": text, "prompt_ids": ids, "extra_info": extra_info_of(row, used)} | kept
