@@ -122,13 +122,12 @@ def override_args(overrides: Overrides) -> list[str]:
         overrides = OmegaConf.to_container(overrides)
     if not isinstance(overrides, Mapping):
         raise ConfigError(f"overrides must be a dict of config keys (or a dataclass), not {type(overrides).__name__}")
-    args, seen = [], set()
+    args = {}
     for key, value in _leaves(overrides):
-        if key in seen:
+        if key in args:
             raise ConfigError(f"config key '{key}' is given twice in the overrides (nested and dotted); keep one")
-        seen.add(key)
-        args.append(f"{key}={_yaml(value, key)}")
-    return args
+        args[key] = _yaml(value, key)
+    return [f"{key}={value}" for key, value in args.items()]
 
 
 def _leaves(overrides: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -189,8 +188,8 @@ def _process_group():
     makes stays for the next calls and is destroyed at exit: torchrun's store keeps the keys of a destroyed group,
     which a new group (whose keys restart from the same names) would read."""
     global _a_call_failed
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    before = {name: os.environ.get(name) for name in names}
+    unset = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+             if name not in os.environ]
     made_here = not dist.is_initialized()
     finished = False
     try:
@@ -199,13 +198,12 @@ def _process_group():
     finally:
         _a_call_failed |= not finished
         if made_here and dist.is_initialized():
-            if before["RANK"] is None:
+            if "RANK" in unset:
                 close_process_groups(finished)
             else:
                 atexit.register(_close_at_exit)
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
+        for name in unset:
+            os.environ.pop(name, None)
 
 
 def _close_at_exit() -> None:
