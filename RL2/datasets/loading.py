@@ -1,7 +1,6 @@
 """Read a table of examples from wherever the user keeps it: a local JSON/JSONL/CSV/Parquet/Arrow file, a folder
 written by `Dataset.save_to_disk` or a Hugging Face dataset name (from the local cache; nothing is downloaded
-offline). `split@path` picks a split (`test@my_org/my_data`); every CSV column is read as text (`_csv_as_text`).
-"""
+offline); `split@path` picks a split (`test@my_org/my_data`). See docs/data.md."""
 
 import csv
 from pathlib import Path

@@ -3,7 +3,7 @@ environment gets as `extra_info` (`extra_info_of`; see docs/data.md)."""
 
 from functools import partial
 
-from RL2.datasets.tokenize import BadRow, context_of, is_missing, render_prompt, text_budget
+from RL2.datasets.tokenize import BadRow, context_of, is_missing, text_budget
 
 EXTRA_INFO_KEY = "extra_info"
 
@@ -39,7 +39,12 @@ def _prompt_example(tokenizer, env_resets: bool, tool_use, keep_messages: bool, 
     if tool_use is not None and not isinstance(context, list):
         raise BadRow("the environment declares TOOLS, which the chat template shows: the prompt must be "
                      "chat messages, or text with apply_chat_template=true")
-    text = tool_use.render(context, tokenizer) if tool_use is not None else render_prompt(tokenizer, context)
+    if tool_use is not None:
+        text = tool_use.render(context, tokenizer)
+    elif isinstance(context, list):  # chat messages: through the template, with the assistant header
+        text = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+    else:
+        text = context
     if len(text) > text_budget(tokenizer, split_cfg.max_length):  # refused unread: it has more tokens
         raise BadRow(f"the prompt has {len(text)} characters, more than max_length={split_cfg.max_length} "
                      f"tokens can hold")

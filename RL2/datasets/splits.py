@@ -17,7 +17,6 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
     run. `blank_rows`: split -> (config key, n): a split whose path is unset is n rows with no prompt, for an
     environment whose `reset` makes every prompt (the original RL2's Gym-like environments, which trained with
     no data). `keep_row`: each example keeps its row's number in its file as `row`."""
-    blank_rows = blank_rows or {}
     train_rows = _rows_of(data_cfg.train.path, "train", blank_rows)
     if train_rows is None:
         raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
@@ -52,11 +51,11 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
     return train, test
 
 
-def _rows_of(path: str | None, split: str, blank_rows: dict) -> list | None:
+def _rows_of(path: str | None, split: str, blank_rows: dict | None) -> list | None:
     """The rows at `path`; with no path, the split's blank rows (`load_splits`), or None."""
     if path:
         return load_table(path)
-    key, n = blank_rows.get(split, (None, None))
+    key, n = (blank_rows or {}).get(split, (None, None))
     if not n:
         return None
     log_rank0(f"data.{split}.path is unset: the {split} split is {key}={n} rows with no prompt, each made by the "

@@ -70,13 +70,13 @@ def _tool_message(message: dict, where: str, tool_names: list[str] | None, previ
     """An assistant message's tool calls, or a tool's result (after them), as the rollout's tools render them."""
     if tool_names is None:
         raise BadRow(f"{where} has tool_calls, which only SFT conversations take (with their tools in a column)")
+    content = message.get("content")  # may be empty beside tool calls, and in a tool's result
+    content = "" if is_missing(content) or content == "" else as_text(content, f"{where} content")
     if message["role"] == "tool":
         if previous is None or not (previous.get("tool_calls") or previous["role"] == "tool"):
             raise BadRow(f"{where} is a tool result with no tool call before it (an assistant message's tool_calls)")
-        content = message.get("content")
-        result = {"role": "tool", "content": "" if is_missing(content) or content == "" else
-                  as_text(content, f"{where} content")}
-        return result | {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+        return {"role": "tool", "content": content} | {
+            k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
     if message["role"] != "assistant":
         raise BadRow(f"{where} has tool_calls but its role is {message['role']!r}; only assistant messages call tools")
     calls = message["tool_calls"]
@@ -98,8 +98,6 @@ def _tool_message(message: dict, where: str, tool_names: list[str] | None, previ
             raise BadRow(f"{where} call {j} ({name}) has arguments {arguments!r:.80}, not a JSON object")
         call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{j}"
         checked.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-    content = message.get("content")
-    content = "" if is_missing(content) or content == "" else as_text(content, f"{where} content")
     return {"role": "assistant", "content": content, "tool_calls": checked}
 
 
@@ -195,13 +193,6 @@ def tokenize_prompt_response(tokenizer, context: list[dict] | str, response: str
     prompt_ids = tokenizer.encode(context, add_special_tokens=False)
     response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
     return {"input_ids": prompt_ids + response_ids, "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
-
-
-def render_prompt(tokenizer, context: list[dict] | str) -> str:
-    """The text a policy continues: chat messages through the template with the assistant header."""
-    if isinstance(context, list):
-        return tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
-    return context
 
 
 def truncate(example: dict, max_length: int) -> dict:
