@@ -72,8 +72,7 @@ class SequenceBatch:
 
     @cached_property
     def sample_offsets(self) -> Tensor:
-        """`[n_samples + 1]`: sample k's labels (all its sequences') are
-        `[sample_offsets[k], sample_offsets[k + 1])`."""
+        """`[n_samples + 1]`: sample k's labels (all its sequences) are `[sample_offsets[k], sample_offsets[k + 1])`."""
         per_sample = torch.bincount(self.sample_of_label, minlength=self.n_samples)
         return torch.cat([torch.zeros(1, dtype=torch.long), per_sample.cumsum(0)])
 
@@ -206,14 +205,9 @@ class RolloutBatch(SequenceBatch):
 
     def _select_per_sample(self, samples: Tensor) -> dict:
         groups = self.group_ids[samples]
-        return {
-            "group_ids": groups - groups.min() if len(groups) else groups,
-            "rewards": self.rewards[samples],
-            "turn_rewards": self.turn_rewards[samples],
-            "turn_mask": self.turn_mask[samples],
-            "response_lengths": self.response_lengths[samples],
-            "trained": self.trained[samples],
-        }
+        per_sample = ("rewards", "turn_rewards", "turn_mask", "response_lengths", "trained")
+        selected = {name: getattr(self, name)[samples] for name in per_sample}
+        return selected | {"group_ids": groups - groups.min() if len(groups) else groups}
 
 
 @dataclass
@@ -223,7 +217,7 @@ class MicroBatch:
     input_ids: Tensor  # the states (tokens 0..L-2 of each sequence)
     labels: Tensor  # the actions (tokens 1..L-1), i.e. the next token at each position
     position_ids: Tensor  # position within each sequence
-    cu_seqlens: Tensor  # int32 `[n + 1]` cumulative sequence lengths
+    cu_seqlens: Tensor  # int32 `[n + 1]` cumulative sequence lengths, which keep attention within each one
     loss_mask: Tensor  # 1.0 where `labels` is trained on
     loss_weights: Tensor  # each label's weight in the configured average over the global batch (`RL2.algs.averaging`)
     sequence_ids: list[int]  # the positions in their `SequenceBatch` of the packed sequences, in order

@@ -1,9 +1,7 @@
 """Pack variable-length sequences into padding-free micro-batches, balanced across ranks.
 
 Every rank holds the same global batch, runs the same deterministic partition and keeps its own share: no
-communication, and every rank gets the same number of micro-batches (as FSDP's collectives need). A packed
-micro-batch is one row of sequences back to back; `cu_seqlens` keeps attention within each sequence, and
-`position_ids` restart at 0 for every one.
+communication, and every rank gets the same number of micro-batches (as FSDP's collectives need).
 """
 
 import heapq

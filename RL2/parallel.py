@@ -1,7 +1,5 @@
 """Process-group setup and `ParallelDims`, the one object that holds the parallel layout: the 4-D grid
-`(ddp, fsdp, cp, tp)` of docs/parallelism.md. Data parallelism is `dp = ddp * fsdp`, the ranks with different
-data; ranks that differ only in cp or tp see the same data.
-"""
+`(ddp, fsdp, cp, tp)` of docs/parallelism.md, whose data-parallel ranks (`dp = ddp * fsdp`) see different data."""
 
 import contextlib
 import datetime
@@ -53,9 +51,8 @@ COLLECTIVE_TIMEOUT = 1800.0
 def collective_timeout(cfg) -> float:
     """Seconds every process group waits in a collective: with a rollout, by default at least one request's
     timeout plus a margin, as a rank whose rollout is done waits in the gather while another's request runs."""
-    trainer, rollout = cfg.get("trainer"), cfg.get("rollout")
-    chosen = trainer.get("collective_timeout") if trainer is not None else None
-    request = rollout.get("request_timeout") if rollout is not None else None
+    chosen = (cfg.get("trainer") or {}).get("collective_timeout")  # the evaluator's config has no trainer
+    request = (cfg.get("rollout") or {}).get("request_timeout")
     least = request + REQUEST_TIMEOUT_MARGIN if request is not None else 0.0
     return max(COLLECTIVE_TIMEOUT, least) if chosen is None else float(chosen)
 
