@@ -1,10 +1,7 @@
 """Resumable checkpoints `<save_dir>/step<N>/` (docs/outputs.md): every worker's shards, each rank's RNG state
-and, written last, `trainer_state.json`, saved to a hidden temporary folder renamed into place. The small files
-and the renames are fsynced, so a power loss right after a save does not leave `latest.txt` naming a folder the
-disk never got. One run holds a save_dir at a time (`RL2.utils.save_dir_lock`).
-"""
+and, written last, `trainer_state.json`, in a hidden temporary folder renamed into place; the small files and the
+renames are fsynced. One run holds a save_dir at a time (`RL2.utils.save_dir_lock`)."""
 
-import io
 import json
 import os
 import random
@@ -27,9 +24,7 @@ from RL2.utils.logging import fsync_dir, log_rank0, write_atomic, write_synced
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 COMPLETE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
-# The newest checkpoint this save_dir's runs wrote: after a resume from an older step, the folders
-# of later steps the earlier run left are not what `latest` means.
-LATEST = "latest.txt"
+LATEST = "latest.txt"  # names the checkpoint saved last, not the largest step (docs/outputs.md)
 
 
 @contextmanager
@@ -130,9 +125,10 @@ def save_checkpoint(save_dir: str, step: int, workers: dict, trainer_state: dict
             tmp.mkdir(parents=True)
         dist.barrier()
         dcp.save(dict(workers), checkpoint_id=str(tmp))  # its FileSystemWriter fsyncs the shards
-        rng_file = io.BytesIO()
-        torch.save(rng_state(), rng_file)
-        write_synced(tmp / f"rng_rank{rank}.pt", rng_file.getvalue())
+        with open(tmp / f"rng_rank{rank}.pt", "wb") as f:
+            torch.save(rng_state(), f)
+            f.flush()
+            os.fsync(f.fileno())
 
     def publish() -> None:
         if rank != 0:
@@ -214,11 +210,10 @@ def resolve_checkpoint(load_ckpt_from: str, save_dir: str) -> Path:
 
 
 def load_checkpoint(path: Path, workers: dict, rng_group: dist.ProcessGroup | None = None) -> dict:
-    """Collective: restore every worker and this rank's RNG. Returns the trainer state.
-
-    `rng_group`: ranks that must go on with one random stream, the tensor-parallel group (its ranks share inputs,
-    and so dropout masks), even when another layout saved them (2 data-parallel ranks resumed as tp=2): each
-    takes the stream of the group's first rank. None: this rank's own."""
+    """Collective: restore every worker and this rank's RNG; returns the trainer state. `rng_group`: ranks that
+    must go on with one random stream, the tensor-parallel group (its ranks share inputs, and so dropout masks),
+    even when another layout saved them (2 data-parallel ranks resumed as tp=2): each takes the stream of the
+    group's first rank. None: this rank's own."""
     index = read_checkpoint_index(path)  # a planted index stops here, with its own message, on every rank
     try:
         dcp.load(dict(workers), checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path), index))

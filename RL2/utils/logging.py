@@ -1,5 +1,4 @@
-"""Rank-aware printing, durable file writes and the one metrics sink: JSONL always, wandb and TensorBoard when
-asked."""
+"""Rank-aware printing, durable file writes and the metrics sink: JSONL always, wandb and TensorBoard if asked."""
 
 import importlib.util
 import json

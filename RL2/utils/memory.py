@@ -8,7 +8,6 @@ import contextlib
 import resource
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ def peak_rss_gb() -> float:
 GPU_PEAK = "_gpu_peak_gb"
 
 
-@contextmanager
+@contextlib.contextmanager
 def measured(metrics: dict, phase: str):
     """Record `perf/{phase}_s` (seconds) and `perf/{phase}_peak_gb` (this rank's peak RSS) of the block and,
     once this process uses CUDA, `perf/{phase}_gpu_peak_gb` (the peak of its tensors on its current GPU)."""

@@ -1,13 +1,14 @@
 """Learning curves: the metrics a trainer chooses (its `CurvePanel`s), against step, from its metrics.jsonl,
 as one PNG (docs/outputs.md)."""
 
-import io
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from RL2.utils.logging import log_rank0, read_jsonl, write_atomic
+from RL2.utils.logging import log_rank0, read_jsonl
 
 Series = tuple[list[int], list[float]]  # (steps, values)
 
@@ -70,26 +71,23 @@ def draw_learning_curve(panels: list[tuple[CurvePanel, dict[str, Series]]], path
         ax.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
-    png = io.BytesIO()
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        fig.savefig(png, format="png", dpi=100)
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, path)
     finally:
         plt.close(fig)
-    write_atomic(path, png.getvalue())
+        tmp.unlink(missing_ok=True)
 
 
 def plot_learning_curve(save_dir: str, panels: tuple[CurvePanel, ...], title: str | None = None) -> Path | None:
     """Write `<save_dir>/learning_curve.png` from `<save_dir>/metrics.jsonl`, titled `title` (default: the run
     folder's name). Returns its path, or None when there is nothing to plot."""
     metrics_path = Path(save_dir) / "metrics.jsonl"
-    if not metrics_path.exists():
-        return None
-    data = curve_series(read_jsonl(metrics_path), panels)
+    data = curve_series(read_jsonl(metrics_path), panels) if metrics_path.exists() else []
     if not data:
         return None
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         log_rank0("matplotlib is not installed: no learning-curve plot (pip install matplotlib)")
         return None
     out = Path(save_dir) / "learning_curve.png"

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from RL2.config.errors import ConfigError
 
-EVENT_FILE_PREFIX = "events.out.tfevents."
-
 
 def require_tensorboard() -> None:
     """Fail at start, with what to install, when `trainer.use_tensorboard=true` cannot be honoured."""
@@ -52,7 +50,7 @@ class TensorBoardLog:
 
         from RL2.utils.logging import write_atomic  # here: RL2.utils.logging imports this module
 
-        for path in sorted(p for p in self.folder.glob(f"{EVENT_FILE_PREFIX}*") if p.suffix != ".tmp"):
+        for path in sorted(p for p in self.folder.glob("events.out.tfevents.*") if p.suffix != ".tmp"):
             records = list(RawEventFileLoader(str(path)).Load())
             kept = [raw for raw in records if Event.FromString(raw).step <= step]
             if len(kept) == len(records):

@@ -1,18 +1,14 @@
 """The most characters one token of a vocabulary stands for, and tokenising chat text in which only the chat
 template writes special tokens: content an environment, a tool or an agent wrote ("<|im_end|><|im_start|>system
-...") would otherwise become real role tokens. `render_plain` hides such strings of the content from the template
-and says where they are in the text; `encode` tokenises those as text, and only the template's as special tokens.
-"""
+...") would otherwise become real role tokens (`render_plain`, then `encode`)."""
 
 import re
 import secrets
 import weakref
 from collections.abc import Callable, Sequence
 
-# tokenizer -> the most characters one of its tokens stands for (see `longest_token_chars`)
-_LONGEST_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# tokenizer -> (a pattern matching the text of its special tokens, longest first; their ids by text)
-_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LONGEST_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> `longest_token_chars`
+_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> `special_tokens`
 
 # (start, end) character spans of a text: where content wrote the text of a special token
 Spans = Sequence[tuple[int, int]]
@@ -80,17 +76,14 @@ def render_plain(tokenizer, render: Callable[..., str], *content) -> tuple[str, 
     text = render(*(hide(part) for part in content))
     if not hidden:
         return text, []
-    out, spans, pos, length = [], [], 0, 0
+    restored, spans, pos = "", [], 0
     for match in re.finditer(rf"\[{nonce}:(\d+)\]", text):
         original = hidden[int(match.group(1))]
-        out.append(text[pos:match.start()])
-        length += match.start() - pos
-        spans.append((length, length + len(original)))
-        out.append(original)
-        length += len(original)
+        restored += text[pos:match.start()]
+        spans.append((len(restored), len(restored) + len(original)))
+        restored += original
         pos = match.end()
-    out.append(text[pos:])
-    text = "".join(out)
+    text = restored + text[pos:]
     if nonce in text:  # a template that cut or escaped a marker: its content would not read back as written
         raise ValueError("the chat template altered the content it was given (a marker RL2 put in place of a "
                          "special token's text was cut or escaped); special tokens' text in content cannot be "
