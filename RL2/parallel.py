@@ -83,8 +83,7 @@ def init_distributed(device: torch.device, timeout: float = COLLECTIVE_TIMEOUT) 
         # made later (the device mesh's, a server's tensor-parallel group) its own at creation, split from
         # it. Lazily they would come at the first collective, after colocated servers have sized their KV
         # cache from the free memory, and take memory the servers counted on (`empty_cache` cannot return it).
-        device_id = device if device.type == "cuda" else None
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     # Groups made later do not inherit the world's timeout: `new_group` without one takes c10d's default
     # for the backend, which these module attributes hold.
     dist.distributed_c10d.default_pg_timeout = timeout
@@ -186,9 +185,8 @@ class ParallelDims:
     def build_mesh(self) -> DeviceMesh:
         """The 4-D mesh ("ddp", "fsdp", "cp", "tp") plus flattened views used by FSDP and the data."""
         if self.mesh is None:
-            mesh = init_device_mesh(
-                self.device_type, (self.ddp, self.fsdp, self.cp, self.tp), mesh_dim_names=("ddp", "fsdp", "cp", "tp")
-            )
+            mesh = init_device_mesh(self.device_type, (self.ddp, self.fsdp, self.cp, self.tp),
+                                    mesh_dim_names=("ddp", "fsdp", "cp", "tp"))
             self.dp_mesh = mesh[("ddp", "fsdp")]._flatten("dp")
             # Parameters are sharded over fsdp and cp together (torchtitan does the same):
             # cp ranks hold the same parameters, so they can share the shards.
