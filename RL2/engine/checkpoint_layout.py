@@ -1,8 +1,6 @@
 """The trainer's parameters under the names and in the layout of the model's checkpoint, which SGLang's loaders read
-(docs/gpus.md, "SGLang servers"). transformers 5 holds a mixture of experts fused (`mlp.experts.gate_up_proj`), the
-checkpoint one tensor per expert and projection; `from_pretrained` converts on the way in, `save_pretrained` back
-(transformers' `conversion_mapping.py`, `core_model_loading.py`). Dense models pass through unchanged.
-"""
+(docs/gpus.md, "SGLang servers"): a mixture of experts reverted the way `save_pretrained` does (transformers'
+`conversion_mapping.py`, `core_model_loading.py`); dense models pass through unchanged."""
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path

@@ -1,7 +1,6 @@
 """What the RL loop asks of an inference engine, whichever it is: requests and responses are SGLang's `POST /generate`
 JSON, and `RL2.rollout.engine_state.EngineState` makes the memory calls and the pushes from what an engine says of
-itself (`releases_memory`, `follows_policy`), so the loop never asks which one it drives.
-"""
+itself (`releases_memory`, `follows_policy`), so the loop never asks which one it drives."""
 
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable

@@ -1,11 +1,7 @@
-"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate` (`RL2.engine.protocol`) as
-an async Python API, with SGLang's sampling and stop rules (`sampling.py`); docs/cpu.md describes it.
-
-Continuous batching: one scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
-running requests one token per step; requests join and leave between steps. The forwards run on the event loop or in a
-one-thread executor (`threads_fit_in_cores`); either way, request state is touched by one step or by the loop between
-steps, never both.
-"""
+"""An in-process inference engine speaking SGLang's `/generate` (`RL2.engine.protocol`) as an async API (docs/cpu.md).
+One scheduler task per event loop admits waiting requests (one batched prefill), then decodes all running ones a token
+per step; requests join and leave between steps. Request state is touched by one step or by the loop between steps,
+never both, whether the forwards run on the loop or in a one-thread executor (`threads_fit_in_cores`)."""
 
 import asyncio
 import os
@@ -48,8 +44,7 @@ class _Request:
     row: int = -1  # KV cache row while running
 
     @property
-    def cached_len(self) -> int:
-        """Tokens whose keys are in the cache; the newest sampled token is not yet."""
+    def cached_len(self) -> int:  # the newest sampled token is not in the cache yet
         return len(self.input_ids) + len(self.output_ids) - 1
 
     @property
@@ -58,9 +53,9 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """In-process continuous-batching engine over an HF causal LM in eval mode, without sliding windows. The running
-    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may
-    keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
+    """Continuous batching over an HF causal LM in eval mode, without sliding windows. The running requests' prompt +
+    max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may keep linear layers'
+    weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
                  max_total_tokens: int | None = None, owns_model: bool = False):
@@ -160,8 +155,7 @@ class EmbeddedEngine:
             self._wakeup.set()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None):
-        """Copy full tensors into the engine's model in place (names as in `model.state_dict()`); see
-        `Engine.update_weights`."""
+        """See `Engine.update_weights`: copied in place, names as in `model.state_dict()`."""
         with self._step_lock:
             self.runner.load_weights(named_tensors)
         if weight_version is not None:

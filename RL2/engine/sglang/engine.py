@@ -1,10 +1,6 @@
-"""SGLang servers as the rollout engine of every rank: launched by the trainer (`SGLangEngine.launch`) or already
-running (`SGLangEngine.connect`, `rollout.server_url`: nothing is launched and rank 0 alone controls them). docs/gpus.md
-("SGLang servers") describes both, the weight sync and its check, and servers colocated with training.
-
-Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
-`EngineError` on every rank instead of leaving the others waiting in a collective.
-"""
+"""SGLang servers as the rollout engine of every rank, launched (`SGLangEngine.launch`) or already running
+(`SGLangEngine.connect`: rank 0 alone controls them); docs/gpus.md, "SGLang servers". Every control step ends with all
+ranks agreeing that it worked: one rank's failure raises an `EngineError` on every rank, not a hang in a collective."""
 
 import asyncio
 import atexit

@@ -1,8 +1,6 @@
-"""Moving the actor's weights to SGLang servers in buckets (docs/gpus.md, "SGLang servers"): as the shards of a Hugging
-Face folder (`write_hf_folder`) or as flat tensors (`flatten_bucket`, `serialize_flat_bucket`) in the payload format of
-SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`, written here so that the trainer needs no `sglang`
-(which pins its own torch).
-"""
+"""The actor's weights to SGLang servers in buckets (docs/gpus.md, "SGLang servers"): as a Hugging Face folder's shards
+or as flat tensors in the payload format of SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`, written
+here so that the trainer needs no `sglang` (which pins its own torch)."""
 
 import base64
 import io
