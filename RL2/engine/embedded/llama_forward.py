@@ -66,10 +66,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class LlamaForward:
-    """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`. `kernel` maps a
-    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones). A float32 or
-    bf16 model on CPU decodes through the C kernels where they can be built; everything else (GPU, prefill, other
-    dtypes) through the torch ops below, which compute the same."""
+    """Forwards of a Llama-family decoder over the engine's `SlotKVCache`; `kernel` maps `nn.Linear`s sharing an input
+    to the callable applying them all. A float32 or bf16 model on CPU decodes through the C kernels where they can be
+    built; everything else (GPU, prefill, other dtypes) through the torch ops below, which compute the same."""
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
         decoder = model.get_decoder()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
@@ -421,8 +422,6 @@ def _check_memory_saver(server_args: dict, device: torch.device) -> None:
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
     """Fail at start, with the figures, when a server's share of this GPU (SGLang gives weights plus KV cache
     `mem_fraction_static` of the memory free at its start) cannot hold its weights and a KV cache."""
-    from transformers import AutoConfig
-
     try:
         model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
     except (ValueError, AttributeError):  # a model class transformers does not know, or a config that
