@@ -234,10 +234,9 @@ class EmbeddedEngine:
             self._fail(RuntimeError(f"EmbeddedEngine decode loop failed: {exc!r}"), exc)
 
     async def _gather_arrivals(self) -> None:
-        """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
-        all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
-        arriving (at most MAX_ARRIVAL_WAIT), so that calls sent together over HTTP share one prefill (docs/agents.md).
-        Only idle time counts: a poll that returns late found the loop or another thread busy, likely making calls."""
+        """Before a batch's first step, one turn of the loop (requests made together on it are all waiting then); with
+        `arrival_quiet`, until the process was idle that long with no request arriving (docs/agents.md). Only idle time
+        counts: a poll that returns late found the loop or another thread busy, likely making calls."""
         await asyncio.sleep(0)
         waiting, quiet = len(self._waiting), 0.0
         deadline = time.perf_counter() + MAX_ARRIVAL_WAIT
