@@ -53,9 +53,9 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """Continuous batching over an HF causal LM in eval mode, without sliding windows. The running requests' prompt +
-    max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may keep linear layers'
-    weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
+    """In-process continuous-batching engine over an HF causal LM in eval mode, without sliding windows. The running
+    requests' prompt + max_new_tokens must fit in `max_total_tokens` if set; the rest wait. With `owns_model` it may
+    keep linear layers' weights only packed for its CPU kernels (`runner.state_dict()` reads them)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_running_requests: int = 64,
                  max_total_tokens: int | None = None, owns_model: bool = False):
