@@ -69,9 +69,8 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed straight from
-    each layer's weight. After `keep_packed_only` the panels are the layers' only copy (their own weights and biases are
-    empty tensors, and new values go straight into the panels, `write`), which halves what the engine holds."""
+    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`). After
+    `keep_packed_only` the panels are the layers' only copy (`write` puts new values into them; docs/cpu.md)."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)

@@ -315,23 +315,21 @@ def unwritten_weights(before: dict, after: dict) -> list[str]:
     """The parameters whose checksum a weight push left unchanged, from two answers of `/weights_checker` (before
     the push, the weights randomized; after it). Each lists every GPU of the server under `ranks`, whose
     `parallelism_info` has one entry per model role, the target model's first."""
-    old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
+    old_ranks = {_rank_info(rank)[0]: rank["checksums"] for rank in before.get("ranks") or []}
     unwritten = set()
     for rank in after.get("ranks") or []:
-        old, info = old_ranks.get(_rank_key(rank), {}), _rank_info(rank)
+        key, info = _rank_info(rank)
         for name, checksum in rank["checksums"].items():
-            if old.get(name) == checksum:
+            if old_ranks.get(key, {}).get(name) == checksum:
                 unwritten.add(name if info.get("tp_size", 1) == 1 else f"{name} (tp rank {info['tp_rank']})")
     return sorted(unwritten)
 
 
-def _rank_info(rank: dict) -> dict:
+def _rank_info(rank: dict) -> tuple[tuple, dict]:
+    """(what names one GPU of the server in either answer, its target model's parallelism info)."""
     info = rank["parallelism_info"]
-    return info[0] if isinstance(info, list) else info
-
-
-def _rank_key(rank: dict) -> tuple:
-    return tuple(_rank_info(rank).get(key) for key in ("rank", "tp_rank", "dp_rank", "pp_rank"))
+    info = info[0] if isinstance(info, list) else info
+    return tuple(info.get(key) for key in ("rank", "tp_rank", "dp_rank", "pp_rank")), info
 
 
 def _listed(names: list[str], most: int = 12) -> str:
