@@ -183,9 +183,8 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
 
 
 def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer) -> dict | None:
-    """Why a request stops after its newest token (`output_ids` are those generated so far), or None to go on. Same
-    order as SGLang: length first, then stop tokens, then stop strings. As in SGLang, `ignore_eos` also switches off
-    `stop_token_ids`."""
+    """Why a request stops after its newest token (`output_ids`: those generated so far), or None: as in SGLang, length
+    first, then stop tokens, then stop strings, and `ignore_eos` also switches off `stop_token_ids`."""
     if len(output_ids) >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
     last = output_ids[-1]
@@ -208,9 +207,8 @@ def stop_tokens_to_ban(num_output: int, params: SamplingParams, eos_ids: set[int
 
 
 def output_text(output_ids: list[int], reason: dict | None, params: SamplingParams, tokenizer) -> str:
-    """Decode the output the way SGLang's detokenizer does, trimming the matched stop. A matched stop token is left out
-    of the text and a matched stop string cut with everything after it; with no_stop_trim the stop stays in.
-    `output_ids` always keep every sampled token."""
+    """Decode the output as SGLang's detokenizer does: a matched stop token left out, a matched stop string cut with
+    what follows (with no_stop_trim the stop stays in); `output_ids` always keep every sampled token."""
     matched = (reason or {}).get("matched")
     ids = output_ids
     if isinstance(matched, int) and not params.no_stop_trim:

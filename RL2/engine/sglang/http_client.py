@@ -167,9 +167,8 @@ def _run_blocking(coroutine):
 
 async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,
                       api_key: str | None) -> tuple[int, bytes]:
-    """POST `payload` to `url` (GET when None): the answer's status and body, of at most MAX_ANSWER_BYTES (else
-    EngineError, having read no more than that). The caller bounds its whole time: httpx's read timeout restarts at
-    every chunk received."""
+    """POST `payload` to `url` (GET when None): the status and body, of at most MAX_ANSWER_BYTES (else EngineError,
+    having read no more). The caller bounds its whole time: httpx's read timeout restarts at every chunk received."""
     method = "GET" if payload is None else "POST"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with client.stream(method, url, json=payload, headers=headers) as response:
