@@ -57,8 +57,7 @@ ENGINES = {"embedded": _embedded, "sglang": _sglang}
 
 
 def context_length(model_path: str, server_args) -> int | None:
-    """The most tokens a served sequence may hold: SGLang's `context_length` flag, else the model's
-    `max_position_embeddings` (None when its config has none)."""
+    """The most tokens a served sequence may hold (None when neither the flags nor the model's config say)."""
     if server_args and server_args.get("context_length"):
         return int(server_args["context_length"])
     return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)

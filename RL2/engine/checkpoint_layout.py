@@ -1,8 +1,6 @@
 """The trainer's parameters under the names and in the layout of the model's checkpoint, which SGLang's loaders read
-(docs/gpus.md, "SGLang servers"). transformers 5 holds a mixture of experts fused (`mlp.experts.gate_up_proj`), the
-checkpoint one tensor per expert and projection; `from_pretrained` converts on the way in, `save_pretrained` back
-(transformers' `conversion_mapping.py`, `core_model_loading.py`). Dense models pass through unchanged.
-"""
+(docs/gpus.md, "SGLang servers"): a mixture of experts reverted the way `save_pretrained` does (transformers'
+`conversion_mapping.py`, `core_model_loading.py`); dense models pass through unchanged."""
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -56,9 +54,8 @@ class CheckpointLayout:
 
     def to_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors under the model's parameter names, in any order, as the checkpoint holds them: `named_tensors`
-        itself when nothing converts; else (checkpoint name, tensor) pairs, each group (the tensors one reverse
-        converter needs) converted by `revert_weight_conversion` once its last tensor has arrived, so that no more than
-        a layer's experts are held beyond the caller's buckets. ValueError at the end when a group stayed incomplete."""
+        itself when nothing converts; else each group (`members`) converted once its last tensor has arrived, so that
+        no more than a layer's experts are held beyond the caller's buckets; ValueError if a group stays incomplete."""
         if not self.converts:
             return named_tensors
         return self._converted(named_tensors)

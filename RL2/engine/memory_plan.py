@@ -1,6 +1,5 @@
 """The sizing of SGLang servers that share the GPUs with the trainer: docs/gpus.md ("Memory plan") explains the phases
-of a colocated step and their formulas, which `benchmarks/memory_plan_table.py` computes into its table.
-"""
+of a colocated step and their formulas, which `benchmarks/memory_plan_table.py` computes into its table."""
 
 from dataclasses import dataclass
 

@@ -1,11 +1,7 @@
-"""An inference engine that runs inside the trainer process and speaks SGLang's `/generate` (`RL2.engine.protocol`) as
-an async Python API, with SGLang's sampling and stop rules (`sampling.py`); docs/cpu.md describes it.
-
-Continuous batching: one scheduler task per event loop admits waiting requests (one batched prefill), then decodes all
-running requests one token per step; requests join and leave between steps. The forwards run on the event loop or in a
-one-thread executor (`threads_fit_in_cores`); either way, request state is touched by one step or by the loop between
-steps, never both.
-"""
+"""An in-process inference engine speaking SGLang's `/generate` (`RL2.engine.protocol`) as an async API (docs/cpu.md).
+One scheduler task per event loop admits waiting requests (one batched prefill), then decodes all running ones a token
+per step; requests join and leave between steps. Request state is touched by one step or by the loop between steps,
+never both, whether the forwards run on the loop or in a one-thread executor (`threads_fit_in_cores`)."""
 
 import asyncio
 import os
@@ -48,8 +44,7 @@ class _Request:
     row: int = -1  # KV cache row while running
 
     @property
-    def cached_len(self) -> int:
-        """Tokens whose keys are in the cache; the newest sampled token is not yet."""
+    def cached_len(self) -> int:  # the newest sampled token is not in the cache yet
         return len(self.input_ids) + len(self.output_ids) - 1
 
     @property
@@ -159,13 +154,11 @@ class EmbeddedEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None):
-        """Copy full tensors into the engine's model in place (names as in `model.state_dict()`); see
-        `Engine.update_weights`."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        """See `Engine.update_weights`: copied in place, names as in `model.state_dict()`."""
         with self._step_lock:
             self.runner.load_weights(named_tensors)
-        if weight_version is not None:
-            self.weight_version = weight_version
+        self.weight_version = weight_version
 
     def shutdown(self) -> None:
         """Fail whatever is still queued and stop the worker thread."""
@@ -241,10 +234,9 @@ class EmbeddedEngine:
             self._fail(RuntimeError(f"EmbeddedEngine decode loop failed: {exc!r}"), exc)
 
     async def _gather_arrivals(self) -> None:
-        """Before a batch's first step, one turn of the loop: requests made together by coroutines of this loop are
-        all waiting then. With `arrival_quiet`, then until the process was idle that many seconds with no request
-        arriving (at most MAX_ARRIVAL_WAIT), so that calls sent together over HTTP share one prefill (docs/agents.md).
-        Only idle time counts: a poll that returns late found the loop or another thread busy, likely making calls."""
+        """Before a batch's first step, one turn of the loop (requests made together on it are all waiting then); with
+        `arrival_quiet`, until the process was idle that long with no request arriving (docs/agents.md). Only idle time
+        counts: a poll that returns late found the loop or another thread busy, likely making calls."""
         await asyncio.sleep(0)
         waiting, quiet = len(self._waiting), 0.0
         deadline = time.perf_counter() + MAX_ARRIVAL_WAIT

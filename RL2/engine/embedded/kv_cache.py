@@ -9,12 +9,11 @@ from RL2.native.decode_kernels import RowGroups
 
 
 class SlotKVCache:
-    """Keys and values of all running requests, one pre-allocated row per request; HF attention layers call `update`
-    once per layer and attend over what it returns. Buffers grow by doubling and are zero-initialised: SDPA adds the
-    mask to the scores, and NaN + -inf is still NaN. Values are in the model's dtype, as SDPA's kernels multiply them
-    with the probabilities. Keys are float32 (upcasting bf16 keys at every step cost more than the attention itself),
-    except with `keys_in_model_dtype`, for the C decode kernels, which widen them as they score them. A decode step's
-    `row_groups` (rows that hold copies of one prompt) let the C decode attention read each shared prompt once."""
+    """HF attention layers call `update` once per layer and attend over what it returns. Buffers grow by doubling and
+    are zero-initialised: SDPA adds the mask to the scores, and NaN + -inf is still NaN. Values are in the model's
+    dtype, as SDPA's kernels multiply them with the probabilities; keys in float32 (upcasting bf16 keys at every step
+    cost more than the attention itself), except with `keys_in_model_dtype`, for the C decode kernels, which widen them
+    as they score them. A decode step's `row_groups` (rows holding copies of one prompt) read a shared prompt once."""
 
     def __init__(self, max_rows: int, keys_in_model_dtype: bool = False):
         self.max_rows = max_rows

@@ -1,11 +1,8 @@
 """The embedded engine's own forward for Llama-family decoders (docs/cpu.md): with a few dozen rows per decode step,
-HF's modules spend much of it in Python and small ops around the matmuls; this forward reads the same weights and does
-a layer in ~20 ops. Prefill runs through it too (attention by SDPA), so the fused weights are the only packed copy.
-
-The arithmetic is HF's: RMSNorm in float32, the rotary embedding in the model's dtype with cos/sin from the model's own
-rotary module (so every RoPE scaling type HF implements applies), and for one new token attention scores and softmax in
-float32, as SDPA's kernels compute them.
-"""
+HF's modules spend much of it in Python and small ops around the matmuls. Prefill runs through it too (attention by
+SDPA), so the fused weights are the only packed copy. The arithmetic is HF's: RMSNorm in float32, the rotary embedding
+in the model's dtype with cos/sin from the model's own rotary module (every RoPE scaling HF implements applies), and
+for one new token attention scores and softmax in float32, as SDPA's kernels compute them."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +14,7 @@ from RL2.native.decode_kernels import SUFFIXES, DecodeKernels, load_decode_kerne
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Applies linear layers that share an input and concatenates their outputs (into `out`, a second argument, where it
-# can: the caller uses what it returns); has `out_features`.
+# Applies linear layers that share an input, outputs concatenated, as `PackedLinear.__call__`; has `out_features`.
 LinearKernel = Callable[..., torch.Tensor]
 
 
@@ -70,10 +66,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class LlamaForward:
-    """Forwards of a Llama-family decoder (`llama_forward_supported`) over the engine's `SlotKVCache`. `kernel` maps a
-    list of `nn.Linear` sharing an input to the callable that applies them all (the engine's packed ones). A float32 or
-    bf16 model on CPU decodes through the C kernels where they can be built; everything else (GPU, prefill, other
-    dtypes) through the torch ops below, which compute the same."""
+    """Forwards of a Llama-family decoder over the engine's `SlotKVCache`; `kernel` maps `nn.Linear`s sharing an input
+    to the callable applying them all. A float32 or bf16 model on CPU decodes through the C kernels where they can be
+    built; everything else (GPU, prefill, other dtypes) through the torch ops below, which compute the same."""
 
     def __init__(self, model: torch.nn.Module, kernel: Callable[[list[torch.nn.Linear]], LinearKernel]):
         decoder = model.get_decoder()

@@ -1,11 +1,8 @@
 """Batched prefill and decode forwards of a Hugging Face causal LM over a slot KV cache: a request's tokens sit at
 positions 0..n-1 of its row, so requests of any length share a batch without left padding and a finished request frees
-its row without touching the others. Only the positions that are sampled go through the output projection.
-
-Llama-family models run through the engine's own forward (`llama_forward.py`); any other through its unmodified HF
-decoder, given a cache with HF's `update` method, per-row `position_ids` and a ready-made 4D boolean attention mask,
-with `decode_attention` and packed linear layers (`PackedLinear`) for the duration of those forwards.
-"""
+its row without touching the others. Only the sampled positions go through the output projection. Llama-family models
+run through `llama_forward.py`; any other through its unmodified HF decoder, given a cache with HF's `update`, per-row
+`position_ids` and a 4D boolean mask, with `decode_attention` and `PackedLinear` layers during those forwards."""
 
 import functools
 import inspect
@@ -100,8 +97,8 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         own_parameter_memory(model)
-        # Released parameters not loaded since, by id: (the parameter, its shape).
-        self.unwritten: dict[int, tuple[torch.nn.Parameter, torch.Size]] = {}
+        # Released parameters not loaded since, by id: (the parameter, its shape; None where only a kernel holds it).
+        self.unwritten: dict[int, tuple[torch.nn.Parameter, torch.Size | None]] = {}
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.panel_kernels = panel_kernels_for(linears[0]) if linears else None
         self.packable = bool(linears) and (self.panel_kernels is not None or onednn_packing_works(linears[0]))
@@ -122,7 +119,6 @@ class ModelRunner:
         self.cache = SlotKVCache(max_rows, keys_in_model_dtype=decodes_with_kernels)
         # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).
         self.packed_only: dict[str, tuple[PanelLinear, int, str, torch.Size]] = {}
-        self._packed_only_ids: set[int] = set()  # of those parameters
         if owns_model and self.llama is not None:  # HF's modules might read a weight's shape
             self._keep_packed_only()
 
@@ -140,7 +136,6 @@ class ModelRunner:
                     param = getattr(linear, part)
                     if param is not None:
                         self.packed_only[names[id(param)]] = (kernel, index, part, param.shape)
-                        self._packed_only_ids.add(id(param))
             kernel.keep_packed_only()
 
     def _kernel(self, linears: list[torch.nn.Linear]) -> PackedLinear:
@@ -234,15 +229,14 @@ class ModelRunner:
         forward = self.model if self.head is None else self.model.get_decoder()
         inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True)
         inputs[cache_keyword(type(forward))] = self.cache
-        if self.head is None:
-            with self._engine_kernels():
-                logits = forward(**inputs, logits_to_keep=1 if keep is None else keep).logits
-            return None if keep is None else logits[:, 0]
         with self._engine_kernels():
-            hidden = forward(**inputs).last_hidden_state
+            if self.head is None:
+                logits = forward(**inputs, logits_to_keep=1 if keep is None else keep).logits[:, 0]
+            else:
+                hidden = forward(**inputs).last_hidden_state
         if keep is None:
             return None
-        return self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
+        return logits if self.head is None else self.head(torch.take_along_dim(hidden, keep[..., None], dim=1)[:, 0])
 
     def release_weights(self) -> None:
         """Free the parameters and their packed copies until `load_weights` writes every parameter again, as empty
@@ -250,8 +244,7 @@ class ModelRunner:
         for kernel in self.kernels:
             kernel.release()
         for name, param in self.model.named_parameters():  # tied weights are one parameter: released once
-            shape = self.packed_only[name][3] if name in self.packed_only else param.shape
-            self.unwritten.setdefault(id(param), (param, shape))
+            self.unwritten.setdefault(id(param), (param, None if name in self.packed_only else param.shape))
             param.data = param.data.new_empty(0)
 
     @property
@@ -263,7 +256,7 @@ class ModelRunner:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model in place; names as in `model.state_dict()`."""
         for param, shape in self.unwritten.values():  # memory back for the released weights, written below
-            if param.numel() == 0 and shape.numel() and id(param) not in self._packed_only_ids:
+            if shape is not None and param.numel() == 0 and shape.numel():
                 param.data = param.data.new_empty(shape)
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:

@@ -1,8 +1,6 @@
 """Linear layers for the embedded engine: weights packed once (a general CPU GEMM re-blocks the whole weight on every
 call, which with a few dozen rows costs as much as the product), and layers that share an input (q, k, v; gate, up) as
-one product. `PanelLinear` is the C kernel of docs/cpu.md, `OneDNNLinear` for the dtypes oneDNN has CPU kernels for
-where the panels do not apply, `ConcatLinear` the plain product where neither does (GPU).
-"""
+one product: the C panels of docs/cpu.md, else oneDNN's packed CPU kernels, else (GPU) the plain products."""
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +9,9 @@ from RL2.native.decode_kernels import DecodeKernels, load_decode_kernels
 
 
 class PackedLinear:
-    """`linears` (sharing an input) as one product over a packed copy of their weights; outputs concatenated in their
-    order. Subclasses say how to pack (`_pack(weights)`) and multiply (`_product(hidden, out)`). The packed copy
-    remembers the version counters of the weights and biases, which every in-place op on a parameter bumps: a weight
-    changed behind the engine's back is re-packed before it is used (not through `param.data`: use `load_weights`)."""
+    """`linears` (sharing an input) as one product over a packed copy of their weights, outputs concatenated in their
+    order; subclasses say how to pack (`_pack`) and multiply (`_product`). A weight changed in place behind the
+    engine's back (not through `param.data`: use `load_weights`) bumps its version counter and is re-packed."""
 
     packed_only = False  # the packed copy is the only one (`PanelLinear.keep_packed_only`)
 
@@ -72,9 +69,8 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`), packed straight from
-    each layer's weight. After `keep_packed_only` the panels are the layers' only copy (their own weights and biases are
-    empty tensors, and new values go straight into the panels, `write`), which halves what the engine holds."""
+    """Float32 or bf16 weights in the panels of the C kernel `panel_linear` (`decode_kernels.c`). After
+    `keep_packed_only` the panels are the layers' only copy (`write` puts new values into them; docs/cpu.md)."""
 
     def __init__(self, linears: list[torch.nn.Linear], kernels: DecodeKernels):
         super().__init__(linears)

@@ -1,7 +1,6 @@
 """Sampling parameters, batched next-token sampling and stop rules of the embedded engine, as SGLang's `/generate` has
 them: the parameter names and defaults of `sglang.srt.sampling.sampling_params.SamplingParams`, the finish rules of
-`Req.check_finished` (schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`.
-"""
+`Req.check_finished` (schedule_batch.py) and the text trimming of `DetokenizerManager.trim_matched_stop`."""
 
 from dataclasses import dataclass, field
 
@@ -68,11 +67,10 @@ class SamplingParams:
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
                        generators: list[torch.Generator | None],
                        default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs): one token per row of `logits`, all rows at once, sampling in float32. Row r never
-    samples `banned[r]` (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's
-    sampling_seed) or, if None, from `default_generator` (None: torch's global one). The log-probability is the
-    sampled token's under softmax(logits / temperature), before top-k/top-p/min-p and bans, as SGLang returns it
-    (docs/gpus.md, "Log-probabilities"); greedy rows (temperature 0, or top_k=1) give temperature 1's, as in SGLang."""
+    """(tokens, logprobs): one token per row of `logits`, all rows at once, in float32. Row r never samples `banned[r]`
+    (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's sampling_seed) or, if None, from
+    `default_generator` (None: torch's global one). The log-probability is the token's under softmax(logits / T), before
+    filters and bans, as SGLang returns it (docs/gpus.md, "Log-probabilities"); greedy rows give temperature 1's."""
     device = logits.device
     # The policy's own probabilities, in one fused pass; every filter below works on them (a temperature as a power).
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -185,9 +183,8 @@ def _sampling_weights(weights: torch.Tensor, params: list[SamplingParams]) -> to
 
 
 def finish_reason(output_ids: list[int], params: SamplingParams, eos_ids: set[int], tokenizer) -> dict | None:
-    """Why a request stops after its newest token (`output_ids` are those generated so far), or None to go on. Same
-    order as SGLang: length first, then stop tokens, then stop strings. As in SGLang, `ignore_eos` also switches off
-    `stop_token_ids`."""
+    """Why a request stops after its newest token (`output_ids`: those generated so far), or None: as in SGLang, length
+    first, then stop tokens, then stop strings, and `ignore_eos` also switches off `stop_token_ids`."""
     if len(output_ids) >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
     last = output_ids[-1]
@@ -210,9 +207,8 @@ def stop_tokens_to_ban(num_output: int, params: SamplingParams, eos_ids: set[int
 
 
 def output_text(output_ids: list[int], reason: dict | None, params: SamplingParams, tokenizer) -> str:
-    """Decode the output the way SGLang's detokenizer does, trimming the matched stop. A matched stop token is left out
-    of the text and a matched stop string cut with everything after it; with no_stop_trim the stop stays in.
-    `output_ids` always keep every sampled token."""
+    """Decode the output as SGLang's detokenizer does: a matched stop token left out, a matched stop string cut with
+    what follows (with no_stop_trim the stop stays in); `output_ids` always keep every sampled token."""
     matched = (reason or {}).get("matched")
     ids = output_ids
     if isinstance(matched, int) and not params.no_stop_trim:

@@ -1,10 +1,6 @@
-"""SGLang servers as the rollout engine of every rank: launched by the trainer (`SGLangEngine.launch`) or already
-running (`SGLangEngine.connect`, `rollout.server_url`: nothing is launched and rank 0 alone controls them). docs/gpus.md
-("SGLang servers") describes both, the weight sync and its check, and servers colocated with training.
-
-Every control step ends with all ranks agreeing that it worked: one rank's failure raises an
-`EngineError` on every rank instead of leaving the others waiting in a collective.
-"""
+"""SGLang servers as the rollout engine of every rank, launched (`SGLangEngine.launch`) or already running
+(`SGLangEngine.connect`: rank 0 alone controls them); docs/gpus.md, "SGLang servers". Every control step ends with all
+ranks agreeing that it worked: one rank's failure raises an `EngineError` on every rank, not a hang in a collective."""
 
 import asyncio
 import atexit
@@ -22,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from RL2.config.errors import ConfigError
 from RL2.config.ppo_schema import COLOCATED_MARGIN_GB
@@ -318,23 +315,21 @@ def unwritten_weights(before: dict, after: dict) -> list[str]:
     """The parameters whose checksum a weight push left unchanged, from two answers of `/weights_checker` (before
     the push, the weights randomized; after it). Each lists every GPU of the server under `ranks`, whose
     `parallelism_info` has one entry per model role, the target model's first."""
-    old_ranks = {_rank_key(rank): rank["checksums"] for rank in before.get("ranks") or []}
+    old_ranks = {_rank_info(rank)[0]: rank["checksums"] for rank in before.get("ranks") or []}
     unwritten = set()
     for rank in after.get("ranks") or []:
-        old, info = old_ranks.get(_rank_key(rank), {}), _rank_info(rank)
+        key, info = _rank_info(rank)
         for name, checksum in rank["checksums"].items():
-            if old.get(name) == checksum:
+            if old_ranks.get(key, {}).get(name) == checksum:
                 unwritten.add(name if info.get("tp_size", 1) == 1 else f"{name} (tp rank {info['tp_rank']})")
     return sorted(unwritten)
 
 
-def _rank_info(rank: dict) -> dict:
+def _rank_info(rank: dict) -> tuple[tuple, dict]:
+    """(what names one GPU of the server in either answer, its target model's parallelism info)."""
     info = rank["parallelism_info"]
-    return info[0] if isinstance(info, list) else info
-
-
-def _rank_key(rank: dict) -> tuple:
-    return tuple(_rank_info(rank).get(key) for key in ("rank", "tp_rank", "dp_rank", "pp_rank"))
+    info = info[0] if isinstance(info, list) else info
+    return tuple(info.get(key) for key in ("rank", "tp_rank", "dp_rank", "pp_rank")), info
 
 
 def _listed(names: list[str], most: int = 12) -> str:
@@ -425,8 +420,6 @@ def _check_memory_saver(server_args: dict, device: torch.device) -> None:
 def _check_kv_cache_room(model_path: str, dtype: torch.dtype, device: torch.device, tp: int, fraction: float) -> None:
     """Fail at start, with the figures, when a server's share of this GPU (SGLang gives weights plus KV cache
     `mem_fraction_static` of the memory free at its start) cannot hold its weights and a KV cache."""
-    from transformers import AutoConfig
-
     try:
         model = ModelShape.from_config(AutoConfig.from_pretrained(model_path))
     except (ValueError, AttributeError):  # a model class transformers does not know, or a config that

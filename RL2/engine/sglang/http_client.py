@@ -21,10 +21,9 @@ MAX_ANSWER_BYTES = 256 * 2**20
 
 
 class HTTPEngineClient:
-    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight. A server that cannot be
-    reached (connection refused, reset or closed mid-answer) is given up for good with a warning, and its requests go
-    to the others; one that accepts but does not answer within `timeout` (the whole answer included) is not: a slow
-    server is not a dead one."""
+    """Sends `/generate` requests to SGLang servers, each to the one with the fewest in flight. A server that refuses,
+    resets or closes a connection is given up for good with a warning, its requests going to the others; one with no
+    whole answer within `timeout` seconds is not: a slow server is not a dead one."""
 
     def __init__(self, urls: list[str], timeout: float = 600.0, api_key: str | None = None,
                  vocab_size: int | None = None):
@@ -103,7 +102,6 @@ class HTTPEngineClient:
 
     async def _post(self, endpoint: str, payload: dict) -> dict:
         try:
-            # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
             status, body = await asyncio.wait_for(read_answer(self._http(), endpoint, payload, self.api_key),
                                                   self.timeout)
         except (httpx.TimeoutException, asyncio.TimeoutError) as e:
@@ -135,7 +133,6 @@ def control_request(url: str, endpoint: str, payload: dict | None = None, timeou
     success within `timeout` seconds. With `absent_ok`, None if the server has no such endpoint (404)."""
 
     async def send() -> tuple[int, bytes]:
-        # One deadline for the whole answer: httpx's read timeout restarts at every chunk received.
         async with httpx.AsyncClient(timeout=timeout) as client:
             return await asyncio.wait_for(read_answer(client, f"{url}{endpoint}", payload, api_key), timeout)
 
@@ -170,8 +167,8 @@ def _run_blocking(coroutine):
 
 async def read_answer(client: httpx.AsyncClient, url: str, payload: dict | None,
                       api_key: str | None) -> tuple[int, bytes]:
-    """POST `payload` to `url` (GET when None): the answer's status and body, of at most MAX_ANSWER_BYTES
-    (else EngineError, having read no more than that). The caller bounds the time it takes."""
+    """POST `payload` to `url` (GET when None): the status and body, of at most MAX_ANSWER_BYTES (else EngineError,
+    having read no more). The caller bounds its whole time: httpx's read timeout restarts at every chunk received."""
     method = "GET" if payload is None else "POST"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with client.stream(method, url, json=payload, headers=headers) as response:

@@ -1,7 +1,6 @@
-"""One SGLang server process, `python -m sglang.launch_server ...` run by the trainer's Python or another one (SGLang
-pins its own torch; the trainer only talks to it over HTTP): its command line, launch, readiness, log and shutdown.
-Its API key goes in a file only this user can read, never on its command line (docs/gpus.md, "SGLang servers").
-"""
+"""One SGLang server process, `python -m sglang.launch_server ...` run by the trainer's Python or another one: its
+command line, launch, readiness, log and shutdown. Its API key goes in a file only this user can read, never on its
+command line (docs/gpus.md, "SGLang servers")."""
 
 import atexit
 import contextlib

@@ -1,8 +1,6 @@
-"""Moving the actor's weights to SGLang servers in buckets (docs/gpus.md, "SGLang servers"): as the shards of a Hugging
-Face folder (`write_hf_folder`) or as flat tensors (`flatten_bucket`, `serialize_flat_bucket`) in the payload format of
-SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`, written here so that the trainer needs no `sglang`
-(which pins its own torch).
-"""
+"""The actor's weights to SGLang servers in buckets (docs/gpus.md, "SGLang servers"): as a Hugging Face folder's shards
+or as flat tensors in the payload format of SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`, written
+here so that the trainer needs no `sglang` (which pins its own torch)."""
 
 import base64
 import io
@@ -55,16 +53,15 @@ def write_hf_folder(tensor_buckets: Iterable[list[tuple[str, torch.Tensor]]], fo
     """Write `folder` (replacing it, complete or not at all) as a Hugging Face folder, one safetensors shard per bucket
     of `tensor_buckets` (in the checkpoint's layout), with the config files of `config_from`."""
     with atomic_dir(folder) as partial:
-        weight_map, total_size, shards = {}, 0, []
+        weight_map, total_size = {}, 0
         for index, bucket in enumerate(tensor_buckets):
             shard = f"model-{index + 1:05d}.safetensors"
             tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket}
             save_file(tensors, partial / shard, metadata={"format": "pt"})
-            shards.append(shard)
             for name, tensor in tensors.items():
                 weight_map[name] = shard
                 total_size += tensor.numel() * tensor.element_size()
-        if not shards:
+        if not weight_map:
             raise ValueError("no tensors to write")
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
