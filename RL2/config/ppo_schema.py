@@ -309,7 +309,7 @@ def check_ppo_config(cfg) -> None:
     require(frozen == 0 or cfg.adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before "
             f"the actor moves, but adv.estimator={cfg.adv.estimator} trains no critic; set adv.estimator=gae or drop "
             f"it")
-    if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
+    if resets_reference(kl) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
     require(kl.reset_entropy_floor is None or kl.reset_entropy_floor > 0, f"actor.kl.reset_entropy_floor is "
@@ -342,6 +342,11 @@ def check_ppo_config(cfg) -> None:
     hint = " or adv.baseline=batch" if estimator == "grpo" else ""
     require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "
             f"the same prompt; set rollout.responses_per_prompt >= 2{hint}")
+
+
+def resets_reference(kl) -> bool:
+    """Whether `actor.kl` asks for ProRL's resets of the reference."""
+    return bool(kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None)
 
 
 def check_staleness(rollout, actor) -> None:

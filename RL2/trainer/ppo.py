@@ -1,7 +1,9 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
 One step: roll out, score, compute what the estimator of `adv.estimator` needs, update the actor (and critic),
-push the new weights into the engines (docs/rl.md, docs/async.md).
+push the new weights into the engines (docs/rl.md, docs/async.md). The default recipe, `adv.estimator=grpo`:
+a response's advantage is its score minus its prompt group's mean, not divided by the std (Dr. GRPO), in PPO's
+clipped surrogate averaged over every trained token of the batch (`actor.avg_level=token`); no KL, no reference.
 """
 
 import functools
@@ -12,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from RL2.batch import RolloutBatch
 from RL2.config.errors import ConfigError
-from RL2.config.ppo_schema import PPOConfig
+from RL2.config.ppo_schema import PPOConfig, resets_reference
 from RL2.datasets.splits import EpochSampler
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
@@ -92,9 +94,9 @@ class PPOTrainer(Trainer):
         self.carried: list[list[Trajectory]] = []
         self._build_workers()
 
-    def run(self, n_steps: int) -> None:
+    def train(self) -> None:
         try:
-            super().run(n_steps)
+            super().train()
         finally:
             close_script(self.env)
 
@@ -104,7 +106,7 @@ class PPOTrainer(Trainer):
         # The policy, its reference and the teacher are all the distributions at the sampling temperature.
         temperature = cfg.rollout.train_sampling_params.temperature
         lora = cfg.actor.lora.rank > 0
-        resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
+        resets_merge = lora and cfg.actor.kl.coef > 0 and resets_reference(cfg.actor.kl)  # into the actor's base
         # Each model's optimizer steps over the run (its learning-rate schedule's length).
         actor_steps = (self.n_steps - cfg.actor.freeze_steps) * self.steps_per_rollout(cfg.actor)
         self.actor = Actor(cfg.actor, *args, actor_steps, response_budget=budget,
@@ -132,7 +134,7 @@ class PPOTrainer(Trainer):
 
     def workers(self) -> dict:
         workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
-        if self.ref and self.resets_reference() and self.ref.worker is not self.actor.worker:
+        if self.ref and resets_reference(self.cfg.actor.kl) and self.ref.worker is not self.actor.worker:
             workers["ref"] = self.ref.worker  # no longer the initial weights: checkpoint it
         return workers
 
@@ -181,7 +183,7 @@ class PPOTrainer(Trainer):
         with measured(metrics, "sync"):
             self.rollout.state.synced(f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
-        if self.ref and self.resets_reference():
+        if self.ref and resets_reference(cfg.actor.kl):
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
                                                                           metrics.get("actor/entropy")))
         max_over_ranks(metrics, self.device)
@@ -251,10 +253,6 @@ class PPOTrainer(Trainer):
         self.drawn += n
         return [self.train_data[batch(p // size)[p % size]] for p in range(first, first + n)]
 
-    def resets_reference(self) -> bool:
-        kl = self.cfg.actor.kl
-        return bool(kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None)
-
     @torch.no_grad()
     def maybe_reset_reference(self, step: int, ref_kl: float | None, entropy: float | None = None) -> bool:
         """ProRL's reference reset (arXiv 2505.24864; docs/rl.md, docs/lora.md), when due: reference = alpha * actor
@@ -265,8 +263,11 @@ class PPOTrainer(Trainer):
             kl.reset_entropy_floor is not None and entropy is not None and entropy < kl.reset_entropy_floor)
         if not due:
             return False
-        for model in (self.ref.model, self.actor.model):
-            reshard(model)
+        for module in [*self.ref.model.modules(), *self.actor.model.modules()]:
+            # After a forward FSDP may keep a module's gathered copies registered (the root's, always); writes to
+            # those would be lost at the next reshard, while the shards are what every later forward gathers.
+            if isinstance(module, FSDPModule):
+                module.reshard()
         if self.ref.model is self.actor.model:  # LoRA: the reference is the actor's base
             merge_into_base(self.actor.model, kl.reset_alpha)
         else:
@@ -325,15 +326,6 @@ class PPOTrainer(Trainer):
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.state.synced(f"step{state['step']}")
         self.rollout.take_push_seconds()  # that push is of no step's weights
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Put every FSDP module's sharded parameters back in place. After a forward FSDP may keep a module's
-    gathered copies registered instead (the root's, always); writes to those would be lost at the next
-    reshard (e.g. a checkpoint's state dict), while the shards are what every later forward gathers."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def main(argv: list[str] | None = None) -> None:
