@@ -72,13 +72,9 @@ class SFTTrainer(Trainer):
 
 
 def sft_rows(tokenizer):
-    """The row tokenizer of SFT (and distillation): `sft_row_tokenizer`, tool conversations included."""
-    return sft_row_tokenizer(tokenizer, tool_conversations(tokenizer))
-
-
-def tool_conversations(tokenizer):
-    """How SFT renders a conversation with tools (for `sft_row_tokenizer`): as the rollout does, in the format
-    `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy writes for them."""
+    """The row tokenizer of SFT (and distillation): `sft_row_tokenizer`, a conversation with tools rendered as the
+    rollout does, in the format `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy
+    writes for them."""
     parser, native = tool_call_parser("auto", tokenizer), template_renders_tools(tokenizer)
 
     def for_row(specs: list):
@@ -99,7 +95,7 @@ def tool_conversations(tokenizer):
 
         return names, render
 
-    return for_row
+    return sft_row_tokenizer(tokenizer, for_row)
 
 
 def main(argv: list[str] | None = None) -> None:
