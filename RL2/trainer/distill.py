@@ -1,8 +1,6 @@
 """Teacher-student distillation on a dataset (docs/trainers.md): the student matches the teacher's whole
-next-token distribution on the response tokens; `actor.kl=reverse` is mode seeking, as in MiniLLM.
-
-`torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`
-"""
+next-token distribution on the response tokens; `actor.kl=reverse` is mode seeking, as in MiniLLM:
+`torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`"""
 
 import torch
 

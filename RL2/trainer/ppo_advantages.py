@@ -1,8 +1,7 @@
 """From a scored rollout to what the policy update reads: shaped rewards, KL penalties in the reward, and each
 estimator's per-token advantages (the tensor functions of `RL2.algs.advantages`). A trajectory is one sample
 however many sequences it spans: grpo, rloo and raw score it once, gae and reinforce_plus_plus run over its
-action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline.
-"""
+action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline."""
 
 from collections.abc import Callable
 

@@ -1,8 +1,6 @@
-"""What a run rolls out, and the rollout worker over it: one place for the PPO trainer and the evaluator.
-
-The script is loaded before any process group or engine starts, so that bad input fails first; its tools are
-built once, for the prompt rows and the rollout alike.
-"""
+"""What a run rolls out, and the rollout worker over it, for the PPO trainer and the evaluator alike. The script
+is loaded before any process group or engine starts, so that bad input fails first; its tools are built once, for
+the prompt rows and the rollout alike."""
 
 from collections.abc import Sequence
 
