@@ -94,9 +94,9 @@ class PPOTrainer(Trainer):
         self.carried: list[list[Trajectory]] = []
         self._build_workers()
 
-    def train(self) -> None:
+    def run(self, n_steps: int) -> None:
         try:
-            super().train()
+            super().run(n_steps)
         finally:
             close_script(self.env)
 
@@ -286,10 +286,13 @@ class PPOTrainer(Trainer):
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
             return {}
-        rollout = self.cfg.rollout
+        rollout, prompts = self.cfg.rollout, self.test_data
+        if self.test_sampler is not None:  # rollout.test_prompts_per_rollout: the next batch of a shuffled order
+            self.test_cursor += 1
+            prompts = [self.test_data[i] for i in self.test_sampler.batch(self.test_cursor - 1)]
         # The engine keeps the weights for the next step's rollout, which samples them again.
         with self.rollout.state.holding(give_back=False):
-            groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
+            groups = self.rollout.rollout(prompts, rollout.test_sampling_params,
                                           rollout.test_responses_per_prompt,
                                           rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
@@ -302,13 +305,6 @@ class PPOTrainer(Trainer):
         by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
                           for name, value in source_metrics.items() if name not in COUNTS}
-
-    def test_prompts(self) -> list[dict]:
-        """Every test prompt, or with rollout.test_prompts_per_rollout the next batch of a shuffled order of them."""
-        if self.test_sampler is None:
-            return self.test_data
-        self.test_cursor += 1
-        return [self.test_data[i] for i in self.test_sampler.batch(self.test_cursor - 1)]
 
     def truncate_outputs_after(self, step: int) -> None:
         super().truncate_outputs_after(step)
