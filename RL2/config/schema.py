@@ -140,6 +140,7 @@ MINIMA = {
     "trainer.save_freq": (0, "give a number of steps (null or 0: never)"),
     "trainer.test_freq": (0, "give a number of steps (null or 0: never)"),
     "trainer.keep_last_n": (1, "keep at least 1 checkpoint (the latest), or null to keep all"),
+    "data.max_prompts": (1, "it must be at least 1 (or null: all rows)"),
     "actor.freeze_steps": (0, "give the number of steps the actor waits (0: none)"),
     "rollout.max_turns": (1, "a trajectory takes at least 1 action"),
     "rollout.max_consecutive_timeouts": (1, "give the timeouts in a row that stop the run (1 or more), or null never "
