@@ -304,10 +304,9 @@ def check_ppo_config(cfg) -> None:
     kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
     require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
             "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
-    frozen = cfg.actor.freeze_steps  # the actor waits while PPO's critic warms up: without one it would only sample
-    require(frozen == 0 or cfg.adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before "
-            f"the actor moves, but adv.estimator={cfg.adv.estimator} trains no critic; set adv.estimator=gae or drop "
-            f"it")
+    estimator, frozen = cfg.adv.estimator, cfg.actor.freeze_steps  # the actor waits while PPO's critic warms up
+    require(frozen == 0 or estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the actor "
+            f"moves, but adv.estimator={estimator} trains no critic; set adv.estimator=gae or drop it")
     if resets_reference(kl) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
@@ -332,7 +331,6 @@ def check_ppo_config(cfg) -> None:
             f"{train_sampling.temperature} samples greedily, but the trained policy is softmax(logits / temperature), "
             f"which has no log-probabilities at 0 (and every response to a prompt would be the same). Give a positive "
             f"temperature (1: the model's own distribution); rollout.test_sampling_params may stay greedy")
-    estimator = cfg.adv.estimator
     by_group = estimator == "rloo" or (estimator == "grpo" and cfg.adv.baseline == "group")
     hint = " or adv.baseline=batch" if estimator == "grpo" else ""
     require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "

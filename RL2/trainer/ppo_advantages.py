@@ -18,9 +18,8 @@ def shape_rewards(batch: RolloutBatch, rollout_cfg) -> dict[str, float]:
     """Add DAPO's overlong penalty and the length penalty (when on) to each trajectory's reward, once."""
     budget, penalties = rollout_cfg.train_sampling_params.max_new_tokens, {}
     if rollout_cfg.overlong_buffer_len:
-        penalties["overlong_penalty"] = overlong_penalty(batch.response_lengths, budget,
-                                                         rollout_cfg.overlong_buffer_len,
-                                                         rollout_cfg.overlong_penalty_factor)
+        penalties["overlong_penalty"] = overlong_penalty(
+            batch.response_lengths, budget, rollout_cfg.overlong_buffer_len, rollout_cfg.overlong_penalty_factor)
     if rollout_cfg.length_penalty_coef:
         penalties["length_penalty"] = length_penalty(batch.response_lengths, rollout_cfg.length_penalty_coef, budget)
     if penalties:
