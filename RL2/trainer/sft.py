@@ -60,11 +60,10 @@ class SFTTrainer(Trainer):
         if not self.test_data:
             return {}
         self.actor.model.eval()
-        batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
         # Each batch's loss is its own average (actor.avg_level): weighed by what it averaged over (its trained
         # tokens, label-aligned as the batch reads them, or its examples), the test loss is the whole set's average.
         losses = []
-        for batch in batches(self.test_data, batch_size):
+        for batch in batches(self.test_data, max(self.cfg.data.test.batch_size, self.dims.dp)):
             n = sum(sum(ex["loss_mask"][1:]) for ex in batch) if self.cfg.actor.avg_level == "token" else len(batch)
             losses.append((self.batch_loss(batch, train=False)[0], n))
         self.actor.model.train()
