@@ -3,8 +3,7 @@
 One step: roll out, score, compute what the estimator of `adv.estimator` needs, update the actor (and critic),
 push the new weights into the engines (docs/rl.md, docs/async.md). The default recipe, `adv.estimator=grpo`:
 a response's advantage is its score minus its prompt group's mean, not divided by the std (Dr. GRPO), in PPO's
-clipped surrogate averaged over every trained token of the batch (`actor.avg_level=token`); no KL, no reference.
-"""
+clipped surrogate averaged over every trained token of the batch (`actor.avg_level=token`); no KL, no reference."""
 
 import functools
 
