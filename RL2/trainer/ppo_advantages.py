@@ -59,13 +59,6 @@ def turn_end_rewards(batch: RolloutBatch) -> Tensor:
     return rewards
 
 
-def per_turn_sums(batch: RolloutBatch, values: Tensor) -> Tensor:
-    """`[n_labels]` -> `[n_samples, K]`: the sum over each turn's sampled tokens."""
-    keys, positions = _turn_keys(batch)
-    sums = torch.zeros(batch.turn_rewards.numel()).index_add_(0, keys, values[positions])
-    return sums.view_as(batch.turn_rewards)
-
-
 def _turn_keys(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
     """(trajectory * K + turn, label position) of every sampled token."""
     turn_ids = batch.tokens["turn_ids"]
@@ -116,7 +109,9 @@ def reinforce_plus_plus_advantages(batch, adv_cfg, penalties):
 
 def monte_carlo_advantages(batch, adv_cfg, penalties):
     """Each sampled token's (truncated, discounted) return from its turn on; a turn's penalties count in its reward."""
-    returns = mc(batch.turn_rewards - per_turn_sums(batch, penalties), batch.turn_mask, adv_cfg.gamma,
+    keys, positions = _turn_keys(batch)
+    turn_penalties = torch.zeros(batch.turn_rewards.numel()).index_add_(0, keys, penalties[positions])
+    returns = mc(batch.turn_rewards - turn_penalties.view_as(batch.turn_rewards), batch.turn_mask, adv_cfg.gamma,
                  adv_cfg.truncation)
     turn_ids = batch.tokens["turn_ids"]
     per_token = returns[batch.sample_of_label, turn_ids.clamp(min=0)] * (turn_ids >= 0)
