@@ -204,12 +204,11 @@ class PPOTrainer(Trainer):
                 with measured(metrics, name):
                     batch.tokens[token] = compute(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
-        n_tokens = sum(len(ids) for ids in batch.input_ids)
         if update_actor:
             with measured(metrics, "actor_update"):
                 metrics |= self.actor.update(batch)
-            metrics["perf/actor_update_tokens_per_s"] = (n_tokens * cfg.actor.update_per_rollout
-                                                         / metrics["perf/actor_update_s"])
+            n_tokens = sum(len(ids) for ids in batch.input_ids) * cfg.actor.update_per_rollout  # over every pass
+            metrics["perf/actor_update_tokens_per_s"] = n_tokens / metrics["perf/actor_update_s"]
         metrics["actor/frozen"] = float(not update_actor)
         if self.critic:
             with measured(metrics, "critic_update"):
