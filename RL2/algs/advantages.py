@@ -3,8 +3,7 @@
 Layout convention (shared by every module in `RL2.algs`): token-level tensors are padded `[batch, seq_len]`
 floats with a `mask` that is 1.0 on the action tokens that count (0.0 on prompt, padding and a multi-turn
 dialogue's environment tokens), token t's logprob/value/reward that of the action at t; trajectory-level
-tensors (a verifier score) are `[batch]`; GRPO-like estimators take each prompt's scores as one row, `[G, n]`.
-"""
+tensors (a verifier score) are `[batch]`; GRPO-like estimators take each prompt's scores as one row, `[G, n]`."""
 
 import torch
 from torch import Tensor

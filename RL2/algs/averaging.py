@@ -1,12 +1,7 @@
-"""How per-token losses are averaged over a global batch: one weight per label. The loss is
-`sum(per_token_loss * weights)`; each micro-batch and rank adds its labels' share, so the sum is the configured
-average whatever the split (the weights are computed once, on the whole batch, before packing).
-
-`avg_level`, over the batch's samples (sequences, or RL trajectories however many sequences each spans):
-token (every trained token counts the same: DAPO's token-level loss; RL2's default), sequence (the mean over
-each sample's tokens, then over samples: GRPO) or constant (the token sum over `constant * n_samples`:
-Dr. GRPO's length-independent normaliser, arXiv 2503.20783, with the generation budget as the constant).
-"""
+"""How per-token losses are averaged over a global batch (`avg_level`: token, DAPO's; sequence, GRPO's; constant,
+Dr. GRPO's, arXiv 2503.20783, with the generation budget as the constant; docs/rl.md): one weight per label. The
+loss is `sum(per_token_loss * weights)`; each micro-batch and rank adds its labels' share, so the sum is the
+configured average whatever the split (the weights are computed once, on the whole batch, before packing)."""
 
 import torch
 from torch import Tensor

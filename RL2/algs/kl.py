@@ -1,8 +1,7 @@
 """Per-token estimators of KL(p || q) from samples x ~ p (J. Schulman, "Approximating KL Divergence",
 http://joschu.net/blog/kl-approx.html), registered by name in `KL_ESTIMATORS`. Tensors are in the layout of
 `RL2.algs.advantages` (the caller masks); `logps` are under p (the sampling policy), `ref_logps` under q, and
-log r = logp - ref_logp = log p(x) - log q(x).
-"""
+log r = logp - ref_logp = log p(x) - log q(x)."""
 
 from collections.abc import Callable
 

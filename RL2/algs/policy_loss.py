@@ -1,12 +1,9 @@
-"""Policy losses as pure tensor functions, in the layout of `RL2.algs.advantages` (`mask` may also hold
-non-negative token weights). They return per-token losses, zeroed where `mask` is 0 but not yet weighted:
-the caller weights them once with the averaging weights of `RL2.algs.averaging`.
-
-`ppo_loss`, `gspo_loss` and `cispo_loss` (`actor.policy_loss`, docs/rl.md) all take the same engine correction
+"""Policy losses as pure tensor functions in the layout of `RL2.algs.advantages` (`mask` may also hold token
+weights), returning per-token losses zeroed off the mask, which the caller weights once (`RL2.algs.averaging`).
+`ppo_loss`, `gspo_loss` and `cispo_loss` (`actor.policy_loss`, docs/rl.md) take the same engine correction
 (`actor.correction`, docs/async.md): a detached per-token multiplier made of rho = pi_old / mu, the trainer's
 probability before the update (the proximal policy of decoupled PPO, Hilton et al. 2021, arXiv 2110.00641)
-over that of the engine that sampled the token (`CORRECTIONS`).
-"""
+over that of the engine that sampled the token (`CORRECTIONS`)."""
 
 import math
 from dataclasses import dataclass

@@ -1,7 +1,5 @@
-"""Reward shaping on trajectory-level tensors: one number per sample, shape `[batch]`.
-
-The shaped terms are added to the verifier's scores before the advantage estimator runs.
-"""
+"""Reward shaping on trajectory-level tensors (one number per sample, `[batch]`), added to the verifier's scores
+before the advantage estimator runs."""
 
 from torch import Tensor
 

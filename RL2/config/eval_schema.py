@@ -83,12 +83,10 @@ class EvalConfig:
 
 def check_eval_config(cfg) -> None:
     """Fail at start on a value the evaluator cannot use, naming the key."""
-    n, max_prompts = cfg.rollout.responses_per_prompt, cfg.data.max_prompts
+    n = cfg.rollout.responses_per_prompt
     require(cfg.data.test.path, "data.test.path is not set; give the test prompts, e.g. data.test.path=test.jsonl")
     require(n >= 1, f"rollout.responses_per_prompt is {n}; it must be at least 1")
     check_rollout(cfg.rollout, ("sampling_params",))
     bad = [k for k in cfg.eval.k if not 1 <= k <= n]
     require(not bad, f"eval.k has {bad}: pass@k needs 1 <= k <= rollout.responses_per_prompt={n}; raise "
                      f"rollout.responses_per_prompt or lower k")
-    require(max_prompts is None or max_prompts >= 1,
-            f"data.max_prompts is {max_prompts}; it must be at least 1 (or null: all rows)")

@@ -304,12 +304,10 @@ def check_ppo_config(cfg) -> None:
     kl, rollout, train_sampling = cfg.actor.kl, cfg.rollout, cfg.rollout.train_sampling_params
     require(min(rollout.responses_per_prompt, cfg.actor.update_per_rollout, cfg.critic.update_per_rollout) >= 1,
             "rollout.responses_per_prompt, actor.update_per_rollout and critic.update_per_rollout must be at least 1")
-    frozen = cfg.actor.freeze_steps  # the actor waits while PPO's critic warms up: without one it would only sample
-    require(frozen >= 0, f"actor.freeze_steps={frozen}; give the number of steps the actor waits (0: none)")
-    require(frozen == 0 or cfg.adv.estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before "
-            f"the actor moves, but adv.estimator={cfg.adv.estimator} trains no critic; set adv.estimator=gae or drop "
-            f"it")
-    if (kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None) and kl.coef <= 0:
+    estimator, frozen = cfg.adv.estimator, cfg.actor.freeze_steps  # the actor waits while PPO's critic warms up
+    require(frozen == 0 or estimator == "gae", f"actor.freeze_steps={frozen} lets PPO's critic learn before the actor "
+            f"moves, but adv.estimator={estimator} trains no critic; set adv.estimator=gae or drop it")
+    if resets_reference(kl) and kl.coef <= 0:
         raise ConfigError("actor.kl.reset_every / reset_target / reset_entropy_floor reset the reference, which "
                           "exists only with actor.kl.coef > 0; set it or drop the reset")
     require(kl.reset_entropy_floor is None or kl.reset_entropy_floor > 0, f"actor.kl.reset_entropy_floor is "
@@ -322,10 +320,6 @@ def check_ppo_config(cfg) -> None:
     overlong = rollout.overlong_buffer_len
     require(overlong is None or 0 < overlong <= train_sampling.max_new_tokens, f"rollout.overlong_buffer_len="
             f"{overlong} must be in (0, rollout.train_sampling_params.max_new_tokens={train_sampling.max_new_tokens}]")
-    require(rollout.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be at least 1")
-    test_prompts = rollout.test_prompts_per_rollout
-    require(test_prompts is None or test_prompts >= 1, f"rollout.test_prompts_per_rollout={test_prompts}; test on at "
-                                                       f"least 1 prompt, or leave it null to test on every prompt")
     check_rollout(rollout, ("train_sampling_params", "test_sampling_params"))
     require(not (rollout.agent_path and rollout.partial_rollout), f"rollout.partial_rollout=true with "
             f"rollout.agent_path={rollout.agent_path}: a partial rollout carries cut trajectories over a weight "
@@ -337,22 +331,24 @@ def check_ppo_config(cfg) -> None:
             f"{train_sampling.temperature} samples greedily, but the trained policy is softmax(logits / temperature), "
             f"which has no log-probabilities at 0 (and every response to a prompt would be the same). Give a positive "
             f"temperature (1: the model's own distribution); rollout.test_sampling_params may stay greedy")
-    estimator = cfg.adv.estimator
     by_group = estimator == "rloo" or (estimator == "grpo" and cfg.adv.baseline == "group")
     hint = " or adv.baseline=batch" if estimator == "grpo" else ""
     require(rollout.responses_per_prompt >= 2 or not by_group, f"adv.estimator={estimator} compares responses to "
             f"the same prompt; set rollout.responses_per_prompt >= 2{hint}")
 
 
+def resets_reference(kl) -> bool:
+    """Whether `actor.kl` asks for ProRL's resets of the reference."""
+    return bool(kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None)
+
+
 def check_staleness(rollout, actor) -> None:
     """A partial rollout trains on tokens of older weights: the over-sampling that cuts the slowest groups, the
     bound on their staleness and the correction of the loss must fit together."""
     extra, partial, eta = rollout.over_sampling, rollout.partial_rollout, rollout.max_staleness
-    require(extra >= 0, f"rollout.over_sampling={extra}; give the groups started beyond the batch (0: none)")
     require(extra == 0 or partial, f"rollout.over_sampling={extra} starts groups beyond the batch for a partial "
                                    f"rollout to cut; set rollout.partial_rollout=true or drop it")
     if eta is not None:
-        require(eta >= 0, f"rollout.max_staleness={eta}; give the most updates a trained token may lag (0: none)")
         require(partial, f"rollout.max_staleness={eta} bounds how old the groups a partial rollout carries may be; "
                          f"without rollout.partial_rollout=true every token is sampled by the weights trained")
         require(rollout.weight_sync != "none", f"rollout.max_staleness={eta} with rollout.weight_sync=none: the "
@@ -385,15 +381,9 @@ def check_correction(actor) -> None:
 
 
 def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
-    """Fail at start, naming the key, on rollout limits, or sampling settings (`sampling_keys`: the trainer's train and
-    test sections, the evaluator's one) that the engines refuse mid-run, that sample nothing or cannot be honoured."""
-    limit = rollout.get("max_consecutive_timeouts")
-    require(rollout.max_turns >= 1, f"rollout.max_turns={rollout.max_turns}; a trajectory takes at least 1 action")
-    require(limit is None or limit >= 1, f"rollout.max_consecutive_timeouts={limit}; give the timeouts in a row that "
-                                         f"stop the run (1 or more), or null never to stop")
-    for key in ("agent_max_calls", "agent_max_tokens"):
-        value = rollout.get(key)
-        require(value is None or value >= 1, f"rollout.{key}={value}; give 1 or more, or null for no limit")
+    """Fail at start, naming the key, on what to roll out and the judge, and on sampling settings (`sampling_keys`: the
+    trainer's train and test sections, the evaluator's one) that the engines refuse, that sample nothing or cannot be
+    honoured (`MINIMA` bounds the rollout's counts)."""
     require(not (rollout.get("agent_path") and rollout.get("reward_fn")),
             "rollout.agent_path and rollout.reward_fn both say what to roll out; keep one of them")
     judge = rollout.judge
@@ -405,9 +395,6 @@ def check_rollout(rollout, sampling_keys: tuple[str, ...]) -> None:
     require(judge.max_concurrency >= 1 and judge.max_retries >= 0 and len(judge.score_range) == 2
             and judge.score_range[0] < judge.score_range[1], "rollout.judge needs max_concurrency >= 1, max_retries "
             ">= 0 and score_range [low, high] with low < high")
-    margin = rollout.get("gpu_memory_margin_gb", 0.0)
-    require(margin >= 0, f"rollout.gpu_memory_margin_gb={margin}; give the GiB of each GPU that colocated SGLang "
-                         f"servers leave free (0 or more)")
     for name in sampling_keys:
         params, key = rollout[name], f"rollout.{name}"
         require(params.max_new_tokens >= 1,

@@ -133,19 +133,32 @@ def check_model_sections(cfg) -> None:
                 f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
 
 
-# trainer.<key> -> its least value, and what to give instead (null always passes).
-TRAINER_MINIMA = {
-    "n_epochs": (1, "it must be at least 1 (or set trainer.total_steps)"),
-    "total_steps": (1, "give at least 1 step, or null for trainer.n_epochs' worth"),
-    "save_freq": (0, "give a number of steps (null or 0: never)"),
-    "test_freq": (0, "give a number of steps (null or 0: never)"),
-    "keep_last_n": (1, "keep at least 1 checkpoint (the latest), or null to keep all"),
+# <section>.<key> -> its least value, and what to give instead (null, or a key the config lacks, always passes).
+MINIMA = {
+    "trainer.n_epochs": (1, "it must be at least 1 (or set trainer.total_steps)"),
+    "trainer.total_steps": (1, "give at least 1 step, or null for trainer.n_epochs' worth"),
+    "trainer.save_freq": (0, "give a number of steps (null or 0: never)"),
+    "trainer.test_freq": (0, "give a number of steps (null or 0: never)"),
+    "trainer.keep_last_n": (1, "keep at least 1 checkpoint (the latest), or null to keep all"),
+    "data.max_prompts": (1, "it must be at least 1 (or null: all rows)"),
+    "actor.freeze_steps": (0, "give the number of steps the actor waits (0: none)"),
+    "rollout.max_turns": (1, "a trajectory takes at least 1 action"),
+    "rollout.max_consecutive_timeouts": (1, "give the timeouts in a row that stop the run (1 or more), or null never "
+                                            "to stop"),
+    "rollout.agent_max_calls": (1, "give 1 or more, or null for no limit"),
+    "rollout.agent_max_tokens": (1, "give 1 or more, or null for no limit"),
+    "rollout.gpu_memory_margin_gb": (0, "give the GiB of each GPU that colocated SGLang servers leave free (0 or "
+                                        "more)"),
+    "rollout.max_sampling_rounds": (1, "it must be at least 1"),
+    "rollout.test_prompts_per_rollout": (1, "test on at least 1 prompt, or leave it null to test on every prompt"),
+    "rollout.over_sampling": (0, "give the groups started beyond the batch (0: none)"),
+    "rollout.max_staleness": (0, "give the most updates a trained token may lag (0: none)"),
 }
 
 
 def check_run_sections(cfg) -> None:
-    """Fail on data and run-control values outside their range, naming the key (only the keys that
-    `cfg`'s `data` and `trainer` sections have are checked, so the evaluator's config passes too)."""
+    """Fail on data values and the counts of `MINIMA` outside their range, naming the key (only the keys that
+    `cfg` has are checked, so every trainer's config and the evaluator's pass the same checks)."""
     data = cfg.get("data") or {}
     for name in ("train", "test"):
         split = data.get(name) or {}
@@ -154,10 +167,10 @@ def check_run_sections(cfg) -> None:
     ratio = data.get("test_ratio", 0.0)
     require(0 <= ratio < 1, f"data.test_ratio={ratio}; it is the fraction of the training rows held out as the test "
                             f"split: set it in [0, 1) (0 holds out nothing), or give the test rows as data.test.path")
-    trainer = cfg.get("trainer") or {}
-    for key, (least, what) in TRAINER_MINIMA.items():
-        value = trainer.get(key)
-        require(value is None or value >= least, f"trainer.{key}={value}; {what}")
+    for key, (least, what) in MINIMA.items():
+        section, name = key.split(".")
+        value = (cfg.get(section) or {}).get(name)
+        require(value is None or value >= least, f"{key}={value}; {what}")
 
 
 # Beyond one generation request (`rollout.request_timeout`), what a rank may wait for the others in the

@@ -49,20 +49,17 @@ def check_collective_timeout(cfg) -> None:
 
 
 def check_token_averaging(cfg) -> None:
-    """SFT and distillation average over tokens or sequences; `constant` needs RL's generation budget."""
     require(cfg.actor.avg_level != "constant", "actor.avg_level=constant divides by the generation budget, which "
                                                "only RL has; use token or sequence")
 
 
 def check_pair_averaging(cfg, section: str) -> None:
-    """A preference loss is one number per pair: `avg_level` other than the shared default has no effect."""
     level = cfg[section].avg_level
     require(level == "token", f"{section}.avg_level={level}: a preference loss is one number per pair, averaged over "
                               f"the batch's pairs, so the key has no effect here; leave it out")
 
 
 def check_dpo(cfg) -> None:
-    """A beta or label smoothing the DPO loss cannot train with."""
     actor = cfg.actor
     # 0: no gradient (sigmoid) or a target margin of 1 / 0 (ipo); below 0: prefers rejected
     require(actor.beta > 0, f"actor.beta={actor.beta}; DPO needs a positive beta, the strength of the KL to the "

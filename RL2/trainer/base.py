@@ -3,7 +3,6 @@
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -45,7 +44,13 @@ class Trainer:
         init_distributed(self.device, collective_timeout(cfg))
         # Before anything is written there: a second run with this save_dir stops here, naming the first.
         self.release_save_dir = claim_save_dir(cfg.trainer.save_dir)
-        warn_of_an_earlier_run(cfg.trainer.save_dir, self.resume_from)
+        earlier = latest_checkpoint(cfg.trainer.save_dir)
+        if self.resume_from is None and earlier is not None:  # a fresh run where a resume is usually meant
+            log_rank0(f"warning: trainer.save_dir={cfg.trainer.save_dir} holds the checkpoints of an earlier run (the "
+                      f"latest is {earlier.name}) and this run starts afresh: its checkpoints replace those of the "
+                      f"same steps, its metrics follow the earlier run's, and latest.txt will name its own. To go on "
+                      f"with the earlier run set trainer.load_ckpt_from=latest; to keep both, give this run another "
+                      f"trainer.save_dir (or trainer.experiment_name)")
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.from_config(model_cfg, self.device)
         self.dims.build_mesh()
@@ -157,17 +162,6 @@ class Trainer:
         self.save_final()
         self.save_learning_curve()
         self.sink.close()
-
-
-def warn_of_an_earlier_run(save_dir: str, resume_from: Path | None) -> None:
-    """Say so when a fresh run starts in a save_dir with an earlier run's checkpoints (a resume is usually meant)."""
-    earlier = latest_checkpoint(save_dir)
-    if resume_from is None and earlier is not None:
-        log_rank0(f"warning: trainer.save_dir={save_dir} holds the checkpoints of an earlier run (the latest is "
-                  f"{earlier.name}) and this run starts afresh: its checkpoints replace those of the same steps, its "
-                  f"metrics follow the earlier run's, and latest.txt will name its own. To go on with the earlier "
-                  f"run set trainer.load_ckpt_from=latest; to keep both, give this run another trainer.save_dir "
-                  f"(or trainer.experiment_name)")
 
 
 def quiet_third_party_progress() -> None:

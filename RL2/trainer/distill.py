@@ -1,8 +1,6 @@
 """Teacher-student distillation on a dataset (docs/trainers.md): the student matches the teacher's whole
-next-token distribution on the response tokens; `actor.kl=reverse` is mode seeking, as in MiniLLM.
-
-`torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`
-"""
+next-token distribution on the response tokens; `actor.kl=reverse` is mode seeking, as in MiniLLM:
+`torchrun -m RL2.trainer.distill data.train.path=sft.jsonl actor.model_name=STUDENT actor.teacher_name=TEACHER`"""
 
 import torch
 
@@ -17,10 +15,9 @@ from RL2.workers.fsdp import FSDPWorker
 
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str, temperature: float,
-             vocab: VocabShard | None = None):
+             vocab: VocabShard):
     """Per-token KL between the two distributions over the vocabulary, `[..., V] -> [...]`, times temperature^2 so
     that gradients do not shrink as the temperature grows (Hinton et al. 2015). `vocab`: the logits' slice (TP)."""
-    vocab = vocab or VocabShard()
     student = vocab.log_softmax(student_logits.float() / temperature)
     teacher = vocab.log_softmax(teacher_logits.float() / temperature)
     log_p, log_q = (teacher, student) if direction == "forward" else (student, teacher)

@@ -19,15 +19,9 @@ class DPOTrainer(PairwiseTrainer):
         self.ref = None if self.worker.lora else FSDPWorker(cfg.actor, self.dims, self.device, train=False,
                                                             section="actor")
 
-    @torch.no_grad()
-    def reference_logps(self, mb):
-        if self.ref is not None:
-            return packed_logps(self.ref.model, mb)
-        with adapters_disabled(self.worker.model):
-            return packed_logps(self.worker.model, mb)
-
     def sequence_scores(self, mb):
-        ref_logps = self.reference_logps(mb)
+        with torch.no_grad(), adapters_disabled(self.worker.model):  # a no-op without LoRA, where self.ref is a copy
+            ref_logps = packed_logps(self.worker.model if self.ref is None else self.ref.model, mb)
         logps = packed_logps(self.worker.model, mb)
         return {"logps": per_sequence_sum(logps * mb.loss_mask, mb), "n_tokens": per_sequence_sum(mb.loss_mask, mb),
                 "ref_logps": per_sequence_sum(ref_logps * mb.loss_mask, mb)}

@@ -1,8 +1,9 @@
 """RL with verifiable rewards: `torchrun -m RL2.trainer.ppo data.train.path=rl.jsonl rollout.env_path=envs/x.py`.
 
 One step: roll out, score, compute what the estimator of `adv.estimator` needs, update the actor (and critic),
-push the new weights into the engines (docs/rl.md, docs/async.md).
-"""
+push the new weights into the engines (docs/rl.md, docs/async.md). The default recipe, `adv.estimator=grpo`:
+a response's advantage is its score minus its prompt group's mean, not divided by the std (Dr. GRPO), in PPO's
+clipped surrogate averaged over every trained token of the batch (`actor.avg_level=token`); no KL, no reference."""
 
 import functools
 
@@ -12,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from RL2.batch import RolloutBatch
 from RL2.config.errors import ConfigError
-from RL2.config.ppo_schema import PPOConfig
+from RL2.config.ppo_schema import PPOConfig, resets_reference
 from RL2.datasets.splits import EpochSampler
 from RL2.models.lora import merge_into_base
 from RL2.parallel import shard_of
@@ -104,7 +105,7 @@ class PPOTrainer(Trainer):
         # The policy, its reference and the teacher are all the distributions at the sampling temperature.
         temperature = cfg.rollout.train_sampling_params.temperature
         lora = cfg.actor.lora.rank > 0
-        resets_merge = lora and cfg.actor.kl.coef > 0 and self.resets_reference()  # into the actor's base
+        resets_merge = lora and cfg.actor.kl.coef > 0 and resets_reference(cfg.actor.kl)  # into the actor's base
         # Each model's optimizer steps over the run (its learning-rate schedule's length).
         actor_steps = (self.n_steps - cfg.actor.freeze_steps) * self.steps_per_rollout(cfg.actor)
         self.actor = Actor(cfg.actor, *args, actor_steps, response_budget=budget,
@@ -132,7 +133,7 @@ class PPOTrainer(Trainer):
 
     def workers(self) -> dict:
         workers = {"actor": self.actor.worker} | ({"critic": self.critic.worker} if self.critic else {})
-        if self.ref and self.resets_reference() and self.ref.worker is not self.actor.worker:
+        if self.ref and resets_reference(self.cfg.actor.kl) and self.ref.worker is not self.actor.worker:
             workers["ref"] = self.ref.worker  # no longer the initial weights: checkpoint it
         return workers
 
@@ -181,7 +182,7 @@ class PPOTrainer(Trainer):
         with measured(metrics, "sync"):
             self.rollout.state.synced(f"step{step}")
         metrics["perf/weight_push_s"] = self.rollout.take_push_seconds()
-        if self.ref and self.resets_reference():
+        if self.ref and resets_reference(cfg.actor.kl):
             metrics["actor/ref_reset"] = float(self.maybe_reset_reference(step, metrics.get("actor/ref_kl"),
                                                                           metrics.get("actor/entropy")))
         max_over_ranks(metrics, self.device)
@@ -203,12 +204,11 @@ class PPOTrainer(Trainer):
                 with measured(metrics, name):
                     batch.tokens[token] = compute(batch)
         metrics |= add_advantages(batch, cfg.adv, cfg.actor.kl, cfg.actor.teacher.coef)
-        n_tokens = sum(len(ids) for ids in batch.input_ids)
         if update_actor:
             with measured(metrics, "actor_update"):
                 metrics |= self.actor.update(batch)
-            metrics["perf/actor_update_tokens_per_s"] = (n_tokens * cfg.actor.update_per_rollout
-                                                         / metrics["perf/actor_update_s"])
+            n_tokens = sum(len(ids) for ids in batch.input_ids) * cfg.actor.update_per_rollout  # over every pass
+            metrics["perf/actor_update_tokens_per_s"] = n_tokens / metrics["perf/actor_update_s"]
         metrics["actor/frozen"] = float(not update_actor)
         if self.critic:
             with measured(metrics, "critic_update"):
@@ -251,10 +251,6 @@ class PPOTrainer(Trainer):
         self.drawn += n
         return [self.train_data[batch(p // size)[p % size]] for p in range(first, first + n)]
 
-    def resets_reference(self) -> bool:
-        kl = self.cfg.actor.kl
-        return bool(kl.reset_every or kl.reset_target is not None or kl.reset_entropy_floor is not None)
-
     @torch.no_grad()
     def maybe_reset_reference(self, step: int, ref_kl: float | None, entropy: float | None = None) -> bool:
         """ProRL's reference reset (arXiv 2505.24864; docs/rl.md, docs/lora.md), when due: reference = alpha * actor
@@ -265,8 +261,11 @@ class PPOTrainer(Trainer):
             kl.reset_entropy_floor is not None and entropy is not None and entropy < kl.reset_entropy_floor)
         if not due:
             return False
-        for model in (self.ref.model, self.actor.model):
-            reshard(model)
+        for module in [*self.ref.model.modules(), *self.actor.model.modules()]:
+            # After a forward FSDP may keep a module's gathered copies registered (the root's, always); writes to
+            # those would be lost at the next reshard, while the shards are what every later forward gathers.
+            if isinstance(module, FSDPModule):
+                module.reshard()
         if self.ref.model is self.actor.model:  # LoRA: the reference is the actor's base
             merge_into_base(self.actor.model, kl.reset_alpha)
         else:
@@ -285,10 +284,13 @@ class PPOTrainer(Trainer):
     def evaluate(self) -> dict[str, float]:
         if not self.test_data:
             return {}
-        rollout = self.cfg.rollout
+        rollout, prompts = self.cfg.rollout, self.test_data
+        if self.test_sampler is not None:  # rollout.test_prompts_per_rollout: the next batch of a shuffled order
+            self.test_cursor += 1
+            prompts = [self.test_data[i] for i in self.test_sampler.batch(self.test_cursor - 1)]
         # The engine keeps the weights for the next step's rollout, which samples them again.
         with self.rollout.state.holding(give_back=False):
-            groups = self.rollout.rollout(self.test_prompts(), rollout.test_sampling_params,
+            groups = self.rollout.rollout(prompts, rollout.test_sampling_params,
                                           rollout.test_responses_per_prompt,
                                           rollout_seed(self.cfg.trainer.seed, 0, dist.get_rank()) + 1)
         metrics = {key.replace("rollout/", "test/", 1): value
@@ -301,13 +303,6 @@ class PPOTrainer(Trainer):
         by_source = evaluation_metrics(groups, sources, [rollout.test_responses_per_prompt], threshold=1.0)["by_source"]
         return metrics | {f"test/{source}/{name}": value for source, source_metrics in by_source.items()
                           for name, value in source_metrics.items() if name not in COUNTS}
-
-    def test_prompts(self) -> list[dict]:
-        """Every test prompt, or with rollout.test_prompts_per_rollout the next batch of a shuffled order of them."""
-        if self.test_sampler is None:
-            return self.test_data
-        self.test_cursor += 1
-        return [self.test_data[i] for i in self.test_sampler.batch(self.test_cursor - 1)]
 
     def truncate_outputs_after(self, step: int) -> None:
         super().truncate_outputs_after(step)
@@ -325,15 +320,6 @@ class PPOTrainer(Trainer):
         # The engines still hold the initial weights: give them the restored actor's.
         self.rollout.state.synced(f"step{state['step']}")
         self.rollout.take_push_seconds()  # that push is of no step's weights
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Put every FSDP module's sharded parameters back in place. After a forward FSDP may keep a module's
-    gathered copies registered instead (the root's, always); writes to those would be lost at the next
-    reshard (e.g. a checkpoint's state dict), while the shards are what every later forward gathers."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,7 @@
 """From a scored rollout to what the policy update reads: shaped rewards, KL penalties in the reward, and each
 estimator's per-token advantages (the tensor functions of `RL2.algs.advantages`). A trajectory is one sample
 however many sequences it spans: grpo, rloo and raw score it once, gae and reinforce_plus_plus run over its
-action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline.
-"""
+action tokens in one row, mc over its turns; a faulted one has no tokens and no part in its group's baseline."""
 
 from collections.abc import Callable
 
@@ -19,9 +18,8 @@ def shape_rewards(batch: RolloutBatch, rollout_cfg) -> dict[str, float]:
     """Add DAPO's overlong penalty and the length penalty (when on) to each trajectory's reward, once."""
     budget, penalties = rollout_cfg.train_sampling_params.max_new_tokens, {}
     if rollout_cfg.overlong_buffer_len:
-        penalties["overlong_penalty"] = overlong_penalty(batch.response_lengths, budget,
-                                                         rollout_cfg.overlong_buffer_len,
-                                                         rollout_cfg.overlong_penalty_factor)
+        penalties["overlong_penalty"] = overlong_penalty(
+            batch.response_lengths, budget, rollout_cfg.overlong_buffer_len, rollout_cfg.overlong_penalty_factor)
     if rollout_cfg.length_penalty_coef:
         penalties["length_penalty"] = length_penalty(batch.response_lengths, rollout_cfg.length_penalty_coef, budget)
     if penalties:
@@ -59,13 +57,6 @@ def turn_end_rewards(batch: RolloutBatch) -> Tensor:
     rewards = torch.zeros(batch.n_labels)
     rewards[last[has_tokens]] = batch.turn_rewards.flatten()[has_tokens]
     return rewards
-
-
-def per_turn_sums(batch: RolloutBatch, values: Tensor) -> Tensor:
-    """`[n_labels]` -> `[n_samples, K]`: the sum over each turn's sampled tokens."""
-    keys, positions = _turn_keys(batch)
-    sums = torch.zeros(batch.turn_rewards.numel()).index_add_(0, keys, values[positions])
-    return sums.view_as(batch.turn_rewards)
 
 
 def _turn_keys(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
@@ -118,7 +109,9 @@ def reinforce_plus_plus_advantages(batch, adv_cfg, penalties):
 
 def monte_carlo_advantages(batch, adv_cfg, penalties):
     """Each sampled token's (truncated, discounted) return from its turn on; a turn's penalties count in its reward."""
-    returns = mc(batch.turn_rewards - per_turn_sums(batch, penalties), batch.turn_mask, adv_cfg.gamma,
+    keys, positions = _turn_keys(batch)
+    turn_penalties = torch.zeros(batch.turn_rewards.numel()).index_add_(0, keys, penalties[positions])
+    returns = mc(batch.turn_rewards - turn_penalties.view_as(batch.turn_rewards), batch.turn_mask, adv_cfg.gamma,
                  adv_cfg.truncation)
     turn_ids = batch.tokens["turn_ids"]
     per_token = returns[batch.sample_of_label, turn_ids.clamp(min=0)] * (turn_ids >= 0)

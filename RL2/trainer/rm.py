@@ -1,8 +1,7 @@
 """Bradley-Terry reward model: `torchrun -m RL2.trainer.rm data.train.path=pairs.jsonl critic.model_name=...`
 
 A scalar head on the causal LM (PPO's critic's shape), read at the position that predicts a sequence's last
-token (packed inputs are `input_ids[:-1]`); docs/trainers.md says how to score with the export.
-"""
+token (packed inputs are `input_ids[:-1]`); docs/trainers.md says how to score with the export."""
 
 import torch
 

@@ -1,8 +1,6 @@
-"""What a run rolls out, and the rollout worker over it: one place for the PPO trainer and the evaluator.
-
-The script is loaded before any process group or engine starts, so that bad input fails first; its tools are
-built once, for the prompt rows and the rollout alike.
-"""
+"""What a run rolls out, and the rollout worker over it, for the PPO trainer and the evaluator alike. The script
+is loaded before any process group or engine starts, so that bad input fails first; its tools are built once, for
+the prompt rows and the rollout alike."""
 
 from collections.abc import Sequence
 
@@ -31,15 +29,13 @@ def load_rollout_script(rollout_cfg) -> RolloutScript:
     """`rollout.reward_fn` as a one-turn environment, else the agent or environment script; an error names the key."""
     if rollout_cfg.reward_fn:
         return load_reward_env(rollout_cfg.reward_fn)
-    key, path = ("rollout.agent_path", rollout_cfg.agent_path) if rollout_cfg.get("agent_path") else (
-        "rollout.env_path", rollout_cfg.env_path)
+    agent = rollout_cfg.get("agent_path")
+    key, path = ("rollout.agent_path", agent) if agent else ("rollout.env_path", rollout_cfg.env_path)
     if not path:  # no default: a run must say what scores it
         raise EnvError("rollout.env_path is not set; give the environment script that scores the actions, e.g. "
                        "rollout.env_path=envs/arithmetic.py (or rollout.reward_fn=FILE:NAME, rollout.agent_path=FILE)")
     try:
-        if key == "rollout.agent_path":
-            return load_agent(path, rollout_cfg.tool_timeout, rollout_cfg.tool_error)
-        return load_env(path)
+        return load_agent(path, rollout_cfg.tool_timeout, rollout_cfg.tool_error) if agent else load_env(path)
     except EnvError as e:
         raise EnvError(f"{key}={path}: {e}") from None
 

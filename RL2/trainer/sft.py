@@ -60,11 +60,10 @@ class SFTTrainer(Trainer):
         if not self.test_data:
             return {}
         self.actor.model.eval()
-        batch_size = max(self.cfg.data.test.batch_size, self.dims.dp)
         # Each batch's loss is its own average (actor.avg_level): weighed by what it averaged over (its trained
         # tokens, label-aligned as the batch reads them, or its examples), the test loss is the whole set's average.
         losses = []
-        for batch in batches(self.test_data, batch_size):
+        for batch in batches(self.test_data, max(self.cfg.data.test.batch_size, self.dims.dp)):
             n = sum(sum(ex["loss_mask"][1:]) for ex in batch) if self.cfg.actor.avg_level == "token" else len(batch)
             losses.append((self.batch_loss(batch, train=False)[0], n))
         self.actor.model.train()
@@ -72,13 +71,9 @@ class SFTTrainer(Trainer):
 
 
 def sft_rows(tokenizer):
-    """The row tokenizer of SFT (and distillation): `sft_row_tokenizer`, tool conversations included."""
-    return sft_row_tokenizer(tokenizer, tool_conversations(tokenizer))
-
-
-def tool_conversations(tokenizer):
-    """How SFT renders a conversation with tools (for `sft_row_tokenizer`): as the rollout does, in the format
-    `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy writes for them."""
+    """The row tokenizer of SFT (and distillation): `sft_row_tokenizer`, a conversation with tools rendered as the
+    rollout does, in the format `rollout.tool_parser=auto` gives this tokenizer, tool_calls as the text the policy
+    writes for them."""
     parser, native = tool_call_parser("auto", tokenizer), template_renders_tools(tokenizer)
 
     def for_row(specs: list):
@@ -99,7 +94,7 @@ def tool_conversations(tokenizer):
 
         return names, render
 
-    return for_row
+    return sft_row_tokenizer(tokenizer, for_row)
 
 
 def main(argv: list[str] | None = None) -> None:
