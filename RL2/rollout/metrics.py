@@ -68,14 +68,12 @@ FAULT_KINDS = {
 }
 
 
-def fault_kind(fault: str) -> str:
-    """The kind of a fault's reason (a key of FAULT_KINDS), "other" for none of them."""
-    return next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")
-
-
 def fault_kinds(trajectories: list[Trajectory]) -> Counter:
-    """How many of the trajectories each kind of fault ended."""
-    return Counter(fault_kind(t.fault) for t in trajectories if t.fault is not None)
+    """How many of the trajectories each kind of fault ended (a key of FAULT_KINDS, "other" for none of them)."""
+    kinds = Counter()
+    for fault in (t.fault for t in trajectories if t.fault is not None):
+        kinds[next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")] += 1
+    return kinds
 
 
 def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> str | None:
@@ -120,23 +118,18 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
                           "finish_reason": t.finish_reason, "stop_reason": t.stop_reason, "fault": t.fault}
                 if parts := reward_parts(t):
                     record["reward_parts"] = parts
-                record |= _trajectory_details(t)
+                # What a viewer filters and draws by beyond the text: length, source, tools, each turn.
+                record |= {"response_length": t.response_length, "n_sequences": len(t.sequences)}
+                if "data_source" in (t.extra_info or {}):
+                    record["data_source"] = str(t.extra_info["data_source"])
+                if t.tool_calls or t.parse_errors:
+                    record |= {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors, "parse_errors": t.parse_errors}
+                if t.n_turns > 1 or any(turn.env_text for turn in t.turns):
+                    record["turns"] = [{"action": turn.action_text, "observation": turn.env_text, "reward": turn.reward,
+                                        "finish_reason": turn.finish_reason} for turn in t.turns]
                 if tokens:
                     record["tokens"] = next(trajectories)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
-def _trajectory_details(t: Trajectory) -> dict:
-    """What a viewer filters and draws by beyond the text: length, source, tools, each turn of a multi-turn one."""
-    details = {"response_length": t.response_length, "n_sequences": len(t.sequences)}
-    if "data_source" in (t.extra_info or {}):
-        details["data_source"] = str(t.extra_info["data_source"])
-    if t.tool_calls or t.parse_errors:
-        details |= {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors, "parse_errors": t.parse_errors}
-    if t.n_turns > 1 or any(turn.env_text for turn in t.turns):
-        details["turns"] = [{"action": turn.action_text, "observation": turn.env_text, "reward": turn.reward,
-                             "finish_reason": turn.finish_reason} for turn in t.turns]
-    return details
 
 
 def reward_parts(trajectory: Trajectory) -> dict[str, float]:
