@@ -31,13 +31,6 @@ class Turn:
     # Each token's `weight_version_number`; short of `action_ids` where the engine named none (`fill_versions`).
     action_versions: list[int] = field(default_factory=list)
 
-    def extend(self, rest: "Turn") -> None:
-        """Append the rest of this action, sampled after a pause cut it; the caller decodes the whole text again."""
-        self.action_ids += rest.action_ids
-        self.action_logps += rest.action_logps
-        self.action_versions += rest.action_versions
-        self.finish_reason = rest.finish_reason
-
 
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: "step3" -> 3 (RL2 names each push so), "default" (the
@@ -127,8 +120,7 @@ class Trajectory:
         last.env_text, last.env_ids = env_text, list(env_ids)
 
     def fill_versions(self, version: int) -> None:
-        """Give `version` to every sampled token that has none yet (an engine sampled it without naming its
-        weights); those are a turn's last tokens, as the rollout that sampled its earlier ones filled them in."""
+        """Give `version` to every sampled token an engine sampled without naming its weights (a turn's last ones)."""
         for turn in self.turns:
             turn.action_versions += [version] * (len(turn.action_ids) - len(turn.action_versions))
 
@@ -138,8 +130,7 @@ class Trajectory:
         return self.stop_reason == "abort"
 
     def fail(self, fault: str) -> "Trajectory":
-        """End on an environment fault: every reward and score becomes 0 (and training leaves the trajectory
-        out unless rollout.train_on_faults). Returns the trajectory, ended."""
+        """End on an environment fault: every reward and score 0, trained only with rollout.train_on_faults."""
         # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
         # no UTF-8 log or file takes: they are kept as their escapes.
         self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")
