@@ -1,11 +1,7 @@
-"""The event loops of a rank's rollouts.
-
-Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
-what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
-still works in the next one, where a new loop per rollout (`asyncio.run`) would leave it bound to a closed loop.
-User code (a step, a reset, tools, an agent's `run`) runs on a loop of its own in a daemon thread (`on_env_loop`),
-which a call that blocks it past its timeout keeps, the calls waiting to start moving to a new one (Python cannot
-stop a thread): docs/rl.md, "Environments".
+"""The event loops of a rank's rollouts: one per process for every rollout (`run_on_rank_loop`), so that what an
+agent or the engine makes in one rollout (an HTTP session, the OpenAI endpoint's server) works in the next, and
+one for user code in a daemon thread (`on_env_loop`), left to a call that blocks it past its timeout, the calls
+waiting to start moving to a new one (Python cannot stop a thread): docs/rl.md, "Environments".
 """
 
 import asyncio

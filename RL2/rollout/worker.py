@@ -1,9 +1,7 @@
-"""Each rank's share of a rollout: its prompts rolled out on its engine, seeded, gathered, and weights pushed.
-
-Every rank rolls out `prompts[rank::world_size]` on its own engine through its driver and all-gathers the
-trajectories, so that every rank ends with the whole rollout in prompt order (the packing of the update needs the
-global batch everywhere). Set up in `RL2.trainer.rollout_setup`; whether the engine may sample: `EngineState`.
-"""
+"""Each rank's share of a rollout: `prompts[rank::world_size]` rolled out, seeded, on its own engine through its
+driver, then all-gathered, so that every rank holds the whole rollout in prompt order (the packing of the update
+needs the global batch everywhere); and the weights pushed. Set up in `RL2.trainer.rollout_setup`; whether the
+engine may sample: `EngineState`."""
 
 import asyncio
 import contextlib

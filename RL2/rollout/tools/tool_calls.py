@@ -1,7 +1,5 @@
-"""The formats in which models write tool calls: parsed out of an action, and written for these calls.
-
-Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`, also
-RL2's default format), `llama3` and `mistral`; each parser's class shows its format. See docs/agents.md.
+"""The formats in which models write tool calls, each model family's as its chat template writes it: parsed out of
+an action, and written for calls. `hermes` (alias `qwen`, also RL2's default), `llama3`, `mistral`: docs/agents.md.
 """
 
 import json

@@ -1,7 +1,5 @@
-"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls run for it,
-and is asked to `step` only on an action that calls none (the answer). See docs/agents.md, "An environment with
-tools".
-"""
+"""Tools in the environment loop: a script that declares `TOOLS` gets the model's calls run for it, and is asked to
+`step` only on an action that calls none (the answer). See docs/agents.md, "An environment with tools"."""
 
 import asyncio
 import json
