@@ -120,8 +120,7 @@ def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, Mod
 
 
 def check_coroutine(file: Path, name: str, fn: Callable, params: str) -> None:
-    """Fail at start, rather than on every action of the run, when the script's `name` is not an async
-    function taking `params`."""
+    """Fail at start, not on every action of the run, when the script's `name` is no async function of `params`."""
     if not inspect.iscoroutinefunction(fn):
         raise EnvError(f"{file}: `{name}` must be async (`async def {name}({params})`) so that trajectories run "
                        f"concurrently")

@@ -27,8 +27,7 @@ class Escaped(Exception):
 
 
 def run_on_rank_loop(coroutine: Coroutine):
-    """Run `coroutine` to its end on the rank's loop (from outside any running loop), which is made at the
-    first call and closed at exit."""
+    """Run `coroutine` on the rank's loop (from outside any running loop), made at the first call, closed at exit."""
     global _loop
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()

@@ -338,11 +338,8 @@ async def sample_rest(engine: Engine, tokenizer, input_ids: list[int], turn: Tur
         turn.finish_reason = "length"
         return None, 0.0
     rest, matched, seconds = await sample_action(engine, tokenizer, input_ids, params, room)
-    turn.action_ids += rest.action_ids
-    turn.action_logps += rest.action_logps
-    turn.action_versions += rest.action_versions
-    turn.finish_reason = rest.finish_reason
-    turn.action_text = action_text(tokenizer, turn.action_ids, matched)  # the whole action decoded again
+    turn.extend(rest)
+    turn.action_text = action_text(tokenizer, turn.action_ids, matched)
     return matched, seconds
 
 
@@ -375,8 +372,7 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
 
 
 def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state: str, plain: Spans = ()) -> bool:
-    """Add the next state (`plain`: see `render_state`) to the trajectory; False when it leaves no room for another
-    action."""
+    """Add the next state (`plain`: see `render_state`); False when it leaves no room for another action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     text = next_state if added is None else added

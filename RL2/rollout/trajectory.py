@@ -31,6 +31,13 @@ class Turn:
     # Each token's `weight_version_number`; short of `action_ids` where the engine named none (`fill_versions`).
     action_versions: list[int] = field(default_factory=list)
 
+    def extend(self, rest: "Turn") -> None:
+        """Append the rest of this action, sampled after a pause cut it; the caller decodes the whole text again."""
+        self.action_ids += rest.action_ids
+        self.action_logps += rest.action_logps
+        self.action_versions += rest.action_versions
+        self.finish_reason = rest.finish_reason
+
 
 def weight_version_number(weight_version: str | None) -> int | None:
     """The version of weights an engine names `weight_version`: "step3" -> 3 (RL2 names each push so), "default" (the
