@@ -11,8 +11,7 @@ from RL2.rollout.trajectory import Trajectory
 
 def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
     """Means over trajectories, namespaced `rollout/...`, with the reward parts' `rollout/reward/<name>`
-    (docs/rewards.md, "Reward parts in the metrics"); where the policy may call tools (`tools`), also the
-    `rollout/tool_*` metrics (docs/agents.md, "Metrics")."""
+    (docs/rewards.md); where the policy may call tools (`tools`), also `rollout/tool_*` (docs/agents.md)."""
     trajectories = [t for group in groups for t in group]
     if not trajectories:
         return {}
@@ -72,7 +71,8 @@ def fault_kinds(trajectories: list[Trajectory]) -> Counter:
     """How many of the trajectories each kind of fault ended (a key of FAULT_KINDS, "other" for none of them)."""
     kinds = Counter()
     for fault in (t.fault for t in trajectories if t.fault is not None):
-        kinds[next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")] += 1
+        kind = next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")
+        kinds[kind] += 1
     return kinds
 
 
