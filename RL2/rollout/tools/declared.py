@@ -241,7 +241,12 @@ def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: 
             results = [f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>" for m in run]
             out.append({"role": "user", "content": "\n".join(results)})
         else:
-            out += [_fallback_message(m, parser) for m in run]
+            for message in run:  # calls written as text in `parser`'s format, after the content
+                content = _text(message.get("content"))
+                if message.get("tool_calls"):
+                    calls = parser.format_calls(_tool_calls(message))
+                    content = f"{content}\n{calls}" if content else calls
+                out.append({"role": message["role"], "content": content})
     if schemas:
         block = tool_system_prompt(schemas)
         if out and out[0]["role"] == "system":
@@ -249,14 +254,6 @@ def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: 
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
-
-
-def _fallback_message(message: dict, parser: ToolCallParser) -> dict:
-    content = _text(message.get("content"))
-    if message.get("tool_calls"):
-        calls = parser.format_calls(_tool_calls(message))
-        content = f"{content}\n{calls}" if content else calls
-    return {"role": message["role"], "content": content}
 
 
 def _tool_calls(message: dict) -> list[ToolCall]:

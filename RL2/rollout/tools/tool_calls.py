@@ -110,7 +110,14 @@ class MistralParser(ToolCallParser):
     def parse(self, text: str) -> ParsedAction:
         segments = text.split(self.TAG)
         if len(segments) == 1:
-            return self._bare(text)
+            # [TOOL_CALLS] is a special token, which a decode that skips them drops: a message that is
+            # just a JSON list of calls is taken as calls, anything else as content.
+            stripped = text.strip()
+            if stripped.startswith("["):
+                found, rest = _json_list(stripped, 0)
+                if found and not rest.strip() and not any(isinstance(item, str) for item in found):
+                    return _action("", found, self.IDS)
+            return ParsedAction(stripped)
         found, content = [], [segments[0]]
         for segment in segments[1:]:
             calls, rest = self._segment(segment)
@@ -136,16 +143,6 @@ class MistralParser(ToolCallParser):
         except json.JSONDecodeError as e:
             return [_error(f"has arguments that are not valid JSON ({e.msg})", segment)], ""
         return [_call({"name": named.group(1), "arguments": arguments}, segment[:end], ("arguments",))], segment[end:]
-
-    def _bare(self, text: str) -> ParsedAction:
-        # [TOOL_CALLS] is a special token, which a decode that skips them drops: a message that is
-        # just a JSON list of calls is taken as calls, anything else as content.
-        stripped = text.strip()
-        if stripped.startswith("["):
-            found, rest = _json_list(stripped, 0)
-            if found and not rest.strip() and not any(isinstance(item, str) for item in found):
-                return _action("", found, self.IDS)
-        return ParsedAction(stripped)
 
 
 _DECODER = json.JSONDecoder()
@@ -175,9 +172,20 @@ def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:
         return _PARSERS[spec]()
-    if ":" in spec:
-        return _load_class(spec)()
-    raise ValueError(f"tool-call parser {spec!r} is unknown; {_choices()}")
+    if ":" not in spec:
+        raise ValueError(f"tool-call parser {spec!r} is unknown; {_choices()}")
+    where, _, class_name = spec.rpartition(":")
+    try:
+        module = import_file_or_module(where, "rl2_tool_parser_")
+    except FileNotFoundError as e:
+        raise ValueError(f"tool-call parser {spec!r}: {e}; {_choices()}") from None
+    except ImportError as e:
+        raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
+    parser_cls = getattr(module, class_name, None)
+    if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
+        raise ValueError(f"tool-call parser {spec!r}: {where} defines no ToolCallParser subclass named "
+                         f"{class_name!r}; {_choices()}")
+    return parser_cls()
 
 
 def _detect(chat_template: str | dict | None) -> str:
@@ -192,22 +200,6 @@ def _detect(chat_template: str | dict | None) -> str:
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3"
     return "hermes"
-
-
-def _load_class(spec: str) -> type[ToolCallParser]:
-    """The class of a "path/to/file.py:ClassName" or "package.module:ClassName" spec."""
-    where, _, class_name = spec.rpartition(":")
-    try:
-        module = import_file_or_module(where, "rl2_tool_parser_")
-    except FileNotFoundError as e:
-        raise ValueError(f"tool-call parser {spec!r}: {e}; {_choices()}") from None
-    except ImportError as e:
-        raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
-    parser_cls = getattr(module, class_name, None)
-    if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
-        raise ValueError(f"tool-call parser {spec!r}: {where} defines no ToolCallParser subclass named "
-                         f"{class_name!r}; {_choices()}")
-    return parser_cls
 
 
 def _choices() -> str:
