@@ -94,9 +94,7 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
     agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
-    # Turns whose next prompt, as the chat template re-renders the conversation, did not extend the tokens sampled
-    # so far, and so started a new sequence (docs/agents.md, "Token in, token out"): `rollout/split_turns`.
-    split_turns: int = 0
+    split_turns: int = 0  # turns that started a new sequence (docs/agents.md, "Token in, token out")
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
