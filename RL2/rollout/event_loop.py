@@ -90,8 +90,8 @@ def env_loop() -> asyncio.AbstractEventLoop:
 async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
     """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code, for
     at most `timeout` seconds once it has started (None: no limit), then cancelled (its loop left to it if it blocks
-    it) with a TimeoutError. What it raises is raised here, a `BaseException` that is no `Exception` as `Escaped`.
-    Cancelling the caller cancels the coroutine."""
+    it) with a TimeoutError. What it raises is raised here (a `BaseException` that is no `Exception` as `Escaped`);
+    cancelling the caller cancels it."""
     caller = asyncio.get_running_loop()
     call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
     with _lock:

@@ -164,8 +164,7 @@ COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is
 def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
                        tools: bool = False) -> dict:
     """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples (`groups`, one per prompt;
-    `sources`, each prompt's `data_source`): `group_metrics` with pass@k for each k of `ks`, a sample passing
-    when its score is at least `threshold`."""
+    `sources`, their `data_source`): `group_metrics` with pass@k for each k of `ks`, passing at score >= `threshold`."""
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)

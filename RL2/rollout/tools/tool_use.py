@@ -112,8 +112,7 @@ class ToolBox:
 
     async def call(self, name: str, arguments: str | dict) -> str:
         """The result of tool `name` on `arguments` (an object, or its JSON text), "Error: ..." when the call fails;
-        with rollout.tool_error=end a failure raises `ToolFault` and ends the run as a fault, whatever the script
-        makes of it."""
+        under rollout.tool_error=end a failure raises `ToolFault`: a fault ending the run, whatever the script does."""
         try:
             arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
             problem = None if isinstance(arguments, dict) else f"{arguments!r:.200} is not a JSON object"
