@@ -64,7 +64,12 @@ class HermesParser(ToolCallParser):
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedAction:
-        found = [_json_call(match.group(1), ("arguments", "parameters")) for match in self.BLOCK.finditer(text)]
+        found = []
+        for block in (match.group(1) for match in self.BLOCK.finditer(text)):
+            try:
+                found.append(_call(json.loads(block), block, ("arguments", "parameters")))
+            except json.JSONDecodeError as e:
+                found.append(_error(f"is not valid JSON ({e.msg})", block))
         return _action(self.BLOCK.sub("", text), found)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
@@ -205,15 +210,6 @@ def _detect(chat_template: str | dict | None) -> str:
 def _choices() -> str:
     return (f"choose auto, one of {', '.join(sorted(_PARSERS))}, or path/to/file.py:ClassName / "
             f"package.module:ClassName naming a subclass of RL2.rollout.tools.tool_calls.ToolCallParser")
-
-
-def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
-    """The call one JSON text holds."""
-    try:
-        obj = json.loads(block)
-    except json.JSONDecodeError as e:
-        return _error(f"is not valid JSON ({e.msg})", block)
-    return _call(obj, block, argument_keys)
 
 
 def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
