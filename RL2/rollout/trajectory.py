@@ -97,9 +97,8 @@ class Trajectory:
     split_turns: int = 0  # turns that started a new sequence (docs/agents.md, "Token in, token out")
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
-        torch values become lists and numbers, sets lists, any other value JSON cannot hold (a live object, such as
-        the game of envs/gem.py) None, which an environment that keeps one rebuilds it from."""
+        """Plain JSON-able form (a checkpoint keeps a partial rollout's unfinished trajectories; see `_jsonable`): a
+        live object such as the game of envs/gem.py becomes None, which an environment that keeps one rebuilds."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 
