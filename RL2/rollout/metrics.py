@@ -153,8 +153,7 @@ def _mean(values) -> float:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k of the n samples (c of them correct) is correct: the unbiased
-    estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)."""
+    """P(at least one of k of n samples, c of them correct, is correct): Chen et al.'s (2021) unbiased estimator."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
