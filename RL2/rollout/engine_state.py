@@ -1,8 +1,7 @@
-"""Whether the rollout engine may sample, decided in one place from the engine's memory (resident, or released to
-the trainer), the version of its weights (`FSDPWorker.updates`) and where the trainer's models are. `sampling()`
-is the only way to a rollout: it first brings the weights to the policy's current version, so that a rollout on
-stale or released weights cannot happen. The whole cycle and the memory of each phase: docs/gpus.md.
-"""
+"""Whether the rollout engine may sample, decided in one place from its memory (resident, or released to the
+trainer), its weights' version (`FSDPWorker.updates`) and where the trainer's models are. `sampling()`, the only way
+to a rollout, first brings the weights to the policy's current version: no rollout on stale or released weights.
+The whole cycle and the memory of each phase: docs/gpus.md."""
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager

@@ -1,9 +1,7 @@
-"""Environment scripts: one Python file that turns the policy's actions into rewards (docs/rl.md, `envs/`).
-
-The file defines `async def step(state: str, action: str, extra_info: dict) -> dict` (`next_state`, `reward`,
-`score`, `done`, `extra_info`, optionally `reward_parts`), and optionally `async def reset(extra_info: dict) -> str`,
-`TOOLS` and `MCP_SERVERS`. A state is text or a list of chat messages. The env scripts of RL2's original releases
-run as they are (`RL2.compat.env_protocol`, docs/compatibility.md).
+"""Environment scripts: one Python file whose `async def step(state, action, extra_info) -> dict` turns the policy's
+actions into rewards, optionally with `async def reset(extra_info)`, `TOOLS` and `MCP_SERVERS`; a state is text or a
+list of chat messages (docs/rl.md, "Environments"). The original releases' scripts run as they are
+(`RL2.compat.env_protocol`, docs/compatibility.md).
 """
 
 import inspect
@@ -120,8 +118,7 @@ def load_script(path: str, what: str, hint: str, prefix: str) -> tuple[Path, Mod
 
 
 def check_coroutine(file: Path, name: str, fn: Callable, params: str) -> None:
-    """Fail at start, rather than on every action of the run, when the script's `name` is not an async
-    function taking `params`."""
+    """Fail at start, not on every action of the run, when the script's `name` is no async function of `params`."""
     if not inspect.iscoroutinefunction(fn):
         raise EnvError(f"{file}: `{name}` must be async (`async def {name}({params})`) so that trajectories run "
                        f"concurrently")

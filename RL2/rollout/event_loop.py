@@ -1,11 +1,7 @@
-"""The event loops of a rank's rollouts.
-
-Every rollout, evaluation and partial-rollout round of a process runs on one loop (`run_on_rank_loop`), so
-what an agent or the engine makes in its first rollout (an HTTP client session, the OpenAI endpoint's server)
-still works in the next one, where a new loop per rollout (`asyncio.run`) would leave it bound to a closed loop.
-User code (a step, a reset, tools, an agent's `run`) runs on a loop of its own in a daemon thread (`on_env_loop`),
-which a call that blocks it past its timeout keeps, the calls waiting to start moving to a new one (Python cannot
-stop a thread): docs/rl.md, "Environments".
+"""The event loops of a rank's rollouts: one per process for every rollout (`run_on_rank_loop`), so that what an
+agent or the engine makes in one rollout (an HTTP session, the OpenAI endpoint's server) works in the next, and
+one for user code in a daemon thread (`on_env_loop`), left to a call that blocks it past its timeout, the calls
+waiting to start moving to a new one (Python cannot stop a thread): docs/rl.md, "Environments".
 """
 
 import asyncio
@@ -31,8 +27,7 @@ class Escaped(Exception):
 
 
 def run_on_rank_loop(coroutine: Coroutine):
-    """Run `coroutine` to its end on the rank's loop (from outside any running loop), which is made at the
-    first call and closed at exit."""
+    """Run `coroutine` on the rank's loop (from outside any running loop), made at the first call, closed at exit."""
     global _loop
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()
@@ -95,8 +90,8 @@ def env_loop() -> asyncio.AbstractEventLoop:
 async def on_env_loop(coroutine: Coroutine, timeout: float | None = None):
     """Await `coroutine` (user code: a step, a reset, tool calls, an agent's run) run on the loop of user code, for
     at most `timeout` seconds once it has started (None: no limit), then cancelled (its loop left to it if it blocks
-    it) with a TimeoutError. What it raises is raised here, a `BaseException` that is no `Exception` as `Escaped`.
-    Cancelling the caller cancels the coroutine."""
+    it) with a TimeoutError. What it raises is raised here (a `BaseException` that is no `Exception` as `Escaped`);
+    cancelling the caller cancels it."""
     caller = asyncio.get_running_loop()
     call = _Call(coroutine, caller, caller.create_future(), caller.create_future())
     with _lock:

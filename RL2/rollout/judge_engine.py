@@ -13,8 +13,7 @@ from RL2.rewards.judge import ChatFn, Judge, openai_chat
 
 
 def run_judge(judge_cfg, dtype: torch.dtype, device: torch.device) -> Judge | None:
-    """The judge `judge_cfg` (`rollout.judge`) gives, on `device` in `dtype` for a served model; None when it gives
-    none (neither url nor model_path)."""
+    """The judge of `judge_cfg` (`rollout.judge`), a model served on `device` in `dtype`; None when it has none."""
     if judge_cfg.model_path:
         path = resolve_model_path(judge_cfg.model_path)
         tokenizer = AutoTokenizer.from_pretrained(path)

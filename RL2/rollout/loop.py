@@ -46,8 +46,7 @@ class EnvRollout:
     max_total_tokens: int | None = None  # the most tokens of one sequence (prompt, actions, observations)
     env_timeout: float | None = None  # seconds one `step` (or `reset`) may take once it has started; None: no limit
     tool_use: ToolUse | None = None  # the environment's tools: only an action that calls none is stepped
-    # Steps and resets of `env` timing out in a row that stop the rollout (`rollout.max_consecutive_timeouts`).
-    max_timeouts: int | None = None
+    max_timeouts: int | None = None  # `rollout.max_consecutive_timeouts`: timeouts of `env` in a row that stop it
 
     def batch(self, prompts: list[dict], responses_per_prompt: int, sampling_params):
         """`rollout_batch` under a sampling config (`rollout.*_sampling_params`, or a plain dict)."""
@@ -130,11 +129,10 @@ async def rollout_batch(rollout: EnvRollout, prompts: list[dict], responses_per_
 async def partial_rollout_batch(rollout: EnvRollout, carried: list[list[Trajectory]], prompts: list[dict],
                                 n_needed: int, responses_per_prompt: int,
                                 sampling_params: dict) -> tuple[list, list, list]:
-    """Partial rollout: stop as soon as `n_needed` groups are finished; the rest carry on next time. The groups
-    `carried` from the previous call (unfinished trajectories resume where they stopped) go first, then one new group
-    per prompt. Once `n_needed` groups are finished, no new action is requested and the engine is paused with abort,
-    which returns the in-flight requests with what they sampled so far. Returns (finished groups, unfinished groups,
-    newly finished groups: what this call's metrics report), carried ones first, then in prompt order; the finished
+    """Partial rollout (docs/async.md): stop as soon as `n_needed` groups are finished, pausing the engine with
+    abort; the rest carry on next time. The groups `carried` from the previous call (unfinished trajectories resume
+    where they stopped) go first, then one new group per prompt. Returns (finished groups, unfinished groups, newly
+    finished groups: what this call's metrics report), carried ones first, then in prompt order; the finished
     include carried ones finished already (beyond an earlier batch)."""
     already = {id(g[0]) for g in carried if not any(t.unfinished for t in g)}  # they come back as they went in
     stop = asyncio.Event()
@@ -374,8 +372,7 @@ async def _answer(rollout: EnvRollout, trajectory: Trajectory, action: str) -> S
 
 
 def _observe(rollout: EnvRollout, trajectory: Trajectory, turn: Turn, next_state: str, plain: Spans = ()) -> bool:
-    """Add the next state (`plain`: see `render_state`) to the trajectory; False when it leaves no room for another
-    action."""
+    """Add the next state (`plain`: see `render_state`); False when it leaves no room for another action."""
     tokenizer, budget = rollout.tokenizer, rollout.max_total_tokens
     added = continuation(trajectory.state, turn.action_text, next_state, end_text(tokenizer, turn.action_ids))
     text = next_state if added is None else added

@@ -11,8 +11,7 @@ from RL2.rollout.trajectory import Trajectory
 
 def rollout_metrics(groups: list[list[Trajectory]], tools: bool = False) -> dict[str, float]:
     """Means over trajectories, namespaced `rollout/...`, with the reward parts' `rollout/reward/<name>`
-    (docs/rewards.md, "Reward parts in the metrics"); where the policy may call tools (`tools`), also the
-    `rollout/tool_*` metrics (docs/agents.md, "Metrics")."""
+    (docs/rewards.md); where the policy may call tools (`tools`), also `rollout/tool_*` (docs/agents.md)."""
     trajectories = [t for group in groups for t in group]
     if not trajectories:
         return {}
@@ -68,14 +67,13 @@ FAULT_KINDS = {
 }
 
 
-def fault_kind(fault: str) -> str:
-    """The kind of a fault's reason (a key of FAULT_KINDS), "other" for none of them."""
-    return next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")
-
-
 def fault_kinds(trajectories: list[Trajectory]) -> Counter:
-    """How many of the trajectories each kind of fault ended."""
-    return Counter(fault_kind(t.fault) for t in trajectories if t.fault is not None)
+    """How many of the trajectories each kind of fault ended (a key of FAULT_KINDS, "other" for none of them)."""
+    kinds = Counter()
+    for fault in (t.fault for t in trajectories if t.fault is not None):
+        kind = next((kind for kind, markers in FAULT_KINDS.items() if any(m in fault for m in markers)), "other")
+        kinds[kind] += 1
+    return kinds
 
 
 def fault_summary(groups: list[list[Trajectory]], outcome: str = "reward 0") -> str | None:
@@ -120,23 +118,18 @@ def save_samples(path: str | Path, groups: list[list[Trajectory]], step: int,
                           "finish_reason": t.finish_reason, "stop_reason": t.stop_reason, "fault": t.fault}
                 if parts := reward_parts(t):
                     record["reward_parts"] = parts
-                record |= _trajectory_details(t)
+                # What a viewer filters and draws by beyond the text: length, source, tools, each turn.
+                record |= {"response_length": t.response_length, "n_sequences": len(t.sequences)}
+                if "data_source" in (t.extra_info or {}):
+                    record["data_source"] = str(t.extra_info["data_source"])
+                if t.tool_calls or t.parse_errors:
+                    record |= {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors, "parse_errors": t.parse_errors}
+                if t.n_turns > 1 or any(turn.env_text for turn in t.turns):
+                    record["turns"] = [{"action": turn.action_text, "observation": turn.env_text, "reward": turn.reward,
+                                        "finish_reason": turn.finish_reason} for turn in t.turns]
                 if tokens:
                     record["tokens"] = next(trajectories)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
-def _trajectory_details(t: Trajectory) -> dict:
-    """What a viewer filters and draws by beyond the text: length, source, tools, each turn of a multi-turn one."""
-    details = {"response_length": t.response_length, "n_sequences": len(t.sequences)}
-    if "data_source" in (t.extra_info or {}):
-        details["data_source"] = str(t.extra_info["data_source"])
-    if t.tool_calls or t.parse_errors:
-        details |= {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors, "parse_errors": t.parse_errors}
-    if t.n_turns > 1 or any(turn.env_text for turn in t.turns):
-        details["turns"] = [{"action": turn.action_text, "observation": turn.env_text, "reward": turn.reward,
-                             "finish_reason": turn.finish_reason} for turn in t.turns]
-    return details
 
 
 def reward_parts(trajectory: Trajectory) -> dict[str, float]:
@@ -160,8 +153,7 @@ def _mean(values) -> float:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k of the n samples (c of them correct) is correct: the unbiased
-    estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)."""
+    """P(at least one of k of n samples, c of them correct, is correct): Chen et al.'s (2021) unbiased estimator."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
@@ -171,8 +163,7 @@ COUNTS = ("n_prompts", "n_samples")  # sizes, not measurements: no difference is
 def evaluation_metrics(groups: list[list[Trajectory]], sources: list[str], ks: list[int], threshold: float,
                        tools: bool = False) -> dict:
     """`{"overall": metrics, "by_source": {source: metrics}}` of one model's samples (`groups`, one per prompt;
-    `sources`, each prompt's `data_source`): `group_metrics` with pass@k for each k of `ks`, a sample passing
-    when its score is at least `threshold`."""
+    `sources`, their `data_source`): `group_metrics` with pass@k for each k of `ks`, passing at score >= `threshold`."""
     by_source = defaultdict(list)
     for source, group in zip(sources, groups, strict=True):
         by_source[source].append(group)

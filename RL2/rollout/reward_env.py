@@ -39,8 +39,7 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 def check_reward_signature(function: Callable, what: str) -> None:
-    """Fail at start, rather than on every response, when `function` cannot take (response, extra_info);
-    the error names it `what`."""
+    """Fail at start, not on every response, when `function` cannot take (response, extra_info), naming it `what`."""
     try:
         inspect.signature(function).bind("response", {})
     except ValueError:  # no signature to check (some builtins)

@@ -6,10 +6,9 @@ from RL2.rollout.trajectory import Trajectory
 
 def sample_tokens(groups: list[list[Trajectory]], tokenizer, limit: int, trained: list[list[Trajectory]],
                   batch: RolloutBatch | None) -> list[dict]:
-    """Each trajectory of `groups` (those written), its tokens after its prompts (at most `limit`), as columns for
-    the viewer's colouring: `text` (each token decoded alone), `mask` (1 on sampled tokens), `logp` (the engine's),
-    `version` (-1 unknown), and for the `trained` groups (a subset) `adv` and `trainer_logp` (`old_logps`) from
-    `batch`, the trained batch after the update (None when nothing was trained); `n_tokens` counts them all."""
+    """Each trajectory of `groups` (those written), its tokens after its prompts (at most `limit`), as the columns of
+    docs/outputs.md; `adv` and `trainer_logp` (`old_logps`) for the `trained` groups (a subset) from `batch`, the
+    trained batch after the update (None when nothing was trained)."""
     per_label = _per_token_values(trained, batch) if batch is not None else {}
     records = []
     for t in (t for group in groups for t in group):

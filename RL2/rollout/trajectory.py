@@ -94,14 +94,11 @@ class Trajectory:
     generate_seconds: float = 0.0  # waiting for the engine
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own (its result's `metrics`)
     agent_calls: dict[str, int] = field(default_factory=dict)  # an agent's model calls by API, and those streamed
-    # Turns whose next prompt, as the chat template re-renders the conversation, did not extend the tokens sampled
-    # so far, and so started a new sequence (docs/agents.md, "Token in, token out"): `rollout/split_turns`.
-    split_turns: int = 0
+    split_turns: int = 0  # turns that started a new sequence (docs/agents.md, "Token in, token out")
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (a checkpoint keeps the unfinished trajectories of a partial rollout): numpy and
-        torch values become lists and numbers, sets lists, any other value JSON cannot hold (a live object, such as
-        the game of envs/gem.py) None, which an environment that keeps one rebuilds it from."""
+        """Plain JSON-able form (a checkpoint keeps a partial rollout's unfinished trajectories; see `_jsonable`): a
+        live object such as the game of envs/gem.py becomes None, which an environment that keeps one rebuilds."""
         # Not `asdict`, which would deep-copy such objects first (some cannot be copied).
         return json.loads(json.dumps(self, default=_jsonable))
 
@@ -127,8 +124,7 @@ class Trajectory:
         last.env_text, last.env_ids = env_text, list(env_ids)
 
     def fill_versions(self, version: int) -> None:
-        """Give `version` to every sampled token that has none yet (an engine sampled it without naming its
-        weights); those are a turn's last tokens, as the rollout that sampled its earlier ones filled them in."""
+        """Give `version` to every sampled token an engine sampled without naming its weights (a turn's last ones)."""
         for turn in self.turns:
             turn.action_versions += [version] * (len(turn.action_ids) - len(turn.action_versions))
 
@@ -138,8 +134,7 @@ class Trajectory:
         return self.stop_reason == "abort"
 
     def fail(self, fault: str) -> "Trajectory":
-        """End on an environment fault: every reward and score becomes 0 (and training leaves the trajectory
-        out unless rollout.train_on_faults). Returns the trajectory, ended."""
+        """End on an environment fault: every reward and score 0, trained only with rollout.train_on_faults."""
         # The reason may quote the script's text (an exception's message) with lone surrogates ("\ud800"), which
         # no UTF-8 log or file takes: they are kept as their escapes.
         self.fault = fault.encode("utf-8", "backslashreplace").decode("utf-8")

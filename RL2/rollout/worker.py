@@ -1,9 +1,7 @@
-"""Each rank's share of a rollout: its prompts rolled out on its engine, seeded, gathered, and weights pushed.
-
-Every rank rolls out `prompts[rank::world_size]` on its own engine through its driver and all-gathers the
-trajectories, so that every rank ends with the whole rollout in prompt order (the packing of the update needs the
-global batch everywhere). Set up in `RL2.trainer.rollout_setup`; whether the engine may sample: `EngineState`.
-"""
+"""Each rank's share of a rollout: `prompts[rank::world_size]` rolled out, seeded, on its own engine through its
+driver, then all-gathered, so that every rank holds the whole rollout in prompt order (the packing of the update
+needs the global batch everywhere); and the weights pushed. Set up in `RL2.trainer.rollout_setup`; whether the
+engine may sample: `EngineState`."""
 
 import asyncio
 import contextlib
@@ -47,8 +45,7 @@ class RolloutWorker:
 
     def rollout(self, prompts: list[dict], sampling_params, responses_per_prompt: int,
                 seed: int) -> list[list[Trajectory]]:
-        """Roll out this rank's share of `prompts` (the global batch, the same on every rank); returns every
-        rank's groups, in prompt order."""
+        """Roll out this rank's share of `prompts` (the whole batch, on every rank): every group, in prompt order."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = list(range(rank, len(prompts), world))
         groups = self._on_this_rank(seed, lambda: self.driver.batch(
@@ -81,9 +78,8 @@ class RolloutWorker:
                 trajectory.fill_versions(version)
 
     def _on_this_rank(self, seed: int, make_coroutine):
-        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on every rank
-        (not leaving the others waiting in the gather), with every failing rank's message; an `EngineError` when
-        only engines failed."""
+        """Run one rollout coroutine on this rank's engine, seeded. An error on any rank is raised on every rank (none
+        left waiting in the gather) with every failing rank's message; an `EngineError` when only engines failed."""
         # Only a run with a judge puts one where judge_reward looks (without, judge_reward says none is set).
         judged = use_judge(self.judge) if self.judge is not None else contextlib.nullcontext()
         with self.state.sampling(), use_sandbox(self.sandbox), judged:

@@ -1,9 +1,6 @@
-"""Tools an environment declares: their schemas, running them, and conversations that show them.
-
-A tool is a Python function, whose OpenAI schema comes from its type hints and docstring, or an OpenAI schema dict
-that the script's `call_tool` runs; its failures are shown to the model as "Error: ..." results, as a tool-calling
-API would, so that it can try again. See docs/agents.md, "An environment with tools".
-"""
+"""Tools an environment declares (Python functions, or OpenAI schema dicts its `call_tool` runs): their schemas,
+running them, failures shown to the model as "Error: ..." results as a tool-calling API would, so that it can try
+again, and conversations that show them. See docs/agents.md, "An environment with tools"."""
 
 import asyncio
 import inspect
@@ -229,10 +226,8 @@ def _native_message(message: dict) -> dict:
     message = {**message, "content": _text(message.get("content"))}
     if message.get("tool_calls"):
         # Templates write the arguments with `tojson`, so they want a dict, where the OpenAI API has a string.
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in _tool_calls(message)
-        ]
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in _tool_calls(message)]
     return message
 
 
@@ -246,7 +241,12 @@ def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: 
             results = [f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>" for m in run]
             out.append({"role": "user", "content": "\n".join(results)})
         else:
-            out += [_fallback_message(m, parser) for m in run]
+            for message in run:  # calls written as text in `parser`'s format, after the content
+                content = _text(message.get("content"))
+                if message.get("tool_calls"):
+                    calls = parser.format_calls(_tool_calls(message))
+                    content = f"{content}\n{calls}" if content else calls
+                out.append({"role": message["role"], "content": content})
     if schemas:
         block = tool_system_prompt(schemas)
         if out and out[0]["role"] == "system":
@@ -254,14 +254,6 @@ def fallback_messages(messages: list[dict], schemas: list[dict] | None, parser: 
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
-
-
-def _fallback_message(message: dict, parser: ToolCallParser) -> dict:
-    content = _text(message.get("content"))
-    if message.get("tool_calls"):
-        calls = parser.format_calls(_tool_calls(message))
-        content = f"{content}\n{calls}" if content else calls
-    return {"role": message["role"], "content": content}
 
 
 def _tool_calls(message: dict) -> list[ToolCall]:

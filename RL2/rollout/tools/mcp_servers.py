@@ -1,11 +1,7 @@
-"""The tools of MCP servers, run as a script's own: a script names servers in `MCP_SERVERS`, each either
-
-    {"command": ["python", "server.py"], "env": {...}, "cwd": "..."}  # stdio: RL2 starts the process
-    {"url": "http://127.0.0.1:8000/mcp"}                              # streamable HTTP: a server already up
-
-(optionally with a "name" for the messages), and their tools join its TOOLS. The connections live on an event loop
-and thread of their own: the tools are listed before any rollout runs, outside any loop, and the loop of user code
-that calls them may be abandoned to a tool that blocks it. See docs/agents.md, "The tools of MCP servers".
+"""The tools of the MCP servers a script names in `MCP_SERVERS` (stdio `{"command": [...]}`, or streamable HTTP
+`{"url": ...}`), run as its own TOOLS. The connections live on an event loop and thread of their own: the tools are
+listed before any rollout runs, outside any loop, and the loop of user code that calls them may be abandoned to a
+tool that blocks it. See docs/agents.md, "The tools of MCP servers".
 """
 
 import asyncio
@@ -53,17 +49,16 @@ class MCPServers:
         atexit.register(self.close)
         try:
             listings = self._thread.submit(self._connect_all()).result()
+            for connection, listed in zip(self._connections, listings, strict=True):
+                for listed_tool in listed:
+                    if listed_tool.name in self.tools:
+                        raise ValueError(f"{where}: two tools are named {listed_tool.name!r} (one of MCP server "
+                                         f"{connection.label}); a tool's name must be unique among the script's "
+                                         f"TOOLS and MCP servers")
+                    self.tools[listed_tool.name] = self._tool(connection, listed_tool)
         except BaseException:
             self.close()
             raise
-        for connection, listed in zip(self._connections, listings, strict=True):
-            for listed_tool in listed:
-                if listed_tool.name in self.tools:
-                    self.close()
-                    raise ValueError(f"{where}: two tools are named {listed_tool.name!r} (one of MCP server "
-                                     f"{connection.label}); a tool's name must be unique among the script's TOOLS "
-                                     f"and MCP servers")
-                self.tools[listed_tool.name] = self._tool(connection, listed_tool)
 
     async def _connect_all(self) -> list[list]:
         return await asyncio.gather(*(self._connect(connection) for connection in self._connections))

@@ -1,7 +1,5 @@
-"""The formats in which models write tool calls: parsed out of an action, and written for these calls.
-
-Each model family was trained on its own format, written by its chat template: `hermes` (alias `qwen`, also
-RL2's default format), `llama3` and `mistral`; each parser's class shows its format. See docs/agents.md.
+"""The formats in which models write tool calls, each model family's as its chat template writes it: parsed out of
+an action, and written for calls. `hermes` (alias `qwen`, also RL2's default), `llama3`, `mistral`: docs/agents.md.
 """
 
 import json
@@ -66,7 +64,12 @@ class HermesParser(ToolCallParser):
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedAction:
-        found = [_json_call(match.group(1), ("arguments", "parameters")) for match in self.BLOCK.finditer(text)]
+        found = []
+        for block in (match.group(1) for match in self.BLOCK.finditer(text)):
+            try:
+                found.append(_call(json.loads(block), block, ("arguments", "parameters")))
+            except json.JSONDecodeError as e:
+                found.append(_error(f"is not valid JSON ({e.msg})", block))
         return _action(self.BLOCK.sub("", text), found)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
@@ -112,7 +115,14 @@ class MistralParser(ToolCallParser):
     def parse(self, text: str) -> ParsedAction:
         segments = text.split(self.TAG)
         if len(segments) == 1:
-            return self._bare(text)
+            # [TOOL_CALLS] is a special token, which a decode that skips them drops: a message that is
+            # just a JSON list of calls is taken as calls, anything else as content.
+            stripped = text.strip()
+            if stripped.startswith("["):
+                found, rest = _json_list(stripped, 0)
+                if found and not rest.strip() and not any(isinstance(item, str) for item in found):
+                    return _action("", found, self.IDS)
+            return ParsedAction(stripped)
         found, content = [], [segments[0]]
         for segment in segments[1:]:
             calls, rest = self._segment(segment)
@@ -138,16 +148,6 @@ class MistralParser(ToolCallParser):
         except json.JSONDecodeError as e:
             return [_error(f"has arguments that are not valid JSON ({e.msg})", segment)], ""
         return [_call({"name": named.group(1), "arguments": arguments}, segment[:end], ("arguments",))], segment[end:]
-
-    def _bare(self, text: str) -> ParsedAction:
-        # [TOOL_CALLS] is a special token, which a decode that skips them drops: a message that is
-        # just a JSON list of calls is taken as calls, anything else as content.
-        stripped = text.strip()
-        if stripped.startswith("["):
-            found, rest = _json_list(stripped, 0)
-            if found and not rest.strip() and not any(isinstance(item, str) for item in found):
-                return _action("", found, self.IDS)
-        return ParsedAction(stripped)
 
 
 _DECODER = json.JSONDecoder()
@@ -177,9 +177,20 @@ def tool_call_parser(spec: str, tokenizer) -> ToolCallParser:
         return _PARSERS[_detect(getattr(tokenizer, "chat_template", None))]()
     if spec in _PARSERS:
         return _PARSERS[spec]()
-    if ":" in spec:
-        return _load_class(spec)()
-    raise ValueError(f"tool-call parser {spec!r} is unknown; {_choices()}")
+    if ":" not in spec:
+        raise ValueError(f"tool-call parser {spec!r} is unknown; {_choices()}")
+    where, _, class_name = spec.rpartition(":")
+    try:
+        module = import_file_or_module(where, "rl2_tool_parser_")
+    except FileNotFoundError as e:
+        raise ValueError(f"tool-call parser {spec!r}: {e}; {_choices()}") from None
+    except ImportError as e:
+        raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
+    parser_cls = getattr(module, class_name, None)
+    if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
+        raise ValueError(f"tool-call parser {spec!r}: {where} defines no ToolCallParser subclass named "
+                         f"{class_name!r}; {_choices()}")
+    return parser_cls()
 
 
 def _detect(chat_template: str | dict | None) -> str:
@@ -196,34 +207,9 @@ def _detect(chat_template: str | dict | None) -> str:
     return "hermes"
 
 
-def _load_class(spec: str) -> type[ToolCallParser]:
-    """The class of a "path/to/file.py:ClassName" or "package.module:ClassName" spec."""
-    where, _, class_name = spec.rpartition(":")
-    try:
-        module = import_file_or_module(where, "rl2_tool_parser_")
-    except FileNotFoundError as e:
-        raise ValueError(f"tool-call parser {spec!r}: {e}; {_choices()}") from None
-    except ImportError as e:
-        raise ValueError(f"tool-call parser {spec!r}: cannot import {where} ({e}); {_choices()}") from None
-    parser_cls = getattr(module, class_name, None)
-    if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
-        raise ValueError(f"tool-call parser {spec!r}: {where} defines no ToolCallParser subclass named "
-                         f"{class_name!r}; {_choices()}")
-    return parser_cls
-
-
 def _choices() -> str:
     return (f"choose auto, one of {', '.join(sorted(_PARSERS))}, or path/to/file.py:ClassName / "
             f"package.module:ClassName naming a subclass of RL2.rollout.tools.tool_calls.ToolCallParser")
-
-
-def _json_call(block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:
-    """The call one JSON text holds."""
-    try:
-        obj = json.loads(block)
-    except json.JSONDecodeError as e:
-        return _error(f"is not valid JSON ({e.msg})", block)
-    return _call(obj, block, argument_keys)
 
 
 def _call(obj: object, block: str, argument_keys: tuple[str, ...]) -> tuple[str, dict] | str:

@@ -1,7 +1,5 @@
-"""Tools in the environment loop: an environment script that declares `TOOLS` gets the model's calls run for it,
-and is asked to `step` only on an action that calls none (the answer). See docs/agents.md, "An environment with
-tools".
-"""
+"""Tools in the environment loop: a script that declares `TOOLS` gets the model's calls run for it, and is asked to
+`step` only on an action that calls none (the answer). See docs/agents.md, "An environment with tools"."""
 
 import asyncio
 import json
@@ -114,8 +112,7 @@ class ToolBox:
 
     async def call(self, name: str, arguments: str | dict) -> str:
         """The result of tool `name` on `arguments` (an object, or its JSON text), "Error: ..." when the call fails;
-        with rollout.tool_error=end a failure raises `ToolFault` and ends the run as a fault, whatever the script
-        makes of it."""
+        under rollout.tool_error=end a failure raises `ToolFault`: a fault ending the run, whatever the script does."""
         try:
             arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
             problem = None if isinstance(arguments, dict) else f"{arguments!r:.200} is not a JSON object"
