@@ -1,11 +1,6 @@
-"""A run's samples.jsonl and metrics.jsonl, indexed for the viewer's queries.
-
-The index holds what the list and its filters need (step, group, reward, lengths, faults, source, the text
-to search) and where each line starts; a trajectory's whole line, with its per-token columns, is read again
-when it is opened. The per-token columns are the last key of a line (`save_samples` writes them so), so a
-line's summary is parsed without them: no other `, "tokens": ` can sit outside a JSON string, where every
-`"` follows a backslash.
-"""
+"""A run's samples.jsonl and metrics.jsonl, indexed for the viewer's queries: of each line, what the list and its
+filters need (step, group, reward, lengths, faults, source, the text to search) and where it starts; a trajectory's
+whole line, with its per-token columns, is read again when it is opened."""
 
 import json
 import mmap
@@ -13,6 +8,8 @@ import os
 import threading
 from pathlib import Path
 
+# `save_samples` writes the per-token columns as a line's last key, so a line's summary is parsed without them: no
+# other `, "tokens": ` can sit outside a JSON string, where every `"` follows a backslash.
 TOKENS_KEY = b', "tokens": '
 SNIPPET = 160  # characters of a response the list shows
 # Keys of a summary row, besides `id`, `snippet` and `has_tokens`.
