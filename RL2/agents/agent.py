@@ -1,8 +1,6 @@
-"""Agent scripts: a file defining `async def run(client: openai.AsyncOpenAI, extra_info: dict) -> float | dict`,
-its `client` talking to the rank's endpoint (`RL2.agents.endpoint`), rolled out as trajectories (docs/agents.md).
-A script that names MCP servers (`MCP_SERVERS`) calls their tools through a third parameter, `tools` (a `ToolBox`).
-Agents run on the environments' loop (`RL2.rollout.event_loop.on_env_loop`); an agent that fails ends its own
-trajectory as a fault, a failure of the engine stops the rollout."""
+"""Agent scripts (`async def run(client: openai.AsyncOpenAI, extra_info) -> float | dict`, docs/agents.md), each run
+one trajectory, its `client` talking to the rank's endpoint (`RL2.agents.endpoint`) from the environments' loop
+(`on_env_loop`): an agent that fails ends its own trajectory as a fault, a failure of the engine stops the rollout."""
 
 import asyncio
 import copy

@@ -121,8 +121,7 @@ class OpenAIEndpoint:
         for method, path, handler in ROUTES:
             app.router.add_route(method, "/sessions/{sid}" + path, functools.partial(self._serve, handler))
         app.router.add_route("*", "/{path:.*}", self._unknown_path)
-        # aiohttp (3.14) closes a connection that has not sent a whole request within keepalive_timeout of its opening
-        # or previous answer, headers sent a byte at a time (slow loris) included; `json_body` bounds the body.
+        # aiohttp (3.14) bounds a request's headers by keepalive_timeout (READ_TIMEOUT); `json_body` bounds its body.
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=self.read_timeout,
                                lingering_time=LINGERING_TIME)
         await runner.setup()

@@ -111,32 +111,26 @@ class Evaluator:
             print(format_table(metrics, difference), flush=True)
         return result
 
-    def sample(self, model_cfg, role: str = "model") -> tuple[list[dict], list[list[Trajectory]]]:
-        """The test prompts as `model_cfg`'s tokenizer renders them, and the samples of each."""
+    def sample(self, model_cfg, role: str) -> tuple[list[dict], list[list[Trajectory]]]:
+        """The test prompts as `model_cfg`'s tokenizer renders them, each with the sampling seed of its position,
+        and the samples of each."""
+        cfg, rollout_cfg = self.cfg, engine_config(self.cfg.rollout)
         tokenizer = load_tokenizer(model_cfg, role)  # the compared model's section is a copy of model's
-        tool_use = tools_of(self.env, engine_config(self.cfg.rollout), tokenizer)  # the prompts show them
-        prompts = self.prompts(tokenizer, tool_use)
-        worker = rollout_worker(engine_config(self.cfg.rollout), model_cfg, tokenizer, self.device, self.env, tool_use,
-                                seed=self.cfg.eval.seed)
-        try:
-            seed = rollout_seed(self.cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
-            groups = worker.rollout(prompts, self.cfg.rollout.sampling_params, self.cfg.rollout.responses_per_prompt,
-                                    seed)
-        finally:
-            worker.shutdown()  # the second model's engine (and judge) must not share the device with this one
-        return prompts, groups
-
-    def prompts(self, tokenizer, tool_use) -> list[dict]:
-        """Tokenized prompt rows, each with the sampling seed of its position."""
-        data = self.cfg.data
+        tool_use = tools_of(self.env, rollout_cfg, tokenizer)  # the prompts show them
         make_row = prompt_row_maker(self.env, tool_use, tokenizer)
-        prompts, skipped = tokenize_rows(self.rows, make_row(data.test), data.test.path, data.skip_bad_rows,
-                                         keep_row=True)
+        prompts, skipped = tokenize_rows(self.rows, make_row(cfg.data.test), cfg.data.test.path,
+                                         cfg.data.skip_bad_rows, keep_row=True)
         if skipped:
             log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
         for index, row in enumerate(prompts):
-            row["sampling_seed"] = sample_seed(self.cfg.eval.seed, index)
-        return prompts
+            row["sampling_seed"] = sample_seed(cfg.eval.seed, index)
+        worker = rollout_worker(rollout_cfg, model_cfg, tokenizer, self.device, self.env, tool_use, seed=cfg.eval.seed)
+        try:
+            seed = rollout_seed(cfg.eval.seed, 0, dist.get_rank())  # only requests without their own seed use it
+            groups = worker.rollout(prompts, cfg.rollout.sampling_params, cfg.rollout.responses_per_prompt, seed)
+        finally:
+            worker.shutdown()  # the second model's engine (and judge) must not share the device with this one
+        return prompts, groups
 
     def save(self, result: EvalResult, records: list[dict]) -> None:
         """Write every sample as a JSON line, and the metrics as JSON, each atomically (a crash leaves the previous

@@ -1,11 +1,6 @@
-"""A run's samples.jsonl and metrics.jsonl, indexed for the viewer's queries.
-
-The index holds what the list and its filters need (step, group, reward, lengths, faults, source, the text
-to search) and where each line starts; a trajectory's whole line, with its per-token columns, is read again
-when it is opened. The per-token columns are the last key of a line (`save_samples` writes them so), so a
-line's summary is parsed without them: no other `, "tokens": ` can sit outside a JSON string, where every
-`"` follows a backslash.
-"""
+"""A run's samples.jsonl and metrics.jsonl, indexed for the viewer's queries: of each line, what the list and its
+filters need (step, group, reward, lengths, faults, source, the text to search) and where it starts; a trajectory's
+whole line, with its per-token columns, is read again when it is opened."""
 
 import json
 import mmap
@@ -13,6 +8,8 @@ import os
 import threading
 from pathlib import Path
 
+# `save_samples` writes the per-token columns as a line's last key, so a line's summary is parsed without them: no
+# other `, "tokens": ` can sit outside a JSON string, where every `"` follows a backslash.
 TOKENS_KEY = b', "tokens": '
 SNIPPET = 160  # characters of a response the list shows
 # Keys of a summary row, besides `id`, `snippet` and `has_tokens`.
@@ -138,10 +135,30 @@ class Run:
                           "length": sum(lengths) / len(lengths) if lengths else None})
         return table
 
-    def query(self, filters: dict, offset: int = 0, limit: int = 50) -> dict:
-        """The rows that pass `filters` (`filter_rows`), `limit` of them from `offset`, and how many pass."""
+    def query(self, filters: dict, offset: int, limit: int) -> dict:
+        """The rows that pass every filter given (absent or empty ones pass all), `limit` of them from `offset`, and
+        how many pass.
+
+        Args:
+            filters: `step` (int), `min_reward` / `max_reward` (float), `fault` ("yes" | "no"), `source`,
+                `tool_errors` (true: at least one failed tool call or unparsed call), `split` (true: the environment
+                started more than one sequence), `q` (text in the prompt or response, any case).
+        """
+        step, source, fault = filters.get("step"), filters.get("source"), filters.get("fault")
+        low, high = filters.get("min_reward"), filters.get("max_reward")
+        needle = (filters.get("q") or "").lower()
+        tool_errors, split = filters.get("tool_errors"), filters.get("split")
+        ids = []
         with self._lock:
-            ids = filter_rows(self.rows, self._texts, filters)
+            for row, text in zip(self.rows, self._texts):
+                reward = row["reward"] or 0.0
+                if ((step is not None and row["step"] != step) or (low is not None and reward < low)
+                        or (high is not None and reward > high) or (source and row["data_source"] != source)
+                        or (fault == "yes" and row["fault"] is None) or (fault == "no" and row["fault"] is not None)
+                        or (tool_errors and not ((row["tool_errors"] or 0) + (row["parse_errors"] or 0)))
+                        or (split and (row["n_sequences"] or 1) < 2) or (needle and needle not in text)):
+                    continue
+                ids.append(row["id"])
             return {"total": len(ids), "offset": offset, "rows": [self.rows[i] for i in ids[offset:offset + limit]]}
 
     def group(self, step: int, group: int) -> list[dict]:
@@ -154,28 +171,3 @@ class Run:
         if record is None:
             return []
         return [self.rows[i] for i in self._by_prompt.get(record.get("prompt") or "", [])]
-
-
-def filter_rows(rows: list[dict], texts: list[str], filters: dict) -> list[int]:
-    """The ids of the rows that pass every filter given (absent or empty ones pass all).
-
-    Args:
-        filters: `step` (int), `min_reward` / `max_reward` (float), `fault` ("yes" | "no"), `source`, `tool_errors`
-            (true: at least one failed tool call or unparsed call), `split` (true: the environment started more
-            than one sequence), `q` (text in the prompt or response, any case).
-    """
-    step, source, fault = filters.get("step"), filters.get("source"), filters.get("fault")
-    low, high = filters.get("min_reward"), filters.get("max_reward")
-    needle = (filters.get("q") or "").lower()
-    tool_errors, split = filters.get("tool_errors"), filters.get("split")
-    ids = []
-    for row, text in zip(rows, texts):
-        reward = row["reward"] or 0.0
-        if ((step is not None and row["step"] != step) or (low is not None and reward < low)
-                or (high is not None and reward > high) or (source and row["data_source"] != source)
-                or (fault == "yes" and row["fault"] is None) or (fault == "no" and row["fault"] is not None)
-                or (tool_errors and not ((row["tool_errors"] or 0) + (row["parse_errors"] or 0)))
-                or (split and (row["n_sequences"] or 1) < 2) or (needle and needle not in text)):
-            continue
-        ids.append(row["id"])
-    return ids

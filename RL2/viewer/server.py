@@ -1,10 +1,5 @@
-"""The viewer's web server: the page's static files and a JSON API over one run, on 127.0.0.1 only.
-
-Endpoints (GET): `/api/status`, `/api/metrics`, `/api/steps`, `/api/samples?step=&min_reward=&max_reward=&fault=
-&source=&tool_errors=&split=&q=&offset=&limit=` (a page of summary rows and the total), `/api/sample?id=` (one
-trajectory, its tokens included), `/api/group?step=&group=`, `/api/same_prompt?id=`. Each request reads what the
-run appended since the last (`Run.refresh`), so the page follows a running job.
-"""
+"""The viewer's web server: the page's static files and a JSON API over one run (`answer`), on 127.0.0.1 only.
+Each request reads what the run appended since the last (`Run.refresh`), so the page follows a running job."""
 
 import json
 import threading
@@ -25,9 +20,9 @@ HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:;
 MAX_PAGE = 500
 
 
-def filters_of(query: dict[str, list[str]]) -> dict:
-    """The `Run.query` filters of a request's query string; a malformed number raises ValueError."""
-    one = {key: values[-1] for key, values in query.items() if values and values[-1] != ""}
+def filters_of(one: dict[str, str]) -> dict:
+    """The `Run.query` filters of a request's query (key -> last value); a malformed number raises ValueError."""
+    one = {key: value for key, value in one.items() if value != ""}
     filters = {"fault": one.get("fault"), "source": one.get("source"), "q": one.get("q"),
                "tool_errors": one.get("tool_errors") in ("1", "true"), "split": one.get("split") in ("1", "true")}
     filters["step"] = int(one["step"]) if "step" in one else None
@@ -39,23 +34,20 @@ def filters_of(query: dict[str, list[str]]) -> dict:
 def answer(run: Run, path: str, query: dict[str, list[str]]):
     """The JSON of one API request, or None for an unknown path."""
     one = {key: values[-1] for key, values in query.items() if values}
+    routes = {
+        "/api/status": run.status,
+        "/api/metrics": run.metrics,
+        "/api/steps": run.steps,
+        "/api/samples": lambda: run.query(filters_of(one), max(int(one.get("offset", 0)), 0),
+                                          max(min(int(one.get("limit", 50)), MAX_PAGE), 1)),
+        "/api/sample": lambda: run.sample(int(one["id"])),
+        "/api/group": lambda: run.group(int(one["step"]), int(one["group"])),
+        "/api/same_prompt": lambda: run.same_prompt(int(one["id"])),
+    }
+    if path not in routes:
+        return None
     run.refresh()
-    if path == "/api/status":
-        return run.status()
-    if path == "/api/metrics":
-        return run.metrics()
-    if path == "/api/steps":
-        return run.steps()
-    if path == "/api/samples":
-        limit = min(int(one.get("limit", 50)), MAX_PAGE)
-        return run.query(filters_of(query), max(int(one.get("offset", 0)), 0), max(limit, 1))
-    if path == "/api/sample":
-        return run.sample(int(one["id"]))
-    if path == "/api/group":
-        return run.group(int(one["step"]), int(one["group"]))
-    if path == "/api/same_prompt":
-        return run.same_prompt(int(one["id"]))
-    return None
+    return routes[path]()
 
 
 def make_handler(run: Run) -> type[BaseHTTPRequestHandler]:
