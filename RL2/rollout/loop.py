@@ -266,7 +266,10 @@ async def _start(rollout: EnvRollout, state: State | None, extra_info: dict,
             raised = str(e) if isinstance(e, Escaped) else f"{type(e).__name__}: {e}"
             return trajectory.fail(f"reset failed: {e}" if isinstance(e, EnvError) else f"reset raised {raised}")
     messages = state if isinstance(state, list) else None
-    state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
+    try:
+        state, plain = render_state(state, rollout.tokenizer, rollout.tool_use)
+    except Exception as e:  # messages (the row's or `reset`'s) that the chat template rejects
+        return trajectory.fail(f"malformed state: the chat template raised {type(e).__name__}: {e}")
     if prompt_ids is None and (bad := not_text(state)) is not None:  # the tokenizer would raise TypeError
         return trajectory.fail(f"malformed state: it {bad}")
     ids = encode(rollout.tokenizer, state, plain) if prompt_ids is None else list(prompt_ids)

@@ -11,6 +11,8 @@ async def reset(extra_info: dict):
         raise ConnectionError("no game server")
     if extra_info.get("reset_fault") == "exit":
         sys.exit(4)
+    if extra_info.get("reset_fault") == "unrenderable":  # messages the chat template cannot render
+        return [{"role": "user", "content": 5}]
     return [{"role": "user", "content": "Play."}]
 
 
