@@ -227,7 +227,8 @@ def test_a_blocking_step_stops_neither_the_engine_nor_the_other_trajectories_tim
 @pytest.mark.parametrize("reset_fault, message", [
     ("raise", "reset raised ConnectionError: no game server"),
     ("exit", "reset raised SystemExit: 4"),
-    ("unrenderable", 'malformed state: the chat template raised TypeError: can only concatenate str (not "int") to str'),
+    ("unrenderable", "malformed state: the chat template raised TypeError: "
+                     'can only concatenate str (not "int") to str'),
 ])
 def test_a_failing_reset_ends_its_own_trajectory(engine, tok, reset_fault, message):
     env = load_env(ENVS / "faulty.py")
