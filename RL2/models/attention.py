@@ -169,8 +169,7 @@ def tokens_major_cat(outputs: list[torch.Tensor]) -> torch.Tensor:
 
 def _per_sequence(attend, query, key, value, cu_seqlens):
     """`attend(q, k, v)` (causal, `[1, H, L, D]` each) on each packed sequence in turn -> `[1, T, H, D]`."""
-    # One split per input: a slice per sequence would cost, in backward, a zero-filled gradient of the
-    # whole row per slice; a split's backward is one concatenation.
+    # One split per input: a split's backward is one concatenation; a slice's, a zero-filled row per slice.
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
     return tokens_major_cat([attend(q, k, v) for q, k, v in pieces])
@@ -200,11 +199,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if softcap and backend != "flash_attn":  # flash-attn caps scores itself; SDPA and torch's kernel cannot
         backend = "softcapped"
     log_backend_once("packed", backend, query.device, query.dtype)
-    if backend == "softcapped":
-        capped = functools.partial(softcapped_attention, scaling=scaling, softcap=softcap)
-        return _per_sequence(capped, query, key, value, cu_seqlens), None
-    if backend == "sdpa":
-        return _per_sequence(functools.partial(sdpa, scaling=scaling), query, key, value, cu_seqlens), None
+    if backend in ("softcapped", "sdpa"):
+        attend = functools.partial(softcapped_attention, softcap=softcap) if softcap else sdpa
+        return _per_sequence(functools.partial(attend, scaling=scaling), query, key, value, cu_seqlens), None
     max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if backend == "flash_attn":
         return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap), None

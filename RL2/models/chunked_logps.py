@@ -67,8 +67,7 @@ class LogpsAndEntropy(torch.autograd.Function):
             grad_entropy = grad_entropy if ctx.with_entropy else None
             return ctx.kernels.backward(logits, labels, lse, entropy, grad_logps, grad_entropy, ctx.temperature), \
                 None, None, None, None
-        # Each chunk's gradient is computed in a tensor of its own before it is stored over the chunk's
-        # logits, which are not read again.
+        # Each chunk's gradient is computed in a tensor of its own, then stored over its logits (not read again).
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)
         floor = torch.finfo(torch.float32).min  # for -inf logits: p log p is then 0, not nan
         for rows in _chunks(logits):

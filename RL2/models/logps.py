@@ -112,8 +112,7 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
             f"(sliding_window={layout.sliding_window}), which RL2's packed attention does not apply: its "
             f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
             f"the window, or use a model without one")
-    # The row the model runs on: this rank's share of the packed row (context parallelism), the row with
-    # shared prefixes stored once, or the packed row itself.
+    # The row the model runs on: this rank's share (cp), the row with shared prefixes stored once, or the packed row.
     shard = shared = None
     if layout.cp_group is not None:
         shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)

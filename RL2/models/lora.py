@@ -128,11 +128,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.enabled = True
 
 
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`W + scaling * B A`, computed in float32, in W's dtype."""
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
-
-
 def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
                    scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """A stream of (name, full tensor) of a LoRA model in `named_parameters` order -> the same stream with
@@ -151,7 +146,7 @@ def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
         elif name.endswith(ADAPTER_B):
             prefix = name.removesuffix(ADAPTER_B)
             weight, a = waiting.pop(prefix)
-            yield f"{prefix}.weight", merged_weight(weight, a, tensor, scaling)
+            yield f"{prefix}.weight", (weight.float() + scaling * (tensor.float() @ a.float())).to(weight.dtype)
         else:
             yield name, tensor
 
@@ -176,8 +171,7 @@ def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     heads = sorted({name.removeprefix(PEFT_PREFIX).split(".")[0] for name in adapter} & set(HEAD_MODULES))
-    # The names of the adapted layers, as PEFT matches them (RL2's `all-linear` is not PEFT's: it stays
-    # inside the decoder layers).
+    # The adapted layers' names, as PEFT matches them (RL2's `all-linear`, unlike PEFT's, stays in the layers).
     targets = sorted({name.removesuffix(ADAPTER_A).rsplit(".", 1)[-1] for name in adapter if name.endswith(ADAPTER_A)})
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model,

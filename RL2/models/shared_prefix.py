@@ -85,8 +85,7 @@ class SharedPrefixRow:
             log_backend_once("shared-prefix", "prefix_attention.c", query.device, query.dtype)
             return prefix_attention(query, key, value, self.runs(), scaling)
         log_backend_once("shared-prefix", "sdpa", query.device, query.dtype)
-        # One split of each input into prefixes and branches: the backward of a split is one
-        # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
+        # One split of each input (as `attention._per_sequence`), not a slice per branch and its gradient's row.
         sizes = [size for block in self.blocks for size in (block.prefix, *block.branches)]
         pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))  # (q, k, v) of each, in order
         outputs = []

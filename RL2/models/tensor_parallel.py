@@ -15,9 +15,8 @@ STYLES = {
     "rowwise": lambda: RowwiseParallel(),
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
-    # A norm over each head's features, fed `[B, T, heads / tp, head_dim]`: its replicated weight sees a
-    # slice of the heads on each rank, so its gradient must be summed over tp, which DTensor does when
-    # the input is marked as split on the heads dimension.
+    # A norm over each head's features, fed `[B, T, heads / tp, head_dim]`: its replicated weight's gradient must
+    # be summed over tp, which DTensor does with the input marked as split on the heads dimension.
     "per_head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
 }
 

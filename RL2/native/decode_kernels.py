@@ -9,22 +9,20 @@ from pathlib import Path
 import torch
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The decode step's kernels, once per model dtype: their names end in the dtype's suffix.
 STEP_KERNELS = {
-    "add_rms_norm": [_pointer, _pointer, _pointer, _pointer, _int, _int, _float],
-    "silu_mul": [_pointer, _pointer, _int, _int],
-    "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
-    "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float] + [_pointer] * 3 + [_int],
+    "add_rms_norm": [POINTER, POINTER, POINTER, POINTER, INT, INT, FLOAT],
+    "silu_mul": [POINTER, POINTER, INT, INT],
+    "rope_and_store": [POINTER] * 6 + [FLOAT] + [POINTER] * 3 + [INT] * 5,
+    "decode_attention": [POINTER] * 5 + [INT] * 5 + [FLOAT] + [POINTER] * 3 + [INT],
 }
-SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {
     **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
-    **{"pack_panels" + suffix: [_pointer, _int, _int, _int, _pointer] for suffix in ("", "_bf16")},
-    **{"panel_linear" + suffix: [_pointer, _int, _int, _pointer, _int, _pointer, _pointer] for suffix in ("", "_bf16")},
+    **{"pack_panels" + suffix: [POINTER, INT, INT, INT, POINTER] for suffix in ("", "_bf16")},
+    **{"panel_linear" + suffix: [POINTER, INT, INT, POINTER, INT, POINTER, POINTER] for suffix in ("", "_bf16")},
     "panel_rows": [],
     "bf16_panel_rows": [],
 }

@@ -11,19 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 KERNELS = {
-    "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
-    "rms_norm_backward": [_pointer] * 6 + [_int, _int],
-    "rms_norm_apply": [_pointer] * 4 + [_int, _int],
-    "silu_mul_forward": [_pointer] * 3 + [_int],
-    "silu_mul_backward": [_pointer] * 6 + [_int],
+    "rms_norm_forward": [POINTER] * 4 + [INT, INT, FLOAT],
+    "rms_norm_backward": [POINTER] * 6 + [INT, INT],
+    "rms_norm_apply": [POINTER] * 4 + [INT, INT],
+    "silu_mul_forward": [POINTER] * 3 + [INT],
+    "silu_mul_backward": [POINTER] * 6 + [INT],
 }
 # The C file has each kernel once per dtype, its name ending in the dtype's suffix.
-SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {name + suffix: types for name, types in KERNELS.items() for suffix in SUFFIXES.values()}
 RETURNS = {"rms_norm_backward" + suffix: ctypes.c_int for suffix in SUFFIXES.values()}
 # Modules whose forward is exactly HF Llama's RMSNorm (weight * x / rms) or gated MLP
@@ -247,8 +245,7 @@ def install_fused_layers(model: torch.nn.Module) -> int:
         elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
             module.forward = types.MethodType(_gated_mlp_forward, module)
             changed += 1
-        # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base
-        # layer calls it) still run, as only `forward` changes.
+        # The Linears reading a norm's output; only `forward` changes: hooks and wrappers (LoRA) still run.
         for child_name in INPUT_PROJECTIONS:
             child = getattr(module, child_name, None)
             if type(child) is torch.nn.Linear:

@@ -43,8 +43,7 @@ class PinnedHostCopies:
         else:
             host = local.to("cpu")
         if isinstance(tensor, DTensor):
-            # As FSDP2 builds its own sharded parameters: `DTensor.from_local` would move the buffer
-            # back to the device of the mesh.
+            # As FSDP2 builds its sharded parameters: `DTensor.from_local` would move the buffer to the mesh's device.
             return DTensor(host, tensor._spec, requires_grad=False)
         return host
 
@@ -80,8 +79,7 @@ def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = Non
     """Move the parameters of `module` and the state of `optimizer` into `copies`' buffers (gradients
     and the module's buffers into pageable memory). FSDP2's `_apply` re-points each sharded parameter's
     storage at its host copy; parameters keep their identity, so the optimizer's references hold."""
-    # Keys that name a tensor across moves: its parameter (which keeps its identity), and the parameter
-    # and name of an optimizer state.
+    # Keys that outlive a move: a parameter's id (it keeps its identity), an optimizer state's (param id, name).
     params = list(module.parameters()) if module is not None else []
     slots = [(param, name) for param, state in optimizer.state.items() for name, value in state.items()
              if torch.is_tensor(value)] if optimizer is not None else []

@@ -8,14 +8,13 @@ from pathlib import Path
 import torch
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, load_library
 
 SOURCE = Path(__file__).with_name("prefix_attention.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "prefix_attention_columns": [],
-    "prefix_attention_forward": [_pointer] * 6 + [_int] * 4 + [_float, ctypes.c_int],
-    "prefix_attention_backward": [_pointer] * 9 + [_int] * 4 + [_float, ctypes.c_int],
+    "prefix_attention_forward": [POINTER] * 6 + [INT] * 4 + [FLOAT, ctypes.c_int],
+    "prefix_attention_backward": [POINTER] * 9 + [INT] * 4 + [FLOAT, ctypes.c_int],
 }
 RETURNS = {name: ctypes.c_int for name in SIGNATURES}
 DTYPES = (torch.float32, torch.bfloat16)

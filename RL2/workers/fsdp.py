@@ -113,7 +113,6 @@ class FSDPWorker(Stateful):
         self.cfg, self.dims, self.device, self.section = model_cfg, dims, device, section
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
-        # Adapters on a frozen base; frozen models (train=False) never get them.
         lora_cfg = getattr(model_cfg, "lora", None)
         self.lora = lora_cfg if train and lora_cfg is not None and lora_cfg.rank > 0 else None
         # Else checkpoints hold the base too, and no adapter of the loaded model expresses the trained one.
@@ -122,23 +121,20 @@ class FSDPWorker(Stateful):
         self.optimizer = self.scheduler = None
         if train:
             opt, sched = model_cfg.optimizer, model_cfg.scheduler
-            # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. The float16
-            # gradient scaler hands a fused step its found-inf flag as a plain tensor, which does not mix with the
-            # sharded (DTensor) parameters: with it the plain loop steps.
+            # Fused: one pass per tensor instead of a dozen elementwise ops; not with the float16 scaler, whose
+            # found-inf flag, a plain tensor, does not mix with the sharded (DTensor) parameters.
             trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
             self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                                weight_decay=opt.weight_decay, fused=self.dtype != torch.float16)
             min_ratio = sched.min_lr / opt.lr if opt.lr > 0 else 0.0
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
                 step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
-        # float16 underflows small gradients: scale the loss up, the gradients back down. The sharded scaler
-        # all-reduces the overflow check over every rank; torch.amp.GradScaler's reduces over the mesh of the
-        # first gradient, which under LoRA with tensor parallelism (lora_A replicated over tp) leaves out tp ranks.
+        # float16 underflows small gradients. The sharded scaler checks overflow over every rank; torch.amp's over
+        # the mesh of the first gradient, which under LoRA with tp (lora_A replicated over tp) leaves out tp ranks.
         self.scaler = ShardedGradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
-        # Page-locked buffers the state offloads into: made at the first offload on CUDA; on the CPU, where
-        # there is nothing to offload from, only given by a test (`offload_into`) to run the CUDA path's logic.
+        # Page-locked offload buffers: made at the first offload on CUDA; on the CPU only a test's (`offload_into`).
         self.host_copies: PinnedHostCopies | None = None
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
 
@@ -146,9 +142,8 @@ class FSDPWorker(Stateful):
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards from
         rank 0 one full tensor at a time: a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
-        # Trained models keep float32 master weights and compute in cfg.dtype (FSDP's mixed precision); frozen
-        # ones and a LoRA model's frozen base are stored in the compute dtype, the values mixed precision would
-        # compute with anyway. LoRA's adapters are float32, and so is a base that resets change.
+        # Trained models keep float32 master weights (FSDP's mixed precision computes in cfg.dtype); frozen ones and
+        # a LoRA base are stored in the compute dtype, unless resets change the base. Adapters are float32.
         self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         try:
@@ -177,8 +172,7 @@ class FSDPWorker(Stateful):
         # A trained, plain (not DTensor) tied embedding may take sparse gradients.
         tune_model(model, self.device, sparse_tied_embedding=train and self.lora is None and self.dims.tp == 1)
         model.parallel_layout = self._parallelize(model, train)
-        # Allocate the shards on the device and copy rank 0's CPU weights into them, and the buffers that are
-        # not in the state dict (rotary frequencies) too.
+        # rank 0's weights into the shards, and its buffers, which the state dict leaves out (rotary frequencies).
         model.to_empty(device=self.device)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, loaded.state_dict() if loaded is not None else {}, options=options)
@@ -195,7 +189,7 @@ class FSDPWorker(Stateful):
         return model
 
     def _config_name(self) -> str:
-        """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
+        """How the config names this model: `actor.model_name=...`, or `the model <name>`."""
         key = section_key("model_name", self.section)
         return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
 
@@ -264,8 +258,7 @@ class FSDPWorker(Stateful):
                 loss, metrics = loss_fn(mb)
             if train:
                 self.backward(loss)
-            # Summed where they are: reading each back (`float`) would wait for the GPU once per metric
-            # and micro-batch; all are read at once below.
+            # Summed on the device: reading each back would wait for the GPU once per metric and micro-batch.
             for key, value in metrics.items():
                 value = torch.as_tensor(value).detach().to(self.device, torch.float64)
                 totals[key] = totals[key] + value if key in totals else value
@@ -293,8 +286,7 @@ class FSDPWorker(Stateful):
                       f"not finite (a loss or an input gave inf or nan)")
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
-            # A skipped step advances the schedule too (it counts the steps planned); torch warns of that
-            # as of a mistake when the first step is the one skipped.
+            # A skipped step advances the schedule too; torch warns as of a mistake when the first is skipped.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step()
         self.updates += 1
@@ -314,7 +306,7 @@ class FSDPWorker(Stateful):
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        """Bring back what `offload` moved (the optimizer state stays on the CPU under `offload_optimizer`)."""
+        """Bring back what `offload` moved (but the optimizer state under `offload_optimizer`)."""
         if not self.moves_state:
             return
         self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
@@ -322,8 +314,7 @@ class FSDPWorker(Stateful):
 
     @torch.no_grad()
     def offload_state(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters with their gradients and/or the optimizer state to the host: from CUDA into
-        page-locked buffers made at the first move (`RL2.native.pinned_offload`), else into pageable memory."""
+        """`move_state` to the host: from CUDA into page-locked buffers made at the first move, else pageable."""
         host = torch.device("cpu")
         if self.host_copies is None and pinned_offload(self.device, host):
             self.host_copies = PinnedHostCopies()
@@ -434,8 +425,7 @@ class FSDPWorker(Stateful):
         dist.barrier()
 
     def full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter in `dtype`, one at a time, for an inference engine. Collective.
-        Ranks on one CPU host exchange their shards through shared memory (set up at the first call)."""
+        """`full_tensors` of the model; between ranks on one CPU host through shared memory. Collective."""
         if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
             self._shared_gather = shared_weight_gather(self.model, dtype, self.device) or False
         return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
@@ -454,8 +444,7 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[s
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
         if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
-            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) goes to the
-            # device of its process group to be gathered, one parameter at a time.
+            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) is gathered on the mesh's device.
             tensor = DTensor.from_local(tensor.to_local().to(tensor.device_mesh.device_type), tensor.device_mesh,
                                         tensor.placements, shape=tensor.shape, stride=tensor.stride())
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
