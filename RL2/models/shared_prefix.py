@@ -1,8 +1,6 @@
-"""Compute a prefix that consecutive packed sequences share once, e.g. a prompt and its group's responses
-(docs/cpu.md, "Shared prefixes"): `SharedPrefixRow` stores each run's common prefix once, then each sequence's
-remainder, its branch, and reads the output at packed token t (differentiably) at compressed token `source[t]`. A
-position is shared only while inputs and labels agree (`RL2.utils.shared_prefixes.runs_with_shared_prefix`), so
-the label at the last shared position is the same for every sequence of the run."""
+"""Compute a prefix that consecutive packed sequences share once (docs/cpu.md, "Shared prefixes"): each run's prefix,
+then each sequence's remainder, its branch; packed token t reads its output at compressed token `source[t]`. A position
+is shared only while inputs and labels agree (`runs_with_shared_prefix`): the last shared label is the run's."""
 
 from dataclasses import dataclass, field
 
@@ -26,9 +24,8 @@ class Block:
 
 @dataclass
 class SharedPrefixRow:
-    """A packed row with shared prefixes stored once (see the module docstring): `input_ids`, `labels` and
-    `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each token of the packed row
-    is in the compressed row; `blocks` the runs, in order, tiling the compressed row."""
+    """`input_ids`, `labels`, `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each packed
+    token is in it; `blocks` the runs, in order, tiling it."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor

@@ -59,16 +59,13 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class DecodeKernels:
-    """Typed calls into the library; every tensor is C-contiguous, in the layouts its source describes:
-    the model's dtype, float32 or bf16 (q float32 in both; positions int64; bf16 panels only where the
-    library has them, `bf16_panel_rows`). The output tensors are written in place."""
+    """Typed calls into the library, which writes the outputs in place; tensors C-contiguous, as its source describes,
+    in the model's dtype, float32 or bf16 (q float32; positions int64; bf16 panels only where `bf16_panel_rows`)."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 3
-        # The same where built with AVX512-BF16, else 0: no bf16 panels.
-        self.bf16_panel_rows = library.bf16_panel_rows()
-        # Looked up on every call of a decode step: resolved once here.
+        self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: none
         self._step_kernels = {(name, dtype): getattr(library, name + suffix)
                               for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()}
 

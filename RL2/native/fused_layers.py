@@ -102,9 +102,8 @@ class _SiluMul(torch.autograd.Function):
 
 
 class _SiluMulDown(torch.autograd.Function):
-    """`down(silu(gate) * up)` for a down projection without bias. Keeps gate and up for the backward but
-    not their product (the largest single part of what a decoder layer keeps per token): the backward
-    writes it again, one store per element, in the pass that computes gate's and up's gradients."""
+    """`down(silu(gate) * up)`, down without bias. Keeps gate and up but not their product (a decoder layer's largest
+    activation per token): backward writes it again in the pass that computes gate's and up's gradients."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -127,9 +126,8 @@ class _SiluMulDown(torch.autograd.Function):
 
 
 class _SharedRecompute:
-    """The norm output that the backwards of the projections reading it (q, k and v, or gate and up, one
-    after another) compute again: computed by the first, dropped by the last. Holds no tensor from the
-    forward, so what the graph keeps stays in `saved_tensors` (where activation checkpointing can drop it)."""
+    """The norm output that the backwards of the projections reading it (q, k, v; gate, up) recompute: by the first,
+    dropped by the last. Holds no forward tensor: the graph's stay in `saved_tensors`, which checkpointing can drop."""
 
     def __init__(self):
         self.readers, self.output = 0, None
@@ -144,9 +142,8 @@ class _SharedRecompute:
 
 
 class _LinearOfNorm(torch.autograd.Function):
-    """`F.linear(x, weight, bias)` where x is a fused RMSNorm's output (the attention's and the MLP's input
-    projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes x again in
-    the backward for the weight's gradient. A decoder layer then keeps no copy of its two norms' outputs."""
+    """`F.linear(x, weight, bias)` of a fused RMSNorm's output x: keeps the norm's input and rstd (kept anyway), not x,
+    and computes x again in backward: a decoder layer keeps no copy of its two norms' outputs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd, shared: _SharedRecompute):
@@ -178,8 +175,7 @@ def _rms_norm_again(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -
 
 
 def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """An input projection's forward: `_LinearOfNorm` where `x` is a fused norm's output, unchanged since,
-    and autograd records; the Linear's own computation otherwise."""
+    """`_LinearOfNorm` where `x` is a fused norm's output, unchanged since, and autograd records; else `F.linear`."""
     source = getattr(x, "_rl2_norm_source", None)
     params = [module.weight] + ([] if module.bias is None else [module.bias])
     if source is not None and source[3] == x._version and torch.is_grad_enabled() and _fusable(x, *params):

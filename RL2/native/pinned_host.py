@@ -76,9 +76,8 @@ def takes_buffer(local: torch.Tensor) -> bool:
 
 def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Move the parameters of `module` and the state of `optimizer` into `copies`' buffers (gradients
-    and the module's buffers into pageable memory). FSDP2's `_apply` re-points each sharded parameter's
-    storage at its host copy; parameters keep their identity, so the optimizer's references hold."""
+    """Move `module`'s parameters and `optimizer`'s state into `copies` (gradients, buffers: pageable). FSDP2's `_apply`
+    re-points each sharded parameter at its host copy: parameters keep their identity and the optimizer's references."""
     # Keys that outlive a move: a parameter's id (it keeps its identity), an optimizer state's (param id, name).
     params = list(module.parameters()) if module is not None else []
     slots = [(param, name) for param, state in optimizer.state.items() for name, value in state.items()

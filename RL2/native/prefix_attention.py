@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from RL2.native import switches
-from RL2.native.build import FLOAT, INT, POINTER, load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("prefix_attention.c")
 SIGNATURES = {
@@ -17,7 +17,6 @@ SIGNATURES = {
     "prefix_attention_backward": [POINTER] * 9 + [INT] * 4 + [FLOAT, ctypes.c_int],
 }
 RETURNS = {name: ctypes.c_int for name in SIGNATURES}
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -31,7 +30,7 @@ def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     tensors = (query, key, value)
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == query.dtype for t in tensors):
         return False
-    if query.dtype not in DTYPES or query.shape[1] % key.shape[1]:
+    if query.dtype not in SUFFIXES or query.shape[1] % key.shape[1]:
         return False
     library = _library()
     return library is not None and query.shape[-1] % library.prefix_attention_columns() == 0

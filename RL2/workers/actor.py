@@ -189,8 +189,7 @@ class Actor:
         totals = self.worker.run_micro_batches(micro, loss_fn)
         stats = self.worker.optimizer_step()
         names = EXTREMES if self.correction is not None else ()
-        return weighted_means(totals) | extremes_over_ranks(extremes, names, self.device) | {
-            "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return weighted_means(totals) | extremes_over_ranks(extremes, names, self.device) | stats  # grad_norm, lr
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""

@@ -32,7 +32,6 @@ from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
-from RL2.models.vocab_parallel import VocabShard
 from RL2.native import (
     PinnedHostCopies,
     SharedMemoryGather,
@@ -62,8 +61,7 @@ def load_tokenizer(model_cfg, section: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
     except OSError as e:
-        key = section_key(field, section)
-        raise model_not_found(f"{key}={name}" if key != field else name, name, e) from None
+        raise model_not_found(f"{section}.{field}={name}" if section else name, name, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -142,8 +140,8 @@ class FSDPWorker(Stateful):
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards from
         rank 0 one full tensor at a time: a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
-        # Trained models keep float32 master weights (FSDP's mixed precision computes in cfg.dtype); frozen ones and
-        # a LoRA base are stored in the compute dtype, unless resets change the base. Adapters are float32.
+        # Trained weights are float32 masters (FSDP's mixed precision computes in cfg.dtype); frozen ones and a LoRA
+        # base that no reset changes are stored in the compute dtype, what mixed precision computes with anyway.
         self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         try:
@@ -213,12 +211,7 @@ class FSDPWorker(Stateful):
         layers = decoder_layers(model)
         layout = ModelLayout()
         if self.dims.tp > 1:
-            tp_mesh = self.dims.tp_mesh
-            if apply_tensor_parallel(model, layers, tp_mesh):
-                vocab_size = model.get_output_embeddings().weight.shape[0]
-                # DTensor splits like torch.chunk: every slice but the last holds ceil(V / tp) ids.
-                offset = tp_mesh.get_local_rank() * -(-vocab_size // self.dims.tp)
-                layout.vocab = VocabShard(tp_mesh.get_group(), offset)
+            layout.vocab = apply_tensor_parallel(model, layers, self.dims.tp_mesh)
         if self.lora is not None:
             self._add_adapters(model)  # after tensor parallelism: the adapters are split like their layer
         if self.dims.cp > 1:
@@ -249,8 +242,7 @@ class FSDPWorker(Stateful):
 
     def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                           train: bool = True) -> dict[str, float]:
-        """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
-        every micro-batch of this rank, then sum each metric over the whole global batch. Collective."""
+        """Forward (and if training, backward) this rank's micro-batches; metrics summed over all. Collective."""
         totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
@@ -325,8 +317,7 @@ class FSDPWorker(Stateful):
 
     @torch.no_grad()
     def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters with their gradients and/or the optimizer state to `device`. FSDP2's `module.to`
-        keeps the parameters' identity (the optimizer's references stay valid)."""
+        """Move parameters with their gradients and/or the optimizer state to `device` (keeping their identity)."""
         if params:
             self.model.to(device)
         if optimizer and self.optimizer is not None:  # the moments and step counts
@@ -364,8 +355,7 @@ class FSDPWorker(Stateful):
         if self.optimizer is None:  # a frozen model that still changes (PPO's reference after a reset)
             return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if self.only_adapters_change:  # frozen weights are the loaded ones again on resume
-            # (by name, tied ones included: torch's ignore_frozen_params keeps a tied LM head)
+        if self.only_adapters_change:  # frozen weights load again; by name: ignore_frozen_params keeps tied ones
             trained = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
             model_sd = {k: v for k, v in model_sd.items() if k in trained}
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
@@ -438,9 +428,8 @@ class FSDPWorker(Stateful):
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every parameter of an FSDP2 model, one at a time, so that no rank holds more
-    than one full tensor beyond its shards. Collective. Shards are cast before the gather: a bf16 engine
-    moves half the bytes of the float32 master weights."""
+    """(name, full tensor) of every parameter of an FSDP2 model, one at a time (no rank holds more than one beyond
+    its shards), cast before the gather (a bf16 engine moves half the bytes of float32 weights). Collective."""
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
         if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
@@ -468,9 +457,8 @@ def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, tota
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Clip gradients by their global L2 norm; returns the norm before clipping. With tensor parallelism some
-    gradients live on the (fsdp, tp) mesh and the replicated ones (norms) on the fsdp mesh alone, which torch's
-    `clip_grad_norm_` cannot combine: each mesh's norm is completed (`full_tensor`) first."""
+    """Clip gradients by their global L2 norm; returns it. Under tp, gradients on the (fsdp, tp) mesh and replicated
+    ones on the fsdp mesh alone, which `clip_grad_norm_` cannot combine: each mesh's norm is completed first."""
     by_mesh: dict = {}  # torch's foreach kernels cannot mix DTensors of different meshes either
     for param in params:
         if param.grad is not None:
