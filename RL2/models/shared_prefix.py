@@ -76,8 +76,7 @@ class SharedPrefixRow:
         return values[:, self.source]
 
     def attention(self, query, key, value, scaling: float) -> torch.Tensor:
-        """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
-        -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
+        """query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]` -> `[1, T_c, H, D]`; causal, branch after prefix."""
         if usable(query, key, value):
             log_backend_once("shared-prefix", "prefix_attention.c", query.device, query.dtype)
             return prefix_attention(query, key, value, self.runs(), scaling)

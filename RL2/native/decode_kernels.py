@@ -126,8 +126,7 @@ class DecodeKernels:
         return panels
 
     def empty_panels(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """Panels for n features of k inputs (see `pack_panels`), to be filled by `pack_rows`; the
-        features past n are zero (finite, for the products that read them)."""
+        """Panels for n features of k inputs (`pack_panels`) for `pack_rows` to fill; those past n are zero (finite)."""
         width = self.panel_rows
         if dtype == torch.bfloat16 and self.bf16_panel_rows:
             panels = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype)

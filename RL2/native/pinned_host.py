@@ -55,10 +55,9 @@ class PinnedHostCopies:
         if key in self.registered:
             self.unlock(self.registered.pop(key))
         nbytes = like.numel() * like.element_size()
-        # Whole pages of its own (an anonymous mapping), so that no page is locked twice by two neighbouring
-        # buffers, and a storage that starts where the locked range starts: torch asks CUDA about a storage's
-        # first byte (`Tensor.is_pinned`, and the copies that choose their path by it), and a buffer carved
-        # out of a larger, unaligned allocation starts before it.
+        # Whole pages of its own (an anonymous mapping): no page locked twice by two neighbouring buffers, and a
+        # storage that starts where the locked range does, as torch asks CUDA about a storage's first byte
+        # (`Tensor.is_pinned`, and the copies that choose their path by it).
         locked = -(-nbytes // PAGE) * PAGE
         pages = torch.frombuffer(mmap.mmap(-1, locked), dtype=torch.uint8)
         self.lock(pages.data_ptr(), locked)

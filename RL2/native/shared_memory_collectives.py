@@ -128,8 +128,7 @@ class SharedMemoryCollectives:
 
     @torch.no_grad()
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        """output `[n]` = the sum over ranks, in rank order, of this rank's slice of their input `[world * n]`;
-        False: not done (use gloo)."""
+        """output `[n]` = the sum in rank order of this rank's slice of every input `[world * n]`; False: use gloo."""
         if self.slots.holds(output):
             raise RuntimeError("a reduce-scatter's output was handed out in shared memory, where the next "
                                "collectives overwrite it: set RL2_SHARED_MEMORY_COLLECTIVES=0")

@@ -49,11 +49,6 @@ from RL2.utils.logging import log_rank0
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 
-def section_key(name: str, section: str | None) -> str:
-    """A key of a model section as the user writes it (`actor.<name>`); the bare name without a section."""
-    return f"{section}.{name}" if section else name
-
-
 def load_tokenizer(model_cfg, section: str | None = None):
     """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`); `section` names it in errors."""
     field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
@@ -108,7 +103,8 @@ class FSDPWorker(Stateful):
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
                  base_changes: bool = False, section: str | None = None, **config_overrides):
-        self.cfg, self.dims, self.device, self.section = model_cfg, dims, device, section
+        self.cfg, self.dims, self.device = model_cfg, dims, device
+        self.key_prefix = f"{section}." if section else ""  # of this model's config keys, as the user writes them
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
         lora_cfg = getattr(model_cfg, "lora", None)
@@ -188,8 +184,9 @@ class FSDPWorker(Stateful):
 
     def _config_name(self) -> str:
         """How the config names this model: `actor.model_name=...`, or `the model <name>`."""
-        key = section_key("model_name", self.section)
-        return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
+        if self.model_name == self.cfg.model_name:
+            return f"{self.key_prefix}model_name={self.model_name}"
+        return f"the model {self.model_name}"
 
     def _check_layout(self, config) -> None:
         degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}
@@ -374,7 +371,7 @@ class FSDPWorker(Stateful):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scheduler.base_lrs != configured:  # as in HF's Trainer, the run goes on as it was saved
             log_rank0(f"resuming with the checkpoint's learning rates {self.scheduler.base_lrs}, not "
-                      f"{configured} from {section_key('optimizer.lr', self.section)} "
+                      f"{configured} from {self.key_prefix}optimizer.lr "
                       f"(the checkpoint's optimizer and schedule go on as saved; start a new run to change them)")
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
