@@ -25,8 +25,7 @@ CONVERSION_FORMAT = 2
 
 
 def resolve_model_path(name: str) -> str:
-    """A model name as `from_pretrained` loads it without a hub: an embedded name becomes its converted
-    local folder (converted on first use); anything else (a local folder, a cached hub id) is unchanged."""
+    """A model name as `from_pretrained` loads it without a hub: an embedded one's folder (converted on first use)."""
     if name.lower() not in EMBEDDED_MODELS:
         return name
     target = cache_root() / "models" / name.lower()

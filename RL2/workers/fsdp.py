@@ -149,7 +149,6 @@ class FSDPWorker(Stateful):
         self._check_layout(config)
         with torch.device("meta"):
             model = model_cls.from_config(config, **kwargs)
-        # Before loading: a model that cannot fit fails now, not minutes later.
         check_fits_host(model, self.device, self._config_name(), train and self.lora is None, self.param_dtype,
                         dist.get_world_size() // self.dims.ddp)
         loaded = None
@@ -203,8 +202,7 @@ class FSDPWorker(Stateful):
                               "does not apply; set cp_size=1 in every model section")
 
     def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
-        """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root
-        (which holds the embeddings and LM head, so tied weights stay one parameter)."""
+        """TP, activation checkpointing, then FSDP2 per decoder layer and on the root (tied embeddings stay one)."""
         layers = decoder_layers(model)
         layout = ModelLayout()
         if self.dims.tp > 1:
