@@ -1,2 +1,1 @@
-"""The model side of training: the bundled default model, varlen attention over packed sequences,
-log-probabilities and values of a packed micro-batch, and tensor/context/vocabulary parallelism."""
+"""The model side of training: the default model, packed attention and log-probs, tensor/context/vocab parallelism."""

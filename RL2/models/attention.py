@@ -1,7 +1,6 @@
-"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen": `cu_seq_lens_q`,
-passed to the model's forward and on to every attention layer, marks where each sequence starts, and no token
-attends across a boundary (kernels: `varlen_backend`, docs/gpus.md). Keywords passed the same way hand a row to
-another module's attention: `context_shard` (`RL2.models.context_parallel`), `shared_prefixes` (`.shared_prefix`)."""
+"""Varlen causal attention over packed sequences, registered with transformers as "rl2_varlen": the model's forward
+passes `cu_seq_lens_q`, where each sequence starts, to every attention layer (kernels: `varlen_backend`, docs/gpus.md).
+Keywords passed alike hand the row to `context_shard` (`.context_parallel`) or `shared_prefixes` (`.shared_prefix`)."""
 
 import functools
 import inspect
@@ -102,10 +101,9 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 
 def sdpa_repeats_kv_heads(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, masked: bool) -> bool:
-    """Whether SDPA gets grouped key/value heads (`kv_heads` < `heads`) repeated to the query's head count. On CUDA,
-    SDPA's flash kernel takes grouped heads but only fp16/bf16 on Ampere or newer and no mask (`masked`); its
-    memory-efficient kernel takes fp32 and masks but not grouped heads (`check_batch_size_and_num_heads_dense<false>`
-    in torch's sdp_utils.cpp): they would fall to the math kernel and its `[H, q, k]` scores. CPU has only that one."""
+    """Whether SDPA gets grouped key/value heads repeated to the query's head count. On CUDA, SDPA's flash kernel takes
+    grouped heads only in fp16/bf16 on Ampere+ without a mask; its memory-efficient kernel takes fp32 and masks but not
+    grouped heads (torch's sdp_utils.cpp, `check_batch_size_and_num_heads_dense<false>`): else the math kernel."""
     if device.type != "cuda" or heads == kv_heads:
         return False
     return masked or not flash_kernels_run(device, dtype)
@@ -137,9 +135,8 @@ def softcap_of(config) -> float | None:
 
 
 def softcapped_attention(query, key, value, scaling: float, softcap: float, mask=None) -> torch.Tensor:
-    """Attention with capped scores, which neither SDPA nor torch's varlen kernel can apply: plain products,
-    scores and softmax in float32 (as the model's own eager attention). `mask`: True where a key is visible;
-    None: causal, the queries being the last q of the k positions."""
+    """Capped scores (which SDPA and torch's varlen kernel cannot apply), in float32 as the model's eager attention.
+    `mask`: True where a key is visible; None: causal, the queries being the last q of the k positions."""
     groups = query.shape[1] // key.shape[1]
     key, value = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
     scores = torch.matmul(query.float() * scaling, key.transpose(-1, -2))
@@ -162,15 +159,13 @@ def sliding_window_of(config) -> int | None:
 
 
 def tokens_major_cat(outputs: list[torch.Tensor]) -> torch.Tensor:
-    """SDPA outputs `[1, H, L_i, D]` of consecutive pieces of a row -> `[1, sum L_i, H, D]`, contiguous
-    (SDPA lays its output out tokens-major, so each transpose is free and the caller's reshape is a view)."""
+    """SDPA outputs `[1, H, L_i, D]` of consecutive pieces of a row -> `[1, sum L_i, H, D]` (SDPA's: tokens-major)."""
     return torch.cat([out.transpose(1, 2) for out in outputs], dim=1)
 
 
 def _per_sequence(attend, query, key, value, cu_seqlens):
     """`attend(q, k, v)` (causal, `[1, H, L, D]` each) on each packed sequence in turn -> `[1, T, H, D]`."""
-    # One split per input: a slice per sequence would cost, in backward, a zero-filled gradient of the
-    # whole row per slice; a split's backward is one concatenation.
+    # One split per input: a split's backward is one concatenation; a slice's, a zero-filled row per slice.
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
     return tokens_major_cat([attend(q, k, v) for q, k, v in pieces])
@@ -200,11 +195,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if softcap and backend != "flash_attn":  # flash-attn caps scores itself; SDPA and torch's kernel cannot
         backend = "softcapped"
     log_backend_once("packed", backend, query.device, query.dtype)
-    if backend == "softcapped":
-        capped = functools.partial(softcapped_attention, scaling=scaling, softcap=softcap)
-        return _per_sequence(capped, query, key, value, cu_seqlens), None
-    if backend == "sdpa":
-        return _per_sequence(functools.partial(sdpa, scaling=scaling), query, key, value, cu_seqlens), None
+    if backend in ("softcapped", "sdpa"):
+        attend = functools.partial(softcapped_attention, softcap=softcap) if softcap else sdpa
+        return _per_sequence(functools.partial(attend, scaling=scaling), query, key, value, cu_seqlens), None
     max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if backend == "flash_attn":
         return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, softcap), None

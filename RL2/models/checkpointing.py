@@ -6,8 +6,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int = 1) -> None:
-    """Recompute the activations of every n-th decoder layer (the first, the (n+1)-th, ...) in the backward,
-    through HF's own switch with torch's non-reentrant checkpoint."""
+    """Recompute every n-th decoder layer (the first, the (n+1)-th, ...) in backward: HF's switch, non-reentrant."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.24 on
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -1,7 +1,6 @@
-"""Log-probabilities of the labels and entropies from logits, a few tokens at a time: each chunk of rows is cast,
-reduced and, in backward, turned into its gradient in the CPU's cache rather than streaming a `[tokens, vocabulary]`
-float32 copy through memory at every pass. Logits of -inf (masked entries) count as probability 0. On CUDA, where
-Triton imports, Triton kernels do the same (`RL2.models.triton_logps`; `RL2_TRITON_LOGPS=0` keeps this path)."""
+"""Log-probabilities of the labels and entropies from logits, a chunk of rows at a time in the CPU's cache rather than
+a `[tokens, vocabulary]` float32 copy streamed through memory at every pass; -inf logits count as probability 0. On
+CUDA, where Triton imports, `RL2.models.triton_logps` does the same (`RL2_TRITON_LOGPS=0` keeps this path)."""
 
 import functools
 
@@ -18,10 +17,9 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
 class LogpsAndEntropy(torch.autograd.Function):
-    """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for logits `[N, V]` of any float
-    dtype; the entropy is zeros unless `with_entropy`. With `overwrite_logits`, the chunked backward writes the
-    logits' gradient over them instead of into a new `[N, V]` tensor (a small model's largest backward buffer on
-    CPU): the caller promises that nothing reads the logits afterwards (the output projection reads its input)."""
+    """`(log p(labels), entropy)` of `softmax(logits / temperature)`, float32, for float logits `[N, V]`; the entropy
+    is zeros unless `with_entropy`. `overwrite_logits`: backward writes the gradient over the logits, not into a new
+    `[N, V]` tensor (a small model's largest on CPU), as the caller promises nothing reads the logits afterwards."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float,
@@ -67,8 +65,7 @@ class LogpsAndEntropy(torch.autograd.Function):
             grad_entropy = grad_entropy if ctx.with_entropy else None
             return ctx.kernels.backward(logits, labels, lse, entropy, grad_logps, grad_entropy, ctx.temperature), \
                 None, None, None, None
-        # Each chunk's gradient is computed in a tensor of its own before it is stored over the chunk's
-        # logits, which are not read again.
+        # Each chunk's gradient is computed in a tensor of its own, then stored over its logits (not read again).
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)
         floor = torch.finfo(torch.float32).min  # for -inf logits: p log p is then 0, not nan
         for rows in _chunks(logits):
@@ -113,8 +110,7 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                 overwrite_logits: bool = False) -> torch.Tensor:
-    """log p(labels) under softmax(logits / temperature), float32 `[...]`, for logits `[..., V]`.
-    `overwrite_logits`: see `LogpsAndEntropy`."""
+    """log p(labels) under softmax(logits / temperature), float32 `[...]`; `overwrite_logits`: see `LogpsAndEntropy`."""
     return logps_and_entropy(logits, labels, overwrite_logits, temperature, with_entropy=False)[0]
 
 

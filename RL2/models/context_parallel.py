@@ -156,9 +156,8 @@ def _ring_flash(query, key, value, shard: ContextShard, scaling):
 
 @functools.cache
 def _ring_flash_attn_module():
-    """`ring_flash_attn.zigzag_ring_flash_attn_varlen`, or None when ring-flash-attn does not load. The
-    package `__init__` imports its Hugging Face adapter, which fails on transformers 5.x: an empty package
-    object pointing at the same folder lets the submodule and its relative imports load on their own."""
+    """`ring_flash_attn.zigzag_ring_flash_attn_varlen`, or None. The package `__init__` imports its HF adapter, which
+    fails on transformers 5.x: an empty package object at the same folder lets the submodule load on its own."""
     name = "ring_flash_attn.zigzag_ring_flash_attn_varlen"
     try:
         return importlib.import_module(name)

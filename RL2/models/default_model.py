@@ -25,8 +25,7 @@ CONVERSION_FORMAT = 2
 
 
 def resolve_model_path(name: str) -> str:
-    """A model name as `from_pretrained` loads it without a hub: an embedded name becomes its converted
-    local folder (converted on first use); anything else (a local folder, a cached hub id) is unchanged."""
+    """A model name as `from_pretrained` loads it without a hub: an embedded one's folder (converted on first use)."""
     if name.lower() not in EMBEDDED_MODELS:
         return name
     target = cache_root() / "models" / name.lower()
@@ -35,10 +34,9 @@ def resolve_model_path(name: str) -> str:
 
 
 def ensure_converted(target: Path, convert: Callable[[Path], None], version: int | None = None) -> Path:
-    """`target`, written by `convert(empty temporary folder)` first unless a complete one is already there. `version`:
-    the conversion's format, recorded in the folder's `CONVERSION_MARKER`; a folder recording another one (or none) is
-    converted again; None: any complete folder will do. Safe when several ranks or processes start at once: one
-    converts (into a temporary folder renamed into place), the others wait for its lock and find it complete."""
+    """`target`, written by `convert(empty temporary folder)` unless complete already. `version`: the format recorded in
+    its `CONVERSION_MARKER`; a folder recording another (or none) is converted again; None: any complete one will do.
+    Safe when several processes start at once: one converts, the others wait for its lock and find it complete."""
     if _is_current(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -102,9 +102,8 @@ class PackedForward:
 
 
 def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = False) -> PackedForward:
-    """Run the model on one packed row; attention stays within each sequence (see RL2.models.attention).
-    With `trained_only`, the output projection (a large share of a small model's work per token) runs only
-    at the tokens whose label is trained (`mb.loss_mask`); per-token results read 0.0 elsewhere."""
+    """Run the model on one packed row, attending within each sequence. `trained_only`: the output projection (much of
+    a small model's work) runs only where `mb.loss_mask` trains the label; per-token results read 0.0 elsewhere."""
     layout = getattr(model, "parallel_layout", None) or ModelLayout()
     if layout.sliding_window is not None and max(mb.seq_lens) > layout.sliding_window:
         raise NotImplementedError(
@@ -112,8 +111,7 @@ def forward_packed(model: torch.nn.Module, mb: MicroBatch, trained_only: bool = 
             f"(sliding_window={layout.sliding_window}), which RL2's packed attention does not apply: its "
             f"log-probabilities would not be the model's; keep data.*.max_length and the responses within "
             f"the window, or use a model without one")
-    # The row the model runs on: this rank's share of the packed row (context parallelism), the row with
-    # shared prefixes stored once, or the packed row itself.
+    # The row the model runs on: this rank's share (cp), the row with shared prefixes stored once, or the packed row.
     shard = shared = None
     if layout.cp_group is not None:
         shard = ContextShard.build(mb.cu_seqlens, layout.cp_group)

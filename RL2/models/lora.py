@@ -56,10 +56,9 @@ class LoRALinear(nn.Module):
                                                            src_data_rank=None))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout on the adapter's input, as one process would draw it. Tensor-parallel ranks draw from the
-        same random stream (`FSDPWorker` keeps them so): column-wise they hold the same input and draw the
-        same mask, as they must; row-wise each holds a slice of the features, so each draws the whole
-        input's mask and keeps its slice, and every feature is dropped independently, as on one process."""
+        """Dropout on the adapter's input, as one process would draw it. Tensor-parallel ranks share a random stream
+        (`FSDPWorker` keeps them so): column-wise they hold the same input and draw the same mask; row-wise each holds
+        a slice of the features, so each draws the whole input's mask and keeps its slice."""
         if not isinstance(self.input_placement, Shard) or not isinstance(self.lora_dropout, nn.Dropout):
             return self.lora_dropout(x)
         mesh, width, p = self.lora_A.weight.device_mesh, x.shape[-1], self.lora_dropout.p  # mesh: the tp mesh
@@ -128,16 +127,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.enabled = True
 
 
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`W + scaling * B A`, computed in float32, in W's dtype."""
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
-
-
 def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
                    scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stream of (name, full tensor) of a LoRA model in `named_parameters` order -> the same stream with
-    the base model's names, each adapted weight merged (`W + scaling * B A`) and the adapters left out. A
-    layer's base weight comes before its A and B, so one full tensor at a time waits for them."""
+    """(name, full tensor) of a LoRA model in `named_parameters` order -> the base model's, each adapted weight merged
+    (`W + scaling * B A`, in float32): only a layer's base weight waits, for its A and B, which come after it."""
     waiting: dict[str, list[torch.Tensor]] = {}  # module path -> [W, A]
     for name, tensor in named_tensors:
         if BASE in name:
@@ -151,7 +144,7 @@ def merge_adapters(named_tensors: Iterable[tuple[str, torch.Tensor]],
         elif name.endswith(ADAPTER_B):
             prefix = name.removesuffix(ADAPTER_B)
             weight, a = waiting.pop(prefix)
-            yield f"{prefix}.weight", merged_weight(weight, a, tensor, scaling)
+            yield f"{prefix}.weight", (weight.float() + scaling * (tensor.float() @ a.float())).to(weight.dtype)
         else:
             yield name, tensor
 
@@ -176,8 +169,7 @@ def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     heads = sorted({name.removeprefix(PEFT_PREFIX).split(".")[0] for name in adapter} & set(HEAD_MODULES))
-    # The names of the adapted layers, as PEFT matches them (RL2's `all-linear` is not PEFT's: it stays
-    # inside the decoder layers).
+    # The adapted layers' names, as PEFT matches them (RL2's `all-linear`, unlike PEFT's, stays in the layers).
     targets = sorted({name.removesuffix(ADAPTER_A).rsplit(".", 1)[-1] for name in adapter if name.endswith(ADAPTER_A)})
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model,
@@ -190,10 +182,9 @@ def save_adapter(folder: str | Path, adapter: dict[str, torch.Tensor], rank: int
 
 @torch.no_grad()
 def merge_into_base(model: nn.Module, fraction: float) -> None:
-    """Move `fraction` of every adapter into its base weight: `W += fraction * scaling * B A`, `B *= 1 - fraction`.
-    The model computes the same function afterwards, while its base (what `adapters_disabled` runs) moves `fraction`
-    of the way to it: ProRL's reference reset under LoRA. Works on FSDP-sharded (and tensor-parallel) parameters,
-    which the caller puts back in place first (`reshard`): every rank computes a layer's full B A and adds its part."""
+    """`W += fraction * scaling * B A`, `B *= 1 - fraction`: the model computes the same, its base (`adapters_disabled`)
+    moves `fraction` of the way to it (ProRL's reference reset under LoRA). On FSDP-sharded (and tp) parameters, put
+    back in place first (`reshard`): every rank computes a layer's full B A and adds its part."""
     for module in adapter_modules(model):
         weight = module.base_layer.weight
         a, b = module.lora_A.weight, module.lora_B.weight

@@ -24,9 +24,8 @@ def _cpu_vendor() -> str:
 
 
 def bf16_pays_off(device: torch.device) -> bool:
-    """Whether bf16 compute is the faster choice here: wherever it is native, except on Intel CPUs
-    without AMX, where AVX512-BF16's dot products run at about half the float32 rate. A rule on the
-    hardware rather than a timing, so that every rank, and every run on the machine, computes alike."""
+    """Whether bf16 is the faster choice: where native, but not on Intel CPUs without AMX (AVX512-BF16 at about half the
+    float32 rate). A rule on the hardware, not a timing, so that every rank and run on the machine computes alike."""
     if device.type == "cuda" or not native_bf16(device):
         return native_bf16(device)
     intel = platform.machine() in ("x86_64", "AMD64") and _cpu_vendor() == "GenuineIntel"

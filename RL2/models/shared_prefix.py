@@ -1,8 +1,6 @@
-"""Compute a prefix that consecutive packed sequences share once, e.g. a prompt and its group's responses
-(docs/cpu.md, "Shared prefixes"): `SharedPrefixRow` stores each run's common prefix once, then each sequence's
-remainder, its branch, and reads the output at packed token t (differentiably) at compressed token `source[t]`. A
-position is shared only while inputs and labels agree (`RL2.utils.shared_prefixes.runs_with_shared_prefix`), so
-the label at the last shared position is the same for every sequence of the run."""
+"""Compute a prefix that consecutive packed sequences share once (docs/cpu.md, "Shared prefixes"): each run's prefix,
+then each sequence's remainder, its branch; packed token t reads its output at compressed token `source[t]`. A position
+is shared only while inputs and labels agree (`runs_with_shared_prefix`): the last shared label is the run's."""
 
 from dataclasses import dataclass, field
 
@@ -26,9 +24,8 @@ class Block:
 
 @dataclass
 class SharedPrefixRow:
-    """A packed row with shared prefixes stored once (see the module docstring): `input_ids`, `labels` and
-    `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each token of the packed row
-    is in the compressed row; `blocks` the runs, in order, tiling the compressed row."""
+    """`input_ids`, `labels`, `position_ids` `[1, T_c]` of the compressed row; `source` `[T]` long, where each packed
+    token is in it; `blocks` the runs, in order, tiling it."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -79,14 +76,12 @@ class SharedPrefixRow:
         return values[:, self.source]
 
     def attention(self, query, key, value, scaling: float) -> torch.Tensor:
-        """Causal attention over the compressed row: query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]`
-        -> `[1, T_c, H, D]`. A branch attends to its block's prefix and causally to itself."""
+        """query `[1, H, T_c, D]`, key/value `[1, H_kv, T_c, D]` -> `[1, T_c, H, D]`; causal, branch after prefix."""
         if usable(query, key, value):
             log_backend_once("shared-prefix", "prefix_attention.c", query.device, query.dtype)
             return prefix_attention(query, key, value, self.runs(), scaling)
         log_backend_once("shared-prefix", "sdpa", query.device, query.dtype)
-        # One split of each input into prefixes and branches: the backward of a split is one
-        # concatenation, where a slice per branch would build a zero-filled gradient of the whole row.
+        # One split of each input (as `attention._per_sequence`), not a slice per branch and its gradient's row.
         sizes = [size for block in self.blocks for size in (block.prefix, *block.branches)]
         pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))  # (q, k, v) of each, in order
         outputs = []

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from RL2.config.errors import ConfigError
+from RL2.models.vocab_parallel import VocabShard
 
 # style name -> a fresh ParallelStyle.
 STYLES = {
@@ -15,9 +16,8 @@ STYLES = {
     "rowwise": lambda: RowwiseParallel(),
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
-    # A norm over each head's features, fed `[B, T, heads / tp, head_dim]`: its replicated weight sees a
-    # slice of the heads on each rank, so its gradient must be summed over tp, which DTensor does when
-    # the input is marked as split on the heads dimension.
+    # A norm over each head's features, fed `[B, T, heads / tp, head_dim]`: its replicated weight's gradient must
+    # be summed over tp, which DTensor does with the input marked as split on the heads dimension.
     "per_head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
 }
 
@@ -58,16 +58,20 @@ def check_tp_degree(config, tp: int) -> None:
                          f"choose a tp_size that divides them")
 
 
-def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> bool:
+def apply_tensor_parallel(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> VocabShard:
     """Split `model` over `tp_mesh` in place, where its weights are (no communication: the caller loads the
-    real values afterwards). Returns whether the logits come out split over the vocabulary."""
+    real values afterwards). Returns the vocabulary slice of this rank's logits."""
     layer_plan, root_plan = TP_PLANS[model.config.model_type]
     for layer in layers:
         parallelize_module(layer, tp_mesh, {k: STYLES[v]() for k, v in layer_plan.items()}, src_data_rank=None)
     modules = dict(model.named_modules())
     present = {path: style for path, style in root_plan.items() if path in modules}
     parallelize_module(model, tp_mesh, {k: STYLES[v]() for k, v in present.items()}, src_data_rank=None)
-    if "lm_head" in present and getattr(model.config, "tie_word_embeddings", False):
+    if "lm_head" not in present:  # a scalar head: whole logits
+        return VocabShard()
+    if getattr(model.config, "tie_word_embeddings", False):
         # Both were split by vocabulary row (Shard(0)) on the same mesh: one parameter serves both again.
         model.lm_head.weight = model.get_input_embeddings().weight
-    return "lm_head" in present
+    # DTensor splits like torch.chunk: every slice but the last holds ceil(V / tp) ids.
+    rows = -(-model.get_output_embeddings().weight.shape[0] // tp_mesh.size())
+    return VocabShard(tp_mesh.get_group(), tp_mesh.get_local_rank() * rows)

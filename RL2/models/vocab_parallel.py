@@ -43,8 +43,7 @@ class _ReplicatedToLocal(torch.autograd.Function):
 
 @dataclass
 class VocabShard:
-    """The slice of the vocabulary whose logits this rank holds, from token id `offset`; `group` is the tp
-    process group, None when one rank holds the whole vocabulary."""
+    """The vocabulary slice of this rank's logits, from token id `offset`; `group`: the tp group, None: all of it."""
 
     group: dist.ProcessGroup | None = None
     offset: int = 0

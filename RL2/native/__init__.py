@@ -28,8 +28,7 @@ def prepare_process(device: torch.device) -> None:
 
 
 def use_huge_pages() -> None:
-    """Put torch's large CPU tensors on transparent huge pages (2 MB faults, not 4 KB), here and in child processes.
-    torch reads `THP_MEM_ALLOC_ENABLE` at its first CPU allocation: call this before. A user's value wins (0: off)."""
+    """Torch's large CPU tensors on huge pages, here and in children; before torch's first CPU allocation."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
@@ -41,8 +40,7 @@ def check_fits_host(model: torch.nn.Module, device: torch.device, name: str, tra
 
 
 def tune_model(model: torch.nn.Module, device: torch.device, sparse_tied_embedding: bool) -> None:
-    """On CPU, before sharding: fused RMSNorm and MLP activation, and with `sparse_tied_embedding` (a trained
-    model with a plain tied embedding) the embedding's gradient added into the head's at the batch's rows."""
+    """On CPU, before sharding: the fused layers, and the tied embedding's sparse gradient if asked."""
     if device.type != "cpu":
         return
     install_fused_layers(model)
@@ -51,8 +49,7 @@ def tune_model(model: torch.nn.Module, device: torch.device, sparse_tied_embeddi
 
 
 def share_fsdp_buffers(model: torch.nn.Module, mesh, device: torch.device) -> None:
-    """On CPU, with a one-dimensional FSDP mesh: the ranks on this host run FSDP's all-gathers and
-    reduce-scatters of `model` through shared memory. Collective over the mesh's group."""
+    """On CPU with a one-dimensional mesh, `model`'s FSDP collectives through shared memory. Collective."""
     if device.type != "cpu" or mesh.ndim != 1:
         return
     collectives = SharedMemoryCollectives.for_group(mesh.get_group())
@@ -61,12 +58,10 @@ def share_fsdp_buffers(model: torch.nn.Module, mesh, device: torch.device) -> No
 
 
 def shared_weight_gather(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> SharedMemoryGather | None:
-    """On CPU, full weights of `model` in `dtype` gathered through shared memory between the ranks of one
-    host (`SharedMemoryGather.full_tensors`); None where that does not apply. Collective."""
+    """On CPU, `SharedMemoryGather.build`; None where that does not apply. Collective."""
     return SharedMemoryGather.build(model, dtype) if device.type == "cpu" else None
 
 
 def pinned_offload(source: torch.device, target: torch.device) -> bool:
-    """Whether moving a worker's state from `source` to `target` goes into page-locked host buffers
-    (`PinnedHostCopies`, `state_to_host`): from a CUDA device to the CPU, unless RL2_PINNED_OFFLOAD=0."""
+    """Whether state moved from `source` to `target` goes into page-locked buffers: CUDA to CPU, if switched on."""
     return source.type == "cuda" and target.type == "cpu" and switches.pinned_offload()

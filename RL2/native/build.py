@@ -12,8 +12,13 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from RL2.native import switches
 
+# The C functions' argument types, and the suffix of each dtype's kernel in the C files that have one per dtype.
+INT, FLOAT, POINTER = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 HEADERS = Path(__file__).with_name("include")  # fast_math.h, which the sources include
 # Not -ffast-math: results must stay IEEE. Without trapping math and errno, gcc may vectorise the
 # comparisons and rounding in exp (they change no value, only whether FP exceptions can be observed).

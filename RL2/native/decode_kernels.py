@@ -9,22 +9,20 @@ from pathlib import Path
 import torch
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The decode step's kernels, once per model dtype: their names end in the dtype's suffix.
 STEP_KERNELS = {
-    "add_rms_norm": [_pointer, _pointer, _pointer, _pointer, _int, _int, _float],
-    "silu_mul": [_pointer, _pointer, _int, _int],
-    "rope_and_store": [_pointer] * 6 + [_float] + [_pointer] * 3 + [_int] * 5,
-    "decode_attention": [_pointer] * 5 + [_int] * 5 + [_float] + [_pointer] * 3 + [_int],
+    "add_rms_norm": [POINTER, POINTER, POINTER, POINTER, INT, INT, FLOAT],
+    "silu_mul": [POINTER, POINTER, INT, INT],
+    "rope_and_store": [POINTER] * 6 + [FLOAT] + [POINTER] * 3 + [INT] * 5,
+    "decode_attention": [POINTER] * 5 + [INT] * 5 + [FLOAT] + [POINTER] * 3 + [INT],
 }
-SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {
     **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
-    **{"pack_panels" + suffix: [_pointer, _int, _int, _int, _pointer] for suffix in ("", "_bf16")},
-    **{"panel_linear" + suffix: [_pointer, _int, _int, _pointer, _int, _pointer, _pointer] for suffix in ("", "_bf16")},
+    **{"pack_panels" + suffix: [POINTER, INT, INT, INT, POINTER] for suffix in ("", "_bf16")},
+    **{"panel_linear" + suffix: [POINTER, INT, INT, POINTER, INT, POINTER, POINTER] for suffix in ("", "_bf16")},
     "panel_rows": [],
     "bf16_panel_rows": [],
 }
@@ -61,16 +59,13 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class DecodeKernels:
-    """Typed calls into the library; every tensor is C-contiguous, in the layouts its source describes:
-    the model's dtype, float32 or bf16 (q float32 in both; positions int64; bf16 panels only where the
-    library has them, `bf16_panel_rows`). The output tensors are written in place."""
+    """Typed calls into the library, which writes the outputs in place; tensors C-contiguous, as its source describes,
+    in the model's dtype, float32 or bf16 (q float32; positions int64; bf16 panels only where `bf16_panel_rows`)."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 3
-        # The same where built with AVX512-BF16, else 0: no bf16 panels.
-        self.bf16_panel_rows = library.bf16_panel_rows()
-        # Looked up on every call of a decode step: resolved once here.
+        self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: none
         self._step_kernels = {(name, dtype): getattr(library, name + suffix)
                               for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()}
 
@@ -131,8 +126,7 @@ class DecodeKernels:
         return panels
 
     def empty_panels(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """Panels for n features of k inputs (see `pack_panels`), to be filled by `pack_rows`; the
-        features past n are zero (finite, for the products that read them)."""
+        """Panels for n features of k inputs (`pack_panels`) for `pack_rows` to fill; those past n are zero (finite)."""
         width = self.panel_rows
         if dtype == torch.bfloat16 and self.bf16_panel_rows:
             panels = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype)

@@ -11,19 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 KERNELS = {
-    "rms_norm_forward": [_pointer] * 4 + [_int, _int, _float],
-    "rms_norm_backward": [_pointer] * 6 + [_int, _int],
-    "rms_norm_apply": [_pointer] * 4 + [_int, _int],
-    "silu_mul_forward": [_pointer] * 3 + [_int],
-    "silu_mul_backward": [_pointer] * 6 + [_int],
+    "rms_norm_forward": [POINTER] * 4 + [INT, INT, FLOAT],
+    "rms_norm_backward": [POINTER] * 6 + [INT, INT],
+    "rms_norm_apply": [POINTER] * 4 + [INT, INT],
+    "silu_mul_forward": [POINTER] * 3 + [INT],
+    "silu_mul_backward": [POINTER] * 6 + [INT],
 }
 # The C file has each kernel once per dtype, its name ending in the dtype's suffix.
-SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 SIGNATURES = {name + suffix: types for name, types in KERNELS.items() for suffix in SUFFIXES.values()}
 RETURNS = {"rms_norm_backward" + suffix: ctypes.c_int for suffix in SUFFIXES.values()}
 # Modules whose forward is exactly HF Llama's RMSNorm (weight * x / rms) or gated MLP
@@ -104,9 +102,8 @@ class _SiluMul(torch.autograd.Function):
 
 
 class _SiluMulDown(torch.autograd.Function):
-    """`down(silu(gate) * up)` for a down projection without bias. Keeps gate and up for the backward but
-    not their product (the largest single part of what a decoder layer keeps per token): the backward
-    writes it again, one store per element, in the pass that computes gate's and up's gradients."""
+    """`down(silu(gate) * up)`, down without bias. Keeps gate and up but not their product (a decoder layer's largest
+    activation per token): backward writes it again in the pass that computes gate's and up's gradients."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -129,9 +126,8 @@ class _SiluMulDown(torch.autograd.Function):
 
 
 class _SharedRecompute:
-    """The norm output that the backwards of the projections reading it (q, k and v, or gate and up, one
-    after another) compute again: computed by the first, dropped by the last. Holds no tensor from the
-    forward, so what the graph keeps stays in `saved_tensors` (where activation checkpointing can drop it)."""
+    """The norm output that the backwards of the projections reading it (q, k, v; gate, up) recompute: by the first,
+    dropped by the last. Holds no forward tensor: the graph's stay in `saved_tensors`, which checkpointing can drop."""
 
     def __init__(self):
         self.readers, self.output = 0, None
@@ -146,9 +142,8 @@ class _SharedRecompute:
 
 
 class _LinearOfNorm(torch.autograd.Function):
-    """`F.linear(x, weight, bias)` where x is a fused RMSNorm's output (the attention's and the MLP's input
-    projections): keeps the norm's input and rstd, which the norm keeps anyway, instead of x, and computes x again in
-    the backward for the weight's gradient. A decoder layer then keeps no copy of its two norms' outputs."""
+    """`F.linear(x, weight, bias)` of a fused RMSNorm's output x: keeps the norm's input and rstd (kept anyway), not x,
+    and computes x again in backward: a decoder layer keeps no copy of its two norms' outputs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, norm_input, norm_weight, rstd, shared: _SharedRecompute):
@@ -180,8 +175,7 @@ def _rms_norm_again(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -
 
 
 def _input_projection_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """An input projection's forward: `_LinearOfNorm` where `x` is a fused norm's output, unchanged since,
-    and autograd records; the Linear's own computation otherwise."""
+    """`_LinearOfNorm` where `x` is a fused norm's output, unchanged since, and autograd records; else `F.linear`."""
     source = getattr(x, "_rl2_norm_source", None)
     params = [module.weight] + ([] if module.bias is None else [module.bias])
     if source is not None and source[3] == x._version and torch.is_grad_enabled() and _fusable(x, *params):
@@ -247,8 +241,7 @@ def install_fused_layers(model: torch.nn.Module) -> int:
         elif name in GATED_MLPS and getattr(module.config, "hidden_act", None) == "silu":
             module.forward = types.MethodType(_gated_mlp_forward, module)
             changed += 1
-        # The Linears that read a norm's output in Llama-family layers; hooks and wrappers (LoRA's base
-        # layer calls it) still run, as only `forward` changes.
+        # The Linears reading a norm's output; only `forward` changes: hooks and wrappers (LoRA) still run.
         for child_name in INPUT_PROJECTIONS:
             child = getattr(module, child_name, None)
             if type(child) is torch.nn.Linear:

@@ -43,8 +43,7 @@ class PinnedHostCopies:
         else:
             host = local.to("cpu")
         if isinstance(tensor, DTensor):
-            # As FSDP2 builds its own sharded parameters: `DTensor.from_local` would move the buffer
-            # back to the device of the mesh.
+            # As FSDP2 builds its sharded parameters: `DTensor.from_local` would move the buffer to the mesh's device.
             return DTensor(host, tensor._spec, requires_grad=False)
         return host
 
@@ -56,10 +55,9 @@ class PinnedHostCopies:
         if key in self.registered:
             self.unlock(self.registered.pop(key))
         nbytes = like.numel() * like.element_size()
-        # Whole pages of its own (an anonymous mapping), so that no page is locked twice by two neighbouring
-        # buffers, and a storage that starts where the locked range starts: torch asks CUDA about a storage's
-        # first byte (`Tensor.is_pinned`, and the copies that choose their path by it), and a buffer carved
-        # out of a larger, unaligned allocation starts before it.
+        # Whole pages of its own (an anonymous mapping): no page locked twice by two neighbouring buffers, and a
+        # storage that starts where the locked range does, as torch asks CUDA about a storage's first byte
+        # (`Tensor.is_pinned`, and the copies that choose their path by it).
         locked = -(-nbytes // PAGE) * PAGE
         pages = torch.frombuffer(mmap.mmap(-1, locked), dtype=torch.uint8)
         self.lock(pages.data_ptr(), locked)
@@ -77,11 +75,9 @@ def takes_buffer(local: torch.Tensor) -> bool:
 
 def state_to_host(copies: PinnedHostCopies, module: torch.nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Move the parameters of `module` and the state of `optimizer` into `copies`' buffers (gradients
-    and the module's buffers into pageable memory). FSDP2's `_apply` re-points each sharded parameter's
-    storage at its host copy; parameters keep their identity, so the optimizer's references hold."""
-    # Keys that name a tensor across moves: its parameter (which keeps its identity), and the parameter
-    # and name of an optimizer state.
+    """Move `module`'s parameters and `optimizer`'s state into `copies` (gradients, buffers: pageable). FSDP2's `_apply`
+    re-points each sharded parameter at its host copy: parameters keep their identity and the optimizer's references."""
+    # Keys that outlive a move: a parameter's id (it keeps its identity), an optimizer state's (param id, name).
     params = list(module.parameters()) if module is not None else []
     slots = [(param, name) for param, state in optimizer.state.items() for name, value in state.items()
              if torch.is_tensor(value)] if optimizer is not None else []

@@ -8,17 +8,15 @@ from pathlib import Path
 import torch
 
 from RL2.native import switches
-from RL2.native.build import load_library
+from RL2.native.build import FLOAT, INT, POINTER, SUFFIXES, load_library
 
 SOURCE = Path(__file__).with_name("prefix_attention.c")
-_int, _float, _pointer = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "prefix_attention_columns": [],
-    "prefix_attention_forward": [_pointer] * 6 + [_int] * 4 + [_float, ctypes.c_int],
-    "prefix_attention_backward": [_pointer] * 9 + [_int] * 4 + [_float, ctypes.c_int],
+    "prefix_attention_forward": [POINTER] * 6 + [INT] * 4 + [FLOAT, ctypes.c_int],
+    "prefix_attention_backward": [POINTER] * 9 + [INT] * 4 + [FLOAT, ctypes.c_int],
 }
 RETURNS = {name: ctypes.c_int for name in SIGNATURES}
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -32,7 +30,7 @@ def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     tensors = (query, key, value)
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == query.dtype for t in tensors):
         return False
-    if query.dtype not in DTYPES or query.shape[1] % key.shape[1]:
+    if query.dtype not in SUFFIXES or query.shape[1] % key.shape[1]:
         return False
     library = _library()
     return library is not None and query.shape[-1] % library.prefix_attention_columns() == 0

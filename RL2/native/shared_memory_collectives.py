@@ -1,7 +1,6 @@
-"""FSDP's all-gathers and reduce-scatters through shared memory for CPU ranks on one host, instead of gloo's loopback
-TCP: each rank copies its part into a /dev/shm segment every rank maps, two small gloo all-reduces serving as
-barriers, through FSDP's custom-comm hooks, which also allocate its buffers there (`Slots`). docs/cpu.md has the
-design and figures; `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off."""
+"""FSDP's all-gathers and reduce-scatters for CPU ranks on one host through a /dev/shm segment every rank maps, small
+gloo all-reduces as barriers, instead of gloo's loopback TCP; FSDP's custom-comm hooks also allocate its buffers there
+(`Slots`). docs/cpu.md has the design and figures; `RL2_SHARED_MEMORY_COLLECTIVES=0` turns it off."""
 
 import functools
 import os
@@ -129,8 +128,7 @@ class SharedMemoryCollectives:
 
     @torch.no_grad()
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        """output `[n]` = the sum over ranks, in rank order, of this rank's slice of their input `[world * n]`;
-        False: not done (use gloo)."""
+        """output `[n]` = the sum in rank order of this rank's slice of every input `[world * n]`; False: use gloo."""
         if self.slots.holds(output):
             raise RuntimeError("a reduce-scatter's output was handed out in shared memory, where the next "
                                "collectives overwrite it: set RL2_SHARED_MEMORY_COLLECTIVES=0")
@@ -161,11 +159,10 @@ clear_on_close(SharedMemoryCollectives.for_group.cache_clear)
 
 
 class Slots:
-    """FSDP's all-gather outputs and reduce-scatter inputs of up to `slot_bytes`, in a shared segment. Two slots of
-    each kind, used in turn, are enough: a rank writes slot k % 2 only after the barrier of collective k - 1, which
-    every other rank reaches after it is done with collective k - 2 (FSDP copies a gathered layer out before it asks
-    for the next all-gather, prefetch included; a reduce-scatter reads its inputs within the call). Every rank
-    allocates the same sizes in the same order, so the k-th buffer is the same slot everywhere."""
+    """FSDP's all-gather outputs and reduce-scatter inputs of up to `slot_bytes` in a shared segment. Two slots a kind,
+    in turn, are enough: a rank writes slot k % 2 after the barrier of collective k - 1, which others reach when done
+    with collective k - 2 (FSDP copies a gathered layer out before the next all-gather, prefetch included; a
+    reduce-scatter reads its inputs within the call). Ranks allocate alike, so buffer k is the same slot everywhere."""
 
     PER_KIND = 2
 

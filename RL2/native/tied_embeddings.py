@@ -6,9 +6,8 @@ import torch
 
 
 def add_embedding_rows_into_tied_gradient(model: torch.nn.Module) -> bool:
-    """Make a causal LM's tied input embedding produce sparse gradients; False (nothing changed) where
-    the embedding is not an `nn.Embedding` tied to the output projection. Only for a loss through the logits:
-    a sparse gradient without the projection's would reach FSDP and the optimizer, which take dense ones only."""
+    """Sparse gradients for a tied `nn.Embedding` input; False (nothing changed) elsewhere. Only for a loss through the
+    logits: a sparse gradient without the projection's would reach FSDP and the optimizer, which take dense ones."""
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()  # outputs: None without a head
     if not isinstance(inputs, torch.nn.Embedding) or inputs.weight is not getattr(outputs, "weight", None):
         return False

@@ -79,14 +79,13 @@ def pack_for(model: torch.nn.Module, batch: SequenceBatch, dims: ParallelDims, m
                 unit_sizes=sizes, budget_key=budget_key)
 
 
-def per_token_pass(
-    dims: ParallelDims, batch: SequenceBatch, max_tokens: int, device: torch.device, model: torch.nn.Module,
-    fn: Callable[[MicroBatch], torch.Tensor], budget_key: str = "actor.max_length_per_device",
-) -> torch.Tensor:
-    """Run `fn` (micro-batch -> `[1, T]` values of `model`) on this rank's share; every rank gets every
+def per_token_pass(worker: FSDPWorker, batch: SequenceBatch, fn: Callable[[MicroBatch], torch.Tensor],
+                   budget_key: str = "actor.max_length_per_device") -> torch.Tensor:
+    """Run `fn` (micro-batch -> `[1, T]` values of `worker`'s model) on this rank's share; every rank gets every
     label's value, `[n_labels]` float32 on the CPU. `budget_key`: as in `pack_for`."""
+    dims, device = worker.dims, worker.device
     values = torch.zeros(batch.n_labels, device=device)
-    for mb in pack_for(model, batch, dims, max_tokens, budget_key=budget_key):
+    for mb in pack_for(worker.model, batch, dims, worker.cfg.max_length_per_device, budget_key=budget_key):
         out = fn(mb.to(device)).detach().float()
         for i, chunk in zip(mb.sequence_ids, mb.unpack(out)):
             values[batch.offsets[i] : batch.offsets[i + 1]] = chunk
@@ -161,7 +160,7 @@ class Actor:
     @torch.no_grad()
     def logps(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_labels]` log p(label | prefix) at `temperature` of every trained label (0.0 at the others)."""
-        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
+        return per_token_pass(self.worker, batch,
                               lambda mb: forward_packed(self.model, mb, trained_only=True).logps(self.temperature))
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -190,8 +189,7 @@ class Actor:
         totals = self.worker.run_micro_batches(micro, loss_fn)
         stats = self.worker.optimizer_step()
         names = EXTREMES if self.correction is not None else ()
-        return weighted_means(totals) | extremes_over_ranks(extremes, names, self.device) | {
-            "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return weighted_means(totals) | extremes_over_ranks(extremes, names, self.device) | stats  # grad_norm, lr
 
     def _micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, already weighted for the global batch, and metric partial sums."""
@@ -205,8 +203,7 @@ class Actor:
         losses, metrics = POLICY_LOSSES[cfg.policy_loss](cfg)(
             logps, old_logps, mb.extra("advantages"), weights, sample_ids=mb.extra("sample_of_label").long(),
             engine_logps=engine_logps, correction=self.correction)
-        # The loss gives means over this micro-batch under `weights`; times the weight sum they add up
-        # over micro-batches and ranks (see `weighted_means`).
+        # Means over this micro-batch times its weight sum add up over micro-batches and ranks (`weighted_means`).
         metrics = {k: v if k in EXTREMES else v * weights.sum() for k, v in metrics.items()}
         if "lags" in mb.extras:
             metrics |= engine_kl_by_lag(old_logps, engine_logps, mb.extra("lags"), weights)

@@ -22,9 +22,8 @@ class Critic:
         self.cfg, self.dims, self.device, self.response_budget = cfg, dims, device, response_budget
         self.worker = scalar_head_worker(cfg, dims, device, total_steps, section="critic")
         self.model = self.worker.model
-        # A random head would start GAE from noisy values (large when the hidden states are); from zero, the first
-        # advantages are the plain returns. A head the checkpoint was saved with (`...ForTokenClassification`, as
-        # RL2 exports critics and reward models) was trained: it stays.
+        # A random head would start GAE from noisy values; from zero, the first advantages are the plain returns.
+        # A head saved with the checkpoint (`...ForTokenClassification`, as RL2 exports them) was trained: it stays.
         if not any(name.endswith("ForTokenClassification") for name in self.model.config.architectures or []):
             for param in self.model.score.parameters():
                 torch.nn.init.zeros_(param)
@@ -35,8 +34,7 @@ class Critic:
     @torch.no_grad()
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_labels]` the value of the state before each label."""
-        return per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
-                              self.forward_values, BUDGET_KEY)
+        return per_token_pass(self.worker, batch, self.forward_values, BUDGET_KEY)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Regress `values` towards `returns` (both per token in the batch), clipped around the old values."""
@@ -62,15 +60,13 @@ class RewardModel:
     `cfg` is the `critic` config (dtype, micro-batch budget); args otherwise as `Critic`'s."""
 
     def __init__(self, cfg, dims: ParallelDims, device: torch.device, model_name: str):
-        self.cfg, self.dims, self.device = cfg, dims, device
         self.worker = scalar_head_worker(cfg, dims, device, train=False, model_name=model_name, section="critic")
         self.model = self.worker.model
 
     @torch.no_grad()
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """`[n_samples]` each trajectory's score: the head at the last position of its last sequence, as trained."""
-        per_token = per_token_pass(self.dims, batch, self.cfg.max_length_per_device, self.device, self.model,
-                                   lambda mb: forward_packed(self.model, mb).values(), BUDGET_KEY)
+        per_token = per_token_pass(self.worker, batch, lambda mb: forward_packed(self.model, mb).values(), BUDGET_KEY)
         last = batch.sample_offsets[1:] - 1
         has_tokens = batch.sample_offsets.diff() > 0
         return torch.where(has_tokens, per_token[last.clamp(min=0)], 0.0)

@@ -32,7 +32,6 @@ from RL2.models.default_model import resolve_model_path
 from RL2.models.logps import ModelLayout
 from RL2.models.precision import compute_dtype
 from RL2.models.tensor_parallel import apply_tensor_parallel, check_tp_degree
-from RL2.models.vocab_parallel import VocabShard
 from RL2.native import (
     PinnedHostCopies,
     SharedMemoryGather,
@@ -50,11 +49,6 @@ from RL2.utils.logging import log_rank0
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 
-def section_key(name: str, section: str | None) -> str:
-    """A key of a model section as the user writes it (`actor.<name>`); the bare name without a section."""
-    return f"{section}.{name}" if section else name
-
-
 def load_tokenizer(model_cfg, section: str | None = None):
     """The tokenizer of a model section (its `tokenizer_name`, else its `model_name`); `section` names it in errors."""
     field = "tokenizer_name" if model_cfg.tokenizer_name else "model_name"
@@ -62,8 +56,7 @@ def load_tokenizer(model_cfg, section: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
     except OSError as e:
-        key = section_key(field, section)
-        raise model_not_found(f"{key}={name}" if key != field else name, name, e) from None
+        raise model_not_found(f"{section}.{field}={name}" if section else name, name, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -110,10 +103,10 @@ class FSDPWorker(Stateful):
     def __init__(self, model_cfg, dims: ParallelDims, device: torch.device, total_steps: int = 0,
                  model_cls=AutoModelForCausalLM, train: bool = True, model_name: str | None = None,
                  base_changes: bool = False, section: str | None = None, **config_overrides):
-        self.cfg, self.dims, self.device, self.section = model_cfg, dims, device, section
+        self.cfg, self.dims, self.device = model_cfg, dims, device
+        self.key_prefix = f"{section}." if section else ""  # of this model's config keys, as the user writes them
         self.model_name = model_name or model_cfg.model_name
         self.dtype = compute_dtype(self.cfg.dtype, self.device)
-        # Adapters on a frozen base; frozen models (train=False) never get them.
         lora_cfg = getattr(model_cfg, "lora", None)
         self.lora = lora_cfg if train and lora_cfg is not None and lora_cfg.rank > 0 else None
         # Else checkpoints hold the base too, and no adapter of the loaded model expresses the trained one.
@@ -122,23 +115,20 @@ class FSDPWorker(Stateful):
         self.optimizer = self.scheduler = None
         if train:
             opt, sched = model_cfg.optimizer, model_cfg.scheduler
-            # The fused kernel updates each tensor in one pass instead of a dozen elementwise ops. The float16
-            # gradient scaler hands a fused step its found-inf flag as a plain tensor, which does not mix with the
-            # sharded (DTensor) parameters: with it the plain loop steps.
+            # Fused: one pass per tensor instead of a dozen elementwise ops; not with the float16 scaler, whose
+            # found-inf flag, a plain tensor, does not mix with the sharded (DTensor) parameters.
             trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters (and a head)
             self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                                weight_decay=opt.weight_decay, fused=self.dtype != torch.float16)
             min_ratio = sched.min_lr / opt.lr if opt.lr > 0 else 0.0
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_lambda(
                 step, total_steps, sched.warmup_ratio, sched.name, min_ratio))
-        # float16 underflows small gradients: scale the loss up, the gradients back down. The sharded scaler
-        # all-reduces the overflow check over every rank; torch.amp.GradScaler's reduces over the mesh of the
-        # first gradient, which under LoRA with tensor parallelism (lora_A replicated over tp) leaves out tp ranks.
+        # float16 underflows small gradients. The sharded scaler checks overflow over every rank; torch.amp's over
+        # the mesh of the first gradient, which under LoRA with tp (lora_A replicated over tp) leaves out tp ranks.
         self.scaler = ShardedGradScaler(device.type) if train and self.dtype == torch.float16 else None
         self.updates = 0  # times the weights changed (optimizer steps, checkpoint loads): the policy's version
         self.offloaded = False
-        # Page-locked buffers the state offloads into: made at the first offload on CUDA; on the CPU, where
-        # there is nothing to offload from, only given by a test (`offload_into`) to run the CUDA path's logic.
+        # Page-locked offload buffers: made at the first offload on CUDA; on the CPU only a test's (`offload_into`).
         self.host_copies: PinnedHostCopies | None = None
         self._shared_gather: SharedMemoryGather | bool | None = None  # None: not tried yet; False: not here
 
@@ -146,9 +136,8 @@ class FSDPWorker(Stateful):
         """Load on rank 0's CPU, build sharded on every rank (from the meta device), and fill the shards from
         rank 0 one full tensor at a time: a 70B model needs one CPU copy per node rather than one per rank."""
         path = resolve_model_path(self.model_name)
-        # Trained models keep float32 master weights and compute in cfg.dtype (FSDP's mixed precision); frozen
-        # ones and a LoRA model's frozen base are stored in the compute dtype, the values mixed precision would
-        # compute with anyway. LoRA's adapters are float32, and so is a base that resets change.
+        # Trained weights are float32 masters (FSDP's mixed precision computes in cfg.dtype); frozen ones and a LoRA
+        # base that no reset changes are stored in the compute dtype, what mixed precision computes with anyway.
         self.param_dtype = torch.float32 if train and (self.lora is None or not self.base_is_loaded) else self.dtype
         kwargs = dict(dtype=self.param_dtype, attn_implementation=ATTN_NAME)
         try:
@@ -160,7 +149,6 @@ class FSDPWorker(Stateful):
         self._check_layout(config)
         with torch.device("meta"):
             model = model_cls.from_config(config, **kwargs)
-        # Before loading: a model that cannot fit fails now, not minutes later.
         check_fits_host(model, self.device, self._config_name(), train and self.lora is None, self.param_dtype,
                         dist.get_world_size() // self.dims.ddp)
         loaded = None
@@ -177,8 +165,7 @@ class FSDPWorker(Stateful):
         # A trained, plain (not DTensor) tied embedding may take sparse gradients.
         tune_model(model, self.device, sparse_tied_embedding=train and self.lora is None and self.dims.tp == 1)
         model.parallel_layout = self._parallelize(model, train)
-        # Allocate the shards on the device and copy rank 0's CPU weights into them, and the buffers that are
-        # not in the state dict (rotary frequencies) too.
+        # rank 0's weights into the shards, and its buffers, which the state dict leaves out (rotary frequencies).
         model.to_empty(device=self.device)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, loaded.state_dict() if loaded is not None else {}, options=options)
@@ -195,9 +182,10 @@ class FSDPWorker(Stateful):
         return model
 
     def _config_name(self) -> str:
-        """How the config names this model: `actor.model_name=...` (the section where the config knows it)."""
-        key = section_key("model_name", self.section)
-        return f"{key}={self.model_name}" if self.model_name == self.cfg.model_name else f"the model {self.model_name}"
+        """How the config names this model: `actor.model_name=...`, or `the model <name>`."""
+        if self.model_name == self.cfg.model_name:
+            return f"{self.key_prefix}model_name={self.model_name}"
+        return f"the model {self.model_name}"
 
     def _check_layout(self, config) -> None:
         degrees = {"tp_size": self.dims.tp, "cp_size": self.dims.cp, "ddp_size": self.dims.ddp}
@@ -214,17 +202,11 @@ class FSDPWorker(Stateful):
                               "does not apply; set cp_size=1 in every model section")
 
     def _parallelize(self, model: torch.nn.Module, train: bool) -> ModelLayout:
-        """Tensor parallelism, then activation checkpointing, then FSDP2 per decoder layer and on the root
-        (which holds the embeddings and LM head, so tied weights stay one parameter)."""
+        """TP, activation checkpointing, then FSDP2 per decoder layer and on the root (tied embeddings stay one)."""
         layers = decoder_layers(model)
         layout = ModelLayout()
         if self.dims.tp > 1:
-            tp_mesh = self.dims.tp_mesh
-            if apply_tensor_parallel(model, layers, tp_mesh):
-                vocab_size = model.get_output_embeddings().weight.shape[0]
-                # DTensor splits like torch.chunk: every slice but the last holds ceil(V / tp) ids.
-                offset = tp_mesh.get_local_rank() * -(-vocab_size // self.dims.tp)
-                layout.vocab = VocabShard(tp_mesh.get_group(), offset)
+            layout.vocab = apply_tensor_parallel(model, layers, self.dims.tp_mesh)
         if self.lora is not None:
             self._add_adapters(model)  # after tensor parallelism: the adapters are split like their layer
         if self.dims.cp > 1:
@@ -255,8 +237,7 @@ class FSDPWorker(Stateful):
 
     def run_micro_batches(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                           train: bool = True) -> dict[str, float]:
-        """The micro-batch loop every trainer and worker shares: forward (and, when training, backward)
-        every micro-batch of this rank, then sum each metric over the whole global batch. Collective."""
+        """Forward (and if training, backward) this rank's micro-batches; metrics summed over all. Collective."""
         totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
@@ -264,8 +245,7 @@ class FSDPWorker(Stateful):
                 loss, metrics = loss_fn(mb)
             if train:
                 self.backward(loss)
-            # Summed where they are: reading each back (`float`) would wait for the GPU once per metric
-            # and micro-batch; all are read at once below.
+            # Summed on the device: reading each back would wait for the GPU once per metric and micro-batch.
             for key, value in metrics.items():
                 value = torch.as_tensor(value).detach().to(self.device, torch.float64)
                 totals[key] = totals[key] + value if key in totals else value
@@ -293,8 +273,7 @@ class FSDPWorker(Stateful):
                       f"not finite (a loss or an input gave inf or nan)")
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
-            # A skipped step advances the schedule too (it counts the steps planned); torch warns of that
-            # as of a mistake when the first step is the one skipped.
+            # A skipped step advances the schedule too; torch warns as of a mistake when the first is skipped.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step()
         self.updates += 1
@@ -314,7 +293,7 @@ class FSDPWorker(Stateful):
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        """Bring back what `offload` moved (the optimizer state stays on the CPU under `offload_optimizer`)."""
+        """Bring back what `offload` moved (but the optimizer state under `offload_optimizer`)."""
         if not self.moves_state:
             return
         self.move_state(self.device, optimizer=not self.cfg.offload_optimizer)
@@ -322,8 +301,7 @@ class FSDPWorker(Stateful):
 
     @torch.no_grad()
     def offload_state(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters with their gradients and/or the optimizer state to the host: from CUDA into
-        page-locked buffers made at the first move (`RL2.native.pinned_offload`), else into pageable memory."""
+        """`move_state` to the host: from CUDA into page-locked buffers made at the first move, else pageable."""
         host = torch.device("cpu")
         if self.host_copies is None and pinned_offload(self.device, host):
             self.host_copies = PinnedHostCopies()
@@ -334,8 +312,7 @@ class FSDPWorker(Stateful):
 
     @torch.no_grad()
     def move_state(self, device: torch.device, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters with their gradients and/or the optimizer state to `device`. FSDP2's `module.to`
-        keeps the parameters' identity (the optimizer's references stay valid)."""
+        """Move parameters with their gradients and/or the optimizer state to `device` (keeping their identity)."""
         if params:
             self.model.to(device)
         if optimizer and self.optimizer is not None:  # the moments and step counts
@@ -373,8 +350,7 @@ class FSDPWorker(Stateful):
         if self.optimizer is None:  # a frozen model that still changes (PPO's reference after a reset)
             return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if self.only_adapters_change:  # frozen weights are the loaded ones again on resume
-            # (by name, tied ones included: torch's ignore_frozen_params keeps a tied LM head)
+        if self.only_adapters_change:  # frozen weights load again; by name: ignore_frozen_params keeps tied ones
             trained = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
             model_sd = {k: v for k, v in model_sd.items() if k in trained}
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
@@ -393,7 +369,7 @@ class FSDPWorker(Stateful):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scheduler.base_lrs != configured:  # as in HF's Trainer, the run goes on as it was saved
             log_rank0(f"resuming with the checkpoint's learning rates {self.scheduler.base_lrs}, not "
-                      f"{configured} from {section_key('optimizer.lr', self.section)} "
+                      f"{configured} from {self.key_prefix}optimizer.lr "
                       f"(the checkpoint's optimizer and schedule go on as saved; start a new run to change them)")
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
@@ -434,8 +410,7 @@ class FSDPWorker(Stateful):
         dist.barrier()
 
     def full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter in `dtype`, one at a time, for an inference engine. Collective.
-        Ranks on one CPU host exchange their shards through shared memory (set up at the first call)."""
+        """`full_tensors` of the model; between ranks on one CPU host through shared memory. Collective."""
         if self._shared_gather is None:  # not on GPUs, where a LoRA policy's shards wait on the CPU during a sync
             self._shared_gather = shared_weight_gather(self.model, dtype, self.device) or False
         return self._shared_gather.full_tensors() if self._shared_gather else full_tensors(self.model, dtype)
@@ -448,14 +423,12 @@ class FSDPWorker(Stateful):
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every parameter of an FSDP2 model, one at a time, so that no rank holds more
-    than one full tensor beyond its shards. Collective. Shards are cast before the gather: a bf16 engine
-    moves half the bytes of the float32 master weights."""
+    """(name, full tensor) of every parameter of an FSDP2 model, one at a time (no rank holds more than one beyond
+    its shards), cast before the gather (a bf16 engine moves half the bytes of float32 weights). Collective."""
     for name, param in model.named_parameters():
         tensor = param.detach().to(dtype)
         if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
-            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) goes to the
-            # device of its process group to be gathered, one parameter at a time.
+            # A shard waiting on the CPU (a LoRA policy's frozen base during a sync) is gathered on the mesh's device.
             tensor = DTensor.from_local(tensor.to_local().to(tensor.device_mesh.device_type), tensor.device_mesh,
                                         tensor.placements, shape=tensor.shape, stride=tensor.stride())
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -479,9 +452,8 @@ def scalar_head_worker(model_cfg, dims: ParallelDims, device: torch.device, tota
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Clip gradients by their global L2 norm; returns the norm before clipping. With tensor parallelism some
-    gradients live on the (fsdp, tp) mesh and the replicated ones (norms) on the fsdp mesh alone, which torch's
-    `clip_grad_norm_` cannot combine: each mesh's norm is completed (`full_tensor`) first."""
+    """Clip gradients by their global L2 norm; returns it. Under tp, gradients on the (fsdp, tp) mesh and replicated
+    ones on the fsdp mesh alone, which `clip_grad_norm_` cannot combine: each mesh's norm is completed first."""
     by_mesh: dict = {}  # torch's foreach kernels cannot mix DTensors of different meshes either
     for param in params:
         if param.grad is not None:
