@@ -154,11 +154,13 @@ class EmbeddedEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        """See `Engine.update_weights`: copied in place, names as in `model.state_dict()`."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None):
+        """See `Engine.update_weights`: copied in place, names as in `model.state_dict()`; without a
+        `weight_version` the engine keeps its current one."""
         with self._step_lock:
             self.runner.load_weights(named_tensors)
-        self.weight_version = weight_version
+        if weight_version is not None:
+            self.weight_version = weight_version
 
     def shutdown(self) -> None:
         """Fail whatever is still queued and stop the worker thread."""
