@@ -3,12 +3,11 @@
 Each case runs a script with the smallest flags that still go through its real code path (tiny shapes, one or
 two steps or repeats) and checks that it exits 0 and prints its table: the header and a row with figures, no
 row "failed" (bench_gpu and bench_ppo_memory print a failed arm's row, then exit 1 naming it). The cheap cases
-run in the default suite (about a minute in all). The slow ones (the embedded model trained in several
-torchrun jobs or on a fixed workload, a dozen timing processes, an SGLang server) take a minute or more each
-on two cores, and no flag makes them cheaper: they are marked slow and run as a step of their own in
-`.ci/run`. A script that another default-suite test already runs, with its own checks of the table, is named
-in ELSEWHERE rather than run twice. `test_every_benchmark_has_a_case` fails for a script in neither, so a new
-benchmark cannot be added unseen.
+run in the default suite (about 40 s in all). The slow ones (whole trainer runs, even of the tiny model, a
+dozen timing processes, an SGLang server) take from half a minute to several each on two cores, and no flag
+makes them cheaper: they are marked slow and run as a step of their own in `.ci/run`. A script that another
+default-suite test already runs, with its own checks of the table, is named in ELSEWHERE rather than run twice.
+`test_every_benchmark_has_a_case` fails for a script in neither, so a new benchmark cannot be added unseen.
 """
 
 import ast
@@ -51,9 +50,9 @@ CASES = [
     case("bench_async.py", ["--model", TINY_MODEL, "--steps", "2", "--etas", "1", "--prompts", "2", "--responses",
                             "2", "--new-tokens", "4", "--test-prompts", "2", "--long-questions", "2", "--nproc", "1",
                             "--over-sampling", "1"],
-         r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240),
+         r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240, pytest.mark.slow),
     case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
-         r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300),
+         r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300, pytest.mark.slow),
     # The viewer over a small made-up run: the same server and requests as 10,000 trajectories of 2k tokens.
     case("bench_viewer.py", ["--samples", "50", "--tokens", "16"], r"^\| request \| s \|",
          r"^\| open: index, status, curves, steps, first page \| [\d.]+ \|", 60),
