@@ -201,6 +201,12 @@ def test_weight_folder_round_trip(tiny_model_path, tmp_path):
     assert set(load_file(folder / "model-00001.safetensors")) == {name for name, _ in parts[0]}
 
 
+def test_weight_folder_of_no_tensors_is_refused_and_leaves_nothing(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="no tensors to write"):
+        write_hf_folder([[]], tmp_path / "step1", tiny_model_path)  # a bucket, but nothing in it
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- a real SGLang server on CPU ---------------------------------------------------------------
 
 
