@@ -18,6 +18,7 @@ STEP_KERNELS = {
     "silu_mul": [POINTER, POINTER, INT, INT],
     "rope_and_store": [POINTER] * 6 + [FLOAT] + [POINTER] * 3 + [INT] * 5,
     "decode_attention": [POINTER] * 5 + [INT] * 5 + [FLOAT] + [POINTER] * 3 + [INT],
+    "sample_rows": [POINTER, INT, INT] + [POINTER] * 4,
 }
 SIGNATURES = {
     **{name + suffix: types for name, types in STEP_KERNELS.items() for suffix in SUFFIXES.values()},
@@ -113,6 +114,19 @@ class DecodeKernels:
             keys.shape[1], head_dim, keys.shape[2], scale, _address(order), _address(starts), _address(shared),
             0 if groups is None else len(shared))
         return out
+
+    def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens int64, logprobs float32) `[rows]`: row r's token drawn from softmax(logits[r] / temperatures[r]) by
+        inverse CDF at uniform[r], and its log-probability at that temperature; logits `[rows, vocab]` in the model's
+        dtype, temperatures float32, uniform float64."""
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        temperatures, uniform = temperatures.float().contiguous(), uniform.double().contiguous()
+        tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+        self._step_kernel("sample_rows", logits)(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
+                                                 uniform.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
+        return tokens, logprobs
 
     def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Weights `[n_i, k]` (float32, or bf16 where `bf16_panel_rows`) of layers sharing an input, their

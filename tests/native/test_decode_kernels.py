@@ -421,3 +421,59 @@ def test_bf16_layers_take_the_panels_only_without_amx(monkeypatch):
     if KERNELS.bf16_panel_rows:
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         assert packed_linear.panel_kernels_for(linear.bfloat16()) is KERNELS
+
+
+def assert_drawn_at(tokens: torch.Tensor, logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor):
+    """Each token's interval of the float64 CDF of softmax(logits / T) holds its uniform draw (to rounding)."""
+    cdf = torch.softmax(logits.double() / temperatures.double()[:, None], -1).cumsum(-1)
+    upper = cdf.gather(1, tokens[:, None])[:, 0]
+    lower = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp_min(0)[:, None])[:, 0], 0.0)
+    assert ((lower <= uniform.double() + 1e-6) & (uniform.double() < upper + 1e-6)).all(), (lower, uniform, upper)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 49152])  # 4 x 1000 runs on one thread; 49152 a model's, threaded
+def test_sample_rows_draws_the_inverse_cdf_of_the_tempered_softmax(dtype, vocab):
+    rows = 4 if vocab == 1000 else 24
+    logits = randn(rows, vocab, scale=4.0).to(dtype)
+    logits[0, :vocab // 2] = float("-inf")  # masked tokens: never drawn
+    logits[1, 7] = 60.0  # one token holds nearly all of the row
+    temperatures = torch.tensor([0.6, 1.0, 1.3, 1.0] * (rows // 4))
+    uniform = torch.rand(rows, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    uniform[2], uniform[-1] = 0.0, 1.0 - 1e-12  # the first token of weight > 0; the last
+    tokens, logprobs = KERNELS.sample_rows(logits, temperatures, uniform)
+    assert_drawn_at(tokens, logits, temperatures, uniform)
+    assert tokens[0] >= vocab // 2 and tokens[1] == 7
+    expected = torch.log_softmax(logits.double() / temperatures.double()[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
+    cdf = torch.softmax(logits.double() / temperatures.double()[:, None], -1).cumsum(-1)
+    assert tokens[2] == int((cdf[2] > 0).nonzero()[0]) and tokens[-1] == int((cdf[-1] < cdf[-1, -1]).sum())
+
+
+def test_the_engine_samples_through_the_kernel_only_where_it_draws_the_same(monkeypatch):
+    """`sample_next_tokens` hands a batch to the C sampler only when no row is greedy, filtered or banned, and then
+    draws the same tokens from the same generators as its torch ops (to the float32 CDF's rounding)."""
+    from RL2.engine.embedded.sampling import SamplingParams, sample_next_tokens
+
+    logits = randn(6, 5000, scale=3.0).to(torch.bfloat16)
+    plain = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.0, 1.2, 1.0, 1.0)]
+    seeded = [torch.Generator().manual_seed(11) if r == 3 else None for r in range(6)]
+
+    def draw(params, banned=None, kernels=KERNELS):
+        generator = torch.Generator().manual_seed(5)
+        return sample_next_tokens(logits, params, banned or [[]] * 6, [g and g.clone_state() for g in seeded],
+                                  default_generator=generator, kernels=kernels)
+
+    calls = []
+    monkeypatch.setattr(KERNELS, "sample_rows", lambda *a: calls.append(a) or DecodeKernels.sample_rows(KERNELS, *a))
+    (tokens, logprobs), (torch_tokens, torch_logprobs) = draw(plain), draw(plain, kernels=None)
+    assert len(calls) == 1
+    uniform = calls[0][2]
+    assert_drawn_at(tokens, logits, calls[0][1], uniform)
+    assert_drawn_at(torch_tokens, logits, calls[0][1], uniform)  # the torch ops drew at the same uniforms
+    torch.testing.assert_close(logprobs, torch_logprobs, rtol=0, atol=2e-5)
+    for params, banned in (([SamplingParams(top_p=0.9)] + plain[1:], None), ([SamplingParams(top_k=5)] + plain[1:], None),
+                           ([SamplingParams(min_p=0.1)] + plain[1:], None), ([SamplingParams(temperature=0)] + plain[1:], None),
+                           (plain, [[3]] + [[]] * 5)):
+        draw(params, banned)
+    assert len(calls) == 1

@@ -323,7 +323,7 @@ class EmbeddedEngine:
                 logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.cached_len for r in batch])
             banned = [stop_tokens_to_ban(len(r.output_ids), r.params, self.eos_ids) for r in batch]
             tokens, logprobs = sample_next_tokens(logits, [r.params for r in batch], banned,
-                                                  [r.generator for r in batch])
+                                                  [r.generator for r in batch], kernels=self.runner.sampling_kernels)
             for request, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
                 request.output_ids.append(token)
                 request.logprobs.append(logprob)

@@ -25,6 +25,7 @@ from RL2.engine.embedded.packed_linear import (
     panel_kernels_for,
 )
 from RL2.models.attention import softcapped_attention
+from RL2.native.decode_kernels import load_decode_kernels
 from RL2.utils.shared_prefixes import common_prefix_length
 
 # A prompt prefix shared by a whole prefill batch (a chat template's system prompt) is computed once when it is at
@@ -115,6 +116,8 @@ class ModelRunner:
             if head_is_output:
                 output = model.get_output_embeddings()
                 self.head = self.packed.get(output) or output
+        # The C sampler where the C decode kernels build (any model on the CPU; `sample_next_tokens`).
+        self.sampling_kernels = load_decode_kernels() if self.device.type == "cpu" else None
         decodes_with_kernels = self.llama is not None and self.llama.decode_kernels is not None
         self.cache = SlotKVCache(max_rows, keys_in_model_dtype=decodes_with_kernels)
         # Parameters held only by a packed kernel, by name: (kernel, layer index in it, "weight" or "bias", shape).

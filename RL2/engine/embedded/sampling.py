@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from RL2.config.ppo_schema import GREEDY_TEMPERATURE
+from RL2.native.build import SUFFIXES
+from RL2.native.decode_kernels import DecodeKernels
 
 # Keys SGLang accepts that change nothing here as long as they keep their default value.
 _NEUTRAL_DEFAULTS = {
@@ -65,13 +67,20 @@ class SamplingParams:
 
 
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banned: list[list[int]],
-                       generators: list[torch.Generator | None],
-                       default_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       generators: list[torch.Generator | None], default_generator: torch.Generator | None = None,
+                       kernels: DecodeKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, logprobs): one token per row of `logits`, all rows at once, in float32. Row r never samples `banned[r]`
     (stop tokens before min_new_tokens) and draws from `generators[r]` (a request's sampling_seed) or, if None, from
     `default_generator` (None: torch's global one). The log-probability is the token's under softmax(logits / T), before
-    filters and bans, as SGLang returns it (docs/gpus.md, "Log-probabilities"); greedy rows give temperature 1's."""
+    filters and bans, as SGLang returns it (docs/gpus.md, "Log-probabilities"); greedy rows give temperature 1's.
+    With the C `kernels`, a batch that only samples (no greedy row, filter or ban: RL's usual rollout) is drawn there,
+    the same draw in two passes over the logits instead of the torch ops' five."""
     device = logits.device
+    if (kernels is not None and device.type == "cpu" and logits.dtype in SUFFIXES and not any(banned)
+            and all(map(_only_samples, params))):
+        temperatures = torch.tensor([p.temperature for p in params])
+        tokens, logprobs = kernels.sample_rows(logits, temperatures, _uniforms(generators, default_generator))
+        return tokens.to(device), logprobs.to(device)
     # The policy's own probabilities, in one fused pass; every filter below works on them (a temperature as a power).
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     allowed = probs
@@ -93,16 +102,27 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
         # Inverse-CDF sampling: one uniform number per row, so a seeded request draws from its own generator inside any
         # batch, and no per-token noise is needed (costlier than the rest). CPU cumsum accumulates in float64.
         cdf = weights.cumsum(dim=-1)
-        uniform = torch.rand(len(sampled), generator=default_generator)
-        for i, r in enumerate(sampled):
-            if generators[r] is not None:
-                uniform[i] = torch.rand(1, generator=generators[r])
+        uniform = _uniforms([generators[r] for r in sampled], default_generator)
         picked = torch.searchsorted(cdf, (uniform.to(device) * cdf[:, -1])[:, None], right=True)
         tokens[rows] = picked[:, 0].clamp_max(logits.shape[-1] - 1)
     logprobs = probs.gather(1, tokens[:, None])[:, 0].log()
     if tempered is not None and tempered.scaled:
         logprobs[rows] = tempered.logprobs(logprobs[rows])
     return tokens, logprobs
+
+
+def _uniforms(generators: list[torch.Generator | None], default_generator: torch.Generator | None) -> torch.Tensor:
+    """One uniform number per sampled row, from its request's generator where it has one."""
+    uniform = torch.rand(len(generators), generator=default_generator)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniform[i] = torch.rand(1, generator=generator)
+    return uniform
+
+
+def _only_samples(params: SamplingParams) -> bool:
+    """Whether a row's draw is from softmax(logits / T) as it is: not greedy, no top-k, top-p or min-p."""
+    return not params.greedy and params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0
 
 
 @dataclass

@@ -87,3 +87,56 @@ void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT 
         }
     }
 }
+
+/* One token per row drawn from softmax(logits / temperatures[r]) by inverse CDF: tokens[r] is the first whose
+ * cumulative weight exceeds uniform[r] times the row's total (torch.searchsorted(cumsum, u * total, right=True) in
+ * sampling.py), logprobs[r] its log-probability at that temperature. Two passes over a row, where the torch ops take
+ * five: its largest logit, then the weights exp((l - max) / T) summed by blocks (a weight below exp(-87) counts as 0,
+ * so a -inf logit is never drawn); the draw walks the block sums and reads one block again. */
+#ifndef SAMPLE_BLOCK
+#define SAMPLE_BLOCK 512
+#endif
+void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const float *temperatures,
+                       const double *uniform, int64_t *tokens, float *logprobs) {
+#pragma omp parallel for if (rows * vocab >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEMENT *l = logits + r * vocab;
+        float inverse_t = 1.0f / temperatures[r], max = -INFINITY;
+#pragma omp simd reduction(max : max)
+        for (int64_t i = 0; i < vocab; i++) max = LOAD(l[i]) > max ? LOAD(l[i]) : max;
+        int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+        float sums[blocks];
+        double total = 0.0;
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) {
+                float x = (LOAD(l[i]) - max) * inverse_t;
+                sum += x > -87.0f ? exp_clamped(x) : 0.0f;
+            }
+            sums[b] = sum;
+            total += sum;
+        }
+        double target = uniform[r] * total, below = 0.0;
+        int64_t b = 0;
+        while (b < blocks - 1 && below + sums[b] <= target) below += sums[b++];
+        int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab, token = -1;
+        for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) {
+            float x = (LOAD(l[i]) - max) * inverse_t;
+            if (x <= -87.0f) continue;
+            token = i;  /* the last token of weight > 0 so far: the draw where rounding leaves the target unreached */
+            below += exp_clamped(x);
+            if (below > target) break;
+        }
+        while (token < 0 && b > 0) {  /* only where the target's block held no weight at all: an earlier one did */
+            b--;
+            for (int64_t i = b * SAMPLE_BLOCK; i < b * SAMPLE_BLOCK + SAMPLE_BLOCK; i++) {
+                if ((LOAD(l[i]) - max) * inverse_t > -87.0f) token = i;
+            }
+        }
+        token = token < 0 ? 0 : token;  /* no weight anywhere: logits all -inf or NaN, and the log-probability says so */
+        tokens[r] = token;
+        logprobs[r] = (LOAD(l[token]) - max) * inverse_t - (float)log(total);
+    }
+}
