@@ -279,6 +279,7 @@ static inline __attribute__((always_inline)) void attention(
                     score_keys(row_scores, query, k, group, common, length, stride, head_dim, scale);
                 for (int64_t h = 0; h < group; h++) {
                     float *p = row_scores + h * stride, max = p[0], sum = 0.0f;
+#pragma omp simd reduction(max : max)
                     for (int64_t j = 1; j < length; j++) max = p[j] > max ? p[j] : max;
 #pragma omp simd reduction(+ : sum)
                     for (int64_t j = 0; j < length; j++) {
