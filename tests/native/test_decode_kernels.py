@@ -431,23 +431,38 @@ def assert_drawn_at(tokens: torch.Tensor, logits: torch.Tensor, temperatures: to
     assert ((lower <= uniform.double() + 1e-6) & (uniform.double() < upper + 1e-6)).all(), (lower, uniform, upper)
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1000, 49152])  # 4 x 1000 runs on one thread; 49152 a model's, threaded
-def test_sample_rows_draws_the_inverse_cdf_of_the_tempered_softmax(dtype, vocab):
+def test_sample_rows_draws_the_inverse_cdf_of_the_tempered_softmax(dtype, vocab, build, request):
+    kernels = request.getfixturevalue("avx2_kernels") if build == "avx2" else KERNELS
     rows = 4 if vocab == 1000 else 24
     logits = randn(rows, vocab, scale=4.0).to(dtype)
     logits[0, :vocab // 2] = float("-inf")  # masked tokens: never drawn
     logits[1, 7] = 60.0  # one token holds nearly all of the row
     temperatures = torch.tensor([0.6, 1.0, 1.3, 1.0] * (rows // 4))
     uniform = torch.rand(rows, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    uniform[2], uniform[-1] = 0.0, 1.0 - 1e-12  # the first token of weight > 0; the last
-    tokens, logprobs = KERNELS.sample_rows(logits, temperatures, uniform)
+    logits[2, :3] = float("-inf")
+    uniform[2] = 0.0  # the first token of weight > 0
+    logits[3, 512:] = float("-inf")  # later blocks hold nothing: a draw at 1 walks back to the last token of weight
+    uniform[3] = 1.0
+    tokens, logprobs = kernels.sample_rows(logits, temperatures, uniform)
     assert_drawn_at(tokens, logits, temperatures, uniform)
-    assert tokens[0] >= vocab // 2 and tokens[1] == 7
+    assert tokens[0] >= vocab // 2 and tokens[1] == 7 and tokens[2] == 3 and tokens[3] == 511
     expected = torch.log_softmax(logits.double() / temperatures.double()[:, None], -1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
-    cdf = torch.softmax(logits.double() / temperatures.double()[:, None], -1).cumsum(-1)
-    assert tokens[2] == int((cdf[2] > 0).nonzero()[0]) and tokens[-1] == int((cdf[-1] < cdf[-1, -1]).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_says_nan_where_the_logits_have_none_to_give(dtype):
+    """A NaN logit or a row of -inf ones (a broken model's) gives a NaN log-probability, as softmax would, and a
+    token inside the vocabulary; the other rows draw as ever."""
+    logits = randn(3, 1000, scale=2.0).to(dtype)
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    tokens, logprobs = KERNELS.sample_rows(logits, torch.ones(3), torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64))
+    assert logprobs[:2].isnan().all() and logprobs[2].isfinite() and ((tokens >= 0) & (tokens < 1000)).all()
+    assert_drawn_at(tokens[2:], logits[2:], torch.ones(1), torch.tensor([0.5]))
 
 
 def test_the_engine_samples_through_the_kernel_only_where_it_draws_the_same(monkeypatch):
@@ -470,7 +485,7 @@ def test_the_engine_samples_through_the_kernel_only_where_it_draws_the_same(monk
     assert len(calls) == 1
     uniform = calls[0][2]
     assert_drawn_at(tokens, logits, calls[0][1], uniform)
-    assert_drawn_at(torch_tokens, logits, calls[0][1], uniform)  # the torch ops drew at the same uniforms
+    assert torch.equal(tokens, torch_tokens)  # the torch ops drew at the same uniforms (none on an interval's edge)
     torch.testing.assert_close(logprobs, torch_logprobs, rtol=0, atol=2e-5)
     for first_row in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1),
                       SamplingParams(temperature=0)):  # one filtered or greedy row: the torch ops draw the batch

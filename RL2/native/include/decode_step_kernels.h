@@ -102,8 +102,13 @@ void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const
     for (int64_t r = 0; r < rows; r++) {
         const ELEMENT *l = logits + r * vocab;
         float inverse_t = 1.0f / temperatures[r], max = -INFINITY;
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < vocab; i++) max = LOAD(l[i]) > max ? LOAD(l[i]) : max;
+        int64_t nans = 0;  /* a NaN logit makes the row's log-probability NaN, as softmax's would be */
+#pragma omp simd reduction(max : max) reduction(+ : nans)
+        for (int64_t i = 0; i < vocab; i++) {
+            float x = LOAD(l[i]);
+            max = x > max ? x : max;
+            nans += x != x;
+        }
         int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
         float sums[blocks];
         double total = 0.0;
@@ -124,7 +129,7 @@ void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const
         int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab, token = -1;
         for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) {
             float x = (LOAD(l[i]) - max) * inverse_t;
-            if (x <= -87.0f) continue;
+            if (!(x > -87.0f)) continue;  /* no weight, as in the sums (NaN included) */
             token = i;  /* the last token of weight > 0 so far: the draw where rounding leaves the target unreached */
             below += exp_clamped(x);
             if (below > target) break;
@@ -137,6 +142,6 @@ void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const
         }
         token = token < 0 ? 0 : token;  /* no weight anywhere: logits all -inf or NaN, and the log-probability says so */
         tokens[r] = token;
-        logprobs[r] = (LOAD(l[token]) - max) * inverse_t - (float)log(total);
+        logprobs[r] = nans ? NAN : (LOAD(l[token]) - max) * inverse_t - (float)log(total);
     }
 }
