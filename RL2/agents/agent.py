@@ -10,8 +10,7 @@ import numbers
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-
-import openai
+from typing import TYPE_CHECKING
 
 from RL2.agents.endpoint import OpenAIEndpoint
 from RL2.rollout.env import (
@@ -23,11 +22,14 @@ from RL2.rollout.env import (
     open_mcp_servers,
     parse_reward,
 )
-from RL2.rollout.event_loop import Escaped, env_loop, on_env_loop
+from RL2.rollout.event_loop import Escaped
 from RL2.rollout.loop import call_script, engine_sampling_params, gather_or_cancel, sample_seed
 from RL2.rollout.tools.declared import Tool
 from RL2.rollout.tools.tool_use import ToolBox
 from RL2.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from RL2.agents.clients import Pools
 
 # What an agent's result dict may hold.
 RESULT_KEYS = ("reward", "score", "reward_parts", "metrics")
@@ -93,8 +95,10 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
     `timeout`, `max_timeouts` as in `AgentRollout`. An engine failure is raised once the run that met it ends.
     `prompts` are rows with `prompt` (or `messages`, where a row keeps both), optionally `extra_info` and
     `sampling_seed`: run j samples its call k with `sample_seed(sample_seed(seed, j), k)` (as `rollout_batch`)."""
+    from RL2.agents.clients import Pools  # openai, here: ~0.3 s of start-up that runs without agents would pay
+
     await endpoint.start()
-    pools = _Pools()
+    pools = Pools()
     try:
         tasks = [[asyncio.create_task(_run(endpoint, agent, row, j, timeout, max_timeouts, pools))
                   for j in range(responses_per_prompt)] for row in prompts]
@@ -104,33 +108,8 @@ async def agent_rollout_batch(endpoint: OpenAIEndpoint, agent: Agent, prompts: l
     return [[task.result() for task in group] for group in tasks]
 
 
-class _Pools(dict[asyncio.AbstractEventLoop, openai.DefaultAsyncHttpxClient]):
-    """The HTTP connection pool of a batch's clients (each run's its own `_RunClient`) on each loop its runs ran
-    on: a pool's connections belong to the loop that opened them."""
-
-    def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
-        """A client on the pool of the running loop (one of user code)."""
-        loop = asyncio.get_running_loop()
-        if loop not in self:
-            self[loop] = openai.DefaultAsyncHttpxClient(timeout=None)
-        return _RunClient(base_url=base_url, api_key=api_key, max_retries=0, http_client=self[loop])
-
-    async def aclose(self) -> None:
-        # Only the current loop's: an abandoned loop may still be blocked, and its pool goes with it.
-        if (http := self.get(env_loop())) is not None:
-            await on_env_loop(http.aclose())
-
-
-class _RunClient(openai.AsyncOpenAI):
-    """A run's client: an agent that closes it (`await client.close()`, `async with client:`) is done with it, and
-    the pool stays open under the batch's other runs (the batch closes it)."""
-
-    async def close(self) -> None:
-        pass
-
-
 async def _run(endpoint: OpenAIEndpoint, agent: Agent, row: dict, index: int, timeout: float | None,
-               max_timeouts: int | None, pools: _Pools) -> Trajectory:
+               max_timeouts: int | None, pools: "Pools") -> Trajectory:
     """One run of the agent, as one trajectory."""
     seed = row.get("sampling_seed")
     session = endpoint.open_session(None if seed is None else sample_seed(seed, index))
