@@ -79,8 +79,7 @@ def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams], banne
     if (kernels is not None and device.type == "cpu" and logits.dtype in SUFFIXES and not any(banned)
             and all(map(_only_samples, params))):
         temperatures = torch.tensor([p.temperature for p in params])
-        tokens, logprobs = kernels.sample_rows(logits, temperatures, _uniforms(generators, default_generator))
-        return tokens.to(device), logprobs.to(device)
+        return kernels.sample_rows(logits, temperatures, _uniforms(generators, default_generator))
     # The policy's own probabilities, in one fused pass; every filter below works on them (a temperature as a power).
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     allowed = probs

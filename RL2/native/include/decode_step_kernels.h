@@ -96,6 +96,12 @@ void NAME(rope_and_store)(const ELEMENT *qkv, const ELEMENT *cos, const ELEMENT 
 #ifndef SAMPLE_BLOCK
 #define SAMPLE_BLOCK 512
 #endif
+/* A logit's weight exp((l - max) / T) in the draw; 0 below exp(-87) and for NaN. */
+static inline float NAME(sample_weight)(ELEMENT logit, float max, float inverse_t) {
+    float x = (LOAD(logit) - max) * inverse_t;
+    return x > -87.0f ? exp_clamped(x) : 0.0f;
+}
+
 void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const float *temperatures,
                        const double *uniform, int64_t *tokens, float *logprobs) {
 #pragma omp parallel for if (rows * vocab >= PARALLEL_FROM)
@@ -116,29 +122,25 @@ void NAME(sample_rows)(const ELEMENT *logits, int64_t rows, int64_t vocab, const
             int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) {
-                float x = (LOAD(l[i]) - max) * inverse_t;
-                sum += x > -87.0f ? exp_clamped(x) : 0.0f;
-            }
+            for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) sum += NAME(sample_weight)(l[i], max, inverse_t);
             sums[b] = sum;
             total += sum;
         }
         double target = uniform[r] * total, below = 0.0;
-        int64_t b = 0;
+        int64_t b = 0, token = -1;
         while (b < blocks - 1 && below + sums[b] <= target) below += sums[b++];
-        int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab, token = -1;
+        int64_t end = (b + 1) * SAMPLE_BLOCK < vocab ? (b + 1) * SAMPLE_BLOCK : vocab;
         for (int64_t i = b * SAMPLE_BLOCK; i < end; i++) {
-            float x = (LOAD(l[i]) - max) * inverse_t;
-            if (!(x > -87.0f)) continue;  /* no weight, as in the sums (NaN included) */
+            float weight = NAME(sample_weight)(l[i], max, inverse_t);
+            if (weight == 0.0f) continue;
             token = i;  /* the last token of weight > 0 so far: the draw where rounding leaves the target unreached */
-            below += exp_clamped(x);
+            below += weight;
             if (below > target) break;
         }
         while (token < 0 && b > 0) {  /* only where the target's block held no weight at all: an earlier one did */
             b--;
-            for (int64_t i = b * SAMPLE_BLOCK; i < b * SAMPLE_BLOCK + SAMPLE_BLOCK; i++) {
-                if ((LOAD(l[i]) - max) * inverse_t > -87.0f) token = i;
-            }
+            for (int64_t i = b * SAMPLE_BLOCK; i < b * SAMPLE_BLOCK + SAMPLE_BLOCK; i++)
+                if (NAME(sample_weight)(l[i], max, inverse_t) > 0.0f) token = i;
         }
         token = token < 0 ? 0 : token;  /* no weight anywhere: logits all -inf or NaN, and the log-probability says so */
         tokens[r] = token;
