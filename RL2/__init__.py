@@ -5,7 +5,11 @@ From Python: `RL2.train("ppo", {...}, reward=fn)` and `RL2.evaluate({...})` (see
 
 __version__ = "0.1.0"
 
-from RL2.versions import check_supported_versions
+from RL2.utils.startup_gc import off_while_a_command_imports
+
+off_while_a_command_imports()  # before anything heavy is imported: a command starts faster (RL2/utils/startup_gc.py)
+
+from RL2.versions import check_supported_versions  # noqa: E402
 
 # First: a torch or transformers outside the supported range fails here with one line that names it,
 # not later with an ImportError from deep inside a module written for the supported releases.

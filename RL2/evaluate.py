@@ -10,10 +10,12 @@ from RL2.datasets.loading import DataError
 from RL2.evaluation.evaluator import Evaluator
 from RL2.parallel import close_process_groups
 from RL2.rollout.env import EnvError
+from RL2.utils.startup_gc import imports_done
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: config, data and environment errors end with a message, not a traceback."""
+    imports_done()
     finished = False
     try:
         Evaluator(parse_config(EvalConfig, "eval", argv)).run()

@@ -17,6 +17,7 @@ from RL2.utils.checkpoint import latest_checkpoint, load_checkpoint, resolve_che
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
 from RL2.utils.save_dir_lock import claim_save_dir
+from RL2.utils.startup_gc import imports_done
 
 
 class Trainer:
@@ -175,6 +176,7 @@ def quiet_third_party_progress() -> None:
 
 def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | None = None) -> None:
     """Entry point of `python -m RL2.trainer.<name>`: bad config, data or scripts end with a message, no traceback."""
+    imports_done()
     finished = False
     try:
         cfg = parse_config(schema, name, argv)

@@ -1,0 +1,48 @@
+"""Python's cyclic garbage collector while an RL2 command starts. `python -m RL2.trainer.<name>` (each rank under
+torchrun) and `python -m RL2.evaluate` import torch, transformers and datasets: some 700,000 objects that live as long
+as the process, which every full pass of the collector walks again while they load, a quarter of the imports' time.
+Such a command imports with the collector off; its entry point calls `imports_done`, which turns it back on with what
+was imported frozen out of its passes. Only the standard library here: RL2's `__init__` calls this first."""
+
+import gc
+import sys
+
+COMMANDS = ("RL2.trainer.", "RL2.evaluate")
+_OPTIONS_WITH_A_VALUE = ("-X", "-W", "-Q")  # `python -X importtime -m ...`: the next word is the option's
+
+_turned_off = False  # by `off_while_a_command_imports`, for `imports_done` to undo
+
+
+def module_run(argv: list[str]) -> str | None:
+    """The module a Python command line (`sys.orig_argv`) runs with `-m`; None for a script, `-c` or none."""
+    words = iter(argv[1:])
+    for word in words:
+        if word == "-m":
+            return next(words, None)
+        if word.startswith("-m"):
+            return word[2:]
+        if word in _OPTIONS_WITH_A_VALUE:
+            next(words, None)
+        elif word == "-c" or not word.startswith("-"):
+            return None  # the options end at a command or a script
+    return None
+
+
+def off_while_a_command_imports() -> None:
+    """Turn the collector off when this process is an RL2 command whose module Python is still importing (while
+    `-m` finds it, `sys.argv[0]` is "-m"); a script or a program that imports RL2 keeps it as it is."""
+    global _turned_off
+    running = module_run(getattr(sys, "orig_argv", []))
+    if sys.argv[:1] == ["-m"] and running is not None and running.startswith(COMMANDS) and gc.isenabled():
+        gc.disable()
+        _turned_off = True
+
+
+def imports_done() -> None:
+    """At a command's entry point: the collector back on where it was turned off, the objects so far out of its
+    passes (they live as long as the process; the little import garbage among them stays, too)."""
+    global _turned_off
+    if _turned_off:
+        gc.freeze()
+        gc.enable()
+        _turned_off = False
