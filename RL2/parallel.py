@@ -111,6 +111,9 @@ def close_process_groups(finished: bool = True) -> None:
         return
     dist.destroy_process_group()
     if finished:
+        # A command froze what it imported (RL2/utils/startup_gc.py), torch's caches among it, and
+        # `gc.get_objects` lists no frozen object: back to the collector's care first.
+        gc.unfreeze()
         for clear in _PER_GROUP_CACHES:
             clear()
         _clear_dtensor_caches()

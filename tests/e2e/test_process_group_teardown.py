@@ -1,8 +1,10 @@
 """A finished run frees its process groups before the interpreter's teardown: no gloo thread is left
-when the last exit handler runs (see `RL2.parallel.close_process_groups`). Each run goes through
-`scripts/threads_at_exit.py`, which lists the process-group threads still alive at that point."""
+when the last exit handler runs (see `RL2.parallel.close_process_groups`). Each run starts as users start it,
+with `scripts/threads_at_exit/` on PYTHONPATH: its `sitecustomize` lists the process-group threads still alive
+at that point in every process."""
 
 import json
+import os
 
 import pytest
 
@@ -13,9 +15,17 @@ from tests.helpers.launch import run_ranks
 
 
 def threads_at_exit(nproc: int, target: list[str], folder, monkeypatch) -> list[list[str]]:
+    """The group threads left at exit in each rank's processes (the rank's own, and any it started), joined."""
     monkeypatch.setenv("THREADS_AT_EXIT_DIR", str(folder))
-    run_ranks(nproc, [str(SCRIPTS / "threads_at_exit.py"), *target])
-    return [json.loads((folder / f"threads-rank{rank}.json").read_text()) for rank in range(nproc)]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SCRIPTS / "threads_at_exit"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    run_ranks(nproc, target)
+    ranks = []
+    for rank in range(nproc):
+        files = sorted(folder.glob(f"threads-rank{rank}-*.json"))
+        assert files, f"rank {rank} recorded nothing"
+        ranks.append(sorted(name for file in files for name in json.loads(file.read_text())))
+    return ranks
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -56,4 +66,5 @@ def test_api_after_an_uncaught_error_only_forgets_the_group(tiny_model_path, tmp
     with pytest.raises(AssertionError, match="the script failed after training"):
         threads_at_exit(2, script, tmp_path, monkeypatch)
     for rank in range(2):
-        assert "pt_gloo_runloop" in json.loads((tmp_path / f"threads-rank{rank}.json").read_text())
+        files = tmp_path.glob(f"threads-rank{rank}-*.json")
+        assert "pt_gloo_runloop" in [name for file in files for name in json.loads(file.read_text())]
