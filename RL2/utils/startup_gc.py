@@ -9,7 +9,8 @@ import gc
 import sys
 
 COMMANDS = ("RL2.trainer.", "RL2.evaluate")
-_OPTIONS_WITH_A_VALUE = ("-X", "-W", "-Q")  # `python -X importtime -m ...`: the next word is the option's
+# Options whose value is the next word: `python -X importtime -m RL2.trainer.ppo`.
+_OPTIONS_WITH_A_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 
 _turned_off = False  # by `off_while_a_command_imports`, for `imports_done` to undo
 

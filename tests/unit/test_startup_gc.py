@@ -16,6 +16,7 @@ from RL2.utils.startup_gc import imports_done, module_run, off_while_a_command_i
     (["python", "-u", "-m", "RL2.trainer.sft"], "RL2.trainer.sft"),  # how torchrun starts each rank
     (["python", "-X", "importtime", "-mRL2.evaluate"], "RL2.evaluate"),
     (["python", "-W", "ignore", "-m", "pytest", "-m", "slow"], "pytest"),
+    (["python", "--check-hash-based-pycs", "never", "-m", "RL2.trainer.dpo"], "RL2.trainer.dpo"),
     (["python", "train.py", "-m", "RL2.trainer.ppo"], None),  # a script's own arguments
     (["python", "-c", "import RL2", "-m", "RL2.trainer.ppo"], None),
     (["python", "-m"], None),
