@@ -10,7 +10,7 @@ from RL2.datasets.loading import DataError
 from RL2.evaluation.evaluator import Evaluator
 from RL2.parallel import close_process_groups
 from RL2.rollout.env import EnvError
-from RL2.utils.startup_gc import imports_done
+from RL2.utils.startup_gc import command_ends, imports_done
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"RL2 evaluate: {e}")
     finally:
         close_process_groups(finished)
+        command_ends()
 
 
 class _CallableModule(types.ModuleType):

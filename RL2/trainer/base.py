@@ -17,7 +17,7 @@ from RL2.utils.checkpoint import latest_checkpoint, load_checkpoint, resolve_che
 from RL2.utils.logging import MetricsSink, is_rank0, log_rank0
 from RL2.utils.plot import CurvePanel, plot_learning_curve
 from RL2.utils.save_dir_lock import claim_save_dir
-from RL2.utils.startup_gc import imports_done
+from RL2.utils.startup_gc import command_ends, imports_done
 
 
 class Trainer:
@@ -186,3 +186,4 @@ def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | Non
         sys.exit(f"RL2 {name}: {e}")
     finally:
         close_process_groups(finished)
+        command_ends()

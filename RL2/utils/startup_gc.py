@@ -3,7 +3,8 @@ torchrun) and `python -m RL2.evaluate` import torch, transformers and datasets: 
 as the process, which every full pass of the collector walks again while they load, a quarter of the imports' time.
 Such a command imports with the collector off; its entry point calls `imports_done`, which turns it back on with what
 was imported frozen out of its passes (`gc.get_objects` skips them: `RL2.parallel.close_process_groups` unfreezes
-them before it looks for torch's caches). Only the standard library here: RL2's `__init__` calls this first."""
+them before it looks for torch's caches), and at its end `command_ends` freezes all that is left, for the
+interpreter's exit. Only the standard library here: RL2's `__init__` calls this first."""
 
 import gc
 import sys
@@ -13,6 +14,7 @@ COMMANDS = ("RL2.trainer.", "RL2.evaluate")
 _OPTIONS_WITH_A_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 
 _turned_off = False  # by `off_while_a_command_imports`, for `imports_done` to undo
+_command = False  # this process is an RL2 command (its collector was off while it imported)
 
 
 def module_run(argv: list[str]) -> str | None:
@@ -33,11 +35,11 @@ def module_run(argv: list[str]) -> str | None:
 def off_while_a_command_imports() -> None:
     """Turn the collector off when this process is an RL2 command whose module Python is still importing (while
     `-m` finds it, `sys.argv[0]` is "-m"); a script or a program that imports RL2 keeps it as it is."""
-    global _turned_off
+    global _turned_off, _command
     running = module_run(getattr(sys, "orig_argv", []))
     if sys.argv[:1] == ["-m"] and running is not None and running.startswith(COMMANDS) and gc.isenabled():
         gc.disable()
-        _turned_off = True
+        _turned_off = _command = True
 
 
 def imports_done() -> None:
@@ -48,3 +50,12 @@ def imports_done() -> None:
         gc.freeze()
         gc.enable()
         _turned_off = False
+
+
+def command_ends() -> None:
+    """At the end of a command's entry point, its process groups closed: everything left frozen, as the process
+    exits. The interpreter's exit collects again and again, walking every object (a trainer's second); frozen, it
+    walks none. Python promises no finalizer to an object alive at exit anyway; atexit handlers (weakref finalizers
+    among them) still run."""
+    if _command:
+        gc.freeze()

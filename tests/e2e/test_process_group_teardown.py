@@ -14,24 +14,33 @@ from tests.helpers import SCRIPTS
 from tests.helpers.launch import run_ranks
 
 
-def threads_at_exit(nproc: int, target: list[str], folder, monkeypatch) -> list[list[str]]:
-    """The group threads left at exit in each rank's processes (the rank's own, and any it started), joined."""
+def left_at_exit(nproc: int, target: list[str], folder, monkeypatch) -> list[list[dict]]:
+    """What each rank's processes (the rank's own, and any it started) left at exit, one record a process."""
     monkeypatch.setenv("THREADS_AT_EXIT_DIR", str(folder))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SCRIPTS / "threads_at_exit"),
                                                                    os.environ.get("PYTHONPATH")])))
     run_ranks(nproc, target)
-    ranks = []
-    for rank in range(nproc):
-        files = sorted(folder.glob(f"threads-rank{rank}-*.json"))
-        assert files, f"rank {rank} recorded nothing"
-        ranks.append(sorted(name for file in files for name in json.loads(file.read_text())))
+    ranks = [[json.loads(file.read_text()) for file in sorted(folder.glob(f"threads-rank{rank}-*.json"))]
+             for rank in range(nproc)]
+    assert all(ranks), f"a rank recorded nothing: {ranks}"
     return ranks
+
+
+def threads_at_exit(nproc: int, target: list[str], folder, monkeypatch) -> list[list[str]]:
+    """The group threads left at exit in each rank's processes, joined."""
+    ranks = left_at_exit(nproc, target, folder, monkeypatch)
+    return [sorted(name for record in records for name in record["threads"]) for records in ranks]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_trainer_leaves_no_group_threads(tiny_model_path, sft_data, tmp_path, monkeypatch, nproc):  # noqa: F811
+    """... and leaves the interpreter's exit little to walk: a finished command freezes what is left
+    (`RL2.utils.startup_gc.command_ends`), which would otherwise be hundreds of thousands of objects."""
     args = sft_args(tiny_model_path, sft_data, tmp_path / "run", "trainer.total_steps=2")
-    assert threads_at_exit(nproc, args, tmp_path, monkeypatch) == [[]] * nproc
+    ranks = left_at_exit(nproc, args, tmp_path, monkeypatch)
+    assert [[record["threads"] for record in records] for records in ranks] == [[[]]] * nproc
+    for (record,) in ranks:
+        assert record["walked"] < record["frozen"] / 20, record
 
 
 TRAIN_ONLY = """import json, sys
@@ -67,4 +76,4 @@ def test_api_after_an_uncaught_error_only_forgets_the_group(tiny_model_path, tmp
         threads_at_exit(2, script, tmp_path, monkeypatch)
     for rank in range(2):
         files = tmp_path.glob(f"threads-rank{rank}-*.json")
-        assert "pt_gloo_runloop" in [name for file in files for name in json.loads(file.read_text())]
+        assert "pt_gloo_runloop" in [name for file in files for name in json.loads(file.read_text())["threads"]]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from RL2.utils import startup_gc
-from RL2.utils.startup_gc import imports_done, module_run, off_while_a_command_imports
+from RL2.utils.startup_gc import command_ends, imports_done, module_run, off_while_a_command_imports
 
 
 @pytest.mark.parametrize("argv, module", [
@@ -31,7 +31,7 @@ def collector_restored():
     yield
     gc.enable()
     gc.unfreeze()
-    startup_gc._turned_off = False
+    startup_gc._turned_off = startup_gc._command = False
 
 
 @pytest.mark.parametrize("module, turned_off", [("RL2.trainer.ppo", True), ("RL2.evaluate", True),
@@ -43,6 +43,9 @@ def test_off_only_while_an_rl2_command_is_imported(monkeypatch, collector_restor
     assert gc.isenabled() is not turned_off
     imports_done()
     assert gc.isenabled()
+    assert (gc.get_freeze_count() > 0) is turned_off
+    gc.unfreeze()
+    command_ends()  # a command's end freezes what is left; a program's objects stay in the collector's care
     assert (gc.get_freeze_count() > 0) is turned_off
 
 
