@@ -53,8 +53,11 @@ CASES = [
          r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240, pytest.mark.slow),
     case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
          r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300, pytest.mark.slow),
-    case("bench_startup.py", ["--commands", "trainer.sft", "--repeats", "1"], r"^\| command \| RL2's start s \|",
-         r"^\| python -m RL2\.trainer\.sft --help \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?\d+% \|$", 120),
+    # Two starts and two whole runs of a short SFT of the bundled model, each as RL2's command and from a program.
+    case("bench_startup.py", ["--commands", "trainer.sft", "--run-steps", "1", "--repeats", "1"],
+         r"^\| process \| as RL2's command s \|",
+         r"^\| python -m RL2\.trainer\.sft, 1 step\(s\) of the bundled model, 1 rank \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
+         r"[\d.]+ \| -?\d+% \|$", 300, pytest.mark.slow),
     # The viewer over a small made-up run: the same server and requests as 10,000 trajectories of 2k tokens.
     case("bench_viewer.py", ["--samples", "50", "--tokens", "16"], r"^\| request \| s \|",
          r"^\| open: index, status, curves, steps, first page \| [\d.]+ \|", 60),
