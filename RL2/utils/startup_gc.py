@@ -13,7 +13,6 @@ COMMANDS = ("RL2.trainer.", "RL2.evaluate")
 # Options whose value is the next word: `python -X importtime -m RL2.trainer.ppo`.
 _OPTIONS_WITH_A_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 
-_turned_off = False  # by `off_while_a_command_imports`, for `imports_done` to undo
 _command = False  # this process is an RL2 command (its collector was off while it imported)
 
 
@@ -35,21 +34,19 @@ def module_run(argv: list[str]) -> str | None:
 def off_while_a_command_imports() -> None:
     """Turn the collector off when this process is an RL2 command whose module Python is still importing (while
     `-m` finds it, `sys.argv[0]` is "-m"); a script or a program that imports RL2 keeps it as it is."""
-    global _turned_off, _command
+    global _command
     running = module_run(getattr(sys, "orig_argv", []))
     if sys.argv[:1] == ["-m"] and running is not None and running.startswith(COMMANDS) and gc.isenabled():
         gc.disable()
-        _turned_off = _command = True
+        _command = True
 
 
 def imports_done() -> None:
     """At a command's entry point: the collector back on where it was turned off, the objects so far out of its
     passes (they live as long as the process; the little import garbage among them stays, too)."""
-    global _turned_off
-    if _turned_off:
+    if _command and not gc.isenabled():
         gc.freeze()
         gc.enable()
-        _turned_off = False
 
 
 def command_ends() -> None:

@@ -31,7 +31,7 @@ def collector_restored():
     yield
     gc.enable()
     gc.unfreeze()
-    startup_gc._turned_off = startup_gc._command = False
+    startup_gc._command = False
 
 
 @pytest.mark.parametrize("module, turned_off", [("RL2.trainer.ppo", True), ("RL2.evaluate", True),
