@@ -4,27 +4,14 @@ rollout.reward_fn=...` (docs/evaluation.md; every key: `--help`). The evaluator 
 import sys
 import types
 
-from RL2.config.cli import ConfigError, parse_config
 from RL2.config.eval_schema import EvalConfig
-from RL2.datasets.loading import DataError
 from RL2.evaluation.evaluator import Evaluator
-from RL2.parallel import close_process_groups
-from RL2.rollout.env import EnvError
-from RL2.utils.startup_gc import command_ends, imports_done
+from RL2.trainer.base import run_command
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: config, data and environment errors end with a message, not a traceback."""
-    imports_done()
-    finished = False
-    try:
-        Evaluator(parse_config(EvalConfig, "eval", argv)).run()
-        finished = True
-    except (ConfigError, DataError, EnvError) as e:
-        sys.exit(f"RL2 evaluate: {e}")
-    finally:
-        close_process_groups(finished)
-        command_ends()
+    run_command("RL2 evaluate", EvalConfig, "eval", lambda cfg: Evaluator(cfg).run(), argv)
 
 
 class _CallableModule(types.ModuleType):

@@ -175,15 +175,20 @@ def quiet_third_party_progress() -> None:
 
 
 def launch(trainer_cls: Callable, schema: type, name: str, argv: list[str] | None = None) -> None:
-    """Entry point of `python -m RL2.trainer.<name>`: bad config, data or scripts end with a message, no traceback."""
+    """Entry point of `python -m RL2.trainer.<name>`."""
+    run_command(f"RL2 {name}", schema, name, lambda cfg: trainer_cls(cfg).train(), argv)
+
+
+def run_command(label: str, schema: type, section: str, run: Callable, argv: list[str] | None = None) -> None:
+    """An RL2 command's life (a trainer's, the evaluator's): `run` of the config parsed from `argv`; bad config, data
+    or scripts end with a message after `label`, no traceback; the process groups closed at the end."""
     imports_done()
     finished = False
     try:
-        cfg = parse_config(schema, name, argv)
-        trainer_cls(cfg).train()
+        run(parse_config(schema, section, argv))
         finished = True
     except (ConfigError, DataError, EnvError) as e:
-        sys.exit(f"RL2 {name}: {e}")
+        sys.exit(f"{label}: {e}")
     finally:
         close_process_groups(finished)
         command_ends()
