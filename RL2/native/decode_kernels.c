@@ -543,23 +543,35 @@ int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int6
 
 /* ---- The same product for a bf16 model, on CPUs with AVX512-BF16.
  *
- * Half the bytes to stream. Each feature's weights are stored in pairs along k, so one 32-bit broadcast
- * carries a pair, and one vdpbf16ps multiplies it with the same pair of 16 rows of x and adds both
- * products to the rows' float32 sums. A product of two bf16 is exact in float32 and each addition rounds
- * once, as a float32 product over the widened values would (with denormals flushed to zero, as the
- * instruction does). The sums are rounded to bf16 once, the bias (widened) added first, as oneDNN's bf16
- * linear does.
+ * Half the bytes to stream, and its own layout: a vector holds sixteen output features, not sixteen rows
+ * of x. Each feature's weights are stored in pairs along k, so one 64-byte load is a pair for each of a
+ * panel's sixteen features, and one vdpbf16ps multiplies it with a row's pair of x (broadcast) and adds
+ * both products to that row's sixteen float32 sums. A row's sums are then one vector, rounded and stored
+ * in place: no transpose of x on the way in nor of the sums on the way out (which the float32 layout above
+ * needs, and which cost a fifth of the product). The broadcast is the instruction's own memory operand
+ * ({1to16}): as a separate broadcast the two instructions per multiply-add, not the multiply-adds, bound
+ * the loop on a core that does two of them a cycle (AMD Zen 5). Up to sixteen rows share each load of the
+ * weights, one accumulator each, and a panel meets every row of a 64-row chunk of x while in L1; fewer
+ * rows (a decode step's last requests) take the loop with just as many accumulators, each still one
+ * dependent chain, at the speed the weights stream in. A product of two bf16 is exact in float32 and each
+ * addition rounds once, as a float32 product over the widened values would (with denormals flushed to
+ * zero, as the instruction does); the bias (widened) is added to the sums, rounded to bf16 once, as
+ * oneDNN's bf16 linear does.
  *
  * Layouts (bf16, C-contiguous), k2 = ceil(k / 2):
- *   panels  [ceil(n / PANEL_ROWS)][k2][PANEL_ROWS][2]   an odd k's last pair is (w, 0); features past n are
- *                                                        zero (pack_panels_bf16 writes the rest)
+ *   panels  [ceil(n / BF16_PANEL_ROWS)][k2][BF16_PANEL_ROWS][2]   an odd k's last pair is (w, 0); features
+ *                                                                 past n are zero (pack_panels_bf16 writes
+ *                                                                 the rest)
  *   x       [m, k],  out [m, n],  bias [n] or NULL
  */
+
+#define BF16_PANEL_ROWS 16 /* a vector of float32 sums */
+#define BF16_ROW_BLOCK 16  /* rows of x that share a load of the weights: an accumulator each */
 
 /* The panels' width in features where panel_linear_bf16 is built (AVX512-BF16); 0 where it is not. */
 int bf16_panel_rows(void) {
 #ifdef __AVX512BF16__
-    return PANEL_ROWS;
+    return BF16_PANEL_ROWS;
 #else
     return 0;
 #endif
@@ -567,23 +579,23 @@ int bf16_panel_rows(void) {
 
 /* Writes the `rows` rows of weight [rows, k] into the panels as output features first_row... */
 void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first_row, bf16 *panels) {
-    int64_t k2 = (k + 1) / 2;
-    int64_t first_panel = first_row / PANEL_ROWS, end_panel = (first_row + rows + PANEL_ROWS - 1) / PANEL_ROWS;
+    int64_t k2 = (k + 1) / 2, width = BF16_PANEL_ROWS;
+    int64_t first_panel = first_row / width, end_panel = (first_row + rows + width - 1) / width;
 #pragma omp parallel for if (rows * k >= PARALLEL_FROM)
     for (int64_t p = first_panel; p < end_panel; p++) {
-        int64_t lo = p * PANEL_ROWS > first_row ? p * PANEL_ROWS : first_row;
-        int64_t hi = (p + 1) * PANEL_ROWS < first_row + rows ? (p + 1) * PANEL_ROWS : first_row + rows;
-        uint32_t *panel = (uint32_t *)(panels + p * k2 * PANEL_ROWS * 2);
+        int64_t lo = p * width > first_row ? p * width : first_row;
+        int64_t hi = (p + 1) * width < first_row + rows ? (p + 1) * width : first_row + rows;
+        uint32_t *panel = (uint32_t *)(panels + p * k2 * width * 2);
         const bf16 *src = weight + (lo - first_row) * k;
-        if (hi - lo == PANEL_ROWS && k % 2 == 0) { /* the panel written in order, its rows read side by side */
+        if (hi - lo == width && k % 2 == 0) { /* the panel written in order, its rows read side by side */
             for (int64_t kp = 0; kp < k2; kp++)
-#pragma GCC unroll 12
-                for (int r = 0; r < PANEL_ROWS; r++) memcpy(panel + kp * PANEL_ROWS + r, src + r * k + 2 * kp, 4);
+#pragma GCC unroll 16
+                for (int r = 0; r < BF16_PANEL_ROWS; r++) memcpy(panel + kp * width + r, src + r * k + 2 * kp, 4);
         } else {
             for (int64_t row = lo; row < hi; row++)
                 for (int64_t kp = 0; kp < k2; kp++) {
                     const bf16 *pair = src + (row - lo) * k + 2 * kp;
-                    panel[kp * PANEL_ROWS + row % PANEL_ROWS] = pair[0] | (2 * kp + 1 < k ? (uint32_t)pair[1] << 16 : 0u);
+                    panel[kp * width + row % width] = pair[0] | (2 * kp + 1 < k ? (uint32_t)pair[1] << 16 : 0u);
                 }
         }
     }
@@ -592,76 +604,75 @@ void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-/* out[c][r][t] for `count` (1 or 2) neighbouring panels c, their features r, and 16 rows t of x, whose
- * pairs along k are xt's 32-bit elements [k2][ld]; `prefetch`: request the next pair's weights. */
-static inline __attribute__((always_inline)) void bf16_panel_block(const uint32_t *restrict panel, int64_t k2,
-                                                                  const uint32_t *restrict xt, int64_t ld, int count,
-                                                                  int prefetch, float out[2][PANEL_ROWS][16]) {
-    __m512 acc[2][PANEL_ROWS];
-    for (int c = 0; c < count; c++)
-        for (int r = 0; r < PANEL_ROWS; r++) acc[c][r] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < k2; kp++) {
-        __m512bh x = (__m512bh)_mm512_load_si512(xt + kp * ld);
-        for (int c = 0; c < count; c++) {
-            const uint32_t *w = panel + (c * k2 + kp) * PANEL_ROWS;
-            if (prefetch) PREFETCH_NEXT_PAIR(w, k2 * PANEL_ROWS);
-#pragma GCC unroll 12
-            for (int r = 0; r < PANEL_ROWS; r++)
-                acc[c][r] = _mm512_dpbf16_ps(acc[c][r], x, (__m512bh)_mm512_set1_epi32((int)w[r]));
-        }
+/* float_to_bf16 of sixteen sums at once, bit for bit. */
+static inline __m256i round_to_bf16(__m512 sums) {
+    __m512i bits = _mm512_castps_si512(sums);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* out[t][0..15] (the features `keep` marks) = rows t < `rows` of x times one panel, plus `bias` (16 features,
+ * or NULL); `prefetch`: the weights to request into L2 meanwhile (the next panel), or NULL. */
+static inline __attribute__((always_inline)) void bf16_panel_rows_block(const uint32_t *restrict panel, int64_t k,
+                                                                       const bf16 *restrict x, int rows,
+                                                                       const bf16 *bias, __mmask16 keep,
+                                                                       const uint32_t *prefetch, bf16 *restrict out,
+                                                                       int64_t n) {
+    __m512 acc[BF16_ROW_BLOCK];
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
+    int64_t whole_pairs = k / 2;
+    for (int64_t kp = 0; kp < whole_pairs; kp++) {
+        __m512bh weights = (__m512bh)_mm512_load_si512(panel + kp * BF16_PANEL_ROWS);
+        if (prefetch) __builtin_prefetch(prefetch + kp * BF16_PANEL_ROWS, 0, 2);
+#pragma GCC unroll 16
+        for (int t = 0; t < rows; t++)
+            __asm__("vdpbf16ps %[pair]%{1to16%}, %[weights], %[acc]"
+                    : [acc] "+v"(acc[t])
+                    : [weights] "v"(weights), [pair] "m"(*(const int32_t *)(x + t * k + 2 * kp)));
     }
-    for (int c = 0; c < count; c++)
-        for (int r = 0; r < PANEL_ROWS; r++) _mm512_store_ps(out[c][r], acc[c][r]);
+    if (k % 2) { /* the last pair is (x, 0) against (w, 0) */
+        __m512bh weights = (__m512bh)_mm512_load_si512(panel + whole_pairs * BF16_PANEL_ROWS);
+        for (int t = 0; t < rows; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_set1_epi32(x[t * k + k - 1]), weights);
+    }
+    __m512 widened_bias = _mm512_setzero_ps();
+    if (bias)
+        widened_bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias)), 16));
+    for (int t = 0; t < rows; t++)
+        _mm256_mask_storeu_epi16(out + t * n, keep, round_to_bf16(bias ? _mm512_add_ps(acc[t], widened_bias) : acc[t]));
 }
 #endif
 
-/* out = x . W^T (+ bias) with W given as bf16 panels. Returns 0; 1 if the scratch could not be allocated;
- * 2 where this library was built without AVX512-BF16 (bf16_panel_rows() is then 0). */
+/* out = x . W^T (+ bias) with W given as bf16 panels. Returns 0; 2 where this library was built without
+ * AVX512-BF16 (bf16_panel_rows() is then 0). */
 int panel_linear_bf16(const bf16 *x, int64_t m, int64_t k, const bf16 *panels, int64_t n, const bf16 *bias,
                       bf16 *out) {
 #ifndef __AVX512BF16__
     (void)x, (void)m, (void)k, (void)panels, (void)n, (void)bias, (void)out;
     return 2;
 #else
-    static __thread uint32_t *scratch = NULL; /* x's pairs, transposed: [k2][ld], 64-byte aligned */
-    static __thread int64_t capacity = 0;
-    int64_t k2 = (k + 1) / 2, needed = k2 * TOKEN_CHUNK;
-    if (needed > capacity) {
-        free(scratch);
-        scratch = aligned_alloc(64, (size_t)needed * sizeof(uint32_t)); /* a multiple of 64 bytes: TOKEN_CHUNK is */
-        capacity = scratch ? needed : 0;
-        if (!scratch) return 1;
-    }
-    uint32_t *xt = scratch;
     const uint32_t *pairs = (const uint32_t *)panels;
-    int64_t n_panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    int64_t k2 = (k + 1) / 2, n_panels = (n + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
     for (int64_t t0 = 0; t0 < m; t0 += TOKEN_CHUNK) {
-        int64_t width = m - t0 < TOKEN_CHUNK ? m - t0 : TOKEN_CHUNK, ld = (width + 15) / 16 * 16;
-        for (int64_t kp = 0; kp < k2; kp++) {
-            for (int64_t t = 0; t < width; t++) {
-                const bf16 *row = x + (t0 + t) * k + 2 * kp;
-                xt[kp * ld + t] = row[0] | (2 * kp + 1 < k ? (uint32_t)row[1] << 16 : 0u);
-            }
-            for (int64_t t = width; t < ld; t++) xt[kp * ld + t] = 0;
-        }
-#pragma omp parallel for schedule(static) if (n_panels * k * width >= PARALLEL_FROM)
-        for (int64_t first = 0; first < n_panels; first += PANELS_AT_ONCE) {
-            float block[2][PANEL_ROWS][16] __attribute__((aligned(64)));
-            int count = first + 1 < n_panels ? PANELS_AT_ONCE : 1;
-            for (int64_t b = 0; b < width; b += 16) {
-                if (count == 2)
-                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 2, b == 0, block);
-                else
-                    bf16_panel_block(pairs + first * k2 * PANEL_ROWS, k2, xt + b, ld, 1, 0, block);
-                for (int64_t p = first; p < first + count; p++) {
-                    int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
-                    for (int64_t t = b; t < width && t < b + 16; t++) {
-                        bf16 *row = out + (t0 + t) * n + p * PANEL_ROWS;
-                        for (int64_t r = 0; r < features; r++) {
-                            float sum = block[p - first][r][t - b];
-                            row[r] = float_to_bf16(bias ? sum + bf16_to_float(bias[p * PANEL_ROWS + r]) : sum);
-                        }
-                    }
+        int64_t end = m - t0 < TOKEN_CHUNK ? m : t0 + TOKEN_CHUNK;
+#pragma omp parallel for schedule(static) if (n_panels * k * (end - t0) >= PARALLEL_FROM)
+        for (int64_t p = 0; p < n_panels; p++) {
+            const uint32_t *panel = pairs + p * k2 * BF16_PANEL_ROWS;
+            const uint32_t *next = p + 1 < n_panels ? panel + k2 * BF16_PANEL_ROWS : NULL;
+            int64_t features = n - p * BF16_PANEL_ROWS < BF16_PANEL_ROWS ? n - p * BF16_PANEL_ROWS : BF16_PANEL_ROWS;
+            __mmask16 keep = (__mmask16)((1u << features) - 1);
+            const bf16 *panel_bias = bias ? bias + p * BF16_PANEL_ROWS : NULL;
+            for (int64_t t = t0; t < end; t += BF16_ROW_BLOCK) {
+                const uint32_t *prefetch = t == t0 ? next : NULL; /* the first block streams the panel in */
+                bf16 *block_out = out + t * n + p * BF16_PANEL_ROWS;
+                switch (end - t < BF16_ROW_BLOCK ? end - t : BF16_ROW_BLOCK) { /* a loop unrolled for each count */
+#define ROWS(r) \
+    case r: bf16_panel_rows_block(panel, k, x + t * k, r, panel_bias, keep, prefetch, block_out, n); break;
+                    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+                    ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
                 }
             }
         }

@@ -66,7 +66,7 @@ class DecodeKernels:
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.panel_rows = library.panel_rows()  # output features per panel: 12 where built with AVX512, else 3
-        self.bf16_panel_rows = library.bf16_panel_rows()  # the same where built with AVX512-BF16, else 0: none
+        self.bf16_panel_rows = library.bf16_panel_rows()  # 16 (a vector) where built with AVX512-BF16, else 0: none
         self._step_kernels = {(name, dtype): getattr(library, name + suffix)
                               for name in STEP_KERNELS for dtype, suffix in SUFFIXES.items()}
 
@@ -131,7 +131,7 @@ class DecodeKernels:
     def pack_panels(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Weights `[n_i, k]` (float32, or bf16 where `bf16_panel_rows`) of layers sharing an input, their
         outputs in this order, as the panels `panel_linear` reads, n = sum of n_i: float32
-        `[ceil(n / panel_rows), k, panel_rows]`, bf16 `[ceil(n / panel_rows), ceil(k / 2), panel_rows, 2]`."""
+        `[ceil(n / panel_rows), k, panel_rows]`, bf16 `[ceil(n / w), ceil(k / 2), w, 2]` with w = `bf16_panel_rows`."""
         panels = self.empty_panels(sum(w.shape[0] for w in weights), weights[0].shape[1], weights[0].dtype)
         first = 0
         for weight in weights:
@@ -141,10 +141,11 @@ class DecodeKernels:
 
     def empty_panels(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         """Panels for n features of k inputs (`pack_panels`) for `pack_rows` to fill; those past n are zero (finite)."""
-        width = self.panel_rows
         if dtype == torch.bfloat16 and self.bf16_panel_rows:
+            width = self.bf16_panel_rows
             panels = torch.empty(-(-n // width), -(-k // 2), width, 2, dtype=dtype)
         elif dtype == torch.float32:
+            width = self.panel_rows
             panels = torch.empty(-(-n // width), k, width)
         else:
             raise TypeError(f"pack_panels: float32 weights, or bf16 on a CPU with AVX512-BF16; got {dtype}")

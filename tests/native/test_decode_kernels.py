@@ -373,6 +373,18 @@ def test_bf16_panel_linear_sums_the_exact_products_in_float32_and_rounds_once(ro
     assert_bf16_product(KERNELS.panel_linear(x, panels, n, None), x, torch.cat(weights), None)
 
 
+@needs_bf16_panels
+def test_bf16_panel_linear_for_every_count_of_rows_a_block_can_hold():
+    """Each count of rows up to a block's 16 runs its own unrolled loop: a decode step's last requests
+    take them all; a block after a full one, and a feature panel cut short by n, too."""
+    k, n = 41, 37
+    weight, bias = randn(n, k, seed=1).bfloat16(), randn(n, seed=2).bfloat16()
+    panels = KERNELS.pack_panels([weight])
+    for rows in list(range(1, 17)) + [16 + 5, 64 + 16 + 3]:
+        x = randn(rows, k, seed=rows).bfloat16()
+        assert_bf16_product(KERNELS.panel_linear(x, panels, n, bias), x, weight, bias)
+
+
 @pytest.mark.parametrize(
     "dtype, k", [(torch.float32, 40), pytest.param(torch.bfloat16, 41, marks=needs_bf16_panels)]
 )
