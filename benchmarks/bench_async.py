@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "examples" / "data")]
-from common import run_measured  # noqa: E402
+from common import cpu_kind, run_measured  # noqa: E402
 from make_arithmetic import EXAMPLE, INSTRUCTION  # noqa: E402  (the answer format, shown once)
 
 ENV = REPO / "benchmarks" / "envs" / "long_tail.py"
@@ -110,13 +110,6 @@ def run_arm(args, data_dir: Path, name: str, overrides: list[str]) -> dict:
 def trained_tokens(step: dict) -> float:
     """The tokens one step's update went over (its tokens per second times its seconds)."""
     return step.get("perf/actor_update_tokens_per_s", 0.0) * step.get("perf/actor_update_s", 0.0)
-
-
-def cpu_kind() -> str:
-    """The CPU's model name and whether it has AVX512-BF16 (what `dtype=auto` and the kernels depend on)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{model}, {'with' if 'avx512_bf16' in info else 'without'} avx512_bf16"
 
 
 def report(runs: dict[str, dict], args) -> None:

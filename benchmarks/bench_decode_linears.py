@@ -27,7 +27,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
-from common import matmul_peak  # noqa: E402
+from common import cpu_kind, matmul_peak  # noqa: E402
 
 # (out_features, in_features) of one decoder layer's products and of the output projection.
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -106,7 +106,8 @@ def main() -> None:
     flops_per_row = 2 * (sum(n * k for n, k in LAYER) * LAYERS + HEAD[0] * HEAD[1])
     settings = [("1 process, 1 core", 1, 1, peak_one), ("2 processes, 1 core each, at once", 2, 1, peak_one),
                 (f"1 process, {cores} cores", 1, cores, peak_all)]
-    print(f"\n{args.dtype} matmul peak: {peak_one / 1e9:.0f} GFLOP/s on 1 core, {peak_all / 1e9:.0f} on {cores}")
+    print(f"\n{cpu_kind()}; {args.dtype} matmul peak: {peak_one / 1e9:.0f} GFLOP/s on 1 core, {peak_all / 1e9:.0f} "
+          f"on {cores}")
     print("\n| rows | setting | product | ms per step | GFLOP/s per process | % of the peak of its cores | "
           "peak RSS of a process (GB) |")
     print("|---|---|---|---|---|---|---|")

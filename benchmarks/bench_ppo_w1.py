@@ -52,7 +52,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import add_isa_argument, matmul_peak, memory_bandwidth, run_measured, run_with_isa  # noqa: E402
+from common import add_isa_argument, cpu_kind, matmul_peak, memory_bandwidth, run_measured, run_with_isa  # noqa: E402
 
 # TRL runs with torch's allocator as its users have it: importing RL2 (below) turns huge pages on for
 # this process and the ones it starts, unless the caller's environment says otherwise.
@@ -297,7 +297,7 @@ def main() -> None:
         title = f"round {round_index + 1} of {args.rounds}: " if args.rounds > 1 else ""
         print(f"\n{title}W1 ({N_PROMPTS} prompts x {N_RESPONSES} responses x {NEW_TOKENS} tokens, {args.dtype}, RL2 "
               f"on {args.nproc} ranks, {args.isa} instructions); {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
-              f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; medians of steps 2..{args.steps}")
+              f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; medians of steps 2..{args.steps}; {cpu_kind()}")
         speedups.append(report(args, runs, trl, shape, machine, prompt_work))
     if args.rounds > 1 and not args.skip_trl:
         for variant in variants:

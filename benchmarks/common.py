@@ -38,6 +38,29 @@ def run_with_isa(isa: str) -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | wanted)
 
 
+# AMD's CPU families by the cores they bring (the model name of a cloud VM's CPU often says only "AMD EPYC").
+AMD_FAMILIES = {23: "Zen 1/2", 25: "Zen 3/4", 26: "Zen 5"}
+
+
+def cpu_kind() -> str:
+    """The CPU as a figure must name it: model name, AMD's core generation, the instruction sets that RL2's kernels
+    and `dtype=auto` choose by, and the cores this process may use."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    name = fields.get("model name", "unknown CPU")
+    if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family", "").isdigit():
+        family = int(fields["cpu family"])
+        generation = AMD_FAMILIES.get(family, "Zen")
+        if family == 25:
+            generation = "Zen 4" if "avx512f" in flags else "Zen 3"
+        name += f" ({generation}, family {family})"
+    isa = ("AMX" if "amx_tile" in flags else "no AMX", "AVX512-BF16" if "avx512_bf16" in flags else None,
+           "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name}, {', '.join(part for part in reversed(isa) if part)}, {len(os.sched_getaffinity(0))} cores"
+
+
 def matmul_peak(dtype: torch.dtype, n: int = 2048, rounds: int = 5, repeats: int = 4) -> float:
     """FLOP/s of a square matmul with every core (what a training step could hope for): the best of
     several rounds, as a busy moment on a shared machine only ever slows a round down."""
