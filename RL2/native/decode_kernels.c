@@ -498,8 +498,56 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
 }
 #endif
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define FEW_ROWS 4 /* up to this many rows of x: few_rows_linear */
+
+/* out[t][0..11] for rows t < `rows` of x and one panel, each row's twelve sums in one vector (four lanes idle). */
+static inline __attribute__((always_inline)) void few_rows_panel(const float *restrict panel, int64_t k,
+                                                                const float *restrict x, int rows, int64_t features,
+                                                                const float *bias, float *restrict out, int64_t n) {
+    __m512 acc[FEW_ROWS];
+    __mmask16 lanes = (__mmask16)((1u << PANEL_ROWS) - 1), keep = (__mmask16)((1u << features) - 1);
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m512 w = _mm512_maskz_loadu_ps(lanes, panel + kk * PANEL_ROWS);
+        __builtin_prefetch(panel + (k + kk) * PANEL_ROWS, 0, 2); /* the next panel's, one panel's time ahead */
+        for (int t = 0; t < rows; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * k + kk]), w, acc[t]);
+    }
+    for (int t = 0; t < rows; t++) {
+        __m512 sums = bias ? _mm512_add_ps(acc[t], _mm512_maskz_loadu_ps(keep, bias)) : acc[t];
+        _mm512_mask_storeu_ps(out + t * n, keep, sums);
+    }
+}
+
+/* panel_linear for at most FEW_ROWS rows: the panels' usual product pads x to 16 rows, 16 times the multiply-adds
+ * of one row, where a step with a few requests left should only stream the weights. Each output is the same
+ * chain of multiply-adds over k in order, so the results are the usual product's, bit for bit. */
+static void few_rows_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias,
+                            float *out) {
+    int64_t n_panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp parallel for schedule(static) if (n_panels * k * m >= PARALLEL_FROM)
+    for (int64_t p = 0; p < n_panels; p++) {
+        int64_t features = n - p * PANEL_ROWS < PANEL_ROWS ? n - p * PANEL_ROWS : PANEL_ROWS;
+        const float *panel = panels + p * k * PANEL_ROWS, *panel_bias = bias ? bias + p * PANEL_ROWS : NULL;
+        switch (m) { /* a loop unrolled for each count */
+        case 1: few_rows_panel(panel, k, x, 1, features, panel_bias, out + p * PANEL_ROWS, n); break;
+        case 2: few_rows_panel(panel, k, x, 2, features, panel_bias, out + p * PANEL_ROWS, n); break;
+        case 3: few_rows_panel(panel, k, x, 3, features, panel_bias, out + p * PANEL_ROWS, n); break;
+        default: few_rows_panel(panel, k, x, 4, features, panel_bias, out + p * PANEL_ROWS, n); break;
+        }
+    }
+}
+#endif
+
 /* out = x . W^T (+ bias) with W given as panels. Returns 0, or 1 if the scratch could not be allocated. */
 int panel_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias, float *out) {
+#ifdef __AVX512F__
+    if (m <= FEW_ROWS) {
+        few_rows_linear(x, m, k, panels, n, bias, out);
+        return 0;
+    }
+#endif
     static __thread float *scratch = NULL; /* x's transpose, 32-byte aligned for the vector loads */
     static __thread int64_t capacity = 0;
     int64_t needed = k * TOKEN_CHUNK;

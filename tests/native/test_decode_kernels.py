@@ -329,13 +329,14 @@ def test_panel_linear_keeps_leading_dims_and_runs_threaded():
 
 
 def test_the_avx512_and_avx2_builds_give_the_same_products(avx2_kernels):
-    """With AVX512 the panels are twelve features wide and the products 16 lanes wide; each output is
-    still one chain of multiply-adds over k in order, so the results are the AVX2 build's, bit for bit."""
+    """With AVX512 the panels are twelve features wide and the products 16 lanes wide (for up to 4 rows, a row's
+    twelve features in one vector); each output is still one chain of multiply-adds over k in order, so the results
+    are the AVX2 build's, bit for bit."""
     avx2 = avx2_kernels
     assert (avx2.panel_rows, KERNELS.panel_rows) == (3, 12)
     for widths in LAYER_WIDTHS:
         weights, n = [randn(width, 96, seed=width) for width in widths], sum(widths)
-        for rows in (1, 7, 9, 16, 17, 64, 130):
+        for rows in (1, 2, 3, 4, 5, 7, 9, 16, 17, 64, 130):  # up to 4: AVX512's few-rows product
             x, bias = randn(rows, 96, seed=rows), randn(n, seed=1)
             assert torch.equal(avx2.panel_linear(x, avx2.pack_panels(weights), n, bias),
                                KERNELS.panel_linear(x, KERNELS.pack_panels(weights), n, bias)), (widths, rows)
