@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h> /* the AVX512 products' intrinsics (AVX512-BF16 implies AVX512F) */
+#endif
 
 #include "bf16.h"       /* bf16_to_float, float_to_bf16 */
 #include "fast_math.h"  /* exp_clamped */
@@ -499,7 +502,6 @@ static inline void panel_block_pair(const float *restrict panel, const float *re
 #endif
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 #define FEW_ROWS 4 /* up to this many rows of x: few_rows_linear */
 
 /* out[t][0..11] for rows t < `rows` of x and one panel, each row's twelve sums in one vector (four lanes idle). */
@@ -650,8 +652,6 @@ void pack_panels_bf16(const bf16 *weight, int64_t rows, int64_t k, int64_t first
 }
 
 #ifdef __AVX512BF16__
-#include <immintrin.h>
-
 /* float_to_bf16 of sixteen sums at once, bit for bit. */
 static inline __m256i round_to_bf16(__m512 sums) {
     __m512i bits = _mm512_castps_si512(sums);
