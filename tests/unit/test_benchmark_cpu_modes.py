@@ -2,11 +2,11 @@
 
 Each case runs a script with the smallest flags that still go through its real code path (tiny shapes, one or
 two steps or repeats) and checks that it exits 0 and prints its table: the header and a row with figures, no
-row "failed" (bench_gpu and bench_ppo_memory print a failed arm's row, then exit 1 naming it). The cheap cases
-run in the default suite (about 40 s in all). The slow ones (whole trainer runs, even of the tiny model, a
-dozen timing processes, an SGLang server) take from half a minute to several each on two cores, and no flag
-makes them cheaper: they are marked slow and run as a step of their own in `.ci/run`. A script that another
-default-suite test already runs, with its own checks of the table, is named in ELSEWHERE rather than run twice.
+row "failed" (bench_gpu and bench_ppo_memory print a failed arm's row, then exit 1 naming it). Every case starts
+processes that import torch (several, for the timing scripts), from ten seconds each to several minutes for whole
+trainer runs or an SGLang server, which the default suite cannot afford on every CPU kind: they are marked slow
+and run as a step of their own in `.ci/run`. A script that another test already runs, with its own checks of the
+table, is named in ELSEWHERE rather than run twice.
 `test_every_benchmark_has_a_case` fails for a script in neither, so a new benchmark cannot be added unseen.
 """
 
@@ -24,14 +24,12 @@ BENCHMARKS = REPO / "benchmarks"
 HELPERS = {"common.py"}  # imported by the scripts, not run
 TINY_MODEL = "{tiny_model}"  # in flags: the tests' tiny random Llama (the `tiny_model_path` fixture)
 RL_PROMPTS = "{rl_prompts}"  # in flags: examples/data/make_arithmetic.py's RL prompts
-SGLANG = [pytest.mark.sglang,
-          pytest.mark.skipif(not os.environ.get("RL2_SGLANG_PYTHON"), reason="RL2_SGLANG_PYTHON is not set")]
 
 
 def case(script: str, flags: list[str], header: str, row: str, timeout: float, *marks):
     """A script's run: its flags, regular expressions of its table's header and of a row with figures, and
-    the seconds it may take (a few times its run on a busy two-core machine)."""
-    return pytest.param(script, flags, header, row, timeout, marks=marks, id=script)
+    the seconds it may take (a few times its run on a busy two-core machine); slow, as every case is."""
+    return pytest.param(script, flags, header, row, timeout, marks=(pytest.mark.slow, *marks), id=script)
 
 
 CASES = [
@@ -50,14 +48,14 @@ CASES = [
     case("bench_async.py", ["--model", TINY_MODEL, "--steps", "2", "--etas", "1", "--prompts", "2", "--responses",
                             "2", "--new-tokens", "4", "--test-prompts", "2", "--long-questions", "2", "--nproc", "1",
                             "--over-sampling", "1"],
-         r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240, pytest.mark.slow),
+         r"^\| run \| step s \|", r"^\| async eta=1 \| [\d.]+ \|", 240),
     case("bench_ppo_memory.py", ["--models", "135m", "--rollouts", "1x2x2", "--ranks", "1"],
-         r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300, pytest.mark.slow),
+         r"^\| model \| rollout \| ranks \|", r"^\| 135m \| 1x2x2 \| 1 \| [\d.]+ \|", 300),
     # Two starts and two whole runs of a short SFT of the bundled model, each as RL2's command and from a program.
     case("bench_startup.py", ["--commands", "trainer.sft", "--run-steps", "1", "--repeats", "1"],
          r"^\| process \| as RL2's command s \|",
          r"^\| python -m RL2\.trainer\.sft, 1 step\(s\) of the bundled model, 1 rank \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
-         r"[\d.]+ \| -?\d+% \|$", 300, pytest.mark.slow),
+         r"[\d.]+ \| -?\d+% \|$", 300),
     # The viewer over a small made-up run: the same server and requests as 10,000 trajectories of 2k tokens.
     case("bench_viewer.py", ["--samples", "50", "--tokens", "16"], r"^\| request \| s \|",
          r"^\| open: index, status, curves, steps, first page \| [\d.]+ \|", 60),
@@ -65,30 +63,28 @@ CASES = [
     case("memory_plan_table.py", [], r"^\| model \| GPUs \| server tp \|",
          r"^\| Qwen2\.5-7B \(7\.62B\) \| 8 \| 1 \| actor \| [\d.]+ GiB \|", 120),
     case("bench_sft.py", ["--dtype", "float32", "--steps", "1", "--seqs", "2", "--seq-len", "16"],
-         r"^dtype\s+ranks\s+step s", r"^float32\s+2\s+[\d.]+", 400, pytest.mark.slow),
+         r"^dtype\s+ranks\s+step s", r"^float32\s+2\s+[\d.]+", 400),
     case("bench_lora.py", ["--rank", "4", "--seq-len", "8", "--seqs", "1", "--steps", "1"],
-         r"^\| mode \| ranks \|", r"^\| LoRA r=4 \| 2 \|.*\| [\d.]+ \|$", 600, pytest.mark.slow),
+         r"^\| mode \| ranks \|", r"^\| LoRA r=4 \| 2 \|.*\| [\d.]+ \|$", 600),
     case("bench_parallel_memory.py", ["--mem-seq-len", "8", "--cp-seq-len", "32", "--steps", "1"],
-         r"^\| layout \| ranks \|", r"^\| cp=2 \| 2 \| [\d.]+ \|", 900, pytest.mark.slow),
+         r"^\| layout \| ranks \|", r"^\| cp=2 \| 2 \| [\d.]+ \|", 900),
     case("bench_ppo_w1.py", ["--steps", "2", "--skip-trl", "--nproc", "1"],
-         r"^\| system \| s/step \|", r"^\| RL2 default \| [\d.]+ \|", 900, pytest.mark.slow),
+         r"^\| system \| s/step \|", r"^\| RL2 default \| [\d.]+ \|", 900),
     case("bench_decode_linears.py", ["--rows", "2", "--steps", "2"],
-         r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400,
-         pytest.mark.slow),
+         r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400,),
     case("bench_agent_tail.py", ["--tiny", "--prompts", "4", "--batch", "2", "--samples", "2", "--long-calls", "2",
                                  "--new-tokens", "4", "--repeats", "1"],
-         r"^\| rollout s \| first 2 groups s \|", r"^\| [\d.]+ \| [\d.]+ \| \d+% \| 40 \|", 300, pytest.mark.slow),
+         r"^\| rollout s \| first 2 groups s \|", r"^\| [\d.]+ \| [\d.]+ \| \d+% \| 40 \|", 300),
     case("learning_per_minute.py", ["--model", TINY_MODEL, "--recipes", "default,exact-reward", "--steps", "2",
                                     "--test-freq", "1", "--nproc", "1"],
-         r"^\| recipe \| s/step \|", r"^\| exact-reward \| [\d.]+ \| [\d.]+ \|", 600, pytest.mark.slow),
-    case("step_files.py", ["--train", RL_PROMPTS], r"^RL path: \d+ files", r"^\s+\d+\s+RL2/trainer/ppo\.py$", 400,
-         pytest.mark.slow),
-    case("bench_sglang_cpu.py", ["--repeats", "1", "--requests", "2", "--new-tokens", "4", "--threads", "1"],
-         r"^\| engine \| requests x new tokens \|", r"^\| embedded engine 1 threads, float32 \| 2 x 4 \| \d+ \|", 900,
-         pytest.mark.slow, *SGLANG),
+         r"^\| recipe \| s/step \|", r"^\| exact-reward \| [\d.]+ \| [\d.]+ \|", 600),
+    case("step_files.py", ["--train", RL_PROMPTS], r"^RL path: \d+ files", r"^\s+\d+\s+RL2/trainer/ppo\.py$", 400),
 ]
 # script: the default-suite test that runs it and checks its table ("file::function").
 ELSEWHERE = {
+    # Its test also checks the ratio of the SGLang server's row to the embedded engine's.
+    "bench_sglang_cpu.py":
+        "tests/unit/test_benchmark_scripts.py::test_sglang_cpu_measures_the_embedded_engine_in_the_same_run",
     "bench_agent_endpoint.py":
         "tests/unit/test_benchmark_scripts.py::test_agent_endpoint_bench_samples_the_same_tokens_both_ways",
     # The GPU check's CPU mode runs `bench_gpu.py --device cpu` and checks both systems' rows of both workloads.
@@ -129,8 +125,9 @@ def test_a_benchmark_prints_its_table_in_its_tiny_cpu_mode(script, flags, header
     assert not re.search(r"\bfailed\b", result.stdout), said
 
 
-# The command of .ci/run that runs slow tests after the default suite.
-CI_SLOW_STEP = next(line for line in (REPO / ".ci" / "run").read_text().splitlines() if "-m slow" in line)
+# The command of .ci/run that runs slow tests after the default suite, its continued lines joined.
+CI_SLOW_STEP = next(line for line in (REPO / ".ci" / "run").read_text().replace("\\\n", " ").splitlines()
+                    if "-m slow" in line)
 
 
 def referenced_test(reference: str) -> ast.FunctionDef | None:

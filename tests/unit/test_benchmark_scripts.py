@@ -191,6 +191,7 @@ def test_lora_memory_table_counts_mib_of_the_models_own_parameters():
     assert float(lora[3].removesuffix(" M")) == pytest.approx(config.num_hidden_layers * per_layer / 1e6, abs=0.005)
 
 
+@pytest.mark.slow  # a minute of rollouts: in .ci/run's benchmark step
 def test_agent_endpoint_bench_samples_the_same_tokens_both_ways():
     """bench_agent_endpoint times agents through each API of the endpoint (chat, streamed chat, responses, Anthropic's
     messages) against direct engine calls with the same seeds: all must sample the same tokens, or its overhead
