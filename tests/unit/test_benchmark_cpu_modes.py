@@ -26,10 +26,10 @@ TINY_MODEL = "{tiny_model}"  # in flags: the tests' tiny random Llama (the `tiny
 RL_PROMPTS = "{rl_prompts}"  # in flags: examples/data/make_arithmetic.py's RL prompts
 
 
-def case(script: str, flags: list[str], header: str, row: str, timeout: float, *marks):
+def case(script: str, flags: list[str], header: str, row: str, timeout: float):
     """A script's run: its flags, regular expressions of its table's header and of a row with figures, and
     the seconds it may take (a few times its run on a busy two-core machine); slow, as every case is."""
-    return pytest.param(script, flags, header, row, timeout, marks=(pytest.mark.slow, *marks), id=script)
+    return pytest.param(script, flags, header, row, timeout, marks=pytest.mark.slow, id=script)
 
 
 CASES = [
@@ -71,7 +71,7 @@ CASES = [
     case("bench_ppo_w1.py", ["--steps", "2", "--skip-trl", "--nproc", "1"],
          r"^\| system \| s/step \|", r"^\| RL2 default \| [\d.]+ \|", 900),
     case("bench_decode_linears.py", ["--rows", "2", "--steps", "2"],
-         r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400,),
+         r"^\| rows \| setting \| product \|", r"^\| 2 \| 1 process, 1 core \| panel_linear \| [\d.]+ \|", 400),
     case("bench_agent_tail.py", ["--tiny", "--prompts", "4", "--batch", "2", "--samples", "2", "--long-calls", "2",
                                  "--new-tokens", "4", "--repeats", "1"],
          r"^\| rollout s \| first 2 groups s \|", r"^\| [\d.]+ \| [\d.]+ \| \d+% \| 40 \|", 300),
@@ -80,7 +80,7 @@ CASES = [
          r"^\| recipe \| s/step \|", r"^\| exact-reward \| [\d.]+ \| [\d.]+ \|", 600),
     case("step_files.py", ["--train", RL_PROMPTS], r"^RL path: \d+ files", r"^\s+\d+\s+RL2/trainer/ppo\.py$", 400),
 ]
-# script: the default-suite test that runs it and checks its table ("file::function").
+# script: the test that runs it and checks its table ("file::function"), in the default suite or .ci/run's slow step.
 ELSEWHERE = {
     # Its test also checks the ratio of the SGLang server's row to the embedded engine's.
     "bench_sglang_cpu.py":
