@@ -5,7 +5,6 @@ zero, a worse model shows negative differences of the right size, and 2 ranks sa
 
 import json
 import math
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -19,11 +18,11 @@ from RL2.rollout.metrics import evaluation_metrics, metrics_difference
 from RL2.rollout.trajectory import Trajectory, Turn
 from tests.helpers import ENVS, SCRIPTS, SGLANG_STUB
 from tests.helpers.launch import run_ranks
+from tests.helpers.sglang import SGLANG_PYTHON, needs_sglang
 from tests.helpers.tiny import sharpened_copy
 
 ENV = ENVS / "emit_token.py"
 API_SCRIPT = SCRIPTS / "evaluate_api.py"
-SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
 SAMPLES, NEW_TOKENS, KS = 4, 4, [1, 2, 4]
 PREFIX = {"a": "\n", "b": "\n\n"}  # emit_token.py rewards a response starting with its row's prefix
 
@@ -224,10 +223,8 @@ def test_a_worse_model_shows_negative_differences(tiny_model_path, test_data, tm
             assert report["difference"]["by_source"][source][key] == pytest.approx(expected) and expected < 0
 
 
-@pytest.mark.sglang
+@needs_sglang
 @pytest.mark.slow
-@pytest.mark.skipif(not SGLANG_PYTHON, reason=os.environ.get("RL2_SGLANG_SKIP_REASON") or (
-    "RL2_SGLANG_PYTHON is not set: point it at the python of a virtual environment with sglang installed"))
 def test_sglang_samples_what_the_embedded_engine_samples(sharp_model, test_data, tmp_path):
     """Greedy in float32: a launched SGLang server writes the embedded engine's responses."""
     greedy = ["rollout.sampling_params.temperature=0", "rollout.sampling_params.max_new_tokens=8"]

@@ -1,9 +1,9 @@
 """SGLang as the rollout engine: config checks, the weight folder writer, and a real SGLang server on CPU.
 
-SGLang pins its own torch, so it lives in its own virtual environment: RL2_SGLANG_PYTHON names that
-environment's python (.ci/run builds one). Servers run from it; these tests stay in RL2's environment
-and talk HTTP, as the trainer does. SGLang's CPU path imports one vLLM op it never calls; the stub in
-tests/sglang_stub is put on the servers' PYTHONPATH.
+RL2_SGLANG_PYTHON names a Python with sglang installed: a virtual environment of its own (SGLang pins its
+own torch), or RL2's own where both share one, as in .ci/run's SGLang step (docs/gpus.md's one-environment
+install). Servers run from it and the tests talk HTTP, as the trainer does. SGLang's CPU path imports one vLLM op it
+never calls; the stub in tests/sglang_stub is put on the servers' PYTHONPATH.
 
 Expectations come from the Hugging Face model itself in float32 (its greedy tokens and its
 log-softmax), which SGLang in float32 on CPU reproduces.
@@ -52,19 +52,13 @@ from RL2.engine.sglang.weight_transfer import (
 from RL2.rollout.loop import action_text
 from tests.helpers import SGLANG_STUB
 from tests.helpers.launch import read_metrics, run_ranks
+from tests.helpers.sglang import SGLANG_PYTHON, needs_sglang
 from tests.helpers.tiny import make_tiny_moe
 
-SGLANG_PYTHON = os.environ.get("RL2_SGLANG_PYTHON")
 STUB = SGLANG_STUB
 # As RL2 launches its servers: log-probabilities of the distribution at the sampling temperature (SGLang's default).
 SERVER_ENV = {"PYTHONPATH": str(STUB), "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
 CPU_ARGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True}
-needs_sglang = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(not SGLANG_PYTHON, reason=os.environ.get("RL2_SGLANG_SKIP_REASON") or (
-        "RL2_SGLANG_PYTHON is not set: point it at the python of a virtual environment with sglang installed "
-        "(.ci/run builds ~/.cache/rl2/sglang-venv)")),
-]
 
 # ---- without a server --------------------------------------------------------------------------
 
@@ -155,8 +149,7 @@ def test_a_gpu_server_without_the_memory_saver_needs_its_share_set(tiny_model_pa
             SGLangEngine.launch(cfg(**args), tiny_model_path, torch.float32, torch.device(device), 0)
 
 
-@pytest.mark.sglang
-@pytest.mark.skipif(not SGLANG_PYTHON, reason="RL2_SGLANG_PYTHON is not set")
+@needs_sglang
 def test_bucket_payload_is_read_by_sglangs_own_classes(tmp_path):
     """A bucket of mixed dtypes, serialized by RL2 without sglang, deserialized in the SGLang environment
     by its `MultiprocessingSerializer` (whose unpickler admits only listed globals) and rebuilt with
@@ -269,13 +262,7 @@ def server(tiny_model_path):
     assert server.shm_files and not any(os.path.exists(path) for path in server.shm_files), server.shm_files
 
 
-def sglang_test(fn):
-    for mark in needs_sglang:
-        fn = mark(fn)
-    return fn
-
-
-@sglang_test
+@needs_sglang
 def test_greedy_equals_hf_greedy(server, hf_model, prompts):
     responses = generate(server.url, prompts)
     for prompt, response in zip(prompts, responses):
@@ -288,7 +275,7 @@ def test_greedy_equals_hf_greedy(server, hf_model, prompts):
         assert meta["completion_tokens"] == 16 and meta["prompt_tokens"] == len(prompt)
 
 
-@sglang_test
+@needs_sglang
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_model_log_softmax(server, hf_model, prompts, temperature):
     """log softmax(logits / T) at the sampling temperature T, the policy the trainer trains, as the trainer
@@ -312,7 +299,7 @@ def first_stop_index(tok, output: list[int], stop: dict) -> int:
     return len(output)
 
 
-@sglang_test
+@needs_sglang
 def test_stops_end_requests_alike_on_both_engines(server, hf_model, tok):
     """Stop strings (one completed inside a token), a single stop string and a stop token: SGLang and the
     embedded engine sample the same tokens, stop at the same one with the same finish reason, and the
@@ -353,7 +340,7 @@ def still_running_when_paused(url: str, prompt: list[int]) -> tuple[int, float]:
     return n_tokens, 0.2 * n_tokens / tokens_per_s
 
 
-@sglang_test
+@needs_sglang
 def test_an_aborted_request_returns_its_partial_output(server, hf_model, prompts):
     client = HTTPEngineClient([server.url])
     n_tokens, pause_after = still_running_when_paused(server.url, prompts[0])
@@ -387,7 +374,7 @@ def perturbed_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return new_model
 
 
-@sglang_test
+@needs_sglang
 def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank, tmp_path):
     """An external server (rollout.server_url) updated from a folder written in 64 kB buckets."""
     cfg = SimpleNamespace(server_url=server.url, weight_sync="disk", weight_bucket_mb=1 / 16, weights_dir=str(tmp_path),
@@ -409,12 +396,12 @@ def test_weight_update_from_disk_serves_the_new_weights(server, hf_model, prompt
     assert not engine.weights_dir.exists() and server.alive()
 
 
-@sglang_test
+@needs_sglang
 def test_probe_sees_tempered_logprobs(server):
     assert returns_original_logprobs(server.url, 0.7) is False
 
 
-@sglang_test
+@needs_sglang
 @pytest.mark.slow
 def test_probe_sees_untempered_logprobs_of_a_server_run_with_the_switch(tiny_model_path, hf_model, prompts):
     """With SGLANG_RETURN_ORIGINAL_LOGPROB=1, SGLang returns log-probabilities of softmax(logits) at any
@@ -432,7 +419,7 @@ def test_probe_sees_untempered_logprobs_of_a_server_run_with_the_switch(tiny_mod
         server.shutdown()
 
 
-@sglang_test
+@needs_sglang
 def test_weight_update_from_tensor_buckets_serves_the_new_weights(server, hf_model, prompts, tiny_model_path, one_rank):
     """rollout.weight_sync=tensor through the real server: a weight-update session, 64 kB buckets in RL2's
     payload (by value on CPU; CUDA buckets carry IPC handles instead), the version the server reports."""
@@ -462,7 +449,7 @@ def moe(request, tmp_path_factory):
         server.shutdown()
 
 
-@sglang_test
+@needs_sglang
 @pytest.mark.parametrize("weight_sync", ["tensor", "disk"])
 def test_moe_pushes_reach_every_expert(moe, prompts, weight_sync, one_rank, tmp_path):
     """The policy's experts, fused in transformers' memory, reach the server, which loads them one per
@@ -482,7 +469,7 @@ def test_moe_pushes_reach_every_expert(moe, prompts, weight_sync, one_rank, tmp_
         hf_greedy(moe.model, prompts[0], 8)[0]]
 
 
-@sglang_test
+@needs_sglang
 def test_a_push_that_misses_parameters_names_them(moe, prompts, one_rank):
     """A push without the experts (as when their names were transformers' own, which SGLang's loader skips
     while it answers success) stops the run naming the server's parameters it left unwritten."""
@@ -496,7 +483,7 @@ def test_a_push_that_misses_parameters_names_them(moe, prompts, one_rank):
         moe.model, prompts[0], 4)[0]
 
 
-@sglang_test
+@needs_sglang
 def test_rank_pause_aborts_only_its_own_requests(server, prompts, one_rank):
     """SGLangEngine.pause_generation("abort") (partial rollouts) stops this rank's requests with their
     partial output, while another client's request on the same server runs to its end; requests
@@ -594,7 +581,7 @@ def assert_engine_followed_the_actor(run: Path, initial_model: str) -> None:
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
 
 
-@sglang_test
+@needs_sglang
 def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
     """rollout.server_url: the trainer launches nothing, samples from the module's server at temperature
     0.7 and updates its weights from disk after each step; the engine's log-probabilities are the
@@ -606,7 +593,7 @@ def test_ppo_with_an_external_server(server, tiny_model_path, tmp_path):
     assert_engine_followed_the_actor(tmp_path / "run", tiny_model_path)
 
 
-@sglang_test
+@needs_sglang
 def test_ppo_with_lora_pushes_merged_weights(server, tiny_model_path, tmp_path):
     """actor.lora.rank > 0: the server gets the base weights with the adapters merged in, under the base
     model's names, after each update (engine_mismatch near 0, as without LoRA)."""
@@ -617,7 +604,7 @@ def test_ppo_with_lora_pushes_merged_weights(server, tiny_model_path, tmp_path):
     assert (tmp_path / "run" / "final" / "actor" / "adapter" / "adapter_model.safetensors").exists()
 
 
-@sglang_test
+@needs_sglang
 @pytest.mark.slow
 def test_ppo_launches_its_sglang_server(tiny_model_path, tmp_path):
     """rollout.engine=sglang: the trainer launches a server from the SGLang environment (log-probabilities at

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.sglang import needs_sglang
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
@@ -38,8 +40,7 @@ def test_w1_refuses_a_single_step_before_running():
 
 
 @pytest.mark.slow
-@pytest.mark.sglang
-@pytest.mark.skipif(not os.environ.get("RL2_SGLANG_PYTHON"), reason="RL2_SGLANG_PYTHON is not set")
+@needs_sglang
 def test_sglang_cpu_measures_the_embedded_engine_in_the_same_run():
     """bench_sglang_cpu printed SGLang's tokens/s alone, its baseline being a figure of another run; now a
     row of the embedded engine on the same requests, and the ratio of the two rows' medians."""

@@ -24,6 +24,7 @@ from RL2.engine.sglang.engine import SGLangEngine, control_request
 from RL2.engine.sglang.http_client import HTTPEngineClient
 from RL2.engine.sglang.server import SGLangServer
 from tests.helpers.http import LocalServer, response_head
+from tests.helpers.sglang import SGLANG_PYTHON, needs_sglang
 
 
 def answer(ids: list[int]) -> dict:
@@ -171,11 +172,10 @@ def test_the_servers_key_is_not_on_its_command_line(tmp_path):
         assert not os.path.exists(path)
 
 
-@pytest.mark.skipif(not os.environ.get("RL2_SGLANG_PYTHON"), reason="RL2_SGLANG_PYTHON is not set (a Python with "
-                                                                   "sglang)")
+@needs_sglang
 def test_sglang_reads_the_key_from_its_config_file(tmp_path):
     """SGLang's own argument parsing (as `sglang.launch_server` calls it) finds the key in the file."""
-    python = os.environ["RL2_SGLANG_PYTHON"]
+    python = SGLANG_PYTHON
     server = SGLangServer(python, str(tmp_path), {"api_key": "s3cret", "device": "cpu"}, log_dir=str(tmp_path))
     parse = ("import sys; from sglang.srt.server_args import prepare_server_args; "
              "args = prepare_server_args(sys.argv[1:]); print(args.api_key, args.port, args.device)")
