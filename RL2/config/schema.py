@@ -192,6 +192,8 @@ class TrainerConfig:
     use_wandb: bool = opt(False, "also log to wandb (honours WANDB_MODE=offline|disabled)")
     use_tensorboard: bool = opt(False, "also write every metric as TensorBoard event files in <save_dir>/tensorboard "
                                 "(pip install tensorboard)")
+    plot_learning_curve: bool = opt(True, "draw <save_dir>/learning_curve.png from metrics.jsonl at every checkpoint "
+                                    "and at the end (needs matplotlib)")
     seed: int = opt(42, "seed for data order, initialisation and sampling")
     test_freq: int | None = opt(None, "evaluate on the test split every this many steps (and at the end; null or 0: "
                                 "never)")

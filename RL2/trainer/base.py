@@ -82,7 +82,7 @@ class Trainer:
 
     def save_learning_curve(self) -> None:
         """Plot `learning_curve`'s metrics from metrics.jsonl into `<save_dir>/learning_curve.png` (rank 0)."""
-        if is_rank0():
+        if is_rank0() and self.cfg.trainer.plot_learning_curve:
             name = type(self).__name__.removesuffix("Trainer")
             plot_learning_curve(self.cfg.trainer.save_dir, self.learning_curve,
                                 title=f"{name}: {self.cfg.trainer.experiment_name}")

@@ -65,7 +65,8 @@ def assert_learned(save_dir, initial_model, role="actor"):
 @pytest.fixture(scope="module")
 def grpo_run(repeat_model, rl_data, tmp_path_factory) -> Path:
     save_dir = tmp_path_factory.mktemp("grpo")
-    run_ranks(2, ppo_args(repeat_model, rl_data, save_dir, "trainer.save_freq=4", "trainer.test_freq=4"))
+    run_ranks(2, ppo_args(repeat_model, rl_data, save_dir, "trainer.save_freq=4", "trainer.test_freq=4",
+                          "trainer.plot_learning_curve=true"))
     return save_dir
 
 
@@ -249,7 +250,7 @@ def test_partial_rollout_and_dynamic_filtering_resume_exactly(repeat_model, rl_d
             "rollout.max_running_requests=4", "rollout.train_sampling_params.max_new_tokens=6",
             "trainer.total_steps=4", "trainer.save_freq=2", "rollout.save_samples=true"]
     straight = tmp_path / "straight"
-    run_ranks(2, ppo_args(repeat_model, rl_data, straight, *args))
+    run_ranks(2, ppo_args(repeat_model, rl_data, straight, *args, "trainer.plot_learning_curve=true"))
     metrics = read_metrics(straight)
     assert any(m["rollout/carried_groups"] > 0 for m in metrics), "some groups should be cut by the pause"
     for m in metrics:

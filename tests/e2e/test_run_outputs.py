@@ -47,7 +47,10 @@ def test_resume_evaluate_and_rerun_keep_one_history(tiny_model_path, sft_data, t
     # A run killed mid-write leaves half a line; the next run's records start on a line of their own.
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "train/lo')
-    sft(tiny_model_path, sft_data, run, "trainer.total_steps=1", "trainer.test_freq=null")
+    assert not (run / "learning_curve.png").exists()  # run_ranks' trainer.plot_learning_curve=false
+    sft(tiny_model_path, sft_data, run, "trainer.total_steps=1", "trainer.test_freq=null",
+        "trainer.plot_learning_curve=true")
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert lines[-2] == '{"step": 4, "train/lo' and json.loads(lines[-1])["step"] == 1
-    assert (run / "final" / "actor" / "model.safetensors").exists()  # its learning curve read past the torn line
+    assert (run / "final" / "actor" / "model.safetensors").exists()
+    assert (run / "learning_curve.png").stat().st_size > 0  # its learning curve read past the torn line

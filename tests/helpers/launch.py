@@ -18,6 +18,10 @@ def run_ranks(nproc: int, target: list[str], timeout: int = 300, device: str = "
     `trainer.device=auto` would stop at start. The CUDA tests (tests/gpu) ask for `device="cuda"`.
     """
     # The repository first; a PYTHONPATH the caller set (packages installed beside the interpreter's) stays.
+    if target[0] == "-m" and target[1].startswith("RL2.trainer.") and not any(
+            arg.startswith("trainer.plot_learning_curve=") for arg in target):
+        # The PNG costs a trainer ~1 s of matplotlib on a small CPU: drawn where a test checks it (it turns it on).
+        target = [*target, "trainer.plot_learning_curve=false"]
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, "WANDB_MODE": "disabled"}
     if device == "cpu":
