@@ -17,7 +17,7 @@ def extra_info_of(row: dict, used_keys: set[str]) -> dict:
                      f"got {type(extra_info).__name__}")
     columns = {key: value for key, value in row.items()
                if key not in used_keys and key != EXTRA_INFO_KEY and not is_missing(value)}
-    # Arrow-backed tables (Parquet, JSON read by `datasets`, save_to_disk) give every row's dict the
+    # Arrow-backed tables (Parquet, Arrow, save_to_disk) give every row's dict the
     # keys of all rows' dicts, None where a row had none: such a None must not hide the row's column.
     extra_info = {key: value for key, value in extra_info.items() if not (is_missing(value) and key in columns)}
     return columns | extra_info

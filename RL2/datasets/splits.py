@@ -1,12 +1,13 @@
 """Train/test splits and the order in which the training set is visited."""
 
+import math
 from collections.abc import Callable
 
-import datasets
+import numpy as np
 import torch
 
 from RL2.config.errors import ConfigError
-from RL2.datasets.loading import DataError, load_table
+from RL2.datasets.loading import DataError, load_table, take
 from RL2.datasets.tokenize import tokenize_rows
 from RL2.utils.logging import log_rank0
 
@@ -22,15 +23,13 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
         raise ConfigError("data.train.path is not set; give the training rows, e.g. data.train.path=train.jsonl")
     test_cfg, numbers = data_cfg.test, {}
     if data_cfg.test_ratio > 0 and data_cfg.train.path and not data_cfg.test.path:
-        try:  # split the row numbers, so that each example keeps its row's number in the file
-            parts = datasets.Dataset.from_dict({"row": range(len(train_rows))}).train_test_split(
-                test_size=data_cfg.test_ratio, seed=seed)
-        except ValueError as e:  # e.g. so few rows that one side would be empty
+        numbers = held_out_split(len(train_rows), data_cfg.test_ratio, seed)
+        if not all(numbers.values()):
             raise DataError(f"{data_cfg.train.path}: cannot hold out data.test_ratio={data_cfg.test_ratio} of its "
-                            f"{len(train_rows)} rows ({e}); add rows, change data.test_ratio, or give "
-                            f"data.test.path") from None
-        numbers = {split: parts[split]["row"] for split in ("train", "test")}
-        train_rows, test_rows = train_rows.select(numbers["train"]), train_rows.select(numbers["test"])
+                            f"{len(train_rows)} rows ({len(numbers['train'])} would be left to train on, "
+                            f"{len(numbers['test'])} to test); add rows, change data.test_ratio, or give "
+                            f"data.test.path")
+        train_rows, test_rows = take(train_rows, numbers["train"]), take(train_rows, numbers["test"])
         # Held-out rows are rows of the train file: read them with the train file's keys and settings.
         test_cfg = data_cfg.train
     else:
@@ -49,6 +48,14 @@ def load_splits(data_cfg, make_tokenize_row: Callable, seed: int, blank_rows: di
         log_rank0(f"skipped {skipped} bad rows (data.skip_bad_rows=true)")
     log_rank0(f"data: {len(train)} train examples, {len(test)} test examples")
     return train, test
+
+
+def held_out_split(n_rows: int, test_ratio: float, seed: int) -> dict[str, list[int]]:
+    """The row numbers of each side of `test_ratio`, the rows of `datasets.Dataset.train_test_split(test_ratio,
+    seed=seed)`: the first ceil(n_rows * test_ratio) of numpy's permutation of the rows are held out."""
+    order = np.random.default_rng(seed).permutation(n_rows).tolist()
+    n_test = math.ceil(test_ratio * n_rows)
+    return {"train": order[n_test:], "test": order[:n_test]}
 
 
 def _rows_of(path: str | None, split: str, blank_rows: dict | None) -> list | None:

@@ -4,14 +4,10 @@ tokens the model is trained to produce), validating every row on the way (docs/d
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
-from RL2.datasets.loading import DataError
+from RL2.datasets.loading import BadRow, DataError
 from RL2.utils.tokens import longest_token_chars
-
-
-class BadRow(DataError):
-    """One malformed row. Raised by validators; the caller adds the file and row number."""
 
 
 def is_missing(value: object) -> bool:
@@ -103,7 +99,7 @@ def _tool_message(message: dict, where: str, tool_names: list[str] | None, previ
 
 def require_tools(row: dict, key: str) -> list:
     """The tool schemas of `row[key]`: a list, or its JSON text; [] when the row has none. Null values are
-    dropped: Arrow-backed tables (Parquet, JSON read by `datasets`) give every row's dicts the keys of all rows'."""
+    dropped: Arrow-backed tables (Parquet, Arrow, save_to_disk) give every row's dicts the keys of all rows'."""
     value = row.get(key)
     if is_missing(value):
         return []
@@ -210,7 +206,7 @@ def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], so
     the file: `row_numbers` gives each row's, default its position), or is skipped and counted. With `keep_row`
     each example keeps that number as `row` (a prompt's, for samples.jsonl)."""
     examples, skipped = [], 0
-    for index, row in enumerate(decoded_rows(rows)):
+    for index, row in enumerate(rows):
         number = row_numbers[index] if row_numbers is not None else index
         try:
             if isinstance(row, BadRow):
@@ -223,35 +219,3 @@ def tokenize_rows(rows: Iterable[dict], tokenize_row: Callable[[dict], dict], so
     if not examples:
         raise DataError(f"{source}: every row is bad ({skipped} skipped)")
     return examples, skipped
-
-
-def decoded_rows(rows: Iterable[dict]) -> Iterator[dict | BadRow]:
-    """The rows in order; a row with a string that is not valid UTF-8 comes as a BadRow naming its key. (Arrow
-    decodes a JSON file's strings only when a row becomes Python objects: iterating raises UnicodeDecodeError at
-    the bad row, which ends the iteration, so the rows after it are read on from the next one.)"""
-    start = 0
-    while True:
-        remaining = rows if start == 0 else rows.select(range(start, len(rows)))  # only a Dataset raises
-        try:
-            for row in remaining:
-                start += 1
-                yield row
-            return
-        except UnicodeDecodeError as e:
-            yield BadRow(f"{_undecodable(rows, start)} is not valid UTF-8 (byte {e.object[e.start:e.start + 1]!r} at "
-                         f"offset {e.start}: {e.reason}); write the file as UTF-8")
-            start += 1
-            if start == len(rows):  # the bad row was the last
-                return
-
-
-def _undecodable(rows, index: int) -> str:
-    """The keys of row `index` of Dataset `rows` whose text cannot be decoded, as "key 'prompt'"."""
-    row = rows.with_format("arrow")[index]  # a one-row Arrow table: nothing decoded yet
-    bad = []
-    for name in row.column_names:
-        try:
-            row.column(name).to_pylist()
-        except UnicodeDecodeError:
-            bad.append(f"'{name}'")
-    return f"key {', '.join(bad)}" if bad else "a string"

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from RL2.config.errors import ConfigError
 from RL2.config.eval_schema import TRAINING_ONLY
 from RL2.config.ppo_schema import RolloutConfig
-from RL2.datasets.loading import load_table
+from RL2.datasets.loading import load_table, take
 from RL2.datasets.tokenize import tokenize_rows
 from RL2.evaluation.report import format_table, sample_records
 from RL2.native import prepare_process
@@ -67,7 +67,7 @@ class Evaluator:
         self.env = env if env is not None else load_rollout_script(cfg.rollout)
         self.rows = load_table(cfg.data.test.path)
         if cfg.data.max_prompts is not None:
-            self.rows = self.rows.select(range(min(cfg.data.max_prompts, len(self.rows))))
+            self.rows = take(self.rows, range(min(cfg.data.max_prompts, len(self.rows))))
         self.ks = list(cfg.eval.k) or [cfg.rollout.responses_per_prompt]
         try:  # now, not after the sampling, whose results would be lost
             Path(cfg.eval.save_dir).mkdir(parents=True, exist_ok=True)

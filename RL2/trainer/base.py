@@ -1,5 +1,6 @@
 """What every trainer shares: process group, parallel layout, seeding, metrics, checkpoints, the step loop."""
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -166,11 +167,11 @@ class Trainer:
 
 
 def quiet_third_party_progress() -> None:
-    """Our own tqdm shows progress; silence the per-file bars of datasets and transformers."""
-    import datasets
+    """Our own tqdm shows progress; silence the per-file bars of datasets (read at its import, which only some
+    data sources need) and transformers."""
     import transformers
 
-    datasets.disable_progress_bars()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     transformers.utils.logging.disable_progress_bar()
 
 

@@ -2,6 +2,8 @@
 
 import json
 import random
+import subprocess
+import sys
 
 import datasets
 import pytest
@@ -11,8 +13,9 @@ from RL2.config import ConfigError
 from RL2.config.schema import DataConfig
 from RL2.datasets.loading import DataError, load_table
 from RL2.datasets.sft import sft_row_tokenizer
-from RL2.datasets.splits import EpochSampler, load_splits
+from RL2.datasets.splits import EpochSampler, held_out_split, load_splits
 from RL2.datasets.tokenize import text_budget, tokenize_messages, tokenize_prompt_response, tokenize_rows, truncate
+from tests.helpers import REPO
 
 ROWS = [
     {"prompt": "What is 2+2?", "response": "4"},
@@ -142,8 +145,8 @@ def test_invalid_utf8_names_the_file_row_and_key_and_is_skipped_on_request(tok, 
     # Rows 1 and 2 skipped; the rows after each bad one are still read, and read right.
     assert skipped == 2 and [trained_text(tok, e) for e in examples] == ["a0<|im_end|>\n", "a3<|im_end|>\n"]
     with pytest.raises(DataError, match=r"row 1: key 'messages' is not valid UTF-8"):  # row 2 of the file
-        tokenize_rows(rows.select([0, 2, 3]), tokenize_row, str(path), skip_bad_rows=False)
-    assert tokenize_rows(rows.select([0, 1]), tokenize_row, str(path), skip_bad_rows=True)[1] == 1  # the last row
+        tokenize_rows([rows[0], rows[2], rows[3]], tokenize_row, str(path), skip_bad_rows=False)
+    assert tokenize_rows(rows[:2], tokenize_row, str(path), skip_bad_rows=True)[1] == 1  # the last row
     # Held-out rows (a split with an index mapping) too, through the trainers' loader.
     cfg = OmegaConf.merge(OmegaConf.structured(DataConfig),
                           {"train": {"path": str(path), "batch_size": 1}, "test_ratio": 0.5, "skip_bad_rows": True})
@@ -221,6 +224,23 @@ def test_held_out_rows_are_read_with_the_train_settings(tok, tmp_path):
     assert (len(train), len(test)) == (15, 5)
     assert all(len(ex["input_ids"]) == 8 and tuple(ex["input_ids"]) in expected for ex in train + test)
     assert len({tuple(ex["input_ids"]) for ex in train + test}) == 20  # every row once
+
+
+@pytest.mark.parametrize("n_rows, ratio, seed", [(20, 0.25, 1), (7, 0.1, 42), (1000, 0.05, 0), (3, 0.5, 7)])
+def test_held_out_rows_are_those_of_datasets_train_test_split(n_rows, ratio, seed):
+    """Without `datasets` at run time the same rows are held out as when it split them."""
+    expected = datasets.Dataset.from_dict({"row": range(n_rows)}).train_test_split(test_size=ratio, seed=seed)
+    assert held_out_split(n_rows, ratio, seed) == {split: expected[split]["row"] for split in ("train", "test")}
+
+
+def test_local_files_are_read_without_datasets(tmp_path):
+    """`datasets` costs a process ~1 s to import: reading JSON Lines, JSON or CSV never imports it."""
+    paths = write_all_formats(tmp_path)
+    code = (f"import sys; from RL2.datasets.loading import load_table; "
+            f"tables = [load_table(p) for p in {[str(paths[k]) for k in ('jsonl', 'json', 'csv')]}]; "
+            f"assert all(len(t) == 3 for t in tables); print('datasets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]
 
 
 def test_test_ratio_that_leaves_a_split_empty_names_the_key(tok, tmp_path):
