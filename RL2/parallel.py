@@ -8,6 +8,7 @@ import functools
 import gc
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,22 +112,26 @@ def close_process_groups(finished: bool = True) -> None:
         return
     dist.destroy_process_group()
     if finished:
-        # A command froze what it imported (RL2/utils/startup_gc.py), torch's caches among it, and
-        # `gc.get_objects` lists no frozen object: back to the collector's care first.
-        gc.unfreeze()
         for clear in _PER_GROUP_CACHES:
             clear()
         _clear_dtensor_caches()
+        # A command froze what it imported (RL2/utils/startup_gc.py), which holds no group: the collection walks
+        # only what the run made.
         gc.collect()
 
 
 def _clear_dtensor_caches() -> None:
     """Empty torch's DTensor caches, whose entries hold device meshes. They are torch internals that move
-    between versions, so every functools cache of a `torch.distributed` module is emptied, then the caches
-    torch names for clearing; a cache that moved is skipped (and the teardown test finds its groups)."""
-    for obj in gc.get_objects():
-        if type(obj) is functools._lru_cache_wrapper and str(obj.__module__).startswith("torch.distributed"):
-            obj.cache_clear()
+    between versions, so every functools cache of a `torch.distributed` module (its functions' and its classes'
+    methods') is emptied, then the caches torch names for clearing; a cache that moved is skipped (and the
+    teardown test finds its groups)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and module is not None:
+            for value in list(vars(module).values()):
+                for obj in [value, *(vars(value).values() if isinstance(value, type) else ())]:
+                    obj = getattr(obj, "__func__", obj)  # a static or class method's function
+                    if type(obj) is functools._lru_cache_wrapper and obj.__module__.startswith("torch.distributed"):
+                        obj.cache_clear()
     moved = contextlib.suppress(ImportError, AttributeError)
     with moved:
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()

@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector while an RL2 command starts. `python -m RL2.trainer.<name>` (each rank under
-torchrun) and `python -m RL2.evaluate` import torch, transformers and datasets: some 700,000 objects that live as long
+torchrun) and `python -m RL2.evaluate` import torch and transformers: some 700,000 objects that live as long
 as the process, which every full pass of the collector walks again while they load, a quarter of the imports' time.
 Such a command imports with the collector off; its entry point calls `imports_done`, which turns it back on with what
-was imported frozen out of its passes (`gc.get_objects` skips them: `RL2.parallel.close_process_groups` unfreezes
-them before it looks for torch's caches), and at its end `command_ends` freezes all that is left, for the
-interpreter's exit. Only the standard library here: RL2's `__init__` calls this first."""
+was imported frozen out of its passes (`RL2.parallel.close_process_groups` collects what the run made alone), and
+at its end `command_ends` freezes all that is left, for the interpreter's exit. Only the standard library here:
+RL2's `__init__` calls this first."""
 
 import gc
 import sys
