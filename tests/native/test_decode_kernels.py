@@ -311,6 +311,21 @@ def test_panel_linear_is_x_times_the_concatenated_weights_plus_bias(rows, widths
     torch.testing.assert_close(without_bias, expected - bias.double(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [25, 30, 33, 36])  # panels of 3 (AVX2) or 12 (AVX512): pairs and a last one, cut short
+def test_a_few_rows_get_the_products_of_a_full_block_bit_for_bit(n):
+    """Up to 8 rows (a decode's last requests) take other code than 16 do (AVX512: a row's features in one vector;
+    AVX2: half a block), and each output is still one chain of multiply-adds over k in order: a row's outputs are
+    the same whichever rows come with it."""
+    k = 96
+    weight, bias, x = randn(n, k, seed=n), randn(n, seed=1), randn(16, k, seed=2)
+    panels = KERNELS.pack_panels([weight])
+    full, full_without_bias = KERNELS.panel_linear(x, panels, n, bias), KERNELS.panel_linear(x, panels, n, None)
+    torch.testing.assert_close(full.double(), x.double() @ weight.double().T + bias.double(), rtol=1e-5, atol=1e-5)
+    for rows in range(1, 9):
+        assert torch.equal(KERNELS.panel_linear(x[:rows], panels, n, bias), full[:rows]), rows
+        assert torch.equal(KERNELS.panel_linear(x[16 - rows:], panels, n, None), full_without_bias[16 - rows:]), rows
+
+
 def test_panel_linear_writes_into_the_given_output():
     weight, x = randn(25, 40), randn(7, 40, seed=1)
     out = torch.full((7, 25), float("nan"))
