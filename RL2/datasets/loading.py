@@ -123,7 +123,7 @@ def _json_rows(path: Path) -> list:
                     raise ValueError(f"item {number} of the array is {type(row).__name__}, not an object")
             return [_undecodable(row) or row for row in rows]
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: a JSON string may hold U+2028 as it is
         if line.strip():
             try:
                 row = json.loads(line)

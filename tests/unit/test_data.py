@@ -233,6 +233,14 @@ def test_held_out_rows_are_those_of_datasets_train_test_split(n_rows, ratio, see
     assert held_out_split(n_rows, ratio, seed) == {split: expected[split]["row"] for split in ("train", "test")}
 
 
+def test_json_lines_break_only_at_newlines(tmp_path):
+    """JSON lets a string hold U+2028, U+2029, NEL or a form feed unescaped (`ensure_ascii=False` writes them so),
+    which Python's `splitlines` would take for line ends; a Windows file's lines end in CR LF."""
+    rows = [{"prompt": f"a\u2028b\u2029c\x85d\x0ce {i}", "response": "r"} for i in range(2)]
+    (tmp_path / "d.jsonl").write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows), encoding="utf-8")
+    assert load_table(str(tmp_path / "d.jsonl")) == rows
+
+
 def test_local_files_are_read_without_datasets(tmp_path):
     """`datasets` costs a process ~1 s to import: reading JSON Lines, JSON or CSV never imports it."""
     paths = write_all_formats(tmp_path)
