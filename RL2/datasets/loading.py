@@ -116,23 +116,25 @@ def _json_rows(path: Path) -> list:
             whole = json.loads(text)
         except json.JSONDecodeError:
             whole = None  # not one JSON value: JSON Lines
-        if isinstance(whole, dict | list):
-            rows = whole if isinstance(whole, list) else [whole]
-            for number, row in enumerate(rows):
-                if not isinstance(row, dict):
-                    raise ValueError(f"item {number} of the array is {type(row).__name__}, not an object")
-            return [_undecodable(row) or row for row in rows]
+        if isinstance(whole, list):
+            return [_json_row(row, f"item {number} of the array") for number, row in enumerate(whole)]
+        if isinstance(whole, dict):
+            return [_json_row(whole, "the file")]
     rows = []
     for number, line in enumerate(text.split("\n"), 1):  # not splitlines: a JSON string may hold U+2028 as it is
         if line.strip():
             try:
-                row = json.loads(line)
+                rows.append(_json_row(json.loads(line), f"line {number}"))
             except json.JSONDecodeError as e:
                 raise ValueError(f"line {number}: {e}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"line {number} is {type(row).__name__}, not an object")
-            rows.append(_undecodable(row) or row)
     return rows
+
+
+def _json_row(value, where: str):
+    """A JSON value that must be a row: a dict, or its BadRow when a string in it was not UTF-8."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} is {type(value).__name__}, not an object")
+    return _undecodable(value) or value
 
 
 def _csv_rows(path: Path) -> list:
