@@ -167,11 +167,13 @@ class Trainer:
 
 
 def quiet_third_party_progress() -> None:
-    """Our own tqdm shows progress; silence the per-file bars of datasets (read at its import, which only some
-    data sources need) and transformers."""
+    """Our own tqdm shows progress; silence the per-file bars of datasets and transformers. `datasets` reads its
+    switch when imported, which only some data sources need; a program may have imported it already."""
     import transformers
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
 
 
