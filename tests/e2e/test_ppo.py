@@ -168,11 +168,6 @@ def test_update_two_ranks_equal_one_rank(tiny_model_path, tmp_path):
     assert weights1["critic"]["score.weight"].abs().sum() > 0  # the zero-initialised head learnt
 
 
-def test_bad_choice_exits_with_message(repeat_model, rl_data, tmp_path):
-    with pytest.raises(AssertionError, match="config key 'adv.estimator' is 'ppo'; choose one of gae, grpo"):
-        run_ranks(1, ppo_args(repeat_model, rl_data, tmp_path, "adv.estimator=ppo"))
-
-
 def test_an_environment_that_fails_some_steps_says_why_in_the_log(repeat_model, tmp_path):
     """A failing `step` ends its trajectory with reward 0 and the run goes on: the log must carry the
     environment's own error, not only the count in rollout/faults; the faulted trajectories are left out of

@@ -129,14 +129,6 @@ def test_a_pair_over_the_reward_models_budget_names_its_key(tiny_model_path, pai
         run_ranks(1, over + ["critic.max_length_per_device=16"])
 
 
-@pytest.mark.parametrize("kind,section", [("dpo", "actor"), ("rm", "critic")])
-def test_a_loss_averaging_level_is_refused_where_losses_are_per_pair(kind, section, tiny_model_path, pair_data,
-                                                                      tmp_path):
-    with pytest.raises(AssertionError, match=rf"{section}.avg_level=sequence: a preference loss is one number per "
-                                             rf"pair, .* leave it out"):
-        run_ranks(1, args(kind, tiny_model_path, pair_data, tmp_path, f"{section}.avg_level=sequence"))
-
-
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
 def test_packed_loss_equals_formula_on_separate_forwards(kind, tiny_model_path, pair_data, tmp_path):
     result = run_ranks(1, ["tests/e2e/scripts/preference_formulas.py", kind,
