@@ -233,16 +233,11 @@ def test_distillation_with_tp_equals_one_rank(llama_path, long_sft_data, tmp_pat
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_shared_memory_collectives_equal_gloo(nproc):
-    """FSDP's all-gathers and reduce-scatters on one host go through shared memory: what gloo computes."""
+def test_shared_memory_collectives_and_gather_equal_gloo(nproc):
+    """FSDP's all-gathers and reduce-scatters on one host go through shared memory: what gloo computes;
+    and weight syncs read the shards from shared memory: exactly what gloo gathers."""
     result = run_ranks(nproc, ["tests/e2e/scripts/shared_collectives.py"])
-    assert "shared collectives OK" in result.stdout
-
-
-def test_shared_memory_gather_equals_gloo_all_gather():
-    """Weight syncs on one host read the shards from shared memory: exactly what gloo gathers."""
-    result = run_ranks(2, ["tests/e2e/scripts/shared_gather.py"])
-    assert "shared gather OK" in result.stdout
+    assert "shared collectives OK" in result.stdout and "shared gather OK" in result.stdout
 
 
 def test_float16_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tiny_model_path):

@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node=2 tests/e2e/scripts/shared_collectives.py
 
+(then, in the same launch, `shared_gather.py`'s checks of weight syncs through shared memory).
+
 Checks: all-gathers (float32 and bf16) and summed reduce-scatters of random buffers equal gloo's, also
 after the segment grows for a larger buffer (exactly on 2 ranks, where a sum of two is the same in any
 order; to rounding on 3); a tiny FSDP2-sharded Llama trained through them has the gradients and, after
@@ -28,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from RL2.native import shared_memory_collectives
 from RL2.native.shared_memory_collectives import SharedMemoryCollectives
 from RL2.parallel import close_process_groups
+from tests.e2e.scripts.shared_gather import check_shared_gather
 from tests.helpers.launch import separate_hosts
 
 
@@ -148,6 +151,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print("shared collectives OK")
+    check_shared_gather()
     close_process_groups()
 
 

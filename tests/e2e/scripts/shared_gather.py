@@ -1,10 +1,11 @@
-"""Under torchrun (2 CPU ranks): full parameters through `SharedMemoryGather` equal gloo's all-gather.
+"""Full parameters through `SharedMemoryGather` equal gloo's all-gather: `check_shared_gather`, which
+`shared_collectives.py` runs after its own checks (one launch for both), or alone:
 
     torchrun --nproc_per_node=2 tests/e2e/scripts/shared_gather.py
 
 Checks, on a tiny FSDP2-sharded Llama with unevenly sharded parameters (an odd vocabulary, and one
-row that leaves rank 1 an empty shard): every full tensor equals `DTensor.full_tensor()` exactly, in
-float32 and cast to bf16, in one chunk and in many; a second sync sees weights changed in between;
+row that leaves every rank but the first an empty shard): every full tensor equals `DTensor.full_tensor()`
+exactly, in float32 and cast to bf16, in one chunk and in many; a second sync sees weights changed in between;
 the shared-memory files are gone once set up, the segments hold a chunk rather than the model, and a
 sync takes no more /dev/shm pages than the build reserved; and ranks that report different hosts
 fall back (build returns None on all).
@@ -34,8 +35,7 @@ def expect_full_tensors(gather: SharedMemoryGather, model: torch.nn.Module, dtyp
         assert torch.equal(tensor, full), name
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def check_shared_gather() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,12 +76,12 @@ def main() -> None:
     # Ranks that are not on one host (as far as their names tell) all-gather with gloo instead.
     with separate_hosts(shared_memory_gather, rank):
         assert SharedMemoryGather.build(model, torch.float32) is None
-
     dist.barrier()
     if rank == 0:
         print("shared gather OK")
-    close_process_groups()
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo")
+    check_shared_gather()
+    close_process_groups()
