@@ -262,23 +262,29 @@ def assert_adapters_of_one_process(one: dict, two: dict) -> None:
                                            msg=lambda m: f"rank {rank}'s {name}: {m}")
 
 
-def test_lora_dropout_under_tp_equals_one_process(tiny_model_path, tmp_path):
+@pytest.fixture(scope="module")
+def lora_dropout_runs(tiny_model_path, tmp_path_factory) -> tuple[dict, dict]:
+    """One process and tp=2, each taking two steps from the start, then two more from a checkpoint that 2
+    data-parallel ranks saved: three launches for both tests below."""
+    script, folder = "tests/e2e/scripts/lora_dropout_steps.py", tmp_path_factory.mktemp("lora_dropout")
+    run_ranks(2, [script, tiny_model_path, "-", "1", "save", str(folder / "ckpt")])
+    run_ranks(1, [script, tiny_model_path, str(folder / "one.pt"), "1", "load", str(folder / "ckpt")])
+    run_ranks(2, [script, tiny_model_path, str(folder / "two.pt"), "2", "load", str(folder / "ckpt")])
+    return torch.load(folder / "one.pt"), torch.load(folder / "two.pt")
+
+
+def test_lora_dropout_under_tp_equals_one_process(lora_dropout_runs):
     """Adapter dropout under tp=2 drops what one process drops: on column-parallel layers (q_proj, v_proj)
     the tp ranks share the input and drop the same features of it, so the replicated lora_A stays the same
     on both ranks; on a row-parallel one (o_proj) each drops its slice of the one-process mask. The
     adapters after two steps are the one-process ones."""
-    script = "tests/e2e/scripts/lora_dropout_steps.py"
-    run_ranks(1, [script, tiny_model_path, str(tmp_path / "one.pt"), "1"])
-    run_ranks(2, [script, tiny_model_path, str(tmp_path / "two.pt"), "2"])
-    assert_adapters_of_one_process(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt"))
+    one, two = lora_dropout_runs
+    assert_adapters_of_one_process(one["fresh"], two["fresh"])
 
 
-def test_lora_dropout_after_a_resume_under_tp_equals_one_process(tiny_model_path, tmp_path):
+def test_lora_dropout_after_a_resume_under_tp_equals_one_process(lora_dropout_runs):
     """A checkpoint of 2 data-parallel ranks (whose random streams differ, as their data does) resumed
     under tp=2: both tp ranks continue the random stream of the group's first rank, so their dropout masks
     agree and the adapters equal those of one process resumed from the same checkpoint."""
-    script, folder = "tests/e2e/scripts/lora_dropout_steps.py", str(tmp_path / "ckpt")
-    run_ranks(2, [script, tiny_model_path, "-", "1", "save", folder])
-    run_ranks(1, [script, tiny_model_path, str(tmp_path / "one.pt"), "1", "load", folder])
-    run_ranks(2, [script, tiny_model_path, str(tmp_path / "two.pt"), "2", "load", folder])
-    assert_adapters_of_one_process(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt"))
+    one, two = lora_dropout_runs
+    assert_adapters_of_one_process(one["resumed"], two["resumed"])

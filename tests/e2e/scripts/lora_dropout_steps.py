@@ -4,11 +4,12 @@ copy of each adapter.
     torchrun --nproc_per_node=N tests/e2e/scripts/lora_dropout_steps.py MODEL OUT.pt TP [save|load CKPT]
 
 Under tensor parallelism a column-parallel layer's input, and so the dropout mask of its adapter, is
-the same on every tp rank; lora_A is replicated over them. Rank 0 saves `{rank: {name: local tensor}}`
-for every rank and the full adapters: run on one process and under tp=2 they must agree.
+the same on every tp rank; lora_A is replicated over them. Rank 0 saves, for each run,
+`{rank: {name: local tensor}}` for every rank and the full adapters: run on one process and under tp=2
+they must agree.
 
-`save CKPT`: one step, then a checkpoint (step1 in CKPT) instead of the two steps; `load CKPT`: resume
-from it, then the two steps.
+`save CKPT`: one step, then a checkpoint (step1 in CKPT) instead of the two steps; `load CKPT`: after the
+two steps from the start (OUT's "fresh"), a second model resumes from it and takes two steps ("resumed").
 """
 
 import sys
@@ -27,35 +28,45 @@ from RL2.utils.checkpoint import load_checkpoint, save_checkpoint
 from RL2.workers.fsdp import FSDPWorker
 
 
-def main(model_path: str, out: str, tp: int, mode: str | None = None, folder: str | None = None) -> None:
-    device = pick_device("cpu")
-    init_distributed(device)
+def train(cfg, dims, device, steps: int, resume_from: str | None = None) -> FSDPWorker:
     torch.manual_seed(0)
-    dims = ParallelDims(dist.get_world_size(), tp=tp, device_type=device.type)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "model_name": model_path, "dtype": "float32", "tp_size": tp, "optimizer": {"lr": 1e-3},
-        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5, "target_modules": ["q_proj", "v_proj", "o_proj"]}})
     worker = FSDPWorker(cfg, dims, device, total_steps=10)
     generator = torch.Generator().manual_seed(0)
     batch = SequenceBatch.from_examples([{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist(),
                                           "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (20, 33, 9)])
-    if mode == "load":
-        load_checkpoint(Path(folder) / "step1", {"actor": worker}, rng_group=dims.tp_mesh.get_group())
-    for _ in range(1 if mode == "save" else 2):
+    if resume_from is not None:
+        load_checkpoint(Path(resume_from) / "step1", {"actor": worker}, rng_group=dims.tp_mesh.get_group())
+    for _ in range(steps):
         for mb in pack(batch, dims.dp_rank, dims.dp, 4096, train_weights(batch, "token"),
                        seq_parallel=dims.seq_parallel):
             worker.backward(-(packed_logps(worker.model, mb.to(device)) * mb.loss_weights).sum())
         worker.optimizer_step()
-    if mode == "save":
-        save_checkpoint(folder, 1, {"actor": worker}, {})
-        close_process_groups()
-        return
+    return worker
+
+
+def adapters(worker: FSDPWorker) -> dict:
     local = {name: shard_of(p).detach().clone() for name, p in worker.model.named_parameters() if p.requires_grad}
     copies = [None] * dist.get_world_size()
     dist.all_gather_object(copies, local)
     full = {name: tensor for name, tensor in worker.full_state_dict().items() if "lora_" in name}
-    if dist.get_rank() == 0:
-        torch.save({"copies": copies, "full": full}, out)
+    return {"copies": copies, "full": full}
+
+
+def main(model_path: str, out: str, tp: int, mode: str | None = None, folder: str | None = None) -> None:
+    device = pick_device("cpu")
+    init_distributed(device)
+    dims = ParallelDims(dist.get_world_size(), tp=tp, device_type=device.type)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "model_name": model_path, "dtype": "float32", "tp_size": tp, "optimizer": {"lr": 1e-3},
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5, "target_modules": ["q_proj", "v_proj", "o_proj"]}})
+    if mode == "save":
+        save_checkpoint(folder, 1, {"actor": train(cfg, dims, device, steps=1)}, {})
+    else:
+        runs = {"fresh": adapters(train(cfg, dims, device, steps=2))}
+        if mode == "load":
+            runs["resumed"] = adapters(train(cfg, dims, device, steps=2, resume_from=folder))
+        if dist.get_rank() == 0:
+            torch.save(runs, out)
     close_process_groups()
 
 
