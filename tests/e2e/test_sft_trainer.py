@@ -1,4 +1,5 @@
-"""SFT end to end: 1 rank vs 2 ranks, exact resume, HF export."""
+"""SFT end to end: 1 rank vs 2 ranks, exact resume (TensorBoard's events rolled back with metrics.jsonl),
+HF export."""
 
 import json
 import math
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import read_metrics, run_ranks
+from tests.helpers.tensorboard import assert_tensorboard_equals_jsonl, needs_tensorboard
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,10 @@ def layout_args(nproc, avg_level):
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
     """The 2-rank token-level run, saving at step 2: the 2-rank side of the token-level equality test and
-    the uninterrupted run of the resume test."""
+    the uninterrupted run of the resume test. It writes TensorBoard's events as well (rank 0 only)."""
     save_dir = tmp_path_factory.mktemp("two_ranks")
-    run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2"))
+    run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2",
+                          "trainer.use_tensorboard=true"))
     return save_dir
 
 
@@ -74,22 +77,28 @@ def test_two_ranks_equal_one_rank(tiny_model_path, sft_data, tmp_path, avg_level
     assert any(not torch.equal(initial[k], weights1[k]) for k in initial)  # training changed the weights
 
 
+@needs_tensorboard
 def test_resume_equals_uninterrupted(tiny_model_path, sft_data, two_rank_run, tmp_path):
     straight = two_rank_run
     assert (straight / "step2" / "trainer_state.json").exists()
-    # Simulate a run killed after step 3: only the step-2 checkpoint survives, plus a half-written save.
+    assert_tensorboard_equals_jsonl(straight)
+    # Simulate a run killed after step 3: only the step-2 checkpoint survives, plus a half-written save;
+    # TensorBoard's events reach step 4, metrics.jsonl step 3. The resume rolls both back to step 2.
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "step2", resumed / "step2")
+    shutil.copytree(straight / "tensorboard", resumed / "tensorboard")
     (resumed / ".step4.tmp").mkdir()
     (resumed / "metrics.jsonl").write_text("".join(
         json.dumps(m) + "\n" for m in read_metrics(straight)[:3]))
     run_ranks(2, sft_args(tiny_model_path, sft_data, resumed, *layout_args(2, "token"), "trainer.save_freq=2",
-                          "trainer.load_ckpt_from=latest"))
+                          "trainer.load_ckpt_from=latest", "trainer.use_tensorboard=true"))
     for key, value in final_weights(straight).items():
         torch.testing.assert_close(final_weights(resumed)[key], value, atol=1e-6, rtol=1e-5)
     assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
     assert [m["train/loss"] for m in read_metrics(resumed)] == pytest.approx(
         [m["train/loss"] for m in read_metrics(straight)], rel=1e-5)
+    assert_tensorboard_equals_jsonl(resumed)
+    assert len(list((resumed / "tensorboard").glob("events.out.tfevents.*"))) == 2  # rank 0 only, one per run
 
 
 def test_resume_with_other_model_settings_names_the_checkpoint_and_the_difference(tiny_model_path, sft_data,

@@ -1,17 +1,11 @@
-"""TensorBoard: every metric of metrics.jsonl as a scalar, for an SFT and a PPO run, across a resume.
+"""TensorBoard: the metrics sink writes every metric of metrics.jsonl as a scalar, flushed at each step,
+and replaces rolled-back steps on a resume; a missing tensorboard package is named at start. Whole runs
+are checked where they already run: every trainer's in test_learning_curves.py, a 2-rank SFT run and its
+resume in test_sft_trainer.py."""
 
-TensorBoard keeps scalars as float32: each point must be exactly float32 of metrics.jsonl's value.
-Event files are read two ways: by TensorBoard's own `EventAccumulator`, and by parsing the record
-framing here (so that nothing relies on a reader hiding rolled-back steps).
-"""
-
-import importlib.util
-import json
 import os
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,70 +13,8 @@ import torch
 
 from RL2.config import ConfigError
 from RL2.utils.logging import MetricsSink
-from tests.helpers import ENVS
-from tests.helpers.launch import REPO, read_metrics, run_ranks
-from tests.helpers.tiny import sharpened_copy
-
-EMIT_ENV = ENVS / "emit_token.py"
-needs_tensorboard = pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None,
-    reason="tensorboard is not installed (pip install 'RL2[tensorboard]')",
-)
-
-
-def raw_events(folder: Path) -> list:
-    """Every event of every event file (oldest file first), parsed from the TFRecord framing:
-    an 8-byte length, its 4-byte CRC, the Event proto, the proto's 4-byte CRC."""
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        data, offset = path.read_bytes(), 0
-        while offset < len(data):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            events.append(Event.FromString(data[offset + 12:offset + 12 + length]))
-            offset += 12 + length + 4
-        assert offset == len(data), f"{path} ends in a partial record"
-    return events
-
-
-def raw_points(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    points = {}
-    for event in raw_events(folder):
-        for value in event.summary.value:
-            points.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return points
-
-
-def accumulator_points(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """What TensorBoard shows, with its purging of restarted runs off: the files alone must be right."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0}, purge_orphaned_data=False)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def jsonl_points(save_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """metrics.jsonl's numbers, rounded to float32 as TensorBoard stores them."""
-    points = {}
-    for row in read_metrics(save_dir):
-        for key, value in row.items():
-            if key != "step":
-                points.setdefault(key, []).append((row["step"], float(np.float32(value))))
-    return points
-
-
-def assert_tensorboard_equals_jsonl(save_dir: Path) -> None:
-    expected = jsonl_points(save_dir)
-    folder = save_dir / "tensorboard"
-    for points in (raw_points(folder), accumulator_points(folder)):
-        assert sorted(points) == sorted(expected)
-        for tag, tag_points in points.items():
-            assert tag_points == expected[tag], tag
-            steps = [step for step, _ in tag_points]
-            assert steps == sorted(set(steps)), f"{tag}: duplicate or out-of-order steps {steps}"
-
+from tests.helpers.launch import REPO
+from tests.helpers.tensorboard import accumulator_points, assert_tensorboard_equals_jsonl, needs_tensorboard, raw_points
 
 # --- the sink ---------------------------------------------------------------------------------------
 
@@ -142,49 +74,3 @@ def test_missing_tensorboard_stops_the_trainer_at_start(tmp_path):
     assert result.returncode != 0
     assert "RL2 sft: trainer.use_tensorboard=true needs the tensorboard package" in result.stderr
     assert "pip install tensorboard" in result.stderr and "Traceback" not in result.stderr
-
-
-# --- whole runs -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sft_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tb_sft") / "train.jsonl"
-    rows = [{"prompt": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
-            for a in range(6) for b in range(3)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@needs_tensorboard
-def test_sft_run_and_its_resume_write_metrics_jsonl(tiny_model_path, sft_data, tmp_path):
-    args = ["-m", "RL2.trainer.sft", f"data.train.path={sft_data}", "data.test_ratio=0.25",
-            "data.train.batch_size=6", f"actor.model_name={tiny_model_path}", "actor.dtype=float32",
-            "actor.optimizer.lr=1e-3", "actor.max_length_per_device=160", f"trainer.save_dir={tmp_path}",
-            "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.use_tensorboard=true"]
-    run_ranks(2, args)
-    assert_tensorboard_equals_jsonl(tmp_path)
-    # Resume from step 2 in the same folder: steps 3 and 4 are rolled back and written again.
-    run_ranks(2, [*args, f"trainer.load_ckpt_from={tmp_path / 'step2'}"])
-    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
-    assert_tensorboard_equals_jsonl(tmp_path)
-    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # rank 0 only, one per run
-
-
-@needs_tensorboard
-def test_ppo_run_writes_metrics_jsonl(tiny_model_path, tmp_path, tmp_path_factory):
-    model = sharpened_copy(tiny_model_path, tmp_path_factory.mktemp("tb_repeat_model"))
-    data = {}
-    for split, n in (("train", 8), ("test", 4)):
-        data[split] = tmp_path / f"{split}.jsonl"
-        rows = [{"prompt": f"{split} question {k}", "extra_info": {"data_source": "emit"}} for k in range(n)]
-        data[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run_ranks(1, ["-m", "RL2.trainer.ppo", f"data.train.path={data['train']}", f"data.test.path={data['test']}",
-                  "data.train.batch_size=4", f"rollout.env_path={EMIT_ENV}", "rollout.responses_per_prompt=4",
-                  "rollout.train_sampling_params.max_new_tokens=4", "rollout.test_sampling_params.max_new_tokens=4",
-                  f"actor.model_name={model}", "actor.dtype=float32", "actor.max_length_per_device=512",
-                  f"trainer.save_dir={tmp_path / 'run'}", "trainer.total_steps=2", "trainer.test_freq=1",
-                  "trainer.use_tensorboard=true"])
-    tags = set(jsonl_points(tmp_path / "run"))
-    assert {"rollout/reward", "actor/loss", "adv/mean", "perf/step_s", "test/emit/score"} <= tags
-    assert_tensorboard_equals_jsonl(tmp_path / "run")
