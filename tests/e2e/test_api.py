@@ -22,6 +22,7 @@ from RL2.config.schema import SFTConfig
 from RL2.rollout.env import EnvError
 from tests.helpers import SCRIPTS
 from tests.helpers.launch import REPO, read_metrics, run_ranks
+from tests.helpers.threads_at_exit import group_threads_at_exit, record_threads_at_exit
 
 README_MODEL_LINE = 'MODEL = "smollm2-135m-instruct"  # the bundled default; any Hugging Face folder works'
 
@@ -157,11 +158,15 @@ def api_overrides(model: str, folder: Path, prompts: int, steps: int) -> tuple[d
     return train, evaluate
 
 
-def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path):
+def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path, monkeypatch):
     """Every rank calls RL2.train, then RL2.evaluate on the model it exported; both ranks get the
-    same results, and the reward each rank's function returned is what the run logged."""
+    same results, and the reward each rank's function returned is what the run logged. The group stays
+    for the calls; the exit handler RL2 registers frees it (test_process_group_teardown.py)."""
     train, evaluate = api_overrides(tiny_model_path, tmp_path, prompts=8, steps=2)
+    record_threads_at_exit(tmp_path / "exit_records", monkeypatch)
+    (tmp_path / "exit_records").mkdir()
     run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
+    assert group_threads_at_exit(tmp_path / "exit_records", 2) == [[], []]
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for key in ("metrics", "history", "model_path", "eval"):
         assert got[0][key] == got[1][key], key

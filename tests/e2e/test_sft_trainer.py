@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.launch import read_metrics, run_ranks
 from tests.helpers.tensorboard import assert_tensorboard_equals_jsonl, needs_tensorboard
+from tests.helpers.threads_at_exit import assert_a_finished_command_left_nothing, record_threads_at_exit
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,20 @@ def layout_args(nproc, avg_level):
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
     """The 2-rank token-level run, saving at step 2: the 2-rank side of the token-level equality test and
-    the uninterrupted run of the resume test. It writes TensorBoard's events as well (rank 0 only)."""
+    the uninterrupted run of the resume test. It writes TensorBoard's events as well (rank 0 only), and
+    its processes record the threads they leave at exit (in `exit_records`)."""
     save_dir = tmp_path_factory.mktemp("two_ranks")
-    run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2",
-                          "trainer.use_tensorboard=true"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        record_threads_at_exit(save_dir / "exit_records", monkeypatch)
+        (save_dir / "exit_records").mkdir()
+        run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2",
+                              "trainer.use_tensorboard=true"))
     return save_dir
+
+
+def test_a_finished_run_leaves_no_group_threads(two_rank_run):
+    """See test_process_group_teardown.py: torchrun's ranks free their groups before the interpreter exits."""
+    assert_a_finished_command_left_nothing(two_rank_run / "exit_records", 2)
 
 
 @pytest.mark.parametrize("avg_level", ["token", "sequence"])
