@@ -128,8 +128,11 @@ def _clear_dtensor_caches() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("torch.distributed") and module is not None:
             for value in list(vars(module).values()):
-                for obj in [value, *(vars(value).values() if isinstance(value, type) else ())]:
-                    obj = getattr(obj, "__func__", obj)  # a static or class method's function
+                # Only types are looked at (`type()`, not `isinstance`, which reads `__class__`): reading an
+                # attribute of another object may run its code (torch's deprecated `reduce_op` warns then).
+                for obj in [value, *(vars(value).values() if issubclass(type(value), type) else ())]:
+                    if type(obj) in (staticmethod, classmethod):
+                        obj = obj.__func__
                     if type(obj) is functools._lru_cache_wrapper and obj.__module__.startswith("torch.distributed"):
                         obj.cache_clear()
     moved = contextlib.suppress(ImportError, AttributeError)
