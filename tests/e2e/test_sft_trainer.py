@@ -57,9 +57,17 @@ def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         record_threads_at_exit(save_dir / "exit_records", monkeypatch)
         (save_dir / "exit_records").mkdir()
-        run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"), "trainer.save_freq=2",
-                              "trainer.use_tensorboard=true"))
+        result = run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"),
+                                       "trainer.save_freq=2", "trainer.use_tensorboard=true"))
+    (save_dir / "stderr.txt").write_text(result.stderr)
     return save_dir
+
+
+def test_a_run_prints_no_warning_raised_in_rl2s_own_code(two_rank_run):
+    """Python prints a warning as `file:line: Category: message`; none may come from a line of RL2's (a
+    warning that every run prints hides the ones that matter)."""
+    stderr = (two_rank_run / "stderr.txt").read_text()
+    assert not re.findall(r"/RL2/[\w/]+\.py:\d+: \w*Warning: .*", stderr)
 
 
 def test_a_finished_run_leaves_no_group_threads(two_rank_run):
