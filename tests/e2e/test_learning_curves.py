@@ -1,6 +1,6 @@
 """Learning curves: every trainer draws the metrics it chose, exactly as metrics.jsonl has them, into
 a valid, non-blank `learning_curve.png`, replaced atomically. The same runs write TensorBoard's event
-files, checked against metrics.jsonl too."""
+files (where tensorboard is installed), checked against metrics.jsonl too."""
 
 import json
 import math
@@ -11,7 +11,7 @@ from PIL import Image
 
 from RL2.utils.plot import CurvePanel, curve_series, draw_learning_curve, plot_learning_curve
 from tests.helpers.launch import REPO, read_metrics, run_ranks
-from tests.helpers.tensorboard import assert_tensorboard_equals_jsonl, needs_tensorboard
+from tests.helpers.tensorboard import HAVE_TENSORBOARD, TENSORBOARD_IF_INSTALLED, assert_tensorboard_equals_jsonl
 from tests.helpers.tiny import make_tiny_model
 
 # matplotlib's first three default line colours (tab:blue, tab:orange, tab:green): one per metric of a
@@ -140,7 +140,7 @@ def trainer_args(kind: str, model: str, teacher: str, data: dict[str, Path], sav
     args = [f"data.train.path={data[rows + '_train']}", f"data.test.path={data[rows + '_test']}",
             "data.train.batch_size=4", f"{section}.model_name={model}", f"{section}.dtype=float32",
             f"{section}.optimizer.lr=1e-3", f"{section}.max_length_per_device=512", f"trainer.save_dir={save_dir}",
-            "trainer.total_steps=3", "trainer.test_freq=2", "trainer.use_tensorboard=true"]
+            "trainer.total_steps=3", "trainer.test_freq=2", *TENSORBOARD_IF_INSTALLED]
     if kind == "distill":
         args.append(f"actor.teacher_name={teacher}")
     if kind == "ppo":
@@ -154,7 +154,6 @@ def trainer_args(kind: str, model: str, teacher: str, data: dict[str, Path], sav
                                   pytest.param("orpo", marks=pytest.mark.slow),
                                   pytest.param("distill", marks=pytest.mark.slow),
                                   pytest.param("rm", marks=pytest.mark.slow)])
-@needs_tensorboard
 def test_every_trainer_draws_its_metrics(kind, tiny_model_path, data, tmp_path, tmp_path_factory):
     teacher = make_tiny_model(tmp_path_factory.mktemp("teacher"), seed=1) if kind == "distill" else ""
     save_dir, record = tmp_path / "run", tmp_path / "curve_calls.jsonl"
@@ -170,4 +169,5 @@ def test_every_trainer_draws_its_metrics(kind, tiny_model_path, data, tmp_path, 
             assert [steps, values] == [[r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]]
             assert steps == ([0, 2, 3] if key.startswith("test/") else [1, 2, 3])
     assert_valid_curve_png(save_dir / "learning_curve.png", n_panels=len(drawn), n_colours=EXPECTED_COLOURS[kind])
-    assert_tensorboard_equals_jsonl(save_dir)
+    if HAVE_TENSORBOARD:  # (in RL2[test]; without it only this check is left out)
+        assert_tensorboard_equals_jsonl(save_dir)

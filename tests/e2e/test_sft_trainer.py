@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import read_metrics, run_ranks
-from tests.helpers.tensorboard import assert_tensorboard_equals_jsonl, needs_tensorboard
+from tests.helpers.tensorboard import TENSORBOARD_IF_INSTALLED, assert_tensorboard_equals_jsonl, needs_tensorboard
 from tests.helpers.threads_at_exit import assert_a_finished_command_left_nothing, record_threads_at_exit
 
 
@@ -58,7 +58,7 @@ def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
         record_threads_at_exit(save_dir / "exit_records", monkeypatch)
         (save_dir / "exit_records").mkdir()
         result = run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"),
-                                       "trainer.save_freq=2", "trainer.use_tensorboard=true"))
+                                       "trainer.save_freq=2", *TENSORBOARD_IF_INSTALLED))
     (save_dir / "stderr.txt").write_text(result.stderr)
     return save_dir
 
