@@ -6,7 +6,7 @@
 The task is examples/grpo_smollm2.sh's: the embedded SmolLM2-135M-Instruct answers sums and differences of
 small numbers, one worked example of the answer format in the prompt, 4 prompts a step. Every recipe runs
 the same data, seed and step count; they differ only in the keys of RECIPES (learning rate, group size, std
-normalisation, loss averaging, reward). Held-out accuracy is greedy on the 64 test prompts (an exact match
+normalisation, loss averaging, reward, dtype). Held-out accuracy is greedy on the 64 test prompts (an exact match
 of the number in <answer></answer>), measured every --test-freq steps and not counted as training time.
 
 Prints per recipe: seconds a step (the median), steps a minute, the accuracy before training, the best
@@ -59,6 +59,10 @@ RECIPES = {
     "std-norm-lr-3e-5": ["adv.norm_var=true", "actor.optimizer.lr=3e-5"],
     "sequence-mean": ["actor.avg_level=sequence"],
     "exact-reward": ["rollout.env_path=benchmarks/envs/arithmetic_exact.py"],
+    # The default recipe with the dtype fixed, whatever `auto` picks on this CPU: side by side, whether the
+    # dtype alone changes learning.
+    "bf16": ["actor.dtype=bfloat16"],
+    "float32": ["actor.dtype=float32"],
 }
 
 
