@@ -164,7 +164,6 @@ def test_train_then_evaluate_under_torchrun(tiny_model_path, tmp_path, monkeypat
     for the calls; the exit handler RL2 registers frees it (test_process_group_teardown.py)."""
     train, evaluate = api_overrides(tiny_model_path, tmp_path, prompts=8, steps=2)
     record_threads_at_exit(tmp_path / "exit_records", monkeypatch)
-    (tmp_path / "exit_records").mkdir()
     run_ranks(2, [str(SCRIPTS / "train_api.py"), json.dumps(train), json.dumps(evaluate), str(tmp_path)])
     assert group_threads_at_exit(tmp_path / "exit_records", 2) == [[], []]
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -56,7 +56,6 @@ def two_rank_run(tiny_model_path, sft_data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("two_ranks")
     with pytest.MonkeyPatch.context() as monkeypatch:
         record_threads_at_exit(save_dir / "exit_records", monkeypatch)
-        (save_dir / "exit_records").mkdir()
         result = run_ranks(2, sft_args(tiny_model_path, sft_data, save_dir, *layout_args(2, "token"),
                                        "trainer.save_freq=2", *TENSORBOARD_IF_INSTALLED))
     (save_dir / "stderr.txt").write_text(result.stderr)

@@ -10,7 +10,8 @@ from tests.helpers import SCRIPTS
 
 
 def record_threads_at_exit(folder: Path, monkeypatch) -> None:
-    """Processes started after this (with `monkeypatch`'s environment) write their records to `folder`."""
+    """Processes started after this (with `monkeypatch`'s environment) write their records to `folder`, made here."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("THREADS_AT_EXIT_DIR", str(folder))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SCRIPTS / "threads_at_exit"),
                                                                    os.environ.get("PYTHONPATH")])))
